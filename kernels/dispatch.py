@@ -1,0 +1,16 @@
+"""The one place that decides whether an op takes its fast CUDA path."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def use_fast_path(t: torch.Tensor) -> bool:
+    """True when `t` lives on CUDA and the fast kernels are not switched off.
+
+    `DELTASERVE_REFERENCE_KERNELS=1` forces the torch references everywhere (debugging,
+    and the GPU tests that hold a fast kernel to its reference).
+    """
+    return t.is_cuda and os.environ.get("DELTASERVE_REFERENCE_KERNELS", "0") != "1"
