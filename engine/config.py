@@ -1,0 +1,66 @@
+"""Engine arguments (the CLI's flags mirror these, kebab-case)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    device: str | None = None  # None: cuda when available
+    max_running_requests: int = 64
+    max_waiting_requests: int = 1024
+    max_model_len: int | None = None
+    chunked_prefill_size: int = 512
+    page_size: int = 16
+    cache_type: str = "naive"
+    state_dtype: str = "float32"
+    seed: int = 0
+    load_format: str = "auto"
+    mem_fraction_static: float = 0.85
+    num_kv_pages: int | None = None  # overrides the memory-based sizing
+    num_snapshot_slots: int | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype is None or self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.state_dtype not in DTYPES:
+            raise ValueError(f"state_dtype must be one of {sorted(DTYPES)}, got {self.state_dtype!r}")
+        if self.cache_type not in ("naive", "radix"):
+            raise ValueError(f"cache_type must be 'radix' or 'naive', got {self.cache_type!r}")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be at least 1")
+        if self.chunked_prefill_size < 1:
+            raise ValueError("chunked_prefill_size must be at least 1")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        assert self.dtype is not None
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_state_dtype(self) -> torch.dtype:
+        return DTYPES[self.state_dtype]
+
+    @property
+    def chunk_align(self) -> int:
+        """Non-final prefill chunks are multiples of this (prefix-cache snapshots sit there)."""
+        return min(64, self.chunked_prefill_size)

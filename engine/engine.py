@@ -1,0 +1,256 @@
+"""The synchronous engine core: add requests, step, get outputs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.forward_batch import build_forward_batch
+from deltaserve.engine.model_runner import ModelRunner
+from deltaserve.engine.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.request import Request, Status
+from deltaserve.engine.sampler import Sampler
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.scheduler import Scheduler, SchedulerOutput
+from deltaserve.models.loader import load_model, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later (HTTP 503)."""
+
+
+def eos_token_ids_of(path: str, config: Any, tokenizer: Any | None) -> list[int]:
+    ids: list[int] = []
+
+    def add(v: Any) -> None:
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, (list, tuple)):
+            ids.extend(int(x) for x in v)
+
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file) as f:
+            add(json.load(f).get("eos_token_id"))
+    add(getattr(config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device or "cpu")
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, config.torch_dtype, self.device, config.load_format, config.seed)
+        self.model_config = loaded.config
+        self.vocab_size = int(loaded.config.vocab_size)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.eos_token_ids = eos_token_ids_of(config.model, loaded.config, self.tokenizer)
+        self.runner = ModelRunner(config, loaded, self.device)
+        self.max_model_len = self.runner.sizes.max_model_len
+        self.scheduler = Scheduler(config, self.runner.kv_pool, self.runner.state_pool)
+        self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._finished_outputs: list[RequestOutput] = []
+        self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "cached_tokens_total": 0}
+        self.model_info = {
+            "model": config.model,
+            "architecture": loaded.architecture,
+            "dtype": config.dtype,
+            "device": str(self.device),
+            "num_params": loaded.num_params,
+            "kv_capacity_tokens": self.runner.kv_pool.capacity * config.page_size,
+            "state_slots": self.runner.state_pool.num_working,
+            "max_model_len": self.max_model_len,
+        }
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; a ValueError (bad input) or QueueFullError leaves nothing behind."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        params = copy.copy(params)  # max_tokens may be filled in below; the caller's stays as given
+        params.validate()
+        n_prompt = len(prompt_token_ids)
+        if params.max_tokens is None:
+            if n_prompt >= self.max_model_len:
+                raise ValueError(
+                    f"the prompt has {n_prompt} tokens; the maximum model length is {self.max_model_len}"
+                )
+            params.max_tokens = self.max_model_len - n_prompt
+        if n_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n_prompt} tokens and max_tokens is {params.max_tokens}: together "
+                f"{n_prompt + params.max_tokens}, over the maximum model length of {self.max_model_len}"
+            )
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            generator=self.sampler.new_generator(params.seed),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.counters["prompt_tokens_total"] += n_prompt
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
+            return
+        self.scheduler.finish(req)
+        req.finish_reason = "abort"
+        self._finished_outputs.append(self._output(req))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._finished_outputs = self._finished_outputs, []
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return outputs
+        logits = self.runner.forward(self._batch(plan))
+        sampled = [c.req for c in plan.chunks if c.sample]
+        for c in plan.chunks:
+            c.req.num_computed_tokens += c.num_tokens
+        if sampled:
+            tokens, logprobs = self.sampler.sample(logits, sampled)
+            now = time.time()
+            for req, tok, lp in zip(sampled, tokens, logprobs):
+                self._append_token(req, tok, lp, now)
+                outputs.append(self._output(req))
+        return outputs
+
+    def _batch(self, plan: SchedulerOutput):
+        chunks = plan.chunks
+        return build_forward_batch(
+            token_lists=[
+                c.req.all_token_ids[c.req.num_computed_tokens : c.req.num_computed_tokens + c.num_tokens]
+                for c in chunks
+            ],
+            starts=[c.req.num_computed_tokens for c in chunks],
+            pages=[c.req.pages for c in chunks],
+            slots=[c.req.slot or 0 for c in chunks],
+            has_initial=[c.req.num_computed_tokens > 0 or c.req.has_initial_state for c in chunks],
+            sample_mask=[c.sample for c in chunks],
+            num_decodes=plan.num_decodes,
+            page_size=self.config.page_size,
+            device=self.device,
+        )
+
+    def _append_token(self, req: Request, tok: int, lp: Any, now: float) -> None:
+        p = req.params
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.output_token_ids.append(tok)
+        self.counters["generation_tokens_total"] += 1
+        if lp is not None and req.logprobs is not None:
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp.logprob
+        checked = len(req.detokenizer.text)
+        req.detokenizer.append(tok)
+        n_out = len(req.output_token_ids)
+        if not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens:
+            self._finish(req, "stop", None)
+        elif tok in p.stop_token_ids and n_out >= p.min_tokens:
+            self._finish(req, "stop", tok)
+        elif p.stop and n_out >= p.min_tokens and self._check_stop_strings(req, checked):
+            pass
+        elif p.max_tokens is not None and n_out >= p.max_tokens:
+            self._finish(req, "length", None)
+        elif req.num_tokens >= self.max_model_len:
+            self._finish(req, "length", None)
+
+    def _check_stop_strings(self, req: Request, checked: int) -> bool:
+        """Look for a stop string ending in the text added since `checked` characters."""
+        text = req.detokenizer.text
+        longest = max(len(s) for s in req.params.stop)
+        window_start = max(0, checked - longest + 1)
+        best: tuple[int, str] | None = None
+        for s in req.params.stop:
+            i = text.find(s, window_start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        req.detokenizer.text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
+        self._finish(req, "stop", s)
+        return True
+
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
+        if reason != "stop" or isinstance(stop_reason, int) or stop_reason is None:
+            req.detokenizer.flush()
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
+
+    def _visible_text(self, req: Request) -> str:
+        text = req.detokenizer.text
+        if req.finished or not req.params.stop:
+            return text
+        hold = max(len(s) for s in req.params.stop) - 1
+        return text[: max(0, len(text) - hold)]
+
+    def _output(self, req: Request) -> RequestOutput:
+        comp = CompletionOutput(
+            index=0,
+            token_ids=list(req.output_token_ids),
+            text=self._visible_text(req),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            cumulative_logprob=req.cumulative_logprob,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[comp],
+            finished=req.finish_reason is not None,
+            num_cached_tokens=req.num_cached_tokens,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+        )
+
+    # -- introspection ----------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        kv, st = self.runner.kv_pool, self.runner.state_pool
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_pages_used": kv.num_used,
+            "kv_pages_total": kv.capacity,
+            "state_slots_used": st.num_used,
+            "state_slots_total": st.num_working,
+            "snapshots_used": st.num_snapshots_used,
+            **self.counters,
+        }
+
+
+__all__ = ["Engine", "EngineConfig", "QueueFullError", "SamplingParams", "Status"]

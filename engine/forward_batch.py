@@ -1,0 +1,80 @@
+"""One step's batch, as tensors on the model's device.
+
+Requests are ordered decodes first: the first `num_decodes` each bring one token and
+continue from a state already in their slot; the rest are prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    num_decodes: int
+    max_seqlen_q: int
+    cu_seqlens_q: torch.Tensor  # [N+1] int32
+    seq_lens: torch.Tensor  # [N] int32, KV length once this step's tokens are in
+    page_table: torch.Tensor  # [N, max_pages] int32
+    slot_mapping: torch.Tensor  # [T] int64, flat KV position of each new token
+    state_slots: torch.Tensor  # [N] int32
+    has_initial_state: torch.Tensor  # [N] bool
+    logits_indices: torch.Tensor  # [M] token index of each sampled position
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def build_forward_batch(
+    token_lists: list[list[int]],
+    starts: list[int],
+    pages: list[list[int]],
+    slots: list[int],
+    has_initial: list[bool],
+    sample_mask: list[bool],
+    num_decodes: int,
+    page_size: int,
+    device: torch.device,
+) -> ForwardBatch:
+    """token_lists[i] are request i's new tokens, at positions starts[i]...; pages its KV pages."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    cu = [0]
+    logits_indices: list[int] = []
+    for toks, start, pg, sample in zip(token_lists, starts, pages, sample_mask):
+        input_ids.extend(toks)
+        pos = range(start, start + len(toks))
+        positions.extend(pos)
+        slot_mapping.extend(pg[p // page_size] * page_size + p % page_size for p in pos)
+        cu.append(cu[-1] + len(toks))
+        if sample:
+            logits_indices.append(cu[-1] - 1)
+    max_pages = max(len(p) for p in pages)
+    table = [p + [0] * (max_pages - len(p)) for p in pages]
+
+    def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        input_ids=t(input_ids, torch.long),
+        positions=t(positions, torch.long),
+        num_decodes=num_decodes,
+        max_seqlen_q=max(len(x) for x in token_lists),
+        cu_seqlens_q=t(cu, torch.int32),
+        seq_lens=t([s + len(x) for s, x in zip(starts, token_lists)], torch.int32),
+        page_table=t(table, torch.int32),
+        slot_mapping=t(slot_mapping, torch.long),
+        state_slots=t(slots, torch.int32),
+        has_initial_state=t(has_initial, torch.bool),
+        logits_indices=t(logits_indices, torch.long),
+    )

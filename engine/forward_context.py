@@ -1,0 +1,14 @@
+"""What a model's layers see during one forward: the two backends, side by side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deltaserve.engine.attention_backend import AttentionBackend
+from deltaserve.engine.linear_backend import LinearAttentionBackend
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionBackend
+    linear: LinearAttentionBackend

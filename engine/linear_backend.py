@@ -1,0 +1,91 @@
+"""Linear-attention layers' backend: causal conv and delta rule over the state pool.
+
+Decode rows (one token, continuing a state) take the in-place slot-indexed decode ops;
+prefill chunks take the variable-length ops, starting from zeros or from their slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.engine.forward_batch import ForwardBatch
+from deltaserve.engine.state_pool import StatePool
+from deltaserve.kernels import conv_decode, conv_prefill, gdn_decode, gdn_prefill
+
+
+class LinearAttentionBackend:
+    def __init__(self, pool: StatePool, layer_index: dict[int, int]) -> None:
+        self.pool = pool
+        self.layer_index = layer_index  # model layer id -> pool layer
+        self.num_decodes = 0
+        self.decode_slots = torch.empty(0, dtype=torch.int32)
+        self.prefill_slots = torch.empty(0, dtype=torch.int32)
+        self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32)
+        self.prefill_has_initial = torch.empty(0, dtype=torch.bool)
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        n = batch.num_decodes
+        self.num_decodes = n
+        self.decode_slots = batch.state_slots[:n]
+        self.prefill_slots = batch.state_slots[n:]
+        self.prefill_cu_seqlens = batch.cu_seqlens_q[n:] - n
+        self.prefill_has_initial = batch.has_initial_state[n:]
+
+    def conv(
+        self,
+        layer_id: int,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        state: str = "conv",
+        activation: str | None = "silu",
+    ) -> torch.Tensor:
+        pool = self.pool.layer(self.layer_index[layer_id])[state]
+        n = self.num_decodes
+        parts = []
+        if n:
+            parts.append(conv_decode(x[:n], pool, weight, bias, self.decode_slots, activation))
+        if x.shape[0] > n:
+            parts.append(
+                conv_prefill(
+                    x[n:],
+                    pool,
+                    weight,
+                    bias,
+                    self.prefill_cu_seqlens,
+                    self.prefill_slots,
+                    self.prefill_has_initial,
+                    activation,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def delta_rule(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor:
+        pool = self.pool.layer(self.layer_index[layer_id])["recurrent"]
+        n = self.num_decodes
+        parts = []
+        if n:
+            parts.append(gdn_decode(q[:n], k[:n], v[:n], g[:n], beta[:n], pool, self.decode_slots))
+        if q.shape[0] > n:
+            parts.append(
+                gdn_prefill(
+                    q[n:],
+                    k[n:],
+                    v[n:],
+                    g[n:],
+                    beta[n:],
+                    self.prefill_cu_seqlens,
+                    pool,
+                    self.prefill_slots,
+                    self.prefill_has_initial,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,115 @@
+"""The offline API, in vLLM's shape: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = Engine(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = 0
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: pass {'prompt_token_ids': [...]} instead")
+            return list(self.tokenizer.encode(prompt)), prompt
+        return list(prompt), None
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of the prompts; `n > 1` gives n completions per prompt."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        encoded = [self._prompt_ids(p) for p in prompts]  # all validated before any is queued
+        groups: list[tuple[str, list[str], list[int], str | None]] = []
+        added: list[str] = []
+        try:
+            for (ids, text), params in zip(encoded, params_list):
+                base = f"llm-{self._next_id}"
+                self._next_id += 1
+                subs = []
+                for i in range(params.n):
+                    sub = copy.deepcopy(params)
+                    sub.n = 1
+                    if params.seed is not None:
+                        sub.seed = params.seed + i
+                    rid = f"{base}-{i}"
+                    self.engine.add_request(rid, ids, sub)
+                    added.append(rid)
+                    subs.append(rid)
+                groups.append((base, subs, ids, text))
+        except Exception:
+            for rid in added:
+                self.engine.abort_request(rid)
+            self.engine.step()
+            raise
+        final: dict[str, RequestOutput] = {}
+        bar = _progress(len(added)) if use_tqdm and len(added) >= 16 else None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        results = []
+        for base, subs, ids, text in groups:
+            comps: list[CompletionOutput] = []
+            cached = 0
+            for i, rid in enumerate(subs):
+                out = final[rid]
+                comp = out.outputs[0]
+                comp.index = i
+                comps.append(comp)
+                cached = max(cached, out.num_cached_tokens)
+            results.append(
+                RequestOutput(
+                    base,
+                    ids,
+                    comps,
+                    True,
+                    prompt=text,
+                    num_cached_tokens=cached,
+                    arrival_time=final[subs[0]].arrival_time,
+                )
+            )
+        return results
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

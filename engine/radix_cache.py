@@ -1,0 +1,287 @@
+"""Radix prefix cache for hybrid models: KV pages for the attention layers, recurrent-state
+snapshots for the linear layers.
+
+A linear layer's state exists only where it was saved, so a prompt can start only from a
+node that holds a snapshot; KV pages and snapshots are kept and evicted separately. Keys are
+token ids in whole pages (`page_size`); every node boundary is a page boundary.
+
+The engine's calls, in order (see docs/prefix_cache.md):
+
+1. admission: ``m = cache.match_prefix(prompt)``; ``cache.lock(m.node)``; copy
+   ``m.snapshot_slot`` into the request's working slot (``state_pool.copy_slot``) and put
+   ``m.pages`` at the head of its page table; prefill starts at ``m.length``.
+2. ``bp = cache.branch_point(prompt)``: split the prefill so that a chunk ends at ``bp``.
+3. after each prefill chunk ending at a page-aligned ``p`` (chunk boundaries and ``bp``):
+   ``if cache.should_snapshot(prompt, p): slot = cache.alloc_snapshot()`` and copy the
+   working slot into it; the request holds it until step 4.
+4. at finish, with ``seq`` the tokens whose state the working slot holds trimmed to whole
+   pages, ``cache.should_snapshot(seq, len(seq), is_end=True)`` decides the end snapshot;
+   ``r = cache.insert(seq, pages[:len(seq) // page_size], {p: slot, ...})``; free
+   ``r.duplicates`` and the pages past ``seq``; ``cache.unlock(m.node)``.
+   (A request may also insert early, e.g. per chunk: lock ``r.node``, unlock the old
+   node, switch to ``r.pages``.)
+5. when a pool runs dry: ``cache.alloc_kv(n)`` / ``cache.alloc_snapshot()`` evict and retry
+   (``evict_kv``: LRU unlocked leaves, snapshot-less ones first; ``evict_snapshots``: the
+   policy's order, an inner node's KV stays). ``flush()`` frees everything unlocked.
+
+Ownership: pages and snapshot slots passed to `insert` belong to the tree afterwards, except
+the returned duplicates; a snapshot the tree already has at a position is freed by the tree.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from deltaserve.engine.cache_policy import make_policy
+from deltaserve.engine.radix_node import CacheStats, InsertResult, KVPool, MatchResult, Node, StatePool
+
+__all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "Node"]
+
+
+class RadixCache:
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        state_pool: StatePool,
+        page_size: int,
+        policy: str = "marconi",
+        alpha: float = 1.0,
+        prefix_flops: Callable[[int], float] | None = None,
+    ) -> None:
+        self.kv_pool, self.state_pool, self.page_size = kv_pool, state_pool, page_size
+        # Without a model's cost, FLOPs saved grow with the prefix: deeper snapshots are worth more.
+        self.policy = make_policy(policy, alpha, prefix_flops or float, state_pool.snapshot_bytes)
+        self.root = Node(key=(), pages=[], parent=None, depth=0)
+        self.stats = CacheStats()
+        self.evictable_size = 0  # pages in nodes no lock reaches
+        self.protected_size = 0  # pages in nodes on a locked path
+        self._snapshot_nodes: set[Node] = set()
+        self._clock = 0
+
+    # ---- lookups -----------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int], record: bool = True) -> MatchResult:
+        """The deepest node with a snapshot strictly inside `token_ids` (the last token is always
+        recomputed, for its logits). `record=False` peeks without touching stats or recency."""
+        path, _ = self._walk(tuple(token_ids[: len(token_ids) - 1]))
+        hits = [i for i, n in enumerate(path) if n.snapshot is not None]
+        used = path[: hits[-1] + 1] if hits else []
+        hit = used[-1] if used else self.root
+        if record:
+            self._clock += 1
+            for n in used:
+                n.last_access = self._clock
+            hit.snapshot_access = self._clock
+            self.stats.query_tokens += len(token_ids)
+            self.stats.hit_tokens += hit.depth
+        pages = [p for n in used for p in n.pages]
+        return MatchResult(hit.depth, pages, hit.snapshot, hit)
+
+    def branch_point(self, token_ids: Sequence[int]) -> int:
+        """How far (in whole pages) `token_ids` follows the tree's KV, snapshots or not."""
+        path, partial = self._walk(tuple(token_ids))
+        return (path[-1].depth if path else 0) + partial * self.page_size
+
+    def should_snapshot(self, token_ids: Sequence[int], length: int, is_end: bool = False) -> bool:
+        """Whether the policy admits a snapshot of the state after `token_ids[:length]`.
+
+        Offer every page-aligned prefill-chunk end and the branch point (`is_end=False`) and
+        the finished sequence's end (`is_end=True`). Marconi and branch_lru admit a chunk end
+        only where the prompt leaves the tree inside an edge or at a node with children.
+        """
+        tokens = tuple(token_ids)
+        if length <= 0 or length % self.page_size or length > len(tokens):
+            return False
+        path, partial = self._walk(tokens[:length])
+        if partial == 0 and path and path[-1].depth == length and path[-1].snapshot is not None:
+            return False  # already cached
+        if self.policy.admit_every_chunk or is_end:
+            return True
+        # A branch: the prompt goes on past `length` where the tree also goes on, differently.
+        path, partial = self._walk(tokens)
+        end = path[-1] if path else self.root
+        tree_goes_on = partial > 0 or bool(end.children)
+        return tree_goes_on and end.depth + partial * self.page_size == length < len(tokens)
+
+    # ---- locks -------------------------------------------------------------------------
+
+    def lock(self, node: Node) -> None:
+        """Protect `node`'s snapshot and every page from the root to it."""
+        node.pins += 1
+        for n in self._ancestry(node):
+            if n.lock_ref == 0:
+                self.evictable_size -= len(n.pages)
+                self.protected_size += len(n.pages)
+            n.lock_ref += 1
+
+    def unlock(self, node: Node) -> None:
+        assert node.pins > 0, "unlock without lock"
+        node.pins -= 1
+        for n in self._ancestry(node):
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self.evictable_size += len(n.pages)
+                self.protected_size -= len(n.pages)
+
+    # ---- insertion ---------------------------------------------------------------------
+
+    def insert(
+        self, token_ids: Sequence[int], kv_pages: Sequence[int], snapshots: Mapping[int, int] | None = None
+    ) -> InsertResult:
+        """Add `token_ids` (whole pages) with their KV `kv_pages` and `snapshots`
+        ({length: slot}, each length page-aligned in (0, len(token_ids)])."""
+        tokens, ps, snaps = tuple(token_ids), self.page_size, dict(snapshots or {})
+        assert len(tokens) % ps == 0 and len(kv_pages) * ps == len(tokens), "insert whole pages"
+        assert all(0 < p <= len(tokens) and p % ps == 0 for p in snaps), "snapshots at page ends"
+        self._clock += 1
+        cuts = sorted(snaps)
+        node, pos, tree_pages, duplicates, at = self.root, 0, [], [], {0: self.root}
+        while pos < len(tokens):
+            stop = next((c for c in cuts if c > pos), len(tokens))
+            child = node.children.get(tokens[pos : pos + ps])
+            if child is None:
+                child = Node(tokens[pos:stop], list(kv_pages[pos // ps : stop // ps]), node, stop)
+                node.children[tokens[pos : pos + ps]] = child
+                self.evictable_size += len(child.pages)
+            else:
+                k = min(self._common_pages(child.key, tokens, pos), (stop - pos) // ps)
+                if k < len(child.pages):
+                    child = self._split(child, k)
+                mine = kv_pages[pos // ps : pos // ps + k]
+                duplicates += [m for m, t in zip(mine, child.pages) if m != t]
+            child.last_access = self._clock
+            tree_pages += child.pages
+            node, pos = child, child.depth
+            at[pos] = node
+        for length, slot in snaps.items():
+            target = at[length]
+            if target.snapshot is None:
+                target.snapshot, target.snapshot_access = slot, self._clock
+                self._snapshot_nodes.add(target)
+                self.stats.snapshots_admitted += 1
+            else:
+                self.state_pool.free_snapshot(slot)
+        return InsertResult(node, tree_pages, duplicates)
+
+    # ---- eviction ----------------------------------------------------------------------
+
+    def alloc_kv(self, n: int) -> list[int] | None:
+        """`n` pages from the KV pool, evicting cached pages when it runs short."""
+        if self.kv_pool.num_free < n:
+            self.evict_kv(n - self.kv_pool.num_free)
+        return self.kv_pool.alloc(n)
+
+    def alloc_snapshot(self) -> int | None:
+        """A snapshot slot, evicting a cached snapshot when the area is full."""
+        slot = self.state_pool.alloc_snapshot()
+        if slot is None and self.evict_snapshots(1):
+            slot = self.state_pool.alloc_snapshot()
+        return slot
+
+    def evict_kv(self, num_pages: int) -> int:
+        """Free at least `num_pages` pages (fewer if too much is locked) by removing unlocked
+        leaves, least recently used first; leaves without a snapshot go first, since no
+        prompt can start inside them. Returns the number of pages freed."""
+
+        def entry(n: Node) -> tuple[bool, int, int, Node]:
+            return (n.snapshot is not None, n.last_access, id(n), n)
+
+        heap = [entry(n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            node = heapq.heappop(heap)[-1]
+            assert node.parent is not None
+            self.kv_pool.free(node.pages)
+            freed += len(node.pages)
+            self.evictable_size -= len(node.pages)
+            if node.snapshot is not None:
+                self._drop_snapshot(node)
+            parent = node.parent
+            del parent.children[node.key[: self.page_size]]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, entry(parent))
+        self.stats.kv_pages_evicted += freed
+        return freed
+
+    def evict_snapshots(self, n: int) -> int:
+        """Drop up to `n` unpinned snapshots in the policy's order; their nodes' KV stays."""
+        candidates = [node for node in self._snapshot_nodes if node.pins == 0]
+        victims = self.policy.victims(candidates, n)
+        for node in victims:
+            assert isinstance(node, Node)
+            self._drop_snapshot(node)
+        return len(victims)
+
+    def flush(self) -> None:
+        """Free every page and snapshot no lock holds."""
+        self.evict_snapshots(len(self._snapshot_nodes))
+        self.evict_kv(self.evictable_size)
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snapshot_nodes)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.num_snapshots * self.state_pool.snapshot_bytes
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _drop_snapshot(self, node: Node) -> None:
+        assert node.snapshot is not None
+        self.state_pool.free_snapshot(node.snapshot)
+        node.snapshot = None
+        self._snapshot_nodes.discard(node)
+        self.stats.snapshots_evicted += 1
+
+    def _walk(self, tokens: tuple[int, ...]) -> tuple[list[Node], int]:
+        """Nodes whose whole key `tokens` covers from the root down, and how many pages of
+        the next edge it covers beyond them."""
+        ps, node, pos = self.page_size, self.root, 0
+        path: list[Node] = []
+        while pos + ps <= len(tokens):
+            child = node.children.get(tokens[pos : pos + ps])
+            if child is None:
+                return path, 0
+            k = self._common_pages(child.key, tokens, pos)
+            if k < len(child.pages):
+                return path, k
+            path.append(child)
+            node, pos = child, child.depth
+        return path, 0
+
+    def _common_pages(self, key: tuple[int, ...], tokens: tuple[int, ...], pos: int) -> int:
+        if tokens[pos : pos + len(key)] == key:
+            return len(key) // self.page_size
+        ps, k = self.page_size, 0
+        while (k + 1) * ps <= len(key) and tokens[pos + k * ps : pos + (k + 1) * ps] == key[
+            k * ps : (k + 1) * ps
+        ]:
+            k += 1
+        return k
+
+    def _split(self, child: Node, k: int) -> Node:
+        """Cut `child`'s edge after `k` pages; the new upper node is returned, `child` keeps
+        its depth (and so its snapshot and its handles stay valid)."""
+        ps, parent = self.page_size, child.parent
+        assert parent is not None and 0 < k < len(child.pages)
+        upper = Node(child.key[: k * ps], child.pages[:k], parent, child.depth - len(child.key) + k * ps)
+        upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        child.key, child.pages, child.parent = child.key[k * ps :], child.pages[k:], upper
+        parent.children[upper.key[:ps]] = upper
+        upper.children[child.key[:ps]] = child
+        return upper
+
+    def _ancestry(self, node: Node) -> Iterator[Node]:
+        while node.parent is not None:
+            yield node
+            node = node.parent
+
+    def _nodes(self) -> Iterator[Node]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

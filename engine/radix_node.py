@@ -1,0 +1,88 @@
+"""The radix prefix cache's node, its results and its counters (see `radix_cache`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class KVPool(Protocol):
+    page_size: int
+
+    def alloc(self, n: int) -> list[int] | None: ...
+    def free(self, pages: list[int]) -> None: ...
+    @property
+    def num_free(self) -> int: ...
+
+
+class StatePool(Protocol):
+    snapshot_bytes: int
+
+    def alloc_snapshot(self) -> int | None: ...
+    def free_snapshot(self, slot: int) -> None: ...
+    def copy_slot(self, src: int, dst: int) -> None: ...
+
+
+@dataclass(eq=False)
+class Node:
+    """An edge of the tree and the position at its end.
+
+    `key` is a whole number of pages of tokens and `pages` their KV pages; a `snapshot`, when
+    present, is the recurrent state after the last token of `key`, i.e. at `depth`.
+    """
+
+    key: tuple[int, ...]
+    pages: list[int]
+    parent: Node | None
+    depth: int
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    snapshot: int | None = None
+    # Locks held on this node or on a node below it: none of this node's pages may go.
+    lock_ref: int = 0
+    # Locks held on exactly this node: its snapshot may not go either.
+    pins: int = 0
+    last_access: int = 0
+    snapshot_access: int = 0
+
+    @property
+    def num_children(self) -> int:
+        return len(self.children)
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The deepest cached prefix that a prompt can start from.
+
+    `length` tokens (a multiple of the page size, less than the prompt's length) are covered
+    by `pages`; `snapshot_slot` holds the linear layers' state after them (None on a miss,
+    with `length` 0). Lock `node` while the request runs.
+    """
+
+    length: int
+    pages: list[int]
+    snapshot_slot: int | None
+    node: Node
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """`node` ends at the inserted tokens (lock it to keep them); `pages` are the tree's pages
+    for them (a running request switches its page table to these); `duplicates` are pages
+    the caller passed that the tree already had under other ids: the caller frees them."""
+
+    node: Node
+    pages: list[int]
+    duplicates: list[int]
+
+
+@dataclass
+class CacheStats:
+    query_tokens: int = 0  # prompt tokens seen by match_prefix
+    hit_tokens: int = 0  # of those, served from the cache
+    kv_pages_evicted: int = 0
+    snapshots_admitted: int = 0
+    snapshots_evicted: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

@@ -1,0 +1,59 @@
+"""One request's life inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.outputs import Logprob
+from deltaserve.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[Logprob] | None = None
+    cumulative_logprob: float = 0.0
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    # set when the request's state slot starts from a copied snapshot (prefix-cache hit)
+    has_initial_state: bool = False
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet run through the model (1 while decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,133 @@
+"""Continuous batching with chunked prefill over the KV page pool and the state pool.
+
+Each step: running decodes first (one token each), then the next chunks of running
+prefills, then newly admitted requests, within `chunked_prefill_size` prefill tokens. A
+request is admitted only when a state slot and the pages for its first chunk are free;
+otherwise it waits. A decode that finds no free page preempts the newest running request
+(its pages and slot are freed and it is recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.kv_pool import KVPool
+from deltaserve.engine.request import Request, Status
+from deltaserve.engine.state_pool import StatePool
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    num_tokens: int
+    sample: bool  # the chunk reaches the end of the sequence: a token is sampled after it
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    num_decodes: int
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_pool: KVPool, state_pool: StatePool) -> None:
+        self.config = config
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput | None:
+        budget = self.config.chunked_prefill_size
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            if req.num_pending == 1 and req.num_computed_tokens > 0:
+                while not self._ensure_pages(req, req.num_tokens):
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    preempted.append(victim)
+                    if victim is req:
+                        break
+                if req.status is Status.RUNNING:
+                    decodes.append(ScheduledChunk(req, 1, True))
+                continue
+            chunk = self._chunk(req.num_pending, budget)
+            if chunk == 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
+                continue
+            budget -= chunk
+            prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            chunk = self._chunk(req.num_pending, budget)
+            if chunk == 0:
+                break
+            slot = self.state_pool.alloc()
+            if slot is None:
+                break
+            req.slot = slot
+            if not self._ensure_pages(req, req.num_computed_tokens + chunk):
+                self.state_pool.free(slot)
+                req.slot = None
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            budget -= chunk
+            prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
+        if not decodes and not prefills:
+            return None
+        return SchedulerOutput(decodes + prefills, len(decodes), preempted)
+
+    def _chunk(self, pending: int, budget: int) -> int:
+        if pending <= budget:
+            return pending
+        align = self.config.chunk_align
+        return budget // align * align
+
+    def _ensure_pages(self, req: Request, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.kv_pool.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.kv_pool.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _release(self, req: Request) -> None:
+        if req.pages:
+            self.kv_pool.free(req.pages)
+            req.pages = []
+        if req.slot is not None:
+            self.state_pool.free(req.slot)
+            req.slot = None
+
+    def preempt(self, req: Request) -> None:
+        """Free everything the request holds; it is recomputed from its tokens later."""
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.has_initial_state = False
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = Status.FINISHED

@@ -1,0 +1,81 @@
+"""Gated DeltaNet token mixer (Qwen3-Next, Qwen3.5), reading and writing the state pool.
+
+The checkpoint's projections are fused at load time into one `in_proj` whose output is laid
+out `[q | k | v | z | b | a]`, so that both checkpoint forms (Qwen3-Next's per-key-head
+interleaved `in_proj_qkvz` / `in_proj_ba`, Qwen3.5's separate `in_proj_qkv`, `in_proj_z`,
+`in_proj_b`, `in_proj_a`) run the same code.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.models.layers import GatedRMSNorm
+
+if TYPE_CHECKING:
+    from deltaserve.engine.forward_context import ForwardContext
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: Any, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        self.in_proj = nn.Linear(hidden, self.conv_dim + self.value_dim + 2 * self.num_v_heads, bias=False)
+        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, self.conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-slot state of this layer: conv history and the recurrent matrix per value head."""
+        return {
+            "conv": (self.conv_dim, self.conv_kernel - 1),
+            "recurrent": (self.num_v_heads, self.head_k_dim, self.head_v_dim),
+        }
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        proj = self.in_proj(x)
+        mixed, z, b, a = proj.split(
+            [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
+        )
+        mixed = ctx.linear.conv(self.layer_id, mixed, self.conv1d_weight, None)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.view(t, self.num_k_heads, self.head_k_dim)
+        k = k.view(t, self.num_k_heads, self.head_k_dim)
+        v = v.view(t, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        o = ctx.linear.delta_rule(self.layer_id, q, k, v, g, beta)
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.view(t, self.value_dim))
+
+    # -- checkpoint forms -------------------------------------------------------------
+
+    def fuse_qwen3_next(self, qkvz: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
+        """Rows of Qwen3-Next's per-key-head interleaved projections, reordered to ours."""
+        hk, dk, dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
+        r = self.num_v_heads // hk
+        groups = qkvz.view(hk, 2 * dk + 2 * r * dv, -1)
+        q, k, v, z = groups.split([dk, dk, r * dv, r * dv], dim=1)
+        b, a = ba.view(hk, 2 * r, -1).split([r, r], dim=1)
+        parts = [p.reshape(-1, qkvz.shape[-1]) for p in (q, k, v, z, b, a)]
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def fuse_qwen3_5(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return torch.cat([qkv, z, b, a], dim=0)

@@ -1,0 +1,117 @@
+"""Reading a checkpoint folder: config.json, single or sharded safetensors, tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from deltaserve.models.registry import resolve, text_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: Any  # the text model's config
+    architecture: str
+    num_params: int
+
+
+def read_config(path: str) -> tuple[Any, str]:
+    """(HF config object, architecture) of a checkpoint folder."""
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"no config.json in {path!r}: is it a Hugging Face checkpoint folder?")
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{cfg_file} names no architectures")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path), archs[0]
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a single-file or sharded (index.json) safetensors checkpoint."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path!r}")
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield key, f.get_tensor(key)
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of a realistic scale, for benchmarks without checkpoints."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.fill_(1.0 if "linear_attn.norm" in name else 0.0)
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen).to(p.dtype))
+
+
+def load_model(
+    path: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+) -> LoadedModel:
+    config, arch = read_config(path)
+    cls, nested = resolve(arch)
+    tcfg = text_config(config, nested)
+    if nested and getattr(config, "tie_word_embeddings", None) is not None:
+        tcfg.tie_word_embeddings = config.tie_word_embeddings
+    with torch.device("cpu"):
+        model = cls(tcfg)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    elif load_format == "auto":
+        model.load_weights(iter_safetensors(path))  # type: ignore[operator]
+    else:
+        raise ValueError(f"unknown load format {load_format!r}; use 'auto' or 'dummy'")
+    model = model.to(device=device, dtype=dtype).eval()
+    # linear-attention gate parameters stay fp32: exp(A_log) in bf16 loses the decay
+    for name, p in model.named_parameters():
+        if name.endswith(("A_log", "dt_bias")):
+            p.data = p.data.float()
+    num_params = sum(p.numel() for p in model.parameters())
+    return LoadedModel(model, tcfg, arch, num_params)
+
+
+def load_tokenizer(path: str) -> Any | None:
+    """The checkpoint's tokenizer, or None when it ships no tokenizer files."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # a remote-code tokenizer we cannot run offline, for example
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"))
+        raise ValueError(
+            f"cannot load the tokenizer in {path!r} ({e}); provide a tokenizer.json, or send token-id prompts"
+        ) from e

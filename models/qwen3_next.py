@@ -1,0 +1,185 @@
+"""Qwen3-Next and the Qwen3.5 family: GDN / gated-attention hybrids with dense or MoE MLPs.
+
+Reads top to bottom like the model: embed, N x [norm -> token mixer -> residual, norm ->
+MLP -> residual], norm, lm_head. Every third-of-four layer's token mixer is a Gated
+DeltaNet; the rest are gated full attention (`config.layer_types`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from deltaserve.models.attention import GatedAttention
+from deltaserve.models.gated_deltanet import GatedDeltaNet
+from deltaserve.models.layers import GatedMLP, SparseMoeBlock, ZeroCenteredRMSNorm
+from deltaserve.models.weights import WeightLoader
+
+if TYPE_CHECKING:
+    from deltaserve.engine.forward_context import ForwardContext
+
+
+def layer_types_of(config: Any) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    interval = getattr(config, "full_attention_interval", 4)
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(config.num_hidden_layers)
+    ]
+
+
+def is_moe_layer(config: Any, layer_id: int) -> bool:
+    if getattr(config, "num_experts", 0) <= 0:
+        return False
+    if layer_id in (getattr(config, "mlp_only_layers", None) or []):
+        return False
+    return (layer_id + 1) % getattr(config, "decoder_sparse_step", 1) == 0
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: GatedAttention | None = None
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, layer_id)
+        else:
+            self.self_attn = GatedAttention(config, layer_id)
+        self.mlp: nn.Module
+        if is_moe_layer(config, layer_id):
+            self.mlp = SparseMoeBlock(
+                config.hidden_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.moe_intermediate_size,
+                getattr(config, "shared_expert_intermediate_size", 0),
+                getattr(config, "norm_topk_prob", True),
+            )
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.linear_attn is not None:
+            h = self.linear_attn(h, ctx)
+        else:
+            assert self.self_attn is not None
+            h = self.self_attn(h, positions, ctx)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.layer_types = layer_types_of(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, t) for i, t in enumerate(self.layer_types))
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, ctx)
+        return self.norm(x)
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """Also serves Qwen3.5 dense and MoE text models (same blocks, other weight names)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = HybridModel(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def layer_types(self) -> list[str]:
+        return self.model.layer_types
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-slot state of one linear layer (every linear layer has the same)."""
+        for layer in self.model.layers:
+            if layer.linear_attn is not None:
+                return layer.linear_attn.state_shapes()
+        return {}
+
+    def kv_shapes(self) -> dict[str, tuple[int, ...]]:
+        for layer in self.model.layers:
+            if layer.self_attn is not None:
+                return layer.self_attn.kv_shapes()
+        return {}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self, ignore=self.tied_names())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            name = self.canonical_name(name)
+            if name is None:
+                continue
+            m = re.match(r"model\.layers\.(\d+)\.linear_attn\.(in_proj_\w+)\.weight$", name)
+            if m:
+                parts = pending.setdefault(m.group(1), {})
+                parts[m.group(2)] = tensor
+                self._maybe_fuse_in_proj(loader, int(m.group(1)), parts)
+                continue
+            if name.endswith("linear_attn.conv1d.weight"):
+                loader.copy(
+                    name.replace("conv1d.weight", "conv1d_weight"), tensor.reshape(tensor.shape[0], -1)
+                )
+                continue
+            if loader.load_expert(name, tensor):
+                continue
+            loader.copy(name, tensor)
+        for layer_id, parts in pending.items():
+            if parts:
+                raise ValueError(f"layer {layer_id}: incomplete linear-attention projections {sorted(parts)}")
+        loader.finish()
+
+    def tied_names(self) -> set[str]:
+        return {"lm_head.weight"} if self.tie_word_embeddings else set()
+
+    @staticmethod
+    def canonical_name(name: str) -> str | None:
+        """Map a checkpoint name to ours, or None for weights we do not serve."""
+        if name.startswith(("mtp.", "model.visual.", "visual.", "model.mtp.")):
+            return None
+        if name.startswith("model.language_model."):
+            return "model." + name[len("model.language_model.") :]
+        if name.startswith("language_model."):
+            name = name[len("language_model.") :]
+            return name if name.startswith(("model.", "lm_head.")) else "model." + name
+        return name
+
+    def _maybe_fuse_in_proj(
+        self, loader: WeightLoader, layer_id: int, parts: dict[str, torch.Tensor]
+    ) -> None:
+        gdn = self.model.layers[layer_id].linear_attn
+        if gdn is None:
+            raise ValueError(f"layer {layer_id} is not a linear-attention layer but has {sorted(parts)}")
+        target = f"model.layers.{layer_id}.linear_attn.in_proj.weight"
+        if {"in_proj_qkvz", "in_proj_ba"} <= parts.keys():
+            loader.copy(target, gdn.fuse_qwen3_next(parts.pop("in_proj_qkvz"), parts.pop("in_proj_ba")))
+        elif {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"} <= parts.keys():
+            fused = gdn.fuse_qwen3_5(
+                *(parts.pop(k) for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+            )
+            loader.copy(target, fused)
