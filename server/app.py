@@ -1,0 +1,155 @@
+"""The FastAPI application: routes, API-key check, and every error as OpenAI error JSON."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deltaserve import __version__
+
+from .chat import create_chat_completion
+from .chat_template import render_chat
+from .completions import create_completion
+from .context import ServerContext
+from .engine_client import EngineClient
+from .errors import APIError, bad_request, error_body, validation_message
+from .metrics import Metrics
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+
+logger = logging.getLogger("deltaserve.server")
+
+
+def build_app(
+    engine_client: EngineClient,
+    *,
+    model_names: list[str],
+    chat_template: str | None = None,
+    api_key: str | None = None,
+    default_max_tokens: int | None = None,
+) -> FastAPI:
+    """The app for one engine client; the client's engine thread runs for the app's lifespan."""
+    metrics = engine_client.metrics or Metrics(model_names[0])
+    engine_client.metrics = metrics
+    ctx = ServerContext(engine_client, model_names, metrics, chat_template, default_max_tokens, api_key)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine_client.start()
+        yield
+        await engine_client.shutdown()
+
+    app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
+    app.state.ctx = ctx
+    _install_error_handlers(app, metrics)
+
+    async def check_api_key(request: Request) -> None:
+        if ctx.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), ctx.api_key.encode()
+        ):
+            raise APIError(
+                401, "missing or invalid API key; send 'Authorization: Bearer <key>'", None, "invalid_api_key"
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        root = str(engine_client.model_info.get("model", model_names[0]))
+        cards = [
+            ModelCard(id=name, root=root, max_model_len=engine_client.max_model_len) for name in model_names
+        ]
+        return ModelList(data=cards)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive = engine_client.accepting and engine_client.is_alive()
+        return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        stats = await engine_client.stats()
+        return PlainTextResponse(metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, object]:
+        ctx.resolve_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
+        if body.messages is not None:
+            text = render_chat(
+                ctx.need_tokenizer(),
+                body.messages,
+                template=ctx.chat_template,
+                add_generation_prompt=body.add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
+            )
+            tokens = ctx.encode(text)
+        else:
+            tokens = ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine_client.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        ctx.resolve_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "tokens")
+        return {"prompt": ctx.decode(body.tokens)}
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    def reply(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+        metrics.request_error(status)
+        return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return reply(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return reply(400, message, param, "invalid_request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return reply(exc.status_code, str(exc.detail), None, None)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return reply(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")

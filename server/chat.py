@@ -1,0 +1,190 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
+from .chat_template import render_chat
+from .context import ClientDisconnected, ServerContext
+from .engine_client import RequestGroup, ShuttingDownError
+from .errors import error_body
+from .logprobs import chat_logprobs
+from .protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    PromptTokensDetails,
+    Usage,
+    random_id,
+)
+from .reasoning import prompt_opens_reasoning
+from .sampling import build_sampling_params, fan_out
+
+if TYPE_CHECKING:
+    from deltaserve.engine.outputs import RequestOutput
+
+
+def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
+    return "tool_calls" if has_tool_calls and reason == "stop" else reason
+
+
+def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> Usage:
+    completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    cached = min(prompt_tokens, max((out.num_cached_tokens for out in outputs), default=0))
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
+    model = ctx.resolve_model(req.model)
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    prompt = render_chat(
+        ctx.need_tokenizer(),
+        req.messages,
+        template=ctx.chat_template,
+        tools=tools,
+        add_generation_prompt=req.add_generation_prompt,
+        template_kwargs=req.chat_template_kwargs,
+    )
+    prompt_ids = ctx.encode(prompt)
+    params = build_sampling_params(
+        req,
+        prompt_len=len(prompt_ids),
+        max_model_len=ctx.client.max_model_len,
+        default_max_tokens=ctx.default_max_tokens,
+    )
+    parser = ChatOutputParser(
+        starts_in_reasoning=ctx.parse_reasoning and prompt_opens_reasoning(prompt),
+        parse_reasoning=ctx.parse_reasoning,
+        tools={t.function.name: t.function.parameters or {} for t in tools} if tools else None,
+    )
+    request_id = random_id("chatcmpl")
+    requests = fan_out(request_id, prompt_ids, params, req.n)
+    index = {rid: i for i, (rid, _, _) in enumerate(requests)}
+    group = await ctx.submit(requests)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _stream(
+            ctx, group, parser, index, request_id, model, len(prompt_ids), params.logprobs, include_usage
+        )
+        return StreamingResponse(ctx.guarded(group, events), media_type="text/event-stream")
+
+    try:
+        final = await ctx.collect(group, raw)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = []
+    for rid, i in index.items():
+        completion = final[rid].outputs[0]
+        parsed = parser.parse(completion.text, final=True)
+        calls = to_openai_tool_calls(parsed.tool_calls) or None
+        content: str | None = parsed.content
+        if not content and (calls or parsed.reasoning):
+            content = None
+        message = AssistantMessage(
+            content=content,
+            reasoning_content=parsed.reasoning or None,
+            reasoning=parsed.reasoning or None,
+            tool_calls=calls,
+        )
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = chat_logprobs(completion.logprobs or [], params.logprobs, ctx.token_text)
+        reason = finish_reason(completion.finish_reason, bool(calls))
+        choices.append(ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason))
+    response = ChatCompletionResponse(
+        id=request_id, model=model, choices=choices, usage=usage_of(len(prompt_ids), list(final.values()))
+    )
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def chunk_event(chunk: ChatCompletionChunk) -> str:
+    payload = chunk.model_dump(mode="json")
+    for choice in payload["choices"]:
+        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    if payload["usage"] is None:
+        del payload["usage"]
+    return sse(payload)
+
+
+async def _stream(
+    ctx: ServerContext,
+    group: RequestGroup,
+    parser: ChatOutputParser,
+    index: dict[str, int],
+    request_id: str,
+    model: str,
+    prompt_tokens: int,
+    logprobs: int | None,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return chunk_event(
+            ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        )
+
+    states = {rid: ChatStreamState() for rid in index}
+    latest: dict[str, RequestOutput] = {}
+    yield chunk(
+        [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in index.values()]
+    )
+    try:
+        async for outputs in group:
+            for out in outputs:
+                latest[out.request_id] = out
+                state, completion = states[out.request_id], out.outputs[0]
+                reasoning, content, calls = state.advance(
+                    parser.parse(completion.text, final=completion.finished)
+                )
+                new_logprobs = None
+                if (
+                    logprobs is not None
+                    and completion.logprobs
+                    and len(completion.logprobs) > state.token_count
+                ):
+                    new_logprobs = chat_logprobs(
+                        completion.logprobs[state.token_count :], logprobs, ctx.token_text
+                    )
+                state.token_count = len(completion.token_ids)
+                reason = finish_reason(completion.finish_reason, state.calls_sent > 0)
+                if reasoning or content or calls or new_logprobs or reason:
+                    delta = ChatDelta(
+                        reasoning_content=reasoning,
+                        reasoning=reasoning,
+                        content=content,
+                        tool_calls=calls or None,
+                    )
+                    choice = ChatChunkChoice(
+                        index=index[out.request_id], delta=delta, logprobs=new_logprobs, finish_reason=reason
+                    )
+                    yield chunk([choice])
+    except Exception as exc:  # the engine failed or the server is draining: tell the client in-band
+        yield sse(
+            error_body(503 if isinstance(exc, ShuttingDownError) else 500, str(exc) or type(exc).__name__)
+        )
+        yield "data: [DONE]\n\n"
+        return
+    if include_usage:
+        yield chunk([], usage_of(prompt_tokens, list(latest.values())))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,81 @@
+"""Render OpenAI chat messages into a prompt with the model's chat template (or a `--chat-template`
+file), passing tools and `chat_template_kwargs` such as `enable_thinking` through to it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import bad_request
+from .protocol import ChatMessage, ToolDefinition
+
+
+def load_chat_template(path: str | None) -> str | None:
+    """Read a `--chat-template` file; None keeps the tokenizer's own template."""
+    return Path(path).read_text(encoding="utf-8") if path else None
+
+
+def message_to_dict(message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        content = "\n".join(part.text for part in content if part.type == "text" and part.text is not None)
+    # Templates test content with `in` and `startswith`, which fail on None.
+    out: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": content or "",
+    }
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        out["reasoning_content"] = message.reasoning_content
+    if message.tool_calls:
+        out["tool_calls"] = [_tool_call_for_template(call) for call in message.tool_calls]
+    return out
+
+
+def _tool_call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    # OpenAI sends arguments as a JSON string; Qwen3.5's template iterates them as a mapping, and
+    # Qwen3's accepts both, so hand templates the parsed object.
+    call = dict(call)
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    call["function"] = function
+    return call
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    *,
+    template: str | None = None,
+    tools: list[ToolDefinition] | None = None,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text; template errors (e.g. a role the template refuses) are 400s."""
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise bad_request(
+            "this model has no chat template; start the server with --chat-template", "messages"
+        )
+    from jinja2 import TemplateError
+
+    kwargs = dict(template_kwargs or {})
+    try:
+        return tokenizer.apply_chat_template(
+            [message_to_dict(m) for m in messages],
+            tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
+    except (TemplateError, TypeError, ValueError, KeyError) as exc:
+        raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc

@@ -1,0 +1,185 @@
+"""The `deltaserve` command line. Importing this module stays cheap (no torch) so --help is instant."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from deltaserve import __version__
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, no usage dump and no traceback; exit code 2 as argparse does.
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be at most 65535, got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _existing_path(text: str) -> str:
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file or directory: {text!r}")
+    return text
+
+
+def _existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="deltaserve", description="OpenAI-compatible server for hybrid linear-attention LLMs."
+    )
+    parser.add_argument("--version", action="version", version=f"deltaserve {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = serve.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        type=_existing_path,
+        default=None,
+        help="checkpoint folder (config.json, safetensors, tokenizer); without it the built-in tiny "
+        "random-weight Qwen3-Next model is built on first use and served",
+    )
+    model.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name(s) clients use in the 'model' field; default: the --model path, or the built-in model's name",
+    )
+    model.add_argument(
+        "--tokenizer", type=_existing_path, default=None, help="tokenizer folder if not the model's"
+    )
+    model.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="weight and activation dtype; auto takes the checkpoint's (float32 on CPU)",
+    )
+    model.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
+    model.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="auto loads the safetensors weights; dummy uses random weights of the checkpoint's shapes",
+    )
+    model.add_argument(
+        "--seed", type=int, default=0, help="seed for weight init (dummy) and unseeded sampling"
+    )
+
+    engine = serve.add_argument_group("engine")
+    engine.add_argument(
+        "--max-running-requests",
+        type=_int_at_least(1),
+        default=64,
+        help="most requests decoded together (bounded by state slots)",
+    )
+    engine.add_argument(
+        "--max-waiting-requests",
+        type=_int_at_least(0),
+        default=1024,
+        help="requests queued beyond the running ones before new ones get HTTP 503",
+    )
+    engine.add_argument(
+        "--max-model-len",
+        type=_int_at_least(1),
+        default=None,
+        help="longest prompt plus completion in tokens; default: the model's max_position_embeddings",
+    )
+    engine.add_argument(
+        "--chunked-prefill-size",
+        type=_int_at_least(1),
+        default=512,
+        help="prompt tokens prefilled per request per step",
+    )
+    engine.add_argument("--page-size", type=_int_at_least(1), default=16, help="tokens per KV-cache page")
+    engine.add_argument(
+        "--cache-type",
+        choices=["radix", "naive"],
+        default="naive",
+        help="prefix cache: radix reuses KV pages and recurrent-state snapshots across requests, "
+        "naive turns reuse off",
+    )
+    engine.add_argument(
+        "--state-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="dtype of the recurrent (linear-attention) state",
+    )
+
+    http = serve.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    http.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    http.add_argument(
+        "--api-key",
+        default=os.environ.get("DELTASERVE_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on every /v1 route; default: $DELTASERVE_API_KEY",
+    )
+    http.add_argument(
+        "--chat-template",
+        type=_existing_file,
+        default=None,
+        help="Jinja chat template file to use instead of the tokenizer's",
+    )
+    http.add_argument(
+        "--shutdown-timeout",
+        type=_int_at_least(0),
+        default=30,
+        help="seconds SIGTERM waits for running requests to finish before aborting them",
+    )
+    http.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error", "critical"],
+        default="info",
+        help="log verbosity",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from .launch import serve
+
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

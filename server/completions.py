@@ -1,0 +1,196 @@
+"""POST /v1/completions (the legacy text-completion endpoint)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .chat import sse, usage_of
+from .context import ClientDisconnected, ServerContext
+from .engine_client import RequestGroup, ShuttingDownError
+from .errors import bad_request, error_body
+from .logprobs import completion_logprobs, prompt_completion_logprobs
+from .protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    random_id,
+)
+from .sampling import build_sampling_params, fan_out
+
+if TYPE_CHECKING:
+    from deltaserve.engine.outputs import CompletionOutput, RequestOutput
+
+
+def _prompts(
+    ctx: ServerContext, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[tuple[str, list[int]]]:
+    """Every prompt as (text, token ids)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]  # type: ignore[list-item]
+    out = []
+    for item in prompt:
+        if isinstance(item, str):
+            out.append((item, ctx.encode(item)))
+            continue
+        bad = [t for t in item if not 0 <= t < ctx.vocab_size]  # type: ignore[union-attr]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "prompt")
+        ids = list(item)  # type: ignore[arg-type]
+        out.append((ctx.decode(ids) if ctx.tokenizer is not None else "", ids))
+    return out
+
+
+class _Choice:
+    """One choice's text and logprobs, echo included, from the engine's cumulative output."""
+
+    def __init__(
+        self, ctx: ServerContext, prompt: tuple[str, list[int]], echo: bool, logprobs: int | None
+    ) -> None:
+        self.ctx, self.echo, self.logprobs = ctx, echo, logprobs
+        self.prompt_text, self.prompt_ids = prompt
+
+    def text(self, completion: CompletionOutput) -> str:
+        return (self.prompt_text if self.echo else "") + completion.text
+
+    def logprobs_of(
+        self, completion: CompletionOutput, start: int = 0, echo_prompt: bool = False
+    ) -> CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        text_start = len(self.prompt_text) if self.echo else 0
+        generated = completion_logprobs(
+            (completion.logprobs or [])[start:], self.logprobs, self.ctx.token_text, text_start
+        )
+        if not echo_prompt:
+            return generated
+        echoed = prompt_completion_logprobs(self.prompt_ids, self.ctx.token_text)
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(echoed, name).extend(getattr(generated, name))
+        return echoed
+
+
+async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
+    model = ctx.resolve_model(req.model)
+    prompts = _prompts(ctx, req.prompt)
+    request_id = random_id("cmpl")
+    requests, choices = [], []
+    for j, (text, ids) in enumerate(prompts):
+        params = build_sampling_params(
+            req,
+            prompt_len=len(ids),
+            max_model_len=ctx.client.max_model_len,
+            default_max_tokens=ctx.default_max_tokens,
+        )
+        requests += fan_out(f"{request_id}-{j}", ids, params, req.n)
+        choices += [_Choice(ctx, (text, ids), req.echo, params.logprobs)] * req.n
+    index = {rid: i for i, (rid, _, _) in enumerate(requests)}
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    group = await ctx.submit(requests)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _stream(group, index, choices, request_id, model, prompt_tokens, include_usage)
+        return StreamingResponse(ctx.guarded(group, events), media_type="text/event-stream")
+
+    try:
+        final = await ctx.collect(group, raw)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    out = []
+    for rid, i in index.items():
+        completion = final[rid].outputs[0]
+        logprobs = choices[i].logprobs_of(completion, echo_prompt=req.echo)
+        out.append(
+            CompletionChoice(
+                index=i,
+                text=choices[i].text(completion),
+                logprobs=logprobs,
+                finish_reason=completion.finish_reason,
+            )
+        )
+    usage = _with_prompt(usage_of(0, list(final.values())), prompt_tokens, list(final.values()))
+    return JSONResponse(
+        CompletionResponse(id=request_id, model=model, choices=out, usage=usage).model_dump(mode="json")
+    )
+
+
+def _with_prompt(usage: Usage, prompt_tokens: int, outputs: list[RequestOutput]) -> Usage:
+    usage.prompt_tokens = prompt_tokens
+    usage.total_tokens = prompt_tokens + usage.completion_tokens
+    # n copies of a prompt share their prompt tokens: count each prompt's cache hits once.
+    per_prompt: dict[str, int] = {}
+    for out in outputs:
+        key = out.request_id.rsplit("-", 1)[0]
+        per_prompt[key] = max(per_prompt.get(key, 0), out.num_cached_tokens)
+    usage.prompt_tokens_details.cached_tokens = min(prompt_tokens, sum(per_prompt.values()))
+    return usage
+
+
+async def _stream(
+    group: RequestGroup,
+    index: dict[str, int],
+    choices: list[_Choice],
+    request_id: str,
+    model: str,
+    prompt_tokens: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choice: CompletionChoice | None, usage: Usage | None = None) -> str:
+        response = CompletionResponse(
+            id=request_id, created=created, model=model, choices=[choice] if choice else [], usage=usage
+        )
+        payload = response.model_dump(mode="json")
+        if usage is None:
+            del payload["usage"]
+        return sse(payload)
+
+    sent_text = {rid: 0 for rid in index}
+    sent_tokens = {rid: 0 for rid in index}
+    started: set[str] = set()
+    latest: dict[str, RequestOutput] = {}
+    try:
+        async for outputs in group:
+            for out in outputs:
+                rid, completion = out.request_id, out.outputs[0]
+                latest[rid] = out
+                choice = choices[index[rid]]
+                first = rid not in started
+                started.add(rid)
+                text = choice.text(completion)
+                delta = text[sent_text[rid] :]
+                logprobs = choice.logprobs_of(
+                    completion, start=sent_tokens[rid], echo_prompt=choice.echo and first
+                )
+                sent_text[rid], sent_tokens[rid] = len(text), len(completion.token_ids)
+                if delta or completion.finish_reason or (logprobs and logprobs.tokens):
+                    yield chunk(
+                        CompletionChoice(
+                            index=index[rid],
+                            text=delta,
+                            logprobs=logprobs,
+                            finish_reason=completion.finish_reason,
+                        )
+                    )
+    except Exception as exc:  # the engine failed or the server is draining: tell the client in-band
+        yield sse(
+            error_body(503 if isinstance(exc, ShuttingDownError) else 500, str(exc) or type(exc).__name__)
+        )
+        yield "data: [DONE]\n\n"
+        return
+    if include_usage:
+        yield chunk(
+            None, _with_prompt(usage_of(0, list(latest.values())), prompt_tokens, list(latest.values()))
+        )
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,96 @@
+"""What every handler needs: the engine client, the served names, the prompt tools and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from .engine_client import EngineClient, QueueFullError, RequestGroup
+from .errors import APIError, bad_request
+from .logprobs import TokenText
+from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from deltaserve.engine.outputs import RequestOutput
+    from deltaserve.engine.sampling_params import SamplingParams
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass
+class ServerContext:
+    client: EngineClient
+    model_names: list[str]
+    metrics: Metrics
+    chat_template: str | None = None
+    default_max_tokens: int | None = None
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        self.tokenizer: Any = self.client.tokenizer
+        self.token_text = TokenText(self.tokenizer)
+        vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+        # Split <think> sections only for tokenizers that have them (the Qwen family).
+        self.parse_reasoning = "<think>" in vocab and "</think>" in vocab
+        self.vocab_size = int(self.client.vocab_size or (len(self.tokenizer) if self.tokenizer else 0))
+
+    def resolve_model(self, name: str | None) -> str:
+        if name is None or name in self.model_names:
+            return self.model_names[0]
+        raise APIError(
+            404,
+            f"the model '{name}' does not exist; this server serves {', '.join(self.model_names)}",
+            "model",
+            "model_not_found",
+        )
+
+    def need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise bad_request("this server was started without a tokenizer; send token ids", "prompt")
+        return self.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.need_tokenizer()(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.need_tokenizer().decode(token_ids, skip_special_tokens=False)
+
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestGroup:
+        try:
+            return await self.client.add(requests)
+        except QueueFullError as exc:
+            raise APIError(503, str(exc), None, "queue_full") from exc
+        except ValueError as exc:
+            raise bad_request(str(exc), None) from exc
+
+    async def collect(self, group: RequestGroup, request: Request) -> dict[str, RequestOutput]:
+        """Wait for a whole group; a client that hangs up meanwhile aborts it (ClientDisconnected)."""
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            group.queue.put_nowait(ClientDisconnected())  # wakes the reader, whose `finally` aborts
+
+        watcher = asyncio.ensure_future(watch())
+        final: dict[str, RequestOutput] = {}
+        try:
+            async for outputs in group:
+                final.update((out.request_id, out) for out in outputs)
+        finally:
+            watcher.cancel()
+            self.client.abort(group)
+        return final
+
+    async def guarded(self, group: RequestGroup, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Stream events; however the stream ends (done, client gone, server draining), free the group."""
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self.client.abort(group)

@@ -1,0 +1,53 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """Raised anywhere in a request's handling; the app turns it into OpenAI error JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    err_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Summarise pydantic's errors into one message and the offending field's dotted path."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return message, param

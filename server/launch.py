@@ -1,0 +1,136 @@
+"""`deltaserve serve`: load the engine, log what was loaded, run the HTTP server until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("deltaserve")
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    engine = _load_engine(args)
+    from .app import build_app
+    from .chat_template import load_chat_template
+    from .engine_client import EngineClient
+    from .metrics import Metrics
+
+    names = args.served_model_name or [engine.model_info.get("served_model_name") or _default_name(args)]
+    client = EngineClient(engine, Metrics(names[0]))
+    app = build_app(
+        client,
+        model_names=names,
+        chat_template=load_chat_template(args.chat_template),
+        api_key=args.api_key,
+        default_max_tokens=_default_max_tokens(engine.model_info.get("model")),
+    )
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=None,  # keep our one log format
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has drained; a Python-level handler makes
+    # that a no-op, so a SIGTERM'd server exits 0 after its drain instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    logger.info(
+        "serving %s on http://%s:%d (API key %s)",
+        ", ".join(names),
+        args.host,
+        args.port,
+        "required" if args.api_key else "not required",
+    )
+    server.run()
+    if not server.started:
+        raise SystemExit(1)
+    logger.info("shut down cleanly")
+    return 0
+
+
+def _default_name(args: argparse.Namespace) -> str:
+    if args.model is None:
+        from deltaserve.models.builtin import BUILTIN_NAME
+
+        return BUILTIN_NAME
+    return str(args.model).rstrip("/")
+
+
+def _load_engine(args: argparse.Namespace) -> Any:
+    model = args.model
+    if model is None:
+        from deltaserve.models.builtin import builtin_model_path
+
+        logger.info("no --model given: serving the built-in tiny random-weight Qwen3-Next model")
+        model = builtin_model_path()
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.engine import Engine
+
+    config = EngineConfig(
+        model=model,
+        served_model_name=(args.served_model_name or [_default_name(args)])[0],
+        dtype=None if args.dtype == "auto" else args.dtype,
+        device=None if args.device == "auto" else args.device,
+        max_running_requests=args.max_running_requests,
+        max_model_len=args.max_model_len,
+        chunked_prefill_size=args.chunked_prefill_size,
+        cache_type=args.cache_type,
+        state_dtype=args.state_dtype,
+        seed=args.seed,
+        page_size=args.page_size,
+        max_waiting_requests=args.max_waiting_requests,
+        load_format=args.load_format,
+        tokenizer=args.tokenizer,
+    )
+    try:
+        engine = Engine(config)
+    except (ValueError, OSError, RuntimeError, KeyError) as exc:
+        logger.debug("engine start-up failed", exc_info=True)
+        print(f"deltaserve serve: error: could not load {model}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    info = engine.model_info
+    logger.info("model: %s (%s)", info.get("model", model), info.get("architecture", "?"))
+    logger.info("dtype: %s, device: %s", info.get("dtype", "?"), info.get("device", "?"))
+    logger.info("parameters: %s", _human(info.get("num_params")))
+    logger.info(
+        "KV capacity: %s tokens, state slots: %s, max model len: %d",
+        info.get("kv_capacity_tokens", "?"),
+        info.get("state_slots", "?"),
+        engine.max_model_len,
+    )
+    return engine
+
+
+def _default_max_tokens(model_dir: Any) -> int | None:
+    """`max_new_tokens` from the checkpoint's generation_config.json: the completion length when a
+    request sets none (the built-in model sets one so that noise does not run to the context limit)."""
+    try:
+        config = json.loads((Path(str(model_dir)) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_new_tokens")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def _human(count: Any) -> str:
+    if not isinstance(count, (int, float)):
+        return "?"
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.2f}{unit} ({int(count):,})"
+    return str(count)

@@ -1,0 +1,100 @@
+"""Engine Logprobs -> OpenAI's two logprob shapes (chat `content[]` and the legacy completions one)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from .protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+
+if TYPE_CHECKING:
+    from deltaserve.engine.outputs import Logprob
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2 byte-level BPE spells each byte as one printable character; inverting that map gives a
+    # token's exact bytes, even for tokens that hold only part of a UTF-8 character.
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenText:
+    """Token id -> (text, bytes) for one tokenizer, cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._lookup(token_id)
+        return hit
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) if self.tokenizer is not None else None
+        if piece is None:
+            return f"<|token_{token_id}|>", list(f"<|token_{token_id}|>".encode())
+        decoder = _byte_decoder()
+        if all(ch in decoder for ch in piece) and piece not in self.tokenizer.all_special_tokens:
+            raw = bytes(decoder[ch] for ch in piece)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+        return piece, list(piece.encode("utf-8"))
+
+
+def _top(lp: Logprob, k: int) -> list[tuple[int, float]]:
+    return sorted(lp.top.items(), key=lambda kv: -kv[1])[:k]
+
+
+def chat_logprobs(logprobs: list[Logprob], top_k: int, token_text: TokenText) -> ChatLogprobs:
+    content = []
+    for lp in logprobs:
+        text, raw = token_text(lp.token_id)
+        tops = []
+        for token_id, value in _top(lp, top_k):
+            t_text, t_raw = token_text(token_id)
+            tops.append(TopLogprob(token=t_text, logprob=value, bytes=t_raw))
+        content.append(TokenLogprob(token=text, logprob=lp.logprob, bytes=raw, top_logprobs=tops))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    logprobs: list[Logprob], top_k: int, token_text: TokenText, text_start: int = 0
+) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    offset = text_start
+    for lp in logprobs:
+        text, _ = token_text(lp.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({token_text(t)[0]: v for t, v in _top(lp, top_k)})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def prompt_completion_logprobs(prompt_ids: list[int], token_text: TokenText) -> CompletionLogprobs:
+    """Echoed prompt tokens; their log-probabilities are not computed, so they are null as OpenAI's
+    first token's always is."""
+    out = CompletionLogprobs()
+    offset = 0
+    for token_id in prompt_ids:
+        text, _ = token_text(token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(None)
+        out.top_logprobs.append(None)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out

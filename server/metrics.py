@@ -1,0 +1,154 @@
+"""Prometheus metrics in the text exposition format, written by hand to keep dependencies at zero.
+
+Latencies are measured on the engine thread's clock right after each step, so they include the
+model's time but not the HTTP event loop's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deltaserve.engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+# Engine stats rendered as (metric name, type, help); absent keys are skipped.
+_STATS = (
+    ("running", "num_requests_running", "gauge", "Requests in the running batch."),
+    ("waiting", "num_requests_waiting", "gauge", "Requests waiting for admission."),
+    ("kv_pages_used", "kv_pages_used", "gauge", "KV-cache pages in use."),
+    ("kv_pages_total", "kv_pages_total", "gauge", "KV-cache pages in the pool."),
+    ("state_slots_used", "state_slots_used", "gauge", "Recurrent-state slots in use."),
+    ("state_slots_total", "state_slots_total", "gauge", "Recurrent-state slots in the pool."),
+    ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed."),
+    ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated."),
+    (
+        "cached_tokens_total",
+        "cached_prompt_tokens_total",
+        "counter",
+        "Prompt tokens served from the prefix cache.",
+    ),
+)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+        self.count += times
+
+    def render(self, name: str, labels: str) -> list[str]:
+        lines, cumulative = [], 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            cumulative += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            lines.append(f'{name}_bucket{{{labels},le="{le}"}} {cumulative}')
+        lines.append(f"{name}_sum{{{labels}}} {self.sum}")
+        lines.append(f"{name}_count{{{labels}}} {self.count}")
+        return lines
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.labels = f'model_name="{_escape(model_name)}"'
+        self.finished: dict[str, int] = {}
+        self.http_errors: dict[int, int] = {}
+        self.ttft = Histogram()
+        self.itl = Histogram()
+        self.e2e = Histogram(_LATENCY_BUCKETS + (120.0, 300.0))
+        # request id -> [arrival, time of the last new token, tokens so far]
+        self._timing: dict[str, list[float]] = {}
+
+    def request_started(self, request_id: str) -> None:
+        self._timing[request_id] = [time.monotonic(), 0.0, 0]
+
+    def request_progress(self, out: RequestOutput, now: float) -> None:
+        timing = self._timing.get(out.request_id)
+        if timing is None:
+            return
+        arrival, last_time, last_count = timing
+        count = sum(len(c.token_ids) for c in out.outputs)
+        if count > last_count:
+            if last_count == 0:
+                self.ttft.observe(now - arrival)
+                if count > 1:
+                    self.itl.observe(0.0, times=int(count - 1))
+            else:
+                self.itl.observe((now - last_time) / (count - last_count), times=int(count - last_count))
+            timing[1], timing[2] = now, count
+        if out.finished:
+            reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
+            self._finish(out.request_id, reason, now)
+
+    def request_aborted(self, request_id: str) -> None:
+        if request_id in self._timing:
+            self._finish(request_id, "abort", time.monotonic())
+
+    def forget(self, request_id: str) -> None:
+        """A request that was never admitted."""
+        self._timing.pop(request_id, None)
+
+    def request_error(self, status: int) -> None:
+        self.http_errors[status] = self.http_errors.get(status, 0) + 1
+
+    def _finish(self, request_id: str, reason: str, now: float) -> None:
+        arrival = self._timing.pop(request_id)[0]
+        self.e2e.observe(now - arrival)
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def render(self, stats: dict[str, Any]) -> str:
+        p, lab = "deltaserve_", self.labels
+        lines: list[str] = []
+
+        def header(name: str, kind: str, help_text: str) -> None:
+            lines.extend((f"# HELP {p}{name} {help_text}", f"# TYPE {p}{name} {kind}"))
+
+        header("requests_total", "counter", "Finished engine requests by outcome (stop, length, abort).")
+        for reason in sorted(set(self.finished) | {"stop", "length", "abort"}):
+            lines.append(f'{p}requests_total{{{lab},outcome="{reason}"}} {self.finished.get(reason, 0)}')
+        header("request_errors_total", "counter", "Requests refused with an error, by HTTP status.")
+        for status, count in sorted(self.http_errors.items()):
+            lines.append(f'{p}request_errors_total{{{lab},status="{status}"}} {count}')
+        for key, name, kind, help_text in _STATS:
+            if key in stats:
+                header(name, kind, help_text)
+                lines.append(f"{p}{name}{{{lab}}} {stats[key]}")
+        for name, hist, help_text in (
+            ("time_to_first_token_seconds", self.ttft, "Time from admission to the first generated token."),
+            ("inter_token_latency_seconds", self.itl, "Time between consecutive generated tokens."),
+            ("e2e_request_latency_seconds", self.e2e, "Time from admission to finish."),
+        ):
+            header(name, "histogram", help_text)
+            lines.extend(f"{p}{line}" for line in hist.render(name, lab))
+        return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,113 @@
+"""OpenAI request fields -> engine SamplingParams, with OpenAI's ranges and clear 400 messages."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from .errors import bad_request
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from deltaserve.engine.sampling_params import SamplingParams
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+def check_range(name: str, value: float | None, low: float, high: float, low_open: bool = False) -> None:
+    if value is None:
+        return
+    if value > high or value < low or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise bad_request(f"{name} must be in {bracket}{low:g}, {high:g}], got {value}", name)
+
+
+def build_sampling_params(
+    req: ChatCompletionRequest | CompletionRequest,
+    *,
+    prompt_len: int,
+    max_model_len: int,
+    default_max_tokens: int | None,
+) -> SamplingParams:
+    from deltaserve.engine.sampling_params import SamplingParams
+
+    check_range("n", req.n, 1, MAX_N)
+    check_range("temperature", req.temperature, 0.0, 2.0)
+    check_range("top_p", req.top_p, 0.0, 1.0, low_open=True)
+    check_range("min_p", req.min_p, 0.0, 1.0)
+    check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_request(f"top_k must be -1 (off) or positive, got {req.top_k}", "top_k")
+    if req.repetition_penalty is not None and req.repetition_penalty <= 0:
+        raise bad_request(
+            f"repetition_penalty must be positive, got {req.repetition_penalty}", "repetition_penalty"
+        )
+
+    if isinstance(req, ChatCompletionRequest):
+        max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        check_range("top_logprobs", req.top_logprobs, 0, MAX_LOGPROBS)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_name, max_tokens = "max_tokens", req.max_tokens
+        check_range("logprobs", req.logprobs, 0, MAX_LOGPROBS)
+        logprobs = req.logprobs
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{max_name} must be at least 1, got {max_tokens}", max_name)
+
+    if prompt_len < 1:
+        raise bad_request(
+            "the prompt is empty", "prompt" if isinstance(req, CompletionRequest) else "messages"
+        )
+    room = max_model_len - prompt_len
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        requested = prompt_len + (max_tokens or 1)
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens, but {requested} tokens were "
+            f"requested ({prompt_len} in the prompt, {max_tokens or 1} for the completion); "
+            f"shorten the prompt or lower {max_name}",
+            max_name if room >= 1 else ("messages" if isinstance(req, ChatCompletionRequest) else "prompt"),
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = min(room, default_max_tokens) if default_max_tokens else room
+
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(not s for s in stop):
+        raise bad_request("stop sequences must not be empty", "stop")
+    try:
+        return SamplingParams(
+            n=1,  # the server fans out n itself, see `fan_out`
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from exc
+
+
+def fan_out(
+    base_id: str, prompt_ids: list[int], params: SamplingParams, n: int
+) -> list[tuple[str, list[int], SamplingParams]]:
+    """n engine requests for one OpenAI request; distinct seeds keep seeded choices distinct."""
+    return [
+        (f"{base_id}-{i}", prompt_ids, replace(params, seed=None if params.seed is None else params.seed + i))
+        for i in range(n)
+    ]
