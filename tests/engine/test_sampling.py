@@ -1,0 +1,164 @@
+"""Sampling behaviour: seeds, top-k/top-p/min-p, penalties, stop strings, logprobs, n."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.request import Request
+from deltaserve.engine.sampler import Sampler, apply_penalties, filter_logits
+
+
+def make_request(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
+    r = Request("r", list(prompt), params, IncrementalDetokenizer(None))
+    r.output_token_ids = list(output)
+    return r
+
+
+@pytest.fixture(scope="module")
+def llm(make_checkpoint):
+    return LLM(make_checkpoint("qwen3_next"), dtype="float32", device="cpu", chunked_prefill_size=64)
+
+
+PROMPTS = [{"prompt_token_ids": [5, 9, 17, 3, 88]}, {"prompt_token_ids": list(range(40, 110))}]
+
+
+def tokens(outs):
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def test_seeded_sampling_reproduces_and_seeds_differ(llm):
+    p = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    a = tokens(llm.generate(PROMPTS, SamplingParams(seed=1, **p)))
+    b = tokens(llm.generate(PROMPTS, SamplingParams(seed=1, **p)))
+    c = tokens(llm.generate(PROMPTS, SamplingParams(seed=2, **p)))
+    assert a == b
+    assert a != c
+
+
+def test_seeded_request_is_independent_of_its_batch(llm):
+    p = SamplingParams(temperature=0.9, seed=42, max_tokens=10, ignore_eos=True)
+    alone = tokens(llm.generate(PROMPTS[:1], p))
+    crowd = llm.generate(
+        PROMPTS[:1] + PROMPTS[1:] * 3, [p] + [SamplingParams(temperature=1.0, max_tokens=5)] * 3
+    )
+    assert tokens(crowd[:1]) == alone
+
+
+def test_top_k_one_equals_greedy(llm):
+    greedy = tokens(llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)))
+    topk1 = tokens(
+        llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True))
+    )
+    assert greedy == topk1
+
+
+def test_n_gives_distinct_completions_in_order(llm):
+    out = llm.generate(
+        PROMPTS[:1], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    )
+    assert len(out) == 1 and [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) == 3
+
+
+def test_max_tokens_finishes_with_length(llm):
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert all(len(c.token_ids) == 4 and c.finish_reason == "length" for o in out for c in o.outputs)
+
+
+def test_stop_token_ids_end_the_request(llm):
+    free = tokens(llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)))[
+        0
+    ]
+    stop_tok = free[4]
+    first = free.index(stop_tok)
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop_tok]))
+    comp = out[0].outputs[0]
+    assert comp.token_ids == free[: first + 1]
+    assert comp.finish_reason == "stop" and comp.stop_reason == stop_tok
+
+
+def test_large_repetition_penalty_avoids_seen_tokens(llm):
+    prompt = PROMPTS[0]["prompt_token_ids"]
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1e4))
+    toks = out[0].outputs[0].token_ids
+    assert len(set(toks)) == len(toks)
+    assert not set(toks) & set(prompt)
+
+
+def test_logprobs_are_normalised_and_ranked(llm):
+    out = llm.generate(
+        PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True)
+    )
+    comp = out[0].outputs[0]
+    assert comp.logprobs is not None and len(comp.logprobs) == 5
+    for tok, lp in zip(comp.token_ids, comp.logprobs):
+        assert lp.token_id == tok and lp.logprob <= 0.0
+        ranked = sorted(lp.top.values(), reverse=True)
+        assert len(lp.top) == 3 and list(lp.top.values()) == ranked
+        assert lp.top[tok] == pytest.approx(ranked[0])  # greedy picks the top one
+    assert comp.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in comp.logprobs))
+
+
+# -- the sampler's pieces on constructed logits ---------------------------------------------
+
+
+def test_frequency_and_presence_penalties_subtract_per_count():
+    row = torch.zeros(6)
+    r = make_request(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), output=[2, 2, 4])
+    out = apply_penalties(row.clone(), r)
+    assert out.tolist() == [0.0, 0.0, -1.25, 0.0, -0.75, 0.0]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    row = torch.tensor([2.0, -2.0, 2.0, -2.0])
+    r = make_request(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1])
+    assert apply_penalties(row.clone(), r).tolist() == [1.0, -4.0, 2.0, -2.0]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = filter_logits(probs.log(), make_request(SamplingParams(top_p=0.7)))
+    assert torch.isfinite(kept).tolist() == [True, True, False, False]
+
+
+def test_min_p_drops_tokens_below_the_scaled_maximum():
+    probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    kept = filter_logits(probs.log(), make_request(SamplingParams(min_p=0.2)))
+    assert torch.isfinite(kept).tolist() == [True, True, False, False]
+
+
+def test_top_k_keeps_k_largest():
+    kept = filter_logits(torch.tensor([0.1, 3.0, 2.0, -1.0]), make_request(SamplingParams(top_k=2)))
+    assert torch.isfinite(kept).tolist() == [False, True, True, False]
+
+
+def test_min_tokens_bans_eos_until_reached():
+    sampler = Sampler(torch.device("cpu"), 0, eos_token_ids=[3])
+    logits = torch.tensor([[0.0, 1.0, 0.0, 9.0]])
+    early = make_request(SamplingParams(temperature=0.0, min_tokens=2), output=[1])
+    late = make_request(SamplingParams(temperature=0.0, min_tokens=2), output=[1, 1])
+    assert sampler.sample(logits, [early])[0] == [1]
+    assert sampler.sample(logits, [late])[0] == [3]
+
+
+def test_sampling_follows_the_distribution():
+    sampler = Sampler(torch.device("cpu"), 0, eos_token_ids=[])
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    r = make_request(SamplingParams(temperature=1.0, seed=0))
+    r.generator = sampler.new_generator(0)
+    counts = [0, 0, 0]
+    for _ in range(3000):
+        counts[sampler.sample(probs.log()[None], [r])[0][0]] += 1
+    for c, p in zip(counts, probs.tolist()):
+        assert math.isclose(c / 3000, p, abs_tol=0.03)
+
+
+def test_out_of_range_params_are_rejected():
+    for bad in (dict(n=0), dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)

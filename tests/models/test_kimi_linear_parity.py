@@ -1,0 +1,215 @@
+"""Kimi-Linear: greedy tokens identical to transformers (CPU, fp32), every checkpoint spelling.
+
+The tiny model has MLA layers at 1 and 3 (transformers' default pattern puts none in four
+layers), a dense first MLP, grouped sigmoid routing with a random correction bias, and
+random norms and gates so that every weight reaches the output. Three checkpoints hold the
+same weights: as `save_pretrained` writes them (release tensor names, transformers' config),
+in transformers' in-memory names (fused experts, one conv, `forget_gate.`), and in the
+release's spelling throughout (`linear_attn_config` with 1-based lists, `first_k_dense_replace`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
+
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from deltaserve import LLM, SamplingParams  # noqa: E402
+
+VOCAB = 192
+NEW_TOKENS = 8
+LENGTHS = [1, 2, 17, 31, 32, 33, 64, 65, 100, 129, 200]
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    num_local_experts=8,
+    num_experts_per_tok=3,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    linear_num_heads=2,
+    linear_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=LAYER_TYPES,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+# the release's config.json spelling of the same model
+RELEASE_KEYS = dict(
+    num_experts=8,
+    num_experts_per_token=3,
+    num_expert_group=2,
+    topk_group=1,
+    num_shared_experts=1,
+    moe_renormalize=True,
+    moe_router_activation_func="sigmoid",
+    use_grouped_topk=True,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    mla_use_nope=True,
+    linear_attn_config={
+        "kda_layers": [1, 3],
+        "full_attn_layers": [2, 4],
+        "num_heads": 2,
+        "head_dim": 16,
+        "short_conv_kernel_size": 4,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    import transformers as T
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = T.KimiLinearForCausalLM(T.KimiLinearConfig(**CONFIG)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    root = tmp_path_factory.mktemp("kimi")
+    saved, hf_names, release = (str(root / n) for n in ("saved", "hf_names", "release"))
+    model.save_pretrained(saved)
+    # transformers' in-memory names
+    os.makedirs(hf_names)
+    shutil.copy(os.path.join(saved, "config.json"), hf_names)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file(state, os.path.join(hf_names, "model.safetensors"))
+    # the release's spelling: save_pretrained already writes its tensor names; rewrite the config
+    shutil.copytree(saved, release)
+    with open(os.path.join(saved, "config.json")) as f:
+        cfg = json.load(f)
+    for key in (
+        "layer_types",
+        "mlp_layer_types",
+        "linear_num_heads",
+        "linear_head_dim",
+        "linear_conv_kernel_dim",
+    ):
+        cfg.pop(key)
+    cfg.update(RELEASE_KEYS)
+    with open(os.path.join(release, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    # transformers reads the release config as the same model
+    reread = T.AutoConfig.from_pretrained(release)
+    assert reread.layer_types == LAYER_TYPES and reread.mlp_layer_types == model.config.mlp_layer_types
+    return {"saved": saved, "hf_names": hf_names, "release": release}
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, transformers' greedy continuations), one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["saved"], dtype=torch.float32).eval()
+    prompts = random_prompts(LENGTHS, seed=5)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=VOCAB - 1,
+        )
+        outs.append(gen[0, len(p) :].tolist())
+    assert len({tuple(o) for o in outs}) > len(outs) // 2, "degenerate model: outputs barely differ"
+    return prompts, outs
+
+
+def generate(path: str, prompts: list[list[int]], **kwargs) -> tuple[list[list[int]], LLM]:
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=512, **kwargs)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+    )
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def assert_idle(llm: LLM) -> None:
+    s = llm.engine.stats()
+    assert (s["running"], s["waiting"], s["state_slots_used"]) == (0, 0, 0), s
+    if llm.engine.config.cache_type == "naive":
+        assert s["kv_pages_used"] == 0, s
+
+
+@pytest.mark.parametrize("spelling", ["saved", "hf_names", "release"])
+def test_greedy_matches_transformers(spelling, checkpoints, reference):
+    prompts, expected = reference
+    ours, llm = generate(checkpoints[spelling], prompts, chunked_prefill_size=32, max_running_requests=6)
+    assert ours == expected
+    assert_idle(llm)
+    model = llm.engine.runner.model
+    assert model.kv_shapes() == {"latent": (16 + 8,)}  # the compressed latent, not per-head K and V
+    assert model.state_shapes() == {"conv": (3 * 32, 3), "recurrent": (2, 16, 16)}
+
+
+def test_radix_cache_type_matches(checkpoints, reference):
+    """The same prompts twice with `cache_type="radix"`: identical to transformers both times."""
+    prompts, expected = reference
+    prompts, expected = prompts[-4:], expected[-4:]
+    ours, llm = generate(checkpoints["saved"], prompts + prompts, chunked_prefill_size=64, cache_type="radix")
+    assert ours == expected + expected
+    assert_idle(llm)
+
+
+def _rewrite(src: str, dst: str, edit) -> str:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def test_missing_tensor_is_named(checkpoints, tmp_path):
+    name = "model.layers.2.self_attn.v_conv1d.weight"
+    path = _rewrite(checkpoints["saved"], str(tmp_path / "m"), lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=r"v_conv1d|conv1d_weight"):
+        LLM(path, dtype="float32", device="cpu", max_model_len=512)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    path = _rewrite(checkpoints["saved"], str(tmp_path / "m2"), lambda t: t.pop(name))
+    with pytest.raises(ValueError, match="kv_b_proj"):
+        LLM(path, dtype="float32", device="cpu", max_model_len=512)
+
+
+def test_misshapen_tensor_is_named(checkpoints, tmp_path):
+    name = "model.layers.3.block_sparse_moe.gate.e_score_correction_bias"
+
+    def edit(t):
+        t[name] = torch.zeros(7)
+
+    path = _rewrite(checkpoints["saved"], str(tmp_path / "m"), edit)
+    with pytest.raises(ValueError, match="e_score_correction_bias"):
+        LLM(path, dtype="float32", device="cpu", max_model_len=512)
