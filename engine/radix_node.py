@@ -7,7 +7,8 @@ from typing import Protocol
 
 
 class KVPool(Protocol):
-    page_size: int
+    @property
+    def page_size(self) -> int: ...
 
     def alloc(self, n: int) -> list[int] | None: ...
     def free(self, pages: list[int]) -> None: ...
@@ -16,7 +17,8 @@ class KVPool(Protocol):
 
 
 class StatePool(Protocol):
-    snapshot_bytes: int
+    @property
+    def snapshot_bytes(self) -> int: ...  # one snapshot, all linear layers
 
     def alloc_snapshot(self) -> int | None: ...
     def free_snapshot(self, slot: int) -> None: ...
