@@ -104,6 +104,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
         print(f"deltaserve serve: error: could not load {model}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
     info = engine.model_info
+    _leave_a_core_for_http(str(info.get("device", "")))
     logger.info("model: %s (%s)", info.get("model", model), info.get("architecture", "?"))
     logger.info("dtype: %s, device: %s", info.get("dtype", "?"), info.get("device", "?"))
     logger.info("parameters: %s", _human(info.get("num_params")))
@@ -114,6 +115,18 @@ def _load_engine(args: argparse.Namespace) -> Any:
         engine.max_model_len,
     )
     return engine
+
+
+def _leave_a_core_for_http(device: str) -> None:
+    # On CPU, torch's intra-op threads busy-wait on every core; the HTTP event loop (tokenizing,
+    # streaming) then fights them and both slow down severalfold. One core for the loop is cheaper.
+    import os
+
+    import torch
+
+    cores = os.cpu_count() or 1
+    if device.startswith("cpu") and cores > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(min(torch.get_num_threads(), cores - 1))
 
 
 def _default_max_tokens(model_dir: Any) -> int | None:

@@ -1,0 +1,192 @@
+"""Fixtures for the server tests: real `deltaserve serve` processes on free loopback ports, serving the
+built-in tiny model, and small helpers to read them (metrics, raw HTTP)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+
+MAX_MODEL_LEN = 512
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """One `python -m deltaserve serve` child process and where it listens."""
+
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[str] | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log_dir: Path, timeout: float = 180.0) -> ServerProcess:
+        self.log_path = log_dir / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "deltaserve", "serve", "--port", str(self.port), *self.args]
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(
+            cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=env, text=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not come up in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Where servers build the built-in model: $DELTASERVE_CACHE if the caller set one (CI reuses it),
+    else a session temp dir, so the tests also cover the first-use build."""
+    return os.environ.get("DELTASERVE_CACHE") or str(tmp_path_factory.mktemp("deltaserve-cache"))
+
+
+@pytest.fixture(scope="session")
+def builtin_path(model_cache: str) -> str:
+    from deltaserve.models.builtin import builtin_model_path
+
+    return builtin_model_path(Path(model_cache))
+
+
+def _serve(
+    tmp_path_factory: pytest.TempPathFactory, cache: str, *args: str, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    server = ServerProcess(list(args), env={"DELTASERVE_CACHE": cache, **(env or {})})
+    server.start(tmp_path_factory.mktemp("logs"))
+    try:
+        yield server
+    finally:
+        code = server.stop()
+        assert code == 0, f"server exited with {code}:\n{server.log()[-4000:]}"
+
+
+@pytest.fixture(scope="session")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, builtin_path: str, model_cache: str
+) -> Iterator[ServerProcess]:
+    """The main server: built-in model (no --model), default settings but a short context."""
+    yield from _serve(tmp_path_factory, model_cache, "--max-model-len", str(MAX_MODEL_LEN))
+
+
+@pytest.fixture(scope="session")
+def base_url(server: ServerProcess) -> str:
+    return f"{server.url}/v1"
+
+
+@pytest.fixture
+def client(base_url: str):
+    import openai
+
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def async_client(base_url: str):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def metrics_of(url: str) -> dict[str, float]:
+    """The server's /metrics as {'name{labels}': value}, with the model_name label dropped."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")
+        out[name] = float(value)
+    return out
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until no request runs or waits and every page and slot is free again."""
+    keys = ("num_requests_running", "num_requests_waiting", "kv_pages_used", "state_slots_used")
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics_of(url)
+        if all(m[f"deltaserve_{k}"] == 0 for k in keys) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+# Test modules cannot import this conftest (importlib import mode), so helpers travel as fixtures.
+
+
+@pytest.fixture(scope="session")
+def model_name() -> str:
+    return MODEL_NAME
+
+
+@pytest.fixture(scope="session")
+def max_model_len() -> int:
+    return MAX_MODEL_LEN
+
+
+@pytest.fixture(scope="session")
+def read_metrics():
+    return metrics_of
+
+
+@pytest.fixture(scope="session")
+def until_idle():
+    return wait_idle
+
+
+@pytest.fixture(scope="session")
+def spawn_server(tmp_path_factory: pytest.TempPathFactory, builtin_path: str, model_cache: str):
+    """Start extra servers with their own flags; each is stopped (SIGTERM) at the end of the session."""
+    started: list[ServerProcess] = []
+
+    def spawn(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        server = ServerProcess(list(args), env={"DELTASERVE_CACHE": model_cache, **(env or {})})
+        started.append(server.start(tmp_path_factory.mktemp("logs")))
+        return server
+
+    yield spawn
+    for server in started:
+        server.stop()

@@ -1,0 +1,201 @@
+"""Every error path answers OpenAI error JSON with the right status, and leaves the server serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+
+GOOD = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def post(server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", timeout=60, **kwargs)
+
+
+def test_malformed_json_is_400(server) -> None:
+    r = post(
+        server,
+        "/v1/chat/completions",
+        content=b'{"model": "x", "messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert_error(r, 400)
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"model": MODEL_NAME}, "messages"),  # required field missing
+        ({**GOOD, "messages": []}, "messages"),
+        ({**GOOD, "messages": [{"role": "wizard", "content": "hi"}]}, None),
+        ({**GOOD, "temperature": "hot"}, "temperature"),
+    ],
+)
+def test_schema_violation_is_400(server, body: dict, param: str | None) -> None:
+    err = assert_error(post(server, "/v1/chat/completions", json=body), 400)
+    if param is not None:
+        assert err["param"].split(".")[0] == param
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n", 0),
+        ("n", 1000),
+        ("max_tokens", -1),
+        ("max_tokens", 0),
+        ("temperature", -0.5),
+        ("temperature", 2.5),
+        ("top_p", 0),
+        ("top_p", 1.5),
+    ],
+)
+def test_out_of_range_is_400(server, field: str, value: float) -> None:
+    for path, body in (
+        ("/v1/chat/completions", dict(GOOD)),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}),
+    ):
+        body[field] = value
+        err = assert_error(post(server, path, json=body), 400, field)
+        assert str(value) in err["message"]
+
+
+def test_unknown_model_is_404(server, client) -> None:
+    assert_error(post(server, "/v1/chat/completions", json={**GOOD, "model": "no-such-model"}), 404, "model")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+
+
+def test_over_long_prompt_is_400_naming_both_numbers(server, max_model_len) -> None:
+    prompt = "word " * (max_model_len + 50)
+    n_prompt = post(server, "/tokenize", json={"prompt": prompt}).json()["count"]
+    err = assert_error(
+        post(server, "/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4}), 400
+    )
+    assert str(max_model_len) in err["message"] and str(n_prompt) in err["message"]
+    # A prompt that fits but leaves no room for max_tokens names the sum and the limit.
+    short = post(server, "/tokenize", json={"prompt": "hello there"}).json()["count"]
+    err = assert_error(
+        post(
+            server,
+            "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": "hello there", "max_tokens": max_model_len},
+        ),
+        400,
+        "max_tokens",
+    )
+    assert str(max_model_len) in err["message"] and str(short + max_model_len) in err["message"]
+
+
+def test_openai_client_raises_bad_request(client) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=-1
+        )
+
+
+def test_bad_token_ids_and_empty_prompt_are_400(server) -> None:
+    assert_error(
+        post(server, "/v1/completions", json={"model": MODEL_NAME, "prompt": [10**9], "max_tokens": 2}),
+        400,
+        "prompt",
+    )
+    assert_error(
+        post(server, "/v1/completions", json={"model": MODEL_NAME, "prompt": [], "max_tokens": 2}), 400
+    )
+    assert_error(post(server, "/detokenize", json={"tokens": [-1]}), 400)
+
+
+def test_unknown_fields_are_ignored(server) -> None:
+    r = post(server, "/v1/chat/completions", json={**GOOD, "frobnicate": True, "metadata": {"a": 1}})
+    assert r.status_code == 200
+
+
+def test_unknown_route_is_404_json(server) -> None:
+    assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
+
+
+def test_server_still_answers_after_errors(server) -> None:
+    bad = [
+        post(
+            server, "/v1/chat/completions", content=b"nonsense", headers={"content-type": "application/json"}
+        ),
+        post(server, "/v1/chat/completions", json={**GOOD, "n": -3}),
+    ]
+    assert all(r.status_code == 400 for r in bad)
+    assert post(server, "/v1/chat/completions", json=GOOD).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def keyed_server(spawn_server):
+    # The key comes from the environment, as a container would pass it.
+    return spawn_server(
+        "--max-model-len", "256", "--cache-type", "naive", env={"DELTASERVE_API_KEY": "sekrit"}
+    )
+
+
+@pytest.mark.parametrize(
+    "method,path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")]
+)
+def test_api_key_required_on_v1(keyed_server, method: str, path: str) -> None:
+    body = GOOD if "chat" in path else {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    kwargs = {"json": body} if method == "POST" else {}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+        assert_error(
+            httpx.request(method, f"{keyed_server.url}{path}", headers=headers, timeout=60, **kwargs), 401
+        )
+    ok = httpx.request(
+        method, f"{keyed_server.url}{path}", headers={"Authorization": "Bearer sekrit"}, timeout=60, **kwargs
+    )
+    assert ok.status_code == 200
+    assert httpx.get(f"{keyed_server.url}/health").status_code == 200  # outside /v1: open
+
+
+def test_api_key_with_openai_client(keyed_server) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="sekrit", max_retries=0)
+    assert good.models.list().data[0].id == MODEL_NAME
+
+
+def test_full_waiting_queue_is_503(spawn_server, until_idle) -> None:
+    server = spawn_server(
+        "--max-model-len", "512", "--max-running-requests", "1", "--max-waiting-requests", "1"
+    )
+    body = {"model": MODEL_NAME, "prompt": "count", "max_tokens": 300, "ignore_eos": True}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(
+                *[http.post(f"{server.url}/v1/completions", json=body) for _ in range(6)]
+            )
+
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    assert 503 in statuses and 200 in statuses, statuses
+    for r in responses:
+        if r.status_code == 503:
+            assert_error(r, 503)
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 300
+    until_idle(server.url)
+    ok = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200

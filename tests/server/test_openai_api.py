@@ -1,0 +1,342 @@
+"""The OpenAI API of a real `deltaserve serve` (built-in model), driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+
+from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three colours."},
+]
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL_NAME, messages=kwargs.pop("messages", MESSAGES), **kwargs
+    )
+
+
+def test_models_health_version(client, server) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    import deltaserve
+
+    assert httpx.get(f"{server.url}/version").json()["version"] == deltaserve.__version__
+
+
+def test_chat_shape_and_usage(client, server) -> None:
+    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()
+    r = chat(client, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL_NAME
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert r.usage.prompt_tokens == tokens["count"]
+    assert r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+    assert 0 <= r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens
+
+
+def test_max_completion_tokens(client) -> None:
+    r = chat(client, max_completion_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_temperature_zero_is_deterministic(client) -> None:
+    outs = {chat(client, max_tokens=12, temperature=0).choices[0].message.content for _ in range(3)}
+    assert len(outs) == 1
+
+
+def test_seed_reproducible_and_distinct(client) -> None:
+    def sample(seed: int) -> str:
+        return (
+            chat(client, max_tokens=12, temperature=1.0, seed=seed, extra_body={"ignore_eos": True})
+            .choices[0]
+            .message.content
+        )
+
+    assert sample(1234) == sample(1234)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_stream_equals_non_stream_with_usage_chunk(client) -> None:
+    whole = chat(client, max_tokens=16, temperature=0)
+    chunks = list(
+        chat(client, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_stream_without_usage(client) -> None:
+    chunks = list(chat(client, max_tokens=4, stream=True))
+    assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason is not None
+
+
+def test_n_choices(client) -> None:
+    r = chat(client, n=3, max_tokens=8, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 24
+    assert len({c.message.content for c in r.choices}) > 1  # seeds seed, seed+1, seed+2
+    again = chat(client, n=3, max_tokens=8, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+
+
+def test_n_choices_streamed(client) -> None:
+    chunks = list(chat(client, n=3, max_tokens=5, stream=True, extra_body={"ignore_eos": True}))
+    texts: dict[int, str] = {}
+    finished = set()
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert finished == {0, 1, 2}
+
+
+def test_stop_string(client) -> None:
+    base = (
+        chat(client, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}).choices[0].message.content
+    )
+    # Cut at a piece of the greedy answer: the same greedy run must end right before it.
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
+    assert stop.strip(), base
+    cut = chat(client, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.message.content == base[: base.index(stop)]
+    streamed = chat(
+        client, max_tokens=24, temperature=0, stop=stop, stream=True, extra_body={"ignore_eos": True}
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut.message.content
+
+
+def test_stop_token_ids(client, server) -> None:
+    greedy = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "One two three", "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+        timeout=60,
+    ).json()
+    first_tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": greedy["choices"][0]["text"]}).json()[
+        "tokens"
+    ]
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={
+            "prompt": "One two three",
+            "max_tokens": 6,
+            "temperature": 0,
+            "stop_token_ids": [first_tokens[0]],
+        },
+        timeout=60,
+    ).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 1
+
+
+def test_chat_logprobs(client) -> None:
+    r = chat(
+        client, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True}
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert bytes(t.bytes).decode("utf-8", errors="replace") == t.token
+        # Greedy: the chosen token is the most likely one.
+        assert math.isclose(t.logprob, max(x.logprob for x in t.top_logprobs), rel_tol=1e-4)
+    streamed = chat(
+        client,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    tokens = [
+        t.token
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert tokens == [t.token for t in content]
+
+
+def test_completions(client) -> None:
+    r = client.completions.create(
+        model=MODEL_NAME, prompt="The capital of France is", max_tokens=6, temperature=0
+    )
+    assert (
+        r.object == "text_completion"
+        and len(r.choices) == 1
+        and r.choices[0].finish_reason in ("stop", "length")
+    )
+    streamed = client.completions.create(
+        model=MODEL_NAME,
+        prompt="The capital of France is",
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_default_max_tokens_is_16(client) -> None:
+    r = client.completions.create(model=MODEL_NAME, prompt="Hi", extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16
+
+
+def test_completions_batch_prompts_token_ids_echo_logprobs(client, server) -> None:
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "alpha beta"}).json()["tokens"]
+    r = client.completions.create(
+        model=MODEL_NAME,
+        prompt=["alpha beta", "gamma"],
+        n=2,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text  # greedy copies of one prompt
+    by_ids = client.completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert by_ids.choices[0].text == r.choices[0].text
+    assert r.usage.prompt_tokens == len(ids) + len(
+        httpx.post(f"{server.url}/tokenize", json={"prompt": "gamma"}).json()["tokens"]
+    )
+
+    echo = client.completions.create(
+        model=MODEL_NAME,
+        prompt="alpha beta",
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    choice = echo.choices[0]
+    assert choice.text == "alpha beta" + r.choices[0].text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 3 and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[: len(ids)] == [None] * len(ids)
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[len(ids) :])
+    assert all(len(top) == 2 for top in lp.top_logprobs[len(ids) :])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_tokenize_detokenize_roundtrip(server, max_model_len) -> None:
+    text = "Hello, wörld! 你好"
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == max_model_len
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == text
+
+
+def test_chat_template_kwargs_reach_the_template(server) -> None:
+    on = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    off = httpx.post(
+        f"{server.url}/tokenize",
+        json={"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}},
+    ).json()["tokens"]
+    assert off[: len(on)] == on and len(off) > len(on)  # Qwen3 appends an empty think block
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": off[len(on) :]}).json()["prompt"]
+    assert "<think>" in detok and "</think>" in detok
+
+
+def test_tools_render_and_content_parts(client, server) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=tools, max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4)
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens  # the tool schemas are in the prompt
+
+
+def test_cached_tokens_match_the_prefix_cache_counter(client, server, read_metrics) -> None:
+    long_messages = [{"role": "user", "content": "Tell me about deltanets. " * 20}]
+    for _ in range(2):
+        before = read_metrics(server.url)["deltaserve_cached_prompt_tokens_total"]
+        r = chat(client, messages=long_messages, max_tokens=2)
+        after = read_metrics(server.url)["deltaserve_cached_prompt_tokens_total"]
+        assert r.usage.prompt_tokens_details.cached_tokens == after - before
+        assert r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens
+
+
+def test_async_client(async_client) -> None:
+    async def run() -> tuple[str, str]:
+        whole = await async_client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0
+        )
+        stream = await async_client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0, stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        await async_client.close()
+        return whole.choices[0].message.content, text
+
+    whole, streamed = asyncio.run(run())
+    assert whole == streamed
+
+
+def test_metrics_exposition(client, server, read_metrics) -> None:
+    chat(client, max_tokens=3)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in (
+        "deltaserve_requests_total",
+        "deltaserve_prompt_tokens_total",
+        "deltaserve_generation_tokens_total",
+        "deltaserve_num_requests_running",
+        "deltaserve_num_requests_waiting",
+        "deltaserve_kv_pages_used",
+        "deltaserve_state_slots_used",
+        "deltaserve_time_to_first_token_seconds_bucket",
+        "deltaserve_inter_token_latency_seconds_bucket",
+    ):
+        assert f"\n{name}{{" in text, name
+    m = read_metrics(server.url)
+    assert m["deltaserve_time_to_first_token_seconds_count"] >= 1
+    assert (
+        m['deltaserve_time_to_first_token_seconds_bucket{le="+Inf"}']
+        == m["deltaserve_time_to_first_token_seconds_count"]
+    )
+    assert m["deltaserve_kv_pages_total"] > 0 and m["deltaserve_state_slots_total"] > 0

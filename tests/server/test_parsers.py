@@ -1,0 +1,151 @@
+"""The reasoning and tool-call parsers on fixed Qwen outputs (the tiny model cannot produce them), whole
+and streamed: every prefix of an output is parsed as a stream would see it, and the deltas must add
+up to the whole-text result."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltaserve.server.chat_output import ChatOutputParser, ChatStreamState
+from deltaserve.server.reasoning import prompt_opens_reasoning, split_reasoning
+from deltaserve.server.tool_calls import extract_tool_calls
+
+WEATHER_TOOLS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "metric": {"type": "boolean"},
+        },
+    }
+}
+
+QWEN3_THINKING = "<think>\nThe user greets me.\nI should greet back.\n</think>\n\nHello! How can I help?"
+QWEN3_TOOL = (
+    "<think>\nNeed the weather.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+)
+QWEN3_TWO_TOOLS = (
+    'Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+)
+# Qwen3.5: the generation prompt already opened <think>, so the output starts inside reasoning.
+QWEN35_TOOL = (
+    "Weather needs a tool call.\n</think>\n\n"
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+    "<parameter=days>\n5\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def stream(parser: ChatOutputParser, text: str) -> tuple[str, str, list[tuple[str, dict]]]:
+    """Feed every prefix of `text` as a stream would and concatenate the deltas."""
+    state = ChatStreamState()
+    reasoning, content, calls = "", "", []
+    for end in range(1, len(text) + 1):
+        parsed = parser.parse(text[:end], final=end == len(text))
+        r, c, new_calls = state.advance(parsed)
+        reasoning += r or ""
+        content += c or ""
+        calls += [(call.function.name, json.loads(call.function.arguments)) for call in new_calls]
+        assert [call.index for call in new_calls] == list(range(len(calls) - len(new_calls), len(calls)))
+    return reasoning, content, calls
+
+
+def test_qwen3_reasoning_split() -> None:
+    reasoning, content = split_reasoning(QWEN3_THINKING, starts_in_reasoning=False, final=True)
+    assert reasoning is not None and "The user greets me." in reasoning and "<think>" not in reasoning
+    assert content == "Hello! How can I help?"
+
+
+def test_no_reasoning_leaves_content_alone() -> None:
+    assert split_reasoning("Just an answer.", starts_in_reasoning=False, final=True) == (
+        None,
+        "Just an answer.",
+    )
+
+
+def test_unfinished_reasoning_is_all_reasoning() -> None:
+    reasoning, content = split_reasoning("<think>\nstill thinking", starts_in_reasoning=False, final=True)
+    assert (reasoning, content) == ("still thinking", "")
+
+
+def test_prompt_that_opens_think() -> None:
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    # Qwen3 with enable_thinking=False closes the empty think block in the prompt.
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    "text,starts_inside", [(QWEN3_THINKING, False), (QWEN35_TOOL.split("<tool_call>")[0], True)]
+)
+def test_streamed_reasoning_equals_whole(text: str, starts_inside: bool) -> None:
+    parser = ChatOutputParser(starts_in_reasoning=starts_inside)
+    whole = parser.parse(text, final=True)
+    reasoning, content, _ = stream(parser, text)
+    assert reasoning == whole.reasoning and content == whole.content
+    assert "</think>" not in reasoning + content and "<think>" not in reasoning + content
+
+
+def test_qwen3_json_tool_call() -> None:
+    parser = ChatOutputParser(tools=WEATHER_TOOLS)
+    parsed = parser.parse(QWEN3_TOOL, final=True)
+    assert parsed.reasoning == "Need the weather.\n"
+    assert parsed.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})
+    ]
+
+
+def test_qwen35_xml_tool_call_with_typed_parameters() -> None:
+    parser = ChatOutputParser(starts_in_reasoning=True, tools=WEATHER_TOOLS)
+    parsed = parser.parse(QWEN35_TOOL, final=True)
+    assert parsed.reasoning == "Weather needs a tool call.\n"
+    assert parsed.content == ""
+    (call,) = parsed.tool_calls
+    assert call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "New York", "days": 5, "metric": True}
+
+
+def test_xml_parameters_without_schema_guess_json() -> None:
+    text = "<tool_call>\n<function=f>\n<parameter=a>\n[1, 2]\n</parameter>\n<parameter=b>\nplain words\n</parameter>\n</function>\n</tool_call>"
+    _, calls = extract_tool_calls(text, {}, final=True)
+    assert json.loads(calls[0].arguments) == {"a": [1, 2], "b": "plain words"}
+
+
+def test_content_around_two_calls() -> None:
+    content, calls = extract_tool_calls(QWEN3_TWO_TOOLS, WEATHER_TOOLS, final=True)
+    assert content == "Let me check both."
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Zürich"]
+
+
+def test_malformed_call_stays_content() -> None:
+    text = "<tool_call>\n{not json}\n</tool_call>"
+    content, calls = extract_tool_calls(text, WEATHER_TOOLS, final=True)
+    assert calls == [] and content == text
+
+
+@pytest.mark.parametrize(
+    "text,starts_inside",
+    [(QWEN3_TOOL, False), (QWEN35_TOOL, True), (QWEN3_TWO_TOOLS, False)],
+    ids=["qwen3", "qwen3.5", "two"],
+)
+def test_streamed_tool_calls_equal_whole(text: str, starts_inside: bool) -> None:
+    parser = ChatOutputParser(starts_in_reasoning=starts_inside, tools=WEATHER_TOOLS)
+    whole = parser.parse(text, final=True)
+    reasoning, content, calls = stream(parser, text)
+    assert reasoning == (whole.reasoning or "")
+    assert content == whole.content
+    assert calls == [(c.name, json.loads(c.arguments)) for c in whole.tool_calls]
+    assert "<tool_call" not in content
+
+
+def test_partial_tags_are_held_back_while_streaming() -> None:
+    parser = ChatOutputParser(tools=WEATHER_TOOLS)
+    assert parser.parse("Sure <tool_ca", final=False).content == "Sure"
+    assert parser.parse("Sure <tool_ca", final=True).content == "Sure <tool_ca"
+    assert split_reasoning("<think>abc</thi", starts_in_reasoning=False, final=False) == ("abc", "")
+    assert split_reasoning("<thi", starts_in_reasoning=False, final=False) == (None, "")
