@@ -11,6 +11,7 @@ import torch
 from deltaserve.engine.forward_batch import ForwardBatch
 from deltaserve.engine.state_pool import StatePool
 from deltaserve.kernels import conv_decode, conv_prefill, gdn_decode, gdn_prefill
+from deltaserve.kernels.kda import kda_decode, kda_prefill
 
 
 class LinearAttentionBackend:
@@ -77,6 +78,37 @@ class LinearAttentionBackend:
         if q.shape[0] > n:
             parts.append(
                 gdn_prefill(
+                    q[n:],
+                    k[n:],
+                    v[n:],
+                    g[n:],
+                    beta[n:],
+                    self.prefill_cu_seqlens,
+                    pool,
+                    self.prefill_slots,
+                    self.prefill_has_initial,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def kda(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor:
+        """Kimi Delta Attention: `delta_rule` with a per-key-channel gate g `[T, H, K]`."""
+        pool = self.pool.layer(self.layer_index[layer_id])["recurrent"]
+        n = self.num_decodes
+        parts = []
+        if n:
+            parts.append(kda_decode(q[:n], k[:n], v[:n], g[:n], beta[:n], pool, self.decode_slots))
+        if q.shape[0] > n:
+            parts.append(
+                kda_prefill(
                     q[n:],
                     k[n:],
                     v[n:],

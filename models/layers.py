@@ -23,6 +23,20 @@ class ZeroCenteredRMSNorm(nn.Module):
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
+class RMSNorm(nn.Module):
+    """Plain RMSNorm, y = w * norm(x), the weight rounded to x's dtype last (Kimi-Linear, DeepSeek)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
 class GatedRMSNorm(nn.Module):
     """Per-head RMSNorm of the linear-attention output, gated by silu(z)."""
 

@@ -1,0 +1,84 @@
+"""Fast CUDA paths of the KDA ops: FLA's `chunk_kda` for prefill, FLA's slot-indexed recurrent
+kernel for decode.
+
+Semantics and shapes are those of `deltaserve.kernels.kda` (its torch references are the oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kda_prefill_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """Varlen prefill through FLA's `chunk_kda`, gathering and scattering pool slots.
+
+    `chunk_kda` takes no slot indices (and asserts an fp32 initial state), so the initial
+    states are gathered as fp32, zeros where a request starts fresh, and the final states
+    scattered back; prefill is compute-bound, so the extra state traffic is small.
+    """
+    from fla.ops.kda import chunk_kda
+
+    idx = slots.long()
+    init = state_pool.index_select(0, idx).float()
+    # where, not multiply: an unused slot may hold garbage (NaN) that 0 * x would keep.
+    fresh = ~has_initial_state.bool().view(-1, 1, 1, 1)
+    init = torch.where(fresh, torch.zeros((), dtype=init.dtype, device=init.device), init)
+    with torch.no_grad():
+        o, final = chunk_kda(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            g=g.float().unsqueeze(0),
+            beta=beta.unsqueeze(0),
+            initial_state=init,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens.long(),
+        )
+    state_pool.index_copy_(0, idx, final.to(state_pool.dtype))
+    return o[0].to(v.dtype)
+
+
+def kda_decode_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step for N requests, updating `state_pool[slots]` in place.
+
+    FLA's internal `fused_recurrent_kda_fwd` reads and writes the pool through
+    `ssm_state_indices` (its continuous-batching mode), so nothing is gathered or scattered.
+    Each request is a batch row of one token (no cu_seqlens): no host syncs, launch
+    parameters depend on shapes only, so it is CUDA-graph safe.
+    """
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    assert state_pool.dtype == torch.float32 and state_pool.is_contiguous(), "KDA decode needs an fp32 pool"
+    # the kernel assumes packed rows; views of fused projections are not
+    q, k, v, g, beta = (x.contiguous().unsqueeze(1) for x in (q, k, v, g.float(), beta))
+    out, _ = fused_recurrent_kda_fwd(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        initial_state=state_pool,
+        inplace_final_state=True,
+        ssm_state_indices=slots.to(torch.int32),
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out[:, 0]

@@ -1,0 +1,233 @@
+"""Kimi-Linear: Kimi Delta Attention / MLA hybrids with a DeepSeek-V3-style MoE.
+
+Reads top to bottom like the model: embed, N x [RMSNorm -> token mixer -> residual, RMSNorm
+-> MLP -> residual], RMSNorm, lm_head. The token mixer is KDA on `linear_attention` layers
+and NoPE multi-head latent attention on the others; the MLP is dense on the first
+`first_k_dense_replace` layers and a routed MoE (sigmoid router with a score-correction
+bias, renormalised top-k scaled by `routed_scaling_factor`, plus shared experts) after.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.models.kda import KimiDeltaAttention
+from deltaserve.models.layers import Experts, GatedMLP, RMSNorm
+from deltaserve.models.mla import MultiLatentAttention
+from deltaserve.models.weights import WeightLoader
+
+if TYPE_CHECKING:
+    from deltaserve.engine.forward_context import ForwardContext
+
+
+def layer_types_of(config: Any) -> list[str]:
+    """transformers' config fills `layer_types`; the release spells it as 1-based lists."""
+    if getattr(config, "layer_types", None):
+        return list(config.layer_types)
+    lac = getattr(config, "linear_attn_config", None) or {}
+    full = set(lac.get("full_attn_layers", []))
+    return [
+        "full_attention" if i + 1 in full else "linear_attention" for i in range(config.num_hidden_layers)
+    ]
+
+
+def mlp_types_of(config: Any) -> list[str]:
+    if getattr(config, "mlp_layer_types", None):
+        return list(config.mlp_layer_types)
+    dense = getattr(config, "first_k_dense_replace", 1)
+    return ["dense" if i < dense else "sparse" for i in range(config.num_hidden_layers)]
+
+
+class SigmoidRouter(nn.Module):
+    """DeepSeek-V3 routing: sigmoid scores, top-k chosen on scores + bias, weighted by scores."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        num_experts = config.num_local_experts
+        self.top_k = config.num_experts_per_tok
+        self.num_groups = getattr(config, "n_group", 1) or 1
+        self.topk_groups = getattr(config, "topk_group", 1) or 1
+        self.renormalize = bool(getattr(config, "norm_topk_prob", True))
+        self.scaling = float(getattr(config, "routed_scaling_factor", 1.0))
+        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # the router stays fp32 whatever the model dtype (as the release keeps it): near-tied
+        # expert scores must not flip with bf16 rounding of the router weight
+        for p in self._parameters.values():
+            if p is not None:
+                p.data = p.data.to(device=fn(p.data[:0]).device)
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_ids `[T, k]`, topk_weights `[T, k]` fp32)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.num_groups > 1:
+            grouped = choice.view(x.shape[0], self.num_groups, -1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            keep = torch.zeros_like(group_scores)
+            keep.scatter_(1, torch.topk(group_scores, self.topk_groups, dim=-1, sorted=False)[1], 1)
+            mask = keep.unsqueeze(-1).expand_as(grouped).reshape(x.shape[0], -1)
+            choice = choice.masked_fill(~mask.bool(), float("-inf"))
+        ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class KimiMoE(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.gate = SigmoidRouter(config)
+        self.experts = Experts(config.num_local_experts, config.hidden_size, config.moe_intermediate_size)
+        shared = config.moe_intermediate_size * (getattr(config, "n_shared_experts", 0) or 0)
+        self.shared_experts = GatedMLP(config.hidden_size, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        out = self.experts(x, ids, weights.to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, layer_type: str, mlp_type: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn: KimiDeltaAttention | MultiLatentAttention
+        if layer_type == "linear_attention":
+            self.self_attn = KimiDeltaAttention(config, layer_id)
+        else:
+            self.self_attn = MultiLatentAttention(config, layer_id)
+        self.mlp: nn.Module = (
+            KimiMoE(config)
+            if mlp_type == "sparse"
+            else GatedMLP(config.hidden_size, config.intermediate_size)
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if isinstance(self.self_attn, KimiDeltaAttention):
+            h = self.self_attn(h, ctx)
+        else:
+            h = self.self_attn(h, positions, ctx)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.layer_types = layer_types_of(config)
+        mlp_types = mlp_types_of(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, t, m) for i, (t, m) in enumerate(zip(self.layer_types, mlp_types))
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, ctx)
+        return self.norm(x)
+
+
+# checkpoint spellings -> ours: the release's, and the one transformers keeps in memory
+_RENAMES = [
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"\.self_attn\.forget_gate\."), ".self_attn."),
+]
+# tensors of a KDA layer that we fuse: target -> the parts, in order
+_FUSED = {
+    "qkv_proj.weight": ("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+    "conv1d_weight": ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"),
+}
+_KDA_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(\w+\.weight|\w+)$")
+
+
+class KimiLinearForCausalLM(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = KimiLinearModel(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def layer_types(self) -> list[str]:
+        return self.model.layer_types
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-slot state of one KDA layer (every KDA layer has the same)."""
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, KimiDeltaAttention):
+                return layer.self_attn.state_shapes()
+        return {}
+
+    def kv_shapes(self) -> dict[str, tuple[int, ...]]:
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, MultiLatentAttention):
+                return layer.self_attn.kv_shapes()
+        return {}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self, ignore={"lm_head.weight"} if self.tie_word_embeddings else set())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            for pattern, repl in _RENAMES:
+                name = pattern.sub(repl, name)
+            m = _KDA_TENSOR.match(name)
+            if m and isinstance(self.model.layers[int(m.group(1))].self_attn, KimiDeltaAttention):
+                self._load_kda_tensor(loader, pending, name, m.group(2), tensor)
+                continue
+            if loader.load_expert(name, tensor):
+                continue
+            loader.copy(name, tensor)
+        for target, parts in pending.items():
+            raise ValueError(f"checkpoint has only {sorted(parts)} of the tensors fused into {target!r}")
+        loader.finish()
+
+    def _load_kda_tensor(
+        self,
+        loader: WeightLoader,
+        pending: dict[str, dict[str, torch.Tensor]],
+        name: str,
+        leaf: str,
+        tensor: torch.Tensor,
+    ) -> None:
+        prefix = name[: -len(leaf)]
+        if leaf == "A_log":  # the release stores it `[1, 1, H, 1]`
+            tensor = tensor.reshape(-1)
+        elif leaf == "conv1d.weight":  # transformers' fused conv, `[3 * H * D, 1, W]`
+            leaf, tensor = "conv1d_weight", tensor.reshape(tensor.shape[0], -1)
+        for target, names in _FUSED.items():
+            if leaf in names:
+                if target == "conv1d_weight":
+                    tensor = tensor.reshape(tensor.shape[0], -1)
+                parts = pending.setdefault(prefix + target, {})
+                parts[leaf] = tensor
+                if len(parts) == len(names):
+                    del pending[prefix + target]
+                    loader.copy(prefix + target, torch.cat([parts[n] for n in names]))
+                return
+        loader.copy(prefix + leaf, tensor)
