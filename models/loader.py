@@ -60,17 +60,17 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights of a realistic scale, for benchmarks without checkpoints."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            gen = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
             if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
+                p.uniform_(1.0, 16.0, generator=gen).log_()
             elif name.endswith("dt_bias"):
                 p.fill_(1.0)
             elif p.dim() == 1:
                 p.fill_(1.0 if "linear_attn.norm" in name else 0.0)
             else:
-                p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen).to(p.dtype))
+                p.normal_(0.0, 0.02, generator=gen)
 
 
 def load_model(
@@ -81,19 +81,25 @@ def load_model(
     tcfg = text_config(config, nested)
     if nested and getattr(config, "tie_word_embeddings", None) is not None:
         tcfg.tie_word_embeddings = config.tie_word_embeddings
-    with torch.device("cpu"):
-        model = cls(tcfg)
-    if load_format == "dummy":
-        init_dummy_weights(model, seed)
-    elif load_format == "auto":
-        model.load_weights(iter_safetensors(path))  # type: ignore[operator]
-    else:
+    if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load format {load_format!r}; use 'auto' or 'dummy'")
-    model = model.to(device=device, dtype=dtype).eval()
+    # built in place, on the device and in the serving dtype: no full-size fp32 copy on the host
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(tcfg)
+    finally:
+        torch.set_default_dtype(previous)
     # linear-attention gate parameters stay fp32: exp(A_log) in bf16 loses the decay
     for name, p in model.named_parameters():
         if name.endswith(("A_log", "dt_bias")):
             p.data = p.data.float()
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(iter_safetensors(path))  # type: ignore[operator]
+    model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     return LoadedModel(model, tcfg, arch, num_params)
 
