@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from deltaserve.engine.forward_batch import ForwardBatch
@@ -10,14 +12,59 @@ from deltaserve.kernels import paged_attention, store_kv
 from deltaserve.kernels.mla import mla_attention, store_latent
 
 
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat KV position of each new token
+    page_table: torch.Tensor  # [N, max_pages]
+    cu_seqlens_q: torch.Tensor  # [N+1]
+    seq_lens: torch.Tensor  # [N]
+    max_seqlen_q: int
+
+
 class AttentionBackend:
     def __init__(self, pool: KVPool, layer_index: dict[int, int]) -> None:
         self.pool = pool
         self.layer_index = layer_index  # model layer id -> pool layer
-        self.batch: ForwardBatch | None = None
+        self.batch: AttentionMetadata | None = None
+        self._graph: AttentionMetadata | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
-        self.batch = batch
+        self.batch = AttentionMetadata(
+            batch.slot_mapping, batch.page_table, batch.cu_seqlens_q, batch.seq_lens, batch.max_seqlen_q
+        )
+
+    # -- CUDA graphs: decode batches replay through buffers this backend owns ----------
+
+    def init_capture_graph(self, max_bs: int, max_pages: int, device: torch.device) -> None:
+        self._graph = AttentionMetadata(
+            slot_mapping=torch.zeros(max_bs, dtype=torch.long, device=device),
+            page_table=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
+            max_seqlen_q=1,
+        )
+
+    def prepare_for_capture(self, bs: int) -> None:
+        g = self._graph
+        assert g is not None, "init_capture_graph() first"
+        self.batch = AttentionMetadata(
+            g.slot_mapping[:bs], g.page_table[:bs], g.cu_seqlens_q[: bs + 1], g.seq_lens[:bs], 1
+        )
+
+    def prepare_for_replay(self, batch: ForwardBatch, bs: int) -> None:
+        """Copy a decode batch of n <= bs requests in; rows n..bs pad to page 0 and length 1."""
+        g = self._graph
+        assert g is not None, "init_capture_graph() first"
+        n, width = batch.page_table.shape
+        g.slot_mapping[:n].copy_(batch.slot_mapping)
+        g.slot_mapping[n:bs].zero_()
+        g.page_table[:n, :width].copy_(batch.page_table)
+        g.page_table[n:bs].zero_()
+        g.seq_lens[:n].copy_(batch.seq_lens)
+        g.seq_lens[n:bs].fill_(1)
+
+    def reset_capture(self) -> None:
+        self._graph = None
 
     def attention(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float

@@ -23,6 +23,7 @@ class LinearAttentionBackend:
         self.prefill_slots = torch.empty(0, dtype=torch.int32)
         self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32)
         self.prefill_has_initial = torch.empty(0, dtype=torch.bool)
+        self._graph_slots = torch.zeros(0, dtype=torch.int32)
 
     def prepare(self, batch: ForwardBatch) -> None:
         n = batch.num_decodes
@@ -31,6 +32,27 @@ class LinearAttentionBackend:
         self.prefill_slots = batch.state_slots[n:]
         self.prefill_cu_seqlens = batch.cu_seqlens_q[n:] - n
         self.prefill_has_initial = batch.has_initial_state[n:]
+
+    # -- CUDA graphs: decode batches replay through buffers this backend owns ----------
+
+    def init_capture_graph(self, max_bs: int, device: torch.device) -> None:
+        self._graph_slots = torch.zeros(max_bs, dtype=torch.int32, device=device)
+
+    def prepare_for_capture(self, bs: int) -> None:
+        self.num_decodes = bs
+        self.decode_slots = self._graph_slots[:bs]
+        self.prefill_slots = self._graph_slots[:0]
+        self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32, device=self._graph_slots.device)
+        self.prefill_has_initial = torch.zeros(0, dtype=torch.bool, device=self._graph_slots.device)
+
+    def prepare_for_replay(self, batch: ForwardBatch, bs: int) -> None:
+        """Copy a decode batch's slots in; padding rows point at slot 0."""
+        n = batch.num_requests
+        self._graph_slots[:n].copy_(batch.state_slots)
+        self._graph_slots[n:bs].zero_()
+
+    def reset_capture(self) -> None:
+        self._graph_slots = torch.zeros(0, dtype=torch.int32)
 
     def conv(
         self,

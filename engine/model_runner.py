@@ -8,6 +8,7 @@ import torch
 
 from deltaserve.engine.attention_backend import AttentionBackend
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.forward_batch import ForwardBatch
 from deltaserve.engine.forward_context import ForwardContext
 from deltaserve.engine.kv_pool import KVPool
@@ -57,10 +58,35 @@ class ModelRunner:
             self.state_pool, {layer: i for i, layer in enumerate(linear_layers)}
         )
         self.ctx = ForwardContext(self.attn, self.linear)
+        self.graph_runner: CudaGraphRunner | None = None
+        if device.type == "cuda" and not config.disable_cuda_graph:
+            self.capture_cuda_graphs()
+
+    def _decode_body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # every row of a decode batch is sampled
+        return self.model.compute_logits(self.model(input_ids, positions, self.ctx)).float()
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        max_pages = -(-self.sizes.max_model_len // self.config.page_size)
+        try:
+            self.graph_runner = CudaGraphRunner(
+                self._decode_body, self.attn, self.linear, max_bs, max_pages, self.device
+            )
+        except Exception as e:  # an op that cannot be captured: decode runs eagerly instead
+            logger.warning("CUDA graph capture failed (%s); decoding eagerly", e)
+            self.attn.reset_capture()
+            self.linear.reset_capture()
+            self.graph_runner = None
+        else:
+            logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_runner.sizes)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[M, vocab]` (fp32) at the batch's sampled positions."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.run(batch)
         self.attn.prepare(batch)
         self.linear.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.ctx)
