@@ -18,6 +18,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        # "(default: None)" says nothing; those flags explain their fallback in their help text.
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -29,6 +35,13 @@ def _int_at_least(low: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _power_of_two(text: str) -> int:
+    value = _int_at_least(1)(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two, got {value}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -66,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     model = serve.add_argument_group("model")
     model.add_argument(
@@ -128,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="prompt tokens prefilled per request per step",
     )
-    engine.add_argument("--page-size", type=_int_at_least(1), default=16, help="tokens per KV-cache page")
+    engine.add_argument(
+        "--page-size", type=_power_of_two, default=16, help="tokens per KV-cache page (a power of two)"
+    )
     engine.add_argument(
         "--cache-type",
         choices=["radix", "naive"],
@@ -148,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--port", type=_port, default=8000, help="port to listen on")
     http.add_argument(
         "--api-key",
-        default=os.environ.get("DELTASERVE_API_KEY") or None,
+        default=None,
         help="require 'Authorization: Bearer KEY' on every /v1 route; default: $DELTASERVE_API_KEY",
     )
     http.add_argument(

@@ -46,12 +46,13 @@ class RequestGroup:
         self.request_ids = request_ids
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.unfinished = set(request_ids)
+        self.failed = False
 
     def __aiter__(self) -> AsyncIterator[list[RequestOutput]]:
         return self
 
     async def __anext__(self) -> list[RequestOutput]:
-        if not self.unfinished:
+        if self.failed or not self.unfinished:
             raise StopAsyncIteration
         items = [await self.queue.get()]
         while not self.queue.empty():
@@ -59,7 +60,7 @@ class RequestGroup:
         latest: dict[str, RequestOutput] = {}
         for item in items:
             if isinstance(item, BaseException):
-                self.unfinished.clear()
+                self.failed = True  # `unfinished` stays as it is: the reader's cleanup aborts those
                 raise item
             latest[item.request_id] = item
         self.unfinished.difference_update(rid for rid, out in latest.items() if out.finished)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ logger = logging.getLogger("deltaserve")
 
 
 def serve(args: argparse.Namespace) -> int:
+    # Read here rather than as the flag's default, so that --help never prints the key.
+    args.api_key = args.api_key or os.environ.get("DELTASERVE_API_KEY") or None
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -120,8 +123,6 @@ def _load_engine(args: argparse.Namespace) -> Any:
 def _leave_a_core_for_http(device: str) -> None:
     # On CPU, torch's intra-op threads busy-wait on every core; the HTTP event loop (tokenizing,
     # streaming) then fights them and both slow down severalfold. One core for the loop is cheaper.
-    import os
-
     import torch
 
     cores = os.cpu_count() or 1

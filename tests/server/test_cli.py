@@ -1,0 +1,99 @@
+"""`deltaserve serve` flags: help for each, one-line errors with exit code 2, docs listing them all."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deltaserve.server.cli import build_parser
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+
+
+def serve_actions():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    serve = sub.choices["serve"]
+    return [a for a in serve._actions if a.option_strings and a.dest != "help"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deltaserve", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_help_explains_every_flag_without_importing_torch() -> None:
+    code = (
+        "import sys\nfrom deltaserve.server.cli import main\n"
+        "try:\n    main(['serve', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert out.strip().endswith("False")
+    for action in serve_actions():
+        assert action.option_strings[0] in out
+        assert action.help and len(action.help) > 10, action.option_strings
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--port", "abc"],
+        ["--port", "70000"],
+        ["--dtype", "float8"],
+        ["--device", "tpu"],
+        ["--cache-type", "lru"],
+        ["--state-dtype", "int8"],
+        ["--max-running-requests", "0"],
+        ["--max-model-len", "-5"],
+        ["--chunked-prefill-size", "x"],
+        ["--load-format", "pickle"],
+        ["--log-level", "loud"],
+        ["--model", "/no/such/model/dir"],
+        ["--chat-template", "/no/such/template.jinja"],
+        ["--no-such-flag"],
+    ],
+)
+def test_wrong_value_is_one_line_and_exit_2(args: list[str]) -> None:
+    result = run_cli("serve", *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0] and "Traceback" not in result.stderr, result.stderr
+    flag = args[0]
+    if flag != "--no-such-flag":
+        assert flag in lines[0]
+
+
+def test_no_command_is_an_error() -> None:
+    result = run_cli()
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_console_script_and_version() -> None:
+    import shutil
+
+    import deltaserve
+
+    exe = shutil.which("deltaserve")
+    assert exe is not None, "the deltaserve console script is not installed (pip install -e .)"
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and deltaserve.__version__ in out.stdout
+
+
+def test_docs_list_every_flag_with_its_default() -> None:
+    text = DOCS.read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\|\s*`(--[a-z-]+)[^|]*\|.*$", text, re.M)}
+    for action in serve_actions():
+        flag = action.option_strings[0]
+        assert flag in rows, f"{flag} is missing from docs/cli.md"
+        if action.default is not None and flag != "--api-key":
+            assert str(action.default) in rows[flag], (
+                f"docs/cli.md does not give {flag}'s default {action.default}"
+            )

@@ -1,0 +1,189 @@
+"""Concurrency, disconnects, draining on SIGTERM, and plain curl against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+
+from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+
+LONG = {"max_tokens": 400, "ignore_eos": True}
+
+
+def test_32_concurrent_streaming_clients(base_url, server, until_idle) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int, int]:
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": f"Client {i} says hello."}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage:
+                usage = chunk.usage
+        return text, usage.completion_tokens, usage.prompt_tokens
+
+    async def run() -> list[tuple[str, int, int]]:
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*[one(client, i) for i in range(32)])
+
+    results = asyncio.run(run())
+    assert all(tokens == 12 for _, tokens, _ in results)
+    # Batched with 31 others, each client gets what it gets alone.
+    with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0) as client:
+        for i in (0, 17, 31):
+            alone = client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": f"Client {i} says hello."}],
+                max_tokens=12,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert alone.choices[0].message.content == results[i][0]
+    until_idle(server.url)
+
+
+def _aborts(read_metrics, url: str) -> float:
+    return read_metrics(url)['deltaserve_requests_total{outcome="abort"}']
+
+
+def test_stream_disconnect_frees_pages_and_slot(server, read_metrics, until_idle) -> None:
+    aborted_before = _aborts(read_metrics, server.url)
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "go"}], "stream": True, **LONG}
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r,
+    ):
+        lines = r.iter_lines()
+        received = [line for _, line in zip(range(6), lines) if line]
+        assert received and received[0].startswith("data: ")
+        busy = read_metrics(server.url)
+        assert busy["deltaserve_num_requests_running"] == 1
+        assert busy["deltaserve_state_slots_used"] >= 1 and busy["deltaserve_kv_pages_used"] >= 1
+    # The client hung up long before 400 tokens: the request is aborted and everything is free.
+    idle = until_idle(server.url)
+    assert idle["deltaserve_state_slots_used"] == 0 and idle["deltaserve_kv_pages_used"] == 0
+    assert _aborts(read_metrics, server.url) == aborted_before + 1
+
+
+def test_non_stream_disconnect_aborts(server, read_metrics, until_idle) -> None:
+    aborted_before = _aborts(read_metrics, server.url)
+    body = json.dumps({"model": MODEL_NAME, "prompt": "go", "n": 2, **LONG}).encode()
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(request)
+        deadline = time.monotonic() + 10
+        while read_metrics(server.url)["deltaserve_num_requests_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    until_idle(server.url)
+    assert _aborts(read_metrics, server.url) == aborted_before + 2
+
+
+def test_curl(server) -> None:
+    body = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    out = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-f",
+            f"{server.url}/v1/chat/completions",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            body,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    reply = json.loads(out.stdout)
+    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] <= 3
+
+    stream_body = json.dumps({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3, "stream": True})
+    out = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-N",
+            f"{server.url}/v1/completions",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            stream_body,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    events = [line[len("data: ") :] for line in out.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
+
+    bad = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-w",
+            "\n%{http_code}",
+            f"{server.url}/v1/completions",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            "{oops",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    payload, status = bad.stdout.rsplit("\n", 1)
+    assert status == "400" and "error" in json.loads(payload)
+
+
+def test_sigterm_drains_running_requests_and_exits_0(spawn_server) -> None:
+    server = spawn_server("--max-model-len", "512", "--shutdown-timeout", "60")
+    results: dict[str, object] = {}
+
+    def stream() -> None:
+        body = {"model": MODEL_NAME, "prompt": "drain", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+            results["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not server.log().count("POST /v1/completions") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)  # the request is streaming now
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    try:  # no new connections while draining
+        refused = httpx.get(f"{server.url}/health", timeout=2).status_code != 200
+    except httpx.HTTPError:
+        refused = True
+    assert refused
+    assert server.proc.wait(120) == 0, server.log()[-3000:]
+    reader.join(10)
+    events = results["events"]
+    assert isinstance(events, list) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # it ran to completion

@@ -1,0 +1,215 @@
+"""Reasoning and tool calls through the whole HTTP path. The tiny model cannot write them, so these
+tests serve the real app over a stand-in engine that "generates" a fixed Qwen-style output token by
+token with the real Qwen3 tokenizer; everything from the request to the SSE bytes is the real server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from deltaserve.engine.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.server.app import build_app
+from deltaserve.server.engine_client import EngineClient
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+QWEN3_OUTPUT = (
+    "<think>\nThe user wants the weather in Paris.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+)
+QWEN35_OUTPUT = (
+    "Paris weather, two days.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+    "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+class ScriptedEngine:
+    """The Engine interface, replaying one fixed output for every request."""
+
+    def __init__(self, tokenizer, script: str) -> None:
+        self.tokenizer = tokenizer
+        self.script = tokenizer.encode(script, add_special_tokens=False)
+        self.max_model_len = 4096
+        self.vocab_size = 151936
+        self.model_info = {"model": "scripted", "architecture": "Scripted"}
+        self.eos_token_ids = [151645]
+        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.requests[request_id] = (prompt_token_ids, params, [])
+
+    def abort_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, int]:
+        return {"running": len(self.requests), "waiting": 0}
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.001)
+        outputs = []
+        for request_id, (prompt, params, out) in list(self.requests.items()):
+            out.append(self.script[len(out)])
+            done = len(out) == len(self.script) or len(out) == params.max_tokens
+            reason = None if not done else ("stop" if len(out) == len(self.script) else "length")
+            text = self.tokenizer.decode(out)
+            completion = CompletionOutput(0, list(out), text.rstrip("\ufffd") if not done else text, reason)
+            outputs.append(RequestOutput(request_id, prompt, [completion], done))
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+
+@pytest.fixture(scope="module")
+def tokenizer(builtin_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(builtin_path)
+
+
+@pytest.fixture
+def serve_script(tokenizer) -> Iterator:
+    """Serve the app over a ScriptedEngine on a free port, in a thread; returns an openai client."""
+    import socket
+
+    import uvicorn
+
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def serve(script: str, chat_template: str | None = None) -> openai.OpenAI:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        app = build_app(
+            EngineClient(ScriptedEngine(tokenizer, script)),
+            model_names=["scripted"],
+            chat_template=chat_template,
+        )
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+
+    yield serve
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(10)
+
+
+def ask(client: openai.OpenAI, **kwargs):
+    return client.chat.completions.create(
+        model="scripted",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        max_tokens=500,
+        **kwargs,
+    )
+
+
+def collect_stream(client: openai.OpenAI, **kwargs) -> tuple[str, str, list[dict], list[str]]:
+    reasoning, content, calls, finishes = "", "", {}, []
+    for chunk in ask(client, stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": call.id, "name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+    return reasoning, content, [calls[i] for i in sorted(calls)], finishes
+
+
+def test_qwen3_json_tool_call_over_http(serve_script) -> None:
+    client = serve_script(QWEN3_OUTPUT)
+    r = ask(client, tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert "weather in Paris" in choice.message.reasoning_content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "Paris",
+        "days": 2,
+    }
+
+    reasoning, content, calls, finishes = collect_stream(client, tools=TOOLS)
+    assert reasoning == choice.message.reasoning_content
+    assert content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2})
+    ]
+    assert finishes == ["tool_calls"]
+
+
+def test_qwen35_xml_tool_call_after_prompt_opened_think(serve_script, tmp_path: Path) -> None:
+    # A Qwen3.5-style template: its generation prompt opens <think>, so the output starts in reasoning.
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+    )
+    client = serve_script(QWEN35_OUTPUT, chat_template=template)
+    r = ask(client, tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content.startswith("Paris weather, two days.")
+    (call,) = choice.message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}  # days typed by the schema
+
+    reasoning, content, calls, finishes = collect_stream(client, tools=TOOLS)
+    assert reasoning == choice.message.reasoning_content and content == ""
+    assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris", "days": 2}]
+    assert finishes == ["tool_calls"]
+
+
+def test_without_tools_the_call_text_stays_content(serve_script) -> None:
+    client = serve_script(QWEN3_OUTPUT)
+    r = ask(client)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert "<tool_call>" in r.choices[0].message.content
+    _, content, calls, _ = collect_stream(client)
+    assert content == r.choices[0].message.content and calls == []
+
+
+def test_tool_choice_none_turns_parsing_off(serve_script) -> None:
+    client = serve_script(QWEN3_OUTPUT)
+    r = ask(client, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].finish_reason == "stop" and "<tool_call>" in r.choices[0].message.content
+
+
+def test_length_cut_inside_reasoning(serve_script) -> None:
+    client = serve_script(QWEN3_OUTPUT)
+    r = client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "hi"}], max_tokens=6
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content is None and choice.message.reasoning_content
