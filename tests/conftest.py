@@ -1,21 +1,23 @@
 """Shared fixtures: tiny random checkpoints written with transformers' save_pretrained.
 
 transformers swaps FLA's Triton kernels in for its torch fallbacks whenever `fla` is
-importable, and those fail on CPU; the tests use transformers as the CPU oracle, so `fla`
-is hidden from this process.
+importable, and those fail on CPU; the tests use transformers as the CPU oracle, so on a
+machine without CUDA `fla` is hidden from this process.
 """
 
 from __future__ import annotations
 
 import sys
 
-sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
+import torch
+
+if not torch.cuda.is_available():  # on a GPU machine FLA runs, for transformers and for us
+    sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
 
 import json  # noqa: E402
 import os  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 TEXT = dict(
     vocab_size=160,

@@ -1,0 +1,189 @@
+"""Decode and prefill throughput on real architectures with random weights, against the roofline.
+
+    python bench/decode.py --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
+        --prompt-len 512 --new-tokens 256 --prefill-len 8192 --hf --json out.json
+
+Decode tok/s counts only steps where every request decodes (prefill excluded). The roofline
+is the bytes a step must move (weights, each request's state read and written, its KV)
+over the measured copy bandwidth; prefill's is FLOPs over the measured bf16 matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from bench.roofline import decode_step_bytes, model_cost, prefill_flops
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.sampling_params import SamplingParams
+
+COPY_BW = 4.27e12  # bytes/s, measured device-to-device on this H200 (REFERENCE.md)
+MATMUL_FLOPS = 790e12  # bf16, measured
+
+
+def timed_steps(engine: Engine) -> tuple[list[float], list[float]]:
+    """Run to completion; per step: wall seconds and CPU seconds outside the forward pass."""
+    walls, cpu = [], []
+    forward = engine.runner.forward
+    spent = {"fwd": 0.0}
+
+    def timed_forward(batch):
+        t = time.perf_counter()
+        out = forward(batch)
+        torch.cuda.synchronize()
+        spent["fwd"] = time.perf_counter() - t
+        return out
+
+    engine.runner.forward = timed_forward  # type: ignore[method-assign]
+    try:
+        while engine.has_unfinished_requests():
+            spent["fwd"] = 0.0
+            t = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t
+            walls.append(dt)
+            cpu.append(dt - spent["fwd"])
+    finally:
+        engine.runner.forward = forward  # type: ignore[method-assign]
+    return walls, cpu
+
+
+def bench_decode(engine: Engine, bs: int, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+    gen = torch.Generator().manual_seed(bs)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(bs):
+        engine.add_request(
+            f"d{bs}-{i}", torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params
+        )
+    # prefill everything first, so that the timed steps are pure decode
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    torch.cuda.synchronize()
+    walls, cpu = timed_steps(engine)
+    steps = len(walls)
+    decode_time = sum(walls)
+    return {
+        "batch": bs,
+        "steps": steps,
+        "tok_s": bs * steps / decode_time,
+        "step_ms": 1e3 * decode_time / steps,
+        "cpu_ms_per_step": 1e3 * sum(cpu) / steps,
+    }
+
+
+def bench_prefill(engine: Engine, tokens: int, vocab: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request("warm", prompt, params)  # compiles the prefill kernels at this length
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("p", prompt, params)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt}
+
+
+def bench_hf(path: str, batch_sizes: list[int], prompt_len: int, new_tokens: int) -> dict:
+    """transformers (with FLA when importable) generate on the same shapes, random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    tcfg = getattr(cfg, "text_config", None) or cfg
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(tcfg, dtype=torch.bfloat16).eval()
+
+    def run(ids: torch.Tensor, n: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    out = {}
+    for bs in batch_sizes:
+        ids = torch.randint(0, tcfg.vocab_size, (bs, prompt_len), device="cuda")
+        run(ids, 2)  # warm-up
+        t1, tn = run(ids, 1), run(ids, new_tokens)
+        out[bs] = {"tok_s": bs * (new_tokens - 1) / (tn - t1)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a folder with config.json (configs/...)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prefill-len", type=int, default=8192)
+    ap.add_argument("--hf", action="store_true", help="also run transformers on the same shapes")
+    ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--hf-new-tokens", type=int, default=32)
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+
+    max_bs = max(args.batch_sizes)
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            load_format="dummy",
+            dtype="bfloat16",
+            device="cuda",
+            cache_type="naive",
+            max_running_requests=max_bs,
+            max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len) + 16,
+            chunked_prefill_size=max(args.prefill_len, 8192),
+            disable_cuda_graph=args.disable_cuda_graph,
+        )
+    )
+    cfg = engine.model_config
+    cost = model_cost(cfg)
+    result: dict = {"model": args.model, "gpu": torch.cuda.get_device_name(), "info": engine.model_info}
+    rows = []
+    for bs in args.batch_sizes:
+        r = bench_decode(engine, bs, args.prompt_len, args.new_tokens, cfg.vocab_size)
+        ctx = args.prompt_len + args.new_tokens // 2
+        roof = bs / (decode_step_bytes(cost, bs, ctx) / COPY_BW)
+        r.update(roofline_tok_s=roof, pct_roofline=100 * r["tok_s"] / roof)
+        r["cpu_pct"] = 100 * r["cpu_ms_per_step"] / r["step_ms"]
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    result["decode"] = rows
+    if args.prefill_len:
+        p = bench_prefill(engine, args.prefill_len, cfg.vocab_size)
+        p["roofline_s"] = prefill_flops(cost, args.prefill_len) / MATMUL_FLOPS
+        p["x_roofline"] = p["seconds"] / p["roofline_s"]
+        result["prefill"] = p
+        print(json.dumps(p), flush=True)
+    del engine
+    torch.cuda.empty_cache()
+    if args.hf:
+        try:
+            result["hf"] = bench_hf(args.model, args.hf_batch_sizes, args.prompt_len, args.hf_new_tokens)
+            for bs, r in result["hf"].items():
+                ours = next((x["tok_s"] for x in rows if x["batch"] == bs), None)
+                if ours:
+                    r["deltaserve_speedup"] = ours / r["tok_s"]
+            print(json.dumps({"hf": result["hf"]}), flush=True)
+        except Exception as e:  # transformers' own model may be missing on an older release
+            result["hf_error"] = repr(e)
+            print("transformers run failed:", e, file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
