@@ -6,20 +6,13 @@ one query token) is CUDA-graph safe: launch parameters depend on shapes only, ne
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
-_MAX_SPLITS = 32
+from deltaserve.kernels.triton_utils import sm_count
+
+_MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 256
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter on CPU: any value keeps the arithmetic well defined
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -27,10 +20,10 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def decode_splits(batch: int, kv_heads: int, max_context: int, sm_count: int) -> int:
+def decode_splits(batch: int, kv_heads: int, max_context: int, sms: int) -> int:
     """KV splits per (request, KV head): enough programs to fill the SMs twice over, yet at
     least a few hundred tokens per split. Depends on shapes only (graph-safe)."""
-    want = triton.cdiv(2 * sm_count, max(batch * kv_heads, 1))
+    want = triton.cdiv(2 * sms, max(batch * kv_heads, 1))
     cap = triton.cdiv(max_context, _MIN_TOKENS_PER_SPLIT)
     return int(max(1, min(want, cap, _MAX_SPLITS)))
 
@@ -111,6 +104,16 @@ def paged_decode_launch(
         )
 
 
+def prefill_tiles(dtype: torch.dtype, dim: int) -> tuple[int, int, int, int]:
+    """`(BM, BN, num_warps, num_stages)` of the prefill kernel; fp32 (tests) keeps tiles small
+    enough for shared memory."""
+    if dtype == torch.float32:
+        return 32, 32, 4, 2
+    if dim > 128:
+        return 64, 32, 8, 2
+    return 64, 64, 4, 2
+
+
 def paged_prefill_launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -121,18 +124,14 @@ def paged_prefill_launch(
     scale: float,
     out: torch.Tensor,
     max_seqlen_q: int,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> None:
     from deltaserve.kernels.triton_attention import _paged_prefill_kernel
 
     n = seq_lens.shape[0]
     hq, dim = q.shape[1], q.shape[2]
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    if q.element_size() >= 4:
-        block_m, block_n, num_warps = 32, 32, 4
-    elif dim > 128:
-        block_m, block_n, num_warps = 64, 32, 8
-    else:
-        block_m, block_n, num_warps = 64, 64, 4
+    block_m, block_n, num_warps, num_stages = tiles or prefill_tiles(q.dtype, dim)
     grid = (triton.cdiv(max_seqlen_q, block_m), n, hq)
     _paged_prefill_kernel[grid](
         q,
@@ -162,7 +161,7 @@ def paged_prefill_launch(
         BN=block_n,
         PREC=_precision(q.dtype),
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
     )
 
 
@@ -196,8 +195,12 @@ def paged_attention_cuda(
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     if max_seqlen_q == 1:
         max_context = page_table.shape[1] * page_size
-        splits = decode_splits(n, hkv, max_context, _sm_count(q.device))
-        block_n = 64 if q.element_size() == 2 and dim <= 128 else 32
+        sms = sm_count(q.device)
+        splits = decode_splits(n, hkv, max_context, sms)
+        # Measured (docs/kernels.md): 64-token tiles keep more bytes in flight when the grid is
+        # about one wave; 32-token tiles let more programs share an SM when it is many.
+        few_programs = n * hkv * splits <= 2 * sms
+        block_n = 64 if q.element_size() == 2 and (dim <= 128 or few_programs) else 32
         paged_decode_launch(
             q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, out, splits, block_n
         )

@@ -68,13 +68,14 @@ def gdn_decode_cuda(
     CUDA-graph safe: no host syncs, and every launch parameter depends on shapes only.
     """
     from deltaserve.kernels.triton_gdn import decode_block_v, gdn_decode_launch
+    from deltaserve.kernels.triton_utils import sm_count
 
-    n, hk, _ = k.shape
+    n, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     assert q.shape == k.shape and hv % hk == 0, (q.shape, k.shape, v.shape)
     assert state_pool.stride(-1) == 1, "state pool rows must be contiguous"
     q, k, v, g, beta = (_last_dim_contiguous(t) for t in (q, k, v, g, beta))
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    block_v, num_warps = decode_block_v(n, hv, dv)
+    block_v, num_warps = decode_block_v(n, hv, dk, dv, sm_count(v.device))
     gdn_decode_launch(q, k, v, g, beta, state_pool, slots, out, block_v, num_warps)
     return out

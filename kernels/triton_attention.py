@@ -21,6 +21,49 @@ def _load_kv(
 
 
 @triton.jit
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    b_q,
+    k_cache,
+    v_cache,
+    row,
+    pos,
+    m_n,
+    q_pos,
+    i_kh,
+    o_d,
+    m_d,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    scale_log2,
+    PAGE: tl.constexpr,
+    MASK: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Fold one tile of keys into the running softmax. MASK: 0 none, 1 past the end, 2 past
+    the end or after the query (causal)."""
+    b_k = _load_kv(k_cache, row, pos, m_n, i_kh, o_d, m_d, stride_kp, stride_kt, stride_kh, PAGE)
+    s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale_log2
+    if MASK == 1:
+        s = tl.where(m_n[None, :], s, float("-inf"))
+    if MASK == 2:
+        s = tl.where(m_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    b_v = _load_kv(v_cache, row, pos, m_n, i_kh, o_d, m_d, stride_vp, stride_vt, stride_vh, PAGE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _paged_decode_kernel(
     q,
     k_cache,
@@ -83,16 +126,31 @@ def _paged_decode_kernel(
         for blk in range(start, end, BN):
             pos = blk + tl.arange(0, BN)
             m_n = pos < end
-            b_k = _load_kv(k_cache, row, pos, m_n, i_kh, o_d, m_d, stride_kp, stride_kt, stride_kh, PAGE)
-            s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale_log2
-            s = tl.where(m_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            b_v = _load_kv(v_cache, row, pos, m_n, i_kh, o_d, m_d, stride_vp, stride_vt, stride_vh, PAGE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=PREC)
-            m_i = m_new
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                b_q,
+                k_cache,
+                v_cache,
+                row,
+                pos,
+                m_n,
+                pos,
+                i_kh,
+                o_d,
+                m_d,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                scale_log2,
+                PAGE,
+                1,
+                PREC,
+            )
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         res = acc / l_safe[:, None]
         if SPLITS == 1:
@@ -172,7 +230,9 @@ def _paged_prefill_kernel(
 ):
     """One program per (query block, request, query head); query j of a request of q_len new
     tokens sits at position seq_len - q_len + j and sees keys up to and including it."""
-    i_m = tl.program_id(0)
+    # Last query blocks first: they see the most keys, and long programs started early
+    # leave a shorter tail.
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
     i_n = tl.program_id(1)
     i_h = tl.program_id(2)
     i_kh = i_h // GROUP
@@ -193,24 +253,71 @@ def _paged_prefill_kernel(
             other=0.0,
         )
         row = page_table + i_n.to(tl.int64) * stride_pt
-        end = tl.minimum(seq_len, prefix + (i_m + 1) * BM)  # past the block's last query
         m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, BD], dtype=tl.float32)
-        for blk in range(0, end, BN):
+        # Keys up to the block's first query position are visible to every row: whole tiles
+        # of them need no mask. The tiles after that, up to the last query, are masked.
+        unmasked_end = (prefix + i_m * BM + 1) // BN * BN
+        end = tl.minimum(seq_len, prefix + (i_m + 1) * BM)
+        for blk in range(0, unmasked_end, BN):
+            pos = blk + tl.arange(0, BN)
+            m_n = pos < unmasked_end  # always true; keeps the gather's mask shape uniform
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                b_q,
+                k_cache,
+                v_cache,
+                row,
+                pos,
+                m_n,
+                q_pos,
+                i_kh,
+                o_d,
+                m_d,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                scale_log2,
+                PAGE,
+                0,
+                PREC,
+            )
+        for blk in range(unmasked_end, end, BN):
             pos = blk + tl.arange(0, BN)
             m_n = pos < end
-            b_k = _load_kv(k_cache, row, pos, m_n, i_kh, o_d, m_d, stride_kp, stride_kt, stride_kh, PAGE)
-            s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale_log2
-            # Every query sees position 0, so each row's running max is finite after block 0.
-            s = tl.where(m_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            b_v = _load_kv(v_cache, row, pos, m_n, i_kh, o_d, m_d, stride_vp, stride_vt, stride_vh, PAGE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=PREC)
-            m_i = m_new
+            # Every query sees position 0 (in this tile or an earlier one), so each row's
+            # running max is finite once this tile is done and no row divides 0 by 0.
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                b_q,
+                k_cache,
+                v_cache,
+                row,
+                pos,
+                m_n,
+                q_pos,
+                i_kh,
+                o_d,
+                m_d,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                scale_log2,
+                PAGE,
+                2,
+                PREC,
+            )
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         p_o = out + rows[:, None] * stride_ot + i_h * stride_oh + o_d[None, :]
         tl.store(p_o, res.to(out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])

@@ -93,6 +93,7 @@ def _conv_prefill_kernel(
     o_d = i_d * BD + tl.arange(0, BD)
     m_t = o_t < T
     m_d = o_d < D
+    rows = o_t.to(tl.int64)  # T * D can pass 2**31 on long prompts
     b_seq = tl.load(seq_idx + o_t, mask=m_t, other=0)
     b_pos = o_t - tl.load(cu_seqlens + b_seq, mask=m_t, other=0).to(tl.int32)  # position in its sequence
     b_slot = tl.load(slots + b_seq, mask=m_t, other=0).to(tl.int64)
@@ -107,7 +108,7 @@ def _conv_prefill_kernel(
         src = b_pos + j - (W - 1)
         in_x = src >= 0
         b_in = tl.load(
-            x + (o_t + j - (W - 1))[:, None] * stride_xt + o_d[None, :],
+            x + (rows + j - (W - 1))[:, None] * stride_xt + o_d[None, :],
             mask=(m_t & in_x)[:, None] & m_d[None, :],
             other=0.0,
         ).to(tl.float32)
@@ -122,7 +123,7 @@ def _conv_prefill_kernel(
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(
-        out + o_t[:, None] * stride_ot + o_d[None, :],
+        out + rows[:, None] * stride_ot + o_d[None, :],
         acc.to(out.dtype.element_ty),
         mask=m_t[:, None] & m_d[None, :],
     )

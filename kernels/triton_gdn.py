@@ -80,17 +80,21 @@ def _gdn_decode_kernel(
     tl.store(out + i_n * stride_on + i_h * stride_oh + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
 
 
-def decode_block_v(batch: int, heads_v: int, head_v_dim: int) -> tuple[int, int]:
-    """Pick `(BV, num_warps)`: narrow V tiles when few (request, head) pairs would leave
-    SMs idle (batch 1), wide tiles for long coalesced rows when the grid is large."""
-    pairs = batch * heads_v
-    if pairs >= 2048:
-        bv = 32
-    elif pairs >= 512:
-        bv = 16
-    else:
-        bv = 8
-    return min(bv, triton.next_power_of_2(head_v_dim)), 4
+def decode_block_v(
+    batch: int, heads_v: int, head_k_dim: int, head_v_dim: int, sm_count: int
+) -> tuple[int, int]:
+    """Pick `(BV, num_warps)` for the decode kernel.
+
+    Measured on an H200 (docs/kernels.md): wide tiles (BV=64, 4 warps, 32 KiB of state per
+    program) stream best once they alone give every SM a program; below that (batch 1),
+    narrow tiles (BV=16, 2 warps) spread the few heads over more SMs.
+    """
+    bk = triton.next_power_of_2(head_k_dim)
+    bv_max = triton.next_power_of_2(head_v_dim)
+    wide = max(8, min(64, bv_max, 8192 // bk))  # at most 64 fp32 state registers per thread
+    if batch * heads_v * triton.cdiv(head_v_dim, wide) >= sm_count:
+        return wide, 4
+    return max(8, min(16, bv_max)), 2
 
 
 def gdn_decode_launch(

@@ -1,0 +1,386 @@
+"""Microbenchmarks of the fast kernels on one GPU, against the measured copy bandwidth.
+
+    python bench/kernels.py [--json PATH] [--sweep]
+
+Decode kernels are timed as CUDA-graph replays (that is how the engine runs them) over
+enough layer-like copies of the data that it cannot sit in L2 between calls; prefill kernels
+with events around eager calls. Every figure is the median of several replays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+
+DEV = "cuda"
+L2_BYTES = 60 * 2**20
+
+
+def time_graph(fns: list[Callable[[], object]], replays: int = 20) -> float:
+    """Median seconds per call of `fns` (one call each), captured together in one graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(fns))
+    return statistics.median(times)
+
+
+def time_eager(fn: Callable[[], object], reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / time_eager(lambda: dst.copy_(src))
+
+
+def layers_for(bytes_per_layer: int) -> int:
+    """Copies of the working set so that a graph of calls streams >= 4x the L2."""
+    return max(1, min(64, -(-4 * L2_BYTES // bytes_per_layer)))
+
+
+def bench_gdn_decode(batch: int, hk: int, hv: int, dim: int, sweep: bool) -> list[dict]:
+    from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
+    from deltaserve.kernels.triton_gdn import decode_block_v, gdn_decode_launch
+
+    state_bytes = batch * hv * dim * dim * 4
+    layers = layers_for(state_bytes)
+    pools = [torch.randn(batch + 1, hv, dim, dim, device=DEV) * 0.01 for _ in range(layers)]
+    slots = (torch.randperm(batch, device=DEV) + 1).to(torch.int32)
+    q = torch.randn(batch, hk, dim, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn_like(q)
+    v = torch.randn(batch, hv, dim, device=DEV, dtype=torch.bfloat16)
+    g = -torch.rand(batch, hv, device=DEV) * 0.1
+    beta = torch.rand(batch, hv, device=DEV, dtype=torch.bfloat16)
+    moved = 2 * state_bytes  # read and write each state element once
+    rows = []
+
+    def record(name: str, seconds: float) -> None:
+        rows.append(
+            dict(
+                op="gdn_decode",
+                variant=name,
+                batch=batch,
+                hk=hk,
+                hv=hv,
+                dim=dim,
+                us=seconds * 1e6,
+                gbps=moved / seconds / 1e9,
+            )
+        )
+
+    record("deltaserve", time_graph([lambda p=p: gdn_decode_cuda(q, k, v, g, beta, p, slots) for p in pools]))
+    if sweep:
+        out = torch.empty_like(v)
+        for bv in (8, 16, 32, 64):
+            for warps in (2, 4, 8):
+                fns = [
+                    lambda p=p, bv=bv, warps=warps: gdn_decode_launch(
+                        q, k, v, g, beta, p, slots, out, bv, warps
+                    )
+                    for p in pools
+                ]
+                record(f"BV={bv},warps={warps}", time_graph(fns))
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        rows[0]["variant"] += "(BV={},warps={})".format(*decode_block_v(batch, hv, dim, dim, sms))
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except ImportError:
+        return rows
+    states = [p[1:] for p in pools]  # contiguous [batch, ...]: FLA's best case, no gather
+
+    def fla(state: torch.Tensor) -> None:
+        fused_recurrent_gated_delta_rule(
+            q.unsqueeze(1),
+            k.unsqueeze(1),
+            v.unsqueeze(1),
+            g=g.unsqueeze(1),
+            beta=beta.unsqueeze(1),
+            initial_state=state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+
+    try:
+        record("fla fused_recurrent (contiguous state)", time_graph([lambda s=s: fla(s) for s in states]))
+    except Exception as exc:
+        print(f"fla fused_recurrent failed: {type(exc).__name__}: {exc}")
+
+    def fla_pool(pool: torch.Tensor) -> None:
+        idx = slots.long()
+        _, final = fused_recurrent_gated_delta_rule(
+            q.unsqueeze(1),
+            k.unsqueeze(1),
+            v.unsqueeze(1),
+            g=g.unsqueeze(1),
+            beta=beta.unsqueeze(1),
+            initial_state=pool[idx],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        pool[idx] = final
+
+    try:
+        record("fla gather+scatter", time_graph([lambda p=p: fla_pool(p) for p in pools]))
+    except Exception as exc:
+        print(f"fla gather+scatter failed: {type(exc).__name__}: {exc}")
+    return rows
+
+
+def bench_paged_decode(
+    batch: int, context: int, hq: int, hkv: int, dim: int, page: int, sweep: bool
+) -> list[dict]:
+    from deltaserve.kernels.attention_cuda import decode_splits, paged_attention_cuda, paged_decode_launch
+
+    pages_per = -(-context // page)
+    kv_bytes = 2 * batch * context * hkv * dim * 2
+    layers = layers_for(kv_bytes)
+    caches = []
+    for _ in range(layers):
+        shape = (batch * pages_per + 1, page, hkv, dim)
+        caches.append(
+            (
+                torch.randn(shape, device=DEV, dtype=torch.bfloat16),
+                torch.randn(shape, device=DEV, dtype=torch.bfloat16),
+            )
+        )
+    table = (torch.randperm(batch * pages_per, device=DEV) + 1).to(torch.int32).view(batch, pages_per)
+    q = torch.randn(batch, hq, dim, device=DEV, dtype=torch.bfloat16)
+    cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
+    seq = torch.full((batch,), context, device=DEV, dtype=torch.int32)
+    rows = []
+
+    def record(name: str, seconds: float) -> None:
+        rows.append(
+            dict(
+                op="paged_decode",
+                variant=name,
+                batch=batch,
+                context=context,
+                hq=hq,
+                hkv=hkv,
+                dim=dim,
+                page=page,
+                us=seconds * 1e6,
+                gbps=kv_bytes / seconds / 1e9,
+            )
+        )
+
+    fns = [lambda c=c: paged_attention_cuda(q, c[0], c[1], table, cu, seq, dim**-0.5, 1) for c in caches]
+    splits = decode_splits(
+        batch, hkv, pages_per * page, torch.cuda.get_device_properties(0).multi_processor_count
+    )
+    record(f"deltaserve(splits={splits})", time_graph(fns))
+    if sweep:
+        out = torch.empty_like(q)
+        variants = [(splits, bn, w, st) for bn in (32, 64) for w, st in ((4, 2), (4, 3), (8, 2))]
+        variants += [(s, bn, 4, 2) for s in (1, 4, 16, 32, 64) for bn in (32, 64) if s != splits]
+        for s, bn, warps, stages in variants:
+            fns = [
+                lambda c=c, s=s, bn=bn, warps=warps, stages=stages: paged_decode_launch(
+                    q, c[0], c[1], table, cu, seq, dim**-0.5, out, s, bn, warps, stages
+                )
+                for c in caches
+            ]
+            try:
+                record(f"splits={s},BN={bn},warps={warps},stages={stages}", time_graph(fns, replays=10))
+            except Exception as exc:  # out of shared memory for a large tile, say
+                print(f"skip splits={s} BN={bn} warps={warps} stages={stages}: {type(exc).__name__}: {exc}")
+    return rows
+
+
+def bench_paged_prefill(
+    q_len: int, prefix: int, hq: int, hkv: int, dim: int, page: int, sweep: bool
+) -> list[dict]:
+    from deltaserve.kernels.attention_cuda import paged_prefill_launch, prefill_tiles
+
+    total = prefix + q_len
+    pages = -(-total // page)
+    shape = (pages + 1, page, hkv, dim)
+    k_cache = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+    table = (torch.randperm(pages, device=DEV) + 1).to(torch.int32).view(1, pages)
+    q = torch.randn(q_len, hq, dim, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    cu = torch.tensor([0, q_len], device=DEV, dtype=torch.int32)
+    seq = torch.tensor([total], device=DEV, dtype=torch.int32)
+    pairs = q_len * prefix + q_len * (q_len + 1) / 2  # (query, visible key) pairs
+    flops = 4 * hq * dim * pairs
+    default = prefill_tiles(q.dtype, dim)
+    tiles_list = [default]
+    if sweep:
+        tiles_list += [
+            (64, 64, 8, 2),
+            (128, 32, 8, 2),
+            (128, 64, 8, 2),
+            (64, 32, 4, 3),
+            (128, 64, 8, 3),
+            (64, 64, 4, 2),
+        ]
+    rows = []
+    for tiles in tiles_list:
+        try:
+            seconds = time_eager(
+                lambda tiles=tiles: paged_prefill_launch(
+                    q, k_cache, v_cache, table, cu, seq, dim**-0.5, out, q_len, tiles
+                )
+            )
+        except Exception as exc:  # out of shared memory for a large tile, say
+            print(f"skip prefill tiles {tiles}: {type(exc).__name__}: {exc}")
+            continue
+        name = "deltaserve" if not rows else "BM={},BN={},warps={},stages={}".format(*tiles)
+        rows.append(
+            dict(
+                op="paged_prefill",
+                variant=name,
+                q_len=q_len,
+                prefix=prefix,
+                hq=hq,
+                hkv=hkv,
+                dim=dim,
+                us=seconds * 1e6,
+                tflops=flops / seconds / 1e12,
+            )
+        )
+    return rows
+
+
+def gpu_seconds(fn: Callable[[], object], reps: int = 5) -> float:
+    """Kernel time alone (profiler), to tell device work from host overhead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(getattr(event, "self_device_time_total", 0.0) for event in prof.key_averages())
+    return total / reps / 1e6
+
+
+def bench_gdn_prefill(lengths: list[int], hk: int, hv: int, dim: int) -> dict:
+    from deltaserve.kernels.gdn_cuda import gdn_prefill_cuda
+
+    total = sum(lengths)
+    q = torch.randn(total, hk, dim, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn_like(q)
+    v = torch.randn(total, hv, dim, device=DEV, dtype=torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(total, hv, device=DEV))
+    beta = torch.rand(total, hv, device=DEV, dtype=torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEV, dtype=torch.int32)
+    pool = torch.randn(len(lengths) + 1, hv, dim, dim, device=DEV) * 0.01
+    slots = torch.arange(1, len(lengths) + 1, device=DEV, dtype=torch.int32)
+    has_init = torch.ones(len(lengths), dtype=torch.bool, device=DEV)
+
+    def ours() -> None:
+        gdn_prefill_cuda(q, k, v, g, beta, cu, pool, slots, has_init)
+
+    row: dict = dict(op="gdn_prefill", lengths=f"{len(lengths)}x{lengths[0]}", hk=hk, hv=hv, dim=dim)
+    seconds = time_eager(ours)
+    row.update(us=seconds * 1e6, tok_per_s=total / seconds)
+    try:
+        row["gpu_us"] = gpu_seconds(ours) * 1e6
+    except Exception as exc:
+        print(f"profiler failed: {type(exc).__name__}: {exc}")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    cu_long = cu.long()
+    init = pool[1:].clone()
+
+    def raw() -> None:  # FLA alone: no gather / scatter, cu_seqlens already int64
+        chunk_gated_delta_rule(
+            q[None],
+            k[None],
+            v[None],
+            g=g[None],
+            beta=beta[None],
+            initial_state=init,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_long,
+        )
+
+    with torch.no_grad():
+        row["fla_raw_us"] = time_eager(raw) * 1e6
+    return row
+
+
+def bench_conv_decode(batch: int, dim: int, width: int) -> dict:
+    from deltaserve.kernels.conv_cuda import conv_decode_cuda
+
+    state_bytes = batch * dim * (width - 1) * 2
+    layers = layers_for(state_bytes)
+    pools = [torch.randn(batch + 1, dim, width - 1, device=DEV, dtype=torch.bfloat16) for _ in range(layers)]
+    weight = torch.randn(dim, width, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(batch, dim, device=DEV, dtype=torch.bfloat16)
+    slots = (torch.randperm(batch, device=DEV) + 1).to(torch.int32)
+    seconds = time_graph([lambda p=p: conv_decode_cuda(x, p, weight, None, slots) for p in pools])
+    moved = 2 * state_bytes + 2 * batch * dim * 2
+    return dict(
+        op="conv_decode", batch=batch, dim=dim, width=width, us=seconds * 1e6, gbps=moved / seconds / 1e9
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--sweep", action="store_true", help="also time block-size variants")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    copy = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name(0)}: device copy {copy / 1e12:.2f} TB/s (read + write)")
+    rows: list[dict] = [dict(op="copy", gbps=copy / 1e9)]
+    for hv in (32, 16):
+        for batch in (1, 4, 64, 256):
+            rows += bench_gdn_decode(batch, 16, hv, 128, args.sweep)
+    for batch in (256, 64, 1):
+        rows.append(bench_conv_decode(batch, 8192, 4))
+    for batch, context in ((1, 32768), (64, 4096), (256, 2048)):
+        rows += bench_paged_decode(batch, context, 16, 4, 256, 16, args.sweep)
+    rows += bench_paged_prefill(8192, 0, 16, 4, 256, 16, args.sweep)
+    rows += bench_paged_prefill(2048, 6144, 16, 4, 256, 16, args.sweep)
+    rows.append(bench_gdn_prefill([8192], 16, 32, 128))
+    rows.append(bench_gdn_prefill([1024] * 8, 16, 32, 128))
+    for row in rows:
+        if "gbps" in row and row["op"] != "copy":
+            row["pct_copy"] = 100 * row["gbps"] * 1e9 / copy
+        print(json.dumps({key: round(val, 2) if isinstance(val, float) else val for key, val in row.items()}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

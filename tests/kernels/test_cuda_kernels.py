@@ -1,0 +1,295 @@
+"""The fast CUDA paths (FLA, our Triton kernels) held to the torch references, on the GPU.
+
+References run on the same CUDA tensors with `DELTASERVE_REFERENCE_KERNELS=1`; errors are
+measured as ||out - ref|| / ||ref||. Pools are filled with random data so that a wrong slot,
+a missed write or a stray write shows.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from deltaserve.kernels import conv_decode, conv_prefill, gdn_decode, gdn_prefill, paged_attention
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEV = "cuda"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def reference(monkeypatch: pytest.MonkeyPatch, op, *args, **kwargs):
+    with monkeypatch.context() as m:
+        m.setenv("DELTASERVE_REFERENCE_KERNELS", "1")
+        return op(*args, **kwargs)
+
+
+@pytest.fixture
+def fla_visible():
+    """Let this test import FLA although tests/conftest.py hides it (for transformers' CPU
+    oracle), then hide it again so later tests in the process see what they expect."""
+    hidden = "fla" in sys.modules and sys.modules["fla"] is None
+    if hidden:
+        del sys.modules["fla"]
+    yield
+    if hidden:
+        for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+            del sys.modules[name]
+        sys.modules["fla"] = None
+
+
+def pick_slots(n: int, num_slots: int) -> torch.Tensor:
+    """n distinct slots in a scrambled order, never slot 0 (the padding slot)."""
+    return (torch.randperm(num_slots - 1)[:n] + 1).to(torch.int32).to(DEV)
+
+
+def cu_from(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+
+
+def assert_untouched(after: torch.Tensor, before: torch.Tensor, slots: torch.Tensor) -> None:
+    keep = torch.ones(after.shape[0], dtype=torch.bool, device=DEV)
+    keep[slots.long()] = False
+    assert keep[0], "slot 0 must stay unaddressed in these tests"
+    assert torch.equal(after[keep], before[keep])
+
+
+# --- GDN -------------------------------------------------------------------------------
+
+
+def gdn_inputs(total: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype):
+    q = torch.randn(total, hk, dk, device=DEV, dtype=dtype)
+    k = torch.randn(total, hk, dk, device=DEV, dtype=dtype)
+    v = torch.randn(total, hv, dv, device=DEV, dtype=dtype)
+    g = torch.nn.functional.logsigmoid(torch.randn(total, hv, device=DEV)) * 0.5
+    beta = torch.rand(total, hv, device=DEV).to(dtype)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hk", "hv", "dk", "dv"), [(2, 4, 128, 128), (3, 3, 64, 32), (2, 8, 128, 64)])
+@pytest.mark.parametrize("batch", [1, 7, 70])
+def test_gdn_decode(monkeypatch, dtype, hk, hv, dk, dv, batch):
+    from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
+
+    num_slots = 2 * batch + 3
+    pool = torch.randn(num_slots, hv, dk, dv, device=DEV) * 0.1
+    slots = pick_slots(batch, num_slots)
+    inputs = gdn_inputs(batch, hk, hv, dk, dv, dtype)
+    ref_pool = pool.clone()
+    ref = reference(monkeypatch, gdn_decode, *inputs, ref_pool, slots)
+    before = pool.clone()
+    out = gdn_decode_cuda(*inputs, pool, slots)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert rel_err(out, ref) < TOL[dtype]
+    assert rel_err(pool[slots.long()], ref_pool[slots.long()]) < 2e-5
+    assert_untouched(pool, before, slots)
+
+
+def test_gdn_decode_cuda_graph(monkeypatch):
+    from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
+
+    batch, hk, hv, dk, dv, num_slots = 8, 2, 4, 128, 128, 20
+    pool = torch.randn(num_slots, hv, dk, dv, device=DEV) * 0.1
+    static = [t.clone() for t in gdn_inputs(batch, hk, hv, dk, dv, torch.bfloat16)]
+    slots = pick_slots(batch, num_slots)
+    gdn_decode_cuda(*static, pool.clone(), slots)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gdn_decode_cuda(*static, pool, slots)
+    for _ in range(2):
+        for buf, new in zip(static, gdn_inputs(batch, hk, hv, dk, dv, torch.bfloat16)):
+            buf.copy_(new)
+        slots.copy_(pick_slots(batch, num_slots))
+        ref_pool = pool.clone()
+        ref = reference(monkeypatch, gdn_decode, *static, ref_pool, slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+        assert rel_err(pool, ref_pool) < 2e-5
+
+
+@pytest.mark.parametrize(
+    ("dtype", "hk", "hv", "dk", "dv"), [(torch.bfloat16, 2, 4, 128, 128), (torch.float32, 2, 2, 64, 64)]
+)
+def test_gdn_prefill(monkeypatch, fla_visible, dtype, hk, hv, dk, dv):
+    from deltaserve.kernels.gdn_cuda import gdn_prefill_cuda
+
+    lengths = [1, 63, 64, 65, 130, 7, 200]
+    has_init = torch.tensor([True, False, True, True, False, True, False], device=DEV)
+    num_slots = 12
+    pool = torch.randn(num_slots, hv, dk, dv, device=DEV) * 0.1
+    slots = pick_slots(len(lengths), num_slots)
+    cu = cu_from(lengths)
+    inputs = gdn_inputs(sum(lengths), hk, hv, dk, dv, dtype)
+    ref_pool = pool.clone()
+    ref = reference(monkeypatch, gdn_prefill, *inputs, cu, ref_pool, slots, has_init)
+    before = pool.clone()
+    out = gdn_prefill_cuda(*inputs, cu, pool, slots, has_init)
+    # FLA computes its chunk products in TF32 / bf16, hence looser bounds than decode.
+    tol = 5e-3 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert rel_err(out, ref) < tol
+    assert rel_err(pool[slots.long()], ref_pool[slots.long()]) < tol
+    assert_untouched(pool, before, slots)
+
+
+# --- causal conv -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize(("use_bias", "activation"), [(True, "silu"), (False, None)])
+def test_conv_decode(monkeypatch, dtype, width, use_bias, activation):
+    from deltaserve.kernels.conv_cuda import conv_decode_cuda
+
+    batch, dim, num_slots = 9, 300, 16
+    pool = torch.randn(num_slots, dim, width - 1, device=DEV).to(dtype)
+    weight = torch.randn(dim, width, device=DEV).to(dtype)
+    bias = torch.randn(dim, device=DEV).to(dtype) if use_bias else None
+    x = torch.randn(batch, dim, device=DEV).to(dtype)
+    slots = pick_slots(batch, num_slots)
+    ref_pool = pool.clone()
+    ref = reference(monkeypatch, conv_decode, x, ref_pool, weight, bias, slots, activation)
+    before = pool.clone()
+    out = conv_decode_cuda(x, pool, weight, bias, slots, activation)
+    assert rel_err(out, ref) < TOL[dtype]
+    assert torch.equal(pool, ref_pool)  # the new history is a copy, exact in any dtype
+    assert_untouched(pool, before, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 4])
+def test_conv_prefill(monkeypatch, dtype, width):
+    from deltaserve.kernels.conv_cuda import conv_prefill_cuda
+
+    lengths = [1, 2, 3, 64, 70, 5, 1]
+    has_init = torch.tensor([True, True, False, True, False, True, False], device=DEV)
+    dim, num_slots = 200, 12
+    pool = torch.randn(num_slots, dim, width - 1, device=DEV).to(dtype)
+    weight = torch.randn(dim, width, device=DEV).to(dtype)
+    bias = torch.randn(dim, device=DEV).to(dtype)
+    x = torch.randn(sum(lengths), dim, device=DEV).to(dtype)
+    slots = pick_slots(len(lengths), num_slots)
+    cu = cu_from(lengths)
+    ref_pool = pool.clone()
+    ref = reference(monkeypatch, conv_prefill, x, ref_pool, weight, bias, cu, slots, has_init, "silu")
+    before = pool.clone()
+    out = conv_prefill_cuda(x, pool, weight, bias, cu, slots, has_init, "silu")
+    assert rel_err(out, ref) < TOL[dtype]
+    assert torch.equal(pool, ref_pool)
+    assert_untouched(pool, before, slots)
+
+
+def test_conv_decode_cuda_graph(monkeypatch):
+    from deltaserve.kernels.conv_cuda import conv_decode_cuda
+
+    batch, dim, width, num_slots = 4, 128, 4, 10
+    pool = torch.randn(num_slots, dim, width - 1, device=DEV)
+    weight = torch.randn(dim, width, device=DEV)
+    x = torch.randn(batch, dim, device=DEV)
+    slots = pick_slots(batch, num_slots)
+    conv_decode_cuda(x, pool.clone(), weight, None, slots)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = conv_decode_cuda(x, pool, weight, None, slots)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        slots.copy_(pick_slots(batch, num_slots))
+        ref_pool = pool.clone()
+        ref = reference(monkeypatch, conv_decode, x, ref_pool, weight, None, slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < TOL[torch.float32]
+        assert torch.equal(pool, ref_pool)
+
+
+# --- paged attention -------------------------------------------------------------------
+
+
+def paged_inputs(q_lens, seq_lens, hq, hkv, dim, page, dtype):
+    """A cache whose pages are handed out in scrambled order, page 0 left as padding."""
+    pages_per = [-(-s // page) for s in seq_lens]
+    num_pages = sum(pages_per) + 4
+    k_cache = torch.randn(num_pages, page, hkv, dim, device=DEV).to(dtype)
+    v_cache = torch.randn(num_pages, page, hkv, dim, device=DEV).to(dtype)
+    order = (torch.randperm(num_pages - 1) + 1).tolist()
+    table = torch.zeros(len(seq_lens), max(pages_per) + 2, dtype=torch.int32)
+    for i, n in enumerate(pages_per):
+        table[i, :n] = torch.tensor(order[:n])
+        order = order[n:]
+    q = torch.randn(sum(q_lens), hq, dim, device=DEV).to(dtype)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    return q, k_cache, v_cache, table.to(DEV), cu_from(q_lens), seq
+
+
+ATTN_TOL = {torch.float32: 1e-4, torch.bfloat16: 1.5e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize(("hq", "hkv", "page"), [(8, 2, 16), (4, 4, 64), (6, 1, 1)])
+def test_paged_decode(monkeypatch, dtype, dim, hq, hkv, page):
+    seq_lens = [1, 37, 1500, 200, 64]
+    args = paged_inputs([1] * len(seq_lens), seq_lens, hq, hkv, dim, page, dtype)
+    scale = dim**-0.5
+    ref = reference(monkeypatch, paged_attention, *args, scale)
+    out = paged_attention(*args, scale, max_seqlen_q=1)
+    assert rel_err(out, ref) < ATTN_TOL[dtype]
+
+
+@pytest.mark.parametrize("splits", [1, 3, 32])
+def test_paged_decode_splits(monkeypatch, splits):
+    from deltaserve.kernels.attention_cuda import paged_decode_launch
+
+    seq_lens = [1, 700, 33, 2048]
+    args = paged_inputs([1] * len(seq_lens), seq_lens, 8, 2, 128, 16, torch.bfloat16)
+    ref = reference(monkeypatch, paged_attention, *args, 0.1)
+    out = torch.full_like(args[0], float("nan"))
+    paged_decode_launch(*args, 0.1, out, splits, 64)
+    assert rel_err(out, ref) < ATTN_TOL[torch.bfloat16]
+
+
+def test_paged_decode_cuda_graph(monkeypatch):
+    from deltaserve.kernels.attention_cuda import paged_attention_cuda
+
+    q, k_cache, v_cache, table, cu, seq = paged_inputs([1] * 4, [900] * 4, 8, 2, 128, 16, torch.bfloat16)
+    seq.copy_(torch.tensor([5, 300, 900, 17], device=DEV))
+    paged_attention_cuda(q, k_cache, v_cache, table, cu, seq, 0.1, 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_cuda(q, k_cache, v_cache, table, cu, seq, 0.1, 1)
+    for lengths in ([900, 1, 64, 65], [33, 800, 2, 899]):
+        seq.copy_(torch.tensor(lengths, device=DEV))
+        q.copy_(torch.randn_like(q))
+        ref = reference(monkeypatch, paged_attention, q, k_cache, v_cache, table, cu, seq, 0.1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < ATTN_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize(("hq", "hkv", "page"), [(8, 2, 16), (4, 4, 32)])
+def test_paged_prefill(monkeypatch, dtype, dim, hq, hkv, page):
+    q_lens = [1, 17, 64, 100, 130]
+    prefix = [0, 5, 100, 0, 33]
+    seq_lens = [p + n for p, n in zip(prefix, q_lens)]
+    args = paged_inputs(q_lens, seq_lens, hq, hkv, dim, page, dtype)
+    scale = dim**-0.5
+    ref = reference(monkeypatch, paged_attention, *args, scale)
+    out = paged_attention(*args, scale)  # max_seqlen_q computed inside
+    assert rel_err(out, ref) < ATTN_TOL[dtype]
+    out = paged_attention(*args, scale, max_seqlen_q=max(q_lens))
+    assert rel_err(out, ref) < ATTN_TOL[dtype]
