@@ -33,9 +33,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
     if use_fast_path(x):
-        try:
-            from deltaserve.kernels.moe_cuda import fused_moe_cuda
-        except ImportError:
-            return moe_ref(x, gate_up, down, topk_ids, topk_weights)
+        from deltaserve.kernels.moe_cuda import fused_moe_cuda
+
         return fused_moe_cuda(x, gate_up, down, topk_ids, topk_weights)
     return moe_ref(x, gate_up, down, topk_ids, topk_weights)
