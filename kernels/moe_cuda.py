@@ -54,11 +54,13 @@ def fused_moe_cuda(
     rows, block_expert = _align(topk_ids, e, block_m)
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
     block_n, block_k = 64, 64
+    # fp32 serving asks for fp32 results: no tf32 rounding inside the dots
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid1 = (block_expert.numel(), triton.cdiv(inter_size, block_n))
     _moe_gate_up_kernel[grid1](
         x, gate_up, rows, block_expert, inter, n, h, inter_size, top_k, e,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
     )  # fmt: skip
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -66,6 +68,6 @@ def fused_moe_cuda(
     _moe_down_kernel[grid2](
         inter, down, rows, block_expert, weights, out, n, h, inter_size, e,
         inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
     )  # fmt: skip
     return out.view(t, top_k, h).sum(dim=1)

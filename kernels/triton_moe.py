@@ -31,6 +31,7 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -62,8 +63,8 @@ def _moe_gate_up_kernel(
             mask=n_ok[None, :] & k_ok[:, None],
             other=0.0,
         )
-        acc_g = tl.dot(a, wg, acc_g)
-        acc_u = tl.dot(a, wu, acc_u)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     dst = inter + assign.to(tl.int64)[:, None] * stride_it + offs_n[None, :]
     tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
@@ -88,6 +89,7 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -115,7 +117,7 @@ def _moe_down_kernel(
             mask=n_ok[None, :] & k_ok[:, None],
             other=0.0,
         )
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     rw = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
     dst = out + a_row[:, None] * stride_ot + offs_n[None, :]
