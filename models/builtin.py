@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 BUILTIN_NAME = "builtin-qwen3-next-tiny-v1"
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json")
@@ -22,7 +23,7 @@ EOS_TOKEN_ID = 151645  # <|im_end|>
 # Qwen3-Next's shape in miniature: 3 GDN layers then 1 gated full-attention layer, MoE with a shared
 # expert on every layer, grouped GDN value heads, partial RoPE. The vocabulary keeps the real padded
 # size (151669 tokens rounded up to 151936) so every token id the tokenizer can make is valid.
-TINY_CONFIG = dict(
+TINY_CONFIG: dict[str, Any] = dict(
     vocab_size=151936,
     hidden_size=64,
     intermediate_size=128,
@@ -115,7 +116,7 @@ def _build(out: Path) -> None:
         # Seeded on a private generator state so building does not disturb the caller's RNG.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = Qwen3NextForCausalLM(config).to(torch.float32).eval()
+            model = Qwen3NextForCausalLM(config).float().eval()
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()

@@ -9,6 +9,7 @@ Only the engine thread ever touches the Engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -200,7 +201,7 @@ class EngineClient:
             elif kind == "stats":
                 self._settle(future, self.engine.stats)
             elif kind == "add":
-                self._settle(future, lambda p=payload: self._add(p))
+                self._settle(future, functools.partial(self._add, payload))
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 
 import httpx
 import openai
@@ -145,10 +147,18 @@ def test_server_still_answers_after_errors(server) -> None:
 
 
 @pytest.fixture(scope="module")
-def keyed_server(spawn_server):
-    # The key comes from the environment, as a container would pass it.
+def keyed_server(spawn_server, builtin_path):
+    # An explicit --model with two served names; the key comes from the environment, as a container
+    # would pass it.
     return spawn_server(
-        "--max-model-len", "256", "--cache-type", "naive", env={"DELTASERVE_API_KEY": "sekrit"}
+        "--model",
+        builtin_path,
+        "--served-model-name",
+        "tiny",
+        "tiny-alias",
+        "--max-model-len",
+        "256",
+        env={"DELTASERVE_API_KEY": "sekrit"},
     )
 
 
@@ -156,7 +166,7 @@ def keyed_server(spawn_server):
     "method,path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")]
 )
 def test_api_key_required_on_v1(keyed_server, method: str, path: str) -> None:
-    body = GOOD if "chat" in path else {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    body = {**GOOD, "model": "tiny"} if "chat" in path else {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     kwargs = {"json": body} if method == "POST" else {}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
         assert_error(
@@ -169,11 +179,39 @@ def test_api_key_required_on_v1(keyed_server, method: str, path: str) -> None:
     assert httpx.get(f"{keyed_server.url}/health").status_code == 200  # outside /v1: open
 
 
-def test_api_key_with_openai_client(keyed_server) -> None:
+def test_api_key_and_served_names_with_openai_client(keyed_server) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="wrong", max_retries=0).models.list()
     good = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="sekrit", max_retries=0)
-    assert good.models.list().data[0].id == MODEL_NAME
+    assert [m.id for m in good.models.list().data] == ["tiny", "tiny-alias"]
+    r = good.completions.create(model="tiny-alias", prompt="hi", max_tokens=2)
+    assert r.model == "tiny" and r.usage.completion_tokens >= 1
+    with pytest.raises(openai.NotFoundError):
+        good.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+
+
+def test_bad_requests_do_not_disturb_a_running_one(server) -> None:
+    body = {"model": MODEL_NAME, "prompt": "steady", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    done: dict[str, list[str]] = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+            done["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    for bad in ({"n": 0}, {"max_tokens": -1}, {"prompt": "x" * 5000}, {"model": "nope"}, {"temperature": 9}):
+        assert post(server, "/v1/completions", json={**body, "stream": False, **bad}).status_code in (
+            400,
+            404,
+        )
+    reader.join(120)
+    chunks = [json.loads(line[len("data: ") :]) for line in done["lines"][:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    tokens = httpx.post(
+        f"{server.url}/tokenize", json={"prompt": "".join(c["choices"][0]["text"] for c in chunks)}
+    ).json()
+    assert tokens["count"] > 0 and len(chunks) > 10  # streamed as made, not in one piece
 
 
 def test_full_waiting_queue_is_503(spawn_server, until_idle) -> None:
