@@ -53,15 +53,19 @@ def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> Usage:
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
     tools = req.tools if req.tools and req.tool_choice != "none" else None
-    prompt = render_chat(
-        ctx.need_tokenizer(),
-        req.messages,
-        template=ctx.chat_template,
-        tools=tools,
-        add_generation_prompt=req.add_generation_prompt,
-        template_kwargs=req.chat_template_kwargs,
-    )
-    prompt_ids = ctx.encode(prompt)
+
+    def prepare() -> tuple[str, list[int]]:
+        text = render_chat(
+            ctx.need_tokenizer(),
+            req.messages,
+            template=ctx.chat_template,
+            tools=tools,
+            add_generation_prompt=req.add_generation_prompt,
+            template_kwargs=req.chat_template_kwargs,
+        )
+        return text, ctx.encode(text)
+
+    prompt, prompt_ids = await ctx.off_loop(prepare)
     params = build_sampling_params(
         req,
         prompt_len=len(prompt_ids),

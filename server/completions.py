@@ -82,7 +82,7 @@ class _Choice:
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
-    prompts = _prompts(ctx, req.prompt)
+    prompts = await ctx.off_loop(_prompts, ctx, req.prompt)
     request_id = random_id("cmpl")
     requests, choices = [], []
     for j, (text, ids) in enumerate(prompts):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
@@ -17,6 +19,9 @@ from .metrics import Metrics
 if TYPE_CHECKING:
     from deltaserve.engine.outputs import RequestOutput
     from deltaserve.engine.sampling_params import SamplingParams
+
+
+T = TypeVar("T")
 
 
 class ClientDisconnected(Exception):
@@ -38,7 +43,15 @@ class ServerContext:
         vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
         # Split <think> sections only for tokenizers that have them (the Qwen family).
         self.parse_reasoning = "<think>" in vocab and "</think>" in vocab
+        self._prompt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-prompt")
         self.vocab_size = int(self.client.vocab_size or (len(self.tokenizer) if self.tokenizer else 0))
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run template rendering and tokenization beside the event loop, so a long prompt does not
+        stall the streams of others. One worker: tokenizers are not made for concurrent callers."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._prompt_worker, functools.partial(fn, *args)
+        )
 
     def resolve_model(self, name: str | None) -> str:
         if name is None or name in self.model_names:
