@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.kernels.dispatch import use_fast_path
+
 
 def store_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write new latents `[T, L + R]` to flat cache positions `slot_mapping [T]`."""
@@ -106,6 +108,32 @@ def mla_attention_absorbed_ref(
     return out
 
 
+def mla_decode_absorbed(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_head_dim: int,
+) -> torch.Tensor:
+    """Absorbed form for one query token per request (q `[N, H, nope + R]`), batched over the
+    padded page table: no host syncs and shapes fixed by the batch, so CUDA graphs capture it."""
+    n, heads = q.shape[0], q.shape[1]
+    w_uk, w_uv = absorb_weights(w_kv_b.float(), heads, v_head_dim)
+    nope, latent_dim = w_uk.shape[1], w_uk.shape[2]
+    q_nope, q_pe = q.float().split([nope, q.shape[-1] - nope], dim=-1)
+    q_latent = torch.cat([torch.einsum("nhd,hdl->nhl", q_nope, w_uk), q_pe], dim=-1)  # [N, H, L + R]
+    latent = cache[page_table.long()].reshape(n, -1, cache.shape[-1]).float()  # [N, S, L + R]
+    scores = torch.einsum("nhc,nsc->nhs", q_latent, latent) * scale
+    # padding rows (seq_len 0) attend to one position, so that they stay finite
+    pos = torch.arange(latent.shape[1], device=q.device)
+    mask = pos.unsqueeze(0) >= seq_lens.clamp_min(1).unsqueeze(1)
+    probs = torch.softmax(scores.masked_fill(mask.unsqueeze(1), float("-inf")), dim=-1)
+    o_latent = torch.einsum("nhs,nsl->nhl", probs, latent[..., :latent_dim])
+    return torch.einsum("nhl,hvl->nhv", o_latent, w_uv).to(q.dtype)
+
+
 def mla_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -118,7 +146,10 @@ def mla_attention(
 ) -> torch.Tensor:
     """q `[T, H, nope + R]` packed over N requests; returns `[T, H, v_head_dim]`.
 
-    Every device runs the expanded torch reference for now; a Triton decode kernel over the
-    latent cache (absorbed form) is the CUDA path still to write.
+    CPU runs the expanded reference. On CUDA, batches of one token per request (decode, and
+    what CUDA graphs capture) take the batched absorbed form in torch; prefill takes the
+    expanded reference. A Triton kernel over the latent cache is still to write.
     """
+    if use_fast_path(q) and q.shape[0] == seq_lens.shape[0]:
+        return mla_decode_absorbed(q, cache, w_kv_b, page_table, seq_lens, scale, v_head_dim)
     return mla_attention_ref(q, cache, w_kv_b, page_table, cu_seqlens_q, seq_lens, scale, v_head_dim)

@@ -55,16 +55,10 @@ class SigmoidRouter(nn.Module):
         self.topk_groups = getattr(config, "topk_group", 1) or 1
         self.renormalize = bool(getattr(config, "norm_topk_prob", True))
         self.scaling = float(getattr(config, "routed_scaling_factor", 1.0))
-        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        # the router stays fp32 whatever the model dtype (as the release keeps it): near-tied
-        # expert scores must not flip with bf16 rounding of the router weight
-        for p in self._parameters.values():
-            if p is not None:
-                p.data = p.data.to(device=fn(p.data[:0]).device)
-        return self
+        # fp32 whatever the model dtype (the release keeps the router fp32): near-tied expert
+        # scores must not flip with bf16 rounding of the router weight
+        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids `[T, k]`, topk_weights `[T, k]` fp32)."""

@@ -15,7 +15,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from deltaserve.kernels.kda import chunk_kda_ref, kda_decode, kda_prefill, recurrent_kda_ref  # noqa: E402
-from deltaserve.kernels.mla import mla_attention_absorbed_ref, mla_attention_ref, store_latent  # noqa: E402
+from deltaserve.kernels.mla import (  # noqa: E402
+    mla_attention_absorbed_ref,
+    mla_attention_ref,
+    mla_decode_absorbed,
+    store_latent,
+)
 
 H, K, V = 3, 16, 12
 
@@ -147,3 +152,18 @@ def test_mla_absorbed_matches_expanded():
     torch.testing.assert_close(
         mla_attention_absorbed_ref(*args), mla_attention_ref(*args), rtol=1e-5, atol=1e-5
     )
+
+
+def test_mla_batched_decode_matches_expanded():
+    """The batched absorbed decode (the CUDA decode path) against the oracle, on CPU tensors."""
+    heads, nope, rope, lora, vdim, page = 4, 8, 6, 16, 10, 4
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(heads * (nope + vdim), lora, generator=g) * 0.3
+    cache = torch.randn(12, page, lora + rope, generator=g)
+    seq_lens = torch.tensor([9, 1, 14, 4], dtype=torch.int32)
+    page_table = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 11, 8, 10], [6, 0, 0, 0]], dtype=torch.int32)
+    q = torch.randn(4, heads, nope + rope, generator=g)
+    cu = torch.arange(5, dtype=torch.int32)
+    ref = mla_attention_ref(q, cache, w, page_table, cu, seq_lens, 0.3, vdim)
+    out = mla_decode_absorbed(q, cache, w, page_table, seq_lens, 0.3, vdim)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
