@@ -1,4 +1,4 @@
 from deltaserve.server.cli import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

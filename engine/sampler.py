@@ -21,26 +21,9 @@ def apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
     return row
 
 
-def filter_logits(row: torch.Tensor, req: Request) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, masking the rest to -inf."""
-    p = req.params
-    row = row / p.temperature
-    if p.top_k > 0 and p.top_k < row.shape[-1]:
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_vals, order = torch.sort(row, descending=True)
-        probs = torch.softmax(sorted_vals, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = probs.cumsum(-1) - probs >= p.top_p
-        row = row.scatter(0, order, sorted_vals.masked_fill(drop, float("-inf")))
-    if p.min_p > 0.0:
-        probs = torch.softmax(row, dim=-1)
-        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    return row
-
-
 class Sampler:
+    """Samples a whole batch at once; only seeded rows draw their noise one by one."""
+
     def __init__(self, device: torch.device, seed: int, eos_token_ids: list[int]) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -55,11 +38,10 @@ class Sampler:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        simple = all(r.params.greedy and not self._needs_processing(r) for r in reqs)
-        if simple:
+        if all(r.params.greedy and not self._needs_processing(r) for r in reqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:
-            tokens = [self._sample_row(logits[i].clone(), r) for i, r in enumerate(reqs)]
+            tokens = self._sample_batch(logits.clone(), reqs).tolist()
         lps: list[Logprob | None] = []
         for i, (tok, r) in enumerate(zip(tokens, reqs)):
             if logprobs is None or r.params.logprobs is None:
@@ -82,17 +64,39 @@ class Sampler:
             or len(r.output_token_ids) < p.min_tokens
         )
 
-    def _sample_row(self, row: torch.Tensor, r: Request) -> int:
-        p = r.params
-        row = apply_penalties(row, r)
-        if len(r.output_token_ids) < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-            if banned:
-                row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
-        if p.greedy:
-            return int(row.argmax())
-        probs = torch.softmax(filter_logits(row, r), dim=-1)
-        gen = r.generator if r.generator is not None else self.generator
+    def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        dev = logits.device
+        for i, r in enumerate(reqs):
+            if self._needs_processing(r):
+                logits[i] = apply_penalties(logits[i], r)
+                if len(r.output_token_ids) < r.params.min_tokens:
+                    banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
+                    if banned:
+                        logits[i, torch.tensor(banned, dtype=torch.long, device=dev)] = float("-inf")
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=dev)
+        greedy_tokens = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return greedy_tokens
+        vocab = logits.shape[-1]
+        temp = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs], device=dev)
+        top_k = torch.tensor([r.params.top_k or vocab for r in reqs], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
+        min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
+        scaled = logits / temp.unsqueeze(1)
+        # one sort serves top-k and top-p
+        vals, order = torch.sort(scaled, dim=-1, descending=True)
+        rank = torch.arange(vocab, device=dev).unsqueeze(0)
+        vals = vals.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(vals, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        vals = vals.masked_fill(probs.cumsum(-1) - probs >= top_p.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(vals, dim=-1)
+        vals = vals.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1], float("-inf"))
+        probs = torch.softmax(vals, dim=-1)
         # exponential race: argmax(p / E) with E ~ Exp(1) samples from p
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        return int((probs / noise).argmax())
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        sampled = order.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+        return torch.where(greedy, greedy_tokens, sampled)

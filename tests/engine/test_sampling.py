@@ -10,7 +10,7 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampler import Sampler, apply_penalties, filter_logits
+from deltaserve.engine.sampler import Sampler, apply_penalties
 
 
 def make_request(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
@@ -120,21 +120,37 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative():
     assert apply_penalties(row.clone(), r).tolist() == [1.0, -4.0, 2.0, -2.0]
 
 
+def sample_many(probs: list[float], n: int = 4000, **params) -> list[float]:
+    """Frequencies of each token over n rows sampled in one batch."""
+    sampler = Sampler(torch.device("cpu"), 0, eos_token_ids=[])
+    logits = torch.tensor(probs).log().expand(n, -1).contiguous()
+    params.setdefault("temperature", 1.0)
+    reqs = [make_request(SamplingParams(**params)) for _ in range(n)]
+    toks = sampler.sample(logits, reqs)[0]
+    return [toks.count(t) / n for t in range(len(probs))]
+
+
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    kept = filter_logits(probs.log(), make_request(SamplingParams(top_p=0.7)))
-    assert torch.isfinite(kept).tolist() == [True, True, False, False]
+    freq = sample_many([0.5, 0.3, 0.15, 0.05], top_p=0.7)
+    assert freq[2] == freq[3] == 0.0
+    assert math.isclose(freq[0], 0.5 / 0.8, abs_tol=0.03)
 
 
 def test_min_p_drops_tokens_below_the_scaled_maximum():
-    probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
-    kept = filter_logits(probs.log(), make_request(SamplingParams(min_p=0.2)))
-    assert torch.isfinite(kept).tolist() == [True, True, False, False]
+    freq = sample_many([0.6, 0.25, 0.1, 0.05], min_p=0.2)
+    assert freq[2] == freq[3] == 0.0
+    assert math.isclose(freq[1], 0.25 / 0.85, abs_tol=0.03)
 
 
 def test_top_k_keeps_k_largest():
-    kept = filter_logits(torch.tensor([0.1, 3.0, 2.0, -1.0]), make_request(SamplingParams(top_k=2)))
-    assert torch.isfinite(kept).tolist() == [False, True, True, False]
+    freq = sample_many([0.1, 0.4, 0.3, 0.2], top_k=2)
+    assert freq[0] == freq[3] == 0.0
+    assert math.isclose(freq[1], 0.4 / 0.7, abs_tol=0.03)
+
+
+def test_temperature_sharpens():
+    cold = sample_many([0.6, 0.4], temperature=0.5)
+    assert math.isclose(cold[0], 0.36 / 0.52, abs_tol=0.03)
 
 
 def test_min_tokens_bans_eos_until_reached():
