@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.outputs import Logprob
 from deltaserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deltaserve.engine.prefix_caching import CacheHold
 
 
 class Status(enum.Enum):
@@ -29,9 +33,12 @@ class Request:
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # the prefix-cache hit at first admission
+    num_preemptions: int = 0
     slot: int | None = None
+    # With a prefix-cache hit the head of `pages` is the cache's: read, never written or freed.
     pages: list[int] = field(default_factory=list)
+    prefix: CacheHold | None = None  # what the request holds of the radix cache
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[Logprob] | None = None
