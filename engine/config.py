@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from deltaserve.engine.cache_policy import POLICIES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -22,13 +24,15 @@ class EngineConfig:
     max_model_len: int | None = None
     chunked_prefill_size: int = 512
     page_size: int = 16
-    cache_type: str = "naive"
+    cache_type: str = "radix"  # "naive": no reuse across requests
+    prefix_cache_policy: str = "marconi"  # snapshot admission / eviction: see cache_policy.py
+    prefix_cache_alpha: float = 1.0  # marconi's weight of FLOPs saved per byte against recency
     state_dtype: str = "float32"
     seed: int = 0
     load_format: str = "auto"
     mem_fraction_static: float = 0.85
     num_kv_pages: int | None = None  # overrides the memory-based sizing
-    num_snapshot_slots: int | None = None
+    num_snapshot_slots: int | None = None  # radix: default two per running request
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
     extra: dict[str, Any] = field(default_factory=dict)
@@ -44,6 +48,12 @@ class EngineConfig:
             raise ValueError(f"state_dtype must be one of {sorted(DTYPES)}, got {self.state_dtype!r}")
         if self.cache_type not in ("naive", "radix"):
             raise ValueError(f"cache_type must be 'radix' or 'naive', got {self.cache_type!r}")
+        if self.prefix_cache_policy not in POLICIES:
+            raise ValueError(
+                f"prefix_cache_policy must be one of {', '.join(POLICIES)}, got {self.prefix_cache_policy!r}"
+            )
+        if self.prefix_cache_alpha < 0:
+            raise ValueError("prefix_cache_alpha must be non-negative")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be at least 1")
         if self.chunked_prefill_size < 1:

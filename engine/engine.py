@@ -16,6 +16,7 @@ from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.forward_batch import build_forward_batch
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.prefix_caching import make_prefix_cache, prefill_cost
 from deltaserve.engine.request import Request, Status
 from deltaserve.engine.sampler import Sampler
 from deltaserve.engine.sampling_params import SamplingParams
@@ -60,7 +61,10 @@ class Engine:
         self.eos_token_ids = eos_token_ids_of(config.model, loaded.config, self.tokenizer)
         self.runner = ModelRunner(config, loaded, self.device)
         self.max_model_len = self.runner.sizes.max_model_len
-        self.scheduler = Scheduler(config, self.runner.kv_pool, self.runner.state_pool)
+        kv, st = self.runner.kv_pool, self.runner.state_pool
+        cost = prefill_cost(loaded.config, self.runner.model.layer_types, loaded.num_params)
+        self.prefix_cache = make_prefix_cache(config, kv, st, cost)
+        self.scheduler = Scheduler(config, kv, st, self.prefix_cache)
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._finished_outputs: list[RequestOutput] = []
@@ -133,10 +137,12 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return outputs
+        for req in plan.admitted:
+            if req.num_preemptions == 0:
+                self.counters["cached_tokens_total"] += req.num_cached_tokens
         logits = self.runner.forward(self._batch(plan))
         sampled = [c.req for c in plan.chunks if c.sample]
-        for c in plan.chunks:
-            c.req.num_computed_tokens += c.num_tokens
+        self.scheduler.advance(plan)
         if sampled:
             tokens, logprobs = self.sampler.sample(logits, sampled)
             now = time.time()
@@ -239,16 +245,23 @@ class Engine:
 
     # -- introspection ----------------------------------------------------------------
 
+    def flush_cache(self) -> None:
+        """Drop every cached page and snapshot that no running request uses."""
+        self.prefix_cache.flush()
+
     def stats(self) -> dict[str, Any]:
         kv, st = self.runner.kv_pool, self.runner.state_pool
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "kv_pages_used": kv.num_used,
+            # Cached pages that no request uses are as good as free: they are evicted on demand.
+            "kv_pages_used": kv.num_used - self.prefix_cache.num_evictable_pages,
             "kv_pages_total": kv.capacity,
             "state_slots_used": st.num_used,
             "state_slots_total": st.num_working,
             "snapshots_used": st.num_snapshots_used,
+            "snapshots_total": st.num_snapshots,
+            **self.prefix_cache.stats(),
             **self.counters,
         }
 

@@ -31,7 +31,9 @@ def plan_pools(
     slots = config.max_running_requests
     snapshots = config.num_snapshot_slots
     if snapshots is None:
-        snapshots = slots if config.cache_type == "radix" else 0
+        # Each running request holds one snapshot slot for the state at its last page
+        # boundary (its end snapshot at finish); as many again hold the tree's snapshots.
+        snapshots = 2 * slots if config.cache_type == "radix" else 0
     page = config.page_size
     want_len = min(config.max_model_len or max_position_embeddings, max_position_embeddings)
     if config.num_kv_pages is not None:

@@ -5,6 +5,10 @@ prefills, then newly admitted requests, within `chunked_prefill_size` prefill to
 request is admitted only when a state slot and the pages for its first chunk are free;
 otherwise it waits. A decode that finds no free page preempts the newest running request
 (its pages and slot are freed and it is recomputed later).
+
+Pages come from the prefix cache (`prefix_caching.py`), which evicts cached pages before it
+reports the pool dry; a newly admitted request starts from its cached prefix, and a prefill
+chunk ends where the prompt leaves the cache's tree, so that a snapshot can be saved there.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.kv_pool import KVPool
+from deltaserve.engine.prefix_caching import PrefixCache
 from deltaserve.engine.request import Request, Status
 from deltaserve.engine.state_pool import StatePool
 
@@ -30,13 +35,17 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     num_decodes: int
     preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_pool: KVPool, state_pool: StatePool) -> None:
+    def __init__(
+        self, config: EngineConfig, kv_pool: KVPool, state_pool: StatePool, prefix_cache: PrefixCache
+    ) -> None:
         self.config = config
         self.kv_pool = kv_pool
         self.state_pool = state_pool
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -51,6 +60,7 @@ class Scheduler:
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
         preempted: list[Request] = []
+        admitted: list[Request] = []
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
@@ -64,53 +74,65 @@ class Scheduler:
                 if req.status is Status.RUNNING:
                     decodes.append(ScheduledChunk(req, 1, True))
                 continue
-            chunk = self._chunk(req.num_pending, budget)
+            chunk = self._chunk(req, budget)
             if chunk == 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
                 continue
             budget -= chunk
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            chunk = self._chunk(req.num_pending, budget)
-            if chunk == 0:
-                break
             slot = self.state_pool.alloc()
             if slot is None:
                 break
             req.slot = slot
-            if not self._ensure_pages(req, req.num_computed_tokens + chunk):
+            self.prefix_cache.attach(req)
+            chunk = self._chunk(req, budget)
+            if chunk == 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
+                self.prefix_cache.detach(req)
                 self.state_pool.free(slot)
                 req.slot = None
                 break
+            self.prefix_cache.commit(req)
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
+            admitted.append(req)
             budget -= chunk
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
         if not decodes and not prefills:
             return None
-        return SchedulerOutput(decodes + prefills, len(decodes), preempted)
+        return SchedulerOutput(decodes + prefills, len(decodes), preempted, admitted)
 
-    def _chunk(self, pending: int, budget: int) -> int:
+    def advance(self, plan: SchedulerOutput) -> None:
+        """The plan's forward pass ran: its tokens are computed."""
+        for i, c in enumerate(plan.chunks):
+            c.req.num_computed_tokens += c.num_tokens
+            self.prefix_cache.on_computed(c.req, prefill=i >= plan.num_decodes)
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        pending = req.num_pending
         if pending <= budget:
-            return pending
-        align = self.config.chunk_align
-        return budget // align * align
+            chunk = pending
+        else:
+            align = self.config.chunk_align
+            chunk = budget // align * align
+        stop = self.prefix_cache.prefill_stop(req)
+        if stop is not None:
+            chunk = min(chunk, stop - req.num_computed_tokens)
+        return chunk
 
     def _ensure_pages(self, req: Request, num_tokens: int) -> bool:
         need = -(-num_tokens // self.kv_pool.page_size) - len(req.pages)
         if need <= 0:
             return True
-        pages = self.kv_pool.alloc(need)
+        pages = self.prefix_cache.alloc_pages(need)
         if pages is None:
             return False
         req.pages.extend(pages)
         return True
 
     def _release(self, req: Request) -> None:
-        if req.pages:
-            self.kv_pool.free(req.pages)
-            req.pages = []
+        self.prefix_cache.release(req)
         if req.slot is not None:
             self.state_pool.free(req.slot)
             req.slot = None
@@ -121,6 +143,7 @@ class Scheduler:
         self._release(req)
         req.num_computed_tokens = 0
         req.has_initial_state = False
+        req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 
