@@ -1,0 +1,223 @@
+"""The radix prefix cache inside the engine: greedy outputs equal `cache_type="naive"`, later
+requests report cached tokens, and every page and slot comes back once the cache is flushed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.engine.cache_policy import POLICIES
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.outputs import RequestOutput
+
+VOCAB = 160
+PAGE = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def rand(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def path(make_checkpoint) -> str:
+    return make_checkpoint("qwen3_next")
+
+
+def make_llm(path: str, cache_type: str = "radix", chunk: int = 64, **kwargs) -> LLM:
+    kwargs.setdefault("max_running_requests", 4)
+    return LLM(
+        path, dtype="float32", device="cpu", chunked_prefill_size=chunk, cache_type=cache_type, **kwargs
+    )
+
+
+def run(llm: LLM, batches: list[list[list[int]]], params: SamplingParams = GREEDY) -> list[RequestOutput]:
+    """Each batch is one `generate` call (its prompts run concurrently), after the previous one."""
+    outs: list[RequestOutput] = []
+    for batch in batches:
+        outs += llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return outs
+
+
+def tokens(outs: list[RequestOutput]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_idle_after_flush(engine: Engine) -> None:
+    s = engine.stats()
+    assert (s["running"], s["waiting"], s["kv_pages_used"], s["state_slots_used"]) == (0, 0, 0, 0), s
+    engine.flush_cache()
+    s = engine.stats()
+    kv, st = engine.runner.kv_pool, engine.runner.state_pool
+    assert (kv.num_used, st.num_used, st.num_snapshots_used) == (0, 0, 0), s
+    assert (s["kv_pages_cached"], s["snapshots"], s["snapshot_bytes"]) == (0, 0, 0), s
+    assert sorted(kv._free) == list(range(1, kv.num_pages)), "a page leaked or was freed twice"
+
+
+def shared_prefix(n: int = 10) -> list[list[list[int]]]:
+    """One user first, then the rest in small concurrent groups, all behind one 256-token prefix."""
+    prefix = rand(256, 1)
+    prompts = [prefix + rand(1 + 13 * i % 70, 100 + i) for i in range(n)]
+    return [prompts[:1], prompts[1:2]] + [prompts[i : i + 3] for i in range(2, n, 3)]
+
+
+def multi_turn(llm: LLM, num_chats: int = 3, num_turns: int = 4) -> list[list[RequestOutput]]:
+    """Turn k+1's prompt is turn k's prompt, its output and a new user message; the chats'
+    turns run concurrently."""
+    prompts = [rand(40 + 25 * c, 200 + c) for c in range(num_chats)]
+    turns = []
+    for t in range(num_turns):
+        outs = run(llm, [prompts])
+        turns.append(outs)
+        prompts = [
+            p + o.outputs[0].token_ids + rand(5 + 9 * t, 300 + 10 * t + c)
+            for c, (p, o) in enumerate(zip(prompts, outs))
+        ]
+    return turns
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_shared_prefix_matches_naive_and_hits(path, chunk):
+    batches = shared_prefix()
+    want = tokens(run(make_llm(path, "naive", chunk), batches))
+    llm = make_llm(path, chunk=chunk)
+    outs = run(llm, batches)
+    assert tokens(outs) == want
+    cached = [o.num_cached_tokens for o in outs]
+    # The first request (257 tokens, 8 out) leaves its end snapshot at 256: the rest start there.
+    assert cached[0] == 0 and all(c == 256 for c in cached[1:]), cached
+    s = llm.engine.stats()
+    assert s["cached_tokens_total"] == sum(cached) == s["prefix_cache_hit_tokens"]
+    assert s["prefix_cache_query_tokens"] == sum(len(o.prompt_token_ids) for o in outs)
+    assert_idle_after_flush(llm.engine)
+
+
+def test_multi_turn_matches_naive_and_every_later_turn_hits(path):
+    want = [tokens(t) for t in multi_turn(make_llm(path, "naive"))]
+    llm = make_llm(path)
+    turns = multi_turn(llm)
+    assert [tokens(t) for t in turns] == want
+    for before, after in zip(turns, turns[1:]):
+        for prev, o in zip(before, after):
+            # the previous turn's end snapshot: its computed tokens (all but the last output) in whole pages
+            computed = len(prev.prompt_token_ids) + len(prev.outputs[0].token_ids) - 1
+            assert o.num_cached_tokens == computed // PAGE * PAGE > 0
+    assert_idle_after_flush(llm.engine)
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_hit_at_every_chunk_alignment(path, chunk):
+    """every_chunk_lru snapshots each chunk end of a long prompt: a prompt that leaves it
+    at any chunk boundary starts there."""
+    base = rand(256, 5)
+    batches = [[base]] + [[base[:k] + rand(20, k)] for k in range(chunk, 256, chunk)]
+    want = tokens(run(make_llm(path, "naive", chunk), batches))
+    llm = make_llm(path, chunk=chunk, prefix_cache_policy="every_chunk_lru", num_snapshot_slots=32)
+    outs = run(llm, batches)
+    assert tokens(outs) == want
+    assert [o.num_cached_tokens for o in outs] == [0] + list(range(chunk, 256, chunk))
+    assert_idle_after_flush(llm.engine)
+
+
+def test_hit_exactly_at_a_branch_point(path):
+    """The first prompt to leave the tree mid-edge splits its prefill at the (page-aligned)
+    branch point and leaves a snapshot there; the next one to branch there starts at it."""
+    base = rand(200, 6)
+    batches = [[base], [base[:100] + rand(30, 1)], [base[:100] + rand(50, 2)], [base[:96] + rand(9, 3)]]
+    want = tokens(run(make_llm(path, "naive"), batches))
+    llm = make_llm(path)
+    outs = run(llm, batches)
+    assert tokens(outs) == want
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 96, 96]
+    assert llm.engine.stats()["snapshots"] >= 1
+    assert_idle_after_flush(llm.engine)
+
+
+def test_prompt_that_is_a_prefix_of_a_cached_one(path):
+    base = rand(200, 7)
+    # base[:160] ends on a page: its last token is still recomputed, so the hit is 144.
+    batches = [[base], [base[:150]], [base[:150]], [base[:160]], [base[:145]], [base]]
+    want = tokens(run(make_llm(path, "naive"), batches))
+    llm = make_llm(path)
+    outs = run(llm, batches)
+    assert tokens(outs) == want
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached[:5] == [0, 0, 144, 144, 144], cached
+    assert cached[5] >= 192  # the first request's own end snapshot
+    assert_idle_after_flush(llm.engine)
+
+
+def test_small_pools_evict_and_still_match(path):
+    """Three snapshot slots and room for about two requests' KV: snapshots and cached pages
+    are evicted (and decodes preempted) all along, and outputs stay exact."""
+    batches = shared_prefix(8)
+    kwargs = dict(max_running_requests=3, num_kv_pages=48, num_snapshot_slots=3)
+    want = tokens(run(make_llm(path, "naive", **kwargs), batches))
+    llm = make_llm(path, **kwargs)
+    outs = run(llm, batches)
+    turns = multi_turn(llm, num_chats=3, num_turns=3)
+    assert tokens(outs) == want
+    ref = make_llm(path, "naive", **kwargs)
+    assert [tokens(t) for t in turns] == [tokens(t) for t in multi_turn(ref, num_chats=3, num_turns=3)]
+    s = llm.engine.stats()
+    assert s["snapshot_evictions"] > 0 and s["kv_page_evictions"] > 0, s
+    assert s["cached_tokens_total"] > 0, s
+    assert_idle_after_flush(llm.engine)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_gives_the_same_outputs(path, policy):
+    batches = shared_prefix(6)
+    want = tokens(run(make_llm(path, "naive", 32), batches))
+    llm = make_llm(path, chunk=32, prefix_cache_policy=policy, num_snapshot_slots=6)
+    assert tokens(run(llm, batches)) == want
+    assert llm.engine.stats()["cached_tokens_total"] > 0
+    assert_idle_after_flush(llm.engine)
+
+
+def test_abort_inserts_what_was_computed(path):
+    """An aborted request's computed pages stay cached; a later run of its prompt hits them."""
+    prompt = rand(300, 8)
+    llm = make_llm(path)
+    engine = llm.engine
+    engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    for _ in range(10):  # 5 prefill chunks of 64, then 5 decodes: 305 tokens computed
+        engine.step()
+    engine.abort_request("a")
+    [aborted] = engine.step()
+    assert aborted.outputs[0].finish_reason == "abort"
+    follow_up = prompt + aborted.outputs[0].token_ids + rand(10, 9)
+    [out] = run(llm, [[follow_up]])
+    assert out.num_cached_tokens == 304  # the state copied as decoding crossed 304
+    assert tokens([out]) == tokens(run(make_llm(path, "naive"), [[follow_up]]))
+    assert_idle_after_flush(engine)
+
+
+def test_naive_reuses_nothing(path):
+    llm = make_llm(path, "naive")
+    outs = run(llm, shared_prefix(4))
+    assert all(o.num_cached_tokens == 0 for o in outs)
+    s = llm.engine.stats()
+    assert (s["snapshots_total"], s["prefix_cache_hit_tokens"], s["kv_pages_cached"]) == (0, 0, 0)
+
+
+def test_preemption_releases_and_recomputes_from_the_cache(path, monkeypatch):
+    """Too few pages for four long decodes behind a cached prefix: decodes preempt each other,
+    hand their computed pages to the tree, and start again from there."""
+    from deltaserve.engine.scheduler import Scheduler
+
+    preempted = []
+    preempt = Scheduler.preempt
+    monkeypatch.setattr(Scheduler, "preempt", lambda self, req: (preempted.append(req), preempt(self, req)))
+    prefix = rand(64, 10)
+    # The second warm-up request leaves the tree at 64: a branch snapshot there.
+    batches = [[prefix + rand(3, 11)], [prefix + rand(3, 12)], [prefix + rand(20, 13 + i) for i in range(4)]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kwargs = dict(max_running_requests=4, num_kv_pages=14)
+    want = tokens(run(make_llm(path, "naive", **kwargs), batches, params))
+    llm = make_llm(path, **kwargs)
+    outs = run(llm, batches, params)
+    assert tokens(outs) == want
+    assert preempted and [o.num_cached_tokens for o in outs[2:]] == [64] * 4
+    assert_idle_after_flush(llm.engine)
