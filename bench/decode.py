@@ -1,6 +1,6 @@
 """Decode and prefill throughput on real architectures with random weights, against the roofline.
 
-    python bench/decode.py --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
+    python -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
         --prompt-len 512 --new-tokens 256 --prefill-len 8192 --hf --json out.json
 
 Decode tok/s counts only steps where every request decodes (prefill excluded). The roofline

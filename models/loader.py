@@ -60,6 +60,12 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights of a realistic scale, for benchmarks without checkpoints."""
+    from deltaserve.models.layers import ZeroCenteredRMSNorm
+
+    # a norm stored as an offset from one is neutral at 0, every other norm at 1
+    zero_centred = {
+        f"{name}.weight" for name, m in model.named_modules() if isinstance(m, ZeroCenteredRMSNorm)
+    }
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
             gen = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
@@ -68,7 +74,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             elif name.endswith("dt_bias"):
                 p.fill_(1.0)
             elif p.dim() == 1:
-                p.fill_(1.0 if "linear_attn.norm" in name else 0.0)
+                p.fill_(0.0 if name in zero_centred or "bias" in name else 1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
 
