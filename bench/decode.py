@@ -22,6 +22,12 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.sampling_params import SamplingParams
 
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 COPY_BW = 4.27e12  # bytes/s, measured device-to-device on this H200 (REFERENCE.md)
 MATMUL_FLOPS = 790e12  # bf16, measured
 
@@ -35,7 +41,7 @@ def timed_steps(engine: Engine) -> tuple[list[float], list[float]]:
     def timed_forward(batch):
         t = time.perf_counter()
         out = forward(batch)
-        torch.cuda.synchronize()
+        _sync()
         spent["fwd"] = time.perf_counter() - t
         return out
 
@@ -63,7 +69,7 @@ def bench_decode(engine: Engine, bs: int, prompt_len: int, new_tokens: int, voca
     # prefill everything first, so that the timed steps are pure decode
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
-    torch.cuda.synchronize()
+    _sync()
     walls, cpu = timed_steps(engine)
     steps = len(walls)
     decode_time = sum(walls)
@@ -84,11 +90,11 @@ def bench_prefill(engine: Engine, tokens: int, vocab: int) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     engine.add_request("p", prompt, params)
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    torch.cuda.synchronize()
+    _sync()
     dt = time.perf_counter() - t
     return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt}
 
@@ -103,12 +109,12 @@ def bench_hf(path: str, batch_sizes: list[int], prompt_len: int, new_tokens: int
         model = AutoModelForCausalLM.from_config(tcfg, dtype=torch.bfloat16).eval()
 
     def run(ids: torch.Tensor, n: int) -> float:
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
         )
-        torch.cuda.synchronize()
+        _sync()
         return time.perf_counter() - t
 
     out = {}
@@ -131,6 +137,7 @@ def main() -> None:
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu only for a quick dry run of the script")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -140,7 +147,7 @@ def main() -> None:
             model=args.model,
             load_format="dummy",
             dtype="bfloat16",
-            device="cuda",
+            device=args.device,
             cache_type="naive",
             max_running_requests=max_bs,
             max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len) + 16,
@@ -150,7 +157,8 @@ def main() -> None:
     )
     cfg = engine.model_config
     cost = model_cost(cfg)
-    result: dict = {"model": args.model, "gpu": torch.cuda.get_device_name(), "info": engine.model_info}
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    result: dict = {"model": args.model, "gpu": gpu, "info": engine.model_info}
     rows = []
     for bs in args.batch_sizes:
         r = bench_decode(engine, bs, args.prompt_len, args.new_tokens, cfg.vocab_size)
@@ -168,7 +176,8 @@ def main() -> None:
         result["prefill"] = p
         print(json.dumps(p), flush=True)
     del engine
-    torch.cuda.empty_cache()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     if args.hf:
         try:
             result["hf"] = bench_hf(args.model, args.hf_batch_sizes, args.prompt_len, args.hf_new_tokens)
