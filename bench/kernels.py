@@ -1,6 +1,6 @@
 """Microbenchmarks of the fast kernels on one GPU, against the measured copy bandwidth.
 
-    python bench/kernels.py [--json PATH] [--sweep]
+    python bench/kernels.py [--json PATH] [--sweep] [--only gdn_decode,paged_prefill,...]
 
 Decode kernels are timed as CUDA-graph replays (that is how the engine runs them) over
 enough layer-like copies of the data that it cannot sit in L2 between calls; prefill kernels
@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 DEV = "cuda"
+SECTIONS = ("gdn_decode", "conv_decode", "paged_decode", "paged_prefill", "gdn_prefill")
 L2_BYTES = 60 * 2**20
 
 
@@ -337,8 +338,8 @@ def bench_gdn_prefill(lengths: list[int], hk: int, hv: int, dim: int) -> dict:
     return row
 
 
-def bench_conv_decode(batch: int, dim: int, width: int) -> dict:
-    from deltaserve.kernels.conv_cuda import conv_decode_cuda
+def bench_conv_decode(batch: int, dim: int, width: int, sweep: bool) -> list[dict]:
+    from deltaserve.kernels.triton_conv import conv_decode_launch
 
     state_bytes = batch * dim * (width - 1) * 2
     layers = layers_for(state_bytes)
@@ -346,40 +347,90 @@ def bench_conv_decode(batch: int, dim: int, width: int) -> dict:
     weight = torch.randn(dim, width, device=DEV, dtype=torch.bfloat16)
     x = torch.randn(batch, dim, device=DEV, dtype=torch.bfloat16)
     slots = (torch.randperm(batch, device=DEV) + 1).to(torch.int32)
-    seconds = time_graph([lambda p=p: conv_decode_cuda(x, p, weight, None, slots) for p in pools])
     moved = 2 * state_bytes + 2 * batch * dim * 2
-    return dict(
-        op="conv_decode", batch=batch, dim=dim, width=width, us=seconds * 1e6, gbps=moved / seconds / 1e9
-    )
+    variants = [(256, 4)]
+    if sweep:
+        variants += [(bd, w) for bd in (128, 512, 1024) for w in (2, 4, 8)]
+    # Each variant must agree with the default on the same input (pools advance per call,
+    # so compare one call from a saved pool).
+    check_pool = pools[0].clone()
+    expected, expected_pool = torch.empty_like(x), check_pool.clone()
+    conv_decode_launch(x, expected_pool, weight, None, slots, expected, True)
+    rows = []
+    for bd, warps in variants:
+        out = torch.empty_like(x)
+        trial = check_pool.clone()
+        conv_decode_launch(x, trial, weight, None, slots, out, True, bd, warps)
+        ok = torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-2) and torch.equal(
+            trial, expected_pool
+        )
+        fns = [
+            lambda p=p, bd=bd, warps=warps, out=out: conv_decode_launch(
+                x, p, weight, None, slots, out, True, bd, warps
+            )
+            for p in pools
+        ]
+        seconds = time_graph(fns)
+        rows.append(
+            dict(
+                op="conv_decode",
+                variant=f"BD={bd},warps={warps}" + ("" if ok else " MISMATCH"),
+                batch=batch,
+                dim=dim,
+                width=width,
+                us=seconds * 1e6,
+                gbps=moved / seconds / 1e9,
+            )
+        )
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--sweep", action="store_true", help="also time block-size variants")
+    parser.add_argument(
+        "--only", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS)
+    )
     args = parser.parse_args()
+    only = set(args.only.split(","))
     torch.manual_seed(0)
     copy = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(0)}: device copy {copy / 1e12:.2f} TB/s (read + write)")
-    rows: list[dict] = [dict(op="copy", gbps=copy / 1e9)]
-    for hv in (32, 16):
-        for batch in (1, 4, 64, 256):
-            rows += bench_gdn_decode(batch, 16, hv, 128, args.sweep)
-    for batch in (256, 64, 1):
-        rows.append(bench_conv_decode(batch, 8192, 4))
-    for batch, context in ((1, 32768), (64, 4096), (256, 2048)):
-        rows += bench_paged_decode(batch, context, 16, 4, 256, 16, args.sweep)
-    rows += bench_paged_prefill(8192, 0, 16, 4, 256, 16, args.sweep)
-    rows += bench_paged_prefill(2048, 6144, 16, 4, 256, 16, args.sweep)
-    rows.append(bench_gdn_prefill([8192], 16, 32, 128))
-    rows.append(bench_gdn_prefill([1024] * 8, 16, 32, 128))
-    for row in rows:
-        if "gbps" in row and row["op"] != "copy":
-            row["pct_copy"] = 100 * row["gbps"] * 1e9 / copy
-        print(json.dumps({key: round(val, 2) if isinstance(val, float) else val for key, val in row.items()}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    rows: list[dict] = []
+
+    def report(new: list[dict]) -> None:
+        """Print and save as we go, so a run cut short still leaves its rows."""
+        for row in new:
+            if "gbps" in row and row["op"] != "copy":
+                row["pct_copy"] = 100 * row["gbps"] * 1e9 / copy
+            print(
+                json.dumps(
+                    {key: round(val, 2) if isinstance(val, float) else val for key, val in row.items()}
+                )
+            )
+        rows.extend(new)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+
+    report([dict(op="copy", gbps=copy / 1e9)])
+    if "gdn_decode" in only:
+        for hv in (32, 16):
+            for batch in (1, 4, 64, 256):
+                report(bench_gdn_decode(batch, 16, hv, 128, args.sweep))
+    if "conv_decode" in only:
+        for batch in (256, 64, 1):
+            report(bench_conv_decode(batch, 8192, 4, args.sweep))
+    if "paged_decode" in only:
+        for batch, context in ((1, 32768), (64, 4096), (256, 2048)):
+            report(bench_paged_decode(batch, context, 16, 4, 256, 16, args.sweep))
+    if "gdn_prefill" in only:
+        report([bench_gdn_prefill([8192], 16, 32, 128), bench_gdn_prefill([1024] * 8, 16, 32, 128)])
+    if "paged_prefill" in only:
+        report(bench_paged_prefill(8192, 0, 16, 4, 256, 16, False))
+        report(bench_paged_prefill(2048, 6144, 16, 4, 256, 16, False))
+        report(bench_paged_prefill(8192, 0, 32, 8, 128, 16, args.sweep))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,23 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+_cu_copy: tuple[torch.Tensor, int, torch.Tensor] | None = None
+
+
+def _fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """An int64 copy of `cu_seqlens`, the same object for as long as the input is unchanged.
+
+    FLA caches its chunk indices (built with a host sync) by argument identity alone: the
+    same object for every layer of one forward keeps that to one sync per forward, and a new
+    object whenever the input is refilled in place (its version counter moves) keeps FLA from
+    reusing indices of an older batch.
+    """
+    global _cu_copy
+    if _cu_copy is None or _cu_copy[0] is not cu_seqlens or _cu_copy[1] != cu_seqlens._version:
+        _cu_copy = (cu_seqlens, cu_seqlens._version, cu_seqlens.to(torch.int64, copy=True))
+    return _cu_copy[2]
+
+
 def gdn_prefill_cuda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -48,7 +65,7 @@ def gdn_prefill_cuda(
             initial_state=init,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
-            cu_seqlens=cu_seqlens.long(),
+            cu_seqlens=_fla_cu_seqlens(cu_seqlens),
         )
     state_pool.index_copy_(0, idx, final.to(state_pool.dtype))
     return o[0].to(v.dtype)

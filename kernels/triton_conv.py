@@ -182,12 +182,13 @@ def conv_decode_launch(
     slots: torch.Tensor,
     out: torch.Tensor,
     silu: bool,
+    block_d: int = 256,
+    num_warps: int = 4,
 ) -> None:
     n, dim = x.shape
     width = weight.shape[1]
     if n == 0:
         return
-    block_d = 256
     _conv_decode_kernel[(n, triton.cdiv(dim, block_d))](
         x,
         conv_pool,
@@ -206,7 +207,7 @@ def conv_decode_launch(
         BD=block_d,
         HAS_BIAS=bias is not None,
         SILU=silu,
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 

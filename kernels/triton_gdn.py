@@ -86,13 +86,14 @@ def decode_block_v(
     """Pick `(BV, num_warps)` for the decode kernel.
 
     Measured on an H200 (docs/kernels.md): wide tiles (BV=64, 4 warps, 32 KiB of state per
-    program) stream best once they alone give every SM a program; below that (batch 1),
-    narrow tiles (BV=16, 2 warps) spread the few heads over more SMs.
+    program) stream best once they give every SM about four programs (batch 64 and up at 16
+    or 32 value heads); below that (batch 1 to 4), narrow tiles (BV=16, 2 warps) spread the
+    few heads over more SMs.
     """
     bk = triton.next_power_of_2(head_k_dim)
     bv_max = triton.next_power_of_2(head_v_dim)
     wide = max(8, min(64, bv_max, 8192 // bk))  # at most 64 fp32 state registers per thread
-    if batch * heads_v * triton.cdiv(head_v_dim, wide) >= sm_count:
+    if batch * heads_v * triton.cdiv(head_v_dim, wide) >= 4 * sm_count:
         return wide, 4
     return max(8, min(16, bv_max)), 2
 

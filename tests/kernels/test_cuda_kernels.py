@@ -145,6 +145,26 @@ def test_gdn_prefill(monkeypatch, fla_visible, dtype, hk, hv, dk, dv):
     assert_untouched(pool, before, slots)
 
 
+def test_gdn_prefill_refilled_cu_seqlens(monkeypatch, fla_visible):
+    """A cu_seqlens buffer refilled in place must not reuse FLA's chunk indices of the
+    previous batch (FLA caches them by tensor identity)."""
+    from deltaserve.kernels.gdn_cuda import gdn_prefill_cuda
+
+    hk, hv, dim, num_slots = 2, 4, 128, 6
+    cu = cu_from([100, 30])
+    slots = pick_slots(2, num_slots)
+    has_init = torch.tensor([False, True], device=DEV)
+    pool = torch.randn(num_slots, hv, dim, dim, device=DEV) * 0.1
+    for lengths in ([100, 30], [7, 123]):
+        cu.copy_(cu_from(lengths))
+        inputs = gdn_inputs(130, hk, hv, dim, dim, torch.bfloat16)
+        ref_pool = pool.clone()
+        ref = reference(monkeypatch, gdn_prefill, *inputs, cu, ref_pool, slots, has_init)
+        out = gdn_prefill_cuda(*inputs, cu, pool, slots, has_init)
+        assert rel_err(out, ref) < 2e-2
+        assert rel_err(pool, ref_pool) < 2e-2
+
+
 # --- causal conv -----------------------------------------------------------------------
 
 
