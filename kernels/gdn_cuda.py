@@ -26,8 +26,11 @@ def _fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     reusing indices of an older batch.
     """
     global _cu_copy
-    if _cu_copy is None or _cu_copy[0] is not cu_seqlens or _cu_copy[1] != cu_seqlens._version:
-        _cu_copy = (cu_seqlens, cu_seqlens._version, cu_seqlens.to(torch.int64, copy=True))
+    # inference tensors (the engine runs under inference_mode) keep no version counter; the
+    # engine builds a new cu_seqlens tensor for every forward, so identity is enough there
+    version = -1 if cu_seqlens.is_inference() else cu_seqlens._version
+    if _cu_copy is None or _cu_copy[0] is not cu_seqlens or _cu_copy[1] != version:
+        _cu_copy = (cu_seqlens, version, cu_seqlens.to(torch.int64, copy=True))
     return _cu_copy[2]
 
 
