@@ -147,9 +147,32 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--cache-type",
         choices=["radix", "naive"],
-        default="naive",
+        default="radix",
         help="prefix cache: radix reuses KV pages and recurrent-state snapshots across requests, "
         "naive turns reuse off",
+    )
+    engine.add_argument(
+        "--prefix-cache-policy",
+        choices=["marconi", "branch_lru", "every_chunk_lru"],
+        default="marconi",
+        help="which recurrent-state snapshots the radix cache keeps: marconi (branch points and "
+        "sequence ends, evicted by recency and FLOPs saved per byte) or one of the two LRU baselines",
+    )
+    engine.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.85,
+        help="fraction of GPU memory for weights, KV pages and state slots (the pools get what the "
+        "weights leave)",
+    )
+    engine.add_argument(
+        "--cuda-graph-max-bs",
+        type=_int_at_least(1),
+        default=256,
+        help="largest decode batch run by CUDA-graph replay",
+    )
+    engine.add_argument(
+        "--disable-cuda-graph", action="store_true", help="run decode eagerly (no CUDA-graph capture)"
     )
     engine.add_argument(
         "--state-dtype",

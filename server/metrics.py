@@ -49,6 +49,24 @@ _STATS = (
         "counter",
         "Prompt tokens served from the prefix cache.",
     ),
+    (
+        "prefix_cache_hit_rate",
+        "prefix_cache_hit_rate",
+        "gauge",
+        "Share of queried prompt tokens found in the cache.",
+    ),
+    (
+        "prefix_cache_hit_tokens",
+        "prefix_cache_hit_tokens_total",
+        "counter",
+        "Prompt tokens matched in the cache.",
+    ),
+    ("prefix_cache_query_tokens", "prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up."),
+    ("snapshots", "prefix_cache_snapshots", "gauge", "Recurrent-state snapshots held by the cache."),
+    ("snapshot_bytes", "prefix_cache_snapshot_bytes", "gauge", "Bytes held by those snapshots."),
+    ("snapshot_evictions", "prefix_cache_snapshot_evictions_total", "counter", "Snapshots evicted."),
+    ("kv_page_evictions", "prefix_cache_kv_page_evictions_total", "counter", "Cached KV pages evicted."),
+    ("kv_pages_cached", "prefix_cache_kv_pages", "gauge", "KV pages held by the cache."),
 )
 
 

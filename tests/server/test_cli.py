@@ -93,7 +93,9 @@ def test_docs_list_every_flag_with_its_default() -> None:
     for action in serve_actions():
         flag = action.option_strings[0]
         assert flag in rows, f"{flag} is missing from docs/cli.md"
-        if action.default is not None and flag != "--api-key":
+        if action.const is True and action.default is False:  # a switch: documented as "off"
+            assert "| off |" in rows[flag], f"docs/cli.md does not say {flag} is off by default"
+        elif action.default is not None and flag != "--api-key":
             assert str(action.default) in rows[flag], (
                 f"docs/cli.md does not give {flag}'s default {action.default}"
             )

@@ -294,12 +294,21 @@ def test_tools_render_and_content_parts(client, server) -> None:
 
 def test_cached_tokens_match_the_prefix_cache_counter(client, server, read_metrics) -> None:
     long_messages = [{"role": "user", "content": "Tell me about deltanets. " * 20}]
+    cached, texts = [], []
     for _ in range(2):
         before = read_metrics(server.url)["deltaserve_cached_prompt_tokens_total"]
-        r = chat(client, messages=long_messages, max_tokens=2)
+        r = chat(client, messages=long_messages, max_tokens=2, temperature=0)
         after = read_metrics(server.url)["deltaserve_cached_prompt_tokens_total"]
         assert r.usage.prompt_tokens_details.cached_tokens == after - before
         assert r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        texts.append(r.choices[0].message.content)
+    # the server runs the radix cache by default: the repeat finds most of its prompt cached
+    assert cached[1] > r.usage.prompt_tokens // 2
+    assert texts[0] == texts[1]
+    metrics = read_metrics(server.url)
+    assert metrics["deltaserve_prefix_cache_snapshots"] > 0
+    assert 0 < metrics["deltaserve_prefix_cache_hit_rate"] <= 1
 
 
 def test_async_client(async_client) -> None:
