@@ -23,13 +23,13 @@ class LLM:
     def _prompt_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
-            prompt = prompt["prompt"]
+                return [int(t) for t in prompt["prompt_token_ids"]], prompt.get("prompt")
+            return self._prompt_ids(prompt["prompt"])
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer: pass {'prompt_token_ids': [...]} instead")
             return list(self.tokenizer.encode(prompt)), prompt
-        return list(prompt), None
+        return [int(t) for t in prompt], None
 
     def generate(
         self,
@@ -38,21 +38,23 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Outputs in the order of the prompts; `n > 1` gives n completions per prompt."""
+        batch: list[PromptType]
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            batch = [prompts]  # type: ignore[list-item]
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
-            [sampling_params] * len(prompts)
+            [sampling_params] * len(batch)
             if isinstance(sampling_params, SamplingParams)
             else list(sampling_params)
         )
-        if len(params_list) != len(prompts):
+        if len(params_list) != len(batch):
             raise ValueError("give one SamplingParams, or one per prompt")
-        encoded = [self._prompt_ids(p) for p in prompts]  # all validated before any is queued
+        encoded = [self._prompt_ids(p) for p in batch]  # all validated before any is queued
         groups: list[tuple[str, list[str], list[int], str | None]] = []
         added: list[str] = []
         try:

@@ -109,15 +109,18 @@ class Qwen3NextForCausalLM(nn.Module):
     def layer_types(self) -> list[str]:
         return self.model.layer_types
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-slot state of one linear layer (every linear layer has the same)."""
-        for layer in self.model.layers:
+        for layer in self.decoder_layers():
             if layer.linear_attn is not None:
                 return layer.linear_attn.state_shapes()
         return {}
 
     def kv_shapes(self) -> dict[str, tuple[int, ...]]:
-        for layer in self.model.layers:
+        for layer in self.decoder_layers():
             if layer.self_attn is not None:
                 return layer.self_attn.kv_shapes()
         return {}
@@ -131,8 +134,8 @@ class Qwen3NextForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, ignore=self.tied_names())
         pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in weights:
-            name = self.canonical_name(name)
+        for raw_name, tensor in weights:
+            name = self.canonical_name(raw_name)
             if name is None:
                 continue
             m = re.match(r"model\.layers\.(\d+)\.linear_attn\.(in_proj_\w+)\.weight$", name)
@@ -172,7 +175,7 @@ class Qwen3NextForCausalLM(nn.Module):
     def _maybe_fuse_in_proj(
         self, loader: WeightLoader, layer_id: int, parts: dict[str, torch.Tensor]
     ) -> None:
-        gdn = self.model.layers[layer_id].linear_attn
+        gdn = self.decoder_layers()[layer_id].linear_attn
         if gdn is None:
             raise ValueError(f"layer {layer_id} is not a linear-attention layer but has {sorted(parts)}")
         target = f"model.layers.{layer_id}.linear_attn.in_proj.weight"
