@@ -34,7 +34,9 @@ def idle(llm: LLM) -> bool:
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_graph_and_eager_decode_identical(kind, make_checkpoint):
-    path = make_checkpoint(kind, hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
+    path = make_checkpoint(
+        kind, hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32
+    )
     ps = prompts(160)
     eager = LLM(path, device="cuda", dtype="bfloat16", disable_cuda_graph=True, chunked_prefill_size=64)
     graph = LLM(path, device="cuda", dtype="bfloat16", chunked_prefill_size=64, max_running_requests=16)
@@ -46,7 +48,9 @@ def test_graph_and_eager_decode_identical(kind, make_checkpoint):
 
 def test_bf16_agrees_with_transformers(make_checkpoint, hf_reference):
     """bf16 drifts from fp32 on near-ties; the rate of identical first-32-token runs is reported."""
-    path = make_checkpoint("qwen3_5", hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
+    path = make_checkpoint(
+        "qwen3_5", hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32
+    )
     ps = prompts(160, seed=1)
     ours = greedy(LLM(path, device="cuda", dtype="bfloat16", chunked_prefill_size=64), ps, 32)
     ref = hf_reference(path, ps, 32)  # fp32 reference
@@ -58,7 +62,9 @@ def test_bf16_agrees_with_transformers(make_checkpoint, hf_reference):
 
 
 def test_fp32_cuda_matches_transformers(make_checkpoint, hf_reference):
-    path = make_checkpoint("qwen3_5", hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
+    path = make_checkpoint(
+        "qwen3_5", hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32
+    )
     ps = prompts(160, seed=2)
     llm = LLM(path, device="cuda", dtype="float32", chunked_prefill_size=64)
     ours = greedy(llm, ps, 16)
@@ -70,10 +76,15 @@ def test_fp32_cuda_matches_transformers(make_checkpoint, hf_reference):
 
 
 def test_mixed_workload_leaves_pools_idle(make_checkpoint):
-    path = make_checkpoint("qwen3_5", hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
+    path = make_checkpoint(
+        "qwen3_5", hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32
+    )
     llm = LLM(path, device="cuda", dtype="bfloat16", chunked_prefill_size=64, max_running_requests=4)
     ps = prompts(160, seed=3) * 3
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=5 + i % 20, ignore_eos=True) for i in range(len(ps))]
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=5 + i % 20, ignore_eos=True)
+        for i in range(len(ps))
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
     assert [len(o.outputs[0].token_ids) for o in outs] == [5 + i % 20 for i in range(len(ps))]
     assert idle(llm)
