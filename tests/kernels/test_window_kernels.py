@@ -1,0 +1,99 @@
+"""Verification-window ops against the one-token decode ops they must equal, step for step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.kernels.conv import conv_decode
+from deltaserve.kernels.gdn import gdn_decode
+from deltaserve.kernels.kda import kda_decode
+from deltaserve.kernels.window import conv_window, gdn_window, kda_window, window_pad_index
+
+LENS = [3, 1, 4]  # windows of different lengths, packed
+SLOTS = [2, 5, 1]
+
+
+def _decode_sequence(step, inputs, pool, lens, slots):
+    """Plain decoding, token by token: outputs (packed) and the state after every token."""
+    outs, states = [], []
+    lo = 0
+    for n, slot in zip(lens, slots):
+        idx = torch.tensor([slot], dtype=torch.int32, device=pool.device)
+        row = []
+        for j in range(n):
+            outs.append(step(*(x[lo + j : lo + j + 1] for x in inputs), pool, idx))
+            row.append(pool[slot].clone())
+        states.append(row)
+        lo += n
+    return torch.cat(outs), states
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_delta_window_equals_decode_steps(op):
+    torch.manual_seed(0)
+    t, h, dk, dv = sum(LENS), 2, 8, 8
+    q, k = torch.randn(t, h, dk), torch.randn(t, h, dk)
+    v = torch.randn(t, h, dv)
+    g = -torch.rand(t, h, dk) if op == "kda" else -torch.rand(t, h)
+    beta = torch.rand(t, h)
+    pool = torch.randn(7, h, dk, dv)
+    window = torch.zeros(4, 5, h, dk, dv)
+    decode, win_op = (kda_decode, kda_window) if op == "kda" else (gdn_decode, gdn_window)
+    before = pool.clone()
+    pad = window_pad_index(LENS, pool.device)
+    out = win_op(q, k, v, g, beta, pool, torch.tensor(SLOTS, dtype=torch.int32), pad, max(LENS), window)
+    assert torch.equal(pool, before), "the window op must not write the committed slots"
+    ref_out, ref_states = _decode_sequence(decode, (q, k, v, g, beta), before.clone(), LENS, SLOTS)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
+    for i, row in enumerate(ref_states):
+        for j, s in enumerate(row):
+            torch.testing.assert_close(window[i, j], s, rtol=0, atol=1e-6)
+
+
+def test_conv_window_equals_decode_steps():
+    torch.manual_seed(1)
+    d, w = 12, 4
+    x = torch.randn(sum(LENS), d)
+    weight, bias = torch.randn(d, w), torch.randn(d)
+    pool = torch.randn(7, d, w - 1)
+    window = torch.zeros(4, 5, d, w - 1)
+    before = pool.clone()
+    pad = window_pad_index(LENS, pool.device)
+    out = conv_window(x, pool, weight, bias, torch.tensor(SLOTS, dtype=torch.int32), pad, max(LENS), window)
+    assert torch.equal(pool, before)
+
+    def step(xi, p, idx):
+        return conv_decode(xi, p, weight, bias, idx)
+
+    ref_out, ref_states = _decode_sequence(step, (x,), before.clone(), LENS, SLOTS)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
+    for i, row in enumerate(ref_states):
+        for j, s in enumerate(row):
+            torch.testing.assert_close(window[i, j], s, rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_delta_window_cuda_matches_fast_decode(op):
+    """On CUDA the window runs the torch reference steps; plain decoding runs the fast
+    kernels. The states agree to kernel rounding (greedy parity on GPU rests on this)."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    t, h, dk, dv = sum(LENS), 4, 64, 64
+    q, k = torch.randn(t, h, dk, device=dev), torch.randn(t, h, dk, device=dev)
+    v = torch.randn(t, h, dv, device=dev)
+    g = -torch.rand(t, h, dk, device=dev) if op == "kda" else -torch.rand(t, h, device=dev)
+    beta = torch.rand(t, h, device=dev)
+    pool = torch.randn(7, h, dk, dv, device=dev) * 0.1
+    window = torch.zeros(4, 5, h, dk, dv, device=dev)
+    decode, win_op = (kda_decode, kda_window) if op == "kda" else (gdn_decode, gdn_window)
+    before = pool.clone()
+    pad = window_pad_index(LENS, dev)
+    out = win_op(q, k, v, g, beta, pool, torch.tensor(SLOTS, dtype=torch.int32, device=dev), pad, 4, window)
+    ref_out, ref_states = _decode_sequence(decode, (q, k, v, g, beta), before.clone(), LENS, SLOTS)
+    torch.testing.assert_close(out, ref_out, rtol=1e-3, atol=1e-3)
+    for i, row in enumerate(ref_states):
+        for j, s in enumerate(row):
+            torch.testing.assert_close(window[i, j], s, rtol=1e-3, atol=1e-3)
