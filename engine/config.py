@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deltaserve.engine.cache_policy import POLICIES
+
+if TYPE_CHECKING:
+    from deltaserve.engine.spec_decode.config import SpecConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,6 +38,9 @@ class EngineConfig:
     num_snapshot_slots: int | None = None  # radix: default two per running request
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
+    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m, ...}: see
+    # engine/spec_decode/config.py
+    speculative_config: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -60,6 +66,7 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size must be at least 1")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        _ = self.spec  # validates speculative_config
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -69,6 +76,22 @@ class EngineConfig:
     @property
     def torch_state_dtype(self) -> torch.dtype:
         return DTYPES[self.state_dtype]
+
+    @property
+    def spec(self) -> SpecConfig | None:
+        from deltaserve.engine.spec_decode.config import SpecConfig
+
+        if self.speculative_config is None:
+            return None
+        return SpecConfig.from_dict(self.speculative_config)
+
+    @property
+    def spec_window_rows(self) -> int:
+        """Requests verified per step: each holds k + 1 states per linear layer in the window."""
+        spec = self.spec
+        if spec is None:
+            return 0
+        return min(spec.max_batch or 32, self.max_running_requests)
 
     @property
     def chunk_align(self) -> int:

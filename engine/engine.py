@@ -20,7 +20,8 @@ from deltaserve.engine.prefix_caching import make_prefix_cache, prefill_cost
 from deltaserve.engine.request import Request, Status
 from deltaserve.engine.sampler import Sampler
 from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.engine.scheduler import Scheduler, SchedulerOutput
+from deltaserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from deltaserve.engine.spec_decode import SpecDecoder, Verdict
 from deltaserve.models.loader import load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,21 @@ class Engine:
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._finished_outputs: list[RequestOutput] = []
-        self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "cached_tokens_total": 0}
+        self.counters = {
+            "prompt_tokens_total": 0,
+            "generation_tokens_total": 0,
+            "cached_tokens_total": 0,
+            "spec_draft_tokens_total": 0,
+            "spec_accepted_tokens_total": 0,
+            "spec_windows_total": 0,
+        }
+        self.spec: SpecDecoder | None = None
+        spec = config.spec
+        if spec is not None:
+            assert self.runner.window is not None
+            self.spec = SpecDecoder(spec, self.runner.window, self.sampler, self.max_model_len)
+            self.scheduler.propose = self.spec.propose
+            self.scheduler.max_verify = self.runner.window.rows
         self.model_info = {
             "model": config.model,
             "architecture": loaded.architecture,
@@ -141,21 +156,77 @@ class Engine:
             if req.num_preemptions == 0:
                 self.counters["cached_tokens_total"] += req.num_cached_tokens
         logits = self.runner.forward(self._batch(plan))
-        sampled = [c.req for c in plan.chunks if c.sample]
+        sampled = [c.req for c in plan.chunks if c.sample and not c.drafts]
         self.scheduler.advance(plan)
+        windows = plan.verify_chunks
+        verdicts: list[Verdict] = []
+        if windows:
+            assert self.spec is not None
+            lo, hi = plan.num_decodes, plan.num_decodes + sum(c.num_tokens for c in windows)
+            verdicts = self.spec.verify(logits[lo:hi], [c.req for c in windows], [c.drafts for c in windows])
+            logits = torch.cat([logits[:lo], logits[hi:]])
+        now = time.time()
         if sampled:
             tokens, logprobs = self.sampler.sample(logits, sampled)
-            now = time.time()
             for req, tok, lp in zip(sampled, tokens, logprobs):
                 self._append_token(req, tok, lp, now)
                 outputs.append(self._output(req))
+        if windows:
+            outputs.extend(self._finish_windows(windows, verdicts, now))
+        return outputs
+
+    def _finish_windows(
+        self, windows: list[ScheduledChunk], verdicts: list[Verdict], now: float
+    ) -> list[RequestOutput]:
+        """Append each window's accepted tokens, then commit the state after the last accepted
+        position to the working slot and advance the request past it.
+
+        A request that stops inside its window (stop token, length) is released with its slot
+        and computed length as they were before the window: consistent, only a few tokens
+        short for the prefix cache."""
+        assert self.spec is not None
+        outputs, commits = [], []
+        for row, (c, v) in enumerate(zip(windows, verdicts)):
+            req = c.req
+            req.num_draft_tokens += len(c.drafts)
+            req.num_accepted_tokens += v.num_accepted
+            self.counters["spec_draft_tokens_total"] += len(c.drafts)
+            self.counters["spec_accepted_tokens_total"] += v.num_accepted
+            self.counters["spec_windows_total"] += 1
+            for tok, lp in zip(v.tokens, v.logprobs):
+                self._append_token(req, tok, lp, now)
+                if req.finished:
+                    break
+            if not req.finished:
+                commits.append((req, row, v.num_accepted))
+            outputs.append(self._output(req))
+        window, ps = self.spec.window, self.config.page_size
+        for req, row, accepted in commits:
+            # A page boundary crossed inside the window: the prefix cache sees the (accepted)
+            # state there, as it would have in plain decoding.
+            old = req.num_computed_tokens
+            for pos in range(old - old % ps + ps, old + accepted + 1, ps):
+                assert req.slot is not None
+                window.commit([req.slot], [row], [pos - old - 1])
+                req.num_computed_tokens = pos
+                self.prefix_cache.on_computed(req, prefill=False)
+            req.num_computed_tokens = old
+        window.commit(
+            [r.slot or 0 for r, _, _ in commits], [row for _, row, _ in commits], [a for _, _, a in commits]
+        )
+        for req, _, accepted in commits:
+            req.num_computed_tokens += accepted + 1
+            self.prefix_cache.on_computed(req, prefill=False)
         return outputs
 
     def _batch(self, plan: SchedulerOutput):
         chunks = plan.chunks
         return build_forward_batch(
             token_lists=[
-                c.req.all_token_ids[c.req.num_computed_tokens : c.req.num_computed_tokens + c.num_tokens]
+                c.req.all_token_ids[
+                    c.req.num_computed_tokens : c.req.num_computed_tokens + c.num_tokens - len(c.drafts)
+                ]
+                + c.drafts
                 for c in chunks
             ],
             starts=[c.req.num_computed_tokens for c in chunks],
@@ -166,6 +237,7 @@ class Engine:
             num_decodes=plan.num_decodes,
             page_size=self.config.page_size,
             device=self.device,
+            num_verify=plan.num_verify,
         )
 
     def _append_token(self, req: Request, tok: int, lp: Any, now: float) -> None:
@@ -241,6 +313,8 @@ class Engine:
             num_cached_tokens=req.num_cached_tokens,
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
         )
 
     # -- introspection ----------------------------------------------------------------

@@ -1,12 +1,14 @@
 """One step's batch, as tensors on the model's device.
 
 Requests are ordered decodes first: the first `num_decodes` each bring one token and
-continue from a state already in their slot; the rest are prefill chunks.
+continue from a state already in their slot; then speculative verification windows (the
+last token and its drafts, continuing a state, every position sampled); the rest are
+prefill chunks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +26,7 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [N] int32
     has_initial_state: torch.Tensor  # [N] bool
     logits_indices: torch.Tensor  # [M] token index of each sampled position
+    verify_lens: list[int] = field(default_factory=list)  # tokens of each verification window
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +47,7 @@ def build_forward_batch(
     num_decodes: int,
     page_size: int,
     device: torch.device,
+    num_verify: int = 0,
 ) -> ForwardBatch:
     """token_lists[i] are request i's new tokens, at positions starts[i]...; pages its KV pages."""
     input_ids: list[int] = []
@@ -51,13 +55,16 @@ def build_forward_batch(
     slot_mapping: list[int] = []
     cu = [0]
     logits_indices: list[int] = []
-    for toks, start, pg, sample in zip(token_lists, starts, pages, sample_mask):
+    verify = range(num_decodes, num_decodes + num_verify)
+    for i, (toks, start, pg, sample) in enumerate(zip(token_lists, starts, pages, sample_mask)):
+        if i in verify:  # every position's logits: the target's choice after each draft
+            logits_indices.extend(range(cu[-1], cu[-1] + len(toks)))
         input_ids.extend(toks)
         pos = range(start, start + len(toks))
         positions.extend(pos)
         slot_mapping.extend(pg[p // page_size] * page_size + p % page_size for p in pos)
         cu.append(cu[-1] + len(toks))
-        if sample:
+        if sample and i not in verify:
             logits_indices.append(cu[-1] - 1)
     max_pages = max(len(p) for p in pages)
     table = [p + [0] * (max_pages - len(p)) for p in pages]
@@ -77,4 +84,5 @@ def build_forward_batch(
         state_slots=t(slots, torch.int32),
         has_initial_state=t(has_initial, torch.bool),
         logits_indices=t(logits_indices, torch.long),
+        verify_lens=[len(token_lists[i]) for i in verify],
     )

@@ -1,10 +1,14 @@
 """Linear-attention layers' backend: causal conv and delta rule over the state pool.
 
 Decode rows (one token, continuing a state) take the in-place slot-indexed decode ops;
+speculative verification windows (after the decodes) take the window ops, which read their
+slot and leave the state after every position in the window buffer (`spec_decode/`);
 prefill chunks take the variable-length ops, starting from zeros or from their slot.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +16,10 @@ from deltaserve.engine.forward_batch import ForwardBatch
 from deltaserve.engine.state_pool import StatePool
 from deltaserve.kernels import conv_decode, conv_prefill, gdn_decode, gdn_prefill
 from deltaserve.kernels.kda import kda_decode, kda_prefill
+from deltaserve.kernels.window import conv_window, gdn_window, kda_window, window_pad_index
+
+if TYPE_CHECKING:
+    from deltaserve.engine.spec_decode.state_window import StateWindow
 
 
 class LinearAttentionBackend:
@@ -24,14 +32,32 @@ class LinearAttentionBackend:
         self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32)
         self.prefill_has_initial = torch.empty(0, dtype=torch.bool)
         self._graph_slots = torch.zeros(0, dtype=torch.int32)
+        self.window: StateWindow | None = None  # set when speculative decoding is on
+        self.num_verify_tokens = 0
+        self.verify_slots = torch.empty(0, dtype=torch.int32)
+        self.verify_pad_index = torch.empty(0, dtype=torch.long)
+        self.verify_width = 0
 
     def prepare(self, batch: ForwardBatch) -> None:
-        n = batch.num_decodes
+        n, nv = batch.num_decodes, len(batch.verify_lens)
+        m = n + sum(batch.verify_lens)  # tokens of the decode and verification rows
         self.num_decodes = n
+        self.num_verify_tokens = m - n
         self.decode_slots = batch.state_slots[:n]
-        self.prefill_slots = batch.state_slots[n:]
-        self.prefill_cu_seqlens = batch.cu_seqlens_q[n:] - n
-        self.prefill_has_initial = batch.has_initial_state[n:]
+        if nv:
+            self.verify_slots = batch.state_slots[n : n + nv]
+            self.verify_pad_index = window_pad_index(batch.verify_lens, batch.input_ids.device)
+            self.verify_width = max(batch.verify_lens)
+        self.prefill_slots = batch.state_slots[n + nv :]
+        self.prefill_cu_seqlens = batch.cu_seqlens_q[n + nv :] - m
+        self.prefill_has_initial = batch.has_initial_state[n + nv :]
+
+    def _window(self, layer_id: int, state: str) -> torch.Tensor:
+        assert self.window is not None, "a verification batch without a window buffer"
+        return self.window.layer(self.layer_index[layer_id])[state]
+
+    def _verify_args(self, layer_id: int, state: str) -> tuple:
+        return self.verify_slots, self.verify_pad_index, self.verify_width, self._window(layer_id, state)
 
     # -- CUDA graphs: decode batches replay through buffers this backend owns ----------
 
@@ -40,6 +66,7 @@ class LinearAttentionBackend:
 
     def prepare_for_capture(self, bs: int) -> None:
         self.num_decodes = bs
+        self.num_verify_tokens = 0
         self.decode_slots = self._graph_slots[:bs]
         self.prefill_slots = self._graph_slots[:0]
         self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32, device=self._graph_slots.device)
@@ -66,12 +93,16 @@ class LinearAttentionBackend:
         pool = self.pool.layer(self.layer_index[layer_id])[state]
         n = self.num_decodes
         parts = []
+        m = n + self.num_verify_tokens
         if n:
             parts.append(conv_decode(x[:n], pool, weight, bias, self.decode_slots, activation))
-        if x.shape[0] > n:
+        if m > n:
+            args = self._verify_args(layer_id, state)
+            parts.append(conv_window(x[n:m], pool, weight, bias, *args, activation))
+        if x.shape[0] > m:
             parts.append(
                 conv_prefill(
-                    x[n:],
+                    x[m:],
                     pool,
                     weight,
                     bias,
@@ -95,16 +126,20 @@ class LinearAttentionBackend:
         pool = self.pool.layer(self.layer_index[layer_id])["recurrent"]
         n = self.num_decodes
         parts = []
+        m = n + self.num_verify_tokens
         if n:
             parts.append(gdn_decode(q[:n], k[:n], v[:n], g[:n], beta[:n], pool, self.decode_slots))
-        if q.shape[0] > n:
+        if m > n:
+            win = self._verify_args(layer_id, "recurrent")
+            parts.append(gdn_window(q[n:m], k[n:m], v[n:m], g[n:m], beta[n:m], pool, *win))
+        if q.shape[0] > m:
             parts.append(
                 gdn_prefill(
-                    q[n:],
-                    k[n:],
-                    v[n:],
-                    g[n:],
-                    beta[n:],
+                    q[m:],
+                    k[m:],
+                    v[m:],
+                    g[m:],
+                    beta[m:],
                     self.prefill_cu_seqlens,
                     pool,
                     self.prefill_slots,
@@ -126,16 +161,20 @@ class LinearAttentionBackend:
         pool = self.pool.layer(self.layer_index[layer_id])["recurrent"]
         n = self.num_decodes
         parts = []
+        m = n + self.num_verify_tokens
         if n:
             parts.append(kda_decode(q[:n], k[:n], v[:n], g[:n], beta[:n], pool, self.decode_slots))
-        if q.shape[0] > n:
+        if m > n:
+            win = self._verify_args(layer_id, "recurrent")
+            parts.append(kda_window(q[n:m], k[n:m], v[n:m], g[n:m], beta[n:m], pool, *win))
+        if q.shape[0] > m:
             parts.append(
                 kda_prefill(
-                    q[n:],
-                    k[n:],
-                    v[n:],
-                    g[n:],
-                    beta[n:],
+                    q[m:],
+                    k[m:],
+                    v[m:],
+                    g[m:],
+                    beta[m:],
                     self.prefill_cu_seqlens,
                     pool,
                     self.prefill_slots,

@@ -106,6 +106,8 @@ class LLM:
                     prompt=text,
                     num_cached_tokens=cached,
                     arrival_time=final[subs[0]].arrival_time,
+                    num_draft_tokens=sum(final[rid].num_draft_tokens for rid in subs),
+                    num_accepted_tokens=sum(final[rid].num_accepted_tokens for rid in subs),
                 )
             )
         return results

@@ -45,7 +45,10 @@ def plan_pools(
             budget = int(free - total * (1.0 - config.mem_fraction_static))
         else:
             budget = _CPU_POOL_BYTES
-        budget -= (1 + slots + snapshots) * bytes_per_slot
+        spec = config.spec
+        # the speculative window buffer: k + 1 states for each request verified in a step
+        window = config.spec_window_rows * (spec.num_speculative_tokens + 1) if spec else 0
+        budget -= (1 + slots + snapshots + window) * bytes_per_slot
         if budget <= 0:
             raise ValueError(
                 f"not enough memory for {slots + snapshots} state slots of {bytes_per_slot / 2**20:.1f} MiB; "

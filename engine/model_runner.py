@@ -14,6 +14,7 @@ from deltaserve.engine.forward_context import ForwardContext
 from deltaserve.engine.kv_pool import KVPool
 from deltaserve.engine.linear_backend import LinearAttentionBackend
 from deltaserve.engine.memory import plan_pools
+from deltaserve.engine.spec_decode.state_window import StateWindow
 from deltaserve.engine.state_pool import StatePool
 from deltaserve.models.loader import LoadedModel
 
@@ -57,6 +58,13 @@ class ModelRunner:
         self.linear = LinearAttentionBackend(
             self.state_pool, {layer: i for i, layer in enumerate(linear_layers)}
         )
+        spec = config.spec
+        self.window: StateWindow | None = None
+        if spec is not None:
+            self.window = StateWindow(
+                self.state_pool, config.spec_window_rows, spec.num_speculative_tokens + 1
+            )
+            self.linear.window = self.window
         self.ctx = ForwardContext(self.attn, self.linear)
         self.graph_runner: CudaGraphRunner | None = None
         if device.type == "cuda" and not config.disable_cuda_graph:
@@ -84,7 +92,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[M, vocab]` (fp32) at the batch's sampled positions."""
+        """Logits `[M, vocab]` (fp32) at the batch's sampled positions.
+
+        Batches with speculative verification windows run eagerly (the decode graphs take one
+        token per request); verification graphs per batch size are future work."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
         self.attn.prepare(batch)

@@ -39,3 +39,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    num_draft_tokens: int = 0  # speculative decoding, cumulative: draft tokens verified
+    num_accepted_tokens: int = 0  # ... and accepted

@@ -47,6 +47,9 @@ class Request:
     first_token_time: float | None = None
     # set when the request's state slot starts from a copied snapshot (prefix-cache hit)
     has_initial_state: bool = False
+    # speculative decoding, cumulative: drafts verified, and how many of them were accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

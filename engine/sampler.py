@@ -42,6 +42,18 @@ class Sampler:
             tokens = logits.argmax(dim=-1).tolist()
         else:
             tokens = self._sample_batch(logits.clone(), reqs).tolist()
+        return tokens, self.logprobs_of(logits, tokens, reqs, logprobs)
+
+    def logprobs_of(
+        self,
+        logits: torch.Tensor,
+        tokens: list[int],
+        reqs: list[Request],
+        logprobs: torch.Tensor | None = None,
+    ) -> list[Logprob | None]:
+        """The chosen tokens' log-probabilities (of the raw logits), for rows that ask."""
+        if logprobs is None and any(r.params.logprobs is not None for r in reqs):
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
         lps: list[Logprob | None] = []
         for i, (tok, r) in enumerate(zip(tokens, reqs)):
             if logprobs is None or r.params.logprobs is None:
@@ -53,7 +65,7 @@ class Sampler:
                 vals, ids = torch.topk(row, r.params.logprobs)
                 top = dict(zip(ids.tolist(), vals.tolist()))
             lps.append(Logprob(tok, float(row[tok]), top))
-        return tokens, lps
+        return lps
 
     def _needs_processing(self, r: Request) -> bool:
         p = r.params
@@ -64,19 +76,45 @@ class Sampler:
             or len(r.output_token_ids) < p.min_tokens
         )
 
-    def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Penalties and min_tokens bans, in place."""
         dev = logits.device
         for i, r in enumerate(reqs):
             if self._needs_processing(r):
                 logits[i] = apply_penalties(logits[i], r)
                 if len(r.output_token_ids) < r.params.min_tokens:
-                    banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
+                    banned = list(r.params.stop_token_ids) + (
+                        [] if r.params.ignore_eos else self.eos_token_ids
+                    )
                     if banned:
                         logits[i, torch.tensor(banned, dtype=torch.long, device=dev)] = float("-inf")
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=dev)
+        return logits
+
+    def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        logits = self._process(logits, reqs)
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         greedy_tokens = logits.argmax(dim=-1)
         if bool(greedy.all()):
             return greedy_tokens
+        probs, order = self._sorted_probs(logits, reqs)
+        # exponential race: argmax(p / E) with E ~ Exp(1) samples from p
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        sampled = order.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+    def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The distribution each row samples from `[M, vocab]` (non-greedy rows; for rejection
+        sampling of speculative drafts)."""
+        probs, order = self._sorted_probs(self._process(logits.float().clone(), reqs), reqs)
+        return torch.zeros_like(probs).scatter_(1, order, probs)
+
+    def _sorted_probs(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """After temperature, top-k, top-p and min-p: probabilities in descending order, and
+        the order (token ids)."""
+        dev = logits.device
         vocab = logits.shape[-1]
         temp = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs], device=dev)
         top_k = torch.tensor([r.params.top_k or vocab for r in reqs], device=dev)
@@ -92,11 +130,4 @@ class Sampler:
         vals = vals.masked_fill(probs.cumsum(-1) - probs >= top_p.unsqueeze(1), float("-inf"))
         probs = torch.softmax(vals, dim=-1)
         vals = vals.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1], float("-inf"))
-        probs = torch.softmax(vals, dim=-1)
-        # exponential race: argmax(p / E) with E ~ Exp(1) samples from p
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, r in enumerate(reqs):
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
-        sampled = order.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
-        return torch.where(greedy, greedy_tokens, sampled)
+        return torch.softmax(vals, dim=-1), order

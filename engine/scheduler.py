@@ -6,6 +6,11 @@ request is admitted only when a state slot and the pages for its first chunk are
 otherwise it waits. A decode that finds no free page preempts the newest running request
 (its pages and slot are freed and it is recomputed later).
 
+With speculative decoding a decoding request may bring drafts: its chunk is a verification
+window (the last token and the drafts), placed after the one-token decodes. Its pages cover
+the whole window, but it is not advanced with the plan: the engine advances it by the
+accepted length after sampling (`advance` skips it).
+
 Pages come from the prefix cache (`prefix_caching.py`), which evicts cached pages before it
 reports the pool dry; a newly admitted request starts from its cached prefix, and a prefill
 chunk ends where the prompt leaves the cache's tree, so that a snapshot can be saved there.
@@ -14,6 +19,7 @@ chunk ends where the prompt leaves the cache's tree, so that a snapshot can be s
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deltaserve.engine.config import EngineConfig
@@ -28,6 +34,7 @@ class ScheduledChunk:
     req: Request
     num_tokens: int
     sample: bool  # the chunk reaches the end of the sequence: a token is sampled after it
+    drafts: list[int] = field(default_factory=list)  # a verification window's draft tokens
 
 
 @dataclass
@@ -36,6 +43,11 @@ class SchedulerOutput:
     num_decodes: int
     preempted: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
+    num_verify: int = 0  # verification windows, right after the decodes
+
+    @property
+    def verify_chunks(self) -> list[ScheduledChunk]:
+        return self.chunks[self.num_decodes : self.num_decodes + self.num_verify]
 
 
 class Scheduler:
@@ -48,6 +60,9 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # speculative decoding: drafts for a decoding request, and how many verify per step
+        self.propose: Callable[[Request], list[int]] | None = None
+        self.max_verify = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -58,6 +73,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         budget = self.config.chunked_prefill_size
         decodes: list[ScheduledChunk] = []
+        verifies: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
         preempted: list[Request] = []
         admitted: list[Request] = []
@@ -65,6 +81,15 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             if req.num_pending == 1 and req.num_computed_tokens > 0:
+                drafts: list[int] = []
+                if self.propose is not None and len(verifies) < self.max_verify:
+                    drafts = self.propose(req)
+                    # drafts never preempt anyone: without pages for them, plain decode
+                    if drafts and not self._ensure_pages(req, req.num_tokens + len(drafts)):
+                        drafts = []
+                if drafts:
+                    verifies.append(ScheduledChunk(req, 1 + len(drafts), True, drafts))
+                    continue
                 while not self._ensure_pages(req, req.num_tokens):
                     victim = self.running[-1]
                     self.preempt(victim)
@@ -99,13 +124,19 @@ class Scheduler:
             admitted.append(req)
             budget -= chunk
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
-        if not decodes and not prefills:
+        # a later decode's preemption may have taken an earlier verifying request
+        verifies = [c for c in verifies if c.req.status is Status.RUNNING]
+        if not decodes and not verifies and not prefills:
             return None
-        return SchedulerOutput(decodes + prefills, len(decodes), preempted, admitted)
+        return SchedulerOutput(
+            decodes + verifies + prefills, len(decodes), preempted, admitted, len(verifies)
+        )
 
     def advance(self, plan: SchedulerOutput) -> None:
-        """The plan's forward pass ran: its tokens are computed."""
+        """The plan's forward pass ran: its tokens are computed (verification windows: later)."""
         for i, c in enumerate(plan.chunks):
+            if c.drafts:
+                continue
             c.req.num_computed_tokens += c.num_tokens
             self.prefix_cache.on_computed(c.req, prefill=i >= plan.num_decodes)
 

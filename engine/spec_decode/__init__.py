@@ -1,0 +1,53 @@
+"""Speculative decoding: drafts proposed per decoding request, verified by the target model in
+the same forward as everything else, accepted by rejection sampling, committed to the state
+pool from the window buffer.
+
+The engine's hooks: the scheduler asks `propose` for each decoding request's drafts, the
+linear backend runs verification rows through the window ops into `window`, and after the
+forward `verify` gives each window's tokens and `commit` moves the accepted states into the
+working slots (see `engine.Engine._finish_windows`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from deltaserve.engine.request import Request
+from deltaserve.engine.sampler import Sampler
+from deltaserve.engine.spec_decode.config import SpecConfig
+from deltaserve.engine.spec_decode.ngram import NgramProposer
+from deltaserve.engine.spec_decode.rejection import Verdict, verify_windows
+from deltaserve.engine.spec_decode.state_window import StateWindow
+
+__all__ = ["Drafter", "SpecConfig", "SpecDecoder", "StateWindow", "Verdict"]
+
+
+class Drafter(Protocol):
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens likely to follow `tokens`."""
+        ...
+
+
+class SpecDecoder:
+    def __init__(self, config: SpecConfig, window: StateWindow, sampler: Sampler, max_model_len: int) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.window = window
+        self.sampler = sampler
+        self.max_model_len = max_model_len
+        self.drafter: Drafter = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+
+    def propose(self, req: Request) -> list[int]:
+        p = req.params
+        assert p.max_tokens is not None
+        # a window yields up to len(drafts) + 1 tokens and writes KV up to num_tokens + len(drafts)
+        room = min(p.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
+        k = min(self.k, room)
+        if k <= 0:
+            return []
+        return self.drafter.propose(req.all_token_ids, k)[:k]
+
+    def verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]]) -> list[Verdict]:
+        return verify_windows(self.sampler, logits, reqs, drafts)

@@ -1,0 +1,41 @@
+"""`speculative_config`: which drafter proposes tokens and how many per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "mtp")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4  # ngram: longest suffix looked up in the prompt and output
+    prompt_lookup_min: int = 1  # ngram: shortest suffix worth a proposal
+    # Most requests verified in one step: bounds the window buffers (k + 1 states per
+    # request and linear layer); past it, requests decode one token as usual.
+    max_batch: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SpecConfig:
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        if "method" not in raw or "num_speculative_tokens" not in raw:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        cfg = cls(**raw)
+        if cfg.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {cfg.method!r}")
+        if cfg.method == "mtp":
+            # the MTP drafter needs its own KV cache and draft loop; not built yet (issue 7)
+            raise NotImplementedError("speculative method 'mtp' is not implemented yet; use 'ngram'")
+        if cfg.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if cfg.max_batch is not None and cfg.max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        return cfg

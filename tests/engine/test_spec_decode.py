@@ -1,0 +1,294 @@
+"""Speculative decoding through GDN and KDA layers: greedy outputs identical with and without
+it, for every accepted count, with chunked prefill, mixed batches, the radix cache, stops
+inside a window and aborts; the state committed after each window is plain decoding's."""
+
+from __future__ import annotations
+
+import sys
+
+sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from deltaserve import LLM, SamplingParams  # noqa: E402
+
+K = 3
+NEW = 20
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3}
+# the Kimi-Linear tiny model of tests/models/test_kimi_linear_parity.py, smaller
+KIMI = dict(
+    vocab_size=160,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    linear_num_heads=2,
+    linear_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    initializer_range=0.02,
+    bos_token_id=1,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+@pytest.fixture(scope="module")
+def kimi_path(tmp_path_factory) -> str:
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.KimiLinearForCausalLM(T.KimiLinearConfig(**KIMI)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    path = str(tmp_path_factory.mktemp("kimi_spec"))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["gdn", "kda"])
+def model_path(request, make_checkpoint, kimi_path) -> str:
+    return make_checkpoint("qwen3_5") if request.param == "gdn" else kimi_path
+
+
+def prompts_of(lengths: list[int], seed: int, repeat: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 160, (n,), generator=g).tolist() * repeat for n in lengths]
+
+
+def make_llm(path: str, spec: dict | None = None, **kw) -> LLM:
+    kw.setdefault("chunked_prefill_size", 32)
+    kw.setdefault("num_kv_pages", 160)  # small pools: each LLM here allocates its own
+    kw.setdefault("max_model_len", 512)
+    return LLM(path, dtype="float32", device="cpu", page_size=16, speculative_config=spec, **kw)
+
+
+def greedy(max_tokens: int = NEW, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_idle(llm: LLM) -> None:
+    llm.engine.flush_cache()
+    s = llm.engine.stats()
+    assert (s["running"], s["waiting"], s["kv_pages_used"], s["state_slots_used"]) == (0, 0, 0, 0), s
+    assert s["snapshots_used"] == 0, s
+
+
+class ForcedDrafter:
+    """Proposes the true greedy continuation for exactly `right` tokens, then a wrong one."""
+
+    def __init__(self, sequences: list[list[int]], right: int, vocab: int = 160) -> None:
+        self.sequences, self.right, self.vocab = sequences, right, vocab
+        self.expected_accepted = 0
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        seq = next(s for s in self.sequences if s[: len(tokens)] == tokens)
+        cont = seq[len(tokens) :]
+        drafts = cont[: min(self.right, k)]
+        if len(drafts) < k and len(cont) > len(drafts):
+            drafts.append((cont[len(drafts)] + 1) % self.vocab)
+        self.expected_accepted += min(self.right, len(drafts))
+        return drafts
+
+
+# one plain reference per (path, prompts): greedy decoding without speculation
+_REFS: dict[tuple, list[list[int]]] = {}
+
+
+def reference(path: str, prompts: list[list[int]], max_tokens: int = NEW) -> list[list[int]]:
+    key = (path, tuple(map(tuple, prompts)), max_tokens)
+    if key not in _REFS:
+        _REFS[key] = run(make_llm(path, max_running_requests=8), prompts, greedy(max_tokens))
+    return _REFS[key]
+
+
+# prompts crossing 32-token chunk boundaries, a page-aligned one, short ones
+LENGTHS = [5, 33, 70, 16, 100]
+
+
+def test_every_accepted_count_matches_plain_decoding(model_path):
+    prompts = prompts_of(LENGTHS, seed=1)
+    ref = reference(model_path, prompts)
+    llm = make_llm(model_path, NGRAM, max_running_requests=8)
+    for right in range(K + 1):
+        drafter = ForcedDrafter([p + r for p, r in zip(prompts, ref)], right)
+        llm.engine.spec.drafter = drafter
+        before = llm.engine.stats()
+        assert run(llm, prompts, greedy()) == ref, f"{right} right drafts"
+        s = llm.engine.stats()
+        accepted = s["spec_accepted_tokens_total"] - before["spec_accepted_tokens_total"]
+        drafted = s["spec_draft_tokens_total"] - before["spec_draft_tokens_total"]
+        assert accepted == drafter.expected_accepted and drafted > 0
+        if right == 0:
+            assert accepted == 0
+        if right == K:
+            assert accepted == drafted
+    # the second and later passes hit the radix cache (snapshots saved from committed states)
+    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+    assert_idle(llm)
+
+
+def test_committed_state_equals_plain_decoding(model_path):
+    """After each window, the working slot holds exactly the state plain decoding reaches
+    after the same number of tokens."""
+    prompt = prompts_of([37], seed=2)[0]
+    ref = reference(model_path, [prompt])[0]
+
+    def states_by_length(llm: LLM) -> dict[int, dict[str, torch.Tensor]]:
+        eng = llm.engine
+        eng.add_request("r", prompt, greedy())
+        found: dict[int, dict[str, torch.Tensor]] = {}
+        while eng.has_unfinished_requests():
+            eng.step()
+            req = eng.requests.get("r")
+            if req is None or req.slot is None:
+                continue
+            found[req.num_computed_tokens] = {
+                n: b[:, req.slot].clone() for n, b in eng.runner.state_pool.buffers.items()
+            }
+        return found
+
+    plain = states_by_length(make_llm(model_path))
+    for right in (1, K):
+        spec = make_llm(model_path, NGRAM)
+        spec.engine.spec.drafter = ForcedDrafter([prompt + ref], right)
+        found = states_by_length(spec)
+        lengths = [n for n in found if n > len(prompt)]
+        assert len(lengths) >= 3
+        for n in lengths:
+            for name, state in found[n].items():
+                # the window's attention runs the multi-token path: rounding-level differences
+                torch.testing.assert_close(state, plain[n][name], rtol=1e-5, atol=1e-5, msg=f"{name} at {n}")
+
+
+def test_ngram_on_self_repeating_batch(model_path):
+    """The 'done when' check: batched self-repeating prompts, greedy identical, drafts accepted."""
+    prompts = prompts_of([4, 7, 11, 3], seed=3, repeat=6) + prompts_of([50], seed=4)
+    ref = reference(model_path, prompts)
+    llm = make_llm(model_path, NGRAM, max_running_requests=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    s = llm.engine.stats()
+    assert s["spec_accepted_tokens_total"] == sum(o.num_accepted_tokens for o in outs) > 0
+    assert s["spec_draft_tokens_total"] == sum(o.num_draft_tokens for o in outs)
+    assert_idle(llm)
+
+
+def test_mixed_batches_and_multi_turn_cache_hits(make_checkpoint):
+    """Requests verifying drafts beside others prefilling in the same forward; then a second
+    turn that extends each sequence hits snapshots taken from committed states."""
+    path = make_checkpoint("qwen3_5")
+    prompts = prompts_of([3, 5, 130, 90], seed=5, repeat=2)
+    ref = reference(path, prompts)
+    llm = make_llm(path, NGRAM, max_running_requests=4)
+    drafter = ForcedDrafter([p + r for p, r in zip(prompts, ref)], right=2)
+    llm.engine.spec.drafter = drafter
+    mixed = []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        if plan is not None:
+            prefilling = len(plan.chunks) > plan.num_decodes + plan.num_verify
+            mixed.append(plan.num_verify > 0 and prefilling)
+        return plan
+
+    llm.engine.scheduler.schedule = spy  # type: ignore[method-assign]
+    assert run(llm, prompts, greedy()) == ref
+    assert any(mixed)
+    second = [p + r + [7, 8, 9] for p, r in zip(prompts, ref)]
+    ref2 = reference(path, second)
+    drafter.sequences += [p + r for p, r in zip(second, ref2)]
+    before = llm.engine.stats()["prefix_cache_hit_tokens"]
+    assert run(llm, second, greedy()) == ref2
+    assert llm.engine.stats()["prefix_cache_hit_tokens"] > before
+    assert_idle(llm)
+
+
+def test_stops_inside_a_window_and_aborts(make_checkpoint):
+    path = make_checkpoint("qwen3_5")
+    prompts = prompts_of([20, 40, 9], seed=6)
+    ref = reference(path, prompts)
+    llm = make_llm(path, NGRAM, max_running_requests=4)
+    llm.engine.spec.drafter = ForcedDrafter([p + r for p, r in zip(prompts, ref)], right=K)
+    # a stop token that ends the first request in the middle of an accepted window
+    stop_at = 6
+    params = greedy(stop_token_ids=[ref[0][stop_at]])
+    out = run(llm, [prompts[0]], params)[0]
+    assert out == ref[0][: ref[0].index(ref[0][stop_at]) + 1]
+    # an abort between steps, while the others keep verifying
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"a{i}", p, greedy())
+    finished: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                finished[o.request_id] = o.outputs[0].token_ids
+        steps += 1
+        if steps == 5:
+            eng.abort_request("a1")
+    assert finished["a0"] == ref[0] and finished["a2"] == ref[2]
+    assert finished["a1"] == ref[1][: len(finished["a1"])]
+    assert_idle(llm)
+
+
+def test_sampling_with_drafts_runs_and_is_seeded(make_checkpoint):
+    path = make_checkpoint("qwen3_5")
+    prompts = prompts_of([6, 8], seed=7, repeat=5)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NEW, ignore_eos=True, seed=11)
+    a = run(make_llm(path, NGRAM), prompts, params)
+    b = run(make_llm(path, NGRAM), prompts, params)
+    assert a == b and all(len(x) == NEW for x in a)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """A point-mass draft accepted with p(d), else the residual: the output law is p."""
+    from deltaserve.engine.sampler import Sampler
+    from deltaserve.engine.spec_decode.rejection import _rejection_sample
+
+    class View:
+        generator = None
+        output_token_ids: list[int] = []
+        all_token_ids: list[int] = []
+        params = SamplingParams(temperature=1.0)
+
+    sampler = Sampler(torch.device("cpu"), 0, [])
+    p = torch.tensor([0.1, 0.5, 0.15, 0.25])
+    logits = p.log().repeat(2, 1)
+    counts = torch.zeros(4)
+    trials = 4000
+    for _ in range(trials):
+        counts[_rejection_sample(sampler, logits, [View(), View()], [2])[0]] += 1  # type: ignore[list-item]
+    torch.testing.assert_close(counts / trials, p, atol=0.03, rtol=0)
+
+
+def test_config_validation(make_checkpoint):
+    path = make_checkpoint("qwen3_5")
+    with pytest.raises(ValueError):
+        make_llm(path, {"method": "ngram"})
+    with pytest.raises(ValueError):
+        make_llm(path, {"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(NotImplementedError):
+        make_llm(path, {"method": "mtp", "num_speculative_tokens": 2})
