@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -61,6 +62,23 @@ def _existing_path(text: str) -> str:
     if not os.path.exists(text):
         raise argparse.ArgumentTypeError(f"no such file or directory: {text!r}")
     return text
+
+
+def _speculative_config(text: str) -> dict:
+    """A JSON object, checked as the engine checks it, so that a typo is a one-line error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    from deltaserve.engine.spec_decode.config import SpecConfig
+
+    try:
+        SpecConfig.from_dict(value)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def _existing_file(text: str) -> str:
@@ -179,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         default="float32",
         help="dtype of the recurrent (linear-attention) state",
+    )
+    engine.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4}\'',
     )
 
     http = serve.add_argument_group("http")

@@ -103,6 +103,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
         max_waiting_requests=args.max_waiting_requests,
         load_format=args.load_format,
         tokenizer=args.tokenizer,
+        speculative_config=args.speculative_config,
     )
     try:
         engine = Engine(config)

@@ -67,7 +67,30 @@ _STATS = (
     ("snapshot_evictions", "prefix_cache_snapshot_evictions_total", "counter", "Snapshots evicted."),
     ("kv_page_evictions", "prefix_cache_kv_page_evictions_total", "counter", "Cached KV pages evicted."),
     ("kv_pages_cached", "prefix_cache_kv_pages", "gauge", "KV pages held by the cache."),
+    ("spec_draft_tokens_total", "spec_decode_draft_tokens_total", "counter", "Draft tokens verified."),
+    ("spec_accepted_tokens_total", "spec_decode_accepted_tokens_total", "counter", "Draft tokens accepted."),
+    ("spec_windows_total", "spec_decode_verify_steps_total", "counter", "Verification windows run."),
 )
+
+
+def _spec_gauges(stats: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """Acceptance rate and mean accepted length, derived from the engine's spec counters."""
+    drafts, accepted = stats.get("spec_draft_tokens_total"), stats.get("spec_accepted_tokens_total")
+    windows = stats.get("spec_windows_total")
+    if drafts is None or accepted is None or windows is None:
+        return []
+    return [
+        (
+            "spec_decode_acceptance_rate",
+            "Share of draft tokens accepted.",
+            accepted / drafts if drafts else 0.0,
+        ),
+        (
+            "spec_decode_mean_accepted_length",
+            "Tokens gained per verification step: accepted drafts plus the model's own token.",
+            1.0 + accepted / windows if windows else 0.0,
+        ),
+    ]
 
 
 class Histogram:
@@ -158,6 +181,9 @@ class Metrics:
             if key in stats:
                 header(name, kind, help_text)
                 lines.append(f"{p}{name}{{{lab}}} {stats[key]}")
+        for name, help_text, value in _spec_gauges(stats):
+            header(name, "gauge", help_text)
+            lines.append(f"{p}{name}{{{lab}}} {value}")
         for name, hist, help_text in (
             ("time_to_first_token_seconds", self.ttft, "Time from admission to the first generated token."),
             ("inter_token_latency_seconds", self.itl, "Time between consecutive generated tokens."),

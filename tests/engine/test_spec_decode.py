@@ -292,3 +292,20 @@ def test_config_validation(make_checkpoint):
         make_llm(path, {"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(NotImplementedError):
         make_llm(path, {"method": "mtp", "num_speculative_tokens": 2})
+
+
+def test_cli_and_metrics(make_checkpoint):
+    from deltaserve.server.cli import build_parser
+    from deltaserve.server.metrics import Metrics
+
+    args = build_parser().parse_args(
+        ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    )
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    llm = make_llm(make_checkpoint("qwen3_5"), args.speculative_config)
+    run(llm, prompts_of([5], seed=8, repeat=4), greedy())
+    text = Metrics("m").render(llm.engine.stats())
+    s = llm.engine.stats()
+    rate = s["spec_accepted_tokens_total"] / s["spec_draft_tokens_total"]
+    assert f'deltaserve_spec_decode_acceptance_rate{{model_name="m"}} {rate}' in text
+    assert "deltaserve_spec_decode_mean_accepted_length" in text
