@@ -309,3 +309,58 @@ def test_cli_and_metrics(make_checkpoint):
     rate = s["spec_accepted_tokens_total"] / s["spec_draft_tokens_total"]
     assert f'deltaserve_spec_decode_acceptance_rate{{model_name="m"}} {rate}' in text
     assert "deltaserve_spec_decode_mean_accepted_length" in text
+
+
+@pytest.mark.parametrize("pressure", [False, True])
+def test_decodes_windows_and_prefills_in_one_batch(make_checkpoint, pressure):
+    """max_batch 2: the other decoding requests decode one token beside the windows and the
+    prefills. Under KV pressure (few pages) drafts get pages only when free and decodes
+    preempt; outputs stay exact either way."""
+    path = make_checkpoint("qwen3_5")
+    lengths = [60, 61, 62, 63] if pressure else [60, 61, 12, 35, 8]
+    prompts = prompts_of(lengths, seed=9)
+    ref = reference(path, prompts)
+    spec = {**NGRAM, "max_batch": 2}
+    pages = {"num_kv_pages": 11, "max_model_len": 128} if pressure else {}
+    llm = make_llm(path, spec, max_running_requests=len(prompts), **pages)
+    llm.engine.spec.drafter = ForcedDrafter([p + r for p, r in zip(prompts, ref)], right=2)
+    kinds, preempted = [], []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        if plan is not None:
+            preempted.extend(plan.preempted)
+            prefills = len(plan.chunks) - plan.num_decodes - plan.num_verify
+            kinds.append((plan.num_decodes, plan.num_verify, prefills))
+        return plan
+
+    llm.engine.scheduler.schedule = spy  # type: ignore[method-assign]
+    assert run(llm, prompts, greedy()) == ref
+    assert all(v <= 2 for _, v, _ in kinds)
+    assert llm.engine.stats()["spec_accepted_tokens_total"] > 0
+    if pressure:
+        assert preempted
+    else:
+        assert any(d and v and p for d, v, p in kinds)
+    assert_idle(llm)
+
+
+def test_logprobs_and_penalties_through_windows(make_checkpoint):
+    """Each accepted token's logprob and penalty are those of its own position."""
+    path = make_checkpoint("qwen3_5")
+    prompts = prompts_of([7, 9], seed=10, repeat=4)
+    params = greedy(logprobs=2, repetition_penalty=1.3, min_tokens=5)
+    plain = make_llm(path).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = make_llm(path, NGRAM)
+    seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, plain)]
+    llm.engine.spec.drafter = ForcedDrafter(seqs, right=K)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for a, b in zip(outs, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.num_accepted_tokens > 0
+        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert la is not None and lb is not None and len(la) == len(lb)
+        for x, y in zip(la, lb):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            assert x.top.keys() == y.top.keys()
