@@ -114,6 +114,29 @@ class LinearAttentionBackend:
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def _recurrent(self, layer_id: int, inputs: tuple[torch.Tensor, ...], decode_op, window_op, prefill_op):
+        """Route one recurrent op's rows: decodes, then verification windows, then prefills."""
+        pool = self.pool.layer(self.layer_index[layer_id])["recurrent"]
+        n = self.num_decodes
+        m = n + self.num_verify_tokens
+        parts = []
+        if n:
+            parts.append(decode_op(*(x[:n] for x in inputs), pool, self.decode_slots))
+        if m > n:
+            win = self._verify_args(layer_id, "recurrent")
+            parts.append(window_op(*(x[n:m] for x in inputs), pool, *win))
+        if inputs[0].shape[0] > m:
+            parts.append(
+                prefill_op(
+                    *(x[m:] for x in inputs),
+                    self.prefill_cu_seqlens,
+                    pool,
+                    self.prefill_slots,
+                    self.prefill_has_initial,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def delta_rule(
         self,
         layer_id: int,
@@ -123,30 +146,8 @@ class LinearAttentionBackend:
         g: torch.Tensor,
         beta: torch.Tensor,
     ) -> torch.Tensor:
-        pool = self.pool.layer(self.layer_index[layer_id])["recurrent"]
-        n = self.num_decodes
-        parts = []
-        m = n + self.num_verify_tokens
-        if n:
-            parts.append(gdn_decode(q[:n], k[:n], v[:n], g[:n], beta[:n], pool, self.decode_slots))
-        if m > n:
-            win = self._verify_args(layer_id, "recurrent")
-            parts.append(gdn_window(q[n:m], k[n:m], v[n:m], g[n:m], beta[n:m], pool, *win))
-        if q.shape[0] > m:
-            parts.append(
-                gdn_prefill(
-                    q[m:],
-                    k[m:],
-                    v[m:],
-                    g[m:],
-                    beta[m:],
-                    self.prefill_cu_seqlens,
-                    pool,
-                    self.prefill_slots,
-                    self.prefill_has_initial,
-                )
-            )
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        """Gated DeltaNet: g `[T, HV]` is one log-decay per value head."""
+        return self._recurrent(layer_id, (q, k, v, g, beta), gdn_decode, gdn_window, gdn_prefill)
 
     def kda(
         self,
@@ -158,27 +159,4 @@ class LinearAttentionBackend:
         beta: torch.Tensor,
     ) -> torch.Tensor:
         """Kimi Delta Attention: `delta_rule` with a per-key-channel gate g `[T, H, K]`."""
-        pool = self.pool.layer(self.layer_index[layer_id])["recurrent"]
-        n = self.num_decodes
-        parts = []
-        m = n + self.num_verify_tokens
-        if n:
-            parts.append(kda_decode(q[:n], k[:n], v[:n], g[:n], beta[:n], pool, self.decode_slots))
-        if m > n:
-            win = self._verify_args(layer_id, "recurrent")
-            parts.append(kda_window(q[n:m], k[n:m], v[n:m], g[n:m], beta[n:m], pool, *win))
-        if q.shape[0] > m:
-            parts.append(
-                kda_prefill(
-                    q[m:],
-                    k[m:],
-                    v[m:],
-                    g[m:],
-                    beta[m:],
-                    self.prefill_cu_seqlens,
-                    pool,
-                    self.prefill_slots,
-                    self.prefill_has_initial,
-                )
-            )
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._recurrent(layer_id, (q, k, v, g, beta), kda_decode, kda_window, kda_prefill)
