@@ -7,31 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.kernels.pool_states import fla_cu_seqlens, gather_initial_states
+
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     # Kernels index the last dim with unit stride; views of fused projections keep it, so this
     # copies only in unusual cases.
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-_cu_copy: tuple[torch.Tensor, int, torch.Tensor] | None = None
-
-
-def _fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """An int64 copy of `cu_seqlens`, the same object for as long as the input is unchanged.
-
-    FLA caches its chunk indices (built with a host sync) by argument identity alone: the
-    same object for every layer of one forward keeps that to one sync per forward, and a new
-    object whenever the input is refilled in place (its version counter moves) keeps FLA from
-    reusing indices of an older batch.
-    """
-    global _cu_copy
-    # inference tensors (the engine runs under inference_mode) keep no version counter; the
-    # engine builds a new cu_seqlens tensor for every forward, so identity is enough there
-    version = -1 if cu_seqlens.is_inference() else cu_seqlens._version
-    if _cu_copy is None or _cu_copy[0] is not cu_seqlens or _cu_copy[1] != version:
-        _cu_copy = (cu_seqlens, version, cu_seqlens.to(torch.int64, copy=True))
-    return _cu_copy[2]
 
 
 def gdn_prefill_cuda(
@@ -53,11 +35,7 @@ def gdn_prefill_cuda(
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    idx = slots.long()
-    init = state_pool.index_select(0, idx).float()
-    # where, not multiply: an unused slot may hold garbage (NaN) that 0 * x would keep.
-    fresh = ~has_initial_state.bool().view(-1, 1, 1, 1)
-    init = torch.where(fresh, torch.zeros((), dtype=init.dtype, device=init.device), init)
+    init = gather_initial_states(state_pool, slots, has_initial_state)
     with torch.no_grad():
         o, final = chunk_gated_delta_rule(
             q.unsqueeze(0),
@@ -68,9 +46,9 @@ def gdn_prefill_cuda(
             initial_state=init,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
-            cu_seqlens=_fla_cu_seqlens(cu_seqlens),
+            cu_seqlens=fla_cu_seqlens(cu_seqlens),
         )
-    state_pool.index_copy_(0, idx, final.to(state_pool.dtype))
+    state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
     return o[0].to(v.dtype)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.kernels.dispatch import use_fast_path
+from deltaserve.kernels.pool_states import prefill_each_sequence, step_slots
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -115,15 +116,9 @@ def kda_prefill(
         from deltaserve.kernels.kda_cuda import kda_prefill_cuda
 
         return kda_prefill_cuda(q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial_state)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    bounds = cu_seqlens.tolist()
-    for i, slot in enumerate(slots.tolist()):
-        lo, hi = bounds[i], bounds[i + 1]
-        init = state_pool[slot] if bool(has_initial_state[i]) else None
-        o, final = chunk_kda_ref(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], init)
-        out[lo:hi] = o.to(v.dtype)
-        state_pool[slot] = final.to(state_pool.dtype)
-    return out
+    return prefill_each_sequence(
+        chunk_kda_ref, (q, k, v, g, beta), cu_seqlens, state_pool, slots, has_initial_state
+    )
 
 
 def kda_decode(
@@ -140,7 +135,4 @@ def kda_decode(
         from deltaserve.kernels.kda_cuda import kda_decode_cuda
 
         return kda_decode_cuda(q, k, v, g, beta, state_pool, slots)
-    idx = slots.long()
-    out, new_state = recurrent_kda_ref(q, k, v, g, beta, state_pool[idx])
-    state_pool[idx] = new_state.to(state_pool.dtype)
-    return out.to(v.dtype)
+    return step_slots(recurrent_kda_ref, (q, k, v, g, beta), state_pool, slots)

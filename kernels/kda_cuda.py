@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.kernels.pool_states import fla_cu_seqlens, gather_initial_states
+
 
 def kda_prefill_cuda(
     q: torch.Tensor,
@@ -28,11 +30,7 @@ def kda_prefill_cuda(
     """
     from fla.ops.kda import chunk_kda
 
-    idx = slots.long()
-    init = state_pool.index_select(0, idx).float()
-    # where, not multiply: an unused slot may hold garbage (NaN) that 0 * x would keep.
-    fresh = ~has_initial_state.bool().view(-1, 1, 1, 1)
-    init = torch.where(fresh, torch.zeros((), dtype=init.dtype, device=init.device), init)
+    init = gather_initial_states(state_pool, slots, has_initial_state)
     with torch.no_grad():
         o, final = chunk_kda(
             q.unsqueeze(0),
@@ -43,9 +41,9 @@ def kda_prefill_cuda(
             initial_state=init,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
-            cu_seqlens=cu_seqlens.long(),
+            cu_seqlens=fla_cu_seqlens(cu_seqlens),
         )
-    state_pool.index_copy_(0, idx, final.to(state_pool.dtype))
+    state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
     return o[0].to(v.dtype)
 
 

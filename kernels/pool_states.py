@@ -1,0 +1,73 @@
+"""Plumbing shared by the recurrent ops (GDN, KDA) around a pool of per-slot states."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# (q, k, v, g, beta, initial state or None) -> (o, final state), one sequence
+ChunkRef = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# (q, k, v, g, beta, states [N, ...]) -> (o, new states), one token for each of N sequences
+StepRef = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def prefill_each_sequence(
+    chunk_ref: ChunkRef,
+    inputs: tuple[torch.Tensor, ...],
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """The reference varlen prefill: one sequence at a time, final states into the pool."""
+    v = inputs[2]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    bounds = cu_seqlens.tolist()
+    for i, slot in enumerate(slots.tolist()):
+        lo, hi = bounds[i], bounds[i + 1]
+        init = state_pool[slot] if bool(has_initial_state[i]) else None
+        o, final = chunk_ref(*(x[lo:hi] for x in inputs), init)
+        out[lo:hi] = o.to(v.dtype)
+        state_pool[slot] = final.to(state_pool.dtype)
+    return out
+
+
+def step_slots(
+    step_ref: StepRef, inputs: tuple[torch.Tensor, ...], state_pool: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """The reference decode: gather the slots' states, step, write them back."""
+    idx = slots.long()
+    out, new_state = step_ref(*inputs, state_pool[idx])
+    state_pool[idx] = new_state.to(state_pool.dtype)
+    return out.to(inputs[2].dtype)
+
+
+def gather_initial_states(
+    state_pool: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor
+) -> torch.Tensor:
+    """fp32 copies of the slots' states, zeros where a sequence starts fresh (for FLA's kernels)."""
+    init = state_pool.index_select(0, slots.long()).float()
+    # where, not multiply: an unused slot may hold garbage (NaN) that 0 * x would keep
+    fresh = ~has_initial_state.bool().view(-1, *([1] * (init.dim() - 1)))
+    return torch.where(fresh, torch.zeros((), dtype=init.dtype, device=init.device), init)
+
+
+_cu_copy: tuple[torch.Tensor, int, torch.Tensor] | None = None
+
+
+def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """An int64 copy of `cu_seqlens`, the same object for as long as the input is unchanged.
+
+    FLA caches its chunk indices (built with a host sync) by argument identity alone: the
+    same object for every layer of one forward keeps that to one sync per forward, and a new
+    object whenever the input is refilled in place (its version counter moves) keeps FLA from
+    reusing indices of an older batch. Inference tensors (the engine runs under
+    inference_mode) keep no version counter; the engine builds a new cu_seqlens tensor for
+    every forward, so identity is enough there.
+    """
+    global _cu_copy
+    version = -1 if cu_seqlens.is_inference() else cu_seqlens._version
+    if _cu_copy is None or _cu_copy[0] is not cu_seqlens or _cu_copy[1] != version:
+        _cu_copy = (cu_seqlens, version, cu_seqlens.to(torch.int64, copy=True))
+    return _cu_copy[2]
