@@ -10,7 +10,9 @@ are made:
   model's own greedy output gives (random models often fall into loops, which n-gram drafts
   catch);
 - `oracle`: the plain run's greedy continuation, right for `--oracle-right` tokens then
-  wrong: verification cost at a known accepted length.
+  wrong: verification cost at a known accepted length;
+- `mtp`: the checkpoint's MTP layer (Qwen3-Next / Qwen3.5; random here, so it measures the
+  drafting cost, not a speedup).
 Both runs use one engine (speculation switched off for the plain one) and greedy sampling,
 so their outputs must agree: the script checks it. Decode latency counts only the steps after
 every prompt is prefilled. Steps with verification windows run eagerly (no CUDA graphs).
@@ -107,7 +109,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
-    ap.add_argument("--drafter", choices=["ngram", "oracle"], default="ngram")
+    ap.add_argument(
+        "--drafter",
+        choices=["ngram", "oracle", "mtp"],
+        default="ngram",
+        help="mtp: the model's own MTP layer (random weights here: acceptance near zero, cost only)",
+    )
     ap.add_argument("--oracle-right", type=int, default=2, help="oracle: right drafts per window")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu only for a quick dry run of the script")
@@ -117,7 +124,7 @@ def main() -> None:
 
     max_bs = max(args.batch_sizes)
     spec = {
-        "method": "ngram",
+        "method": "mtp" if args.drafter == "mtp" else "ngram",
         "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_max": args.prompt_lookup_max,
     }
@@ -148,9 +155,10 @@ def main() -> None:
     run_batch(engine, warm, 4, "warm")  # first-call costs (allocations, kernel compiles)
     for bs in args.batch_sizes:
         prompts = repetitive_prompts(bs, args.prompt_len, args.phrase_len, vocab)
+        mtp, engine.spec.mtp = engine.spec.mtp, None  # no drafting work at all in the plain run
         engine.scheduler.propose = None
         plain, plain_out = run_batch(engine, prompts, args.new_tokens, f"plain{bs}")
-        engine.scheduler.propose = propose
+        engine.scheduler.propose, engine.spec.mtp = propose, mtp
         if args.drafter == "oracle":
             seqs = [p + o for p, o in zip(prompts, plain_out)]
             engine.spec.drafter = OracleDrafter(seqs, args.oracle_right, vocab)

@@ -21,7 +21,7 @@ from deltaserve.engine.request import Request, Status
 from deltaserve.engine.sampler import Sampler
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from deltaserve.engine.spec_decode import SpecDecoder, Verdict
+from deltaserve.engine.spec_decode import Computed, MtpDrafter, SpecDecoder, Verdict
 from deltaserve.models.loader import load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,10 @@ class Engine:
         spec = config.spec
         if spec is not None:
             assert self.runner.window is not None
-            self.spec = SpecDecoder(spec, self.runner.window, self.sampler, self.max_model_len)
+            mtp = None
+            if self.runner.mtp is not None:
+                mtp = MtpDrafter(self.runner, self.scheduler.reserve_pages, spec.num_speculative_tokens)
+            self.spec = SpecDecoder(spec, self.runner.window, self.sampler, self.max_model_len, mtp)
             self.scheduler.propose = self.spec.propose
             self.scheduler.max_verify = self.runner.window.rows
         self.model_info = {
@@ -155,6 +158,7 @@ class Engine:
         for req in plan.admitted:
             if req.num_preemptions == 0:
                 self.counters["cached_tokens_total"] += req.num_cached_tokens
+        starts = [c.req.num_computed_tokens for c in plan.chunks]
         logits = self.runner.forward(self._batch(plan))
         sampled = [c.req for c in plan.chunks if c.sample and not c.drafts]
         self.scheduler.advance(plan)
@@ -173,7 +177,19 @@ class Engine:
                 outputs.append(self._output(req))
         if windows:
             outputs.extend(self._finish_windows(windows, verdicts, now))
+        if self.spec is not None and self.spec.mtp is not None:
+            self.spec.after_step(self._computed(plan, starts, verdicts))
         return outputs
+
+    @staticmethod
+    def _computed(plan: SchedulerOutput, starts: list[int], verdicts: list[Verdict]) -> list[Computed]:
+        """Per chunk, the positions the step computed (a window: its accepted prefix)."""
+        rows, row, accepted = [], 0, iter(verdicts)
+        for c, start in zip(plan.chunks, starts):
+            count = next(accepted).num_accepted + 1 if c.drafts else c.num_tokens
+            rows.append(Computed(c.req, start, count, row, c.sample))
+            row += c.num_tokens
+        return rows
 
     def _finish_windows(
         self, windows: list[ScheduledChunk], verdicts: list[Verdict], now: float

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from deltaserve.engine.spec_decode.state_window import StateWindow
 from deltaserve.engine.state_pool import StatePool
 from deltaserve.models.loader import LoadedModel
 
+if TYPE_CHECKING:
+    from deltaserve.models.qwen3_next_mtp import MultiTokenPredictor
+
 logger = logging.getLogger(__name__)
 
 
@@ -29,6 +33,11 @@ class ModelRunner:
         self.device = device
         types = self.model.layer_types
         attn_layers = [i for i, t in enumerate(types) if t != "linear_attention"]
+        spec = config.spec
+        self.mtp: MultiTokenPredictor | None = None
+        if spec is not None and spec.method == "mtp":
+            self.mtp = self._load_mtp(loaded, device)
+            attn_layers.append(self.mtp.layer_id)  # its own KV cache, in the same pages
         linear_layers = [i for i, t in enumerate(types) if t == "linear_attention"]
         kv_shapes = self.model.kv_shapes()
         state_shapes = self.model.state_shapes()
@@ -58,7 +67,6 @@ class ModelRunner:
         self.linear = LinearAttentionBackend(
             self.state_pool, {layer: i for i, layer in enumerate(linear_layers)}
         )
-        spec = config.spec
         self.window: StateWindow | None = None
         if spec is not None:
             self.window = StateWindow(
@@ -67,8 +75,21 @@ class ModelRunner:
             self.linear.window = self.window
         self.ctx = ForwardContext(self.attn, self.linear)
         self.graph_runner: CudaGraphRunner | None = None
-        if device.type == "cuda" and not config.disable_cuda_graph:
+        # MTP drafting reads every forward's hidden states, which decode graphs do not keep
+        if device.type == "cuda" and not config.disable_cuda_graph and self.mtp is None:
             self.capture_cuda_graphs()
+        self.last_hidden: torch.Tensor | None = None  # the last eager forward's, for MTP
+
+    def _load_mtp(self, loaded: LoadedModel, device: torch.device) -> MultiTokenPredictor:
+        from deltaserve.models.qwen3_next import Qwen3NextForCausalLM
+        from deltaserve.models.qwen3_next_mtp import load_mtp
+
+        if not isinstance(self.model, Qwen3NextForCausalLM):
+            raise ValueError(
+                f"MTP speculation needs a Qwen3-Next / Qwen3.5 checkpoint, not {loaded.architecture}"
+            )
+        dummy = self.config.load_format == "dummy"
+        return load_mtp(self.config.model, loaded.config, self.config.torch_dtype, device, dummy)
 
     def _decode_body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # every row of a decode batch is sampled
@@ -101,4 +122,6 @@ class ModelRunner:
         self.attn.prepare(batch)
         self.linear.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.ctx)
+        if self.mtp is not None:
+            self.last_hidden = hidden
         return self.model.compute_logits(hidden[batch.logits_indices]).float()

@@ -152,6 +152,10 @@ class Scheduler:
             chunk = min(chunk, stop - req.num_computed_tokens)
         return chunk
 
+    def reserve_pages(self, req: Request, num_tokens: int) -> bool:
+        """Pages for the first `num_tokens` positions, if free (or evictable); never preempts."""
+        return self._ensure_pages(req, num_tokens)
+
     def _ensure_pages(self, req: Request, num_tokens: int) -> bool:
         need = -(-num_tokens // self.kv_pool.page_size) - len(req.pages)
         if need <= 0:

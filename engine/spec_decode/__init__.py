@@ -17,11 +17,12 @@ import torch
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampler import Sampler
 from deltaserve.engine.spec_decode.config import SpecConfig
+from deltaserve.engine.spec_decode.mtp import Computed, MtpDrafter
 from deltaserve.engine.spec_decode.ngram import NgramProposer
 from deltaserve.engine.spec_decode.rejection import Verdict, verify_windows
 from deltaserve.engine.spec_decode.state_window import StateWindow
 
-__all__ = ["Drafter", "SpecConfig", "SpecDecoder", "StateWindow", "Verdict"]
+__all__ = ["Computed", "Drafter", "MtpDrafter", "SpecConfig", "SpecDecoder", "StateWindow", "Verdict"]
 
 
 class Drafter(Protocol):
@@ -31,23 +32,44 @@ class Drafter(Protocol):
 
 
 class SpecDecoder:
-    def __init__(self, config: SpecConfig, window: StateWindow, sampler: Sampler, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SpecConfig,
+        window: StateWindow,
+        sampler: Sampler,
+        max_model_len: int,
+        mtp: MtpDrafter | None = None,
+    ) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.window = window
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.drafter: Drafter = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+        self.mtp = mtp
 
-    def propose(self, req: Request) -> list[int]:
+    def room(self, req: Request) -> int:
+        """Most drafts the request may verify now."""
         p = req.params
         assert p.max_tokens is not None
         # a window yields up to len(drafts) + 1 tokens and writes KV up to num_tokens + len(drafts)
         room = min(p.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
-        k = min(self.k, room)
-        if k <= 0:
-            return []
-        return self.drafter.propose(req.all_token_ids, k)[:k]
+        return max(0, min(self.k, room))
+
+    def propose(self, req: Request) -> list[int]:
+        k = self.room(req)
+        if self.mtp is not None:
+            drafts = self.mtp.take(req)
+        elif k > 0:
+            drafts = self.drafter.propose(req.all_token_ids, k)
+        else:
+            drafts = []
+        return drafts[:k]
+
+    def after_step(self, rows: list[Computed]) -> None:
+        """MTP: fill its KV over what the step computed, draft for the next step."""
+        if self.mtp is not None:
+            self.mtp.after_step(rows, {id(r.req): self.room(r.req) for r in rows if not r.req.finished})
 
     def verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]]) -> list[Verdict]:
         return verify_windows(self.sampler, logits, reqs, drafts)

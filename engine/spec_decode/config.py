@@ -29,9 +29,6 @@ class SpecConfig:
         cfg = cls(**raw)
         if cfg.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {cfg.method!r}")
-        if cfg.method == "mtp":
-            # the MTP drafter needs its own KV cache and draft loop; not built yet (issue 7)
-            raise NotImplementedError("speculative method 'mtp' is not implemented yet; use 'ngram'")
         if cfg.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:

@@ -290,8 +290,8 @@ def test_config_validation(make_checkpoint):
         make_llm(path, {"method": "ngram"})
     with pytest.raises(ValueError):
         make_llm(path, {"method": "eagle", "num_speculative_tokens": 2})
-    with pytest.raises(NotImplementedError):
-        make_llm(path, {"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError):
+        make_llm(path, {"method": "ngram", "num_speculative_tokens": 0})
 
 
 def test_cli_and_metrics(make_checkpoint):

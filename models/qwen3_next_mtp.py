@@ -1,0 +1,88 @@
+"""Qwen3-Next / Qwen3.5 multi-token prediction (MTP) module: the checkpoint's `mtp.*` weights.
+
+One extra decoder layer (gated full attention, the model's MLP or MoE) that predicts the
+token after next: at position p it reads the model's final hidden state h_p and the embedding
+of token p + 1,
+
+    x = fc([pre_fc_norm_embedding(embed(t_{p+1})), pre_fc_norm_hidden(h_p)])
+    h'_p = norm(layer(x))            logits = lm_head(h'_p)   -> t_{p+2}
+
+sharing the model's embedding and lm_head. Chained, h'_p stands in for h_{p+1} with the
+drafted token. The layer keeps its own KV cache (one more attention layer in the pool, layer
+id `num_hidden_layers`). `save_pretrained` of transformers drops these weights; the release
+checkpoints carry them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from deltaserve.models.layers import ZeroCenteredRMSNorm
+from deltaserve.models.qwen3_next import DecoderLayer
+from deltaserve.models.weights import WeightLoader
+
+if TYPE_CHECKING:
+    from deltaserve.engine.forward_context import ForwardContext
+
+PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.", "language_model.mtp.")
+
+
+def num_mtp_layers(config: Any) -> int:
+    n = getattr(config, "mtp_num_hidden_layers", None) or getattr(config, "num_nextn_predict_layers", None)
+    return int(n or 1)
+
+
+class MultiTokenPredictor(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if num_mtp_layers(config) != 1:
+            raise ValueError(f"only one MTP layer is supported, the config has {num_mtp_layers(config)}")
+        hidden = config.hidden_size
+        self.layer_id = int(config.num_hidden_layers)  # its KV cache's layer id
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(config, self.layer_id, "full_attention")])
+        self.norm = ZeroCenteredRMSNorm(hidden, eps=config.rms_norm_eps)
+
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        return self.norm(self.layers[0](self.fc(x), positions, ctx))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self)
+        for name, tensor in weights:
+            prefix = next((p for p in PREFIXES if name.startswith(p)), None)
+            if prefix is None:
+                continue
+            name = name[len(prefix) :]
+            if not loader.load_expert(name, tensor):
+                loader.copy(name, tensor)
+        if not loader.loaded:
+            raise ValueError("the checkpoint has no mtp.* weights: MTP speculation needs them")
+        loader.finish()
+
+
+def load_mtp(
+    path: str, config: Any, dtype: torch.dtype, device: torch.device, dummy: bool
+) -> MultiTokenPredictor:
+    from deltaserve.models.loader import init_dummy_weights, iter_safetensors
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            mtp = MultiTokenPredictor(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if dummy:
+        init_dummy_weights(mtp)
+    else:
+        mtp.load_weights(iter_safetensors(path))
+    return mtp.eval()
