@@ -149,33 +149,40 @@ def test_every_accepted_count_matches_plain_decoding(model_path):
 
 def test_committed_state_equals_plain_decoding(model_path):
     """After each window, the working slot holds exactly the state plain decoding reaches
-    after the same number of tokens."""
+    after the same number of tokens; so does the prefix cache's rolling snapshot at a page
+    boundary crossed inside a window."""
     prompt = prompts_of([37], seed=2)[0]
     ref = reference(model_path, [prompt])[0]
 
-    def states_by_length(llm: LLM) -> dict[int, dict[str, torch.Tensor]]:
+    def states_by_length(llm: LLM) -> tuple[dict[int, dict], dict[int, dict]]:
         eng = llm.engine
         eng.add_request("r", prompt, greedy())
         found: dict[int, dict[str, torch.Tensor]] = {}
+        rolling: dict[int, dict[str, torch.Tensor]] = {}
+        buffers = eng.runner.state_pool.buffers
         while eng.has_unfinished_requests():
             eng.step()
             req = eng.requests.get("r")
             if req is None or req.slot is None:
                 continue
-            found[req.num_computed_tokens] = {
-                n: b[:, req.slot].clone() for n, b in eng.runner.state_pool.buffers.items()
-            }
-        return found
+            found[req.num_computed_tokens] = {n: b[:, req.slot].clone() for n, b in buffers.items()}
+            hold = req.prefix
+            if hold is not None and hold.rolling_slot is not None:
+                rolling[hold.rolling_pos] = {n: b[:, hold.rolling_slot].clone() for n, b in buffers.items()}
+        return found, rolling
 
-    plain = states_by_length(make_llm(model_path))
+    plain, _ = states_by_length(make_llm(model_path))
     for right in (1, K):
         spec = make_llm(model_path, NGRAM)
         spec.engine.spec.drafter = ForcedDrafter([prompt + ref], right)
-        found = states_by_length(spec)
+        found, rolling = states_by_length(spec)
         lengths = [n for n in found if n > len(prompt)]
         assert len(lengths) >= 3
-        for n in lengths:
-            for name, state in found[n].items():
+        inside = [pos for pos in rolling if pos > len(prompt) and pos not in found]
+        if right == K:
+            assert inside, "no page boundary fell inside a window"
+        for n, states in [(n, found[n]) for n in lengths] + [(pos, rolling[pos]) for pos in inside]:
+            for name, state in states.items():
                 # the window's attention runs the multi-token path: rounding-level differences
                 torch.testing.assert_close(state, plain[n][name], rtol=1e-5, atol=1e-5, msg=f"{name} at {n}")
 
