@@ -239,9 +239,9 @@ class Engine:
         chunks = plan.chunks
         return build_forward_batch(
             token_lists=[
-                c.req.all_token_ids[
-                    c.req.num_computed_tokens : c.req.num_computed_tokens + c.num_tokens - len(c.drafts)
-                ]
+                c.req.token_slice(
+                    c.req.num_computed_tokens, c.req.num_computed_tokens + c.num_tokens - len(c.drafts)
+                )
                 + c.drafts
                 for c in chunks
             ],

@@ -36,3 +36,18 @@ def test_text_prompt_and_stop_string_trimmed(llm):
         "Hello, my name is", SamplingParams(stop=[stop], include_stop_str_in_output=True, **params)
     )
     assert kept[0].outputs[0].text == free.text[: cut + len(stop)]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_streamed_text_equals_one_decode(llm, fast):
+    """Both detokenizer paths (DecodeStream, window re-decode) agree with a whole decode."""
+    tok = llm.tokenizer
+    ids = tok.encode("Ünïcödé ✓ 東京 🚀🚀 <|im_end|> tail\n\tend")
+    ids += [ids[3], 151643, ids[5]]  # a special token mid-stream
+    detok = IncrementalDetokenizer(tok)
+    if not fast:
+        detok._stream = None
+    for i in ids:
+        detok.append(i)
+    detok.flush()
+    assert detok.text == tok.decode(ids, skip_special_tokens=True)
