@@ -1,0 +1,77 @@
+"""Host (CPU) time of one decode step outside the forward pass and the sampler.
+
+The model's forward is replaced by a constant logits tensor, and the sampler is timed
+apart, so what remains is the scheduler, batch building, token bookkeeping,
+detokenization, stop checks and outputs: the part of a step that CUDA graphs cannot hide.
+
+    python -m bench.host_overhead --batch 256 --prompt-len 512 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.sampling_params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the built-in tiny model)")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
+    args = ap.parse_args()
+    if args.model is None:
+        from deltaserve.models.builtin import builtin_model_path
+
+        args.model = builtin_model_path()
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            device="cpu",
+            cache_type=args.cache_type,
+            max_running_requests=args.batch,
+            chunked_prefill_size=8192,
+            max_model_len=args.prompt_len + args.steps + 64,
+        )
+    )
+    vocab = engine.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(
+            str(i), torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), params
+        )
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    logits = torch.zeros(args.batch, vocab)
+    engine.runner.forward = lambda batch: logits[: batch.logits_indices.shape[0]]  # type: ignore[method-assign]
+    sample = engine.sampler.sample
+    spent = [0.0]
+
+    def timed_sample(lg, reqs):
+        t = time.perf_counter()
+        out = sample(lg, reqs)
+        spent[0] += time.perf_counter() - t
+        return out
+
+    engine.sampler.sample = timed_sample  # type: ignore[method-assign]
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    per_step = (time.perf_counter() - t) / args.steps
+    host_ms = 1e3 * (per_step - spent[0] / args.steps)
+    print(
+        json.dumps({"batch": args.batch, "cache_type": args.cache_type, "host_ms_per_decode_step": host_ms})
+    )
+
+
+if __name__ == "__main__":
+    main()
