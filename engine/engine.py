@@ -22,6 +22,7 @@ from deltaserve.engine.sampler import Sampler
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import Computed, MtpDrafter, SpecDecoder, Verdict
+from deltaserve.engine.stop_checks import check_stop, visible_text
 from deltaserve.models.loader import load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -257,7 +258,6 @@ class Engine:
         )
 
     def _append_token(self, req: Request, tok: int, lp: Any, now: float) -> None:
-        p = req.params
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_token_ids.append(tok)
@@ -267,55 +267,23 @@ class Engine:
             req.cumulative_logprob += lp.logprob
         checked = len(req.detokenizer.text)
         req.detokenizer.append(tok)
-        n_out = len(req.output_token_ids)
-        if not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens:
-            self._finish(req, "stop", None)
-        elif tok in p.stop_token_ids and n_out >= p.min_tokens:
-            self._finish(req, "stop", tok)
-        elif p.stop and n_out >= p.min_tokens and self._check_stop_strings(req, checked):
-            pass
-        elif p.max_tokens is not None and n_out >= p.max_tokens:
-            self._finish(req, "length", None)
-        elif req.num_tokens >= self.max_model_len:
-            self._finish(req, "length", None)
-
-    def _check_stop_strings(self, req: Request, checked: int) -> bool:
-        """Look for a stop string ending in the text added since `checked` characters."""
-        text = req.detokenizer.text
-        longest = max(len(s) for s in req.params.stop)
-        window_start = max(0, checked - longest + 1)
-        best: tuple[int, str] | None = None
-        for s in req.params.stop:
-            i = text.find(s, window_start)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return False
-        i, s = best
-        req.detokenizer.text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
-        self._finish(req, "stop", s)
-        return True
+        verdict = check_stop(req, tok, self.eos_token_ids, self.max_model_len, checked)
+        if verdict is not None:
+            self._finish(req, *verdict)
 
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
-        if reason != "stop" or isinstance(stop_reason, int) or stop_reason is None:
+        if not isinstance(stop_reason, str):  # a matched stop string already cut the text
             req.detokenizer.flush()
         req.finish_reason = reason
         req.stop_reason = stop_reason
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
 
-    def _visible_text(self, req: Request) -> str:
-        text = req.detokenizer.text
-        if req.finished or not req.params.stop:
-            return text
-        hold = max(len(s) for s in req.params.stop) - 1
-        return text[: max(0, len(text) - hold)]
-
     def _output(self, req: Request) -> RequestOutput:
         comp = CompletionOutput(
             index=0,
             token_ids=list(req.output_token_ids),
-            text=self._visible_text(req),
+            text=visible_text(req),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.logprobs is not None else None,

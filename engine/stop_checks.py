@@ -1,0 +1,59 @@
+"""When a request is done, and how much of its text may be shown while it runs."""
+
+from __future__ import annotations
+
+from deltaserve.engine.request import Request
+
+Verdict = tuple[str, int | str | None]  # (finish_reason, stop_reason)
+
+
+def check_stop(
+    req: Request, token: int, eos_token_ids: list[int], max_model_len: int, checked: int
+) -> Verdict | None:
+    """The finish reason after `token` was appended, or None to go on.
+
+    `checked` is how much of the text was already searched for stop strings; a stop string
+    found is trimmed from the text (kept with include_stop_str_in_output).
+    """
+    p = req.params
+    n_out = len(req.output_token_ids)
+    if n_out >= p.min_tokens:
+        if not p.ignore_eos and token in eos_token_ids:
+            return "stop", None
+        if token in p.stop_token_ids:
+            return "stop", token
+        if p.stop:
+            found = _find_stop_string(req, checked)
+            if found is not None:
+                return "stop", found
+    if p.max_tokens is not None and n_out >= p.max_tokens:
+        return "length", None
+    if req.num_tokens >= max_model_len:
+        return "length", None
+    return None
+
+
+def _find_stop_string(req: Request, checked: int) -> str | None:
+    """The earliest stop string ending in the text added since `checked` characters."""
+    text = req.detokenizer.text
+    longest = max(len(s) for s in req.params.stop)
+    window_start = max(0, checked - longest + 1)
+    best: tuple[int, str] | None = None
+    for s in req.params.stop:
+        i = text.find(s, window_start)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is None:
+        return None
+    i, s = best
+    req.detokenizer.text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
+    return s
+
+
+def visible_text(req: Request) -> str:
+    """Text safe to show: while running, the tail that could still become a stop string is held."""
+    text = req.detokenizer.text
+    if req.finished or not req.params.stop:
+        return text
+    hold = max(len(s) for s in req.params.stop) - 1
+    return text[: max(0, len(text) - hold)]
