@@ -156,7 +156,7 @@ def main() -> None:
         )
     )
     cfg = engine.model_config
-    cost = model_cost(cfg)
+    cost = model_cost(engine.runner.model, cfg)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     result: dict = {"model": args.model, "gpu": gpu, "info": engine.model_info}
     rows = []

@@ -1,9 +1,18 @@
-"""Bytes and FLOPs a decode step or a prefill must move or compute, from a model's config."""
+"""Bytes and FLOPs a decode step or a prefill must move or compute, read off a built model.
+
+Works for every architecture deltaserve serves (GDN and KDA hybrids, GQA and MLA attention,
+dense and MoE MLPs): parameters are counted from the model's modules (on the meta device
+if you like), state and KV sizes from its `state_shapes()` / `kv_shapes()`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from torch import nn
+
+from deltaserve.models.layers import Experts
 
 
 @dataclass(frozen=True)
@@ -16,50 +25,57 @@ class ModelCost:
     active_params: int  # parameters a token passes through (routed experts: top-k of them)
     state_bytes: int  # per request: every linear layer's recurrent + conv state
     kv_bytes_per_token: int  # per cached token, all attention layers
-    attn_layers: int
-    attn_flops_per_pair: int  # per (query, key) pair over all attention layers
+    attn_flops_per_pair: int  # per (query, visible key) pair over all attention layers
 
 
-def model_cost(cfg: Any, dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> ModelCost:
-    h, v = cfg.hidden_size, cfg.vocab_size
-    types = list(cfg.layer_types)
+def _attention_width(cfg: Any) -> int:
+    """Hq x (qk dim + v dim): the FLOPs of one (query, key) pair are twice this."""
+    heads = cfg.num_attention_heads
+    if getattr(cfg, "kv_lora_rank", None):  # MLA
+        return heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return heads * 2 * head_dim
+
+
+def model_cost(model: nn.Module, cfg: Any, dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> ModelCost:
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    expert_params = sum(p.numel() for m in experts for p in m.parameters())
+    num_experts = experts[0].num_experts if experts else 0
+    per_expert = expert_params // (num_experts * len(experts)) if experts else 0
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    dense = 0
+    for name, p in model.named_parameters():  # a tied lm_head is listed once, as the embedding
+        if name.endswith("embed_tokens.weight") and not tied:
+            continue
+        dense += p.numel()
+    dense -= expert_params
+    top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+    types = list(model.layer_types)  # type: ignore[arg-type]
     n_lin = types.count("linear_attention")
     n_attn = len(types) - n_lin
-    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    conv_dim = 2 * hk * dk + hv * dv
-    lin_params = h * (conv_dim + hv * dv + 2 * hv) + conv_dim * cfg.linear_conv_kernel_dim + hv * dv * h
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    attn_params = h * (2 * hq * d + 2 * hkv * d) + hq * d * h
-    experts = getattr(cfg, "num_experts", 0) or 0
-    if experts:
-        ei, si, k = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.num_experts_per_tok
-        mlp_total = experts * 3 * h * ei + 3 * h * si + h * experts + h
-        mlp_active = k * 3 * h * ei + 3 * h * si + h * experts + h
-    else:
-        mlp_total = mlp_active = 3 * h * cfg.intermediate_size
-    layers_active = n_lin * lin_params + n_attn * attn_params + len(types) * mlp_active
-    head = h * v
-    expert = 3 * h * cfg.moe_intermediate_size if experts else 0
-    dense = n_lin * lin_params + n_attn * attn_params + len(types) * (mlp_total - experts * expert)
-    weight_bytes = (dense + head) * dtype_bytes
-    state = n_lin * (
-        hv * dk * dv * state_dtype_bytes + conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype_bytes
+    state = n_lin * sum(
+        _numel(shape) * (state_dtype_bytes if name == "recurrent" else dtype_bytes)
+        for name, shape in model.state_shapes().items()  # type: ignore[operator]
     )
-    kv = n_attn * 2 * hkv * d * dtype_bytes
-    k = getattr(cfg, "num_experts_per_tok", 0) or 0
+    kv = n_attn * dtype_bytes * sum(_numel(s) for s in model.kv_shapes().values())  # type: ignore[operator]
     return ModelCost(
-        weight_bytes,
-        expert * dtype_bytes,
-        experts,
-        k,
-        len(types) if experts else 0,
-        layers_active + head,
-        state,
-        kv,
-        n_attn,
-        n_attn * 4 * hq * d,
+        weight_bytes=dense * dtype_bytes,
+        expert_bytes=per_expert * dtype_bytes,
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_layers=len(experts),
+        active_params=dense + len(experts) * top_k * per_expert,
+        state_bytes=state,
+        kv_bytes_per_token=kv,
+        attn_flops_per_pair=n_attn * 2 * _attention_width(cfg),
     )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def decode_step_bytes(cost: ModelCost, batch: int, context: int) -> int:
