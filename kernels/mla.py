@@ -147,9 +147,43 @@ def mla_attention(
     """q `[T, H, nope + R]` packed over N requests; returns `[T, H, v_head_dim]`.
 
     CPU runs the expanded reference. On CUDA, batches of one token per request (decode, and
-    what CUDA graphs capture) take the batched absorbed form in torch; prefill takes the
-    expanded reference. A Triton kernel over the latent cache is still to write.
+    what CUDA graphs capture) take the Triton kernel over the latent cache (absorbed form);
+    prefill takes the expanded reference.
     """
     if use_fast_path(q) and q.shape[0] == seq_lens.shape[0]:
-        return mla_decode_absorbed(q, cache, w_kv_b, page_table, seq_lens, scale, v_head_dim)
+        return mla_decode_triton(q, cache, w_kv_b, page_table, seq_lens, scale, v_head_dim)
     return mla_attention_ref(q, cache, w_kv_b, page_table, cu_seqlens_q, seq_lens, scale, v_head_dim)
+
+
+def mla_decode_triton(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_head_dim: int,
+) -> torch.Tensor:
+    """`mla_decode_absorbed` with the attention over the latent cache in one Triton kernel."""
+    import triton
+
+    from deltaserve.kernels.triton_mla import _mla_decode_kernel
+
+    n, heads = q.shape[0], q.shape[1]
+    w_uk, w_uv = absorb_weights(w_kv_b.float(), heads, v_head_dim)
+    nope, latent_dim = w_uk.shape[1], w_uk.shape[2]
+    rope = cache.shape[-1] - latent_dim
+    q_nope, q_pe = q.float().split([nope, q.shape[-1] - nope], dim=-1)
+    q_latent = torch.cat([torch.einsum("nhd,hdl->nhl", q_nope, w_uk), q_pe], dim=-1).contiguous()
+    o_latent = torch.empty(n, heads, latent_dim, dtype=torch.float32, device=q.device)
+    block_h = 16  # tl.dot needs 16 rows; heads past H are masked
+    grid = (n, triton.cdiv(heads, block_h))
+    _mla_decode_kernel[grid](
+        q_latent, cache, page_table, seq_lens, o_latent, scale, heads,
+        q_latent.stride(0), q_latent.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0),
+        o_latent.stride(0), o_latent.stride(1),
+        L=latent_dim, R=rope, PAGE=cache.shape[1], BH=block_h,
+        BL=max(16, triton.next_power_of_2(latent_dim)), BR=max(16, triton.next_power_of_2(rope)), BN=32,
+        PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return torch.einsum("nhl,hvl->nhv", o_latent, w_uv).to(q.dtype)
