@@ -183,7 +183,9 @@ def mla_decode_triton(
         q_latent.stride(0), q_latent.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0),
         o_latent.stride(0), o_latent.stride(1),
         L=latent_dim, R=rope, PAGE=cache.shape[1], BH=block_h,
-        BL=max(16, triton.next_power_of_2(latent_dim)), BR=max(16, triton.next_power_of_2(rope)), BN=32,
+        BL=max(16, triton.next_power_of_2(latent_dim)), BR=max(16, triton.next_power_of_2(rope)), BN=16,
         PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
+        # fp32 tiles of 512-wide latents: one stage keeps shared memory well inside Hopper's
+        num_warps=4, num_stages=1,
     )  # fmt: skip
     return torch.einsum("nhl,hvl->nhv", o_latent, w_uv).to(q.dtype)
