@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import pathlib
-import tomllib
+import sys
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 has no tomllib
+    tomllib = pytest.importorskip("tomli")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CODE = {"engine", "models", "kernels", "server", "deltaserve"}
