@@ -155,6 +155,16 @@ def mla_attention(
     return mla_attention_ref(q, cache, w_kv_b, page_table, cu_seqlens_q, seq_lens, scale, v_head_dim)
 
 
+def _num_splits(programs: int, max_positions: int, device: torch.device) -> int:
+    """Splits of the positions per (request, head block): about two programs per
+    multiprocessor in all, each with at least 256 positions, at most 32. Shapes only, so a
+    captured graph keeps its launch."""
+    from deltaserve.kernels.triton_utils import sm_count
+
+    want = max(1, (2 * sm_count(device)) // max(programs, 1))
+    return max(1, min(want, max_positions // 256, 32))
+
+
 def mla_decode_triton(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -175,17 +185,23 @@ def mla_decode_triton(
     rope = cache.shape[-1] - latent_dim
     q_nope, q_pe = q.float().split([nope, q.shape[-1] - nope], dim=-1)
     q_latent = torch.cat([torch.einsum("nhd,hdl->nhl", q_nope, w_uk), q_pe], dim=-1).contiguous()
-    o_latent = torch.empty(n, heads, latent_dim, dtype=torch.float32, device=q.device)
     block_h = 16  # tl.dot needs 16 rows; heads past H are masked
-    grid = (n, triton.cdiv(heads, block_h))
-    _mla_decode_kernel[grid](
-        q_latent, cache, page_table, seq_lens, o_latent, scale, heads,
+    head_blocks = triton.cdiv(heads, block_h)
+    splits = _num_splits(n * head_blocks, page_table.shape[1] * cache.shape[1], q.device)
+    partial = torch.empty(n, heads, splits, latent_dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q.device)
+    _mla_decode_kernel[(n, head_blocks, splits)](
+        q_latent, cache, page_table, seq_lens, partial, ml, scale, heads,
         q_latent.stride(0), q_latent.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0),
-        o_latent.stride(0), o_latent.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2), SPLITS=splits,
         L=latent_dim, R=rope, PAGE=cache.shape[1], BH=block_h,
         BL=max(16, triton.next_power_of_2(latent_dim)), BR=max(16, triton.next_power_of_2(rope)), BN=16,
         PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
         # fp32 tiles of 512-wide latents: one stage keeps shared memory well inside Hopper's
         num_warps=4, num_stages=1,
     )  # fmt: skip
+    # log-sum-exp merge of the splits
+    m, den = ml[..., 0], ml[..., 1]
+    weight = torch.exp(m - m.amax(dim=-1, keepdim=True))  # [N, H, S]; empty splits get 0
+    o_latent = (weight.unsqueeze(-1) * partial).sum(2) / (weight * den).sum(-1, keepdim=True)
     return torch.einsum("nhl,hvl->nhv", o_latent, w_uv).to(q.dtype)
