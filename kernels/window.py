@@ -10,8 +10,9 @@ step's, and the state after it equals plain decoding's bit for bit. Tokens arriv
 `[T, ...]` over N windows; `pad_index` (from `window_pad_index`) maps them into `[N, L, ...]`.
 Padding positions run on zeros and their states are never committed.
 
-CUDA runs these same torch ops for now (a few small kernels per position); a fused Triton
-window kernel is future work.
+On CUDA the GDN window is one Triton kernel (`triton_window.py`) that keeps the state in
+registers across the window; KDA and the conv run these torch ops (a few small kernels per
+position).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.kernels.conv import _activate
+from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.gdn import recurrent_gated_delta_rule_ref
 from deltaserve.kernels.kda import recurrent_kda_ref
 
@@ -91,6 +93,8 @@ def gdn_window(
     window: torch.Tensor,
 ) -> torch.Tensor:
     """Gated delta rule over N windows (gdn_decode's shapes, packed); `window [R, L, HV, K, V]`."""
+    if use_fast_path(q):
+        return gdn_window_cuda(q, k, v, g, beta, state_pool, slots, pad_index, width, window)
     return _delta_window(
         recurrent_gated_delta_rule_ref, q, k, v, g, beta, state_pool, slots, pad_index, width, window
     )
@@ -110,3 +114,41 @@ def kda_window(
 ) -> torch.Tensor:
     """KDA over N windows (kda_decode's shapes, packed); `window [R, L, H, K, V]`."""
     return _delta_window(recurrent_kda_ref, q, k, v, g, beta, state_pool, slots, pad_index, width, window)
+
+
+def gdn_window_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    pad_index: torch.Tensor,
+    width: int,
+    window: torch.Tensor,
+) -> torch.Tensor:
+    import triton
+
+    from deltaserve.kernels.triton_window import _gdn_window_kernel
+
+    n, t = slots.shape[0], q.shape[0]
+    hk, dk = k.shape[1], k.shape[2]
+    hv, dv = v.shape[1], v.shape[2]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if n == 0 or t == 0:
+        return out
+    token_of = torch.full((n * width,), -1, dtype=torch.int32, device=q.device)
+    token_of[pad_index] = torch.arange(t, dtype=torch.int32, device=q.device)
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    block_v = max(8, min(32, triton.next_power_of_2(dv)))
+    _gdn_window_kernel[(n * hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, state_pool, slots, token_of, window, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
+        window.stride(0), window.stride(1), window.stride(2), window.stride(3),
+        dk**-0.5, 1e-6,
+        WIDTH=width, HV=hv, GROUP=hv // hk, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v,
+    )  # fmt: skip
+    return out
