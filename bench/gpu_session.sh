@@ -15,9 +15,9 @@ run() {  # run SECONDS NAME CMD...: a hard time limit each, so one stuck step le
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $? ($(tail -1 "$out/$name.log"))"
 }
-run 150 gpu-tests python3 -m pytest -q -m gpu tests/engine tests/kernels/test_moe_cuda.py tests/kernels/test_window_kernels.py
 run 110 bench-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
   --new-tokens 128 --prefill-len 8192 --hf --hf-new-tokens 16 --json "$out/qwen3.5-0.8b.json"
+run 150 gpu-tests python3 -m pytest -q -m gpu tests/engine tests/kernels/test_moe_cuda.py tests/kernels/test_window_kernels.py
 run 110 bench-9b python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
   --new-tokens 128 --prefill-len 8192 --hf --hf-new-tokens 16 --json "$out/qwen3.5-9b.json"
 run 80 ttft-9b python3 -m bench.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --device cuda \

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from deltaserve.kernels.norm import rms_norm_rope
 from deltaserve.models.layers import PartialRotaryEmbedding, ZeroCenteredRMSNorm
 
 if TYPE_CHECKING:
@@ -48,10 +49,12 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        # per-head q/k norm and partial RoPE, one fused op each
+        inv_freq = self.rotary.inv_freq
+        q = rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, positions, inv_freq)
+        k = rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, positions, inv_freq)
         o = ctx.attn.attention(self.layer_id, q, k, v, self.scale)
         o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(o)

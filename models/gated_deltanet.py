@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.kernels.norm import gdn_gates
 from deltaserve.models.layers import GatedRMSNorm
 
 if TYPE_CHECKING:
@@ -58,10 +58,9 @@ class GatedDeltaNet(nn.Module):
         q = q.view(t, self.num_k_heads, self.head_k_dim)
         k = k.view(t, self.num_k_heads, self.head_k_dim)
         v = v.view(t, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         o = ctx.linear.delta_rule(self.layer_id, q, k, v, g, beta)
-        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        o = self.norm(o.view(t, self.num_v_heads, self.head_v_dim), z.view(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.view(t, self.value_dim))
 
     # -- checkpoint forms -------------------------------------------------------------

@@ -110,14 +110,20 @@ class DecoderLayer(nn.Module):
             else GatedMLP(config.hidden_size, config.intermediate_size)
         )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(mlp output, residual stream)`, the residual adds fused into the norms."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
         if isinstance(self.self_attn, KimiDeltaAttention):
             h = self.self_attn(h, ctx)
         else:
             h = self.self_attn(h, positions, ctx)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.forward_add(h, residual)
+        return self.mlp(h), residual
 
 
 class KimiLinearModel(nn.Module):
@@ -133,9 +139,10 @@ class KimiLinearModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, ctx)
-        return self.norm(x)
+            x, residual = layer(x, positions, ctx, residual)
+        return self.norm.forward_add(x, residual)[0] if residual is not None else self.norm(x)
 
 
 # checkpoint spellings -> ours: the release's, and the one transformers keeps in memory

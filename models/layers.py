@@ -7,34 +7,41 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.kernels.moe import fused_moe
+from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 
 
-class ZeroCenteredRMSNorm(nn.Module):
+class _RMSNorm(nn.Module):
+    zero_centered: bool
+
+    def __init__(self, dim: int, eps: float, init: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.full((dim,), init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.zero_centered)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(x + residual), x + residual)`: a decoder layer's residual add, fused."""
+        return add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
+
+
+class ZeroCenteredRMSNorm(_RMSNorm):
     """RMSNorm whose weight is stored as an offset from one: y = norm(x) * (1 + w)."""
 
+    zero_centered = True
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        super().__init__(dim, eps, 0.0)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(_RMSNorm):
     """Plain RMSNorm, y = w * norm(x), the weight rounded to x's dtype last (Kimi-Linear, DeepSeek)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+    zero_centered = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__(dim, eps, 1.0)
 
 
 class GatedRMSNorm(nn.Module):
@@ -46,11 +53,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * y.to(dtype)
-        return (y * F.silu(gate.float())).to(dtype)
+        """x, gate `[T, H, D]`."""
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class PartialRotaryEmbedding(nn.Module):

@@ -67,15 +67,22 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(mlp output, residual stream)`: the stream is `residual + x`, added inside the next
+        norm (the first layer's stream is its input)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
         if self.linear_attn is not None:
             h = self.linear_attn(h, ctx)
         else:
             assert self.self_attn is not None
             h = self.self_attn(h, positions, ctx)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.forward_add(h, residual)
+        return self.mlp(h), residual
 
 
 class HybridModel(nn.Module):
@@ -88,9 +95,10 @@ class HybridModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, ctx)
-        return self.norm(x)
+            x, residual = layer(x, positions, ctx, residual)
+        return self.norm.forward_add(x, residual)[0] if residual is not None else self.norm(x)
 
 
 class Qwen3NextForCausalLM(nn.Module):

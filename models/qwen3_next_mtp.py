@@ -53,7 +53,8 @@ class MultiTokenPredictor(nn.Module):
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
-        return self.norm(self.layers[0](self.fc(x), positions, ctx))
+        h, residual = self.layers[0](self.fc(x), positions, ctx, None)
+        return self.norm.forward_add(h, residual)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)

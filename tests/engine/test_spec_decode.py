@@ -4,14 +4,10 @@ inside a window and aborts; the state committed after each window is plain decod
 
 from __future__ import annotations
 
-import sys
+import pytest
+import torch
 
-sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve import LLM, SamplingParams
 
 K = 3
 NEW = 20

@@ -4,18 +4,14 @@ drafts are all accepted. transformers' save_pretrained drops `mtp.*`: the tests 
 
 from __future__ import annotations
 
-import sys
+import json
+import os
+import shutil
 
-sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
+import pytest
+import torch
 
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve import LLM, SamplingParams
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 NEW = 16

@@ -7,15 +7,11 @@ sequence, whatever the packing, slots and initial states.
 
 from __future__ import annotations
 
-import sys
+import pytest
+import torch
 
-sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from deltaserve.kernels.kda import chunk_kda_ref, kda_decode, kda_prefill, recurrent_kda_ref  # noqa: E402
-from deltaserve.kernels.mla import (  # noqa: E402
+from deltaserve.kernels.kda import chunk_kda_ref, kda_decode, kda_prefill, recurrent_kda_ref
+from deltaserve.kernels.mla import (
     mla_attention_absorbed_ref,
     mla_attention_ref,
     mla_decode_absorbed,

@@ -10,18 +10,14 @@ release's spelling throughout (`linear_attn_config` with 1-based lists, `first_k
 
 from __future__ import annotations
 
-import sys
+import json
+import os
+import shutil
 
-sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
+import pytest
+import torch
 
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve import LLM, SamplingParams
 
 VOCAB = 192
 NEW_TOKENS = 8

@@ -1,0 +1,75 @@
+"""Where a decode step's time goes: the CUDA-graph replay alone, the whole forward, the
+engine step, and a torch-profiler table of the kernels of a few steps.
+
+    python -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.sampling_params import SamplingParams
+
+
+def _ms(fn, n: int = 50) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--rows", type=int, default=25, help="profiler table rows")
+    args = ap.parse_args()
+    bs = args.batch_size
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            load_format="dummy",
+            dtype="bfloat16",
+            device="cuda",
+            cache_type="naive",
+            max_running_requests=max(bs, 8),
+            max_model_len=args.prompt_len + 512,
+            disable_cuda_graph=args.disable_cuda_graph,
+        )
+    )
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    for i in range(bs):
+        engine.add_request(str(i), torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    runner = engine.runner
+    gr = runner.graph_runner
+    print(f"graph runner: {None if gr is None else gr.sizes}")
+    if gr is not None and bs in gr.graphs:
+        print(f"graph replay alone: {_ms(gr.graphs[bs][0].replay):.3f} ms")
+    print(f"engine.step: {_ms(engine.step, 30):.3f} ms")
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""RMSNorm in its forms (with a fused residual add, gated by silu, before RoPE) and the GDN gates.
+
+Each op has its torch reference here (the CPU path and the oracle) and one fused Triton kernel on
+CUDA (`triton_norm`): in torch a norm is about nine kernels, and at small batches a decode step
+is bound by how many kernels it runs, not by the bytes they move.
+
+Two weight conventions: `zero_centered` (Qwen3-Next / Qwen3.5: y = norm(x) * (1 + w), all in
+fp32) and plain (Kimi-Linear: y = w * norm(x) rounded to x's dtype first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.kernels.dispatch import use_fast_path
+
+
+def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    y = _normalize(x, eps)
+    if zero_centered:
+        return (y * (1.0 + weight.float())).to(x.dtype)
+    return weight * y.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """Over the last dim of `x` `[..., D]`; the result is contiguous."""
+    if use_fast_path(x):
+        from deltaserve.kernels.triton_norm import rms_norm_launch
+
+        return rms_norm_launch(x, weight, eps, zero_centered)
+    return rms_norm_ref(x, weight, eps, zero_centered)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`s = x + residual` (rounded to x's dtype, as the unfused model adds), then
+    `(rms_norm(s), s)`: the pre-norm decoder layer's residual add fused into its next norm."""
+    if use_fast_path(x):
+        from deltaserve.kernels.triton_norm import add_rms_norm_launch
+
+        return add_rms_norm_launch(x, residual, weight, eps, zero_centered)
+    s = x + residual
+    return rms_norm_ref(s, weight, eps, zero_centered), s
+
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    y = weight * _normalize(x, eps).to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN's output norm, per head: `x`, `gate` `[T, H, D]` (any row strides); `[T, H, D]` out."""
+    if use_fast_path(x):
+        from deltaserve.kernels.triton_norm import gated_rms_norm_launch
+
+        return gated_rms_norm_launch(x, gate, weight, eps)
+    return gated_rms_norm_ref(x, gate, weight, eps)
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first `2 * len(inv_freq)` channels of `x` `[T, H, D]`."""
+    rotary = 2 * inv_freq.shape[0]
+    freqs = positions.float().unsqueeze(-1) * inv_freq.to(x.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(x.dtype).unsqueeze(1)
+    sin = emb.sin().to(x.dtype).unsqueeze(1)
+    rot, rest = x[..., :rotary], x[..., rotary:]
+    half = rotary // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """Zero-centered per-head RMSNorm of `x` `[T, H, D]` followed by partial RoPE (Qwen's q and k)."""
+    if use_fast_path(x):
+        from deltaserve.kernels.triton_norm import rms_norm_rope_launch
+
+        return rms_norm_rope_launch(x, weight, eps, positions, inv_freq)
+    return rope_ref(rms_norm_ref(x, weight, eps, zero_centered=True), positions, inv_freq)
+
+
+def gdn_gates_ref(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDN's per-head log-decay `g = -exp(A_log) * softplus(a + dt_bias)` (fp32) and
+    `beta = sigmoid(b)` (b's dtype), from `a`, `b` `[T, H]` (any row stride)."""
+    if use_fast_path(a):
+        from deltaserve.kernels.triton_norm import gdn_gates_launch
+
+        return gdn_gates_launch(a, b, A_log, dt_bias)
+    return gdn_gates_ref(a, b, A_log, dt_bias)
