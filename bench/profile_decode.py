@@ -50,7 +50,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     for i in range(bs):
-        engine.add_request(str(i), torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), params)
+        engine.add_request(
+            str(i), torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), params
+        )
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
     for _ in range(5):

@@ -1,4 +1,5 @@
-"""RMSNorm in its forms (with a fused residual add, gated by silu, before RoPE) and the GDN gates.
+"""RMSNorm in its forms (with a fused residual add, gated by silu, before RoPE), the GDN gates
+and SwiGLU's activation.
 
 Each op has its torch reference here (the CPU path and the oracle) and one fused Triton kernel on
 CUDA (`triton_norm`): in torch a norm is about nine kernels, and at small batches a decode step
@@ -105,3 +106,17 @@ def gdn_gates(
 
         return gdn_gates_launch(a, b, A_log, dt_bias)
     return gdn_gates_ref(a, b, A_log, dt_bias)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's `silu(gate) * up` of `x = [gate | up]` `[T, 2I]`; `[T, I]` out."""
+    if use_fast_path(x):
+        from deltaserve.kernels.triton_norm import silu_and_mul_launch
+
+        return silu_and_mul_launch(x)
+    return silu_and_mul_ref(x)

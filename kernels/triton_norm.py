@@ -132,7 +132,9 @@ def _gated_rms_norm_kernel(x, z, w, y, H, sx0, sx1, sz0, sz1, D, eps, BLOCK: tl.
     tl.store(y + r * D + o, (v * zv * tl.sigmoid(zv)).to(y.dtype.element_ty), mask=m)
 
 
-def gated_rms_norm_launch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_launch(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     assert x.shape == gate.shape and x.dim() == 3, (x.shape, gate.shape)
     t, h, d = x.shape
     xr, _, sx0, sx1 = _rows(x)
@@ -245,6 +247,38 @@ def gdn_gates_launch(
     beta = torch.empty((t, h), dtype=b.dtype, device=b.device)
     if t:
         _gdn_gates_kernel[(t,)](
-            a, b, A_log, dt_bias, g, beta, h, a.stride(0), b.stride(0), BLOCK=triton.next_power_of_2(h), num_warps=1
+            a,
+            b,
+            A_log,
+            dt_bias,
+            g,
+            beta,
+            h,
+            a.stride(0),
+            b.stride(0),
+            BLOCK=triton.next_power_of_2(h),
+            num_warps=1,
         )
     return g, beta
+
+
+@triton.jit
+def _silu_and_mul_kernel(x, y, N, sx, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < N
+    gate = tl.load(x + t * sx + o, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(x + t * sx + N + o, mask=m, other=0.0)
+    # the reference rounds silu(gate) to x's dtype before the product
+    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+    tl.store(y + t * N + o, (act * up.to(tl.float32)).to(y.dtype.element_ty), mask=m)
+
+
+def silu_and_mul_launch(x: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] % 2 == 0, x.shape
+    t, i = x.shape[0], x.shape[1] // 2
+    y = torch.empty((t, i), dtype=x.dtype, device=x.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(i))
+        _silu_and_mul_kernel[(t, triton.cdiv(i, block))](x, y, i, x.stride(0), BLOCK=block, num_warps=4)
+    return y

@@ -60,7 +60,9 @@ class GatedDeltaNet(nn.Module):
         v = v.view(t, self.num_v_heads, self.head_v_dim)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         o = ctx.linear.delta_rule(self.layer_id, q, k, v, g, beta)
-        o = self.norm(o.view(t, self.num_v_heads, self.head_v_dim), z.view(t, self.num_v_heads, self.head_v_dim))
+        o = self.norm(
+            o.view(t, self.num_v_heads, self.head_v_dim), z.view(t, self.num_v_heads, self.head_v_dim)
+        )
         return self.out_proj(o.view(t, self.value_dim))
 
     # -- checkpoint forms -------------------------------------------------------------

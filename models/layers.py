@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.kernels.moe import fused_moe
-from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
+from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm, silu_and_mul
 
 
 class _RMSNorm(nn.Module):
@@ -85,16 +84,16 @@ class PartialRotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up as one matmul (`gate_up_proj`,
+    filled from the checkpoint's `gate_proj` and `up_proj` by the weight loader)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class Experts(nn.Module):

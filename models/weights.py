@@ -9,6 +9,7 @@ from torch import nn
 
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
+_MLP_HALF = re.compile(r"(.*)\.(gate_proj|up_proj)\.weight$")
 
 
 class WeightLoader:
@@ -23,6 +24,13 @@ class WeightLoader:
     def copy(self, name: str, tensor: torch.Tensor) -> None:
         param = self.params.get(name)
         if param is None:
+            m = _MLP_HALF.match(name)
+            fused = self.params.get(f"{m.group(1)}.gate_up_proj.weight") if m else None
+            if m and fused is not None and fused.dim() == 2:  # a dense MLP's gate or up half
+                inter = fused.shape[0] // 2
+                half = fused[:inter] if m.group(2) == "gate_proj" else fused[inter:]
+                self._slice(f"{m.group(1)}.gate_up_proj.weight", half, tensor, name)
+                return
             self.unexpected.append(name)
             return
         if tuple(param.shape) != tuple(tensor.shape):
@@ -72,8 +80,11 @@ class WeightLoader:
         counts = self.__dict__.setdefault("_slices", {})
         counts[param_name] = counts.get(param_name, 0) + 1
         param = self.params[param_name]
-        per_expert = 2 if param_name.endswith("gate_up_proj") else 1
-        if counts[param_name] == param.shape[0] * per_expert:
+        if param.dim() == 2:  # a dense MLP's gate_up: two halves
+            needed = 2
+        else:  # stacked experts: gate and up per expert, or down per expert
+            needed = param.shape[0] * (2 if param_name.endswith("gate_up_proj") else 1)
+        if counts[param_name] == needed:
             self.loaded.add(param_name)
 
     def finish(self) -> None:

@@ -95,3 +95,12 @@ def test_norms_replay_in_a_cuda_graph():
     graph.replay()
     assert torch.equal(s, x + r)
     torch.testing.assert_close(y, N.rms_norm_ref(x + r, w, 1e-6, True), **tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 3584), (64, 12288), (5, 100)])
+def test_silu_and_mul(dtype, rows, inter):
+    from deltaserve.kernels.triton_norm import silu_and_mul_launch
+
+    x = randn(rows, 2 * inter, dtype=dtype, scale=3.0)
+    torch.testing.assert_close(silu_and_mul_launch(x), N.silu_and_mul_ref(x), **tol(dtype))
