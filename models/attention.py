@@ -33,9 +33,10 @@ class GatedAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         bias = getattr(config, "attention_bias", False)
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        # q (with its output gate), k and v as one matmul; the loader fills it from the three
+        self.q_size = self.num_heads * self.head_dim * 2
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -43,14 +44,21 @@ class GatedAttention(nn.Module):
         self.rotary = PartialRotaryEmbedding(self.head_dim, int(self.head_dim * factor), theta)
         self.scale = self.head_dim**-0.5
 
+    def checkpoint_shards(self) -> dict[str, tuple[str, int, int]]:
+        q, kv = self.q_size, self.kv_size
+        rows = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
+        kinds = ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",)
+        return {f"{p}.{w}": (f"qkv_proj.{w}", s, n) for p, (s, n) in rows.items() for w in kinds}
+
     def kv_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qg, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         # per-head q/k norm and partial RoPE, one fused op each
         inv_freq = self.rotary.inv_freq
         q = rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, positions, inv_freq)

@@ -92,6 +92,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    def checkpoint_shards(self) -> dict[str, tuple[str, int, int]]:
+        inter = self.down_proj.in_features
+        return {
+            "gate_proj.weight": ("gate_up_proj.weight", 0, inter),
+            "up_proj.weight": ("gate_up_proj.weight", inter, inter),
+        }
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 

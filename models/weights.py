@@ -9,7 +9,6 @@ from torch import nn
 
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
-_MLP_HALF = re.compile(r"(.*)\.(gate_proj|up_proj)\.weight$")
 
 
 class WeightLoader:
@@ -20,16 +19,25 @@ class WeightLoader:
         self.loaded: set[str] = set()
         self.ignore = ignore or set()
         self.unexpected: list[str] = []
+        # checkpoint tensors that fill rows of one of our fused parameters (gate|up, q|k|v):
+        # modules list them as {checkpoint name: (parameter, first row, rows)}
+        self.shards: dict[str, tuple[str, int, int]] = {}
+        self.shards_per_param: dict[str, int] = {}
+        for prefix, module in model.named_modules():
+            listing = getattr(module, "checkpoint_shards", None)
+            if not callable(listing):
+                continue
+            dot = f"{prefix}." if prefix else ""
+            for src, (dst, start, rows) in listing().items():
+                self.shards[dot + src] = (dot + dst, start, rows)
+                self.shards_per_param[dot + dst] = self.shards_per_param.get(dot + dst, 0) + 1
 
     def copy(self, name: str, tensor: torch.Tensor) -> None:
         param = self.params.get(name)
         if param is None:
-            m = _MLP_HALF.match(name)
-            fused = self.params.get(f"{m.group(1)}.gate_up_proj.weight") if m else None
-            if m and fused is not None and fused.dim() == 2:  # a dense MLP's gate or up half
-                inter = fused.shape[0] // 2
-                half = fused[:inter] if m.group(2) == "gate_proj" else fused[inter:]
-                self._slice(f"{m.group(1)}.gate_up_proj.weight", half, tensor, name)
+            if name in self.shards:
+                dst, start, rows = self.shards[name]
+                self._slice(dst, self.params[dst][start : start + rows], tensor, name)
                 return
             self.unexpected.append(name)
             return
@@ -80,8 +88,8 @@ class WeightLoader:
         counts = self.__dict__.setdefault("_slices", {})
         counts[param_name] = counts.get(param_name, 0) + 1
         param = self.params[param_name]
-        if param.dim() == 2:  # a dense MLP's gate_up: two halves
-            needed = 2
+        if param_name in self.shards_per_param:
+            needed = self.shards_per_param[param_name]
         else:  # stacked experts: gate and up per expert, or down per expert
             needed = param.shape[0] * (2 if param_name.endswith("gate_up_proj") else 1)
         if counts[param_name] == needed:
