@@ -84,13 +84,15 @@ def make_checkpoint(tmp_path_factory):
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own greedy generation, one prompt at a time, fp32 on CPU."""
+    """transformers' own greedy generation, one prompt at a time, fp32: on CPU, or on CUDA where
+    there is one (FLA is importable there, and transformers binds its kernels, CUDA-only, at import)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     outs = []
     for p in prompts:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=device)
         gen = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
