@@ -3,7 +3,8 @@
 Multi-turn sessions that share a long system prompt run in waves: every session sends its
 next turn together (prompt = everything so far + a new user message), the engine serves the
 wave as one batch, and each request's time to first token is recorded. The same waves run
-with `cache_type="naive"` and `"radix"` on a fresh engine each; greedy outputs must agree.
+with `cache_type="naive"` and `"radix"` on a fresh engine each, and the greedy outputs are
+compared (identical on CPU in fp32; in bf16 the share of identical requests is reported).
 
     python -m bench.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --json ttft.json
     python -m bench.prefix_ttft --device cpu      # a dry run on the built-in tiny model
@@ -103,13 +104,21 @@ def main() -> None:
 
         args.model = builtin_model_path()
     results = [run(args, "naive"), run(args, "radix")]
-    same = results[0].pop("outputs") == results[1].pop("outputs")
+    a, b = results[0].pop("outputs"), results[1].pop("outputs")
+    # exact on CPU in fp32; in bf16 a cached state and a recomputed one round differently, so
+    # random weights' near-ties can part the two runs (and then the sessions' histories differ)
+    agree = {
+        "greedy_outputs_identical": a == b,
+        "requests_identical": sum(x == y for x, y in zip(a, b)) / len(a),
+        "first_turn_identical": sum(x == y for x, y in zip(a[: args.sessions], b[: args.sessions]))
+        / args.sessions,
+    }
     for r in results:
         print(json.dumps(r))
-    print(json.dumps({"greedy_outputs_identical": same}))
+    print(json.dumps(agree))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results, "identical": same}, f, indent=2)
+            json.dump({"args": vars(args), "results": results, **agree}, f, indent=2)
 
 
 if __name__ == "__main__":
