@@ -37,6 +37,8 @@ class EngineConfig:
     num_kv_pages: int | None = None  # overrides the memory-based sizing
     num_snapshot_slots: int | None = None  # radix: default two per running request
     disable_cuda_graph: bool = False
+    # launch step N+1 before reading step N's tokens back (engine.py, "Overlap scheduling")
+    enable_overlap_schedule: bool = False
     cuda_graph_max_bs: int = 256
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m, ...}: see
     # engine/spec_decode/config.py

@@ -1,4 +1,15 @@
-"""The synchronous engine core: add requests, step, get outputs."""
+"""The engine core: add requests, step, get outputs.
+
+Overlap scheduling (`enable_overlap_schedule`): a step schedules and launches its forward
+pass before it reads the previous step's sampled tokens back, so that the host's work
+(scheduling, batch building, stop checks, outputs) runs while the GPU computes. A decode
+whose previous token is still on the device carries a placeholder (`Request.num_placeholders`)
+that the batch fills from the device. A request that stops on a token read back late has
+already run one more step: that step's token is real (it is the stop token), so its KV and
+state are consistent and only its sampled output is dropped. Steps that need host data
+before sampling (penalties, min_tokens, logprobs, speculative decoding), or whose decodes
+could need a preemption, first finish the step in flight and then run synchronously.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +18,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +38,16 @@ from deltaserve.engine.stop_checks import check_stop, visible_text
 from deltaserve.models.loader import load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens have not been read back."""
+
+    sampled: list[Request]
+    tokens: torch.Tensor  # on the device, one per sampled request
+    host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `done` fired
+    done: Any  # torch.cuda.Event, or None off CUDA
 
 
 class QueueFullError(RuntimeError):
@@ -70,6 +92,11 @@ class Engine:
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._finished_outputs: list[RequestOutput] = []
+        self._inflight: _InFlight | None = None
+        self._host_buffers: list[torch.Tensor] = []
+        if config.enable_overlap_schedule and self.device.type == "cuda":
+            n = config.max_running_requests
+            self._host_buffers = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self.counters = {
             "prompt_tokens_total": 0,
             "generation_tokens_total": 0,
@@ -143,15 +170,21 @@ class Engine:
         if req is None or req.finished:
             return
         self.scheduler.finish(req)
+        req.num_placeholders = 0  # a token in flight for it is dropped when read back
         req.finish_reason = "abort"
         self._finished_outputs.append(self._output(req))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- stepping ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.config.enable_overlap_schedule:
+            return self._step_overlapped()
+        return self._step_sync()
+
+    def _step_sync(self) -> list[RequestOutput]:
         outputs, self._finished_outputs = self._finished_outputs, []
         plan = self.scheduler.schedule()
         if plan is None:
@@ -181,6 +214,102 @@ class Engine:
         if self.spec is not None and self.spec.mtp is not None:
             self.spec.after_step(self._computed(plan, starts, verdicts))
         return outputs
+
+    # -- overlap scheduling --------------------------------------------------------------
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        prev = self._inflight
+        if not self._can_overlap(prev is not None):
+            outputs = self._drain()
+            return outputs + self._step_sync()
+        outputs, self._finished_outputs = self._finished_outputs, []
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return outputs + self._drain()
+        for req in plan.admitted:
+            if req.num_preemptions == 0:
+                self.counters["cached_tokens_total"] += req.num_cached_tokens
+        batch = self._batch(plan)
+        if prev is not None:
+            self._fill_placeholders(batch, plan, prev)
+        logits = self.runner.forward(batch)
+        sampled = [c.req for c in plan.chunks if c.sample]
+        launched = self._launch_readback(sampled, logits) if sampled else None
+        for req in sampled:
+            req.num_placeholders += 1
+        read = self._read_back(prev) if prev is not None else []
+        # the plan's inputs are all known now: the cache may see them as computed
+        self.scheduler.advance(plan)
+        if prev is not None:
+            outputs.extend(self._after_read_back(read))
+        self._inflight = launched
+        return outputs
+
+    def _can_overlap(self, in_flight: bool) -> bool:
+        """No host data needed before sampling, and (with a step in flight, whose tokens are
+        not known) pages for every decode without preempting anyone."""
+        if self.spec is not None:
+            return False
+        reqs = self.requests.values()
+        if any(r.params.logprobs is not None or self.sampler._needs_processing(r) for r in reqs):
+            return False
+        if not in_flight:
+            return True
+        ps = self.config.page_size
+        need = sum(max(0, -(-r.num_tokens // ps) - len(r.pages)) for r in self.scheduler.running)
+        return need <= self.runner.kv_pool.num_free + self.prefix_cache.num_evictable_pages
+
+    def _fill_placeholders(self, batch: Any, plan: SchedulerOutput, prev: _InFlight) -> None:
+        """Decode rows whose input is the previous step's token: take it from the device."""
+        index = {id(r): i for i, r in enumerate(prev.sampled)}
+        rows, src = [], []
+        for row, c in enumerate(plan.chunks[: plan.num_decodes]):
+            if c.req.num_placeholders:
+                rows.append(row)
+                src.append(index[id(c.req)])
+        if rows:
+            dev = batch.input_ids.device
+            batch.input_ids[torch.tensor(rows, device=dev)] = prev.tokens[torch.tensor(src, device=dev)]
+
+    def _launch_readback(self, sampled: list[Request], logits: torch.Tensor) -> _InFlight:
+        tokens = self.sampler.sample_tokens(logits, sampled)
+        if not self._host_buffers:  # off CUDA the copy is synchronous
+            return _InFlight(sampled, tokens, tokens.cpu(), None)
+        self._host_buffers.reverse()  # the other buffer may still be read for the previous step
+        host = self._host_buffers[0][: len(sampled)]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _InFlight(sampled, tokens, host, done)
+
+    def _read_back(self, prev: _InFlight) -> list[tuple[Request, int]]:
+        """The step's tokens replace its placeholders (requests aborted meanwhile drop theirs)."""
+        if prev.done is not None:
+            prev.done.synchronize()
+        now = time.time()
+        read = []
+        for req, tok in zip(prev.sampled, prev.host.tolist()):
+            if req.finished:
+                continue
+            req.num_placeholders -= 1
+            self._record_token(req, tok, None, now)
+            read.append((req, tok))
+        return read
+
+    def _after_read_back(self, read: list[tuple[Request, int]]) -> list[RequestOutput]:
+        outputs = []
+        for req, tok in read:
+            self._check_token(req, tok)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Finish the step in flight, if any: read its tokens and run their stop checks."""
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            return []
+        outputs, self._finished_outputs = self._finished_outputs, []
+        return outputs + self._after_read_back(self._read_back(prev))
 
     @staticmethod
     def _computed(plan: SchedulerOutput, starts: list[int], verdicts: list[Verdict]) -> list[Computed]:
@@ -238,14 +367,17 @@ class Engine:
 
     def _batch(self, plan: SchedulerOutput):
         chunks = plan.chunks
+
+        def tokens(c: ScheduledChunk) -> list[int]:
+            start = c.req.num_computed_tokens
+            end = start + c.num_tokens - len(c.drafts)
+            toks = c.req.token_slice(start, end)
+            if len(toks) < end - start:  # overlap: a placeholder, filled on the device
+                toks = toks + [0] * (end - start - len(toks))
+            return toks + c.drafts
+
         return build_forward_batch(
-            token_lists=[
-                c.req.token_slice(
-                    c.req.num_computed_tokens, c.req.num_computed_tokens + c.num_tokens - len(c.drafts)
-                )
-                + c.drafts
-                for c in chunks
-            ],
+            token_lists=[tokens(c) for c in chunks],
             starts=[c.req.num_computed_tokens for c in chunks],
             pages=[c.req.pages for c in chunks],
             slots=[c.req.slot or 0 for c in chunks],
@@ -258,6 +390,10 @@ class Engine:
         )
 
     def _append_token(self, req: Request, tok: int, lp: Any, now: float) -> None:
+        self._record_token(req, tok, lp, now)
+        self._check_token(req, tok)
+
+    def _record_token(self, req: Request, tok: int, lp: Any, now: float) -> None:
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_token_ids.append(tok)
@@ -265,6 +401,9 @@ class Engine:
         if lp is not None and req.logprobs is not None:
             req.logprobs.append(lp)
             req.cumulative_logprob += lp.logprob
+
+    def _check_token(self, req: Request, tok: int) -> None:
+        """Detokenize the newest token and apply the stop conditions."""
         checked = len(req.detokenizer.text)
         req.detokenizer.append(tok)
         verdict = check_stop(req, tok, self.eos_token_ids, self.max_model_len, checked)
@@ -276,6 +415,7 @@ class Engine:
             req.detokenizer.flush()
         req.finish_reason = reason
         req.stop_reason = stop_reason
+        req.num_placeholders = 0  # overlap: the token sampled after the stop is dropped
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
 

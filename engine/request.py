@@ -50,6 +50,9 @@ class Request:
     # speculative decoding, cumulative: drafts verified, and how many of them were accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # overlap scheduling: tokens sampled on the device and not yet read back (0 or 1); they
+    # count as the sequence's last tokens, and the next decode takes its input from the device
+    num_placeholders: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -66,7 +69,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_placeholders
+
+    @property
+    def ends_with_placeholder(self) -> bool:
+        """Its one unread token is its last by length: no decode step after it is needed."""
+        p = self.params.max_tokens
+        return self.num_placeholders > 0 and p is not None and len(self.output_token_ids) + 1 >= p
 
     @property
     def num_pending(self) -> int:

@@ -38,11 +38,15 @@ class Sampler:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if all(r.params.greedy and not self._needs_processing(r) for r in reqs):
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            tokens = self._sample_batch(logits.clone(), reqs).tolist()
+        tokens = self.sample_tokens(logits, reqs).tolist()
         return tokens, self.logprobs_of(logits, tokens, reqs, logprobs)
+
+    def sample_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The sampled token of each row, left on the logits' device (no host sync)."""
+        logits = logits.float()
+        if all(r.params.greedy and not self._needs_processing(r) for r in reqs):
+            return logits.argmax(dim=-1)
+        return self._sample_batch(logits.clone(), reqs)
 
     def logprobs_of(
         self,
@@ -92,10 +96,10 @@ class Sampler:
 
     def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         logits = self._process(logits, reqs)
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         greedy_tokens = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        if all(r.params.greedy for r in reqs):
             return greedy_tokens
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         probs, order = self._sorted_probs(logits, reqs)
         # exponential race: argmax(p / E) with E ~ Exp(1) samples from p
         noise = torch.empty_like(probs).exponential_(generator=self.generator)

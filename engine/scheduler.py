@@ -81,6 +81,8 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             if req.num_pending == 1 and req.num_computed_tokens > 0:
+                if req.ends_with_placeholder:  # overlap scheduling: finishes when read back
+                    continue
                 drafts: list[int] = []
                 if self.propose is not None and len(verifies) < self.max_verify:
                     drafts = self.propose(req)
@@ -106,6 +108,8 @@ class Scheduler:
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
+            if req.num_placeholders:  # preempted with a token in flight: wait for its value
+                break
             slot = self.state_pool.alloc()
             if slot is None:
                 break

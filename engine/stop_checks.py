@@ -28,7 +28,7 @@ def check_stop(
                 return "stop", found
     if p.max_tokens is not None and n_out >= p.max_tokens:
         return "length", None
-    if req.num_tokens >= max_model_len:
+    if len(req.prompt_token_ids) + n_out >= max_model_len:  # tokens known: no placeholders
         return "length", None
     return None
 

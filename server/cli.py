@@ -193,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-cuda-graph", action="store_true", help="run decode eagerly (no CUDA-graph capture)"
     )
     engine.add_argument(
+        "--enable-overlap-schedule",
+        action="store_true",
+        help="schedule and launch each step before reading the previous step's tokens back, so that "
+        "host work overlaps the GPU (outputs unchanged; streamed tokens arrive one step later)",
+    )
+    engine.add_argument(
         "--state-dtype",
         choices=["float32", "bfloat16", "float16"],
         default="float32",

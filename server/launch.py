@@ -97,6 +97,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
         mem_fraction_static=args.mem_fraction_static,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_cuda_graph=args.disable_cuda_graph,
+        enable_overlap_schedule=args.enable_overlap_schedule,
         state_dtype=args.state_dtype,
         seed=args.seed,
         page_size=args.page_size,

@@ -88,3 +88,27 @@ def test_mixed_workload_leaves_pools_idle(make_checkpoint):
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
     assert [len(o.outputs[0].token_ids) for o in outs] == [5 + i % 20 for i in range(len(ps))]
     assert idle(llm)
+
+
+def test_overlap_schedule_identical_with_graphs(make_checkpoint):
+    """Overlap scheduling on CUDA (pinned read-back, events, graph replay fed from the device)
+    gives the synchronous engine's tokens, stops included, and leaves the pools idle."""
+    path = make_checkpoint(
+        "qwen3_5", hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32
+    )
+    ps = prompts(160, seed=4)
+    kw = dict(device="cuda", dtype="bfloat16", chunked_prefill_size=64, max_running_requests=8)
+    sync = LLM(path, **kw)
+    ref = greedy(sync, ps, 24)
+    over = LLM(path, enable_overlap_schedule=True, **kw)
+    assert over.engine.runner.graph_runner is not None
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[r[5]] if i % 2 else []
+        )
+        for i, r in enumerate(ref)
+    ]
+    outs = over.generate([{"prompt_token_ids": p} for p in ps], params)
+    expected = sync.generate([{"prompt_token_ids": p} for p in ps], params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert idle(over)

@@ -187,3 +187,36 @@ def test_sigterm_drains_running_requests_and_exits_0(spawn_server) -> None:
     assert isinstance(events, list) and events[-1] == "data: [DONE]"
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # it ran to completion
+
+
+def test_overlap_schedule_server_matches_and_frees_on_disconnect(
+    base_url, spawn_server, read_metrics, until_idle
+) -> None:
+    overlap = spawn_server("--max-model-len", "512", "--enable-overlap-schedule")
+
+    async def texts(url: str) -> list[str]:
+        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=300) as client:
+
+            async def one(i: int) -> str:
+                stream = await client.chat.completions.create(
+                    model=MODEL_NAME,
+                    messages=[{"role": "user", "content": f"Overlap client {i}."}],
+                    max_tokens=10 + i,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+            return await asyncio.gather(*[one(i) for i in range(8)])
+
+    assert asyncio.run(texts(f"{overlap.url}/v1")) == asyncio.run(texts(base_url))
+    # a streaming client that hangs up mid-way is aborted with a step in flight: nothing leaks
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "go"}], "stream": True, **LONG}
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{overlap.url}/v1/chat/completions", json=body) as r,
+    ):
+        assert [line for _, line in zip(range(6), r.iter_lines()) if line]
+    idle = until_idle(overlap.url)
+    assert idle["deltaserve_state_slots_used"] == 0 and idle["deltaserve_kv_pages_used"] == 0

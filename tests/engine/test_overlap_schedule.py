@@ -1,0 +1,157 @@
+"""Overlap scheduling (a step launched before the previous step's tokens are read back) gives
+the outputs of synchronous stepping: greedy and seeded sampling, stops, the radix cache,
+preemption pressure, aborts, and requests that need host data (which step synchronously)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.sampling_params import SamplingParams
+
+LENGTHS = [1, 7, 33, 64, 90, 150, 5, 40]
+
+
+def engine(path: str, overlap: bool, **kw) -> Engine:
+    cfg = dict(
+        model=path,
+        dtype="float32",
+        device="cpu",
+        chunked_prefill_size=32,
+        max_running_requests=4,
+        max_model_len=320,
+    )
+    cfg.update(kw)
+    return Engine(EngineConfig(**cfg, enable_overlap_schedule=overlap))
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 160, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def run(eng: Engine, ps: list[list[int]], params: list[SamplingParams]) -> dict[str, tuple]:
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        eng.add_request(str(i), p, sp)
+    done = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                o = out.outputs[0]
+                done[out.request_id] = (o.token_ids, o.finish_reason, o.stop_reason)
+        steps += 1
+        assert steps < 2000
+    return done
+
+
+def idle(eng: Engine) -> bool:
+    eng.flush_cache()
+    s = eng.stats()
+    return (s["running"], s["waiting"], s["kv_pages_used"], s["state_slots_used"]) == (0, 0, 0, 0)
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_greedy_with_stops_identical_to_sync(kind, make_checkpoint):
+    path = make_checkpoint(kind)
+    ps = prompts()
+    plain = [greedy(4 + 5 * i) for i in range(len(ps))]
+    ref = run(engine(path, False), ps, plain)
+    # stop on a token each request really produces, at different depths (or not at all)
+    params = [
+        greedy(4 + 5 * i, stop_token_ids=[ref[str(i)][0][min(i, len(ref[str(i)][0]) - 1)]])
+        if i % 2
+        else plain[i]
+        for i in range(len(ps))
+    ]
+    sync_eng, over_eng = engine(path, False), engine(path, True)
+    expected, got = run(sync_eng, ps, params), run(over_eng, ps, params)
+    assert got == expected
+    assert any(reason == "stop" for _, reason, _ in got.values())
+    # tokens computed after a stop are not counted as generated
+    assert over_eng.counters["generation_tokens_total"] == sum(len(t) for t, _, _ in got.values())
+    assert idle(over_eng)
+
+
+def test_seeded_sampling_identical_to_sync(make_checkpoint):
+    path = make_checkpoint("qwen3_5")
+    ps = prompts(1)
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, max_tokens=12, ignore_eos=True)
+        for i in range(len(ps))
+    ]
+    assert run(engine(path, True), ps, params) == run(engine(path, False), ps, params)
+
+
+def test_radix_cache_multi_turn_identical_and_hits(make_checkpoint):
+    path = make_checkpoint("qwen3_5")
+    ps = prompts(2)[:4]
+    results = {}
+    for overlap in (False, True):
+        eng = engine(path, overlap, cache_type="radix")
+        first = run(eng, ps, [greedy(20)] * len(ps))
+        follow = [p + list(first[str(i)][0]) + [3, 4, 5] for i, p in enumerate(ps)]
+        cached_before = eng.counters["cached_tokens_total"]
+        second = run(eng, follow, [greedy(10)] * len(follow))
+        results[overlap] = (first, second)
+        if overlap:
+            assert eng.counters["cached_tokens_total"] > cached_before  # later turns hit
+        assert idle(eng)
+    assert results[True] == results[False]
+
+
+def test_under_kv_pressure_identical_and_no_leak(make_checkpoint):
+    path = make_checkpoint("qwen3_next")
+    ps = prompts(3)
+    params = [greedy(30) for _ in ps]
+    tight = dict(num_kv_pages=48, page_size=8, cache_type="naive")
+    over = engine(path, True, **tight)
+    preempted = []
+    preempt = over.scheduler.preempt
+    over.scheduler.preempt = lambda req: (preempted.append(req), preempt(req))  # type: ignore[method-assign]
+    assert run(over, ps, params) == run(engine(path, False, **tight), ps, params)
+    assert preempted  # the pool was short: some decodes had to give way
+    assert idle(over)
+
+
+def test_requests_needing_host_data_step_synchronously(make_checkpoint):
+    path = make_checkpoint("qwen3_5")
+    ps = prompts(4)
+    params = [
+        greedy(10, repetition_penalty=1.3)
+        if i == 2
+        else SamplingParams(temperature=0.0, max_tokens=10, logprobs=2)
+        if i == 5
+        else greedy(10)
+        for i in range(len(ps))
+    ]
+    assert run(engine(path, True), ps, params) == run(engine(path, False), ps, params)
+
+
+def test_abort_while_a_step_is_in_flight(make_checkpoint):
+    path = make_checkpoint("qwen3_5")
+    eng = engine(path, True)
+    ps = prompts(5)[:4]
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, greedy(40))
+    finished = {}
+    for _ in range(12):
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert eng._inflight is not None  # a step is launched and not read back
+    eng.abort_request("1")
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["1"].outputs[0].finish_reason == "abort"
+    for rid in ("0", "2", "3"):
+        assert len(finished[rid].outputs[0].token_ids) == 40
+    assert idle(eng)
