@@ -29,6 +29,8 @@ case "${1:-tests}" in
       --new-tokens 128 --prefill-len 8192 --hf --hf-new-tokens 16 --json "$out/qwen3.5-0.8b.json"
     run 140 bench-9b python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
       --new-tokens 128 --prefill-len 8192 --hf --hf-new-tokens 16 --json "$out/qwen3.5-9b.json"
+    run 100 overlap-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 64 256 \
+      --new-tokens 128 --prefill-len 0 --enable-overlap-schedule --json "$out/qwen3.5-0.8b-overlap.json"
     run 100 ttft-9b python3 -m bench.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --device cuda \
       --sessions 16 --turns 4 --system-len 2048 --json "$out/ttft-9b.json"
     ;;
