@@ -19,7 +19,7 @@ run() {  # run SECONDS NAME CMD...: a hard time limit each, so one stuck step le
 }
 case "${1:-tests}" in
   tests)
-    run 90 kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_norm_kernels.py \
+    run 90 kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_norm_kernels.py tests/kernels/test_gemv_cuda.py \
       tests/kernels/test_moe_cuda.py tests/kernels/test_window_kernels.py tests/kernels/test_mla_cuda.py
     run 240 engine-tests python3 -m pytest -q -rA -s -m gpu tests/engine
     run 200 cuda-kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py tests/kernels/test_kda_cuda.py
@@ -39,6 +39,8 @@ case "${1:-tests}" in
       --new-tokens 64 --prefill-len 4096 --json "$out/kimi.json"
     run 70 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --json "$out/spec-oracle.json"
+    run 60 gemv-0.8b python3 -m bench.gemv --model configs/qwen3.5-0.8b --rows 1 4 8 --json "$out/gemv-0.8b.json"
+    run 60 gemv-9b python3 -m bench.gemv --model configs/qwen3.5-9b --rows 1 4 8 --json "$out/gemv-9b.json"
     run 60 profile-0.8b-bs256 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256
     run 90 profile-kimi-bs1 python3 -m bench.profile_decode --model configs/kimi-linear-48b-a3b --batch-size 1
     ;;

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from deltaserve.kernels.norm import rms_norm_rope
-from deltaserve.models.layers import PartialRotaryEmbedding, ZeroCenteredRMSNorm
+from deltaserve.models.layers import Linear, PartialRotaryEmbedding, ZeroCenteredRMSNorm
 
 if TYPE_CHECKING:
     from deltaserve.engine.forward_context import ForwardContext
@@ -36,8 +36,8 @@ class GatedAttention(nn.Module):
         # q (with its output gate), k and v as one matmul; the loader fills it from the three
         self.q_size = self.num_heads * self.head_dim * 2
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         theta, factor = rope_settings(config)

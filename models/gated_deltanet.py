@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from deltaserve.kernels.norm import gdn_gates
-from deltaserve.models.layers import GatedRMSNorm
+from deltaserve.models.layers import GatedRMSNorm, Linear
 
 if TYPE_CHECKING:
     from deltaserve.engine.forward_context import ForwardContext
@@ -33,12 +33,12 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = config.linear_conv_kernel_dim
         hidden = config.hidden_size
-        self.in_proj = nn.Linear(hidden, self.conv_dim + self.value_dim + 2 * self.num_v_heads, bias=False)
+        self.in_proj = Linear(hidden, self.conv_dim + self.value_dim + 2 * self.num_v_heads, bias=False)
         self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, self.conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-slot state of this layer: conv history and the recurrent matrix per value head."""

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from deltaserve.models.layers import Linear
+
 if TYPE_CHECKING:
     from deltaserve.engine.forward_context import ForwardContext
 
@@ -47,19 +49,19 @@ class KimiDeltaAttention(nn.Module):
         self.dim = self.num_heads * self.head_dim
         self.conv_kernel = config.linear_conv_kernel_dim
         hidden = config.hidden_size
-        self.qkv_proj = nn.Linear(hidden, 3 * self.dim, bias=False)
+        self.qkv_proj = Linear(hidden, 3 * self.dim, bias=False)
         self.conv1d_weight = nn.Parameter(torch.empty(3 * self.dim, self.conv_kernel))
         # low-rank forget gate: g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias), per channel
-        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
-        self.f_b_proj = nn.Linear(self.head_dim, self.dim, bias=False)
+        self.f_a_proj = Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = Linear(self.head_dim, self.dim, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.dt_bias = nn.Parameter(torch.zeros(self.dim))
-        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.b_proj = Linear(hidden, self.num_heads, bias=False)
         # low-rank output gate
-        self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
-        self.g_b_proj = nn.Linear(self.head_dim, self.dim, bias=False)
+        self.g_a_proj = Linear(hidden, self.head_dim, bias=False)
+        self.g_b_proj = Linear(self.head_dim, self.dim, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.o_proj = nn.Linear(self.dim, hidden, bias=False)
+        self.o_proj = Linear(self.dim, hidden, bias=False)
         self.activation = getattr(config, "hidden_act", "silu")
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:

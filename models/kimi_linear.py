@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.models.kda import KimiDeltaAttention
-from deltaserve.models.layers import Experts, GatedMLP, RMSNorm
+from deltaserve.models.layers import Experts, GatedMLP, Linear, RMSNorm
 from deltaserve.models.mla import MultiLatentAttention
 from deltaserve.models.weights import WeightLoader
 
@@ -164,7 +164,7 @@ class KimiLinearForCausalLM(nn.Module):
         self.config = config
         self.model = KimiLinearModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.kernels.linear import linear
 from deltaserve.kernels.moe import fused_moe
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm, silu_and_mul
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward goes through `kernels.linear` (cuBLAS, or the opt-in Triton GEMV)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class _RMSNorm(nn.Module):
@@ -89,8 +97,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def checkpoint_shards(self) -> dict[str, tuple[str, int, int]]:
         inter = self.down_proj.in_features
@@ -131,10 +139,10 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate = Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, expert_size)
         self.shared_expert = GatedMLP(hidden, shared_expert_size) if shared_expert_size else None
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert_size else None
+        self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_expert_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from deltaserve.models.layers import RMSNorm
+from deltaserve.models.layers import Linear, RMSNorm
 
 if TYPE_CHECKING:
     from deltaserve.engine.forward_context import ForwardContext
@@ -37,18 +37,18 @@ class MultiLatentAttention(nn.Module):
         hidden = config.hidden_size
         bias = bool(getattr(config, "attention_bias", False))
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, self.num_heads * qk_head_dim, bias=False)
+            self.q_proj = Linear(hidden, self.num_heads * qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         # eps 1e-6, not rms_norm_eps: the release and transformers build this norm with the default
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
         self.scale = qk_head_dim**-0.5
 
     def kv_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -16,7 +16,7 @@ from torch import nn
 
 from deltaserve.models.attention import GatedAttention
 from deltaserve.models.gated_deltanet import GatedDeltaNet
-from deltaserve.models.layers import GatedMLP, SparseMoeBlock, ZeroCenteredRMSNorm
+from deltaserve.models.layers import GatedMLP, Linear, SparseMoeBlock, ZeroCenteredRMSNorm
 from deltaserve.models.weights import WeightLoader
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class Qwen3NextForCausalLM(nn.Module):
         self.config = config
         self.model = HybridModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from deltaserve.models.layers import ZeroCenteredRMSNorm
+from deltaserve.models.layers import Linear, ZeroCenteredRMSNorm
 from deltaserve.models.qwen3_next import DecoderLayer
 from deltaserve.models.weights import WeightLoader
 
@@ -43,7 +43,7 @@ class MultiTokenPredictor(nn.Module):
             raise ValueError(f"only one MTP layer is supported, the config has {num_mtp_layers(config)}")
         hidden = config.hidden_size
         self.layer_id = int(config.num_hidden_layers)  # its KV cache's layer id
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.fc = Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, eps=config.rms_norm_eps)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(config, self.layer_id, "full_attention")])
