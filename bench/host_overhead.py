@@ -27,6 +27,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
+    ap.add_argument(
+        "--output-kind",
+        default="cumulative",
+        choices=["cumulative", "final_only"],
+        help="cumulative: an output per request per step (streaming); final_only: LLM.generate, non-streamed HTTP",
+    )
     args = ap.parse_args()
     if args.model is None:
         from deltaserve.models.builtin import builtin_model_path
@@ -44,7 +50,9 @@ def main() -> None:
     )
     vocab = engine.vocab_size
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True, output_kind=args.output_kind
+    )
     for i in range(args.batch):
         engine.add_request(
             str(i), torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), params
@@ -69,7 +77,15 @@ def main() -> None:
     per_step = (time.perf_counter() - t) / args.steps
     host_ms = 1e3 * (per_step - spent[0] / args.steps)
     print(
-        json.dumps({"batch": args.batch, "cache_type": args.cache_type, "host_ms_per_decode_step": host_ms})
+        json.dumps(
+            {
+                "batch": args.batch,
+                "cache_type": args.cache_type,
+                "output_kind": args.output_kind,
+                "steps": args.steps,
+                "host_ms_per_decode_step": host_ms,
+            }
+        )
     )
 
 

@@ -208,7 +208,7 @@ class Engine:
             tokens, logprobs = self.sampler.sample(logits, sampled)
             for req, tok, lp in zip(sampled, tokens, logprobs):
                 self._append_token(req, tok, lp, now)
-                outputs.append(self._output(req))
+                self._emit(outputs, req)
         if windows:
             outputs.extend(self._finish_windows(windows, verdicts, now))
         if self.spec is not None and self.spec.mtp is not None:
@@ -297,10 +297,10 @@ class Engine:
         return read
 
     def _after_read_back(self, read: list[tuple[Request, int]]) -> list[RequestOutput]:
-        outputs = []
+        outputs: list[RequestOutput] = []
         for req, tok in read:
             self._check_token(req, tok)
-            outputs.append(self._output(req))
+            self._emit(outputs, req)
         return outputs
 
     def _drain(self) -> list[RequestOutput]:
@@ -331,7 +331,8 @@ class Engine:
         and computed length as they were before the window: consistent, only a few tokens
         short for the prefix cache."""
         assert self.spec is not None
-        outputs, commits = [], []
+        outputs: list[RequestOutput] = []
+        commits = []
         for row, (c, v) in enumerate(zip(windows, verdicts)):
             req = c.req
             req.num_draft_tokens += len(c.drafts)
@@ -345,7 +346,7 @@ class Engine:
                     break
             if not req.finished:
                 commits.append((req, row, v.num_accepted))
-            outputs.append(self._output(req))
+            self._emit(outputs, req)
         window, ps = self.spec.window, self.config.page_size
         for req, row, accepted in commits:
             # A page boundary crossed inside the window: the prefix cache sees the (accepted)
@@ -418,6 +419,11 @@ class Engine:
         req.num_placeholders = 0  # overlap: the token sampled after the stop is dropped
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
+
+    def _emit(self, outputs: list[RequestOutput], req: Request) -> None:
+        """A step's output for the request: every step, or only the last (`output_kind`)."""
+        if req.finish_reason is not None or req.params.output_kind == "cumulative":
+            outputs.append(self._output(req))
 
     def _output(self, req: Request) -> RequestOutput:
         comp = CompletionOutput(

@@ -65,6 +65,7 @@ class LLM:
                 for i in range(params.n):
                     sub = copy.deepcopy(params)
                     sub.n = 1
+                    sub.output_kind = "final_only"  # generate() returns finished outputs only
                     if params.seed is not None:
                         sub.seed = params.seed + i
                     rid = f"{base}-{i}"

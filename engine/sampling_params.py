@@ -25,6 +25,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # "cumulative": an output every step while the request runs (streaming);
+    # "final_only": one output when it finishes (LLM.generate, non-streamed HTTP requests)
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +40,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the field when a value is out of range."""
+        if self.output_kind not in ("cumulative", "final_only"):
+            raise ValueError(f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:

@@ -138,9 +138,12 @@ class Metrics:
         count = sum(len(c.token_ids) for c in out.outputs)
         if count > last_count:
             if last_count == 0:
-                self.ttft.observe(now - arrival)
-                if count > 1:
-                    self.itl.observe(0.0, times=int(count - 1))
+                # the engine's own clock: a non-streamed request sends no output before its last
+                first = out.first_token_time
+                self.ttft.observe(first - out.arrival_time if first and out.arrival_time else now - arrival)
+                if count > 1:  # tokens that arrived together: spread over the time since the first
+                    span = max(0.0, time.time() - first) if first else 0.0
+                    self.itl.observe(span / (count - 1), times=int(count - 1))
             else:
                 self.itl.observe((now - last_time) / (count - last_count), times=int(count - last_count))
             timing[1], timing[2] = now, count

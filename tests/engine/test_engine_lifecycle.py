@@ -99,3 +99,23 @@ def test_default_max_tokens_fills_the_model_length(engine):
     assert len(out.token_ids) == 256 - 199 and out.finish_reason == "length"
     assert p.max_tokens is None  # the caller's params are not modified
     assert idle(engine)
+
+
+def test_final_only_requests_report_once(engine):
+    """`output_kind="final_only"`: no output while the request runs, then the same final output
+    as a cumulative request's."""
+    outs: dict[str, list] = {"c": [], "f": []}
+    engine.add_request("c", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+    engine.add_request(
+        "f",
+        [5, 6, 7],
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, output_kind="final_only"),
+    )
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    assert len(outs["c"]) == 9 and len(outs["f"]) == 1
+    assert outs["f"][0].finished and outs["f"][0].outputs[0].token_ids == outs["c"][-1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+    assert idle(engine)

@@ -349,3 +349,18 @@ def test_metrics_exposition(client, server, read_metrics) -> None:
         == m["deltaserve_time_to_first_token_seconds_count"]
     )
     assert m["deltaserve_kv_pages_total"] > 0 and m["deltaserve_state_slots_total"] > 0
+
+
+def test_non_streamed_request_times_its_first_token(client, server, read_metrics) -> None:
+    """A non-streamed request gets one output from the engine, at its end; its time to first
+    token still comes from when the first token was made, not from when the response was ready."""
+    before = read_metrics(server.url)
+    chat(client, max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+    after = read_metrics(server.url)
+
+    def delta(name: str) -> float:
+        return after[f"deltaserve_{name}"] - before[f"deltaserve_{name}"]
+
+    assert delta("time_to_first_token_seconds_count") == 1
+    assert delta("inter_token_latency_seconds_count") == 59
+    assert 0 < delta("time_to_first_token_seconds_sum") < delta("e2e_request_latency_seconds_sum")
