@@ -120,3 +120,43 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return silu_and_mul_launch(x)
     return silu_and_mul_ref(x)
+
+
+def kda_softplus(x: torch.Tensor) -> torch.Tensor:
+    # spelled as the release and transformers spell it (log(1 + exp)), not F.softplus
+    # (log1p), so that fp32 gates agree bit for bit
+    return torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))
+
+
+def kda_gate_ref(f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, head_dim: int) -> torch.Tensor:
+    f = f.float() + dt_bias.float()
+    f = f.view(f.shape[0], -1, head_dim)
+    return -A_log.float().exp().view(-1, 1) * kda_softplus(f)
+
+
+def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """KDA's per-channel log decay `-exp(A_log[h]) * softplus(f + dt_bias)`, fp32 `[T, H, D]`,
+    from the low-rank projection `f` `[T, H * D]`."""
+    if use_fast_path(f):
+        from deltaserve.kernels.triton_norm import kda_gate_launch
+
+        return kda_gate_launch(f, dt_bias, A_log, head_dim)
+    return kda_gate_ref(f, dt_bias, A_log, head_dim)
+
+
+def sigmoid_gated_rms_norm_ref(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    y = _normalize(x, eps)
+    return (weight.float() * y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def sigmoid_gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """KDA's output norm, per head, all in fp32: `x`, `gate` `[T, H, D]` (any row strides)."""
+    if use_fast_path(x):
+        from deltaserve.kernels.triton_norm import sigmoid_gated_rms_norm_launch
+
+        return sigmoid_gated_rms_norm_launch(x, gate, weight, eps)
+    return sigmoid_gated_rms_norm_ref(x, gate, weight, eps)

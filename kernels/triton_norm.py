@@ -118,7 +118,9 @@ def add_rms_norm_launch(
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x, z, w, y, H, sx0, sx1, sz0, sz1, D, eps, BLOCK: tl.constexpr):
+def _gated_rms_norm_kernel(
+    x, z, w, y, H, sx0, sx1, sz0, sz1, D, eps, BLOCK: tl.constexpr, SIGMOID_FP32: tl.constexpr
+):
     r = tl.program_id(0).to(tl.int64)
     t = r // H
     h = r % H
@@ -127,13 +129,17 @@ def _gated_rms_norm_kernel(x, z, w, y, H, sx0, sx1, sz0, sz1, D, eps, BLOCK: tl.
     xv = tl.load(x + t * sx0 + h * sx1 + o, mask=m, other=0.0).to(tl.float32)
     n = xv * tl.rsqrt(tl.sum(xv * xv, 0) / D + eps)
     wv = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
-    v = (n.to(y.dtype.element_ty).to(tl.float32) * wv).to(y.dtype.element_ty).to(tl.float32)
     zv = tl.load(z + t * sz0 + h * sz1 + o, mask=m, other=0.0).to(tl.float32)
-    tl.store(y + r * D + o, (v * zv * tl.sigmoid(zv)).to(y.dtype.element_ty), mask=m)
+    if SIGMOID_FP32:  # KDA: w * norm(x) * sigmoid(z), all fp32
+        out = wv * n * tl.sigmoid(zv)
+    else:  # GDN: (w * norm(x) rounded to x's dtype) * silu(z)
+        v = (n.to(y.dtype.element_ty).to(tl.float32) * wv).to(y.dtype.element_ty).to(tl.float32)
+        out = v * zv * tl.sigmoid(zv)
+    tl.store(y + r * D + o, out.to(y.dtype.element_ty), mask=m)
 
 
 def gated_rms_norm_launch(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, sigmoid_fp32: bool = False
 ) -> torch.Tensor:
     assert x.shape == gate.shape and x.dim() == 3, (x.shape, gate.shape)
     t, h, d = x.shape
@@ -143,9 +149,54 @@ def gated_rms_norm_launch(
     if t * h:
         block = triton.next_power_of_2(d)
         _gated_rms_norm_kernel[(t * h,)](
-            xr, zr, weight, y, h, sx0, sx1, sz0, sz1, d, eps, BLOCK=block, num_warps=_warps(block)
+            xr,
+            zr,
+            weight,
+            y,
+            h,
+            sx0,
+            sx1,
+            sz0,
+            sz1,
+            d,
+            eps,
+            BLOCK=block,
+            SIGMOID_FP32=sigmoid_fp32,
+            num_warps=_warps(block),
         )
     return y
+
+
+def sigmoid_gated_rms_norm_launch(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return gated_rms_norm_launch(x, gate, weight, eps, sigmoid_fp32=True)
+
+
+@triton.jit
+def _kda_gate_kernel(f, dt_bias, A_log, g, HD, sf, D: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < HD
+    u = tl.load(f + t * sf + o, mask=m, other=0.0).to(tl.float32)
+    u += tl.load(dt_bias + o, mask=m, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(A_log + o // D, mask=m, other=0.0).to(tl.float32))
+    softplus = tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0))))
+    tl.store(g + t * HD + o, -decay * softplus, mask=m)
+
+
+def kda_gate_launch(
+    f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, head_dim: int
+) -> torch.Tensor:
+    assert f.dim() == 2 and f.stride(-1) == 1 and f.shape[1] % head_dim == 0, f.shape
+    t, hd = f.shape
+    g = torch.empty((t, hd // head_dim, head_dim), dtype=torch.float32, device=f.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(hd))
+        _kda_gate_kernel[(t, triton.cdiv(hd, block))](
+            f, dt_bias, A_log, g, hd, f.stride(0), D=head_dim, BLOCK=block, num_warps=4
+        )
+    return g
 
 
 @triton.jit

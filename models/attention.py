@@ -36,7 +36,12 @@ class GatedAttention(nn.Module):
         # q (with its output gate), k and v as one matmul; the loader fills it from the three
         self.q_size = self.num_heads * self.head_dim * 2
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = Linear(
+            hidden,
+            self.q_size + 2 * self.kv_size,
+            bias=bias,
+            shard_sizes=[self.q_size, self.kv_size, self.kv_size],
+        )
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)

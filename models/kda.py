@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from deltaserve.kernels.norm import kda_gate, sigmoid_gated_rms_norm
 from deltaserve.models.layers import Linear
 
 if TYPE_CHECKING:
@@ -28,16 +29,7 @@ class SigmoidGatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight.float() * y * torch.sigmoid(gate.float())
-        return y.to(x.dtype)
-
-
-def kda_softplus(x: torch.Tensor) -> torch.Tensor:
-    # spelled as the release and transformers spell it (log(1 + exp)), not F.softplus
-    # (log1p), so that fp32 gates agree bit for bit
-    return torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))
+        return sigmoid_gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -51,14 +43,18 @@ class KimiDeltaAttention(nn.Module):
         hidden = config.hidden_size
         self.qkv_proj = Linear(hidden, 3 * self.dim, bias=False)
         self.conv1d_weight = nn.Parameter(torch.empty(3 * self.dim, self.conv_kernel))
-        # low-rank forget gate: g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias), per channel
-        self.f_a_proj = Linear(hidden, self.head_dim, bias=False)
+        # low-rank forget gate: g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias), per channel;
+        # low-rank output gate g_b(g_a(x)); beta = sigmoid(b(x)). The three projections of x
+        # (f_a, g_a, b) run as one matmul, `gates_a_proj`, filled from the checkpoint's three.
+        self.gates_a_proj = Linear(
+            hidden,
+            2 * self.head_dim + self.num_heads,
+            bias=False,
+            shard_sizes=[self.head_dim, self.head_dim, self.num_heads],
+        )
         self.f_b_proj = Linear(self.head_dim, self.dim, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.dt_bias = nn.Parameter(torch.zeros(self.dim))
-        self.b_proj = Linear(hidden, self.num_heads, bias=False)
-        # low-rank output gate
-        self.g_a_proj = Linear(hidden, self.head_dim, bias=False)
         self.g_b_proj = Linear(self.head_dim, self.dim, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = Linear(self.dim, hidden, bias=False)
@@ -71,11 +67,21 @@ class KimiDeltaAttention(nn.Module):
             "recurrent": (self.num_heads, self.head_dim, self.head_dim),
         }
 
+    def checkpoint_shards(self) -> dict[str, tuple[str, int, int]]:
+        d, h, target = self.head_dim, self.num_heads, "gates_a_proj.weight"
+        return {
+            "f_a_proj.weight": (target, 0, d),
+            "g_a_proj.weight": (target, d, d),
+            "b_proj.weight": (target, 2 * d, h),
+        }
+
+    def _gates_a(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """f_a(x), g_a(x), b(x)."""
+        return list(self.gates_a_proj(x).split([self.head_dim, self.head_dim, self.num_heads], dim=-1))
+
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Log decay `[T, H, D]` in fp32."""
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        f = f.view(x.shape[0], self.num_heads, self.head_dim)
-        return -self.A_log.float().exp().view(-1, 1) * kda_softplus(f)
+        return kda_gate(self.f_b_proj(self._gates_a(x)[0]), self.dt_bias, self.A_log, self.head_dim)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -84,7 +90,8 @@ class KimiDeltaAttention(nn.Module):
             self.layer_id, self.qkv_proj(x), self.conv1d_weight, None, "conv", self.activation
         )
         q, k, v = (p.view(shape) for p in mixed.split(self.dim, dim=-1))
-        beta = torch.sigmoid(self.b_proj(x))
-        o = ctx.linear.kda(self.layer_id, q, k, v, self.forget_gate(x), beta)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(shape)
+        fa, ga, b = self._gates_a(x)
+        g = kda_gate(self.f_b_proj(fa), self.dt_bias, self.A_log, self.head_dim)
+        o = ctx.linear.kda(self.layer_id, q, k, v, g, torch.sigmoid(b))
+        gate = self.g_b_proj(ga).view(shape)
         return self.o_proj(self.o_norm(o, gate).reshape(t, self.dim))

@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.linear import linear
 from deltaserve.kernels.moe import fused_moe
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm, silu_and_mul
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose forward goes through `kernels.linear` (cuBLAS, or the opt-in Triton GEMV)."""
+    """nn.Linear whose forward goes through `kernels.linear` (cuBLAS, or the opt-in Triton GEMV).
+
+    A projection fused from several checkpoint matrices (gate|up, q|k|v) names their row
+    counts in `shard_sizes`: off the fast path (CPU, the fp32 oracle) it runs them as separate
+    matmuls, because a matmul's rounding depends on its shape and the unfused model's fp32
+    results must be matched bit for bit."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, shard_sizes: list[int] | None = None
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        assert shard_sizes is None or sum(shard_sizes) == out_features, (shard_sizes, out_features)
+        self.shard_sizes = shard_sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard_sizes is not None and not use_fast_path(x):
+            w = self.weight.split(self.shard_sizes)
+            b = self.bias.split(self.shard_sizes) if self.bias is not None else [None] * len(w)
+            return torch.cat([F.linear(x, wi, bi) for wi, bi in zip(w, b)], dim=-1)
         return linear(x, self.weight, self.bias)
 
 
@@ -97,7 +115,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, shard_sizes=[intermediate] * 2)
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def checkpoint_shards(self) -> dict[str, tuple[str, int, int]]:

@@ -121,7 +121,7 @@ def test_forget_gate_matches_transformers():
         torch.nn.init.normal_(p, std=2.0)
     ours = KimiDeltaAttention(cfg, 0)
     with torch.no_grad():
-        ours.f_a_proj.weight.copy_(theirs.f_a_proj.weight)
+        ours.gates_a_proj.weight[: cfg.linear_head_dim].copy_(theirs.f_a_proj.weight)
         ours.f_b_proj.weight.copy_(theirs.f_b_proj.weight)
         ours.dt_bias.copy_(theirs.dt_bias)
         ours.A_log.copy_(theirs.A_log.reshape(-1))
