@@ -83,16 +83,40 @@ def make_checkpoint(tmp_path_factory):
     return make
 
 
+_HF_IN_SUBPROCESS = """
+import json, sys
+sys.modules["fla"] = None  # transformers' torch paths, as on a machine without CUDA
+sys.path.insert(0, sys.argv[1])
+import conftest
+path, prompts, n = json.load(sys.stdin)
+print(json.dumps(conftest.hf_greedy(path, prompts, n)))
+"""
+
+
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own greedy generation, one prompt at a time, fp32: on CPU, or on CUDA where
-    there is one (FLA is importable there, and transformers binds its kernels, CUDA-only, at import)."""
+    """transformers' own greedy generation, one prompt at a time, fp32 on CPU.
+
+    On a CUDA machine FLA is importable and transformers binds its CUDA-only (and tf32) kernels
+    at import, so the reference runs in a subprocess that hides FLA."""
+    if torch.cuda.is_available():
+        import subprocess
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        done = subprocess.run(
+            [sys.executable, "-c", _HF_IN_SUBPROCESS, here],
+            input=json.dumps([path, prompts, max_new_tokens]),
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        )
+        return json.loads(done.stdout.strip().splitlines()[-1])
     from transformers import AutoModelForCausalLM
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     outs = []
     for p in prompts:
-        ids = torch.tensor([p], device=device)
+        ids = torch.tensor([p])
         gen = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
