@@ -155,3 +155,14 @@ def test_abort_while_a_step_is_in_flight(make_checkpoint):
     for rid in ("0", "2", "3"):
         assert len(finished[rid].outputs[0].token_ids) == 40
     assert idle(eng)
+
+
+def test_with_speculative_decoding_steps_synchronously(make_checkpoint):
+    path = make_checkpoint("qwen3_5")
+    phrase = [7, 8, 9, 10, 11]
+    ps = [phrase * 8, prompts(6)[3]]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    params = [greedy(20) for _ in ps]
+    over = engine(path, True, speculative_config=spec)
+    assert run(over, ps, params) == run(engine(path, False), ps, params)
+    assert over._inflight is None and over.counters["spec_windows_total"] > 0
