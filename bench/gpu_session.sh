@@ -19,7 +19,7 @@ run() {  # run SECONDS NAME CMD...: a hard time limit each, so one stuck step le
 }
 case "${1:-tests}" in
   tests)
-    run 90 kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_norm_kernels.py tests/kernels/test_gemv_cuda.py \
+    run 90 kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_norm_kernels.py tests/kernels/test_gemv_cuda.py tests/kernels/test_router_cuda.py \
       tests/kernels/test_moe_cuda.py tests/kernels/test_window_kernels.py tests/kernels/test_mla_cuda.py
     run 240 engine-tests python3 -m pytest -q -rA -s -m gpu tests/engine
     run 200 cuda-kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py tests/kernels/test_kda_cuda.py

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.kernels.router import sigmoid_topk
 from deltaserve.models.kda import KimiDeltaAttention
 from deltaserve.models.layers import Experts, GatedMLP, Linear, RMSNorm
 from deltaserve.models.mla import MultiLatentAttention
@@ -62,7 +63,11 @@ class SigmoidRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids `[T, k]`, topk_weights `[T, k]` fp32)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        logits = F.linear(x.float(), self.weight.float())
+        if self.num_groups == 1:
+            bias = self.e_score_correction_bias
+            return sigmoid_topk(logits, bias, self.top_k, self.renormalize, self.scaling)
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.num_groups > 1:
             grouped = choice.view(x.shape[0], self.num_groups, -1)

@@ -10,6 +10,7 @@ from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.linear import linear
 from deltaserve.kernels.moe import fused_moe
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm, silu_and_mul
+from deltaserve.kernels.router import softmax_topk
 
 
 class Linear(nn.Linear):
@@ -163,11 +164,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_expert_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        ids, weights = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
         out = self.experts(x, ids, weights.to(x.dtype))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
