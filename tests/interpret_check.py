@@ -1,0 +1,108 @@
+"""The engine with its CUDA-path Triton kernels run by Triton's CPU interpreter, against the torch
+reference path: greedy tokens must be identical (fp32). A wiring check for machines without a
+GPU; it says nothing about speed or bf16, and pytest does not collect it.
+
+    TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5
+    TRITON_INTERPRET=1 python tests/interpret_check.py kimi --families norm,router,conv,moe,mla
+
+Needs `triton` importable (the CPU torch wheel does not bring it). FLA's kernels (chunked
+prefill, KDA) stay on the references. Families: norm (norms, gates, SwiGLU, KDA gate), linear
+(the fused projections as one matmul, and the Triton GEMV), router, conv, attention, moe, mla,
+gdn_decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.modules["fla"] = None  # type: ignore[assignment]  # transformers' torch paths, as on CPU
+
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+ALL = ["norm", "linear", "router", "conv", "attention", "moe", "mla", "gdn_decode"]
+MODULES = {
+    "norm": ["deltaserve.kernels.norm"],
+    "linear": ["deltaserve.kernels.linear", "deltaserve.models.layers"],
+    "router": ["deltaserve.kernels.router"],
+    "conv": ["deltaserve.kernels.conv"],
+    "attention": ["deltaserve.kernels.attention"],
+    "moe": ["deltaserve.kernels.moe"],
+    "mla": ["deltaserve.kernels.mla"],
+}
+
+
+def checkpoint(kind: str) -> tuple[str, int]:
+    path = tempfile.mkdtemp()
+    if kind != "kimi":
+        import conftest
+
+        conftest._build(kind, path, seed=0)
+        return path, conftest.TEXT["vocab_size"]
+    import transformers as T
+
+    spec = importlib.util.spec_from_file_location(
+        "kp", os.path.join(HERE, "models", "test_kimi_linear_parity.py")
+    )
+    assert spec is not None and spec.loader is not None
+    kp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kp)
+    torch.manual_seed(0)
+    model = T.KimiLinearForCausalLM(T.KimiLinearConfig(**kp.CONFIG)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path, int(kp.CONFIG["vocab_size"])
+
+
+def use_fast(families: list[str]) -> None:
+    fast = lambda t: True  # noqa: E731
+    for family in families:
+        for name in MODULES.get(family, []):
+            importlib.import_module(name).use_fast_path = fast  # type: ignore[attr-defined]
+    if "linear" in families:
+        os.environ["DELTASERVE_GEMV"] = "triton"
+    if "gdn_decode" in families:
+        import deltaserve.engine.linear_backend as lb
+        from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
+
+        lb.gdn_decode = gdn_decode_cuda  # type: ignore[assignment]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kind", choices=["qwen3_5", "qwen3_next", "qwen3_5_moe", "kimi"])
+    ap.add_argument("--families", default=",".join(ALL))
+    args = ap.parse_args()
+    from deltaserve import LLM, SamplingParams
+
+    path, vocab = checkpoint(args.kind)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 7, 40, 70)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        llm = LLM(path, dtype="float32", device="cpu", chunked_prefill_size=32)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    ref = run()
+    families = [f for f in args.families.split(",") if f]
+    use_fast(families)
+    out = run()
+    print(f"{args.kind} with {','.join(families)} interpreted: identical = {out == ref}")
+    sys.exit(0 if out == ref else 1)
+
+
+if __name__ == "__main__":
+    main()
