@@ -117,6 +117,11 @@ def main() -> None:
     )
     ap.add_argument("--oracle-right", type=int, default=2, help="oracle: right drafts per window")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument(
+        "--verify-graphs",
+        action="store_true",
+        help="speculative_config cuda_graph: uniform k-draft windows replayed from CUDA graphs",
+    )
     ap.add_argument("--device", default="cuda", help="cpu only for a quick dry run of the script")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--json", help="write the results here")
@@ -127,6 +132,7 @@ def main() -> None:
         "method": "mtp" if args.drafter == "mtp" else "ngram",
         "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_max": args.prompt_lookup_max,
+        "cuda_graph": args.verify_graphs,
     }
     engine = Engine(
         EngineConfig(

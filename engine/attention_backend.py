@@ -27,6 +27,7 @@ class AttentionBackend:
         self.layer_index = layer_index  # model layer id -> pool layer
         self.batch: AttentionMetadata | None = None
         self._graph: AttentionMetadata | None = None
+        self._verify: AttentionMetadata | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
         self.batch = AttentionMetadata(
@@ -65,6 +66,40 @@ class AttentionBackend:
 
     def reset_capture(self) -> None:
         self._graph = None
+
+    # verification windows: n requests of `width` tokens each, continuing their KV
+    def init_verify_graph(self, max_bs: int, width: int, max_pages: int, device: torch.device) -> None:
+        self._verify = AttentionMetadata(
+            slot_mapping=torch.zeros(max_bs * width, dtype=torch.long, device=device),
+            page_table=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.arange(0, (max_bs + 1) * width, width, dtype=torch.int32, device=device),
+            seq_lens=torch.full((max_bs,), width, dtype=torch.int32, device=device),
+            max_seqlen_q=width,
+        )
+
+    def prepare_for_verify_capture(self, bs: int) -> None:
+        v = self._verify
+        assert v is not None, "init_verify_graph() first"
+        w = v.max_seqlen_q
+        self.batch = AttentionMetadata(
+            v.slot_mapping[: bs * w], v.page_table[:bs], v.cu_seqlens_q[: bs + 1], v.seq_lens[:bs], w
+        )
+
+    def prepare_for_verify_replay(self, batch: ForwardBatch, bs: int) -> None:
+        """n <= bs windows; padding rows write and read the padding page only."""
+        v = self._verify
+        assert v is not None, "init_verify_graph() first"
+        w = v.max_seqlen_q
+        n, pages = batch.page_table.shape
+        v.slot_mapping[: n * w].copy_(batch.slot_mapping)
+        v.slot_mapping[n * w : bs * w].zero_()
+        v.page_table[:n, :pages].copy_(batch.page_table)
+        v.page_table[n:bs].zero_()
+        v.seq_lens[:n].copy_(batch.seq_lens)
+        v.seq_lens[n:bs].fill_(w)
+
+    def reset_verify_capture(self) -> None:
+        self._verify = None
 
     def attention(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float

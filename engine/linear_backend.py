@@ -81,6 +81,30 @@ class LinearAttentionBackend:
     def reset_capture(self) -> None:
         self._graph_slots = torch.zeros(0, dtype=torch.int32)
 
+    # verification windows: n requests of `width` tokens each, slots read, window written
+    def init_verify_graph(self, max_bs: int, width: int, device: torch.device) -> None:
+        assert self.window is not None and max_bs <= self.window.rows, "verification graphs need the window"
+        self._verify_graph_slots = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self._verify_graph_pad = torch.arange(max_bs * width, dtype=torch.long, device=device)
+        self._verify_graph_width = width
+
+    def prepare_for_verify_capture(self, bs: int) -> None:
+        w = self._verify_graph_width
+        self.prepare_for_capture(0)  # no decodes, no prefills
+        self.num_verify_tokens = bs * w
+        self.verify_slots = self._verify_graph_slots[:bs]
+        self.verify_pad_index = self._verify_graph_pad[: bs * w]
+        self.verify_width = w
+
+    def prepare_for_verify_replay(self, batch: ForwardBatch, bs: int) -> None:
+        """Padding windows read the padding slot and fill window rows n..bs, never committed."""
+        n = batch.num_requests
+        self._verify_graph_slots[:n].copy_(batch.state_slots)
+        self._verify_graph_slots[n:bs].zero_()
+
+    def reset_verify_capture(self) -> None:
+        self._verify_graph_slots = torch.zeros(0, dtype=torch.int32)
+
     def conv(
         self,
         layer_id: int,

@@ -110,15 +110,41 @@ class ModelRunner:
             self.graph_runner = None
         else:
             logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_runner.sizes)
+            spec = self.config.spec
+            if spec is not None and spec.cuda_graph and self.window is not None:
+                self._capture_verify_graphs(spec.num_speculative_tokens + 1, max_pages)
+
+    def _capture_verify_graphs(self, width: int, max_pages: int) -> None:
+        assert self.graph_runner is not None and self.window is not None
+        if "latent" in self.model.kv_shapes():
+            # MLA over several query tokens is the expanded torch reference, which reads
+            # lengths on the host: it cannot be captured
+            logger.info("MLA model: speculative verification runs eagerly")
+            return
+        max_bs = min(self.window.rows, self.config.cuda_graph_max_bs)
+        try:
+            self.graph_runner.capture_verify(width, max_bs, max_pages, self.device)
+        except Exception as e:  # an op of the window path that cannot be captured
+            logger.warning("verification graph capture failed (%s); verifying eagerly", e)
+            self.graph_runner.drop_verify()
+        else:
+            logger.info(
+                "captured verification graphs for %s windows of %d tokens",
+                self.graph_runner.verify_sizes,
+                width,
+            )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[M, vocab]` (fp32) at the batch's sampled positions.
 
-        Batches with speculative verification windows run eagerly (the decode graphs take one
-        token per request); verification graphs per batch size are future work."""
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.run(batch)
+        Batches of only verification windows, all k + 1 tokens, replay verification graphs when
+        they were captured (`speculative_config["cuda_graph"]`); other mixed batches run eagerly."""
+        if self.graph_runner is not None:
+            if self.graph_runner.can_run(batch):
+                return self.graph_runner.run(batch)
+            if self.graph_runner.can_run_verify(batch):
+                return self.graph_runner.run_verify(batch)
         self.attn.prepare(batch)
         self.linear.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.ctx)

@@ -64,7 +64,19 @@ class SpecDecoder:
             drafts = self.drafter.propose(req.all_token_ids, k)
         else:
             drafts = []
-        return drafts[:k]
+        drafts = drafts[:k]
+        if self.config.cuda_graph and k == self.k and len(drafts) < k:
+            # uniform windows: pad with the last token proposed (any token is a valid draft:
+            # it is accepted only where the target would have produced it)
+            last = (
+                drafts[-1]
+                if drafts
+                else req.output_token_ids[-1]
+                if req.output_token_ids
+                else req.prompt_token_ids[-1]
+            )
+            drafts = drafts + [last] * (k - len(drafts))
+        return drafts
 
     def after_step(self, rows: list[Computed]) -> None:
         """MTP: fill its KV over what the step computed, draft for the next step."""

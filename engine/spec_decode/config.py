@@ -17,10 +17,21 @@ class SpecConfig:
     # Most requests verified in one step: bounds the window buffers (k + 1 states per
     # request and linear layer); past it, requests decode one token as usual.
     max_batch: int | None = None
+    # Every decoding request verifies exactly k drafts (short or missing drafts are padded,
+    # which rejection sampling keeps lossless), so that verification steps can replay CUDA
+    # graphs captured per batch size instead of running eagerly.
+    cuda_graph: bool = False
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpecConfig:
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "max_batch",
+            "cuda_graph",
+        }
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")

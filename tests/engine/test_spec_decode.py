@@ -367,3 +367,25 @@ def test_logprobs_and_penalties_through_windows(make_checkpoint):
         for x, y in zip(la, lb):
             assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
             assert x.top.keys() == y.top.keys()
+
+
+def test_uniform_windows_for_verification_graphs(model_path):
+    """`cuda_graph`: every decoding request verifies exactly k drafts (padded where the n-gram
+    lookup finds fewer or none), so that verification batches have one shape; greedy output is
+    unchanged, and while requests have room every window holds k drafts."""
+    prompts = prompts_of([4, 7, 11, 3], seed=3, repeat=6) + prompts_of([50, 9], seed=4)
+    ref = reference(model_path, prompts)
+    llm = make_llm(model_path, {**NGRAM, "cuda_graph": True}, max_running_requests=8)
+    widths: list[int] = []
+    verify = llm.engine.spec.verify  # type: ignore[union-attr]
+
+    def spy(logits, reqs, drafts):
+        widths.extend(len(d) for d in drafts)
+        return verify(logits, reqs, drafts)
+
+    llm.engine.spec.verify = spy  # type: ignore[union-attr, method-assign]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert widths and widths.count(K) >= len(widths) - len(prompts) * K  # short only near max_tokens
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    assert_idle(llm)

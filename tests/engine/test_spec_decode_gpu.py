@@ -65,3 +65,21 @@ def test_fp32_reference_kernels_identical(make_checkpoint, monkeypatch):
     llm = LLM(path, speculative_config=NGRAM, **kw)
     assert [o.outputs[0].token_ids for o in generate(llm, ps)] == plain
     assert idle(llm)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_verification_graphs_replay_as_eager(kind, make_checkpoint):
+    """`cuda_graph`: uniform windows replay captured verification graphs, with the tokens of the
+    same uniform windows run eagerly; pools idle afterwards."""
+    path = make_checkpoint(kind, **SHAPES)
+    ps = prompts(2)
+    spec = {**NGRAM, "cuda_graph": True}
+    kw = dict(device="cuda", dtype="bfloat16", chunked_prefill_size=64, max_running_requests=8)
+    eager = LLM(path, speculative_config=spec, disable_cuda_graph=True, **kw)
+    graphs = LLM(path, speculative_config=spec, **kw)
+    runner = graphs.engine.runner.graph_runner
+    assert runner is not None and runner.verify_graphs
+    outs = generate(graphs, ps)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in generate(eager, ps)]
+    assert runner.verify_replays > 0 and sum(o.num_accepted_tokens for o in outs) > 0
+    assert idle(graphs)
