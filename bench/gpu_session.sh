@@ -35,16 +35,15 @@ case "${1:-tests}" in
       --sessions 16 --turns 4 --system-len 2048 --json "$out/ttft-9b.json"
     ;;
   more)
-    run 240 bench-kimi python3 -m bench.decode --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 64 \
+    run 200 bench-kimi python3 -m bench.decode --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 64 \
       --new-tokens 64 --prefill-len 4096 --json "$out/kimi.json"
-    run 70 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+    run 60 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --json "$out/spec-oracle.json"
-    run 70 spec-verify-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+    run 60 spec-verify-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs --json "$out/spec-verify-graphs.json"
-    run 60 gemv-0.8b python3 -m bench.gemv --model configs/qwen3.5-0.8b --rows 1 4 8 --json "$out/gemv-0.8b.json"
-    run 60 gemv-9b python3 -m bench.gemv --model configs/qwen3.5-9b --rows 1 4 8 --json "$out/gemv-9b.json"
+    run 50 gemv-0.8b python3 -m bench.gemv --model configs/qwen3.5-0.8b --rows 1 4 8 --json "$out/gemv-0.8b.json"
+    run 50 gemv-9b python3 -m bench.gemv --model configs/qwen3.5-9b --rows 1 4 8 --json "$out/gemv-9b.json"
     run 60 profile-0.8b-bs256 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256
-    run 90 profile-kimi-bs1 python3 -m bench.profile_decode --model configs/kimi-linear-48b-a3b --batch-size 1
     ;;
   *)
     echo "usage: $0 tests|qwen|more" >&2
