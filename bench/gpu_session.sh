@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/performance.md, in three parts of under 10 minutes each (one device
 # call per part; a fresh machine compiles Triton/FLA kernels first, which the limits allow for).
-# Logs and JSON go under $OUT.
+# Logs and JSON go under $OUT (at most 8 files a part: what a device call brings back).
 #
 # On the GPU machine, from the repository root, after the wheels are installed:
 #   bash bench/gpu_session.sh tests   # every GPU test
@@ -38,11 +38,11 @@ case "${1:-tests}" in
     run 200 bench-kimi python3 -m bench.decode --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 64 \
       --new-tokens 64 --prefill-len 4096 --json "$out/kimi.json"
     run 60 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
-      --drafter oracle --oracle-right 3 --json "$out/spec-oracle.json"
+      --drafter oracle --oracle-right 3
     run 60 spec-verify-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
-      --drafter oracle --oracle-right 3 --verify-graphs --json "$out/spec-verify-graphs.json"
-    run 50 gemv-0.8b python3 -m bench.gemv --model configs/qwen3.5-0.8b --rows 1 4 8 --json "$out/gemv-0.8b.json"
-    run 50 gemv-9b python3 -m bench.gemv --model configs/qwen3.5-9b --rows 1 4 8 --json "$out/gemv-9b.json"
+      --drafter oracle --oracle-right 3 --verify-graphs
+    run 50 gemv-0.8b python3 -m bench.gemv --model configs/qwen3.5-0.8b --rows 1 4 8
+    run 50 gemv-9b python3 -m bench.gemv --model configs/qwen3.5-9b --rows 1 4 8
     run 60 profile-0.8b-bs256 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256
     ;;
   *)
