@@ -51,18 +51,28 @@ def add_rms_norm(
     return rms_norm_ref(s, weight, eps, zero_centered), s
 
 
-def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_ref(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = "silu"
+) -> torch.Tensor:
+    if kind == "sigmoid":  # KDA: all in fp32, like the release
+        return (weight.float() * _normalize(x, eps) * torch.sigmoid(gate.float())).to(x.dtype)
     y = weight * _normalize(x, eps).to(x.dtype)
     return (y * F.silu(gate.float())).to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """GDN's output norm, per head: `x`, `gate` `[T, H, D]` (any row strides); `[T, H, D]` out."""
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = "silu"
+) -> torch.Tensor:
+    """A linear-attention layer's output norm, per head, gated: `x`, `gate` `[T, H, D]` (any row
+    strides); `[T, H, D]` out. `kind="silu"`: GDN's `(w * norm(x)) * silu(gate)`, the product
+    rounded to x's dtype first; `"sigmoid"`: KDA's `w * norm(x) * sigmoid(gate)` in fp32."""
+    if kind not in ("silu", "sigmoid"):
+        raise ValueError(f"gated norm kind must be 'silu' or 'sigmoid', got {kind!r}")
     if use_fast_path(x):
         from deltaserve.kernels.triton_norm import gated_rms_norm_launch
 
-        return gated_rms_norm_launch(x, gate, weight, eps)
-    return gated_rms_norm_ref(x, gate, weight, eps)
+        return gated_rms_norm_launch(x, gate, weight, eps, kind)
+    return gated_rms_norm_ref(x, gate, weight, eps, kind)
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -142,21 +152,3 @@ def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, head_d
 
         return kda_gate_launch(f, dt_bias, A_log, head_dim)
     return kda_gate_ref(f, dt_bias, A_log, head_dim)
-
-
-def sigmoid_gated_rms_norm_ref(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    y = _normalize(x, eps)
-    return (weight.float() * y * torch.sigmoid(gate.float())).to(x.dtype)
-
-
-def sigmoid_gated_rms_norm(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """KDA's output norm, per head, all in fp32: `x`, `gate` `[T, H, D]` (any row strides)."""
-    if use_fast_path(x):
-        from deltaserve.kernels.triton_norm import sigmoid_gated_rms_norm_launch
-
-        return sigmoid_gated_rms_norm_launch(x, gate, weight, eps)
-    return sigmoid_gated_rms_norm_ref(x, gate, weight, eps)

@@ -139,7 +139,7 @@ def _gated_rms_norm_kernel(
 
 
 def gated_rms_norm_launch(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, sigmoid_fp32: bool = False
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = "silu"
 ) -> torch.Tensor:
     assert x.shape == gate.shape and x.dim() == 3, (x.shape, gate.shape)
     t, h, d = x.shape
@@ -161,16 +161,10 @@ def gated_rms_norm_launch(
             d,
             eps,
             BLOCK=block,
-            SIGMOID_FP32=sigmoid_fp32,
+            SIGMOID_FP32=kind == "sigmoid",
             num_warps=_warps(block),
         )
     return y
-
-
-def sigmoid_gated_rms_norm_launch(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    return gated_rms_norm_launch(x, gate, weight, eps, sigmoid_fp32=True)
 
 
 @triton.jit

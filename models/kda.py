@@ -13,23 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from deltaserve.kernels.norm import kda_gate, sigmoid_gated_rms_norm
-from deltaserve.models.layers import Linear
+from deltaserve.kernels.norm import kda_gate
+from deltaserve.models.layers import GatedRMSNorm, Linear
 
 if TYPE_CHECKING:
     from deltaserve.engine.forward_context import ForwardContext
-
-
-class SigmoidGatedRMSNorm(nn.Module):
-    """Per-head RMSNorm of the KDA output, gated by sigmoid(gate); all in fp32 like the release."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return sigmoid_gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -56,7 +44,7 @@ class KimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.dt_bias = nn.Parameter(torch.zeros(self.dim))
         self.g_b_proj = Linear(self.head_dim, self.dim, bias=False)
-        self.o_norm = SigmoidGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_norm = GatedRMSNorm(self.head_dim, eps=config.rms_norm_eps, kind="sigmoid")
         self.o_proj = Linear(self.dim, hidden, bias=False)
         self.activation = getattr(config, "hidden_act", "silu")
 

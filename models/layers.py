@@ -71,16 +71,18 @@ class RMSNorm(_RMSNorm):
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm of the linear-attention output, gated by silu(z)."""
+    """Per-head RMSNorm of the linear-attention output, gated by silu(z) (GDN) or sigmoid(z)
+    (KDA; see `kernels.norm.gated_rms_norm`)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, kind: str = "silu") -> None:
         super().__init__()
         self.eps = eps
+        self.kind = kind
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate `[T, H, D]`."""
-        return gated_rms_norm(x, gate, self.weight, self.eps)
+        return gated_rms_norm(x, gate, self.weight, self.eps, self.kind)
 
 
 class PartialRotaryEmbedding(nn.Module):

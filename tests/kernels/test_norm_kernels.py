@@ -108,7 +108,7 @@ def test_silu_and_mul(dtype, rows, inter):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kda_gate_and_sigmoid_gated_norm(dtype):
-    from deltaserve.kernels.triton_norm import kda_gate_launch, sigmoid_gated_rms_norm_launch
+    from deltaserve.kernels.triton_norm import gated_rms_norm_launch, kda_gate_launch
 
     t, h, d = 7, 32, 128  # Kimi-Linear-48B's KDA heads
     proj = randn(t, 3 * h * d, dtype=dtype, scale=6.0)
@@ -118,5 +118,5 @@ def test_kda_gate_and_sigmoid_gated_norm(dtype):
     torch.testing.assert_close(g, N.kda_gate_ref(f, dt_bias, A_log, d), atol=1e-5, rtol=1e-5)
     x, z = randn(t, h, d, dtype=dtype, seed=3), proj[:, h * d : 2 * h * d].view(t, h, d)
     w = randn(d, dtype=dtype, seed=4)
-    out = sigmoid_gated_rms_norm_launch(x, z, w, 1e-6)
-    torch.testing.assert_close(out, N.sigmoid_gated_rms_norm_ref(x, z, w, 1e-6), **tol(dtype))
+    out = gated_rms_norm_launch(x, z, w, 1e-6, "sigmoid")
+    torch.testing.assert_close(out, N.gated_rms_norm_ref(x, z, w, 1e-6, "sigmoid"), **tol(dtype))
