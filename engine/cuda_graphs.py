@@ -4,6 +4,10 @@ Everything a graph reads lives in buffers filled before replay: the token ids an
 positions here, the page table and lengths in the attention backend, the state-slot
 indices in the linear-attention backend. Rows past the real batch point at the padding
 page and the padding slot.
+
+Graphs come in sets by tokens per request: 1 for decode batches, and k + 1 for batches made
+only of speculative verification windows (`capture_verify`); the backends keep one set of
+buffers per width.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +34,18 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+@dataclass
+class GraphSet:
+    """The graphs of one width (tokens per request), per padded batch size."""
+
+    width: int
+    sizes: list[int]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
+    replays: int = 0
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -39,28 +56,41 @@ class CudaGraphRunner:
         max_pages: int,
         device: torch.device,
     ) -> None:
-        self.body = body  # (input_ids, positions) -> logits, the model's forward on a decode batch
+        self.body = body  # (input_ids, positions) -> logits of every token
         self.attn = attn
         self.linear = linear
-        self.sizes = graph_batch_sizes(max_bs)
-        self.max_bs = self.sizes[-1]
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=device)
-        attn.init_capture_graph(self.max_bs, max_pages, device)
-        linear.init_capture_graph(self.max_bs, device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.max_pages = max_pages
+        self.device = device
         self.pool = torch.cuda.graph_pool_handle()
+        self.decode = self._capture_set(1, max_bs)
+        self.verify: GraphSet | None = None
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.decode.sizes
+
+    @property
+    def graphs(self) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+        return self.decode.graphs
+
+    def _capture_set(self, width: int, max_bs: int) -> GraphSet:
+        sizes = graph_batch_sizes(max_bs)
+        top = sizes[-1]
+        gs = GraphSet(
+            width,
+            sizes,
+            torch.zeros(top * width, dtype=torch.long, device=self.device),
+            torch.zeros(top * width, dtype=torch.long, device=self.device),
+        )
+        self.attn.init_capture_graph(top, self.max_pages, self.device, width)
+        self.linear.init_capture_graph(top, self.device, width)
         # largest first, so that smaller graphs reuse its memory
-        for bs in reversed(self.sizes):
-            self.attn.prepare_for_capture(bs)
-            self.linear.prepare_for_capture(bs)
-            self.graphs[bs] = self._capture(self.input_ids[:bs], self.positions[:bs])
+        for bs in reversed(sizes):
+            self.attn.prepare_for_capture(bs, width)
+            self.linear.prepare_for_capture(bs, width)
+            gs.graphs[bs] = self._capture(gs.input_ids[: bs * width], gs.positions[: bs * width])
         torch.cuda.synchronize()
-        # speculative verification: every request brings `verify_width` tokens (capture_verify)
-        self.verify_width = 0
-        self.verify_sizes: list[int] = []
-        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.verify_replays = 0
+        return gs
 
     def _capture(
         self, input_ids: torch.Tensor, positions: torch.Tensor
@@ -76,68 +106,59 @@ class CudaGraphRunner:
             out = self.body(input_ids, positions)
         return graph, out
 
-    def capture_verify(self, width: int, max_bs: int, max_pages: int, device: torch.device) -> None:
+    def capture_verify(self, width: int, max_bs: int) -> None:
         """Graphs for batches of speculative verification windows only, each `width` tokens
-        (the last token and k drafts), per padded batch size up to `max_bs`."""
-        sizes = graph_batch_sizes(max_bs)
-        top = sizes[-1]
-        input_ids = torch.zeros(top * width, dtype=torch.long, device=device)
-        positions = torch.zeros(top * width, dtype=torch.long, device=device)
-        self.attn.init_verify_graph(top, width, max_pages, device)
-        self.linear.init_verify_graph(top, width, device)
-        graphs = {}
-        for bs in reversed(sizes):
-            self.attn.prepare_for_verify_capture(bs)
-            self.linear.prepare_for_verify_capture(bs)
-            graphs[bs] = self._capture(input_ids[: bs * width], positions[: bs * width])
-        torch.cuda.synchronize()
-        self.verify_input_ids, self.verify_positions = input_ids, positions
-        self.verify_width, self.verify_sizes, self.verify_graphs = width, sizes, graphs
+        (the last token and k drafts), per padded batch size up to `max_bs`. On failure the
+        backends' buffers of that width are dropped and the error is raised."""
+        try:
+            self.verify = self._capture_set(width, max_bs)
+        except Exception:
+            self.attn.reset_capture(width)
+            self.linear.reset_capture(width)
+            raise
 
     def drop_verify(self) -> None:
-        self.verify_width, self.verify_sizes, self.verify_graphs = 0, [], {}
-        self.attn.reset_verify_capture()
-        self.linear.reset_verify_capture()
+        if self.verify is not None:
+            self.attn.reset_capture(self.verify.width)
+            self.linear.reset_capture(self.verify.width)
+        self.verify = None
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.num_decodes == batch.num_requests and batch.num_requests <= self.decode.sizes[-1]
 
     def can_run_verify(self, batch: ForwardBatch) -> bool:
-        n = batch.num_requests
+        v, n = self.verify, batch.num_requests
         return (
-            bool(self.verify_graphs)
+            v is not None
             and batch.num_decodes == 0
             and len(batch.verify_lens) == n
-            and n <= self.verify_sizes[-1]
-            and all(w == self.verify_width for w in batch.verify_lens)
+            and n <= v.sizes[-1]
+            and all(w == v.width for w in batch.verify_lens)
         )
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[n, vocab]` of a decode batch."""
+        return self._replay(self.decode, batch)
 
     def run_verify(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of every window position `[n * width, vocab]`."""
-        n, w = batch.num_requests, self.verify_width
-        bs = self.verify_sizes[bisect.bisect_left(self.verify_sizes, n)]
-        self.verify_input_ids[: n * w].copy_(batch.input_ids)
-        self.verify_positions[: n * w].copy_(batch.positions)
-        self.attn.prepare_for_verify_replay(batch, bs)
-        self.linear.prepare_for_verify_replay(batch, bs)
-        graph, out = self.verify_graphs[bs]
+        assert self.verify is not None
+        return self._replay(self.verify, batch)
+
+    def _replay(self, gs: GraphSet, batch: ForwardBatch) -> torch.Tensor:
+        n, w = batch.num_requests, gs.width
+        bs = gs.sizes[bisect.bisect_left(gs.sizes, n)]
+        gs.input_ids[: n * w].copy_(batch.input_ids)
+        gs.positions[: n * w].copy_(batch.positions)
+        self.attn.prepare_for_replay(batch, bs, w)
+        self.linear.prepare_for_replay(batch, bs, w)
+        graph, out = gs.graphs[bs]
         graph.replay()
-        self.verify_replays += 1
+        gs.replays += 1
         return out[: n * w]
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.num_decodes == batch.num_requests and batch.num_requests <= self.max_bs
-
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        n = batch.num_requests
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.attn.prepare_for_replay(batch, bs)
-        self.linear.prepare_for_replay(batch, bs)
-        graph, out = self.graphs[bs]
-        graph.replay()
-        return out[:n]
-
     def close(self) -> None:
-        self.graphs.clear()
-        self.attn.reset_capture()
-        self.linear.reset_capture()
         self.drop_verify()
+        self.decode.graphs.clear()
+        self.attn.reset_capture(1)
+        self.linear.reset_capture(1)

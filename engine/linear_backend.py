@@ -31,7 +31,8 @@ class LinearAttentionBackend:
         self.prefill_slots = torch.empty(0, dtype=torch.int32)
         self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32)
         self.prefill_has_initial = torch.empty(0, dtype=torch.bool)
-        self._graph_slots = torch.zeros(0, dtype=torch.int32)
+        self._graph_slots: dict[int, torch.Tensor] = {}  # CUDA-graph buffers per width
+        self._graph_pad: dict[int, torch.Tensor] = {}
         self.window: StateWindow | None = None  # set when speculative decoding is on
         self.num_verify_tokens = 0
         self.verify_slots = torch.empty(0, dtype=torch.int32)
@@ -59,51 +60,43 @@ class LinearAttentionBackend:
     def _verify_args(self, layer_id: int, state: str) -> tuple:
         return self.verify_slots, self.verify_pad_index, self.verify_width, self._window(layer_id, state)
 
-    # -- CUDA graphs: decode batches replay through buffers this backend owns ----------
+    # -- CUDA graphs: batches of n requests of `width` tokens each (decode: 1; speculative
+    # verification windows: k + 1, state read from the slot, written to the window buffer)
+    # replay through slot buffers this backend owns ------------------------------------
 
-    def init_capture_graph(self, max_bs: int, device: torch.device) -> None:
-        self._graph_slots = torch.zeros(max_bs, dtype=torch.int32, device=device)
+    def init_capture_graph(self, max_bs: int, device: torch.device, width: int = 1) -> None:
+        if width > 1:
+            assert self.window is not None and max_bs <= self.window.rows, (
+                "verification graphs need the window"
+            )
+            self._graph_pad[width] = torch.arange(max_bs * width, dtype=torch.long, device=device)
+        self._graph_slots[width] = torch.zeros(max_bs, dtype=torch.int32, device=device)
 
-    def prepare_for_capture(self, bs: int) -> None:
-        self.num_decodes = bs
-        self.num_verify_tokens = 0
-        self.decode_slots = self._graph_slots[:bs]
-        self.prefill_slots = self._graph_slots[:0]
-        self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32, device=self._graph_slots.device)
-        self.prefill_has_initial = torch.zeros(0, dtype=torch.bool, device=self._graph_slots.device)
+    def prepare_for_capture(self, bs: int, width: int = 1) -> None:
+        slots = self._graph_slots[width][:bs]
+        decodes = bs if width == 1 else 0
+        self.num_decodes = decodes
+        self.decode_slots = slots[:decodes]
+        self.num_verify_tokens = 0 if width == 1 else bs * width
+        if width > 1:
+            self.verify_slots = slots
+            self.verify_pad_index = self._graph_pad[width][: bs * width]
+            self.verify_width = width
+        self.prefill_slots = slots[:0]
+        self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32, device=slots.device)
+        self.prefill_has_initial = torch.zeros(0, dtype=torch.bool, device=slots.device)
 
-    def prepare_for_replay(self, batch: ForwardBatch, bs: int) -> None:
-        """Copy a decode batch's slots in; padding rows point at slot 0."""
+    def prepare_for_replay(self, batch: ForwardBatch, bs: int, width: int = 1) -> None:
+        """Copy the batch's slots in; padding rows point at slot 0 (and, for windows, fill
+        window rows n..bs, never committed)."""
         n = batch.num_requests
-        self._graph_slots[:n].copy_(batch.state_slots)
-        self._graph_slots[n:bs].zero_()
+        slots = self._graph_slots[width]
+        slots[:n].copy_(batch.state_slots)
+        slots[n:bs].zero_()
 
-    def reset_capture(self) -> None:
-        self._graph_slots = torch.zeros(0, dtype=torch.int32)
-
-    # verification windows: n requests of `width` tokens each, slots read, window written
-    def init_verify_graph(self, max_bs: int, width: int, device: torch.device) -> None:
-        assert self.window is not None and max_bs <= self.window.rows, "verification graphs need the window"
-        self._verify_graph_slots = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self._verify_graph_pad = torch.arange(max_bs * width, dtype=torch.long, device=device)
-        self._verify_graph_width = width
-
-    def prepare_for_verify_capture(self, bs: int) -> None:
-        w = self._verify_graph_width
-        self.prepare_for_capture(0)  # no decodes, no prefills
-        self.num_verify_tokens = bs * w
-        self.verify_slots = self._verify_graph_slots[:bs]
-        self.verify_pad_index = self._verify_graph_pad[: bs * w]
-        self.verify_width = w
-
-    def prepare_for_verify_replay(self, batch: ForwardBatch, bs: int) -> None:
-        """Padding windows read the padding slot and fill window rows n..bs, never committed."""
-        n = batch.num_requests
-        self._verify_graph_slots[:n].copy_(batch.state_slots)
-        self._verify_graph_slots[n:bs].zero_()
-
-    def reset_verify_capture(self) -> None:
-        self._verify_graph_slots = torch.zeros(0, dtype=torch.int32)
+    def reset_capture(self, width: int = 1) -> None:
+        self._graph_slots.pop(width, None)
+        self._graph_pad.pop(width, None)
 
     def conv(
         self,

@@ -112,9 +112,9 @@ class ModelRunner:
             logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_runner.sizes)
             spec = self.config.spec
             if spec is not None and spec.cuda_graph and self.window is not None:
-                self._capture_verify_graphs(spec.num_speculative_tokens + 1, max_pages)
+                self._capture_verify_graphs(spec.num_speculative_tokens + 1)
 
-    def _capture_verify_graphs(self, width: int, max_pages: int) -> None:
+    def _capture_verify_graphs(self, width: int) -> None:
         assert self.graph_runner is not None and self.window is not None
         if "latent" in self.model.kv_shapes():
             # MLA over several query tokens is the expanded torch reference, which reads
@@ -123,14 +123,14 @@ class ModelRunner:
             return
         max_bs = min(self.window.rows, self.config.cuda_graph_max_bs)
         try:
-            self.graph_runner.capture_verify(width, max_bs, max_pages, self.device)
+            self.graph_runner.capture_verify(width, max_bs)
         except Exception as e:  # an op of the window path that cannot be captured
             logger.warning("verification graph capture failed (%s); verifying eagerly", e)
-            self.graph_runner.drop_verify()
         else:
+            assert self.graph_runner.verify is not None
             logger.info(
                 "captured verification graphs for %s windows of %d tokens",
-                self.graph_runner.verify_sizes,
+                self.graph_runner.verify.sizes,
                 width,
             )
 

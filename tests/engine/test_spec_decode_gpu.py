@@ -78,8 +78,8 @@ def test_verification_graphs_replay_as_eager(kind, make_checkpoint):
     eager = LLM(path, speculative_config=spec, disable_cuda_graph=True, **kw)
     graphs = LLM(path, speculative_config=spec, **kw)
     runner = graphs.engine.runner.graph_runner
-    assert runner is not None and runner.verify_graphs
+    assert runner is not None and runner.verify is not None
     outs = generate(graphs, ps)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in generate(eager, ps)]
-    assert runner.verify_replays > 0 and sum(o.num_accepted_tokens for o in outs) > 0
+    assert runner.verify.replays > 0 and sum(o.num_accepted_tokens for o in outs) > 0
     assert idle(graphs)
