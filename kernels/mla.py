@@ -15,6 +15,8 @@ Two formulations of the same attention:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from deltaserve.kernels.dispatch import use_fast_path
@@ -37,6 +39,14 @@ def _causal_mask(total: int, q_len: int, device: torch.device) -> torch.Tensor:
     return pos.unsqueeze(0) > q_pos.unsqueeze(1)  # [Tq, S], True where masked
 
 
+def _requests(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> Iterator[tuple[int, int, int, int]]:
+    """(request, first query row, end query row, KV length) of each request with queries."""
+    bounds = cu_seqlens_q.tolist()
+    for i, total in enumerate(seq_lens.tolist()):
+        if bounds[i + 1] > bounds[i]:
+            yield i, bounds[i], bounds[i + 1], total
+
+
 def mla_attention_ref(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -53,11 +63,7 @@ def mla_attention_ref(
     nope = q.shape[-1] - rope
     latent_dim = w_kv_b.shape[1]
     out = q.new_empty(q.shape[0], heads, v_head_dim)
-    bounds = cu_seqlens_q.tolist()
-    for i, total in enumerate(seq_lens.tolist()):
-        lo, hi = bounds[i], bounds[i + 1]
-        if hi == lo:
-            continue
+    for i, lo, hi, total in _requests(cu_seqlens_q, seq_lens):
         latent = _gather(cache, page_table[i], total)
         c, k_pe = latent.split([latent_dim, rope], dim=-1)
         kv = (c @ w_kv_b.t()).view(total, heads, nope + v_head_dim)
@@ -94,11 +100,7 @@ def mla_attention_absorbed_ref(
     # q_nope . (W_uk c) = (W_uk^T q_nope) . c
     q_latent = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), q_pe], dim=-1)  # [T, H, L + R]
     out = q.new_empty(q.shape[0], heads, v_head_dim)
-    bounds = cu_seqlens_q.tolist()
-    for i, total in enumerate(seq_lens.tolist()):
-        lo, hi = bounds[i], bounds[i + 1]
-        if hi == lo:
-            continue
+    for i, lo, hi, total in _requests(cu_seqlens_q, seq_lens):
         latent = _gather(cache, page_table[i], total).float()  # [S, L + R]
         scores = q_latent[lo:hi] @ latent.t() * scale  # [Tq, H, S]
         mask = _causal_mask(total, hi - lo, q.device).unsqueeze(1)
