@@ -19,7 +19,7 @@ from torch import nn
 
 from deltaserve.kernels.router import sigmoid_topk
 from deltaserve.models.kda import KimiDeltaAttention
-from deltaserve.models.layers import Experts, GatedMLP, Linear, RMSNorm
+from deltaserve.models.layers import Experts, GatedMLP, HybridCausalLM, RMSNorm, run_decoder
 from deltaserve.models.mla import MultiLatentAttention
 from deltaserve.models.weights import WeightLoader
 
@@ -143,11 +143,7 @@ class KimiLinearModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, positions, ctx, residual)
-        return self.norm.forward_add(x, residual)[0] if residual is not None else self.norm(x)
+        return run_decoder(self.embed_tokens, self.layers, self.norm, input_ids, positions, ctx)
 
 
 # checkpoint spellings -> ours: the release's, and the one transformers keeps in memory
@@ -163,19 +159,9 @@ _FUSED = {
 _KDA_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(\w+\.weight|\w+)$")
 
 
-class KimiLinearForCausalLM(nn.Module):
+class KimiLinearForCausalLM(HybridCausalLM):
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        self.model = KimiLinearModel(config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def layer_types(self) -> list[str]:
-        return self.model.layer_types
+        super().__init__(config, KimiLinearModel(config))
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-slot state of one KDA layer (every KDA layer has the same)."""
@@ -190,14 +176,8 @@ class KimiLinearForCausalLM(nn.Module):
                 return layer.self_attn.kv_shapes()
         return {}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self, ignore={"lm_head.weight"} if self.tie_word_embeddings else set())
+        loader = WeightLoader(self, ignore=self.tied_names())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             for pattern, repl in _RENAMES:

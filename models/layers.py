@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -171,3 +173,48 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def run_decoder(
+    embed: nn.Embedding,
+    layers: nn.ModuleList,
+    norm: _RMSNorm,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    ctx: Any,
+) -> torch.Tensor:
+    """Embed, the decoder layers, the final norm. Each layer returns `(output, residual
+    stream)`; the residual adds happen inside the next norm (`_RMSNorm.forward_add`)."""
+    x = embed(input_ids)
+    residual = None
+    for layer in layers:
+        x, residual = layer(x, positions, ctx, residual)
+    return norm.forward_add(x, residual)[0] if residual is not None else norm(x)
+
+
+class HybridCausalLM(nn.Module):
+    """The causal-LM shell shared by the model families: a decoder `model` (with
+    `embed_tokens` and `layer_types`) and the vocabulary projection, tied or not."""
+
+    def __init__(self, config: Any, model: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self._layer_types: list[str] = list(model.layer_types)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = model.embed_tokens.weight
+
+    @property
+    def layer_types(self) -> list[str]:
+        return self._layer_types
+
+    def tied_names(self) -> set[str]:
+        return {"lm_head.weight"} if self.tie_word_embeddings else set()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -16,7 +16,13 @@ from torch import nn
 
 from deltaserve.models.attention import GatedAttention
 from deltaserve.models.gated_deltanet import GatedDeltaNet
-from deltaserve.models.layers import GatedMLP, Linear, SparseMoeBlock, ZeroCenteredRMSNorm
+from deltaserve.models.layers import (
+    GatedMLP,
+    HybridCausalLM,
+    SparseMoeBlock,
+    ZeroCenteredRMSNorm,
+    run_decoder,
+)
 from deltaserve.models.weights import WeightLoader
 
 if TYPE_CHECKING:
@@ -94,28 +100,14 @@ class HybridModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, positions, ctx, residual)
-        return self.norm.forward_add(x, residual)[0] if residual is not None else self.norm(x)
+        return run_decoder(self.embed_tokens, self.layers, self.norm, input_ids, positions, ctx)
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(HybridCausalLM):
     """Also serves Qwen3.5 dense and MoE text models (same blocks, other weight names)."""
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        self.model = HybridModel(config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def layer_types(self) -> list[str]:
-        return self.model.layer_types
+        super().__init__(config, HybridModel(config))
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
@@ -132,12 +124,6 @@ class Qwen3NextForCausalLM(nn.Module):
             if layer.self_attn is not None:
                 return layer.self_attn.kv_shapes()
         return {}
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, ignore=self.tied_names())
@@ -164,9 +150,6 @@ class Qwen3NextForCausalLM(nn.Module):
             if parts:
                 raise ValueError(f"layer {layer_id}: incomplete linear-attention projections {sorted(parts)}")
         loader.finish()
-
-    def tied_names(self) -> set[str]:
-        return {"lm_head.weight"} if self.tie_word_embeddings else set()
 
     @staticmethod
     def canonical_name(name: str) -> str | None:
