@@ -66,6 +66,30 @@ def _build(kind: str, path: str, seed: int = 0, shard: bool = False, **overrides
     return path
 
 
+def build_kimi(path: str, config: dict, seed: int = 0, correction_bias: bool = False):
+    """A tiny Kimi-Linear from transformers, saved to `path` (and returned): random norms, and
+    optionally a random routing correction bias, so that every weight reaches the output."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    model = T.KimiLinearForCausalLM(T.KimiLinearConfig(**config)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+        if correction_bias:
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(0.1 * torch.randn_like(b))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def kimi_builder():
+    return build_kimi
+
+
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory):
     cache: dict[tuple, str] = {}

@@ -41,27 +41,18 @@ MODULES = {
 
 
 def checkpoint(kind: str) -> tuple[str, int]:
+    import conftest
+
     path = tempfile.mkdtemp()
     if kind != "kimi":
-        import conftest
-
         conftest._build(kind, path, seed=0)
         return path, conftest.TEXT["vocab_size"]
-    import transformers as T
-
-    spec = importlib.util.spec_from_file_location(
-        "kp", os.path.join(HERE, "models", "test_kimi_linear_parity.py")
-    )
+    parity = os.path.join(HERE, "models", "test_kimi_linear_parity.py")
+    spec = importlib.util.spec_from_file_location("kp", parity)
     assert spec is not None and spec.loader is not None
     kp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kp)
-    torch.manual_seed(0)
-    model = T.KimiLinearForCausalLM(T.KimiLinearConfig(**kp.CONFIG)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
+    conftest.build_kimi(path, kp.CONFIG)
     return path, int(kp.CONFIG["vocab_size"])
 
 

@@ -73,22 +73,13 @@ RELEASE_KEYS = dict(
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, str]:
+def checkpoints(tmp_path_factory, kimi_builder) -> dict[str, str]:
     import transformers as T
     from safetensors.torch import save_file
 
-    torch.manual_seed(0)
-    model = T.KimiLinearForCausalLM(T.KimiLinearConfig(**CONFIG)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
     root = tmp_path_factory.mktemp("kimi")
     saved, hf_names, release = (str(root / n) for n in ("saved", "hf_names", "release"))
-    model.save_pretrained(saved)
+    model = kimi_builder(saved, CONFIG, correction_bias=True)
     # transformers' in-memory names
     os.makedirs(hf_names)
     shutil.copy(os.path.join(saved, "config.json"), hf_names)
