@@ -7,8 +7,6 @@ a missed write or a stray write shows.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -33,20 +31,6 @@ def reference(monkeypatch: pytest.MonkeyPatch, op, *args, **kwargs):
     with monkeypatch.context() as m:
         m.setenv("DELTASERVE_REFERENCE_KERNELS", "1")
         return op(*args, **kwargs)
-
-
-@pytest.fixture
-def fla_visible():
-    """Let this test import FLA although tests/conftest.py hides it (for transformers' CPU
-    oracle), then hide it again so later tests in the process see what they expect."""
-    hidden = "fla" in sys.modules and sys.modules["fla"] is None
-    if hidden:
-        del sys.modules["fla"]
-    yield
-    if hidden:
-        for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
-            del sys.modules[name]
-        sys.modules["fla"] = None
 
 
 def pick_slots(n: int, num_slots: int) -> torch.Tensor:
@@ -123,7 +107,7 @@ def test_gdn_decode_cuda_graph(monkeypatch):
 @pytest.mark.parametrize(
     ("dtype", "hk", "hv", "dk", "dv"), [(torch.bfloat16, 2, 4, 128, 128), (torch.float32, 2, 2, 64, 64)]
 )
-def test_gdn_prefill(monkeypatch, fla_visible, dtype, hk, hv, dk, dv):
+def test_gdn_prefill(monkeypatch, dtype, hk, hv, dk, dv):
     from deltaserve.kernels.gdn_cuda import gdn_prefill_cuda
 
     lengths = [1, 63, 64, 65, 130, 7, 200]
@@ -145,7 +129,7 @@ def test_gdn_prefill(monkeypatch, fla_visible, dtype, hk, hv, dk, dv):
     assert_untouched(pool, before, slots)
 
 
-def test_gdn_prefill_refilled_cu_seqlens(monkeypatch, fla_visible):
+def test_gdn_prefill_refilled_cu_seqlens(monkeypatch):
     """A cu_seqlens buffer refilled in place must not reuse FLA's chunk indices of the
     previous batch (FLA caches them by tensor identity)."""
     from deltaserve.kernels.gdn_cuda import gdn_prefill_cuda

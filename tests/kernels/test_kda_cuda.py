@@ -7,8 +7,6 @@ stray write shows.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -32,19 +30,6 @@ def reference(monkeypatch: pytest.MonkeyPatch, op, *args):
     with monkeypatch.context() as m:
         m.setenv("DELTASERVE_REFERENCE_KERNELS", "1")
         return op(*args)
-
-
-@pytest.fixture(autouse=True)
-def fla_visible():
-    """Let FLA import although tests/conftest.py hides it, then hide it again."""
-    hidden = "fla" in sys.modules and sys.modules["fla"] is None
-    if hidden:
-        del sys.modules["fla"]
-    yield
-    if hidden:
-        for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
-            del sys.modules[name]
-        sys.modules["fla"] = None
 
 
 def pick_slots(n: int, num_slots: int) -> torch.Tensor:
