@@ -37,8 +37,9 @@ class EngineConfig:
     num_kv_pages: int | None = None  # overrides the memory-based sizing
     num_snapshot_slots: int | None = None  # radix: default two per running request
     disable_cuda_graph: bool = False
-    # launch step N+1 before reading step N's tokens back (engine.py, "Overlap scheduling")
-    enable_overlap_schedule: bool = False
+    # launch step N+1 before reading step N's tokens back (engine.py, "Overlap scheduling");
+    # None: on for CUDA devices (where the GPU runs asynchronously), off on CPU
+    enable_overlap_schedule: bool | None = None
     cuda_graph_max_bs: int = 256
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m, ...}: see
     # engine/spec_decode/config.py
@@ -48,6 +49,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.enable_overlap_schedule is None:
+            self.enable_overlap_schedule = torch.device(self.device).type == "cuda"
         if self.dtype is None or self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in DTYPES:

@@ -192,11 +192,22 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--disable-cuda-graph", action="store_true", help="run decode eagerly (no CUDA-graph capture)"
     )
-    engine.add_argument(
+    overlap = engine.add_mutually_exclusive_group()
+    overlap.add_argument(
+        "--disable-overlap-schedule",
+        dest="enable_overlap_schedule",
+        action="store_const",
+        const=False,
+        default=None,
+        help="read each step's tokens back before scheduling the next (overlap scheduling is on by "
+        "default on CUDA: step N+1 is launched before step N's tokens are read back)",
+    )
+    overlap.add_argument(
         "--enable-overlap-schedule",
-        action="store_true",
-        help="schedule and launch each step before reading the previous step's tokens back, so that "
-        "host work overlaps the GPU (outputs unchanged; streamed tokens arrive one step later)",
+        dest="enable_overlap_schedule",
+        action="store_const",
+        const=True,
+        help="overlap scheduling on a CPU device too (it gains nothing there; for tests)",
     )
     engine.add_argument(
         "--state-dtype",

@@ -98,9 +98,10 @@ def test_overlap_schedule_identical_with_graphs(make_checkpoint):
     )
     ps = prompts(160, seed=4)
     kw = dict(device="cuda", dtype="bfloat16", chunked_prefill_size=64, max_running_requests=8)
-    sync = LLM(path, **kw)
+    sync = LLM(path, enable_overlap_schedule=False, **kw)
     ref = greedy(sync, ps, 24)
-    over = LLM(path, enable_overlap_schedule=True, **kw)
+    over = LLM(path, **kw)  # on by default on CUDA
+    assert over.engine.config.enable_overlap_schedule
     assert over.engine.runner.graph_runner is not None
     params = [
         SamplingParams(

@@ -99,3 +99,24 @@ def test_docs_list_every_flag_with_its_default() -> None:
             assert str(action.default) in rows[flag], (
                 f"docs/cli.md does not give {flag}'s default {action.default}"
             )
+
+
+def test_overlap_schedule_follows_the_device_unless_a_flag_says() -> None:
+    from deltaserve.engine.config import EngineConfig
+
+    parser = build_parser()
+    flags = {
+        (): None,
+        ("--disable-overlap-schedule",): False,
+        ("--enable-overlap-schedule",): True,
+    }
+    for extra, want in flags.items():
+        assert parser.parse_args(["serve", *extra]).enable_overlap_schedule is want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--disable-overlap-schedule", "--enable-overlap-schedule"])
+    # unset: on where the GPU runs asynchronously, off on CPU
+    assert EngineConfig(model="m", device="cuda").enable_overlap_schedule is True
+    assert EngineConfig(model="m", device="cpu").enable_overlap_schedule is False
+    assert (
+        EngineConfig(model="m", device="cuda", enable_overlap_schedule=False).enable_overlap_schedule is False
+    )
