@@ -1,9 +1,12 @@
-"""The models' linear layers: cuBLAS, or (opt-in) our Triton GEMV at decode-sized batches.
+"""The models' linear layers: cuBLAS, or our Triton GEMV where it was measured to win.
 
-`DELTASERVE_GEMV=triton` routes bias-free projections of at most `MAX_ROWS` tokens whose
-weight is under 256 MB to `triton_gemv` on CUDA (the vocabulary projection and larger
-batches stay on cuBLAS). It is off by default until `bench/gemv.py` has shown on the GPU
-where it pays.
+On CUDA (`DELTASERVE_GEMV` unset or `auto`), projections of one or two tokens whose bf16/fp32
+weight is at most 8 MB go to `triton_gemv`: on the H200 cuBLAS reads such small matrices at
+0.3-1.2 TB/s (a 1024x2048 bf16 projection: 12.2 us against Triton's 2.7 us), while from about
+10 MB up cuBLAS is as fast or faster, and the Triton kernel, which reads the weight once per
+row, loses from three rows on (bench/gemv.py, docs/kernels.md). `DELTASERVE_GEMV=cublas` keeps
+every projection on cuBLAS; `DELTASERVE_GEMV=triton` widens the rule to `MAX_ROWS` rows and
+`MAX_WEIGHT_BYTES` (for measuring).
 """
 
 from __future__ import annotations
@@ -15,20 +18,25 @@ import torch.nn.functional as F
 
 from deltaserve.kernels.dispatch import use_fast_path
 
+AUTO_ROWS = 2
+AUTO_WEIGHT_BYTES = 8 << 20
 MAX_ROWS = 8
 MAX_WEIGHT_BYTES = 256 << 20
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if bias is not None or x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        return False
+    mode = os.environ.get("DELTASERVE_GEMV", "auto")
+    if mode == "cublas":
+        return False
+    rows, nbytes = (MAX_ROWS, MAX_WEIGHT_BYTES) if mode == "triton" else (AUTO_ROWS, AUTO_WEIGHT_BYTES)
     return (
-        bias is None
-        and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
+        x.shape[0] <= rows
+        and weight.numel() * weight.element_size() <= nbytes
         and x.stride(-1) == 1
         and weight.is_contiguous()
-        and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
         and use_fast_path(x)
-        and os.environ.get("DELTASERVE_GEMV", "cublas") == "triton"
     )
 
 

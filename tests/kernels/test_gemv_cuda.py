@@ -25,13 +25,24 @@ def test_gemv_matches_matmul(dtype, m, n, k):
     torch.testing.assert_close(gemv(x, w).double(), ref, atol=tol, rtol=tol)
 
 
-def test_switch_routes_small_batches_only(monkeypatch):
+def test_switch_routes_measured_shapes_only(monkeypatch):
+    """auto: one or two rows and weights up to 8 MB (where the H200 measurement favours the
+    Triton kernel); cublas: none; triton: up to 8 rows and 256 MB."""
     from deltaserve.kernels import linear as L
 
-    x1 = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
-    x2 = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
-    assert not L.use_gemv(x1, w, None)  # off by default
+    def rows(m: int) -> torch.Tensor:
+        return torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+
+    small = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)  # 4 MB
+    big = torch.randn(8224, 1024, device="cuda", dtype=torch.bfloat16)  # 16.8 MB
+    monkeypatch.delenv("DELTASERVE_GEMV", raising=False)
+    assert L.use_gemv(rows(1), small, None) and L.use_gemv(rows(2), small, None)
+    assert not L.use_gemv(rows(3), small, None) and not L.use_gemv(rows(1), big, None)
+    assert not L.use_gemv(rows(1), small, torch.zeros(2048, device="cuda", dtype=torch.bfloat16))
+    assert not L.use_gemv(rows(1).cpu(), small.cpu(), None)
+    monkeypatch.setenv("DELTASERVE_GEMV", "cublas")
+    assert not L.use_gemv(rows(1), small, None)
     monkeypatch.setenv("DELTASERVE_GEMV", "triton")
-    assert L.use_gemv(x1, w, None) and not L.use_gemv(x2, w, None)
-    torch.testing.assert_close(L.linear(x1, w), x1 @ w.T, atol=2e-2, rtol=2e-2)
+    assert L.use_gemv(rows(8), big, None) and not L.use_gemv(rows(9), big, None)
+    x = rows(4)
+    torch.testing.assert_close(L.linear(x, big), x @ big.T, atol=2e-2, rtol=2e-2)
