@@ -26,6 +26,7 @@ import torch
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.forward_batch import build_forward_batch
+from deltaserve.engine.h2d import to_device
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.prefix_caching import make_prefix_cache, prefill_cost
@@ -269,7 +270,8 @@ class Engine:
                 src.append(index[id(c.req)])
         if rows:
             dev = batch.input_ids.device
-            batch.input_ids[torch.tensor(rows, device=dev)] = prev.tokens[torch.tensor(src, device=dev)]
+            rows_t, src_t = to_device(rows, torch.long, dev), to_device(src, torch.long, dev)
+            batch.input_ids[rows_t] = prev.tokens[src_t]
 
     def _launch_readback(self, sampled: list[Request], logits: torch.Tensor) -> _InFlight:
         tokens = self.sampler.sample_tokens(logits, sampled)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.engine.h2d import to_device
+
 
 @dataclass
 class ForwardBatch:
@@ -70,7 +72,7 @@ def build_forward_batch(
     table = [p + [0] * (max_pages - len(p)) for p in pages]
 
     def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+        return to_device(x, dtype, device)
 
     return ForwardBatch(
         input_ids=t(input_ids, torch.long),

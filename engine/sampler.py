@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.engine.h2d import to_device
 from deltaserve.engine.outputs import Logprob
 from deltaserve.engine.request import Request
 
@@ -11,11 +12,11 @@ from deltaserve.engine.request import Request
 def apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
     p = req.params
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
+        seen = to_device(sorted(set(req.all_token_ids)), torch.long, row.device)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-        out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
+        out = to_device(req.output_token_ids, torch.long, row.device)
         counts = torch.zeros_like(row).index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return row
@@ -91,7 +92,7 @@ class Sampler:
                         [] if r.params.ignore_eos else self.eos_token_ids
                     )
                     if banned:
-                        logits[i, torch.tensor(banned, dtype=torch.long, device=dev)] = float("-inf")
+                        logits[i, to_device(banned, torch.long, dev)] = float("-inf")
         return logits
 
     def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -99,7 +100,7 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1)
         if all(r.params.greedy for r in reqs):
             return greedy_tokens
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
+        greedy = to_device([r.params.greedy for r in reqs], torch.bool, logits.device)
         probs, order = self._sorted_probs(logits, reqs)
         # exponential race: argmax(p / E) with E ~ Exp(1) samples from p
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -120,10 +121,10 @@ class Sampler:
         the order (token ids)."""
         dev = logits.device
         vocab = logits.shape[-1]
-        temp = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs], device=dev)
-        top_k = torch.tensor([r.params.top_k or vocab for r in reqs], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
-        min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
+        temp = to_device([1.0 if r.params.greedy else r.params.temperature for r in reqs], torch.float32, dev)
+        top_k = to_device([r.params.top_k or vocab for r in reqs], torch.long, dev)
+        top_p = to_device([r.params.top_p for r in reqs], torch.float32, dev)
+        min_p = to_device([r.params.min_p for r in reqs], torch.float32, dev)
         scaled = logits / temp.unsqueeze(1)
         # one sort serves top-k and top-p
         vals, order = torch.sort(scaled, dim=-1, descending=True)

@@ -29,7 +29,8 @@ def window_pad_index(lens: list[int], device: torch.device) -> torch.Tensor:
     """Flat index into `[N * max(lens)]` of each packed token."""
     width = max(lens)
     idx = [i * width + j for i, n in enumerate(lens) for j in range(n)]
-    return torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
+    # pinned on CUDA, so that the copy does not wait for the work queued before it
+    return torch.tensor(idx, dtype=torch.long, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 def _pad(x: torch.Tensor, pad_index: torch.Tensor, n: int, width: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 
 from deltaserve.engine.forward_batch import build_forward_batch
 from deltaserve.engine.forward_context import ForwardContext
+from deltaserve.engine.h2d import to_device
 from deltaserve.engine.request import Request
 
 if TYPE_CHECKING:
@@ -78,9 +79,7 @@ class MtpDrafter:
             page_size=self.page_size,
             device=dev,
         )
-        index = torch.tensor([r.start_row + j for r in rows for j in range(r.count)], dtype=torch.long).to(
-            dev, non_blocking=True
-        )
+        index = to_device([r.start_row + j for r in rows for j in range(r.count)], torch.long, dev)
         out = self._run(batch, hidden[index])
         sampled = [r.req for r in rows if r.sampled]  # the rows of logits_indices
         keep = [i for i, req in enumerate(sampled) if room.get(id(req), 0) > 0]

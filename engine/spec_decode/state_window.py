@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.engine.h2d import to_device
 from deltaserve.engine.state_pool import StatePool
 
 
@@ -36,8 +37,6 @@ class StateWindow:
         if not slots:
             return
         dev = next(iter(self.buffers.values())).device
-        s, r, p = (
-            torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True) for x in (slots, rows, positions)
-        )
+        s, r, p = (to_device(x, torch.long, dev) for x in (slots, rows, positions))
         for name, win in self.buffers.items():
             self.pool.buffers[name][:, s] = win[:, r, p]
