@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The GPU runs behind docs/performance.md, in three parts of under 10 minutes each (one device
+# The GPU runs behind docs/performance.md, in parts of under 10 minutes each (one device
 # call per part; a fresh machine compiles Triton/FLA kernels first, which the limits allow for).
 # Logs and JSON go under $OUT (at most 8 files a part: what a device call brings back).
 #
 # On the GPU machine, from the repository root, after the wheels are installed:
 #   bash bench/gpu_session.sh tests   # every GPU test
-#   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers, TTFT
-#   bash bench/gpu_session.sh more    # Kimi-Linear decode, speculative decoding, profiles
+#   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
+#   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
+#   bash bench/gpu_session.sh kda     # KDA kernel tests, batch-256 profile
+#   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
+#   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
+#   bash bench/gpu_session.sh spec    # speculative decoding with eager verification
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -29,24 +33,48 @@ case "${1:-tests}" in
       --new-tokens 128 --prefill-len 8192 --hf --hf-new-tokens 16 --json "$out/qwen3.5-0.8b.json"
     run 140 bench-9b python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
       --new-tokens 128 --prefill-len 8192 --hf --hf-new-tokens 16 --json "$out/qwen3.5-9b.json"
-    run 100 overlap-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 64 256 \
-      --new-tokens 128 --prefill-len 0 --enable-overlap-schedule --json "$out/qwen3.5-0.8b-overlap.json"
+    run 100 sync-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 64 256 \
+      --new-tokens 128 --prefill-len 0 --disable-overlap-schedule --json "$out/qwen3.5-0.8b-sync.json"
+    ;;
+  defaults)  # before (cuBLAS everywhere, synchronous steps) and after (the CUDA defaults), one run
+    run 40 gemv-tests python3 -m pytest -q -m gpu tests/kernels/test_gemv_cuda.py
+    DELTASERVE_GEMV=cublas run 80 before-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b \
+      --batch-sizes 1 8 64 256 --new-tokens 128 --prefill-len 0 --disable-overlap-schedule
+    run 90 after-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
+      --new-tokens 128 --prefill-len 8192 --json "$out/qwen3.5-0.8b.json"
+    DELTASERVE_GEMV=cublas run 80 before-9b python3 -m bench.decode --model configs/qwen3.5-9b \
+      --batch-sizes 1 256 --new-tokens 128 --prefill-len 0 --disable-overlap-schedule
+    run 100 after-9b python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
+      --new-tokens 128 --prefill-len 8192 --json "$out/qwen3.5-9b.json"
+    run 100 spec-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+      --drafter oracle --oracle-right 3 --verify-graphs --dtype float32
+    ;;
+  ttft)
     run 100 ttft-9b python3 -m bench.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --device cuda \
       --sessions 16 --turns 4 --system-len 2048 --json "$out/ttft-9b.json"
     ;;
   more)
-    run 200 bench-kimi python3 -m bench.decode --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 64 \
+    run 40 gemv-0.8b python3 -m bench.gemv --model configs/qwen3.5-0.8b --rows 1 2 4 8
+    run 40 gemv-9b python3 -m bench.gemv --model configs/qwen3.5-9b --rows 1 2 4 8
+    DELTASERVE_GEMV=triton run 60 gemv-all-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b \
+      --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
+    DELTASERVE_GEMV=triton run 60 gemv-all-9b python3 -m bench.decode --model configs/qwen3.5-9b \
+      --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
+    run 180 bench-kimi python3 -m bench.decode --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 64 \
       --new-tokens 64 --prefill-len 4096 --json "$out/kimi.json"
-    run 60 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
-      --drafter oracle --oracle-right 3
     run 60 spec-verify-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs
-    run 50 gemv-0.8b python3 -m bench.gemv --model configs/qwen3.5-0.8b --rows 1 4 8
-    run 50 gemv-9b python3 -m bench.gemv --model configs/qwen3.5-9b --rows 1 4 8
+    ;;
+  kda)
+    run 100 kda-tests python3 -m pytest -q -m gpu tests/kernels/test_kda_cuda.py
     run 60 profile-0.8b-bs256 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256
     ;;
+  spec)
+    run 60 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+      --drafter oracle --oracle-right 3
+    ;;
   *)
-    echo "usage: $0 tests|qwen|more" >&2
+    echo "usage: $0 tests|qwen|more|kda|defaults|ttft|spec" >&2
     exit 2
     ;;
 esac
