@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
 #   bash bench/gpu_session.sh kda     # KDA kernel tests, batch-256 profile
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
+#   bash bench/gpu_session.sh diagnose # verification graphs at real head sizes, overlap gaps by max_model_len
 #   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
 #   bash bench/gpu_session.sh spec    # speculative decoding with eager verification
 set -u
@@ -49,6 +50,15 @@ case "${1:-tests}" in
     run 100 spec-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs --dtype float32
     ;;
+  diagnose)  # the open questions of docs/performance.md, one device call
+    run 150 spec-real-heads python3 -m pytest -q -s -m gpu tests/engine/test_spec_decode_gpu.py -k real_head_sizes
+    run 100 profile-656 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
+      --max-model-len 656 --rows 10
+    run 100 profile-8208 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
+      --max-model-len 8208 --rows 10
+    run 120 spec-fp32 python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+      --drafter oracle --oracle-right 3 --verify-graphs --dtype float32 --new-tokens 64
+    ;;
   ttft)
     run 100 ttft-9b python3 -m bench.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --device cuda \
       --sessions 16 --turns 4 --system-len 2048 --json "$out/ttft-9b.json"
@@ -74,7 +84,7 @@ case "${1:-tests}" in
       --drafter oracle --oracle-right 3
     ;;
   *)
-    echo "usage: $0 tests|qwen|more|kda|defaults|ttft|spec" >&2
+    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|ttft|spec" >&2
     exit 2
     ;;
 esac
