@@ -90,6 +90,42 @@ def kimi_builder():
     return build_kimi
 
 
+# a smaller Kimi-Linear than tests/models/test_kimi_linear_parity.py (KDA, MLA, MoE layers)
+SMALL_KIMI = dict(
+    vocab_size=160,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    linear_num_heads=2,
+    linear_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    initializer_range=0.02,
+    bos_token_id=1,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+@pytest.fixture(scope="session")
+def small_kimi_checkpoint(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("small_kimi"))
+    build_kimi(path, SMALL_KIMI)
+    return path
+
+
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory):
     cache: dict[tuple, str] = {}

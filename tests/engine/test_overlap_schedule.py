@@ -57,9 +57,9 @@ def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
-def test_greedy_with_stops_identical_to_sync(kind, make_checkpoint):
-    path = make_checkpoint(kind)
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "kimi"])
+def test_greedy_with_stops_identical_to_sync(kind, make_checkpoint, small_kimi_checkpoint):
+    path = small_kimi_checkpoint if kind == "kimi" else make_checkpoint(kind)
     ps = prompts()
     plain = [greedy(4 + 5 * i) for i in range(len(ps))]
     ref = run(engine(path, False), ps, plain)

@@ -12,45 +12,11 @@ from deltaserve import LLM, SamplingParams
 K = 3
 NEW = 20
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3}
-# the Kimi-Linear tiny model of tests/models/test_kimi_linear_parity.py, smaller
-KIMI = dict(
-    vocab_size=160,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    n_shared_experts=1,
-    linear_num_heads=2,
-    linear_head_dim=16,
-    linear_conv_kernel_dim=4,
-    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-    initializer_range=0.02,
-    bos_token_id=1,
-    eos_token_id=None,
-    pad_token_id=None,
-)
-
-
-@pytest.fixture(scope="module")
-def kimi_path(tmp_path_factory, kimi_builder) -> str:
-    path = str(tmp_path_factory.mktemp("kimi_spec"))
-    kimi_builder(path, KIMI)
-    return path
 
 
 @pytest.fixture(scope="module", params=["gdn", "kda"])
-def model_path(request, make_checkpoint, kimi_path) -> str:
-    return make_checkpoint("qwen3_5") if request.param == "gdn" else kimi_path
+def model_path(request, make_checkpoint, small_kimi_checkpoint) -> str:
+    return make_checkpoint("qwen3_5") if request.param == "gdn" else small_kimi_checkpoint
 
 
 def prompts_of(lengths: list[int], seed: int, repeat: int = 1) -> list[list[int]]:
