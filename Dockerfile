@@ -1,6 +1,6 @@
 # deltaserve on CUDA. Build:  docker build -t deltaserve .
 # Run:    docker run --gpus all -p 8000:8000 -v /models:/models deltaserve \
-#           serve --model /models/Qwen3.5-9B --host 0.0.0.0 --cache-type naive
+#           serve --model /models/Qwen3.5-9B --host 0.0.0.0
 # With no arguments it serves the built-in tiny model on 0.0.0.0:8000.
 FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
