@@ -80,6 +80,7 @@ def bench_decode(engine: Engine, bs: int, prompt_len: int, new_tokens: int, voca
     # prefill everything first, so that the timed steps are pure decode
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
+    engine.drain()  # with overlap scheduling the last prefill step may still be in flight
     _sync()
     before = engine.counters["generation_tokens_total"]
     walls, cpu = timed_steps(engine)

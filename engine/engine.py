@@ -221,12 +221,12 @@ class Engine:
     def _step_overlapped(self) -> list[RequestOutput]:
         prev = self._inflight
         if not self._can_overlap(prev is not None):
-            outputs = self._drain()
+            outputs = self.drain()
             return outputs + self._step_sync()
         outputs, self._finished_outputs = self._finished_outputs, []
         plan = self.scheduler.schedule()
         if plan is None:
-            return outputs + self._drain()
+            return outputs + self.drain()
         for req in plan.admitted:
             if req.num_preemptions == 0:
                 self.counters["cached_tokens_total"] += req.num_cached_tokens
@@ -305,8 +305,9 @@ class Engine:
             self._emit(outputs, req)
         return outputs
 
-    def _drain(self) -> list[RequestOutput]:
-        """Finish the step in flight, if any: read its tokens and run their stop checks."""
+    def drain(self) -> list[RequestOutput]:
+        """Finish the step in flight (overlap scheduling), if any: read its tokens back and run
+        their stop checks; its outputs are returned. The next `step` starts with nothing in flight."""
         prev, self._inflight = self._inflight, None
         if prev is None:
             return []

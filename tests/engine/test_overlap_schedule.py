@@ -166,3 +166,28 @@ def test_with_speculative_decoding_steps_synchronously(make_checkpoint):
     over = engine(path, True, speculative_config=spec)
     assert run(over, ps, params) == run(engine(path, False), ps, params)
     assert over._inflight is None and over.counters["spec_windows_total"] > 0
+
+
+def test_drain_finishes_the_step_in_flight(make_checkpoint):
+    """`drain` reads the step in flight back (its tokens counted, its outputs returned); stepping
+    on afterwards gives the synchronous engine's tokens."""
+    path = make_checkpoint("qwen3_5")
+    ps = prompts()[:3]
+    ref = run(engine(path, False), ps, [greedy(6)] * 3)
+    eng = engine(path, True)
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, greedy(6))
+    for _ in range(3):
+        eng.step()
+    counted = eng.counters["generation_tokens_total"]
+    outs = eng.drain()  # the third step's tokens
+    assert eng.counters["generation_tokens_total"] > counted
+    assert {o.request_id for o in outs} and all(not o.finished for o in outs)
+    assert eng.drain() == []  # nothing in flight any more
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert done == {rid: toks for rid, (toks, _, _) in ref.items()}
+    assert idle(eng)
