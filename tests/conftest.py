@@ -34,6 +34,20 @@ TEXT = dict(
     intermediate_size=48,
     max_position_embeddings=1024,
 )
+# Qwen3.5-0.8B's head layout (GDN 16 x 128 key and value heads, attention 8 / 2 heads of 256,
+# partial mrope) on a few narrow layers: GPU tests at the benchmark's kernel shapes
+QWEN35_08B_HEADS = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32)
 
@@ -141,6 +155,12 @@ def make_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def real_heads_checkpoint(make_checkpoint) -> str:
+    """A Qwen3.5 (vision-language layout) checkpoint with Qwen3.5-0.8B's head sizes."""
+    return make_checkpoint("qwen3_5_vl", **QWEN35_08B_HEADS)
 
 
 _HF_IN_SUBPROCESS = """

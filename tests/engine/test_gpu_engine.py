@@ -46,6 +46,20 @@ def test_graph_and_eager_decode_identical(kind, make_checkpoint):
     assert idle(eager) and idle(graph)
 
 
+def test_graph_and_eager_decode_identical_at_real_head_sizes(real_heads_checkpoint):
+    """Decode graphs on Qwen3.5-0.8B's head sizes (the kernels' shapes in the benchmarks), fp32
+    so that graph and eager differ in nothing but replay: identical tokens."""
+    path = real_heads_checkpoint
+    ps = prompts(1024, seed=5)
+    kw = dict(device="cuda", dtype="float32", chunked_prefill_size=128, max_running_requests=8)
+    eager = LLM(path, disable_cuda_graph=True, **kw)
+    graph = LLM(path, **kw)
+    assert graph.engine.runner.graph_runner is not None
+    assert greedy(eager, ps, 24) == greedy(graph, ps, 24)
+    assert graph.engine.runner.graph_runner.decode.replays > 0
+    assert idle(eager) and idle(graph)
+
+
 def test_bf16_agrees_with_transformers(make_checkpoint, hf_reference):
     """bf16 drifts from fp32 on near-ties; the rate of identical first-32-token runs is reported."""
     path = make_checkpoint(

@@ -85,29 +85,13 @@ def test_verification_graphs_replay_as_eager(kind, make_checkpoint):
     assert idle(graphs)
 
 
-# Qwen3.5-0.8B's head layout (GDN 16 x 128 key and value heads, attention 8 / 2 heads of 256,
-# partial mrope), few layers: the H200 benchmark at these sizes accepted almost no drafts
-# with verification graphs while the tiny shapes above pass (docs/performance.md)
-REAL_HEADS = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=16,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-)
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_verification_graphs_follow_plain_decoding_at_real_head_sizes(dtype, make_checkpoint):
+def test_verification_graphs_follow_plain_decoding_at_real_head_sizes(dtype, real_heads_checkpoint):
     """Verification graphs (and the same uniform windows run eagerly) against plain decoding by
-    decode graphs, on the 0.8B's head sizes: the two agree, and agree with plain decoding up
+    decode graphs, on the 0.8B's head sizes (the H200 benchmark at these sizes accepted almost
+    no drafts with verification graphs while the tiny shapes pass; docs/performance.md): the two agree, and agree with plain decoding up
     to near-ties."""
-    path = make_checkpoint("qwen3_5_vl", **REAL_HEADS)
+    path = real_heads_checkpoint
     ps = prompts(3)
     kw = dict(device="cuda", dtype=dtype, chunked_prefill_size=256, max_running_requests=8)
     plain = [o.outputs[0].token_ids for o in generate(LLM(path, **kw), ps)]
