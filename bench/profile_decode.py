@@ -73,7 +73,8 @@ def main() -> None:
     )
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    room = engine.max_model_len - args.prompt_len  # the profile needs ~100 steps
+    params = SamplingParams(temperature=0.0, max_tokens=min(400, room), ignore_eos=True)
     for i in range(bs):
         engine.add_request(
             str(i), torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), params
