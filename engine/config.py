@@ -72,6 +72,9 @@ class EngineConfig:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         _ = self.spec  # validates speculative_config
+        from deltaserve.kernels.linear import gemv_mode
+
+        gemv_mode()  # DELTASERVE_GEMV: a typo is an error now, not a silent default
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -84,28 +84,32 @@ def _load_engine(args: argparse.Namespace) -> Any:
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.engine import Engine
 
-    config = EngineConfig(
-        model=model,
-        served_model_name=(args.served_model_name or [_default_name(args)])[0],
-        dtype=None if args.dtype == "auto" else args.dtype,
-        device=None if args.device == "auto" else args.device,
-        max_running_requests=args.max_running_requests,
-        max_model_len=args.max_model_len,
-        chunked_prefill_size=args.chunked_prefill_size,
-        cache_type=args.cache_type,
-        prefix_cache_policy=args.prefix_cache_policy,
-        mem_fraction_static=args.mem_fraction_static,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        disable_cuda_graph=args.disable_cuda_graph,
-        enable_overlap_schedule=args.enable_overlap_schedule,
-        state_dtype=args.state_dtype,
-        seed=args.seed,
-        page_size=args.page_size,
-        max_waiting_requests=args.max_waiting_requests,
-        load_format=args.load_format,
-        tokenizer=args.tokenizer,
-        speculative_config=args.speculative_config,
-    )
+    try:
+        config = EngineConfig(
+            model=model,
+            served_model_name=(args.served_model_name or [_default_name(args)])[0],
+            dtype=None if args.dtype == "auto" else args.dtype,
+            device=None if args.device == "auto" else args.device,
+            max_running_requests=args.max_running_requests,
+            max_model_len=args.max_model_len,
+            chunked_prefill_size=args.chunked_prefill_size,
+            cache_type=args.cache_type,
+            prefix_cache_policy=args.prefix_cache_policy,
+            mem_fraction_static=args.mem_fraction_static,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            disable_cuda_graph=args.disable_cuda_graph,
+            enable_overlap_schedule=args.enable_overlap_schedule,
+            state_dtype=args.state_dtype,
+            seed=args.seed,
+            page_size=args.page_size,
+            max_waiting_requests=args.max_waiting_requests,
+            load_format=args.load_format,
+            tokenizer=args.tokenizer,
+            speculative_config=args.speculative_config,
+        )
+    except ValueError as exc:  # settings that only the engine's config checks (environment)
+        print(f"deltaserve serve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         engine = Engine(config)
     except (ValueError, OSError, RuntimeError, KeyError) as exc:

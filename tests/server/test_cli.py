@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -120,3 +121,24 @@ def test_overlap_schedule_follows_the_device_unless_a_flag_says() -> None:
     assert (
         EngineConfig(model="m", device="cuda", enable_overlap_schedule=False).enable_overlap_schedule is False
     )
+
+
+def test_unknown_gemv_mode_is_a_start_up_error(monkeypatch) -> None:
+    from deltaserve.engine.config import EngineConfig
+
+    monkeypatch.setenv("DELTASERVE_GEMV", "cuBLAS")
+    with pytest.raises(ValueError, match="DELTASERVE_GEMV"):
+        EngineConfig(model="m", device="cpu")
+    for mode in ("auto", "cublas", "triton", ""):
+        monkeypatch.setenv("DELTASERVE_GEMV", mode)
+        EngineConfig(model="m", device="cpu")
+
+
+def test_unknown_gemv_mode_stops_serve_with_one_line() -> None:
+    env = {**os.environ, "DELTASERVE_GEMV": "fast"}
+    result = subprocess.run(
+        [sys.executable, "-m", "deltaserve", "serve"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and "DELTASERVE_GEMV" in lines[-1], result.stderr
