@@ -281,7 +281,7 @@ class Engine:
         host = self._host_buffers[0][: len(sampled)]
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(self.device))  # the copy's stream, on any cuda:N
         return _InFlight(sampled, tokens, host, done)
 
     def _read_back(self, prev: _InFlight) -> list[tuple[Request, int]]:
