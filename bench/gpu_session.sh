@@ -4,10 +4,10 @@
 # Logs and JSON go under $OUT (at most 8 files a part: what a device call brings back).
 #
 # On the GPU machine, from the repository root, after the wheels are installed:
-#   bash bench/gpu_session.sh tests   # every GPU test
+#   bash bench/gpu_session.sh tests   # the GPU tests but those of the kda part
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
-#   bash bench/gpu_session.sh kda     # KDA kernel tests, batch-256 profile
+#   bash bench/gpu_session.sh kda     # attention / GDN / conv / KDA kernel tests, batch-256 profile
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs at real head sizes, overlap gaps by max_model_len
 #   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
@@ -26,8 +26,7 @@ case "${1:-tests}" in
   tests)
     run 90 kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_norm_kernels.py tests/kernels/test_gemv_cuda.py tests/kernels/test_router_cuda.py \
       tests/kernels/test_moe_cuda.py tests/kernels/test_window_kernels.py tests/kernels/test_mla_cuda.py
-    run 240 engine-tests python3 -m pytest -q -rA -s -m gpu tests/engine
-    run 200 cuda-kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py tests/kernels/test_kda_cuda.py
+    run 420 engine-tests python3 -m pytest -q -rA -s -m gpu tests/engine
     ;;
   qwen)
     run 170 bench-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
@@ -75,8 +74,8 @@ case "${1:-tests}" in
     run 60 spec-verify-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs
     ;;
-  kda)
-    run 100 kda-tests python3 -m pytest -q -m gpu tests/kernels/test_kda_cuda.py
+  kda)  # the attention / GDN / conv / KDA kernel tests (compile-heavy), batch-256 profile
+    run 400 cuda-kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py tests/kernels/test_kda_cuda.py
     run 60 profile-0.8b-bs256 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256
     ;;
   spec)

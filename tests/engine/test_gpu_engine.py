@@ -105,18 +105,28 @@ def test_mixed_workload_leaves_pools_idle(make_checkpoint):
 
 
 def test_overlap_schedule_identical_with_graphs(make_checkpoint):
-    """Overlap scheduling on CUDA (pinned read-back, events, graph replay fed from the device)
-    gives the synchronous engine's tokens, stops included, and leaves the pools idle."""
+    """Overlap scheduling on CUDA (pinned copies both ways, events, graph replay fed from the
+    device) gives the synchronous engine's tokens, greedy with stops and seeded sampling, and
+    leaves the pools idle. fp32, so that the two engines' different batch shapes (a stopped
+    request stays one step longer with overlap) cannot flip a near-tie."""
     path = make_checkpoint(
         "qwen3_5", hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32
     )
     ps = prompts(160, seed=4)
-    kw = dict(device="cuda", dtype="bfloat16", chunked_prefill_size=64, max_running_requests=8)
+    kw = dict(device="cuda", dtype="float32", chunked_prefill_size=64, max_running_requests=8)
     sync = LLM(path, enable_overlap_schedule=False, **kw)
     ref = greedy(sync, ps, 24)
     over = LLM(path, **kw)  # on by default on CUDA
     assert over.engine.config.enable_overlap_schedule
     assert over.engine.runner.graph_runner is not None
+    overlapped = []
+    fill = over.engine._fill_placeholders
+
+    def counting_fill(*args):
+        overlapped.append(1)  # a step launched while the previous one was in flight
+        return fill(*args)
+
+    over.engine._fill_placeholders = counting_fill  # type: ignore[method-assign]
     params = [
         SamplingParams(
             temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[r[5]] if i % 2 else []
@@ -125,5 +135,14 @@ def test_overlap_schedule_identical_with_graphs(make_checkpoint):
     ]
     outs = over.generate([{"prompt_token_ids": p} for p in ps], params)
     expected = sync.generate([{"prompt_token_ids": p} for p in ps], params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert len(overlapped) > 10
+    # sampled rows: per-request temperature / top-k / top-p reach the GPU through pinned copies
+    sampled = [
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i, max_tokens=16, ignore_eos=True)
+        for i in range(len(ps))
+    ]
+    outs = over.generate([{"prompt_token_ids": p} for p in ps], sampled)
+    expected = sync.generate([{"prompt_token_ids": p} for p in ps], sampled)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
     assert idle(over)
