@@ -10,6 +10,7 @@
 #   bash bench/gpu_session.sh kda     # attention / GDN / conv / KDA kernel tests, batch-256 profile
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs at real head sizes, overlap gaps by max_model_len
+#   bash bench/gpu_session.sh kimi-prefill # MLA prefill: reference against DELTASERVE_MLA_PREFILL=sdpa
 #   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
 #   bash bench/gpu_session.sh spec    # speculative decoding with eager verification
 set -u
@@ -58,6 +59,13 @@ case "${1:-tests}" in
     run 120 spec-fp32 python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs --dtype float32 --new-tokens 64
     ;;
+  kimi-prefill)  # MLA prefill: expanded reference against the opt-in fused attention, one call
+    run 60 mla-tests python3 -m pytest -q -m gpu tests/kernels/test_mla_cuda.py -k fused
+    run 200 kimi-prefill-ref python3 -m bench.decode --model configs/kimi-linear-48b-a3b --batch-sizes \
+      --prefill-len 4096
+    DELTASERVE_MLA_PREFILL=sdpa run 200 kimi-prefill-sdpa python3 -m bench.decode \
+      --model configs/kimi-linear-48b-a3b --batch-sizes --prefill-len 4096
+    ;;
   ttft)
     run 100 ttft-9b python3 -m bench.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --device cuda \
       --sessions 16 --turns 4 --system-len 2048 --json "$out/ttft-9b.json"
@@ -83,7 +91,7 @@ case "${1:-tests}" in
       --drafter oracle --oracle-right 3
     ;;
   *)
-    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|ttft|spec" >&2
+    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|kimi-prefill|ttft|spec" >&2
     exit 2
     ;;
 esac

@@ -15,9 +15,11 @@ Two formulations of the same attention:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from deltaserve.kernels.dispatch import use_fast_path
 
@@ -73,6 +75,43 @@ def mla_attention_ref(
         scores = scores.masked_fill(_causal_mask(total, hi - lo, q.device), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[lo:hi] = (probs @ v.transpose(0, 1).float()).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def mla_prefill_sdpa(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_head_dim: int,
+) -> torch.Tensor:
+    """Expanded form through torch's fused attention: per request, the cached latents become
+    per-head K and V in q's dtype and `scaled_dot_product_attention` attends without the
+    `[H, Tq, S]` fp32 scores the reference materialises (on CUDA its flash / memory-efficient
+    kernels). V is zero-padded to the key width, so that one head size serves both."""
+    heads = q.shape[1]
+    latent_dim = w_kv_b.shape[1]
+    rope = cache.shape[-1] - latent_dim
+    nope = q.shape[-1] - rope
+    width = nope + rope
+    w = w_kv_b.to(q.dtype).t()
+    out = q.new_empty(q.shape[0], heads, v_head_dim)
+    for i, lo, hi, total in _requests(cu_seqlens_q, seq_lens):
+        c, k_pe = _gather(cache, page_table[i], total).to(q.dtype).split([latent_dim, rope], dim=-1)
+        k_nope, v = (c @ w).view(total, heads, nope + v_head_dim).split([nope, v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(total, heads, rope)], dim=-1)
+        if v_head_dim < width:
+            v = F.pad(v, (0, width - v_head_dim))
+        qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (q[lo:hi], k, v))  # [1, H, len, D]
+        if hi - lo == total:  # no cached prefix: plain causal
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+        else:
+            allowed = ~_causal_mask(total, hi - lo, q.device)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale)
+        out[lo:hi] = o[0, :, :, :v_head_dim].transpose(0, 1)
     return out
 
 
@@ -150,10 +189,14 @@ def mla_attention(
 
     CPU runs the expanded reference. On CUDA, batches of one token per request (decode, and
     what CUDA graphs capture) take the Triton kernel over the latent cache (absorbed form);
-    prefill takes the expanded reference.
+    prefill takes the expanded reference, or with `DELTASERVE_MLA_PREFILL=sdpa` the same
+    expansion through torch's fused attention (`mla_prefill_sdpa`; opt-in until measured).
     """
-    if use_fast_path(q) and q.shape[0] == seq_lens.shape[0]:
-        return mla_decode_triton(q, cache, w_kv_b, page_table, seq_lens, scale, v_head_dim)
+    if use_fast_path(q):
+        if q.shape[0] == seq_lens.shape[0]:
+            return mla_decode_triton(q, cache, w_kv_b, page_table, seq_lens, scale, v_head_dim)
+        if os.environ.get("DELTASERVE_MLA_PREFILL", "reference") == "sdpa":
+            return mla_prefill_sdpa(q, cache, w_kv_b, page_table, cu_seqlens_q, seq_lens, scale, v_head_dim)
     return mla_attention_ref(q, cache, w_kv_b, page_table, cu_seqlens_q, seq_lens, scale, v_head_dim)
 
 

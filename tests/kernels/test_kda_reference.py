@@ -15,6 +15,7 @@ from deltaserve.kernels.mla import (
     mla_attention_absorbed_ref,
     mla_attention_ref,
     mla_decode_absorbed,
+    mla_prefill_sdpa,
     store_latent,
 )
 
@@ -163,3 +164,27 @@ def test_mla_batched_decode_matches_expanded():
     ref = mla_attention_ref(q, cache, w, page_table, cu, seq_lens, 0.3, vdim)
     out = mla_decode_absorbed(q, cache, w, page_table, seq_lens, 0.3, vdim)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mla_fused_attention_prefill_matches_expanded():
+    """The opt-in fused-attention MLA prefill against the oracle: fresh prefills (plain causal),
+    continued ones over a cached prefix (explicit mask), a decode row, a request without
+    queries, and v narrower than the keys (zero-padded)."""
+    heads, nope, rope, lora, vdim, page = 4, 8, 6, 16, 10, 4
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(heads * (nope + vdim), lora, generator=g) * 0.3
+    cache = torch.zeros(16, page, lora + rope)
+    seq_lens, q_lens = [9, 3, 14, 6, 5], [9, 1, 5, 0, 5]
+    tables = [[3, 7, 1], [5, 0, 0], [2, 11, 8, 10], [4, 12], [9, 13]]
+    for n, table in zip(seq_lens, tables):
+        pos = torch.arange(n)
+        slots = torch.tensor(table)[pos // page] * page + pos % page
+        store_latent(cache, torch.randn(n, lora + rope, generator=g), slots)
+    page_table = torch.tensor([t + [0] * (4 - len(t)) for t in tables], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), heads, nope + rope, generator=g)
+    args = (q, cache, w, page_table, cu, torch.tensor(seq_lens, dtype=torch.int32), 0.3, vdim)
+    out = mla_prefill_sdpa(*args)
+    torch.testing.assert_close(out, mla_attention_ref(*args), rtol=1e-5, atol=1e-5)
+    moved = (q, cache, w.roll(1, 0), page_table, cu, torch.tensor(seq_lens, dtype=torch.int32), 0.3, vdim)
+    assert not torch.allclose(mla_prefill_sdpa(*moved), out)  # the weights reach the output

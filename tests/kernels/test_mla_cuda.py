@@ -38,3 +38,28 @@ def test_triton_mla_decode_matches_expanded_reference(dtype, lens):
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(out[live].float(), ref, atol=tol, rtol=tol)
     assert torch.isfinite(out).all()  # padding rows too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_attention_prefill_matches_expanded_reference(dtype):
+    """The opt-in MLA prefill through torch's fused attention, Kimi-Linear's shapes: a fresh
+    prompt, one continued over a cached prefix, and a decode row."""
+    from deltaserve.kernels.mla import mla_prefill_sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    heads, nope, rope, latent, v_dim, page = 32, 128, 64, 512, 128, 16
+    seq_lens, q_lens = [700, 1200, 33], [700, 300, 1]
+    max_pages = max(seq_lens) // page + 1
+    pool_pages = len(seq_lens) * max_pages + 1
+    cache = torch.randn(pool_pages, page, latent + rope, device="cuda", generator=g).to(dtype)
+    perm = torch.randperm(pool_pages - 1, device="cuda", generator=g) + 1
+    table = perm[: len(seq_lens) * max_pages].view(len(seq_lens), -1).int()
+    q = torch.randn(sum(q_lens), heads, nope + rope, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(heads * (nope + v_dim), latent, device="cuda", generator=g) / latent**0.5).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    scale = (nope + rope) ** -0.5
+    out = mla_prefill_sdpa(q, cache, w, table, cu, seq, scale, v_dim)
+    ref = mla_attention_ref(q.float(), cache.float(), w.float(), table, cu, seq, scale, v_dim)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
