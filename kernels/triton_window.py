@@ -84,3 +84,66 @@ def _gdn_window_kernel(
         b_o = tl.sum(b_s * b_q[:, None], 0)
         tl.store(w_base + j * stride_wl, b_s.to(window.dtype.element_ty), mask=m_s & live)
         tl.store(out + t * stride_ot + i_h * stride_oh + o_v, b_o.to(out.dtype.element_ty), mask=m_v & live)
+
+
+@triton.jit
+def _conv_window_kernel(
+    x,  # [T, D] packed over the windows
+    pool,  # [S, D, W-1] committed histories
+    weight,  # [D, W]
+    bias,  # [D] (weight when absent)
+    slots,  # [N]
+    token_of,  # [N * WIDTH] packed token of (window, position), -1 past a window's end
+    window,  # [R, L, D, W-1] the history after each position
+    out,  # [T, D]
+    D,
+    stride_xt,
+    stride_ps,
+    stride_pd,
+    stride_wd,
+    stride_wr,
+    stride_wl,
+    stride_wc,
+    stride_ot,
+    W: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """A window's stream is [history (W-1), x_0 .. x_{L-1}]; output j is the weight's dot with
+    stream[j .. j+W-1] and the history after j is stream[j+1 .. j+W-1]. Every element is a
+    direct load (pool or x), so positions need no sequential pass and the slot is only read."""
+    i_n = tl.program_id(0)
+    o_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    slot = tl.load(slots + i_n).to(tl.int64)
+    p_hist = pool + slot * stride_ps + o_d * stride_pd
+    w_base = window + i_n.to(tl.int64) * stride_wr + o_d * stride_wc
+    for j in tl.static_range(WIDTH):
+        t = tl.load(token_of + i_n * WIDTH + j)
+        acc = tl.zeros([BD], dtype=tl.float32)
+        for k in tl.static_range(W):
+            s = j + k  # stream index
+            if s < W - 1:
+                val = tl.load(p_hist + s, mask=m_d, other=0.0)
+            else:
+                ts = tl.load(token_of + i_n * WIDTH + (s - (W - 1)))
+                val = tl.load(
+                    x + tl.maximum(ts, 0).to(tl.int64) * stride_xt + o_d, mask=m_d & (ts >= 0), other=0.0
+                )
+            val = val.to(weight.dtype.element_ty)
+            if k >= 1:  # the history after position j holds stream[j+1 .. j+W-1]
+                tl.store(w_base + j * stride_wl + (k - 1), val.to(window.dtype.element_ty), mask=m_d)
+            acc += val.to(tl.float32) * tl.load(weight + o_d * stride_wd + k, mask=m_d, other=0.0).to(
+                tl.float32
+            )
+        if HAS_BIAS:
+            acc += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(
+            out + tl.maximum(t, 0).to(tl.int64) * stride_ot + o_d,
+            acc.to(out.dtype.element_ty),
+            mask=m_d & (t >= 0),
+        )

@@ -11,8 +11,8 @@ step's, and the state after it equals plain decoding's bit for bit. Tokens arriv
 Padding positions run on zeros and their states are never committed.
 
 On CUDA the GDN window is one Triton kernel (`triton_window.py`) that keeps the state in
-registers across the window; KDA and the conv run these torch ops (a few small kernels per
-position).
+registers across the window, and the conv window one that loads every output's and state's
+inputs directly; KDA runs these torch ops (a few small kernels per position).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def conv_window(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """x `[T, D]` packed over N windows; `window[i, j]` `[D, W-1]` gets the state after token j."""
+    if use_fast_path(x):
+        return conv_window_cuda(x, conv_pool, weight, bias, slots, pad_index, width, window, activation)
     n = slots.shape[0]
     kernel = weight.shape[1]
     xp = _pad(x.to(weight.dtype), pad_index, n, width)  # [N, L, D]
@@ -139,8 +141,7 @@ def gdn_window_cuda(
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if n == 0 or t == 0:
         return out
-    token_of = torch.full((n * width,), -1, dtype=torch.int32, device=q.device)
-    token_of[pad_index] = torch.arange(t, dtype=torch.int32, device=q.device)
+    token_of = _token_of(pad_index, n, width, t, q.device)
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     block_v = max(8, min(32, triton.next_power_of_2(dv)))
     _gdn_window_kernel[(n * hv, triton.cdiv(dv, block_v))](
@@ -151,5 +152,45 @@ def gdn_window_cuda(
         window.stride(0), window.stride(1), window.stride(2), window.stride(3),
         dk**-0.5, 1e-6,
         WIDTH=width, HV=hv, GROUP=hv // hk, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v,
+    )  # fmt: skip
+    return out
+
+
+def _token_of(pad_index: torch.Tensor, n: int, width: int, t: int, device: torch.device) -> torch.Tensor:
+    """`[N * width]`: the packed token index of each (window, position), -1 past a window's end."""
+    token_of = torch.full((n * width,), -1, dtype=torch.int32, device=device)
+    token_of[pad_index] = torch.arange(t, dtype=torch.int32, device=device)
+    return token_of
+
+
+def conv_window_cuda(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slots: torch.Tensor,
+    pad_index: torch.Tensor,
+    width: int,
+    window: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    import triton
+
+    from deltaserve.kernels.conv_cuda import _check, _is_silu
+    from deltaserve.kernels.triton_window import _conv_window_kernel
+
+    _check(x, conv_pool, weight)
+    assert window.stride(-1) == 1
+    n, (t, dim) = slots.shape[0], x.shape
+    out = torch.empty_like(x)
+    if n == 0 or t == 0:
+        return out
+    block_d = 256
+    _conv_window_kernel[(n, triton.cdiv(dim, block_d))](
+        x, conv_pool, weight, bias if bias is not None else weight, slots,
+        _token_of(pad_index, n, width, t, x.device), window, out, dim,
+        x.stride(0), conv_pool.stride(0), conv_pool.stride(1), weight.stride(0),
+        window.stride(0), window.stride(1), window.stride(2), out.stride(0),
+        W=weight.shape[1], WIDTH=width, BD=block_d, HAS_BIAS=bias is not None, SILU=_is_silu(activation),
     )  # fmt: skip
     return out

@@ -4,11 +4,13 @@ GPU; it says nothing about speed or bf16, and pytest does not collect it.
 
     TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5
     TRITON_INTERPRET=1 python tests/interpret_check.py kimi --families norm,router,conv,moe,mla
+    TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5 --spec   # + verification windows
 
 Needs `triton` importable (the CPU torch wheel does not bring it). FLA's kernels (chunked
 prefill, KDA) stay on the references. Families: norm (norms, gates, SwiGLU, KDA gate), linear
 (the fused projections as one matmul, and the Triton GEMV), router, conv, attention, moe, mla,
-gdn_decode.
+gdn_decode, window (speculative verification windows: the Triton conv and GDN window kernels,
+reached with `--spec`, n-gram speculation on repetitive prompts).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-ALL = ["norm", "linear", "router", "conv", "attention", "moe", "mla", "gdn_decode"]
+ALL = ["norm", "linear", "router", "conv", "attention", "moe", "mla", "gdn_decode", "window"]
 MODULES = {
     "norm": ["deltaserve.kernels.norm"],
     "linear": ["deltaserve.kernels.linear", "deltaserve.models.layers"],
@@ -37,6 +39,7 @@ MODULES = {
     "attention": ["deltaserve.kernels.attention"],
     "moe": ["deltaserve.kernels.moe"],
     "mla": ["deltaserve.kernels.mla"],
+    "window": ["deltaserve.kernels.window"],
 }
 
 
@@ -74,17 +77,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kind", choices=["qwen3_5", "qwen3_next", "qwen3_5_moe", "kimi"])
     ap.add_argument("--families", default=",".join(ALL))
+    ap.add_argument("--spec", action="store_true", help="n-gram speculative decoding on repetitive prompts")
     args = ap.parse_args()
     from deltaserve import LLM, SamplingParams
 
     path, vocab = checkpoint(args.kind)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 7, 40, 70)]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    spec = None
+    if args.spec:  # phrases repeated, so that n-gram drafts exist and get accepted
+        prompts = [p[:5] * 6 for p in prompts[2:]] + [prompts[0] * 8]
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    params = SamplingParams(temperature=0, max_tokens=10 if args.spec else 6, ignore_eos=True)
 
     def run() -> list[list[int]]:
-        llm = LLM(path, dtype="float32", device="cpu", chunked_prefill_size=32)
+        llm = LLM(path, dtype="float32", device="cpu", chunked_prefill_size=32, speculative_config=spec)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if args.spec:
+            print(f"accepted drafts: {sum(o.num_accepted_tokens for o in outs)}")
         return [o.outputs[0].token_ids for o in outs]
 
     ref = run()

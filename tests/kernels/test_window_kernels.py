@@ -77,8 +77,9 @@ def test_conv_window_equals_decode_steps():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("op", ["gdn", "kda"])
 def test_delta_window_cuda_matches_fast_decode(op):
-    """On CUDA the window runs the torch reference steps; plain decoding runs the fast
-    kernels. The states agree to kernel rounding (greedy parity on GPU rests on this)."""
+    """On CUDA the GDN window is its Triton kernel and the KDA window the torch reference steps;
+    plain decoding runs the fast kernels. The states agree to kernel rounding (greedy parity on
+    GPU rests on this)."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
     t, h, dk, dv = sum(LENS), 4, 64, 64
@@ -97,3 +98,32 @@ def test_delta_window_cuda_matches_fast_decode(op):
     for i, row in enumerate(ref_states):
         for j, s in enumerate(row):
             torch.testing.assert_close(window[i, j], s, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_window_cuda_matches_fast_decode(dtype):
+    """The Triton conv window against the Triton one-token conv decode, step by step, at a
+    real conv width (Qwen3.5-0.8B: 6,144 channels, kernel 4); the slot is only read."""
+    torch.manual_seed(2)
+    dev = torch.device("cuda")
+    d, w = 6144, 4
+    x = torch.randn(sum(LENS), d, device=dev).to(dtype)
+    weight, bias = torch.randn(d, w, device=dev).to(dtype), torch.randn(d, device=dev).to(dtype)
+    pool = torch.randn(7, d, w - 1, device=dev).to(dtype)
+    window = torch.zeros(4, 5, d, w - 1, device=dev, dtype=dtype)
+    before = pool.clone()
+    slots = torch.tensor(SLOTS, dtype=torch.int32, device=dev)
+    out = conv_window(x, pool, weight, bias, slots, window_pad_index(LENS, dev), max(LENS), window)
+    assert torch.equal(pool, before)
+
+    def step(xi, p, idx):
+        return conv_decode(xi, p, weight, bias, idx)
+
+    ref_out, ref_states = _decode_sequence(step, (x,), before.clone(), LENS, SLOTS)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # fp32 sums in another order; one bf16 rounding
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+    for i, row in enumerate(ref_states):
+        for j, s in enumerate(row):
+            torch.testing.assert_close(window[i, j], s, rtol=0, atol=0)  # states are copies
