@@ -12,7 +12,7 @@
 #   bash bench/gpu_session.sh diagnose # verification graphs at real head sizes, overlap gaps by max_model_len
 #   bash bench/gpu_session.sh kimi-prefill # MLA prefill: reference against DELTASERVE_MLA_PREFILL=sdpa
 #   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
-#   bash bench/gpu_session.sh spec    # speculative decoding with eager verification
+#   bash bench/gpu_session.sh spec    # speculative decoding, eager verification, window kernels vs references
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -86,9 +86,12 @@ case "${1:-tests}" in
     run 400 cuda-kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py tests/kernels/test_kda_cuda.py
     run 60 profile-0.8b-bs256 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256
     ;;
-  spec)
-    run 60 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+  spec)  # eager verification, window kernels against their torch references, one call
+    run 90 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3
+    run 90 spec-oracle-ref-windows python3 -m bench.spec_decode --model configs/qwen3.5-0.8b \
+      --batch-sizes 1 16 --drafter oracle --oracle-right 3 --reference-windows
+    run 60 window-tests python3 -m pytest -q -m gpu tests/kernels/test_window_kernels.py
     ;;
   *)
     echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|kimi-prefill|ttft|spec" >&2

@@ -126,11 +126,21 @@ def main() -> None:
         action="store_true",
         help="speculative_config cuda_graph: uniform k-draft windows replayed from CUDA graphs",
     )
+    ap.add_argument(
+        "--reference-windows",
+        action="store_true",
+        help="verification windows on their torch references instead of the Triton conv / GDN window "
+        "kernels (the before of a before/after)",
+    )
     ap.add_argument("--device", default="cuda", help="cpu only for a quick dry run of the script")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
+    if args.reference_windows:
+        import deltaserve.kernels.window as window_ops
+
+        window_ops.use_fast_path = lambda t: False  # type: ignore[assignment]
     max_bs = max(args.batch_sizes)
     spec = {
         "method": "mtp" if args.drafter == "mtp" else "ngram",
