@@ -13,11 +13,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _gdn_window_kernel(
+def _delta_window_kernel(
     q,  # [T, Hk, K] packed over the windows
     k,
     v,  # [T, HV, V]
-    g,  # [T, HV]
+    g,  # [T, HV] (GDN), or [T, HV, K] with GATE_PER_K (KDA: a decay per key channel)
     beta,  # [T, HV]
     state,  # pool [S, HV, K, V]
     slots,  # [N]
@@ -31,6 +31,7 @@ def _gdn_window_kernel(
     stride_vt,
     stride_vh,
     stride_gt,
+    stride_gh,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -50,6 +51,7 @@ def _gdn_window_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    GATE_PER_K: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -72,11 +74,19 @@ def _gdn_window_kernel(
         b_q = tl.load(q + t * stride_qt + i_hk * stride_qh + o_k, mask=m_k & live, other=0.0).to(tl.float32)
         b_k = tl.load(k + t * stride_kt + i_hk * stride_kh + o_k, mask=m_k & live, other=0.0).to(tl.float32)
         b_v = tl.load(v + t * stride_vt + i_h * stride_vh + o_v, mask=m_v & live, other=0.0).to(tl.float32)
-        b_g = tl.load(g + t * stride_gt + i_h, mask=live, other=0.0).to(tl.float32)
+        if GATE_PER_K:
+            b_g = tl.load(g + t * stride_gt + i_h * stride_gh + o_k, mask=m_k & live, other=0.0).to(
+                tl.float32
+            )
+        else:
+            b_g = tl.load(g + t * stride_gt + i_h * stride_gh, mask=live, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + t * stride_bt + i_h, mask=live, other=0.0).to(tl.float32)
         b_q = b_q * (1.0 / tl.sqrt(tl.sum(b_q * b_q) + eps)) * scale
         b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k) + eps))
-        b_s = b_s * tl.exp(b_g)
+        if GATE_PER_K:
+            b_s = b_s * tl.exp(b_g)[:, None]
+        else:
+            b_s = b_s * tl.exp(b_g)
         b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
         b_s = b_s + b_k[:, None] * b_delta[None, :]
         # round through the buffer's dtype, as plain decoding does between steps

@@ -10,9 +10,9 @@ step's, and the state after it equals plain decoding's bit for bit. Tokens arriv
 `[T, ...]` over N windows; `pad_index` (from `window_pad_index`) maps them into `[N, L, ...]`.
 Padding positions run on zeros and their states are never committed.
 
-On CUDA the GDN window is one Triton kernel (`triton_window.py`) that keeps the state in
-registers across the window, and the conv window one that loads every output's and state's
-inputs directly; KDA runs these torch ops (a few small kernels per position).
+On CUDA the GDN and KDA windows are one Triton kernel (`triton_window.py`) that keeps the
+state in registers across the window, and the conv window one that loads every output's and
+state's inputs directly.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def gdn_window(
 ) -> torch.Tensor:
     """Gated delta rule over N windows (gdn_decode's shapes, packed); `window [R, L, HV, K, V]`."""
     if use_fast_path(q):
-        return gdn_window_cuda(q, k, v, g, beta, state_pool, slots, pad_index, width, window)
+        return delta_window_cuda(q, k, v, g, beta, state_pool, slots, pad_index, width, window, False)
     return _delta_window(
         recurrent_gated_delta_rule_ref, q, k, v, g, beta, state_pool, slots, pad_index, width, window
     )
@@ -116,10 +116,12 @@ def kda_window(
     window: torch.Tensor,
 ) -> torch.Tensor:
     """KDA over N windows (kda_decode's shapes, packed); `window [R, L, H, K, V]`."""
+    if use_fast_path(q):
+        return delta_window_cuda(q, k, v, g, beta, state_pool, slots, pad_index, width, window, True)
     return _delta_window(recurrent_kda_ref, q, k, v, g, beta, state_pool, slots, pad_index, width, window)
 
 
-def gdn_window_cuda(
+def delta_window_cuda(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -130,10 +132,12 @@ def gdn_window_cuda(
     pad_index: torch.Tensor,
     width: int,
     window: torch.Tensor,
+    gate_per_k: bool,
 ) -> torch.Tensor:
+    """The GDN (g `[T, HV]`) or KDA (`gate_per_k`: g `[T, H, K]`) window in one Triton kernel."""
     import triton
 
-    from deltaserve.kernels.triton_window import _gdn_window_kernel
+    from deltaserve.kernels.triton_window import _delta_window_kernel
 
     n, t = slots.shape[0], q.shape[0]
     hk, dk = k.shape[1], k.shape[2]
@@ -144,14 +148,15 @@ def gdn_window_cuda(
     token_of = _token_of(pad_index, n, width, t, q.device)
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     block_v = max(8, min(32, triton.next_power_of_2(dv)))
-    _gdn_window_kernel[(n * hv, triton.cdiv(dv, block_v))](
+    _delta_window_kernel[(n * hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state_pool, slots, token_of, window, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), out.stride(0), out.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         window.stride(0), window.stride(1), window.stride(2), window.stride(3),
         dk**-0.5, 1e-6,
         WIDTH=width, HV=hv, GROUP=hv // hk, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v,
+        GATE_PER_K=gate_per_k,
     )  # fmt: skip
     return out
 

@@ -77,9 +77,9 @@ def test_conv_window_equals_decode_steps():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("op", ["gdn", "kda"])
 def test_delta_window_cuda_matches_fast_decode(op):
-    """On CUDA the GDN window is its Triton kernel and the KDA window the torch reference steps;
-    plain decoding runs the fast kernels. The states agree to kernel rounding (greedy parity on
-    GPU rests on this)."""
+    """On CUDA both windows are the Triton delta-rule window kernel (KDA with a decay per key
+    channel); plain decoding runs the fast decode kernels (ours for GDN, FLA's for KDA). The
+    states agree to kernel rounding (greedy parity on GPU rests on this)."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
     t, h, dk, dv = sum(LENS), 4, 64, 64
