@@ -4,7 +4,10 @@ The model's forward is replaced by a constant logits tensor, and the sampler is 
 apart, so what remains is the scheduler, batch building, token bookkeeping,
 detokenization, stop checks and outputs: the part of a step that CUDA graphs cannot hide.
 
-    python -m bench.host_overhead --batch 256 --prompt-len 512 --steps 50
+    python -m bench.host_overhead --batch 256 --prompt-len 512 --steps 50 [--profile]
+
+`--profile` prints the functions that take the host's time (cProfile: its own overhead makes
+the reported total larger than without it).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> None:
         choices=["cumulative", "final_only"],
         help="cumulative: an output per request per step (streaming); final_only: LLM.generate, non-streamed HTTP",
     )
+    ap.add_argument("--profile", action="store_true", help="print the functions that take the most host time")
     args = ap.parse_args()
     if args.model is None:
         from deltaserve.models.builtin import builtin_model_path
@@ -71,10 +75,21 @@ def main() -> None:
         return out
 
     engine.sampler.sample = timed_sample  # type: ignore[method-assign]
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     per_step = (time.perf_counter() - t) / args.steps
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
     host_ms = 1e3 * (per_step - spent[0] / args.steps)
     print(
         json.dumps(
