@@ -49,6 +49,19 @@ def _requests(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> Iterator[tu
             yield i, bounds[i], bounds[i + 1], total
 
 
+def _expanded_kv(
+    latent: torch.Tensor, w_kv_b: torch.Tensor, heads: int, v_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's cached latents `[S, L + R]` as per-head keys `[S, H, nope + R]` (k_pe shared
+    by every head) and values `[S, H, v_head_dim]`, in the dtypes given."""
+    total, latent_dim = latent.shape[0], w_kv_b.shape[1]
+    rope = latent.shape[1] - latent_dim
+    c, k_pe = latent.split([latent_dim, rope], dim=-1)
+    kv = (c @ w_kv_b.t()).view(total, heads, -1)
+    k_nope, v = kv.split([kv.shape[-1] - v_head_dim, v_head_dim], dim=-1)
+    return torch.cat([k_nope, k_pe.unsqueeze(1).expand(total, heads, rope)], dim=-1), v
+
+
 def mla_attention_ref(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -61,16 +74,9 @@ def mla_attention_ref(
 ) -> torch.Tensor:
     """Expanded form. q `[T, H, nope + R]` packed over N requests; returns `[T, H, v_head_dim]`."""
     heads = q.shape[1]
-    rope = cache.shape[-1] - w_kv_b.shape[1]
-    nope = q.shape[-1] - rope
-    latent_dim = w_kv_b.shape[1]
     out = q.new_empty(q.shape[0], heads, v_head_dim)
     for i, lo, hi, total in _requests(cu_seqlens_q, seq_lens):
-        latent = _gather(cache, page_table[i], total)
-        c, k_pe = latent.split([latent_dim, rope], dim=-1)
-        kv = (c @ w_kv_b.t()).view(total, heads, nope + v_head_dim)
-        k_nope, v = kv.split([nope, v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(total, heads, rope)], dim=-1)
+        k, v = _expanded_kv(_gather(cache, page_table[i], total), w_kv_b, heads, v_head_dim)
         scores = q[lo:hi].transpose(0, 1).float() @ k.permute(1, 2, 0).float() * scale  # [H, Tq, S]
         scores = scores.masked_fill(_causal_mask(total, hi - lo, q.device), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
@@ -92,17 +98,11 @@ def mla_prefill_sdpa(
     per-head K and V in q's dtype and `scaled_dot_product_attention` attends without the
     `[H, Tq, S]` fp32 scores the reference materialises (on CUDA its flash / memory-efficient
     kernels). V is zero-padded to the key width, so that one head size serves both."""
-    heads = q.shape[1]
-    latent_dim = w_kv_b.shape[1]
-    rope = cache.shape[-1] - latent_dim
-    nope = q.shape[-1] - rope
-    width = nope + rope
-    w = w_kv_b.to(q.dtype).t()
+    heads, width = q.shape[1], q.shape[2]
+    w = w_kv_b.to(q.dtype)
     out = q.new_empty(q.shape[0], heads, v_head_dim)
     for i, lo, hi, total in _requests(cu_seqlens_q, seq_lens):
-        c, k_pe = _gather(cache, page_table[i], total).to(q.dtype).split([latent_dim, rope], dim=-1)
-        k_nope, v = (c @ w).view(total, heads, nope + v_head_dim).split([nope, v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(total, heads, rope)], dim=-1)
+        k, v = _expanded_kv(_gather(cache, page_table[i], total).to(q.dtype), w, heads, v_head_dim)
         if v_head_dim < width:
             v = F.pad(v, (0, width - v_head_dim))
         qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (q[lo:hi], k, v))  # [1, H, len, D]

@@ -130,14 +130,13 @@ def test_forget_gate_matches_transformers():
     assert torch.equal(ours.forget_gate(x), theirs(x[None])[0])
 
 
-def test_mla_absorbed_matches_expanded():
-    """The absorbed form (decode kernels' algebra) against the expanded oracle, paged and packed."""
+def _paged_latents(seed: int, seq_lens: list[int], q_lens: list[int], tables: list[list[int]]) -> tuple:
+    """MLA attention arguments over a paged latent cache: 4 heads, nope 8, rope 6, latent 16,
+    v 10, pages of 4; each request's latents stored through its page table."""
     heads, nope, rope, lora, vdim, page = 4, 8, 6, 16, 10, 4
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     w = torch.randn(heads * (nope + vdim), lora, generator=g) * 0.3
-    cache = torch.zeros(12, page, lora + rope)
-    seq_lens, q_lens = [9, 3, 14], [9, 1, 5]  # a fresh prefill, a decode, a continued prefill
-    tables = [[3, 7, 1], [5, 0, 0], [2, 11, 8, 10]]
+    cache = torch.zeros(16, page, lora + rope)
     for n, table in zip(seq_lens, tables):
         pos = torch.arange(n)
         slots = torch.tensor(table)[pos // page] * page + pos % page
@@ -145,7 +144,13 @@ def test_mla_absorbed_matches_expanded():
     page_table = torch.tensor([t + [0] * (4 - len(t)) for t in tables], dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(sum(q_lens), heads, nope + rope, generator=g)
-    args = (q, cache, w, page_table, cu, torch.tensor(seq_lens, dtype=torch.int32), 0.3, vdim)
+    return q, cache, w, page_table, cu, torch.tensor(seq_lens, dtype=torch.int32), 0.3, vdim
+
+
+def test_mla_absorbed_matches_expanded():
+    """The absorbed form (decode kernels' algebra) against the expanded oracle, paged and packed."""
+    # a fresh prefill, a decode, a continued prefill
+    args = _paged_latents(0, [9, 3, 14], [9, 1, 5], [[3, 7, 1], [5, 0, 0], [2, 11, 8, 10]])
     torch.testing.assert_close(
         mla_attention_absorbed_ref(*args), mla_attention_ref(*args), rtol=1e-5, atol=1e-5
     )
@@ -170,21 +175,9 @@ def test_mla_fused_attention_prefill_matches_expanded():
     """The opt-in fused-attention MLA prefill against the oracle: fresh prefills (plain causal),
     continued ones over a cached prefix (explicit mask), a decode row, a request without
     queries, and v narrower than the keys (zero-padded)."""
-    heads, nope, rope, lora, vdim, page = 4, 8, 6, 16, 10, 4
-    g = torch.Generator().manual_seed(2)
-    w = torch.randn(heads * (nope + vdim), lora, generator=g) * 0.3
-    cache = torch.zeros(16, page, lora + rope)
-    seq_lens, q_lens = [9, 3, 14, 6, 5], [9, 1, 5, 0, 5]
     tables = [[3, 7, 1], [5, 0, 0], [2, 11, 8, 10], [4, 12], [9, 13]]
-    for n, table in zip(seq_lens, tables):
-        pos = torch.arange(n)
-        slots = torch.tensor(table)[pos // page] * page + pos % page
-        store_latent(cache, torch.randn(n, lora + rope, generator=g), slots)
-    page_table = torch.tensor([t + [0] * (4 - len(t)) for t in tables], dtype=torch.int32)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), heads, nope + rope, generator=g)
-    args = (q, cache, w, page_table, cu, torch.tensor(seq_lens, dtype=torch.int32), 0.3, vdim)
+    args = _paged_latents(2, [9, 3, 14, 6, 5], [9, 1, 5, 0, 5], tables)
     out = mla_prefill_sdpa(*args)
     torch.testing.assert_close(out, mla_attention_ref(*args), rtol=1e-5, atol=1e-5)
-    moved = (q, cache, w.roll(1, 0), page_table, cu, torch.tensor(seq_lens, dtype=torch.int32), 0.3, vdim)
-    assert not torch.allclose(mla_prefill_sdpa(*moved), out)  # the weights reach the output
+    q, cache, w, *rest = args
+    assert not torch.allclose(mla_prefill_sdpa(q, cache, w.roll(1, 0), *rest), out)  # weights count
