@@ -9,7 +9,8 @@
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
 #   bash bench/gpu_session.sh kda     # attention / GDN / conv / KDA kernel tests, batch-256 profile
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
-#   bash bench/gpu_session.sh diagnose # verification graphs at real head sizes, overlap gaps by max_model_len
+#   bash bench/gpu_session.sh diagnose # verification graphs at real head sizes, overlap host share by max_model_len
+#   bash bench/gpu_session.sh profiles # GPU idle gaps with overlap at two max_model_len, batch-1 kernels
 #   bash bench/gpu_session.sh kimi-prefill # MLA prefill: reference against DELTASERVE_MLA_PREFILL=sdpa
 #   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
 #   bash bench/gpu_session.sh spec    # speculative decoding, eager verification, window kernels vs references
@@ -52,12 +53,19 @@ case "${1:-tests}" in
     ;;
   diagnose)  # the open questions of docs/performance.md, one device call
     run 150 spec-real-heads python3 -m pytest -q -s -m gpu tests/engine/test_spec_decode_gpu.py -k real_head_sizes
+    run 70 overlap-656 python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 64 256 \
+      --new-tokens 128 --prefill-len 0 --max-model-len 656
+    run 80 overlap-8208 python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 64 256 \
+      --new-tokens 128 --prefill-len 0 --max-model-len 8208
+    run 120 spec-fp32 python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+      --drafter oracle --oracle-right 3 --verify-graphs --dtype float32 --new-tokens 64
+    ;;
+  profiles)  # GPU busy time and idle gaps with overlap at two max_model_len, and batch 1
     run 100 profile-656 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
       --max-model-len 656 --rows 10
     run 100 profile-8208 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
       --max-model-len 8208 --rows 10
-    run 120 spec-fp32 python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
-      --drafter oracle --oracle-right 3 --verify-graphs --dtype float32 --new-tokens 64
+    run 80 profile-bs1 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 1 --rows 30
     ;;
   kimi-prefill)  # MLA prefill: expanded reference against the opt-in fused attention, one call
     run 60 mla-tests python3 -m pytest -q -m gpu tests/kernels/test_mla_cuda.py -k fused
@@ -94,7 +102,7 @@ case "${1:-tests}" in
     run 60 window-tests python3 -m pytest -q -m gpu tests/kernels/test_window_kernels.py
     ;;
   *)
-    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|kimi-prefill|ttft|spec" >&2
+    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|profiles|kimi-prefill|ttft|spec" >&2
     exit 2
     ;;
 esac

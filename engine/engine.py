@@ -95,6 +95,9 @@ class Engine:
         self._finished_outputs: list[RequestOutput] = []
         self._inflight: _InFlight | None = None
         self._host_buffers: list[torch.Tensor] = []
+        # overlap scheduling: seconds the host has waited for a step's tokens (benchmarks read it:
+        # a step's wall time less this is its host work, the part that overlap has to hide)
+        self.read_back_wait_s = 0.0
         if config.enable_overlap_schedule and self.device.type == "cuda":
             n = config.max_running_requests
             self._host_buffers = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
@@ -287,7 +290,9 @@ class Engine:
     def _read_back(self, prev: _InFlight) -> list[tuple[Request, int]]:
         """The step's tokens replace its placeholders (requests aborted meanwhile drop theirs)."""
         if prev.done is not None:
+            t = time.perf_counter()
             prev.done.synchronize()
+            self.read_back_wait_s += time.perf_counter() - t
         now = time.time()
         read = []
         for req, tok in zip(prev.sampled, prev.host.tolist()):
