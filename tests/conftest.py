@@ -158,6 +158,22 @@ def make_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def pools_held():
+    """`pools_held(llm_or_engine)`: with the prefix cache flushed, the counters that are not zero
+    among running and waiting requests, KV pages, state slots and snapshots; a finished workload
+    must leave `{}` (`assert not pools_held(llm)` shows what leaked)."""
+
+    def held(x) -> dict[str, int]:
+        engine = getattr(x, "engine", x)
+        engine.flush_cache()
+        s = engine.stats()
+        keys = ("running", "waiting", "kv_pages_used", "state_slots_used", "snapshots_used")
+        return {k: s[k] for k in keys if s[k]}
+
+    return held
+
+
+@pytest.fixture(scope="session")
 def real_heads_checkpoint(make_checkpoint) -> str:
     """A Qwen3.5 (vision-language layout) checkpoint with Qwen3.5-0.8B's head sizes."""
     return make_checkpoint("qwen3_5_vl", **QWEN35_08B_HEADS)

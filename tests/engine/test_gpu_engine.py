@@ -27,13 +27,8 @@ def greedy(llm: LLM, ps: list[list[int]], n: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def idle(llm: LLM) -> bool:
-    s = llm.engine.stats()
-    return (s["running"], s["waiting"], s["kv_pages_used"], s["state_slots_used"]) == (0, 0, 0, 0)
-
-
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
-def test_graph_and_eager_decode_identical(kind, make_checkpoint):
+def test_graph_and_eager_decode_identical(kind, make_checkpoint, pools_held):
     path = make_checkpoint(
         kind, hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32
     )
@@ -43,10 +38,10 @@ def test_graph_and_eager_decode_identical(kind, make_checkpoint):
     if kind == "qwen3_5":  # dense: every op is capturable
         assert graph.engine.runner.graph_runner is not None
     assert greedy(eager, ps, 24) == greedy(graph, ps, 24)
-    assert idle(eager) and idle(graph)
+    assert not pools_held(eager) and not pools_held(graph)
 
 
-def test_graph_and_eager_decode_identical_at_real_head_sizes(real_heads_checkpoint):
+def test_graph_and_eager_decode_identical_at_real_head_sizes(real_heads_checkpoint, pools_held):
     """Decode graphs on Qwen3.5-0.8B's head sizes (the kernels' shapes in the benchmarks), fp32
     so that graph and eager differ in nothing but replay: identical tokens."""
     path = real_heads_checkpoint
@@ -57,7 +52,7 @@ def test_graph_and_eager_decode_identical_at_real_head_sizes(real_heads_checkpoi
     assert graph.engine.runner.graph_runner is not None
     assert greedy(eager, ps, 24) == greedy(graph, ps, 24)
     assert graph.engine.runner.graph_runner.decode.replays > 0
-    assert idle(eager) and idle(graph)
+    assert not pools_held(eager) and not pools_held(graph)
 
 
 def test_bf16_agrees_with_transformers(make_checkpoint, hf_reference):
@@ -75,7 +70,7 @@ def test_bf16_agrees_with_transformers(make_checkpoint, hf_reference):
     assert rate >= 0.5
 
 
-def test_fp32_cuda_matches_transformers(make_checkpoint, hf_reference):
+def test_fp32_cuda_matches_transformers(make_checkpoint, hf_reference, pools_held):
     path = make_checkpoint(
         "qwen3_5", hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32
     )
@@ -86,10 +81,10 @@ def test_fp32_cuda_matches_transformers(make_checkpoint, hf_reference):
     same = sum(x == y for x, y in zip(ours, ref))
     print(f"fp32 on CUDA: {same}/{len(ps)} prompts identical to transformers over 16 tokens")
     assert same >= len(ps) - 1
-    assert idle(llm)
+    assert not pools_held(llm)
 
 
-def test_mixed_workload_leaves_pools_idle(make_checkpoint):
+def test_mixed_workload_leaves_pools_idle(make_checkpoint, pools_held):
     path = make_checkpoint(
         "qwen3_5", hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32
     )
@@ -101,10 +96,10 @@ def test_mixed_workload_leaves_pools_idle(make_checkpoint):
     ]
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
     assert [len(o.outputs[0].token_ids) for o in outs] == [5 + i % 20 for i in range(len(ps))]
-    assert idle(llm)
+    assert not pools_held(llm)
 
 
-def test_overlap_schedule_identical_with_graphs(make_checkpoint):
+def test_overlap_schedule_identical_with_graphs(make_checkpoint, pools_held):
     """Overlap scheduling on CUDA (pinned copies both ways, events, graph replay fed from the
     device) gives the synchronous engine's tokens, greedy with stops and seeded sampling, and
     leaves the pools idle. fp32, so that the two engines' different batch shapes (a stopped
@@ -145,4 +140,4 @@ def test_overlap_schedule_identical_with_graphs(make_checkpoint):
     outs = over.generate([{"prompt_token_ids": p} for p in ps], sampled)
     expected = sync.generate([{"prompt_token_ids": p} for p in ps], sampled)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
-    assert idle(over)
+    assert not pools_held(over)

@@ -47,18 +47,12 @@ def run(eng: Engine, ps: list[list[int]], params: list[SamplingParams]) -> dict[
     return done
 
 
-def idle(eng: Engine) -> bool:
-    eng.flush_cache()
-    s = eng.stats()
-    return (s["running"], s["waiting"], s["kv_pages_used"], s["state_slots_used"]) == (0, 0, 0, 0)
-
-
 def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "kimi"])
-def test_greedy_with_stops_identical_to_sync(kind, make_checkpoint, small_kimi_checkpoint):
+def test_greedy_with_stops_identical_to_sync(kind, make_checkpoint, small_kimi_checkpoint, pools_held):
     path = small_kimi_checkpoint if kind == "kimi" else make_checkpoint(kind)
     ps = prompts()
     plain = [greedy(4 + 5 * i) for i in range(len(ps))]
@@ -76,7 +70,7 @@ def test_greedy_with_stops_identical_to_sync(kind, make_checkpoint, small_kimi_c
     assert any(reason == "stop" for _, reason, _ in got.values())
     # tokens computed after a stop are not counted as generated
     assert over_eng.counters["generation_tokens_total"] == sum(len(t) for t, _, _ in got.values())
-    assert idle(over_eng)
+    assert not pools_held(over_eng)
 
 
 def test_seeded_sampling_identical_to_sync(make_checkpoint):
@@ -89,7 +83,7 @@ def test_seeded_sampling_identical_to_sync(make_checkpoint):
     assert run(engine(path, True), ps, params) == run(engine(path, False), ps, params)
 
 
-def test_radix_cache_multi_turn_identical_and_hits(make_checkpoint):
+def test_radix_cache_multi_turn_identical_and_hits(make_checkpoint, pools_held):
     path = make_checkpoint("qwen3_5")
     ps = prompts(2)[:4]
     results = {}
@@ -102,11 +96,11 @@ def test_radix_cache_multi_turn_identical_and_hits(make_checkpoint):
         results[overlap] = (first, second)
         if overlap:
             assert eng.counters["cached_tokens_total"] > cached_before  # later turns hit
-        assert idle(eng)
+        assert not pools_held(eng)
     assert results[True] == results[False]
 
 
-def test_under_kv_pressure_identical_and_no_leak(make_checkpoint):
+def test_under_kv_pressure_identical_and_no_leak(make_checkpoint, pools_held):
     path = make_checkpoint("qwen3_next")
     ps = prompts(3)
     params = [greedy(30) for _ in ps]
@@ -117,7 +111,7 @@ def test_under_kv_pressure_identical_and_no_leak(make_checkpoint):
     over.scheduler.preempt = lambda req: (preempted.append(req), preempt(req))  # type: ignore[method-assign]
     assert run(over, ps, params) == run(engine(path, False, **tight), ps, params)
     assert preempted  # the pool was short: some decodes had to give way
-    assert idle(over)
+    assert not pools_held(over)
 
 
 def test_requests_needing_host_data_step_synchronously(make_checkpoint):
@@ -134,7 +128,7 @@ def test_requests_needing_host_data_step_synchronously(make_checkpoint):
     assert run(engine(path, True), ps, params) == run(engine(path, False), ps, params)
 
 
-def test_abort_while_a_step_is_in_flight(make_checkpoint):
+def test_abort_while_a_step_is_in_flight(make_checkpoint, pools_held):
     path = make_checkpoint("qwen3_5")
     eng = engine(path, True)
     ps = prompts(5)[:4]
@@ -154,7 +148,7 @@ def test_abort_while_a_step_is_in_flight(make_checkpoint):
     assert finished["1"].outputs[0].finish_reason == "abort"
     for rid in ("0", "2", "3"):
         assert len(finished[rid].outputs[0].token_ids) == 40
-    assert idle(eng)
+    assert not pools_held(eng)
 
 
 def test_with_speculative_decoding_steps_synchronously(make_checkpoint):
@@ -168,7 +162,7 @@ def test_with_speculative_decoding_steps_synchronously(make_checkpoint):
     assert over._inflight is None and over.counters["spec_windows_total"] > 0
 
 
-def test_drain_finishes_the_step_in_flight(make_checkpoint):
+def test_drain_finishes_the_step_in_flight(make_checkpoint, pools_held):
     """`drain` reads the step in flight back (its tokens counted, its outputs returned); stepping
     on afterwards gives the synchronous engine's tokens."""
     path = make_checkpoint("qwen3_5")
@@ -190,4 +184,4 @@ def test_drain_finishes_the_step_in_flight(make_checkpoint):
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
     assert done == {rid: toks for rid, (toks, _, _) in ref.items()}
-    assert idle(eng)
+    assert not pools_held(eng)

@@ -40,13 +40,6 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list
     return [o.outputs[0].token_ids for o in outs]
 
 
-def assert_idle(llm: LLM) -> None:
-    llm.engine.flush_cache()
-    s = llm.engine.stats()
-    assert (s["running"], s["waiting"], s["kv_pages_used"], s["state_slots_used"]) == (0, 0, 0, 0), s
-    assert s["snapshots_used"] == 0, s
-
-
 class ForcedDrafter:
     """Proposes the true greedy continuation for exactly `right` tokens, then a wrong one."""
 
@@ -79,7 +72,7 @@ def reference(path: str, prompts: list[list[int]], max_tokens: int = NEW) -> lis
 LENGTHS = [5, 33, 70, 16, 100]
 
 
-def test_every_accepted_count_matches_plain_decoding(model_path):
+def test_every_accepted_count_matches_plain_decoding(model_path, pools_held):
     prompts = prompts_of(LENGTHS, seed=1)
     ref = reference(model_path, prompts)
     llm = make_llm(model_path, NGRAM, max_running_requests=8)
@@ -98,7 +91,7 @@ def test_every_accepted_count_matches_plain_decoding(model_path):
             assert accepted == drafted
     # the second and later passes hit the radix cache (snapshots saved from committed states)
     assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
-    assert_idle(llm)
+    assert not pools_held(llm)
 
 
 def test_committed_state_equals_plain_decoding(model_path):
@@ -141,7 +134,7 @@ def test_committed_state_equals_plain_decoding(model_path):
                 torch.testing.assert_close(state, plain[n][name], rtol=1e-5, atol=1e-5, msg=f"{name} at {n}")
 
 
-def test_ngram_on_self_repeating_batch(model_path):
+def test_ngram_on_self_repeating_batch(model_path, pools_held):
     """The 'done when' check: batched self-repeating prompts, greedy identical, drafts accepted."""
     prompts = prompts_of([4, 7, 11, 3], seed=3, repeat=6) + prompts_of([50], seed=4)
     ref = reference(model_path, prompts)
@@ -152,10 +145,10 @@ def test_ngram_on_self_repeating_batch(model_path):
     s = llm.engine.stats()
     assert s["spec_accepted_tokens_total"] == sum(o.num_accepted_tokens for o in outs) > 0
     assert s["spec_draft_tokens_total"] == sum(o.num_draft_tokens for o in outs)
-    assert_idle(llm)
+    assert not pools_held(llm)
 
 
-def test_mixed_batches_and_multi_turn_cache_hits(make_checkpoint):
+def test_mixed_batches_and_multi_turn_cache_hits(make_checkpoint, pools_held):
     """Requests verifying drafts beside others prefilling in the same forward; then a second
     turn that extends each sequence hits snapshots taken from committed states."""
     path = make_checkpoint("qwen3_5")
@@ -183,10 +176,10 @@ def test_mixed_batches_and_multi_turn_cache_hits(make_checkpoint):
     before = llm.engine.stats()["prefix_cache_hit_tokens"]
     assert run(llm, second, greedy()) == ref2
     assert llm.engine.stats()["prefix_cache_hit_tokens"] > before
-    assert_idle(llm)
+    assert not pools_held(llm)
 
 
-def test_stops_inside_a_window_and_aborts(make_checkpoint):
+def test_stops_inside_a_window_and_aborts(make_checkpoint, pools_held):
     path = make_checkpoint("qwen3_5")
     prompts = prompts_of([20, 40, 9], seed=6)
     ref = reference(path, prompts)
@@ -212,7 +205,7 @@ def test_stops_inside_a_window_and_aborts(make_checkpoint):
             eng.abort_request("a1")
     assert finished["a0"] == ref[0] and finished["a2"] == ref[2]
     assert finished["a1"] == ref[1][: len(finished["a1"])]
-    assert_idle(llm)
+    assert not pools_held(llm)
 
 
 def test_sampling_with_drafts_runs_and_is_seeded(make_checkpoint):
@@ -273,7 +266,7 @@ def test_cli_and_metrics(make_checkpoint):
 
 
 @pytest.mark.parametrize("pressure", [False, True])
-def test_decodes_windows_and_prefills_in_one_batch(make_checkpoint, pressure):
+def test_decodes_windows_and_prefills_in_one_batch(make_checkpoint, pressure, pools_held):
     """max_batch 2: the other decoding requests decode one token beside the windows and the
     prefills. Under KV pressure (few pages) drafts get pages only when free and decodes
     preempt; outputs stay exact either way."""
@@ -304,7 +297,7 @@ def test_decodes_windows_and_prefills_in_one_batch(make_checkpoint, pressure):
         assert preempted
     else:
         assert any(d and v and p for d, v, p in kinds)
-    assert_idle(llm)
+    assert not pools_held(llm)
 
 
 def test_logprobs_and_penalties_through_windows(make_checkpoint):
@@ -327,7 +320,7 @@ def test_logprobs_and_penalties_through_windows(make_checkpoint):
             assert x.top.keys() == y.top.keys()
 
 
-def test_uniform_windows_for_verification_graphs(model_path):
+def test_uniform_windows_for_verification_graphs(model_path, pools_held):
     """`cuda_graph`: every decoding request verifies exactly k drafts (padded where the n-gram
     lookup finds fewer or none), so that verification batches have one shape; greedy output is
     unchanged, and while requests have room every window holds k drafts."""
@@ -346,4 +339,4 @@ def test_uniform_windows_for_verification_graphs(model_path):
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert widths and widths.count(K) >= len(widths) - len(prompts) * K  # short only near max_tokens
     assert sum(o.num_accepted_tokens for o in outs) > 0
-    assert_idle(llm)
+    assert not pools_held(llm)

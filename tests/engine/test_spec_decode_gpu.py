@@ -32,14 +32,8 @@ def generate(llm: LLM, ps: list[list[int]], n: int = 32):
     return llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
 
 
-def idle(llm: LLM) -> bool:
-    llm.engine.flush_cache()
-    s = llm.engine.stats()
-    return (s["running"], s["waiting"], s["kv_pages_used"], s["state_slots_used"]) == (0, 0, 0, 0)
-
-
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
-def test_bf16_graphs_with_ngram(kind, make_checkpoint):
+def test_bf16_graphs_with_ngram(kind, make_checkpoint, pools_held):
     path = make_checkpoint(kind, **SHAPES)
     ps = prompts(0)
     kw = dict(device="cuda", dtype="bfloat16", chunked_prefill_size=64, max_running_requests=16)
@@ -53,10 +47,10 @@ def test_bf16_graphs_with_ngram(kind, make_checkpoint):
     print(f"{kind} bf16: {rate:.1%} of tokens agree before the first divergence; {accepted} accepted")
     assert all(a >= 1 for a in agree) and rate >= 0.8
     assert accepted > 0
-    assert idle(llm)
+    assert not pools_held(llm)
 
 
-def test_fp32_reference_kernels_identical(make_checkpoint, monkeypatch):
+def test_fp32_reference_kernels_identical(make_checkpoint, monkeypatch, pools_held):
     monkeypatch.setenv("DELTASERVE_REFERENCE_KERNELS", "1")
     path = make_checkpoint("qwen3_5", **SHAPES)
     ps = prompts(1)
@@ -64,11 +58,11 @@ def test_fp32_reference_kernels_identical(make_checkpoint, monkeypatch):
     plain = [o.outputs[0].token_ids for o in generate(LLM(path, **kw), ps)]
     llm = LLM(path, speculative_config=NGRAM, **kw)
     assert [o.outputs[0].token_ids for o in generate(llm, ps)] == plain
-    assert idle(llm)
+    assert not pools_held(llm)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
-def test_verification_graphs_replay_as_eager(kind, make_checkpoint):
+def test_verification_graphs_replay_as_eager(kind, make_checkpoint, pools_held):
     """`cuda_graph`: uniform windows replay captured verification graphs, with the tokens of the
     same uniform windows run eagerly; pools idle afterwards."""
     path = make_checkpoint(kind, **SHAPES)
@@ -82,11 +76,13 @@ def test_verification_graphs_replay_as_eager(kind, make_checkpoint):
     outs = generate(graphs, ps)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in generate(eager, ps)]
     assert runner.verify.replays > 0 and sum(o.num_accepted_tokens for o in outs) > 0
-    assert idle(graphs)
+    assert not pools_held(graphs)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_verification_graphs_follow_plain_decoding_at_real_head_sizes(dtype, real_heads_checkpoint):
+def test_verification_graphs_follow_plain_decoding_at_real_head_sizes(
+    dtype, real_heads_checkpoint, pools_held
+):
     """Verification graphs (and the same uniform windows run eagerly) against plain decoding by
     decode graphs, on the 0.8B's head sizes (the H200 benchmark at these sizes accepted almost
     no drafts with verification graphs while the tiny shapes pass; docs/performance.md): the two agree, and agree with plain decoding up
@@ -114,4 +110,4 @@ def test_verification_graphs_follow_plain_decoding_at_real_head_sizes(dtype, rea
         assert got == eager_got
     assert rate >= 0.8 and rate_eager >= 0.8
     assert runner.verify.replays > len(ps) and sum(accepted) > 0
-    assert idle(graphs)
+    assert not pools_held(graphs)

@@ -74,19 +74,13 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int = NEW) -> list[list[
     return [o.outputs[0].token_ids for o in outs]
 
 
-def assert_idle(llm: LLM) -> None:
-    llm.engine.flush_cache()
-    s = llm.engine.stats()
-    assert (s["running"], s["waiting"], s["kv_pages_used"], s["state_slots_used"]) == (0, 0, 0, 0), s
-
-
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
 def mtp_path(request, make_checkpoint, tmp_path_factory) -> tuple[str, str]:
     base = make_checkpoint(request.param)
     return base, with_mtp(base, str(tmp_path_factory.mktemp(f"{request.param}_mtp")))
 
 
-def test_mtp_greedy_identical_and_drafts_match_one_shot(mtp_path):
+def test_mtp_greedy_identical_and_drafts_match_one_shot(mtp_path, pools_held):
     base, path = mtp_path
     prompts = prompts_of([5, 70, 33, 16], seed=1)
     plain = run(make_llm(base, max_running_requests=8), prompts)
@@ -127,10 +121,10 @@ def test_mtp_greedy_identical_and_drafts_match_one_shot(mtp_path):
                 assert drafts[0] == first[n - 2], f"first draft after {n} tokens"
                 checked += 1
         assert checked > 0
-    assert_idle(llm)
+    assert not pools_held(llm)
 
 
-def test_copy_token_mtp_drafts_are_accepted(make_checkpoint, tmp_path_factory):
+def test_copy_token_mtp_drafts_are_accepted(make_checkpoint, tmp_path_factory, pools_held):
     base = make_checkpoint("qwen3_5", tie_word_embeddings=True)
     path = with_mtp(base, str(tmp_path_factory.mktemp("copy_mtp")), copy_token=True)
     prompts = prompts_of([3, 4, 50], seed=2, repeat=4)
@@ -157,7 +151,7 @@ def test_copy_token_mtp_drafts_are_accepted(make_checkpoint, tmp_path_factory):
         assert drafts == want
     s = llm.engine.stats()
     assert s["spec_accepted_tokens_total"] > 0
-    assert_idle(llm)
+    assert not pools_held(llm)
 
 
 def test_mtp_needs_the_weights(make_checkpoint):
