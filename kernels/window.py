@@ -68,7 +68,11 @@ def conv_window(
     return y[pad_index].to(x.dtype)
 
 
-def _delta_window(step, q, k, v, g, beta, state_pool, slots, pad_index, width, window):
+def _delta_window(step, gate_per_k, q, k, v, g, beta, state_pool, slots, pad_index, width, window):
+    """A delta-rule window: on CUDA the Triton kernel, else `step` (the one-token reference)
+    position by position."""
+    if use_fast_path(q):
+        return delta_window_cuda(q, k, v, g, beta, state_pool, slots, pad_index, width, window, gate_per_k)
     n = slots.shape[0]
     q, k, v, g, beta = (_pad(t, pad_index, n, width) for t in (q, k, v, g, beta))
     state = state_pool[slots.long()]
@@ -96,11 +100,8 @@ def gdn_window(
     window: torch.Tensor,
 ) -> torch.Tensor:
     """Gated delta rule over N windows (gdn_decode's shapes, packed); `window [R, L, HV, K, V]`."""
-    if use_fast_path(q):
-        return delta_window_cuda(q, k, v, g, beta, state_pool, slots, pad_index, width, window, False)
-    return _delta_window(
-        recurrent_gated_delta_rule_ref, q, k, v, g, beta, state_pool, slots, pad_index, width, window
-    )
+    args = (q, k, v, g, beta, state_pool, slots, pad_index, width, window)
+    return _delta_window(recurrent_gated_delta_rule_ref, False, *args)
 
 
 def kda_window(
@@ -116,9 +117,8 @@ def kda_window(
     window: torch.Tensor,
 ) -> torch.Tensor:
     """KDA over N windows (kda_decode's shapes, packed); `window [R, L, H, K, V]`."""
-    if use_fast_path(q):
-        return delta_window_cuda(q, k, v, g, beta, state_pool, slots, pad_index, width, window, True)
-    return _delta_window(recurrent_kda_ref, q, k, v, g, beta, state_pool, slots, pad_index, width, window)
+    args = (q, k, v, g, beta, state_pool, slots, pad_index, width, window)
+    return _delta_window(recurrent_kda_ref, True, *args)
 
 
 def delta_window_cuda(
