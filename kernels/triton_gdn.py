@@ -14,6 +14,18 @@ import triton.language as tl
 
 
 @triton.jit
+def delta_rule_update(b_s, b_q, b_k, b_v, b_decay, b_beta, scale, eps):
+    """One token of the gated delta rule on an fp32 `[BK, BV]` state tile: q and k L2-normalised
+    (q scaled), the state decayed by `b_decay` (a scalar, or `[BK, 1]`: one decay per key
+    channel, KDA) and corrected towards v. Returns (new state, normalised q)."""
+    b_q = b_q * (1.0 / tl.sqrt(tl.sum(b_q * b_q) + eps)) * scale
+    b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k) + eps))
+    b_s = b_s * b_decay
+    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    return b_s + b_k[:, None] * b_delta[None, :], b_q
+
+
+@triton.jit
 def _gdn_decode_kernel(
     q,
     k,
@@ -68,12 +80,7 @@ def _gdn_decode_kernel(
     b_g = tl.load(g + i_n * stride_gn + i_h).to(tl.float32)
     b_beta = tl.load(beta + i_n * stride_bn + i_h).to(tl.float32)
 
-    b_q = b_q * (1.0 / tl.sqrt(tl.sum(b_q * b_q) + eps)) * scale
-    b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k) + eps))
-
-    b_s = b_s * tl.exp(b_g)
-    b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-    b_s = b_s + b_k[:, None] * b_delta[None, :]
+    b_s, b_q = delta_rule_update(b_s, b_q, b_k, b_v, tl.exp(b_g), b_beta, scale, eps)
     b_o = tl.sum(b_s * b_q[:, None], 0)
 
     tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)

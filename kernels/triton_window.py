@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.triton_gdn import delta_rule_update
+
 
 @triton.jit
 def _delta_window_kernel(
@@ -81,14 +83,11 @@ def _delta_window_kernel(
         else:
             b_g = tl.load(g + t * stride_gt + i_h * stride_gh, mask=live, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + t * stride_bt + i_h, mask=live, other=0.0).to(tl.float32)
-        b_q = b_q * (1.0 / tl.sqrt(tl.sum(b_q * b_q) + eps)) * scale
-        b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k) + eps))
         if GATE_PER_K:
-            b_s = b_s * tl.exp(b_g)[:, None]
+            b_decay = tl.exp(b_g)[:, None]
         else:
-            b_s = b_s * tl.exp(b_g)
-        b_delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-        b_s = b_s + b_k[:, None] * b_delta[None, :]
+            b_decay = tl.exp(b_g)
+        b_s, b_q = delta_rule_update(b_s, b_q, b_k, b_v, b_decay, b_beta, scale, eps)
         # round through the buffer's dtype, as plain decoding does between steps
         b_s = b_s.to(window.dtype.element_ty).to(tl.float32)
         b_o = tl.sum(b_s * b_q[:, None], 0)
