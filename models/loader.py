@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -58,6 +58,21 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
+M = TypeVar("M", bound=nn.Module)
+
+
+def build_on(device: torch.device, dtype: torch.dtype, make: Callable[[], M]) -> M:
+    """`make()` with its parameters created in place on `device` in `dtype` (the serving dtype):
+    no full-size fp32 copy on the host."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return make()
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights of a realistic scale, for benchmarks without checkpoints."""
     from deltaserve.models.layers import ZeroCenteredRMSNorm
@@ -89,14 +104,7 @@ def load_model(
         tcfg.tie_word_embeddings = config.tie_word_embeddings
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load format {load_format!r}; use 'auto' or 'dummy'")
-    # built in place, on the device and in the serving dtype: no full-size fp32 copy on the host
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = cls(tcfg)
-    finally:
-        torch.set_default_dtype(previous)
+    model = build_on(device, dtype, lambda: cls(tcfg))
     # linear-attention gate parameters stay fp32: exp(A_log) in bf16 loses the decay
     for name, p in model.named_parameters():
         if name.endswith(("A_log", "dt_bias")):

@@ -73,15 +73,9 @@ class MultiTokenPredictor(nn.Module):
 def load_mtp(
     path: str, config: Any, dtype: torch.dtype, device: torch.device, dummy: bool
 ) -> MultiTokenPredictor:
-    from deltaserve.models.loader import init_dummy_weights, iter_safetensors
+    from deltaserve.models.loader import build_on, init_dummy_weights, iter_safetensors
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            mtp = MultiTokenPredictor(config)
-    finally:
-        torch.set_default_dtype(previous)
+    mtp = build_on(device, dtype, lambda: MultiTokenPredictor(config))
     if dummy:
         init_dummy_weights(mtp)
     else:
