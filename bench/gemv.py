@@ -4,8 +4,11 @@
 
 Every distinct bias-free linear weight of the model (built on the meta device from its
 config, so nothing is allocated for it) is timed both ways inside a CUDA graph of 20 calls,
-which leaves launch overhead out as a decode graph does. Reported: microseconds per call and
-the bandwidth of reading the weight once. Decides `DELTASERVE_GEMV=triton` (docs/kernels.md).
+which leaves launch overhead out as a decode graph does. The calls cycle through copies of the
+weight that together exceed the L2 cache (50 MB on the H200), so that each call reads its
+matrix from HBM as a decode step does (the same matrix 20 times would be served from L2 when
+it fits). Reported: microseconds per call and the bandwidth of reading the weight once.
+Decides the Triton GEMV rule of `kernels/linear.py` (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -35,12 +38,16 @@ def linear_shapes(path: str) -> Counter:
     )
 
 
-def time_us(fn, reps: int = 20, iters: int = 20) -> float:
-    fn()
+COLD_BYTES = 256 << 20  # weight copies per shape add up to at least this
+
+
+def time_us(fn, weights: list[torch.Tensor], reps: int = 20, iters: int = 20) -> float:
+    """Microseconds per `fn(w)`, the calls cycling through `weights`."""
+    fn(weights[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+        for i in range(reps):
+            fn(weights[i % len(weights)])
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -62,11 +69,12 @@ def main() -> None:
 
     rows = []
     for (n, k), count in sorted(linear_shapes(args.model).items()):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        copies = min(20, -(-COLD_BYTES // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cublas = time_us(lambda x=x, w=w: F.linear(x, w))
-            triton = time_us(lambda x=x, w=w: gemv(x, w))
+            cublas = time_us(lambda w, x=x: F.linear(x, w), ws)
+            triton = time_us(lambda w, x=x: gemv(x, w), ws)
             gb = n * k * 2 / 1e9
             row = {
                 "n": n,
@@ -80,6 +88,7 @@ def main() -> None:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
+        del ws
     for m in args.rows:
         sel = [r for r in rows if r["rows"] == m]
         per_step = {kind: sum(r[f"{kind}_us"] * r["layers"] for r in sel) for kind in ("cublas", "triton")}

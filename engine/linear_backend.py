@@ -14,8 +14,10 @@ import torch
 
 from deltaserve.engine.forward_batch import ForwardBatch
 from deltaserve.engine.state_pool import StatePool
-from deltaserve.kernels import conv_decode, conv_prefill, gdn_decode, gdn_prefill
+from deltaserve.kernels import conv_decode, conv_prefill, gdn_prefill
+from deltaserve.kernels.gdn import gdn_decode_gated
 from deltaserve.kernels.kda import kda_decode, kda_prefill
+from deltaserve.kernels.norm import gdn_gates
 from deltaserve.kernels.window import conv_window, gdn_window, kda_window, window_pad_index
 
 if TYPE_CHECKING:
@@ -160,11 +162,22 @@ class LinearAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
     ) -> torch.Tensor:
-        """Gated DeltaNet: g `[T, HV]` is one log-decay per value head."""
-        return self._recurrent(layer_id, (q, k, v, g, beta), gdn_decode, gdn_window, gdn_prefill)
+        """Gated DeltaNet from its raw gate projections a, b `[T, HV]` (one log-decay and one
+        beta per value head, `kernels.norm.gdn_gates`): decode rows compute them inside the
+        decode kernel, the other rows before their op."""
+
+        def gated(op):
+            return lambda q, k, v, a, b, *rest: op(q, k, v, *gdn_gates(a, b, A_log, dt_bias), *rest)
+
+        def decode(q, k, v, a, b, pool, slots):
+            return gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, pool, slots)
+
+        return self._recurrent(layer_id, (q, k, v, a, b), decode, gated(gdn_window), gated(gdn_prefill))
 
     def kda(
         self,

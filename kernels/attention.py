@@ -20,7 +20,12 @@ def store_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write new keys and values `[T, Hkv, D]` to flat cache positions `slot_mapping [T]`."""
+    """Write new keys and values `[T, Hkv, D]` to flat cache positions `slot_mapping [T]`
+    (one kernel on CUDA; torch runs an indexed copy each)."""
+    if use_fast_path(k):
+        from deltaserve.kernels.triton_attention import store_kv_launch
+
+        return store_kv_launch(k_cache, v_cache, k, v, slot_mapping)
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     idx = slot_mapping.long()

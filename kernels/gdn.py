@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.kernels.dispatch import use_fast_path
+from deltaserve.kernels.norm import gdn_gates
 from deltaserve.kernels.pool_states import prefill_each_sequence, step_slots
 
 
@@ -140,3 +141,23 @@ def gdn_decode(
 
         return gdn_decode_cuda(q, k, v, g, beta, state_pool, slots)
     return step_slots(recurrent_gated_delta_rule_ref, (q, k, v, g, beta), state_pool, slots)
+
+
+def gdn_decode_gated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`gdn_decode` from GDN's raw gate projections a, b `[N, HV]` (`kernels.norm.gdn_gates`);
+    on CUDA the decode kernel computes the gates itself."""
+    if use_fast_path(q):
+        from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
+
+        return gdn_decode_cuda(q, k, v, a, b, state_pool, slots, gates=(A_log, dt_bias))
+    return gdn_decode(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots)

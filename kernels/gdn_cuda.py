@@ -60,8 +60,11 @@ def gdn_decode_cuda(
     beta: torch.Tensor,
     state_pool: torch.Tensor,
     slots: torch.Tensor,
+    gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One decode step for N requests, updating `state_pool[slots]` in place.
+    """One decode step for N requests, updating `state_pool[slots]` in place. With
+    `gates=(A_log, dt_bias)`, g and beta are GDN's raw gate projections a and b `[N, HV]`, and
+    the kernel computes the gates itself (one launch fewer per layer and step).
 
     CUDA-graph safe: no host syncs, and every launch parameter depends on shapes only.
     """
@@ -75,5 +78,5 @@ def gdn_decode_cuda(
     q, k, v, g, beta = (_last_dim_contiguous(t) for t in (q, k, v, g, beta))
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     block_v, num_warps = decode_block_v(n, hv, dk, dv, sm_count(v.device))
-    gdn_decode_launch(q, k, v, g, beta, state_pool, slots, out, block_v, num_warps)
+    gdn_decode_launch(q, k, v, g, beta, state_pool, slots, out, block_v, num_warps, gates)
     return out

@@ -132,6 +132,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(x)
 
 
+def sigmoid_gate_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(gate)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`x * sigmoid(gate)` for x, gate `[T, H, D]` (gate any view with unit last stride: the
+    attention output gate inside q_proj's rows), contiguous, in x's dtype: one kernel on CUDA
+    where torch runs three (the gate's copy, the sigmoid, the product)."""
+    if use_fast_path(x):
+        from deltaserve.kernels.triton_norm import sigmoid_gate_launch
+
+        return sigmoid_gate_launch(x, gate)
+    return sigmoid_gate_ref(x, gate)
+
+
 def kda_softplus(x: torch.Tensor) -> torch.Tensor:
     # spelled as the release and transformers spell it (log(1 + exp)), not F.softplus
     # (log1p), so that fp32 gates agree bit for bit

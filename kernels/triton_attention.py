@@ -7,6 +7,7 @@ runs online in the exp2 domain (the scale is folded with log2 e).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -321,3 +322,46 @@ def _paged_prefill_kernel(
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         p_o = out + rows[:, None] * stride_ot + i_h * stride_oh + o_d[None, :]
         tl.store(p_o, res.to(out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_cache, v_cache, k, v, slot_mapping, skt, skh, svt, svh, sc, H, D: tl.constexpr, BLOCK: tl.constexpr
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    o = tl.arange(0, BLOCK)
+    m = o < D
+    dst = tl.load(slot_mapping + t).to(tl.int64) * sc + h * D + o
+    kv = tl.load(k + t * skt + h * skh + o, mask=m)
+    tl.store(k_cache + dst, kv.to(k_cache.dtype.element_ty), mask=m)
+    vv = tl.load(v + t * svt + h * svh + o, mask=m)
+    tl.store(v_cache + dst, vv.to(v_cache.dtype.element_ty), mask=m)
+
+
+def store_kv_launch(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`kernels.attention.store_kv` in one launch: caches `[pages, page, Hkv, D]` contiguous,
+    k and v `[T, Hkv, D]` views with unit last stride."""
+    t, h, d = k.shape
+    assert v.shape == k.shape and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (h, d)
+    if t:
+        block = triton.next_power_of_2(d)
+        _store_kv_kernel[(t, h)](
+            k_cache,
+            v_cache,
+            k,
+            v,
+            slot_mapping,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            h * d,
+            h,
+            D=d,
+            BLOCK=block,
+            num_warps=1 if block <= 256 else 4,
+        )

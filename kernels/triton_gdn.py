@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.triton_norm import gdn_log_decay
+
 
 @triton.jit
 def delta_rule_update(b_s, b_q, b_k, b_v, b_decay, b_beta, scale, eps):
@@ -32,6 +34,8 @@ def _gdn_decode_kernel(
     v,
     g,
     beta,
+    A_log,
+    dt_bias,
     state,
     slots,
     out,
@@ -56,7 +60,10 @@ def _gdn_decode_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    GATES: tl.constexpr,
 ):
+    """With GATES, `g` and `beta` hold GDN's raw gate projections a and b, and the gates are
+    computed here (`kernels.norm.gdn_gates`, beta rounded to b's dtype as there)."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = i_nh // HV
@@ -78,7 +85,11 @@ def _gdn_decode_kernel(
     b_k = tl.load(k + i_n * stride_kn + i_hk * stride_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + i_n * stride_vn + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
     b_g = tl.load(g + i_n * stride_gn + i_h).to(tl.float32)
-    b_beta = tl.load(beta + i_n * stride_bn + i_h).to(tl.float32)
+    b_beta = tl.load(beta + i_n * stride_bn + i_h)
+    if GATES:
+        b_g = gdn_log_decay(b_g, tl.load(dt_bias + i_h).to(tl.float32), tl.load(A_log + i_h).to(tl.float32))
+        b_beta = tl.sigmoid(b_beta.to(tl.float32)).to(beta.dtype.element_ty)
+    b_beta = b_beta.to(tl.float32)
 
     b_s, b_q = delta_rule_update(b_s, b_q, b_k, b_v, tl.exp(b_g), b_beta, scale, eps)
     b_o = tl.sum(b_s * b_q[:, None], 0)
@@ -116,7 +127,9 @@ def gdn_decode_launch(
     out: torch.Tensor,
     block_v: int,
     num_warps: int,
+    gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    """`gates=(A_log, dt_bias)`: g and beta are GDN's raw gate projections a and b."""
     n, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     if n == 0:
@@ -128,6 +141,7 @@ def gdn_decode_launch(
         v,
         g,
         beta,
+        *(gates if gates is not None else (g, beta)),
         state_pool,
         slots,
         out,
@@ -152,5 +166,6 @@ def gdn_decode_launch(
         V=dv,
         BK=triton.next_power_of_2(dk),
         BV=block_v,
+        GATES=gates is not None,
         num_warps=num_warps,
     )

@@ -24,7 +24,9 @@ def _gemv_kernel(x, w, y, M, N, K, sxm, swn, sym, BLOCK_M: tl.constexpr, BN: tl.
     om = tl.arange(0, BLOCK_M)
     mn = on < N
     mm = om < M
-    acc = tl.zeros([BLOCK_M, BN], dtype=tl.float32)
+    # Products accumulate elementwise and are reduced along K once at the end: a reduction in
+    # every iteration (shuffles, a barrier) would serialise the loop's weight loads.
+    acc = tl.zeros([BLOCK_M, BN, BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ok = k0 + tl.arange(0, BK)
         mk = ok < K
@@ -32,13 +34,14 @@ def _gemv_kernel(x, w, y, M, N, K, sxm, swn, sym, BLOCK_M: tl.constexpr, BN: tl.
             w + on[:, None].to(tl.int64) * swn + ok[None, :], mask=mn[:, None] & mk[None, :], other=0.0
         )
         xt = tl.load(x + om[:, None] * sxm + ok[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
-        acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
-    tl.store(y + om[:, None] * sym + on[None, :], acc.to(y.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+        acc += xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, axis=2)
+    tl.store(y + om[:, None] * sym + on[None, :], out.to(y.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
 
 def gemv_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
     """(BLOCK_M, BN, BK): BN rows of w per program, fewer while that leaves under 2 programs
-    per SM; BK keeps the per-iteration product within 8k elements."""
+    per SM; BK keeps the accumulator (BLOCK_M x BN x BK fp32) within 8k elements."""
     block_m = triton.next_power_of_2(max(m, 1))
     bn = 16
     while bn > 1 and triton.cdiv(n, bn) < 2 * sms:

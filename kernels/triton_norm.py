@@ -269,16 +269,22 @@ def rms_norm_rope_launch(
 
 
 @triton.jit
+def gdn_log_decay(a, dt_bias, A_log):
+    """GDN's log-decay `-exp(A_log) * softplus(a + dt_bias)` from fp32 values (softplus linear
+    above 20, as torch's); also inlined by the GDN decode kernel."""
+    u = a + dt_bias
+    return -tl.exp(A_log) * tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0))))
+
+
+@triton.jit
 def _gdn_gates_kernel(a, b, A_log, dt_bias, g, beta, H, sa, sb, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
     m = o < H
     av = tl.load(a + t * sa + o, mask=m, other=0.0).to(tl.float32)
     bias = tl.load(dt_bias + o, mask=m, other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(A_log + o, mask=m, other=0.0).to(tl.float32))
-    u = av + bias
-    softplus = tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0))))
-    tl.store(g + t * H + o, -decay * softplus, mask=m)
+    a_log = tl.load(A_log + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(g + t * H + o, gdn_log_decay(av, bias, a_log), mask=m)
     bv = tl.load(b + t * sb + o, mask=m, other=0.0).to(tl.float32)
     tl.store(beta + t * H + o, tl.sigmoid(bv).to(beta.dtype.element_ty), mask=m)
 
@@ -326,4 +332,40 @@ def silu_and_mul_launch(x: torch.Tensor) -> torch.Tensor:
     if t:
         block = min(1024, triton.next_power_of_2(i))
         _silu_and_mul_kernel[(t, triton.cdiv(i, block))](x, y, i, x.stride(0), BLOCK=block, num_warps=4)
+    return y
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x, gate, y, H, sxt, sxh, sgt, sgh, D: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    o = tl.arange(0, BLOCK)
+    m = o < D
+    xv = tl.load(x + t * sxt + h * sxh + o, mask=m, other=0.0)
+    gv = tl.load(gate + t * sgt + h * sgh + o, mask=m, other=0.0)
+    # as torch: the sigmoid rounded to the gate's dtype, the product in fp32 rounded to x's
+    act = tl.sigmoid(gv.to(tl.float32)).to(gv.dtype).to(tl.float32)
+    tl.store(y + (t * H + h) * D + o, (xv.to(tl.float32) * act).to(y.dtype.element_ty), mask=m)
+
+
+def sigmoid_gate_launch(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 3 and x.shape == gate.shape and x.stride(-1) == 1 and gate.stride(-1) == 1
+    assert x.dtype == gate.dtype, (x.dtype, gate.dtype)
+    t, h, d = x.shape
+    y = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t:
+        block = triton.next_power_of_2(d)
+        _sigmoid_gate_kernel[(t, h)](
+            x,
+            gate,
+            y,
+            h,
+            x.stride(0),
+            x.stride(1),
+            gate.stride(0),
+            gate.stride(1),
+            D=d,
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
     return y

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from deltaserve.kernels.norm import rms_norm_rope
+from deltaserve.kernels.norm import rms_norm_rope, sigmoid_gate
 from deltaserve.models.layers import Linear, PartialRotaryEmbedding, ZeroCenteredRMSNorm
 
 if TYPE_CHECKING:
@@ -69,5 +69,4 @@ class GatedAttention(nn.Module):
         q = rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, positions, inv_freq)
         k = rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, positions, inv_freq)
         o = ctx.attn.attention(self.layer_id, q, k, v, self.scale)
-        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(o)
+        return self.o_proj(sigmoid_gate(o, gate).reshape(t, -1))

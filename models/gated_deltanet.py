@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from deltaserve.kernels.norm import gdn_gates
 from deltaserve.models.layers import GatedRMSNorm, Linear
 
 if TYPE_CHECKING:
@@ -58,8 +57,7 @@ class GatedDeltaNet(nn.Module):
         q = q.view(t, self.num_k_heads, self.head_k_dim)
         k = k.view(t, self.num_k_heads, self.head_k_dim)
         v = v.view(t, self.num_v_heads, self.head_v_dim)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-        o = ctx.linear.delta_rule(self.layer_id, q, k, v, g, beta)
+        o = ctx.linear.delta_rule(self.layer_id, q, k, v, a, b, self.A_log, self.dt_bias)
         o = self.norm(
             o.view(t, self.num_v_heads, self.head_v_dim), z.view(t, self.num_v_heads, self.head_v_dim)
         )

@@ -70,7 +70,10 @@ def use_fast(families: list[str]) -> None:
         import deltaserve.engine.linear_backend as lb
         from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
 
-        lb.gdn_decode = gdn_decode_cuda  # type: ignore[assignment]
+        def gated(q, k, v, a, b, A_log, dt_bias, pool, slots):  # the kernel computes the gates
+            return gdn_decode_cuda(q, k, v, a, b, pool, slots, gates=(A_log, dt_bias))
+
+        lb.gdn_decode_gated = gated  # type: ignore[assignment]
 
 
 def main() -> None:
