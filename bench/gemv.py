@@ -5,7 +5,7 @@
 Every distinct bias-free linear weight of the model (built on the meta device from its
 config, so nothing is allocated for it) is timed both ways inside a CUDA graph of 20 calls,
 which leaves launch overhead out as a decode graph does. The calls cycle through copies of the
-weight that together exceed the L2 cache (50 MB on the H200), so that each call reads its
+weight that together exceed the L2 cache (60 MB on the H200), so that each call reads its
 matrix from HBM as a decode step does (the same matrix 20 times would be served from L2 when
 it fits). Reported: microseconds per call and the bandwidth of reading the weight once.
 Decides the Triton GEMV rule of `kernels/linear.py` (docs/kernels.md).

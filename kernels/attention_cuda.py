@@ -12,7 +12,10 @@ import triton
 from deltaserve.kernels.triton_utils import sm_count
 
 _MAX_SPLITS = 64
-_MIN_TOKENS_PER_SPLIT = 256
+# One 64-token tile per split at least. With 256 a batch-1 decode graph at max_model_len 656
+# got 3 splits, 6 programs for Qwen3.5-0.8B's 2 KV heads, and took 11.7 us a layer on the H200
+# for a 640-token context (bench/profile_decode.py).
+_MIN_TOKENS_PER_SPLIT = 64
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -22,7 +25,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 def decode_splits(batch: int, kv_heads: int, max_context: int, sms: int) -> int:
     """KV splits per (request, KV head): enough programs to fill the SMs twice over, yet at
-    least a few hundred tokens per split. Depends on shapes only (graph-safe)."""
+    least `_MIN_TOKENS_PER_SPLIT` tokens per split. Depends on shapes only (graph-safe)."""
     want = triton.cdiv(2 * sms, max(batch * kv_heads, 1))
     cap = triton.cdiv(max_context, _MIN_TOKENS_PER_SPLIT)
     return int(max(1, min(want, cap, _MAX_SPLITS)))

@@ -1,13 +1,15 @@
 """The models' linear layers: cuBLAS, or our Triton GEMV where it was measured to win.
 
-On CUDA (`DELTASERVE_GEMV` unset or `auto`), projections of one or two tokens whose bf16/fp32
-weight is at most 8 MB go to `triton_gemv`: on the H200 cuBLAS reads such small matrices at
-0.3-1.2 TB/s (a 1024x2048 bf16 projection: 12.2 us against Triton's 2.7 us), while from about
-10 MB up cuBLAS is as fast or faster, and the Triton kernel, whose tiles shrink as rows are
-added (its per-iteration product is capped at 8k elements), loses from three rows on
-(bench/gemv.py, docs/kernels.md). `DELTASERVE_GEMV=cublas` keeps
-every projection on cuBLAS; `DELTASERVE_GEMV=triton` widens the rule to `MAX_ROWS` rows and
-`MAX_WEIGHT_BYTES` (for measuring).
+On CUDA (`DELTASERVE_GEMV` unset or `auto`), projections of one or two tokens go to
+`triton_gemv` when the weight is at most 8 MB or has at most 4096 output rows. Measured on the
+H200 with each matrix read from HBM (bench/gemv.py, docs/kernels.md): cuBLAS reads small
+matrices at 0.3-1.5 TB/s (a 1024x2048 bf16 projection: 12.4 us against Triton's 3.3 us) and
+splits K on matrices with few output rows (9B's 4096x12288 down projection: 29.0 against
+25.4 us), while on wide matrices (5120 rows and more) it is as fast or faster. The Triton
+kernel's tiles shrink as rows are added (its accumulator is capped at 8k elements), and it
+loses from three rows on. `DELTASERVE_GEMV=cublas` keeps every projection on cuBLAS;
+`DELTASERVE_GEMV=triton` widens the rule to `MAX_ROWS` rows and `MAX_WEIGHT_BYTES` (for
+measuring).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.kernels.dispatch import use_fast_path
+from deltaserve.kernels.norm import silu_and_mul
 
 AUTO_ROWS = 2
 AUTO_WEIGHT_BYTES = 8 << 20
+AUTO_OUT_ROWS = 4096
 MAX_ROWS = 8
 MAX_WEIGHT_BYTES = 256 << 20
 
@@ -41,14 +45,12 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     mode = gemv_mode()
     if mode == "cublas":
         return False
-    rows, nbytes = (MAX_ROWS, MAX_WEIGHT_BYTES) if mode == "triton" else (AUTO_ROWS, AUTO_WEIGHT_BYTES)
-    return (
-        x.shape[0] <= rows
-        and weight.numel() * weight.element_size() <= nbytes
-        and x.stride(-1) == 1
-        and weight.is_contiguous()
-        and use_fast_path(x)
-    )
+    nbytes = weight.numel() * weight.element_size()
+    if mode == "triton":
+        fits = x.shape[0] <= MAX_ROWS and nbytes <= MAX_WEIGHT_BYTES
+    else:
+        fits = x.shape[0] <= AUTO_ROWS and (nbytes <= AUTO_WEIGHT_BYTES or weight.shape[0] <= AUTO_OUT_ROWS)
+    return fits and x.stride(-1) == 1 and weight.is_contiguous() and use_fast_path(x)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,3 +59,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         return gemv(x, weight)
     return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`linear(silu_and_mul(x), weight)` for x = `[gate | up]` `[T, 2I]` (a SwiGLU MLP's down
+    projection): where the Triton GEMV takes the projection, it applies the activation as it
+    reads x (one kernel fewer per MLP and decode step); the same numbers either way."""
+    inter = x.shape[-1] // 2
+    if x.dim() == 2 and use_gemv(x[:, :inter], weight, None):
+        from deltaserve.kernels.triton_gemv import gemv
+
+        return gemv(x, weight, silu_mul=True)
+    return linear(silu_and_mul(x), weight)

@@ -19,7 +19,23 @@ MAX_ROWS = 8  # x rows (tokens) this kernel takes; more go to cuBLAS
 
 
 @triton.jit
-def _gemv_kernel(x, w, y, M, N, K, sxm, swn, sym, BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _gemv_kernel(
+    x,
+    w,
+    y,
+    M,
+    N,
+    K,
+    sxm,
+    swn,
+    sym,
+    BLOCK_M: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+):
+    """With SILU_MUL, x is `[gate | up]` (`2K` columns) and the product's input is SwiGLU's
+    `silu(gate) * up`, rounded as `kernels.norm.silu_and_mul` rounds it."""
     on = tl.program_id(0) * BN + tl.arange(0, BN)
     om = tl.arange(0, BLOCK_M)
     mn = on < N
@@ -33,7 +49,13 @@ def _gemv_kernel(x, w, y, M, N, K, sxm, swn, sym, BLOCK_M: tl.constexpr, BN: tl.
         wt = tl.load(
             w + on[:, None].to(tl.int64) * swn + ok[None, :], mask=mn[:, None] & mk[None, :], other=0.0
         )
-        xt = tl.load(x + om[:, None] * sxm + ok[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+        mx = mm[:, None] & mk[None, :]
+        xt = tl.load(x + om[:, None] * sxm + ok[None, :], mask=mx, other=0.0)
+        if SILU_MUL:
+            gate = xt.to(tl.float32)
+            up = tl.load(x + om[:, None] * sxm + K + ok[None, :], mask=mx, other=0.0)
+            act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+            xt = (act * up.to(tl.float32)).to(up.dtype)
         acc += xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
     out = tl.sum(acc, axis=2)
     tl.store(y + om[:, None] * sym + on[None, :], out.to(y.dtype.element_ty), mask=mm[:, None] & mn[None, :])
@@ -50,16 +72,33 @@ def gemv_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
     return block_m, bn, bk
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x `[M, K]` (M <= MAX_ROWS, unit last stride), w `[N, K]` contiguous; `[M, N]` in x's dtype."""
-    m, k = x.shape
+def gemv(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    """x `[M, K]` (M <= MAX_ROWS, unit last stride), w `[N, K]` contiguous; `[M, N]` in x's dtype.
+    `silu_mul`: x is `[M, 2K]` = `[gate | up]`, and the result is `silu_and_mul(x) @ w.T`
+    without the activation's own kernel."""
+    m = x.shape[0]
+    k = x.shape[1] // 2 if silu_mul else x.shape[1]
     n = w.shape[0]
     assert m <= MAX_ROWS and w.shape[1] == k and x.stride(-1) == 1 and w.stride(-1) == 1
+    assert not silu_mul or x.shape[1] == 2 * k
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     block_m, bn, bk = gemv_tiles(m, n, k, sm_count(x.device))
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BLOCK_M=block_m, BN=bn, BK=bk, num_warps=4
+        x,
+        w,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        BLOCK_M=block_m,
+        BN=bn,
+        BK=bk,
+        SILU_MUL=silu_mul,
+        num_warps=4,
     )
     return y

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.kernels.dispatch import use_fast_path
-from deltaserve.kernels.linear import linear
+from deltaserve.kernels.linear import linear, silu_mul_linear
 from deltaserve.kernels.moe import fused_moe
-from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm, silu_and_mul
+from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 from deltaserve.kernels.router import softmax_topk
 
 
@@ -132,7 +132,8 @@ class GatedMLP(nn.Module):
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        # the activation is applied inside the down projection's GEMV where that runs
+        return silu_mul_linear(self.gate_up_proj(x), self.down_proj.weight)
 
 
 class Experts(nn.Module):
