@@ -160,4 +160,5 @@ def gdn_decode_gated(
         from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
 
         return gdn_decode_cuda(q, k, v, a, b, state_pool, slots, gates=(A_log, dt_bias))
-    return gdn_decode(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    return gdn_decode(q, k, v, g, beta, state_pool, slots)
