@@ -9,11 +9,12 @@
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
 #   bash bench/gpu_session.sh kda     # attention / GDN / conv / KDA kernel tests, batch-256 profile
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
-#   bash bench/gpu_session.sh diagnose # verification graphs at real head sizes, overlap host share by max_model_len
+#   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
 #   bash bench/gpu_session.sh profiles # GPU idle gaps with overlap at two max_model_len, batch-1 kernels
 #   bash bench/gpu_session.sh kimi-prefill # MLA prefill: reference against DELTASERVE_MLA_PREFILL=sdpa
 #   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
 #   bash bench/gpu_session.sh spec    # speculative decoding, eager verification, window kernels vs references
+#   bash bench/gpu_session.sh ab      # before/after decode on one GPU (first, here: bash bench/ab.sh prepare REV; carry .base)
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -52,13 +53,14 @@ case "${1:-tests}" in
       --drafter oracle --oracle-right 3 --verify-graphs --dtype float32
     ;;
   diagnose)  # the open questions of docs/performance.md, one device call
-    run 150 spec-real-heads python3 -m pytest -q -s -m gpu tests/engine/test_spec_decode_gpu.py -k real_head_sizes
-    run 70 overlap-656 python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 64 256 \
-      --new-tokens 128 --prefill-len 0 --max-model-len 656
-    run 80 overlap-8208 python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 64 256 \
-      --new-tokens 128 --prefill-len 0 --max-model-len 8208
     run 120 spec-fp32 python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs --dtype float32 --new-tokens 64
+    run 120 host-9b-bs256 python3 -m bench.profile_decode --model configs/qwen3.5-9b --batch-size 256 \
+      --max-model-len 8208 --rows 25
+    run 100 host-0.8b-bs256 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
+      --max-model-len 8208 --rows 25
+    run 100 sync-9b-bs256 python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 256 \
+      --new-tokens 128 --prefill-len 0 --disable-overlap-schedule
     ;;
   profiles)  # GPU busy time and idle gaps with overlap at two max_model_len, and batch 1
     run 100 profile-656 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
@@ -101,8 +103,14 @@ case "${1:-tests}" in
       --batch-sizes 1 16 --drafter oracle --oracle-right 3 --reference-windows
     run 60 window-tests python3 -m pytest -q -m gpu tests/kernels/test_window_kernels.py
     ;;
+  ab)  # a performance change against the commit exported by `bench/ab.sh prepare REV`
+    for model in qwen3.5-0.8b qwen3.5-9b; do
+      run 200 "ab-$model" bash bench/ab.sh run python3 -m bench.decode --model "configs/$model" \
+        --batch-sizes 1 8 256 --new-tokens 128 --prefill-len 0
+    done
+    ;;
   *)
-    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|profiles|kimi-prefill|ttft|spec" >&2
+    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|profiles|kimi-prefill|ttft|spec|ab" >&2
     exit 2
     ;;
 esac
