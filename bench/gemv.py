@@ -42,7 +42,8 @@ COLD_BYTES = 256 << 20  # weight copies per shape add up to at least this
 
 
 def time_us(fn, weights: list[torch.Tensor], reps: int = 20, iters: int = 20) -> float:
-    """Microseconds per `fn(w)`, the calls cycling through `weights`."""
+    """Microseconds per `fn(w)`, the calls cycling through `weights` (every copy at least once)."""
+    reps = max(reps, len(weights))
     fn(weights[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -69,7 +70,7 @@ def main() -> None:
 
     rows = []
     for (n, k), count in sorted(linear_shapes(args.model).items()):
-        copies = min(20, -(-COLD_BYTES // (n * k * 2)))
+        copies = -(-COLD_BYTES // (n * k * 2))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

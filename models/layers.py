@@ -17,7 +17,7 @@ from deltaserve.kernels.router import softmax_topk
 
 class Linear(nn.Linear):
     """nn.Linear whose forward goes through `kernels.linear` (cuBLAS, or on CUDA the Triton GEMV
-    for one or two rows of a small matrix).
+    for one or two rows of a small or narrow matrix).
 
     A projection fused from several checkpoint matrices (gate|up, q|k|v) names their row
     counts in `shard_sizes`: off the fast path (CPU, the fp32 oracle) it runs them as separate
