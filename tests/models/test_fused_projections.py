@@ -52,3 +52,17 @@ def test_loader_names_a_missing_shard():
     loader.copy("down_proj.weight", torch.randn(6, 4))
     with pytest.raises(ValueError, match="gate_up_proj"):
         loader.finish()
+
+
+def test_attention_output_gate_on_cpu_is_bitwise_transformers_order():
+    """transformers gates `[T, H * D]` rows; a sigmoid over the strided `[T, H, D]` view of the
+    gate inside q_proj's output runs D-long inner loops whose tails round differently in fp32."""
+    from deltaserve.kernels.norm import sigmoid_gate
+
+    torch.manual_seed(0)
+    for d in (16, 24, 40, 100, 256):
+        t, h = 5, 3
+        o = torch.randn(t, h, d)
+        gate = torch.randn(t, h, 2 * d).chunk(2, dim=-1)[1]
+        expect = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        assert torch.equal(sigmoid_gate(o, gate).reshape(t, -1), expect), d
