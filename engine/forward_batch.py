@@ -57,8 +57,19 @@ def build_forward_batch(
     slot_mapping: list[int] = []
     cu = [0]
     logits_indices: list[int] = []
+    # decode rows (one token each) first, without the general loop's ranges and generators:
+    # at batch 256 this loop is a measurable part of the host's step
+    for i in range(num_decodes):
+        (tok,), p, pg = token_lists[i], starts[i], pages[i]
+        input_ids.append(tok)
+        positions.append(p)
+        slot_mapping.append(pg[p // page_size] * page_size + p % page_size)
+        if sample_mask[i]:
+            logits_indices.append(i)
+    cu.extend(range(1, num_decodes + 1))
     verify = range(num_decodes, num_decodes + num_verify)
-    for i, (toks, start, pg, sample) in enumerate(zip(token_lists, starts, pages, sample_mask)):
+    for i in range(num_decodes, len(token_lists)):
+        toks, start, pg, sample = token_lists[i], starts[i], pages[i], sample_mask[i]
         if i in verify:  # every position's logits: the target's choice after each draft
             logits_indices.extend(range(cu[-1], cu[-1] + len(toks)))
         input_ids.extend(toks)
