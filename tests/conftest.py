@@ -104,11 +104,12 @@ def kimi_builder():
     return build_kimi
 
 
-# a smaller Kimi-Linear than tests/models/test_kimi_linear_parity.py (KDA, MLA, MoE layers)
-SMALL_KIMI = dict(
-    vocab_size=160,
-    hidden_size=32,
-    intermediate_size=48,
+# tiny Kimi-Linear (KDA, MLA and MoE layers): tests/models/test_kimi_linear_parity.py holds it
+# to transformers; MLA at layers 1 and 3 (transformers' default pattern puts none in four)
+KIMI = dict(
+    vocab_size=192,
+    hidden_size=48,
+    intermediate_size=64,
     moe_intermediate_size=16,
     num_hidden_layers=4,
     num_attention_heads=2,
@@ -117,20 +118,36 @@ SMALL_KIMI = dict(
     qk_nope_head_dim=8,
     qk_rope_head_dim=8,
     v_head_dim=12,
-    num_local_experts=4,
-    num_experts_per_tok=2,
+    num_local_experts=8,
+    num_experts_per_tok=3,
     n_group=2,
     topk_group=1,
     n_shared_experts=1,
     linear_num_heads=2,
     linear_head_dim=16,
     linear_conv_kernel_dim=4,
-    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-    initializer_range=0.02,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    initializer_range=0.1,
     bos_token_id=1,
     eos_token_id=None,
     pad_token_id=None,
 )
+# a smaller one for engine tests (overlap scheduling and the like)
+SMALL_KIMI = {
+    **KIMI,
+    "vocab_size": 160,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    "initializer_range": 0.02,
+}
+
+
+@pytest.fixture(scope="session")
+def kimi_config() -> dict:
+    return dict(KIMI)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import sys
 import tempfile
@@ -50,13 +49,8 @@ def checkpoint(kind: str) -> tuple[str, int]:
     if kind != "kimi":
         conftest._build(kind, path, seed=0)
         return path, conftest.TEXT["vocab_size"]
-    parity = os.path.join(HERE, "models", "test_kimi_linear_parity.py")
-    spec = importlib.util.spec_from_file_location("kp", parity)
-    assert spec is not None and spec.loader is not None
-    kp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kp)
-    conftest.build_kimi(path, kp.CONFIG)
-    return path, int(kp.CONFIG["vocab_size"])
+    conftest.build_kimi(path, conftest.KIMI)
+    return path, int(conftest.KIMI["vocab_size"])
 
 
 def use_fast(families: list[str]) -> None:

@@ -19,36 +19,8 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 
-VOCAB = 192
 NEW_TOKENS = 8
 LENGTHS = [1, 2, 17, 31, 32, 33, 64, 65, 100, 129, 200]
-LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
-CONFIG = dict(
-    vocab_size=VOCAB,
-    hidden_size=48,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    num_local_experts=8,
-    num_experts_per_tok=3,
-    n_group=2,
-    topk_group=1,
-    n_shared_experts=1,
-    linear_num_heads=2,
-    linear_head_dim=16,
-    linear_conv_kernel_dim=4,
-    layer_types=LAYER_TYPES,
-    initializer_range=0.1,
-    bos_token_id=1,
-    eos_token_id=None,
-    pad_token_id=None,
-)
 # the release's config.json spelling of the same model
 RELEASE_KEYS = dict(
     num_experts=8,
@@ -73,13 +45,13 @@ RELEASE_KEYS = dict(
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, kimi_builder) -> dict[str, str]:
+def checkpoints(tmp_path_factory, kimi_builder, kimi_config) -> dict[str, str]:
     import transformers as T
     from safetensors.torch import save_file
 
     root = tmp_path_factory.mktemp("kimi")
     saved, hf_names, release = (str(root / n) for n in ("saved", "hf_names", "release"))
-    model = kimi_builder(saved, CONFIG, correction_bias=True)
+    model = kimi_builder(saved, kimi_config, correction_bias=True)
     # transformers' in-memory names
     os.makedirs(hf_names)
     shutil.copy(os.path.join(saved, "config.json"), hf_names)
@@ -103,22 +75,26 @@ def checkpoints(tmp_path_factory, kimi_builder) -> dict[str, str]:
         json.dump(cfg, f)
     # transformers reads the release config as the same model
     reread = T.AutoConfig.from_pretrained(release)
-    assert reread.layer_types == LAYER_TYPES and reread.mlp_layer_types == model.config.mlp_layer_types
+    assert (
+        reread.layer_types == kimi_config["layer_types"]
+        and reread.mlp_layer_types == model.config.mlp_layer_types
+    )
     return {"saved": saved, "hf_names": hf_names, "release": release}
 
 
-def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoints) -> tuple[list[list[int]], list[list[int]]]:
+def reference(checkpoints, kimi_config) -> tuple[list[list[int]], list[list[int]]]:
     """(prompts, transformers' greedy continuations), one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoints["saved"], dtype=torch.float32).eval()
-    prompts = random_prompts(LENGTHS, seed=5)
+    vocab = kimi_config["vocab_size"]
+    prompts = random_prompts(vocab, LENGTHS, seed=5)
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
@@ -127,7 +103,7 @@ def reference(checkpoints) -> tuple[list[list[int]], list[list[int]]]:
             attention_mask=torch.ones_like(ids),
             max_new_tokens=NEW_TOKENS,
             do_sample=False,
-            pad_token_id=VOCAB - 1,
+            pad_token_id=vocab - 1,
         )
         outs.append(gen[0, len(p) :].tolist())
     assert len({tuple(o) for o in outs}) > len(outs) // 2, "degenerate model: outputs barely differ"
