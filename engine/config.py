@@ -73,8 +73,10 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         _ = self.spec  # validates speculative_config
         from deltaserve.kernels.linear import gemv_mode
+        from deltaserve.kernels.triton_utils import pdl_mode
 
         gemv_mode()  # DELTASERVE_GEMV: a typo is an error now, not a silent default
+        pdl_mode()  # DELTASERVE_PDL, likewise
 
     @property
     def torch_dtype(self) -> torch.dtype:

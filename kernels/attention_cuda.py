@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from deltaserve.kernels.triton_pdl import pdl_args
 from deltaserve.kernels.triton_utils import sm_count
 
 _MAX_SPLITS = 64
@@ -89,6 +90,7 @@ def paged_decode_launch(
         PREC=_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_args(q.device),
     )
     if num_splits > 1:
         _paged_decode_reduce_kernel[(n, hq)](
@@ -104,6 +106,7 @@ def paged_decode_launch(
             SPLITS=num_splits,
             BS=triton.next_power_of_2(num_splits),
             num_warps=4,
+            **pdl_args(cu_seqlens_q.device),
         )
 
 
@@ -166,6 +169,7 @@ def paged_prefill_launch(
         PREC=_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_args(q.device),
     )
 
 

@@ -223,6 +223,7 @@ def mla_decode_triton(
     import triton
 
     from deltaserve.kernels.triton_mla import _mla_decode_kernel
+    from deltaserve.kernels.triton_pdl import pdl_args
 
     n, heads = q.shape[0], q.shape[1]
     w_uk, w_uv = absorb_weights(w_kv_b.float(), heads, v_head_dim)
@@ -244,6 +245,7 @@ def mla_decode_triton(
         PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
         # fp32 tiles of 512-wide latents: one stage keeps shared memory well inside Hopper's
         num_warps=4, num_stages=1,
+        **pdl_args(q_latent.device),
     )  # fmt: skip
     # log-sum-exp merge of the splits
     m, den = ml[..., 0], ml[..., 1]

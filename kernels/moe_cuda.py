@@ -43,6 +43,7 @@ def fused_moe_cuda(
     import triton
 
     from deltaserve.kernels.triton_moe import _moe_down_kernel, _moe_gate_up_kernel
+    from deltaserve.kernels.triton_pdl import pdl_args
 
     t, h = x.shape
     e, two_i, _ = gate_up.shape
@@ -61,6 +62,7 @@ def fused_moe_cuda(
         x, gate_up, rows, block_expert, inter, n, h, inter_size, top_k, e,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        **pdl_args(x.device),
     )  # fmt: skip
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -69,5 +71,6 @@ def fused_moe_cuda(
         inter, down, rows, block_expert, weights, out, n, h, inter_size, e,
         inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        **pdl_args(inter.device),
     )  # fmt: skip
     return out.view(t, top_k, h).sum(dim=1)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.triton_pdl import pdl_args, wait_inputs
+
 
 @triton.jit
 def _load_kv(
@@ -96,9 +98,11 @@ def _paged_decode_kernel(
     BN: tl.constexpr,
     SPLITS: tl.constexpr,
     PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (request, KV head, KV split), covering the GROUP query heads that
     share the KV head so each key and value is read from HBM once."""
+    wait_inputs(PDL)
     i_n = tl.program_id(0)
     i_kh = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -177,7 +181,9 @@ def _paged_decode_reduce_kernel(
     BD: tl.constexpr,
     SPLITS: tl.constexpr,
     BS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     q_lo = tl.load(cu_seqlens_q + i_n)
@@ -228,9 +234,11 @@ def _paged_prefill_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (query block, request, query head); query j of a request of q_len new
     tokens sits at position seq_len - q_len + j and sees keys up to and including it."""
+    wait_inputs(PDL)
     # Last query blocks first: they see the most keys, and long programs started early
     # leave a shorter tail.
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -326,8 +334,22 @@ def _paged_prefill_kernel(
 
 @triton.jit
 def _store_kv_kernel(
-    k_cache, v_cache, k, v, slot_mapping, skt, skh, svt, svh, sc, H, D: tl.constexpr, BLOCK: tl.constexpr
+    k_cache,
+    v_cache,
+    k,
+    v,
+    slot_mapping,
+    skt,
+    skh,
+    svt,
+    svh,
+    sc,
+    H,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     o = tl.arange(0, BLOCK)
@@ -364,4 +386,5 @@ def store_kv_launch(
             D=d,
             BLOCK=block,
             num_warps=1 if block <= 256 else 4,
+            **pdl_args(k_cache.device),
         )

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.triton_pdl import pdl_args, wait_inputs
+
 
 @triton.jit
 def _conv_decode_kernel(
@@ -32,7 +34,9 @@ def _conv_decode_kernel(
     BD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     i_n = tl.program_id(0)
     i_d = tl.program_id(1)
     slot = tl.load(slots + i_n).to(tl.int64)
@@ -86,7 +90,9 @@ def _conv_prefill_kernel(
     BD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     i_t = tl.program_id(0)
     i_d = tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -143,7 +149,9 @@ def _conv_final_state_kernel(
     W: tl.constexpr,
     BH: tl.constexpr,
     BD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     i_n = tl.program_id(0)
     i_d = tl.program_id(1)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -208,6 +216,7 @@ def conv_decode_launch(
         HAS_BIAS=bias is not None,
         SILU=silu,
         num_warps=num_warps,
+        **pdl_args(x.device),
     )
 
 
@@ -253,6 +262,7 @@ def conv_prefill_launch(
             HAS_BIAS=bias is not None,
             SILU=silu,
             num_warps=4,
+            **pdl_args(x.device),
         )
     if n > 0:
         # Runs after the output kernel on the same stream, which has read the old history.
@@ -271,4 +281,5 @@ def conv_prefill_launch(
             BH=triton.next_power_of_2(max(width - 1, 1)),
             BD=block_d,
             num_warps=4,
+            **pdl_args(x.device),
         )

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.triton_norm import gdn_log_decay
+from deltaserve.kernels.triton_pdl import pdl_args, wait_inputs
 
 
 @triton.jit
@@ -61,9 +62,11 @@ def _gdn_decode_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     GATES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """With GATES, `g` and `beta` hold GDN's raw gate projections a and b, and the gates are
     computed here (`kernels.norm.gdn_gates`, beta rounded to b's dtype as there)."""
+    wait_inputs(PDL)
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = i_nh // HV
@@ -168,4 +171,5 @@ def gdn_decode_launch(
         BV=block_v,
         GATES=gates is not None,
         num_warps=num_warps,
+        **pdl_args(q.device),
     )

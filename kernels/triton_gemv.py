@@ -13,9 +13,23 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.triton_pdl import pdl_args, wait_inputs
 from deltaserve.kernels.triton_utils import sm_count
 
 MAX_ROWS = 8  # x rows (tokens) this kernel takes; more go to cuBLAS
+
+
+@triton.jit
+def _gemv_tile(x, wt, om, mm, ok, K, sxm, SILU_MUL: tl.constexpr):
+    """Products `[BLOCK_M, BN, BK]` of one K tile: x's rows (SwiGLU applied) times weights wt."""
+    mx = mm[:, None] & (ok < K)[None, :]
+    xt = tl.load(x + om[:, None] * sxm + ok[None, :], mask=mx, other=0.0)
+    if SILU_MUL:
+        gate = xt.to(tl.float32)
+        up = tl.load(x + om[:, None] * sxm + K + ok[None, :], mask=mx, other=0.0)
+        act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+        xt = (act * up.to(tl.float32)).to(up.dtype)
+    return xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
 
 
 @triton.jit
@@ -33,30 +47,34 @@ def _gemv_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """With SILU_MUL, x is `[gate | up]` (`2K` columns) and the product's input is SwiGLU's
-    `silu(gate) * up`, rounded as `kernels.norm.silu_and_mul` rounds it."""
+    `silu(gate) * up`, rounded as `kernels.norm.silu_and_mul` rounds it.
+
+    With PDL the first K tile is peeled off the loop: its weights are loaded before waiting
+    for the previous kernel (that load overlaps the previous kernel's tail; no kernel writes
+    weights). Without PDL the kernel is the plain loop."""
     on = tl.program_id(0) * BN + tl.arange(0, BN)
     om = tl.arange(0, BLOCK_M)
     mn = on < N
     mm = om < M
+    w_rows = w + on[:, None].to(tl.int64) * swn
     # Products accumulate elementwise and are reduced along K once at the end: a reduction in
     # every iteration (shuffles, a barrier) would serialise the loop's weight loads.
-    acc = tl.zeros([BLOCK_M, BN, BK], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    if PDL:
+        ok = tl.arange(0, BK)
+        wt = tl.load(w_rows + ok[None, :], mask=mn[:, None] & (ok < K)[None, :], other=0.0)
+        wait_inputs(PDL)
+        acc = _gemv_tile(x, wt, om, mm, ok, K, sxm, SILU_MUL)
+        k_start = BK
+    else:
+        acc = tl.zeros([BLOCK_M, BN, BK], dtype=tl.float32)
+        k_start = 0
+    for k0 in range(k_start, K, BK):
         ok = k0 + tl.arange(0, BK)
-        mk = ok < K
-        wt = tl.load(
-            w + on[:, None].to(tl.int64) * swn + ok[None, :], mask=mn[:, None] & mk[None, :], other=0.0
-        )
-        mx = mm[:, None] & mk[None, :]
-        xt = tl.load(x + om[:, None] * sxm + ok[None, :], mask=mx, other=0.0)
-        if SILU_MUL:
-            gate = xt.to(tl.float32)
-            up = tl.load(x + om[:, None] * sxm + K + ok[None, :], mask=mx, other=0.0)
-            act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
-            xt = (act * up.to(tl.float32)).to(up.dtype)
-        acc += xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
+        wt = tl.load(w_rows + ok[None, :], mask=mn[:, None] & (ok < K)[None, :], other=0.0)
+        acc += _gemv_tile(x, wt, om, mm, ok, K, sxm, SILU_MUL)
     out = tl.sum(acc, axis=2)
     tl.store(y + om[:, None] * sym + on[None, :], out.to(y.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
@@ -100,5 +118,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tens
         BK=bk,
         SILU_MUL=silu_mul,
         num_warps=4,
+        **pdl_args(x.device),
     )
     return y

@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.triton_pdl import wait_inputs
+
 
 @triton.jit
 def _mla_decode_kernel(
@@ -41,7 +43,9 @@ def _mla_decode_kernel(
     BR: tl.constexpr,
     BN: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     i_n = tl.program_id(0)
     i_hb = tl.program_id(1)
     i_s = tl.program_id(2)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.triton_pdl import pdl_args, wait_inputs
+
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     """(x with a unit last stride, H, s0, s1) describing x as rows `[T, H, D]`."""
@@ -45,7 +47,9 @@ def _rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     t = r // H
     h = r % H
@@ -101,6 +105,7 @@ def _norm(
             HAS_RES=residual is not None,
             BLOCK=block,
             num_warps=_warps(block),
+            **pdl_args(xr.device),
         )
     return y, res_out
 
@@ -119,8 +124,22 @@ def add_rms_norm_launch(
 
 @triton.jit
 def _gated_rms_norm_kernel(
-    x, z, w, y, H, sx0, sx1, sz0, sz1, D, eps, BLOCK: tl.constexpr, SIGMOID_FP32: tl.constexpr
+    x,
+    z,
+    w,
+    y,
+    H,
+    sx0,
+    sx1,
+    sz0,
+    sz1,
+    D,
+    eps,
+    BLOCK: tl.constexpr,
+    SIGMOID_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     t = r // H
     h = r % H
@@ -163,12 +182,14 @@ def gated_rms_norm_launch(
             BLOCK=block,
             SIGMOID_FP32=kind == "sigmoid",
             num_warps=_warps(block),
+            **pdl_args(xr.device),
         )
     return y
 
 
 @triton.jit
-def _kda_gate_kernel(f, dt_bias, A_log, g, HD, sf, D: tl.constexpr, BLOCK: tl.constexpr):
+def _kda_gate_kernel(f, dt_bias, A_log, g, HD, sf, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = o < HD
@@ -188,7 +209,7 @@ def kda_gate_launch(
     if t:
         block = min(1024, triton.next_power_of_2(hd))
         _kda_gate_kernel[(t, triton.cdiv(hd, block))](
-            f, dt_bias, A_log, g, hd, f.stride(0), D=head_dim, BLOCK=block, num_warps=4
+            f, dt_bias, A_log, g, hd, f.stride(0), D=head_dim, BLOCK=block, num_warps=4, **pdl_args(f.device)
         )
     return g
 
@@ -208,7 +229,9 @@ def _rms_norm_rope_kernel(
     HALF: tl.constexpr,
     BH: tl.constexpr,
     BR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     t = r // H
     h = r % H
@@ -264,6 +287,7 @@ def rms_norm_rope_launch(
             BH=triton.next_power_of_2(max(half, 1)),
             BR=triton.next_power_of_2(max(d - 2 * half, 1)),
             num_warps=1 if d <= 256 else 4,
+            **pdl_args(xr.device),
         )
     return y
 
@@ -277,7 +301,8 @@ def gdn_log_decay(a, dt_bias, A_log):
 
 
 @triton.jit
-def _gdn_gates_kernel(a, b, A_log, dt_bias, g, beta, H, sa, sb, BLOCK: tl.constexpr):
+def _gdn_gates_kernel(a, b, A_log, dt_bias, g, beta, H, sa, sb, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
     m = o < H
@@ -309,12 +334,14 @@ def gdn_gates_launch(
             b.stride(0),
             BLOCK=triton.next_power_of_2(h),
             num_warps=1,
+            **pdl_args(a.device),
         )
     return g, beta
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, y, N, sx, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x, y, N, sx, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = o < N
@@ -331,12 +358,17 @@ def silu_and_mul_launch(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((t, i), dtype=x.dtype, device=x.device)
     if t:
         block = min(1024, triton.next_power_of_2(i))
-        _silu_and_mul_kernel[(t, triton.cdiv(i, block))](x, y, i, x.stride(0), BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[(t, triton.cdiv(i, block))](
+            x, y, i, x.stride(0), BLOCK=block, num_warps=4, **pdl_args(x.device)
+        )
     return y
 
 
 @triton.jit
-def _sigmoid_gate_kernel(x, gate, y, H, sxt, sxh, sgt, sgh, D: tl.constexpr, BLOCK: tl.constexpr):
+def _sigmoid_gate_kernel(
+    x, gate, y, H, sxt, sxh, sgt, sgh, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    wait_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     o = tl.arange(0, BLOCK)
@@ -367,5 +399,6 @@ def sigmoid_gate_launch(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             D=d,
             BLOCK=block,
             num_warps=_warps(block),
+            **pdl_args(x.device),
         )
     return y

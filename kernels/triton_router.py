@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.triton_pdl import pdl_args, wait_inputs
+
 
 @triton.jit
 def _topk_route_kernel(
@@ -22,7 +24,9 @@ def _topk_route_kernel(
     BLOCK_K: tl.constexpr,
     SIGMOID: tl.constexpr,
     RENORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     oe = tl.arange(0, BLOCK_E)
     me = oe < E
@@ -82,5 +86,6 @@ def topk_route_launch(
             SIGMOID=sigmoid,
             RENORM=renormalize,
             num_warps=4 if e > 256 else 2,
+            **pdl_args(logits.device),
         )
     return ids, weights

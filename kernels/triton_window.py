@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.triton_gdn import delta_rule_update
+from deltaserve.kernels.triton_pdl import wait_inputs
 
 
 @triton.jit
@@ -54,7 +55,9 @@ def _delta_window_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     GATE_PER_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = i_nh // HV
@@ -119,10 +122,12 @@ def _conv_window_kernel(
     BD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """A window's stream is [history (W-1), x_0 .. x_{L-1}]; output j is the weight's dot with
     stream[j .. j+W-1] and the history after j is stream[j+1 .. j+W-1]. Every element is a
     direct load (pool or x), so positions need no sequential pass and the slot is only read."""
+    wait_inputs(PDL)
     i_n = tl.program_id(0)
     o_d = tl.program_id(1) * BD + tl.arange(0, BD)
     m_d = o_d < D

@@ -137,6 +137,7 @@ def delta_window_cuda(
     """The GDN (g `[T, HV]`) or KDA (`gate_per_k`: g `[T, H, K]`) window in one Triton kernel."""
     import triton
 
+    from deltaserve.kernels.triton_pdl import pdl_args
     from deltaserve.kernels.triton_window import _delta_window_kernel
 
     n, t = slots.shape[0], q.shape[0]
@@ -157,6 +158,7 @@ def delta_window_cuda(
         dk**-0.5, 1e-6,
         WIDTH=width, HV=hv, GROUP=hv // hk, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v,
         GATE_PER_K=gate_per_k,
+        **pdl_args(q.device),
     )  # fmt: skip
     return out
 
@@ -182,6 +184,7 @@ def conv_window_cuda(
     import triton
 
     from deltaserve.kernels.conv_cuda import _check, _is_silu
+    from deltaserve.kernels.triton_pdl import pdl_args
     from deltaserve.kernels.triton_window import _conv_window_kernel
 
     _check(x, conv_pool, weight)
@@ -197,5 +200,6 @@ def conv_window_cuda(
         x.stride(0), conv_pool.stride(0), conv_pool.stride(1), weight.stride(0),
         window.stride(0), window.stride(1), window.stride(2), out.stride(0),
         W=weight.shape[1], WIDTH=width, BD=block_d, HAS_BIAS=bias is not None, SILU=_is_silu(activation),
+        **pdl_args(x.device),
     )  # fmt: skip
     return out

@@ -134,6 +134,17 @@ def test_unknown_gemv_mode_is_a_start_up_error(monkeypatch) -> None:
         EngineConfig(model="m", device="cpu")
 
 
+def test_unknown_pdl_mode_is_a_start_up_error(monkeypatch) -> None:
+    from deltaserve.engine.config import EngineConfig
+
+    monkeypatch.setenv("DELTASERVE_PDL", "auto")
+    with pytest.raises(ValueError, match="DELTASERVE_PDL"):
+        EngineConfig(model="m", device="cpu")
+    for mode in ("on", "off", ""):
+        monkeypatch.setenv("DELTASERVE_PDL", mode)
+        EngineConfig(model="m", device="cpu")
+
+
 def test_unknown_gemv_mode_stops_serve_with_one_line() -> None:
     env = {**os.environ, "DELTASERVE_GEMV": "fast"}
     result = subprocess.run(
