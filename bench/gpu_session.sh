@@ -15,6 +15,7 @@
 #   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
 #   bash bench/gpu_session.sh spec    # speculative decoding, eager verification, window kernels vs references
 #   bash bench/gpu_session.sh ab      # before/after decode on one GPU (first, here: bash bench/ab.sh prepare REV; carry .base)
+#   bash bench/gpu_session.sh ab-pdl  # REV against the working tree with DELTASERVE_PDL=on, and the tree with it off
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -28,7 +29,7 @@ run() {  # run SECONDS NAME CMD...: a hard time limit each, so one stuck step le
 case "${1:-tests}" in
   tests)
     run 90 kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_norm_kernels.py tests/kernels/test_gemv_cuda.py tests/kernels/test_router_cuda.py \
-      tests/kernels/test_moe_cuda.py tests/kernels/test_window_kernels.py tests/kernels/test_mla_cuda.py
+      tests/kernels/test_moe_cuda.py tests/kernels/test_window_kernels.py tests/kernels/test_mla_cuda.py tests/kernels/test_pdl.py
     run 420 engine-tests python3 -m pytest -q -rA -s -m gpu tests/engine
     ;;
   qwen)
@@ -109,8 +110,16 @@ case "${1:-tests}" in
         --batch-sizes 1 8 256 --new-tokens 128 --prefill-len 0
     done
     ;;
+  ab-pdl)  # before (REV, no PDL) / after (working tree, DELTASERVE_PDL=on), then the tree with PDL off
+    for model in qwen3.5-9b qwen3.5-0.8b; do
+      DELTASERVE_PDL=on run 190 "ab-$model" bash bench/ab.sh run python3 -m bench.decode \
+        --model "configs/$model" --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
+      run 70 "nopdl-$model" python3 -m bench.decode --model "configs/$model" \
+        --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
+    done
+    ;;
   *)
-    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|profiles|kimi-prefill|ttft|spec|ab" >&2
+    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|profiles|kimi-prefill|ttft|spec|ab|ab-pdl" >&2
     exit 2
     ;;
 esac
