@@ -413,7 +413,7 @@ class Engine:
 
     def _check_token(self, req: Request, tok: int) -> None:
         """Detokenize the newest token and apply the stop conditions."""
-        checked = len(req.detokenizer.text)
+        checked = req.detokenizer.length
         req.detokenizer.append(tok)
         verdict = check_stop(req, tok, self.eos_token_ids, self.max_model_len, checked)
         if verdict is not None:

@@ -34,19 +34,23 @@ def check_stop(
 
 
 def _find_stop_string(req: Request, checked: int) -> str | None:
-    """The earliest stop string ending in the text added since `checked` characters."""
-    text = req.detokenizer.text
+    """The earliest stop string ending in the text added since `checked` characters (searched
+    in the text's tail only: a stop string ending there starts at most `longest - 1`
+    characters before it)."""
+    detok = req.detokenizer
     longest = max(len(s) for s in req.params.stop)
     window_start = max(0, checked - longest + 1)
+    region = detok.tail(detok.length - window_start)
     best: tuple[int, str] | None = None
     for s in req.params.stop:
-        i = text.find(s, window_start)
+        i = region.find(s)
         if i >= 0 and (best is None or i < best[0]):
             best = (i, s)
     if best is None:
         return None
     i, s = best
-    req.detokenizer.text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
+    i += window_start
+    detok.truncate(i + len(s) if req.params.include_stop_str_in_output else i)
     return s
 
 
