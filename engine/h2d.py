@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 
+@functools.cache
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    # once per dtype: this runs for every list of every step
     return torch.empty(0, dtype=dtype).numpy().dtype
 
 
