@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument(
         "--output-kind",
         default="cumulative",
-        choices=["cumulative", "final_only"],
+        choices=["cumulative", "delta", "final_only"],
         help="cumulative: an output per request per step (streaming); final_only: LLM.generate, non-streamed HTTP",
     )
     ap.add_argument("--profile", action="store_true", help="print the functions that take the most host time")

@@ -55,15 +55,24 @@ class IncrementalDetokenizer:
         """The last `n` characters (all of them if the text is shorter), without joining it."""
         if n <= 0:
             return ""
+        return self.slice(max(0, self.length - n), self.length)
+
+    def slice(self, start: int, end: int) -> str:
+        """`text[start:end]` read from the chunks that hold it: a slice near the end costs its own
+        length, not the text's (stream deltas and stop-string searches read only the tail)."""
+        end = min(end, self.length)
+        if start >= end:
+            return ""
         picked: list[str] = []
-        count = 0
+        chunk_end = self.length
         for chunk in reversed(self._chunks):
-            picked.append(chunk)
-            count += len(chunk)
-            if count >= n:
+            chunk_start = chunk_end - len(chunk)
+            if chunk_start < end:
+                picked.append(chunk[max(0, start - chunk_start) : end - chunk_start])
+            if chunk_start <= start:
                 break
-        joined = "".join(reversed(picked))
-        return joined[len(joined) - n :] if len(joined) > n else joined
+            chunk_end = chunk_start
+        return "".join(reversed(picked))
 
     def _add(self, delta: str) -> None:
         if not delta:

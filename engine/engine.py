@@ -35,7 +35,7 @@ from deltaserve.engine.sampler import Sampler
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import Computed, MtpDrafter, SpecDecoder, Verdict
-from deltaserve.engine.stop_checks import check_stop, visible_text
+from deltaserve.engine.stop_checks import check_stop, visible_length, visible_text
 from deltaserve.models.loader import load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -429,19 +429,38 @@ class Engine:
         self.requests.pop(req.request_id, None)
 
     def _emit(self, outputs: list[RequestOutput], req: Request) -> None:
-        """A step's output for the request: every step, or only the last (`output_kind`)."""
-        if req.finish_reason is not None or req.params.output_kind == "cumulative":
+        """A step's output for the request (`output_kind`): every step, every step that added
+        tokens, or only the last."""
+        kind = req.params.output_kind
+        if (
+            req.finish_reason is not None
+            or kind == "cumulative"
+            or (kind == "delta" and len(req.output_token_ids) > req.num_sent_tokens)
+        ):
             outputs.append(self._output(req))
 
     def _output(self, req: Request) -> RequestOutput:
+        delta = req.params.output_kind == "delta"
+        n_tokens = len(req.output_token_ids)
+        if delta:  # only what is new: the cost does not grow with the output
+            start, chars = req.num_sent_tokens, visible_length(req)
+            token_ids = req.output_token_ids[start:]
+            text = req.detokenizer.slice(req.num_sent_chars, chars)
+            logprobs = req.logprobs[start:] if req.logprobs is not None else None
+            req.num_sent_tokens, req.num_sent_chars = n_tokens, chars
+        else:
+            token_ids = list(req.output_token_ids)
+            text = visible_text(req)
+            logprobs = list(req.logprobs) if req.logprobs is not None else None
         comp = CompletionOutput(
             index=0,
-            token_ids=list(req.output_token_ids),
-            text=visible_text(req),
+            token_ids=token_ids,
+            text=text,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            logprobs=logprobs,
             cumulative_logprob=req.cumulative_logprob,
+            num_tokens=n_tokens,
         )
         return RequestOutput(
             request_id=req.request_id,
@@ -453,6 +472,7 @@ class Engine:
             first_token_time=req.first_token_time,
             num_draft_tokens=req.num_draft_tokens,
             num_accepted_tokens=req.num_accepted_tokens,
+            delta=delta,
         )
 
     # -- introspection ----------------------------------------------------------------

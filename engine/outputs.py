@@ -16,13 +16,21 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
+    """One completion so far. With `output_kind="delta"` token_ids, text and logprobs hold only
+    what is new since the request's previous output (`RequestOutput.delta`)."""
+
     index: int
-    token_ids: list[int]  # cumulative
+    token_ids: list[int]  # cumulative (new ones only in a delta output)
     text: str  # cumulative, safe to show: stop strings trimmed, never a split character
     finish_reason: str | None = None  # None while running, then "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[Logprob] | None = None  # cumulative, when requested
     cumulative_logprob: float = 0.0
+    num_tokens: int = -1  # tokens generated so far, in every kind of output (-1: len(token_ids))
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            self.num_tokens = len(self.token_ids)
 
     @property
     def finished(self) -> bool:
@@ -41,3 +49,16 @@ class RequestOutput:
     first_token_time: float | None = None
     num_draft_tokens: int = 0  # speculative decoding, cumulative: draft tokens verified
     num_accepted_tokens: int = 0  # ... and accepted
+    delta: bool = False  # the completions carry only what is new since the previous output
+
+    def merge(self, newer: RequestOutput) -> RequestOutput:
+        """This output and the same request's next one as one output: deltas are joined, a
+        cumulative output supersedes what came before it."""
+        if not newer.delta:
+            return newer
+        for old, new in zip(self.outputs, newer.outputs):
+            new.token_ids = old.token_ids + new.token_ids
+            new.text = old.text + new.text
+            if old.logprobs is not None and new.logprobs is not None:
+                new.logprobs = old.logprobs + new.logprobs
+        return newer

@@ -53,6 +53,9 @@ class Request:
     # overlap scheduling: tokens sampled on the device and not yet read back (0 or 1); they
     # count as the sequence's last tokens, and the next decode takes its input from the device
     num_placeholders: int = 0
+    # output_kind "delta": how much of the output earlier outputs carried (tokens, characters)
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

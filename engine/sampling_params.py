@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 
 @dataclass
 class SamplingParams:
@@ -25,7 +27,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # "cumulative": an output every step while the request runs (streaming);
+    # "cumulative": an output every step while the request runs, each with everything so far;
+    # "delta": an output every step that adds tokens, each with only what is new (streamed HTTP
+    # requests: the cost of a step's outputs does not grow with their length);
     # "final_only": one output when it finishes (LLM.generate, non-streamed HTTP requests)
     output_kind: str = "cumulative"
 
@@ -40,8 +44,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the field when a value is out of range."""
-        if self.output_kind not in ("cumulative", "final_only"):
-            raise ValueError(f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(
+                f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}"
+            )
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:

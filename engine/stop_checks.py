@@ -54,10 +54,18 @@ def _find_stop_string(req: Request, checked: int) -> str | None:
     return s
 
 
-def visible_text(req: Request) -> str:
-    """Text safe to show: while running, the tail that could still become a stop string is held."""
-    text = req.detokenizer.text
+def visible_length(req: Request) -> int:
+    """How many characters are safe to show: while running, the tail that could still become a
+    stop string is held. The shown text only ever grows: a stop string found later starts at or
+    after the held tail."""
+    length = req.detokenizer.length
     if req.finished or not req.params.stop:
-        return text
+        return length
     hold = max(len(s) for s in req.params.stop) - 1
-    return text[: max(0, len(text) - hold)]
+    return max(0, length - hold)
+
+
+def visible_text(req: Request) -> str:
+    """The text safe to show (`visible_length` characters of it)."""
+    text = req.detokenizer.text
+    return text[: visible_length(req)]

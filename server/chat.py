@@ -40,7 +40,7 @@ def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
 
 
 def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> Usage:
-    completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    completion = sum(c.num_tokens for out in outputs for c in out.outputs)
     cached = min(prompt_tokens, max((out.num_cached_tokens for out in outputs), default=0))
     return Usage(
         prompt_tokens=prompt_tokens,
@@ -148,7 +148,7 @@ async def _stream(
             ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
         )
 
-    states = {rid: ChatStreamState() for rid in index}
+    states = {rid: ChatStreamState(parser) for rid in index}
     latest: dict[str, RequestOutput] = {}
     yield chunk(
         [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in index.values()]
@@ -158,19 +158,11 @@ async def _stream(
             for out in outputs:
                 latest[out.request_id] = out
                 state, completion = states[out.request_id], out.outputs[0]
-                reasoning, content, calls = state.advance(
-                    parser.parse(completion.text, final=completion.finished)
-                )
+                # the engine sends deltas: what this step (or the steps merged into it) added
+                reasoning, content, calls = state.feed(completion.text, final=completion.finished)
                 new_logprobs = None
-                if (
-                    logprobs is not None
-                    and completion.logprobs
-                    and len(completion.logprobs) > state.token_count
-                ):
-                    new_logprobs = chat_logprobs(
-                        completion.logprobs[state.token_count :], logprobs, ctx.token_text
-                    )
-                state.token_count = len(completion.token_ids)
+                if logprobs is not None and completion.logprobs:
+                    new_logprobs = chat_logprobs(completion.logprobs, logprobs, ctx.token_text)
                 reason = finish_reason(completion.finish_reason, state.calls_sent > 0)
                 if reasoning or content or calls or new_logprobs or reason:
                     delta = ChatDelta(

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .protocol import DeltaToolCall, ToolCall, ToolCallFunction
-from .reasoning import split_reasoning
-from .tool_calls import ParsedToolCall, extract_tool_calls
+from .reasoning import ReasoningStream, split_reasoning
+from .tool_calls import ParsedToolCall, ToolCallStream, extract_tool_calls
 
 
 @dataclass
@@ -48,32 +48,24 @@ def to_openai_tool_calls(calls: list[ParsedToolCall]) -> list[ToolCall]:
     ]
 
 
-@dataclass
 class ChatStreamState:
-    """What one choice has streamed so far; `advance` turns a newer parse into the next deltas."""
+    """One streamed choice: `feed` turns the text a step adds into that step's deltas, reading the
+    piece once (`ReasoningStream`, `ToolCallStream`); together they add up to `parse` of the whole
+    text."""
 
-    reasoning_sent: int = 0
-    content_sent: int = 0
-    calls_sent: int = 0
-    text_len: int = 0
-    token_count: int = 0
-    finished: bool = False
-    call_ids: list[str] = field(default_factory=list)
+    def __init__(self, parser: ChatOutputParser) -> None:
+        self.reasoning = ReasoningStream(parser.starts_in_reasoning, parser.parse_reasoning)
+        self.tools = ToolCallStream(parser.tools) if parser.tools is not None else None
+        self.calls_sent = 0
 
-    def advance(self, parsed: ParsedChat) -> tuple[str | None, str | None, list[DeltaToolCall]]:
-        reasoning = None
-        if parsed.reasoning is not None and len(parsed.reasoning) > self.reasoning_sent:
-            reasoning = parsed.reasoning[self.reasoning_sent :]
-            self.reasoning_sent = len(parsed.reasoning)
-        content = None
-        if len(parsed.content) > self.content_sent:
-            content = parsed.content[self.content_sent :]
-            self.content_sent = len(parsed.content)
+    def feed(self, piece: str, final: bool) -> tuple[str | None, str | None, list[DeltaToolCall]]:
+        reasoning, content = self.reasoning.feed(piece, final)
+        calls: list[ParsedToolCall] = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content, final)
         new_calls = []
-        for index in range(self.calls_sent, len(parsed.tool_calls)):
-            call = parsed.tool_calls[index]
-            self.call_ids.append(tool_call_id())
+        for call in calls:
             function = ToolCallFunction(name=call.name, arguments=call.arguments)
-            new_calls.append(DeltaToolCall(index=index, id=self.call_ids[index], function=function))
-        self.calls_sent = len(parsed.tool_calls)
-        return reasoning, content, new_calls
+            new_calls.append(DeltaToolCall(index=self.calls_sent, id=tool_call_id(), function=function))
+            self.calls_sent += 1
+        return reasoning or None, content or None, new_calls

@@ -52,7 +52,7 @@ def _prompts(
 
 
 class _Choice:
-    """One choice's text and logprobs, echo included, from the engine's cumulative output."""
+    """One choice's text and logprobs, echo included, from the engine's output."""
 
     def __init__(
         self, ctx: ServerContext, prompt: tuple[str, list[int]], echo: bool, logprobs: int | None
@@ -64,13 +64,16 @@ class _Choice:
         return (self.prompt_text if self.echo else "") + completion.text
 
     def logprobs_of(
-        self, completion: CompletionOutput, start: int = 0, echo_prompt: bool = False
+        self, completion: CompletionOutput, echo_prompt: bool = False, text_start: int | None = None
     ) -> CompletionLogprobs | None:
+        """The completion's logprobs (the prompt's before them with `echo_prompt`); `text_start`
+        is the text offset of its first token (by default where the generated text starts)."""
         if self.logprobs is None:
             return None
-        text_start = len(self.prompt_text) if self.echo else 0
+        if text_start is None:
+            text_start = len(self.prompt_text) if self.echo else 0
         generated = completion_logprobs(
-            (completion.logprobs or [])[start:], self.logprobs, self.ctx.token_text, text_start
+            completion.logprobs or [], self.logprobs, self.ctx.token_text, text_start
         )
         if not echo_prompt:
             return generated
@@ -156,24 +159,24 @@ async def _stream(
             del payload["usage"]
         return sse(payload)
 
-    sent_text = {rid: 0 for rid in index}
-    sent_tokens = {rid: 0 for rid in index}
-    started: set[str] = set()
+    offsets: dict[str, int] = {}  # where the next token's text starts (logprobs' text_offset)
     latest: dict[str, RequestOutput] = {}
     try:
         async for outputs in group:
             for out in outputs:
+                # the engine sends deltas: what this step (or the steps merged into it) added
                 rid, completion = out.request_id, out.outputs[0]
                 latest[rid] = out
                 choice = choices[index[rid]]
-                first = rid not in started
-                started.add(rid)
-                text = choice.text(completion)
-                delta = text[sent_text[rid] :]
+                first = rid not in offsets
+                delta = choice.text(completion) if first else completion.text
                 logprobs = choice.logprobs_of(
-                    completion, start=sent_tokens[rid], echo_prompt=choice.echo and first
+                    completion, echo_prompt=choice.echo and first, text_start=offsets.get(rid)
                 )
-                sent_text[rid], sent_tokens[rid] = len(text), len(completion.token_ids)
+                if logprobs is not None and logprobs.tokens:
+                    offsets[rid] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                else:
+                    offsets.setdefault(rid, len(choice.prompt_text) if choice.echo else 0)
                 if delta or completion.finish_reason or (logprobs and logprobs.tokens):
                     yield chunk(
                         CompletionChoice(

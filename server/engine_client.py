@@ -39,8 +39,9 @@ class ShuttingDownError(QueueFullError):
 class RequestGroup:
     """The engine requests behind one HTTP request (n of them for `n`), read together.
 
-    Each iteration returns the newest output of every member that made progress since the last
-    one: outputs are cumulative, so a slow reader simply skips stale ones.
+    Each iteration returns one output for every member that made progress since the last one: a
+    slow reader gets the outputs that queued up merged (deltas joined, the newest cumulative
+    output in place of older ones).
     """
 
     def __init__(self, request_ids: list[str]) -> None:
@@ -63,7 +64,8 @@ class RequestGroup:
             if isinstance(item, BaseException):
                 self.failed = True  # `unfinished` stays as it is: the reader's cleanup aborts those
                 raise item
-            latest[item.request_id] = item
+            earlier = latest.get(item.request_id)
+            latest[item.request_id] = item if earlier is None else earlier.merge(item)
         self.unfinished.difference_update(rid for rid, out in latest.items() if out.finished)
         return list(latest.values())
 

@@ -135,7 +135,7 @@ class Metrics:
         if timing is None:
             return
         arrival, last_time, last_count = timing
-        count = sum(len(c.token_ids) for c in out.outputs)
+        count = sum(c.num_tokens for c in out.outputs)
         if count > last_count:
             if last_count == 0:
                 # the engine's own clock: a non-streamed request sends no output before its last

@@ -98,8 +98,8 @@ def build_sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            # a non-streamed response is built from the final output alone
-            output_kind="cumulative" if req.stream else "final_only",
+            # a stream sends what each step adds; a non-streamed response is built from the final output
+            output_kind="delta" if req.stream else "final_only",
         )
     except ValueError as exc:
         raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from exc

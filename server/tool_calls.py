@@ -2,8 +2,9 @@
 
 Two forms exist: Qwen3's JSON body, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, and
 Qwen3.5's XML body, `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`.
-As in reasoning.py, parsing the cumulative text with `final=False` holds back every unfinished call,
-so content and the list of calls only ever grow while a stream is read.
+As in reasoning.py, parsing a growing text with `final=False` holds back every unfinished call, so
+content and the list of calls only ever grow; `ToolCallStream` gives the same result for a text fed
+in pieces, reading each piece once (each call's body is parsed once, when its end tag arrives).
 """
 
 from __future__ import annotations
@@ -58,6 +59,59 @@ def extract_tool_calls(
         pos = end + len(TOOL_END)
     # Whitespace around calls is formatting; trailing whitespace is held back until it is inner.
     return "".join(parts).strip(), calls
+
+
+class ToolCallStream:
+    """`extract_tool_calls` over a content text fed in pieces: `feed` returns the content that a
+    piece adds and the calls it completes."""
+
+    def __init__(self, tools: dict[str, dict[str, Any]]) -> None:
+        self.tools = tools
+        self.buf = ""  # unread text: a partial <tool_call>, or an unfinished call from its tag on
+        self.in_call = False
+        self.search_from = 0  # where </tool_call> may still start in an unfinished call
+        self.started = False  # content's leading whitespace is dropped, as strip() does
+        self.trailing = ""  # whitespace held until content follows it (strip() drops it at the end)
+
+    def feed(self, piece: str, final: bool) -> tuple[str, list[ParsedToolCall]]:
+        buf = self.buf + piece
+        parts: list[str] = []
+        calls: list[ParsedToolCall] = []
+        while True:
+            if not self.in_call:
+                start = buf.find(TOOL_START)
+                if start < 0:
+                    keep = 0 if final else partial_tag_len(buf, TOOL_START)
+                    parts.append(buf[: len(buf) - keep])
+                    buf = buf[len(buf) - keep :]
+                    break
+                parts.append(buf[:start])
+                buf, self.in_call, self.search_from = buf[start:], True, len(TOOL_START)
+            end = buf.find(TOOL_END, self.search_from)
+            if end < 0 and not final:
+                self.search_from = max(len(TOOL_START), len(buf) - len(TOOL_END) + 1)
+                break  # an unfinished call: hold it back
+            body_end = len(buf) if end < 0 else end
+            raw_end = len(buf) if end < 0 else end + len(TOOL_END)
+            call = parse_tool_call_body(buf[len(TOOL_START) : body_end], self.tools)
+            if call is not None:
+                calls.append(call)
+            else:
+                parts.append(buf[:raw_end])  # not a call after all: show it
+            buf, self.in_call = buf[raw_end:], False
+        self.buf = buf
+        return self._strip("".join(parts)), calls
+
+    def _strip(self, text: str) -> str:
+        if not self.started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self.started = True
+        text = self.trailing + text
+        shown = text.rstrip()
+        self.trailing = text[len(shown) :]
+        return shown
 
 
 def parse_tool_call_body(body: str, tools: dict[str, dict[str, Any]]) -> ParsedToolCall | None:

@@ -117,5 +117,5 @@ def test_final_only_requests_report_once(engine):
     assert len(outs["c"]) == 9 and len(outs["f"]) == 1
     assert outs["f"][0].finished and outs["f"][0].outputs[0].token_ids == outs["c"][-1].outputs[0].token_ids
     with pytest.raises(ValueError, match="output_kind"):
-        SamplingParams(output_kind="delta")
+        SamplingParams(output_kind="deltas")
     assert idle(engine)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from deltaserve import LLM, SamplingParams
@@ -51,3 +53,37 @@ def test_streamed_text_equals_one_decode(llm, fast):
         detok.append(i)
     detok.flush()
     assert detok.text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
+    """`output_kind="delta"` (what streams use): each output holds what its step added, an output
+    comes only from steps that add tokens, and joined they equal a cumulative request's outputs,
+    text held back for a stop string included; `num_tokens` counts every token so far."""
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("Hello, my name is")
+    base = dict(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    free = llm.generate("Hello, my name is", SamplingParams(**base))[0].outputs[0]
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    for extra in ({}, {"stop": [stop]}, {"stop": [stop], "include_stop_str_in_output": True}):
+        runs: dict[str, list] = {"cumulative": [], "delta": []}
+        for kind in runs:
+            engine.add_request(kind, prompt, SamplingParams(output_kind=kind, **base, **extra))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                runs[out.request_id].append(out.outputs[0])
+        cumulative, deltas = runs["cumulative"], runs["delta"]
+        last = cumulative[-1]
+        assert "".join(d.text for d in deltas) == last.text
+        assert [t for d in deltas for t in d.token_ids] == last.token_ids
+        joined = [lp for d in deltas for lp in d.logprobs]
+        # (two rows of one batch: the values may differ in the last bits)
+        assert [lp.token_id for lp in joined] == [lp.token_id for lp in last.logprobs]
+        assert [lp.logprob for lp in joined] == pytest.approx([lp.logprob for lp in last.logprobs], abs=1e-4)
+        assert all(d.token_ids for d in deltas)  # no empty outputs while running
+        assert [d.num_tokens for d in deltas] == list(itertools.accumulate(len(d.token_ids) for d in deltas))
+        assert deltas[-1].finish_reason == last.finish_reason and deltas[-1].num_tokens == len(last.token_ids)
+        # Step by step, the text sent so far is the cumulative output's text of the same step.
+        sent = ""
+        for d, c in zip(deltas, cumulative):
+            sent += d.text
+            assert sent == c.text

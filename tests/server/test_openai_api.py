@@ -241,6 +241,24 @@ def test_completions_batch_prompts_token_ids_echo_logprobs(client, server) -> No
     assert all(v is not None and v <= 0 for v in lp.token_logprobs[len(ids) :])
     assert all(len(top) == 2 for top in lp.top_logprobs[len(ids) :])
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # Streamed, the chunks add up to the same text and logprobs, offsets counted from the start.
+    chunks = [
+        c.choices[0]
+        for c in client.completions.create(
+            model=MODEL_NAME,
+            prompt="alpha beta",
+            max_tokens=3,
+            temperature=0,
+            echo=True,
+            logprobs=2,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if c.choices
+    ]
+    assert "".join(c.text for c in chunks) == choice.text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == lp.tokens
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
 
 
 def test_tokenize_detokenize_roundtrip(server, max_model_len) -> None:

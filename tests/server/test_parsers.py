@@ -40,17 +40,26 @@ QWEN35_TOOL = (
 )
 
 
-def stream(parser: ChatOutputParser, text: str) -> tuple[str, str, list[tuple[str, dict]]]:
-    """Feed every prefix of `text` as a stream would and concatenate the deltas."""
-    state = ChatStreamState()
+def stream(
+    parser: ChatOutputParser, text: str, cuts: list[int] | None = None
+) -> tuple[str, str, list[tuple[str, dict]]]:
+    """Feed `text` in pieces (ending at `cuts`, by default one character each) as a stream would,
+    and concatenate the deltas. After every piece, what was streamed must equal the parse of the
+    text so far: the incremental parsers give what parsing each whole prefix would."""
+    state = ChatStreamState(parser)
     reasoning, content, calls = "", "", []
-    for end in range(1, len(text) + 1):
-        parsed = parser.parse(text[:end], final=end == len(text))
-        r, c, new_calls = state.advance(parsed)
+    start = 0
+    for end in cuts or range(1, len(text) + 1):
+        final = end == len(text)
+        r, c, new_calls = state.feed(text[start:end], final=final)
+        start = end
         reasoning += r or ""
         content += c or ""
         calls += [(call.function.name, json.loads(call.function.arguments)) for call in new_calls]
         assert [call.index for call in new_calls] == list(range(len(calls) - len(new_calls), len(calls)))
+        prefix = parser.parse(text[:end], final=final)
+        assert (reasoning, content) == (prefix.reasoning or "", prefix.content), text[:end]
+        assert calls == [(c.name, json.loads(c.arguments)) for c in prefix.tool_calls]
     return reasoning, content, calls
 
 
@@ -149,3 +158,41 @@ def test_partial_tags_are_held_back_while_streaming() -> None:
     assert parser.parse("Sure <tool_ca", final=True).content == "Sure <tool_ca"
     assert split_reasoning("<think>abc</thi", starts_in_reasoning=False, final=False) == ("abc", "")
     assert split_reasoning("<thi", starts_in_reasoning=False, final=False) == (None, "")
+
+
+FRAGMENTS = [
+    "<think>",
+    "</think>",
+    "<thi",
+    "</thin",
+    "\n",
+    "\n\n",
+    "  ",
+    "Let me think. ",
+    "Answer: 42.",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_ca",
+    '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
+    "\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>\n",
+    "{broken",
+    "é",
+    "</",
+]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_parsers_match_whole_prefix_parsing(seed: int) -> None:
+    """Random texts of tags, partial tags, calls (well-formed and not) and whitespace, cut at random:
+    after every piece the stream has sent exactly what parsing the whole prefix gives."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(60):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 14)))
+        cuts = sorted({rng.randint(1, len(text)) for _ in range(rng.randint(1, 6))} | {len(text)})
+        for starts_inside in (False, True):
+            for tools in (None, WEATHER_TOOLS):
+                for parse_reasoning in (True, False):
+                    parser = ChatOutputParser(starts_inside, parse_reasoning, tools)
+                    stream(parser, text, cuts)

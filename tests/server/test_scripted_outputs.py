@@ -53,6 +53,7 @@ class ScriptedEngine:
         self.model_info = {"model": "scripted", "architecture": "Scripted"}
         self.eos_token_ids = [151645]
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.sent: dict[str, tuple[int, int]] = {}  # delta outputs: tokens and characters sent
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.requests[request_id] = (prompt_token_ids, params, [])
@@ -74,8 +75,17 @@ class ScriptedEngine:
             done = len(out) == len(self.script) or len(out) == params.max_tokens
             reason = None if not done else ("stop" if len(out) == len(self.script) else "length")
             text = self.tokenizer.decode(out)
-            completion = CompletionOutput(0, list(out), text.rstrip("\ufffd") if not done else text, reason)
-            outputs.append(RequestOutput(request_id, prompt, [completion], done))
+            text = text.rstrip("\ufffd") if not done else text
+            completion = CompletionOutput(0, list(out), text, reason)
+            if params.output_kind == "delta":  # what streams ask for: only what this step adds
+                sent_tokens, sent_chars = self.sent.get(request_id, (0, 0))
+                completion = CompletionOutput(
+                    0, out[sent_tokens:], text[sent_chars:], reason, num_tokens=len(out)
+                )
+                self.sent[request_id] = (len(out), len(text))
+            delta = params.output_kind == "delta"
+            if done or params.output_kind != "final_only":
+                outputs.append(RequestOutput(request_id, prompt, [completion], done, delta=delta))
             if done:
                 del self.requests[request_id]
         return outputs
