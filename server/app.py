@@ -20,6 +20,7 @@ from .completions import create_completion
 from .context import ServerContext
 from .engine_client import EngineClient
 from .errors import APIError, bad_request, error_body, validation_message
+from .generation_defaults import SamplingDefaults
 from .metrics import Metrics
 from .protocol import (
     ChatCompletionRequest,
@@ -39,12 +40,14 @@ def build_app(
     model_names: list[str],
     chat_template: str | None = None,
     api_key: str | None = None,
-    default_max_tokens: int | None = None,
+    sampling_defaults: SamplingDefaults | None = None,
 ) -> FastAPI:
     """The app for one engine client; the client's engine thread runs for the app's lifespan."""
     metrics = engine_client.metrics or Metrics(model_names[0])
     engine_client.metrics = metrics
-    ctx = ServerContext(engine_client, model_names, metrics, chat_template, default_max_tokens, api_key)
+    ctx = ServerContext(
+        engine_client, model_names, metrics, chat_template, sampling_defaults or SamplingDefaults(), api_key
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

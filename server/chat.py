@@ -70,7 +70,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         req,
         prompt_len=len(prompt_ids),
         max_model_len=ctx.client.max_model_len,
-        default_max_tokens=ctx.default_max_tokens,
+        defaults=ctx.sampling_defaults,
     )
     parser = ChatOutputParser(
         starts_in_reasoning=ctx.parse_reasoning and prompt_opens_reasoning(prompt),

@@ -81,6 +81,19 @@ def _speculative_config(text: str) -> dict:
     return value
 
 
+def _generation_config(text: str) -> str:
+    """auto, none (vllm) or a folder whose generation_config.json is readable and in range."""
+    if text in ("auto", "none", "vllm"):
+        return text
+    from .generation_defaults import load_sampling_defaults
+
+    try:
+        load_sampling_defaults(text, None)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _existing_file(text: str) -> str:
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"no such file: {text!r}")
@@ -129,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "dummy"],
         default="auto",
         help="auto loads the safetensors weights; dummy uses random weights of the checkpoint's shapes",
+    )
+    model.add_argument(
+        "--generation-config",
+        type=_generation_config,
+        default="auto",
+        metavar="auto|none|FOLDER",
+        help="sampling defaults for requests that leave them unset (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, and max_new_tokens as the default max_tokens): auto reads the model's "
+        "generation_config.json, none keeps OpenAI's, or a folder holding a generation_config.json",
     )
     model.add_argument(
         "--seed", type=int, default=0, help="seed for weight init (dummy) and unseeded sampling"

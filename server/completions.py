@@ -93,7 +93,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
             req,
             prompt_len=len(ids),
             max_model_len=ctx.client.max_model_len,
-            default_max_tokens=ctx.default_max_tokens,
+            defaults=ctx.sampling_defaults,
         )
         requests += fan_out(f"{request_id}-{j}", ids, params, req.n)
         choices += [_Choice(ctx, (text, ids), req.echo, params.logprobs)] * req.n

@@ -6,13 +6,14 @@ import asyncio
 import functools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
 from .engine_client import EngineClient, QueueFullError, RequestGroup
 from .errors import APIError, bad_request
+from .generation_defaults import SamplingDefaults
 from .logprobs import TokenText
 from .metrics import Metrics
 
@@ -34,7 +35,7 @@ class ServerContext:
     model_names: list[str]
     metrics: Metrics
     chat_template: str | None = None
-    default_max_tokens: int | None = None
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     api_key: str | None = None
 
     def __post_init__(self) -> None:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("deltaserve")
@@ -28,6 +26,7 @@ def serve(args: argparse.Namespace) -> int:
     from .engine_client import EngineClient
     from .metrics import Metrics
 
+    sampling_defaults = _sampling_defaults(args, engine.model_info.get("model"))
     names = args.served_model_name or [engine.model_info.get("served_model_name") or _default_name(args)]
     client = EngineClient(engine, Metrics(names[0]))
     app = build_app(
@@ -35,7 +34,7 @@ def serve(args: argparse.Namespace) -> int:
         model_names=names,
         chat_template=load_chat_template(args.chat_template),
         api_key=args.api_key,
-        default_max_tokens=_default_max_tokens(engine.model_info.get("model")),
+        sampling_defaults=sampling_defaults,
     )
     import uvicorn
 
@@ -140,15 +139,22 @@ def _leave_a_core_for_http(device: str) -> None:
         torch.set_num_threads(min(torch.get_num_threads(), cores - 1))
 
 
-def _default_max_tokens(model_dir: Any) -> int | None:
-    """`max_new_tokens` from the checkpoint's generation_config.json: the completion length when a
-    request sets none (the built-in model sets one so that noise does not run to the context limit)."""
+def _sampling_defaults(args: argparse.Namespace, model_dir: Any) -> Any:
+    """`--generation-config`: the checkpoint's sampling defaults, logged when they differ from
+    OpenAI's (the built-in model's generation_config.json sets only max_new_tokens)."""
+    from .generation_defaults import load_sampling_defaults
+
     try:
-        config = json.loads((Path(str(model_dir)) / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    value = config.get("max_new_tokens")
-    return int(value) if isinstance(value, int) and value > 0 else None
+        defaults = load_sampling_defaults(getattr(args, "generation_config", "auto"), model_dir)
+    except ValueError as exc:  # the model's own file is out of range: say so rather than guess
+        raise SystemExit(f"deltaserve: error: {exc} (--generation-config none ignores it)") from None
+    changed = defaults.changed()
+    if changed:
+        logger.info(
+            "sampling defaults from generation_config.json (a request's own values win): %s",
+            ", ".join(f"{k}={v}" for k, v in changed.items()),
+        )
+    return defaults
 
 
 def _human(count: Any) -> str:

@@ -11,6 +11,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 if TYPE_CHECKING:
     from deltaserve.engine.sampling_params import SamplingParams
 
+    from .generation_defaults import SamplingDefaults
+
 MAX_N = 128
 MAX_LOGPROBS = 20
 
@@ -28,8 +30,10 @@ def build_sampling_params(
     *,
     prompt_len: int,
     max_model_len: int,
-    default_max_tokens: int | None,
+    defaults: SamplingDefaults | None = None,
 ) -> SamplingParams:
+    """The engine's parameters for one request: the request's values, else `defaults` (the
+    checkpoint's generation_config.json, `--generation-config`), else OpenAI's."""
     from deltaserve.engine.sampling_params import SamplingParams
 
     check_range("n", req.n, 1, MAX_N)
@@ -73,8 +77,12 @@ def build_sampling_params(
             max_name if room >= 1 else ("messages" if isinstance(req, ChatCompletionRequest) else "prompt"),
             code="context_length_exceeded",
         )
+    if defaults is None:
+        from .generation_defaults import SamplingDefaults
+
+        defaults = SamplingDefaults()
     if max_tokens is None:
-        max_tokens = min(room, default_max_tokens) if default_max_tokens else room
+        max_tokens = min(room, defaults.max_tokens) if defaults.max_tokens else room
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(not s for s in stop):
@@ -82,11 +90,13 @@ def build_sampling_params(
     try:
         return SamplingParams(
             n=1,  # the server fans out n itself, see `fan_out`
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=req.min_p or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            temperature=defaults.temperature if req.temperature is None else req.temperature,
+            top_p=defaults.top_p if req.top_p is None else req.top_p,
+            top_k=defaults.top_k if req.top_k is None else req.top_k,
+            min_p=defaults.min_p if req.min_p is None else req.min_p,
+            repetition_penalty=defaults.repetition_penalty
+            if req.repetition_penalty is None
+            else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             seed=req.seed,

@@ -1,0 +1,89 @@
+"""Sampling defaults from the checkpoint's generation_config.json.
+
+A request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset gets the
+model authors' value, as vLLM's and SGLang's servers do (Qwen3.5 ships temperature 0.6, top_p
+0.95, top_k 20); a value the request sets always wins. `max_new_tokens` becomes the completion
+length of requests that set no max_tokens. `--generation-config none` keeps OpenAI's defaults
+(temperature 1, no top-p / top-k / min-p / repetition penalty) and no completion cap.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = None  # None: up to the context
+
+    def changed(self) -> dict[str, Any]:
+        """The defaults that differ from OpenAI's (what the start-up log reports)."""
+        base = SamplingDefaults()
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(base, f.name)
+        }
+
+
+def _number(
+    config: dict[str, Any], key: str, low: float, high: float, low_open: bool = False
+) -> float | None:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    if value < low or value > high or (low_open and value == low):
+        raise ValueError(f"generation_config.json: {key} = {value} is outside [{low:g}, {high:g}]")
+    return float(value)
+
+
+def read_sampling_defaults(folder: str | Path) -> SamplingDefaults:
+    """The defaults of `folder`'s generation_config.json (OpenAI's where the file or a key is
+    missing); a present value out of range is an error."""
+    path = Path(folder) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        return SamplingDefaults()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    found: dict[str, Any] = {}
+    for key, low, high, low_open in (
+        ("temperature", 0.0, 2.0, False),
+        ("top_p", 0.0, 1.0, True),
+        ("min_p", 0.0, 1.0, False),
+        ("repetition_penalty", 0.0, math.inf, True),
+    ):
+        value = _number(config, key, low, high, low_open)
+        if value is not None:
+            found[key] = value
+    top_k = config.get("top_k")
+    if isinstance(top_k, int) and not isinstance(top_k, bool):
+        found["top_k"] = max(top_k, 0)  # transformers and vLLM: 0 / -1 mean off
+    max_new = config.get("max_new_tokens")
+    if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new > 0:
+        found["max_tokens"] = max_new
+    return SamplingDefaults(**found)
+
+
+def load_sampling_defaults(source: str, model_dir: str | Path | None) -> SamplingDefaults:
+    """`--generation-config`: "auto" reads the model's folder, "none" (or vLLM's "vllm") keeps
+    OpenAI's defaults, anything else is a folder holding a generation_config.json."""
+    if source in ("none", "vllm"):
+        return SamplingDefaults()
+    if source == "auto":
+        return read_sampling_defaults(model_dir) if model_dir is not None else SamplingDefaults()
+    if not (Path(source) / "generation_config.json").is_file():
+        raise ValueError(f"--generation-config: no generation_config.json in {source}")
+    return read_sampling_defaults(source)
