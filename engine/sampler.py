@@ -22,6 +22,10 @@ def apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
     return row
 
 
+# Batches whose rows all set a top-k of at most this rank only their k best tokens.
+TOPK_LIMIT = 1024
+
+
 class Sampler:
     """Samples a whole batch at once; only seeded rows draw their noise one by one."""
 
@@ -101,34 +105,56 @@ class Sampler:
         if all(r.params.greedy for r in reqs):
             return greedy_tokens
         greedy = to_device([r.params.greedy for r in reqs], torch.bool, logits.device)
-        probs, order = self._sorted_probs(logits, reqs)
+        probs, order = self._filtered_probs(logits, reqs)
         # exponential race: argmax(p / E) with E ~ Exp(1) samples from p
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, r in enumerate(reqs):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
-        sampled = order.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+        picked = (probs / noise).argmax(dim=-1, keepdim=True)
+        sampled = (order.gather(1, picked) if order is not None else picked).squeeze(1)
         return torch.where(greedy, greedy_tokens, sampled)
 
     def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The distribution each row samples from `[M, vocab]` (non-greedy rows; for rejection
         sampling of speculative drafts)."""
-        probs, order = self._sorted_probs(self._process(logits.float().clone(), reqs), reqs)
-        return torch.zeros_like(probs).scatter_(1, order, probs)
+        probs, order = self._filtered_probs(self._process(logits.float().clone(), reqs), reqs)
+        if order is None:
+            return probs
+        return torch.zeros(logits.shape, dtype=probs.dtype, device=probs.device).scatter_(1, order, probs)
 
-    def _sorted_probs(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """After temperature, top-k, top-p and min-p: probabilities in descending order, and
-        the order (token ids)."""
+    def _filtered_probs(
+        self, logits: torch.Tensor, reqs: list[Request]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After temperature, top-k, top-p and min-p: the probabilities, and the token id of
+        each column (None: column = token id).
+
+        Only top-p needs the tokens in order, and top-k only the k best: a batch whose rows all
+        set a top-k of at most TOPK_LIMIT ranks just those (`torch.topk`, much cheaper than
+        sorting a 150k vocabulary per row), a batch without top-k or top-p ranks nothing, and
+        only the rest sorts the whole vocabulary.
+        """
         dev = logits.device
         vocab = logits.shape[-1]
-        temp = to_device([1.0 if r.params.greedy else r.params.temperature for r in reqs], torch.float32, dev)
-        top_k = to_device([r.params.top_k or vocab for r in reqs], torch.long, dev)
-        top_p = to_device([r.params.top_p for r in reqs], torch.float32, dev)
-        min_p = to_device([r.params.min_p for r in reqs], torch.float32, dev)
+        params = [r.params for r in reqs]
+        temp = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, dev)
+        min_p = to_device([p.min_p for p in params], torch.float32, dev)
         scaled = logits / temp.unsqueeze(1)
-        # one sort serves top-k and top-p
-        vals, order = torch.sort(scaled, dim=-1, descending=True)
-        rank = torch.arange(vocab, device=dev).unsqueeze(0)
+        ks = [p.top_k for p in params]
+        if not any(ks) and all(p.top_p >= 1.0 for p in params):
+            probs = torch.softmax(scaled, dim=-1)
+            if any(p.min_p > 0 for p in params):
+                low = probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+                probs = torch.softmax(scaled.masked_fill(low, float("-inf")), dim=-1)
+            return probs, None
+        width = max(ks) if all(ks) and max(ks) <= min(TOPK_LIMIT, vocab) else vocab
+        if width < vocab:
+            vals, order = torch.topk(scaled, width, dim=-1)  # the k best, in descending order
+        else:
+            vals, order = torch.sort(scaled, dim=-1, descending=True)
+        top_k = to_device([k or vocab for k in ks], torch.long, dev)
+        top_p = to_device([p.top_p for p in params], torch.float32, dev)
+        rank = torch.arange(width, device=dev).unsqueeze(0)
         vals = vals.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
         probs = torch.softmax(vals, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)

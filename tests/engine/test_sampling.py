@@ -178,3 +178,44 @@ def test_out_of_range_params_are_rejected():
     for bad in (dict(n=0), dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row's sampling distribution, written out plainly on the whole vocabulary: temperature,
+    top-k, then top-p on what top-k left (renormalised, as vLLM does), then min-p."""
+    probs = torch.softmax(row / p.temperature, dim=-1)
+    ranked = torch.argsort(probs, descending=True).tolist()
+    if p.top_k:
+        ranked = ranked[: p.top_k]
+    total = sum(float(probs[t]) for t in ranked)
+    kept, mass = [], 0.0
+    for token in ranked:
+        if mass >= p.top_p:
+            break
+        kept.append(token)
+        mass += float(probs[token]) / total
+    out = torch.zeros_like(probs)
+    out[kept] = probs[kept]
+    out = torch.where(out >= p.min_p * out.max(), out, torch.zeros_like(out))
+    return out / out.sum()
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [dict(top_k=20), dict(top_k=5, top_p=0.8), dict(top_k=50, min_p=0.05)],  # top-k only ranks k
+        [dict(top_k=20, top_p=0.9), dict(top_p=0.7), dict()],  # a row without top-k: full sort
+        [dict(), dict(temperature=0.5), dict(temperature=1.7)],  # plain temperature: no ranking
+        [dict(min_p=0.1), dict(), dict(min_p=0.02, temperature=0.7)],  # min-p without ranking
+        [dict(top_k=2000), dict(top_k=3)],  # beyond TOPK_LIMIT: full sort
+    ],
+    ids=["topk", "sort", "plain", "min_p", "large_k"],
+)
+def test_each_path_gives_the_written_out_distribution(rows):
+    gen = torch.Generator().manual_seed(0)
+    vocab = 3000
+    logits = torch.randn(len(rows), vocab, generator=gen) * 3
+    params = [SamplingParams(**{"temperature": 1.0, **r}) for r in rows]
+    got = Sampler(torch.device("cpu"), 0, []).probs(logits, [make_request(p) for p in params])
+    for i, p in enumerate(params):
+        torch.testing.assert_close(got[i], reference_probs(logits[i], p), atol=1e-6, rtol=1e-4)

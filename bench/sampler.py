@@ -1,0 +1,73 @@
+"""The sampler's time per decode step: a batch of logits in, tokens out (left on the device).
+
+    python -m bench.sampler [--vocab 248320] [--batch-sizes 1 64 256] [--device cuda]
+
+Random fp32 logits of Qwen3.5's vocabulary; each batch samples with one set of parameters for
+all its rows: greedy, temperature only, Qwen3.5's generation_config.json (temperature 0.6,
+top_p 0.95, top_k 20: what requests that leave sampling unset get) and top-p only. Reported:
+milliseconds per call (median of `--iters`, synchronised), the time a sampled decode step
+spends beside the forward pass. Uses only `Sampler.sample_tokens`, so the same script times an
+older commit (bench/ab.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.request import Request
+from deltaserve.engine.sampler import Sampler
+from deltaserve.engine.sampling_params import SamplingParams
+
+SETTINGS = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=0.7),
+    "qwen3.5 defaults": dict(temperature=0.6, top_p=0.95, top_k=20),
+    "top_p": dict(temperature=0.7, top_p=0.9),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    sampler = Sampler(dev, 0, [])
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    results = []
+    for bs in args.batch_sizes:
+        logits = torch.randn(bs, args.vocab, device=dev) * 4
+        row = {"batch": bs}
+        for name, setting in SETTINGS.items():
+            reqs = [
+                Request(f"r{i}", [1], SamplingParams(**setting), IncrementalDetokenizer(None))
+                for i in range(bs)
+            ]
+            for _ in range(3):
+                sampler.sample_tokens(logits, reqs)
+            times = []
+            for _ in range(args.iters):
+                sync()
+                t = time.perf_counter()
+                sampler.sample_tokens(logits, reqs)
+                sync()
+                times.append((time.perf_counter() - t) * 1e3)
+            row[name] = round(statistics.median(times), 3)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "ms_per_call": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
