@@ -8,6 +8,7 @@ import torch
 
 from deltaserve.engine.forward_batch import ForwardBatch
 from deltaserve.engine.kv_pool import KVPool
+from deltaserve.engine.page_table import SlotPageTable
 from deltaserve.kernels import paged_attention, store_kv
 from deltaserve.kernels.mla import mla_attention, store_latent
 
@@ -28,10 +29,16 @@ class AttentionBackend:
         self.batch: AttentionMetadata | None = None
         # CUDA-graph buffers per width (tokens per request: 1 decode, k + 1 verification)
         self._graphs: dict[int, AttentionMetadata] = {}
+        # decode batches: each state slot's pages kept on the device (set by the model runner)
+        self.slot_pages: SlotPageTable | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
+        page_table = batch.page_table
+        if page_table is None:  # a decode batch: its slots' rows, as wide as its longest
+            assert self.slot_pages is not None, "a batch without a page table needs the slot table"
+            page_table = self.slot_pages.table[:, : batch.page_columns].index_select(0, batch.state_slots)
         self.batch = AttentionMetadata(
-            batch.slot_mapping, batch.page_table, batch.cu_seqlens_q, batch.seq_lens, batch.max_seqlen_q
+            batch.slot_mapping, page_table, batch.cu_seqlens_q, batch.seq_lens, batch.max_seqlen_q
         )
 
     # -- CUDA graphs: batches of n requests of `width` tokens each (decode: 1; speculative
@@ -52,15 +59,23 @@ class AttentionBackend:
             g.slot_mapping[: bs * width], g.page_table[:bs], g.cu_seqlens_q[: bs + 1], g.seq_lens[:bs], width
         )
 
-    def prepare_for_replay(self, batch: ForwardBatch, bs: int, width: int = 1) -> None:
+    def prepare_for_replay(
+        self, batch: ForwardBatch, bs: int, width: int = 1, slots: torch.Tensor | None = None
+    ) -> None:
         """Copy a batch of n <= bs requests in; rows n..bs use the padding page (page 0) and a
-        length of `width`."""
+        length of `width`. A batch without a page table takes its rows from `slot_pages` by
+        `slots` (`[bs]`, the padding rows at slot 0, whose row is the padding page)."""
         g = self._graphs[width]
-        n, pages = batch.page_table.shape
+        n = batch.num_requests
         g.slot_mapping[: n * width].copy_(batch.slot_mapping)
         g.slot_mapping[n * width : bs * width].zero_()
-        g.page_table[:n, :pages].copy_(batch.page_table)
-        g.page_table[n:bs].zero_()
+        if batch.page_table is None:
+            assert self.slot_pages is not None and slots is not None and slots.shape[0] == bs
+            self.slot_pages.gather(slots, g.page_table[:bs])
+        else:
+            pages = batch.page_table.shape[1]
+            g.page_table[:n, :pages].copy_(batch.page_table)
+            g.page_table[n:bs].zero_()
         g.seq_lens[:n].copy_(batch.seq_lens)
         g.seq_lens[n:bs].fill_(width)
 

@@ -124,7 +124,11 @@ class CudaGraphRunner:
         self.verify = None
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.num_decodes == batch.num_requests and batch.num_requests <= self.decode.sizes[-1]
+        return self.takes_decode(batch.num_requests, batch.num_decodes)
+
+    def takes_decode(self, num_requests: int, num_decodes: int) -> bool:
+        """A batch of these counts replays a decode graph."""
+        return num_decodes == num_requests and num_requests <= self.decode.sizes[-1]
 
     def can_run_verify(self, batch: ForwardBatch) -> bool:
         v, n = self.verify, batch.num_requests
@@ -150,8 +154,8 @@ class CudaGraphRunner:
         bs = gs.sizes[bisect.bisect_left(gs.sizes, n)]
         gs.input_ids[: n * w].copy_(batch.input_ids)
         gs.positions[: n * w].copy_(batch.positions)
-        self.attn.prepare_for_replay(batch, bs, w)
         self.linear.prepare_for_replay(batch, bs, w)
+        self.attn.prepare_for_replay(batch, bs, w, self.linear.graph_slots(w)[:bs])
         graph, out = gs.graphs[bs]
         graph.replay()
         gs.replays += 1

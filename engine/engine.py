@@ -26,7 +26,7 @@ import torch
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.forward_batch import build_forward_batch
-from deltaserve.engine.h2d import to_device
+from deltaserve.engine.h2d import to_device_packed
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.prefix_caching import make_prefix_cache, prefill_cost
@@ -271,10 +271,14 @@ class Engine:
             if c.req.num_placeholders:
                 rows.append(row)
                 src.append(index[id(c.req)])
-        if rows:
-            dev = batch.input_ids.device
-            rows_t, src_t = to_device(rows, torch.long, dev), to_device(src, torch.long, dev)
-            batch.input_ids[rows_t] = prev.tokens[src_t]
+        if not rows:
+            return
+        k = len(rows)
+        if rows[-1] == k - 1 and src == rows:  # the steady state: one copy, nothing to send
+            batch.input_ids[:k].copy_(prev.tokens[:k])
+            return
+        rows_t, src_t = to_device_packed([(rows, torch.long), (src, torch.long)], batch.input_ids.device)
+        batch.input_ids.index_copy_(0, rows_t, prev.tokens.index_select(0, src_t))
 
     def _launch_readback(self, sampled: list[Request], logits: torch.Tensor) -> _InFlight:
         tokens = self.sampler.sample_tokens(logits, sampled)
@@ -385,17 +389,23 @@ class Engine:
                 toks = toks + [0] * (end - start - len(toks))
             return toks + c.drafts
 
+        pages = [c.req.pages for c in chunks]
+        slots = [c.req.slot or 0 for c in chunks]
+        table = self.runner.decode_page_table(len(chunks), plan.num_decodes)
+        if table is not None:  # a decode graph reads the device's table: send what changed
+            table.update(slots, pages)
         return build_forward_batch(
             token_lists=[tokens(c) for c in chunks],
             starts=[c.req.num_computed_tokens for c in chunks],
-            pages=[c.req.pages for c in chunks],
-            slots=[c.req.slot or 0 for c in chunks],
+            pages=pages,
+            slots=slots,
             has_initial=[c.req.num_computed_tokens > 0 or c.req.has_initial_state for c in chunks],
             sample_mask=[c.sample for c in chunks],
             num_decodes=plan.num_decodes,
             page_size=self.config.page_size,
             device=self.device,
             num_verify=plan.num_verify,
+            page_table=table is None,
         )
 
     def _append_token(self, req: Request, tok: int, lp: Any, now: float) -> None:

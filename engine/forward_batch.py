@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltaserve.engine.h2d import to_device
+from deltaserve.engine.h2d import to_device_packed
 
 
 @dataclass
@@ -23,12 +23,13 @@ class ForwardBatch:
     max_seqlen_q: int
     cu_seqlens_q: torch.Tensor  # [N+1] int32
     seq_lens: torch.Tensor  # [N] int32, KV length once this step's tokens are in
-    page_table: torch.Tensor  # [N, max_pages] int32
+    page_table: torch.Tensor | None  # [N, max_pages] int32; None: the attention backend's slot table
     slot_mapping: torch.Tensor  # [T] int64, flat KV position of each new token
     state_slots: torch.Tensor  # [N] int32
     has_initial_state: torch.Tensor  # [N] bool
     logits_indices: torch.Tensor  # [M] token index of each sampled position
     verify_lens: list[int] = field(default_factory=list)  # tokens of each verification window
+    page_columns: int = 0  # the most pages any request of the batch has
 
     @property
     def num_tokens(self) -> int:
@@ -50,8 +51,11 @@ def build_forward_batch(
     page_size: int,
     device: torch.device,
     num_verify: int = 0,
+    page_table: bool = True,
 ) -> ForwardBatch:
-    """token_lists[i] are request i's new tokens, at positions starts[i]...; pages its KV pages."""
+    """token_lists[i] are request i's new tokens, at positions starts[i]...; pages its KV pages.
+    `page_table=False` leaves the page table out (a decode batch, whose table the attention
+    backend keeps on the device, `engine/page_table.py`)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
@@ -80,22 +84,34 @@ def build_forward_batch(
         if sample and i not in verify:
             logits_indices.append(cu[-1] - 1)
     max_pages = max(len(p) for p in pages)
-    table = [p + [0] * (max_pages - len(p)) for p in pages]
+    table = [p + [0] * (max_pages - len(p)) for p in pages] if page_table else []
 
-    def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(x, dtype, device)
-
+    (ids, pos, cu_t, lens, table_t, slot_map, slots_t, initial, logits_idx) = to_device_packed(
+        [
+            (input_ids, torch.long),
+            (positions, torch.long),
+            (cu, torch.int32),
+            ([s + len(x) for s, x in zip(starts, token_lists)], torch.int32),
+            (table, torch.int32),
+            (slot_mapping, torch.long),
+            (slots, torch.int32),
+            (has_initial, torch.bool),
+            (logits_indices, torch.long),
+        ],
+        device,
+    )
     return ForwardBatch(
-        input_ids=t(input_ids, torch.long),
-        positions=t(positions, torch.long),
+        input_ids=ids,
+        positions=pos,
         num_decodes=num_decodes,
         max_seqlen_q=max(len(x) for x in token_lists),
-        cu_seqlens_q=t(cu, torch.int32),
-        seq_lens=t([s + len(x) for s, x in zip(starts, token_lists)], torch.int32),
-        page_table=t(table, torch.int32),
-        slot_mapping=t(slot_mapping, torch.long),
-        state_slots=t(slots, torch.int32),
-        has_initial_state=t(has_initial, torch.bool),
-        logits_indices=t(logits_indices, torch.long),
+        cu_seqlens_q=cu_t,
+        seq_lens=lens,
+        page_table=table_t if page_table else None,
+        slot_mapping=slot_map,
+        state_slots=slots_t,
+        has_initial_state=initial,
+        logits_indices=logits_idx,
         verify_lens=[len(token_lists[i]) for i in verify],
+        page_columns=max_pages,
     )

@@ -96,6 +96,10 @@ class LinearAttentionBackend:
         slots[:n].copy_(batch.state_slots)
         slots[n:bs].zero_()
 
+    def graph_slots(self, width: int = 1) -> torch.Tensor:
+        """The state-slot buffer the graphs of `width` read (filled by `prepare_for_replay`)."""
+        return self._graph_slots[width]
+
     def reset_capture(self, width: int = 1) -> None:
         self._graph_slots.pop(width, None)
         self._graph_pad.pop(width, None)

@@ -15,6 +15,7 @@ from deltaserve.engine.forward_context import ForwardContext
 from deltaserve.engine.kv_pool import KVPool
 from deltaserve.engine.linear_backend import LinearAttentionBackend
 from deltaserve.engine.memory import plan_pools
+from deltaserve.engine.page_table import SlotPageTable
 from deltaserve.engine.spec_decode.state_window import StateWindow
 from deltaserve.engine.state_pool import StatePool
 from deltaserve.models.loader import LoadedModel
@@ -74,6 +75,9 @@ class ModelRunner:
             )
             self.linear.window = self.window
         self.ctx = ForwardContext(self.attn, self.linear)
+        # decode batches read each slot's pages from here (`engine/page_table.py`)
+        max_pages = -(-self.sizes.max_model_len // config.page_size)
+        self.attn.slot_pages = SlotPageTable(1 + self.sizes.num_slots, max_pages, device)
         self.graph_runner: CudaGraphRunner | None = None
         # MTP drafting reads every forward's hidden states, which decode graphs do not keep
         if device.type == "cuda" and not config.disable_cuda_graph and self.mtp is None:
@@ -133,6 +137,14 @@ class ModelRunner:
                 self.graph_runner.verify.sizes,
                 width,
             )
+
+    def decode_page_table(self, num_requests: int, num_decodes: int) -> SlotPageTable | None:
+        """The device page table that a batch of these counts reads (decodes only, by graph
+        or eagerly): the engine updates it and leaves the batch's own table out. None for
+        other batches."""
+        if num_requests == 0 or num_decodes != num_requests:
+            return None
+        return self.attn.slot_pages
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -1,12 +1,12 @@
-"""Host lists to device tensors: the values, dtype and shape `torch.tensor` would give, on CPU
-here and on CUDA where there is one."""
+"""Host lists to device tensors: the values, dtype and shape `torch.tensor` would give, one list
+at a time or several packed into one transfer, on CPU here and on CUDA where there is one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deltaserve.engine.h2d import to_device
+from deltaserve.engine.h2d import to_device, to_device_packed
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -33,3 +33,39 @@ def test_lists_become_the_tensors_torch_would_make(device, values, dtype):
 def test_ragged_lists_are_an_error():
     with pytest.raises(ValueError):
         to_device([[1, 2], [3]], torch.int32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_lists_come_back_as_their_own_tensors(device):
+    fields = [
+        ([3, -1, 2**40], torch.long),
+        ([0, 5, 7], torch.int32),  # 12 bytes: the next field starts on a 16-byte boundary
+        ([[1, 2, 0], [4, 5, 6]], torch.int32),
+        ([True, False, True], torch.bool),
+        ([], torch.long),
+        ([2**31 - 1], torch.int32),
+    ]
+    out = to_device_packed(fields, torch.device(device))
+    assert len(out) == len(fields)
+    for t, (values, dtype) in zip(out, fields):
+        expect = torch.tensor(values, dtype=dtype)
+        assert t.device.type == device and t.dtype == dtype and t.shape == expect.shape
+        assert torch.equal(t.cpu(), expect)
+    assert all(t.data_ptr() % 16 == 0 for t in out if t.numel())
+    out[1][0] = 99  # views of one buffer, but each only over its own bytes
+    assert torch.equal(out[0].cpu(), torch.tensor([3, -1, 2**40])) and out[2][0, 0].item() == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_staging_ring_is_not_overwritten_under_queued_copies():
+    """More transfers than the ring has buffers while the stream is still busy: each tensor
+    keeps its own values (a reused buffer is written only after its copy has run)."""
+    from deltaserve.engine.h2d import _ring, to_device
+
+    torch.cuda._sleep(200_000_000)  # the copies queue behind ~0.1 s of GPU time
+    lists = [[i] * (1000 + i) for i in range(3 * len(_ring().buffers) + 1)]
+    out = [to_device(v, torch.int32, torch.device("cuda")) for v in lists]
+    torch.cuda.synchronize()
+    for t, v in zip(out, lists):
+        assert torch.equal(t.cpu(), torch.tensor(v, dtype=torch.int32))
