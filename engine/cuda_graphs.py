@@ -22,6 +22,7 @@ import torch
 from deltaserve.engine.attention_backend import AttentionBackend
 from deltaserve.engine.forward_batch import ForwardBatch
 from deltaserve.engine.linear_backend import LinearAttentionBackend
+from deltaserve.kernels.triton_utils import capturing_graph
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +98,15 @@ class CudaGraphRunner:
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile and autotune outside the capture
-                self.body(input_ids, positions)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.body(input_ids, positions)
+        # small graphs launch our kernels with PDL (DELTASERVE_PDL, kernels/triton_utils.py)
+        with capturing_graph(input_ids.numel()):
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile and autotune outside the capture
+                    self.body(input_ids, positions)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.body(input_ids, positions)
         return graph, out
 
     def capture_verify(self, width: int, max_bs: int) -> None:

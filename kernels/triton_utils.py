@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
-PDL_MODES = ("off", "on")
+PDL_MODES = ("off", "auto", "on")
+# "auto": PDL in the decode graphs of at most this many tokens. Measured on the H200: batch 1
+# gains 3-10%, batch 8 2-3%, while 9B batch 256 loses 8-9% (docs/performance.md): a kernel lets
+# the next one launch as soon as it has passed its wait, and at large grids the next kernel's
+# waiting programs take SM slots from the running one.
+PDL_AUTO_MAX_TOKENS = 32
+_graph_tokens: ContextVar[int | None] = ContextVar("deltaserve_pdl_graph_tokens", default=None)
 
 
 @functools.cache
@@ -19,7 +28,7 @@ def sm_count(device: torch.device) -> int:
 
 
 def pdl_mode() -> str:
-    mode = os.environ.get("DELTASERVE_PDL", "off") or "off"
+    mode = os.environ.get("DELTASERVE_PDL", "auto") or "auto"
     if mode not in PDL_MODES:
         raise ValueError(f"DELTASERVE_PDL must be one of {', '.join(PDL_MODES)}, got {mode!r}")
     return mode
@@ -30,8 +39,26 @@ def _pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@contextmanager
+def capturing_graph(tokens: int) -> Iterator[None]:
+    """Kernels launched inside (a decode graph's warm-up and capture) belong to a graph of
+    `tokens` tokens: with `DELTASERVE_PDL=auto` they use PDL when that is small."""
+    token = _graph_tokens.set(tokens)
+    try:
+        yield
+    finally:
+        _graph_tokens.reset(token)
+
+
 def pdl_enabled(device: torch.device) -> bool:
-    """Our Triton kernels launch with programmatic dependent launch (`kernels/triton_pdl.py`)
-    when `DELTASERVE_PDL=on`, on CUDA devices of compute capability 9.0 and later. Off by
-    default until its final form is measured (docs/performance.md)."""
-    return pdl_mode() == "on" and _pdl_capable(device)
+    """Our Triton kernels launch with programmatic dependent launch (`kernels/triton_pdl.py`),
+    on CUDA devices of compute capability 9.0 and later: with `DELTASERVE_PDL=on` always, with
+    `auto` (the default) in decode graphs of at most PDL_AUTO_MAX_TOKENS tokens, with `off`
+    never."""
+    mode = pdl_mode()
+    if mode == "off" or not _pdl_capable(device):
+        return False
+    if mode == "on":
+        return True
+    tokens = _graph_tokens.get()
+    return tokens is not None and tokens <= PDL_AUTO_MAX_TOKENS

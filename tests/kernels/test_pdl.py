@@ -6,18 +6,36 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.kernels.triton_utils import pdl_enabled, pdl_mode
+from deltaserve.kernels import triton_utils
+from deltaserve.kernels.triton_utils import PDL_AUTO_MAX_TOKENS, capturing_graph, pdl_enabled, pdl_mode
 
 
 def test_pdl_switch(monkeypatch):
     monkeypatch.delenv("DELTASERVE_PDL", raising=False)
-    assert pdl_mode() == "off"
+    assert pdl_mode() == "auto"
     monkeypatch.setenv("DELTASERVE_PDL", "on")
     assert pdl_mode() == "on"
     assert not pdl_enabled(torch.device("cpu"))  # the CPU interpreter has no griddepcontrol
     monkeypatch.setenv("DELTASERVE_PDL", "yes")
     with pytest.raises(ValueError, match="DELTASERVE_PDL"):
         pdl_mode()
+
+
+def test_auto_uses_pdl_in_small_graphs_only(monkeypatch):
+    monkeypatch.setattr(triton_utils, "_pdl_capable", lambda device: True)  # as on a Hopper GPU
+    dev = torch.device("cuda")
+    for mode, outside, small, large in (
+        ("auto", False, True, False),
+        ("on", True, True, True),
+        ("off", False, False, False),
+    ):
+        monkeypatch.setenv("DELTASERVE_PDL", mode)
+        assert pdl_enabled(dev) is outside  # prefill and eager decode
+        with capturing_graph(PDL_AUTO_MAX_TOKENS):
+            assert pdl_enabled(dev) is small
+        with capturing_graph(PDL_AUTO_MAX_TOKENS + 1):
+            assert pdl_enabled(dev) is large
+        assert pdl_enabled(dev) is outside
 
 
 def _layers(x, res, weights):

@@ -137,10 +137,10 @@ def test_unknown_gemv_mode_is_a_start_up_error(monkeypatch) -> None:
 def test_unknown_pdl_mode_is_a_start_up_error(monkeypatch) -> None:
     from deltaserve.engine.config import EngineConfig
 
-    monkeypatch.setenv("DELTASERVE_PDL", "auto")
+    monkeypatch.setenv("DELTASERVE_PDL", "yes")
     with pytest.raises(ValueError, match="DELTASERVE_PDL"):
         EngineConfig(model="m", device="cpu")
-    for mode in ("on", "off", ""):
+    for mode in ("on", "off", "auto", ""):
         monkeypatch.setenv("DELTASERVE_PDL", mode)
         EngineConfig(model="m", device="cpu")
 
