@@ -7,7 +7,8 @@ all its rows: greedy, temperature only, Qwen3.5's generation_config.json (temper
 top_p 0.95, top_k 20: what requests that leave sampling unset get) and top-p only. Reported:
 milliseconds per call (median of `--iters`, synchronised), the time a sampled decode step
 spends beside the forward pass. Uses only `Sampler.sample_tokens`, so the same script times an
-older commit (bench/ab.sh).
+older commit (bench/ab.sh). `--ops` also times the ranking ops alone on the same logits
+(a full sort against `torch.topk` of 20 and 1024), which decide the sampler's paths.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--ops", action="store_true", help="also time sort / topk alone")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -62,6 +64,22 @@ def main() -> None:
                 sync()
                 times.append((time.perf_counter() - t) * 1e3)
             row[name] = round(statistics.median(times), 3)
+        if args.ops:
+            ops = {"op sort": None, "op topk 20": 20, "op topk 1024": 1024}
+            for name, k in ops.items():
+                times = []
+                for i in range(args.iters + 1):
+                    sync()
+                    t = time.perf_counter()
+                    if k is None:
+                        torch.sort(logits, dim=-1, descending=True)
+                    else:
+                        torch.topk(logits, k, dim=-1)
+                    sync()
+                    if i == 0:
+                        continue  # warm-up
+                    times.append((time.perf_counter() - t) * 1e3)
+                row[name] = round(statistics.median(times), 3)
         results.append(row)
         print(json.dumps(row), flush=True)
     if args.json:

@@ -23,24 +23,35 @@ _ALIGN = 16  # Triton specialises on 16-byte aligned pointers
 class PinnedRing:
     """Pinned host buffers reused in turn. A buffer is handed out again only after the copy
     from its previous use has run (an event recorded after that copy), so staging never
-    overwrites bytes a queued copy has yet to read."""
+    overwrites bytes a queued copy has yet to read. The host never waits for that: when the
+    next buffer's copy is still queued (under overlap scheduling a step's copies queue behind
+    the step in flight, and a sampled step makes several), the ring grows by a buffer instead,
+    up to `max_size`."""
 
-    def __init__(self, size: int = 4) -> None:
+    def __init__(self, size: int = 8, max_size: int = 64) -> None:
         self.buffers: list[torch.Tensor | None] = [None] * size
         self.events: list[torch.cuda.Event | None] = [None] * size
+        self.max_size = max_size
         self.next = 0
 
     def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
         i = self.next
-        self.next = (i + 1) % len(self.buffers)
         event = self.events[i]
-        if event is not None:
-            event.synchronize()  # nearly always long done: the ring has several buffers
+        if event is not None and not event.query():
+            if len(self.buffers) < self.max_size:  # still queued: a new buffer here instead
+                self.buffers.insert(i, None)
+                self.events.insert(i, None)
+                event = None
+            else:
+                event.synchronize()
+        self.next = (i + 1) % len(self.buffers)
         buf = self.buffers[i]
         if buf is None or buf.numel() < nbytes:
-            size = max(nbytes, 2 * buf.numel() if buf is not None else 1 << 16)
-            buf = self.buffers[i] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            buf = self.buffers[i] = self._alloc(max(nbytes, 2 * buf.numel() if buf is not None else 1 << 16))
         return i, buf[:nbytes]
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def copied(self, i: int, stream: torch.cuda.Stream) -> None:
         event = self.events[i]

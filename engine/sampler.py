@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.engine.h2d import to_device
+from deltaserve.engine.h2d import to_device, to_device_packed
 from deltaserve.engine.outputs import Logprob
 from deltaserve.engine.request import Request
 
@@ -22,8 +22,12 @@ def apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
     return row
 
 
-# Batches whose rows all set a top-k of at most this rank only their k best tokens.
+# Batches of at least TOPK_MIN_ROWS rows that all set a top-k of at most TOPK_LIMIT rank only
+# their k best tokens. On the H200 at Qwen3.5's 248k vocabulary (bench/sampler.py --ops) a
+# full sort took 0.10 / 0.24 / 1.1 / 4.6 ms at 1 / 8 / 64 / 256 rows, `torch.topk` of 20 or
+# 1024 0.12-0.18 / 0.12-0.19 / 0.29-0.32 / 0.85-0.91 ms: slower for a single row.
 TOPK_LIMIT = 1024
+TOPK_MIN_ROWS = 4
 
 
 class Sampler:
@@ -129,18 +133,25 @@ class Sampler:
         """After temperature, top-k, top-p and min-p: the probabilities, and the token id of
         each column (None: column = token id).
 
-        Only top-p needs the tokens in order, and top-k only the k best: a batch whose rows all
-        set a top-k of at most TOPK_LIMIT ranks just those (`torch.topk`, much cheaper than
-        sorting a 150k vocabulary per row), a batch without top-k or top-p ranks nothing, and
-        only the rest sorts the whole vocabulary.
+        Only top-p needs the tokens in order, and top-k only the k best: a batch of at least
+        TOPK_MIN_ROWS rows that all set a top-k of at most TOPK_LIMIT ranks just those
+        (`torch.topk`, much cheaper than sorting a 248k vocabulary per row), a batch without
+        top-k or top-p ranks nothing, and only the rest sorts the whole vocabulary.
         """
         dev = logits.device
         vocab = logits.shape[-1]
         params = [r.params for r in reqs]
-        temp = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, dev)
-        min_p = to_device([p.min_p for p in params], torch.float32, dev)
-        scaled = logits / temp.unsqueeze(1)
         ks = [p.top_k for p in params]
+        temp, min_p, top_p, top_k = to_device_packed(
+            [
+                ([1.0 if p.greedy else p.temperature for p in params], torch.float32),
+                ([p.min_p for p in params], torch.float32),
+                ([p.top_p for p in params], torch.float32),
+                ([k or vocab for k in ks], torch.long),
+            ],
+            dev,
+        )
+        scaled = logits / temp.unsqueeze(1)
         if not any(ks) and all(p.top_p >= 1.0 for p in params):
             probs = torch.softmax(scaled, dim=-1)
             if any(p.min_p > 0 for p in params):
@@ -148,12 +159,11 @@ class Sampler:
                 probs = torch.softmax(scaled.masked_fill(low, float("-inf")), dim=-1)
             return probs, None
         width = max(ks) if all(ks) and max(ks) <= min(TOPK_LIMIT, vocab) else vocab
-        if width < vocab:
+        if width < vocab and len(reqs) >= TOPK_MIN_ROWS:
             vals, order = torch.topk(scaled, width, dim=-1)  # the k best, in descending order
         else:
             vals, order = torch.sort(scaled, dim=-1, descending=True)
-        top_k = to_device([k or vocab for k in ks], torch.long, dev)
-        top_p = to_device([p.top_p for p in params], torch.float32, dev)
+            width = vocab
         rank = torch.arange(width, device=dev).unsqueeze(0)
         vals = vals.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
         probs = torch.softmax(vals, dim=-1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.engine.h2d import to_device, to_device_packed
+from deltaserve.engine.h2d import PinnedRing, to_device, to_device_packed
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -66,6 +66,43 @@ def test_staging_ring_is_not_overwritten_under_queued_copies():
     torch.cuda._sleep(200_000_000)  # the copies queue behind ~0.1 s of GPU time
     lists = [[i] * (1000 + i) for i in range(3 * len(_ring().buffers) + 1)]
     out = [to_device(v, torch.int32, torch.device("cuda")) for v in lists]
+    assert not torch.cuda.current_stream().query()  # the host did not wait for the GPU
     torch.cuda.synchronize()
     for t, v in zip(out, lists):
         assert torch.equal(t.cpu(), torch.tensor(v, dtype=torch.int32))
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.done = True
+
+
+class _Ring(PinnedRing):
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)  # no pinned memory without CUDA
+
+
+def test_ring_grows_rather_than_wait_for_a_queued_copy():
+    """A buffer whose copy is still queued is not handed out: the ring grows instead, and only
+    at its largest size does the host wait."""
+    ring = _Ring(size=2, max_size=4)
+    taken = []
+    for _ in range(4):
+        i, buf = ring.take(8)
+        ring.events[i] = _Event()  # what `copied` records: still queued
+        taken.append(buf.data_ptr())
+    assert len(ring.buffers) == 4 and len(set(taken)) == 4  # four distinct buffers, nobody waited
+    i, buf = ring.take(8)  # at its largest size: waits for the oldest copy, then reuses its buffer
+    assert buf.data_ptr() == taken[0] and ring.events[i].waited == 1
+    for event in ring.events:
+        event.done = True
+    i, buf = ring.take(8)  # copies done: reuse in turn, no growth
+    assert len(ring.buffers) == 4 and buf.data_ptr() == taken[1]

@@ -10,7 +10,7 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampler import Sampler, apply_penalties
+from deltaserve.engine.sampler import TOPK_LIMIT, TOPK_MIN_ROWS, Sampler, apply_penalties
 
 
 def make_request(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
@@ -203,15 +203,20 @@ def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 @pytest.mark.parametrize(
     "rows",
     [
-        [dict(top_k=20), dict(top_k=5, top_p=0.8), dict(top_k=50, min_p=0.05)],  # top-k only ranks k
+        # every row with a top-k, at least TOPK_MIN_ROWS rows: only the k best are ranked
+        [dict(top_k=20), dict(top_k=5, top_p=0.8), dict(top_k=50, min_p=0.05), dict(top_k=1), dict(top_k=7)],
+        [dict(top_k=20), dict(top_k=5, top_p=0.8)],  # too few rows: full sort
         [dict(top_k=20, top_p=0.9), dict(top_p=0.7), dict()],  # a row without top-k: full sort
         [dict(), dict(temperature=0.5), dict(temperature=1.7)],  # plain temperature: no ranking
         [dict(min_p=0.1), dict(), dict(min_p=0.02, temperature=0.7)],  # min-p without ranking
         [dict(top_k=2000), dict(top_k=3)],  # beyond TOPK_LIMIT: full sort
     ],
-    ids=["topk", "sort", "plain", "min_p", "large_k"],
+    ids=["topk", "few_rows", "sort", "plain", "min_p", "large_k"],
 )
-def test_each_path_gives_the_written_out_distribution(rows):
+def test_each_path_gives_the_written_out_distribution(rows, monkeypatch):
+    ranked = []
+    real_topk = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda *a, **k: ranked.append(a[1]) or real_topk(*a, **k))
     gen = torch.Generator().manual_seed(0)
     vocab = 3000
     logits = torch.randn(len(rows), vocab, generator=gen) * 3
@@ -219,3 +224,7 @@ def test_each_path_gives_the_written_out_distribution(rows):
     got = Sampler(torch.device("cpu"), 0, []).probs(logits, [make_request(p) for p in params])
     for i, p in enumerate(params):
         torch.testing.assert_close(got[i], reference_probs(logits[i], p), atol=1e-6, rtol=1e-4)
+    # the path taken: topk of the largest k only when every row of enough rows sets a small one
+    ks = [p.top_k for p in params]
+    uses_topk = all(ks) and max(ks) <= TOPK_LIMIT and len(params) >= TOPK_MIN_ROWS
+    assert ranked == ([max(ks)] if uses_topk else [])
