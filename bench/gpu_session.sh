@@ -7,7 +7,7 @@
 #   bash bench/gpu_session.sh tests   # the GPU tests but those of the kda part
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
-#   bash bench/gpu_session.sh kda     # attention / GDN / conv / KDA kernel tests, batch-256 profile
+#   bash bench/gpu_session.sh kda     # attention / GDN / conv / KDA kernel tests (the whole call)
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
 #   bash bench/gpu_session.sh profiles # GPU idle gaps with overlap at two max_model_len, batch-1 kernels
@@ -93,9 +93,8 @@ case "${1:-tests}" in
     run 60 spec-verify-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs
     ;;
-  kda)  # the attention / GDN / conv / KDA kernel tests (compile-heavy), batch-256 profile
-    run 400 cuda-kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py tests/kernels/test_kda_cuda.py
-    run 60 profile-0.8b-bs256 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256
+  kda)  # the attention / GDN / conv / KDA kernel tests: compile-heavy, more than 400 s on a fresh machine
+    run 560 cuda-kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py tests/kernels/test_kda_cuda.py
     ;;
   spec)  # eager verification, window kernels against their torch references, one call
     run 90 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \

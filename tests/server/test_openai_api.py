@@ -224,7 +224,7 @@ def test_completions_batch_prompts_token_ids_echo_logprobs(client, server) -> No
         httpx.post(f"{server.url}/tokenize", json={"prompt": "gamma"}).json()["tokens"]
     )
 
-    echo = client.completions.create(
+    echo_request = dict(
         model=MODEL_NAME,
         prompt="alpha beta",
         max_tokens=3,
@@ -233,6 +233,7 @@ def test_completions_batch_prompts_token_ids_echo_logprobs(client, server) -> No
         logprobs=2,
         extra_body={"ignore_eos": True},
     )
+    echo = client.completions.create(**echo_request)
     choice = echo.choices[0]
     assert choice.text == "alpha beta" + r.choices[0].text
     lp = choice.logprobs
@@ -242,20 +243,7 @@ def test_completions_batch_prompts_token_ids_echo_logprobs(client, server) -> No
     assert all(len(top) == 2 for top in lp.top_logprobs[len(ids) :])
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     # Streamed, the chunks add up to the same text and logprobs, offsets counted from the start.
-    chunks = [
-        c.choices[0]
-        for c in client.completions.create(
-            model=MODEL_NAME,
-            prompt="alpha beta",
-            max_tokens=3,
-            temperature=0,
-            echo=True,
-            logprobs=2,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        if c.choices
-    ]
+    chunks = [c.choices[0] for c in client.completions.create(**echo_request, stream=True) if c.choices]
     assert "".join(c.text for c in chunks) == choice.text
     assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == lp.tokens
     assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
