@@ -143,6 +143,9 @@ class Engine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         params = copy.copy(params)  # max_tokens may be filled in below; the caller's stays as given
         params.validate()
+        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         n_prompt = len(prompt_token_ids)
         if params.max_tokens is None:
             if n_prompt >= self.max_model_len:

@@ -53,7 +53,7 @@ class Sampler:
     def sample_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The sampled token of each row, left on the logits' device (no host sync)."""
         logits = logits.float()
-        if all(r.params.greedy and not self._needs_processing(r) for r in reqs):
+        if all(r.params.greedy and not self._needs_processing(r) and not r.params.logit_bias for r in reqs):
             return logits.argmax(dim=-1)
         return self._sample_batch(logits.clone(), reqs)
 
@@ -90,8 +90,18 @@ class Sampler:
         )
 
     def _process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Penalties and min_tokens bans, in place."""
+        """Logit biases, penalties and min_tokens bans, in place. (Biases need no host data of
+        earlier steps, so unlike penalties they do not keep a step from overlapping.)"""
         dev = logits.device
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+        if biased:
+            rows = [i for i, bias in biased for _ in bias]
+            ids = [t for _, bias in biased for t in bias]
+            vals = [float(v) for _, bias in biased for v in bias.values()]
+            rows_t, ids_t, vals_t = to_device_packed(
+                [(rows, torch.long), (ids, torch.long), (vals, torch.float32)], dev
+            )
+            logits.index_put_((rows_t, ids_t), vals_t.to(logits.dtype), accumulate=True)
         for i, r in enumerate(reqs):
             if self._needs_processing(r):
                 logits[i] = apply_penalties(logits[i], r)

@@ -27,6 +27,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> added to its logit before sampling (OpenAI's logit_bias, within [-100, 100]:
+    # -100 bans a token, +100 all but forces it); logprobs stay those of the unbiased logits
+    logit_bias: dict[int, float] | None = None
     # "cumulative": an output every step while the request runs, each with everything so far;
     # "delta": an output every step that adds tokens, each with only what is new (streamed HTTP
     # requests: the cost of a step's outputs does not grow with their length);
@@ -70,6 +73,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
 
     @property
     def greedy(self) -> bool:

@@ -70,6 +70,8 @@ class SamplingRequest(OpenAIModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no constrained decoding
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -84,6 +84,14 @@ def build_sampling_params(
     if max_tokens is None:
         max_tokens = min(room, defaults.max_tokens) if defaults.max_tokens else room
 
+    logit_bias = _logit_bias(req.logit_bias)
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":  # a JSON mode silently ignored would hand back text the caller cannot parse
+        raise bad_request(
+            f"response_format type {kind!r} is not supported: deltaserve has no constrained decoding "
+            "(only 'text'); ask for JSON in the prompt instead",
+            "response_format",
+        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(not s for s in stop):
         raise bad_request("stop sequences must not be empty", "stop")
@@ -108,11 +116,29 @@ def build_sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=logit_bias,
             # a stream sends what each step adds; a non-streamed response is built from the final output
             output_kind="delta" if req.stream else "final_only",
         )
     except ValueError as exc:
         raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from exc
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids as JSON object keys, biases within [-100, 100]."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if token < 0:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        check_range("logit_bias", value, -100.0, 100.0)
+        out[token] = float(value)
+    return out
 
 
 def fan_out(

@@ -228,3 +228,37 @@ def test_each_path_gives_the_written_out_distribution(rows, monkeypatch):
     ks = [p.top_k for p in params]
     uses_topk = all(ks) and max(ks) <= TOPK_LIMIT and len(params) >= TOPK_MIN_ROWS
     assert ranked == ([max(ks)] if uses_topk else [])
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    forced = llm.generate(
+        PROMPTS,
+        SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logit_bias={42: 100.0}),
+    )
+    assert all(c.token_ids == [42] * 6 for o in forced for c in o.outputs)
+    free = tokens(llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
+    banned = {t: -100.0 for row in free for t in row}
+    steered = tokens(
+        llm.generate(
+            PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias=banned)
+        )
+    )
+    assert not set(banned) & {t for row in steered for t in row}
+    # logprobs stay those of the model: the forced token's is its unbiased value, below 0
+    out = llm.generate(
+        PROMPTS[:1],
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=0, logit_bias={42: 100.0}),
+    )[0].outputs[0]
+    assert out.token_ids == [42, 42] and all(lp.logprob < -0.5 for lp in out.logprobs)
+
+
+def test_logit_bias_is_checked():
+    for bad in ({-1: 1.0}, {5: 101.0}, {5: -100.5}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(llm):
+    with pytest.raises(ValueError, match="logit_bias token id"):
+        llm.engine.add_request("x", [1, 2, 3], SamplingParams(logit_bias={10**7: 5.0}))
+    assert not llm.engine.has_unfinished_requests()

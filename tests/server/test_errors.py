@@ -237,3 +237,25 @@ def test_full_waiting_queue_is_503(spawn_server, until_idle) -> None:
     until_idle(server.url)
     ok = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "bias,needle",
+    [
+        ({"abc": 1}, "token ids"),
+        ({"-3": 1}, "token ids"),
+        ({"5": 150}, "150"),
+        ({"999999999": 5}, "999999999"),
+    ],
+)
+def test_bad_logit_bias_is_400(server, bias: dict, needle: str) -> None:
+    err = assert_error(post(server, "/v1/chat/completions", json={**GOOD, "logit_bias": bias}), 400)
+    assert "logit_bias" in err["message"] and needle in err["message"]
+
+
+def test_json_response_format_is_400_not_ignored(server) -> None:
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+        err = assert_error(post(server, "/v1/chat/completions", json={**GOOD, "response_format": fmt}), 400)
+        assert err["param"] == "response_format" and fmt["type"] in err["message"]
+    ok = post(server, "/v1/chat/completions", json={**GOOD, "response_format": {"type": "text"}})
+    assert ok.status_code == 200

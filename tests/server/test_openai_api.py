@@ -370,3 +370,13 @@ def test_non_streamed_request_times_its_first_token(client, server, read_metrics
     assert delta("time_to_first_token_seconds_count") == 1
     assert delta("inter_token_latency_seconds_count") == 59
     assert 0 < delta("time_to_first_token_seconds_sum") < delta("e2e_request_latency_seconds_sum")
+
+
+def test_logit_bias_over_http(client, server) -> None:
+    """The official client's logit_bias: +100 on one token makes every sampled token that one."""
+    token = httpx.post(f"{server.url}/tokenize", json={"prompt": " hello"}).json()["tokens"][0]
+    r = chat(
+        client, max_tokens=4, temperature=1.0, logit_bias={str(token): 100}, extra_body={"ignore_eos": True}
+    )
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": r.choices[0].message.content}).json()["tokens"]
+    assert r.usage.completion_tokens == 4 and set(ids) == {token}
