@@ -74,9 +74,20 @@ def timed_steps(engine: Engine) -> tuple[list[float], list[float]]:
     return walls, cpu
 
 
-def bench_decode(engine: Engine, bs: int, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+SAMPLING = {
+    "greedy": {},
+    "qwen": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
+    "temperature": {"temperature": 0.7},
+}
+
+
+def bench_decode(
+    engine: Engine, bs: int, prompt_len: int, new_tokens: int, vocab: int, sampling: dict | None = None
+) -> dict:
     gen = torch.Generator().manual_seed(bs)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(
+        **{"temperature": 0.0, **(sampling or {})}, max_tokens=new_tokens, ignore_eos=True
+    )
     for i in range(bs):
         engine.add_request(
             f"d{bs}-{i}", torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params
@@ -171,6 +182,13 @@ def main() -> None:
         help="synchronous steps (overlap scheduling is on by default on CUDA); needed for the "
         "host-time column, which only synchronous steps can measure",
     )
+    ap.add_argument(
+        "--sampling",
+        choices=["greedy", "qwen", "temperature"],
+        default="greedy",
+        help="decode requests' sampling: greedy, qwen (temperature 0.6, top_p 0.95, top_k 20: what "
+        "Qwen3.5's generation_config.json gives requests that set none), or temperature 0.7 alone",
+    )
     ap.add_argument("--device", default="cuda", help="cpu only for a quick dry run of the script")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -194,10 +212,12 @@ def main() -> None:
     cfg = engine.model_config
     cost = model_cost(engine.runner.model, cfg)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    result: dict = {"model": args.model, "gpu": gpu, "info": engine.model_info}
+    result: dict = {"model": args.model, "gpu": gpu, "info": engine.model_info, "sampling": args.sampling}
     rows = []
     for bs in args.batch_sizes:
-        r = bench_decode(engine, bs, args.prompt_len, args.new_tokens, cfg.vocab_size)
+        r = bench_decode(
+            engine, bs, args.prompt_len, args.new_tokens, cfg.vocab_size, SAMPLING[args.sampling]
+        )
         ctx = args.prompt_len + args.new_tokens // 2
         roof = bs / (decode_step_bytes(cost, bs, ctx) / COPY_BW)
         r.update(roofline_tok_s=roof, pct_roofline=100 * r["tok_s"] / roof)

@@ -14,6 +14,7 @@
 #   bash bench/gpu_session.sh kimi-prefill # MLA prefill: reference against DELTASERVE_MLA_PREFILL=sdpa
 #   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
 #   bash bench/gpu_session.sh spec    # speculative decoding, eager verification, window kernels vs references
+#   bash bench/gpu_session.sh sampling # decode with Qwen3.5's sampling defaults against greedy
 #   bash bench/gpu_session.sh ab      # before/after decode on one GPU (first, here: bash bench/ab.sh prepare REV; carry .base)
 #   bash bench/gpu_session.sh ab-pdl  # REV against the working tree with DELTASERVE_PDL=on, and the tree with it off
 set -u
@@ -103,6 +104,14 @@ case "${1:-tests}" in
       --batch-sizes 1 16 --drafter oracle --oracle-right 3 --reference-windows
     run 60 window-tests python3 -m pytest -q -m gpu tests/kernels/test_window_kernels.py
     ;;
+  sampling)  # sampled decode end to end (Qwen3.5's generation defaults) against greedy
+    for model in qwen3.5-0.8b qwen3.5-9b; do
+      for sampling in greedy qwen; do
+        run 130 "$sampling-$model" python3 -m bench.decode --model "configs/$model" --batch-sizes 1 8 64 256 \
+          --new-tokens 128 --prefill-len 0 --sampling "$sampling"
+      done
+    done
+    ;;
   ab)  # a performance change against the commit exported by `bench/ab.sh prepare REV`
     for model in qwen3.5-0.8b qwen3.5-9b; do
       run 200 "ab-$model" bash bench/ab.sh run python3 -m bench.decode --model "configs/$model" \
@@ -118,7 +127,7 @@ case "${1:-tests}" in
     done
     ;;
   *)
-    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|profiles|kimi-prefill|ttft|spec|ab|ab-pdl" >&2
+    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|ab-pdl" >&2
     exit 2
     ;;
 esac
