@@ -31,6 +31,14 @@ class LLM:
             return list(self.tokenizer.encode(prompt)), prompt
         return [int(t) for t in prompt], None
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json sampling values (temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens), else SamplingParams' defaults; what
+        `generate` uses when given no sampling parameters, as vLLM's LLM does."""
+        from deltaserve.engine.generation_defaults import read_sampling_defaults
+
+        return read_sampling_defaults(self.engine.config.model).sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -46,7 +54,7 @@ class LLM:
         else:
             batch = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(batch)
             if isinstance(sampling_params, SamplingParams)

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve import __version__
+from deltaserve.engine.generation_defaults import SamplingDefaults
 
 from .chat import create_chat_completion
 from .chat_template import render_chat
@@ -20,7 +21,6 @@ from .completions import create_completion
 from .context import ServerContext
 from .engine_client import EngineClient
 from .errors import APIError, bad_request, error_body, validation_message
-from .generation_defaults import SamplingDefaults
 from .metrics import Metrics
 from .protocol import (
     ChatCompletionRequest,

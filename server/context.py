@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
+from deltaserve.engine.generation_defaults import SamplingDefaults
+
 from .engine_client import EngineClient, QueueFullError, RequestGroup
 from .errors import APIError, bad_request
-from .generation_defaults import SamplingDefaults
 from .logprobs import TokenText
 from .metrics import Metrics
 

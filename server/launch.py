@@ -142,7 +142,7 @@ def _leave_a_core_for_http(device: str) -> None:
 def _sampling_defaults(args: argparse.Namespace, model_dir: Any) -> Any:
     """`--generation-config`: the checkpoint's sampling defaults, logged when they differ from
     OpenAI's (the built-in model's generation_config.json sets only max_new_tokens)."""
-    from .generation_defaults import load_sampling_defaults
+    from deltaserve.engine.generation_defaults import load_sampling_defaults
 
     try:
         defaults = load_sampling_defaults(getattr(args, "generation_config", "auto"), model_dir)

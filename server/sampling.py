@@ -9,9 +9,8 @@ from .errors import bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
+    from deltaserve.engine.generation_defaults import SamplingDefaults
     from deltaserve.engine.sampling_params import SamplingParams
-
-    from .generation_defaults import SamplingDefaults
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -78,7 +77,7 @@ def build_sampling_params(
             code="context_length_exceeded",
         )
     if defaults is None:
-        from .generation_defaults import SamplingDefaults
+        from deltaserve.engine.generation_defaults import SamplingDefaults
 
         defaults = SamplingDefaults()
     if max_tokens is None:

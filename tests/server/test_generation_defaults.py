@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from deltaserve.engine.generation_defaults import SamplingDefaults, load_sampling_defaults
 from deltaserve.server.cli import build_parser
 from deltaserve.server.errors import APIError
-from deltaserve.server.generation_defaults import SamplingDefaults, load_sampling_defaults
 from deltaserve.server.protocol import ChatCompletionRequest
 from deltaserve.server.sampling import build_sampling_params
 

@@ -1,7 +1,8 @@
 """Sampling defaults from the checkpoint's generation_config.json.
 
 A request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset gets the
-model authors' value, as vLLM's and SGLang's servers do (Qwen3.5 ships temperature 0.6, top_p
+model authors' value (the server's requests, and `LLM.generate` without sampling parameters),
+as vLLM and SGLang do (Qwen3.5 ships temperature 0.6, top_p
 0.95, top_k 20); a value the request sets always wins. `max_new_tokens` becomes the completion
 length of requests that set no max_tokens. `--generation-config none` keeps OpenAI's defaults
 (temperature 1, no top-p / top-k / min-p / repetition penalty) and no completion cap.
@@ -13,7 +14,10 @@ import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deltaserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,13 @@ class SamplingDefaults:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     max_tokens: int | None = None  # None: up to the context
+
+    def sampling_params(self) -> SamplingParams:
+        """As engine parameters (max_tokens: SamplingParams' 16 when the file sets none)."""
+        from deltaserve.engine.sampling_params import SamplingParams
+
+        fields_ = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "max_tokens"}
+        return SamplingParams(**fields_, **({"max_tokens": self.max_tokens} if self.max_tokens else {}))
 
     def changed(self) -> dict[str, Any]:
         """The defaults that differ from OpenAI's (what the start-up log reports)."""
