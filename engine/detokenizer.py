@@ -21,9 +21,16 @@ class IncrementalDetokenizer:
     # short.
     MERGE = 64
 
-    def __init__(self, tokenizer: Any | None, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any | None, skip_special_tokens: bool = True, deferred: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # deferred: nobody reads the text while the request runs (a final-only output without
+        # stop strings), so tokens are only collected and decoded in one call when the text is
+        # first asked for; `length` is 0 until then
+        self.deferred = deferred and tokenizer is not None
+        self._decoded = 0  # deferred: ids covered by the text
         self.ids: list[int] = []
         self._chunks: list[str] = []
         self._pieces = 0  # trailing chunks that are single appends, not yet merged
@@ -32,14 +39,23 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # ids before this have been shown
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer is not None else None
         self._stream: Any = None
-        if self._backend is not None:
+        if self._backend is not None and not self.deferred:
             from tokenizers.decoders import DecodeStream
 
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
+    def _catch_up(self) -> None:
+        """Deferred: decode the ids collected since the last call, in one call. The text is the
+        whole decode of the ids, which the incremental paths also give (tests/engine/test_text.py)."""
+        if self.deferred and self._decoded != len(self.ids) and self.tokenizer is not None:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+            self._chunks, self._pieces, self.length = [text], 0, len(text)
+            self._decoded = len(self.ids)
+
     @property
     def text(self) -> str:
         """The whole text so far (joined once, then kept as one chunk until the next append)."""
+        self._catch_up()
         if len(self._chunks) != 1:
             self._chunks = ["".join(self._chunks)]
             self._pieces = 0
@@ -55,11 +71,13 @@ class IncrementalDetokenizer:
         """The last `n` characters (all of them if the text is shorter), without joining it."""
         if n <= 0:
             return ""
+        self._catch_up()
         return self.slice(max(0, self.length - n), self.length)
 
     def slice(self, start: int, end: int) -> str:
         """`text[start:end]` read from the chunks that hold it: a slice near the end costs its own
         length, not the text's (stream deltas and stop-string searches read only the tail)."""
+        self._catch_up()
         end = min(end, self.length)
         if start >= end:
             return ""
@@ -85,9 +103,9 @@ class IncrementalDetokenizer:
             self._pieces = 0
 
     def append(self, token_id: int) -> str:
-        """Add one token; return the text it completes (possibly empty)."""
+        """Add one token; return the text it completes (possibly empty; always, when deferred)."""
         self.ids.append(token_id)
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.deferred:
             return ""
         if self._stream is not None:
             delta = self._stream.step(self._backend, token_id)
@@ -110,6 +128,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: whatever is still held back (a genuinely incomplete byte sequence)."""
+        if self.deferred:
+            before = self.length
+            self._catch_up()
+            return self.text[before:]
         if self.tokenizer is None or self._read_offset == len(self.ids):
             return ""
         decode = self.tokenizer.decode

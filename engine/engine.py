@@ -164,7 +164,12 @@ class Engine:
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            # a final-only output without stop strings needs its text once, at the end
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                params.skip_special_tokens,
+                deferred=params.output_kind == "final_only" and not params.stop,
+            ),
             generator=self.sampler.new_generator(params.seed),
             logprobs=[] if params.logprobs is not None else None,
         )

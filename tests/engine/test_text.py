@@ -87,3 +87,41 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
         for d, c in zip(deltas, cumulative):
             sent += d.text
             assert sent == c.text
+
+
+def test_deferred_detokenizer_gives_the_incremental_text(llm):
+    """A final-only request without stop strings decodes its text once, at the end: the same text
+    as token-by-token decoding, multi-byte characters and special tokens included."""
+    tok = llm.tokenizer
+    ids = tok.encode("Ünïcödé ✓ 東京 🚀🚀 <|im_end|> tail\n\tend")
+    ids += [ids[3], 151643, ids[5]]
+    incremental, deferred = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok, deferred=True)
+    for i in ids:
+        incremental.append(i)
+        assert deferred.append(i) == "" and deferred.length == 0  # nothing decoded while running
+    incremental.flush()
+    assert deferred.flush() == deferred.text == incremental.text
+
+
+def test_final_only_text_equals_the_streamed_text(llm):
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("Hello, my name is")
+    texts = {}
+    for kind in ("cumulative", "final_only"):
+        for rid, n in ((f"{kind}-done", 12), (f"{kind}-aborted", 40)):
+            engine.add_request(
+                rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, output_kind=kind)
+            )
+    for _ in range(6):  # the long ones are aborted while running
+        engine.step()
+    engine.abort_request("cumulative-aborted")
+    engine.abort_request("final_only-aborted")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                texts[out.request_id] = (out.outputs[0].text, out.outputs[0].token_ids)
+    for out in engine.step():
+        texts[out.request_id] = (out.outputs[0].text, out.outputs[0].token_ids)
+    assert texts["final_only-done"] == texts["cumulative-done"] and texts["final_only-done"][0]
+    text, ids = texts["final_only-aborted"]
+    assert ids and text == llm.tokenizer.decode(ids, skip_special_tokens=True)
