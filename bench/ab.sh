@@ -25,6 +25,8 @@ case "${1:-}" in
       # the benchmarks import `bench` and read `configs` from the working directory; the
       # package itself must come from the install, not from the export's source folders
       mkdir -p /tmp/ab-cwd && cp -r .base/base/bench .base/base/configs /tmp/ab-cwd/
+      # a benchmark newer than REV runs from the tree's copy (against REV's package)
+      cp -rn bench/. /tmp/ab-cwd/bench/
     fi
     echo "=== before ($(cat .base/REV))"
     (cd /tmp/ab-cwd && PYTHONPATH="/tmp/ab-base${PYTHONPATH:+:$PYTHONPATH}" "$@") || echo "before: exit $?"
