@@ -4,7 +4,8 @@
 
 Random fp32 logits of Qwen3.5's vocabulary; each batch samples with one set of parameters for
 all its rows: greedy, temperature only, Qwen3.5's generation_config.json (temperature 0.6,
-top_p 0.95, top_k 20: what requests that leave sampling unset get) and top-p only. Reported:
+top_p 0.95, top_k 20: what requests that leave sampling unset get), top-p only, and Qwen3.5's
+with presence_penalty 1.5 over `--history` prompt and output tokens a request. Reported:
 milliseconds per call (median of `--iters`, synchronised), the time a sampled decode step
 spends beside the forward pass. Uses only `Sampler.sample_tokens`, so the same script times an
 older commit (bench/ab.sh). `--ops` also times the ranking ops alone on the same logits
@@ -30,6 +31,8 @@ SETTINGS = {
     "temperature": dict(temperature=0.7),
     "qwen3.5 defaults": dict(temperature=0.6, top_p=0.95, top_k=20),
     "top_p": dict(temperature=0.7, top_p=0.9),
+    # Qwen's model cards suggest presence_penalty 1.5 against endless repetition
+    "qwen3.5 + presence": dict(temperature=0.6, top_p=0.95, top_k=20, presence_penalty=1.5),
 }
 
 
@@ -38,6 +41,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=248320)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument(
+        "--history",
+        type=int,
+        default=1024,
+        help="prompt and output tokens of each request (penalties read them)",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ops", action="store_true", help="also time sort / topk alone")
     ap.add_argument("--json", default=None)
@@ -50,14 +59,21 @@ def main() -> None:
         logits = torch.randn(bs, args.vocab, device=dev) * 4
         row = {"batch": bs}
         for name, setting in SETTINGS.items():
-            reqs = [
-                Request(f"r{i}", [1], SamplingParams(**setting), IncrementalDetokenizer(None))
-                for i in range(bs)
-            ]
+            gen = torch.Generator().manual_seed(bs)
+            reqs = []
+            for i in range(bs):
+                history = torch.randint(0, args.vocab, (2 * args.history,), generator=gen).tolist()
+                req = Request(
+                    f"r{i}", history[: args.history], SamplingParams(**setting), IncrementalDetokenizer(None)
+                )
+                req.output_token_ids = history[args.history :]
+                reqs.append(req)
             for _ in range(3):
                 sampler.sample_tokens(logits, reqs)
             times = []
             for _ in range(args.iters):
+                for req in reqs:  # one more output token each, as a decode step adds
+                    req.output_token_ids.append(1)
                 sync()
                 t = time.perf_counter()
                 sampler.sample_tokens(logits, reqs)
