@@ -59,12 +59,15 @@ def test_packed_lists_come_back_as_their_own_tensors(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_staging_ring_is_not_overwritten_under_queued_copies():
-    """More transfers than the ring has buffers while the stream is still busy: each tensor
-    keeps its own values (a reused buffer is written only after its copy has run)."""
-    from deltaserve.engine.h2d import _ring, to_device
+    """More transfers than the ring starts with while the stream is still busy: each tensor
+    keeps its own values (a buffer is reused only after its copy has run) and the host does not
+    wait for the GPU (the ring grows instead)."""
+    from deltaserve.engine.h2d import to_device
 
     torch.cuda._sleep(200_000_000)  # the copies queue behind ~0.1 s of GPU time
-    lists = [[i] * (1000 + i) for i in range(3 * len(_ring().buffers) + 1)]
+    # more than the ring's first 8 buffers, fewer than the 64 it may grow to (so no waiting),
+    # whatever earlier tests in this process left it with
+    lists = [[i] * (1000 + i) for i in range(40)]
     out = [to_device(v, torch.int32, torch.device("cuda")) for v in lists]
     assert not torch.cuda.current_stream().query()  # the host did not wait for the GPU
     torch.cuda.synchronize()
