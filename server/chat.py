@@ -25,6 +25,7 @@ from .protocol import (
     ChatCompletionResponse,
     ChatDelta,
     PromptTokensDetails,
+    StreamOptions,
     Usage,
     random_id,
 )
@@ -82,9 +83,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}
     group = await ctx.submit(requests)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _stream(
-            ctx, group, parser, index, request_id, model, len(prompt_ids), params.logprobs, include_usage
+            ctx, group, parser, index, request_id, model, len(prompt_ids), params.logprobs, req.stream_options
         )
         return StreamingResponse(ctx.guarded(group, events), media_type="text/event-stream")
 
@@ -139,11 +139,14 @@ async def _stream(
     model: str,
     prompt_tokens: int,
     logprobs: int | None,
-    include_usage: bool,
+    options: StreamOptions | None,
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    continuous = bool(options and options.continuous_usage_stats)
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        if usage is None and continuous:
+            usage = usage_of(prompt_tokens, list(latest.values()))
         return chunk_event(
             ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
         )
@@ -181,6 +184,6 @@ async def _stream(
         )
         yield "data: [DONE]\n\n"
         return
-    if include_usage:
+    if options and options.include_usage:
         yield chunk([], usage_of(prompt_tokens, list(latest.values())))
     yield "data: [DONE]\n\n"

@@ -19,6 +19,7 @@ from .protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    StreamOptions,
     Usage,
     random_id,
 )
@@ -101,8 +102,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     group = await ctx.submit(requests)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _stream(group, index, choices, request_id, model, prompt_tokens, include_usage)
+        events = _stream(group, index, choices, request_id, model, prompt_tokens, req.stream_options)
         return StreamingResponse(ctx.guarded(group, events), media_type="text/event-stream")
 
     try:
@@ -146,11 +146,18 @@ async def _stream(
     request_id: str,
     model: str,
     prompt_tokens: int,
-    include_usage: bool,
+    options: StreamOptions | None,
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    continuous = bool(options and options.continuous_usage_stats)
+
+    def usage_now() -> Usage:
+        outs = list(latest.values())
+        return _with_prompt(usage_of(0, outs), prompt_tokens, outs)
 
     def chunk(choice: CompletionChoice | None, usage: Usage | None = None) -> str:
+        if usage is None and continuous:
+            usage = usage_now()
         response = CompletionResponse(
             id=request_id, created=created, model=model, choices=[choice] if choice else [], usage=usage
         )
@@ -192,8 +199,6 @@ async def _stream(
         )
         yield "data: [DONE]\n\n"
         return
-    if include_usage:
-        yield chunk(
-            None, _with_prompt(usage_of(0, list(latest.values())), prompt_tokens, list(latest.values()))
-        )
+    if options and options.include_usage:
+        yield chunk(None, usage_now())
     yield "data: [DONE]\n\n"

@@ -23,6 +23,7 @@ def random_id(prefix: str) -> str:
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk too
 
 
 class FunctionDefinition(OpenAIModel):

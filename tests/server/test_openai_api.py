@@ -380,3 +380,25 @@ def test_logit_bias_over_http(client, server) -> None:
     )
     ids = httpx.post(f"{server.url}/tokenize", json={"prompt": r.choices[0].message.content}).json()["tokens"]
     assert r.usage.completion_tokens == 4 and set(ids) == {token}
+
+
+def test_continuous_usage_stats(client) -> None:
+    """vLLM's stream option: every chunk carries the usage so far, growing to the final one."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    extra = {"ignore_eos": True}
+    chat_chunks = list(chat(client, max_tokens=6, n=2, stream=True, stream_options=options, extra_body=extra))
+    text_chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt="Hello",
+            max_tokens=6,
+            stream=True,
+            stream_options=options,
+            extra_body=extra,
+        )
+    )
+    for chunks in (chat_chunks, text_chunks):
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0 for c in chunks)
+        assert counts == sorted(counts) and counts[-1] == 6 * (2 if chunks is chat_chunks else 1)
+        assert chunks[-1].choices == [] and any(0 < n < counts[-1] for n in counts)
