@@ -128,6 +128,8 @@ class Engine:
             "kv_capacity_tokens": self.runner.kv_pool.capacity * config.page_size,
             "state_slots": self.runner.state_pool.num_working,
             "max_model_len": self.max_model_len,
+            "cache_type": config.cache_type,
+            "page_size": config.page_size,
         }
 
     # -- requests ---------------------------------------------------------------------

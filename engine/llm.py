@@ -39,6 +39,23 @@ class LLM:
 
         return read_sampling_defaults(self.engine.config.model).sampling_params()
 
+    def _warm_prefixes(self, prompts: list[list[int]]) -> None:
+        """Prompts sampled n > 1 times: prefill each once first (one token, then release), so that
+        the n copies find it in the radix cache instead of each computing it (as the server does,
+        `ServerContext.warm_prefix`)."""
+        least = 2 * self.engine.config.page_size
+        unique = {tuple(p): p for p in prompts if len(p) >= least}
+        if self.engine.config.cache_type != "radix" or not unique:
+            return
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
+        for ids in unique.values():
+            # all but the last token: its state snapshot then lands on the page boundary below
+            # the prompt's end even for a page-aligned prompt, where each copy resumes
+            self.engine.add_request(f"llm-warm-{self._next_id}", ids[:-1], params)
+            self._next_id += 1
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -63,6 +80,7 @@ class LLM:
         if len(params_list) != len(batch):
             raise ValueError("give one SamplingParams, or one per prompt")
         encoded = [self._prompt_ids(p) for p in batch]  # all validated before any is queued
+        self._warm_prefixes([ids for (ids, _), params in zip(encoded, params_list) if params.n > 1])
         groups: list[tuple[str, list[str], list[int], str | None]] = []
         added: list[str] = []
         try:

@@ -81,6 +81,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     request_id = random_id("chatcmpl")
     requests = fan_out(request_id, prompt_ids, params, req.n)
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}
+    try:
+        await ctx.warm_prefix([prompt_ids], req.n, raw)
+    except ClientDisconnected:
+        return Response(status_code=499)
     group = await ctx.submit(requests)
     if req.stream:
         events = _stream(

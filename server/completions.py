@@ -100,6 +100,10 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         choices += [_Choice(ctx, (text, ids), req.echo, params.logprobs)] * req.n
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}
     prompt_tokens = sum(len(ids) for _, ids in prompts)
+    try:
+        await ctx.warm_prefix([ids for _, ids in prompts], req.n, raw)
+    except ClientDisconnected:
+        return Response(status_code=499)
     group = await ctx.submit(requests)
     if req.stream:
         events = _stream(group, index, choices, request_id, model, prompt_tokens, req.stream_options)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -76,13 +77,36 @@ class ServerContext:
     def decode(self, token_ids: list[int]) -> str:
         return self.need_tokenizer().decode(token_ids, skip_special_tokens=False)
 
-    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestGroup:
+    async def submit(
+        self, requests: list[tuple[str, list[int], SamplingParams]], track: bool = True
+    ) -> RequestGroup:
         try:
-            return await self.client.add(requests)
+            return await self.client.add(requests, track)
         except QueueFullError as exc:
             raise APIError(503, str(exc), None, "queue_full") from exc
         except ValueError as exc:
             raise bad_request(str(exc), None) from exc
+
+    async def warm_prefix(self, prompts: list[list[int]], n: int, request: Request) -> None:
+        """Before n > 1 copies of each prompt: prefill each once (one token, then release), so
+        that the radix cache holds its pages and a state snapshot at its last page boundary and
+        each copy computes only the rest, rather than all n computing the whole prompt side by
+        side (SGLang does the same). Nothing to gain without the radix cache or below two pages.
+        A client that hangs up meanwhile gets ClientDisconnected, as from `collect`."""
+        info = self.client.model_info
+        least = 2 * int(info.get("page_size", 16))
+        if n < 2 or info.get("cache_type") != "radix":
+            return
+        unique = {tuple(p): p for p in prompts if len(p) >= least}
+        if not unique:
+            return
+        from deltaserve.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
+        # all but the last token: its state snapshot then lands on the page boundary below the
+        # prompt's end even for a page-aligned prompt, where each copy resumes
+        warm = [(f"warm-{uuid.uuid4().hex}", p[:-1], params) for p in unique.values()]
+        await self.collect(await self.submit(warm, track=False), request)
 
     async def collect(self, group: RequestGroup, request: Request) -> dict[str, RequestOutput]:
         """Wait for a whole group; a client that hangs up meanwhile aborts it (ClientDisconnected)."""

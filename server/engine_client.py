@@ -96,14 +96,17 @@ class EngineClient:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def add(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestGroup:
-        """Admit the requests together (all or none); raises ValueError or QueueFullError."""
+    async def add(
+        self, requests: list[tuple[str, list[int], SamplingParams]], track: bool = True
+    ) -> RequestGroup:
+        """Admit the requests together (all or none); raises ValueError or QueueFullError.
+        `track=False`: not a client's request (a prefix warm-up): left out of the metrics."""
         if not self.accepting:
             raise ShuttingDownError("the server is shutting down")
         group = RequestGroup([rid for rid, _, _ in requests])
         for request_id in group.request_ids:
             self._groups[request_id] = group
-            if self.metrics is not None:
+            if self.metrics is not None and track:
                 self.metrics.request_started(request_id)
         try:
             await self._call("add", requests)

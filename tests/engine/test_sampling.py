@@ -262,3 +262,16 @@ def test_logit_bias_outside_the_vocabulary_is_refused(llm):
     with pytest.raises(ValueError, match="logit_bias token id"):
         llm.engine.add_request("x", [1, 2, 3], SamplingParams(logit_bias={10**7: 5.0}))
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("length,cached", [(75, 64), (80, 64)])  # a page-aligned prompt too
+def test_n_copies_start_from_the_cached_prompt(llm, length, cached):
+    """`generate` with n > 1 prefills the prompt once first: each copy starts from the radix cache
+    (the whole pages before the prompt's last token) and gives what one request gives."""
+    prompt = {"prompt_token_ids": [(7 * i + length) % 150 + 1 for i in range(length)]}  # not seen before
+    greedy = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = llm.generate(prompt, SamplingParams(n=3, **greedy))[0]
+    assert out.num_cached_tokens == cached
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 1
+    one = llm.generate({"prompt_token_ids": prompt["prompt_token_ids"]}, SamplingParams(**greedy))[0]
+    assert one.outputs[0].token_ids == out.outputs[0].token_ids

@@ -402,3 +402,28 @@ def test_continuous_usage_stats(client) -> None:
         assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0 for c in chunks)
         assert counts == sorted(counts) and counts[-1] == 6 * (2 if chunks is chat_chunks else 1)
         assert chunks[-1].choices == [] and any(0 < n < counts[-1] for n in counts)
+
+
+def test_n_copies_find_their_prompt_cached(client, server, read_metrics) -> None:
+    """n > 1: the prompt is prefilled once before the copies run, so every copy starts from the
+    cache (all but the last partial page) and answers as a single request does; the warm-up is
+    not counted as a client's request."""
+    import uuid
+
+    messages = [{"role": "user", "content": f"{uuid.uuid4().hex} tell me about hybrid models. " * 12}]
+    greedy = dict(messages=messages, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    before = read_metrics(server.url)
+    r = chat(client, n=3, **greedy)
+    after = read_metrics(server.url)
+    prompt = r.usage.prompt_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens >= prompt - 16 > 0
+    cached = after["deltaserve_cached_prompt_tokens_total"] - before["deltaserve_cached_prompt_tokens_total"]
+    assert cached >= 3 * (prompt - 16)
+
+    def finished(m: dict) -> float:
+        return sum(v for k, v in m.items() if k.startswith("deltaserve_requests_total"))
+
+    assert finished(after) - finished(before) == 3
+    texts = {c.message.content for c in r.choices}
+    assert len(texts) == 1 and r.usage.completion_tokens == 15
+    assert chat(client, **greedy).choices[0].message.content in texts
