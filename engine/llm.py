@@ -8,7 +8,9 @@ from typing import Any
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
+from deltaserve.engine.generation_defaults import SamplingDefaults, read_sampling_defaults
 from deltaserve.engine.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.prefix_caching import warmup_params, warmup_prompts
 from deltaserve.engine.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -19,6 +21,7 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
+        self._defaults: SamplingDefaults | None = None  # generation_config.json, read once
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
@@ -35,23 +38,15 @@ class LLM:
         """The checkpoint's generation_config.json sampling values (temperature, top_p, top_k,
         min_p, repetition_penalty, max_new_tokens), else SamplingParams' defaults; what
         `generate` uses when given no sampling parameters, as vLLM's LLM does."""
-        from deltaserve.engine.generation_defaults import read_sampling_defaults
-
-        return read_sampling_defaults(self.engine.config.model).sampling_params()
+        if self._defaults is None:
+            self._defaults = read_sampling_defaults(self.engine.config.model)
+        return self._defaults.sampling_params()
 
     def _warm_prefixes(self, prompts: list[list[int]]) -> None:
-        """Prompts sampled n > 1 times: prefill each once first (one token, then release), so that
-        the n copies find it in the radix cache instead of each computing it (as the server does,
-        `ServerContext.warm_prefix`)."""
-        least = 2 * self.engine.config.page_size
-        unique = {tuple(p): p for p in prompts if len(p) >= least}
-        if self.engine.config.cache_type != "radix" or not unique:
-            return
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
-        for ids in unique.values():
-            # all but the last token: its state snapshot then lands on the page boundary below
-            # the prompt's end even for a page-aligned prompt, where each copy resumes
-            self.engine.add_request(f"llm-warm-{self._next_id}", ids[:-1], params)
+        """Prompts sampled n > 1 times: prefill each once first (`warmup_prompts`)."""
+        config = self.engine.config
+        for ids in warmup_prompts(prompts, config.cache_type, config.page_size):
+            self.engine.add_request(f"llm-warm-{self._next_id}", ids, warmup_params())
             self._next_id += 1
         while self.engine.has_unfinished_requests():
             self.engine.step()

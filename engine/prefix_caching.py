@@ -33,6 +33,7 @@ from deltaserve.engine.kv_pool import KVPool
 from deltaserve.engine.radix_cache import RadixCache
 from deltaserve.engine.radix_node import Node
 from deltaserve.engine.request import Request
+from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.state_pool import StatePool
 
 
@@ -270,6 +271,22 @@ class RadixPrefixCache(PrefixCache):
             "kv_page_evictions": s.kv_pages_evicted,
             "kv_pages_cached": c.evictable_size + c.protected_size,
         }
+
+
+def warmup_prompts(prompts: Sequence[list[int]], cache_type: str, page_size: int) -> list[list[int]]:
+    """What to prefill once before prompts that run n > 1 times (each a one-token request that
+    is released at once), so that the copies find the prompt in the radix cache instead of all
+    computing it side by side, as SGLang does: each distinct prompt of two pages or more, less
+    its last token, whose state snapshot then lands on the page boundary below the prompt's end
+    even for a page-aligned prompt, where each copy resumes. Nothing without the radix cache."""
+    if cache_type != "radix":
+        return []
+    unique = {tuple(p): p for p in prompts if len(p) >= 2 * page_size}
+    return [p[:-1] for p in unique.values()]
+
+
+def warmup_params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
 
 
 def prefill_cost(model_config: Any, layer_types: Sequence[str], num_params: int) -> HybridPrefillCost:

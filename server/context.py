@@ -88,25 +88,19 @@ class ServerContext:
             raise bad_request(str(exc), None) from exc
 
     async def warm_prefix(self, prompts: list[list[int]], n: int, request: Request) -> None:
-        """Before n > 1 copies of each prompt: prefill each once (one token, then release), so
-        that the radix cache holds its pages and a state snapshot at its last page boundary and
-        each copy computes only the rest, rather than all n computing the whole prompt side by
-        side (SGLang does the same). Nothing to gain without the radix cache or below two pages.
-        A client that hangs up meanwhile gets ClientDisconnected, as from `collect`."""
-        info = self.client.model_info
-        least = 2 * int(info.get("page_size", 16))
-        if n < 2 or info.get("cache_type") != "radix":
-            return
-        unique = {tuple(p): p for p in prompts if len(p) >= least}
-        if not unique:
-            return
-        from deltaserve.engine.sampling_params import SamplingParams
+        """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`). A client that
+        hangs up meanwhile gets ClientDisconnected, as from `collect`."""
+        from deltaserve.engine.prefix_caching import warmup_params, warmup_prompts
 
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
-        # all but the last token: its state snapshot then lands on the page boundary below the
-        # prompt's end even for a page-aligned prompt, where each copy resumes
-        warm = [(f"warm-{uuid.uuid4().hex}", p[:-1], params) for p in unique.values()]
-        await self.collect(await self.submit(warm, track=False), request)
+        info = self.client.model_info
+        warm = warmup_prompts(
+            prompts if n > 1 else [], str(info.get("cache_type")), int(info.get("page_size", 16))
+        )
+        if warm:
+            group = await self.submit(
+                [(f"warm-{uuid.uuid4().hex}", p, warmup_params()) for p in warm], track=False
+            )
+            await self.collect(group, request)
 
     async def collect(self, group: RequestGroup, request: Request) -> dict[str, RequestOutput]:
         """Wait for a whole group; a client that hangs up meanwhile aborts it (ClientDisconnected)."""

@@ -123,25 +123,21 @@ def test_overlap_schedule_follows_the_device_unless_a_flag_says() -> None:
     )
 
 
-def test_unknown_gemv_mode_is_a_start_up_error(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "variable,typo,modes",
+    [
+        ("DELTASERVE_GEMV", "cuBLAS", ("auto", "cublas", "triton", "")),
+        ("DELTASERVE_PDL", "yes", ("on", "off", "auto", "")),
+    ],
+)
+def test_unknown_kernel_mode_is_a_start_up_error(monkeypatch, variable: str, typo: str, modes: tuple) -> None:
     from deltaserve.engine.config import EngineConfig
 
-    monkeypatch.setenv("DELTASERVE_GEMV", "cuBLAS")
-    with pytest.raises(ValueError, match="DELTASERVE_GEMV"):
+    monkeypatch.setenv(variable, typo)
+    with pytest.raises(ValueError, match=variable):
         EngineConfig(model="m", device="cpu")
-    for mode in ("auto", "cublas", "triton", ""):
-        monkeypatch.setenv("DELTASERVE_GEMV", mode)
-        EngineConfig(model="m", device="cpu")
-
-
-def test_unknown_pdl_mode_is_a_start_up_error(monkeypatch) -> None:
-    from deltaserve.engine.config import EngineConfig
-
-    monkeypatch.setenv("DELTASERVE_PDL", "yes")
-    with pytest.raises(ValueError, match="DELTASERVE_PDL"):
-        EngineConfig(model="m", device="cpu")
-    for mode in ("on", "off", "auto", ""):
-        monkeypatch.setenv("DELTASERVE_PDL", mode)
+    for mode in modes:
+        monkeypatch.setenv(variable, mode)
         EngineConfig(model="m", device="cpu")
 
 
