@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,8 @@ class Request:
     # output_kind "delta": how much of the output earlier outputs carried (tokens, characters)
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
+    # penalties: the prompt and output ids as numpy arrays (engine/penalties.py `TokenArrays`)
+    token_arrays: Any = field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:

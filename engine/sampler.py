@@ -6,21 +6,8 @@ import torch
 
 from deltaserve.engine.h2d import to_device, to_device_packed
 from deltaserve.engine.outputs import Logprob
+from deltaserve.engine.penalties import apply_penalties_batch
 from deltaserve.engine.request import Request
-
-
-def apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
-    p = req.params
-    if p.repetition_penalty != 1.0:
-        seen = to_device(sorted(set(req.all_token_ids)), torch.long, row.device)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-        out = to_device(req.output_token_ids, torch.long, row.device)
-        counts = torch.zeros_like(row).index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-    return row
-
 
 # Batches of at least TOPK_MIN_ROWS rows that all set a top-k of at most TOPK_LIMIT rank only
 # their k best tokens. On the H200 at Qwen3.5's 248k vocabulary (bench/sampler.py --ops) a
@@ -102,15 +89,15 @@ class Sampler:
                 [(rows, torch.long), (ids, torch.long), (vals, torch.float32)], dev
             )
             logits.index_put_((rows_t, ids_t), vals_t.to(logits.dtype), accumulate=True)
-        for i, r in enumerate(reqs):
-            if self._needs_processing(r):
-                logits[i] = apply_penalties(logits[i], r)
-                if len(r.output_token_ids) < r.params.min_tokens:
-                    banned = list(r.params.stop_token_ids) + (
-                        [] if r.params.ignore_eos else self.eos_token_ids
-                    )
-                    if banned:
-                        logits[i, to_device(banned, torch.long, dev)] = float("-inf")
+        penalised = [i for i, r in enumerate(reqs) if self._needs_processing(r)]
+        if penalised:
+            apply_penalties_batch(logits, [reqs[i] for i in penalised], penalised)
+        for i in penalised:
+            r = reqs[i]
+            if len(r.output_token_ids) < r.params.min_tokens:
+                banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[i, to_device(banned, torch.long, dev)] = float("-inf")
         return logits
 
     def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

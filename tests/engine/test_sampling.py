@@ -9,8 +9,9 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.penalties import apply_penalties
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampler import TOPK_LIMIT, TOPK_MIN_ROWS, Sampler, apply_penalties
+from deltaserve.engine.sampler import TOPK_LIMIT, TOPK_MIN_ROWS, Sampler
 
 
 def make_request(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
@@ -275,3 +276,41 @@ def test_n_copies_start_from_the_cached_prompt(llm, length, cached):
     assert len({tuple(c.token_ids) for c in out.outputs}) == 1
     one = llm.generate({"prompt_token_ids": prompt["prompt_token_ids"]}, SamplingParams(**greedy))[0]
     assert one.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_batched_penalties_equal_the_row_by_row_ones():
+    """Random penalties over random histories, a verification view (the request with drafts
+    appended, not stored) among them, and outputs growing between steps: the batched form gives
+    the row-by-row reference's logits."""
+    import copy
+    import random
+
+    from deltaserve.engine.penalties import apply_penalties_batch
+
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    vocab = 500
+    reqs = []
+    for _ in range(7):
+        params = SamplingParams(
+            repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
+            presence_penalty=rng.choice([0.0, 1.5, -0.5]),
+            frequency_penalty=rng.choice([0.0, 0.7]),
+        )
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        reqs.append(make_request(params, prompt, [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]))
+    for _ in range(4):
+        for r in reqs:  # the requests' outputs grow in place, as the engine appends them
+            r.output_token_ids.extend(rng.randrange(vocab) for _ in range(rng.randint(0, 3)))
+        view = copy.copy(reqs[2])
+        view.output_token_ids = reqs[2].output_token_ids + [rng.randrange(vocab) for _ in range(2)]
+        batch = [*reqs, view]
+        logits = torch.randn(len(batch) + 2, vocab, generator=gen) * 3
+        rows = list(range(1, len(batch) + 1))  # rows need not start at 0
+        want = logits.clone()
+        for r, i in zip(batch, rows):
+            want[i] = apply_penalties(want[i], r)
+        got = logits.clone()
+        apply_penalties_batch(got, batch, rows)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        assert not torch.equal(got, logits)  # the penalties did something
