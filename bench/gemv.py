@@ -9,6 +9,9 @@ weight that together exceed the L2 cache (60 MB on the H200), so that each call 
 matrix from HBM as a decode step does (the same matrix 20 times would be served from L2 when
 it fits). Reported: microseconds per call and the bandwidth of reading the weight once.
 Decides the Triton GEMV rule of `kernels/linear.py` (docs/kernels.md).
+
+`--tiles BN:BK ...` also times the Triton GEMV with the given tiles (a sweep of its tiling).
+Run with `DELTASERVE_PDL=on` to time the kernels as the small decode graphs launch them.
 """
 
 from __future__ import annotations
@@ -64,9 +67,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--tiles", nargs="*", default=[], help="BN:BK tiles to time the Triton GEMV with")
     ap.add_argument("--json")
     args = ap.parse_args()
+    from deltaserve.kernels import triton_gemv
     from deltaserve.kernels.triton_gemv import gemv
+
+    default_tiles = triton_gemv.gemv_tiles
 
     rows = []
     for (n, k), count in sorted(linear_shapes(args.model).items()):
@@ -87,6 +94,17 @@ def main() -> None:
                 "cublas_tb_s": gb * 1e3 / cublas,
                 "triton_tb_s": gb * 1e3 / triton,
             }
+            for tile in args.tiles:
+                bn, bk = (int(v) for v in tile.split(":"))
+                triton_gemv.gemv_tiles = lambda m_, n_, k_, s_, bn=bn, bk=bk: (
+                    default_tiles(m_, n_, k_, s_)[0],
+                    bn,
+                    bk,
+                )
+                try:
+                    row[f"triton_{tile}_us"] = time_us(lambda w, x=x: gemv(x, w), ws)
+                finally:
+                    triton_gemv.gemv_tiles = default_tiles
             rows.append(row)
             print(json.dumps(row), flush=True)
         del ws
