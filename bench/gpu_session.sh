@@ -5,9 +5,11 @@
 #
 # On the GPU machine, from the repository root, after the wheels are installed:
 #   bash bench/gpu_session.sh tests   # the GPU tests but those of the kda part
+#   bash bench/gpu_session.sh engine  # the engine's GPU tests alone (the whole call)
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
-#   bash bench/gpu_session.sh kda     # attention / GDN / conv / KDA kernel tests (the whole call)
+#   bash bench/gpu_session.sh kda     # attention / GDN / conv kernel tests (the whole call)
+#   bash bench/gpu_session.sh kda-only # KDA prefill/decode + MLA graph tests (the whole call, another GPU)
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
 #   bash bench/gpu_session.sh profiles # GPU idle gaps with overlap at two max_model_len, batch-1 kernels
@@ -32,6 +34,10 @@ case "${1:-tests}" in
     run 90 kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_norm_kernels.py tests/kernels/test_gemv_cuda.py tests/kernels/test_router_cuda.py \
       tests/kernels/test_moe_cuda.py tests/kernels/test_window_kernels.py tests/kernels/test_mla_cuda.py tests/kernels/test_pdl.py
     run 420 engine-tests python3 -m pytest -q -rA -s -m gpu tests/engine
+    ;;
+  engine)  # the engine's GPU tests alone: on a fresh machine beside another compiling job
+    # they took more than 550 s (14 of 15 done), more than the `tests` part leaves them
+    run 570 engine-tests python3 -m pytest -q -rA -s -m gpu tests/engine
     ;;
   qwen)
     run 170 bench-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
@@ -94,8 +100,13 @@ case "${1:-tests}" in
     run 60 spec-verify-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs
     ;;
-  kda)  # the attention / GDN / conv / KDA kernel tests: compile-heavy, more than 400 s on a fresh machine
-    run 560 cuda-kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py tests/kernels/test_kda_cuda.py
+  kda)  # the attention / GDN / conv / KDA kernel tests: compile-heavy. On a fresh machine
+    # test_cuda_kernels.py took about 170 s and test_kda_cuda.py 403 s (FLA compiling chunk_kda
+    # per shape): run them on two GPUs at once (CUDA_VISIBLE_DEVICES=0 ... kda, =1 ... kda-only)
+    run 560 cuda-kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py
+    ;;
+  kda-only)
+    run 560 kda-tests python3 -m pytest -v -m gpu tests/kernels/test_kda_cuda.py --durations=10
     ;;
   spec)  # eager verification, window kernels against their torch references, one call
     run 90 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
@@ -127,7 +138,7 @@ case "${1:-tests}" in
     done
     ;;
   *)
-    echo "usage: $0 tests|qwen|more|kda|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|ab-pdl" >&2
+    echo "usage: $0 tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|ab-pdl" >&2
     exit 2
     ;;
 esac
