@@ -47,7 +47,7 @@ class TokenArrays:
 
     @classmethod
     def of(cls, req: Request) -> TokenArrays:
-        cached: TokenArrays | None = req.token_arrays
+        cached = req.token_arrays
         if cached is None or cached.prompt_ref is not req.prompt_token_ids:
             cached = cls(
                 req.prompt_token_ids,
@@ -73,12 +73,12 @@ class TokenArrays:
         return self.output[:n]
 
 
-def _pairs(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(row index, token) of every token of every row's arrays."""
+def _pairs(rows: list[int], arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(row index, token) of every token of `arrays[j]`, which belongs to row `rows[j]`."""
     lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
-    rows = np.repeat(np.arange(len(arrays), dtype=np.int64), lengths)
+    row_idx = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
     tokens = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
-    return rows, tokens
+    return row_idx, tokens
 
 
 def apply_penalties_batch(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
@@ -92,11 +92,12 @@ def apply_penalties_batch(logits: torch.Tensor, reqs: list[Request], rows: list[
         if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids
     ]
     if rep:
-        seen_arrays = []
-        for r, _ in rep:
+        owners, arrays = [], []
+        for j, (r, _) in enumerate(rep):  # prompt and output ids, each its own array (no concat)
             t = TokenArrays.of(r)
-            seen_arrays.append(np.concatenate([t.prompt, t.outputs(r)]))
-        r_idx, t_idx = _pairs(seen_arrays)
+            owners += [j, j]
+            arrays += [t.prompt, t.outputs(r)]
+        r_idx, t_idx = _pairs(owners, arrays)
         at, r_t, t_t, pen = to_device_packed(
             [
                 ([i for _, i in rep], torch.long),
@@ -112,7 +113,7 @@ def apply_penalties_batch(logits: torch.Tensor, reqs: list[Request], rows: list[
         pen = pen.to(logits.dtype).unsqueeze(1)
         logits[at] = torch.where(seen, torch.where(vals > 0, vals / pen, vals * pen), vals)
     if pf:
-        r_idx, t_idx = _pairs([TokenArrays.of(r).outputs(r) for r, _ in pf])
+        r_idx, t_idx = _pairs(list(range(len(pf))), [TokenArrays.of(r).outputs(r) for r, _ in pf])
         at, r_t, t_t, freq, pres = to_device_packed(
             [
                 ([i for _, i in pf], torch.long),

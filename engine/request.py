@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +14,7 @@ from deltaserve.engine.outputs import Logprob
 from deltaserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from deltaserve.engine.penalties import TokenArrays
     from deltaserve.engine.prefix_caching import CacheHold
 
 
@@ -57,7 +58,7 @@ class Request:
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
     # penalties: the prompt and output ids as numpy arrays (engine/penalties.py `TokenArrays`)
-    token_arrays: Any = field(default=None, repr=False)
+    token_arrays: TokenArrays | None = field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:
