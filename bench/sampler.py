@@ -8,7 +8,8 @@ top_p 0.95, top_k 20: what requests that leave sampling unset get), top-p only, 
 with presence_penalty 1.5 over `--history` prompt and output tokens a request. Reported:
 milliseconds per call (median of `--iters`, synchronised), the time a sampled decode step
 spends beside the forward pass. Uses only `Sampler.sample_tokens`, so the same script times an
-older commit (bench/ab.sh). `--ops` also times the ranking ops alone on the same logits
+older commit (bench/ab.sh). `--graphs 32` samples batches of up to 32 rows by graph replay, as
+the engine does on CUDA (the default, without the flag, is the eager sampler). `--ops` also times the ranking ops alone on the same logits
 (a full sort against `torch.topk` of 20 and 1024), which decide the sampler's paths.
 """
 
@@ -49,10 +50,30 @@ def main() -> None:
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ops", action="store_true", help="also time sort / topk alone")
+    ap.add_argument(
+        "--graphs",
+        type=int,
+        default=0,
+        metavar="MAX_BS",
+        help="sample batches of at most MAX_BS rows by graph replay (engine/sampler_graphs.py)",
+    )
+    ap.add_argument(
+        "--graph-topk-min-rows",
+        type=int,
+        default=None,
+        help="with --graphs: batches of fewer rows sort instead of ranking with torch.topk",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device(args.device)
-    sampler = Sampler(dev, 0, [])
+    if args.graphs:
+        from deltaserve.engine import sampler_graphs
+
+        if args.graph_topk_min_rows is not None:
+            sampler_graphs.GRAPH_TOPK_MIN_ROWS = args.graph_topk_min_rows
+        sampler = Sampler(dev, 0, [], graph_max_bs=args.graphs)
+    else:
+        sampler = Sampler(dev, 0, [])
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     results = []
     for bs in args.batch_sizes:

@@ -31,7 +31,7 @@ from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.prefix_caching import make_prefix_cache, prefill_cost
 from deltaserve.engine.request import Request, Status
-from deltaserve.engine.sampler import Sampler
+from deltaserve.engine.sampler import SAMPLER_GRAPH_MAX_BS, Sampler
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import Computed, MtpDrafter, SpecDecoder, Verdict
@@ -90,7 +90,14 @@ class Engine:
         cost = prefill_cost(loaded.config, self.runner.model.layer_types, loaded.num_params)
         self.prefix_cache = make_prefix_cache(config, kv, st, cost)
         self.scheduler = Scheduler(config, kv, st, self.prefix_cache)
-        self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
+        # small sampled batches replay CUDA graphs of the sampler (engine/sampler_graphs.py)
+        graphs = self.device.type == "cuda" and not config.disable_cuda_graph
+        self.sampler = Sampler(
+            self.device,
+            config.seed,
+            self.eos_token_ids,
+            graph_max_bs=min(SAMPLER_GRAPH_MAX_BS, config.cuda_graph_max_bs) if graphs else 0,
+        )
         self.requests: dict[str, Request] = {}
         self._finished_outputs: list[RequestOutput] = []
         self._inflight: _InFlight | None = None
@@ -292,8 +299,9 @@ class Engine:
 
     def _launch_readback(self, sampled: list[Request], logits: torch.Tensor) -> _InFlight:
         tokens = self.sampler.sample_tokens(logits, sampled)
-        if not self._host_buffers:  # off CUDA the copy is synchronous
-            return _InFlight(sampled, tokens, tokens.cpu(), None)
+        if not self._host_buffers:  # off CUDA the copy is synchronous (and a copy: `tokens` may
+            # be a sampler graph's output, which the next step's sampling overwrites)
+            return _InFlight(sampled, tokens, tokens.to("cpu", copy=True), None)
         self._host_buffers.reverse()  # the other buffer may still be read for the previous step
         host = self._host_buffers[0][: len(sampled)]
         host.copy_(tokens, non_blocking=True)

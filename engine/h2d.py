@@ -114,3 +114,17 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> tor
     if device.type != "cuda":
         return torch.from_numpy(np.asarray(values, dtype=_numpy_dtype(dtype)))
     return to_device_packed([(values, dtype)], device)[0]
+
+
+def copy_to_device(dst: torch.Tensor, values: np.ndarray) -> None:
+    """Copy a numpy array into the contiguous tensor `dst` (same shape and dtype); on CUDA
+    through the pinned ring, without blocking (a static buffer a CUDA graph reads)."""
+    src = torch.from_numpy(np.ascontiguousarray(values))
+    if dst.device.type != "cuda":
+        dst.copy_(src)
+        return
+    ring = _ring()
+    i, host = ring.take(src.nbytes)
+    host.numpy()[:] = src.numpy().reshape(-1).view(np.uint8)
+    dst.copy_(host.view(src.dtype).view(src.shape), non_blocking=True)
+    ring.copied(i, torch.cuda.current_stream(dst.device))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from deltaserve.engine.h2d import to_device, to_device_packed
@@ -9,21 +11,40 @@ from deltaserve.engine.outputs import Logprob
 from deltaserve.engine.penalties import apply_penalties_batch
 from deltaserve.engine.request import Request
 
+if TYPE_CHECKING:
+    from deltaserve.engine.sampler_graphs import Capture, SamplerGraphs
+
 # Batches of at least TOPK_MIN_ROWS rows that all set a top-k of at most TOPK_LIMIT rank only
 # their k best tokens. On the H200 at Qwen3.5's 248k vocabulary (bench/sampler.py --ops) a
 # full sort took 0.10 / 0.24 / 1.1 / 4.6 ms at 1 / 8 / 64 / 256 rows, `torch.topk` of 20 or
 # 1024 0.12-0.18 / 0.12-0.19 / 0.29-0.32 / 0.85-0.91 ms: slower for a single row.
 TOPK_LIMIT = 1024
 TOPK_MIN_ROWS = 4
+# on CUDA, sampled batches of at most this many rows replay graphs (engine/sampler_graphs.py):
+# their cost is the host's launches; larger batches' is the GPU's
+SAMPLER_GRAPH_MAX_BS = 32
 
 
 class Sampler:
-    """Samples a whole batch at once; only seeded rows draw their noise one by one."""
+    """Samples a whole batch at once; only seeded rows draw their noise one by one.
 
-    def __init__(self, device: torch.device, seed: int, eos_token_ids: list[int]) -> None:
+    With `graph_max_bs`, sampled batches of at most that many rows replay CUDA graphs of the
+    same ops (`engine/sampler_graphs.py`; `capture` replaces CUDA's capture, for tests)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int,
+        eos_token_ids: list[int],
+        graph_max_bs: int = 0,
+        capture: Capture | None = None,
+    ) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = eos_token_ids
+        self.graph_max_bs = graph_max_bs
+        self.capture = capture
+        self.graphs: SamplerGraphs | None = None
 
     def new_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -42,6 +63,15 @@ class Sampler:
         logits = logits.float()
         if all(r.params.greedy and not self._needs_processing(r) and not r.params.logit_bias for r in reqs):
             return logits.argmax(dim=-1)
+        if 0 < len(reqs) <= self.graph_max_bs:
+            if self.graphs is None:
+                from deltaserve.engine.sampler_graphs import SamplerGraphs
+
+                self.graphs = SamplerGraphs(self, logits.shape[-1], self.graph_max_bs, self.capture)
+            if self.graphs.takes(len(reqs), logits.shape[-1]):
+                tokens = self.graphs.sample(logits, reqs)
+                if tokens is not None:
+                    return tokens
         return self._sample_batch(logits.clone(), reqs)
 
     def logprobs_of(
@@ -102,19 +132,45 @@ class Sampler:
 
     def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         logits = self._process(logits, reqs)
-        greedy_tokens = logits.argmax(dim=-1)
         if all(r.params.greedy for r in reqs):
-            return greedy_tokens
-        greedy = to_device([r.params.greedy for r in reqs], torch.bool, logits.device)
-        probs, order = self._filtered_probs(logits, reqs)
-        # exponential race: argmax(p / E) with E ~ Exp(1) samples from p
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            return logits.argmax(dim=-1)
+        vocab = logits.shape[-1]
+        temp, min_p, top_p, top_k, greedy = self._param_tensors(reqs, vocab, logits.device)
+        width = self._width(reqs, vocab)
+        noise = torch.empty((len(reqs), width or vocab), dtype=torch.float32, device=logits.device)
+        self.fill_noise(noise, reqs, vocab)
+        keep_min_p = min_p if any(r.params.min_p > 0 for r in reqs) else None
+        return pick_tokens(logits, temp, keep_min_p, top_p, top_k, greedy.bool(), noise, width)
+
+    @staticmethod
+    def _param_tensors(reqs: list[Request], vocab: int, device: torch.device) -> list[torch.Tensor]:
+        """temperature, min_p, top_p (fp32), top_k (int64), greedy (int8) per row, one copy."""
+        temp, min_p, top_p, top_k, greedy = param_rows(reqs, vocab)
+        return to_device_packed(
+            [
+                (temp, torch.float32),
+                (min_p, torch.float32),
+                (top_p, torch.float32),
+                (top_k, torch.long),
+                (greedy, torch.int8),
+            ],
+            device,
+        )
+
+    def fill_noise(self, noise: torch.Tensor, reqs: list[Request], vocab: int) -> None:
+        """Exp(1) noise for the exponential race `[n, width]`: from the engine's generator, and
+        for seeded rows from their own, drawn over the whole vocabulary whatever the width (its
+        first `width` values used), so that a seeded request's draws do not depend on the path
+        its batch takes."""
+        noise.exponential_(generator=self.generator)
         for i, r in enumerate(reqs):
-            if r.generator is not None:
+            if r.generator is None:
+                continue
+            if noise.shape[1] == vocab and noise[i].is_contiguous():
                 noise[i].exponential_(generator=r.generator)
-        picked = (probs / noise).argmax(dim=-1, keepdim=True)
-        sampled = (order.gather(1, picked) if order is not None else picked).squeeze(1)
-        return torch.where(greedy, greedy_tokens, sampled)
+            else:
+                row = torch.empty(vocab, dtype=noise.dtype, device=noise.device)
+                noise[i].copy_(row.exponential_(generator=r.generator)[: noise.shape[1]])
 
     def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The distribution each row samples from `[M, vocab]` (non-greedy rows; for rejection
@@ -128,44 +184,92 @@ class Sampler:
         self, logits: torch.Tensor, reqs: list[Request]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After temperature, top-k, top-p and min-p: the probabilities, and the token id of
-        each column (None: column = token id).
-
-        Only top-p needs the tokens in order, and top-k only the k best: a batch of at least
-        TOPK_MIN_ROWS rows that all set a top-k of at most TOPK_LIMIT ranks just those
-        (`torch.topk`, much cheaper than sorting a 248k vocabulary per row), a batch without
-        top-k or top-p ranks nothing, and only the rest sorts the whole vocabulary.
-        """
-        dev = logits.device
+        each column (None: column = token id)."""
         vocab = logits.shape[-1]
-        params = [r.params for r in reqs]
-        ks = [p.top_k for p in params]
-        temp, min_p, top_p, top_k = to_device_packed(
-            [
-                ([1.0 if p.greedy else p.temperature for p in params], torch.float32),
-                ([p.min_p for p in params], torch.float32),
-                ([p.top_p for p in params], torch.float32),
-                ([k or vocab for k in ks], torch.long),
-            ],
-            dev,
-        )
-        scaled = logits / temp.unsqueeze(1)
-        if not any(ks) and all(p.top_p >= 1.0 for p in params):
-            probs = torch.softmax(scaled, dim=-1)
-            if any(p.min_p > 0 for p in params):
-                low = probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-                probs = torch.softmax(scaled.masked_fill(low, float("-inf")), dim=-1)
+        temp, min_p, top_p, top_k, _ = self._param_tensors(reqs, vocab, logits.device)
+        keep_min_p = min_p if any(r.params.min_p > 0 for r in reqs) else None
+        return filtered_probs(logits / temp.unsqueeze(1), keep_min_p, top_p, top_k, self._width(reqs, vocab))
+
+    @staticmethod
+    def _width(reqs: list[Request], vocab: int) -> int:
+        """How many tokens of each row are ranked: none (0) without top-k and top-p; only the
+        k best (`torch.topk`) when at least TOPK_MIN_ROWS rows all set a top-k of at most
+        TOPK_LIMIT (much cheaper than sorting a 248k vocabulary per row); else all (a sort)."""
+        ks = [r.params.top_k for r in reqs]
+        if not any(ks) and all(r.params.top_p >= 1.0 for r in reqs):
+            return 0
+        if all(ks) and max(ks) <= min(TOPK_LIMIT, vocab) and len(reqs) >= TOPK_MIN_ROWS:
+            return max(ks)
+        return vocab
+
+
+def param_rows(reqs: list[Request], vocab: int) -> list[list[float]]:
+    """The sampling parameters as five per-row lists: temperature (1 for greedy rows), min_p,
+    top_p, top_k (the vocabulary where unset) and greedy (1 or 0)."""
+    params = [r.params for r in reqs]
+    return [
+        [1.0 if p.greedy else p.temperature for p in params],
+        [p.min_p for p in params],
+        [p.top_p for p in params],
+        [p.top_k or vocab for p in params],
+        [1 if p.greedy else 0 for p in params],
+    ]
+
+
+def filtered_probs(
+    scaled: torch.Tensor,
+    min_p: torch.Tensor | None,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature-scaled logits `[n, vocab]` to the probabilities each row samples from, after
+    top-k, top-p and min-p (per-row tensors; `min_p` None: no row sets one), and the token id
+    of each column (None: column = token id).
+
+    `width` says how much is ranked: 0 nothing (no row may set top-k or top-p), less than the
+    vocabulary the `width` best (`torch.topk`; every row's top-k must be at most `width`), the
+    vocabulary a full sort. Shapes depend on `width` alone, so CUDA graphs capture this.
+    """
+    vocab = scaled.shape[-1]
+    if width == 0:
+        probs = torch.softmax(scaled, dim=-1)
+        if min_p is None:
             return probs, None
-        width = max(ks) if all(ks) and max(ks) <= min(TOPK_LIMIT, vocab) else vocab
-        if width < vocab and len(reqs) >= TOPK_MIN_ROWS:
-            vals, order = torch.topk(scaled, width, dim=-1)  # the k best, in descending order
-        else:
-            vals, order = torch.sort(scaled, dim=-1, descending=True)
-            width = vocab
-        rank = torch.arange(width, device=dev).unsqueeze(0)
-        vals = vals.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(vals, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        vals = vals.masked_fill(probs.cumsum(-1) - probs >= top_p.unsqueeze(1), float("-inf"))
+        low = probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        return torch.softmax(scaled.masked_fill(low, float("-inf")), dim=-1), None
+    if width < vocab:
+        vals, order = torch.topk(scaled, width, dim=-1)  # the k best, in descending order
+    else:
+        vals, order = torch.sort(scaled, dim=-1, descending=True)
+    rank = torch.arange(vals.shape[-1], device=scaled.device).unsqueeze(0)
+    vals = vals.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(vals, dim=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays); rows
+    # without top-p keep everything (a cumulative sum may reach 1.0 early by rounding)
+    cut = (probs.cumsum(-1) - probs >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    vals = vals.masked_fill(cut, float("-inf"))
+    if min_p is not None:
         probs = torch.softmax(vals, dim=-1)
         vals = vals.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1], float("-inf"))
-        return torch.softmax(vals, dim=-1), order
+    return torch.softmax(vals, dim=-1), order
+
+
+def pick_tokens(
+    logits: torch.Tensor,
+    temp: torch.Tensor,
+    min_p: torch.Tensor | None,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    greedy: torch.Tensor,
+    noise: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """Each row's token: the argmax where `greedy`, else a draw from `filtered_probs` by the
+    exponential race (argmax of p / E with E ~ Exp(1) samples from p; `noise` holds the E,
+    `[n, width or vocab]`). No host syncs: CUDA graphs capture this."""
+    greedy_tokens = logits.argmax(dim=-1)
+    probs, order = filtered_probs(logits / temp.unsqueeze(1), min_p, top_p, top_k, width)
+    picked = (probs / noise).argmax(dim=-1, keepdim=True)
+    sampled = (order.gather(1, picked) if order is not None else picked).squeeze(1)
+    return torch.where(greedy, greedy_tokens, sampled)

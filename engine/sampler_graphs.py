@@ -1,0 +1,129 @@
+"""Sampling by CUDA-graph replay, for small batches.
+
+Sampling a batch eagerly launches about twenty small kernels from Python (scaling, ranking,
+three softmaxes, the masks, the race, the greedy rows' argmax); at batch 1 on the H200 that
+made a sampled decode step a third slower than a greedy one (docs/performance.md), the host
+time, not the GPU's. Here the same ops (`pick_tokens`, shared with the eager path) are
+captured once per padded batch size and ranking width, reading static buffers: the logits,
+the per-row parameters and the noise. A step then costs a copy of the logits, the logit
+processing it needs (biases, penalties and min_tokens bans run eagerly on the static logits,
+in place), one copy of the parameters, the noise and a replay.
+
+The ranking width is part of the graph: none (no row sets top-k or top-p), the best
+`bucket` tokens (every row's top-k at most `bucket`, one of TOPK_BUCKETS) or a full sort.
+Graphs are captured lazily, on a batch's first use of its (size, width); the capture waits
+for the device once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltaserve.engine.cuda_graphs import graph_batch_sizes
+from deltaserve.engine.h2d import copy_to_device
+from deltaserve.engine.request import Request
+from deltaserve.engine.sampler import TOPK_LIMIT, Sampler, param_rows, pick_tokens
+
+logger = logging.getLogger(__name__)
+
+# top-k widths graphs are captured for (a batch ranks the smallest that holds its largest k);
+# larger k, or a row without one, sorts the whole vocabulary
+TOPK_BUCKETS = (64, 256, TOPK_LIMIT)
+# batches of fewer rows sort instead of ranking with `torch.topk` (measured: bench/sampler.py)
+GRAPH_TOPK_MIN_ROWS = 1
+
+# captures `fn` (static inputs to a static output): the replay callable and the output
+Capture = Callable[[Callable[[], torch.Tensor], Any], tuple[Callable[[], None], torch.Tensor]]
+
+
+def cuda_capture(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
+    """Captures `fn` in a CUDA graph drawing on the memory pool `pool` (shared by the sampler's
+    graphs: they replay one at a time, and each keeps only its output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # lazy initialisation (workspaces) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph.replay, out
+
+
+class SamplerGraphs:
+    """Replays `pick_tokens` for batches of at most `max_bs` rows."""
+
+    def __init__(self, sampler: Sampler, vocab: int, max_bs: int, capture: Capture | None = None) -> None:
+        self.sampler = sampler
+        self.vocab = vocab
+        self.sizes = graph_batch_sizes(max_bs)
+        self.capture = capture or cuda_capture
+        top, dev = self.sizes[-1], sampler.device
+        with torch.inference_mode():
+            self.logits = torch.zeros(top, vocab, dtype=torch.float32, device=dev)
+            self.noise = torch.ones(top, vocab, dtype=torch.float32, device=dev)
+            # temperature, min_p, top_p, top_k, greedy per row (padding rows: plain sampling)
+            self._pad = np.array([1.0, 0.0, 1.0, vocab, 0.0], dtype=np.float32)
+            self.params = torch.tensor(np.repeat(self._pad[None], top, 0), device=dev)
+        self.pool = torch.cuda.graph_pool_handle() if capture is None and dev.type == "cuda" else None
+        self.graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
+        self.replays = 0
+        self.failed = False
+
+    def takes(self, n: int, vocab: int) -> bool:
+        return not self.failed and 0 < n <= self.sizes[-1] and vocab == self.vocab
+
+    def width(self, reqs: list[Request]) -> int:
+        """0 (no ranking), a top-k bucket, or the vocabulary (a full sort)."""
+        ks = [r.params.top_k for r in reqs]
+        if not any(ks) and all(r.params.top_p >= 1.0 for r in reqs):
+            return 0
+        if all(ks) and len(reqs) >= GRAPH_TOPK_MIN_ROWS:
+            i = bisect.bisect_left(TOPK_BUCKETS, max(ks))
+            if i < len(TOPK_BUCKETS) and TOPK_BUCKETS[i] < self.vocab:
+                return TOPK_BUCKETS[i]
+        return self.vocab
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor | None:
+        """The tokens of `reqs` `[n]` from their logits `[n, vocab]` (fp32), left on the device:
+        a view of the graph's output, valid until that graph is replayed again. None if the
+        capture failed (the sampler then samples eagerly, now and from then on)."""
+        n = len(reqs)
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        width = self.width(reqs)
+        self.logits[:n].copy_(logits)
+        self.sampler._process(self.logits[:n], reqs)
+        rows = np.empty((bs, 5), dtype=np.float32)
+        rows[:n] = np.array(param_rows(reqs, self.vocab), dtype=np.float32).T
+        rows[n:] = self._pad
+        copy_to_device(self.params[:bs], rows)
+        self.sampler.fill_noise(self.noise[:n, : width or self.vocab], reqs, self.vocab)
+        key = (bs, width)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self.capture(self._body(bs, width), self.pool)
+            except Exception as e:  # an op that cannot be captured
+                logger.warning("sampler graph capture failed (%s); sampling eagerly", e)
+                self.failed = True
+                return None
+            logger.info("captured a sampler graph for %d rows, ranking width %d", bs, width)
+        replay, out = self.graphs[key]
+        replay()
+        self.replays += 1
+        return out[:n]
+
+    def _body(self, bs: int, width: int) -> Callable[[], torch.Tensor]:
+        logits, noise = self.logits[:bs], self.noise[:bs, : width or self.vocab]
+        temp, min_p, top_p, top_k, greedy = self.params[:bs].unbind(1)
+
+        def body() -> torch.Tensor:
+            return pick_tokens(logits, temp, min_p, top_p, top_k.long(), greedy > 0, noise, width)
+
+        return body
