@@ -17,6 +17,7 @@
 #   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
 #   bash bench/gpu_session.sh spec    # speculative decoding, eager verification, window kernels vs references
 #   bash bench/gpu_session.sh sampling # decode with Qwen3.5's sampling defaults against greedy
+#   bash bench/gpu_session.sh sampler-graphs # sampler graphs: tests, sampler timings, sampled decode A/B (prepare REV)
 #   bash bench/gpu_session.sh ab      # before/after decode on one GPU (first, here: bash bench/ab.sh prepare REV; carry .base)
 #   bash bench/gpu_session.sh ab-pdl  # REV against the working tree with DELTASERVE_PDL=on, and the tree with it off
 set -u
@@ -123,6 +124,16 @@ case "${1:-tests}" in
       done
     done
     ;;
+  sampler-graphs)  # sampling by graph replay: its GPU tests, the sampler alone, sampled decode before/after
+    run 200 sampler-graph-tests python3 -m pytest -q -rA -m gpu tests/engine/test_sampler_graphs.py
+    run 200 ab-sampled-0.8b bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-0.8b \
+      --batch-sizes 1 8 32 --new-tokens 128 --prefill-len 0 --sampling qwen
+    run 60 sampler-eager python3 -m bench.sampler --batch-sizes 1 2 8 32 --iters 50
+    run 60 sampler-graphs python3 -m bench.sampler --batch-sizes 1 2 8 32 --iters 50 --graphs 32
+    run 60 sampler-graphs-sort python3 -m bench.sampler --batch-sizes 1 2 8 32 --iters 50 --graphs 32 \
+      --graph-topk-min-rows 64
+    run 100 prefill-0.8b python3 -m bench.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192
+    ;;
   ab)  # a performance change against the commit exported by `bench/ab.sh prepare REV`
     for model in qwen3.5-0.8b qwen3.5-9b; do
       run 200 "ab-$model" bash bench/ab.sh run python3 -m bench.decode --model "configs/$model" \
@@ -138,7 +149,7 @@ case "${1:-tests}" in
     done
     ;;
   *)
-    echo "usage: $0 tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|ab-pdl" >&2
+    echo "usage: $0 tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|ab|ab-pdl" >&2
     exit 2
     ;;
 esac

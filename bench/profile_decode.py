@@ -46,6 +46,26 @@ def busy_and_gaps(spans: list[tuple[float, float]], top: int = 5) -> tuple[float
     return busy, span, sorted(gaps, reverse=True)[:top]
 
 
+def report(prof: torch.profiler.profile, what: str, rows: int, trace: str | None) -> None:
+    """How busy the GPU was over the profiled `what` and its longest idle gaps, then the kernels
+    by GPU time and the ops by CPU time (and a Chrome trace to `trace`)."""
+    spans = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start
+    ]
+    busy, span, gaps = busy_and_gaps(spans)
+    if span:
+        print(
+            f"GPU busy {busy / 1e3:.2f} of {span / 1e3:.2f} ms over {what} ({100 * busy / span:.0f}%); "
+            f"longest idle gaps (ms): {[round(g / 1e3, 3) for g in gaps]}"
+        )
+    if trace:
+        prof.export_chrome_trace(trace)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=70))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -95,21 +115,7 @@ def main() -> None:
         for _ in range(10):
             engine.step()
         torch.cuda.synchronize()
-    spans = [
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start
-    ]
-    busy, span, gaps = busy_and_gaps(spans)
-    if span:
-        print(
-            f"GPU busy {busy / 1e3:.2f} of {span / 1e3:.2f} ms over 10 steps ({100 * busy / span:.0f}%); "
-            f"longest idle gaps (ms): {[round(g / 1e3, 3) for g in gaps]}"
-        )
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=70))
+    report(prof, "10 steps", args.rows, args.trace)
 
 
 if __name__ == "__main__":

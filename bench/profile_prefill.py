@@ -1,0 +1,66 @@
+"""Where a long prefill's time goes: one prompt of `--tokens` tokens in one chunk, timed whole,
+then once under the torch profiler (kernels by GPU time, ops by CPU time, and how busy the GPU
+was over the step: a low figure means the host's launches set the pace).
+
+    python -m bench.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.profile_decode import report
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.sampling_params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--rows", type=int, default=30, help="profiler table rows")
+    ap.add_argument("--trace", help="write a Chrome trace of the profiled prefill here")
+    args = ap.parse_args()
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            load_format="dummy",
+            dtype="bfloat16",
+            device="cuda",
+            cache_type="naive",
+            max_running_requests=4,
+            max_model_len=args.tokens + 16,
+            chunked_prefill_size=args.tokens,
+            enable_overlap_schedule=False,
+        )
+    )
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def prefill(name: str) -> float:
+        engine.add_request(name, torch.randint(0, vocab, (args.tokens,), generator=gen).tolist(), params)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - t)
+
+    for i in range(2):  # compile and autotune at this length
+        prefill(f"warm{i}")
+    times = [prefill(f"t{i}") for i in range(3)]
+    print(f"prefill of {args.tokens} tokens: {', '.join(f'{t:.1f}' for t in times)} ms")
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        prefill("profiled")
+    report(prof, "the prefill", args.rows, args.trace)
+
+
+if __name__ == "__main__":
+    main()
