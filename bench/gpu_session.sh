@@ -18,6 +18,7 @@
 #   bash bench/gpu_session.sh spec    # speculative decoding, eager verification, window kernels vs references
 #   bash bench/gpu_session.sh sampling # decode with Qwen3.5's sampling defaults against greedy
 #   bash bench/gpu_session.sh sampler-graphs # sampler graphs: tests, sampler timings, sampled decode A/B (prepare REV)
+#   bash bench/gpu_session.sh prefill-ab # GDN prefill through FLA's internals against its public call
 #   bash bench/gpu_session.sh ab      # before/after decode on one GPU (first, here: bash bench/ab.sh prepare REV; carry .base)
 #   bash bench/gpu_session.sh ab-pdl  # REV against the working tree with DELTASERVE_PDL=on, and the tree with it off
 set -u
@@ -134,6 +135,19 @@ case "${1:-tests}" in
       --graph-topk-min-rows 64
     run 100 prefill-0.8b python3 -m bench.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192
     ;;
+  prefill-ab)  # FLA's GDN forward called directly (default) against its public entry (DELTASERVE_FLA_DIRECT=0)
+    run 150 gdn-prefill-tests python3 -m pytest -q -rA -m gpu tests/kernels/test_cuda_kernels.py -k gdn_prefill
+    for direct in 0 1; do
+      DELTASERVE_FLA_DIRECT=$direct run 100 "profile-prefill-direct$direct" python3 -m bench.profile_prefill \
+        --model configs/qwen3.5-0.8b --tokens 8192 --rows 25 --cprofile 30
+    done
+    for model in qwen3.5-0.8b qwen3.5-9b; do
+      for direct in 0 1; do
+        DELTASERVE_FLA_DIRECT=$direct run 90 "prefill-$model-direct$direct" python3 -m bench.decode \
+          --model "configs/$model" --batch-sizes --prefill-len 8192
+      done
+    done
+    ;;
   ab)  # a performance change against the commit exported by `bench/ab.sh prepare REV`
     for model in qwen3.5-0.8b qwen3.5-9b; do
       run 200 "ab-$model" bash bench/ab.sh run python3 -m bench.decode --model "configs/$model" \
@@ -149,7 +163,7 @@ case "${1:-tests}" in
     done
     ;;
   *)
-    echo "usage: $0 tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|ab|ab-pdl" >&2
+    echo "usage: $0 tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|ab|ab-pdl" >&2
     exit 2
     ;;
 esac

@@ -1,6 +1,7 @@
 """Where a long prefill's time goes: one prompt of `--tokens` tokens in one chunk, timed whole,
 then once under the torch profiler (kernels by GPU time, ops by CPU time, and how busy the GPU
-was over the step: a low figure means the host's launches set the pace).
+was over the step: a low figure means the host's launches set the pace), and with `--cprofile`
+once under Python's profiler (which Python functions the host's time goes to).
 
     python -m bench.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192
 """
@@ -8,6 +9,8 @@ was over the step: a low figure means the host's launches set the pace).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -24,6 +27,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--rows", type=int, default=30, help="profiler table rows")
     ap.add_argument("--trace", help="write a Chrome trace of the profiled prefill here")
+    ap.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="also run one prefill under cProfile and print its ROWS costliest Python functions",
+    )
     args = ap.parse_args()
     engine = Engine(
         EngineConfig(
@@ -60,6 +70,13 @@ def main() -> None:
     ) as prof:
         prefill("profiled")
     report(prof, "the prefill", args.rows, args.trace)
+    if args.cprofile:
+        pr = cProfile.Profile()
+        pr.enable()
+        prefill("cprofiled")
+        pr.disable()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(pr).sort_stats(key).print_stats(args.cprofile)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,38 @@ def test_gdn_prefill_refilled_cu_seqlens(monkeypatch):
         assert rel_err(pool, ref_pool) < 2e-2
 
 
+def test_gdn_prefill_direct_equals_public(monkeypatch):
+    """FLA's forward called below its entry point (the default, `_fla_forward`) gives exactly
+    the public call's outputs and states, on strided views of one projection as the model
+    passes them."""
+    from deltaserve.kernels import gdn_cuda
+
+    hk, hv, dk, dv, num_slots = 2, 4, 128, 128, 8
+    lengths = [5, 64, 190, 33]
+    total = sum(lengths)
+    wide = torch.randn(total, 2 * hk * dk + hv * dv + 3, device=DEV, dtype=torch.bfloat16)
+    q, k, v = wide[:, 3:].split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.view(total, hk, dk), k.view(total, hk, dk), v.view(total, hv, dv)
+    assert not q.is_contiguous()
+    _, _, _, g, beta = gdn_inputs(total, hk, hv, dk, dv, torch.bfloat16)
+    slots = pick_slots(len(lengths), num_slots)
+    has_init = torch.tensor([True, False, True, False], device=DEV)
+    pool = torch.randn(num_slots, hv, dk, dv, device=DEV) * 0.1
+    results = []
+    try:
+        for direct in ("1", "0"):
+            monkeypatch.setenv("DELTASERVE_FLA_DIRECT", direct)
+            gdn_cuda._fla_forward.cache_clear()
+            assert (gdn_cuda._fla_forward() is not None) == (direct == "1")
+            p = pool.clone()
+            out = gdn_cuda.gdn_prefill_cuda(q, k, v, g, beta, cu_from(lengths), p, slots, has_init)
+            results.append((out, p))
+    finally:
+        gdn_cuda._fla_forward.cache_clear()
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
 # --- causal conv -----------------------------------------------------------------------
 
 
