@@ -19,6 +19,8 @@
 #   bash bench/gpu_session.sh sampling # decode with Qwen3.5's sampling defaults against greedy
 #   bash bench/gpu_session.sh sampler-graphs # sampler graphs: tests, sampler timings, sampled decode A/B (prepare REV)
 #   bash bench/gpu_session.sh prefill-ab # GDN prefill through FLA's internals against its public call
+#   bash bench/gpu_session.sh prefill-host # prefill host changes against REV (prepare REV), conv prefill tile sweep
+#   bash bench/gpu_session.sh prefill-final # prefill GPU tests, 8k prefill, profile_prefill at 1 / 4 running requests
 #   bash bench/gpu_session.sh ab      # before/after decode on one GPU (first, here: bash bench/ab.sh prepare REV; carry .base)
 #   bash bench/gpu_session.sh ab-pdl  # REV against the working tree with DELTASERVE_PDL=on, and the tree with it off
 set -u
@@ -148,6 +150,26 @@ case "${1:-tests}" in
       done
     done
     ;;
+  prefill-host)  # the prefill's host-side changes against REV (bench/ab.sh prepare REV), the conv tile sweep
+    run 200 prefill-kernel-tests python3 -m pytest -q -rA -m gpu tests/kernels/test_cuda_kernels.py \
+      -k "gdn_prefill or qk_norm or conv_prefill"
+    run 100 conv-prefill-sweep python3 -m bench.kernels --only conv_prefill --sweep
+    run 160 ab-profile-prefill bash bench/ab.sh run python3 -m bench.profile_prefill \
+      --model configs/qwen3.5-0.8b --tokens 8192 --rows 12
+    run 60 prefill-0.8b-overlap python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes --prefill-len 8192
+    run 60 prefill-0.8b-sync python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes --prefill-len 8192 \
+      --disable-overlap-schedule
+    ;;
+  prefill-final)  # the prefill changes' GPU tests, the 8k prefill figure, profile_prefill at 1 and 4 running requests
+    run 200 prefill-kernel-tests python3 -m pytest -q -rA -m gpu tests/kernels/test_cuda_kernels.py \
+      -k "gdn_prefill or qk_norm or conv_prefill"
+    run 70 prefill-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes --prefill-len 8192
+    for mr in 1 4; do
+      run 70 "profile-prefill-mr$mr" python3 -m bench.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192 \
+        --rows 5 --max-running-requests $mr
+    done
+    run 150 engine-hf-tests python3 -m pytest -q -rA -s -m gpu tests/engine/test_gpu_engine.py -k transformers
+    ;;
   ab)  # a performance change against the commit exported by `bench/ab.sh prepare REV`
     for model in qwen3.5-0.8b qwen3.5-9b; do
       run 200 "ab-$model" bash bench/ab.sh run python3 -m bench.decode --model "configs/$model" \
@@ -163,7 +185,7 @@ case "${1:-tests}" in
     done
     ;;
   *)
-    echo "usage: $0 tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|ab|ab-pdl" >&2
+    echo "usage: $0 tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac

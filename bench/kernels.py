@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 DEV = "cuda"
-SECTIONS = ("gdn_decode", "conv_decode", "paged_decode", "paged_prefill", "gdn_prefill")
+SECTIONS = ("gdn_decode", "conv_decode", "conv_prefill", "paged_decode", "paged_prefill", "gdn_prefill")
 L2_BYTES = 60 * 2**20
 
 
@@ -385,6 +385,48 @@ def bench_conv_decode(batch: int, dim: int, width: int, sweep: bool) -> list[dic
     return rows
 
 
+def bench_conv_prefill(tokens: int, dim: int, row_stride: int, width: int, sweep: bool) -> list[dict]:
+    """GDN's prefill conv as the model runs it: a strided view of the in_proj output (rows of
+    `row_stride`), one sequence of `tokens`, silu; GPU time per call against bytes moved."""
+    from deltaserve.kernels.triton_conv import conv_prefill_launch
+
+    proj = torch.randn(tokens, row_stride, device=DEV, dtype=torch.bfloat16)
+    x = proj[:, :dim]
+    pool = torch.randn(4, dim, width - 1, device=DEV, dtype=torch.bfloat16)
+    weight = torch.randn(dim, width, device=DEV, dtype=torch.bfloat16)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([1], dtype=torch.int32, device=DEV)
+    has_init = torch.ones(1, dtype=torch.int32, device=DEV)
+    moved = 2 * tokens * dim * 2  # x read once, out written once
+    variants = [(16, 128, 4)]  # the default
+    if sweep:
+        variants += [(bt, bd, w) for bt in (16, 32, 64, 128) for bd in (64, 128, 256) for w in (4, 8)]
+        variants = list(dict.fromkeys(variants))
+    expected = torch.empty(tokens, dim, device=DEV, dtype=torch.bfloat16)
+    conv_prefill_launch(x, pool.clone(), weight, None, cu, slots, has_init, expected, True)
+    rows = []
+    for bt, bd, warps in variants:
+        out = torch.empty_like(expected)
+
+        def call(out=out, bt=bt, bd=bd, warps=warps) -> None:
+            conv_prefill_launch(x, pool.clone(), weight, None, cu, slots, has_init, out, True, bt, bd, warps)
+
+        call()
+        ok = torch.equal(out, expected)
+        seconds = gpu_seconds(call)
+        rows.append(
+            dict(
+                op="conv_prefill",
+                variant=f"BT={bt},BD={bd},warps={warps}" + ("" if ok else " MISMATCH"),
+                tokens=tokens,
+                dim=dim,
+                us=seconds * 1e6,
+                gbps=moved / seconds / 1e9,
+            )
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every row here")
@@ -422,6 +464,10 @@ def main() -> None:
     if "conv_decode" in only:
         for batch in (256, 64, 1):
             report(bench_conv_decode(batch, 8192, 4, args.sweep))
+    if "conv_prefill" in only:
+        # Qwen3.5-0.8B's GDN conv (q, k, v: 6144 channels of an 8224-wide in_proj row), 9B's
+        report(bench_conv_prefill(8192, 6144, 8224, 4, args.sweep))
+        report(bench_conv_prefill(8192, 8192, 12352, 4, args.sweep))
     if "paged_decode" in only:
         for batch, context in ((1, 32768), (64, 4096), (256, 2048)):
             report(bench_paged_decode(batch, context, 16, 4, 256, 16, args.sweep))

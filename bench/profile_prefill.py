@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--rows", type=int, default=30, help="profiler table rows")
+    ap.add_argument("--max-running-requests", type=int, default=4)
     ap.add_argument("--trace", help="write a Chrome trace of the profiled prefill here")
     ap.add_argument(
         "--cprofile",
@@ -42,7 +43,7 @@ def main() -> None:
             dtype="bfloat16",
             device="cuda",
             cache_type="naive",
-            max_running_requests=4,
+            max_running_requests=args.max_running_requests,
             max_model_len=args.tokens + 16,
             chunked_prefill_size=args.tokens,
             enable_overlap_schedule=False,

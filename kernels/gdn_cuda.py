@@ -71,25 +71,26 @@ def _fla_forward() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     if os.environ.get("DELTASERVE_FLA_DIRECT", "1") == "0":
         return None
     try:
-        from fla.modules.norm.l2norm import l2norm_fwd
         from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
         from fla.ops.utils.index import prepare_chunk_indices
     except ImportError:
         return None
     import inspect
 
+    from deltaserve.kernels.triton_gdn import qk_norm_v_launch
+
     if "chunk_indices" not in inspect.signature(chunk_gated_delta_rule_fwd).parameters:
         return None
 
     def forward(q, k, v, g, beta, init, cu):  # type: ignore[no-untyped-def]
-        # the same steps as FLA's ChunkGatedDeltaRuleFunction.forward with
-        # use_qk_l2norm_in_kernel=True; its kernels index inputs as contiguous [1, T, H, D]
-        q = l2norm_fwd(q.unsqueeze(0).contiguous())[0]
-        k = l2norm_fwd(k.unsqueeze(0).contiguous())[0]
+        # the steps of FLA's ChunkGatedDeltaRuleFunction.forward with
+        # use_qk_l2norm_in_kernel=True; its kernels index inputs as contiguous [1, T, H, D], so
+        # q and k are normalised and v copied out of the strided conv output in one launch
+        q, k, v = qk_norm_v_launch(q, k, v)
         out = chunk_gated_delta_rule_fwd(
-            q=q,
-            k=k,
-            v=v.unsqueeze(0).contiguous(),
+            q=q.unsqueeze(0),
+            k=k.unsqueeze(0),
+            v=v.unsqueeze(0),
             g=g.unsqueeze(0).contiguous(),
             beta=beta.unsqueeze(0).contiguous(),
             scale=q.shape[-1] ** -0.5,

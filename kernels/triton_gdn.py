@@ -173,3 +173,94 @@ def gdn_decode_launch(
         num_warps=num_warps,
         **pdl_args(q.device),
     )
+
+
+@triton.jit
+def _qk_norm_v_kernel(
+    q,
+    k,
+    v,
+    q_out,
+    k_out,
+    v_out,
+    T,
+    stride_q,
+    stride_k,
+    stride_v,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BDK: tl.constexpr,
+    BDV: tl.constexpr,
+    eps,
+):
+    """Program (token block, head slot): slots 0..HK-1 are q heads and HK..2HK-1 k heads,
+    L2-normalised (in fp32, as FLA's l2norm_fwd) into contiguous outputs; the rest are v heads,
+    copied into a contiguous output. Inputs are row-strided views with unit-stride heads."""
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    rows = o_t.to(tl.int64)
+    # (each branch names its own tiles: Triton types a name assigned in both branches once)
+    if i_h < 2 * HK:
+        o_k = tl.arange(0, BDK)
+        m_k = m_t[:, None] & (o_k < DK)[None, :]
+        if i_h < HK:
+            src, dst, stride, h = q, q_out, stride_q, i_h
+        else:
+            src, dst, stride, h = k, k_out, stride_k, i_h - HK
+        b_x = tl.load(src + rows[:, None] * stride + h * DK + o_k[None, :], mask=m_k, other=0.0).to(
+            tl.float32
+        )
+        b_rstd = 1 / tl.sqrt(tl.sum(b_x * b_x, 1) + eps)
+        b_y = b_x * b_rstd[:, None]
+        tl.store(
+            dst + rows[:, None] * (HK * DK) + h * DK + o_k[None, :], b_y.to(dst.dtype.element_ty), mask=m_k
+        )
+    else:
+        h_v = i_h - 2 * HK
+        o_v = tl.arange(0, BDV)
+        m_v = m_t[:, None] & (o_v < DV)[None, :]
+        b_v = tl.load(v + rows[:, None] * stride_v + h_v * DV + o_v[None, :], mask=m_v, other=0.0)
+        tl.store(v_out + rows[:, None] * (HV * DV) + h_v * DV + o_v[None, :], b_v, mask=m_v)
+
+
+def qk_norm_v_launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k `[T, HK, DK]` L2-normalised per head and v `[T, HV, DV]`, all three contiguous, in
+    one launch from row-strided views (GDN's split conv output) for FLA's chunked kernels."""
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    for x in (q, k, v):
+        assert x.stride(2) == 1 and x.stride(1) == x.shape[2], "heads must be unit-stride and packed"
+    q_out = torch.empty((t, hk, dk), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hk, dk), dtype=k.dtype, device=k.device)
+    v_out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
+    if t:
+        block_t = 32
+        _qk_norm_v_kernel[(triton.cdiv(t, block_t), 2 * hk + hv)](
+            q,
+            k,
+            v,
+            q_out,
+            k_out,
+            v_out,
+            t,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            HK=hk,
+            HV=hv,
+            DK=dk,
+            DV=dv,
+            BT=block_t,
+            BDK=triton.next_power_of_2(dk),
+            BDV=triton.next_power_of_2(dv),
+            eps=eps,
+            num_warps=4,
+        )
+    return q_out, k_out, v_out

@@ -150,9 +150,9 @@ def test_gdn_prefill_refilled_cu_seqlens(monkeypatch):
 
 
 def test_gdn_prefill_direct_equals_public(monkeypatch):
-    """FLA's forward called below its entry point (the default, `_fla_forward`) gives exactly
-    the public call's outputs and states, on strided views of one projection as the model
-    passes them."""
+    """FLA's forward called below its entry point (the default, `_fla_forward`; q and k
+    normalised by our kernel instead of FLA's) gives the public call's outputs and states, on
+    strided views of one projection as the model passes them."""
     from deltaserve.kernels import gdn_cuda
 
     hk, hv, dk, dv, num_slots = 2, 4, 128, 128, 8
@@ -177,8 +177,34 @@ def test_gdn_prefill_direct_equals_public(monkeypatch):
             results.append((out, p))
     finally:
         gdn_cuda._fla_forward.cache_clear()
-    assert torch.equal(results[0][0], results[1][0])
-    assert torch.equal(results[0][1], results[1][1])
+    assert rel_err(results[0][0], results[1][0]) < 1e-2
+    assert rel_err(results[0][1], results[1][1]) < 1e-2
+    assert_untouched(results[0][1], pool, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("t", "hk", "hv", "dk", "dv"), [(8192, 16, 16, 128, 128), (37, 3, 3, 64, 32), (70, 1, 2, 48, 80)]
+)
+def test_qk_norm_v(dtype, t, hk, hv, dk, dv):
+    """q and k L2-normalised and v copied, contiguous, from strided views: against torch and
+    against FLA's own l2norm_fwd (which the public FLA call uses)."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+
+    from deltaserve.kernels.triton_gdn import qk_norm_v_launch
+
+    wide = torch.randn(t, 2 * hk * dk + hv * dv + 7, device=DEV, dtype=dtype)
+    q, k, v = wide[:, 7:].split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv)
+    qo, ko, vo = qk_norm_v_launch(q, k, v)
+    assert qo.is_contiguous() and ko.is_contiguous() and vo.is_contiguous()
+    for got, x in ((qo, q), (ko, k)):
+        xf = x.float()
+        ref = xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)
+        assert rel_err(got, ref) < TOL[dtype]
+        fla = l2norm_fwd(x.contiguous())[0]
+        assert (got.float() - fla.float()).abs().max() <= (2e-6 if dtype == torch.float32 else 8e-3)
+    assert torch.equal(vo, v)
 
 
 # --- causal conv -----------------------------------------------------------------------
@@ -226,6 +252,27 @@ def test_conv_prefill(monkeypatch, dtype, width):
     assert rel_err(out, ref) < TOL[dtype]
     assert torch.equal(pool, ref_pool)
     assert_untouched(pool, before, slots)
+
+
+def test_conv_prefill_refilled_cu_seqlens(monkeypatch):
+    """The tokens' sequence index is kept per cu_seqlens object (once per forward): a buffer
+    refilled in place with other lengths must not reuse the old index."""
+    from deltaserve.kernels.conv_cuda import conv_prefill_cuda
+
+    dim, width, num_slots = 96, 4, 6
+    weight = torch.randn(dim, width, device=DEV)
+    slots = pick_slots(2, num_slots)
+    has_init = torch.tensor([True, True], device=DEV)
+    cu = cu_from([50, 10])
+    for lengths in ([50, 10], [3, 57]):
+        cu.copy_(cu_from(lengths))
+        pool = torch.randn(num_slots, dim, width - 1, device=DEV)
+        x = torch.randn(60, dim, device=DEV)
+        ref_pool = pool.clone()
+        ref = reference(monkeypatch, conv_prefill, x, ref_pool, weight, None, cu, slots, has_init, "silu")
+        out = conv_prefill_cuda(x, pool, weight, None, cu, slots, has_init, "silu")
+        assert rel_err(out, ref) < TOL[torch.float32]
+        assert torch.equal(pool, ref_pool)
 
 
 def test_conv_decode_cuda_graph(monkeypatch):
