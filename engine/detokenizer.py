@@ -20,6 +20,11 @@ class IncrementalDetokenizer:
     # chunk every MERGE appends, so an append costs O(1) amortised and the chunk list stays
     # short.
     MERGE = 64
+    # Tokens held back (their text ends in an unfinished character) before the settled part of
+    # their text is released (`_release`), and the tokens of context the window path decodes
+    # before the first held-back one when it takes over from DecodeStream.
+    HELD_LIMIT = 16
+    CONTEXT = 5
 
     def __init__(
         self, tokenizer: Any | None, skip_special_tokens: bool = True, deferred: bool = False
@@ -110,7 +115,13 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             delta = self._stream.step(self._backend, token_id)
             if delta is None:
-                return ""
+                if len(self.ids) - self._read_offset <= self.HELD_LIMIT:
+                    return ""
+                # DecodeStream decodes everything it holds back again with every token: from
+                # here on the window path, which can release the settled part
+                self._stream = None
+                self._prefix_offset = max(0, self._read_offset - self.CONTEXT)
+                return self._release()
             self._read_offset = len(self.ids)
             self._add(delta)
             return delta
@@ -124,7 +135,28 @@ class IncrementalDetokenizer:
             self._read_offset = len(self.ids)
             self._add(delta)
             return delta
+        if len(self.ids) - self._read_offset > self.HELD_LIMIT:
+            return self._release()
         return ""
+
+    def _release(self) -> str:
+        """Text held back for more than HELD_LIMIT tokens (a run of bytes that are no UTF-8, as
+        random weights or a derailed model emit) would be decoded again with every token, its
+        cost growing with the run. A UTF-8 character is at most 4 bytes and every token at least
+        one, so what the tokens before the last four decode to is settled once the whole window
+        agrees with it (no character spans the cut): release that, keep the last four back."""
+        decode = self.tokenizer.decode  # type: ignore[union-attr]
+        skip = self.skip_special_tokens
+        p, r, cut = self._prefix_offset, self._read_offset, len(self.ids) - 4
+        shown = decode(self.ids[p:r], skip_special_tokens=skip)
+        head = decode(self.ids[p:cut], skip_special_tokens=skip)
+        full = decode(self.ids[p:], skip_special_tokens=skip)
+        if not (head.startswith(shown) and full.startswith(head)):
+            return ""  # a character spans the cut: the next token moves it
+        delta = head[len(shown) :]
+        self._prefix_offset, self._read_offset = r, cut
+        self._add(delta)
+        return delta
 
     def flush(self) -> str:
         """At the end: whatever is still held back (a genuinely incomplete byte sequence)."""

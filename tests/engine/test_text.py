@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
@@ -53,6 +54,59 @@ def test_streamed_text_equals_one_decode(llm, fast):
         detok.append(i)
     detok.flush()
     assert detok.text == tok.decode(ids, skip_special_tokens=True)
+
+
+def byte_token_ids(tok) -> dict[int, int]:
+    """The token of each single byte in a byte-level BPE vocabulary (GPT-2's printable alphabet:
+    bytes outside the printable ranges are shifted past 255)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + shift)
+            shift += 1
+    return {b: tok.convert_tokens_to_ids(c) for b, c in chars.items()}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_byte_runs_stay_exact_and_the_held_window_bounded(llm, fast):
+    """Runs of byte tokens that never form UTF-8 (random weights emit them) held the whole run
+    back, decoded again with every token: the held-back window is now bounded, and the text
+    still equals one decode of everything, characters split across tokens included."""
+    tok = llm.tokenizer
+    byte_id = byte_token_ids(tok)
+    rng = random.Random(0)
+    words = [" hello world", " naïve café", " 東京 🚀", "\n\tend", "🚀🚀"]
+    for _ in range(25):
+        ids: list[int] = []
+        for _ in range(rng.randint(3, 12)):
+            kind = rng.random()
+            if kind < 0.2:  # bytes 0x80-0xff: continuation and lead bytes out of order
+                ids += [byte_id[rng.randrange(0x80, 0x100)] for _ in range(rng.randint(1, 60))]
+            elif kind < 0.4:  # continuation bytes only: no character ever completes
+                ids += [byte_id[rng.randrange(0x80, 0xC0)] for _ in range(rng.randint(20, 80))]
+            elif kind < 0.6:  # valid characters, one byte token each
+                ids += [byte_id[b] for b in rng.choice(words).encode()]
+            elif kind < 0.95:
+                ids += tok.encode(rng.choice(words))
+            else:
+                ids.append(151643)  # a special token
+        detok = IncrementalDetokenizer(tok)
+        if not fast:
+            detok._stream = None
+        held = 0
+        for i in ids:
+            detok.append(i)
+            held = max(held, len(detok.ids) - detok._read_offset)
+        detok.flush()
+        assert detok.text == tok.decode(ids, skip_special_tokens=True)
+        assert held <= 24  # tokens decoded again with each new one
 
 
 def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
