@@ -5,6 +5,11 @@ GPU; it says nothing about speed or bf16, and pytest does not collect it.
     TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5
     TRITON_INTERPRET=1 python tests/interpret_check.py kimi --families norm,router,conv,moe,mla
     TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5 --spec   # + verification windows
+    TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5 --compile  # + Triton IR of each launch
+
+`--compile` also builds the Triton IR of every distinct kernel launch for sm_90 in a process
+without the interpreter (`tests/triton_ir.py`): the interpreter does not type-check kernels the
+way the compiler does, and a kernel that runs here can still fail to compile on the GPU.
 
 Needs `triton` importable (the CPU torch wheel does not bring it). FLA's kernels (chunked
 prefill, KDA) stay on the references. Families: norm (norms, gates, SwiGLU, KDA gate), linear
@@ -75,7 +80,13 @@ def main() -> None:
     ap.add_argument("kind", choices=["qwen3_5", "qwen3_next", "qwen3_5_moe", "kimi"])
     ap.add_argument("--families", default=",".join(ALL))
     ap.add_argument("--spec", action="store_true", help="n-gram speculative decoding on repetitive prompts")
+    ap.add_argument("--compile", action="store_true", help="also build each launch's Triton IR for sm_90")
     args = ap.parse_args()
+    launches: set[str] = set()
+    if args.compile:
+        from triton_ir import record_launches
+
+        record_launches(launches)
     from deltaserve import LLM, SamplingParams
 
     path, vocab = checkpoint(args.kind)
@@ -99,7 +110,19 @@ def main() -> None:
     use_fast(families)
     out = run()
     print(f"{args.kind} with {','.join(families)} interpreted: identical = {out == ref}")
-    sys.exit(0 if out == ref else 1)
+    compiled = True
+    if args.compile:
+        import json
+        import subprocess
+
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump([json.loads(x) for x in sorted(launches)], f)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        compiled = (
+            subprocess.run([sys.executable, os.path.join(HERE, "triton_ir.py"), f.name], env=env).returncode
+            == 0
+        )
+    sys.exit(0 if out == ref and compiled else 1)
 
 
 if __name__ == "__main__":
