@@ -26,7 +26,8 @@ COPY models/ models/
 COPY kernels/ kernels/
 COPY server/ server/
 # PyPI's Linux torch wheels bundle their CUDA 12 runtime libraries; the base image brings the rest.
-RUN pip install --upgrade pip && pip install . \
+# .[structured]: xgrammar, for response_format json_object / json_schema
+RUN pip install --upgrade pip && pip install ".[structured]" \
     && deltaserve --version
 
 EXPOSE 8000

@@ -92,6 +92,7 @@ class Engine:
         self.scheduler = Scheduler(config, kv, st, self.prefix_cache)
         # small sampled batches replay CUDA graphs of the sampler (engine/sampler_graphs.py)
         graphs = self.device.type == "cuda" and not config.disable_cuda_graph
+        self._grammars: Any = None  # structured outputs' compiled grammars (engine/structured.py)
         self.sampler = Sampler(
             self.device,
             config.seed,
@@ -169,6 +170,13 @@ class Engine:
             )
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
+        matcher = None
+        if params.structured_outputs is not None:  # compiled here: a bad schema is the caller's 400
+            if self._grammars is None:
+                from deltaserve.engine.structured import Grammars
+
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            matcher = self._grammars.matcher(params.structured_outputs)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -181,6 +189,7 @@ class Engine:
             ),
             generator=self.sampler.new_generator(params.seed),
             logprobs=[] if params.logprobs is not None else None,
+            matcher=matcher,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -435,6 +444,9 @@ class Engine:
             req.first_token_time = now
         req.output_token_ids.append(tok)
         self.counters["generation_tokens_total"] += 1
+        if req.matcher is not None and not req.matcher.accept(tok):
+            req.matcher = None  # cannot happen under the mask; never feed a broken state again
+            req.grammar_broken = True
         if lp is not None and req.logprobs is not None:
             req.logprobs.append(lp)
             req.cumulative_logprob += lp.logprob
@@ -444,6 +456,8 @@ class Engine:
         checked = req.detokenizer.length
         req.detokenizer.append(tok)
         verdict = check_stop(req, tok, self.eos_token_ids, self.max_model_len, checked)
+        if verdict is None and (req.grammar_broken or (req.matcher is not None and req.matcher.terminated)):
+            verdict = ("stop", None)  # the grammar is complete (its stop token accepted)
         if verdict is not None:
             self._finish(req, *verdict)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,6 +59,9 @@ class Request:
     num_sent_chars: int = 0
     # penalties: the prompt and output ids as numpy arrays (engine/penalties.py `TokenArrays`)
     token_arrays: TokenArrays | None = field(default=None, repr=False)
+    # structured outputs: the grammar's state (xgrammar GrammarMatcher), fed every new token
+    matcher: Any = field(default=None, repr=False)
+    grammar_broken: bool = False  # a token the grammar refused (the request ends there)
 
     @property
     def all_token_ids(self) -> list[int]:

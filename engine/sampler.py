@@ -98,6 +98,12 @@ class Sampler:
         return lps
 
     def _needs_processing(self, r: Request) -> bool:
+        """Logit processing that needs the request's tokens so far (so its step cannot overlap
+        the previous one): penalties, min_tokens, a grammar (structured outputs)."""
+        return self._penalised(r) or r.matcher is not None
+
+    @staticmethod
+    def _penalised(r: Request) -> bool:
         p = r.params
         return (
             p.repetition_penalty != 1.0
@@ -107,8 +113,9 @@ class Sampler:
         )
 
     def _process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Logit biases, penalties and min_tokens bans, in place. (Biases need no host data of
-        earlier steps, so unlike penalties they do not keep a step from overlapping.)"""
+        """Logit biases, penalties, min_tokens bans and grammar masks, in place. (Biases need no
+        host data of earlier steps, so unlike the others they do not keep a step from
+        overlapping.)"""
         dev = logits.device
         biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
@@ -119,7 +126,7 @@ class Sampler:
                 [(rows, torch.long), (ids, torch.long), (vals, torch.float32)], dev
             )
             logits.index_put_((rows_t, ids_t), vals_t.to(logits.dtype), accumulate=True)
-        penalised = [i for i, r in enumerate(reqs) if self._needs_processing(r)]
+        penalised = [i for i, r in enumerate(reqs) if self._penalised(r)]
         if penalised:
             apply_penalties_batch(logits, [reqs[i] for i in penalised], penalised)
         for i in penalised:
@@ -128,6 +135,11 @@ class Sampler:
                 banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, to_device(banned, torch.long, dev)] = float("-inf")
+        constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if constrained:  # last: what the grammar forbids stays forbidden
+            from deltaserve.engine.structured import apply_grammar_masks
+
+            apply_grammar_masks(logits, constrained, [reqs[i].matcher for i in constrained])
         return logits
 
     def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+@dataclass
+class StructuredOutputs:
+    """Constrain the output to JSON (vLLM's `StructuredOutputsParams`, OpenAI's response_format):
+    `json` a JSON schema (a dict or its text) the output must satisfy, or `json_object=True` for
+    any JSON object. Decoded with xgrammar's token masks (`engine/structured.py`)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json is not None) == self.json_object:
+            raise ValueError("structured outputs: give exactly one of json (a schema) and json_object")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured outputs: the JSON schema is not valid JSON ({e})") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured outputs: a JSON schema must be an object")
+
+    def key(self) -> str:
+        """The grammar's cache key."""
+        return "json_object" if self.json_object else json.dumps(self.json, sort_keys=True)
 
 
 @dataclass
@@ -35,6 +62,7 @@ class SamplingParams:
     # requests: the cost of a step's outputs does not grow with their length);
     # "final_only": one output when it finishes (LLM.generate, non-streamed HTTP requests)
     output_kind: str = "cumulative"
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

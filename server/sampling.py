@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from deltaserve.engine.generation_defaults import SamplingDefaults
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -84,13 +84,7 @@ def build_sampling_params(
         max_tokens = min(room, defaults.max_tokens) if defaults.max_tokens else room
 
     logit_bias = _logit_bias(req.logit_bias)
-    kind = (req.response_format or {}).get("type", "text")
-    if kind != "text":  # a JSON mode silently ignored would hand back text the caller cannot parse
-        raise bad_request(
-            f"response_format type {kind!r} is not supported: deltaserve has no constrained decoding "
-            "(only 'text'); ask for JSON in the prompt instead",
-            "response_format",
-        )
+    structured = _response_format(req.response_format)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(not s for s in stop):
         raise bad_request("stop sequences must not be empty", "stop")
@@ -118,9 +112,36 @@ def build_sampling_params(
             logit_bias=logit_bias,
             # a stream sends what each step adds; a non-streamed response is built from the final output
             output_kind="delta" if req.stream else "final_only",
+            structured_outputs=structured,
         )
     except ValueError as exc:
         raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from exc
+
+
+def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
+    """OpenAI's response_format: "text" (nothing), "json_object" (any JSON object) or
+    "json_schema" (`{"json_schema": {"name": ..., "schema": {...}}}`)."""
+    from deltaserve.engine.sampling_params import StructuredOutputs
+
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return StructuredOutputs(json_object=True)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema") if fmt else None
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise bad_request(
+                    "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                    "response_format",
+                )
+            return StructuredOutputs(json=spec["schema"])
+    except ValueError as exc:
+        raise bad_request(str(exc), "response_format") from exc
+    raise bad_request(
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format"
+    )
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

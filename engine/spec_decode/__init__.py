@@ -57,6 +57,8 @@ class SpecDecoder:
         return max(0, min(self.k, room))
 
     def propose(self, req: Request) -> list[int]:
+        if req.matcher is not None:  # structured outputs: the grammar's mask needs each token
+            return []  # before the next, which a verification window does not give it
         k = self.room(req)
         if self.mtp is not None:
             drafts = self.mtp.take(req)

@@ -224,6 +224,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
 
     class View:
         generator = None
+        matcher = None
         output_token_ids: list[int] = []
         all_token_ids: list[int] = []
         params = SamplingParams(temperature=1.0)

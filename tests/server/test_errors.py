@@ -253,9 +253,20 @@ def test_bad_logit_bias_is_400(server, bias: dict, needle: str) -> None:
     assert "logit_bias" in err["message"] and needle in err["message"]
 
 
-def test_json_response_format_is_400_not_ignored(server) -> None:
-    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
-        err = assert_error(post(server, "/v1/chat/completions", json={**GOOD, "response_format": fmt}), 400)
-        assert err["param"] == "response_format" and fmt["type"] in err["message"]
+@pytest.mark.parametrize(
+    "fmt,needle",
+    [
+        ({"type": "xml"}, "'xml' is not supported"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{oops"}}, "not valid JSON"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such"}}},
+            "cannot be compiled",
+        ),
+    ],
+)
+def test_bad_response_format_is_400_and_admits_nothing(server, fmt: dict, needle: str) -> None:
+    err = assert_error(post(server, "/v1/chat/completions", json={**GOOD, "response_format": fmt}), 400)
+    assert needle in err["message"]
     ok = post(server, "/v1/chat/completions", json={**GOOD, "response_format": {"type": "text"}})
     assert ok.status_code == 200

@@ -1,0 +1,90 @@
+"""Structured outputs: token masks from a grammar, so that the output is JSON (any object, or one
+that satisfies a JSON schema).
+
+xgrammar compiles the grammar against the tokenizer's vocabulary once (cached by schema) and
+keeps one matcher per request, fed each token the request produces. Before sampling, each
+constrained row gets the matcher's bitmask of allowed tokens (32 tokens a 32-bit word) and every
+other logit is set to -inf; when the grammar is complete the matcher allows only the stop
+tokens, and the request ends there. Requests that use it step synchronously (the mask needs the
+previous token) and draft no speculative tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deltaserve.engine.sampling_params import StructuredOutputs
+
+
+class Grammars:
+    """Grammars compiled for one tokenizer, and matchers for requests."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        try:
+            import xgrammar
+        except ImportError:
+            raise ValueError(
+                "structured outputs need xgrammar: pip install 'deltaserve[structured]'"
+            ) from None
+        if tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+        self.xgr = xgrammar
+        self.info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=2)
+        self.compiled: dict[str, Any] = {}
+
+    def matcher(self, spec: StructuredOutputs) -> RequestGrammar:
+        """A fresh matcher for `spec` (its grammar compiled on first use); ValueError for a
+        schema xgrammar cannot compile."""
+        key = spec.key()
+        grammar = self.compiled.get(key)
+        if grammar is None:
+            try:
+                # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar);
+                # compact separators, no free whitespace between tokens
+                schema = '{"type": "object"}' if spec.json_object else key
+                grammar = self.compiler.compile_json_schema(schema, any_whitespace=False)
+            except Exception as e:  # xgrammar's own message: an unsupported or broken schema
+                raise ValueError(f"structured outputs: the JSON schema cannot be compiled ({e})") from None
+            self.compiled[key] = grammar
+        return RequestGrammar(self.xgr.GrammarMatcher(grammar), self.info.vocab_size)
+
+
+class RequestGrammar:
+    """One request's place in its grammar."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size  # tokens the grammar knows; later ids are never allowed
+
+    def accept(self, token: int) -> bool:
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[RequestGrammar]) -> None:
+    """Set to -inf, in place, the logits of tokens that `grammars[j]` does not allow next, in row
+    `rows[j]` of `logits` `[n, vocab]`."""
+    import xgrammar
+
+    k, vocab = len(rows), logits.shape[-1]
+    known = min(vocab, grammars[0].vocab_size)
+    bitmask = xgrammar.allocate_token_bitmask(k, grammars[0].vocab_size)  # [k, words] int32
+    for j, g in enumerate(grammars):
+        g.matcher.fill_next_token_bitmask(bitmask, j)
+    dev = logits.device
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    # token t is bit t % 32 of word t // 32 (expanded on the logits' device: 32x fewer bytes sent)
+    bits = ((bitmask.to(dev).unsqueeze(-1) >> shifts) & 1).bool().view(k, -1)
+    allowed = torch.zeros(k, vocab, dtype=torch.bool, device=dev)
+    allowed[:, :known] = bits[:, :known]
+    index = torch.tensor(rows, dtype=torch.long, device=dev)
+    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, index, masked)

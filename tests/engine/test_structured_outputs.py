@@ -1,0 +1,156 @@
+"""Structured outputs: with a grammar's token masks even a random-weight model's output is JSON
+that satisfies the schema (without them it is noise), through sampling, greedy, overlap and
+speculative decoding; bad schemas are refused before anything is admitted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.sampling_params import StructuredOutputs
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["ok", "color", "size"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tokenized_checkpoint):
+    return LLM(tokenized_checkpoint, dtype="float32", device="cpu", chunked_prefill_size=64)
+
+
+def check(value: dict) -> None:
+    assert set(value) == {"ok", "color", "size"}
+    assert isinstance(value["ok"], bool) and value["color"] in ("red", "green", "blue")
+    assert isinstance(value["size"], int) and 0 <= value["size"] <= 9
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_satisfy_the_schema(llm, temperature):
+    params = [
+        SamplingParams(
+            temperature=temperature,
+            seed=seed,
+            max_tokens=64,
+            structured_outputs=StructuredOutputs(json=SCHEMA),
+        )
+        for seed in (3, 4, 5, 6)
+    ]
+    outs = llm.generate(["Describe a thing.", "Hello", "{", "Hello"], params)
+    texts = [o.outputs[0].text for o in outs]
+    for o, text in zip(outs, texts):
+        check(json.loads(text))
+        assert o.outputs[0].finish_reason == "stop"
+    if temperature:
+        assert len(set(texts)) > 1  # sampled within the grammar, not one forced string
+    # the same prompts unconstrained: the random weights' noise, not JSON
+    free = llm.generate(
+        ["Describe a thing.", "Hello", "{", "Hello"],
+        SamplingParams(temperature=temperature, seed=3, max_tokens=24),
+    )
+    for o in free:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(o.outputs[0].text)
+
+
+def test_json_object_output_is_a_json_object_or_cut_by_length(llm):
+    params = SamplingParams(
+        temperature=1.0, seed=5, max_tokens=48, structured_outputs=StructuredOutputs(json_object=True)
+    )
+    outs = llm.generate(["a", "b", "c", "d"], params)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.text.lstrip().startswith("{")
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.text), dict)
+        else:  # free strings inside an object may run past max_tokens
+            assert c.finish_reason == "length" and len(c.token_ids) == 48
+
+
+def test_mixed_batch_leaves_unconstrained_requests_alone(llm):
+    """A constrained request beside plain ones: theirs are the tokens they get alone."""
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(["x y z", "1 2 3"], plain)]
+    structured = SamplingParams(
+        temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputs(json=SCHEMA)
+    )
+    mixed = llm.generate(["x y z", "Hello", "1 2 3"], [plain, structured, plain])
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    check(json.loads(mixed[1].outputs[0].text))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"enable_overlap_schedule": True},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    ],
+)
+def test_overlap_and_speculative_engines(tokenized_checkpoint, pools_held, extra):
+    """Overlap scheduling (constrained requests step synchronously) and n-gram speculation (no
+    drafts for them) give schema-valid outputs and leave the pools idle."""
+    eng = Engine(
+        EngineConfig(
+            model=tokenized_checkpoint, dtype="float32", device="cpu", chunked_prefill_size=64, **extra
+        )
+    )
+    tok = eng.tokenizer
+    for i, prompt in enumerate(["one two one two one two", "three", "four four four four"]):
+        sp = SamplingParams(temperature=0.0, max_tokens=64, output_kind="final_only")
+        if i != 1:
+            sp.structured_outputs = StructuredOutputs(json=SCHEMA)
+        eng.add_request(str(i), tok.encode(prompt), sp)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].text
+    check(json.loads(done["0"]))
+    check(json.loads(done["2"]))
+    assert not pools_held(eng)
+
+
+def test_bad_schemas_are_refused(llm):
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs()
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputs(json="{not json")
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        llm.generate(
+            ["a"], SamplingParams(structured_outputs=StructuredOutputs(json={"type": "no-such-type"}))
+        )
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(llm):
+    """Once the JSON is complete the grammar allows only the stop token: the request ends there
+    instead of repeating it until max_tokens."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=64, ignore_eos=True, structured_outputs=StructuredOutputs(json=SCHEMA)
+    )
+    c = llm.generate(["Hello"], params)[0].outputs[0]
+    check(json.loads(c.text))
+    assert c.finish_reason == "stop" and len(c.token_ids) < 64
+
+
+def test_without_xgrammar_or_a_tokenizer_the_error_says_so(llm, monkeypatch):
+    import sys
+
+    from deltaserve.engine.structured import Grammars
+
+    with pytest.raises(ValueError, match="tokenizer"):
+        Grammars(None, 100, [])
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(ValueError, match=r"deltaserve\[structured\]"):
+        Grammars(llm.tokenizer, llm.engine.vocab_size, [])
