@@ -11,6 +11,7 @@ previous token) and draft no speculative tokens.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -49,7 +50,11 @@ class Grammars:
                 schema = '{"type": "object"}' if spec.json_object else key
                 grammar = self.compiler.compile_json_schema(schema, any_whitespace=False)
             except Exception as e:  # xgrammar's own message: an unsupported or broken schema
-                raise ValueError(f"structured outputs: the JSON schema cannot be compiled ({e})") from None
+                # (without its "[time] /path/file.cc:line: " prefix)
+                reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
+                raise ValueError(
+                    f"structured outputs: the JSON schema cannot be compiled ({reason})"
+                ) from None
             self.compiled[key] = grammar
         return RequestGrammar(self.xgr.GrammarMatcher(grammar), self.info.vocab_size)
 
