@@ -17,10 +17,17 @@ class StructuredOutputs:
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
+    # one tool call in Qwen3's form, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`,
+    # of one of these functions: [{"name": ..., "parameters": JSON schema}] (tool_choice)
+    tool_calls: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
-        if (self.json is not None) == self.json_object:
-            raise ValueError("structured outputs: give exactly one of json (a schema) and json_object")
+        if (self.json is not None) + self.json_object + (self.tool_calls is not None) != 1:
+            raise ValueError(
+                "structured outputs: give exactly one of json (a schema), json_object and tool_calls"
+            )
+        if self.tool_calls is not None and not self.tool_calls:
+            raise ValueError("structured outputs: tool_calls needs at least one function")
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -31,6 +38,8 @@ class StructuredOutputs:
 
     def key(self) -> str:
         """The grammar's cache key."""
+        if self.tool_calls is not None:
+            return "tool_calls:" + json.dumps(self.tool_calls, sort_keys=True)
         return "json_object" if self.json_object else json.dumps(self.json, sort_keys=True)
 
 

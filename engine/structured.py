@@ -11,6 +11,7 @@ previous token) and draft no speculative tokens.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -45,10 +46,13 @@ class Grammars:
         grammar = self.compiled.get(key)
         if grammar is None:
             try:
-                # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar);
-                # compact separators, no free whitespace between tokens
-                schema = '{"type": "object"}' if spec.json_object else key
-                grammar = self.compiler.compile_json_schema(schema, any_whitespace=False)
+                if spec.tool_calls is not None:
+                    grammar = self.compiler.compile_grammar(tool_call_grammar(self.xgr, spec.tool_calls))
+                else:
+                    # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar);
+                    # compact separators, no free whitespace between tokens
+                    schema = '{"type": "object"}' if spec.json_object else key
+                    grammar = self.compiler.compile_json_schema(schema, any_whitespace=False)
             except Exception as e:  # xgrammar's own message: an unsupported or broken schema
                 # (without its "[time] /path/file.cc:line: " prefix)
                 reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
@@ -57,6 +61,30 @@ class Grammars:
                 ) from None
             self.compiled[key] = grammar
         return RequestGrammar(self.xgr.GrammarMatcher(grammar), self.info.vocab_size)
+
+
+def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]]) -> Any:
+    """One call of one of `functions` in Qwen3's form: `<tool_call>`, a JSON object with the
+    function's name and arguments that satisfy its parameters' schema, `</tool_call>`."""
+    calls = []
+    for f in functions:
+        body = {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": f.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        calls.append(
+            xgr.Grammar.concat(
+                xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
+                xgr.Grammar.from_json_schema(json.dumps(body), any_whitespace=False),
+                xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'),
+            )
+        )
+    return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
 
 
 class RequestGrammar:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -30,7 +31,7 @@ from .protocol import (
     random_id,
 )
 from .reasoning import prompt_opens_reasoning
-from .sampling import build_sampling_params, fan_out
+from .sampling import build_sampling_params, fan_out, tool_choice_constraint
 
 if TYPE_CHECKING:
     from deltaserve.engine.outputs import RequestOutput
@@ -73,6 +74,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         max_model_len=ctx.client.max_model_len,
         defaults=ctx.sampling_defaults,
     )
+    forced = tool_choice_constraint(req.tool_choice, tools, prompt, params.structured_outputs is not None)
+    if forced is not None:  # the reply is one tool call, under a grammar
+        params = replace(params, structured_outputs=forced)
     parser = ChatOutputParser(
         starts_in_reasoning=ctx.parse_reasoning and prompt_opens_reasoning(prompt),
         parse_reasoning=ctx.parse_reasoning,

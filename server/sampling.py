@@ -144,6 +144,51 @@ def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
     )
 
 
+def tool_choice_constraint(
+    tool_choice: str | dict[str, Any] | None, tools: list[Any] | None, prompt: str, has_format: bool
+) -> StructuredOutputs | None:
+    """`tool_choice` "required" (one call of any tool) or a named function (one call of it) as a
+    grammar over the tool-call form (Qwen3's JSON body); None for "auto", "none" or no choice.
+    `prompt` is the rendered chat prompt, whose tool instructions show the template's form;
+    `has_format`: the request also sets a response_format (the two cannot both hold)."""
+    from deltaserve.engine.sampling_params import StructuredOutputs
+
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if isinstance(tool_choice, str) and tool_choice != "required":
+        raise bad_request(
+            f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}",
+            "tool_choice",
+        )
+    if not tools:
+        raise bad_request("tool_choice other than 'none' or 'auto' needs tools", "tool_choice")
+    functions = {t.function.name: t.function.parameters for t in tools}
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if tool_choice.get("type") != "function" or name is None:
+            raise bad_request(
+                "a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice"
+            )
+        if name not in functions:
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        functions = {name: functions[name]}
+    if has_format:
+        raise bad_request(
+            "tool_choice forcing a call and a JSON response_format cannot both hold", "tool_choice"
+        )
+    if "<function=" in prompt or "<tool_call>" not in prompt:
+        raise bad_request(
+            "tool_choice 'required' or a named function is supported for Qwen3's JSON tool-call form "
+            '(<tool_call>{"name": ..., "arguments": ...}</tool_call>) only, and this model\'s chat '
+            "template uses another",
+            "tool_choice",
+        )
+    try:
+        return StructuredOutputs(tool_calls=[{"name": n, "parameters": p} for n, p in functions.items()])
+    except ValueError as exc:
+        raise bad_request(str(exc), "tool_choice") from exc
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias: token ids as JSON object keys, biases within [-100, 100]."""
     if not bias:

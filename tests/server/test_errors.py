@@ -253,6 +253,42 @@ def test_bad_logit_bias_is_400(server, bias: dict, needle: str) -> None:
     assert "logit_bias" in err["message"] and needle in err["message"]
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tool_choice": "sometimes", "tools": [TOOL]}, "must be"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [TOOL]}, "not among"),
+        (
+            {"tool_choice": "required", "tools": [TOOL], "response_format": {"type": "json_object"}},
+            "cannot both",
+        ),
+    ],
+)
+def test_bad_tool_choice_is_400(server, extra: dict, needle: str) -> None:
+    err = assert_error(post(server, "/v1/chat/completions", json={**GOOD, **extra}), 400)
+    assert err["param"] == "tool_choice" and needle in err["message"]
+
+
+def test_tool_choice_for_another_tool_call_form_is_400() -> None:
+    from deltaserve.server.errors import APIError
+    from deltaserve.server.protocol import ToolDefinition
+    from deltaserve.server.sampling import tool_choice_constraint
+
+    tools = [ToolDefinition.model_validate(TOOL)]
+    xml_prompt = "... <tool_call>\n<function=example_function_name>\n<parameter=p>v</parameter> ..."
+    for prompt in (xml_prompt, "a template without tool instructions"):
+        with pytest.raises(APIError) as info:
+            tool_choice_constraint("required", tools, prompt, False)
+        assert info.value.status == 400 and info.value.param == "tool_choice"
+        assert "JSON tool-call form" in info.value.message
+    ok = tool_choice_constraint("required", tools, 'call as <tool_call>{"name": ...}</tool_call>', False)
+    assert ok is not None and ok.tool_calls == [{"name": "f", "parameters": {"type": "object"}}]
+
+
 @pytest.mark.parametrize(
     "fmt,needle",
     [

@@ -481,3 +481,59 @@ def test_structured_outputs_over_http(client) -> None:
     assert content.startswith("{")
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(content), dict)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+def test_tool_choice_forces_a_call(client) -> None:
+    """tool_choice names a function, or "required": the built-in model's random weights answer
+    with one call whose arguments satisfy the function's parameters (unforced: noise)."""
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=TOOLS, tool_choice=named, max_tokens=60, n=2, seed=4
+    )
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in "CF"
+    names = set()
+    for seed in range(6):
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=60, seed=seed
+        )
+        (call,) = r.choices[0].message.tool_calls
+        names.add(call.function.name)
+        assert r.choices[0].finish_reason == "tool_calls"
+    assert names <= {"get_weather", "get_time"}
+    free = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=TOOLS, max_tokens=30, seed=4
+    )
+    assert not free.choices[0].message.tool_calls
