@@ -17,9 +17,12 @@ class StructuredOutputs:
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
-    # one tool call in Qwen3's form, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`,
-    # of one of these functions: [{"name": ..., "parameters": JSON schema}] (tool_choice)
+    # one tool call of one of these functions, [{"name": ..., "parameters": JSON schema}]
+    # (tool_choice), in Qwen's form `tool_call_form`: "json" (Qwen3: `<tool_call>\n{"name": ...,
+    # "arguments": {...}}\n</tool_call>`) or "xml" (Qwen3.5: `<tool_call>\n<function=NAME>\n
+    # <parameter=P>\nvalue\n</parameter>\n...</function>\n</tool_call>`)
     tool_calls: list[dict[str, Any]] | None = None
+    tool_call_form: str = "json"
 
     def __post_init__(self) -> None:
         if (self.json is not None) + self.json_object + (self.tool_calls is not None) != 1:
@@ -28,6 +31,10 @@ class StructuredOutputs:
             )
         if self.tool_calls is not None and not self.tool_calls:
             raise ValueError("structured outputs: tool_calls needs at least one function")
+        if self.tool_call_form not in ("json", "xml"):
+            raise ValueError(
+                f"structured outputs: tool_call_form is 'json' or 'xml', got {self.tool_call_form!r}"
+            )
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -39,7 +46,7 @@ class StructuredOutputs:
     def key(self) -> str:
         """The grammar's cache key."""
         if self.tool_calls is not None:
-            return "tool_calls:" + json.dumps(self.tool_calls, sort_keys=True)
+            return f"tool_calls:{self.tool_call_form}:" + json.dumps(self.tool_calls, sort_keys=True)
         return "json_object" if self.json_object else json.dumps(self.json, sort_keys=True)
 
 

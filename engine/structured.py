@@ -47,7 +47,9 @@ class Grammars:
         if grammar is None:
             try:
                 if spec.tool_calls is not None:
-                    grammar = self.compiler.compile_grammar(tool_call_grammar(self.xgr, spec.tool_calls))
+                    grammar = self.compiler.compile_grammar(
+                        tool_call_grammar(self.xgr, spec.tool_calls, spec.tool_call_form)
+                    )
                 else:
                     # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar);
                     # compact separators, no free whitespace between tokens
@@ -63,28 +65,68 @@ class Grammars:
         return RequestGrammar(self.xgr.GrammarMatcher(grammar), self.info.vocab_size)
 
 
-def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]]) -> Any:
-    """One call of one of `functions` in Qwen3's form: `<tool_call>`, a JSON object with the
-    function's name and arguments that satisfy its parameters' schema, `</tool_call>`."""
+def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "json") -> Any:
+    """One call of one of `functions` in Qwen's tool-call form. "json" (Qwen3): `<tool_call>`, a
+    JSON object with the function's name and arguments that satisfy its parameters' schema,
+    `</tool_call>`. "xml" (Qwen3.5): `<tool_call>`, `<function=NAME>`, one `<parameter=P>` block
+    per parameter in the schema's order (the required ones always), `</function>`,
+    `</tool_call>`; a value is typed where the schema types it (enum, integer, number, boolean,
+    or JSON for objects and arrays) and free text otherwise (with no `</` in it)."""
     calls = []
     for f in functions:
+        params = f.get("parameters") or {"type": "object"}
+        if form == "xml":
+            calls.append(_xml_call(xgr, f["name"], params))
+            continue
         body = {
             "type": "object",
-            "properties": {
-                "name": {"const": f["name"]},
-                "arguments": f.get("parameters") or {"type": "object"},
-            },
+            "properties": {"name": {"const": f["name"]}, "arguments": params},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
         calls.append(
             xgr.Grammar.concat(
-                xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
+                _literal(xgr, "<tool_call>\n"),
                 xgr.Grammar.from_json_schema(json.dumps(body), any_whitespace=False),
-                xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'),
+                _literal(xgr, "\n</tool_call>"),
             )
         )
     return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+
+
+def _literal(xgr: Any, text: str) -> Any:
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+
+_FREE_TEXT = 'root ::= ([^<] | "<" [^/])*'  # a parameter's text: anything but a closing tag
+
+
+def _xml_value(xgr: Any, schema: dict[str, Any]) -> Any:
+    kind = schema.get("type")
+    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(v) for v in schema["enum"]))
+    if kind == "integer":
+        return xgr.Grammar.from_ebnf('root ::= "-"? [0-9]+')
+    if kind == "number":
+        return xgr.Grammar.from_ebnf('root ::= "-"? [0-9]+ ("." [0-9]+)?')
+    if kind == "boolean":
+        return xgr.Grammar.from_ebnf('root ::= "true" | "false"')
+    if kind in ("object", "array"):
+        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    return xgr.Grammar.from_ebnf(_FREE_TEXT)
+
+
+def _xml_call(xgr: Any, name: str, params: dict[str, Any]) -> Any:
+    parts = [_literal(xgr, f"<tool_call>\n<function={name}>\n")]
+    required = set(params.get("required") or [])
+    for key, schema in (params.get("properties") or {}).items():
+        block = xgr.Grammar.concat(
+            _literal(xgr, f"<parameter={key}>\n"), _xml_value(xgr, schema), _literal(xgr, "\n</parameter>\n")
+        )
+        # an optional parameter: the block or nothing
+        parts.append(block if key in required else xgr.Grammar.union(block, _literal(xgr, "")))
+    parts.append(_literal(xgr, "</function>\n</tool_call>"))
+    return xgr.Grammar.concat(*parts)
 
 
 class RequestGrammar:

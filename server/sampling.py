@@ -148,7 +148,8 @@ def tool_choice_constraint(
     tool_choice: str | dict[str, Any] | None, tools: list[Any] | None, prompt: str, has_format: bool
 ) -> StructuredOutputs | None:
     """`tool_choice` "required" (one call of any tool) or a named function (one call of it) as a
-    grammar over the tool-call form (Qwen3's JSON body); None for "auto", "none" or no choice.
+    grammar over the template's tool-call form (Qwen3's JSON body or Qwen3.5's XML body); None
+    for "auto", "none" or no choice.
     `prompt` is the rendered chat prompt, whose tool instructions show the template's form;
     `has_format`: the request also sets a response_format (the two cannot both hold)."""
     from deltaserve.engine.sampling_params import StructuredOutputs
@@ -176,15 +177,18 @@ def tool_choice_constraint(
         raise bad_request(
             "tool_choice forcing a call and a JSON response_format cannot both hold", "tool_choice"
         )
-    if "<function=" in prompt or "<tool_call>" not in prompt:
+    # the template's tool instructions show its form: Qwen3.5's XML body, or Qwen3's JSON body
+    form = "xml" if "<function=" in prompt else "json" if "<tool_call>" in prompt else None
+    if form is None:
         raise bad_request(
-            "tool_choice 'required' or a named function is supported for Qwen3's JSON tool-call form "
-            '(<tool_call>{"name": ..., "arguments": ...}</tool_call>) only, and this model\'s chat '
-            "template uses another",
+            "tool_choice 'required' or a named function needs a chat template with Qwen's <tool_call> "
+            "form (a JSON or an XML body), and this model's template shows none",
             "tool_choice",
         )
     try:
-        return StructuredOutputs(tool_calls=[{"name": n, "parameters": p} for n, p in functions.items()])
+        return StructuredOutputs(
+            tool_calls=[{"name": n, "parameters": p} for n, p in functions.items()], tool_call_form=form
+        )
     except ValueError as exc:
         raise bad_request(str(exc), "tool_choice") from exc
 

@@ -154,3 +154,51 @@ def test_without_xgrammar_or_a_tokenizer_the_error_says_so(llm, monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)
     with pytest.raises(ValueError, match=r"deltaserve\[structured\]"):
         Grammars(llm.tokenizer, llm.engine.vocab_size, [])
+
+
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "unit": {"enum": ["C", "F"]},
+            "metric": {"type": "boolean"},
+        },
+        "required": ["city", "unit"],
+    },
+}
+TIME = {
+    "name": "get_time",
+    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}},
+}
+
+
+@pytest.mark.parametrize("form", ["json", "xml"])
+def test_forced_tool_calls_parse_in_both_forms(llm, form):
+    """A forced call (tool_choice) in Qwen3's JSON form or Qwen3.5's XML form: the server's
+    tool-call parser reads one call of a given function, its arguments typed by the schema."""
+    from deltaserve.server.tool_calls import extract_tool_calls
+
+    schemas = {f["name"]: f["parameters"] for f in (WEATHER, TIME)}
+    spec = StructuredOutputs(tool_calls=[WEATHER, TIME], tool_call_form=form)
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured_outputs=spec) for s in range(6)
+    ]
+    names = set()
+    for out in llm.generate(["Weather?"] * 6, params):
+        c = out.outputs[0]
+        if c.finish_reason == "length":  # a free-text value may run on
+            continue
+        content, calls = extract_tool_calls(c.text, schemas, final=True)
+        assert content == "" and len(calls) == 1, c.text
+        args = json.loads(calls[0].arguments)
+        names.add(calls[0].name)
+        if calls[0].name == "get_weather":
+            assert {"city", "unit"} <= set(args) <= set(schemas["get_weather"]["properties"])
+            assert args["unit"] in ("C", "F") and isinstance(args.get("days", 0), int)
+            assert isinstance(args.get("metric", True), bool)
+        else:
+            assert set(args) <= {"zone"} and args.get("zone", "UTC") in ("UTC", "CET")
+    assert names  # at least one finished call

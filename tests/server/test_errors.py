@@ -273,20 +273,22 @@ def test_bad_tool_choice_is_400(server, extra: dict, needle: str) -> None:
     assert err["param"] == "tool_choice" and needle in err["message"]
 
 
-def test_tool_choice_for_another_tool_call_form_is_400() -> None:
+def test_tool_choice_follows_the_templates_tool_call_form() -> None:
     from deltaserve.server.errors import APIError
     from deltaserve.server.protocol import ToolDefinition
     from deltaserve.server.sampling import tool_choice_constraint
 
     tools = [ToolDefinition.model_validate(TOOL)]
-    xml_prompt = "... <tool_call>\n<function=example_function_name>\n<parameter=p>v</parameter> ..."
-    for prompt in (xml_prompt, "a template without tool instructions"):
-        with pytest.raises(APIError) as info:
-            tool_choice_constraint("required", tools, prompt, False)
-        assert info.value.status == 400 and info.value.param == "tool_choice"
-        assert "JSON tool-call form" in info.value.message
-    ok = tool_choice_constraint("required", tools, 'call as <tool_call>{"name": ...}</tool_call>', False)
-    assert ok is not None and ok.tool_calls == [{"name": "f", "parameters": {"type": "object"}}]
+    xml = tool_choice_constraint("required", tools, "<tool_call>\n<function=example_function_name>", False)
+    json_form = tool_choice_constraint("required", tools, 'as <tool_call>{"name": ...}</tool_call>', False)
+    assert xml is not None and xml.tool_call_form == "xml"
+    assert json_form is not None and json_form.tool_call_form == "json"
+    assert json_form.tool_calls == [{"name": "f", "parameters": {"type": "object"}}]
+    with pytest.raises(APIError) as info:
+        tool_choice_constraint("required", tools, "a template without tool instructions", False)
+    assert (
+        info.value.status == 400 and info.value.param == "tool_choice" and "shows none" in info.value.message
+    )
 
 
 @pytest.mark.parametrize(
