@@ -44,10 +44,10 @@ class StructuredOutputs:
             raise ValueError("structured outputs: a JSON schema must be an object")
 
     def key(self) -> str:
-        """The grammar's cache key."""
+        """The grammar's cache key (the schema's text: its key order is the output's)."""
         if self.tool_calls is not None:
-            return f"tool_calls:{self.tool_call_form}:" + json.dumps(self.tool_calls, sort_keys=True)
-        return "json_object" if self.json_object else json.dumps(self.json, sort_keys=True)
+            return f"tool_calls:{self.tool_call_form}:" + json.dumps(self.tool_calls)
+        return "json_object" if self.json_object else json.dumps(self.json)
 
 
 @dataclass

@@ -51,6 +51,7 @@ def test_outputs_satisfy_the_schema(llm, temperature):
     texts = [o.outputs[0].text for o in outs]
     for o, text in zip(outs, texts):
         check(json.loads(text))
+        assert list(json.loads(text)) == ["ok", "color", "size"]  # the schema's order
         assert o.outputs[0].finish_reason == "stop"
     if temperature:
         assert len(set(texts)) > 1  # sampled within the grammar, not one forced string
