@@ -203,3 +203,32 @@ def test_forced_tool_calls_parse_in_both_forms(llm, form):
         else:
             assert set(args) <= {"zone"} and args.get("zone", "UTC") in ("UTC", "CET")
     assert names  # at least one finished call
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_structured_outputs_on_cuda(tokenized_checkpoint, pools_held):
+    """On CUDA (decode graphs, sampler graphs, overlap scheduling around the constrained steps):
+    schema-valid JSON and forced calls beside unconstrained requests, pools idle afterwards."""
+    from deltaserve.server.tool_calls import extract_tool_calls
+
+    gpu = LLM(tokenized_checkpoint, dtype="float32", device="cuda", chunked_prefill_size=64)
+    assert gpu.engine.sampler.graph_max_bs > 0
+    schema = SamplingParams(
+        temperature=1.0, seed=2, max_tokens=64, structured_outputs=StructuredOutputs(json=SCHEMA)
+    )
+    tool = SamplingParams(
+        temperature=0.7,
+        seed=3,
+        max_tokens=120,
+        structured_outputs=StructuredOutputs(tool_calls=[WEATHER], tool_call_form="xml"),
+    )
+    plain = SamplingParams(temperature=0.8, seed=4, max_tokens=20)
+    outs = gpu.generate(["a", "b", "c", "d"], [schema, plain, tool, schema])
+    for i in (0, 3):
+        check(json.loads(outs[i].outputs[0].text))
+    c = outs[2].outputs[0]
+    if c.finish_reason == "stop":
+        _, calls = extract_tool_calls(c.text, {"get_weather": WEATHER["parameters"]}, final=True)
+        assert [call.name for call in calls] == ["get_weather"]
+    assert not pools_held(gpu)
