@@ -53,21 +53,27 @@ def gather_initial_states(
     return torch.where(fresh, torch.zeros((), dtype=init.dtype, device=init.device), init)
 
 
-_cu_copy: tuple[torch.Tensor, int, torch.Tensor] | None = None
+_per_input: dict[str, tuple[torch.Tensor, int, object, torch.Tensor]] = {}
+
+
+def per_input(
+    name: str, source: torch.Tensor, extra: object, build: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """`build()`, kept under `name` while `source` is the same object with the same version and
+    `extra` is equal: every layer of a forward passes the same `cu_seqlens`, so what derives
+    from it is built once per forward. A refilled input (its version counter moves) builds
+    anew. Inference tensors (the engine runs under inference_mode) keep no version counter;
+    the engine builds a new cu_seqlens tensor for every forward, so identity is enough there."""
+    version = -1 if source.is_inference() else source._version
+    kept = _per_input.get(name)
+    if kept is None or kept[0] is not source or kept[1] != version or kept[2] != extra:
+        kept = _per_input[name] = (source, version, extra, build())
+    return kept[3]
 
 
 def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """An int64 copy of `cu_seqlens`, the same object for as long as the input is unchanged.
-
-    FLA caches its chunk indices (built with a host sync) by argument identity alone: the
-    same object for every layer of one forward keeps that to one sync per forward, and a new
-    object whenever the input is refilled in place (its version counter moves) keeps FLA from
-    reusing indices of an older batch. Inference tensors (the engine runs under
-    inference_mode) keep no version counter; the engine builds a new cu_seqlens tensor for
-    every forward, so identity is enough there.
-    """
-    global _cu_copy
-    version = -1 if cu_seqlens.is_inference() else cu_seqlens._version
-    if _cu_copy is None or _cu_copy[0] is not cu_seqlens or _cu_copy[1] != version:
-        _cu_copy = (cu_seqlens, version, cu_seqlens.to(torch.int64, copy=True))
-    return _cu_copy[2]
+    """An int64 copy of `cu_seqlens`, the same object for as long as the input is unchanged:
+    FLA caches its chunk indices (built with a host sync) by argument identity alone, so the
+    same object for every layer keeps that to one sync per forward, and a new object for a
+    refilled input keeps FLA from reusing indices of an older batch."""
+    return per_input("fla_cu_seqlens", cu_seqlens, None, lambda: cu_seqlens.to(torch.int64, copy=True))

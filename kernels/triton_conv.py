@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.pool_states import per_input
 from deltaserve.kernels.triton_pdl import pdl_args, wait_inputs
 
 
@@ -220,21 +221,15 @@ def conv_decode_launch(
     )
 
 
-_seq_idx: tuple[torch.Tensor, int, int, torch.Tensor] | None = None
-
-
 def sequence_index(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """The sequence of each of `total` tokens `[total]` int32, on the device (no host sync):
-    the first bound strictly above t. Every layer of a forward passes the same `cu_seqlens`
-    object, so it is computed once per forward (kept while the object and its version are)."""
-    global _seq_idx
-    version = -1 if cu_seqlens.is_inference() else cu_seqlens._version
-    c = _seq_idx
-    if c is None or c[0] is not cu_seqlens or c[1] != version or c[2] != total:
+    the first bound strictly above t. Built once per forward (`pool_states.per_input`)."""
+
+    def build() -> torch.Tensor:
         tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-        idx = torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True).to(torch.int32)
-        c = _seq_idx = (cu_seqlens, version, total, idx)
-    return c[3]
+        return torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True).to(torch.int32)
+
+    return per_input("sequence_index", cu_seqlens, total, build)
 
 
 def conv_prefill_launch(
