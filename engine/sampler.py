@@ -203,14 +203,14 @@ class Sampler:
         return filtered_probs(logits / temp.unsqueeze(1), keep_min_p, top_p, top_k, self._width(reqs, vocab))
 
     @staticmethod
-    def _width(reqs: list[Request], vocab: int) -> int:
+    def _width(reqs: list[Request], vocab: int, min_rows: int = TOPK_MIN_ROWS) -> int:
         """How many tokens of each row are ranked: none (0) without top-k and top-p; only the
-        k best (`torch.topk`) when at least TOPK_MIN_ROWS rows all set a top-k of at most
+        k best (`torch.topk`) when at least `min_rows` rows all set a top-k of at most
         TOPK_LIMIT (much cheaper than sorting a 248k vocabulary per row); else all (a sort)."""
         ks = [r.params.top_k for r in reqs]
         if not any(ks) and all(r.params.top_p >= 1.0 for r in reqs):
             return 0
-        if all(ks) and max(ks) <= min(TOPK_LIMIT, vocab) and len(reqs) >= TOPK_MIN_ROWS:
+        if all(ks) and max(ks) <= min(TOPK_LIMIT, vocab) and len(reqs) >= min_rows:
             return max(ks)
         return vocab
 

@@ -6,8 +6,8 @@ made a sampled decode step a third slower than a greedy one (docs/performance.md
 time, not the GPU's. Here the same ops (`pick_tokens`, shared with the eager path) are
 captured once per padded batch size and ranking width, reading static buffers: the logits,
 the per-row parameters and the noise. A step then costs a copy of the logits, the logit
-processing it needs (biases, penalties and min_tokens bans run eagerly on the static logits,
-in place), one copy of the parameters, the noise and a replay.
+processing it needs (biases, penalties, min_tokens bans and grammar masks run eagerly on the
+static logits, in place), one copy of the parameters, the noise and a replay.
 
 The ranking width is part of the graph: none (no row sets top-k or top-p), the best
 `bucket` tokens (every row's top-k at most `bucket`, one of TOPK_BUCKETS) or a full sort.
@@ -35,7 +35,9 @@ logger = logging.getLogger(__name__)
 # top-k widths graphs are captured for (a batch ranks the smallest that holds its largest k);
 # larger k, or a row without one, sorts the whole vocabulary
 TOPK_BUCKETS = (64, 256, TOPK_LIMIT)
-# batches of fewer rows sort instead of ranking with `torch.topk` (measured: bench/sampler.py)
+# batches of fewer rows sort instead of ranking with `torch.topk`. Inside a graph only the GPU's
+# time counts, so every batch may rank; whether a sort is faster at one row is not measured yet
+# (bench/sampler.py --graphs 32 [--graph-topk-min-rows N])
 GRAPH_TOPK_MIN_ROWS = 1
 
 # captures `fn` (static inputs to a static output): the replay callable and the output
@@ -80,15 +82,13 @@ class SamplerGraphs:
         return not self.failed and 0 < n <= self.sizes[-1] and vocab == self.vocab
 
     def width(self, reqs: list[Request]) -> int:
-        """0 (no ranking), a top-k bucket, or the vocabulary (a full sort)."""
-        ks = [r.params.top_k for r in reqs]
-        if not any(ks) and all(r.params.top_p >= 1.0 for r in reqs):
-            return 0
-        if all(ks) and len(reqs) >= GRAPH_TOPK_MIN_ROWS:
-            i = bisect.bisect_left(TOPK_BUCKETS, max(ks))
-            if i < len(TOPK_BUCKETS) and TOPK_BUCKETS[i] < self.vocab:
-                return TOPK_BUCKETS[i]
-        return self.vocab
+        """The eager sampler's ranking width (`Sampler._width`) with a top-k rounded up to its
+        bucket: 0 (no ranking), a bucket, or the vocabulary (a full sort)."""
+        width = Sampler._width(reqs, self.vocab, GRAPH_TOPK_MIN_ROWS)
+        if 0 < width < self.vocab:
+            bucket = TOPK_BUCKETS[bisect.bisect_left(TOPK_BUCKETS, width)]  # the last is TOPK_LIMIT
+            return bucket if bucket < self.vocab else self.vocab
+        return width
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor | None:
