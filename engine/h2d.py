@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -88,19 +88,12 @@ def to_device_packed(
     for a in arrays:
         offsets.append(total)
         total += -(-a.nbytes // _ALIGN) * _ALIGN
-    if device.type == "cuda":
-        ring = _ring()
-        i, host = ring.take(total)
+    if device.type != "cuda":
+        buf = torch.empty(total, dtype=torch.uint8)
+        _write(buf.numpy(), arrays, offsets)
     else:
-        host = torch.empty(total, dtype=torch.uint8)
-    staging = host.numpy()
-    for a, off in zip(arrays, offsets):
-        staging[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    if device.type == "cuda":
-        buf = host.to(device, non_blocking=True)
-        ring.copied(i, torch.cuda.current_stream(device))
-    else:
-        buf = host
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+        _send(buf, lambda staging: _write(staging, arrays, offsets))
     return [
         buf[off : off + a.nbytes].view(dtype).view(a.shape)
         for a, off, (_, dtype) in zip(arrays, offsets, fields)
@@ -119,12 +112,23 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> tor
 def copy_to_device(dst: torch.Tensor, values: np.ndarray) -> None:
     """Copy a numpy array into the contiguous tensor `dst` (same shape and dtype); on CUDA
     through the pinned ring, without blocking (a static buffer a CUDA graph reads)."""
-    src = torch.from_numpy(np.ascontiguousarray(values))
+    src = np.ascontiguousarray(values)
     if dst.device.type != "cuda":
-        dst.copy_(src)
+        dst.copy_(torch.from_numpy(src))
         return
+    _send(dst.view(-1).view(torch.uint8), lambda staging: _write(staging, [src], [0]))
+
+
+def _write(staging: np.ndarray, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> None:
+    for a, off in zip(arrays, offsets):
+        staging[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _send(dst: torch.Tensor, fill: Callable[[np.ndarray], None]) -> None:
+    """Fill a staging buffer of the pinned ring (`fill(its bytes as numpy)`) and copy it into
+    the CUDA bytes `dst`, without blocking; the ring reuses the buffer after the copy ran."""
     ring = _ring()
-    i, host = ring.take(src.nbytes)
-    host.numpy()[:] = src.numpy().reshape(-1).view(np.uint8)
-    dst.copy_(host.view(src.dtype).view(src.shape), non_blocking=True)
+    i, host = ring.take(dst.numel())
+    fill(host.numpy())
+    dst.copy_(host, non_blocking=True)
     ring.copied(i, torch.cuda.current_stream(dst.device))

@@ -41,12 +41,18 @@ def gdn_prefill_cuda(
     direct = _fla_forward()
     if direct is not None:
         o, final = direct(q, k, v, g, beta, init, fla_cu_seqlens(cu_seqlens))
-        state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
-        return o[0].to(v.dtype)
+    else:
+        o, final = _fla_public(q, k, v, g, beta, init, fla_cu_seqlens(cu_seqlens))
+    state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
+    return o[0].to(v.dtype)
+
+
+def _fla_public(q, k, v, g, beta, init, cu):  # type: ignore[no-untyped-def]
+    """FLA's public `chunk_gated_delta_rule` (its autograd Function, guards and dispatch)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     with torch.no_grad():
-        o, final = chunk_gated_delta_rule(
+        return chunk_gated_delta_rule(
             q.unsqueeze(0),
             k.unsqueeze(0),
             v.unsqueeze(0),
@@ -55,10 +61,8 @@ def gdn_prefill_cuda(
             initial_state=init,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
-            cu_seqlens=fla_cu_seqlens(cu_seqlens),
+            cu_seqlens=cu,
         )
-    state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
-    return o[0].to(v.dtype)
 
 
 @functools.cache
