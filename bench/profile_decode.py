@@ -46,6 +46,15 @@ def busy_and_gaps(spans: list[tuple[float, float]], top: int = 5) -> tuple[float
     return busy, span, sorted(gaps, reverse=True)[:top]
 
 
+def dummy_engine(model: str, **config: object) -> Engine:
+    """The profiled engine: random weights, bf16, CUDA, no prefix reuse, and `config`."""
+    return Engine(
+        EngineConfig(
+            model=model, load_format="dummy", dtype="bfloat16", device="cuda", cache_type="naive", **config
+        )  # type: ignore[arg-type]
+    )
+
+
 def report(prof: torch.profiler.profile, what: str, rows: int, trace: str | None) -> None:
     """How busy the GPU was over the profiled `what` and its longest idle gaps, then the kernels
     by GPU time and the ops by CPU time (and a Chrome trace to `trace`)."""
@@ -78,18 +87,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25, help="profiler table rows")
     args = ap.parse_args()
     bs = args.batch_size
-    engine = Engine(
-        EngineConfig(
-            model=args.model,
-            load_format="dummy",
-            dtype="bfloat16",
-            device="cuda",
-            cache_type="naive",
-            max_running_requests=max(bs, 8),
-            max_model_len=args.max_model_len or args.prompt_len + 512,
-            disable_cuda_graph=args.disable_cuda_graph,
-            enable_overlap_schedule=False if args.disable_overlap_schedule else None,
-        )
+    engine = dummy_engine(
+        args.model,
+        max_running_requests=max(bs, 8),
+        max_model_len=args.max_model_len or args.prompt_len + 512,
+        disable_cuda_graph=args.disable_cuda_graph,
+        enable_overlap_schedule=False if args.disable_overlap_schedule else None,
     )
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)

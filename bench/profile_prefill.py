@@ -15,9 +15,7 @@ import time
 
 import torch
 
-from bench.profile_decode import report
-from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.engine import Engine
+from bench.profile_decode import dummy_engine, report
 from deltaserve.engine.sampling_params import SamplingParams
 
 
@@ -36,18 +34,12 @@ def main() -> None:
         help="also run one prefill under cProfile and print its ROWS costliest Python functions",
     )
     args = ap.parse_args()
-    engine = Engine(
-        EngineConfig(
-            model=args.model,
-            load_format="dummy",
-            dtype="bfloat16",
-            device="cuda",
-            cache_type="naive",
-            max_running_requests=args.max_running_requests,
-            max_model_len=args.tokens + 16,
-            chunked_prefill_size=args.tokens,
-            enable_overlap_schedule=False,
-        )
+    engine = dummy_engine(
+        args.model,
+        max_running_requests=args.max_running_requests,
+        max_model_len=args.tokens + 16,
+        chunked_prefill_size=args.tokens,
+        enable_overlap_schedule=False,
     )
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
