@@ -90,9 +90,9 @@ class Engine:
         cost = prefill_cost(loaded.config, self.runner.model.layer_types, loaded.num_params)
         self.prefix_cache = make_prefix_cache(config, kv, st, cost)
         self.scheduler = Scheduler(config, kv, st, self.prefix_cache)
+        self._grammars: Any = None  # structured outputs' compiled grammars (engine/structured.py)
         # small sampled batches replay CUDA graphs of the sampler (engine/sampler_graphs.py)
         graphs = self.device.type == "cuda" and not config.disable_cuda_graph
-        self._grammars: Any = None  # structured outputs' compiled grammars (engine/structured.py)
         self.sampler = Sampler(
             self.device,
             config.seed,
