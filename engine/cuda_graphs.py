@@ -13,9 +13,11 @@ buffers per width.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +35,36 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     if max_bs not in sizes:
         sizes.append(max_bs)
     return sorted(set(sizes))
+
+
+def capture(
+    fn: Callable[[], torch.Tensor], pool: Any, warmups: int = 1
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Run `fn` `warmups` times on a side stream (Triton compiles, autotuning and lazy
+    workspaces stay outside the capture), then capture it: the graph and its static output.
+
+    Python's garbage collector is paused during the capture. A collection there can free
+    another CUDA graph (one of an engine dropped earlier, kept alive by a reference cycle), and
+    destroying a graph while a stream captures is an error that invalidates this capture (it
+    happened on the H200: a test's second engine fell back to eager decoding, and the failed
+    capture left CUDA's random generator unusable for the rest of the process)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:
+        if enabled:
+            gc.enable()
+    return graph, out
 
 
 @dataclass
@@ -96,18 +128,9 @@ class CudaGraphRunner:
     def _capture(
         self, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         # small graphs launch our kernels with PDL (DELTASERVE_PDL, kernels/triton_utils.py)
         with capturing_graph(input_ids.numel()):
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile and autotune outside the capture
-                    self.body(input_ids, positions)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.body(input_ids, positions)
-        return graph, out
+            return capture(lambda: self.body(input_ids, positions), self.pool, warmups=2)
 
     def capture_verify(self, width: int, max_bs: int) -> None:
         """Graphs for batches of speculative verification windows only, each `width` tokens

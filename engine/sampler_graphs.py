@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltaserve.engine.cuda_graphs import graph_batch_sizes
+from deltaserve.engine.cuda_graphs import capture, graph_batch_sizes
 from deltaserve.engine.h2d import copy_to_device
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampler import TOPK_LIMIT, Sampler, param_rows, pick_tokens
@@ -47,14 +47,7 @@ Capture = Callable[[Callable[[], torch.Tensor], Any], tuple[Callable[[], None], 
 def cuda_capture(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
     """Captures `fn` in a CUDA graph drawing on the memory pool `pool` (shared by the sampler's
     graphs: they replay one at a time, and each keeps only its output)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # lazy initialisation (workspaces) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    graph, out = capture(fn, pool)
     return graph.replay, out
 
 
