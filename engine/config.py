@@ -73,10 +73,12 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         _ = self.spec  # validates speculative_config
         from deltaserve.kernels.linear import gemv_mode
+        from deltaserve.kernels.mla import mla_prefill_mode
         from deltaserve.kernels.triton_utils import pdl_mode
 
         gemv_mode()  # DELTASERVE_GEMV: a typo is an error now, not a silent default
         pdl_mode()  # DELTASERVE_PDL, likewise
+        mla_prefill_mode()  # DELTASERVE_MLA_PREFILL
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -128,6 +128,7 @@ def test_overlap_schedule_follows_the_device_unless_a_flag_says() -> None:
     [
         ("DELTASERVE_GEMV", "cuBLAS", ("auto", "cublas", "triton", "")),
         ("DELTASERVE_PDL", "yes", ("on", "off", "auto", "")),
+        ("DELTASERVE_MLA_PREFILL", "flash", ("sdpa", "reference", "")),
     ],
 )
 def test_unknown_kernel_mode_is_a_start_up_error(monkeypatch, variable: str, typo: str, modes: tuple) -> None:
