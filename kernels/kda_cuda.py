@@ -6,6 +6,10 @@ Semantics and shapes are those of `deltaserve.kernels.kda` (its torch references
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
+
 import torch
 
 from deltaserve.kernels.pool_states import fla_cu_seqlens, gather_initial_states
@@ -28,9 +32,14 @@ def kda_prefill_cuda(
     states are gathered as fp32, zeros where a request starts fresh, and the final states
     scattered back; prefill is compute-bound, so the extra state traffic is small.
     """
+    init = gather_initial_states(state_pool, slots, has_initial_state)
+    direct = _kda_forward()
+    if direct is not None:
+        o, final = direct(q, k, v, g, beta, init, fla_cu_seqlens(cu_seqlens))
+        state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
+        return o[0].to(v.dtype)
     from fla.ops.kda import chunk_kda
 
-    init = gather_initial_states(state_pool, slots, has_initial_state)
     with torch.no_grad():
         o, final = chunk_kda(
             q.unsqueeze(0),
@@ -45,6 +54,45 @@ def kda_prefill_cuda(
         )
     state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
     return o[0].to(v.dtype)
+
+
+@functools.cache
+def _kda_forward() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """FLA's chunked KDA forward below its public entry (as `gdn_cuda._fla_forward` does for
+    GDN): no autograd Function or argument checks, q / k normalised and v made contiguous by
+    one kernel of ours, chunk indices once per forward. None with DELTASERVE_FLA_DIRECT=0 or an
+    FLA whose internals differ from 0.6's."""
+    if os.environ.get("DELTASERVE_FLA_DIRECT", "1") == "0":
+        return None
+    try:
+        from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+        from fla.ops.utils.index import prepare_chunk_indices
+    except ImportError:
+        return None
+    import inspect
+
+    from deltaserve.kernels.triton_gdn import qk_norm_v_launch
+
+    if "chunk_indices" not in inspect.signature(chunk_kda_fwd).parameters:
+        return None
+
+    def forward(q, k, v, g, beta, init, cu):  # type: ignore[no-untyped-def]
+        q, k, v = qk_norm_v_launch(q, k, v)
+        out = chunk_kda_fwd(
+            q=q.unsqueeze(0),
+            k=k.unsqueeze(0),
+            v=v.unsqueeze(0),
+            g=g.float().unsqueeze(0).contiguous(),
+            beta=beta.unsqueeze(0).contiguous(),
+            scale=q.shape[-1] ** -0.5,
+            initial_state=init,
+            output_final_state=True,
+            cu_seqlens=cu,
+            chunk_indices=prepare_chunk_indices(cu, 64),
+        )
+        return out[0], out[1]  # (o, final_state, ...)
+
+    return forward
 
 
 def kda_decode_cuda(

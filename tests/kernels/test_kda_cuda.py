@@ -53,6 +53,34 @@ def kda_inputs(total: int, heads: int, dim: int, dtype: torch.dtype):
     return q, k, v, g, beta
 
 
+def test_kda_prefill_direct_equals_public(monkeypatch):
+    """FLA's KDA forward called below its entry point (the default, `_kda_forward`) gives the
+    public `chunk_kda`'s outputs and states (bf16, one shape: each new shape compiles FLA's
+    KDA kernels for a minute or two)."""
+    from deltaserve.kernels import kda_cuda
+
+    heads, dim, num_slots = 4, 128, 8
+    lengths = [5, 64, 190, 33]
+    slots = pick_slots(len(lengths), num_slots)
+    has_init = torch.tensor([True, False, True, False], device=DEV)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    inputs = kda_inputs(sum(lengths), heads, dim, torch.bfloat16)
+    pool = torch.randn(num_slots, heads, dim, dim, device=DEV) * 0.1
+    results = []
+    try:
+        for direct in ("1", "0"):
+            monkeypatch.setenv("DELTASERVE_FLA_DIRECT", direct)
+            kda_cuda._kda_forward.cache_clear()
+            assert (kda_cuda._kda_forward() is not None) == (direct == "1")
+            p = pool.clone()
+            results.append((kda_cuda.kda_prefill_cuda(*inputs, cu, p, slots, has_init), p))
+    finally:
+        kda_cuda._kda_forward.cache_clear()
+    assert rel_err(results[0][0], results[1][0]) < 1e-2
+    assert rel_err(results[0][1], results[1][1]) < 1e-2
+    assert_untouched(results[0][1], pool, slots)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "dim"), [(4, 128), (3, 64)])
 def test_kda_prefill(monkeypatch, dtype, heads, dim):
