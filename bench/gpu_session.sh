@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
 #   bash bench/gpu_session.sh profiles # GPU idle gaps with overlap at two max_model_len, batch-1 kernels
-#   bash bench/gpu_session.sh kimi-prefill # MLA prefill: reference against DELTASERVE_MLA_PREFILL=sdpa
+#   bash bench/gpu_session.sh kimi-prefill # KDA/MLA prefill tests; 4k prefill: FLA public / direct, MLA sdpa
 #   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
 #   bash bench/gpu_session.sh spec    # speculative decoding, eager verification, window kernels vs references
 #   bash bench/gpu_session.sh sampling # decode with Qwen3.5's sampling defaults against greedy
@@ -81,12 +81,15 @@ case "${1:-tests}" in
       --max-model-len 8208 --rows 10
     run 80 profile-bs1 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 1 --rows 30
     ;;
-  kimi-prefill)  # MLA prefill: expanded reference against the opt-in fused attention, one call
-    run 60 mla-tests python3 -m pytest -q -m gpu tests/kernels/test_mla_cuda.py -k fused
-    run 200 kimi-prefill-ref python3 -m bench.decode --model configs/kimi-linear-48b-a3b --batch-sizes \
-      --prefill-len 4096
-    DELTASERVE_MLA_PREFILL=sdpa run 200 kimi-prefill-sdpa python3 -m bench.decode \
+  kimi-prefill)  # KDA prefill below FLA's entry and MLA prefill: before/after timings, one call
+    run 120 kda-prefill-tests python3 -m pytest -q -m gpu tests/kernels/test_kda_cuda.py -k "prefill or fused" \
+      tests/kernels/test_mla_cuda.py
+    DELTASERVE_FLA_DIRECT=0 run 150 kimi-prefill-public python3 -m bench.decode \
       --model configs/kimi-linear-48b-a3b --batch-sizes --prefill-len 4096
+    run 150 kimi-prefill-direct python3 -m bench.decode --model configs/kimi-linear-48b-a3b \
+      --batch-sizes --prefill-len 4096
+    DELTASERVE_MLA_PREFILL=sdpa run 170 kimi-prefill-sdpa python3 -m bench.decode \
+      --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   ttft)
     run 100 ttft-9b python3 -m bench.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --device cuda \
