@@ -14,6 +14,8 @@
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
 #   bash bench/gpu_session.sh profiles # GPU idle gaps with overlap at two max_model_len, batch-1 kernels
 #   bash bench/gpu_session.sh kimi-prefill # KDA/MLA prefill tests; 4k prefill: FLA public / direct, MLA sdpa
+#   bash bench/gpu_session.sh final-qwen # 0.8B / 9B decode table runs, KDA decode + graph tests
+#   bash bench/gpu_session.sh final-kimi # KDA prefill tests (direct path), Kimi-Linear decode + 4k prefill
 #   bash bench/gpu_session.sh ttft    # prefix-cache TTFT on 9B shapes
 #   bash bench/gpu_session.sh spec    # speculative decoding, eager verification, window kernels vs references
 #   bash bench/gpu_session.sh sampling # decode with Qwen3.5's sampling defaults against greedy
@@ -90,6 +92,19 @@ case "${1:-tests}" in
       --batch-sizes --prefill-len 4096
     DELTASERVE_MLA_PREFILL=sdpa run 170 kimi-prefill-sdpa python3 -m bench.decode \
       --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
+    ;;
+  final-qwen)  # the decode table's commands (no transformers), then the KDA decode / graph tests
+    run 130 final-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
+      --new-tokens 128 --prefill-len 8192 --json "$out/qwen3.5-0.8b.json"
+    run 150 final-9b python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
+      --new-tokens 128 --prefill-len 8192 --json "$out/qwen3.5-9b.json"
+    run 150 kda-decode-tests python3 -m pytest -q -m gpu tests/kernels/test_kda_cuda.py -k "decode or graph"
+    ;;
+  final-kimi)  # KDA prefill below FLA's entry against its public call and the reference, Kimi's table
+    run 260 kda-prefill-tests python3 -m pytest -v -m gpu tests/kernels/test_kda_cuda.py::test_kda_prefill_direct_equals_public \
+      "tests/kernels/test_kda_cuda.py::test_kda_prefill[4-128-dtype1]" "tests/kernels/test_kda_cuda.py::test_kda_prefill[3-64-dtype0]"
+    run 180 final-kimi python3 -m bench.decode --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 64 \
+      --new-tokens 64 --prefill-len 4096 --json "$out/kimi.json"
     ;;
   ttft)
     run 100 ttft-9b python3 -m bench.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --device cuda \
