@@ -135,7 +135,7 @@ class Sampler:
                 banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, to_device(banned, torch.long, dev)] = float("-inf")
-        constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        constrained = [i for i, r in enumerate(reqs) if r.matcher is not None and r.matcher.active]
         if constrained:  # last: what the grammar forbids stays forbidden
             from deltaserve.engine.structured import apply_grammar_masks
 

@@ -23,6 +23,9 @@ class StructuredOutputs:
     # <parameter=P>\nvalue\n</parameter>\n...</function>\n</tool_call>`)
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_form: str = "json"
+    # the grammar starts after this token: the output's first tokens are free up to and including
+    # it (the end of a reasoning section, `</think>`, when the prompt opened one); None: at once
+    after_token: int | None = None
 
     def __post_init__(self) -> None:
         if (self.json is not None) + self.json_object + (self.tool_calls is not None) != 1:
@@ -42,6 +45,8 @@ class StructuredOutputs:
                 raise ValueError(f"structured outputs: the JSON schema is not valid JSON ({e})") from None
         if self.json is not None and not isinstance(self.json, dict):
             raise ValueError("structured outputs: a JSON schema must be an object")
+        if self.after_token is not None and self.after_token < 0:
+            raise ValueError(f"structured outputs: after_token must be a token id, got {self.after_token}")
 
     def key(self) -> str:
         """The grammar's cache key (the schema's text: its key order is the output's)."""

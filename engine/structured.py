@@ -7,6 +7,10 @@ constrained row gets the matcher's bitmask of allowed tokens (32 tokens a 32-bit
 other logit is set to -inf; when the grammar is complete the matcher allows only the stop
 tokens, and the request ends there. Requests that use it step synchronously (the mask needs the
 previous token) and draft no speculative tokens.
+
+A grammar can wait for a token (`StructuredOutputs.after_token`): a reasoning model whose prompt
+opened `<think>` thinks freely, and its answer after `</think>` is held to the grammar (as vLLM
+does with a reasoning parser). Until that token the request's rows get no mask.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ class Grammars:
                     f"structured outputs: the JSON schema cannot be compiled ({reason})"
                 ) from None
             self.compiled[key] = grammar
-        return RequestGrammar(self.xgr.GrammarMatcher(grammar), self.info.vocab_size)
+        return RequestGrammar(self.xgr.GrammarMatcher(grammar), self.info.vocab_size, spec.after_token)
 
 
 def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "json") -> Any:
@@ -130,18 +134,29 @@ def _xml_call(xgr: Any, name: str, params: dict[str, Any]) -> Any:
 
 
 class RequestGrammar:
-    """One request's place in its grammar."""
+    """One request's place in its grammar; with `after`, the grammar starts once that token has
+    been produced (the tokens up to it are free, and not fed to the matcher)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, after: int | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size  # tokens the grammar knows; later ids are never allowed
+        self.waiting_for = after
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is under the grammar (its mask applies)."""
+        return self.waiting_for is None
 
     def accept(self, token: int) -> bool:
+        if self.waiting_for is not None:
+            if token == self.waiting_for:
+                self.waiting_for = None
+            return True
         return bool(self.matcher.accept_token(token))
 
     @property
     def terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
+        return self.active and bool(self.matcher.is_terminated())
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[RequestGrammar]) -> None:

@@ -77,8 +77,14 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     forced = tool_choice_constraint(req.tool_choice, tools, prompt, params.structured_outputs is not None)
     if forced is not None:  # the reply is one tool call, under a grammar
         params = replace(params, structured_outputs=forced)
+    thinking = ctx.parse_reasoning and prompt_opens_reasoning(prompt)
+    if thinking and params.structured_outputs is not None:
+        # the model reasons freely first; the grammar holds the answer after its </think>
+        params = replace(
+            params, structured_outputs=replace(params.structured_outputs, after_token=ctx.think_end_id)
+        )
     parser = ChatOutputParser(
-        starts_in_reasoning=ctx.parse_reasoning and prompt_opens_reasoning(prompt),
+        starts_in_reasoning=thinking,
         parse_reasoning=ctx.parse_reasoning,
         tools={t.function.name: t.function.parameters or {} for t in tools} if tools else None,
     )

@@ -46,6 +46,8 @@ class ServerContext:
         vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
         # Split <think> sections only for tokenizers that have them (the Qwen family).
         self.parse_reasoning = "<think>" in vocab and "</think>" in vocab
+        # where a prompt opens <think>, structured outputs start after the model's </think>
+        self.think_end_id: int | None = vocab.get("</think>") if self.parse_reasoning else None
         self._prompt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-prompt")
         self.vocab_size = int(self.client.vocab_size or (len(self.tokenizer) if self.tokenizer else 0))
 

@@ -157,6 +157,50 @@ def test_without_xgrammar_or_a_tokenizer_the_error_says_so(llm, monkeypatch):
         Grammars(llm.tokenizer, llm.engine.vocab_size, [])
 
 
+def test_the_grammar_waits_for_the_end_of_reasoning(llm):
+    """`after_token` (the server sets `</think>` when the prompt opened reasoning): the tokens up
+    to it are the model's own (here the random weights' noise), the answer after it satisfies
+    the schema. A bias makes the random model close its reasoning after a few tokens; a grammar
+    applied from the first token would never allow `</think>` and would start with `{`."""
+    end = llm.tokenizer.convert_tokens_to_ids("</think>")
+    spec = StructuredOutputs(json=SCHEMA, after_token=end)
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=96, logit_bias={end: 9.0}, structured_outputs=spec)
+        for s in range(6)
+    ]
+    before = []
+    for out in llm.generate(["Think first."] * 6, params):
+        c = out.outputs[0]
+        assert end in c.token_ids, c.text  # the reasoning ended
+        cut = c.token_ids.index(end)
+        before.append(c.token_ids[:cut])
+        answer = llm.tokenizer.decode(c.token_ids[cut + 1 :], skip_special_tokens=True)
+        check(json.loads(answer))
+        assert c.finish_reason == "stop"  # the grammar's completion ends the request
+    assert max(len(b) for b in before) >= 2  # free tokens before the end, not one forced string
+    assert not all(llm.tokenizer.decode(b).startswith("{") for b in before if b)
+
+
+def test_a_waiting_grammar_feeds_its_matcher_only_after_the_token():
+    from deltaserve.engine.structured import RequestGrammar
+
+    fed = []
+
+    class Matcher:
+        def accept_token(self, t):
+            fed.append(t)
+            return True
+
+        def is_terminated(self):
+            return True
+
+    g = RequestGrammar(Matcher(), 100, after=7)
+    assert not g.active and not g.terminated
+    assert g.accept(3) and g.accept(9) and fed == []
+    assert g.accept(7) and g.active and fed == []  # the token itself belongs to the reasoning
+    assert g.accept(7) and fed == [7] and g.terminated
+
+
 WEATHER = {
     "name": "get_weather",
     "parameters": {

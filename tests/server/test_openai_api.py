@@ -483,6 +483,62 @@ def test_structured_outputs_over_http(client) -> None:
         assert isinstance(json.loads(content), dict)
 
 
+THINKING_TEMPLATE = (  # Qwen3.5's shape: the generation prompt opens <think>, XML tool calls
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "Call as <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n"
+    "</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+def test_structured_output_follows_the_reasoning(spawn_server, tmp_path) -> None:
+    """When the prompt opens <think>, the grammar starts after the model's </think>: the answer
+    (content) is the JSON and the reasoning stays the model's own. (The random model is pushed to
+    close its reasoning by a bias on </think>; a grammar from the first token would forbid that
+    token, and the whole reply would be reasoning with no content.)"""
+    import openai
+
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    server = spawn_server("--max-model-len", "512", "--chat-template", str(template))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    end = httpx.post(
+        f"{server.url}/tokenize", json={"prompt": "</think>", "add_special_tokens": False}
+    ).json()["tokens"]
+    assert len(end) == 1
+    kw = dict(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Think, then answer in JSON."}],
+        max_tokens=120,
+        temperature=1.0,
+        seed=2,
+        n=4,
+        logit_bias={str(end[0]): 9},
+        response_format={"type": "json_object"},
+    )
+    r = client.chat.completions.create(**kw)
+    finished = [c for c in r.choices if c.finish_reason == "stop"]
+    assert finished
+    for c in finished:
+        assert isinstance(json.loads(c.message.content), dict)
+        assert not (c.message.reasoning_content or "").lstrip().startswith("{")
+    stream = client.chat.completions.create(**{**kw, "n": 1, "stream": True})
+    parts = [c.choices[0].delta for c in stream if c.choices]
+    content = "".join(d.content or "" for d in parts)
+    if content:
+        assert content.lstrip().startswith("{")
+    # a forced tool call likewise comes after the reasoning, in the template's XML form
+    forced = {k: v for k, v in kw.items() if k != "response_format"}
+    r = client.chat.completions.create(**forced, tools=TOOLS, tool_choice="required")
+    calls = [c for c in r.choices if c.finish_reason == "tool_calls"]
+    assert calls
+    for c in calls:
+        (call,) = c.message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name in ("get_weather", "get_time") and isinstance(args, dict)
+
+
 TOOLS = [
     {
         "type": "function",
