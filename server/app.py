@@ -30,6 +30,7 @@ from .protocol import (
     ModelList,
     TokenizeRequest,
 )
+from .responses import ResponsesRequest, create_response
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -80,6 +81,10 @@ def build_app(
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(ctx, body, request)
 
     @v1.get("/models")
     async def models() -> ModelList:

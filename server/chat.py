@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -35,6 +35,7 @@ from .sampling import build_sampling_params, fan_out, tool_choice_constraint
 
 if TYPE_CHECKING:
     from deltaserve.engine.outputs import RequestOutput
+    from deltaserve.engine.sampling_params import SamplingParams
 
 
 def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
@@ -52,8 +53,19 @@ def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> Usage:
     )
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
-    model = ctx.resolve_model(req.model)
+@dataclass
+class PreparedChat:
+    """A chat request made ready for the engine: its prompt, sampling parameters (with any
+    grammar for JSON output or a forced tool call) and the parser of its outputs."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    parser: ChatOutputParser
+
+
+async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> PreparedChat:
+    """Render and tokenize the prompt, and build what the engine and the parser need (400s for bad
+    fields). Shared by chat completions and the Responses API."""
     tools = req.tools if req.tools and req.tool_choice != "none" else None
 
     def prepare() -> tuple[str, list[int]]:
@@ -88,6 +100,13 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         parse_reasoning=ctx.parse_reasoning,
         tools={t.function.name: t.function.parameters or {} for t in tools} if tools else None,
     )
+    return PreparedChat(prompt_ids, params, parser)
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
+    model = ctx.resolve_model(req.model)
+    prepared = await prepare_chat(ctx, req)
+    prompt_ids, params, parser = prepared.prompt_ids, prepared.params, prepared.parser
     request_id = random_id("chatcmpl")
     requests = fan_out(request_id, prompt_ids, params, req.n)
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}

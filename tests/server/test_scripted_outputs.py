@@ -200,6 +200,41 @@ def test_qwen35_xml_tool_call_after_prompt_opened_think(serve_script, tmp_path: 
     assert finishes == ["tool_calls"]
 
 
+def test_responses_api_gives_reasoning_and_call_items(serve_script) -> None:
+    """/v1/responses over the same scripted Qwen3.5 output: a reasoning item, then a function_call
+    item with typed arguments; streamed, the events build the same items."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+    )
+    client = serve_script(QWEN35_OUTPUT, chat_template=template)
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    r = client.responses.create(model="scripted", input="Weather in Paris?", tools=tools)
+    kinds = [item.type for item in r.output]
+    assert kinds == ["reasoning", "function_call"] and r.status == "completed"
+    assert r.output[0].content[0].text.startswith("Paris weather, two days.")
+    call = r.output[1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "days": 2}
+    details = r.usage.output_tokens_details
+    assert 5 <= details.reasoning_tokens < r.usage.output_tokens  # the think text's tokens, not the call's
+
+    events = list(
+        client.responses.create(model="scripted", input="Weather in Paris?", tools=tools, stream=True)
+    )
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == r.output[0].content[0].text
+    (args,) = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads(args) == {"city": "Paris", "days": 2}
+    final = events[-1]
+    assert final.type == "response.completed"
+    assert [item.type for item in final.response.output] == ["reasoning", "function_call"]
+    assert final.response.usage.output_tokens_details.reasoning_tokens == details.reasoning_tokens
+    # the reasoning item closes before the call item opens
+    order = [(e.type, getattr(e, "output_index", None)) for e in events]
+    assert order.index(("response.output_item.done", 0)) < order.index(("response.output_item.added", 1))
+
+
 def test_without_tools_the_call_text_stays_content(serve_script) -> None:
     client = serve_script(QWEN3_OUTPUT)
     r = ask(client)

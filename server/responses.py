@@ -1,0 +1,402 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat path.
+
+A request's `instructions` and `input` (a string, or messages, `function_call` and
+`function_call_output` items) become chat messages; its function tools, `tool_choice` and
+`text.format` become the chat request's tools, tool choice and response format; then it runs as
+a chat completion does (`chat.prepare_chat`), and the output is given back as Responses items: a
+`reasoning` item (the `<think>` section), a `message` with `output_text`, and one
+`function_call` per tool call. Streams send the Responses events (`response.created`, the items'
+`added` / delta / `done` events, `response.completed`). Nothing is stored: `previous_response_id`
+is refused, and a conversation is continued by sending it whole.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .chat import PreparedChat, prepare_chat
+from .chat_output import ChatStreamState, tool_call_id
+from .context import ClientDisconnected, ServerContext
+from .engine_client import ShuttingDownError
+from .errors import APIError, bad_request, error_body
+from .protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, OpenAIModel, ToolDefinition
+
+# chat fields named otherwise here, for error messages that name the field the client sent
+_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+
+
+class ResponsesRequest(OpenAIModel):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # beyond OpenAI's fields, as vLLM accepts them
+    seed: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content: a string, or parts of which only text ones are supported."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of content parts", "input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise bad_request(
+                f"{where}: content parts of type {kind!r} are not supported (text only)", "input"
+            )
+        texts.append(str(part.get("text") or ""))
+    return "".join(texts)
+
+
+def to_messages(req: ResponsesRequest) -> list[ChatMessage]:
+    messages: list[ChatMessage] = []
+    if req.instructions:
+        messages.append(ChatMessage(role="system", content=req.instructions))
+    if isinstance(req.input, str):
+        messages.append(ChatMessage(role="user", content=req.input))
+        return messages
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"{where}.role must be user, system, developer or assistant", "input")
+            messages.append(ChatMessage(role=role, content=_text_of(item.get("content"), where)))
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id") or tool_call_id(),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant" and last.tool_calls is not None:
+                last.tool_calls.append(call)  # parallel calls of one turn
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else json.dumps(output)
+            messages.append(ChatMessage(role="tool", tool_call_id=item.get("call_id"), content=text))
+        elif kind == "reasoning":
+            continue  # earlier turns' reasoning: chat templates drop it from history too
+        else:
+            raise bad_request(f"{where}: input items of type {kind!r} are not supported", "input")
+    if not messages:
+        raise bad_request("input has no messages", "input")
+    return messages
+
+
+def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    if req.previous_response_id is not None:
+        raise bad_request(
+            "this server does not store responses: send the whole conversation in input instead of "
+            "previous_response_id",
+            "previous_response_id",
+        )
+    tools = None
+    if req.tools:
+        tools = []
+        for t in req.tools:
+            if t.get("type") != "function" or not t.get("name"):
+                raise bad_request(
+                    f"only function tools ({{'type': 'function', 'name': ...}}) are supported, got {t.get('type')!r}",
+                    "tools",
+                )
+            tools.append(
+                ToolDefinition(
+                    function=FunctionDefinition(
+                        name=t["name"], description=t.get("description"), parameters=t.get("parameters")
+                    )
+                )
+            )
+    choice: str | dict[str, Any] | None = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not choice.get("name"):
+            raise bad_request("a named tool_choice is {'type': 'function', 'name': ...}", "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    fmt = (req.text or {}).get("format")
+    response_format = None
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise bad_request("text.format must be an object", "text.format")
+        if fmt.get("type") == "json_schema":
+            spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+            response_format = {"type": "json_schema", "json_schema": spec}
+        else:
+            response_format = fmt
+    return ChatCompletionRequest(
+        model=req.model,
+        messages=to_messages(req),
+        max_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        tools=tools,
+        tool_choice=choice,
+        response_format=response_format,
+    )
+
+
+def _usage(prompt_tokens: int, output_tokens: int, cached: int, reasoning_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": min(cached, prompt_tokens)},
+        "output_tokens": output_tokens,
+        # the reasoning text's tokens, counted again (a token that spans </think> is not split)
+        "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output_tokens)},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+class _Shell:
+    """The response object's fields that do not depend on the output."""
+
+    def __init__(self, req: ResponsesRequest, model: str) -> None:
+        self.id = _item_id("resp")
+        self.created = int(time.time())
+        self.req = req
+        self.model = model
+
+    def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        req = self.req
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "store": False,
+            "temperature": req.temperature,
+            "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto",
+            "tools": req.tools or [],
+            "top_p": req.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
+def _message_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def _call_item(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": _item_id("fc"),
+        "call_id": call_id or tool_call_id(),
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
+
+
+async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request) -> Response:
+    model = ctx.resolve_model(req.model)
+    try:
+        prepared = await prepare_chat(ctx, to_chat_request(req))
+    except APIError as exc:  # name the field as this API calls it
+        if exc.param in _PARAMS:
+            exc.message = exc.message.replace(exc.param, _PARAMS[exc.param])
+            exc.param = _PARAMS[exc.param]
+        raise
+    shell = _Shell(req, model)
+    group = await ctx.submit([(shell.id, prepared.prompt_ids, prepared.params)])
+    if req.stream:
+        return StreamingResponse(
+            ctx.guarded(group, _stream(ctx, group, prepared, shell)), media_type="text/event-stream"
+        )
+    try:
+        final = (await ctx.collect(group, raw))[shell.id]
+    except ClientDisconnected:
+        return Response(status_code=499)
+    completion = final.outputs[0]
+    parsed = prepared.parser.parse(completion.text, final=True)
+    output: list[dict[str, Any]] = []
+    if parsed.reasoning:
+        output.append(_reasoning_item(_item_id("rs"), parsed.reasoning))
+    if parsed.content or not parsed.tool_calls:
+        output.append(_message_item(_item_id("msg"), parsed.content))
+    output.extend(_call_item(c.name, c.arguments) for c in parsed.tool_calls)
+    status = "incomplete" if completion.finish_reason == "length" else "completed"
+    reasoning_tokens = len(ctx.encode(parsed.reasoning)) if parsed.reasoning else 0
+    usage = _usage(len(prepared.prompt_ids), completion.num_tokens, final.num_cached_tokens, reasoning_tokens)
+    return JSONResponse(shell.body(status, output, usage))
+
+
+def _event(kind: str, seq: int, **fields: Any) -> str:
+    payload = {"type": kind, "sequence_number": seq, **fields}
+    return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _Events:
+    """Numbered Responses events and the output items they build, opened as their text arrives."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, int] = {}  # "reasoning" / "message" -> its item's index, while open
+
+    def emit(self, kind: str, **fields: Any) -> str:
+        event = _event(kind, self.seq, **fields)
+        self.seq += 1
+        return event
+
+    def text(self, kind: str, piece: str) -> list[str]:
+        """A piece of reasoning or message text: opens its item (closing the other) and sends a delta."""
+        events = self.close("message" if kind == "reasoning" else "reasoning")
+        index = self.open.get(kind)
+        if index is None:
+            if kind == "reasoning":
+                item = _reasoning_item(_item_id("rs"), "", "in_progress")
+            else:
+                item = _message_item(_item_id("msg"), "", "in_progress")
+            self.output.append(item)
+            index = self.open[kind] = len(self.output) - 1
+            events.append(self.emit("response.output_item.added", output_index=index, item=_empty(item)))
+            part = item["content"][0]
+            events.append(
+                self.emit(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part={**part, "text": ""},
+                )
+            )
+        item = self.output[index]
+        item["content"][0]["text"] += piece
+        delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        events.append(self.emit(delta, item_id=item["id"], output_index=index, content_index=0, delta=piece))
+        return events
+
+    def close(self, kind: str) -> list[str]:
+        index = self.open.pop(kind, None)
+        if index is None:
+            return []
+        item = self.output[index]
+        part = item["content"][0]
+        done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
+        item["status"] = "completed"
+        return [
+            self.emit(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"]),
+            self.emit(
+                "response.content_part.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            ),
+            self.emit("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def reasoning_text(self) -> str:
+        return "".join(i["content"][0]["text"] for i in self.output if i["type"] == "reasoning")
+
+    def call(self, name: str, arguments: str) -> list[str]:
+        events = self.close("reasoning") + self.close("message")
+        item = _call_item(name, arguments)
+        self.output.append(item)
+        index = len(self.output) - 1
+        ref = {"item_id": item["id"], "output_index": index}
+        return events + [
+            self.emit("response.output_item.added", output_index=index, item={**item, "arguments": ""}),
+            self.emit("response.function_call_arguments.delta", **ref, delta=arguments),
+            self.emit("response.function_call_arguments.done", **ref, arguments=arguments),
+            self.emit("response.output_item.done", output_index=index, item=item),
+        ]
+
+
+def _empty(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as first announced: its content parts not yet there."""
+    return {**item, "content": []}
+
+
+async def _stream(
+    ctx: ServerContext, group: Any, prepared: PreparedChat, shell: _Shell
+) -> AsyncIterator[str]:
+    events = _Events()
+    yield events.emit("response.created", response=shell.body("in_progress", [], None))
+    yield events.emit("response.in_progress", response=shell.body("in_progress", [], None))
+    state = ChatStreamState(prepared.parser)
+    reason, tokens, cached = None, 0, 0
+    try:
+        async for outputs in group:
+            for out in outputs:
+                completion = out.outputs[0]
+                tokens, cached = completion.num_tokens, out.num_cached_tokens
+                reasoning, content, calls = state.feed(completion.text, final=completion.finished)
+                if reasoning:
+                    for e in events.text("reasoning", reasoning):
+                        yield e
+                if content:
+                    for e in events.text("message", content):
+                        yield e
+                for call in calls:
+                    for e in events.call(call.function.name or "", call.function.arguments or "{}"):
+                        yield e
+                reason = completion.finish_reason or reason
+    except Exception as exc:  # the engine failed or the server is draining: say so in-band
+        code = 503 if isinstance(exc, ShuttingDownError) else 500
+        body = error_body(code, str(exc) or type(exc).__name__)["error"]
+        yield events.emit("error", code=body["type"], message=body["message"], param=None)
+        return
+    for kind in ("reasoning", "message"):
+        for e in events.close(kind):
+            yield e
+    if not events.output:  # no text at all: an empty message, as the non-streamed reply has
+        for e in events.text("message", "") + events.close("message"):
+            yield e
+    status = "incomplete" if reason == "length" else "completed"
+    thought = events.reasoning_text()
+    usage = _usage(len(prepared.prompt_ids), tokens, cached, len(ctx.encode(thought)) if thought else 0)
+    done = "response.incomplete" if status == "incomplete" else "response.completed"
+    yield events.emit(done, response=shell.body(status, events.output, usage))

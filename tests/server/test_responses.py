@@ -1,0 +1,177 @@
+"""The Responses API (/v1/responses) through the official client against a real server on the
+built-in model: the same prompt and tokens as the chat endpoint, conversation items, forced
+function calls, JSON output, streamed events that add up to the final response, and 400s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_text_response_matches_the_chat_endpoint(client) -> None:
+    """A greedy response has the tokens of the same chat completion (one prompt, one template)."""
+    r = client.responses.create(
+        model=MODEL_NAME, instructions="Be brief.", input="Hello there", max_output_tokens=12, temperature=0
+    )
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert r.object == "response" and r.model == MODEL_NAME
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.output_text == (chat.choices[0].message.content or "")
+    stopped = chat.choices[0].finish_reason == "stop"
+    assert r.status == ("completed" if stopped else "incomplete")
+    if not stopped:
+        assert r.incomplete_details.reason == "max_output_tokens"
+    (message,) = [item for item in r.output if item.type == "message"]
+    assert message.role == "assistant" and message.content[0].type == "output_text"
+
+
+def test_conversation_items_render_as_chat_messages(client) -> None:
+    """Messages, a function call and its output in `input` make the prompt the same chat
+    messages make (equal token counts and greedy tokens)."""
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C, sunny"},
+        {"type": "message", "role": "user", "content": "And tomorrow?"},
+    ]
+    r = client.responses.create(
+        model=MODEL_NAME, input=items, tools=[WEATHER], max_output_tokens=10, temperature=0
+    )
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=tools, max_tokens=10, temperature=0
+    )
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+
+
+def test_forced_function_call_and_json_output(client) -> None:
+    r = client.responses.create(
+        model=MODEL_NAME,
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=60,
+        temperature=1.0,
+        extra_body={"seed": 3},
+    )
+    calls = [item for item in r.output if item.type == "function_call"]
+    if r.status == "completed":
+        (call,) = calls
+        args = json.loads(call.arguments)
+        assert call.name == "get_weather" and call.call_id and set(args) == {"city", "unit"}
+        assert args["unit"] in ("C", "F")
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    r = client.responses.create(
+        model=MODEL_NAME,
+        input="JSON please",
+        text={"format": {"type": "json_schema", "name": "v", "schema": schema, "strict": True}},
+        max_output_tokens=40,
+        temperature=0,
+    )
+    assert r.status == "completed"
+    value = json.loads(r.output_text)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool)
+
+
+def test_stream_events_add_up_to_the_response(client) -> None:
+    kw = dict(model=MODEL_NAME, input="Count with me", max_output_tokens=16, temperature=0)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.status == whole.status
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    done = [e for e in events if e.type == "response.output_text.done"]
+    assert [e.text for e in done] == [whole.output_text]
+    added = kinds.index("response.output_item.added")
+    assert added < kinds.index("response.output_text.delta") < kinds.index("response.output_item.done")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "v"}}}, None),
+        ({"input": [{"type": "computer_call"}]}, "input"),
+        ({"input": []}, "input"),
+    ],
+)
+def test_bad_requests_are_400s(base_url: str, body: dict, param: str | None) -> None:
+    r = httpx.post(f"{base_url}/responses", json={"model": MODEL_NAME, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if param == "max_output_tokens":
+        assert "max_output_tokens" in err["message"]
+
+
+def test_a_bad_request_admits_nothing(client, base_url: str, read_metrics) -> None:
+    url = base_url.removesuffix("/v1")
+
+    def finished() -> float:
+        return sum(v for k, v in read_metrics(url).items() if k.startswith("deltaserve_requests_total"))
+
+    before = finished()
+    r = httpx.post(f"{base_url}/responses", json={"input": "hi", "previous_response_id": "r"}, timeout=30)
+    assert r.status_code == 400 and finished() == before  # refused before reaching the engine
+    assert client.responses.create(model=MODEL_NAME, input="still fine", max_output_tokens=2).usage
+    assert finished() == before + 1
