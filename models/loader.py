@@ -123,6 +123,10 @@ def load_tokenizer(path: str) -> Any | None:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
     if not any(os.path.isfile(os.path.join(path, n)) for n in names):
         return None
+    from deltaserve.models.tiktoken_tokenizer import is_tiktoken_folder, load_tiktoken_tokenizer
+
+    if is_tiktoken_folder(path):  # Kimi-Linear's: a tiktoken file and remote code, read natively
+        return load_tiktoken_tokenizer(path)
     from transformers import AutoTokenizer
 
     try:
