@@ -37,7 +37,8 @@ def read_config(path: str) -> tuple[Any, str]:
         raise ValueError(f"{cfg_file} names no architectures")
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path), archs[0]
+    # never remote code (and no interactive "run the custom code?" prompt in a server)
+    return AutoConfig.from_pretrained(path, trust_remote_code=False), archs[0]
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -130,7 +131,7 @@ def load_tokenizer(path: str) -> Any | None:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as e:  # a remote-code tokenizer we cannot run offline, for example
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             from transformers import PreTrainedTokenizerFast
