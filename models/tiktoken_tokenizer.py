@@ -33,6 +33,19 @@ KIMI_PATTERN = "|".join(
     ]
 )
 NUM_SPECIAL = 256 + 2  # reserved ids after the base vocabulary (the remote code's count)
+# tool-call markers: kept in decoded text (not "special" here, unlike the remote code, whose
+# users turn skip_special_tokens off for tools), so that the server can read the calls
+TOOL_MARKERS = frozenset(
+    {
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_section_begin|>",
+        "<|tool_call_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    }
+)
 
 
 def is_tiktoken_folder(path: str) -> bool:
@@ -77,7 +90,11 @@ def load_tiktoken_tokenizer(path: str) -> Any:
 
     tok = Converter(vocab_file="", pattern=KIMI_PATTERN).converted()
     # special tokens take the ids after the base vocabulary, in order
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    for s in specials:  # one at a time: each takes the next id
+        if s in TOOL_MARKERS:
+            tok.add_tokens([AddedToken(s, special=False, normalized=False)])
+        else:
+            tok.add_special_tokens([AddedToken(s, special=True, normalized=False)])
     for i, s in enumerate(specials):
         if tok.token_to_id(s) != base + i:
             raise ValueError(f"{path}: special token {s!r} did not land on id {base + i}")

@@ -99,6 +99,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
         starts_in_reasoning=thinking,
         parse_reasoning=ctx.parse_reasoning,
         tools={t.function.name: t.function.parameters or {} for t in tools} if tools else None,
+        tool_format=ctx.tool_format,
     )
     return PreparedChat(prompt_ids, params, parser)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from .protocol import DeltaToolCall, ToolCall, ToolCallFunction
 from .reasoning import ReasoningStream, split_reasoning
-from .tool_calls import ParsedToolCall, ToolCallStream, extract_tool_calls
+from .tool_calls import ParsedToolCall, ToolCallFormat, ToolCallStream, extract_tool_calls
 
 
 @dataclass
@@ -26,6 +26,7 @@ class ChatOutputParser:
     starts_in_reasoning: bool = False
     parse_reasoning: bool = True
     tools: dict[str, dict[str, Any]] | None = None
+    tool_format: ToolCallFormat | None = None  # the model family's call markup (Qwen's by default)
 
     def parse(self, text: str, final: bool) -> ParsedChat:
         reasoning, content = (
@@ -33,7 +34,7 @@ class ChatOutputParser:
         )
         calls: list[ParsedToolCall] = []
         if self.tools is not None:
-            content, calls = extract_tool_calls(content, self.tools, final)
+            content, calls = extract_tool_calls(content, self.tools, final, self.tool_format)
         return ParsedChat(reasoning, content, calls)
 
 
@@ -55,7 +56,7 @@ class ChatStreamState:
 
     def __init__(self, parser: ChatOutputParser) -> None:
         self.reasoning = ReasoningStream(parser.starts_in_reasoning, parser.parse_reasoning)
-        self.tools = ToolCallStream(parser.tools) if parser.tools is not None else None
+        self.tools = ToolCallStream(parser.tools, parser.tool_format) if parser.tools is not None else None
         self.calls_sent = 0
 
     def feed(self, piece: str, final: bool) -> tuple[str | None, str | None, list[DeltaToolCall]]:

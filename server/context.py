@@ -18,6 +18,7 @@ from .engine_client import EngineClient, QueueFullError, RequestGroup
 from .errors import APIError, bad_request
 from .logprobs import TokenText
 from .metrics import Metrics
+from .tool_calls import tool_call_format
 
 if TYPE_CHECKING:
     from deltaserve.engine.outputs import RequestOutput
@@ -48,6 +49,7 @@ class ServerContext:
         self.parse_reasoning = "<think>" in vocab and "</think>" in vocab
         # where a prompt opens <think>, structured outputs start after the model's </think>
         self.think_end_id: int | None = vocab.get("</think>") if self.parse_reasoning else None
+        self.tool_format = tool_call_format(vocab)  # Qwen's <tool_call> or Kimi's markers
         self._prompt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-prompt")
         self.vocab_size = int(self.client.vocab_size or (len(self.tokenizer) if self.tokenizer else 0))
 

@@ -2,6 +2,9 @@
 
 Two forms exist: Qwen3's JSON body, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, and
 Qwen3.5's XML body, `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`.
+Kimi's form (`KIMI`) wraps calls in a section, `<|tool_calls_section_begin|>`, then per call
+`<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>`, then
+`<|tool_calls_section_end|>`: the calls parse the same way, the section markers are dropped.
 As in reasoning.py, parsing a growing text with `final=False` holds back every unfinished call, so
 content and the list of calls only ever grow; `ToolCallStream` gives the same result for a text fed
 in pieces, reading each piece once (each call's body is parsed once, when its end tag arrives).
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,34 +33,58 @@ class ParsedToolCall:
     arguments: str  # a JSON object, as OpenAI sends it
 
 
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """A model family's tool-call markup: each call between `start` and `end`, its body read by
+    `parse`; `drop` are markers around calls that are neither content nor calls (each one
+    token, so they never arrive split)."""
+
+    start: str
+    end: str
+    parse: Callable[[str, dict[str, dict[str, Any]]], ParsedToolCall | None]
+    drop: tuple[str, ...] = ()
+
+    def without_markers(self, text: str, final: bool) -> tuple[str, str]:
+        """(`text` without the markers, held back): unless final, a trailing partial marker is
+        held back, to be read with what follows."""
+        hold = 0 if final else max((partial_tag_len(text, m) for m in self.drop), default=0)
+        text, held = text[: len(text) - hold], text[len(text) - hold :]
+        for marker in self.drop:
+            text = text.replace(marker, "")
+        return text, held
+
+
 def extract_tool_calls(
-    text: str, tools: dict[str, dict[str, Any]], final: bool
+    text: str, tools: dict[str, dict[str, Any]], final: bool, fmt: ToolCallFormat | None = None
 ) -> tuple[str, list[ParsedToolCall]]:
     """Return (content outside the calls, calls). `tools` maps function name to its JSON schema,
-    used to give XML parameter values their declared types."""
+    used to give XML parameter values their declared types. `fmt`: Qwen's form by default."""
+    fmt = fmt or QWEN
+    text, _ = fmt.without_markers(text, final)
+    open_tag, close_tag = fmt.start, fmt.end
     parts: list[str] = []
     calls: list[ParsedToolCall] = []
     pos = 0
     while True:
-        start = text.find(TOOL_START, pos)
+        start = text.find(open_tag, pos)
         if start < 0:
             tail = text[pos:]
-            parts.append(tail if final else tail[: len(tail) - partial_tag_len(tail, TOOL_START)])
+            parts.append(tail if final else tail[: len(tail) - partial_tag_len(tail, open_tag)])
             break
         parts.append(text[pos:start])
-        end = text.find(TOOL_END, start)
+        end = text.find(close_tag, start)
         body_end = len(text) if end < 0 else end
         if end < 0 and not final:
             break  # an unfinished call: hold it back
-        call = parse_tool_call_body(text[start + len(TOOL_START) : body_end], tools)
-        raw = text[start : body_end + (0 if end < 0 else len(TOOL_END))]
+        call = fmt.parse(text[start + len(open_tag) : body_end], tools)
+        raw = text[start : body_end + (0 if end < 0 else len(close_tag))]
         if call is not None:
             calls.append(call)
         else:
             parts.append(raw)  # not a call after all: show it
         if end < 0:
             break
-        pos = end + len(TOOL_END)
+        pos = end + len(close_tag)
     # Whitespace around calls is formatting; trailing whitespace is held back until it is inner.
     return "".join(parts).strip(), calls
 
@@ -65,8 +93,10 @@ class ToolCallStream:
     """`extract_tool_calls` over a content text fed in pieces: `feed` returns the content that a
     piece adds and the calls it completes."""
 
-    def __init__(self, tools: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, tools: dict[str, dict[str, Any]], fmt: ToolCallFormat | None = None) -> None:
         self.tools = tools
+        self.fmt = fmt or QWEN
+        self.held = ""  # a partial section marker (Kimi), read with the next piece
         self.buf = ""  # unread text: a partial <tool_call>, or an unfinished call from its tag on
         self.in_call = False
         self.search_from = 0  # where </tool_call> may still start in an unfinished call
@@ -74,26 +104,29 @@ class ToolCallStream:
         self.trailing = ""  # whitespace held until content follows it (strip() drops it at the end)
 
     def feed(self, piece: str, final: bool) -> tuple[str, list[ParsedToolCall]]:
-        buf = self.buf + piece
+        fmt = self.fmt
+        open_tag, close_tag = fmt.start, fmt.end
+        text, self.held = fmt.without_markers(self.held + piece, final)
+        buf = self.buf + text
         parts: list[str] = []
         calls: list[ParsedToolCall] = []
         while True:
             if not self.in_call:
-                start = buf.find(TOOL_START)
+                start = buf.find(open_tag)
                 if start < 0:
-                    keep = 0 if final else partial_tag_len(buf, TOOL_START)
+                    keep = 0 if final else partial_tag_len(buf, open_tag)
                     parts.append(buf[: len(buf) - keep])
                     buf = buf[len(buf) - keep :]
                     break
                 parts.append(buf[:start])
-                buf, self.in_call, self.search_from = buf[start:], True, len(TOOL_START)
-            end = buf.find(TOOL_END, self.search_from)
+                buf, self.in_call, self.search_from = buf[start:], True, len(open_tag)
+            end = buf.find(close_tag, self.search_from)
             if end < 0 and not final:
-                self.search_from = max(len(TOOL_START), len(buf) - len(TOOL_END) + 1)
+                self.search_from = max(len(open_tag), len(buf) - len(close_tag) + 1)
                 break  # an unfinished call: hold it back
             body_end = len(buf) if end < 0 else end
-            raw_end = len(buf) if end < 0 else end + len(TOOL_END)
-            call = parse_tool_call_body(buf[len(TOOL_START) : body_end], self.tools)
+            raw_end = len(buf) if end < 0 else end + len(close_tag)
+            call = fmt.parse(buf[len(open_tag) : body_end], self.tools)
             if call is not None:
                 calls.append(call)
             else:
@@ -160,3 +193,42 @@ def _typed(value: str, schema_type: Any) -> Any:
         return json.loads(value)
     except (ValueError, KeyError):
         return value
+
+
+def parse_kimi_call_body(body: str, tools: dict[str, dict[str, Any]]) -> ParsedToolCall | None:
+    """`functions.NAME:IDX<|tool_call_argument_begin|>{JSON}` (Kimi's call id names the function
+    and its index in the turn); None when it is not that."""
+    head, sep, args = body.partition("<|tool_call_argument_begin|>")
+    if not sep:
+        return None
+    name = head.strip()
+    name = name.removeprefix("functions.")
+    stem, colon, index = name.rpartition(":")
+    if colon and index.isdigit():
+        name = stem
+    try:
+        obj = json.loads(args)
+    except json.JSONDecodeError:
+        return None
+    if not name or not isinstance(obj, dict):
+        return None
+    return ParsedToolCall(name, json.dumps(obj, ensure_ascii=False))
+
+
+QWEN = ToolCallFormat(TOOL_START, TOOL_END, parse_tool_call_body)
+KIMI = ToolCallFormat(
+    "<|tool_call_begin|>",
+    "<|tool_call_end|>",
+    parse_kimi_call_body,
+    drop=(
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_section_begin|>",
+        "<|tool_call_section_end|>",
+    ),
+)
+
+
+def tool_call_format(vocab: dict[str, int]) -> ToolCallFormat:
+    """Kimi's markup where the tokenizer has its markers, else Qwen's."""
+    return KIMI if "<|tool_call_begin|>" in vocab and "<|tool_call_argument_begin|>" in vocab else QWEN

@@ -266,3 +266,79 @@ def tokenized_checkpoint(tmp_path_factory) -> str:
     for name in os.listdir(src):
         shutil.copy(os.path.join(src, name), path)
     return path
+
+
+# a toy Kimi-Linear tokenizer (tiktoken.model + tokenizer_config.json), for models/tiktoken_tokenizer.py
+KIMI_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. It's 2026 and we're testing 12345 tokens!\n\n"
+    "中国的首都是北京。 Tokenizers split CamelCase words like HTTPServer and naïve café.\n"
+    "  indented   spaces\tand tabs\r\n"
+)
+KIMI_SPECIALS = {
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|im_end|>",
+    3: "<|im_user|>",
+    4: "<|im_assistant|>",
+    6: "<|im_system|>",
+    7: "<|im_middle|>",
+    11: "<|tool_calls_section_begin|>",
+    12: "<|tool_calls_section_end|>",
+    13: "<|tool_call_begin|>",
+    14: "<|tool_call_argument_begin|>",
+    15: "<|tool_call_end|>",
+}
+KIMI_TEMPLATE = (
+    "{% for m in messages %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+
+
+def toy_tiktoken_ranks(merges: int = 300) -> dict[bytes, int]:
+    """Every byte, then the most frequent adjacent pairs of a small corpus, merged greedily
+    (a real BPE training run in miniature, so that merges nest as in a released vocabulary)."""
+    ranks = {bytes([b]): b for b in range(256)}
+    words = [[bytes([b]) for b in w.encode()] for w in KIMI_CORPUS.split(" ")] * 3
+    for _ in range(merges):
+        counts: dict[tuple[bytes, bytes], int] = {}
+        for w in words:
+            for a, b in zip(w, w[1:]):
+                counts[(a, b)] = counts.get((a, b), 0) + 1
+        if not counts:
+            break
+        (a, b), _ = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+        ranks.setdefault(a + b, len(ranks))
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if w[i] == a and w[i + 1] == b:
+                    w[i : i + 2] = [a + b]
+                i += 1
+    return ranks
+
+
+@pytest.fixture(scope="session")
+def kimi_tokenizer_folder(tmp_path_factory):
+    """A toy Kimi-style tokenizer folder (`tiktoken.model`, `tokenizer_config.json` with special
+    tokens and a chat template): (path, ranks, {offset after the base vocabulary: name}, the
+    corpus its merges were learnt from)."""
+    import base64
+
+    path = tmp_path_factory.mktemp("kimi_tok")
+    ranks = toy_tiktoken_ranks()
+    with open(path / "tiktoken.model", "w") as f:
+        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
+    base = len(ranks)
+    config = {
+        "added_tokens_decoder": {
+            str(base + i): {"content": s, "special": True} for i, s in KIMI_SPECIALS.items()
+        },
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "chat_template": KIMI_TEMPLATE,
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(path), ranks, dict(KIMI_SPECIALS), KIMI_CORPUS

@@ -10,7 +10,7 @@ import pytest
 
 from deltaserve.server.chat_output import ChatOutputParser, ChatStreamState
 from deltaserve.server.reasoning import prompt_opens_reasoning, split_reasoning
-from deltaserve.server.tool_calls import extract_tool_calls
+from deltaserve.server.tool_calls import KIMI, QWEN, extract_tool_calls, tool_call_format
 
 WEATHER_TOOLS = {
     "get_weather": {
@@ -196,3 +196,66 @@ def test_incremental_parsers_match_whole_prefix_parsing(seed: int) -> None:
                 for parse_reasoning in (True, False):
                     parser = ChatOutputParser(starts_inside, parse_reasoning, tools)
                     stream(parser, text, cuts)
+
+
+KIMI_TWO_TOOLS = (
+    "Checking both cities.<|tool_calls_section_begin|>"
+    '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": 2}'
+    "<|tool_call_end|>"
+    '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Zürich"}<|tool_call_end|>'
+    "<|tool_calls_section_end|>"
+)
+
+
+def test_kimi_tool_calls() -> None:
+    """Kimi's markup: the calls' names without `functions.` and the index, JSON arguments, the
+    section markers neither content nor calls; a broken call stays content."""
+    content, calls = extract_tool_calls(KIMI_TWO_TOOLS, WEATHER_TOOLS, final=True, fmt=KIMI)
+    assert content == "Checking both cities."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("get_weather", {"city": "Zürich"}),
+    ]
+    broken = "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{oops<|tool_call_end|>"
+    content, calls = extract_tool_calls(broken, WEATHER_TOOLS, final=True, fmt=KIMI)
+    assert calls == [] and content == broken
+    # Qwen's parser leaves Kimi's markup alone, and the other way round
+    assert extract_tool_calls(KIMI_TWO_TOOLS, WEATHER_TOOLS, final=True)[1] == []
+    assert extract_tool_calls(QWEN3_TWO_TOOLS, WEATHER_TOOLS, final=True, fmt=KIMI)[1] == []
+
+
+def test_tool_call_format_follows_the_vocabulary() -> None:
+    assert tool_call_format({"<tool_call>": 1}) is QWEN
+    assert tool_call_format({"<|tool_call_begin|>": 5, "<|tool_call_argument_begin|>": 6}) is KIMI
+
+
+KIMI_FRAGMENTS = [
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_end|>",
+    "functions.get_weather:0<|tool_call_argument_begin|>",
+    '{"city": "Paris"}',
+    "{broken",
+    "<|tool_call_be",
+    "Answer: 42. ",
+    "\n",
+    "  ",
+    "é",
+]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kimi_stream_matches_whole_prefix_parsing(seed: int) -> None:
+    """As for Qwen's markup: random texts of Kimi's markers (whole, as the tokenizer emits them,
+    and cut by the random piece boundaries), calls well-formed and not."""
+    import random
+
+    rng = random.Random(seed)
+    parser = ChatOutputParser(False, False, WEATHER_TOOLS, KIMI)
+    for _ in range(80):
+        text = "".join(rng.choice(KIMI_FRAGMENTS) for _ in range(rng.randint(1, 12)))
+        cuts = sorted({rng.randint(1, len(text)) for _ in range(rng.randint(1, 6))} | {len(text)})
+        stream(parser, text, cuts)
+    reasoning, content, calls = stream(parser, KIMI_TWO_TOOLS)
+    assert content == "Checking both cities." and [c[1]["city"] for c in calls] == ["Paris", "Zürich"]

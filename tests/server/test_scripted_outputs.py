@@ -107,12 +107,12 @@ def serve_script(tokenizer) -> Iterator:
 
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def serve(script: str, chat_template: str | None = None) -> openai.OpenAI:
+    def serve(script: str, chat_template: str | None = None, tok=None) -> openai.OpenAI:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         app = build_app(
-            EngineClient(ScriptedEngine(tokenizer, script)),
+            EngineClient(ScriptedEngine(tok or tokenizer, script)),
             model_names=["scripted"],
             chat_template=chat_template,
         )
@@ -233,6 +233,32 @@ def test_responses_api_gives_reasoning_and_call_items(serve_script) -> None:
     # the reasoning item closes before the call item opens
     order = [(e.type, getattr(e, "output_index", None)) for e in events]
     assert order.index(("response.output_item.done", 0)) < order.index(("response.output_item.added", 1))
+
+
+def test_kimi_tool_calls_over_http(serve_script, kimi_tokenizer_folder) -> None:
+    """A Kimi-style tokenizer (its markers in the vocabulary) makes the server read Kimi's call
+    markup: chat completions and the Responses API, whole and streamed."""
+    from deltaserve.models.tiktoken_tokenizer import load_tiktoken_tokenizer
+
+    tok = load_tiktoken_tokenizer(kimi_tokenizer_folder[0])
+    script = (
+        "Let me look.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
+    )
+    client = serve_script(script, tok=tok)
+    r = ask(client, tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    _, content, calls, finishes = collect_stream(client, tools=TOOLS)
+    assert content == "Let me look." and finishes == ["tool_calls"]
+    assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris", "days": 2}]
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    resp = client.responses.create(model="scripted", input="Weather?", tools=tools)
+    assert [item.type for item in resp.output] == ["message", "function_call"]
+    assert resp.output_text == "Let me look." and resp.output[1].name == "get_weather"
 
 
 def test_without_tools_the_call_text_stays_content(serve_script) -> None:
