@@ -30,7 +30,7 @@ from .protocol import (
     ModelList,
     TokenizeRequest,
 )
-from .responses import ResponsesRequest, create_response
+from .responses import ResponsesRequest, ResponseStore, create_response
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -82,9 +82,24 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
 
+    stored = ResponseStore()
+
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        return await create_response(ctx, body, request)
+        return await create_response(ctx, body, request, stored)
+
+    @v1.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        entry = stored.get(response_id)
+        if entry is None:
+            raise APIError(404, f"no response {response_id!r} is stored", "response_id", "not_found")
+        return JSONResponse(entry.body)
+
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        if not stored.delete(response_id):
+            raise APIError(404, f"no response {response_id!r} is stored", "response_id", "not_found")
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @v1.get("/models")
     async def models() -> ModelList:

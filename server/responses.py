@@ -6,16 +6,21 @@ A request's `instructions` and `input` (a string, or messages, `function_call` a
 a chat completion does (`chat.prepare_chat`), and the output is given back as Responses items: a
 `reasoning` item (the `<think>` section), a `message` with `output_text`, and one
 `function_call` per tool call. Streams send the Responses events (`response.created`, the items'
-`added` / delta / `done` events, `response.completed`). Nothing is stored: `previous_response_id`
-is refused, and a conversation is continued by sending it whole.
+`added` / delta / `done` events, `response.completed`). Responses are kept in memory (the last
+`STORE_SIZE`, unless the request says `store: false`): `previous_response_id` continues one (its
+input and output items come before the new input), `GET` / `DELETE /v1/responses/{id}` read and
+drop one. A restart forgets them all.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -47,7 +52,7 @@ class ResponsesRequest(OpenAIModel):
     text: dict[str, Any] | None = None
     stream: bool = False
     previous_response_id: str | None = None
-    store: bool | None = None
+    store: bool = True  # kept for previous_response_id and GET (OpenAI's default)
     metadata: dict[str, Any] | None = None
     user: str | None = None
 
@@ -73,14 +78,52 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def to_messages(req: ResponsesRequest) -> list[ChatMessage]:
-    messages: list[ChatMessage] = []
-    if req.instructions:
-        messages.append(ChatMessage(role="system", content=req.instructions))
+STORE_SIZE = 1024  # responses kept for previous_response_id and GET
+
+
+@dataclass
+class StoredResponse:
+    items: list[dict[str, Any]]  # the conversation: every input item, then the output items
+    body: dict[str, Any]
+
+
+class ResponseStore:
+    """The last `size` responses, in memory (least recently stored or used dropped first)."""
+
+    def __init__(self, size: int = STORE_SIZE) -> None:
+        self.size = size
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        with self._lock:
+            self._entries[response_id] = entry
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            entry = self._entries.get(response_id)
+            if entry is not None:
+                self._entries.move_to_end(response_id)
+            return entry
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._entries.pop(response_id, None) is not None
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(req.input, str):
-        messages.append(ChatMessage(role="user", content=req.input))
-        return messages
-    for i, item in enumerate(req.input):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return list(req.input)
+
+
+def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[ChatMessage]:
+    messages: list[ChatMessage] = []
+    if instructions:
+        messages.append(ChatMessage(role="system", content=instructions))
+    for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
@@ -112,13 +155,8 @@ def to_messages(req: ResponsesRequest) -> list[ChatMessage]:
     return messages
 
 
-def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    if req.previous_response_id is not None:
-        raise bad_request(
-            "this server does not store responses: send the whole conversation in input instead of "
-            "previous_response_id",
-            "previous_response_id",
-        )
+def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request of a response whose conversation is `items` (earlier turns included)."""
     tools = None
     if req.tools:
         tools = []
@@ -152,7 +190,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             response_format = fmt
     return ChatCompletionRequest(
         model=req.model,
-        messages=to_messages(req),
+        messages=to_messages(req.instructions, items),
         max_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -198,9 +236,9 @@ class _Shell:
             "model": self.model,
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls,
-            "previous_response_id": None,
+            "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
-            "store": False,
+            "store": req.store,
             "temperature": req.temperature,
             "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice or "auto",
@@ -239,10 +277,22 @@ def _call_item(name: str, arguments: str, call_id: str | None = None) -> dict[st
     }
 
 
-async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request) -> Response:
+async def create_response(
+    ctx: ServerContext, req: ResponsesRequest, raw: Request, store: ResponseStore
+) -> Response:
     model = ctx.resolve_model(req.model)
+    items = input_items(req)
+    if req.previous_response_id is not None:
+        previous = store.get(req.previous_response_id)
+        if previous is None:
+            raise bad_request(
+                f"no response {req.previous_response_id!r} is stored (this server keeps the last "
+                f"{store.size} in memory, not those made with store false, nor any from before a restart)",
+                "previous_response_id",
+            )
+        items = previous.items + items
     try:
-        prepared = await prepare_chat(ctx, to_chat_request(req))
+        prepared = await prepare_chat(ctx, to_chat_request(req, items))
     except APIError as exc:  # name the field as this API calls it
         if exc.param in _PARAMS:
             exc.message = exc.message.replace(exc.param, _PARAMS[exc.param])
@@ -250,9 +300,14 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
         raise
     shell = _Shell(req, model)
     group = await ctx.submit([(shell.id, prepared.prompt_ids, prepared.params)])
+
+    def keep(body: dict[str, Any]) -> None:
+        if req.store:
+            store.put(shell.id, StoredResponse(items + body["output"], body))
+
     if req.stream:
         return StreamingResponse(
-            ctx.guarded(group, _stream(ctx, group, prepared, shell)), media_type="text/event-stream"
+            ctx.guarded(group, _stream(ctx, group, prepared, shell, keep)), media_type="text/event-stream"
         )
     try:
         final = (await ctx.collect(group, raw))[shell.id]
@@ -269,7 +324,9 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     status = "incomplete" if completion.finish_reason == "length" else "completed"
     reasoning_tokens = len(ctx.encode(parsed.reasoning)) if parsed.reasoning else 0
     usage = _usage(len(prepared.prompt_ids), completion.num_tokens, final.num_cached_tokens, reasoning_tokens)
-    return JSONResponse(shell.body(status, output, usage))
+    body = shell.body(status, output, usage)
+    keep(body)
+    return JSONResponse(body)
 
 
 def _event(kind: str, seq: int, **fields: Any) -> str:
@@ -361,7 +418,11 @@ def _empty(item: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _stream(
-    ctx: ServerContext, group: Any, prepared: PreparedChat, shell: _Shell
+    ctx: ServerContext,
+    group: Any,
+    prepared: PreparedChat,
+    shell: _Shell,
+    keep: Callable[[dict[str, Any]], None],
 ) -> AsyncIterator[str]:
     events = _Events()
     yield events.emit("response.created", response=shell.body("in_progress", [], None))
@@ -399,4 +460,6 @@ async def _stream(
     thought = events.reasoning_text()
     usage = _usage(len(prepared.prompt_ids), tokens, cached, len(ctx.encode(thought)) if thought else 0)
     done = "response.incomplete" if status == "incomplete" else "response.completed"
-    yield events.emit(done, response=shell.body(status, events.output, usage))
+    body = shell.body(status, events.output, usage)
+    keep(body)
+    yield events.emit(done, response=body)

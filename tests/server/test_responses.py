@@ -141,6 +141,66 @@ def test_stream_events_add_up_to_the_response(client) -> None:
     assert added < kinds.index("response.output_text.delta") < kinds.index("response.output_item.done")
 
 
+def test_previous_response_continues_the_conversation(client, base_url: str) -> None:
+    """A stored response's input and output come before the next turn's input: the same prompt
+    as sending the whole conversation; GET reads a stored response, DELETE drops it, and
+    `store: false` keeps none."""
+    first = client.responses.create(
+        model=MODEL_NAME, input="Name a color.", max_output_tokens=6, temperature=0
+    )
+    second = client.responses.create(
+        model=MODEL_NAME,
+        previous_response_id=first.id,
+        input="And another?",
+        max_output_tokens=6,
+        temperature=0,
+    )
+    whole = client.responses.create(
+        model=MODEL_NAME,
+        input=[
+            {"role": "user", "content": "Name a color."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And another?"},
+        ],
+        max_output_tokens=6,
+        temperature=0,
+    )
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
+    assert second.output_text == whole.output_text
+    # a third turn chains through both
+    third = client.responses.create(
+        model=MODEL_NAME, previous_response_id=second.id, input="Thanks.", max_output_tokens=2
+    )
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    deleted = httpx.delete(f"{base_url}/responses/{first.id}", timeout=30)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    assert httpx.get(f"{base_url}/responses/{first.id}", timeout=30).status_code == 404
+    gone = httpx.post(
+        f"{base_url}/responses", json={"input": "hi", "previous_response_id": first.id}, timeout=30
+    )
+    assert gone.status_code == 400 and gone.json()["error"]["param"] == "previous_response_id"
+    unstored = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, store=False)
+    assert httpx.get(f"{base_url}/responses/{unstored.id}", timeout=30).status_code == 404
+    streamed = list(client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=3, stream=True))
+    kept = client.responses.retrieve(streamed[-1].response.id)
+    assert kept.output_text == streamed[-1].response.output_text
+
+
+def test_the_store_keeps_the_last_responses() -> None:
+    from deltaserve.server.responses import ResponseStore, StoredResponse
+
+    store = ResponseStore(size=2)
+    for name in ("a", "b"):
+        store.put(name, StoredResponse([], {"id": name}))
+    assert store.get("a") is not None  # used: now the most recent
+    store.put("c", StoredResponse([], {"id": "c"}))
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    assert store.delete("a") and not store.delete("a")
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
