@@ -18,9 +18,11 @@ class StructuredOutputs:
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     # one tool call of one of these functions, [{"name": ..., "parameters": JSON schema}]
-    # (tool_choice), in Qwen's form `tool_call_form`: "json" (Qwen3: `<tool_call>\n{"name": ...,
-    # "arguments": {...}}\n</tool_call>`) or "xml" (Qwen3.5: `<tool_call>\n<function=NAME>\n
-    # <parameter=P>\nvalue\n</parameter>\n...</function>\n</tool_call>`)
+    # (tool_choice), in the model's form `tool_call_form`: "json" (Qwen3: `<tool_call>\n{"name": ...,
+    # "arguments": {...}}\n</tool_call>`), "xml" (Qwen3.5: `<tool_call>\n<function=NAME>\n
+    # <parameter=P>\nvalue\n</parameter>\n...</function>\n</tool_call>`) or "kimi" (Kimi-Linear:
+    # `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>
+    # {...}<|tool_call_end|><|tool_calls_section_end|>`)
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_form: str = "json"
     # the grammar starts after this token: the output's first tokens are free up to and including
@@ -34,9 +36,9 @@ class StructuredOutputs:
             )
         if self.tool_calls is not None and not self.tool_calls:
             raise ValueError("structured outputs: tool_calls needs at least one function")
-        if self.tool_call_form not in ("json", "xml"):
+        if self.tool_call_form not in ("json", "xml", "kimi"):
             raise ValueError(
-                f"structured outputs: tool_call_form is 'json' or 'xml', got {self.tool_call_form!r}"
+                f"structured outputs: tool_call_form is 'json', 'xml' or 'kimi', got {self.tool_call_form!r}"
             )
         if isinstance(self.json, str):
             try:

@@ -70,7 +70,8 @@ class Grammars:
 
 
 def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "json") -> Any:
-    """One call of one of `functions` in Qwen's tool-call form. "json" (Qwen3): `<tool_call>`, a
+    """One call of one of `functions` in the model's tool-call form ("kimi": Kimi-Linear's section
+    and call markers around the arguments' JSON). "json" (Qwen3): `<tool_call>`, a
     JSON object with the function's name and arguments that satisfy its parameters' schema,
     `</tool_call>`. "xml" (Qwen3.5): `<tool_call>`, `<function=NAME>`, one `<parameter=P>` block
     per parameter in the schema's order (the required ones always), `</function>`,
@@ -81,6 +82,16 @@ def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "js
         params = f.get("parameters") or {"type": "object"}
         if form == "xml":
             calls.append(_xml_call(xgr, f["name"], params))
+            continue
+        if form == "kimi":  # the arguments are the JSON object itself
+            head = f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{f['name']}:0<|tool_call_argument_begin|>"
+            calls.append(
+                xgr.Grammar.concat(
+                    _literal(xgr, head),
+                    xgr.Grammar.from_json_schema(json.dumps(params), any_whitespace=False),
+                    _literal(xgr, "<|tool_call_end|><|tool_calls_section_end|>"),
+                )
+            )
             continue
         body = {
             "type": "object",

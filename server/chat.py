@@ -32,6 +32,7 @@ from .protocol import (
 )
 from .reasoning import prompt_opens_reasoning
 from .sampling import build_sampling_params, fan_out, tool_choice_constraint
+from .tool_calls import KIMI
 
 if TYPE_CHECKING:
     from deltaserve.engine.outputs import RequestOutput
@@ -86,7 +87,9 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
         max_model_len=ctx.client.max_model_len,
         defaults=ctx.sampling_defaults,
     )
-    forced = tool_choice_constraint(req.tool_choice, tools, prompt, params.structured_outputs is not None)
+    forced = tool_choice_constraint(
+        req.tool_choice, tools, prompt, params.structured_outputs is not None, ctx.tool_format is KIMI
+    )
     if forced is not None:  # the reply is one tool call, under a grammar
         params = replace(params, structured_outputs=forced)
     thinking = ctx.parse_reasoning and prompt_opens_reasoning(prompt)

@@ -145,13 +145,18 @@ def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
 
 
 def tool_choice_constraint(
-    tool_choice: str | dict[str, Any] | None, tools: list[Any] | None, prompt: str, has_format: bool
+    tool_choice: str | dict[str, Any] | None,
+    tools: list[Any] | None,
+    prompt: str,
+    has_format: bool,
+    kimi: bool = False,
 ) -> StructuredOutputs | None:
     """`tool_choice` "required" (one call of any tool) or a named function (one call of it) as a
     grammar over the template's tool-call form (Qwen3's JSON body or Qwen3.5's XML body); None
     for "auto", "none" or no choice.
     `prompt` is the rendered chat prompt, whose tool instructions show the template's form;
-    `has_format`: the request also sets a response_format (the two cannot both hold)."""
+    `has_format`: the request also sets a response_format (the two cannot both hold); `kimi`: the
+    tokenizer has Kimi's tool-call markers (its form, whatever the prompt shows)."""
     from deltaserve.engine.sampling_params import StructuredOutputs
 
     if tool_choice in (None, "auto", "none"):
@@ -178,7 +183,9 @@ def tool_choice_constraint(
             "tool_choice forcing a call and a JSON response_format cannot both hold", "tool_choice"
         )
     # the template's tool instructions show its form: Qwen3.5's XML body, or Qwen3's JSON body
-    form = "xml" if "<function=" in prompt else "json" if "<tool_call>" in prompt else None
+    form = (
+        "kimi" if kimi else "xml" if "<function=" in prompt else "json" if "<tool_call>" in prompt else None
+    )
     if form is None:
         raise bad_request(
             "tool_choice 'required' or a named function needs a chat template with Qwen's <tool_call> "

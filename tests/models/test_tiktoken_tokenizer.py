@@ -55,19 +55,28 @@ def test_ids_and_text_match_tiktoken(kimi_tokenizer_folder):
     assert tok.decode(ids, skip_special_tokens=True) == call + "<|tool_calls_section_end|>"
 
 
-def test_a_kimi_checkpoint_serves_text_with_it(kimi_tokenizer_folder, tmp_path, kimi_builder, kimi_config):
-    """The engine loads the tokenizer from a Kimi checkpoint folder (no remote code run), renders
-    its chat template and returns text; the prompt's ids are tiktoken's."""
+@pytest.fixture(scope="module")
+def kimi_llm(kimi_tokenizer_folder, tmp_path_factory, kimi_builder, kimi_config):
+    """A tiny random Kimi-Linear checkpoint with the toy tokenizer, loaded."""
     import shutil
 
-    from deltaserve import LLM, SamplingParams
+    from deltaserve import LLM
 
-    path, ranks, specials, _ = kimi_tokenizer_folder
-    ckpt = tmp_path / "kimi"
+    path, ranks, _, _ = kimi_tokenizer_folder
+    ckpt = tmp_path_factory.mktemp("kimi")
     kimi_builder(str(ckpt), {**kimi_config, "vocab_size": len(ranks) + NUM_SPECIAL})
     for name in ("tiktoken.model", "tokenizer_config.json"):
         shutil.copy(f"{path}/{name}", ckpt / name)
-    llm = LLM(str(ckpt), dtype="float32", device="cpu")
+    return LLM(str(ckpt), dtype="float32", device="cpu")
+
+
+def test_a_kimi_checkpoint_serves_text_with_it(kimi_llm, kimi_tokenizer_folder):
+    """The engine loads the tokenizer from a Kimi checkpoint folder (no remote code run), renders
+    its chat template and returns text; the prompt's ids are tiktoken's."""
+    from deltaserve import SamplingParams
+
+    _, ranks, specials, _ = kimi_tokenizer_folder
+    llm = kimi_llm
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "中国 fox?"}], tokenize=False, add_generation_prompt=True
     )
@@ -76,3 +85,35 @@ def test_a_kimi_checkpoint_serves_text_with_it(kimi_tokenizer_folder, tmp_path, 
     assert out.prompt_token_ids == oracle(ranks, specials).encode(prompt, allowed_special="all")
     assert len(out.outputs[0].token_ids) == 6
     assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_forced_kimi_tool_call(kimi_llm):
+    """tool_choice's grammar in Kimi's form: the random model's reply parses, with the server's
+    Kimi parser, as one call whose arguments satisfy the schema."""
+    import json
+
+    pytest.importorskip("xgrammar")
+    from deltaserve import SamplingParams
+    from deltaserve.engine.sampling_params import StructuredOutputs
+    from deltaserve.server.tool_calls import KIMI, extract_tool_calls
+
+    params = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["C", "F"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["unit", "days"],
+        "additionalProperties": False,
+    }
+    spec = StructuredOutputs(
+        tool_calls=[{"name": "get_weather", "parameters": params}], tool_call_form="kimi"
+    )
+    outs = kimi_llm.generate(
+        ["Weather?"] * 4,
+        [SamplingParams(temperature=1.0, seed=s, max_tokens=200, structured_outputs=spec) for s in range(4)],
+    )
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        content, calls = extract_tool_calls(c.text, {"get_weather": params}, final=True, fmt=KIMI)
+        assert content == "" and [call.name for call in calls] == ["get_weather"], c.text
+        args = json.loads(calls[0].arguments)
+        assert args["unit"] in ("C", "F") and 1 <= args["days"] <= 7

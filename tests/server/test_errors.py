@@ -284,6 +284,9 @@ def test_tool_choice_follows_the_templates_tool_call_form() -> None:
     assert xml is not None and xml.tool_call_form == "xml"
     assert json_form is not None and json_form.tool_call_form == "json"
     assert json_form.tool_calls == [{"name": "f", "parameters": {"type": "object"}}]
+    # a Kimi tokenizer: Kimi's markup, whatever the template shows
+    kimi = tool_choice_constraint("required", tools, "a template without tool instructions", False, kimi=True)
+    assert kimi is not None and kimi.tool_call_form == "kimi"
     with pytest.raises(APIError) as info:
         tool_choice_constraint("required", tools, "a template without tool instructions", False)
     assert (
