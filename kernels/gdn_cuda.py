@@ -6,12 +6,11 @@ Semantics and shapes are those of `deltaserve.kernels.gdn` (its torch references
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 
-from deltaserve.kernels.pool_states import fla_cu_seqlens, gather_initial_states
+from deltaserve.kernels.pool_states import fla_cu_seqlens, fla_internal, gather_initial_states
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -72,19 +71,12 @@ def _fla_forward() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     layer in the 0.8B 8k prefill profile, docs/performance.md), with FLA's chunk indices built
     once per forward (cached by `cu_seqlens` identity, as FLA does). None with
     DELTASERVE_FLA_DIRECT=0, or an FLA whose internals differ from 0.6's (the public call then)."""
-    if os.environ.get("DELTASERVE_FLA_DIRECT", "1") == "0":
+    chunk_gated_delta_rule_fwd = fla_internal("fla.ops.gated_delta_rule.chunk", "chunk_gated_delta_rule_fwd")
+    if chunk_gated_delta_rule_fwd is None:
         return None
-    try:
-        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
-        from fla.ops.utils.index import prepare_chunk_indices
-    except ImportError:
-        return None
-    import inspect
+    from fla.ops.utils.index import prepare_chunk_indices
 
     from deltaserve.kernels.triton_gdn import qk_norm_v_launch
-
-    if "chunk_indices" not in inspect.signature(chunk_gated_delta_rule_fwd).parameters:
-        return None
 
     def forward(q, k, v, g, beta, init, cu):  # type: ignore[no-untyped-def]
         # the steps of FLA's ChunkGatedDeltaRuleFunction.forward with

@@ -7,12 +7,11 @@ Semantics and shapes are those of `deltaserve.kernels.kda` (its torch references
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 
-from deltaserve.kernels.pool_states import fla_cu_seqlens, gather_initial_states
+from deltaserve.kernels.pool_states import fla_cu_seqlens, fla_internal, gather_initial_states
 
 
 def kda_prefill_cuda(
@@ -62,19 +61,12 @@ def _kda_forward() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     GDN): no autograd Function or argument checks, q / k normalised and v made contiguous by
     one kernel of ours, chunk indices once per forward. None with DELTASERVE_FLA_DIRECT=0 or an
     FLA whose internals differ from 0.6's."""
-    if os.environ.get("DELTASERVE_FLA_DIRECT", "1") == "0":
+    chunk_kda_fwd = fla_internal("fla.ops.kda.chunk_fwd", "chunk_kda_fwd")
+    if chunk_kda_fwd is None:
         return None
-    try:
-        from fla.ops.kda.chunk_fwd import chunk_kda_fwd
-        from fla.ops.utils.index import prepare_chunk_indices
-    except ImportError:
-        return None
-    import inspect
+    from fla.ops.utils.index import prepare_chunk_indices
 
     from deltaserve.kernels.triton_gdn import qk_norm_v_launch
-
-    if "chunk_indices" not in inspect.signature(chunk_kda_fwd).parameters:
-        return None
 
     def forward(q, k, v, g, beta, init, cu):  # type: ignore[no-untyped-def]
         q, k, v = qk_norm_v_launch(q, k, v)

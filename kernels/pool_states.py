@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -77,3 +81,20 @@ def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     same object for every layer keeps that to one sync per forward, and a new object for a
     refilled input keeps FLA from reusing indices of an older batch."""
     return per_input("fla_cu_seqlens", cu_seqlens, None, lambda: cu_seqlens.to(torch.int64, copy=True))
+
+
+def fla_internal(module: str, name: str) -> Callable[..., Any] | None:
+    """FLA's chunked forward `module.name`, below its public entry point (no autograd Function,
+    argument guards or backend dispatch: about 1.5 ms of host time a layer saved in the 0.8B 8k
+    prefill, docs/performance.md). None with DELTASERVE_FLA_DIRECT=0, or where FLA's internals
+    differ from 0.6's (no such function, or one without `chunk_indices`): the public call then."""
+    if os.environ.get("DELTASERVE_FLA_DIRECT", "1") == "0":
+        return None
+    try:
+        fn = getattr(importlib.import_module(module), name)
+        importlib.import_module("fla.ops.utils.index")  # prepare_chunk_indices, used beside it
+    except (ImportError, AttributeError):
+        return None
+    if "chunk_indices" not in inspect.signature(fn).parameters:
+        return None
+    return fn

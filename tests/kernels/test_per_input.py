@@ -27,3 +27,32 @@ def test_built_once_per_input_and_again_when_it_changes():
         inf = torch.tensor([0, 2], dtype=torch.int32)
     copy = fla_cu_seqlens(inf)
     assert copy.dtype == torch.int64 and fla_cu_seqlens(inf) is copy
+
+
+def test_fla_internal_finds_fla_06s_forwards_or_steps_aside(monkeypatch):
+    """The GDN and KDA prefill paths call FLA below its entry where FLA is 0.6 (its forwards take
+    `chunk_indices`); with DELTASERVE_FLA_DIRECT=0, a missing function or another signature they
+    fall back to FLA's public call. (The direct and public paths are held to each other on the
+    GPU, tests/kernels/test_cuda_kernels.py and test_kda_cuda.py.)"""
+    import sys
+    import types
+
+    from deltaserve.kernels import gdn_cuda, kda_cuda
+    from deltaserve.kernels.pool_states import fla_internal
+
+    monkeypatch.delenv("DELTASERVE_FLA_DIRECT", raising=False)
+    # FLA's helper module beside the forwards (on CPU the tests hide the real FLA)
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.index", types.ModuleType("fla.ops.utils.index"))
+    fake = types.ModuleType("fake_fla_ops")
+    fake.new = lambda q, k, chunk_indices=None: None
+    fake.old = lambda q, k: None
+    monkeypatch.setitem(sys.modules, "fake_fla_ops", fake)
+    assert fla_internal("fake_fla_ops", "new") is fake.new
+    assert fla_internal("fake_fla_ops", "old") is None
+    assert fla_internal("fake_fla_ops", "gone") is None
+    assert fla_internal("no_such_module_here", "new") is None
+    monkeypatch.setenv("DELTASERVE_FLA_DIRECT", "0")
+    assert fla_internal("fake_fla_ops", "new") is None
+    for cached in (gdn_cuda._fla_forward, kda_cuda._kda_forward):
+        assert cached() is None
+        cached.cache_clear()
