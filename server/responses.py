@@ -46,6 +46,7 @@ class ResponsesRequest(OpenAIModel):
     top_p: float | None = None
     top_k: int | None = None  # beyond OpenAI's fields, as vLLM accepts them
     seed: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -199,6 +200,7 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
         tools=tools,
         tool_choice=choice,
         response_format=response_format,
+        chat_template_kwargs=req.chat_template_kwargs,
     )
 
 

@@ -47,6 +47,15 @@ def test_text_response_matches_the_chat_endpoint(client) -> None:
     assert message.role == "assistant" and message.content[0].type == "output_text"
 
 
+def test_chat_template_kwargs_reach_the_template(client) -> None:
+    """vLLM's extension: `chat_template_kwargs` as in chat (Qwen3's template closes the think
+    section when thinking is off, so the prompt grows)."""
+    kw = dict(model=MODEL_NAME, input="Hi", max_output_tokens=1)
+    plain = client.responses.create(**kw)
+    off = client.responses.create(**kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.input_tokens > plain.usage.input_tokens
+
+
 def test_conversation_items_render_as_chat_messages(client) -> None:
     """Messages, a function call and its output in `input` make the prompt the same chat
     messages make (equal token counts and greedy tokens)."""
