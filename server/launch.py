@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 logger = logging.getLogger("deltaserve")
@@ -21,6 +23,9 @@ def serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     engine = _load_engine(args)
+    if engine.tokenizer is not None and importlib.util.find_spec("xgrammar") is not None:
+        # JSON output's vocabulary tables, built beside start-up rather than at the first request
+        threading.Thread(target=engine.prepare_grammars, name="deltaserve-grammars", daemon=True).start()
     from .app import build_app
     from .chat_template import load_chat_template
     from .engine_client import EngineClient

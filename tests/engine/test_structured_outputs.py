@@ -276,3 +276,38 @@ def test_structured_outputs_on_cuda(tokenized_checkpoint, pools_held):
         _, calls = extract_tool_calls(c.text, {"get_weather": WEATHER["parameters"]}, final=True)
         assert [call.name for call in calls] == ["get_weather"]
     assert not pools_held(gpu)
+
+
+def test_grammars_prepared_ahead_serve_the_first_request(tokenized_checkpoint, monkeypatch):
+    """`prepare_grammars` (the server runs it in a thread at start-up) builds the vocabulary
+    tables once; the first JSON request then reuses them. Without xgrammar it does nothing, and
+    the request gets the error."""
+    import sys
+    import threading
+
+    from deltaserve.engine import structured
+
+    builds = []
+    real = structured.Grammars
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **k):
+            builds.append(1)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(structured, "Grammars", Counting)
+    llm = LLM(tokenized_checkpoint, dtype="float32", device="cpu", chunked_prefill_size=64)
+    thread = threading.Thread(target=llm.engine.prepare_grammars)
+    thread.start()
+    thread.join()
+    assert builds == [1]
+    spec = StructuredOutputs(json=SCHEMA)
+    out = llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec))[0]
+    check(json.loads(out.outputs[0].text))
+    assert builds == [1]  # not built again for the request
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    bare = LLM(tokenized_checkpoint, dtype="float32", device="cpu", chunked_prefill_size=64)
+    bare.engine.prepare_grammars()  # nothing to build with: no error here
+    with pytest.raises(ValueError, match=r"deltaserve\[structured\]"):
+        bare.generate(["Hi"], SamplingParams(max_tokens=4, structured_outputs=spec))
