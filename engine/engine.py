@@ -33,7 +33,7 @@ from deltaserve.engine.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.prefix_caching import make_prefix_cache, prefill_cost
 from deltaserve.engine.request import Request, Status
 from deltaserve.engine.sampler import SAMPLER_GRAPH_MAX_BS, Sampler
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
 from deltaserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import Computed, MtpDrafter, SpecDecoder, Verdict
 from deltaserve.engine.stop_checks import check_stop, visible_length, visible_text
@@ -209,6 +209,11 @@ class Engine:
 
                 self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammars
+
+    def compile_structured(self, spec: StructuredOutputs) -> None:
+        """Compile `spec`'s grammar into the cache now (ValueError for a bad schema or a missing
+        xgrammar), so that admitting the request does not compile it on the engine's thread."""
+        self._grammars_built().compile(spec)
 
     def prepare_grammars(self) -> None:
         """Build structured outputs' view of the vocabulary now (xgrammar's TokenizerInfo: 0.36 s

@@ -46,6 +46,13 @@ class Grammars:
     def matcher(self, spec: StructuredOutputs) -> RequestGrammar:
         """A fresh matcher for `spec` (its grammar compiled on first use); ValueError for a
         schema xgrammar cannot compile."""
+        return RequestGrammar(
+            self.xgr.GrammarMatcher(self.compile(spec)), self.info.vocab_size, spec.after_token
+        )
+
+    def compile(self, spec: StructuredOutputs) -> Any:
+        """`spec`'s compiled grammar, cached by its key (the server compiles a request's grammar
+        in its worker thread before submitting it, so that the engine's thread finds it here)."""
         key = spec.key()
         grammar = self.compiled.get(key)
         if grammar is None:
@@ -66,7 +73,7 @@ class Grammars:
                     f"structured outputs: the JSON schema cannot be compiled ({reason})"
                 ) from None
             self.compiled[key] = grammar
-        return RequestGrammar(self.xgr.GrammarMatcher(grammar), self.info.vocab_size, spec.after_token)
+        return grammar
 
 
 def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "json") -> Any:

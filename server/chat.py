@@ -98,6 +98,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
         params = replace(
             params, structured_outputs=replace(params.structured_outputs, after_token=ctx.think_end_id)
         )
+    if params.structured_outputs is not None:
+        await ctx.compile_structured(params.structured_outputs)
     parser = ChatOutputParser(
         starts_in_reasoning=thinking,
         parse_reasoning=ctx.parse_reasoning,

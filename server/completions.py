@@ -96,6 +96,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
             max_model_len=ctx.client.max_model_len,
             defaults=ctx.sampling_defaults,
         )
+        if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt
+            await ctx.compile_structured(params.structured_outputs)
         requests += fan_out(f"{request_id}-{j}", ids, params, req.n)
         choices += [_Choice(ctx, (text, ids), req.echo, params.logprobs)] * req.n
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}

@@ -22,7 +22,7 @@ from .tool_calls import tool_call_format
 
 if TYPE_CHECKING:
     from deltaserve.engine.outputs import RequestOutput
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
 
 
 T = TypeVar("T")
@@ -80,6 +80,18 @@ class ServerContext:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.need_tokenizer().decode(token_ids, skip_special_tokens=False)
+
+    async def compile_structured(self, spec: StructuredOutputs) -> None:
+        """Compile a request's grammar in the prompt worker, before it is submitted: a new JSON
+        schema can take xgrammar a while, which the engine's thread would otherwise spend while
+        every stream waits. A bad schema is a 400 here."""
+        compile_fn = getattr(getattr(self.client, "engine", None), "compile_structured", None)
+        if compile_fn is None:
+            return
+        try:
+            await self.off_loop(compile_fn, spec)
+        except ValueError as exc:
+            raise bad_request(str(exc), None) from exc
 
     async def submit(
         self, requests: list[tuple[str, list[int], SamplingParams]], track: bool = True

@@ -311,3 +311,28 @@ def test_grammars_prepared_ahead_serve_the_first_request(tokenized_checkpoint, m
     bare.engine.prepare_grammars()  # nothing to build with: no error here
     with pytest.raises(ValueError, match=r"deltaserve\[structured\]"):
         bare.generate(["Hi"], SamplingParams(max_tokens=4, structured_outputs=spec))
+
+
+def test_a_grammar_compiled_ahead_is_not_compiled_again(llm):
+    """The server compiles a request's grammar in its worker (`compile_structured`) before it
+    submits the request; admitting it on the engine's thread then finds it compiled."""
+    schema = {"type": "object", "properties": {"ahead": {"type": "integer"}}, "required": ["ahead"]}
+    spec = StructuredOutputs(json=schema)
+    llm.engine.compile_structured(spec)
+    grammars = llm.engine._grammars
+    compiler = grammars.compiler
+
+    class Refuses:
+        def __getattr__(self, name):
+            raise AssertionError(f"compiled again ({name})")
+
+    grammars.compiler = Refuses()
+    try:
+        out = llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=spec))[0]
+    finally:
+        grammars.compiler = compiler
+    assert isinstance(json.loads(out.outputs[0].text)["ahead"], int)
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        llm.engine.compile_structured(
+            StructuredOutputs(json={"type": "object", "properties": {"x": {"type": 5}}})
+        )
