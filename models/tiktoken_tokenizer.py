@@ -119,4 +119,15 @@ def load_tiktoken_tokenizer(path: str) -> Any:
             template = f.read()
     if template:
         tokenizer.chat_template = template
+    # Kimi's remote code renders tools with every mapping's keys sorted (`render_chat` reads this)
+    tokenizer.sort_tool_keys = True
     return tokenizer
+
+
+def sorted_keys(obj: Any) -> Any:
+    """`obj` with every dict's keys in sorted order, nested (lists keep their order)."""
+    if isinstance(obj, dict):
+        return {k: sorted_keys(v) for k, v in sorted(obj.items())}
+    if isinstance(obj, list):
+        return [sorted_keys(v) for v in obj]
+    return obj

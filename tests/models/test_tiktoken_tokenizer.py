@@ -117,3 +117,33 @@ def test_forced_kimi_tool_call(kimi_llm):
         assert content == "" and [call.name for call in calls] == ["get_weather"], c.text
         args = json.loads(calls[0].arguments)
         assert args["unit"] in ("C", "F") and 1 <= args["days"] <= 7
+
+
+def test_tools_render_with_sorted_keys_as_kimis_code_does(kimi_tokenizer_folder):
+    """Kimi's remote code sorts every key of the tools before its template renders them; the
+    native tokenizer asks `render_chat` to do the same (other tokenizers keep the client's order)."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    from deltaserve.server.chat_template import render_chat
+    from deltaserve.server.protocol import ChatMessage, ToolDefinition
+
+    tool = ToolDefinition.model_validate(
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "required": ["z"], "properties": {"z": {"type": "string"}}},
+            },
+        }
+    )
+    template = "{{ tools | tojson }}"
+    messages = [ChatMessage(role="user", content="hi")]
+    kimi = load_tiktoken_tokenizer(kimi_tokenizer_folder[0])
+    rendered = json.loads(render_chat(kimi, messages, template=template, tools=[tool]))
+    assert list(rendered[0]) == ["function", "type"]
+    assert list(rendered[0]["function"]["parameters"]) == ["properties", "required", "type"]
+    plain = PreTrainedTokenizerFast(tokenizer_object=kimi.backend_tokenizer)
+    kept = json.loads(render_chat(plain, messages, template=template, tools=[tool]))
+    assert list(kept[0]["function"]["parameters"]) == ["type", "required", "properties"]
