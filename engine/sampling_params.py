@@ -11,9 +11,10 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 @dataclass
 class StructuredOutputs:
-    """Constrain the output to JSON (vLLM's `StructuredOutputsParams`, OpenAI's response_format):
-    `json` a JSON schema (a dict or its text) the output must satisfy, or `json_object=True` for
-    any JSON object. Decoded with xgrammar's token masks (`engine/structured.py`)."""
+    """Constrain the output (vLLM's `StructuredOutputsParams`, OpenAI's response_format): `json` a
+    JSON schema (a dict or its text) the output must satisfy, `json_object=True` any JSON object,
+    `regex`, `choice` or an EBNF `grammar`. Decoded with xgrammar's token masks
+    (`engine/structured.py`)."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
@@ -25,15 +26,25 @@ class StructuredOutputs:
     # {...}<|tool_call_end|><|tool_calls_section_end|>`)
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_form: str = "json"
+    regex: str | None = None  # the output matches this regular expression (whole)
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # the output is a sentence of this EBNF grammar (xgrammar's dialect)
     # the grammar starts after this token: the output's first tokens are free up to and including
     # it (the end of a reasoning section, `</think>`, when the prompt opened one); None: at once
     after_token: int | None = None
 
     def __post_init__(self) -> None:
-        if (self.json is not None) + self.json_object + (self.tool_calls is not None) != 1:
+        given = [self.json is not None, self.json_object, self.tool_calls is not None]
+        given += [self.regex is not None, self.choice is not None, self.grammar is not None]
+        if sum(given) != 1:
             raise ValueError(
-                "structured outputs: give exactly one of json (a schema), json_object and tool_calls"
+                "structured outputs: give exactly one of json (a schema), json_object, regex, choice, "
+                "grammar and tool_calls"
             )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured outputs: choice needs a list of non-empty strings")
         if self.tool_calls is not None and not self.tool_calls:
             raise ValueError("structured outputs: tool_calls needs at least one function")
         if self.tool_call_form not in ("json", "xml", "kimi"):
@@ -54,6 +65,12 @@ class StructuredOutputs:
         """The grammar's cache key (the schema's text: its key order is the output's)."""
         if self.tool_calls is not None:
             return f"tool_calls:{self.tool_call_form}:" + json.dumps(self.tool_calls)
+        if self.regex is not None:
+            return "regex:" + self.regex
+        if self.choice is not None:
+            return "choice:" + json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar:" + self.grammar
         return "json_object" if self.json_object else json.dumps(self.json)
 
 

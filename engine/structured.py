@@ -61,6 +61,13 @@ class Grammars:
                     grammar = self.compiler.compile_grammar(
                         tool_call_grammar(self.xgr, spec.tool_calls, spec.tool_call_form)
                     )
+                elif spec.regex is not None:
+                    grammar = self.compiler.compile_regex(spec.regex)
+                elif spec.choice is not None:
+                    alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+                    grammar = self.compiler.compile_grammar(f"root ::= {alternatives}")
+                elif spec.grammar is not None:
+                    grammar = self.compiler.compile_grammar(spec.grammar)
                 else:
                     # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar);
                     # compact separators, no free whitespace between tokens
@@ -69,9 +76,9 @@ class Grammars:
             except Exception as e:  # xgrammar's own message: an unsupported or broken schema
                 # (without its "[time] /path/file.cc:line: " prefix)
                 reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
-                raise ValueError(
-                    f"structured outputs: the JSON schema cannot be compiled ({reason})"
-                ) from None
+                free_form = spec.regex is not None or spec.choice is not None or spec.grammar is not None
+                what = "grammar" if free_form else "JSON schema"
+                raise ValueError(f"structured outputs: the {what} cannot be compiled ({reason})") from None
             self.compiled[key] = grammar
         return grammar
 

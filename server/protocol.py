@@ -72,7 +72,14 @@ class SamplingRequest(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no constrained decoding
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema
+    # vLLM's constrained decoding: {"json" | "json_object" | "regex" | "choice" | "grammar": ...},
+    # and its older per-kind fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

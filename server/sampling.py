@@ -85,6 +85,12 @@ def build_sampling_params(
 
     logit_bias = _logit_bias(req.logit_bias)
     structured = _response_format(req.response_format)
+    vllm_style = _vllm_structured(req)
+    if structured is not None and vllm_style is not None:
+        raise bad_request(
+            "give one of response_format and structured_outputs / guided_*", "structured_outputs"
+        )
+    structured = structured or vllm_style
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(not s for s in stop):
         raise bad_request("stop sequences must not be empty", "stop")
@@ -142,6 +148,40 @@ def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
     raise bad_request(
         f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format"
     )
+
+
+_VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _vllm_structured(req: Any) -> StructuredOutputs | None:
+    """vLLM's `structured_outputs` ({"json": schema} or json_object / regex / choice / grammar)
+    and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`."""
+    from deltaserve.engine.sampling_params import StructuredOutputs
+
+    legacy = {
+        "json": getattr(req, "guided_json", None),
+        "regex": getattr(req, "guided_regex", None),
+        "choice": getattr(req, "guided_choice", None),
+        "grammar": getattr(req, "guided_grammar", None),
+    }
+    legacy = {k: v for k, v in legacy.items() if v is not None}
+    given = getattr(req, "structured_outputs", None)
+    if given is not None and legacy:
+        raise bad_request("give structured_outputs or a guided_* field, not both", "structured_outputs")
+    if given is None and not legacy:
+        return None
+    fields = dict(given) if given is not None else legacy
+    unknown = set(fields) - set(_VLLM_KINDS)
+    if unknown:
+        raise bad_request(
+            f"structured_outputs takes one of {', '.join(_VLLM_KINDS)}; not {', '.join(sorted(unknown))}",
+            "structured_outputs",
+        )
+    fields = {k: v for k, v in fields.items() if v is not None and v is not False}
+    try:
+        return StructuredOutputs(**fields)
+    except (TypeError, ValueError) as exc:
+        raise bad_request(str(exc), "structured_outputs") from exc
 
 
 def tool_choice_constraint(

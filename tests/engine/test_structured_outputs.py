@@ -336,3 +336,35 @@ def test_a_grammar_compiled_ahead_is_not_compiled_again(llm):
         llm.engine.compile_structured(
             StructuredOutputs(json={"type": "object", "properties": {"x": {"type": 5}}})
         )
+
+
+def test_regex_choice_and_grammar(llm):
+    """vLLM's other constraints: the random model's outputs match a regular expression, are one
+    of the choices, or are sentences of an EBNF grammar (unconstrained they are noise)."""
+    import re
+
+    def run(spec: StructuredOutputs) -> list[str]:
+        params = [
+            SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured_outputs=spec) for s in range(6)
+        ]
+        outs = llm.generate(["Answer:"] * 6, params)
+        assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+        return [o.outputs[0].text for o in outs]
+
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    assert all(re.fullmatch(pattern, t) for t in run(StructuredOutputs(regex=pattern)))
+    choices = ["yes", "no", "maybe so"]
+    picked = run(StructuredOutputs(choice=choices))
+    assert set(picked) <= set(choices) and len(set(picked)) > 1
+    grammar = 'root ::= "<" pair ">"\npair ::= ("a" | "b") ("a" | "b")'
+    assert all(re.fullmatch(r"<[ab]{2}>", t) for t in run(StructuredOutputs(grammar=grammar)))
+    for bad, match in (
+        (dict(regex="(unclosed"), "cannot be compiled"),
+        (dict(grammar="root ::= nothing_defined"), "cannot be compiled"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            llm.engine.compile_structured(StructuredOutputs(**bad))
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="non-empty strings"):
+        StructuredOutputs(choice=["a", ""])

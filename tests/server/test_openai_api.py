@@ -483,6 +483,53 @@ def test_structured_outputs_over_http(client) -> None:
         assert isinstance(json.loads(content), dict)
 
 
+def test_vllm_style_constraints_over_http(client, base_url) -> None:
+    """vLLM's `structured_outputs` and older `guided_*` fields through the official client
+    (extra_body), on chat and completions; conflicting or bad ones are 400s."""
+    import re
+
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Yes or no?"}],
+        max_tokens=10,
+        n=3,
+        seed=1,
+        temperature=1.0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert {c.message.content for c in r.choices} <= {"yes", "no"}
+    c = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Code:",
+        max_tokens=12,
+        temperature=1.0,
+        seed=2,
+        extra_body={"guided_regex": r"[A-Z]{2}[0-9]{2}"},
+    )
+    assert re.fullmatch(r"[A-Z]{2}[0-9]{2}", c.choices[0].text)
+    for body, param in (
+        (
+            {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+            "structured_outputs",
+        ),
+        ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "structured_outputs"),
+        ({"structured_outputs": {"pattern": "a"}}, "structured_outputs"),
+        ({"guided_regex": "(unclosed"}, None),
+    ):
+        err = httpx.post(
+            f"{base_url}/chat/completions",
+            json={
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 4,
+                **body,
+            },
+            timeout=30,
+        )
+        assert err.status_code == 400, err.text
+        assert err.json()["error"]["param"] == param
+
+
 THINKING_TEMPLATE = (  # Qwen3.5's shape: the generation prompt opens <think>, XML tool calls
     "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
     "Call as <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n"
