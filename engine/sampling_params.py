@@ -26,6 +26,7 @@ class StructuredOutputs:
     # {...}<|tool_call_end|><|tool_calls_section_end|>`)
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_form: str = "json"
+    max_tool_calls: int = 1  # with tool_calls: up to this many calls, back to back (at least one)
     regex: str | None = None  # the output matches this regular expression (whole)
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # the output is a sentence of this EBNF grammar (xgrammar's dialect)
@@ -47,6 +48,8 @@ class StructuredOutputs:
             raise ValueError("structured outputs: choice needs a list of non-empty strings")
         if self.tool_calls is not None and not self.tool_calls:
             raise ValueError("structured outputs: tool_calls needs at least one function")
+        if not 1 <= self.max_tool_calls <= 16:
+            raise ValueError(f"structured outputs: max_tool_calls is 1 to 16, got {self.max_tool_calls}")
         if self.tool_call_form not in ("json", "xml", "kimi"):
             raise ValueError(
                 f"structured outputs: tool_call_form is 'json', 'xml' or 'kimi', got {self.tool_call_form!r}"
@@ -64,7 +67,7 @@ class StructuredOutputs:
     def key(self) -> str:
         """The grammar's cache key (the schema's text: its key order is the output's)."""
         if self.tool_calls is not None:
-            return f"tool_calls:{self.tool_call_form}:" + json.dumps(self.tool_calls)
+            return f"tool_calls:{self.tool_call_form}:{self.max_tool_calls}:" + json.dumps(self.tool_calls)
         if self.regex is not None:
             return "regex:" + self.regex
         if self.choice is not None:

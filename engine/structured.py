@@ -59,7 +59,7 @@ class Grammars:
             try:
                 if spec.tool_calls is not None:
                     grammar = self.compiler.compile_grammar(
-                        tool_call_grammar(self.xgr, spec.tool_calls, spec.tool_call_form)
+                        tool_call_grammar(self.xgr, spec.tool_calls, spec.tool_call_form, spec.max_tool_calls)
                     )
                 elif spec.regex is not None:
                     grammar = self.compiler.compile_regex(spec.regex)
@@ -83,44 +83,61 @@ class Grammars:
         return grammar
 
 
-def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "json") -> Any:
-    """One call of one of `functions` in the model's tool-call form ("kimi": Kimi-Linear's section
-    and call markers around the arguments' JSON). "json" (Qwen3): `<tool_call>`, a
-    JSON object with the function's name and arguments that satisfy its parameters' schema,
-    `</tool_call>`. "xml" (Qwen3.5): `<tool_call>`, `<function=NAME>`, one `<parameter=P>` block
-    per parameter in the schema's order (the required ones always), `</function>`,
-    `</tool_call>`; a value is typed where the schema types it (enum, integer, number, boolean,
-    or JSON for objects and arrays) and free text otherwise (with no `</` in it)."""
-    calls = []
-    for f in functions:
-        params = f.get("parameters") or {"type": "object"}
-        if form == "xml":
-            calls.append(_xml_call(xgr, f["name"], params))
-            continue
-        if form == "kimi":  # the arguments are the JSON object itself
-            head = f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{f['name']}:0<|tool_call_argument_begin|>"
-            calls.append(
-                xgr.Grammar.concat(
-                    _literal(xgr, head),
-                    xgr.Grammar.from_json_schema(json.dumps(params), any_whitespace=False),
-                    _literal(xgr, "<|tool_call_end|><|tool_calls_section_end|>"),
+def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "json", most: int = 1) -> Any:
+    """One call, or up to `most` calls back to back, of `functions` in the model's tool-call form.
+    "json" (Qwen3): `<tool_call>`, a JSON object with the function's name and arguments that
+    satisfy its parameters' schema, `</tool_call>`. "xml" (Qwen3.5): `<tool_call>`,
+    `<function=NAME>`, one `<parameter=P>` block per parameter in the schema's order (the required
+    ones always), `</function>`, `</tool_call>`; a value is typed where the schema types it (enum,
+    integer, number, boolean, or JSON for objects and arrays) and free text otherwise (with no
+    `</` in it). Qwen's calls are separated by a newline. "kimi" (Kimi-Linear): one section, and
+    in it per call `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>`, the
+    arguments' JSON, `<|tool_call_end|>`."""
+
+    def one(index: int) -> Any:  # a call of any of the functions, the index-th of the turn
+        calls = []
+        for f in functions:
+            params = f.get("parameters") or {"type": "object"}
+            if form == "xml":
+                calls.append(_xml_call(xgr, f["name"], params))
+            elif form == "kimi":  # the arguments are the JSON object itself
+                calls.append(
+                    xgr.Grammar.concat(
+                        _literal(
+                            xgr,
+                            f"<|tool_call_begin|>functions.{f['name']}:{index}<|tool_call_argument_begin|>",
+                        ),
+                        xgr.Grammar.from_json_schema(json.dumps(params), any_whitespace=False),
+                        _literal(xgr, "<|tool_call_end|>"),
+                    )
                 )
-            )
-            continue
-        body = {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        calls.append(
-            xgr.Grammar.concat(
-                _literal(xgr, "<tool_call>\n"),
-                xgr.Grammar.from_json_schema(json.dumps(body), any_whitespace=False),
-                _literal(xgr, "\n</tool_call>"),
-            )
+            else:
+                body = {
+                    "type": "object",
+                    "properties": {"name": {"const": f["name"]}, "arguments": params},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                calls.append(
+                    xgr.Grammar.concat(
+                        _literal(xgr, "<tool_call>\n"),
+                        xgr.Grammar.from_json_schema(json.dumps(body), any_whitespace=False),
+                        _literal(xgr, "\n</tool_call>"),
+                    )
+                )
+        return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+
+    # call 0, then optionally (separator, call 1, then optionally (...)), up to `most` calls
+    sep = "" if form == "kimi" else "\n"
+    turn = one(most - 1)
+    for index in reversed(range(most - 1)):
+        more = xgr.Grammar.concat(_literal(xgr, sep), turn) if sep else turn
+        turn = xgr.Grammar.concat(one(index), xgr.Grammar.union(_literal(xgr, ""), more))
+    if form == "kimi":
+        return xgr.Grammar.concat(
+            _literal(xgr, "<|tool_calls_section_begin|>"), turn, _literal(xgr, "<|tool_calls_section_end|>")
         )
-    return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+    return turn
 
 
 def _literal(xgr: Any, text: str) -> Any:

@@ -88,7 +88,12 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
         defaults=ctx.sampling_defaults,
     )
     forced = tool_choice_constraint(
-        req.tool_choice, tools, prompt, params.structured_outputs is not None, ctx.tool_format is KIMI
+        req.tool_choice,
+        tools,
+        prompt,
+        params.structured_outputs is not None,
+        ctx.tool_format is KIMI,
+        req.parallel_tool_calls,
     )
     if forced is not None:  # the reply is one tool call, under a grammar
         params = replace(params, structured_outputs=forced)

@@ -92,6 +92,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # with tool_choice "required": more than one call allowed
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 

@@ -201,6 +201,7 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
         tool_choice=choice,
         response_format=response_format,
         chat_template_kwargs=req.chat_template_kwargs,
+        parallel_tool_calls=req.parallel_tool_calls,
     )
 
 

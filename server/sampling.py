@@ -150,6 +150,8 @@ def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
     )
 
 
+FORCED_CALLS = 4  # tool_choice "required": at most this many calls in one reply
+
 _VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -190,13 +192,16 @@ def tool_choice_constraint(
     prompt: str,
     has_format: bool,
     kimi: bool = False,
+    parallel: bool = True,
 ) -> StructuredOutputs | None:
     """`tool_choice` "required" (one call of any tool) or a named function (one call of it) as a
     grammar over the template's tool-call form (Qwen3's JSON body or Qwen3.5's XML body); None
     for "auto", "none" or no choice.
     `prompt` is the rendered chat prompt, whose tool instructions show the template's form;
     `has_format`: the request also sets a response_format (the two cannot both hold); `kimi`: the
-    tokenizer has Kimi's tool-call markers (its form, whatever the prompt shows)."""
+    tokenizer has Kimi's tool-call markers (its form, whatever the prompt shows). "required" with
+    `parallel` (parallel_tool_calls, true by default) allows up to FORCED_CALLS calls, as vLLM
+    allows a list; a named function is called once."""
     from deltaserve.engine.sampling_params import StructuredOutputs
 
     if tool_choice in (None, "auto", "none"):
@@ -234,7 +239,9 @@ def tool_choice_constraint(
         )
     try:
         return StructuredOutputs(
-            tool_calls=[{"name": n, "parameters": p} for n, p in functions.items()], tool_call_form=form
+            tool_calls=[{"name": n, "parameters": p} for n, p in functions.items()],
+            tool_call_form=form,
+            max_tool_calls=FORCED_CALLS if tool_choice == "required" and parallel else 1,
         )
     except ValueError as exc:
         raise bad_request(str(exc), "tool_choice") from exc

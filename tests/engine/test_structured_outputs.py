@@ -220,33 +220,40 @@ TIME = {
 }
 
 
+@pytest.mark.parametrize("most", [1, 3])
 @pytest.mark.parametrize("form", ["json", "xml"])
-def test_forced_tool_calls_parse_in_both_forms(llm, form):
-    """A forced call (tool_choice) in Qwen3's JSON form or Qwen3.5's XML form: the server's
-    tool-call parser reads one call of a given function, its arguments typed by the schema."""
+def test_forced_tool_calls_parse_in_both_forms(llm, form, most):
+    """Forced calls (tool_choice) in Qwen3's JSON form or Qwen3.5's XML form: the server's
+    tool-call parser reads one call (or up to `most`) of the given functions, their arguments
+    typed by the schemas."""
     from deltaserve.server.tool_calls import extract_tool_calls
 
     schemas = {f["name"]: f["parameters"] for f in (WEATHER, TIME)}
-    spec = StructuredOutputs(tool_calls=[WEATHER, TIME], tool_call_form=form)
+    spec = StructuredOutputs(tool_calls=[WEATHER, TIME], tool_call_form=form, max_tool_calls=most)
     params = [
-        SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured_outputs=spec) for s in range(6)
+        SamplingParams(temperature=1.0, seed=s, max_tokens=80 * most, structured_outputs=spec)
+        for s in range(6)
     ]
-    names = set()
+    names, counts = set(), []
     for out in llm.generate(["Weather?"] * 6, params):
         c = out.outputs[0]
         if c.finish_reason == "length":  # a free-text value may run on
             continue
         content, calls = extract_tool_calls(c.text, schemas, final=True)
-        assert content == "" and len(calls) == 1, c.text
-        args = json.loads(calls[0].arguments)
-        names.add(calls[0].name)
-        if calls[0].name == "get_weather":
-            assert {"city", "unit"} <= set(args) <= set(schemas["get_weather"]["properties"])
-            assert args["unit"] in ("C", "F") and isinstance(args.get("days", 0), int)
-            assert isinstance(args.get("metric", True), bool)
-        else:
-            assert set(args) <= {"zone"} and args.get("zone", "UTC") in ("UTC", "CET")
-    assert names  # at least one finished call
+        assert content == "" and 1 <= len(calls) <= most, c.text
+        counts.append(len(calls))
+        for call in calls:
+            args = json.loads(call.arguments)
+            names.add(call.name)
+            if call.name == "get_weather":
+                assert {"city", "unit"} <= set(args) <= set(schemas["get_weather"]["properties"])
+                assert args["unit"] in ("C", "F") and isinstance(args.get("days", 0), int)
+                assert isinstance(args.get("metric", True), bool)
+            else:
+                assert set(args) <= {"zone"} and args.get("zone", "UTC") in ("UTC", "CET")
+    assert names  # at least one finished reply
+    if most > 1:
+        assert max(counts) >= 2  # more than one call happens when it may
 
 
 @pytest.mark.gpu

@@ -615,8 +615,9 @@ TOOLS = [
 
 
 def test_tool_choice_forces_a_call(client) -> None:
-    """tool_choice names a function, or "required": the built-in model's random weights answer
-    with one call whose arguments satisfy the function's parameters (unforced: noise)."""
+    """tool_choice names a function (one call), or "required" (one or more, unless
+    parallel_tool_calls is false): the built-in model's random weights answer with calls whose
+    arguments satisfy the functions' parameters (unforced: noise)."""
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = client.chat.completions.create(
@@ -627,15 +628,37 @@ def test_tool_choice_forces_a_call(client) -> None:
         (call,) = choice.message.tool_calls
         args = json.loads(call.function.arguments)
         assert call.function.name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in "CF"
-    names = set()
-    for seed in range(6):
+    # "required": one call or several (up to sampling.FORCED_CALLS), each of a given function
+    names, counts = set(), []
+    for seed in range(8):
         r = client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=60, seed=seed
+            model=MODEL_NAME,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=200,
+            seed=seed,
         )
-        (call,) = r.choices[0].message.tool_calls
-        names.add(call.function.name)
-        assert r.choices[0].finish_reason == "tool_calls"
-    assert names <= {"get_weather", "get_time"}
+        calls = r.choices[0].message.tool_calls
+        assert calls and len(calls) <= 4
+        for call in calls:
+            names.add(call.function.name)
+            assert isinstance(json.loads(call.function.arguments), dict)
+        if r.choices[0].finish_reason == "tool_calls":
+            counts.append(len(calls))
+    assert names <= {"get_weather", "get_time"} and counts and max(counts) >= 2
+    # without parallel calls, exactly one
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=120,
+            seed=seed,
+        )
+        assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
     free = client.chat.completions.create(
         model=MODEL_NAME, messages=messages, tools=TOOLS, max_tokens=30, seed=4
     )
