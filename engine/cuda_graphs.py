@@ -56,8 +56,7 @@ def capture(
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
+    gc.disable()  # (no collection first: a full one per captured graph costs start-up time)
     try:
         with torch.cuda.graph(graph, pool=pool):
             out = fn()

@@ -10,7 +10,12 @@ from collections.abc import Callable
 
 import torch
 
-from deltaserve.kernels.pool_states import fla_cu_seqlens, fla_internal, gather_initial_states
+from deltaserve.kernels.pool_states import (
+    fla_chunk_forward,
+    fla_cu_seqlens,
+    fla_internal,
+    gather_initial_states,
+)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -71,30 +76,13 @@ def _fla_forward() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     layer in the 0.8B 8k prefill profile, docs/performance.md), with FLA's chunk indices built
     once per forward (cached by `cu_seqlens` identity, as FLA does). None with
     DELTASERVE_FLA_DIRECT=0, or an FLA whose internals differ from 0.6's (the public call then)."""
-    chunk_gated_delta_rule_fwd = fla_internal("fla.ops.gated_delta_rule.chunk", "chunk_gated_delta_rule_fwd")
-    if chunk_gated_delta_rule_fwd is None:
+    fwd = fla_internal("fla.ops.gated_delta_rule.chunk", "chunk_gated_delta_rule_fwd")
+    if fwd is None:
         return None
-    from fla.ops.utils.index import prepare_chunk_indices
-
-    from deltaserve.kernels.triton_gdn import qk_norm_v_launch
 
     def forward(q, k, v, g, beta, init, cu):  # type: ignore[no-untyped-def]
-        # the steps of FLA's ChunkGatedDeltaRuleFunction.forward with
-        # use_qk_l2norm_in_kernel=True; its kernels index inputs as contiguous [1, T, H, D], so
-        # q and k are normalised and v copied out of the strided conv output in one launch
-        q, k, v = qk_norm_v_launch(q, k, v)
-        out = chunk_gated_delta_rule_fwd(
-            q=q.unsqueeze(0),
-            k=k.unsqueeze(0),
-            v=v.unsqueeze(0),
-            g=g.unsqueeze(0).contiguous(),
-            beta=beta.unsqueeze(0).contiguous(),
-            scale=q.shape[-1] ** -0.5,
-            initial_state=init,
-            output_final_state=True,
-            cu_seqlens=cu,
-            chunk_indices=prepare_chunk_indices(cu, 64),
-        )
+        # the steps of FLA's ChunkGatedDeltaRuleFunction.forward with use_qk_l2norm_in_kernel=True
+        out = fla_chunk_forward(fwd, q, k, v, g, beta, init, cu)
         return out[1], out[3]  # (g, o, A, final_state, ...)
 
     return forward

@@ -11,7 +11,12 @@ from collections.abc import Callable
 
 import torch
 
-from deltaserve.kernels.pool_states import fla_cu_seqlens, fla_internal, gather_initial_states
+from deltaserve.kernels.pool_states import (
+    fla_chunk_forward,
+    fla_cu_seqlens,
+    fla_internal,
+    gather_initial_states,
+)
 
 
 def kda_prefill_cuda(
@@ -61,27 +66,12 @@ def _kda_forward() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     GDN): no autograd Function or argument checks, q / k normalised and v made contiguous by
     one kernel of ours, chunk indices once per forward. None with DELTASERVE_FLA_DIRECT=0 or an
     FLA whose internals differ from 0.6's."""
-    chunk_kda_fwd = fla_internal("fla.ops.kda.chunk_fwd", "chunk_kda_fwd")
-    if chunk_kda_fwd is None:
+    fwd = fla_internal("fla.ops.kda.chunk_fwd", "chunk_kda_fwd")
+    if fwd is None:
         return None
-    from fla.ops.utils.index import prepare_chunk_indices
-
-    from deltaserve.kernels.triton_gdn import qk_norm_v_launch
 
     def forward(q, k, v, g, beta, init, cu):  # type: ignore[no-untyped-def]
-        q, k, v = qk_norm_v_launch(q, k, v)
-        out = chunk_kda_fwd(
-            q=q.unsqueeze(0),
-            k=k.unsqueeze(0),
-            v=v.unsqueeze(0),
-            g=g.float().unsqueeze(0).contiguous(),
-            beta=beta.unsqueeze(0).contiguous(),
-            scale=q.shape[-1] ** -0.5,
-            initial_state=init,
-            output_final_state=True,
-            cu_seqlens=cu,
-            chunk_indices=prepare_chunk_indices(cu, 64),
-        )
+        out = fla_chunk_forward(fwd, q, k, v, g.float(), beta, init, cu)  # KDA's gates in fp32
         return out[0], out[1]  # (o, final_state, ...)
 
     return forward

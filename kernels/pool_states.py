@@ -98,3 +98,35 @@ def fla_internal(module: str, name: str) -> Callable[..., Any] | None:
     if "chunk_indices" not in inspect.signature(fn).parameters:
         return None
     return fn
+
+
+def fla_chunk_forward(
+    fwd: Callable[..., Any],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    init: torch.Tensor,
+    cu: torch.Tensor,
+) -> Any:
+    """Call FLA's chunked forward `fwd` (from `fla_internal`) on one packed varlen batch: q and k
+    L2-normalised and v made contiguous by one kernel of ours (FLA's kernels index inputs as
+    contiguous `[1, T, H, D]`), its chunk indices built here; FLA's raw outputs back."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from deltaserve.kernels.triton_gdn import qk_norm_v_launch
+
+    q, k, v = qk_norm_v_launch(q, k, v)
+    return fwd(
+        q=q.unsqueeze(0),
+        k=k.unsqueeze(0),
+        v=v.unsqueeze(0),
+        g=g.unsqueeze(0).contiguous(),
+        beta=beta.unsqueeze(0).contiguous(),
+        scale=q.shape[-1] ** -0.5,
+        initial_state=init,
+        output_final_state=True,
+        cu_seqlens=cu,
+        chunk_indices=prepare_chunk_indices(cu, 64),
+    )
