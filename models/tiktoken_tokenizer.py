@@ -103,7 +103,13 @@ def load_tiktoken_tokenizer(path: str) -> Any:
         value = config.get(name, default)
         return value.get("content") if isinstance(value, dict) else value
 
-    tokenizer = PreTrainedTokenizerFast(
+    class KimiTokenizerFast(PreTrainedTokenizerFast):
+        """Renders tools with every key sorted, as Kimi's remote code does before its template."""
+
+        def apply_chat_template(self, conversation: Any, tools: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+            return super().apply_chat_template(conversation, tools=sorted_keys(tools), **kwargs)
+
+    tokenizer = KimiTokenizerFast(
         tokenizer_object=tok,
         bos_token=special("bos_token", "[BOS]"),
         eos_token=special("eos_token", "[EOS]"),
@@ -119,8 +125,6 @@ def load_tiktoken_tokenizer(path: str) -> Any:
             template = f.read()
     if template:
         tokenizer.chat_template = template
-    # Kimi's remote code renders tools with every mapping's keys sorted (`render_chat` reads this)
-    tokenizer.sort_tool_keys = True
     return tokenizer
 
 

@@ -68,15 +68,10 @@ def render_chat(
     from jinja2 import TemplateError
 
     kwargs = dict(template_kwargs or {})
-    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-    if tool_dicts and getattr(tokenizer, "sort_tool_keys", False):  # Kimi's tokenizer does this
-        from deltaserve.models.tiktoken_tokenizer import sorted_keys
-
-        tool_dicts = sorted_keys(tool_dicts)
     try:
         return tokenizer.apply_chat_template(
             [message_to_dict(m) for m in messages],
-            tools=tool_dicts,
+            tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,

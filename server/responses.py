@@ -15,7 +15,6 @@ drop one. A restart forgets them all.
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -89,29 +88,26 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """The last `size` responses, in memory (least recently stored or used dropped first)."""
+    """The last `size` responses, in memory (least recently stored or used dropped first). Used
+    from the server's event loop only."""
 
     def __init__(self, size: int = STORE_SIZE) -> None:
         self.size = size
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._lock = threading.Lock()
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
-        with self._lock:
-            self._entries[response_id] = entry
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+        self._entries[response_id] = entry
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        with self._lock:
-            entry = self._entries.get(response_id)
-            if entry is not None:
-                self._entries.move_to_end(response_id)
-            return entry
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
 
     def delete(self, response_id: str) -> bool:
-        with self._lock:
-            return self._entries.pop(response_id, None) is not None
+        return self._entries.pop(response_id, None) is not None
 
 
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:

@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import bad_request
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 if TYPE_CHECKING:
     from deltaserve.engine.generation_defaults import SamplingDefaults
@@ -155,19 +155,19 @@ FORCED_CALLS = 4  # tool_choice "required": at most this many calls in one reply
 _VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-def _vllm_structured(req: Any) -> StructuredOutputs | None:
+def _vllm_structured(req: SamplingRequest) -> StructuredOutputs | None:
     """vLLM's `structured_outputs` ({"json": schema} or json_object / regex / choice / grammar)
     and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`."""
     from deltaserve.engine.sampling_params import StructuredOutputs
 
     legacy = {
-        "json": getattr(req, "guided_json", None),
-        "regex": getattr(req, "guided_regex", None),
-        "choice": getattr(req, "guided_choice", None),
-        "grammar": getattr(req, "guided_grammar", None),
+        "json": req.guided_json,
+        "regex": req.guided_regex,
+        "choice": req.guided_choice,
+        "grammar": req.guided_grammar,
     }
     legacy = {k: v for k, v in legacy.items() if v is not None}
-    given = getattr(req, "structured_outputs", None)
+    given = req.structured_outputs
     if given is not None and legacy:
         raise bad_request("give structured_outputs or a guided_* field, not both", "structured_outputs")
     if given is None and not legacy:

@@ -124,7 +124,7 @@ def test_forced_kimi_tool_call(kimi_llm):
 
 def test_tools_render_with_sorted_keys_as_kimis_code_does(kimi_tokenizer_folder):
     """Kimi's remote code sorts every key of the tools before its template renders them; the
-    native tokenizer asks `render_chat` to do the same (other tokenizers keep the client's order)."""
+    native tokenizer does the same (other tokenizers keep the client's order)."""
     import json
 
     from transformers import PreTrainedTokenizerFast
