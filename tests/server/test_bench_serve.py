@@ -1,0 +1,66 @@
+"""bench.serve against a real server on the built-in model: closed-loop levels streamed and not,
+the /health probe, the JSON report, and the offline comparison through deltaserve.LLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.serve import main
+
+pytestmark = pytest.mark.slow
+
+PROMPTS, OUTPUT_LEN = 4, 8
+SHAPE = ["--input-len", "16", "--output-len", str(OUTPUT_LEN), "--num-prompts", str(PROMPTS)]
+
+
+def check_run(run: dict[str, Any], streamed: bool) -> None:
+    assert run["failed"] == 0, run["errors"]
+    assert run["completed"] == PROMPTS
+    assert run["output_tokens"] == PROMPTS * OUTPUT_LEN
+    assert run["input_tokens"] == PROMPTS * 16
+    names = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms") if streamed else ("e2e_ms",)
+    for name in names:
+        s = run[name]
+        assert 0 < s["p50"] <= s["p90"] <= s["p99"], (name, s)
+    if not streamed:
+        assert run["ttft_ms"] is None and run["itl_ms"] is None
+
+
+def test_streamed_levels_with_health_probe(server: Any, tmp_path: Path) -> None:
+    path = tmp_path / "serve.json"
+    argv = ["--base-url", server.url, "--concurrency", "1,4", *SHAPE, "--health-probe"]
+    result = main([*argv, "--output-json", str(path)])
+    assert [r["concurrency"] for r in result["runs"]] == [1, 4]
+    for run in result["runs"]:
+        check_run(run, streamed=True)
+        assert run["health"]["probes"] > 0 and run["health"]["non_200"] == 0
+    saved = json.loads(path.read_text())
+    assert saved["runs"] == json.loads(json.dumps(result["runs"]))
+    assert saved["command"].startswith("python -m bench.serve --base-url") and saved["date"]
+    assert saved["settings"]["stream"] is True and saved["model"]
+
+
+def test_whole_responses_fresh_connections_and_offline(
+    server: Any, builtin_path: str, tmp_path: Path
+) -> None:
+    offline_args = json.dumps({"max_model_len": 64})
+    argv = ["--base-url", server.url, "--concurrency", "1,4", *SHAPE, "--no-stream", "--no-keepalive"]
+    argv += ["--offline-model", builtin_path, "--offline-args", offline_args]
+    result = main([*argv, "--output-json", str(tmp_path / "serve.json")])
+    for run, offline in zip(result["runs"], result["offline"], strict=True):
+        check_run(run, streamed=False)
+        assert offline["output_tokens"] == PROMPTS * OUTPUT_LEN
+        assert offline["concurrency"] == run["concurrency"]
+        assert run["server_vs_offline"] == run["output_tok_s"] / offline["output_tok_s"]
+    assert json.loads((tmp_path / "serve.json").read_text())["offline"] == result["offline"]
+
+
+def test_offline_only(builtin_path: str) -> None:
+    argv = ["--offline-only", "--offline-model", builtin_path, "--concurrency", "2", *SHAPE]
+    result = main([*argv, "--offline-args", json.dumps({"max_model_len": 64})])
+    assert result["runs"] == [] and len(result["offline"]) == 1
+    assert result["offline"][0]["output_tokens"] == PROMPTS * OUTPUT_LEN
