@@ -22,11 +22,12 @@ class CompletionOutput:
     index: int
     token_ids: list[int]  # cumulative (new ones only in a delta output)
     text: str  # cumulative, safe to show: stop strings trimmed, never a split character
-    finish_reason: str | None = None  # None while running, then "stop", "length" or "abort"
+    finish_reason: str | None = None  # None while running, then "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[Logprob] | None = None  # cumulative, when requested
     cumulative_logprob: float = 0.0
     num_tokens: int = -1  # tokens generated so far, in every kind of output (-1: len(token_ids))
+    error: str | None = None  # with finish_reason "error": what failed (for logs, not for clients)
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:

@@ -62,6 +62,8 @@ class Request:
     # structured outputs: the grammar's state (xgrammar GrammarMatcher), fed every new token
     matcher: Any = field(default=None, repr=False)
     grammar_broken: bool = False  # a token the grammar refused (the request ends there)
+    # a fault of this request alone (its logit processing raised): it finishes with "error"
+    error: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

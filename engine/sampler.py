@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,8 @@ from deltaserve.engine.request import Request
 
 if TYPE_CHECKING:
     from deltaserve.engine.sampler_graphs import Capture, SamplerGraphs
+
+logger = logging.getLogger(__name__)
 
 # Batches of at least TOPK_MIN_ROWS rows that all set a top-k of at most TOPK_LIMIT rank only
 # their k best tokens. On the H200 at Qwen3.5's 248k vocabulary (bench/sampler.py --ops) a
@@ -72,7 +75,7 @@ class Sampler:
                 tokens = self.graphs.sample(logits, reqs)
                 if tokens is not None:
                     return tokens
-        return self._sample_batch(logits.clone(), reqs)
+        return self._sample_batch(logits, reqs)
 
     def logprobs_of(
         self,
@@ -112,6 +115,30 @@ class Sampler:
             or len(r.output_token_ids) < p.min_tokens
         )
 
+    def process(
+        self, logits: torch.Tensor, reqs: list[Request], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`_process` of a copy of `logits` (made in `out` if given); `logits` stay as they are.
+
+        Should the batch's processing raise, each row is processed alone, and a row that raises
+        again fails its own request only: its `error` is set (the engine finishes it with
+        finish_reason "error") and it keeps its raw logits, so the other rows sample as before."""
+        out = logits.clone() if out is None else out.copy_(logits)
+        try:
+            return self._process(out, reqs)
+        except Exception:
+            if len(reqs) > 1:
+                logger.warning("logit processing failed for a batch; processing it row by row")
+        out.copy_(logits)
+        for i, r in enumerate(reqs):
+            try:
+                self._process(out[i : i + 1], [r])
+            except Exception as exc:
+                logger.exception("logit processing failed for request %s (it alone ends)", r.request_id)
+                r.error = f"logit processing failed ({type(exc).__name__})"
+                out[i].copy_(logits[i])
+        return out
+
     def _process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Logit biases, penalties, min_tokens bans and grammar masks, in place. (Biases need no
         host data of earlier steps, so unlike the others they do not keep a step from
@@ -143,7 +170,7 @@ class Sampler:
         return logits
 
     def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        logits = self._process(logits, reqs)
+        logits = self.process(logits, reqs)
         if all(r.params.greedy for r in reqs):
             return logits.argmax(dim=-1)
         vocab = logits.shape[-1]
@@ -187,7 +214,7 @@ class Sampler:
     def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The distribution each row samples from `[M, vocab]` (non-greedy rows; for rejection
         sampling of speculative drafts)."""
-        probs, order = self._filtered_probs(self._process(logits.float().clone(), reqs), reqs)
+        probs, order = self._filtered_probs(self.process(logits.float(), reqs), reqs)
         if order is None:
             return probs
         return torch.zeros(logits.shape, dtype=probs.dtype, device=probs.device).scatter_(1, order, probs)
@@ -223,7 +250,7 @@ def param_rows(reqs: list[Request], vocab: int) -> list[list[float]]:
         [1.0 if p.greedy else p.temperature for p in params],
         [p.min_p for p in params],
         [p.top_p for p in params],
-        [p.top_k or vocab for p in params],
+        [min(p.top_k, vocab) if p.top_k else vocab for p in params],  # any k past the vocabulary is all
         [1 if p.greedy else 0 for p in params],
     ]
 

@@ -91,8 +91,7 @@ class SamplerGraphs:
         n = len(reqs)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         width = self.width(reqs)
-        self.logits[:n].copy_(logits)
-        self.sampler._process(self.logits[:n], reqs)
+        self.sampler.process(logits, reqs, out=self.logits[:n])
         rows = np.empty((bs, 5), dtype=np.float32)
         rows[:n] = np.array(param_rows(reqs, self.vocab), dtype=np.float32).T
         rows[n:] = self._pad

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,14 @@ class SamplingParams:
             )
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):  # the ranges below let inf through, some NaN
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
+        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids, got {bad[0]!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -147,7 +156,7 @@ class SamplingParams:
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
-            if not -100.0 <= bias <= 100.0:
+            if not -100.0 <= bias <= 100.0:  # NaN fails this too
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
 
     @property

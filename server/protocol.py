@@ -3,15 +3,72 @@ OpenAI does; response models carry exactly OpenAI's field names."""
 
 from __future__ import annotations
 
+import math
+import re
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+# a str from JSON holds a surrogate code point only where the text had an unpaired \uD800-\uDFFF
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_PLAIN = {int, bool, type(None)}
+_LONE_SURROGATE = "holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not Unicode"
+
+
+def _scalar_problem(value: Any) -> str | None:
+    if isinstance(value, str):
+        return _LONE_SURROGATE if not value.isascii() and _SURROGATE.search(value) else None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value} is not a finite number"
+    return None
+
+
+def invalid_json_value(data: Any) -> tuple[str, str] | None:
+    """The first lone surrogate in a string or a key, or NaN or infinite number, in a parsed JSON
+    body, as (its dotted path, what is wrong); None if there is none. Python's json accepts both,
+    and neither survives the tokenizer, the sampler or the reply's encoding."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            items: Any = value.items()
+        elif isinstance(value, (list, tuple)):
+            if set(map(type, value)) <= _PLAIN:  # token id lists: checked in one pass in C
+                continue
+            items = enumerate(value)
+        else:
+            problem = _scalar_problem(value)
+            if problem is not None:
+                return ".".join(map(str, path)) or "body", problem
+            continue
+        for key, item in items:
+            if isinstance(key, str) and _scalar_problem(key) is not None:
+                return ".".join(map(str, path)) or "body", f"a key {_LONE_SURROGATE}"
+            if type(item) not in _PLAIN:
+                stack.append((item, (*path, key)))
+    return None
+
+
+class RequestBody(OpenAIModel):
+    """A request's top-level model. Its whole raw body is checked once, before any field, free-form
+    ones (tools, metadata, response_format) included: what the reply echoes must encode too."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json_values(cls, data: Any) -> Any:
+        found = invalid_json_value(data)
+        if found is not None:
+            path, reason = found
+            raise PydanticCustomError("invalid_json_value", "{reason}", {"param": path, "reason": reason})
+        return data
 
 
 def random_id(prefix: str) -> str:
@@ -51,7 +108,7 @@ class ChatMessage(OpenAIModel):
     reasoning_content: str | None = None
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestBody):
     """Fields shared by chat and completions; ranges are checked in `sampling.py` for clear messages."""
 
     model: str | None = None
@@ -104,7 +161,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -113,7 +170,7 @@ class TokenizeRequest(OpenAIModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

@@ -30,9 +30,11 @@ def build_sampling_params(
     prompt_len: int,
     max_model_len: int,
     defaults: SamplingDefaults | None = None,
+    vocab_size: int = 0,
 ) -> SamplingParams:
     """The engine's parameters for one request: the request's values, else `defaults` (the
-    checkpoint's generation_config.json, `--generation-config`), else OpenAI's."""
+    checkpoint's generation_config.json, `--generation-config`), else OpenAI's. Token ids
+    (stop_token_ids, logit_bias keys) must lie in [0, vocab_size) when it is known (not 0)."""
     from deltaserve.engine.sampling_params import SamplingParams
 
     check_range("n", req.n, 1, MAX_N)
@@ -47,6 +49,9 @@ def build_sampling_params(
         raise bad_request(
             f"repetition_penalty must be positive, got {req.repetition_penalty}", "repetition_penalty"
         )
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+        raise bad_request(f"seed must be a 64-bit integer, got {req.seed}", "seed")
+    check_token_ids("stop_token_ids", req.stop_token_ids or [], vocab_size)
 
     if isinstance(req, ChatCompletionRequest):
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -84,6 +89,7 @@ def build_sampling_params(
         max_tokens = min(room, defaults.max_tokens) if defaults.max_tokens else room
 
     logit_bias = _logit_bias(req.logit_bias)
+    check_token_ids("logit_bias", list(logit_bias or {}), vocab_size)
     structured = _response_format(req.response_format)
     vllm_style = _vllm_structured(req)
     if structured is not None and vllm_style is not None:
@@ -245,6 +251,14 @@ def tool_choice_constraint(
         )
     except ValueError as exc:
         raise bad_request(str(exc), "tool_choice") from exc
+
+
+def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
+    """400 for an id outside [0, vocab_size) (only below 0 while the vocabulary is unknown)."""
+    for t in ids:
+        if t < 0 or (vocab_size and t >= vocab_size):
+            bound = f"the vocabulary [0, {vocab_size})" if vocab_size else "the vocabulary"
+            raise bad_request(f"{name}: token id {t} is outside {bound}", name)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -1,0 +1,105 @@
+"""What is checked before a request's body is read: its API key and its size.
+
+A pure ASGI middleware, so that a stranger's or an oversized upload is answered at once, without
+a byte of its body in memory. A refusal closes the connection: the rest of that body is not read.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import TYPE_CHECKING
+
+from fastapi import HTTPException
+
+from .errors import error_body
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+    from .metrics import Metrics
+
+MAX_BODY_BYTES = 32 * 1024 * 1024  # the default limit on a request's body
+# what the key guards besides /v1 (/health, /metrics and /version stay open)
+_KEYED = ("/tokenize", "/detokenize")
+
+
+class BodyTooLarge(HTTPException):
+    """A body streamed past the limit; FastAPI passes it on to the app's 413 handler."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, too_large(limit))
+
+
+def too_large(limit: int) -> str:
+    return f"the request body is larger than this server's limit of {limit} bytes"
+
+
+class EdgeGuard:
+    """401 for a /v1, /tokenize or /detokenize request without the key (when one is set) and 413
+    for a body over `max_body_bytes`: by its Content-Length before anything is read, and for a
+    chunked body as soon as the bytes received pass the limit."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: Metrics) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key is not None else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])  # lower-case names (ASGI)
+        if self.api_key is not None and _keyed(scope["path"]) and not self._authorized(headers):
+            message = "missing or invalid API key; send 'Authorization: Bearer <key>'"
+            await self._refuse(send, 401, message, "invalid_api_key")
+            return
+        limit = self.max_body_bytes
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            await self._refuse(send, 413, too_large(limit), "request_too_large")
+            return
+        received = 0
+        started = False
+
+        async def receive_within_limit() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        async def send_started(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive_within_limit, send_started)
+        except BodyTooLarge:
+            if started:
+                raise
+            await self._refuse(send, 413, too_large(limit), "request_too_large")
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        assert self.api_key is not None
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+
+    async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
+        self.metrics.request_error(status)
+        body = json.dumps(error_body(status, message, None, code)).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _keyed(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in _KEYED
