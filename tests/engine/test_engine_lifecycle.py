@@ -83,9 +83,19 @@ def test_bad_requests_raise_and_change_nothing(engine, prompt, params, message):
 
 
 def test_waiting_queue_bound(engine):
-    p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    for i in range(4):
+    """A burst fills the free running places (3) and then the waiting queue (4) before anything
+    is refused, whether or not a step has moved the first ones into the running batch."""
+    p = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for i in range(7):
         engine.add_request(f"q{i}", [1, 2, 3], p)
+    with pytest.raises(QueueFullError):
+        engine.add_request("q-over", [1, 2, 3], p)
+    engine.step()
+    assert (engine.stats()["running"], engine.stats()["waiting"]) == (3, 4)
+    with pytest.raises(QueueFullError):
+        engine.add_request("q-over", [1, 2, 3], p)
+    engine.abort_request("q0")  # a running place frees: one more may wait for it
+    engine.add_request("q7", [1, 2, 3], p)
     with pytest.raises(QueueFullError):
         engine.add_request("q-over", [1, 2, 3], p)
     drain(engine)

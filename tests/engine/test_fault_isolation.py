@@ -1,0 +1,103 @@
+"""A fault that belongs to one request fails that request alone: the others in its step sample
+as they would have without it, and every page and slot is freed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.sampling_params import SamplingParams
+
+GOOD = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint) -> str:
+    return make_checkpoint("qwen3_next")
+
+
+def make_engine(path: str, overlap: bool) -> Engine:
+    cfg = EngineConfig(
+        model=path,
+        dtype="float32",
+        device="cpu",
+        chunked_prefill_size=512,
+        max_running_requests=16,
+        max_model_len=256,
+        enable_overlap_schedule=overlap,
+    )
+    return Engine(cfg)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    lengths = (3, 9, 17, 30, 5, 41, 12, 8, 22, 2)
+    return [torch.randint(0, 160, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(engine: Engine, bad: dict | None = None) -> dict:
+    """The ten good requests (and, with `bad`, an eleventh whose params are corrupted after
+    add_request's checks, as a bug past validation would): each one's final output."""
+    for i, p in enumerate(prompts()):
+        engine.add_request(f"good-{i}", p, GOOD)
+    if bad is not None:
+        engine.add_request("bad", [7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=5))
+        for name, value in bad.items():
+            setattr(engine.requests["bad"].params, name, value)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    for out in engine.step():  # anything queued after the last step
+        done[out.request_id] = out
+    return done
+
+
+def assert_idle(engine: Engine) -> None:
+    s = engine.stats()
+    assert (s["running"], s["waiting"], s["kv_pages_used"], s["state_slots_used"]) == (0, 0, 0, 0), s
+    assert not engine.requests
+
+
+@pytest.mark.parametrize(
+    "bad, overlap",
+    [
+        ({"stop_token_ids": [10**12]}, False),  # min_tokens bans an id past the vocabulary
+        ({"stop_token_ids": [2**70]}, False),  # ... or one that no int64 holds
+        ({"logit_bias": {10**12: 5.0}}, True),  # a bias needs no host data: the step overlaps
+        ({"logit_bias": {10**12: 5.0}}, False),
+    ],
+)
+def test_a_bad_request_fails_alone(checkpoint, bad: dict, overlap: bool) -> None:
+    engine = make_engine(checkpoint, overlap)
+    reference = run(engine)
+    assert_idle(engine)
+    done = run(engine, bad)
+    failed = done.pop("bad").outputs[0]
+    assert failed.finish_reason == "error" and failed.error and failed.token_ids == []
+    assert {rid: out.outputs[0].token_ids for rid, out in done.items()} == {
+        rid: out.outputs[0].token_ids for rid, out in reference.items()
+    }
+    assert all(len(out.outputs[0].token_ids) == 12 for out in done.values())
+    assert_idle(engine)
+    # the engine goes on serving
+    again = run(engine)
+    assert {rid: o.outputs[0].token_ids for rid, o in again.items()} == {
+        rid: o.outputs[0].token_ids for rid, o in reference.items()
+    }
+
+
+def test_engine_refuses_stop_ids_outside_the_vocabulary(checkpoint) -> None:
+    engine = make_engine(checkpoint, False)
+    for ids in ([engine.vocab_size], [10**12], [2**70], [-1]):
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=ids))
+    for name in ("temperature", "top_p", "presence_penalty"):
+        params = SamplingParams(max_tokens=4)
+        setattr(params, name, float("nan"))
+        with pytest.raises(ValueError, match=name):
+            engine.add_request("x", [1, 2, 3], params)
+    assert_idle(engine)

@@ -1,0 +1,414 @@
+"""One bad request never hurts anyone else: hostile inputs are 4xx OpenAI errors that keep the
+connection, the body's size and the API key are checked before the body is read, a burst fills
+the running batch and the waiting queue before anything is refused, a request the engine fails
+ends alone with an error, and nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from deltaserve.engine.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+
+NAN, INF = float("nan"), float("inf")
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
+KEY = "sekrit"
+LIMIT = 32 * 1024 * 1024  # the default body limit
+
+
+def error_of(status: int, body: bytes) -> dict:
+    """The OpenAI error object of an error reply (asserting its shape)."""
+    assert status >= 400, (status, body[:500])
+    payload = json.loads(body)
+    assert set(payload) == {"error"}
+    err = payload["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    return err
+
+
+HOSTILE = [
+    # token ids the sampler would index with
+    ("/v1/completions", {**COMPLETION, "min_tokens": 1, "stop_token_ids": [999999999]}, "stop_token_ids"),
+    ("/v1/completions", {**COMPLETION, "min_tokens": 1, "stop_token_ids": [2**70]}, "stop_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "min_tokens": 1, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"-1": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {str(2**70): 1}}, "logit_bias"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"5": NAN}}, "logit_bias.5"),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**9]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], [2**70]]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [-5]}, "prompt"),
+    ("/detokenize", {"tokens": [2**70]}, "tokens"),
+    ("/v1/completions", {**COMPLETION, "seed": 2**70}, "seed"),
+    ("/v1/completions", {**COMPLETION, "min_tokens": 2**70}, "min_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 2**70}, "max_tokens"),
+    # NaN and infinities, in typed and in free-form fields
+    ("/v1/chat/completions", {**CHAT, "temperature": NAN}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "top_p": INF}, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "min_p": NAN}, "min_p"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": -INF}, "presence_penalty"),
+    ("/v1/completions", {**COMPLETION, "frequency_penalty": NAN}, "frequency_penalty"),
+    ("/v1/completions", {**COMPLETION, "repetition_penalty": INF}, "repetition_penalty"),
+    ("/v1/completions", {**COMPLETION, "temperature": INF}, "temperature"),
+    ("/v1/responses", {**RESPONSE, "temperature": NAN}, "temperature"),
+    ("/v1/responses", {**RESPONSE, "top_p": NAN}, "top_p"),
+    ("/v1/responses", {**RESPONSE, "metadata": {"x": INF}}, "metadata.x"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "x": NAN}},
+        "response_format.x",
+    ),
+    # lone surrogates in every kind of text
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "a\ud800b"}]},
+        "messages.0.content",
+    ),
+    ("/v1/chat/completions", {**CHAT, "stop": ["ok", "\udfff"]}, "stop.1"),
+    ("/v1/chat/completions", {**CHAT, "model": "\ud800"}, "model"),
+    ("/v1/completions", {**COMPLETION, "prompt": "a\ud800b"}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["fine", "a\udc00"]}, "prompt.1"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"\ud800": 1}}, "logit_bias"),
+    ("/v1/responses", {**RESPONSE, "input": "a\ud800b"}, "input"),
+    ("/v1/responses", {**RESPONSE, "input": [{"role": "user", "content": "\ud800"}]}, "input.0.content"),
+    ("/v1/responses", {**RESPONSE, "instructions": "\udbff"}, "instructions"),
+    ("/tokenize", {"prompt": "a\ud800b"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+]
+
+
+@pytest.fixture(scope="module")
+def connection(server) -> Iterator[http.client.HTTPConnection]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    yield conn
+    conn.close()
+
+
+def send(
+    conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None = None
+) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    conn.request(method, path, body=body, headers=headers)
+    response = conn.getresponse()
+    return response.status, response.read()
+
+
+@pytest.mark.parametrize("path,body,param", HOSTILE, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(HOSTILE)])
+def test_hostile_input_is_4xx_and_keeps_the_connection(connection, path: str, body: dict, param: str) -> None:
+    raw = json.dumps(body).encode()  # NaN, Infinity and \ud800 escapes, as Python's json writes them
+    status, reply = send(connection, "POST", path, raw)
+    assert 400 <= status < 500, (status, reply[:500])
+    err = error_of(status, reply)
+    assert err["param"] == param, err
+    sock = connection.sock
+    status, reply = send(connection, "GET", "/v1/models")  # the same keep-alive connection
+    assert status == 200 and connection.sock is sock
+
+
+def test_huge_numbers_that_mean_no_limit_are_served(server) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", json={**COMPLETION, "top_k": 2**70}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def raw_request(port: int, head: str, data: bytes, wait: float = 10.0) -> tuple[int, bytes, float]:
+    """Send a request's head and the first bytes of its body, and read the answer (status, body,
+    seconds until it came) without sending the rest."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        start = time.monotonic()
+        sock.sendall(head.encode() + data)
+        received = b""
+        while b"\r\n\r\n" not in received or len(received.split(b"\r\n\r\n", 1)[1]) < _length(received):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        elapsed = time.monotonic() - start
+    head_bytes, _, body = received.partition(b"\r\n\r\n")
+    return int(head_bytes.split()[1]), body, elapsed
+
+
+def _length(received: bytes) -> int:
+    for line in received.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 1 << 60
+
+
+def post_head(path: str, length: int, key: str | None = None) -> str:
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
+        f"Content-Length: {length}\r\n\r\n"
+    )
+
+
+def test_oversized_body_is_413_before_it_is_read(server) -> None:
+    status, body, elapsed = raw_request(server.port, post_head("/v1/chat/completions", 10**9), b'{"model": ')
+    assert status == 413 and elapsed < 2.0
+    assert error_of(status, body)["code"] == "request_too_large"
+
+
+def test_chunked_body_over_the_limit_is_413(server) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(LIMIT // (1 << 20) + 2):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 413
+    error_of(r.status_code, r.content)
+
+
+@pytest.fixture(scope="module")
+def keyed(spawn_server):
+    """A server with an API key and a small running batch and waiting queue."""
+    return spawn_server(
+        "--max-model-len", "2048", "--max-running-requests", "16", "--max-waiting-requests", "8",
+        "--api-key", KEY,
+    )  # fmt: skip
+
+
+def test_api_key_is_checked_before_the_body(keyed) -> None:
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, body, elapsed = raw_request(keyed.port, post_head(path, 10_000_000), b'{"model": ')
+        assert status == 401 and elapsed < 2.0
+        assert error_of(status, body)["code"] == "invalid_api_key"
+        # the key first, the size after
+        status, _, _ = raw_request(keyed.port, post_head(path, 10**9, key="wrong"), b"{")
+        assert status == 401
+
+
+@pytest.mark.parametrize(
+    "path,body", [("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [1, 2, 3]})]
+)
+def test_tokenize_and_detokenize_need_the_key(keyed, path: str, body: dict) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(f"{keyed.url}{path}", json=body, headers=headers, timeout=30)
+        assert error_of(r.status_code, r.content)["type"] == "authentication_error"
+    r = httpx.post(f"{keyed.url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    for open_path in ("/health", "/metrics", "/version"):
+        assert httpx.get(f"{keyed.url}{open_path}", timeout=30).status_code == 200
+
+
+@pytest.mark.slow
+def test_burst_fills_running_and_waiting_before_refusing(keyed, read_metrics, until_idle) -> None:
+    """40 streams at once against 16 running places and 8 waiting ones: exactly 24 admitted."""
+    release = asyncio.Event()
+    body = {"model": MODEL_NAME, "prompt": "count", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+    async def one(http: httpx.AsyncClient, statuses: list[int]) -> None:
+        async with http.stream("POST", f"{keyed.url}/v1/completions", json=body) as r:
+            statuses.append(r.status_code)
+            if r.status_code == 503:
+                error_of(503, await r.aread())
+                return
+            await release.wait()  # hold the stream open: the request runs until we let go
+
+    async def burst() -> list[int]:
+        statuses: list[int] = []
+        limits = httpx.Limits(max_connections=100)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(timeout=120, limits=limits, headers=headers) as http:
+            tasks = [asyncio.create_task(one(http, statuses)) for _ in range(40)]
+            deadline = time.monotonic() + 60
+            while len(statuses) < 40 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            metrics = await asyncio.to_thread(read_metrics, keyed.url)
+            release.set()
+            await asyncio.gather(*tasks)
+        assert metrics["deltaserve_num_requests_running"] + metrics["deltaserve_num_requests_waiting"] == 24
+        return statuses
+
+    statuses = asyncio.run(burst())
+    assert sorted(statuses) == [200] * 24 + [503] * 16
+    assert read_metrics(keyed.url)['deltaserve_requests_rejected_total{reason="queue_full"}'] == 16
+    idle = until_idle(keyed.url)
+    assert idle["deltaserve_num_requests_running"] == idle["deltaserve_state_slots_used"] == 0
+
+
+@pytest.mark.slow
+def test_no_leak_after_random_requests_with_aborts(server, read_metrics, until_idle) -> None:
+    """About 100 requests of every kind, some hostile, some given up early: the pools end idle."""
+    rng = random.Random(0)
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        chat = rng.random() < 0.5
+        body: dict = dict(CHAT if chat else COMPLETION)
+        body.update(max_tokens=rng.randint(1, 30), n=rng.choice([1, 1, 2]), stream=rng.random() < 0.6)
+        if rng.random() < 0.3:
+            body.update(temperature=0.8, top_p=0.9, presence_penalty=0.5, seed=i)
+        if rng.random() < 0.15:
+            body.update(
+                rng.choice([{"temperature": NAN}, {"stop_token_ids": [10**9]}, {"logit_bias": {"x": 1}}])
+            )
+        url = f"{server.url}/v1/{'chat/completions' if chat else 'completions'}"
+        raw = json.dumps(body).encode()
+        headers = {"content-type": "application/json"}
+        give_up = rng.random() < 0.3
+        if body["stream"]:
+            async with http.stream("POST", url, content=raw, headers=headers) as r:
+                assert r.status_code < 500
+                lines = 0
+                async for _ in r.aiter_lines():
+                    lines += 1
+                    if give_up and lines > 3:
+                        return  # closing the stream aborts the request
+            return
+        try:
+            r = await asyncio.wait_for(http.post(url, content=raw, headers=headers), 0.2 if give_up else 120)
+            assert r.status_code < 500, r.text
+        except asyncio.TimeoutError:
+            pass  # the client hung up: the server aborts it
+
+    async def run() -> None:
+        limit = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(timeout=120) as http:
+
+            async def bounded(i: int) -> None:
+                async with limit:
+                    await one(http, i)
+
+            await asyncio.gather(*(bounded(i) for i in range(100)))
+
+    aborted = 'deltaserve_requests_total{outcome="abort"}'
+    before = read_metrics(server.url)[aborted]
+    asyncio.run(run())
+    m = until_idle(server.url)
+    assert m[aborted] - before >= 10  # the clients that gave up were aborted
+    keys = ("num_requests_running", "num_requests_waiting", "kv_pages_used", "state_slots_used")
+    assert all(m[f"deltaserve_{k}"] == 0 for k in keys), {k: m[f"deltaserve_{k}"] for k in keys}
+    assert httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=60).status_code == 200
+
+
+# ----------------------------------------------------------- a request that the engine fails alone
+
+
+class FailingEngine:
+    """The Engine interface: every request generates "ab" one token per step, but one whose seed is
+    13 finishes with finish_reason "error" after its first token (a fault of its own)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = 512
+        self.vocab_size = len(tokenizer)
+        self.model_info = {"model": "failing", "architecture": "Failing"}
+        self.eos_token_ids: list[int] = []
+        self.script = tokenizer.encode("ab cd ef", add_special_tokens=False)
+        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.requests[request_id] = (prompt_token_ids, params, [])
+
+    def abort_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, int]:
+        return {"running": len(self.requests), "waiting": 0}
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.01)
+        outputs = []
+        for request_id, (prompt, params, out) in list(self.requests.items()):
+            failed = params.seed == 13 and len(out) == 1
+            if not failed:
+                out.append(self.script[len(out)])
+            done = failed or len(out) == len(self.script)
+            reason = "error" if failed else ("stop" if done else None)
+            tokens = out[-1:] if params.output_kind == "delta" and not failed else ([] if failed else out)
+            text = self.tokenizer.decode(tokens)
+            completion = CompletionOutput(0, tokens, text, reason, num_tokens=len(out))
+            completion.error = "IndexError: secret internals" if failed else None
+            if done or params.output_kind != "final_only":
+                delta = params.output_kind == "delta"
+                outputs.append(RequestOutput(request_id, prompt, [completion], done, delta=delta))
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+
+@pytest.fixture(scope="module")
+def failing_url(builtin_path: str) -> Iterator[str]:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from deltaserve.server.app import build_app
+    from deltaserve.server.engine_client import EngineClient
+
+    engine = FailingEngine(AutoTokenizer.from_pretrained(builtin_path))
+    app = build_app(EngineClient.in_thread(engine), model_names=["failing"])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def sse_data(lines: list[str]) -> list[str]:
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_request_failed_by_the_engine_ends_alone(failing_url: str, path: str) -> None:
+    body = {"model": "failing", "max_tokens": 20, "seed": 13}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    with httpx.Client(base_url=failing_url, timeout=30) as http:
+        with http.stream("POST", path, json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            events = sse_data(list(r.iter_lines()))
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert (
+            err["type"] == "server_error"
+            and "secret" not in err["message"]
+            and "IndexError" not in err["message"]
+        )
+        assert all("error" not in json.loads(e) for e in events[:-2])  # the chunks before it are ordinary
+
+        r = http.post(path, json=body)
+        assert r.status_code == 500 and "secret" not in r.text and "IndexError" not in r.text
+        assert r.json()["error"]["type"] == "server_error"
+
+        ok = http.post(path, json={**body, "seed": 1})  # beside it, others finish normally
+        assert ok.status_code == 200
+        choice = ok.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+
+
+def test_response_failed_by_the_engine_is_an_error_event(failing_url: str) -> None:
+    body = {"model": "failing", "input": "hi", "seed": 13, "stream": True}
+    with httpx.stream("POST", f"{failing_url}/v1/responses", json=body, timeout=30) as r:
+        events = [json.loads(e) for e in sse_data(list(r.iter_lines()))]
+    assert events[-1]["type"] == "error" and "secret" not in events[-1]["message"]
+    r = httpx.post(f"{failing_url}/v1/responses", json={**body, "stream": False}, timeout=30)
+    assert r.status_code == 500 and "secret" not in r.text
