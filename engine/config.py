@@ -22,10 +22,13 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     device: str | None = None  # None: cuda when available
-    max_running_requests: int = 64
+    max_running_requests: int | None = None  # None: 256 on CUDA, 64 on CPU (clamped to what memory holds)
     max_waiting_requests: int = 1024
     max_model_len: int | None = None
-    chunked_prefill_size: int = 512
+    # a step's token budget (decode rows count too) and the largest prefill chunk of one request;
+    # None: 8192 on CUDA, 512 on CPU, and the chunk as large as the budget
+    max_num_batched_tokens: int | None = None
+    chunked_prefill_size: int | None = None
     page_size: int = 16
     cache_type: str = "radix"  # "naive": no reuse across requests
     prefix_cache_policy: str = "marconi"  # snapshot admission / eviction: see cache_policy.py
@@ -34,6 +37,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     mem_fraction_static: float = 0.85
+    pool_memory_gb: float | None = None  # CPU: KV and state pools' memory; None: a quarter of what is free
     num_kv_pages: int | None = None  # overrides the memory-based sizing
     num_snapshot_slots: int | None = None  # radix: default two per running request
     disable_cuda_graph: bool = False
@@ -44,6 +48,9 @@ class EngineConfig:
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m, ...}: see
     # engine/spec_decode/config.py
     speculative_config: dict[str, Any] | None = None
+    # run a few prompts at start-up so that kernels compile before the first request;
+    # None: on CUDA (where compiling and autotuning take seconds), off on CPU
+    warmup: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,10 +72,21 @@ class EngineConfig:
             )
         if self.prefix_cache_alpha < 0:
             raise ValueError("prefix_cache_alpha must be non-negative")
+        on_cuda = torch.device(self.device).type == "cuda"
+        if self.warmup is None:
+            self.warmup = on_cuda
+        if self.max_running_requests is None:
+            self.max_running_requests = 256 if on_cuda else 64
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be at least 1")
-        if self.chunked_prefill_size < 1:
-            raise ValueError("chunked_prefill_size must be at least 1")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(8192 if on_cuda else 512, self.chunked_prefill_size or 0)
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = self.max_num_batched_tokens
+        if self.chunked_prefill_size < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("chunked_prefill_size and max_num_batched_tokens must be at least 1")
+        if self.pool_memory_gb is not None and self.pool_memory_gb <= 0:
+            raise ValueError("pool_memory_gb must be positive")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         _ = self.spec  # validates speculative_config
@@ -103,9 +121,25 @@ class EngineConfig:
         spec = self.spec
         if spec is None:
             return 0
-        return min(spec.max_batch or 32, self.max_running_requests)
+        return min(spec.max_batch or 32, self.num_running)
+
+    @property
+    def num_running(self) -> int:
+        """max_running_requests, resolved (it is None only before __post_init__)."""
+        assert self.max_running_requests is not None
+        return self.max_running_requests
+
+    @property
+    def chunk_size(self) -> int:
+        assert self.chunked_prefill_size is not None
+        return self.chunked_prefill_size
+
+    @property
+    def step_tokens(self) -> int:
+        assert self.max_num_batched_tokens is not None
+        return self.max_num_batched_tokens
 
     @property
     def chunk_align(self) -> int:
         """Non-final prefill chunks are multiples of this (prefix-cache snapshots sit there)."""
-        return min(64, self.chunked_prefill_size)
+        return min(64, self.chunk_size)

@@ -26,6 +26,7 @@ import torch
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.errors import QueueFullError
 from deltaserve.engine.forward_batch import build_forward_batch
 from deltaserve.engine.h2d import to_device_packed
 from deltaserve.engine.model_runner import ModelRunner
@@ -50,10 +51,6 @@ class _InFlight:
     tokens: torch.Tensor  # on the device, one per sampled request
     host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `done` fired
     done: Any  # torch.cuda.Event, or None off CUDA
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound; the caller should retry later (HTTP 503)."""
 
 
 def eos_token_ids_of(path: str, config: Any, tokenizer: Any | None) -> list[int]:
@@ -88,8 +85,8 @@ class Engine:
         self.runner = ModelRunner(config, loaded, self.device)
         self.max_model_len = self.runner.sizes.max_model_len
         kv, st = self.runner.kv_pool, self.runner.state_pool
-        cost = prefill_cost(loaded.config, self.runner.model.layer_types, loaded.num_params)
-        self.prefix_cache = make_prefix_cache(config, kv, st, cost)
+        self._prefill_cost = prefill_cost(loaded.config, self.runner.model.layer_types, loaded.num_params)
+        self.prefix_cache = make_prefix_cache(config, kv, st, self._prefill_cost)
         self.scheduler = Scheduler(config, kv, st, self.prefix_cache)
         self._grammars: Any = None  # structured outputs' compiled grammars (engine/structured.py)
         self._grammars_lock = threading.Lock()
@@ -109,7 +106,7 @@ class Engine:
         # a step's wall time less this is its host work, the part that overlap has to hide)
         self.read_back_wait_s = 0.0
         if config.enable_overlap_schedule and self.device.type == "cuda":
-            n = config.max_running_requests
+            n = config.num_running
             self._host_buffers = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self.counters = {
             "prompt_tokens_total": 0,
@@ -141,6 +138,31 @@ class Engine:
             "cache_type": config.cache_type,
             "page_size": config.page_size,
         }
+        if config.warmup:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run a few prompts of mixed lengths through mixed steps once before serving: the first
+        prefill of each shape compiles and autotunes its Triton / FLA kernels (seconds), which
+        would otherwise stall every stream of the first requests. Then the engine is as new: an
+        empty prefix cache with fresh statistics, counters at zero, pools idle."""
+        t0 = time.perf_counter()
+        longest = max(1, min(self.config.chunk_size, self.max_model_len - 4, 1000))
+        lengths = sorted({longest, min(77, longest), min(16, longest)}, reverse=True)
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, output_kind="final_only")
+        for i, n in enumerate(lengths):
+            self.add_request(
+                f"deltaserve-warmup-{i}", [(7 * j + i) % self.vocab_size for j in range(n)], params
+            )
+            self.step()  # the next one arrives while this one runs: a mixed step
+        while self.has_unfinished_requests():
+            self.step()
+        self.prefix_cache.flush()
+        kv, st = self.runner.kv_pool, self.runner.state_pool
+        self.prefix_cache = make_prefix_cache(self.config, kv, st, self._prefill_cost)
+        self.scheduler.prefix_cache = self.prefix_cache
+        self.counters = dict.fromkeys(self.counters, 0)
+        logger.info("warmed up the prefill kernels in %.1f s", time.perf_counter() - t0)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -158,6 +180,11 @@ class Engine:
         bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         n_prompt = len(prompt_token_ids)
         if params.max_tokens is None:
             if n_prompt >= self.max_model_len:
@@ -170,8 +197,12 @@ class Engine:
                 f"the prompt has {n_prompt} tokens and max_tokens is {params.max_tokens}: together "
                 f"{n_prompt + params.max_tokens}, over the maximum model length of {self.max_model_len}"
             )
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
+        # requests not yet scheduled into free running places do not count against the bound
+        free = max(0, self.config.num_running - len(self.scheduler.running))
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests + free:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.config.max_waiting_requests} requests beyond the running batch)"
+            )
         matcher = None
         if params.structured_outputs is not None:  # compiled here: a bad schema is the caller's 400
             matcher = self._grammars_built().matcher(params.structured_outputs)
@@ -462,6 +493,8 @@ class Engine:
         self._check_token(req, tok)
 
     def _record_token(self, req: Request, tok: int, lp: Any, now: float) -> None:
+        if req.error is not None:  # sampled from logits its processing could not touch: not its token
+            return
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_token_ids.append(tok)
@@ -474,17 +507,27 @@ class Engine:
             req.cumulative_logprob += lp.logprob
 
     def _check_token(self, req: Request, tok: int) -> None:
-        """Detokenize the newest token and apply the stop conditions."""
-        checked = req.detokenizer.length
-        req.detokenizer.append(tok)
-        verdict = check_stop(req, tok, self.eos_token_ids, self.max_model_len, checked)
-        if verdict is None and (req.grammar_broken or (req.matcher is not None and req.matcher.terminated)):
+        """Detokenize the newest token and apply the stop conditions. A request whose own part of
+        the step failed (`Request.error`, or an exception here) finishes with "error" alone."""
+        verdict = None
+        if req.error is None:
+            try:
+                checked = req.detokenizer.length
+                req.detokenizer.append(tok)
+                verdict = check_stop(req, tok, self.eos_token_ids, self.max_model_len, checked)
+            except Exception as exc:
+                logger.exception("detokenizing or stop checks failed for request %s", req.request_id)
+                req.error = f"stop checks failed ({type(exc).__name__})"
+        if req.error is not None:
+            verdict = ("error", None)
+        elif verdict is None and (req.grammar_broken or (req.matcher is not None and req.matcher.terminated)):
             verdict = ("stop", None)  # the grammar is complete (its stop token accepted)
         if verdict is not None:
             self._finish(req, *verdict)
 
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
-        if not isinstance(stop_reason, str):  # a matched stop string already cut the text
+        # a matched stop string already cut the text; a failed request's text is not trusted
+        if not isinstance(stop_reason, str) and reason != "error":
             req.detokenizer.flush()
         req.finish_reason = reason
         req.stop_reason = stop_reason
@@ -525,6 +568,7 @@ class Engine:
             logprobs=logprobs,
             cumulative_logprob=req.cumulative_logprob,
             num_tokens=n_tokens,
+            error=req.error,
         )
         return RequestOutput(
             request_id=req.request_id,

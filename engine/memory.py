@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
 from deltaserve.engine.config import EngineConfig
 
-# a CPU machine has no "free device memory" to fill: give the pools this much
-_CPU_POOL_BYTES = 2 << 30
+logger = logging.getLogger(__name__)
+
+_CPU_POOL_SHARE = 0.25  # a CPU machine's pools get this share of the memory available at start-up
+_CPU_POOL_MIN = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,11 @@ def plan_pools(
     max_position_embeddings: int,
     device: torch.device,
 ) -> PoolSizes:
-    slots = config.max_running_requests
+    """Pages and slots for the memory the weights leave. Requested slots that do not fit are
+    clamped (the prefix cache's snapshots first, then the running requests), always leaving KV
+    pages for one request of the full model length; only when not one request fits is it an error.
+    A clamp lowers `config.max_running_requests`, which the scheduler reads."""
+    slots = config.num_running
     snapshots = config.num_snapshot_slots
     if snapshots is None:
         # Each running request holds one snapshot slot for the state at its last page
@@ -36,24 +44,40 @@ def plan_pools(
         snapshots = 2 * slots if config.cache_type == "radix" else 0
     page = config.page_size
     want_len = min(config.max_model_len or max_position_embeddings, max_position_embeddings)
+    spec = config.spec
+    # the speculative window buffer: k + 1 states for each request verified in a step
+    window = config.spec_window_rows * (spec.num_speculative_tokens + 1) if spec else 0
     if config.num_kv_pages is not None:
         pages = config.num_kv_pages
     else:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            total = torch.cuda.get_device_properties(device).total_memory
-            budget = int(free - total * (1.0 - config.mem_fraction_static))
-        else:
-            budget = _CPU_POOL_BYTES
-        spec = config.spec
-        # the speculative window buffer: k + 1 states for each request verified in a step
-        window = config.spec_window_rows * (spec.num_speculative_tokens + 1) if spec else 0
-        budget -= (1 + slots + snapshots + window) * bytes_per_slot
-        if budget <= 0:
-            raise ValueError(
-                f"not enough memory for {slots + snapshots} state slots of {bytes_per_slot / 2**20:.1f} MiB; "
-                "lower --max-running-requests"
+        budget = _pool_budget(config, device)
+        one_request = math.ceil(want_len / page) * max(bytes_per_page, 1)
+        states = budget - one_request - (1 + window) * bytes_per_slot
+        fit = states // max(bytes_per_slot, 1)
+        if slots + snapshots > fit:
+            asked = (slots, snapshots)
+            per_request = 1 if config.cache_type == "radix" else 0  # a snapshot slot each, at least
+            tree = snapshots - per_request * slots
+            snapshots -= min(tree, slots + snapshots - fit)
+            if slots + snapshots > fit:
+                slots = int(fit // (1 + per_request))
+                snapshots = per_request * slots
+            if slots < 1:
+                raise ValueError(
+                    f"not enough memory for one request: a state slot takes {bytes_per_slot / 2**20:.1f} MiB "
+                    f"and {one_request / 2**30:.2f} GiB of KV pages hold {want_len} tokens; free memory, "
+                    "lower --max-model-len or raise --mem-fraction-static"
+                )
+            logger.warning(
+                "memory holds %d running requests and %d snapshot slots, not the %d and %d asked for "
+                "(a slot is %.1f MiB); clamped",
+                slots,
+                snapshots,
+                *asked,
+                bytes_per_slot / 2**20,
             )
+            config.max_running_requests = slots
+        budget -= (1 + slots + snapshots + window) * bytes_per_slot
         pages = budget // max(bytes_per_page, 1)
         # no use in more pages than every running request at full length can fill
         pages = min(pages, math.ceil(want_len / page) * slots + 1)
@@ -62,3 +86,26 @@ def plan_pools(
     if config.max_model_len is not None and config.max_model_len > capacity:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV capacity of {capacity} tokens")
     return PoolSizes(pages, slots, snapshots, min(want_len, capacity))
+
+
+def _pool_budget(config: EngineConfig, device: torch.device) -> int:
+    """Bytes for the KV and state pools: on CUDA what the weights leave of the static fraction, on
+    CPU `pool_memory_gb` or a share of the memory available now."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(free - total * (1.0 - config.mem_fraction_static))
+    if config.pool_memory_gb is not None:
+        return int(config.pool_memory_gb * 2**30)
+    return max(_CPU_POOL_MIN, int(_available_bytes() * _CPU_POOL_SHARE))
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

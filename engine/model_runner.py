@@ -101,7 +101,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
-        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.num_running)
         max_pages = -(-self.sizes.max_model_len // self.config.page_size)
         try:
             self.graph_runner = CudaGraphRunner(

@@ -1,7 +1,9 @@
 """Continuous batching with chunked prefill over the KV page pool and the state pool.
 
 Each step: running decodes first (one token each), then the next chunks of running
-prefills, then newly admitted requests, within `chunked_prefill_size` prefill tokens. A
+prefills, then newly admitted requests, within `max_num_batched_tokens` tokens in all (decode
+rows count), no request's chunk longer than `chunked_prefill_size`: prefill chunks ride along
+with the decodes, as in vLLM and SARATHI, so that a step's time stays bounded. A
 request is admitted only when a state slot and the pages for its first chunk are free;
 otherwise it waits. A decode that finds no free page preempts the newest running request
 (its pages and slot are freed and it is recomputed later).
@@ -71,7 +73,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput | None:
-        budget = self.config.chunked_prefill_size
+        budget = self.config.step_tokens
         decodes: list[ScheduledChunk] = []
         verifies: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
@@ -91,6 +93,7 @@ class Scheduler:
                         drafts = []
                 if drafts:
                     verifies.append(ScheduledChunk(req, 1 + len(drafts), True, drafts))
+                    budget -= 1 + len(drafts)
                     continue
                 while not self._ensure_pages(req, req.num_tokens):
                     victim = self.running[-1]
@@ -100,13 +103,14 @@ class Scheduler:
                         break
                 if req.status is Status.RUNNING:
                     decodes.append(ScheduledChunk(req, 1, True))
+                    budget -= 1
                 continue
             chunk = self._chunk(req, budget)
-            if chunk == 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
+            if chunk <= 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
                 continue
             budget -= chunk
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+        while self.waiting and budget > 0 and len(self.running) < self.config.num_running:
             req = self.waiting[0]
             if req.num_placeholders:  # preempted with a token in flight: wait for its value
                 break
@@ -116,7 +120,7 @@ class Scheduler:
             req.slot = slot
             self.prefix_cache.attach(req)
             chunk = self._chunk(req, budget)
-            if chunk == 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
+            if chunk <= 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
                 self.prefix_cache.detach(req)
                 self.state_pool.free(slot)
                 req.slot = None
@@ -146,6 +150,7 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         pending = req.num_pending
+        budget = min(budget, self.config.chunk_size)
         if pending <= budget:
             chunk = pending
         else:

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve import __version__
+from deltaserve.engine.errors import EngineDeadError
 from deltaserve.engine.generation_defaults import SamplingDefaults
 
 from .chat import create_chat_completion
 from .chat_template import render_chat
 from .completions import create_completion
 from .context import ServerContext
+from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient
 from .errors import APIError, bad_request, error_body, validation_message
 from .metrics import Metrics
@@ -42,8 +43,10 @@ def build_app(
     chat_template: str | None = None,
     api_key: str | None = None,
     sampling_defaults: SamplingDefaults | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
-    """The app for one engine client; the client's engine thread runs for the app's lifespan."""
+    """The app for one engine client; the client's engine thread runs for the app's lifespan.
+    `api_key` guards /v1, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413."""
     metrics = engine_client.metrics or Metrics(model_names[0])
     engine_client.metrics = metrics
     ctx = ServerContext(
@@ -59,20 +62,9 @@ def build_app(
     app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     _install_error_handlers(app, metrics)
+    app.add_middleware(EdgeGuard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
 
-    async def check_api_key(request: Request) -> None:
-        if ctx.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), ctx.api_key.encode()
-        ):
-            raise APIError(
-                401, "missing or invalid API key; send 'Authorization: Bearer <key>'", None, "invalid_api_key"
-            )
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -113,8 +105,10 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        alive = engine_client.accepting and engine_client.is_alive()
-        return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
+        healthy, why = engine_client.health()
+        if healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -122,7 +116,10 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        stats = await engine_client.stats()
+        try:
+            stats = await engine_client.stats()
+        except EngineDeadError:  # the HTTP side's own counters still tell what happened
+            stats = {"engine_faults_total": engine_client.faults}
         return PlainTextResponse(metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
@@ -130,7 +127,10 @@ def build_app(
         ctx.resolve_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
-        if body.messages is not None:
+
+        def encode() -> list[int]:
+            if body.messages is None:
+                return ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
             text = render_chat(
                 ctx.need_tokenizer(),
                 body.messages,
@@ -138,9 +138,9 @@ def build_app(
                 add_generation_prompt=body.add_generation_prompt,
                 template_kwargs=body.chat_template_kwargs,
             )
-            tokens = ctx.encode(text)
-        else:
-            tokens = ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+            return ctx.encode(text)
+
+        tokens = await ctx.off_loop(encode)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine_client.max_model_len}
 
     @app.post("/detokenize")
@@ -149,7 +149,7 @@ def build_app(
         bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "tokens")
-        return {"prompt": ctx.decode(body.tokens)}
+        return {"prompt": await ctx.off_loop(ctx.decode, body.tokens)}
 
     return app
 
@@ -157,7 +157,8 @@ def build_app(
 def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     def reply(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
         metrics.request_error(status)
-        return JSONResponse(error_body(status, message, param, code), status_code=status)
+        headers = {"Retry-After": "1"} if status == 503 else None  # full or draining: try again soon
+        return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -174,5 +175,5 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return reply(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
+        logger.exception("unhandled error")  # the detail is for the log: a client learns nothing inside
+        return reply(500, "internal error", None, "internal_error")

@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
 from .chat_template import render_chat
 from .context import ClientDisconnected, ServerContext
-from .engine_client import RequestGroup, ShuttingDownError
-from .errors import error_body
+from .engine_client import RequestGroup
+from .errors import error_body, failure_of, raise_if_failed
 from .logprobs import chat_logprobs
 from .protocol import (
     AssistantMessage,
@@ -86,6 +86,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
         prompt_len=len(prompt_ids),
         max_model_len=ctx.client.max_model_len,
         defaults=ctx.sampling_defaults,
+        vocab_size=ctx.vocab_size,
     )
     forced = tool_choice_constraint(
         req.tool_choice,
@@ -203,6 +204,7 @@ async def _stream(
     try:
         async for outputs in group:
             for out in outputs:
+                raise_if_failed(out)  # failed in the engine: the stream ends with an error event
                 latest[out.request_id] = out
                 state, completion = states[out.request_id], out.outputs[0]
                 # the engine sends deltas: what this step (or the steps merged into it) added
@@ -223,9 +225,7 @@ async def _stream(
                     )
                     yield chunk([choice])
     except Exception as exc:  # the engine failed or the server is draining: tell the client in-band
-        yield sse(
-            error_body(503 if isinstance(exc, ShuttingDownError) else 500, str(exc) or type(exc).__name__)
-        )
+        yield sse(error_body(*failure_of(exc)))
         yield "data: [DONE]\n\n"
         return
     if options and options.include_usage:

@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--max-running-requests",
         type=_int_at_least(1),
-        default=64,
-        help="most requests decoded together (bounded by state slots)",
+        default=None,
+        help="most requests decoded together; default 256 on CUDA, 64 on CPU, lowered at start-up "
+        "to what memory holds (state slots)",
     )
     engine.add_argument(
         "--max-waiting-requests",
@@ -176,10 +177,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest prompt plus completion in tokens; default: the model's max_position_embeddings",
     )
     engine.add_argument(
+        "--max-num-batched-tokens",
+        type=_int_at_least(1),
+        default=None,
+        help="tokens one step computes, decode rows and prefill chunks together; default 8192 on "
+        "CUDA, 512 on CPU",
+    )
+    engine.add_argument(
         "--chunked-prefill-size",
         type=_int_at_least(1),
-        default=512,
-        help="prompt tokens prefilled per request per step",
+        default=None,
+        help="largest prefill chunk of one request in one step; default: the step's budget",
     )
     engine.add_argument(
         "--page-size", type=_power_of_two, default=16, help="tokens per KV-cache page (a power of two)"
@@ -204,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.85,
         help="fraction of GPU memory for weights, KV pages and state slots (the pools get what the "
         "weights leave)",
+    )
+    engine.add_argument(
+        "--pool-memory-gb",
+        type=float,
+        default=None,
+        help="CPU device: memory for KV pages and state slots in GiB; default a quarter of the "
+        "memory available at start-up (CUDA sizes its pools with --mem-fraction-static)",
     )
     engine.add_argument(
         "--cuda-graph-max-bs",
@@ -253,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on every /v1 route; default: $DELTASERVE_API_KEY",
+    )
+    http.add_argument(
+        "--max-request-body-mb",
+        type=float,
+        default=32.0,
+        help="largest request body in MiB; a larger one gets HTTP 413 before it is read",
     )
     http.add_argument(
         "--chat-template",

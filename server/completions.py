@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .chat import sse, usage_of
 from .context import ClientDisconnected, ServerContext
-from .engine_client import RequestGroup, ShuttingDownError
-from .errors import bad_request, error_body
+from .engine_client import RequestGroup
+from .errors import bad_request, error_body, failure_of, raise_if_failed
 from .logprobs import completion_logprobs, prompt_completion_logprobs
 from .protocol import (
     CompletionChoice,
@@ -95,6 +95,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
             prompt_len=len(ids),
             max_model_len=ctx.client.max_model_len,
             defaults=ctx.sampling_defaults,
+            vocab_size=ctx.vocab_size,
         )
         if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt
             await ctx.compile_structured(params.structured_outputs)
@@ -177,6 +178,7 @@ async def _stream(
     try:
         async for outputs in group:
             for out in outputs:
+                raise_if_failed(out)  # failed in the engine: the stream ends with an error event
                 # the engine sends deltas: what this step (or the steps merged into it) added
                 rid, completion = out.request_id, out.outputs[0]
                 latest[rid] = out
@@ -200,9 +202,7 @@ async def _stream(
                         )
                     )
     except Exception as exc:  # the engine failed or the server is draining: tell the client in-band
-        yield sse(
-            error_body(503 if isinstance(exc, ShuttingDownError) else 500, str(exc) or type(exc).__name__)
-        )
+        yield sse(error_body(*failure_of(exc)))
         yield "data: [DONE]\n\n"
         return
     if options and options.include_usage:

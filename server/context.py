@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
+from deltaserve.engine.errors import EngineDeadError, EngineFaultError
 from deltaserve.engine.generation_defaults import SamplingDefaults
 
-from .engine_client import EngineClient, QueueFullError, RequestGroup
-from .errors import APIError, bad_request
+from .engine_client import EngineClient, QueueFullError, RequestGroup, ShuttingDownError
+from .errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed
 from .logprobs import TokenText
 from .metrics import Metrics
 from .tool_calls import tool_call_format
@@ -85,11 +86,8 @@ class ServerContext:
         """Compile a request's grammar in the prompt worker, before it is submitted: a new JSON
         schema can take xgrammar a while, which the engine's thread would otherwise spend while
         every stream waits. A bad schema is a 400 here."""
-        compile_fn = getattr(getattr(self.client, "engine", None), "compile_structured", None)
-        if compile_fn is None:
-            return
         try:
-            await self.off_loop(compile_fn, spec)
+            await self.client.call("compile_structured", spec)
         except ValueError as exc:
             raise bad_request(str(exc), None) from exc
 
@@ -99,7 +97,11 @@ class ServerContext:
         try:
             return await self.client.add(requests, track)
         except QueueFullError as exc:
+            reason = "shutting_down" if isinstance(exc, ShuttingDownError) else "queue_full"
+            self.metrics.request_rejected(reason)
             raise APIError(503, str(exc), None, "queue_full") from exc
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), None, "engine_unavailable") from exc
         except ValueError as exc:
             raise bad_request(str(exc), None) from exc
 
@@ -130,7 +132,16 @@ class ServerContext:
         final: dict[str, RequestOutput] = {}
         try:
             async for outputs in group:
-                final.update((out.request_id, out) for out in outputs)
+                for out in outputs:
+                    raise_if_failed(out)
+                    final[out.request_id] = out
+        except RequestFailedError as exc:
+            raise APIError(500, "internal error", None, "internal_error") from exc
+        except (QueueFullError, EngineDeadError, EngineFaultError) as exc:
+            status, message = failure_of(exc)
+            raise APIError(
+                status, message, None, "engine_unavailable" if status == 503 else "engine_error"
+            ) from exc
         finally:
             watcher.cancel()
             self.client.abort(group)

@@ -1,23 +1,34 @@
-"""The bridge between the HTTP event loop and the synchronous Engine.
+"""The HTTP process's side of the engine: a started engine core (engine/core.py) and the async
+client that talks to it.
 
-The Engine runs in its own thread, so no request waits on another's forward pass except through
-batching. Commands (add, abort, stats, stop) reach it through one thread-safe queue; its outputs come
-back once per step through `loop.call_soon_threadsafe` and fan out to one asyncio queue per request.
-Only the engine thread ever touches the Engine.
+The engine runs in its own process (`EngineHandle.spawn`), so the event loop and the step loop
+never share a GIL; tests may run the same loop in a thread over any object with the Engine's
+interface (`EngineHandle.in_thread`). Either way the client speaks to it over pyzmq: adds and
+calls await the reply that comes back with the next step's message, aborts are fire and forget,
+and each step's outputs fan out to one asyncio queue per request. A dead engine process fails
+every request in flight at once and turns /health to 503; so does a loop silent for too long.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import itertools
 import logging
-import queue
+import os
+import pickle
+import shutil
+import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
+
 if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
     from deltaserve.engine.outputs import RequestOutput
     from deltaserve.engine.sampling_params import SamplingParams
 
@@ -25,11 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("deltaserve.server")
 
-_IDLE_POLL_S = 0.5  # how long the idle engine thread sleeps on its command queue before re-checking
-
-
-class QueueFullError(Exception):
-    """The waiting queue is at its bound (HTTP 503)."""
+WEDGED_AFTER_S = 120.0  # a loop silent this long (no step, no beat) counts as wedged on /health
 
 
 class ShuttingDownError(QueueFullError):
@@ -70,31 +77,212 @@ class RequestGroup:
         return list(latest.values())
 
 
-class EngineClient:
-    def __init__(self, engine: Any, metrics: Metrics | None = None) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.max_model_len: int = engine.max_model_len
-        self.model_info: dict[str, Any] = dict(engine.model_info)
-        self.eos_token_ids: list[int] = list(engine.eos_token_ids)
-        self.vocab_size: int | None = getattr(engine, "vocab_size", None) or self.model_info.get("vocab_size")
-        self.metrics = metrics
-        self._commands: queue.SimpleQueue[tuple[str, Any, asyncio.Future[Any] | None]] = queue.SimpleQueue()
-        self._groups: dict[str, RequestGroup] = {}  # engine request id -> its group
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._live: set[str] = set()  # engine-thread side: ids added and not yet finished or aborted
-        self.accepting = True
+@dataclass
+class EngineHandle:
+    """A started engine loop: the bound sockets, what the engine said of itself, and its process
+    (or thread)."""
 
-    # ----------------------------------------------------------------------------- event-loop side
+    push: Any  # zmq.Socket: commands out
+    pull: Any  # zmq.Socket: steps in
+    info: dict[str, Any]
+    ipc_dir: str
+    process: BaseProcess | None = None
+    thread: threading.Thread | None = None
+    _ctx: Any = field(default=None, repr=False)
+
+    @classmethod
+    def spawn(cls, config: Any, log_level: str = "info", timeout: float | None = None) -> EngineHandle:
+        """Start the engine process for `config` and wait until its model is loaded. A failed load
+        raises RuntimeError with the engine's own message."""
+        import multiprocessing
+
+        from deltaserve.engine.core import serve_engine
+
+        handle = cls._bind()
+        in_addr, out_addr = handle._addresses()
+        # spawn, not fork: the child initialises CUDA, which a forked copy of this process may not
+        process = multiprocessing.get_context("spawn").Process(
+            target=serve_engine,
+            args=(config, in_addr, out_addr, os.getpid(), log_level),
+            name="deltaserve-engine",
+            daemon=True,
+        )
+        process.start()
+        handle.process = process
+        handle._await_ready(timeout)
+        return handle
+
+    @classmethod
+    def in_thread(cls, engine: Any) -> EngineHandle:
+        """Run the loop over `engine` in a thread of this process (tests, stand-in engines)."""
+        from deltaserve.engine.core import EngineCore, engine_info
+
+        handle = cls._bind()
+        in_addr, out_addr = handle._addresses()
+        core = EngineCore(engine, in_addr, out_addr)
+
+        def run() -> None:
+            core.send(("ready", engine_info(engine)))
+            core.run()
+
+        handle.thread = threading.Thread(target=run, name="deltaserve-engine", daemon=True)
+        handle.thread.start()
+        handle._await_ready(60.0)
+        return handle
+
+    @classmethod
+    def _bind(cls) -> EngineHandle:
+        import zmq
+
+        ctx = zmq.Context()
+        ipc_dir = tempfile.mkdtemp(prefix="deltaserve-")
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        push.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.LINGER, 0)
+        push.bind(f"ipc://{ipc_dir}/in")
+        pull.bind(f"ipc://{ipc_dir}/out")
+        return cls(push, pull, {}, ipc_dir, _ctx=ctx)
+
+    def _addresses(self) -> tuple[str, str]:
+        return f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
+
+    def _await_ready(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.pull.poll(200):
+                message = pickle.loads(self.pull.recv())
+                if message[0] == "ready":
+                    self.info = message[1]
+                    return
+                if message[0] == "failed":
+                    self.close()
+                    raise RuntimeError(message[1])
+                continue
+            if not self.alive():
+                code = self.process.exitcode if self.process is not None else None
+                self.close()
+                raise RuntimeError(f"the engine process exited with code {code} while loading")
+            if deadline is not None and time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("the engine did not start in time")
+
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        return self.thread is not None and self.thread.is_alive()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Tell the loop to stop, wait for it, then kill a process that did not."""
+        import zmq
+
+        try:
+            self.push.send(pickle.dumps(("stop",)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        if self.process is not None:
+            self.process.join(timeout)
+            if self.process.is_alive():
+                logger.warning("the engine process did not stop in %.0f s; killing it", timeout)
+                self.process.kill()
+                self.process.join(5.0)
+        elif self.thread is not None:
+            self.thread.join(timeout)
+        self.close()
+
+    def close(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class EngineClient:
+    """The event loop's handle on the engine: admit, abort, call, and read per-request outputs."""
+
+    def __init__(self, handle: EngineHandle, tokenizer: Any = None, metrics: Metrics | None = None) -> None:
+        info = handle.info
+        self.handle = handle
+        self.tokenizer = tokenizer
+        self.max_model_len: int = info["max_model_len"]
+        self.model_info: dict[str, Any] = dict(info["model_info"])
+        self.eos_token_ids: list[int] = list(info["eos_token_ids"])
+        self.vocab_size: int | None = info.get("vocab_size") or self.model_info.get("vocab_size")
+        self.metrics = metrics
+        self.accepting = True
+        self.faults = 0  # steps that failed with no request to blame
+        self.fault: str | None = None  # the last one: /health reports the engine unhealthy
+        self.dead: str | None = None  # why the engine is gone, once it is
+        self.wedged_after_s = WEDGED_AFTER_S
+        self._groups: dict[str, RequestGroup] = {}  # engine request id -> its group
+        self._prompts: dict[str, list[int]] = {}  # engine request id -> its prompt (outputs omit it)
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._last_heard = time.monotonic()
+        self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._push: Any = None
+        self._pull: Any = None
+
+    @classmethod
+    def in_thread(cls, engine: Any, metrics: Metrics | None = None) -> EngineClient:
+        """A client over a loop in a thread of this process, driving `engine` (tests)."""
+        return cls(EngineHandle.in_thread(engine), getattr(engine, "tokenizer", None), metrics)
+
+    # ------------------------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
-        self._thread.start()
+        import zmq.asyncio
+
+        self._push = zmq.asyncio.Socket.from_socket(self.handle.push)
+        self._pull = zmq.asyncio.Socket.from_socket(self.handle.pull)
+        self._last_heard = time.monotonic()
+        self._reader = asyncio.create_task(self._read())
+        self._watcher = asyncio.create_task(self._watch())
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        if self.dead is not None or not self.handle.alive():
+            return False
+        return time.monotonic() - self._last_heard < self.wedged_after_s
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, why not) for /health."""
+        if not self.accepting:
+            return False, "the server is shutting down"
+        if self.dead is not None or not self.handle.alive():
+            return False, self.dead or "the engine process is not running"
+        silent = time.monotonic() - self._last_heard
+        if silent >= self.wedged_after_s:
+            return False, f"the engine has not answered for {silent:.0f} s"
+        if self.fault is not None:  # the detail is in the log, not for every caller of /health
+            return False, "an engine step failed; the requests it held were failed"
+        return True, ""
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._groups)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Every group still open gets `exc` (its reader's cleanup aborts what is left)."""
+        for group in {id(g): g for g in self._groups.values()}.values():
+            group.queue.put_nowait(exc)
+        self._abort_ids(list(self._groups))
+        self._forget(list(self._groups))
+
+    async def shutdown(self) -> None:
+        """Fail whatever still runs and stop the engine."""
+        self.accepting = False
+        self.fail_all(ShuttingDownError("the server shut down before the request finished"))
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, self.handle.stop)
+
+    # ------------------------------------------------------------------------------- requests
 
     async def add(
         self, requests: list[tuple[str, list[int], SamplingParams]], track: bool = True
@@ -103,58 +291,115 @@ class EngineClient:
         `track=False`: not a client's request (a prefix warm-up): left out of the metrics."""
         if not self.accepting:
             raise ShuttingDownError("the server is shutting down")
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         group = RequestGroup([rid for rid, _, _ in requests])
-        for request_id in group.request_ids:
+        for request_id, prompt, _ in requests:
             self._groups[request_id] = group
+            self._prompts[request_id] = prompt
             if self.metrics is not None and track:
                 self.metrics.request_started(request_id)
         try:
-            await self._call("add", requests)
+            await self._call(("add", None, requests))
         except BaseException:
-            # Also reached when the client goes away while the add is in flight: the abort queued
+            # Also reached when the client goes away while the add is in flight: the abort sent
             # after the add undoes it, and is a no-op if the add failed.
-            for request_id in group.request_ids:
-                self._groups.pop(request_id, None)
-                self._commands.put(("abort", request_id, None))
-                if self.metrics is not None:
+            ids = group.request_ids
+            self._abort_ids([rid for rid in ids if rid in self._groups])
+            self._forget(ids)
+            if self.metrics is not None:
+                for request_id in ids:
                     self.metrics.forget(request_id)
             raise
         return group
 
     def abort(self, group: RequestGroup) -> None:
         """Abort what is left of a group whose client no longer waits; never blocks."""
-        self._abort_unfinished(group)
+        ids = [rid for rid in group.unfinished if rid in self._groups]
+        self._abort_ids(ids)
+        self._forget(ids)
+        if self.metrics is not None:
+            for request_id in ids:
+                self.metrics.request_aborted(request_id)
         group.unfinished.clear()
 
-    def _abort_unfinished(self, group: RequestGroup) -> None:
-        for request_id in group.unfinished:
-            if self._groups.pop(request_id, None) is not None:
-                self._commands.put(("abort", request_id, None))
-                if self.metrics is not None:
-                    self.metrics.request_aborted(request_id)
-
     async def stats(self) -> dict[str, Any]:
-        return await self._call("stats", None)
+        stats = await self.call("stats")
+        stats["engine_faults_total"] = self.faults
+        return stats
 
-    async def shutdown(self) -> None:
-        """Abort whatever still runs and stop the engine thread."""
-        self.accepting = False
-        for group in {id(g): g for g in self._groups.values()}.values():
-            group.queue.put_nowait(ShuttingDownError("the server shut down before the request finished"))
-            self._abort_unfinished(group)
-        if self._thread is not None and self._thread.is_alive():
-            self._commands.put(("stop", None, None))
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+    async def call(self, name: str, *args: Any) -> Any:
+        """One of the engine's calls (engine/core.py), answered with the next step's message."""
+        return await self._call(("call", None, name, args))
 
-    async def _call(self, kind: str, payload: Any) -> Any:
-        if self._thread is None or not self._thread.is_alive():
-            raise RuntimeError("the engine thread is not running")
+    async def _call(self, command: tuple[Any, ...]) -> Any:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._commands.put((kind, payload, future))
-        return await future
+        self._calls[call_id] = future
+        await self._send((command[0], call_id, *command[2:]))
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def _send(self, command: tuple[Any, ...]) -> None:
+        await self._push.send(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+    def _abort_ids(self, ids: list[str]) -> None:
+        if not ids or self.dead is not None or self._push is None:
+            return
+        asyncio.ensure_future(self._send(("abort", ids)))
+
+    def _forget(self, ids: list[str]) -> None:
+        for request_id in ids:
+            self._groups.pop(request_id, None)
+            self._prompts.pop(request_id, None)
+
+    # --------------------------------------------------------------------------- engine's side
+
+    async def _read(self) -> None:
+        while True:
+            raw = await self._pull.recv(copy=False)
+            self._last_heard = time.monotonic()
+            message = pickle.loads(raw.buffer)
+            if message[0] == "step":
+                _, outputs, replies, fault = message
+                for call_id, error, value in replies:
+                    self._resolve(call_id, error, value)
+                if outputs:
+                    self._dispatch(outputs, time.monotonic())
+                if fault is not None:
+                    self._on_fault(*fault)
+
+    async def _watch(self) -> None:
+        """Notice an engine that died: every request in flight fails at once instead of hanging."""
+        while self.handle.alive():
+            await asyncio.sleep(0.2)
+        code = self.handle.process.exitcode if self.handle.process is not None else None
+        self.dead = f"the engine process exited (code {code})"
+        logger.error("%s; failing %d requests in flight", self.dead, len(self._groups))
+        error = EngineDeadError(self.dead)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self.fail_all(error)
+
+    def _resolve(self, call_id: int, error: tuple[str, str] | None, value: Any) -> None:
+        future = self._calls.get(call_id)
+        if future is None or future.done():  # the awaiting request was cancelled meanwhile
+            return
+        if error is None:
+            future.set_result(value)
+            return
+        kind, message = error
+        exc_type = {"value": ValueError, "queue_full": QueueFullError}.get(kind, RuntimeError)
+        future.set_exception(exc_type(message))
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
+            out.prompt_token_ids = self._prompts.get(out.request_id, out.prompt_token_ids)
             if self.metrics is not None:
                 self.metrics.request_progress(out, now)
             group = self._groups.get(out.request_id)
@@ -162,99 +407,14 @@ class EngineClient:
                 continue
             group.queue.put_nowait(out)
             if out.finished:
-                del self._groups[out.request_id]
+                self._forget([out.request_id])
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for group in {id(g): g for g in self._groups.values()}.values():
-            group.queue.put_nowait(exc)
-        self._groups.clear()
-
-    # ------------------------------------------------------------------------------- engine thread
-
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            try:
-                if not self._handle_commands(block=not engine.has_unfinished_requests()):
-                    return
-                if not engine.has_unfinished_requests():
-                    continue
-                outputs = engine.step()
-            except Exception as exc:  # a failed step must not take the server down with it
-                logger.exception("engine step failed; failing the requests in flight")
-                self._abort_all_in_engine()
-                self._post(self._fail_all, RuntimeError(f"engine error: {exc}"))
-                continue
-            if outputs:
-                self._live.difference_update(out.request_id for out in outputs if out.finished)
-                self._post(self._dispatch, outputs, time.monotonic())
-
-    def _handle_commands(self, block: bool) -> bool:
-        """Apply queued commands; False once told to stop."""
-        try:
-            command = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            kind, payload, future = command
-            if kind == "stop":
-                self._abort_all_in_engine()
-                return False
-            if kind == "abort":
-                self.engine.abort_request(payload)
-                self._live.discard(payload)
-            elif kind == "stats":
-                self._settle(future, self.engine.stats)
-            elif kind == "add":
-                self._settle(future, functools.partial(self._add, payload))
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _add(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
-        added: list[str] = []
-        try:
-            for request_id, token_ids, params in requests:
-                self.engine.add_request(request_id, token_ids, params)
-                added.append(request_id)
-                self._live.add(request_id)
-        except BaseException as exc:
-            for request_id in added:
-                self.engine.abort_request(request_id)
-                self._live.discard(request_id)
-            if type(exc).__name__ == "QueueFullError":  # the engine's, kept apart from its import
-                raise QueueFullError(str(exc)) from exc
-            raise
-
-    def _abort_all_in_engine(self) -> None:
-        for request_id in list(self._live):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                logger.exception("abort of %s failed", request_id)
-        self._live.clear()
-
-    def _settle(self, future: asyncio.Future[Any] | None, fn: Callable[[], Any]) -> None:
-        try:
-            result, error = fn(), None
-        except Exception as exc:
-            result, error = None, exc
-        if future is not None:
-            self._post(_resolve, future, result, error)
-
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-
-def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():  # the awaiting request was cancelled meanwhile
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+    def _on_fault(self, message: str, request_ids: list[str]) -> None:
+        self.faults += 1
+        self.fault = message
+        logger.error("engine step failed (%s); %d requests aborted", message, len(request_ids))
+        error = EngineFaultError("the engine failed while running this request")
+        groups = {id(g): g for rid in request_ids if (g := self._groups.get(rid)) is not None}
+        for group in groups.values():
+            group.queue.put_nowait(error)
+        self._forget(request_ids)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deltaserve.engine.outputs import RequestOutput
 
 _TYPES = {
     400: "invalid_request_error",
@@ -25,6 +28,28 @@ class APIError(Exception):
         self.code = code
 
 
+def failure_of(exc: BaseException) -> tuple[int, str]:
+    """The status and message for a request that the engine could not finish: 503 while the
+    server drains or the engine is gone (retry elsewhere or later), else 500 with no internals."""
+    from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
+
+    if isinstance(exc, (QueueFullError, EngineDeadError)):
+        return 503, str(exc)
+    if isinstance(exc, EngineFaultError):
+        return 500, str(exc)
+    return 500, "internal error"
+
+
+class RequestFailedError(Exception):
+    """The engine finished a request with finish_reason "error": a fault of that request alone,
+    logged by the engine; its client learns only that it failed (500, no internals)."""
+
+
+def raise_if_failed(out: RequestOutput) -> None:
+    if any(c.finish_reason == "error" for c in out.outputs):
+        raise RequestFailedError(f"request {out.request_id} failed in the engine")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -42,7 +67,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         return "invalid request", None
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    # a check of the whole body (protocol.RequestBody) names the field in its context
+    param = ".".join(loc) or (first.get("ctx") or {}).get("param") or None
     message = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None

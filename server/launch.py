@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import signal
 import sys
-import threading
 from typing import Any
 
 logger = logging.getLogger("deltaserve")
@@ -22,36 +20,44 @@ def serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    engine = _load_engine(args)
-    if engine.tokenizer is not None and importlib.util.find_spec("xgrammar") is not None:
-        # JSON output's vocabulary tables, built beside start-up rather than at the first request
-        threading.Thread(target=engine.prepare_grammars, name="deltaserve-grammars", daemon=True).start()
+    import uvicorn
+
     from .app import build_app
     from .chat_template import load_chat_template
+    from .draining import FLUSH_S, DrainingServer
     from .engine_client import EngineClient
     from .metrics import Metrics
 
-    sampling_defaults = _sampling_defaults(args, engine.model_info.get("model"))
-    names = args.served_model_name or [engine.model_info.get("served_model_name") or _default_name(args)]
-    client = EngineClient(engine, Metrics(names[0]))
-    app = build_app(
+    config = uvicorn.Config(
+        "deltaserve:unused",  # the app comes with the run below
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=None,  # keep our one log format
+        timeout_graceful_shutdown=FLUSH_S,  # the drain itself is DrainingServer's
+        timeout_keep_alive=_KEEP_ALIVE_S,
+    )
+    sock = _bind(config)  # a taken port fails now, not after minutes of loading
+    _raise_open_files_limit()
+    engine_config = _engine_config(args)
+    sampling_defaults = _sampling_defaults(args, engine_config.model)
+    names = args.served_model_name or [_default_name(args)]
+    handle = _start_engine(engine_config, args.log_level)
+    from deltaserve.models.loader import load_tokenizer
+
+    client = EngineClient(
+        handle, load_tokenizer(engine_config.tokenizer or engine_config.model), Metrics(names[0])
+    )
+    _log_engine(client)
+    config.app = build_app(
         client,
         model_names=names,
         chat_template=load_chat_template(args.chat_template),
         api_key=args.api_key,
         sampling_defaults=sampling_defaults,
+        max_body_bytes=int(args.max_request_body_mb * 2**20),
     )
-    import uvicorn
-
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        log_config=None,  # keep our one log format
-        timeout_graceful_shutdown=args.shutdown_timeout,
-    )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, client, float(args.shutdown_timeout))
     # uvicorn re-raises the signal that stopped it once it has drained; a Python-level handler makes
     # that a no-op, so a SIGTERM'd server exits 0 after its drain instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -63,11 +69,48 @@ def serve(args: argparse.Namespace) -> int:
         args.port,
         "required" if args.api_key else "not required",
     )
-    server.run()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if handle.alive():  # the app's shutdown normally stops it; not when start-up failed
+            handle.stop()
     if not server.started:
         raise SystemExit(1)
     logger.info("shut down cleanly")
     return 0
+
+
+_KEEP_ALIVE_S = 60  # idle keep-alive connections: longer than clients' pools keep them
+
+
+def _bind(config: Any) -> Any:
+    import socket
+
+    try:
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        sock = socket.socket(family)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((config.host, config.port))
+    except OSError as exc:
+        print(
+            f"deltaserve serve: error: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr
+        )
+        raise SystemExit(1) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _raise_open_files_limit() -> None:
+    # every client connection is a file: 1,024 streams need more than the usual soft limit
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            logger.warning("open files limited to %d: very many connections at once will fail", soft)
 
 
 def _default_name(args: argparse.Namespace) -> str:
@@ -78,7 +121,7 @@ def _default_name(args: argparse.Namespace) -> str:
     return str(args.model).rstrip("/")
 
 
-def _load_engine(args: argparse.Namespace) -> Any:
+def _engine_config(args: argparse.Namespace) -> Any:
     model = args.model
     if model is None:
         from deltaserve.models.builtin import builtin_model_path
@@ -86,10 +129,9 @@ def _load_engine(args: argparse.Namespace) -> Any:
         logger.info("no --model given: serving the built-in tiny random-weight Qwen3-Next model")
         model = builtin_model_path()
     from deltaserve.engine.config import EngineConfig
-    from deltaserve.engine.engine import Engine
 
     try:
-        config = EngineConfig(
+        return EngineConfig(
             model=model,
             served_model_name=(args.served_model_name or [_default_name(args)])[0],
             dtype=None if args.dtype == "auto" else args.dtype,
@@ -97,9 +139,11 @@ def _load_engine(args: argparse.Namespace) -> Any:
             max_running_requests=args.max_running_requests,
             max_model_len=args.max_model_len,
             chunked_prefill_size=args.chunked_prefill_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             cache_type=args.cache_type,
             prefix_cache_policy=args.prefix_cache_policy,
             mem_fraction_static=args.mem_fraction_static,
+            pool_memory_gb=args.pool_memory_gb,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
             enable_overlap_schedule=args.enable_overlap_schedule,
@@ -114,34 +158,30 @@ def _load_engine(args: argparse.Namespace) -> Any:
     except ValueError as exc:  # settings that only the engine's config checks (environment)
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _start_engine(config: Any, log_level: str) -> Any:
+    """The engine in its own process; its load errors end the server with the engine's message."""
+    from .engine_client import EngineHandle
+
     try:
-        engine = Engine(config)
-    except (ValueError, OSError, RuntimeError, KeyError) as exc:
-        logger.debug("engine start-up failed", exc_info=True)
-        print(f"deltaserve serve: error: could not load {model}: {exc}", file=sys.stderr)
+        return EngineHandle.spawn(config, log_level)
+    except RuntimeError as exc:
+        print(f"deltaserve serve: error: could not load {config.model}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
-    info = engine.model_info
-    _leave_a_core_for_http(str(info.get("device", "")))
-    logger.info("model: %s (%s)", info.get("model", model), info.get("architecture", "?"))
-    logger.info("dtype: %s, device: %s", info.get("dtype", "?"), info.get("device", "?"))
+
+
+def _log_engine(client: Any) -> None:
+    info = client.model_info
+    logger.info("model: %s (%s)", info.get("model"), info.get("architecture", "?"))
+    logger.info("dtype: %s, device: %s (engine process)", info.get("dtype", "?"), info.get("device", "?"))
     logger.info("parameters: %s", _human(info.get("num_params")))
     logger.info(
         "KV capacity: %s tokens, state slots: %s, max model len: %d",
         info.get("kv_capacity_tokens", "?"),
         info.get("state_slots", "?"),
-        engine.max_model_len,
+        client.max_model_len,
     )
-    return engine
-
-
-def _leave_a_core_for_http(device: str) -> None:
-    # On CPU, torch's intra-op threads busy-wait on every core; the HTTP event loop (tokenizing,
-    # streaming) then fights them and both slow down severalfold. One core for the loop is cheaper.
-    import torch
-
-    cores = os.cpu_count() or 1
-    if device.startswith("cpu") and cores > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(min(torch.get_num_threads(), cores - 1))
 
 
 def _sampling_defaults(args: argparse.Namespace, model_dir: Any) -> Any:

@@ -67,6 +67,12 @@ _STATS = (
     ("snapshot_evictions", "prefix_cache_snapshot_evictions_total", "counter", "Snapshots evicted."),
     ("kv_page_evictions", "prefix_cache_kv_page_evictions_total", "counter", "Cached KV pages evicted."),
     ("kv_pages_cached", "prefix_cache_kv_pages", "gauge", "KV pages held by the cache."),
+    (
+        "engine_faults_total",
+        "engine_faults_total",
+        "counter",
+        "Engine steps that failed with no single request to blame (the requests in flight failed).",
+    ),
     ("spec_draft_tokens_total", "spec_decode_draft_tokens_total", "counter", "Draft tokens verified."),
     ("spec_accepted_tokens_total", "spec_decode_accepted_tokens_total", "counter", "Draft tokens accepted."),
     ("spec_windows_total", "spec_decode_verify_steps_total", "counter", "Verification windows run."),
@@ -121,6 +127,7 @@ class Metrics:
         self.labels = f'model_name="{_escape(model_name)}"'
         self.finished: dict[str, int] = {}
         self.http_errors: dict[int, int] = {}
+        self.rejected: dict[str, int] = {}  # requests refused for want of room, by reason
         self.ttft = Histogram()
         self.itl = Histogram()
         self.e2e = Histogram(_LATENCY_BUCKETS + (120.0, 300.0))
@@ -162,6 +169,11 @@ class Metrics:
     def request_error(self, status: int) -> None:
         self.http_errors[status] = self.http_errors.get(status, 0) + 1
 
+    def request_rejected(self, reason: str) -> None:
+        """A request turned away before it reached the engine's queue (503): "queue_full" or
+        "shutting_down"."""
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
     def _finish(self, request_id: str, reason: str, now: float) -> None:
         arrival = self._timing.pop(request_id)[0]
         self.e2e.observe(now - arrival)
@@ -175,11 +187,15 @@ class Metrics:
             lines.extend((f"# HELP {p}{name} {help_text}", f"# TYPE {p}{name} {kind}"))
 
         header("requests_total", "counter", "Finished engine requests by outcome (stop, length, abort).")
-        for reason in sorted(set(self.finished) | {"stop", "length", "abort"}):
+        for reason in sorted(set(self.finished) | {"stop", "length", "abort", "error"}):
             lines.append(f'{p}requests_total{{{lab},outcome="{reason}"}} {self.finished.get(reason, 0)}')
         header("request_errors_total", "counter", "Requests refused with an error, by HTTP status.")
         for status, count in sorted(self.http_errors.items()):
             lines.append(f'{p}request_errors_total{{{lab},status="{status}"}} {count}')
+        header("requests_rejected_total", "counter", "Requests refused with 503 for want of room, by reason.")
+        for reason in sorted(set(self.rejected) | {"queue_full"}):
+            count = self.rejected.get(reason, 0)
+            lines.append(f'{p}requests_rejected_total{{{lab},reason="{reason}"}} {count}')
         for key, name, kind, help_text in _STATS:
             if key in stats:
                 header(name, kind, help_text)

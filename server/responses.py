@@ -28,15 +28,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .chat import PreparedChat, prepare_chat
 from .chat_output import ChatStreamState, tool_call_id
 from .context import ClientDisconnected, ServerContext
-from .engine_client import ShuttingDownError
-from .errors import APIError, bad_request, error_body
-from .protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, OpenAIModel, ToolDefinition
+from .errors import APIError, bad_request, error_body, failure_of, raise_if_failed
+from .protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, RequestBody, ToolDefinition
 
 # chat fields named otherwise here, for error messages that name the field the client sent
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
 
-class ResponsesRequest(OpenAIModel):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -431,6 +430,7 @@ async def _stream(
     try:
         async for outputs in group:
             for out in outputs:
+                raise_if_failed(out)  # failed in the engine: the stream ends with an error event
                 completion = out.outputs[0]
                 tokens, cached = completion.num_tokens, out.num_cached_tokens
                 reasoning, content, calls = state.feed(completion.text, final=completion.finished)
@@ -445,8 +445,7 @@ async def _stream(
                         yield e
                 reason = completion.finish_reason or reason
     except Exception as exc:  # the engine failed or the server is draining: say so in-band
-        code = 503 if isinstance(exc, ShuttingDownError) else 500
-        body = error_body(code, str(exc) or type(exc).__name__)["error"]
+        body = error_body(*failure_of(exc))["error"]
         yield events.emit("error", code=body["type"], message=body["message"], param=None)
         return
     for kind in ("reasoning", "message"):

@@ -112,7 +112,7 @@ def serve_script(tokenizer) -> Iterator:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         app = build_app(
-            EngineClient(ScriptedEngine(tok or tokenizer, script)),
+            EngineClient.in_thread(ScriptedEngine(tok or tokenizer, script)),
             model_names=["scripted"],
             chat_template=chat_template,
         )

@@ -1,0 +1,246 @@
+"""The step loop as a service: an Engine driven over two pyzmq sockets, in its own process.
+
+The HTTP process and the step loop then never share a GIL (vLLM V1's EngineCore and SGLang's
+scheduler process do the same). Every loop applies all commands waiting, runs one step, and
+sends that step's outputs together with the replies to the commands as one message. Messages
+are pickled tuples:
+
+  in:  ("add", call_id, [(request_id, prompt_token_ids, params), ...])   all or none
+       ("abort", [request_id, ...])
+       ("call", call_id, name, args)     stats / compile_structured / flush_cache
+       ("stop",)
+  out: ("ready", info) | ("failed", message)          once, at start-up
+       ("step", outputs, replies, fault)              replies: [(call_id, error, value)]
+       ("beat",)                                      while idle, so that a wedged loop shows
+
+Outputs leave without their prompt token ids (the client has them) to keep each step's message
+small. `serve_engine` runs in the engine process; tests run `EngineCore` in a thread instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from deltaserve.engine.errors import QueueFullError
+
+logger = logging.getLogger("deltaserve.engine")
+
+IDLE_POLL_MS = 100  # how long an idle loop waits for a command (and how often it sends a beat)
+BEAT_S = 0.5  # the longest an idle loop stays silent
+_CALLS = ("stats", "compile_structured", "flush_cache")
+_OFF_LOOP = ("compile_structured",)  # slow calls that run beside the loop, not inside a step
+
+
+def engine_info(engine: Any) -> dict[str, Any]:
+    """What the HTTP process needs to know of a started engine."""
+    return {
+        "model_info": dict(engine.model_info),
+        "max_model_len": int(engine.max_model_len),
+        "eos_token_ids": list(engine.eos_token_ids),
+        "vocab_size": getattr(engine, "vocab_size", None),
+    }
+
+
+def error_reply(exc: BaseException) -> tuple[str, str]:
+    """An exception as (kind, message): the client raises the matching error type."""
+    if isinstance(exc, QueueFullError):
+        return "queue_full", str(exc)
+    if isinstance(exc, ValueError):
+        return "value", str(exc)
+    return "internal", f"{type(exc).__name__}: {exc}"
+
+
+class EngineCore:
+    """Owns one Engine and runs its loop until told to stop (or until its parent is gone)."""
+
+    def __init__(self, engine: Any, in_addr: str, out_addr: str, parent_pid: int | None = None) -> None:
+        import zmq
+
+        self.engine = engine
+        self._ctx = zmq.Context()
+        self._in = self._ctx.socket(zmq.PULL)
+        self._in.connect(in_addr)
+        self._out = self._ctx.socket(zmq.PUSH)
+        self._out.setsockopt(zmq.LINGER, 1000)
+        self._out.connect(out_addr)
+        self._poller = zmq.Poller()
+        self._poller.register(self._in, zmq.POLLIN)
+        self._parent_pid = parent_pid
+        self._live: set[str] = set()  # ids added and not yet finished or aborted
+        self._replies: list[tuple[int, tuple[str, str] | None, Any]] = []
+        self._done_off_loop: queue.SimpleQueue[tuple[int, tuple[str, str] | None, Any]] = queue.SimpleQueue()
+        self._off_loop_pending = 0
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-engine-calls")
+        self._last_sent = time.monotonic()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        self._out.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+        self._last_sent = time.monotonic()
+
+    def run(self) -> None:
+        try:
+            while self._apply_commands():
+                self._step()
+        finally:
+            self._abort_all()
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._in.close(linger=0)
+            self._out.close()
+            self._ctx.term()
+
+    def _apply_commands(self) -> bool:
+        """Apply every command waiting (waiting a little when there is nothing to do); False on stop."""
+        import zmq
+
+        busy = self.engine.has_unfinished_requests()
+        timeout = 0 if busy else (1 if self._off_loop_pending else IDLE_POLL_MS)
+        if not self._poller.poll(timeout):
+            if not busy:
+                self._idle_tick()
+            return True
+        while True:
+            try:
+                raw = self._in.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            if not self._apply(pickle.loads(raw.buffer)):
+                return False
+
+    def _apply(self, command: tuple[Any, ...]) -> bool:
+        kind = command[0]
+        if kind == "stop":
+            return False
+        if kind == "abort":
+            for request_id in command[1]:
+                if request_id in self._live:
+                    self._live.discard(request_id)
+                    self.engine.abort_request(request_id)
+        elif kind == "add":
+            _, call_id, requests = command
+            self._replies.append((call_id, *self._add(requests)))
+        elif kind == "call":
+            _, call_id, name, args = command
+            if name not in _CALLS:
+                self._replies.append((call_id, ("internal", f"unknown call {name!r}"), None))
+            elif name in _OFF_LOOP:
+                self._off_loop_pending += 1
+                self._worker.submit(self._call_off_loop, call_id, name, args)
+            else:
+                self._replies.append((call_id, *self._call(name, args)))
+        return True
+
+    def _add(self, requests: list[tuple[str, list[int], Any]]) -> tuple[tuple[str, str] | None, None]:
+        added: list[str] = []
+        try:
+            for request_id, token_ids, params in requests:
+                self.engine.add_request(request_id, token_ids, params)
+                added.append(request_id)
+        except Exception as exc:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            return error_reply(exc), None
+        self._live.update(added)
+        return None, None
+
+    def _call(self, name: str, args: tuple[Any, ...]) -> tuple[tuple[str, str] | None, Any]:
+        fn = getattr(self.engine, name, None)
+        if fn is None:  # a stand-in engine without it: nothing to do
+            return None, None
+        try:
+            return None, fn(*args)
+        except Exception as exc:
+            return error_reply(exc), None
+
+    def _call_off_loop(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
+        self._done_off_loop.put((call_id, *self._call(name, args)))
+
+    def _step(self) -> None:
+        while not self._done_off_loop.empty():
+            self._replies.append(self._done_off_loop.get())
+            self._off_loop_pending -= 1
+        outputs: list[Any] = []
+        fault: tuple[str, list[str]] | None = None
+        if self.engine.has_unfinished_requests():
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a step that fails leaves no request's state to trust
+                logger.exception("engine step failed; aborting the requests in flight")
+                fault = (f"{type(exc).__name__}: {exc}", sorted(self._live))
+                self._abort_all()
+        for out in outputs:
+            out.prompt_token_ids = []
+            if out.finished:
+                self._live.discard(out.request_id)
+        if outputs or self._replies or fault is not None:
+            replies, self._replies = self._replies, []
+            self.send(("step", outputs, replies, fault))
+
+    def _idle_tick(self) -> None:
+        if time.monotonic() - self._last_sent >= BEAT_S:
+            self.send(("beat",))
+        if self._parent_pid is not None and os.getppid() != self._parent_pid:
+            raise SystemExit("the server process is gone")
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._live):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %s failed", request_id)
+        self._live.clear()
+        if self.engine.has_unfinished_requests():  # anything the engine still holds: drop its outputs
+            try:
+                self.engine.step()
+            except Exception:
+                logger.exception("clean-up step failed")
+
+
+def serve_engine(config: Any, in_addr: str, out_addr: str, parent_pid: int, log_level: str) -> None:
+    """The engine process: load the engine, say ready (or why not), and run the loop."""
+    import zmq
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group: the server drains first, then stops this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from deltaserve.engine.engine import Engine
+
+        engine = Engine(config)
+    except Exception as exc:
+        logger.debug("engine start-up failed", exc_info=True)
+        ctx = zmq.Context()
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 5000)
+        out.connect(out_addr)
+        out.send(pickle.dumps(("failed", f"{type(exc).__name__}: {exc}")))
+        out.close()
+        ctx.term()
+        raise SystemExit(1) from None
+    _leave_a_core_for_http(str(engine.device))
+    core = EngineCore(engine, in_addr, out_addr, parent_pid)
+    if engine.tokenizer is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("xgrammar") is not None:
+            # JSON output's vocabulary tables, built beside start-up rather than at the first request
+            threading.Thread(target=engine.prepare_grammars, name="deltaserve-grammars", daemon=True).start()
+    core.send(("ready", engine_info(engine)))
+    core.run()
+
+
+def _leave_a_core_for_http(device: str) -> None:
+    # On CPU, torch's intra-op threads busy-wait on every core; the HTTP process (tokenizing,
+    # streaming) then fights them and both slow down severalfold. One core for it is cheaper.
+    import torch
+
+    cores = os.cpu_count() or 1
+    if device.startswith("cpu") and cores > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(min(torch.get_num_threads(), cores - 1))

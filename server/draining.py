@@ -1,0 +1,55 @@
+"""Graceful shutdown that tells every client what happened."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import uvicorn
+
+from .engine_client import EngineClient, ShuttingDownError
+
+logger = logging.getLogger("deltaserve.server")
+
+FLUSH_S = 5  # after the drain: how long uvicorn lets responses write their last bytes
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose first SIGTERM / SIGINT drains: new requests get 503 with Retry-After
+    while running ones have `drain_s` to finish; those still running then end with an error (an
+    error event and [DONE] when streamed, a 503 when not) and the server exits. A second signal
+    exits at once."""
+
+    def __init__(self, config: uvicorn.Config, client: EngineClient, drain_s: float) -> None:
+        super().__init__(config)
+        self.client = client
+        self.drain_s = drain_s
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.draining or not self.started or self.loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self.draining = True
+        self.client.accepting = False
+        logger.info(
+            "draining: %d requests in flight, %.0f s to finish", self.client.num_in_flight, self.drain_s
+        )
+        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(sig)))
+
+    async def _drain(self, sig: int) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_s
+        while self.client.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.client.num_in_flight:
+            logger.info("aborting %d requests still running", self.client.num_in_flight)
+            self.client.fail_all(ShuttingDownError("the server shut down before the request finished"))
+            await asyncio.sleep(0.2)  # their error events reach the sockets
+        super().handle_exit(sig, None)

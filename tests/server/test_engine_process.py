@@ -1,0 +1,258 @@
+"""The engine in its own process: load, liveness, its death, a failed step, and the shutdown contract."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from deltaserve.engine.outputs import CompletionOutput, RequestOutput
+from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+
+
+def children_of(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        kids.extend(int(k) for k in text)
+    return kids
+
+
+def engine_pid(server_pid: int) -> int:
+    """The server's child that holds the model (the other child is multiprocessing's tracker)."""
+    for pid in children_of(server_pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            return pid
+    raise AssertionError(f"no engine process under {server_pid}: {children_of(server_pid)}")
+
+
+def stream_events(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        out["status"] = r.status_code
+        out["events"] = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_engine_runs_in_its_own_process(server) -> None:
+    assert server.proc is not None
+    pid = engine_pid(server.proc.pid)
+    assert pid != server.proc.pid
+    # the model's weights live there: the engine process is the big one
+    rss = {p: int(Path(f"/proc/{p}/statm").read_text().split()[1]) for p in (pid, server.proc.pid)}
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert rss[pid] > 0
+
+
+def test_256_concurrent_streams_complete_and_health_stays_quick(server, until_idle) -> None:
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def run() -> tuple[list[int], list[float]]:
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            health: list[float] = []
+            done = asyncio.Event()
+
+            async def probe() -> None:
+                while not done.is_set():
+                    t = time.perf_counter()
+                    r = await http.get(f"{server.url}/health")
+                    assert r.status_code == 200
+                    health.append(time.perf_counter() - t)
+                    await asyncio.sleep(0.05)
+
+            async def one(i: int) -> int:
+                tokens = 0
+                payload = {**body, "prompt": f"client {i} says hello"}
+                async with http.stream("POST", f"{server.url}/v1/completions", json=payload) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            event = json.loads(line[6:])
+                            assert "error" not in event, event
+                            if event.get("usage"):
+                                tokens = event["usage"]["completion_tokens"]
+                return tokens
+
+            prober = asyncio.ensure_future(probe())
+            counts = await asyncio.gather(*[one(i) for i in range(256)])
+            done.set()
+            await prober
+            return counts, health
+
+    counts, health = asyncio.run(run())
+    assert counts == [8] * 256
+    assert len(health) >= 5
+    # the event loop never waits on a step: the slowest probe stays far below a step's worth of load
+    assert max(health) < 1.0, sorted(health)[-5:]
+    until_idle(server.url)
+
+
+def test_killed_engine_fails_requests_in_flight_and_health(spawn_server) -> None:
+    server = spawn_server("--max-model-len", "512")
+    assert server.proc is not None
+    streamed: dict[str, Any] = {}
+    whole: dict[str, Any] = {}
+    long = {"model": MODEL_NAME, "prompt": "keep going", "max_tokens": 400, "ignore_eos": True}
+
+    def post() -> None:
+        r = httpx.post(f"{server.url}/v1/completions", json=long, timeout=120)
+        whole["status"], whole["body"] = r.status_code, r.json()
+
+    threads = [
+        threading.Thread(target=stream_events, args=(f"{server.url}/v1/completions", long, streamed)),
+        threading.Thread(target=post),
+    ]
+    for t in threads:
+        t.start()
+    wait_for(lambda: server.log().count("POST /v1/completions") >= 1)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(engine_pid(server.proc.pid), signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - t0 < 10  # no hang
+    events = streamed["events"]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable_error" and "engine" in error["message"]
+    assert whole["status"] == 503 and whole["body"]["error"]["code"] == "engine_unavailable"
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 503 and "engine" in health.json()["reason"]
+    late = httpx.post(f"{server.url}/v1/completions", json={**long, "max_tokens": 2}, timeout=10)
+    assert late.status_code == 503
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_shutdown_deadline_ends_every_request_with_an_error_and_drains_with_503(spawn_server) -> None:
+    server = spawn_server("--max-model-len", "2048", "--shutdown-timeout", "2")
+    assert server.proc is not None
+    streamed: dict[str, Any] = {}
+    whole: dict[str, Any] = {}
+    long = {"model": MODEL_NAME, "prompt": "never ends", "max_tokens": 2000, "ignore_eos": True}
+
+    def post() -> None:
+        r = httpx.post(f"{server.url}/v1/completions", json=long, timeout=120)
+        whole["status"], whole["body"] = r.status_code, r.json()
+
+    threads = [
+        threading.Thread(target=stream_events, args=(f"{server.url}/v1/completions", long, streamed)),
+        threading.Thread(target=post),
+    ]
+    for t in threads:
+        t.start()
+    wait_for(lambda: server.log().count("POST /v1/completions") >= 1)
+    time.sleep(0.5)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    # draining: new requests are answered, with 503 and Retry-After, not refused
+    refused = httpx.post(f"{server.url}/v1/completions", json={**long, "max_tokens": 2}, timeout=10)
+    assert refused.status_code == 503 and refused.headers.get("retry-after")
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+    for t in threads:
+        t.join(60)
+    assert server.proc.wait(60) == 0
+    events = streamed["events"]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "service_unavailable_error"
+    assert whole["status"] == 503
+
+
+class FailingEngine:
+    """The Engine's interface; its third step raises for a reason no request explains."""
+
+    tokenizer = None
+    max_model_len = 256
+    vocab_size = 1000
+    eos_token_ids: list[int] = []
+    model_info = {"model": "failing", "architecture": "Failing"}
+
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+        self.steps = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        self.requests[request_id] = 0
+
+    def abort_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, int]:
+        return {"running": len(self.requests), "waiting": 0}
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        time.sleep(0.01)
+        if self.steps == 3:
+            raise RuntimeError("device lost")
+        outs = []
+        for rid in list(self.requests):
+            self.requests[rid] += 1
+            outs.append(RequestOutput(rid, [], [CompletionOutput(0, [7], "x", None)], False, delta=True))
+        return outs
+
+
+def test_a_step_failure_fails_its_requests_marks_unhealthy_and_is_counted() -> None:
+    import socket
+
+    import uvicorn
+
+    from deltaserve.server.app import build_app
+    from deltaserve.server.engine_client import EngineClient
+
+    engine = FailingEngine()
+    app = build_app(EngineClient.in_thread(engine), model_names=["failing"])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200
+        out: dict[str, Any] = {}
+        stream_events(f"{url}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 50}, out)
+        assert out["events"][-1] == "[DONE]"
+        error = json.loads(out["events"][-2])["error"]
+        assert error["type"] == "server_error" and "device lost" not in error["message"]
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "step failed" in health.json()["reason"]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'deltaserve_engine_faults_total{model_name="failing"} 1' in metrics
+        assert not engine.requests  # the loop aborted what it held
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.mark.parametrize("flag", ["--max-num-batched-tokens", "--chunked-prefill-size"])
+def test_budget_flags_reach_the_engine(flag: str) -> None:
+    from deltaserve.server.cli import build_parser
+
+    args = build_parser().parse_args(["serve", flag, "2048"])
+    assert getattr(args, flag[2:].replace("-", "_")) == 2048
