@@ -18,6 +18,7 @@ from deltaserve.engine.h2d import to_device_packed
 # chunks longer than this compute their KV slots with numpy (an 8k-token prefill's Python loop
 # cost the host about 1.5 ms, bench/profile_prefill.py --cprofile)
 _VECTOR_ROWS = 64
+FLA_CHUNK = 64  # the chunk length of FLA's chunked delta-rule kernels
 
 
 @dataclass
@@ -35,6 +36,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [M] token index of each sampled position
     verify_lens: list[int] = field(default_factory=list)  # tokens of each verification window
     page_columns: int = 0  # the most pages any request of the batch has
+    # prefill rows' FLA chunk indices [chunks, 2] (sequence, chunk within it), built on the host:
+    # FLA's own builder reads lengths back from the device, a sync that stalls overlap scheduling
+    prefill_chunk_indices: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -95,8 +99,10 @@ def build_forward_batch(
             logits_indices.append(cu[-1] - 1)
     max_pages = max(len(p) for p in pages)
     table = [p + [0] * (max_pages - len(p)) for p in pages] if page_table else []
+    first_prefill = num_decodes + num_verify
+    chunks = fla_chunk_indices([len(t) for t in token_lists[first_prefill:]], FLA_CHUNK)
 
-    (ids, pos, cu_t, lens, table_t, slot_map, slots_t, initial, logits_idx) = to_device_packed(
+    (ids, pos, cu_t, lens, table_t, slot_map, slots_t, initial, logits_idx, chunks_t) = to_device_packed(
         [
             (input_ids, torch.long),
             (positions, torch.long),
@@ -107,6 +113,7 @@ def build_forward_batch(
             (slots, torch.int32),
             (has_initial, torch.bool),
             (logits_indices, torch.long),
+            (chunks, torch.long),
         ],
         device,
     )
@@ -124,4 +131,17 @@ def build_forward_batch(
         logits_indices=logits_idx,
         verify_lens=[len(token_lists[i]) for i in verify],
         page_columns=max_pages,
+        prefill_chunk_indices=chunks_t.view(-1, 2) if chunks else None,
     )
+
+
+def fla_chunk_indices(lengths: list[int], chunk: int) -> list[int]:
+    """FLA's `prepare_chunk_indices` on the host, flattened: (sequence, chunk within it) for every
+    `chunk`-token chunk of each sequence."""
+    if not lengths:
+        return []
+    counts = -(-np.asarray(lengths, dtype=np.int64) // chunk)
+    seq = np.repeat(np.arange(len(lengths), dtype=np.int64), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    within = np.arange(seq.shape[0], dtype=np.int64) - starts
+    return np.stack([seq, within], 1).reshape(-1).tolist()

@@ -33,6 +33,7 @@ class LinearAttentionBackend:
         self.prefill_slots = torch.empty(0, dtype=torch.int32)
         self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32)
         self.prefill_has_initial = torch.empty(0, dtype=torch.bool)
+        self.prefill_chunk_indices: torch.Tensor | None = None
         self._graph_slots: dict[int, torch.Tensor] = {}  # CUDA-graph buffers per width
         self._graph_pad: dict[int, torch.Tensor] = {}
         self.window: StateWindow | None = None  # set when speculative decoding is on
@@ -54,6 +55,7 @@ class LinearAttentionBackend:
         self.prefill_slots = batch.state_slots[n + nv :]
         self.prefill_cu_seqlens = batch.cu_seqlens_q[n + nv :] - m
         self.prefill_has_initial = batch.has_initial_state[n + nv :]
+        self.prefill_chunk_indices = batch.prefill_chunk_indices
 
     def _window(self, layer_id: int, state: str) -> torch.Tensor:
         assert self.window is not None, "a verification batch without a window buffer"
@@ -87,6 +89,7 @@ class LinearAttentionBackend:
         self.prefill_slots = slots[:0]
         self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32, device=slots.device)
         self.prefill_has_initial = torch.zeros(0, dtype=torch.bool, device=slots.device)
+        self.prefill_chunk_indices = None
 
     def prepare_for_replay(self, batch: ForwardBatch, bs: int, width: int = 1) -> None:
         """Copy the batch's slots in; padding rows point at slot 0 (and, for windows, fill
@@ -156,6 +159,7 @@ class LinearAttentionBackend:
                     pool,
                     self.prefill_slots,
                     self.prefill_has_initial,
+                    chunk_indices=self.prefill_chunk_indices,
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -176,7 +180,9 @@ class LinearAttentionBackend:
         decode kernel, the other rows before their op."""
 
         def gated(op):
-            return lambda q, k, v, a, b, *rest: op(q, k, v, *gdn_gates(a, b, A_log, dt_bias), *rest)
+            return lambda q, k, v, a, b, *rest, **kw: op(
+                q, k, v, *gdn_gates(a, b, A_log, dt_bias), *rest, **kw
+            )
 
         def decode(q, k, v, a, b, pool, slots):
             return gdn_decode_gated(q, k, v, a, b, A_log, dt_bias, pool, slots)

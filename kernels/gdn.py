@@ -110,17 +110,21 @@ def gdn_prefill(
     state_pool: torch.Tensor,
     slots: torch.Tensor,
     has_initial_state: torch.Tensor,
+    chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length prefill of N sequences packed along T.
 
     Sequence i covers tokens `cu_seqlens[i]:cu_seqlens[i+1]`, starts from
     `state_pool[slots[i]]` when `has_initial_state[i]` (else from zeros) and leaves its final
     state in `state_pool[slots[i]]`. Returns o `[T, HV, V]` in v's dtype.
+    `chunk_indices`: FLA's chunk indices for these sequences, built ahead (the fast path only).
     """
     if use_fast_path(q):
         from deltaserve.kernels.gdn_cuda import gdn_prefill_cuda
 
-        return gdn_prefill_cuda(q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial_state)
+        return gdn_prefill_cuda(
+            q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial_state, chunk_indices
+        )
     return prefill_each_sequence(
         chunk_gated_delta_rule_ref, (q, k, v, g, beta), cu_seqlens, state_pool, slots, has_initial_state
     )

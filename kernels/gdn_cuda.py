@@ -34,6 +34,7 @@ def gdn_prefill_cuda(
     state_pool: torch.Tensor,
     slots: torch.Tensor,
     has_initial_state: torch.Tensor,
+    chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen prefill through FLA's `chunk_gated_delta_rule`, gathering and scattering pool slots.
 
@@ -44,7 +45,7 @@ def gdn_prefill_cuda(
     init = gather_initial_states(state_pool, slots, has_initial_state)
     direct = _fla_forward()
     if direct is not None:
-        o, final = direct(q, k, v, g, beta, init, fla_cu_seqlens(cu_seqlens))
+        o, final = direct(q, k, v, g, beta, init, fla_cu_seqlens(cu_seqlens), chunk_indices)
     else:
         o, final = _fla_public(q, k, v, g, beta, init, fla_cu_seqlens(cu_seqlens))
     state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
@@ -80,9 +81,9 @@ def _fla_forward() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     if fwd is None:
         return None
 
-    def forward(q, k, v, g, beta, init, cu):  # type: ignore[no-untyped-def]
+    def forward(q, k, v, g, beta, init, cu, chunk_indices=None):  # type: ignore[no-untyped-def]
         # the steps of FLA's ChunkGatedDeltaRuleFunction.forward with use_qk_l2norm_in_kernel=True
-        out = fla_chunk_forward(fwd, q, k, v, g, beta, init, cu)
+        out = fla_chunk_forward(fwd, q, k, v, g, beta, init, cu, chunk_indices)
         return out[1], out[3]  # (g, o, A, final_state, ...)
 
     return forward

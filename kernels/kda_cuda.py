@@ -29,6 +29,7 @@ def kda_prefill_cuda(
     state_pool: torch.Tensor,
     slots: torch.Tensor,
     has_initial_state: torch.Tensor,
+    chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen prefill through FLA's `chunk_kda`, gathering and scattering pool slots.
 
@@ -39,7 +40,7 @@ def kda_prefill_cuda(
     init = gather_initial_states(state_pool, slots, has_initial_state)
     direct = _kda_forward()
     if direct is not None:
-        o, final = direct(q, k, v, g, beta, init, fla_cu_seqlens(cu_seqlens))
+        o, final = direct(q, k, v, g, beta, init, fla_cu_seqlens(cu_seqlens), chunk_indices)
         state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
         return o[0].to(v.dtype)
     from fla.ops.kda import chunk_kda
@@ -70,8 +71,8 @@ def _kda_forward() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     if fwd is None:
         return None
 
-    def forward(q, k, v, g, beta, init, cu):  # type: ignore[no-untyped-def]
-        out = fla_chunk_forward(fwd, q, k, v, g.float(), beta, init, cu)  # KDA's gates in fp32
+    def forward(q, k, v, g, beta, init, cu, chunk_indices=None):  # type: ignore[no-untyped-def]
+        out = fla_chunk_forward(fwd, q, k, v, g.float(), beta, init, cu, chunk_indices)  # KDA's gates in fp32
         return out[0], out[1]  # (o, final_state, ...)
 
     return forward

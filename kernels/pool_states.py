@@ -109,10 +109,12 @@ def fla_chunk_forward(
     beta: torch.Tensor,
     init: torch.Tensor,
     cu: torch.Tensor,
+    chunk_indices: torch.Tensor | None = None,
 ) -> Any:
     """Call FLA's chunked forward `fwd` (from `fla_internal`) on one packed varlen batch: q and k
     L2-normalised and v made contiguous by one kernel of ours (FLA's kernels index inputs as
-    contiguous `[1, T, H, D]`), its chunk indices built here; FLA's raw outputs back."""
+    contiguous `[1, T, H, D]`), its chunk indices built here unless given (built from host
+    lengths they cost no device sync); FLA's raw outputs back."""
     from fla.ops.utils.index import prepare_chunk_indices
 
     from deltaserve.kernels.triton_gdn import qk_norm_v_launch
@@ -128,5 +130,5 @@ def fla_chunk_forward(
         initial_state=init,
         output_final_state=True,
         cu_seqlens=cu,
-        chunk_indices=prepare_chunk_indices(cu, 64),
+        chunk_indices=prepare_chunk_indices(cu, 64) if chunk_indices is None else chunk_indices,
     )
