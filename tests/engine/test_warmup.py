@@ -1,0 +1,56 @@
+"""The start-up warm-up runs prompts through mixed steps and leaves the engine as new."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.sampling_params import SamplingParams
+
+
+def make(path: str, warmup: bool, cache_type: str) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=path,
+            dtype="float32",
+            device="cpu",
+            chunked_prefill_size=32,
+            max_running_requests=4,
+            max_model_len=256,
+            cache_type=cache_type,
+            warmup=warmup,
+        )
+    )
+
+
+def greedy(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.outputs[0].token_ids
+    return out
+
+
+@pytest.mark.parametrize("cache_type", ["radix", "naive"])
+def test_warmed_engine_is_as_new(make_checkpoint, cache_type: str) -> None:
+    path = make_checkpoint("qwen3_next")
+    warm, cold = make(path, True, cache_type), make(path, False, cache_type)
+    stats, fresh = warm.stats(), cold.stats()
+    # nothing of the warm-up stays: no cached page or snapshot, counters and hit statistics at zero
+    assert stats == fresh
+    assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0
+    assert warm.runner.kv_pool.num_used == 0 and warm.runner.state_pool.num_snapshots_used == 0
+    assert not warm.requests
+    prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
+    assert greedy(warm, prompts) == greedy(cold, prompts)
+    assert warm.stats() == cold.stats()
+
+
+def test_warmup_follows_the_device() -> None:
+    cfg = EngineConfig(model="unused", device="cpu")
+    assert cfg.warmup is False
