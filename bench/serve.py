@@ -33,8 +33,8 @@ clients. Output tok/s is output tokens over the wall time from the first add to 
 finish. A rate run is compared as a closed loop at min(N, --max-concurrency). Mirror the
 server's flags in --offline-args (max_running_requests, max_model_len, ...) for a fair ratio.
 
---health-probe GETs /health every 100 ms on its own connection while a run's load is on and
-reports its latency; it shares the client's event loop, so a saturated client inflates it.
+--health-probe GETs /health every 100 ms from a process of its own while a run's load is on and
+reports its latency (the server's, not that of this client's busy event loop).
 """
 
 from __future__ import annotations
@@ -242,47 +242,67 @@ async def poisson(client: httpx.AsyncClient, target: Target, run: Run, seed: int
     return list(await asyncio.gather(*tasks))
 
 
-async def probe_health(base_url: str, stop: asyncio.Event) -> dict[str, Any]:
-    """GET /health every 100 ms on a connection of its own until `stop` is set."""
+def _probe_health(base_url: str, stop: Any, ready: Any, results: Any) -> None:
+    """GET /health every 100 ms until `stop` is set; runs in a process of its own, so that the
+    latency it sees is the server's and not this client's busy event loop."""
     latencies: list[float] = []
     bad: Counter[str] = Counter()
-    async with httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_connections=1)) as client:
+    with httpx.Client(timeout=30.0) as client:
         while not stop.is_set():
             t = time.perf_counter()
             try:
-                resp = await client.get(f"{base_url}/health")
+                resp = client.get(f"{base_url}/health")
                 if resp.status_code != 200:
                     bad[f"HTTP {resp.status_code}"] += 1
             except Exception as exc:  # a probe that fails is counted, the load goes on
                 bad[type(exc).__name__] += 1
             dt = time.perf_counter() - t
             latencies.append(dt)
-            try:
-                await asyncio.wait_for(stop.wait(), max(0.0, 0.1 - dt))
-            except asyncio.TimeoutError:
-                pass
-    return {
-        "probes": len(latencies),
-        "latency_ms": stats_ms(latencies),
-        "non_200": sum(bad.values()),
-        "non_200_reasons": dict(bad),
-    }
+            ready.set()
+            stop.wait(max(0.0, 0.1 - dt))
+    results.put(
+        {
+            "probes": len(latencies),
+            "latency_ms": stats_ms(latencies),
+            "non_200": sum(bad.values()),
+            "non_200_reasons": dict(bad),
+        }
+    )
+
+
+class HealthProbe:
+    """`_probe_health` in a child process for the length of one run."""
+
+    def __init__(self, base_url: str) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.stop, ready, self.results = ctx.Event(), ctx.Event(), ctx.Queue()
+        self.process = ctx.Process(
+            target=_probe_health, args=(base_url, self.stop, ready, self.results), daemon=True
+        )
+        self.process.start()
+        ready.wait(60)  # the load starts once the probe is probing
+
+    def finish(self) -> dict[str, Any]:
+        self.stop.set()
+        out: dict[str, Any] = self.results.get(timeout=60)
+        self.process.join(10)
+        return out
 
 
 async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[str, Any]:
     pool = run.concurrency or run.max_concurrency or len(run.prompts)
     limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool if args.keepalive else 0)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout)) as client:
-        stop = asyncio.Event()
-        probe = asyncio.create_task(probe_health(args.base_url, stop)) if args.health_probe else None
+        probe = HealthProbe(args.base_url) if args.health_probe else None
         start = time.perf_counter()
         if run.concurrency is not None:
             results = await closed_loop(client, target, run)
         else:
             results = await poisson(client, target, run, args.seed)
         duration = time.perf_counter() - start
-        stop.set()
-        health = await probe if probe is not None else None
+        health = probe.finish() if probe is not None else None
     out = summarize(run, results, duration, args.save_detailed)
     if health is not None:
         out["health"] = health

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Serving runs on the GPU machine: start `deltaserve serve` with random weights, drive it with
+# bench/serve.py, stop it; then the same prompts through the offline engine. Everything lands in
+# $OUT/serve.log (the tables) and $OUT/serve.tgz (each run's JSON and server log).
+#
+# On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
+#   bash bench/serve_session.sh PART
+# PART: 9b | 08b | moe | kimi | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
+# carry .base)
+set -u
+out=${OUT:-/tmp/out}
+mkdir -p "$out/runs"
+export PYTHONUNBUFFERED=1
+log="$out/serve.log"
+port=8000
+WORKLOAD=(--input-len 1024 --output-len 256 --health-probe)
+
+serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS...
+  local name=$1 cwd=$2 pypath=$3 sargs=$4
+  shift 4
+  echo "=== $name: serve $sargs | bench $*" | tee -a "$log"
+  # shellcheck disable=SC2086
+  (cd "$cwd" && PYTHONPATH="$pypath" exec python3 -m deltaserve serve --port $port $sargs) \
+    > "$out/runs/$name.server.log" 2>&1 &
+  local pid=$! t0=$SECONDS
+  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+    if ! kill -0 $pid 2> /dev/null || [ $((SECONDS - t0)) -gt 400 ]; then
+      echo "$name: server did not come up" | tee -a "$log"
+      tail -20 "$out/runs/$name.server.log" | tee -a "$log"
+      kill $pid 2> /dev/null
+      return
+    fi
+    sleep 1
+  done
+  echo "$name: up in $((SECONDS - t0)) s" | tee -a "$log"
+  timeout 500 python3 -m bench.serve --base-url "http://127.0.0.1:$port" "$@" \
+    --output-json "$out/runs/$name.json" 2>&1 | tee -a "$log"
+  kill -TERM $pid
+  wait $pid
+  echo "$name: server exit $?" | tee -a "$log"
+}
+
+offline() {  # offline NAME CONFIG ARGS_JSON BENCH ARGS...
+  local name=$1 model=$2 args=$3
+  shift 3
+  echo "=== $name: offline $model $args | $*" | tee -a "$log"
+  timeout 500 python3 -m bench.serve --offline-only --offline-model "$model" --offline-args "$args" "$@" \
+    --output-json "$out/runs/$name.json" 2>&1 | grep -v "it/s\]" | tee -a "$log"
+}
+
+# the built-in model's Qwen3 tokenizer: streams then carry text, detokenized as users' would be
+tok=$(python3 -c "from deltaserve.models.builtin import builtin_model_path; print(builtin_model_path())")
+dummy="--load-format dummy --tokenizer $tok"
+
+profile_load() {  # profile_load NAME SECONDS BENCH ARGS...: py-spy both processes under a load
+  local name=$1 secs=$2
+  shift 2
+  python3 -m bench.serve --base-url "http://127.0.0.1:$port" "$@" --output-json "$out/runs/$name.json" \
+    > "$out/runs/$name.log" 2>&1 &
+  local bench=$!
+  sleep 8
+  local server engine
+  server=$(pgrep -f "deltaserve serve --port $port" | head -1)
+  engine=$(pgrep -f spawn_main | head -1)
+  py-spy record --nonblocking -r 100 -d "$secs" -f raw -p "$engine" -o "$out/runs/$name.engine.txt" > /dev/null 2>&1 &
+  py-spy record --nonblocking -r 100 -d "$secs" -f raw -p "$server" -o "$out/runs/$name.http.txt" > /dev/null 2>&1
+  wait $bench
+  tail -22 "$out/runs/$name.log" | tee -a "$log"
+}
+case "${1:-9b}" in
+  9b)
+    serve_bench 9b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-9b $dummy" \
+      "${WORKLOAD[@]}" --concurrency 1,64,256
+    offline 9b-offline configs/qwen3.5-9b '{"load_format": "dummy"}' "${WORKLOAD[@]}" --concurrency 1,64,256
+    ;;
+  before)
+    [ -d /tmp/ab-base ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base .base/base
+    mkdir -p /tmp/ab-cwd && cp -r .base/base/configs /tmp/ab-cwd/ && cp -r bench /tmp/ab-cwd/
+    serve_bench 9b-before /tmp/ab-cwd "/tmp/ab-base:${PYTHONPATH:-}" \
+      "--model configs/qwen3.5-9b $dummy --max-running-requests 256" "${WORKLOAD[@]}" --concurrency 64,256
+    ;;
+  profile)
+    (exec python3 -m deltaserve serve --port $port --model configs/qwen3.5-9b $dummy) > "$out/runs/profile.server.log" 2>&1 &
+    pid=$!
+    until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
+    profile_load 9b-c64-prof 6 "${WORKLOAD[@]}" --concurrency 64 --num-prompts 256
+    profile_load 9b-c256-prof 8 "${WORKLOAD[@]}" --concurrency 256 --num-prompts 768
+    kill -TERM $pid
+    wait $pid
+    ;;
+  08b)
+    serve_bench 08b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-0.8b $dummy" \
+      "${WORKLOAD[@]}" --concurrency 1,64,256
+    offline 08b-offline configs/qwen3.5-0.8b '{"load_format": "dummy"}' "${WORKLOAD[@]}" --concurrency 1,64,256
+    ;;
+  moe)
+    serve_bench 35b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-35b-a3b $dummy" \
+      "${WORKLOAD[@]}" --concurrency 1,64,256
+    ;;
+  kimi)
+    serve_bench kimi-new . "${PYTHONPATH:-}" "--model configs/kimi-linear-48b-a3b $dummy" \
+      "${WORKLOAD[@]}" --concurrency 1,64,256
+    ;;
+  *)
+    echo "unknown part $1" >&2
+    exit 2
+    ;;
+esac
+tar -czf "$out/serve.tgz" -C "$out" runs
