@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe | kimi | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
+# PART: 9b | 08b | moe | kimi | profile [CONFIG] | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
 # carry .base)
 set -u
 out=${OUT:-/tmp/out}
@@ -79,12 +79,13 @@ case "${1:-9b}" in
     serve_bench 9b-before /tmp/ab-cwd "/tmp/ab-base:${PYTHONPATH:-}" \
       "--model configs/qwen3.5-9b $dummy --max-running-requests 256" "${WORKLOAD[@]}" --concurrency 64,256
     ;;
-  profile)
-    (exec python3 -m deltaserve serve --port $port --model configs/qwen3.5-9b $dummy) > "$out/runs/profile.server.log" 2>&1 &
+  profile)  # profile [CONFIG]: py-spy at C = 64 and 256
+    cfg=${2:-qwen3.5-9b}
+    (exec python3 -m deltaserve serve --port $port --model "configs/$cfg" $dummy) > "$out/runs/profile-$cfg.server.log" 2>&1 &
     pid=$!
     until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
-    profile_load 9b-c64-prof 6 "${WORKLOAD[@]}" --concurrency 64 --num-prompts 256
-    profile_load 9b-c256-prof 8 "${WORKLOAD[@]}" --concurrency 256 --num-prompts 768
+    profile_load "$cfg-c64-prof" 6 "${WORKLOAD[@]}" --concurrency 64 --num-prompts 256
+    profile_load "$cfg-c256-prof" 8 "${WORKLOAD[@]}" --concurrency 256 --num-prompts 768
     kill -TERM $pid
     wait $pid
     ;;

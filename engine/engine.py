@@ -212,7 +212,7 @@ class Engine:
             params=params,
             # a final-only output without stop strings needs its text once, at the end
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer,
+                self.tokenizer if params.detokenize else None,
                 params.skip_special_tokens,
                 deferred=params.output_kind == "final_only" and not params.stop,
             ),

@@ -107,6 +107,9 @@ class SamplingParams:
     # "final_only": one output when it finishes (LLM.generate, non-streamed HTTP requests)
     output_kind: str = "cumulative"
     structured_outputs: StructuredOutputs | None = None
+    # False: outputs carry token ids and no text, the caller decodes them (the server does, in
+    # its HTTP process, for streams without stop strings: the engine's step then skips it)
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -119,6 +122,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the field when a value is out of range."""
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need the text: detokenize must be on")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(
                 f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}"

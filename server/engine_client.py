@@ -12,6 +12,7 @@ every request in flight at once and turns /health to 503; so does a loop silent 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -24,6 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
 
 if TYPE_CHECKING:
@@ -220,6 +222,8 @@ class EngineClient:
         self.wedged_after_s = WEDGED_AFTER_S
         self._groups: dict[str, RequestGroup] = {}  # engine request id -> its group
         self._prompts: dict[str, list[int]] = {}  # engine request id -> its prompt (outputs omit it)
+        # streams without stop strings are detokenized here, beside the engine's step, not in it
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._last_heard = time.monotonic()
@@ -294,6 +298,7 @@ class EngineClient:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         group = RequestGroup([rid for rid, _, _ in requests])
+        requests = [(rid, prompt, self._detokenize_here(rid, params)) for rid, prompt, params in requests]
         for request_id, prompt, _ in requests:
             self._groups[request_id] = group
             self._prompts[request_id] = prompt
@@ -356,6 +361,25 @@ class EngineClient:
         for request_id in ids:
             self._groups.pop(request_id, None)
             self._prompts.pop(request_id, None)
+            self._detokenizers.pop(request_id, None)
+
+    def _detokenize_here(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """A stream's text is decoded in this process when nothing in the engine needs it (no
+        stop strings): the engine's step, which every stream waits for, then does not."""
+        if self.tokenizer is None or params.output_kind != "delta" or params.stop or not params.detokenize:
+            return params
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        return dataclasses.replace(params, detokenize=False)
+
+    def _decode(self, out: RequestOutput, detok: IncrementalDetokenizer) -> None:
+        """Fill in the text of an output the engine sent without (a delta: what its tokens add)."""
+        completion = out.outputs[0]
+        start = detok.length
+        for token in completion.token_ids:
+            detok.append(token)
+        if out.finished and completion.finish_reason != "error":
+            detok.flush()
+        completion.text = detok.slice(start, detok.length)
 
     # --------------------------------------------------------------------------- engine's side
 
@@ -400,6 +424,9 @@ class EngineClient:
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
             out.prompt_token_ids = self._prompts.get(out.request_id, out.prompt_token_ids)
+            detok = self._detokenizers.get(out.request_id)
+            if detok is not None:
+                self._decode(out, detok)
             if self.metrics is not None:
                 self.metrics.request_progress(out, now)
             group = self._groups.get(out.request_id)
