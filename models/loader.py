@@ -35,10 +35,42 @@ def read_config(path: str) -> tuple[Any, str]:
     archs = raw.get("architectures") or []
     if not archs:
         raise ValueError(f"{cfg_file} names no architectures")
+    refuse_quantized(path, raw)
     from transformers import AutoConfig
 
     # never remote code (and no interactive "run the custom code?" prompt in a server)
     return AutoConfig.from_pretrained(path, trust_remote_code=False), archs[0]
+
+
+def refuse_quantized(path: str, raw_config: dict[str, Any]) -> None:
+    """A quantized checkpoint is an error, not garbage output: deltaserve computes in the
+    checkpoint's floating-point weights only, and FP8 weights read without their scales load
+    silently and generate noise. Looked for in config.json and in the files' own dtypes."""
+    for cfg in (raw_config, raw_config.get("text_config") or {}):
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+            raise ValueError(
+                f"{path!r} is a quantized checkpoint (quantization_config: quant_method {method!r}); "
+                "deltaserve serves unquantized (bf16 / fp16 / fp32) checkpoints only"
+            )
+    for name, dtype in _safetensors_dtypes(path):
+        if dtype.startswith("F8") or name.endswith(("weight_scale_inv", "weight_scale")):
+            raise ValueError(
+                f"{path!r} holds quantized weights ({name}: {dtype}) but config.json has no "
+                "quantization_config; deltaserve serves unquantized checkpoints only"
+            )
+
+
+def _safetensors_dtypes(path: str) -> Iterator[tuple[str, str]]:
+    """(tensor name, safetensors dtype such as 'BF16' or 'F8_E4M3') from the files' headers alone."""
+    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+        with open(os.path.join(path, name), "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for key, info in header.items():
+            if key != "__metadata__":
+                yield key, str(info.get("dtype", ""))
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
