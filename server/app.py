@@ -40,17 +40,25 @@ def build_app(
     engine_client: EngineClient,
     *,
     model_names: list[str],
+    model_aliases: list[str] | None = None,
     chat_template: str | None = None,
     api_key: str | None = None,
     sampling_defaults: SamplingDefaults | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The app for one engine client; the client's engine thread runs for the app's lifespan.
-    `api_key` guards /v1, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413."""
+    `api_key` guards /v1, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413.
+    `model_aliases` are accepted in requests like `model_names` but not listed by /v1/models."""
     metrics = engine_client.metrics or Metrics(model_names[0])
     engine_client.metrics = metrics
     ctx = ServerContext(
-        engine_client, model_names, metrics, chat_template, sampling_defaults or SamplingDefaults(), api_key
+        engine_client,
+        model_names,
+        metrics,
+        chat_template,
+        sampling_defaults or SamplingDefaults(),
+        api_key,
+        list(model_aliases or []),
     )
 
     @asynccontextmanager

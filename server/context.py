@@ -41,6 +41,7 @@ class ServerContext:
     chat_template: str | None = None
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     api_key: str | None = None
+    model_aliases: list[str] = field(default_factory=list)  # accepted, not listed by /v1/models
 
     def __post_init__(self) -> None:
         self.tokenizer: Any = self.client.tokenizer
@@ -62,7 +63,7 @@ class ServerContext:
         )
 
     def resolve_model(self, name: str | None) -> str:
-        if name is None or name in self.model_names:
+        if name is None or name in self.model_names or name in self.model_aliases:
             return self.model_names[0]
         raise APIError(
             404,

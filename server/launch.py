@@ -41,7 +41,7 @@ def serve(args: argparse.Namespace) -> int:
     _raise_open_files_limit()
     engine_config = _engine_config(args)
     sampling_defaults = _sampling_defaults(args, engine_config.model)
-    names = args.served_model_name or [_default_name(args)]
+    names, aliases = _served_names(args)
     handle = _start_engine(engine_config, args.log_level)
     from deltaserve.models.loader import load_tokenizer
 
@@ -52,6 +52,7 @@ def serve(args: argparse.Namespace) -> int:
     config.app = build_app(
         client,
         model_names=names,
+        model_aliases=aliases,
         chat_template=load_chat_template(args.chat_template),
         api_key=args.api_key,
         sampling_defaults=sampling_defaults,
@@ -64,7 +65,7 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     logger.info(
         "serving %s on http://%s:%d (API key %s)",
-        ", ".join(names),
+        ", ".join(names + [f"{a} (alias)" for a in aliases]),
         args.host,
         args.port,
         "required" if args.api_key else "not required",
@@ -113,12 +114,18 @@ def _raise_open_files_limit() -> None:
             logger.warning("open files limited to %d: very many connections at once will fail", soft)
 
 
-def _default_name(args: argparse.Namespace) -> str:
+def _served_names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The names listed by /v1/models, and the names also accepted: by default the model folder's
+    base name (as SGLang serves it) is listed, and the path given to --model stays accepted."""
+    if args.served_model_name:
+        return list(args.served_model_name), []
     if args.model is None:
         from deltaserve.models.builtin import BUILTIN_NAME
 
-        return BUILTIN_NAME
-    return str(args.model).rstrip("/")
+        return [BUILTIN_NAME], []
+    path = str(args.model).rstrip("/") or str(args.model)
+    base = os.path.basename(path) or path
+    return [base], [path] if path != base else []
 
 
 def _engine_config(args: argparse.Namespace) -> Any:
@@ -133,7 +140,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
     try:
         return EngineConfig(
             model=model,
-            served_model_name=(args.served_model_name or [_default_name(args)])[0],
+            served_model_name=_served_names(args)[0][0],
             dtype=None if args.dtype == "auto" else args.dtype,
             device=None if args.device == "auto" else args.device,
             max_running_requests=args.max_running_requests,

@@ -190,6 +190,23 @@ def test_api_key_and_served_names_with_openai_client(keyed_server) -> None:
         good.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
 
 
+@pytest.mark.slow
+def test_model_folder_is_served_by_its_base_name_and_its_path(spawn_server, builtin_path: str) -> None:
+    from pathlib import Path
+
+    server = spawn_server("--model", builtin_path + "/", "--max-model-len", "256")
+    base = Path(builtin_path).name
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [base]
+    for name in (base, builtin_path):
+        r = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert r.model == base
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=f"{builtin_path}/elsewhere", prompt="hi", max_tokens=2)
+
+
 def test_bad_requests_do_not_disturb_a_running_one(server) -> None:
     body = {"model": MODEL_NAME, "prompt": "steady", "max_tokens": 120, "ignore_eos": True, "stream": True}
     done: dict[str, list[str]] = {}
