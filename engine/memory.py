@@ -51,7 +51,7 @@ def plan_pools(
         pages = config.num_kv_pages
     else:
         budget = _pool_budget(config, device)
-        one_request = math.ceil(want_len / page) * max(bytes_per_page, 1)
+        one_request = (math.ceil(want_len / page) + 1) * max(bytes_per_page, 1)  # with the padding page
         states = budget - one_request - (1 + window) * bytes_per_slot
         fit = states // max(bytes_per_slot, 1)
         if slots + snapshots > fit:

@@ -256,3 +256,18 @@ def test_budget_flags_reach_the_engine(flag: str) -> None:
 
     args = build_parser().parse_args(["serve", flag, "2048"])
     assert getattr(args, flag[2:].replace("-", "_")) == 2048
+
+
+def test_more_slots_than_fit_start_with_what_fits_and_say_so(spawn_server, read_metrics) -> None:
+    server = spawn_server(
+        "--max-model-len", "512", "--max-running-requests", "100000", "--pool-memory-gb", "0.05"
+    )
+    total = read_metrics(server.url)["deltaserve_state_slots_total"]
+    assert 1 <= total < 100000
+    assert "clamped" in server.log() and f"memory holds {int(total)} running requests" in server.log()
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "fits", "max_tokens": 4},
+        timeout=60,
+    )
+    assert r.status_code == 200
