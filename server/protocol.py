@@ -1,5 +1,6 @@
 """Pydantic models of the OpenAI API subset deltaserve speaks. Unknown request fields are ignored, as
-OpenAI does; response models carry exactly OpenAI's field names."""
+OpenAI does, except those that would change the output (`RequestBody.unsupported`); response
+models carry exactly OpenAI's field names."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import math
 import re
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -57,9 +59,20 @@ def invalid_json_value(data: Any) -> tuple[str, str] | None:
     return None
 
 
+# (field value, whole body) -> why the value cannot be served, or None where it changes nothing
+Unsupported = Callable[[Any, dict[str, Any]], str | None]
+
+
+def unsupported_if_set(why: str) -> Unsupported:
+    return lambda value, _: None if value in (None, "", [], {}, False) else why
+
+
 class RequestBody(OpenAIModel):
     """A request's top-level model. Its whole raw body is checked once, before any field, free-form
-    ones (tools, metadata, response_format) included: what the reply echoes must encode too."""
+    ones (tools, metadata, response_format) included: what the reply echoes must encode too.
+    Fields in `unsupported` that would change the output are a 400 naming them, not ignored."""
+
+    unsupported: ClassVar[dict[str, Unsupported]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -68,6 +81,11 @@ class RequestBody(OpenAIModel):
         if found is not None:
             path, reason = found
             raise PydanticCustomError("invalid_json_value", "{reason}", {"param": path, "reason": reason})
+        if isinstance(data, dict):
+            for name, check in cls.unsupported.items():
+                why = check(data[name], data) if name in data else None
+                if why is not None:
+                    raise PydanticCustomError("unsupported", "{reason}", {"param": name, "reason": why})
         return data
 
 
@@ -142,7 +160,26 @@ class SamplingRequest(RequestBody):
     user: str | None = None
 
 
+def _modalities(value: Any, _: dict[str, Any]) -> str | None:
+    if isinstance(value, list) and all(m == "text" for m in value):
+        return None
+    return "not supported: this server writes text only"
+
+
+def _best_of(value: Any, data: dict[str, Any]) -> str | None:
+    if value is None or value == data.get("n", 1):
+        return None
+    return "not supported other than equal to n: this server returns every sequence it samples"
+
+
 class ChatCompletionRequest(SamplingRequest):
+    unsupported = {
+        "audio": unsupported_if_set("not supported: this server writes text only"),
+        "modalities": _modalities,
+        "web_search_options": unsupported_if_set("not supported: this server does not search the web"),
+        "functions": unsupported_if_set("not supported (legacy function calling): send tools"),
+        "function_call": unsupported_if_set("not supported (legacy function calling): send tool_choice"),
+    }
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -155,6 +192,10 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
+    unsupported = {
+        "suffix": unsupported_if_set("not supported: this server does not fill in the middle"),
+        "best_of": _best_of,
+    }
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for the legacy completions endpoint
     logprobs: int | None = None

@@ -29,13 +29,25 @@ from .chat import PreparedChat, prepare_chat
 from .chat_output import ChatStreamState, tool_call_id
 from .context import ClientDisconnected, ServerContext
 from .errors import APIError, bad_request, error_body, failure_of, raise_if_failed
-from .protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, RequestBody, ToolDefinition
+from .protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDefinition,
+    RequestBody,
+    ToolDefinition,
+    unsupported_if_set,
+)
 
 # chat fields named otherwise here, for error messages that name the field the client sent
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
 
 class ResponsesRequest(RequestBody):
+    unsupported = {
+        "background": unsupported_if_set("not supported: responses are answered in the request"),
+        "conversation": unsupported_if_set("not supported: continue with previous_response_id"),
+        "prompt": unsupported_if_set("not supported: this server stores no prompt templates"),
+    }
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None

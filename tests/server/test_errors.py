@@ -131,6 +131,49 @@ def test_unknown_fields_are_ignored(server) -> None:
     assert r.status_code == 200
 
 
+COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        ("/v1/completions", {**COMPLETION, "suffix": " and the end"}, "suffix"),
+        ("/v1/completions", {**COMPLETION, "best_of": 3}, "best_of"),
+        ("/v1/chat/completions", {**GOOD, "modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", {**GOOD, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ("/v1/chat/completions", {**GOOD, "web_search_options": {}}, None),
+        (
+            "/v1/chat/completions",
+            {**GOOD, "web_search_options": {"search_context_size": "low"}},
+            "web_search_options",
+        ),
+        ("/v1/chat/completions", {**GOOD, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ("/v1/chat/completions", {**GOOD, "function_call": "auto"}, "function_call"),
+        ("/v1/responses", {**RESPONSE, "background": True}, "background"),
+        ("/v1/responses", {**RESPONSE, "prompt": {"id": "pmpt_1"}}, "prompt"),
+        ("/v1/responses", {**RESPONSE, "conversation": "conv_1"}, "conversation"),
+        # values that change nothing are served
+        ("/v1/completions", {**COMPLETION, "suffix": None, "best_of": 1}, None),
+        (
+            "/v1/chat/completions",
+            {**GOOD, "modalities": ["text"], "prediction": {"type": "content", "content": "x"}},
+            None,
+        ),
+        ("/v1/responses", {**RESPONSE, "background": False}, None),
+    ],
+)
+def test_fields_that_would_change_the_output_are_400_naming_them(
+    server, path: str, body: dict, field: str | None
+) -> None:
+    r = post(server, path, json=body)
+    if field is None:
+        assert r.status_code == 200, r.text
+        return
+    err = assert_error(r, 400, field)
+    assert "not supported" in err["message"] and err["message"].startswith(field)
+
+
 def test_unknown_route_is_404_json(server) -> None:
     assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
 
