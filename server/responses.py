@@ -209,6 +209,7 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
         response_format=response_format,
         chat_template_kwargs=req.chat_template_kwargs,
         parallel_tool_calls=req.parallel_tool_calls,
+        stream=req.stream,  # a stream's engine outputs are each step's delta
     )
 
 

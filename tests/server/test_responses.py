@@ -5,6 +5,7 @@ function calls, JSON output, streamed events that add up to the final response, 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -148,6 +149,31 @@ def test_stream_events_add_up_to_the_response(client) -> None:
     assert [e.text for e in done] == [whole.output_text]
     added = kinds.index("response.output_item.added")
     assert added < kinds.index("response.output_text.delta") < kinds.index("response.output_item.done")
+
+
+def test_stream_sends_each_steps_text_as_it_is_generated(client) -> None:
+    """The first delta comes well before the response completes, and the deltas make the final text."""
+    start = time.monotonic()
+    arrivals = []
+    for event in client.responses.create(
+        model=MODEL_NAME, input="Tell me a story", max_output_tokens=200, temperature=0, stream=True
+    ):
+        arrivals.append((time.monotonic() - start, event))
+    deltas = [
+        (t, e)
+        for t, e in arrivals
+        if e.type in ("response.output_text.delta", "response.reasoning_text.delta")
+    ]
+    end, last = arrivals[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    assert last.response.usage.output_tokens > 100 and len(deltas) > 50
+    first = deltas[0][0]
+    assert end - first > 0.25 * end, (first, end)
+    text = "".join(e.delta for _, e in deltas if e.type == "response.output_text.delta")
+    assert text == last.response.output_text
+    reasoning = "".join(e.delta for _, e in deltas if e.type == "response.reasoning_text.delta")
+    thought = [i.content[0].text for i in last.response.output if i.type == "reasoning"]
+    assert reasoning == "".join(thought)
 
 
 def test_previous_response_continues_the_conversation(client, base_url: str) -> None:
