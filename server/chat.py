@@ -140,7 +140,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     choices = []
     for rid, i in index.items():
         completion = final[rid].outputs[0]
-        parsed = parser.parse(completion.text, final=True)
+        parsed = parser.parse(completion.text, final=True, cut=completion.finish_reason == "length")
         calls = to_openai_tool_calls(parsed.tool_calls) or None
         content: str | None = parsed.content
         if not content and (calls or parsed.reasoning):
@@ -208,7 +208,8 @@ async def _stream(
                 latest[out.request_id] = out
                 state, completion = states[out.request_id], out.outputs[0]
                 # the engine sends deltas: what this step (or the steps merged into it) added
-                reasoning, content, calls = state.feed(completion.text, final=completion.finished)
+                cut = completion.finish_reason == "length"
+                reasoning, content, calls = state.feed(completion.text, completion.finished, cut)
                 new_logprobs = None
                 if logprobs is not None and completion.logprobs:
                     new_logprobs = chat_logprobs(completion.logprobs, logprobs, ctx.token_text)

@@ -28,13 +28,14 @@ class ChatOutputParser:
     tools: dict[str, dict[str, Any]] | None = None
     tool_format: ToolCallFormat | None = None  # the model family's call markup (Qwen's by default)
 
-    def parse(self, text: str, final: bool) -> ParsedChat:
+    def parse(self, text: str, final: bool, cut: bool = False) -> ParsedChat:
+        """`cut`: the output ended at the length limit (an unfinished call at its end is dropped)."""
         reasoning, content = (
             split_reasoning(text, self.starts_in_reasoning, final) if self.parse_reasoning else (None, text)
         )
         calls: list[ParsedToolCall] = []
         if self.tools is not None:
-            content, calls = extract_tool_calls(content, self.tools, final, self.tool_format)
+            content, calls = extract_tool_calls(content, self.tools, final, self.tool_format, cut)
         return ParsedChat(reasoning, content, calls)
 
 
@@ -59,14 +60,27 @@ class ChatStreamState:
         self.tools = ToolCallStream(parser.tools, parser.tool_format) if parser.tools is not None else None
         self.calls_sent = 0
 
-    def feed(self, piece: str, final: bool) -> tuple[str | None, str | None, list[DeltaToolCall]]:
+    def feed(
+        self, piece: str, final: bool, cut: bool = False
+    ) -> tuple[str | None, str | None, list[DeltaToolCall]]:
+        reasoning, ordered = self.feed_in_order(piece, final, cut)
+        content = "".join(s for s in ordered if isinstance(s, str))
+        return reasoning, content or None, [s for s in ordered if isinstance(s, DeltaToolCall)]
+
+    def feed_in_order(
+        self, piece: str, final: bool, cut: bool = False
+    ) -> tuple[str | None, list[str | DeltaToolCall]]:
+        """As `feed`: the reasoning, then the content (non-empty pieces) and the calls in the order
+        they were written. `cut`: the output ended at the length limit."""
         reasoning, content = self.reasoning.feed(piece, final)
-        calls: list[ParsedToolCall] = []
-        if self.tools is not None:
-            content, calls = self.tools.feed(content, final)
-        new_calls = []
-        for call in calls:
-            function = ToolCallFunction(name=call.name, arguments=call.arguments)
-            new_calls.append(DeltaToolCall(index=self.calls_sent, id=tool_call_id(), function=function))
+        if self.tools is None:
+            return reasoning or None, [content] if content else []
+        ordered: list[str | DeltaToolCall] = []
+        for part in self.tools.feed_in_order(content, final, cut):
+            if isinstance(part, str):
+                ordered.append(part)
+                continue
+            function = ToolCallFunction(name=part.name, arguments=part.arguments)
+            ordered.append(DeltaToolCall(index=self.calls_sent, id=tool_call_id(), function=function))
             self.calls_sent += 1
-        return reasoning or None, content or None, new_calls
+        return reasoning or None, ordered

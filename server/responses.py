@@ -32,6 +32,7 @@ from .errors import APIError, bad_request, error_body, failure_of, raise_if_fail
 from .protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    DeltaToolCall,
     FunctionDefinition,
     RequestBody,
     ToolDefinition,
@@ -325,17 +326,16 @@ async def create_response(
     except ClientDisconnected:
         return Response(status_code=499)
     completion = final.outputs[0]
-    parsed = prepared.parser.parse(completion.text, final=True)
-    output: list[dict[str, Any]] = []
-    if parsed.reasoning:
-        output.append(_reasoning_item(_item_id("rs"), parsed.reasoning))
-    if parsed.content or not parsed.tool_calls:
-        output.append(_message_item(_item_id("msg"), parsed.content))
-    output.extend(_call_item(c.name, c.arguments) for c in parsed.tool_calls)
-    status = "incomplete" if completion.finish_reason == "length" else "completed"
-    reasoning_tokens = len(ctx.encode(parsed.reasoning)) if parsed.reasoning else 0
+    # the items as a stream of the whole text builds them: in the order they were written
+    items_of = _Events()
+    cut = completion.finish_reason == "length"
+    items_of.feed(*ChatStreamState(prepared.parser).feed_in_order(completion.text, True, cut))
+    items_of.finish()
+    status = "incomplete" if cut else "completed"
+    thought = items_of.reasoning_text()
+    reasoning_tokens = len(ctx.encode(thought)) if thought else 0
     usage = _usage(len(prepared.prompt_ids), completion.num_tokens, final.num_cached_tokens, reasoning_tokens)
-    body = shell.body(status, output, usage)
+    body = shell.body(status, items_of.output, usage)
     keep(body)
     return JSONResponse(body)
 
@@ -406,6 +406,23 @@ class _Events:
             self.emit("response.output_item.done", output_index=index, item=item),
         ]
 
+    def feed(self, reasoning: str | None, ordered: list[str | DeltaToolCall]) -> list[str]:
+        """The events of what a step added: its reasoning, then its content and calls in order."""
+        events = self.text("reasoning", reasoning) if reasoning else []
+        for part in ordered:
+            if isinstance(part, str):
+                events += self.text("message", part)
+            else:
+                events += self.call(part.function.name or "", part.function.arguments or "{}")
+        return events
+
+    def finish(self) -> list[str]:
+        """Close the open items; a reply of no text and no call gets an empty message."""
+        events = self.close("reasoning") + self.close("message")
+        if not any(item["type"] in ("message", "function_call") for item in self.output):
+            events += self.text("message", "") + self.close("message")
+        return events
+
     def reasoning_text(self) -> str:
         return "".join(i["content"][0]["text"] for i in self.output if i["type"] == "reasoning")
 
@@ -446,27 +463,16 @@ async def _stream(
                 raise_if_failed(out)  # failed in the engine: the stream ends with an error event
                 completion = out.outputs[0]
                 tokens, cached = completion.num_tokens, out.num_cached_tokens
-                reasoning, content, calls = state.feed(completion.text, final=completion.finished)
-                if reasoning:
-                    for e in events.text("reasoning", reasoning):
-                        yield e
-                if content:
-                    for e in events.text("message", content):
-                        yield e
-                for call in calls:
-                    for e in events.call(call.function.name or "", call.function.arguments or "{}"):
-                        yield e
+                cut = completion.finish_reason == "length"
+                for e in events.feed(*state.feed_in_order(completion.text, completion.finished, cut)):
+                    yield e
                 reason = completion.finish_reason or reason
     except Exception as exc:  # the engine failed or the server is draining: say so in-band
         body = error_body(*failure_of(exc))["error"]
         yield events.emit("error", code=body["type"], message=body["message"], param=None)
         return
-    for kind in ("reasoning", "message"):
-        for e in events.close(kind):
-            yield e
-    if not events.output:  # no text at all: an empty message, as the non-streamed reply has
-        for e in events.text("message", "") + events.close("message"):
-            yield e
+    for e in events.finish():
+        yield e
     status = "incomplete" if reason == "length" else "completed"
     thought = events.reasoning_text()
     usage = _usage(len(prepared.prompt_ids), tokens, cached, len(ctx.encode(thought)) if thought else 0)

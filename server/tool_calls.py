@@ -8,6 +8,8 @@ Kimi's form (`KIMI`) wraps calls in a section, `<|tool_calls_section_begin|>`, t
 As in reasoning.py, parsing a growing text with `final=False` holds back every unfinished call, so
 content and the list of calls only ever grow; `ToolCallStream` gives the same result for a text fed
 in pieces, reading each piece once (each call's body is parsed once, when its end tag arrives).
+An output cut off by the length limit (`cut`) ends with no markup: an unfinished call, or start
+tag, at its end is dropped, being neither content nor a whole call.
 """
 
 from __future__ import annotations
@@ -55,12 +57,17 @@ class ToolCallFormat:
 
 
 def extract_tool_calls(
-    text: str, tools: dict[str, dict[str, Any]], final: bool, fmt: ToolCallFormat | None = None
+    text: str,
+    tools: dict[str, dict[str, Any]],
+    final: bool,
+    fmt: ToolCallFormat | None = None,
+    cut: bool = False,
 ) -> tuple[str, list[ParsedToolCall]]:
     """Return (content outside the calls, calls). `tools` maps function name to its JSON schema,
     used to give XML parameter values their declared types. `fmt`: Qwen's form by default."""
     fmt = fmt or QWEN
-    text, _ = fmt.without_markers(text, final)
+    release = final and not cut  # what is held back is shown at the end, unless cut off
+    text, _ = fmt.without_markers(text, release)
     open_tag, close_tag = fmt.start, fmt.end
     parts: list[str] = []
     calls: list[ParsedToolCall] = []
@@ -69,12 +76,12 @@ def extract_tool_calls(
         start = text.find(open_tag, pos)
         if start < 0:
             tail = text[pos:]
-            parts.append(tail if final else tail[: len(tail) - partial_tag_len(tail, open_tag)])
+            parts.append(tail if release else tail[: len(tail) - partial_tag_len(tail, open_tag)])
             break
         parts.append(text[pos:start])
         end = text.find(close_tag, start)
         body_end = len(text) if end < 0 else end
-        if end < 0 and not final:
+        if end < 0 and not release:
             break  # an unfinished call: hold it back
         call = fmt.parse(text[start + len(open_tag) : body_end], tools)
         raw = text[start : body_end + (0 if end < 0 else len(close_tag))]
@@ -103,37 +110,49 @@ class ToolCallStream:
         self.started = False  # content's leading whitespace is dropped, as strip() does
         self.trailing = ""  # whitespace held until content follows it (strip() drops it at the end)
 
-    def feed(self, piece: str, final: bool) -> tuple[str, list[ParsedToolCall]]:
+    def feed(self, piece: str, final: bool, cut: bool = False) -> tuple[str, list[ParsedToolCall]]:
+        ordered = self.feed_in_order(piece, final, cut)
+        calls = [s for s in ordered if isinstance(s, ParsedToolCall)]
+        return "".join(s for s in ordered if isinstance(s, str)), calls
+
+    def feed_in_order(self, piece: str, final: bool, cut: bool = False) -> list[str | ParsedToolCall]:
+        """As `feed`: the content (non-empty pieces) and the calls in the order they were written."""
         fmt = self.fmt
         open_tag, close_tag = fmt.start, fmt.end
-        text, self.held = fmt.without_markers(self.held + piece, final)
+        release = final and not cut  # what is held back is shown at the end, unless cut off
+        text, self.held = fmt.without_markers(self.held + piece, release)
         buf = self.buf + text
-        parts: list[str] = []
-        calls: list[ParsedToolCall] = []
+        out: list[str | ParsedToolCall] = []
+
+        def show(content: str) -> None:
+            content = self._strip(content)
+            if content:
+                out.append(content)
+
         while True:
             if not self.in_call:
                 start = buf.find(open_tag)
                 if start < 0:
-                    keep = 0 if final else partial_tag_len(buf, open_tag)
-                    parts.append(buf[: len(buf) - keep])
+                    keep = 0 if release else partial_tag_len(buf, open_tag)
+                    show(buf[: len(buf) - keep])
                     buf = buf[len(buf) - keep :]
                     break
-                parts.append(buf[:start])
+                show(buf[:start])
                 buf, self.in_call, self.search_from = buf[start:], True, len(open_tag)
             end = buf.find(close_tag, self.search_from)
-            if end < 0 and not final:
+            if end < 0 and not release:
                 self.search_from = max(len(open_tag), len(buf) - len(close_tag) + 1)
                 break  # an unfinished call: hold it back
             body_end = len(buf) if end < 0 else end
             raw_end = len(buf) if end < 0 else end + len(close_tag)
             call = fmt.parse(buf[len(open_tag) : body_end], self.tools)
             if call is not None:
-                calls.append(call)
+                out.append(call)
             else:
-                parts.append(buf[:raw_end])  # not a call after all: show it
+                show(buf[:raw_end])  # not a call after all: show it
             buf, self.in_call = buf[raw_end:], False
-        self.buf = buf
-        return self._strip("".join(parts)), calls
+        self.buf = "" if final else buf  # at the end, what is still held is dropped (cut off)
+        return out
 
     def _strip(self, text: str) -> str:
         if not self.started:

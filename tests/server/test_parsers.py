@@ -41,23 +41,24 @@ QWEN35_TOOL = (
 
 
 def stream(
-    parser: ChatOutputParser, text: str, cuts: list[int] | None = None
+    parser: ChatOutputParser, text: str, cuts: list[int] | None = None, cut: bool = False
 ) -> tuple[str, str, list[tuple[str, dict]]]:
     """Feed `text` in pieces (ending at `cuts`, by default one character each) as a stream would,
     and concatenate the deltas. After every piece, what was streamed must equal the parse of the
-    text so far: the incremental parsers give what parsing each whole prefix would."""
+    text so far: the incremental parsers give what parsing each whole prefix would. `cut`: the
+    text ends at the length limit."""
     state = ChatStreamState(parser)
     reasoning, content, calls = "", "", []
     start = 0
     for end in cuts or range(1, len(text) + 1):
         final = end == len(text)
-        r, c, new_calls = state.feed(text[start:end], final=final)
+        r, c, new_calls = state.feed(text[start:end], final, cut and final)
         start = end
         reasoning += r or ""
         content += c or ""
         calls += [(call.function.name, json.loads(call.function.arguments)) for call in new_calls]
         assert [call.index for call in new_calls] == list(range(len(calls) - len(new_calls), len(calls)))
-        prefix = parser.parse(text[:end], final=final)
+        prefix = parser.parse(text[:end], final, cut and final)
         assert (reasoning, content) == (prefix.reasoning or "", prefix.content), text[:end]
         assert calls == [(c.name, json.loads(c.arguments)) for c in prefix.tool_calls]
     return reasoning, content, calls
@@ -160,6 +161,42 @@ def test_partial_tags_are_held_back_while_streaming() -> None:
     assert split_reasoning("<thi", starts_in_reasoning=False, final=False) == (None, "")
 
 
+PARIS_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "tail",
+    ['\n<tool_call>\n{"', "\n<tool", "\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZür"],
+    ids=["json", "tag", "xml"],
+)
+def test_a_call_cut_by_the_length_limit_leaves_no_markup(tail: str) -> None:
+    """A second call cut off by max_tokens is neither content nor a call; the first call stands."""
+    parser = ChatOutputParser(tools=WEATHER_TOOLS)
+    for text in (PARIS_CALL + tail, "Checking. " + PARIS_CALL + tail):
+        whole = parser.parse(text, final=True, cut=True)
+        assert "<" not in whole.content and whole.content in ("", "Checking.")
+        assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+        _, content, calls = stream(parser, text, cut=True)
+        assert content == whole.content and len(calls) == 1
+    # where the model itself stopped there, the unfinished JSON call is shown, as before
+    if "function=" not in tail:
+        assert parser.parse(PARIS_CALL + tail, final=True).content == tail.strip()
+
+
+def test_content_and_calls_come_in_the_order_written() -> None:
+    parser = ChatOutputParser(tools=WEATHER_TOOLS)
+    text = "Checking.\n" + PARIS_CALL + "\nDone."
+    _, ordered = ChatStreamState(parser).feed_in_order(text, final=True)
+    assert [p if isinstance(p, str) else p.function.name for p in ordered] == [
+        "Checking.",
+        "get_weather",
+        "\n\nDone.",
+    ]
+    assert "".join(p for p in ordered if isinstance(p, str)) == parser.parse(text, final=True).content
+
+
 FRAGMENTS = [
     "<think>",
     "</think>",
@@ -196,6 +233,7 @@ def test_incremental_parsers_match_whole_prefix_parsing(seed: int) -> None:
                 for parse_reasoning in (True, False):
                     parser = ChatOutputParser(starts_inside, parse_reasoning, tools)
                     stream(parser, text, cuts)
+                    stream(parser, text, cuts, cut=True)
 
 
 KIMI_TWO_TOOLS = (
@@ -257,5 +295,6 @@ def test_kimi_stream_matches_whole_prefix_parsing(seed: int) -> None:
         text = "".join(rng.choice(KIMI_FRAGMENTS) for _ in range(rng.randint(1, 12)))
         cuts = sorted({rng.randint(1, len(text)) for _ in range(rng.randint(1, 6))} | {len(text)})
         stream(parser, text, cuts)
+        stream(parser, text, cuts, cut=True)
     reasoning, content, calls = stream(parser, KIMI_TWO_TOOLS)
     assert content == "Checking both cities." and [c[1]["city"] for c in calls] == ["Paris", "Zürich"]

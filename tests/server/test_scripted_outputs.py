@@ -64,6 +64,9 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def compile_structured(self, spec) -> None:
+        pass  # the script is the output: a request's grammar is not applied
+
     def stats(self) -> dict[str, int]:
         return {"running": len(self.requests), "waiting": 0}
 
@@ -135,8 +138,7 @@ def ask(client: openai.OpenAI, **kwargs):
     return client.chat.completions.create(
         model="scripted",
         messages=[{"role": "user", "content": "Weather in Paris?"}],
-        max_tokens=500,
-        **kwargs,
+        **{"max_tokens": 500, **kwargs},
     )
 
 
@@ -284,3 +286,46 @@ def test_length_cut_inside_reasoning(serve_script) -> None:
     choice = r.choices[0]
     assert choice.finish_reason == "length"
     assert choice.message.content is None and choice.message.reasoning_content
+
+
+def test_a_second_call_cut_by_max_tokens_leaves_no_markup(serve_script, tokenizer) -> None:
+    """Under tool_choice "required", a second call that max_tokens cuts off is neither content nor a
+    call, in chat (whole and streamed) and in the Responses API, whose items keep the written order."""
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    # cut inside the second call, and inside a start tag written as plain text
+    for tail, rest in (('<tool_call>\n{"', 'name": "get_weather"'), ("<tool", "_ca")):
+        ids = tokenizer.encode(first + tail + rest, add_special_tokens=False)
+        limit = len(tokenizer.encode(first + tail, add_special_tokens=False))
+        assert tokenizer.decode(ids[:limit]) == first + tail
+        client = serve_script(first + tail + rest)
+        r = ask(client, tools=TOOLS, tool_choice="required", max_tokens=limit)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [{"city": "Paris"}]
+        _, content, calls, finishes = collect_stream(
+            client, tools=TOOLS, tool_choice="required", max_tokens=limit
+        )
+        assert content == "" and [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris"}]
+
+        tools = [{"type": "function", **TOOLS[0]["function"]}]
+        kw = dict(
+            model="scripted", input="Weather?", tools=tools, tool_choice="required", max_output_tokens=limit
+        )
+        resp = client.responses.create(**kw)
+        assert resp.status == "incomplete" and [item.type for item in resp.output] == ["function_call"]
+        events = list(client.responses.create(**kw, stream=True))
+        assert [item.type for item in events[-1].response.output] == ["function_call"]
+        assert not [e for e in events if e.type == "response.output_text.delta"]
+
+
+def test_responses_items_keep_the_written_order(serve_script) -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    client = serve_script("Checking." + call + "Then more.")
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    kw = dict(model="scripted", input="Weather?", tools=tools)
+    resp = client.responses.create(**kw)
+    assert [item.type for item in resp.output] == ["message", "function_call", "message"]
+    assert [i.content[0].text for i in resp.output if i.type == "message"] == ["Checking.", "Then more."]
+    final = list(client.responses.create(**kw, stream=True))[-1].response
+    assert [item.type for item in final.output] == ["message", "function_call", "message"]
+    assert final.output_text == resp.output_text
