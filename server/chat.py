@@ -92,11 +92,10 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
         req.tool_choice,
         tools,
         prompt,
-        params.structured_outputs is not None,
         ctx.tool_format is KIMI,
         req.parallel_tool_calls,
     )
-    if forced is not None:  # the reply is one tool call, under a grammar
+    if forced is not None:  # the reply is tool calls, under a grammar: any response_format is for later turns
         params = replace(params, structured_outputs=forced)
     thinking = ctx.parse_reasoning and prompt_opens_reasoning(prompt)
     if thinking and params.structured_outputs is not None:

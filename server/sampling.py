@@ -196,15 +196,14 @@ def tool_choice_constraint(
     tool_choice: str | dict[str, Any] | None,
     tools: list[Any] | None,
     prompt: str,
-    has_format: bool,
     kimi: bool = False,
     parallel: bool = True,
 ) -> StructuredOutputs | None:
     """`tool_choice` "required" (one call of any tool) or a named function (one call of it) as a
     grammar over the template's tool-call form (Qwen3's JSON body or Qwen3.5's XML body); None
     for "auto", "none" or no choice.
-    `prompt` is the rendered chat prompt, whose tool instructions show the template's form;
-    `has_format`: the request also sets a response_format (the two cannot both hold); `kimi`: the
+    `prompt` is the rendered chat prompt, whose tool instructions show the template's form; the
+    grammar replaces a response_format's, which holds for the text of later turns; `kimi`: the
     tokenizer has Kimi's tool-call markers (its form, whatever the prompt shows). "required" with
     `parallel` (parallel_tool_calls, true by default) allows up to FORCED_CALLS calls, as vLLM
     allows a list; a named function is called once."""
@@ -229,10 +228,6 @@ def tool_choice_constraint(
         if name not in functions:
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         functions = {name: functions[name]}
-    if has_format:
-        raise bad_request(
-            "tool_choice forcing a call and a JSON response_format cannot both hold", "tool_choice"
-        )
     # the template's tool instructions show its form: Qwen3.5's XML body, or Qwen3's JSON body
     form = (
         "kimi" if kimi else "xml" if "<function=" in prompt else "json" if "<tool_call>" in prompt else None

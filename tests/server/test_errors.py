@@ -322,10 +322,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         ({"tool_choice": "required"}, "needs tools"),
         ({"tool_choice": "sometimes", "tools": [TOOL]}, "must be"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [TOOL]}, "not among"),
-        (
-            {"tool_choice": "required", "tools": [TOOL], "response_format": {"type": "json_object"}},
-            "cannot both",
-        ),
     ],
 )
 def test_bad_tool_choice_is_400(server, extra: dict, needle: str) -> None:
@@ -339,16 +335,16 @@ def test_tool_choice_follows_the_templates_tool_call_form() -> None:
     from deltaserve.server.sampling import tool_choice_constraint
 
     tools = [ToolDefinition.model_validate(TOOL)]
-    xml = tool_choice_constraint("required", tools, "<tool_call>\n<function=example_function_name>", False)
-    json_form = tool_choice_constraint("required", tools, 'as <tool_call>{"name": ...}</tool_call>', False)
+    xml = tool_choice_constraint("required", tools, "<tool_call>\n<function=example_function_name>")
+    json_form = tool_choice_constraint("required", tools, 'as <tool_call>{"name": ...}</tool_call>')
     assert xml is not None and xml.tool_call_form == "xml"
     assert json_form is not None and json_form.tool_call_form == "json"
     assert json_form.tool_calls == [{"name": "f", "parameters": {"type": "object"}}]
     # a Kimi tokenizer: Kimi's markup, whatever the template shows
-    kimi = tool_choice_constraint("required", tools, "a template without tool instructions", False, kimi=True)
+    kimi = tool_choice_constraint("required", tools, "a template without tool instructions", kimi=True)
     assert kimi is not None and kimi.tool_call_form == "kimi"
     with pytest.raises(APIError) as info:
-        tool_choice_constraint("required", tools, "a template without tool instructions", False)
+        tool_choice_constraint("required", tools, "a template without tool instructions")
     assert (
         info.value.status == 400 and info.value.param == "tool_choice" and "shows none" in info.value.message
     )

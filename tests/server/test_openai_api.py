@@ -663,3 +663,39 @@ def test_tool_choice_forces_a_call(client) -> None:
         model=MODEL_NAME, messages=messages, tools=TOOLS, max_tokens=30, seed=4
     )
     assert not free.choices[0].message.tool_calls
+
+
+VERDICT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "verdict",
+        "schema": {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+
+
+def test_forced_call_with_a_response_format_answers_the_call(client) -> None:
+    """openai-agents' `output_type` with `tool_choice="required"` sends both: the forced call's
+    grammar governs this turn, the JSON format is for the text of a later turn."""
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            response_format=VERDICT,
+            max_tokens=120,
+            seed=1,
+        )
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        (call,) = r.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name in ("get_weather", "get_time") and "ok" not in args

@@ -132,6 +132,30 @@ def test_forced_function_call_and_json_output(client) -> None:
     assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool)
 
 
+def test_forced_function_call_with_a_text_format(client) -> None:
+    """openai-agents' Responses model with `output_type` and `tool_choice="required"`: the forced call
+    answers this turn; the JSON `text.format` is for a later turn's text."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    kw = dict(
+        model=MODEL_NAME,
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        text={"format": {"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}},
+        max_output_tokens=120,
+        extra_body={"seed": 1},
+    )
+    for stream in (False, True):
+        r = (
+            list(client.responses.create(**kw, stream=True))[-1].response
+            if stream
+            else client.responses.create(**kw)
+        )
+        assert r.status == "completed" and [item.type for item in r.output] == ["function_call"]
+        assert set(json.loads(r.output[0].arguments)) == {"city", "unit"}
+
+
 def test_stream_events_add_up_to_the_response(client) -> None:
     kw = dict(model=MODEL_NAME, input="Count with me", max_output_tokens=16, temperature=0)
     whole = client.responses.create(**kw)
