@@ -78,7 +78,14 @@ class ServerContext:
         return self.tokenizer
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self.need_tokenizer()(text, add_special_tokens=add_special_tokens)["input_ids"])
+        tokenizer = self.need_tokenizer()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # the same ids; transformers' wrapper would build several more
+            # million-element lists with the GIL held, stalling every stream of the event loop.
+            # encode_batch, not encode: only the batch call lets go of the GIL while it works
+            (encoding,) = backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(encoding.ids)
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
         return self.need_tokenizer().decode(token_ids, skip_special_tokens=False)
