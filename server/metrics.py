@@ -1,5 +1,7 @@
 """Prometheus metrics in the text exposition format, written by hand to keep dependencies at zero.
 
+Every metric is `deltaserve_...`; the few that vLLM's dashboards chart are also given under vLLM's
+names (`vllm:...`, `_VLLM_STATS` and the latency histograms), with the same `model_name` label.
 Latencies are measured on the engine thread's clock right after each step, so they include the
 model's time but not the HTTP event loop's.
 """
@@ -76,6 +78,17 @@ _STATS = (
     ("spec_draft_tokens_total", "spec_decode_draft_tokens_total", "counter", "Draft tokens verified."),
     ("spec_accepted_tokens_total", "spec_decode_accepted_tokens_total", "counter", "Draft tokens accepted."),
     ("spec_windows_total", "spec_decode_verify_steps_total", "counter", "Verification windows run."),
+)
+
+
+# (vLLM's name, engine stat key, type, help): what existing vLLM dashboards chart
+_VLLM_STATS = (
+    ("num_requests_running", "running", "gauge", "Requests in the running batch."),
+    ("num_requests_waiting", "waiting", "gauge", "Requests waiting for admission."),
+    ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed."),
+    ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated."),
+    ("prefix_cache_queries_total", "prefix_cache_query_tokens", "counter", "Prompt tokens looked up."),
+    ("prefix_cache_hits_total", "prefix_cache_hit_tokens", "counter", "Prompt tokens matched in the cache."),
 )
 
 
@@ -203,11 +216,24 @@ class Metrics:
         for name, help_text, value in _spec_gauges(stats):
             header(name, "gauge", help_text)
             lines.append(f"{p}{name}{{{lab}}} {value}")
-        for name, hist, help_text in (
+        histograms = (
             ("time_to_first_token_seconds", self.ttft, "Time from admission to the first generated token."),
             ("inter_token_latency_seconds", self.itl, "Time between consecutive generated tokens."),
             ("e2e_request_latency_seconds", self.e2e, "Time from admission to finish."),
-        ):
+        )
+        for name, hist, help_text in histograms:
+            header(name, "histogram", help_text)
+            lines.extend(f"{p}{line}" for line in hist.render(name, lab))
+        p = "vllm:"
+        for name, key, kind, help_text in _VLLM_STATS:
+            if key in stats:
+                header(name, kind, help_text)
+                lines.append(f"{p}{name}{{{lab}}} {stats[key]}")
+        used, total = stats.get("kv_pages_used"), stats.get("kv_pages_total")
+        if used is not None and total:
+            header("kv_cache_usage_perc", "gauge", "Share of KV-cache pages in use (0 to 1).")
+            lines.append(f"{p}kv_cache_usage_perc{{{lab}}} {used / total}")
+        for name, hist, help_text in histograms:
             header(name, "histogram", help_text)
             lines.extend(f"{p}{line}" for line in hist.render(name, lab))
         return "\n".join(lines) + "\n"

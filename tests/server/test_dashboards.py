@@ -1,0 +1,84 @@
+"""Dashboards: docs/grafana.json charts only metrics that a live server serves, and the few metrics
+that vLLM's dashboards chart are there under vLLM's names with deltaserve's values."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana.json"
+METRIC = re.compile(r"\b(?:deltaserve_|vllm:)[a-z0-9_:]+")
+
+VLLM = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+)
+
+
+def queries(node: Any) -> list[str]:
+    """Every PromQL string of the dashboard: panel targets' `expr` and template variables' queries."""
+    if isinstance(node, dict):
+        found = [v for k, v in node.items() if k in ("expr", "definition") and isinstance(v, str)]
+        return found + [q for k, v in node.items() for q in queries(v)]
+    if isinstance(node, list):
+        return [q for v in node for q in queries(v)]
+    return []
+
+
+def served_names(url: str) -> set[str]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if line and line[0] != "#"}
+
+
+def test_every_metric_the_dashboard_charts_is_served(client, server) -> None:
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": -1}, timeout=10)
+    assert bad.status_code == 400  # errors are counted by status from the first one on
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = queries(dashboard)
+    charted = {name for e in exprs for name in METRIC.findall(e)}
+    assert len(exprs) >= 20 and len(charted) >= 15
+    assert "histogram_quantile" in " ".join(exprs)
+    missing = charted - served_names(server.url)
+    assert not missing, f"the dashboard charts metrics /metrics does not serve: {sorted(missing)}"
+
+
+def test_vllm_names_carry_deltaserve_values(client, server, read_metrics, until_idle) -> None:
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+    )
+    until_idle(server.url)
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for name in VLLM:
+        assert re.search(rf'^{re.escape(name)}{{model_name="{MODEL_NAME}"', text, re.M), name
+    m = read_metrics(server.url)
+    same = {
+        "vllm:num_requests_running": "deltaserve_num_requests_running",
+        "vllm:prompt_tokens_total": "deltaserve_prompt_tokens_total",
+        "vllm:generation_tokens_total": "deltaserve_generation_tokens_total",
+        "vllm:prefix_cache_queries_total": "deltaserve_prefix_cache_query_tokens_total",
+        "vllm:prefix_cache_hits_total": "deltaserve_prefix_cache_hit_tokens_total",
+        "vllm:time_to_first_token_seconds_count": "deltaserve_time_to_first_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count": "deltaserve_e2e_request_latency_seconds_count",
+    }
+    for vllm, ours in same.items():
+        assert m[vllm] == m[ours], vllm
+    assert m["vllm:generation_tokens_total"] >= 4 and m["vllm:e2e_request_latency_seconds_count"] >= 1
+    assert m["vllm:kv_cache_usage_perc"] == m["deltaserve_kv_pages_used"] / m["deltaserve_kv_pages_total"]
+    assert 0.0 <= m["vllm:kv_cache_usage_perc"] <= 1.0
