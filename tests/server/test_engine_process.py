@@ -48,6 +48,29 @@ def wait_for(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def two_running(
+    server, body: dict[str, Any]
+) -> tuple[list[threading.Thread], dict[str, Any], dict[str, Any]]:
+    """A streamed and a whole request of `body`, running (in threads) when this returns; their
+    results land in the two dicts once the threads end."""
+    streamed: dict[str, Any] = {}
+    whole: dict[str, Any] = {}
+
+    def post() -> None:
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        whole["status"], whole["body"] = r.status_code, r.json()
+
+    threads = [
+        threading.Thread(target=stream_events, args=(f"{server.url}/v1/completions", body, streamed)),
+        threading.Thread(target=post),
+    ]
+    for t in threads:
+        t.start()
+    wait_for(lambda: server.log().count("POST /v1/completions") >= 1)
+    time.sleep(0.5)
+    return threads, streamed, whole
+
+
 def test_engine_runs_in_its_own_process(server) -> None:
     assert server.proc is not None
     pid = engine_pid(server.proc.pid)
@@ -111,22 +134,8 @@ def test_256_concurrent_streams_complete_and_health_stays_quick(server, until_id
 def test_killed_engine_fails_requests_in_flight_and_health(spawn_server) -> None:
     server = spawn_server("--max-model-len", "512")
     assert server.proc is not None
-    streamed: dict[str, Any] = {}
-    whole: dict[str, Any] = {}
     long = {"model": MODEL_NAME, "prompt": "keep going", "max_tokens": 400, "ignore_eos": True}
-
-    def post() -> None:
-        r = httpx.post(f"{server.url}/v1/completions", json=long, timeout=120)
-        whole["status"], whole["body"] = r.status_code, r.json()
-
-    threads = [
-        threading.Thread(target=stream_events, args=(f"{server.url}/v1/completions", long, streamed)),
-        threading.Thread(target=post),
-    ]
-    for t in threads:
-        t.start()
-    wait_for(lambda: server.log().count("POST /v1/completions") >= 1)
-    time.sleep(0.5)
+    threads, streamed, whole = two_running(server, long)
     t0 = time.monotonic()
     os.kill(engine_pid(server.proc.pid), signal.SIGKILL)
     for t in threads:
@@ -147,22 +156,8 @@ def test_killed_engine_fails_requests_in_flight_and_health(spawn_server) -> None
 def test_shutdown_deadline_ends_every_request_with_an_error_and_drains_with_503(spawn_server) -> None:
     server = spawn_server("--max-model-len", "2048", "--shutdown-timeout", "2")
     assert server.proc is not None
-    streamed: dict[str, Any] = {}
-    whole: dict[str, Any] = {}
     long = {"model": MODEL_NAME, "prompt": "never ends", "max_tokens": 2000, "ignore_eos": True}
-
-    def post() -> None:
-        r = httpx.post(f"{server.url}/v1/completions", json=long, timeout=120)
-        whole["status"], whole["body"] = r.status_code, r.json()
-
-    threads = [
-        threading.Thread(target=stream_events, args=(f"{server.url}/v1/completions", long, streamed)),
-        threading.Thread(target=post),
-    ]
-    for t in threads:
-        t.start()
-    wait_for(lambda: server.log().count("POST /v1/completions") >= 1)
-    time.sleep(0.5)
+    threads, streamed, whole = two_running(server, long)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     # draining: new requests are answered, with 503 and Retry-After, not refused
