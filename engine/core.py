@@ -70,6 +70,7 @@ class EngineCore:
         self._in.connect(in_addr)
         self._out = self._ctx.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 1000)
+        self._out.setsockopt(zmq.SNDTIMEO, 1000)  # a send that waits this long checks the parent
         self._out.connect(out_addr)
         self._poller = zmq.Poller()
         self._poller.register(self._in, zmq.POLLIN)
@@ -82,8 +83,20 @@ class EngineCore:
         self._last_sent = time.monotonic()
 
     def send(self, message: tuple[Any, ...]) -> None:
-        self._out.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+        import zmq
+
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        while True:
+            try:
+                self._out.send(data, copy=False)
+                break
+            except zmq.Again:  # nobody reads: fine while the server lives, the end when it is gone
+                self._check_parent()
         self._last_sent = time.monotonic()
+
+    def _check_parent(self) -> None:
+        if self._parent_pid is not None and os.getppid() != self._parent_pid:
+            raise SystemExit("the server process is gone")
 
     def run(self) -> None:
         try:
@@ -186,8 +199,7 @@ class EngineCore:
     def _idle_tick(self) -> None:
         if time.monotonic() - self._last_sent >= BEAT_S:
             self.send(("beat",))
-        if self._parent_pid is not None and os.getppid() != self._parent_pid:
-            raise SystemExit("the server process is gone")
+        self._check_parent()
 
     def _abort_all(self) -> None:
         for request_id in list(self._live):

@@ -266,3 +266,30 @@ def test_more_slots_than_fit_start_with_what_fits_and_say_so(spawn_server, read_
         timeout=60,
     )
     assert r.status_code == 200
+
+
+def test_engine_process_ends_when_the_server_is_killed(spawn_server) -> None:
+    server = spawn_server("--max-model-len", "2048")
+    assert server.proc is not None
+    engine = engine_pid(server.proc.pid)
+    streamed: dict[str, Any] = {}
+    body = {"model": MODEL_NAME, "prompt": "orphan", "max_tokens": 2000, "ignore_eos": True}
+    reader = threading.Thread(target=lambda: _ignore(stream_events, server.url, body, streamed), daemon=True)
+    reader.start()
+    wait_for(lambda: server.log().count("POST /v1/completions") >= 1)
+    time.sleep(0.5)
+    server.proc.kill()  # no drain, no stop message: the engine must notice on its own
+    server.proc.wait(10)
+
+    def gone() -> bool:
+        status = Path(f"/proc/{engine}/status")
+        return not status.exists() or "\nState:\tZ" in status.read_text()
+
+    wait_for(gone, timeout=30)
+
+
+def _ignore(fn, url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
+    try:
+        fn(f"{url}/v1/completions", body, out)
+    except httpx.HTTPError:
+        pass  # the server was killed under it
