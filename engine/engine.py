@@ -136,7 +136,11 @@ class Engine:
             "state_slots": self.runner.state_pool.num_working,
             "max_model_len": self.max_model_len,
             "cache_type": config.cache_type,
+            "prefix_cache_policy": config.prefix_cache_policy,
             "page_size": config.page_size,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "chunked_prefill_size": config.chunked_prefill_size,
+            **self.runner.memory_info(),  # bytes of weights and pools, free memory: start-up summary
         }
         if config.warmup:
             self._warm_up()

@@ -100,6 +100,13 @@ def _pool_budget(config: EngineConfig, device: torch.device) -> int:
     return max(_CPU_POOL_MIN, int(_available_bytes() * _CPU_POOL_SHARE))
 
 
+def free_memory_bytes(device: torch.device) -> int:
+    """The device's free memory now: the GPU's, or on CPU the memory the OS can still give."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return _available_bytes()
+
+
 def _available_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:

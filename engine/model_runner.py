@@ -14,7 +14,7 @@ from deltaserve.engine.forward_batch import ForwardBatch
 from deltaserve.engine.forward_context import ForwardContext
 from deltaserve.engine.kv_pool import KVPool
 from deltaserve.engine.linear_backend import LinearAttentionBackend
-from deltaserve.engine.memory import plan_pools
+from deltaserve.engine.memory import free_memory_bytes, plan_pools
 from deltaserve.engine.page_table import SlotPageTable
 from deltaserve.engine.spec_decode.state_window import StateWindow
 from deltaserve.engine.state_pool import StatePool
@@ -83,6 +83,21 @@ class ModelRunner:
         if device.type == "cuda" and not config.disable_cuda_graph and self.mtp is None:
             self.capture_cuda_graphs()
         self.last_hidden: torch.Tensor | None = None  # the last eager forward's, for MTP
+
+    def memory_info(self) -> dict[str, int]:
+        """Bytes of what was allocated (weights, KV pool, working state slots with the padding
+        slot, snapshot slots) and the device's free memory after it, for the start-up summary."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        state = self.state_pool
+        return {
+            "weights_bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "kv_pool_bytes": self.kv_pool.num_pages * self.kv_pool.bytes_per_page(),
+            "kv_pages": self.kv_pool.capacity,
+            "state_pool_bytes": (1 + state.num_working) * state.slot_bytes,
+            "snapshot_slots": state.num_snapshots,
+            "snapshot_bytes": state.num_snapshots * state.snapshot_bytes,
+            "free_memory_bytes": free_memory_bytes(self.device),
+        }
 
     def _load_mtp(self, loaded: LoadedModel, device: torch.device) -> MultiTokenPredictor:
         from deltaserve.models.qwen3_next import Qwen3NextForCausalLM

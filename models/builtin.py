@@ -8,12 +8,15 @@ first use into a cache directory; tests use the same builder.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 BUILTIN_NAME = "builtin-qwen3-next-tiny-v1"
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json")
@@ -84,6 +87,7 @@ def builtin_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
     if (final / "config.json").is_file():
         return str(final)
     root.mkdir(parents=True, exist_ok=True)
+    logger.info("building the built-in model into %s (first use only)", final)
     # Build beside the final folder and rename into place: a rename is atomic, so a concurrent first
     # use either sees no folder or a complete one, never a half-written checkpoint.
     tmp = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_NAME}.tmp-", dir=root))

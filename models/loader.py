@@ -73,9 +73,11 @@ def _safetensors_dtypes(path: str) -> Iterator[tuple[str, str]]:
                 yield key, str(info.get("dtype", ""))
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a single-file or sharded (index.json) safetensors checkpoint."""
+def iter_safetensors(path: str, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a single-file or sharded (index.json) safetensors checkpoint; `progress`
+    shows a bar over the shards on stderr."""
     from safetensors import safe_open
+    from tqdm import tqdm
 
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -85,7 +87,7 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {path!r}")
-    for name in files:
+    for name in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
         with safe_open(os.path.join(path, name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield key, f.get_tensor(key)
@@ -145,7 +147,8 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(iter_safetensors(path))  # type: ignore[operator]
+        logger.info("loading the weights of %s (%s) onto %s", path, arch, device)
+        model.load_weights(iter_safetensors(path, progress=True))  # type: ignore[operator]
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     return LoadedModel(model, tcfg, arch, num_params)

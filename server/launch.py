@@ -189,6 +189,21 @@ def _log_engine(client: Any) -> None:
         info.get("state_slots", "?"),
         client.max_model_len,
     )
+    logger.info(
+        "memory: weights %s, KV pool %s, state pool %s, %s snapshot slots %s; %s free",
+        *(_gib(info.get(k)) for k in ("weights_bytes", "kv_pool_bytes", "state_pool_bytes")),
+        info.get("snapshot_slots", "?"),
+        _gib(info.get("snapshot_bytes")),
+        _gib(info.get("free_memory_bytes")),
+    )
+    logger.info(
+        "prefix cache: %s, policy %s; prefill budget: %s tokens a step (max_num_batched_tokens), "
+        "%s a request (chunked_prefill_size)",
+        info.get("cache_type", "?"),
+        info.get("prefix_cache_policy", "?") if info.get("cache_type") == "radix" else "none",
+        info.get("max_num_batched_tokens", "?"),
+        info.get("chunked_prefill_size", "?"),
+    )
 
 
 def _sampling_defaults(args: argparse.Namespace, model_dir: Any) -> Any:
@@ -207,6 +222,12 @@ def _sampling_defaults(args: argparse.Namespace, model_dir: Any) -> Any:
             ", ".join(f"{k}={v}" for k, v in changed.items()),
         )
     return defaults
+
+
+def _gib(size: Any) -> str:
+    if not isinstance(size, (int, float)):
+        return "?"
+    return f"{size / 2**30:.{2 if size >= 2**30 else 3}f} GiB"  # small models' pools too show
 
 
 def _human(count: Any) -> str:

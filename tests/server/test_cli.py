@@ -150,3 +150,31 @@ def test_unknown_gemv_mode_stops_serve_with_one_line() -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stderr and "DELTASERVE_GEMV" in lines[-1], result.stderr
+
+
+@pytest.mark.slow
+def test_start_up_says_what_it_does(spawn_server, server, tmp_path: Path) -> None:
+    """A first start builds the built-in model and says so once; loading shows a bar over the
+    shards; the summary gives memory in GiB, the cache type and policy, and the prefill budget."""
+    fresh = spawn_server(
+        "--max-model-len",
+        "256",
+        "--max-num-batched-tokens",
+        "384",
+        "--chunked-prefill-size",
+        "128",
+        env={"DELTASERVE_CACHE": str(tmp_path / "cache")},
+    )
+    log = fresh.log()
+    assert log.count("building the built-in model into") == 1
+    assert "Loading safetensors shards" in log and "1/1" in log
+    memory = re.search(
+        r"memory: weights ([\d.]+) GiB, KV pool ([\d.]+) GiB, state pool ([\d.]+) GiB, "
+        r"(\d+) snapshot slots ([\d.]+) GiB; ([\d.]+) GiB free",
+        log,
+    )
+    assert memory is not None, log
+    assert float(memory.group(1)) > 0 and float(memory.group(6)) > 0 and int(memory.group(4)) > 0
+    assert "prefix cache: radix, policy marconi" in log
+    assert "384 tokens a step (max_num_batched_tokens), 128 a request (chunked_prefill_size)" in log
+    assert "building the built-in model" not in server.log()  # its cache already held it
