@@ -79,6 +79,7 @@ class Scheduler:
         prefills: list[ScheduledChunk] = []
         preempted: list[Request] = []
         admitted: list[Request] = []
+        starved = False  # a running prefill found no pages for its chunk
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
@@ -107,6 +108,7 @@ class Scheduler:
                 continue
             chunk = self._chunk(req, budget)
             if chunk <= 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
+                starved |= chunk > 0
                 continue
             budget -= chunk
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
@@ -135,6 +137,15 @@ class Scheduler:
         # a later decode's preemption may have taken an earlier verifying request
         verifies = [c for c in verifies if c.req.status is Status.RUNNING]
         if not decodes and not verifies and not prefills:
+            if starved and len(self.running) > 1:
+                # Prefills hold the pages each other waits for, and no decode would preempt:
+                # the newest is recomputed later.
+                victim = self.running[-1]
+                self.preempt(victim)
+                plan = self.schedule()
+                if plan is not None:
+                    plan.preempted.insert(0, victim)
+                return plan
             return None
         return SchedulerOutput(
             decodes + verifies + prefills, len(decodes), preempted, admitted, len(verifies)
