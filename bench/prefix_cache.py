@@ -6,6 +6,12 @@ a snapshot is 36 GDN layers x (recurrent 32x128x128 fp32 + conv 8192x3 bf16) ~ 7
 KV is 12 attention layers x 2 x 2 heads x 256 x bf16 = 24 KiB per token. Each cache size is
 a memory budget split evenly between the snapshot area and the KV pages.
 
+Each request is served as the engine serves it: prefill chunks end at the chunk size, the
+branch point and the resend point; at each chunk end the cache keeps a regular snapshot
+(prompt end, branch point), a tentative one (``+tentative`` rows: other chunk ends, within
+their quota) or none, inserted at once; the finished sequence's end is offered last, and
+then the prompt end's snapshot turns tentative (``+tentative`` rows).
+
     python bench/prefix_cache.py                  # table on stdout
     python bench/prefix_cache.py --json out.json  # also the rows as JSON
 """
@@ -21,13 +27,20 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from deltaserve.engine.cache_policy import POLICIES, QWEN3_NEXT_PREFILL_COST
-from deltaserve.engine.radix_cache import RadixCache
+from deltaserve.engine.cache_policy import QWEN3_NEXT_PREFILL_COST
+from deltaserve.engine.radix_cache import TENTATIVE_PER_PREFILL, RadixCache, resend_point, tentative_cap
 
 SNAPSHOT_BYTES = 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
 KV_BYTES_PER_TOKEN = 12 * 2 * 2 * 256 * 2
 VOCAB = 150_000
 ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+# (row name, snapshot policy, tentative chunk-boundary snapshots)
+VARIANTS = (
+    ("marconi", "marconi", False),
+    ("marconi+tentative", "marconi", True),
+    ("branch_lru", "branch_lru", False),
+    ("every_chunk_lru", "every_chunk_lru", False),
+)
 
 Request = tuple[tuple[int, ...], tuple[int, ...]]  # prompt, output
 
@@ -48,6 +61,9 @@ class Result:
     snapshots_admitted: int
     snapshots_evicted: int
     kv_pages_evicted: int
+    tentative_hit_tokens: int  # of hit_tokens, served by a tentative snapshot
+    tentative_peak: int  # most tentative snapshots held at once
+    tentative_peak_gib: float
 
 
 class CountingKVPool:
@@ -117,14 +133,26 @@ def interleave(
 
 
 def conversation(
-    tok: Tokens, system: tuple[int, ...], turns: int, user: Callable[[], int], answer: Callable[[], int]
+    tok: Tokens,
+    system: tuple[int, ...],
+    turns: int,
+    user: Callable[[], int],
+    answer: Callable[[], int],
+    think: Callable[[], int] | None = None,
+    retry: float = 0.0,
 ) -> Iterator[Request]:
+    """A chat's turns. With `think`, each answer opens with reasoning that the next turn's
+    history drops (Qwen3's chat template does): the next prompt leaves the previous sequence
+    right after the previous prompt. With `retry`, that share of turns is sent twice."""
     history = system
     for _ in range(turns):
         prompt = history + tok.text(user())
-        output = tok.text(answer())
-        yield prompt, output
-        history = prompt + output
+        reasoning = tok.text(think()) if think else ()
+        reply = tok.text(answer())
+        yield prompt, reasoning + reply
+        if tok.rng.random() < retry:
+            yield prompt, reasoning + reply
+        history = prompt + reply
 
 
 def chat_trace(seed: int, sessions: int = 400) -> list[Request]:
@@ -139,6 +167,38 @@ def chat_trace(seed: int, sessions: int = 400) -> list[Request]:
         for _ in range(sessions)
     ]  # fmt: skip
     return interleave(convs, tok.rng.uniform(0, 3600, sessions).tolist(), lambda: tok.rng.exponential(60))
+
+
+def chat_think_trace(seed: int, sessions: int = 400) -> list[Request]:
+    """The chat trace with a reasoning model (lognormal 300 reasoning tokens, dropped from the
+    history) and 10% of turns retried."""
+    tok = Tokens(np.random.default_rng(seed))
+    header = tok.text(24)
+    convs = [
+        conversation(
+            tok, header, min(1 + int(tok.rng.geometric(0.35)), 12),
+            lambda: tok.lognormal(80, 1.0, 4, 4096), lambda: tok.lognormal(250, 0.9, 8, 2048),
+            think=lambda: tok.lognormal(300, 0.8, 8, 4096), retry=0.1,
+        )
+        for _ in range(sessions)
+    ]  # fmt: skip
+    return interleave(convs, tok.rng.uniform(0, 3600, sessions).tolist(), lambda: tok.rng.exponential(60))
+
+
+def few_shot_trace(seed: int, tasks: int = 60) -> list[Request]:
+    """Eval harnesses and templated apps: tasks with a 1-4k-token shared prefix (instructions,
+    few-shot examples), each asked 4-16 single questions over a few minutes. A task's second
+    request is the first branch off its prefix."""
+    tok = Tokens(np.random.default_rng(seed))
+    sessions: list[Iterator[Request]] = []
+    starts: list[float] = []
+    for start in tok.rng.uniform(0, 3600, tasks).tolist():
+        prefix = tok.text(int(tok.rng.integers(1000, 4000)))
+        for _ in range(int(tok.rng.integers(4, 17))):
+            q = prefix + tok.text(tok.lognormal(80, 0.8, 4, 1000))
+            sessions.append(iter([(q, tok.text(tok.lognormal(60, 0.8, 1, 500)))]))
+            starts.append(start + tok.rng.exponential(120))
+    return interleave(sessions, starts, lambda: 0.0)
 
 
 def agent_session(tok: Tokens, tools: tuple[int, ...], max_context: int) -> Iterator[Request]:
@@ -189,60 +249,96 @@ WORKLOADS: dict[str, Callable[[int], list[Request]]] = {
     "agentic": agentic_trace,
     "shared_system": shared_system_trace,
     "mixed": mixed_trace,
+    "chat_think": chat_think_trace,
+    "few_shot": few_shot_trace,
 }
 
 
 # ---- replay ---------------------------------------------------------------------------------
 
 
+def prefill_ends(start: int, length: int, chunk: int, stops: list[int]) -> list[int]:
+    """Where the prefill's chunks end: every `chunk` tokens, and at each stop on the way."""
+    ends, pos = [], start
+    while pos < length:
+        pos = min([pos + chunk, length] + [p for p in stops if p > pos])
+        ends.append(pos)
+    return ends
+
+
 def replay(
-    trace: list[Request], policy: str, alpha: float, cache_gib: float, page_size: int, chunk: int
+    trace: list[Request],
+    policy: str,
+    alpha: float,
+    cache_gib: float,
+    page_size: int,
+    chunk: int,
+    tentative: bool = False,
 ) -> Result:
     """Serve the trace one request at a time, calling the cache as the engine does."""
     budget = cache_gib * 2**30 / 2
     snapshots, kv_tokens = int(budget // SNAPSHOT_BYTES), int(budget // KV_BYTES_PER_TOKEN)
+    ps = page_size
     cache = RadixCache(
-        CountingKVPool(kv_tokens // page_size + 1, page_size),
+        CountingKVPool(kv_tokens // ps + 1, ps),
         CountingStatePool(snapshots),
-        page_size,
+        ps,
         policy=policy,
         alpha=alpha,
         prefix_flops=QWEN3_NEXT_PREFILL_COST,
+        max_tentative=tentative_cap(snapshots) if tentative else 0,
     )
     flops_total = flops_saved = 0.0
+    peak = 0
     for prompt, output in trace:
         m = cache.match_prefix(prompt)
-        cache.lock(m.node)
+        cache.lock(m.node, pin=False)  # the engine copies the snapshot out at once
         flops_total += QWEN3_NEXT_PREFILL_COST(len(prompt))
         flops_saved += QWEN3_NEXT_PREFILL_COST(m.length)
-        # Offer the prefill's chunk ends and the branch point, then the finished sequence's end.
-        offers = {*range(m.length + chunk, len(prompt), chunk), cache.branch_point(prompt)}
-        slots: dict[int, int] = {}
-        for p in sorted(c for c in offers if m.length < c < len(prompt) and c % page_size == 0):
-            if cache.should_snapshot(prompt, p) and (slot := cache.alloc_snapshot()) is not None:
-                slots[p] = slot
         full = prompt + output
-        end = (len(full) - 1) // page_size * page_size  # the last sampled token is never fed
+        end = (len(full) - 1) // ps * ps  # the last sampled token is never fed
+        own = cache.alloc_kv(end // ps - len(m.pages))
+        if own is None:  # larger than the whole pool: served without caching
+            cache.unlock(m.node, pin=False)
+            continue
+        node, pages, kept, prompt_end = m.node, m.pages + own, [], None
+        bp = cache.branch_point(prompt)
+        for n in prefill_ends(m.length, len(prompt), chunk, [bp, resend_point(len(prompt), ps)]):
+            kind = cache.prefill_snapshot(prompt, n)
+            slot = cache.alloc_snapshot(tentative=kind == "tentative") if kind else None
+            if slot is None:
+                continue
+            r = cache.insert(prompt[:n], pages[: n // ps], {n: slot}, (n,) if kind == "tentative" else ())
+            cache.kv_pool.free(r.duplicates)
+            cache.lock(r.node, pin=False)
+            cache.unlock(node, pin=False)
+            node, pages = r.node, r.pages + pages[n // ps :]
+            if n == len(prompt) // ps * ps:
+                prompt_end = r.node
+            elif kind == "tentative" and r.node.tentative:
+                kept.append(r.node)
+                if len(kept) > TENTATIVE_PER_PREFILL:
+                    cache.discard_tentative(kept.pop(0))
+        peak = max(peak, cache.num_tentative)
+        slots = {}
         if cache.should_snapshot(full, end, is_end=True) and (slot := cache.alloc_snapshot()) is not None:
             slots[end] = slot
-        pages = cache.alloc_kv(end // page_size - len(m.pages))
-        if pages is None:  # larger than the whole pool: served without caching
-            for slot in slots.values():
-                cache.state_pool.free_snapshot(slot)
-        else:
-            r = cache.insert(full[:end], m.pages + pages, slots)
-            cache.kv_pool.free(r.duplicates)
-        cache.unlock(m.node)
+        r = cache.insert(full[:end], pages, slots)
+        cache.kv_pool.free(r.duplicates)
+        cache.unlock(node, pin=False)
+        if slots and prompt_end is not None and prompt_end.depth < end:
+            cache.demote(prompt_end)
     s = cache.stats
     return Result(
         "", cache_gib, snapshots, kv_tokens, policy, alpha, len(trace), s.query_tokens, s.hit_tokens,
         s.hit_rate, flops_saved / flops_total, s.snapshots_admitted, s.snapshots_evicted, s.kv_pages_evicted,
+        s.tentative_hit_tokens, peak, peak * SNAPSHOT_BYTES / 2**30,
     )  # fmt: skip
 
 
-def tune_alpha(trace: list[Request], cache_gib: float, page_size: int, chunk: int) -> float:
+def tune_alpha(trace: list[Request], cache_gib: float, page_size: int, chunk: int, tentative: bool) -> float:
     """Marconi's bootstrapping: the alpha with the best hit rate on a separate trace."""
-    rates = {a: replay(trace, "marconi", a, cache_gib, page_size, chunk).hit_rate for a in ALPHAS}
+    rates = {a: replay(trace, "marconi", a, cache_gib, page_size, chunk, tentative).hit_rate for a in ALPHAS}
     return max(ALPHAS, key=lambda a: (round(rates[a], 4), -a))
 
 
@@ -258,22 +354,24 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
     rows: list[Result] = []
-    header = f"{'workload':<14}{'cache':>8}{'snaps':>7}{'KV tok':>9}  {'policy':<16}{'alpha':>6}{'hit rate':>10}{'saved tok':>12}{'FLOPs sv':>10}{'snap ev':>9}"
+    header = f"{'workload':<14}{'cache':>8}{'snaps':>7}{'KV tok':>9}  {'policy':<18}{'alpha':>6}{'hit rate':>10}{'saved tok':>12}{'FLOPs sv':>10}{'snap ev':>9}{'tent hit':>10}{'tent pk':>9}"
     print(header)
     print("-" * len(header))
     for name in args.workloads:
         trace, tuning = WORKLOADS[name](args.seed), WORKLOADS[name](args.seed + 1000)
         for gib in args.cache_gib:
             t0 = time.perf_counter()
-            for policy in POLICIES:
-                alpha = tune_alpha(tuning, gib, args.page_size, args.chunk) if policy == "marconi" else 0.0
-                r = replay(trace, policy, alpha, gib, args.page_size, args.chunk)
-                r = Result(**{**asdict(r), "workload": name})
+            for row, policy, tentative in VARIANTS:
+                tuned = policy == "marconi"
+                alpha = tune_alpha(tuning, gib, args.page_size, args.chunk, tentative) if tuned else 0.0
+                r = replay(trace, policy, alpha, gib, args.page_size, args.chunk, tentative)
+                r = Result(**{**asdict(r), "workload": name, "policy": row})
                 rows.append(r)
                 print(
-                    f"{name:<14}{gib:>6.0f}Gi{r.snapshots:>7}{r.kv_tokens:>9}  {policy:<16}"
-                    f"{alpha if policy == 'marconi' else float('nan'):>6.2f}{r.hit_rate:>10.1%}"
+                    f"{name:<14}{gib:>6.0f}Gi{r.snapshots:>7}{r.kv_tokens:>9}  {row:<18}"
+                    f"{alpha if tuned else float('nan'):>6.2f}{r.hit_rate:>10.1%}"
                     f"{r.hit_tokens:>12,}{r.flops_saved:>10.1%}{r.snapshots_evicted:>9}"
+                    f"{r.tentative_hit_tokens:>10,}{r.tentative_peak:>5} ({r.tentative_peak_gib:.1f}G)"
                 )
             print(
                 f"{'':<14}({len(trace)} requests, {sum(len(p) for p, _ in trace):,} prompt tokens, {time.perf_counter() - t0:.1f}s)"

@@ -12,6 +12,9 @@ continues exactly that prefix, so most offered snapshots are never hit. The poli
 - ``branch_lru``: Marconi's admission, LRU eviction.
 - ``every_chunk_lru``: admit every offered snapshot (each prefill-chunk boundary), LRU
   eviction; the fine-grained checkpointing baseline of vLLM / SGLang.
+
+Under every policy the radix cache also keeps each prompt's end, and some chunk boundaries as
+tentative snapshots with a quota of their own (radix_cache.py).
 """
 
 from __future__ import annotations

@@ -7,17 +7,23 @@ which snapshots it saves while it runs, and what it hands back when it leaves.
 - admission is two-phase: `attach` matches (without recording) and locks, so that page
   allocation may evict anything but the matched path; `commit` records the hit and copies the
   snapshot into the working slot, or `detach` undoes it when admission fails;
-- the matched pages head the request's page table and stay the tree's: the request writes
-  KV only from the (page-aligned) match length on, so it never writes them, and never frees
+- the tree's pages head the request's page table: the request writes KV only from the
+  (page-aligned) length it holds of the tree on, so it never writes them, and never frees
   them;
-- a prefill chunk ends at the branch point (and at the last page boundary of the sequence
-  when max_tokens is too short for decoding to reach the next one); page-aligned chunk ends
-  are offered as snapshots; and whenever the computed length lands on a page boundary the working slot is
-  copied into the request's rolling slot, so that at release there is a state exactly at a
-  page boundary to insert as the end snapshot (no extra forward pass);
+- a prefill chunk ends at the branch point and at the resend point (the last page boundary
+  before the prompt's last token: the prompt end's state is kept, so the next chat turn and a
+  resend hit). At each page-aligned prefill chunk end the cache picks a regular snapshot
+  (prompt end, branch point), a tentative one (other chunk ends) or none; a kept state is
+  inserted at once with the prefix's pages, so that later requests hit it while this one
+  still runs;
+- whenever the computed length lands on a page boundary where nothing is kept, the working
+  slot is copied into the request's rolling slot, so that at release there is a state exactly
+  at a page boundary to insert as the end snapshot (no extra forward pass);
 - `release` (finish, abort, preemption) inserts the computed tokens, trimmed to whole pages,
-  with the request's snapshots: their KV and states are complete whatever the reason the
-  request stops, and a preempted request's recompute then hits its own prefix.
+  with the end snapshot: their KV and states are complete whatever the reason the request
+  stops, and a preempted request's recompute then hits its own prefix. An end snapshot past
+  the prompt end makes the prompt end's tentative: it now serves only a resend or a follow-up
+  that re-renders the answer differently.
 """
 
 from __future__ import annotations
@@ -30,7 +36,13 @@ from typing import Any
 from deltaserve.engine.cache_policy import HybridPrefillCost
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.kv_pool import KVPool
-from deltaserve.engine.radix_cache import RadixCache
+from deltaserve.engine.radix_cache import (
+    TENTATIVE_PER_PREFILL,
+    RadixCache,
+    SnapshotKind,
+    resend_point,
+    tentative_cap,
+)
 from deltaserve.engine.radix_node import Node
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams
@@ -41,11 +53,12 @@ from deltaserve.engine.state_pool import StatePool
 class CacheHold:
     """What a running request holds of the radix cache, from admission to release."""
 
-    node: Node  # locked: the matched path's pages and snapshot stay
+    node: Node  # locked: the pages from the root to it are the tree's (pinned until commit)
     snapshot_slot: int | None  # the matched snapshot, copied in at commit
     num_shared_pages: int  # the head of `req.pages` that belongs to the tree
     branch_point: int  # a prefill chunk ends here (0: nowhere)
-    snapshots: dict[int, int] = field(default_factory=dict)  # position -> slot, for insertion
+    tentative: list[Node] = field(default_factory=list)  # this prefill's tentative snapshots
+    prompt_end: Node | None = None  # where this prefill's prompt-end snapshot went
     rolling_slot: int | None = None  # the state at `rolling_pos`, the last page boundary landed on
     rolling_pos: int = 0
 
@@ -153,7 +166,8 @@ class RadixPrefixCache(PrefixCache):
     ) -> None:
         super().__init__(kv_pool, state_pool)
         self.page_size = kv_pool.page_size
-        self.cache = RadixCache(kv_pool, state_pool, self.page_size, policy, alpha, prefix_flops)
+        cap = tentative_cap(state_pool.num_snapshots)
+        self.cache = RadixCache(kv_pool, state_pool, self.page_size, policy, alpha, prefix_flops, cap)
 
     def alloc_pages(self, n: int) -> list[int] | None:
         return self.cache.alloc_kv(n)
@@ -162,7 +176,7 @@ class RadixPrefixCache(PrefixCache):
         assert req.prefix is None and not req.pages and req.num_computed_tokens == 0
         tokens = req.all_token_ids  # after a preemption: prompt and output, all recomputed
         # Peek only: admission may still fail for want of pages and be retried every step.
-        m = self.cache.match_prefix(tokens, record=False)
+        m = self.cache.match_prefix(_matchable(req), record=False)
         self.cache.lock(m.node)
         bp = self.cache.branch_point(tokens)
         req.prefix = CacheHold(
@@ -176,17 +190,20 @@ class RadixPrefixCache(PrefixCache):
         hold = req.prefix
         assert hold is not None
         # The matched path is locked, so recording now finds the same node.
-        m = self.cache.match_prefix(req.all_token_ids)
+        m = self.cache.match_prefix(_matchable(req))
         assert m.node is hold.node and m.length == req.num_computed_tokens
         if hold.snapshot_slot is not None:
             assert req.slot is not None
             self.state_pool.copy_slot(hold.snapshot_slot, req.slot)  # copy-on-write
+        # The copy is made: the snapshot may go, the pages under it stay.
+        self.cache.lock(hold.node, pin=False)
+        self.cache.unlock(hold.node)
         if req.num_preemptions == 0:
             req.num_cached_tokens = m.length
 
     def detach(self, req: Request) -> None:
         hold = req.prefix
-        assert hold is not None and not hold.snapshots and hold.rolling_slot is None
+        assert hold is not None and not hold.tentative and hold.rolling_slot is None
         self.kv_pool.free(req.pages[hold.num_shared_pages :])
         self.cache.unlock(hold.node)
         req.pages, req.prefix = [], None
@@ -196,37 +213,53 @@ class RadixPrefixCache(PrefixCache):
         hold = req.prefix
         if hold is None:
             return None
-        ahead = [p for p in (hold.branch_point, self._last_page_start(req)) if p > req.num_computed_tokens]
+        # Stopping at the resend point costs a step (a short last chunk), not a token.
+        resend = resend_point(req.num_tokens, self.page_size)
+        ahead = [p for p in (hold.branch_point, resend) if p > req.num_computed_tokens]
         return min(ahead, default=None)
-
-    def _last_page_start(self, req: Request) -> int:
-        """Where the sequence's last, partial page starts, if decoding cannot land on a page
-        boundary (max_tokens too short to reach the next one); else 0.
-
-        Ending a prefill chunk there leaves a page-aligned state for the end snapshot, so
-        that the next turn of a short exchange hits; it costs a step, not a token."""
-        n, ps = req.num_tokens, self.page_size
-        assert req.params.max_tokens is not None
-        most = n + req.params.max_tokens - len(req.output_token_ids) - 1  # computed at finish
-        if n % ps == 0 or most // ps > n // ps:
-            return 0
-        return n // ps * ps
 
     def on_computed(self, req: Request, prefill: bool) -> None:
         n, hold = req.num_computed_tokens, req.prefix
         if hold is None or n % self.page_size:
             return
+        assert req.slot is not None
+        # While prefilling, the tokens are exactly the sequence being prefilled.
+        kind = self.cache.prefill_snapshot(req.all_token_ids, n) if prefill else None
+        if kind is not None:
+            if hold.rolling_slot is not None:  # older than the state kept now
+                self.state_pool.free_snapshot(hold.rolling_slot)
+                hold.rolling_slot = None
+            slot = self.cache.alloc_snapshot(tentative=kind == "tentative")
+            if slot is not None:
+                self.state_pool.copy_slot(req.slot, slot)
+                self._insert_prefix(req, n, slot, kind)
+                hold.rolling_pos = n
+                return
         slot, hold.rolling_slot, hold.rolling_pos = hold.rolling_slot, None, n
         if slot is None:
             slot = self.cache.alloc_snapshot()
             if slot is None:  # every snapshot slot is held: no snapshot here
                 return
-        assert req.slot is not None
         self.state_pool.copy_slot(req.slot, slot)
-        if prefill and self.cache.should_snapshot(req.all_token_ids, n):
-            hold.snapshots[n] = slot
-        else:
-            hold.rolling_slot = slot
+        hold.rolling_slot = slot
+
+    def _insert_prefix(self, req: Request, n: int, slot: int, kind: SnapshotKind) -> None:
+        """Hand the first `n` tokens' pages and the state at `n` to the tree while `req` runs."""
+        hold = req.prefix
+        assert hold is not None
+        k, tentative = n // self.page_size, kind == "tentative"
+        r = self.cache.insert(req.all_token_ids[:n], req.pages[:k], {n: slot}, (n,) if tentative else ())
+        self.cache.lock(r.node, pin=False)
+        self.cache.unlock(hold.node, pin=False)
+        self.kv_pool.free(r.duplicates)
+        hold.node, hold.num_shared_pages = r.node, k
+        req.pages = r.pages + req.pages[k:]  # a new list: the decode page table rewrites the row
+        if n == len(req.all_token_ids) // self.page_size * self.page_size:
+            hold.prompt_end = r.node
+        elif tentative and r.node.tentative:
+            hold.tentative.append(r.node)
+            if len(hold.tentative) > TENTATIVE_PER_PREFILL:
+                self.cache.discard_tentative(hold.tentative.pop(0))
 
     def release(self, req: Request) -> None:
         hold = req.prefix
@@ -236,10 +269,10 @@ class RadixPrefixCache(PrefixCache):
         ps = self.page_size
         n_pages = req.num_computed_tokens // ps
         tokens = req.all_token_ids[: n_pages * ps]
-        snaps = dict(hold.snapshots)
+        snaps = {}
         end, pos = hold.rolling_slot, hold.rolling_pos
         if end is not None:
-            if pos not in snaps and self.cache.should_snapshot(tokens, pos, is_end=True):
+            if self.cache.should_snapshot(tokens, pos, is_end=True):
                 snaps[pos] = end
             else:
                 self.state_pool.free_snapshot(end)
@@ -249,7 +282,9 @@ class RadixPrefixCache(PrefixCache):
         else:
             assert not snaps
         self.kv_pool.free(spare)
-        self.cache.unlock(hold.node)
+        self.cache.unlock(hold.node, pin=False)
+        if snaps and hold.prompt_end is not None and hold.prompt_end.depth < pos:
+            self.cache.demote(hold.prompt_end)
         req.pages, req.prefix = [], None
 
     def flush(self) -> None:
@@ -271,6 +306,12 @@ class RadixPrefixCache(PrefixCache):
             "kv_page_evictions": s.kv_pages_evicted,
             "kv_pages_cached": c.evictable_size + c.protected_size,
         }
+
+
+def _matchable(req: Request) -> list[int]:
+    """What of a request may come from the cache: nothing when it asks for its prompt's
+    log-probabilities, which only a forward pass over the whole prompt gives."""
+    return req.all_token_ids[:1] if req.params.prompt_logprobs is not None else req.all_token_ids
 
 
 def warmup_prompts(prompts: Sequence[list[int]], cache_type: str, page_size: int) -> list[list[int]]:

@@ -10,19 +10,35 @@ The engine's calls, in order (see docs/prefix_cache.md):
 1. admission: ``m = cache.match_prefix(prompt)``; ``cache.lock(m.node)``; copy
    ``m.snapshot_slot`` into the request's working slot (``state_pool.copy_slot``) and put
    ``m.pages`` at the head of its page table; prefill starts at ``m.length``.
-2. ``bp = cache.branch_point(prompt)``: split the prefill so that a chunk ends at ``bp``.
-3. after each prefill chunk ending at a page-aligned ``p`` (chunk boundaries and ``bp``):
-   ``if cache.should_snapshot(prompt, p): slot = cache.alloc_snapshot()`` and copy the
-   working slot into it; the request holds it until step 4.
+2. ``bp = cache.branch_point(prompt)``: split the prefill so that a chunk ends at ``bp``, and
+   at ``resend_point(len(prompt))``, so that the prompt's end leaves a state to keep.
+3. after each prefill chunk ending at a page-aligned ``p``: ``kind = cache.prefill_snapshot(
+   prompt, p)``; if it is not None, ``slot = cache.alloc_snapshot(tentative=...)``, copy the
+   working slot into it and insert at once: ``r = cache.insert(prompt[:p], pages, {p: slot},
+   tentative=...)``; lock ``r.node`` (``pin=False``: the request no longer reads the
+   snapshot), unlock the old node, free ``r.duplicates``, switch to ``r.pages``. Of one
+   prefill's tentative snapshots keep the last ``TENTATIVE_PER_PREFILL``
+   (``discard_tentative`` the older ones).
 4. at finish, with ``seq`` the tokens whose state the working slot holds trimmed to whole
    pages, ``cache.should_snapshot(seq, len(seq), is_end=True)`` decides the end snapshot;
-   ``r = cache.insert(seq, pages[:len(seq) // page_size], {p: slot, ...})``; free
-   ``r.duplicates`` and the pages past ``seq``; ``cache.unlock(m.node)``.
-   (A request may also insert early, e.g. per chunk: lock ``r.node``, unlock the old
-   node, switch to ``r.pages``.)
+   ``r = cache.insert(seq, pages[:len(seq) // page_size], {len(seq): slot})``; free
+   ``r.duplicates`` and the pages past ``seq``; unlock the request's node. When the end
+   snapshot lies past the prompt end's, ``demote`` the prompt end's.
 5. when a pool runs dry: ``cache.alloc_kv(n)`` / ``cache.alloc_snapshot()`` evict and retry
-   (``evict_kv``: LRU unlocked leaves, snapshot-less ones first; ``evict_snapshots``: the
-   policy's order, an inner node's KV stays). ``flush()`` frees everything unlocked.
+   (``evict_kv``: LRU unlocked leaves, snapshot-less ones first; ``evict_snapshots``:
+   regular snapshots in the policy's order, then tentative ones; an inner node's KV stays).
+   ``flush()`` frees everything unlocked.
+
+Tentative snapshots (a prefill's chunk-boundary states, kept so that the first request to
+branch off a shared prefix already hits) are bounded twice: the last
+``TENTATIVE_PER_PREFILL`` of each prefill, and a quota that applies once the snapshot area
+is full: then a new tentative snapshot replaces the oldest one when they fill the quota, and
+tentative snapshots over it are the first to go. A prompt end's snapshot joins them once its
+sequence's end is cached (which serves a continuation as well). A hit or a second child below
+one makes it regular. The quota starts at half of ``max_tentative`` (`tentative_cap`: half
+the snapshot slots) and adapts as ARC does with its ghost lists: a hit that a lately evicted
+tentative snapshot would have served raises it by one, one that an evicted regular snapshot
+would have served lowers it by one (never below one).
 
 Ownership: pages and snapshot slots passed to `insert` belong to the tree afterwards, except
 the returned duplicates; a snapshot the tree already has at a position is freed by the tree.
@@ -31,12 +47,31 @@ the returned duplicates; a snapshot the tree already has at a position is freed 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Literal
 
 from deltaserve.engine.cache_policy import make_policy
 from deltaserve.engine.radix_node import CacheStats, InsertResult, KVPool, MatchResult, Node, StatePool
 
-__all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "Node"]
+__all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "Node", "SnapshotKind"]
+
+SnapshotKind = Literal["regular", "tentative"]
+
+# A branch off a shared prefix most often comes within the last chunk or two of the prompt
+# that first sent it (a question after a system prompt, an issue after a tool prompt).
+TENTATIVE_PER_PREFILL = 2
+
+
+def tentative_cap(num_snapshot_slots: int) -> int:
+    """Tentative snapshots the tree holds at most: half the snapshot slots, so that half stay
+    for regular snapshots and the requests' rolling states."""
+    return num_snapshot_slots // 2
+
+
+def resend_point(num_tokens: int, page_size: int) -> int:
+    """The last page boundary before a sequence's last token: the deepest state that a resend
+    of the same sequence can start from (its last token is always recomputed)."""
+    return (num_tokens - 1) // page_size * page_size
 
 
 class RadixCache:
@@ -48,8 +83,13 @@ class RadixCache:
         policy: str = "marconi",
         alpha: float = 1.0,
         prefix_flops: Callable[[int], float] | None = None,
+        max_tentative: int = 0,
     ) -> None:
         self.kv_pool, self.state_pool, self.page_size = kv_pool, state_pool, page_size
+        self.max_tentative = max_tentative
+        self.tentative_quota = max_tentative // 2
+        # nodes whose snapshot was evicted lately (`Node.evicted`), oldest first
+        self._ghosts: dict[Node, None] = {}
         # Without a model's cost, FLOPs saved grow with the prefix: deeper snapshots are worth more.
         self.policy = make_policy(policy, alpha, prefix_flops or float, state_pool.snapshot_bytes)
         self.root = Node(key=(), pages=[], parent=None, depth=0)
@@ -57,6 +97,7 @@ class RadixCache:
         self.evictable_size = 0  # pages in nodes no lock reaches
         self.protected_size = 0  # pages in nodes on a locked path
         self._snapshot_nodes: set[Node] = set()
+        self._tentative_nodes: set[Node] = set()
         self._clock = 0
 
     # ---- lookups -----------------------------------------------------------------------
@@ -75,6 +116,10 @@ class RadixCache:
             hit.snapshot_access = self._clock
             self.stats.query_tokens += len(token_ids)
             self.stats.hit_tokens += hit.depth
+            self._learn(path, hit.depth)
+            if hit.tentative:
+                self.stats.tentative_hit_tokens += hit.depth
+                self._promote(hit)
         pages = [p for n in used for p in n.pages]
         return MatchResult(hit.depth, pages, hit.snapshot, hit)
 
@@ -91,11 +136,8 @@ class RadixCache:
         only where the prompt leaves the tree inside an edge or at a node with children.
         """
         tokens = tuple(token_ids)
-        if length <= 0 or length % self.page_size or length > len(tokens):
+        if not self._offerable(tokens, length):
             return False
-        path, partial = self._walk(tokens[:length])
-        if partial == 0 and path and path[-1].depth == length and path[-1].snapshot is not None:
-            return False  # already cached
         if self.policy.admit_every_chunk or is_end:
             return True
         # A branch: the prompt goes on past `length` where the tree also goes on, differently.
@@ -104,20 +146,34 @@ class RadixCache:
         tree_goes_on = partial > 0 or bool(end.children)
         return tree_goes_on and end.depth + partial * self.page_size == length < len(tokens)
 
+    def prefill_snapshot(self, token_ids: Sequence[int], length: int) -> SnapshotKind | None:
+        """How to keep the state after a prefill chunk that ends at `length`, `token_ids` being
+        the whole sequence prefilled: a regular snapshot at the prompt's end (its last page
+        boundary: the next chat turn and a resend start there) and wherever `should_snapshot`
+        admits one; a tentative one at any other page-aligned chunk end while `max_tentative`
+        allows them; else none."""
+        tokens = tuple(token_ids)
+        if not self._offerable(tokens, length):
+            return None
+        if length == len(tokens) // self.page_size * self.page_size or self.should_snapshot(tokens, length):
+            return "regular"
+        return "tentative" if self.max_tentative > 0 else None
+
     # ---- locks -------------------------------------------------------------------------
 
-    def lock(self, node: Node) -> None:
-        """Protect `node`'s snapshot and every page from the root to it."""
-        node.pins += 1
+    def lock(self, node: Node, pin: bool = True) -> None:
+        """Protect every page from the root to `node`, and with `pin` its snapshot too."""
+        node.pins += pin
         for n in self._ancestry(node):
             if n.lock_ref == 0:
                 self.evictable_size -= len(n.pages)
                 self.protected_size += len(n.pages)
             n.lock_ref += 1
 
-    def unlock(self, node: Node) -> None:
-        assert node.pins > 0, "unlock without lock"
-        node.pins -= 1
+    def unlock(self, node: Node, pin: bool = True) -> None:
+        """Undo `lock(node, pin)`."""
+        assert node.pins >= pin and (node.lock_ref > 0 or node is self.root), "unlock without lock"
+        node.pins -= pin
         for n in self._ancestry(node):
             n.lock_ref -= 1
             if n.lock_ref == 0:
@@ -127,10 +183,16 @@ class RadixCache:
     # ---- insertion ---------------------------------------------------------------------
 
     def insert(
-        self, token_ids: Sequence[int], kv_pages: Sequence[int], snapshots: Mapping[int, int] | None = None
+        self,
+        token_ids: Sequence[int],
+        kv_pages: Sequence[int],
+        snapshots: Mapping[int, int] | None = None,
+        tentative: Collection[int] = (),
     ) -> InsertResult:
         """Add `token_ids` (whole pages) with their KV `kv_pages` and `snapshots`
-        ({length: slot}, each length page-aligned in (0, len(token_ids)])."""
+        ({length: slot}, each length page-aligned in (0, len(token_ids)]); the snapshots at
+        the lengths in `tentative` are tentative (a regular one where the tree has a
+        tentative one makes that regular)."""
         tokens, ps, snaps = tuple(token_ids), self.page_size, dict(snapshots or {})
         assert len(tokens) % ps == 0 and len(kv_pages) * ps == len(tokens), "insert whole pages"
         assert all(0 < p <= len(tokens) and p % ps == 0 for p in snaps), "snapshots at page ends"
@@ -144,6 +206,8 @@ class RadixCache:
                 child = Node(tokens[pos:stop], list(kv_pages[pos // ps : stop // ps]), node, stop)
                 node.children[tokens[pos : pos + ps]] = child
                 self.evictable_size += len(child.pages)
+                if node.tentative and node.num_children >= 2:  # a branch point now
+                    self._promote(node)
             else:
                 k = min(self._common_pages(child.key, tokens, pos), (stop - pos) // ps)
                 if k < len(child.pages):
@@ -160,8 +224,14 @@ class RadixCache:
                 target.snapshot, target.snapshot_access = slot, self._clock
                 self._snapshot_nodes.add(target)
                 self.stats.snapshots_admitted += 1
+                if length in tentative and target.num_children < 2:
+                    target.tentative = True
+                    self._tentative_nodes.add(target)
+                    self.stats.tentative_admitted += 1
             else:
                 self.state_pool.free_snapshot(slot)
+                if target.tentative and length not in tentative:
+                    self._promote(target)
         return InsertResult(node, tree_pages, duplicates)
 
     # ---- eviction ----------------------------------------------------------------------
@@ -172,11 +242,16 @@ class RadixCache:
             self.evict_kv(n - self.kv_pool.num_free)
         return self.kv_pool.alloc(n)
 
-    def alloc_snapshot(self) -> int | None:
-        """A snapshot slot, evicting a cached snapshot when the area is full."""
+    def alloc_snapshot(self, tentative: bool = False) -> int | None:
+        """A snapshot slot, evicting a cached snapshot when the area is full: for a `tentative`
+        one, the oldest tentative one when they fill the quota (and then nothing else)."""
         slot = self.state_pool.alloc_snapshot()
-        if slot is None and self.evict_snapshots(1):
-            slot = self.state_pool.alloc_snapshot()
+        if slot is None:
+            if tentative and self.num_tentative >= self.tentative_quota:
+                evicted = self._evict_tentative(1)
+            else:
+                evicted = self.evict_snapshots(1)
+            slot = self.state_pool.alloc_snapshot() if evicted else None
         return slot
 
     def evict_kv(self, num_pages: int) -> int:
@@ -197,7 +272,7 @@ class RadixCache:
             freed += len(node.pages)
             self.evictable_size -= len(node.pages)
             if node.snapshot is not None:
-                self._drop_snapshot(node)
+                self._drop_snapshot(node, ghost=False)  # no prompt reaches it any more
             parent = node.parent
             del parent.children[node.key[: self.page_size]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
@@ -206,13 +281,32 @@ class RadixCache:
         return freed
 
     def evict_snapshots(self, n: int) -> int:
-        """Drop up to `n` unpinned snapshots in the policy's order; their nodes' KV stays."""
-        candidates = [node for node in self._snapshot_nodes if node.pins == 0]
-        victims = self.policy.victims(candidates, n)
+        """Drop up to `n` unpinned snapshots, regular ones in the policy's order, then tentative
+        ones oldest first (their quota keeps them from crowding regular ones out; evicting them
+        first would leave none once the area is full); their nodes' KV stays."""
+        dropped = self._evict_tentative(min(n, self.num_tentative - self.tentative_quota))
+        candidates = [node for node in self._snapshot_nodes if node.pins == 0 and not node.tentative]
+        victims = self.policy.victims(candidates, n - dropped)
         for node in victims:
             assert isinstance(node, Node)
             self._drop_snapshot(node)
-        return len(victims)
+        dropped += len(victims)
+        return dropped + self._evict_tentative(n - dropped)
+
+    def demote(self, node: Node) -> bool:
+        """Make `node`'s regular snapshot tentative, unless it is pinned or a branch point."""
+        if node.snapshot is None or node.tentative or node.pins or node.num_children >= 2:
+            return False
+        node.tentative = True
+        self._tentative_nodes.add(node)
+        return True
+
+    def discard_tentative(self, node: Node) -> bool:
+        """Drop `node`'s snapshot if it is still tentative and unpinned."""
+        if not node.tentative or node.pins:
+            return False
+        self._drop_snapshot(node, ghost=False)
+        return True
 
     def flush(self) -> None:
         """Free every page and snapshot no lock holds."""
@@ -224,16 +318,61 @@ class RadixCache:
         return len(self._snapshot_nodes)
 
     @property
+    def num_tentative(self) -> int:
+        return len(self._tentative_nodes)
+
+    @property
     def snapshot_bytes(self) -> int:
         return self.num_snapshots * self.state_pool.snapshot_bytes
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _drop_snapshot(self, node: Node) -> None:
+    def _offerable(self, tokens: tuple[int, ...], length: int) -> bool:
+        """`length` is a page boundary within `tokens` where the tree holds no snapshot yet."""
+        if length <= 0 or length % self.page_size or length > len(tokens):
+            return False
+        path, partial = self._walk(tokens[:length])
+        return not (partial == 0 and path and path[-1].depth == length and path[-1].snapshot is not None)
+
+    def _learn(self, path: list[Node], hit: int) -> None:
+        """Adapt the tentative quota to a hit that a lately evicted snapshot would have deepened."""
+        ghost = next((n for n in reversed(path) if n.depth > hit and n.evicted is not None), None)
+        if ghost is None:
+            return
+        step = 1 if ghost.evicted == "tentative" else -1
+        self.tentative_quota = min(self.max_tentative, max(1, self.tentative_quota + step))
+        ghost.evicted = None
+        del self._ghosts[ghost]
+
+    def _evict_tentative(self, n: int) -> int:
+        if n <= 0:
+            return 0
+        victims = sorted(
+            (node for node in self._tentative_nodes if node.pins == 0),
+            key=lambda node: (node.snapshot_access, node.depth),
+        )[:n]
+        for node in victims:
+            self._drop_snapshot(node)
+        return len(victims)
+
+    def _promote(self, node: Node) -> None:
+        node.tentative = False
+        self._tentative_nodes.discard(node)
+
+    def _drop_snapshot(self, node: Node, ghost: bool = True) -> None:
         assert node.snapshot is not None
         self.state_pool.free_snapshot(node.snapshot)
+        if ghost and self.max_tentative:
+            node.evicted = "tentative" if node.tentative else "regular"
+            self._ghosts.pop(node, None)
+            self._ghosts[node] = None
+            if len(self._ghosts) > 2 * self.max_tentative:  # as many as there are slots
+                oldest = next(iter(self._ghosts))
+                oldest.evicted = None
+                del self._ghosts[oldest]
         node.snapshot = None
         self._snapshot_nodes.discard(node)
+        self._promote(node)
         self.stats.snapshots_evicted += 1
 
     def _walk(self, tokens: tuple[int, ...]) -> tuple[list[Node], int]:

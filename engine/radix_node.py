@@ -30,7 +30,10 @@ class Node:
     """An edge of the tree and the position at its end.
 
     `key` is a whole number of pages of tokens and `pages` their KV pages; a `snapshot`, when
-    present, is the recurrent state after the last token of `key`, i.e. at `depth`.
+    present, is the recurrent state after the last token of `key`, i.e. at `depth`. A
+    `tentative` snapshot is kept on speculation (a prefill chunk boundary, a prompt end once
+    its sequence's end is cached), within a quota of its own; it becomes a regular one once it
+    serves a hit or a branch.
     """
 
     key: tuple[int, ...]
@@ -39,6 +42,10 @@ class Node:
     depth: int
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     snapshot: int | None = None
+    tentative: bool = False
+    # The kind of snapshot evicted here lately: a later hit that it would have served adapts
+    # the tentative quota.
+    evicted: str | None = None
     # Locks held on this node or on a node below it: none of this node's pages may go.
     lock_ref: int = 0
     # Locks held on exactly this node: its snapshot may not go either.
@@ -84,6 +91,8 @@ class CacheStats:
     kv_pages_evicted: int = 0
     snapshots_admitted: int = 0
     snapshots_evicted: int = 0
+    tentative_admitted: int = 0  # counted in snapshots_admitted too
+    tentative_hit_tokens: int = 0  # hit_tokens served by a tentative snapshot
 
     @property
     def hit_rate(self) -> float:

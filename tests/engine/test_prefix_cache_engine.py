@@ -121,30 +121,31 @@ def test_hit_at_every_chunk_alignment(path, chunk):
 
 
 def test_hit_exactly_at_a_branch_point(path):
-    """The first prompt to leave the tree mid-edge splits its prefill at the (page-aligned)
-    branch point and leaves a snapshot there; the next one to branch there starts at it."""
+    """The first prompt to leave the tree mid-edge starts at the last chunk boundary before it
+    (a tentative snapshot), splits its prefill at the (page-aligned) branch point and leaves a
+    snapshot there; the next one to branch there starts at it."""
     base = rand(200, 6)
     batches = [[base], [base[:100] + rand(30, 1)], [base[:100] + rand(50, 2)], [base[:96] + rand(9, 3)]]
     want = tokens(run(make_llm(path, "naive"), batches))
     llm = make_llm(path)
     outs = run(llm, batches)
     assert tokens(outs) == want
-    assert [o.num_cached_tokens for o in outs] == [0, 0, 96, 96]
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 96, 96]
     assert llm.engine.stats()["snapshots"] >= 1
     assert_idle_after_flush(llm.engine)
 
 
 def test_prompt_that_is_a_prefix_of_a_cached_one(path):
     base = rand(200, 7)
-    # base[:160] ends on a page: its last token is still recomputed, so the hit is 144.
+    # The first one starts at a chunk boundary of the first's prefill (tentative), the second
+    # at its own prompt end; base[:160] ends on a page: its last token is still recomputed.
     batches = [[base], [base[:150]], [base[:150]], [base[:160]], [base[:145]], [base]]
     want = tokens(run(make_llm(path, "naive"), batches))
     llm = make_llm(path)
     outs = run(llm, batches)
     assert tokens(outs) == want
     cached = [o.num_cached_tokens for o in outs]
-    assert cached[:5] == [0, 0, 144, 144, 144], cached
-    assert cached[5] >= 192  # the first request's own end snapshot
+    assert cached == [0, 128, 144, 144, 144, 192], cached  # the last: the first one's prompt end
     assert_idle_after_flush(llm.engine)
 
 
@@ -182,7 +183,8 @@ def test_abort_inserts_what_was_computed(path):
     llm = make_llm(path)
     engine = llm.engine
     engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    for _ in range(10):  # 5 prefill chunks of 64, then 5 decodes: 305 tokens computed
+    # 4 prefill chunks of 64, one to the resend point 288, one to 300, then 4 decodes: 304 computed
+    for _ in range(10):
         engine.step()
     engine.abort_request("a")
     [aborted] = engine.step()
@@ -220,4 +222,71 @@ def test_preemption_releases_and_recomputes_from_the_cache(path, monkeypatch):
     outs = run(llm, batches, params)
     assert tokens(outs) == want
     assert preempted and [o.num_cached_tokens for o in outs[2:]] == [64] * 4
+    assert_idle_after_flush(llm.engine)
+
+
+# Where users repeat themselves: resends, chat follow-ups, first branches off a shared prompt.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+LONGER = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # decoding crosses a page
+
+
+def repeating(n: int, seed: int) -> list[int]:
+    """A prompt that repeats itself, so that n-gram drafts are proposed and verified."""
+    return (rand(50, seed) * (n // 50 + 1))[:n]
+
+
+def check_spec_ran(llm: LLM, spec: dict | None) -> None:
+    if spec is not None:
+        assert llm.engine.stats()["spec_draft_tokens_total"] > 0, "no draft was verified"
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_exact_resend_hits_all_but_the_last_page(path, spec):
+    """One chunk per prompt: the prefill stops at the last page boundary before the last token,
+    whose state is kept. A resend restores it mid-page (200 tokens: 192, then 8 recomputed) or
+    a page before the end (208: the prompt end's own state cannot serve, its last token must be
+    recomputed)."""
+    a, b = repeating(200, 20), repeating(208, 21)
+    batches = [[a], [a], [b], [b]]
+    want = tokens(run(make_llm(path, "naive", 512), batches, LONGER))
+    llm = make_llm(path, chunk=512, speculative_config=spec)
+    outs = run(llm, batches, LONGER)
+    assert tokens(outs) == want
+    assert [o.num_cached_tokens for o in outs] == [0, 192, 0, 192]
+    check_spec_ran(llm, spec)
+    assert_idle_after_flush(llm.engine)
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_chat_turn_two_hits_the_whole_previous_prompt(path, spec):
+    """Turn 2 carries turn 1's answer re-rendered into other tokens than were generated: it
+    starts from turn 1's prompt end, every full page of turn 1's prompt."""
+    firsts = [repeating(200, 30), repeating(208, 31)]
+    batches = [[firsts[0]], [firsts[1]], [firsts[0] + rand(40, 32)], [firsts[1] + rand(40, 33)]]
+    want = tokens(run(make_llm(path, "naive", 512), batches, LONGER))
+    llm = make_llm(path, chunk=512, speculative_config=spec)
+    outs = run(llm, batches, LONGER)
+    assert tokens(outs) == want
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 192, 208]
+    check_spec_ran(llm, spec)
+    assert_idle_after_flush(llm.engine)
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_first_branch_off_a_shared_system_prompt_hits(path, spec):
+    """64-token chunks: the first request keeps its last chunk boundaries' states as tentative
+    snapshots, so the first request to branch off its system prompt starts at the last chunk
+    boundary before the branch (256 tokens: at 256; 250 tokens: at 192), and the branch point
+    it leaves serves the ones after it."""
+    sys_a, sys_b = repeating(256, 40), repeating(250, 41)
+    batches = [[sys_a + rand(30, 42)], [sys_a + rand(20, 43)], [sys_a + rand(25, 44)]]
+    batches += [[sys_b + rand(30, 45)], [sys_b + rand(20, 46)], [sys_b + rand(25, 47)]]
+    want = tokens(run(make_llm(path, "naive"), batches, LONGER))
+    llm = make_llm(path, speculative_config=spec)
+    outs = run(llm, batches, LONGER)
+    assert tokens(outs) == want
+    assert [o.num_cached_tokens for o in outs] == [0, 256, 256, 0, 192, 240]
+    s = llm.engine.stats()
+    assert s["snapshots_total"] == 8 and s["snapshots_used"] <= 8  # two per running request
+    check_spec_ran(llm, spec)
     assert_idle_after_flush(llm.engine)

@@ -90,6 +90,8 @@ def tree_contents(cache: RadixCache) -> tuple[dict[tuple[int, ...], int], dict[t
                 pages[full[: len(prefix) + (i + 1) * ps]] = page
             if child.snapshot is not None:
                 snaps[full] = child.snapshot
+            # a tentative snapshot that became a branch point is a regular one
+            assert not child.tentative or (child.snapshot is not None and child.num_children < 2)
             stack.append((child, full))
     return pages, snaps
 
@@ -168,10 +170,10 @@ POOL_PAGES = 64
 @pytest.mark.parametrize("ps,seed", [(1, 0), (2, 1), (4, 2)])
 def test_randomized_against_reference(policy: str, ps: int, seed: int) -> None:
     rng = random.Random(seed)
-    cache = make_cache(policy, ps=ps, pages=POOL_PAGES + 1, snaps=8)
+    cache = make_cache(policy, ps=ps, pages=POOL_PAGES + 1, snaps=8, max_tentative=2)
     ref = Reference(cache)
     history: list[tuple[int, ...]] = []
-    running: list[tuple[tuple[int, ...], list[int], dict[int, int], Node, list[int]]] = []
+    running: list[tuple[tuple[int, ...], list[int], dict[int, int], Node, list[int], set[int]]] = []
     hits = 0
     for _ in range(5000):
         op = rng.random()
@@ -194,20 +196,24 @@ def test_randomized_against_reference(policy: str, ps: int, seed: int) -> None:
                 continue
             ref.owned_pages.update(new)
             snaps: dict[int, int] = {}
+            tentative: set[int] = set()
             for n in range(m.length + ps, len(whole) + 1, ps):
-                if rng.random() < 0.6 and cache.should_snapshot(tokens, n, is_end=n == len(whole)):
-                    slot = cache.alloc_snapshot()
+                guess = rng.random() < 0.3
+                if guess or (rng.random() < 0.6 and cache.should_snapshot(tokens, n, is_end=n == len(whole))):
+                    slot = cache.alloc_snapshot(tentative=guess)
                     ref.absorb_frees()
                     if slot is not None:
                         snaps[n] = slot
                         ref.owned_slots.add(slot)
-            running.append((whole, m.pages + new, snaps, m.node, new))
+                        if guess:
+                            tentative.add(n)
+            running.append((whole, m.pages + new, snaps, m.node, new, tentative))
             history.append(tokens)
         elif op < 0.6 and running:
-            whole, pages, snaps, handle, _ = running.pop(rng.randrange(len(running)))
+            whole, pages, snaps, handle, _, tentative = running.pop(rng.randrange(len(running)))
             before = dict(ref.pages)
             dup_slots = frozenset(s for n, s in snaps.items() if whole[:n] in ref.snaps)
-            r = cache.insert(whole, pages, snaps)
+            r = cache.insert(whole, pages, snaps, tentative)
             ref.absorb_frees(dup_slots)
             expect_dups = [p for i, p in enumerate(pages) if before.get(whole[: (i + 1) * ps], p) != p]
             assert r.duplicates == expect_dups
@@ -246,7 +252,7 @@ def test_randomized_against_reference(policy: str, ps: int, seed: int) -> None:
             assert (m.length, m.pages, m.snapshot_slot) == ref.expected_match(tokens)
         ref.check()
     assert hits >= 25, "the workload should hit the cache often"
-    for _, _, snaps, _, own in running:  # abort what still runs: its own pages and slots go back
+    for _, _, snaps, _, own, _ in running:  # abort what still runs: its own pages and slots go back
         cache.kv_pool.free(own)
         for slot in snaps.values():
             cache.state_pool.free_snapshot(slot)
@@ -477,6 +483,117 @@ def test_shared_system_prompt_and_multi_turn_hit(policy: str) -> None:
     assert replay(cache, [(turn1, answer), (turn2, (8,))], chunk=16) == [64, 92]
     cache.flush()
     assert not cache.kv_pool.used and not cache.state_pool.used  # type: ignore[attr-defined]
+
+
+def insert_prefill(
+    cache: RadixCache, tokens: tuple[int, ...], ends: tuple[int, ...]
+) -> dict[int, str | None]:
+    """Prefill `tokens` in chunks ending at `ends` as the engine does: at each chunk end the
+    cache picks the snapshot kind, and a kept state is inserted at once. The kinds chosen."""
+    ps, kinds = cache.page_size, {}
+    for n in ends:
+        kind = kinds[n] = cache.prefill_snapshot(tokens, n)
+        slot = cache.alloc_snapshot(tentative=kind == "tentative") if kind else None
+        if slot is None:
+            continue
+        m = cache.match_prefix(tokens[:n], record=False)
+        own = cache.alloc_kv(n // ps - len(m.pages))
+        assert own is not None
+        r = cache.insert(tokens[:n], m.pages + own, {n: slot}, (n,) if kind == "tentative" else ())
+        cache.kv_pool.free(r.duplicates)
+    return kinds
+
+
+def test_prefill_keeps_prompt_end_and_tentative_chunk_ends() -> None:
+    cache = make_cache("marconi", ps=4, pages=200, snaps=8, max_tentative=4)
+    system = seq(1, 32)
+    first = system + seq(100, 10)  # 42 tokens: the prompt end is its last page boundary, 40
+    kinds = insert_prefill(cache, first, (8, 16, 24, 32, 40))
+    assert kinds == {8: "tentative", 16: "tentative", 24: "tentative", 32: "tentative", 40: "regular"}
+    assert cache.num_tentative == 4  # the area has room: the quota does not apply yet
+    assert cache.match_prefix(first[:30] + (0,), record=False).length == 24
+    assert cache.match_prefix(first[:20] + (0,), record=False).length == 16
+    assert cache.match_prefix(first + (5,), record=False).length == 40  # the next turn
+    assert cache.match_prefix(first, record=False).length == 40  # a resend
+    # The first request to branch off the system prompt hits at the chunk boundary there.
+    second = system + seq(200, 9)
+    assert cache.prefill_snapshot(second, 32) is None  # already cached
+    m = cache.match_prefix(second)
+    assert m.length == 32 and not m.node.tentative, "a hit makes a tentative snapshot regular"
+    assert cache.stats.tentative_hit_tokens == 32 and cache.num_tentative == 3
+    # A page-aligned prompt: its end, and the resend point a page before it (tentative).
+    aligned = seq(300, 16)
+    assert insert_prefill(cache, aligned, (12, 16)) == {12: "tentative", 16: "regular"}
+    assert cache.match_prefix(aligned, record=False).length == 12
+    # Without tentative snapshots only the prompt end (and branch points) are kept.
+    plain = make_cache("marconi", ps=4, pages=200, snaps=8)
+    kinds = insert_prefill(plain, first, (8, 16, 24, 32, 40))
+    assert kinds == {8: None, 16: None, 24: None, 32: None, 40: "regular"}
+
+
+def test_tentative_snapshots_keep_to_their_quota_once_the_area_is_full() -> None:
+    cache = make_cache("marconi", ps=4, pages=200, snaps=4, max_tentative=4)
+    a, b, c, d = seq(1, 16), seq(100, 16), seq(200, 16), seq(300, 16)
+
+    def hit(tokens: tuple[int, ...]) -> int:
+        return cache.match_prefix(tokens + (0,), record=False).length
+
+    insert_fresh(cache, a, snaps=(16,))  # the oldest snapshot
+    insert_prefill(cache, b, (4, 8))
+    insert_prefill(cache, c, (4,))  # free slots: three tentative ones, over the quota of two
+    assert cache.tentative_quota == 2 and cache.num_tentative == 3 and cache.num_snapshots == 4
+    held = [cache.alloc_snapshot()]  # the area is full: the oldest tentative one over the quota goes
+    assert held[0] is not None and cache.num_tentative == 2
+    assert (hit(a), hit(b[:6]), hit(b[:10])) == (16, 0, 8)
+    cache.state_pool.free_snapshot(held.pop())
+    insert_prefill(cache, d, (4,))  # the free slot again
+    held.append(cache.alloc_snapshot(tentative=True))  # the quota is filled: the oldest tentative one
+    assert held[-1] is not None and cache.num_tentative == 2 and (hit(a), hit(b[:10])) == (16, 0)
+    held.append(cache.alloc_snapshot())  # within the quota: a regular one goes
+    assert held[-1] is not None and cache.num_tentative == 2 and hit(a) == 0
+    held.append(cache.alloc_snapshot())  # no regular one is left: a tentative one
+    assert held[-1] is not None and cache.num_tentative == 1 and hit(c[:5]) == 0
+
+
+def test_tentative_quota_follows_what_evicted_snapshots_would_have_served() -> None:
+    cache = make_cache("marconi", ps=4, pages=200, snaps=8, max_tentative=4)
+    a = seq(1, 16)
+    insert_prefill(cache, a + (9,), (4, 8, 12, 16))
+    assert cache.tentative_quota == 2 and cache.num_tentative == 3
+    assert cache.evict_snapshots(1) == 1  # the oldest tentative one over the quota, at 4
+    assert cache.match_prefix(a[:6] + (0,)).length == 0  # which would have served this
+    assert cache.tentative_quota == 3
+    assert cache.match_prefix(a[:6] + (0,)).length == 0  # each eviction counts once
+    assert cache.tentative_quota == 3
+    assert cache.evict_snapshots(1) == 1  # the regular one at 16 (the tentative ones fit the quota)
+    assert cache.match_prefix(a + (0,)).length == 12  # the evicted regular one would have served
+    assert cache.tentative_quota == 2
+    for _ in range(3):
+        cache.evict_snapshots(1)
+        cache.match_prefix(a + (0,))
+    assert cache.tentative_quota == 1  # never below one
+
+
+def test_tentative_snapshot_becomes_regular_at_a_branch() -> None:
+    cache = make_cache("marconi", ps=4, pages=200, snaps=8, max_tentative=4)
+    a = seq(1, 16)
+    assert insert_prefill(cache, a + (7, 7), (4, 8, 16)) == {4: "tentative", 8: "tentative", 16: "regular"}
+    node = cache.match_prefix(a[:8] + (0, 0), record=False).node
+    assert node.depth == 8 and node.tentative
+    insert_fresh(cache, a[:8] + seq(100, 4))  # a second child below the 8-token node
+    assert not node.tentative and cache.num_tentative == 1
+    assert not cache.discard_tentative(node) and node.snapshot is not None
+
+
+def test_unpinned_lock_keeps_pages_but_not_the_snapshot() -> None:
+    cache = make_cache("marconi", ps=4, pages=200, snaps=4)
+    a = seq(1, 16)
+    node = insert_fresh(cache, a, snaps=(16,))
+    cache.lock(node, pin=False)
+    assert cache.evict_snapshots(1) == 1 and node.snapshot is None
+    assert cache.evict_kv(100) == 0 and cache.protected_size == 4
+    cache.unlock(node, pin=False)
+    assert cache.evict_kv(100) == 4
 
 
 def test_prefill_cost_and_policy_names() -> None:
