@@ -30,7 +30,7 @@ from deltaserve.engine.errors import QueueFullError
 from deltaserve.engine.forward_batch import build_forward_batch
 from deltaserve.engine.h2d import to_device_packed
 from deltaserve.engine.model_runner import ModelRunner
-from deltaserve.engine.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deltaserve.engine.prefix_caching import make_prefix_cache, prefill_cost
 from deltaserve.engine.request import Request, Status
 from deltaserve.engine.sampler import SAMPLER_GRAPH_MAX_BS, Sampler
@@ -222,6 +222,7 @@ class Engine:
             ),
             generator=self.sampler.new_generator(params.seed),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             matcher=matcher,
         )
         self.requests[request_id] = req
@@ -280,7 +281,12 @@ class Engine:
             if req.num_preemptions == 0:
                 self.counters["cached_tokens_total"] += req.num_cached_tokens
         starts = [c.req.num_computed_tokens for c in plan.chunks]
-        logits = self.runner.forward(self._batch(plan))
+        batch = self._batch(plan)
+        logits = self.runner.forward(batch)
+        if batch.num_prompt_logits:
+            n = batch.num_prompt_logits
+            self._record_prompt_logprobs(plan, starts, logits[-n:])
+            logits = logits[:-n]
         sampled = [c.req for c in plan.chunks if c.sample and not c.drafts]
         self.scheduler.advance(plan)
         windows = plan.verify_chunks
@@ -294,7 +300,10 @@ class Engine:
         if sampled:
             tokens, logprobs = self.sampler.sample(logits, sampled)
             for req, tok, lp in zip(sampled, tokens, logprobs):
-                self._append_token(req, tok, lp, now)
+                if req.params.max_tokens == 0:  # only the prompt's log-probabilities were asked for
+                    self._finish(req, "length", None)
+                else:
+                    self._append_token(req, tok, lp, now)
                 self._emit(outputs, req)
         if windows:
             outputs.extend(self._finish_windows(windows, verdicts, now))
@@ -338,7 +347,12 @@ class Engine:
         if self.spec is not None:
             return False
         reqs = self.requests.values()
-        if any(r.params.logprobs is not None or self.sampler._needs_processing(r) for r in reqs):
+        if any(
+            r.params.logprobs is not None
+            or r.params.prompt_logprobs is not None
+            or self.sampler._needs_processing(r)
+            for r in reqs
+        ):
             return False
         if not in_flight:
             return True
@@ -406,6 +420,37 @@ class Engine:
             return []
         outputs, self._finished_outputs = self._finished_outputs, []
         return outputs + self._after_read_back(self._read_back(prev))
+
+    @staticmethod
+    def _prompt_rows(req: Request, start: int, num_tokens: int) -> int:
+        """Positions of a chunk whose logits score the next prompt token (prompt logprobs)."""
+        if req.params.prompt_logprobs is None:
+            return 0
+        return max(0, min(start + num_tokens, len(req.prompt_token_ids) - 1) - start)
+
+    def _record_prompt_logprobs(self, plan: SchedulerOutput, starts: list[int], logits: torch.Tensor) -> None:
+        """Each scored position's log-probability of the prompt token after it, and the top ones."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        row = 0
+        for c, start in zip(plan.chunks, starts):
+            n = self._prompt_rows(c.req, start, c.num_tokens)
+            if n == 0:
+                continue
+            req, k = c.req, c.req.params.prompt_logprobs or 0
+            targets = req.prompt_token_ids[start + 1 : start + 1 + n]
+            block = logprobs[row : row + n]
+            row += n
+            assert req.prompt_logprobs is not None
+            known = len(req.prompt_logprobs) - 1 - start  # a recomputed prefix (preemption) has them
+            if known >= n:
+                continue
+            picked = block.gather(1, torch.tensor(targets, device=block.device).view(-1, 1))
+            ranks = ((block > picked).sum(dim=1) + 1).tolist()
+            chosen = picked.view(-1).tolist()
+            tops = torch.topk(block, k) if k > 0 else None
+            for j in range(max(0, known), n):
+                top = dict(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else {}
+                req.prompt_logprobs.append(Logprob(targets[j], chosen[j], top, ranks[j]))
 
     @staticmethod
     def _computed(plan: SchedulerOutput, starts: list[int], verdicts: list[Verdict]) -> list[Computed]:
@@ -490,6 +535,9 @@ class Engine:
             device=self.device,
             num_verify=plan.num_verify,
             page_table=table is None,
+            prompt_rows=[self._prompt_rows(c.req, c.req.num_computed_tokens, c.num_tokens) for c in chunks]
+            if any(c.req.params.prompt_logprobs is not None for c in chunks)
+            else None,
         )
 
     def _append_token(self, req: Request, tok: int, lp: Any, now: float) -> None:
@@ -574,6 +622,10 @@ class Engine:
             num_tokens=n_tokens,
             error=req.error,
         )
+        prompt_logprobs = None
+        whole = req.prompt_logprobs is not None and len(req.prompt_logprobs) == len(req.prompt_token_ids)
+        if whole and not (delta and req.prompt_logprobs_sent):
+            prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -585,6 +637,7 @@ class Engine:
             num_draft_tokens=req.num_draft_tokens,
             num_accepted_tokens=req.num_accepted_tokens,
             delta=delta,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -- introspection ----------------------------------------------------------------

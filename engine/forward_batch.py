@@ -39,6 +39,8 @@ class ForwardBatch:
     # prefill rows' FLA chunk indices [chunks, 2] (sequence, chunk within it), built on the host:
     # FLA's own builder reads lengths back from the device, a sync that stalls overlap scheduling
     prefill_chunk_indices: torch.Tensor | None = None
+    # logits rows after the sampled ones: prompt positions whose log-probabilities were asked for
+    num_prompt_logits: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -61,8 +63,11 @@ def build_forward_batch(
     device: torch.device,
     num_verify: int = 0,
     page_table: bool = True,
+    prompt_rows: list[int] | None = None,
 ) -> ForwardBatch:
     """token_lists[i] are request i's new tokens, at positions starts[i]...; pages its KV pages.
+    `prompt_rows[i]`: logits of request i's first so many new positions too, after all sampled
+    rows (prompt log-probabilities).
     `page_table=False` leaves the page table out (a decode batch, whose table the attention
     backend keeps on the device, `engine/page_table.py`)."""
     input_ids: list[int] = []
@@ -97,6 +102,10 @@ def build_forward_batch(
         cu.append(cu[-1] + len(toks))
         if sample and i not in verify:
             logits_indices.append(cu[-1] - 1)
+    num_prompt_logits = 0
+    for i, rows in enumerate(prompt_rows or []):
+        logits_indices.extend(range(cu[i], cu[i] + rows))
+        num_prompt_logits += rows
     max_pages = max(len(p) for p in pages)
     table = [p + [0] * (max_pages - len(p)) for p in pages] if page_table else []
     first_prefill = num_decodes + num_verify
@@ -132,6 +141,7 @@ def build_forward_batch(
         verify_lens=[len(token_lists[i]) for i in verify],
         page_columns=max_pages,
         prefill_chunk_indices=chunks_t.view(-1, 2) if chunks else None,
+        num_prompt_logits=num_prompt_logits,
     )
 
 

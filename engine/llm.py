@@ -130,6 +130,7 @@ class LLM:
                     arrival_time=final[subs[0]].arrival_time,
                     num_draft_tokens=sum(final[rid].num_draft_tokens for rid in subs),
                     num_accepted_tokens=sum(final[rid].num_accepted_tokens for rid in subs),
+                    prompt_logprobs=final[subs[0]].prompt_logprobs,
                 )
             )
         return results

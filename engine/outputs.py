@@ -12,6 +12,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None  # among the whole vocabulary, 1 the likeliest (prompt log-probabilities)
 
 
 @dataclass
@@ -51,6 +52,8 @@ class RequestOutput:
     num_draft_tokens: int = 0  # speculative decoding, cumulative: draft tokens verified
     num_accepted_tokens: int = 0  # ... and accepted
     delta: bool = False  # the completions carry only what is new since the previous output
+    # the prompt's tokens' log-probabilities (the first None), once the whole prompt has run
+    prompt_logprobs: list[Logprob | None] | None = None
 
     def merge(self, newer: RequestOutput) -> RequestOutput:
         """This output and the same request's next one as one output: deltas are joined, a

@@ -43,6 +43,10 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[Logprob] | None = None
+    # each prompt token's log-probability given the tokens before it (the first None), filled
+    # as the prefill runs (`SamplingParams.prompt_logprobs`)
+    prompt_logprobs: list[Logprob | None] | None = None
+    prompt_logprobs_sent: bool = False  # delta outputs carry them once
     cumulative_logprob: float = 0.0
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None

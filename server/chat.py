@@ -16,7 +16,7 @@ from .chat_template import render_chat
 from .context import ClientDisconnected, ServerContext
 from .engine_client import RequestGroup
 from .errors import error_body, failure_of, raise_if_failed
-from .logprobs import chat_logprobs
+from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -155,8 +155,16 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             logprobs = chat_logprobs(completion.logprobs or [], params.logprobs, ctx.token_text)
         reason = finish_reason(completion.finish_reason, bool(calls))
         choices.append(ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason))
+    prompt_logprobs = None
+    if req.prompt_logprobs is not None:  # vLLM's: the rendered prompt's tokens, scored in its prefill
+        first = final[next(iter(index))].prompt_logprobs
+        prompt_logprobs = vllm_prompt_logprobs(first, req.prompt_logprobs, ctx.token_text)
     response = ChatCompletionResponse(
-        id=request_id, model=model, choices=choices, usage=usage_of(len(prompt_ids), list(final.values()))
+        id=request_id,
+        model=model,
+        choices=choices,
+        usage=usage_of(len(prompt_ids), list(final.values())),
+        prompt_logprobs=prompt_logprobs,
     )
     return JSONResponse(response.model_dump(mode="json"))
 

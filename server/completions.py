@@ -13,7 +13,7 @@ from .chat import sse, usage_of
 from .context import ClientDisconnected, ServerContext
 from .engine_client import RequestGroup
 from .errors import bad_request, error_body, failure_of, raise_if_failed
-from .logprobs import completion_logprobs, prompt_completion_logprobs
+from .logprobs import completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs
 from .protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -65,12 +65,16 @@ class _Choice:
         return (self.prompt_text if self.echo else "") + completion.text
 
     def logprobs_of(
-        self, completion: CompletionOutput, echo_prompt: bool = False, text_start: int | None = None
+        self,
+        out: RequestOutput,
+        echo_prompt: bool = False,
+        text_start: int | None = None,
     ) -> CompletionLogprobs | None:
         """The completion's logprobs (the prompt's before them with `echo_prompt`); `text_start`
         is the text offset of its first token (by default where the generated text starts)."""
         if self.logprobs is None:
             return None
+        completion = out.outputs[0]
         if text_start is None:
             text_start = len(self.prompt_text) if self.echo else 0
         generated = completion_logprobs(
@@ -78,7 +82,9 @@ class _Choice:
         )
         if not echo_prompt:
             return generated
-        echoed = prompt_completion_logprobs(self.prompt_ids, self.ctx.token_text)
+        echoed = prompt_completion_logprobs(
+            self.prompt_ids, self.ctx.token_text, out.prompt_logprobs, self.logprobs
+        )
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(echoed, name).extend(getattr(generated, name))
         return echoed
@@ -119,13 +125,18 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     out = []
     for rid, i in index.items():
         completion = final[rid].outputs[0]
-        logprobs = choices[i].logprobs_of(completion, echo_prompt=req.echo)
+        logprobs = choices[i].logprobs_of(final[rid], echo_prompt=req.echo)
+        asked = req.prompt_logprobs
+        prompt_logprobs = None
+        if asked is not None:
+            prompt_logprobs = vllm_prompt_logprobs(final[rid].prompt_logprobs, asked, ctx.token_text)
         out.append(
             CompletionChoice(
                 index=i,
                 text=choices[i].text(completion),
                 logprobs=logprobs,
                 finish_reason=completion.finish_reason,
+                prompt_logprobs=prompt_logprobs,
             )
         )
     usage = _with_prompt(usage_of(0, list(final.values())), prompt_tokens, list(final.values()))
@@ -186,7 +197,7 @@ async def _stream(
                 first = rid not in offsets
                 delta = choice.text(completion) if first else completion.text
                 logprobs = choice.logprobs_of(
-                    completion, echo_prompt=choice.echo and first, text_start=offsets.get(rid)
+                    out, echo_prompt=choice.echo and first, text_start=offsets.get(rid)
                 )
                 if logprobs is not None and logprobs.tokens:
                     offsets[rid] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from .protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from .protocol import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from deltaserve.engine.outputs import Logprob
@@ -85,16 +85,44 @@ def completion_logprobs(
     return out
 
 
-def prompt_completion_logprobs(prompt_ids: list[int], token_text: TokenText) -> CompletionLogprobs:
-    """Echoed prompt tokens; their log-probabilities are not computed, so they are null as OpenAI's
-    first token's always is."""
+def prompt_completion_logprobs(
+    prompt_ids: list[int], token_text: TokenText, scored: list[Logprob | None] | None, top_k: int
+) -> CompletionLogprobs:
+    """Echoed prompt tokens with the log-probability of each given those before it (`scored`, from
+    the engine's prefill); the first token's is null, as OpenAI's and vLLM's are."""
     out = CompletionLogprobs()
     offset = 0
-    for token_id in prompt_ids:
+    for i, token_id in enumerate(prompt_ids):
         text, _ = token_text(token_id)
+        lp = scored[i] if scored is not None and i < len(scored) else None
         out.tokens.append(text)
-        out.token_logprobs.append(None)
-        out.top_logprobs.append(None)
+        out.token_logprobs.append(lp.logprob if lp is not None else None)
+        out.top_logprobs.append({token_text(t)[0]: v for t, v in _top(lp, top_k)} if lp is not None else None)
         out.text_offset.append(offset)
         offset += len(text)
+    return out
+
+
+def vllm_prompt_logprobs(
+    scored: list[Logprob | None] | None, top_k: int, token_text: TokenText
+) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` reply field: per prompt position (the first None) the prompt's token
+    and the top `top_k` candidates, keyed by token id."""
+    if scored is None:
+        return None
+    out: list[dict[str, PromptLogprob] | None] = []
+    for lp in scored:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(lp.token_id): PromptLogprob(
+                logprob=lp.logprob, rank=lp.rank, decoded_token=token_text(lp.token_id)[0]
+            )
+        }
+        for rank, (token_id, value) in enumerate(_top(lp, top_k), start=1):
+            entry.setdefault(
+                str(token_id), PromptLogprob(logprob=value, rank=rank, decoded_token=token_text(token_id)[0])
+            )
+        out.append(entry)
     return out

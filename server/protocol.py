@@ -131,6 +131,8 @@ class SamplingRequest(RequestBody):
 
     model: str | None = None
     max_tokens: int | None = None
+    # vLLM's: the prompt tokens' log-probabilities with this many alternatives each, in the reply
+    prompt_logprobs: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -274,6 +276,14 @@ class ChatChoice(OpenAIModel):
     finish_reason: str | None = None
 
 
+class PromptLogprob(OpenAIModel):
+    """One candidate at a prompt position, keyed by its token id (vLLM's `prompt_logprobs`)."""
+
+    logprob: float
+    rank: int | None = None  # 1 for the most likely; None where the prompt's token is not a top one
+    decoded_token: str
+
+
 class ChatCompletionResponse(OpenAIModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -281,6 +291,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked
 
 
 class ChatDelta(OpenAIModel):
@@ -319,6 +330,7 @@ class CompletionChoice(OpenAIModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked
 
 
 class CompletionResponse(OpenAIModel):

@@ -64,8 +64,13 @@ def build_sampling_params(
         max_name, max_tokens = "max_tokens", req.max_tokens
         check_range("logprobs", req.logprobs, 0, MAX_LOGPROBS)
         logprobs = req.logprobs
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"{max_name} must be at least 1, got {max_tokens}", max_name)
+    check_range("prompt_logprobs", req.prompt_logprobs, 0, MAX_LOGPROBS)
+    prompt_logprobs = req.prompt_logprobs
+    echo = isinstance(req, CompletionRequest) and req.echo
+    if echo and (logprobs is not None or max_tokens == 0):  # the echoed prompt's log-probabilities
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs or 0)
+    if max_tokens is not None and max_tokens < (0 if echo else 1):
+        raise bad_request(f"{max_name} must be at least 1 (0 only with echo), got {max_tokens}", max_name)
 
     if prompt_len < 1:
         raise bad_request(
@@ -119,6 +124,7 @@ def build_sampling_params(
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias,

@@ -239,8 +239,8 @@ def test_completions_batch_prompts_token_ids_echo_logprobs(client, server) -> No
     assert choice.text == "alpha beta" + r.choices[0].text
     lp = choice.logprobs
     assert len(lp.tokens) == len(ids) + 3 and "".join(lp.tokens) == choice.text
-    assert lp.token_logprobs[: len(ids)] == [None] * len(ids)
-    assert all(v is not None and v <= 0 for v in lp.token_logprobs[len(ids) :])
+    # every prompt token but the first is scored (its prefill's logits), as vLLM does
+    assert lp.token_logprobs[0] is None and all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
     assert all(len(top) == 2 for top in lp.top_logprobs[len(ids) :])
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     # Streamed, the chunks add up to the same text and logprobs, offsets counted from the start.

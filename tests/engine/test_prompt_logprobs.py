@@ -1,0 +1,60 @@
+"""Prompt log-probabilities (`SamplingParams.prompt_logprobs`) against transformers' log-softmax,
+computed in the prefill (over chunks, beside other requests), with the prefix cache and without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+
+
+def hf_prompt_logprobs(path: str, prompt: list[int]) -> torch.Tensor:
+    """log p(prompt[i] | prompt[:i]) for i >= 1, from transformers in fp32 on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], lp
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU oracle (FLA hidden); GPU runs keep their own")
+@pytest.mark.parametrize("cache_type", ["radix", "naive"])
+def test_prompt_logprobs_match_transformers(make_checkpoint, cache_type: str) -> None:
+    path = make_checkpoint("qwen3_5")
+    llm = LLM(model=path, dtype="float32", device="cpu", chunked_prefill_size=16, cache_type=cache_type)
+    prompt = [(13 * i + 5) % 150 + 1 for i in range(45)]  # three chunks of 16
+    other = [(7 * i + 3) % 150 + 1 for i in range(30)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=4)
+    plain = SamplingParams(temperature=0.0, max_tokens=3)
+    # twice, the second after the first is cached: a hit must not cost any prompt log-probability
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": other}], [params, plain])
+        got = outs[0].prompt_logprobs
+        assert got is not None and len(got) == len(prompt) and got[0] is None
+        assert outs[1].prompt_logprobs is None
+        want, full = hf_prompt_logprobs(path, prompt)
+        assert [lp.token_id for lp in got[1:]] == prompt[1:]
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in got[1:]]), want, atol=1e-4, rtol=1e-4)
+        for i, lp in enumerate(got[1:]):  # the top 4 alternatives of each position
+            vals, ids = torch.topk(full[i], 4)
+            assert set(lp.top) == set(ids.tolist())
+            torch.testing.assert_close(
+                torch.tensor(sorted(lp.top.values())), vals.sort().values, atol=1e-4, rtol=1e-4
+            )
+    # the generated tokens are those of a request that did not ask
+    again = llm.generate([{"prompt_token_ids": prompt}], [plain])
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_max_tokens_zero_scores_the_prompt_only(make_checkpoint) -> None:
+    llm = LLM(model=make_checkpoint("qwen3_5"), dtype="float32", device="cpu")
+    prompt = [11, 42, 7, 99, 3]
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == 5
+    assert all(lp is not None and lp.logprob <= 0 and lp.top == {} for lp in out.prompt_logprobs[1:])
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)

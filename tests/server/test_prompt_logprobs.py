@@ -1,0 +1,91 @@
+"""Prompt log-probabilities over HTTP, as eval harnesses ask for them: completions with `echo` and
+`logprobs` (`max_tokens` 0 or 1), and vLLM's `prompt_logprobs` field on completions and chat."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+
+from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+
+PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13]
+
+
+@pytest.fixture(scope="module")
+def offline(builtin_path: str):
+    """The same model's prompt log-probabilities from the offline engine, the reference here
+    (the engine's own are held to transformers in tests/engine/test_prompt_logprobs.py)."""
+    from deltaserve import LLM, SamplingParams
+
+    llm = LLM(model=builtin_path, dtype="float32", device="cpu")
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=0, prompt_logprobs=3))
+    return out.prompt_logprobs
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{path}", json={"model": MODEL_NAME, **body}, timeout=60)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_with_logprobs_scores_every_prompt_token_but_the_first(server, offline, max_tokens: int) -> None:
+    r = post(
+        server.url, "completions", {"prompt": PROMPT, "max_tokens": max_tokens, "echo": True, "logprobs": 3}
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lps = choice["logprobs"]
+    assert len(lps["tokens"]) == len(PROMPT) + max_tokens
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    for got, want in zip(lps["token_logprobs"][1 : len(PROMPT)], offline[1:]):
+        assert math.isclose(got, want.logprob, abs_tol=1e-5)
+    assert all(len(top) == 3 for top in lps["top_logprobs"][1 : len(PROMPT)])
+    # what lm-evaluation-harness sums for a continuation's log-likelihood is a number now
+    assert sum(lps["token_logprobs"][5:-1]) < 0
+    if max_tokens == 0:
+        assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
+
+
+def test_echo_streamed_carries_them_in_the_first_chunk(server, offline) -> None:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": 3,
+        "echo": True,
+        "logprobs": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]["logprobs"]
+    assert first["token_logprobs"][0] is None
+    assert [round(x, 5) for x in first["token_logprobs"][1 : len(PROMPT)]] == [
+        round(lp.logprob, 5) for lp in offline[1:]
+    ]
+
+
+def test_max_tokens_zero_without_echo_is_still_a_400(server) -> None:
+    r = post(server.url, "completions", {"prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_vllm_prompt_logprobs_field_on_completions_and_chat(server, offline) -> None:
+    r = post(server.url, "completions", {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(PROMPT)
+    for entry, token, want in zip(got[1:], PROMPT[1:], offline[1:]):
+        assert math.isclose(entry[str(token)]["logprob"], want.logprob, abs_tol=1e-5)
+        assert entry[str(token)]["rank"] >= 1
+        assert sum(1 for e in entry.values() if e["rank"] in (1, 2)) == 2  # the top two are there
+    chat = post(
+        server.url,
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0},
+    )
+    assert chat.status_code == 200, chat.text
+    scored = chat.json()["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == chat.json()["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in scored[1:])
