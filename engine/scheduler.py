@@ -165,8 +165,9 @@ class Scheduler:
         if pending <= budget:
             chunk = pending
         else:
+            # what decodes left of a small budget still moves the prompt on, a page at a time
             align = self.config.chunk_align
-            chunk = budget // align * align
+            chunk = budget // align * align or budget // self.config.page_size * self.config.page_size
         stop = self.prefix_cache.prefill_stop(req)
         if stop is not None:
             chunk = min(chunk, stop - req.num_computed_tokens)

@@ -26,6 +26,7 @@ def prompts_of(lengths: list[int], seed: int, repeat: int = 1) -> list[list[int]
 
 def make_llm(path: str, spec: dict | None = None, **kw) -> LLM:
     kw.setdefault("chunked_prefill_size", 32)
+    kw.setdefault("max_num_batched_tokens", 32)  # a step's budget: prefills span steps beside windows
     kw.setdefault("num_kv_pages", 160)  # small pools: each LLM here allocates its own
     kw.setdefault("max_model_len", 512)
     return LLM(path, dtype="float32", device="cpu", page_size=16, speculative_config=spec, **kw)
