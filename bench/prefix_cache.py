@@ -308,12 +308,14 @@ def replay(
             slot = cache.alloc_snapshot(tentative=kind == "tentative") if kind else None
             if slot is None:
                 continue
-            r = cache.insert(prompt[:n], pages[: n // ps], {n: slot}, (n,) if kind == "tentative" else ())
+            end_of_prompt = n == len(prompt) // ps * ps
+            guess = (n,) if kind == "tentative" else ()
+            r = cache.insert(prompt[:n], pages[: n // ps], {n: slot}, guess, (n,) if end_of_prompt else ())
             cache.kv_pool.free(r.duplicates)
             cache.lock(r.node, pin=False)
             cache.unlock(node, pin=False)
             node, pages = r.node, r.pages + pages[n // ps :]
-            if n == len(prompt) // ps * ps:
+            if end_of_prompt:
                 prompt_end = r.node
             elif kind == "tentative" and r.node.tentative:
                 kept.append(r.node)

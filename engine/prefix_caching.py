@@ -248,13 +248,20 @@ class RadixPrefixCache(PrefixCache):
         hold = req.prefix
         assert hold is not None
         k, tentative = n // self.page_size, kind == "tentative"
-        r = self.cache.insert(req.all_token_ids[:n], req.pages[:k], {n: slot}, (n,) if tentative else ())
+        prompt_end = n == len(req.all_token_ids) // self.page_size * self.page_size
+        r = self.cache.insert(
+            req.all_token_ids[:n],
+            req.pages[:k],
+            {n: slot},
+            (n,) if tentative else (),
+            (n,) if prompt_end else (),
+        )
         self.cache.lock(r.node, pin=False)
         self.cache.unlock(hold.node, pin=False)
         self.kv_pool.free(r.duplicates)
         hold.node, hold.num_shared_pages = r.node, k
         req.pages = r.pages + req.pages[k:]  # a new list: the decode page table rewrites the row
-        if n == len(req.all_token_ids) // self.page_size * self.page_size:
+        if prompt_end:
             hold.prompt_end = r.node
         elif tentative and r.node.tentative:
             hold.tentative.append(r.node)

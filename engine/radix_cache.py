@@ -37,8 +37,8 @@ tentative snapshots over it are the first to go. A prompt end's snapshot joins t
 sequence's end is cached (which serves a continuation as well). A hit or a second child below
 one makes it regular. The quota starts at half of ``max_tentative`` (`tentative_cap`: half
 the snapshot slots) and adapts as ARC does with its ghost lists: a hit that a lately evicted
-tentative snapshot would have served raises it by one, one that an evicted regular snapshot
-would have served lowers it by one (never below one).
+snapshot kept on a guess (tentative, or a prompt end's) would have served raises it by one,
+one that another evicted snapshot would have served lowers it by one (never below one).
 
 Ownership: pages and snapshot slots passed to `insert` belong to the tree afterwards, except
 the returned duplicates; a snapshot the tree already has at a position is freed by the tree.
@@ -188,11 +188,13 @@ class RadixCache:
         kv_pages: Sequence[int],
         snapshots: Mapping[int, int] | None = None,
         tentative: Collection[int] = (),
+        speculative: Collection[int] = (),
     ) -> InsertResult:
         """Add `token_ids` (whole pages) with their KV `kv_pages` and `snapshots`
         ({length: slot}, each length page-aligned in (0, len(token_ids)]); the snapshots at
         the lengths in `tentative` are tentative (a regular one where the tree has a
-        tentative one makes that regular)."""
+        tentative one makes that regular), those in `speculative` (a prompt end's) are
+        regular but kept on a guess, as tentative ones are, for the quota's adaptation."""
         tokens, ps, snaps = tuple(token_ids), self.page_size, dict(snapshots or {})
         assert len(tokens) % ps == 0 and len(kv_pages) * ps == len(tokens), "insert whole pages"
         assert all(0 < p <= len(tokens) and p % ps == 0 for p in snaps), "snapshots at page ends"
@@ -222,6 +224,7 @@ class RadixCache:
             target = at[length]
             if target.snapshot is None:
                 target.snapshot, target.snapshot_access = slot, self._clock
+                target.speculative = length in tentative or length in speculative
                 self._snapshot_nodes.add(target)
                 self.stats.snapshots_admitted += 1
                 if length in tentative and target.num_children < 2:
@@ -297,7 +300,7 @@ class RadixCache:
         """Make `node`'s regular snapshot tentative, unless it is pinned or a branch point."""
         if node.snapshot is None or node.tentative or node.pins or node.num_children >= 2:
             return False
-        node.tentative = True
+        node.tentative = node.speculative = True
         self._tentative_nodes.add(node)
         return True
 
@@ -363,7 +366,7 @@ class RadixCache:
         assert node.snapshot is not None
         self.state_pool.free_snapshot(node.snapshot)
         if ghost and self.max_tentative:
-            node.evicted = "tentative" if node.tentative else "regular"
+            node.evicted = "tentative" if node.speculative else "regular"
             self._ghosts.pop(node, None)
             self._ghosts[node] = None
             if len(self._ghosts) > 2 * self.max_tentative:  # as many as there are slots

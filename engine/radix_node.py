@@ -43,6 +43,9 @@ class Node:
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     snapshot: int | None = None
     tentative: bool = False
+    # kept on a guess (a tentative snapshot, a prompt end's): its eviction, if a later hit
+    # would have used it, raises the tentative quota
+    speculative: bool = False
     # The kind of snapshot evicted here lately: a later hit that it would have served adapts
     # the tentative quota.
     evicted: str | None = None

@@ -499,7 +499,8 @@ def insert_prefill(
         m = cache.match_prefix(tokens[:n], record=False)
         own = cache.alloc_kv(n // ps - len(m.pages))
         assert own is not None
-        r = cache.insert(tokens[:n], m.pages + own, {n: slot}, (n,) if kind == "tentative" else ())
+        end = (n,) if n == len(tokens) // ps * ps else ()  # the prompt end: kept on a guess too
+        r = cache.insert(tokens[:n], m.pages + own, {n: slot}, (n,) if kind == "tentative" else (), end)
         cache.kv_pool.free(r.duplicates)
     return kinds
 
@@ -565,12 +566,19 @@ def test_tentative_quota_follows_what_evicted_snapshots_would_have_served() -> N
     assert cache.tentative_quota == 3
     assert cache.match_prefix(a[:6] + (0,)).length == 0  # each eviction counts once
     assert cache.tentative_quota == 3
-    assert cache.evict_snapshots(1) == 1  # the regular one at 16 (the tentative ones fit the quota)
-    assert cache.match_prefix(a + (0,)).length == 12  # the evicted regular one would have served
-    assert cache.tentative_quota == 2
+    assert cache.evict_snapshots(1) == 1  # the prompt end at 16 (the tentative ones fit the quota)
+    assert cache.match_prefix(a + (0,)).length == 12
+    assert cache.tentative_quota == 4, "a prompt end is kept on a guess as tentative ones are"
+    # A sequence end that a later hit would have used: regular snapshots need the room.
+    b = seq(100, 8)
+    insert_fresh(cache, b, snaps=(8,))
+    cache.evict_snapshots(cache.num_snapshots)  # the KV stays: prompts still reach the place
+    assert cache.match_prefix(b + (0,)).length == 0
+    assert cache.tentative_quota == 3
     for _ in range(3):
-        cache.evict_snapshots(1)
-        cache.match_prefix(a + (0,))
+        insert_fresh(cache, b, snaps=(8,))
+        cache.evict_snapshots(cache.num_snapshots)
+        cache.match_prefix(b + (0,))
     assert cache.tentative_quota == 1  # never below one
 
 
