@@ -166,7 +166,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         usage=usage_of(len(prompt_ids), list(final.values())),
         prompt_logprobs=prompt_logprobs,
     )
-    return JSONResponse(response.model_dump(mode="json"))
+    payload = response.model_dump(mode="json")
+    if payload["prompt_logprobs"] is None:  # vLLM's field, there only when asked for
+        del payload["prompt_logprobs"]
+    return JSONResponse(payload)
 
 
 def sse(payload: dict[str, Any]) -> str:

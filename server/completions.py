@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,6 +50,15 @@ def _prompts(
         ids = list(item)  # type: ignore[arg-type]
         out.append((ctx.decode(ids) if ctx.tokenizer is not None else "", ids))
     return out
+
+
+def without_unasked(response: CompletionResponse) -> dict[str, Any]:
+    """The response as JSON, vLLM's `prompt_logprobs` left out of choices that did not ask."""
+    payload = response.model_dump(mode="json")
+    for choice in payload["choices"]:
+        if choice["prompt_logprobs"] is None:
+            del choice["prompt_logprobs"]
+    return payload
 
 
 class _Choice:
@@ -141,7 +150,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         )
     usage = _with_prompt(usage_of(0, list(final.values())), prompt_tokens, list(final.values()))
     return JSONResponse(
-        CompletionResponse(id=request_id, model=model, choices=out, usage=usage).model_dump(mode="json")
+        without_unasked(CompletionResponse(id=request_id, model=model, choices=out, usage=usage))
     )
 
 
@@ -179,7 +188,7 @@ async def _stream(
         response = CompletionResponse(
             id=request_id, created=created, model=model, choices=[choice] if choice else [], usage=usage
         )
-        payload = response.model_dump(mode="json")
+        payload = without_unasked(response)
         if usage is None:
             del payload["usage"]
         return sse(payload)

@@ -89,3 +89,10 @@ def test_vllm_prompt_logprobs_field_on_completions_and_chat(server, offline) -> 
     scored = chat.json()["prompt_logprobs"]
     assert scored[0] is None and len(scored) == chat.json()["usage"]["prompt_tokens"]
     assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in scored[1:])
+    # not asked, not there: replies keep OpenAI's shape
+    plain = post(server.url, "completions", {"prompt": PROMPT, "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    plain_chat = post(
+        server.url, "chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    )
+    assert "prompt_logprobs" not in plain_chat.json()
