@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe | kimi | profile [CONFIG] | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
+# PART: 9b | 08b | moe | kimi | chat | profile [CONFIG] | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
 # carry .base)
 set -u
 out=${OUT:-/tmp/out}
@@ -15,7 +15,7 @@ log="$out/serve.log"
 port=8000
 WORKLOAD=(--input-len 1024 --output-len 256 --health-probe)
 
-serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS...
+serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS... ($BENCH: the load's module)
   local name=$1 cwd=$2 pypath=$3 sargs=$4
   shift 4
   echo "=== $name: serve $sargs | bench $*" | tee -a "$log"
@@ -33,7 +33,7 @@ serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS...
     sleep 1
   done
   echo "$name: up in $((SECONDS - t0)) s" | tee -a "$log"
-  timeout 500 python3 -m bench.serve --base-url "http://127.0.0.1:$port" "$@" \
+  timeout 500 python3 -m "${BENCH:-bench.serve}" --base-url "http://127.0.0.1:$port" "$@" \
     --output-json "$out/runs/$name.json" 2>&1 | tee -a "$log"
   kill -TERM $pid
   wait $pid
@@ -97,6 +97,12 @@ case "${1:-9b}" in
   moe)
     serve_bench 35b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-35b-a3b $dummy" \
       "${WORKLOAD[@]}" --concurrency 1,64,256
+    ;;
+  chat)  # multi-turn chat sessions with retries, radix against naive (bench/chat_sessions.py)
+    CHAT=(--sessions 64 --concurrency 32 --turns 4 --system-words 1000 --user-words 100 --max-tokens 256)
+    BENCH=bench.chat_sessions serve_bench chat-9b-radix . "${PYTHONPATH:-}" "--model configs/qwen3.5-9b $dummy" "${CHAT[@]}"
+    BENCH=bench.chat_sessions serve_bench chat-9b-naive . "${PYTHONPATH:-}" \
+      "--model configs/qwen3.5-9b $dummy --cache-type naive" "${CHAT[@]}"
     ;;
   kimi)
     serve_bench kimi-new . "${PYTHONPATH:-}" "--model configs/kimi-linear-48b-a3b $dummy" \
