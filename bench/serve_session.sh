@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe | kimi | chat | profile [CONFIG] | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
+# PART: 9b | 08b | moe | kimi | chat | delay [STEPS] | profile [CONFIG] | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
 # carry .base)
 set -u
 out=${OUT:-/tmp/out}
@@ -103,6 +103,16 @@ case "${1:-9b}" in
     BENCH=bench.chat_sessions serve_bench chat-9b-radix . "${PYTHONPATH:-}" "--model configs/qwen3.5-9b $dummy" "${CHAT[@]}"
     BENCH=bench.chat_sessions serve_bench chat-9b-naive . "${PYTHONPATH:-}" \
       "--model configs/qwen3.5-9b $dummy --cache-type naive" "${CHAT[@]}"
+    ;;
+  delay)  # delay [STEPS]: --max-prefill-delay-steps 0 against STEPS (default 8), 0.8B and 9B
+    for d in 0 "${2:-8}"; do
+      serve_bench "08b-delay$d" . "${PYTHONPATH:-}" "--model configs/qwen3.5-0.8b $dummy --max-prefill-delay-steps $d" \
+        "${WORKLOAD[@]}" --concurrency 64,256
+    done
+    for d in 0 "${2:-8}"; do
+      serve_bench "9b-delay$d" . "${PYTHONPATH:-}" "--model configs/qwen3.5-9b $dummy --max-prefill-delay-steps $d" \
+        "${WORKLOAD[@]}" --concurrency 64,256
+    done
     ;;
   kimi)
     serve_bench kimi-new . "${PYTHONPATH:-}" "--model configs/kimi-linear-48b-a3b $dummy" \

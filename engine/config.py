@@ -29,6 +29,9 @@ class EngineConfig:
     # None: 8192 on CUDA, 512 on CPU, and the chunk as large as the budget
     max_num_batched_tokens: int | None = None
     chunked_prefill_size: int | None = None
+    # new prompts arriving beside decode-only steps wait up to this many steps to be prefilled
+    # together (a prefill step runs eagerly, a decode step by CUDA graph); 0: never wait
+    max_prefill_delay_steps: int = 0
     page_size: int = 16
     cache_type: str = "radix"  # "naive": no reuse across requests
     prefix_cache_policy: str = "marconi"  # snapshot admission / eviction: see cache_policy.py
@@ -85,6 +88,8 @@ class EngineConfig:
             self.chunked_prefill_size = self.max_num_batched_tokens
         if self.chunked_prefill_size < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("chunked_prefill_size and max_num_batched_tokens must be at least 1")
+        if self.max_prefill_delay_steps < 0:
+            raise ValueError("max_prefill_delay_steps must be at least 0")
         if self.pool_memory_gb is not None and self.pool_memory_gb <= 0:
             raise ValueError("pool_memory_gb must be positive")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

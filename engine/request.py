@@ -49,6 +49,7 @@ class Request:
     prompt_logprobs_sent: bool = False  # delta outputs carry them once
     cumulative_logprob: float = 0.0
     arrival_time: float = field(default_factory=time.time)
+    arrival_step: int = 0  # the scheduler's step count when the request was added
     first_token_time: float | None = None
     # set when the request's state slot starts from a copied snapshot (prefix-cache hit)
     has_initial_state: bool = False

@@ -8,6 +8,11 @@ request is admitted only when a state slot and the pages for its first chunk are
 otherwise it waits. A decode that finds no free page preempts the newest running request
 (its pages and slot are freed and it is recomputed later).
 
+While the running requests only decode, a step runs by CUDA-graph replay; one with a prefill
+chunk runs eagerly, which costs the host far more. So new prompts that arrive one by one
+under load may wait up to `max_prefill_delay_steps` steps to be prefilled together, unless
+they already fill the step's budget.
+
 With speculative decoding a decoding request may bring drafts: its chunk is a verification
 window (the last token and the drafts), placed after the one-token decodes. Its pages cover
 the whole window, but it is not advanced with the plan: the engine advances it by the
@@ -65,14 +70,17 @@ class Scheduler:
         # speculative decoding: drafts for a decoding request, and how many verify per step
         self.propose: Callable[[Request], list[int]] | None = None
         self.max_verify = 0
+        self.num_steps = 0
 
     def add(self, req: Request) -> None:
+        req.arrival_step = self.num_steps
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput | None:
+        self.num_steps += 1
         budget = self.config.step_tokens
         decodes: list[ScheduledChunk] = []
         verifies: list[ScheduledChunk] = []
@@ -112,7 +120,8 @@ class Scheduler:
                 continue
             budget -= chunk
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
-        while self.waiting and budget > 0 and len(self.running) < self.config.num_running:
+        hold = self._hold_prefills(len(decodes) + len(verifies), bool(prefills), budget)
+        while not hold and self.waiting and budget > 0 and len(self.running) < self.config.num_running:
             req = self.waiting[0]
             if req.num_placeholders:  # preempted with a token in flight: wait for its value
                 break
@@ -150,6 +159,22 @@ class Scheduler:
         return SchedulerOutput(
             decodes + verifies + prefills, len(decodes), preempted, admitted, len(verifies)
         )
+
+    def _hold_prefills(self, num_decoding: int, prefilling: bool, budget: int) -> bool:
+        """Whether waiting prompts sit out this step to be prefilled with later arrivals: only
+        beside decodes alone, for at most `max_prefill_delay_steps`, and while they leave most
+        of the budget unused."""
+        delay = self.config.max_prefill_delay_steps
+        if not delay or not self.waiting or prefilling or num_decoding == 0:
+            return False
+        if self.num_steps - self.waiting[0].arrival_step >= delay:
+            return False
+        pending = 0
+        for req in self.waiting:
+            pending += req.num_pending
+            if pending * 2 >= budget:
+                return False
+        return True
 
     def advance(self, plan: SchedulerOutput) -> None:
         """The plan's forward pass ran: its tokens are computed (verification windows: later)."""

@@ -190,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest prefill chunk of one request in one step; default: the step's budget",
     )
     engine.add_argument(
+        "--max-prefill-delay-steps",
+        type=_int_at_least(0),
+        default=0,
+        help="new prompts that arrive while the running requests only decode wait up to this many "
+        "steps to be prefilled together (a decode-only step replays a CUDA graph, a step with a "
+        "prefill runs eagerly); 0: prefill at once",
+    )
+    engine.add_argument(
         "--page-size", type=_power_of_two, default=16, help="tokens per KV-cache page (a power of two)"
     )
     engine.add_argument(
