@@ -236,18 +236,24 @@ class ModelRunner:
             getattr(targets[target], method)(*args)
 
     def state_digest(self) -> dict[str, torch.Tensor]:
-        """Per slot, page and window row, the sum of its device state (fp64, on the host), and the
+        """Per slot, page and window row, the sum and the absolute sum of its device state (fp64, on
+        the host), and the
         decode page table itself: while every rank holds the whole model, all ranks' digests agree
         (up to the rounding of different thread counts) when the workers replayed every write of
         rank 0; the page table always does."""
+
+        def per_row(buf: torch.Tensor) -> torch.Tensor:  # rows: dim 1 (dim 0 is the layer)
+            x = buf.double().transpose(0, 1).flatten(1)
+            return torch.stack([x.sum(1), x.abs().sum(1)], 1).cpu()
+
         out: dict[str, torch.Tensor] = {"page_table": self.attn.slot_pages.table.cpu().clone()}
         for name, buf in self.state_pool.buffers.items():
-            out[f"state.{name}"] = buf.double().transpose(0, 1).flatten(1).sum(1).cpu()
+            out[f"state.{name}"] = per_row(buf)
         for name, buf in self.kv_pool.buffers.items():
-            out[f"kv.{name}"] = buf.double().transpose(0, 1).flatten(1).sum(1).cpu()
+            out[f"kv.{name}"] = per_row(buf)
         if self.window is not None:
             for name, buf in self.window.buffers.items():
-                out[f"window.{name}"] = buf.double().transpose(0, 1).flatten(1).sum(1).cpu()
+                out[f"window.{name}"] = per_row(buf)
         return out
 
     def rank_digests(self) -> list[dict[str, torch.Tensor]]:
