@@ -124,8 +124,8 @@ class Engine:
         config.tensor_parallel = self._groups.tp
 
     def _worker_lost(self, why: str) -> None:
-        logger.error("%s: the engine is dead", why)
-        self.dead_reason = why
+        self.dead_reason = f"the engine lost a worker: {why}"
+        logger.error("%s", self.dead_reason)
         if self.on_worker_lost is not None:
             self.on_worker_lost(why)
 
@@ -352,8 +352,11 @@ class Engine:
                 return self._step_overlapped()
             return self._step_sync()
         except EngineDeadError as exc:
-            self.dead_reason = self.dead_reason or str(exc)
-            raise
+            if self.dead_reason is None:
+                # a local worker's death reaches the collectives first: name it when it is one
+                gone = self._workers.exited(wait_s=1.0) if self._workers is not None else None
+                self.dead_reason = f"the engine lost a worker: {gone}" if gone else str(exc)
+            raise EngineDeadError(self.dead_reason) from exc
 
     def tensor_parallel_digests(self) -> list[dict[str, torch.Tensor]]:
         """Every rank's device-state digest (`ModelRunner.state_digest`), rank 0's first: a check

@@ -46,13 +46,17 @@ class WorkerProcesses:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values()]
 
-    def exited(self) -> str | None:
-        """Which worker exited, if one did."""
-        for rank, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None:
-                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
-        return None
+    def exited(self, wait_s: float = 0.0) -> str | None:
+        """Which worker exited, if one did (or does within `wait_s`)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None:
+                    return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def watch(self, on_exit: Callable[[str], None], interval: float = 0.2) -> None:
         """Call `on_exit(why)` from a thread once a worker exits while it should run."""
