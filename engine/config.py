@@ -11,6 +11,7 @@ from deltaserve.engine.cache_policy import POLICIES
 
 if TYPE_CHECKING:
     from deltaserve.engine.spec_decode.config import SpecConfig
+    from deltaserve.models.parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,6 +55,17 @@ class EngineConfig:
     # run a few prompts at start-up so that kernels compile before the first request;
     # None: on CUDA (where compiling and autotuning take seconds), off on CPU
     warmup: bool | None = None
+    # tensor parallelism (engine/parallel/): one process per rank; rank 0 schedules and samples.
+    # Ranks are spread evenly over `nnodes` machines, which meet at master_addr:master_port
+    # (torch.distributed's TCP rendezvous); None: a free port on this machine (one node only)
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    distributed_timeout_s: float = 300.0  # how long the ranks wait for each other to join
+    # the handle this rank's model was built with; set inside each rank's process, never pickled
+    tensor_parallel: TensorParallel | None = field(default=None, repr=False, compare=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -94,7 +106,8 @@ class EngineConfig:
             raise ValueError("pool_memory_gb must be positive")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        _ = self.spec  # validates speculative_config
+        spec = self.spec  # validates speculative_config
+        self._check_parallel(spec)
         from deltaserve.kernels.linear import gemv_mode
         from deltaserve.kernels.mla import mla_prefill_mode
         from deltaserve.kernels.triton_utils import pdl_mode
@@ -102,6 +115,32 @@ class EngineConfig:
         gemv_mode()  # DELTASERVE_GEMV: a typo is an error now, not a silent default
         pdl_mode()  # DELTASERVE_PDL, likewise
         mla_prefill_mode()  # DELTASERVE_MLA_PREFILL
+
+    def _check_parallel(self, spec: SpecConfig | None) -> None:
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1 or nnodes < 1:
+            raise ValueError("tensor_parallel_size and nnodes must be at least 1")
+        if tp % nnodes:
+            raise ValueError(f"tensor_parallel_size {tp} does not spread evenly over {nnodes} nodes")
+        if not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"node_rank must be in [0, {nnodes}), got {self.node_rank}")
+        if nnodes > 1 and self.master_port is None:
+            raise ValueError("more than one node needs master_port (and master_addr: node 0's address)")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError("distributed_timeout_s must be positive")
+        if tp > 1 and spec is not None and spec.method == "mtp":
+            # the MTP head's own forward and KV would need broadcasting too
+            raise ValueError("MTP speculative decoding does not run with tensor_parallel_size > 1; use ngram")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The tensor-parallel ranks that run on this node."""
+        per = self.ranks_per_node
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -12,6 +12,8 @@ are pickled tuples:
   out: ("ready", info) | ("failed", message)          once, at start-up
        ("step", outputs, replies, fault)              replies: [(call_id, error, value)]
        ("beat",)                                      while idle, so that a wedged loop shows
+       ("dead", reason)                               last: the engine cannot go on (a lost
+                                                      tensor-parallel rank); the process exits
 
 Outputs leave without their prompt token ids (the client has them) to keep each step's message
 small. `serve_engine` runs in the engine process; tests run `EngineCore` in a thread instead.
@@ -29,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from deltaserve.engine.errors import QueueFullError
+from deltaserve.engine.errors import EngineDeadError, QueueFullError
 
 logger = logging.getLogger("deltaserve.engine")
 
@@ -101,7 +103,14 @@ class EngineCore:
     def run(self) -> None:
         try:
             while self._apply_commands():
+                reason = getattr(self.engine, "dead_reason", None)
+                if reason is not None:
+                    raise EngineDeadError(reason)
                 self._step()
+        except EngineDeadError as exc:
+            logger.error("the engine is dead: %s", exc)
+            self.send(("dead", str(exc)))
+            raise
         finally:
             self._abort_all()
             self._worker.shutdown(wait=False, cancel_futures=True)
@@ -184,6 +193,8 @@ class EngineCore:
         if self.engine.has_unfinished_requests():
             try:
                 outputs = self.engine.step()
+            except EngineDeadError:
+                raise
             except Exception as exc:  # a step that fails leaves no request's state to trust
                 logger.exception("engine step failed; aborting the requests in flight")
                 fault = (f"{type(exc).__name__}: {exc}", sorted(self._live))
@@ -208,6 +219,8 @@ class EngineCore:
             except Exception:
                 logger.exception("abort of %s failed", request_id)
         self._live.clear()
+        if getattr(self.engine, "dead_reason", None) is not None:
+            return
         if self.engine.has_unfinished_requests():  # anything the engine still holds: drop its outputs
             try:
                 self.engine.step()
@@ -244,8 +257,22 @@ def serve_engine(config: Any, in_addr: str, out_addr: str, parent_pid: int, log_
         if importlib.util.find_spec("xgrammar") is not None:
             # JSON output's vocabulary tables, built beside start-up rather than at the first request
             threading.Thread(target=engine.prepare_grammars, name="deltaserve-grammars", daemon=True).start()
+    # a lost tensor-parallel rank: the loop ends on its own unless a collective holds it
+    engine.on_worker_lost = lambda why: _exit_unless_gone(why, 5.0)
     core.send(("ready", engine_info(engine)))
-    core.run()
+    try:
+        core.run()
+    finally:
+        engine.shutdown()
+
+
+def _exit_unless_gone(why: str, after_s: float) -> None:
+    def run() -> None:
+        time.sleep(after_s)
+        logger.error("%s; the engine loop did not stop, exiting", why)
+        os._exit(1)
+
+    threading.Thread(target=run, name="deltaserve-exit", daemon=True).start()
 
 
 def _leave_a_core_for_http(device: str) -> None:

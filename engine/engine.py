@@ -19,14 +19,15 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.errors import QueueFullError
+from deltaserve.engine.errors import EngineDeadError, QueueFullError
 from deltaserve.engine.forward_batch import build_forward_batch
 from deltaserve.engine.h2d import to_device_packed
 from deltaserve.engine.model_runner import ModelRunner
@@ -39,6 +40,11 @@ from deltaserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutp
 from deltaserve.engine.spec_decode import Computed, MtpDrafter, SpecDecoder, Verdict
 from deltaserve.engine.stop_checks import check_stop, visible_length, visible_text
 from deltaserve.models.loader import load_model, load_tokenizer
+from deltaserve.models.parallel import SINGLE
+
+if TYPE_CHECKING:
+    from deltaserve.engine.parallel.group import RankGroups
+    from deltaserve.engine.parallel.launcher import WorkerProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +79,86 @@ def eos_token_ids_of(path: str, config: Any, tokenizer: Any | None) -> list[int]
 
 
 class Engine:
+    """With `tensor_parallel_size` > 1 this process is rank 0: it starts this node's other ranks
+    (`engine/parallel/`), drives them through its ModelRunner, and is dead (`dead_reason`, every
+    step an EngineDeadError) once one of them is gone. `shutdown` stops them."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device or "cpu")
+        self.dead_reason: str | None = None
+        self.on_worker_lost: Callable[[str], None] | None = None  # called from the watching thread
+        self._groups: RankGroups | None = None
+        self._workers: WorkerProcesses | None = None
+        if config.tensor_parallel_size > 1:
+            self._start_ranks()
+        try:
+            self._build(config)
+        except BaseException as exc:
+            gone = self._workers.exited() if self._workers is not None else None
+            self.shutdown(graceful=False)
+            if gone is not None:
+                raise RuntimeError(f"{gone} while the engine started (its log says why)") from exc
+            raise
+        if self._workers is not None:
+            self._workers.watch(self._worker_lost)
+
+    def _start_ranks(self) -> None:
+        from deltaserve.engine.parallel.group import free_port, init_rank, rank_device
+        from deltaserve.engine.parallel.launcher import WorkerProcesses
+
+        config = self.config
+        if config.node_rank != 0:
+            raise ValueError("the engine is rank 0, on node 0: other nodes run headless workers")
+        self.device = rank_device(config, 0)
+        port = config.master_port or free_port()
+        local = [r for r in config.node_ranks if r != 0]
+        self._workers = WorkerProcesses(config, local, port) if local else None
+        try:
+            self._groups = init_rank(
+                config, 0, port, self.device, self._workers.exited if self._workers is not None else None
+            )
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+        config.tensor_parallel = self._groups.tp
+
+    def _worker_lost(self, why: str) -> None:
+        self.dead_reason = f"the engine lost a worker: {why}"
+        logger.error("%s", self.dead_reason)
+        if self.on_worker_lost is not None:
+            self.on_worker_lost(why)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the other tensor-parallel ranks (told to stop, killed if they do not) and leave
+        the process group; nothing to do on one device. Idempotent."""
+        from deltaserve.engine.parallel.group import destroy
+        from deltaserve.engine.parallel.step_sync import STOP
+
+        groups, workers = self._groups, self._workers
+        self._groups = self._workers = None
+        runner = getattr(self, "runner", None)
+        if graceful and groups is not None and self.dead_reason is None and runner is not None:
+            try:
+                assert runner.channel is not None
+                runner.channel.send(STOP)
+            except EngineDeadError:
+                pass
+        if workers is not None:
+            workers.stop(timeout=30.0 if graceful else 0.0)
+        destroy(groups)
+
+    def _build(self, config: EngineConfig) -> None:
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, config.torch_dtype, self.device, config.load_format, config.seed)
+        tp = config.tensor_parallel or SINGLE
+        loaded = load_model(
+            config.model, config.torch_dtype, self.device, config.load_format, config.seed, tp
+        )
         self.model_config = loaded.config
         self.vocab_size = int(loaded.config.vocab_size)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = eos_token_ids_of(config.model, loaded.config, self.tokenizer)
-        self.runner = ModelRunner(config, loaded, self.device)
+        self.runner = ModelRunner(config, loaded, self.device, self._groups)
         self.max_model_len = self.runner.sizes.max_model_len
         kv, st = self.runner.kv_pool, self.runner.state_pool
         self._prefill_cost = prefill_cost(loaded.config, self.runner.model.layer_types, loaded.num_params)
@@ -131,6 +207,7 @@ class Engine:
             "architecture": loaded.architecture,
             "dtype": config.dtype,
             "device": str(self.device),
+            "tensor_parallel_size": config.tensor_parallel_size,
             "num_params": loaded.num_params,
             "kv_capacity_tokens": self.runner.kv_pool.capacity * config.page_size,
             "state_slots": self.runner.state_pool.num_working,
@@ -268,9 +345,23 @@ class Engine:
     # -- stepping ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        if self.config.enable_overlap_schedule:
-            return self._step_overlapped()
-        return self._step_sync()
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        try:
+            if self.config.enable_overlap_schedule:
+                return self._step_overlapped()
+            return self._step_sync()
+        except EngineDeadError as exc:
+            if self.dead_reason is None:
+                # a local worker's death reaches the collectives first: name it when it is one
+                gone = self._workers.exited(wait_s=1.0) if self._workers is not None else None
+                self.dead_reason = f"the engine lost a worker: {gone}" if gone else str(exc)
+            raise EngineDeadError(self.dead_reason) from exc
+
+    def tensor_parallel_digests(self) -> list[dict[str, torch.Tensor]]:
+        """Every rank's device-state digest (`ModelRunner.state_digest`), rank 0's first: a check
+        that the workers replayed each write of rank 0."""
+        return self.runner.rank_digests()
 
     def _step_sync(self) -> list[RequestOutput]:
         outputs, self._finished_outputs = self._finished_outputs, []
@@ -370,6 +461,7 @@ class Engine:
                 src.append(index[id(c.req)])
         if not rows:
             return
+        batch.inputs_on_device = True
         k = len(rows)
         if rows[-1] == k - 1 and src == rows:  # the steady state: one copy, nothing to send
             batch.input_ids[:k].copy_(prev.tokens[:k])

@@ -9,6 +9,7 @@ prefill chunks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,11 @@ class ForwardBatch:
     prefill_chunk_indices: torch.Tensor | None = None
     # logits rows after the sampled ones: prompt positions whose log-probabilities were asked for
     num_prompt_logits: int = 0
+    # build_forward_batch's arguments less the device: tensor-parallel workers rebuild the batch
+    source: dict[str, Any] | None = None
+    # input ids filled on the device from the previous step's samples (overlap scheduling):
+    # tensor-parallel workers receive them by broadcast
+    inputs_on_device: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +76,19 @@ def build_forward_batch(
     rows (prompt log-probabilities).
     `page_table=False` leaves the page table out (a decode batch, whose table the attention
     backend keeps on the device, `engine/page_table.py`)."""
+    source = dict(
+        token_lists=token_lists,
+        starts=starts,
+        pages=pages,
+        slots=slots,
+        has_initial=has_initial,
+        sample_mask=sample_mask,
+        num_decodes=num_decodes,
+        page_size=page_size,
+        num_verify=num_verify,
+        page_table=page_table,
+        prompt_rows=prompt_rows,
+    )
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
@@ -142,6 +161,7 @@ def build_forward_batch(
         page_columns=max_pages,
         prefill_chunk_indices=chunks_t.view(-1, 2) if chunks else None,
         num_prompt_logits=num_prompt_logits,
+        source=source,
     )
 
 

@@ -23,6 +23,16 @@ class LLM:
         self._next_id = 0
         self._defaults: SamplingDefaults | None = None  # generation_config.json, read once
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks' processes (they also end with this process)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def _prompt_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

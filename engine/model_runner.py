@@ -10,7 +10,8 @@ import torch
 from deltaserve.engine.attention_backend import AttentionBackend
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
-from deltaserve.engine.forward_batch import ForwardBatch
+from deltaserve.engine.errors import EngineDeadError
+from deltaserve.engine.forward_batch import ForwardBatch, build_forward_batch
 from deltaserve.engine.forward_context import ForwardContext
 from deltaserve.engine.kv_pool import KVPool
 from deltaserve.engine.linear_backend import LinearAttentionBackend
@@ -21,14 +22,27 @@ from deltaserve.engine.state_pool import StatePool
 from deltaserve.models.loader import LoadedModel
 
 if TYPE_CHECKING:
+    from deltaserve.engine.parallel.group import RankGroups
+    from deltaserve.engine.parallel.step_sync import Op, StepChannel, StepMessage
     from deltaserve.models.qwen3_next_mtp import MultiTokenPredictor
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+    """With tensor parallelism (`groups`), every rank has one: rank 0's broadcasts each forward
+    and the device-state writes before it (`engine/parallel/step_sync.py`), a worker's replays
+    them (`run_message`)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        device: torch.device,
+        groups: RankGroups | None = None,
+    ) -> None:
         self.config = config
+        self.groups = groups
         self.loaded = loaded
         self.model = loaded.model
         self.device = device
@@ -53,6 +67,15 @@ class ModelRunner:
         )
         max_pos = int(getattr(loaded.config, "max_position_embeddings", 32768))
         self.sizes = plan_pools(config, bytes_per_page, bytes_per_slot, max_pos, device)
+        self.channel: StepChannel | None = None
+        if groups is not None:
+            from deltaserve.engine.parallel.group import agree_pool_sizes
+            from deltaserve.engine.parallel.step_sync import StepChannel
+
+            # rank 0's slot and page numbers index every rank's pools
+            self.sizes = agree_pool_sizes(self.sizes, groups)
+            config.max_running_requests = self.sizes.num_slots
+            self.channel = StepChannel(groups)
         self.kv_pool = KVPool(
             len(attn_layers), self.sizes.num_pages, config.page_size, kv_shapes, dtype, device
         )
@@ -78,6 +101,14 @@ class ModelRunner:
         # decode batches read each slot's pages from here (`engine/page_table.py`)
         max_pages = -(-self.sizes.max_model_len // config.page_size)
         self.attn.slot_pages = SlotPageTable(1 + self.sizes.num_slots, max_pages, device)
+        self.step_log = None
+        if groups is not None and groups.is_leader:
+            from deltaserve.engine.parallel.step_sync import OpLog
+
+            self.step_log = OpLog()  # every writer of device state outside the forward records here
+            self.state_pool.log = self.attn.slot_pages.log = self.step_log
+            if self.window is not None:
+                self.window.log = self.step_log
         self.graph_runner: CudaGraphRunner | None = None
         # MTP drafting reads every forward's hidden states, which decode graphs do not keep
         if device.type == "cuda" and not config.disable_cuda_graph and self.mtp is None:
@@ -166,7 +197,78 @@ class ModelRunner:
         """Logits `[M, vocab]` (fp32) at the batch's sampled positions.
 
         Batches of only verification windows, all k + 1 tokens, replay verification graphs when
-        they were captured (`speculative_config["cuda_graph"]`); other mixed batches run eagerly."""
+        they were captured (`speculative_config["cuda_graph"]`); other mixed batches run eagerly.
+        With tensor parallelism, rank 0 first sends the workers the step (its writes since the
+        last forward, then the batch); a failure from then on leaves the ranks out of step, so
+        it is the end of the engine (EngineDeadError)."""
+        if self.step_log is None:
+            return self._forward(batch)
+        from deltaserve.engine.parallel.step_sync import StepMessage
+
+        assert self.channel is not None and batch.source is not None
+        self.channel.send(StepMessage("step", self.step_log.take(), batch.source, batch.inputs_on_device))
+        try:
+            if batch.inputs_on_device:
+                self.channel.broadcast_inputs(batch.input_ids)
+            return self._forward(batch)
+        except Exception as exc:
+            raise EngineDeadError(f"a tensor-parallel step failed ({type(exc).__name__}: {exc})") from exc
+
+    # -- tensor parallelism: a worker's side ------------------------------------------------
+
+    @torch.inference_mode()
+    def run_message(self, message: StepMessage) -> None:
+        """Replay rank 0's step: its device-state writes, then the same forward."""
+        assert self.channel is not None
+        self.apply(message.ops)
+        if message.kind == "digest":
+            self.channel.gather(self.state_digest())
+            return
+        assert message.batch is not None
+        batch = build_forward_batch(**message.batch, device=self.device)
+        if message.inputs_on_device:
+            self.channel.broadcast_inputs(batch.input_ids)
+        self._forward(batch)
+
+    def apply(self, ops: list[Op]) -> None:
+        targets = {"state_pool": self.state_pool, "page_table": self.attn.slot_pages, "window": self.window}
+        for target, method, args in ops:
+            getattr(targets[target], method)(*args)
+
+    def state_digest(self) -> dict[str, torch.Tensor]:
+        """Per slot, page and window row, the sum and the absolute sum of its device state (fp64, on
+        the host), and the
+        decode page table itself: while every rank holds the whole model, all ranks' digests agree
+        (up to the rounding of different thread counts) when the workers replayed every write of
+        rank 0; the page table always does."""
+
+        def per_row(buf: torch.Tensor) -> torch.Tensor:  # rows: dim 1 (dim 0 is the layer)
+            x = buf.double().transpose(0, 1).flatten(1)
+            return torch.stack([x.sum(1), x.abs().sum(1)], 1).cpu()
+
+        out: dict[str, torch.Tensor] = {"page_table": self.attn.slot_pages.table.cpu().clone()}
+        for name, buf in self.state_pool.buffers.items():
+            out[f"state.{name}"] = per_row(buf)
+        for name, buf in self.kv_pool.buffers.items():
+            out[f"kv.{name}"] = per_row(buf)
+        if self.window is not None:
+            for name, buf in self.window.buffers.items():
+                out[f"window.{name}"] = per_row(buf)
+        return out
+
+    def rank_digests(self) -> list[dict[str, torch.Tensor]]:
+        """Rank 0: every rank's `state_digest`, after the writes not yet sent are applied."""
+        from deltaserve.engine.parallel.step_sync import StepMessage
+
+        if self.step_log is None:
+            return [self.state_digest()]
+        assert self.channel is not None
+        self.channel.send(StepMessage("digest", self.step_log.take()))
+        digests = self.channel.gather(self.state_digest())
+        assert digests is not None
+        return digests
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None:
             if self.graph_runner.can_run(batch):
                 return self.graph_runner.run(batch)

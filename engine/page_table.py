@@ -12,9 +12,14 @@ page table is then gathered from the rows of the batch's slots on the device.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from deltaserve.engine.h2d import to_device_packed
+
+if TYPE_CHECKING:
+    from deltaserve.engine.parallel.step_sync import OpLog
 
 
 class SlotPageTable:
@@ -23,6 +28,7 @@ class SlotPageTable:
         self.table = torch.zeros(num_slots, max_pages, dtype=torch.int32, device=device)
         # per slot: the page list object its row was written from, and how many entries
         self._written: list[tuple[list[int] | None, int]] = [(None, 0)] * num_slots
+        self.log: OpLog | None = None  # tensor parallelism: rank 0 records its writes for the workers
 
     def update(self, slots: list[int], pages: list[list[int]]) -> None:
         """Bring the rows of `slots` up to date with their requests' page lists."""
@@ -43,12 +49,18 @@ class SlotPageTable:
             values.extend(p[start:])
             self._written[slot] = (p, len(p))
         if index:
-            dev = self.table.device
-            # the table may be an inference tensor (made while graphs were captured), which
-            # only inference mode may update in place
-            with torch.inference_mode():
-                index_t, values_t = to_device_packed([(index, torch.long), (values, torch.int32)], dev)
-                self.table.view(-1).index_copy_(0, index_t, values_t)
+            self.write(index, values)
+
+    def write(self, index: list[int], values: list[int]) -> None:
+        """`table.flat[index] = values`."""
+        if self.log is not None:
+            self.log.record("page_table", "write", index, values)
+        dev = self.table.device
+        # the table may be an inference tensor (made while graphs were captured), which
+        # only inference mode may update in place
+        with torch.inference_mode():
+            index_t, values_t = to_device_packed([(index, torch.long), (values, torch.int32)], dev)
+            self.table.view(-1).index_copy_(0, index_t, values_t)
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """`out[i] = table[slots[i]]` (padding rows, slot 0, read the padding page)."""

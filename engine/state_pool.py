@@ -6,7 +6,12 @@ requests; the ones after them are the snapshot area of the prefix cache.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from deltaserve.engine.parallel.step_sync import OpLog
 
 
 class StatePool:
@@ -28,6 +33,7 @@ class StatePool:
         }
         self._free = list(range(num_working, 0, -1))
         self._free_snapshots = list(range(total - 1, num_working, -1))
+        self.log: OpLog | None = None  # tensor parallelism: rank 0 records its writes for the workers
 
     @property
     def num_free(self) -> int:
@@ -57,6 +63,8 @@ class StatePool:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy every layer's conv and recurrent state together."""
+        if self.log is not None:
+            self.log.record("state_pool", "copy_slot", src, dst)
         for buf in self.buffers.values():
             buf[:, dst].copy_(buf[:, src])
 

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from deltaserve.models.parallel import SINGLE, TensorParallel
 from deltaserve.models.registry import resolve, text_config
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,14 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
+    """The model for rank `tp.rank` of `tp.size` (every rank holds the whole model for now)."""
     config, arch = read_config(path)
     cls, nested = resolve(arch)
     tcfg = text_config(config, nested)

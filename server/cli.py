@@ -269,6 +269,49 @@ def build_parser() -> argparse.ArgumentParser:
         '"prompt_lookup_max": 4}\'',
     )
 
+    parallel = serve.add_argument_group("parallelism")
+    parallel.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_int_at_least(1),
+        default=1,
+        help="ranks the model is split over, one process (one GPU) each; rank 0 schedules and samples",
+    )
+    parallel.add_argument(
+        "--nnodes",
+        type=_int_at_least(1),
+        default=1,
+        help="machines the ranks are spread over (evenly); every node runs the same command",
+    )
+    parallel.add_argument(
+        "--node-rank",
+        type=_int_at_least(0),
+        default=0,
+        help="this machine's place among --nnodes: node 0 serves HTTP, the others run --headless",
+    )
+    parallel.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="node 0's address, where the ranks meet (torch.distributed's TCP rendezvous)",
+    )
+    parallel.add_argument(
+        "--master-port",
+        type=_port,
+        default=None,
+        help="node 0's rendezvous port; default: a free port (one node only)",
+    )
+    parallel.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the ranks wait for each other to join before start-up fails",
+    )
+    parallel.add_argument(
+        "--headless",
+        action="store_true",
+        help="run this node's ranks without an HTTP server (every node but node 0)",
+    )
+
     http = serve.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     http.add_argument("--port", type=_port, default=8000, help="port to listen on")

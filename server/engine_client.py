@@ -396,13 +396,21 @@ class EngineClient:
                     self._dispatch(outputs, time.monotonic())
                 if fault is not None:
                     self._on_fault(*fault)
+            elif message[0] == "dead":
+                self._on_dead(message[1])
 
     async def _watch(self) -> None:
         """Notice an engine that died: every request in flight fails at once instead of hanging."""
         while self.handle.alive():
             await asyncio.sleep(0.2)
         code = self.handle.process.exitcode if self.handle.process is not None else None
-        self.dead = f"the engine process exited (code {code})"
+        self._on_dead(f"the engine process exited (code {code})")
+
+    def _on_dead(self, reason: str) -> None:
+        """The engine is gone (it said why first, or its process exited): fail everything."""
+        if self.dead is not None:
+            return
+        self.dead = reason
         logger.error("%s; failing %d requests in flight", self.dead, len(self._groups))
         error = EngineDeadError(self.dead)
         for future in self._calls.values():

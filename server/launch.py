@@ -20,6 +20,8 @@ def serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.headless or args.node_rank > 0:
+        return _serve_headless(args)
     import uvicorn
 
     from .app import build_app
@@ -162,10 +164,57 @@ def _engine_config(args: argparse.Namespace) -> Any:
             load_format=args.load_format,
             tokenizer=args.tokenizer,
             speculative_config=args.speculative_config,
+            tensor_parallel_size=args.tensor_parallel_size,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            distributed_timeout_s=args.distributed_timeout,
         )
     except ValueError as exc:  # settings that only the engine's config checks (environment)
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _serve_headless(args: argparse.Namespace) -> int:
+    """A node other than 0: its tensor-parallel ranks, no HTTP. It ends when they do (node 0 stops
+    them, or its engine goes) or on SIGTERM / SIGINT, which stops them."""
+    if not args.headless or args.node_rank == 0:
+        print(
+            "deltaserve serve: error: --headless runs the ranks of a node other than 0 "
+            "(give --node-rank N with N > 0 and --headless together)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    config = _engine_config(args)
+    from deltaserve.engine.parallel.launcher import WorkerProcesses
+
+    assert config.master_port is not None  # more than one node: the config checked it
+    ranks = list(config.node_ranks)
+    workers = WorkerProcesses(config, ranks, config.master_port)
+    logger.info(
+        "headless node %d of %d: tensor-parallel ranks %s, meeting rank 0 at %s:%d",
+        config.node_rank,
+        config.nnodes,
+        ranks,
+        config.master_addr,
+        config.master_port,
+    )
+    told: list[int] = []
+
+    def stop(sig: int, _frame: Any) -> None:
+        told.append(sig)
+        workers.terminate()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    code = workers.wait()
+    workers.stop(timeout=0)
+    if code and not told:
+        logger.error("a tensor-parallel rank of this node exited with code %d", code)
+        return 1
+    logger.info("the ranks of this node stopped")
+    return 0
 
 
 def _start_engine(config: Any, log_level: str) -> Any:

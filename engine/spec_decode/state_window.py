@@ -10,10 +10,15 @@ dropped mid-window leaves a consistent slot behind.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from deltaserve.engine.h2d import to_device
 from deltaserve.engine.state_pool import StatePool
+
+if TYPE_CHECKING:
+    from deltaserve.engine.parallel.step_sync import OpLog
 
 
 class StateWindow:
@@ -24,6 +29,7 @@ class StateWindow:
             name: torch.zeros(buf.shape[0], rows, width, *buf.shape[2:], dtype=buf.dtype, device=buf.device)
             for name, buf in pool.buffers.items()
         }
+        self.log: OpLog | None = None  # tensor parallelism: rank 0 records its writes for the workers
 
     @property
     def nbytes(self) -> int:
@@ -36,6 +42,8 @@ class StateWindow:
         """`pool[slot] = window[row, position]` for each triple, all layers and states at once."""
         if not slots:
             return
+        if self.log is not None:
+            self.log.record("window", "commit", slots, rows, positions)
         dev = next(iter(self.buffers.values())).device
         s, r, p = (to_device(x, torch.long, dev) for x in (slots, rows, positions))
         for name, win in self.buffers.items():

@@ -1,0 +1,93 @@
+"""A tensor-parallel worker: one rank other than 0, with no scheduler, cache or sampler.
+
+It loads its shard, builds a ModelRunner (pools the size rank 0 agreed, CUDA graphs of the same
+sizes) and then replays what rank 0 broadcasts until told to stop; it exits when rank 0's
+process goes (its connection closes) or, on rank 0's node, when its parent does.
+
+Run as `python -m deltaserve.engine.parallel.worker` with a pickled `WorkerArgs` on stdin
+(`launcher.py` does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.engine.config import EngineConfig
+
+logger = logging.getLogger("deltaserve.worker")
+
+
+@dataclass
+class WorkerArgs:
+    config: EngineConfig
+    rank: int
+    master_port: int
+    parent_pid: int
+    log_level: int
+
+
+def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
+    from deltaserve.engine.model_runner import ModelRunner
+    from deltaserve.engine.parallel.group import destroy, init_rank, rank_device
+    from deltaserve.models.loader import load_model
+
+    device = rank_device(config, rank)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # the node's ranks share its cores: threads that busy-wait on every core slow all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.ranks_per_node))
+    torch.manual_seed(config.seed)
+    groups = init_rank(config, rank, master_port, device)
+    try:
+        config.tensor_parallel = groups.tp
+        loaded = load_model(
+            config.model, config.torch_dtype, device, config.load_format, config.seed, groups.tp
+        )
+        runner = ModelRunner(config, loaded, device, groups)
+        assert runner.channel is not None
+        logger.info("tensor-parallel rank %d ready", rank)
+        while True:
+            message = runner.channel.recv()
+            if message.kind == "stop":
+                break
+            runner.run_message(message)
+    finally:
+        destroy(groups)
+
+
+def _exit_with(parent_pid: int) -> None:
+    """End this process once its parent is gone (killed, not only stopped)."""
+
+    def run() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=run, name="deltaserve-parent-watch", daemon=True).start()
+
+
+def main() -> None:
+    args: WorkerArgs = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s %(levelname)s %(name)s [rank {args.rank}]: %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: rank 0 stops us
+    _exit_with(args.parent_pid)
+    try:
+        run_worker(args.config, args.rank, args.master_port)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", args.rank)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

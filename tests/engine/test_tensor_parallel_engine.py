@@ -1,0 +1,184 @@
+"""Tensor parallelism in the engine (gloo on CPU, fp32): greedy tokens at TP = 2 equal TP = 1 and
+transformers' through mixed batches, chunked prefill, radix hits, n-gram speculative decoding,
+overlap scheduling and a Kimi-Linear checkpoint; every rank's device state follows rank 0's
+writes (state digests); workers end with the engine; a missing rank is a clear error."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.engine.errors import EngineDeadError
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+def make_llm(path: str, tp: int, **kw) -> LLM:
+    kw.setdefault("max_num_batched_tokens", 32)  # prompts span several prefill chunks
+    kw.setdefault("num_kv_pages", 160)
+    kw.setdefault("max_model_len", 512)
+    kw.setdefault("max_running_requests", 8)
+    return LLM(path, dtype="float32", device="cpu", page_size=16, tensor_parallel_size=tp, **kw)
+
+
+def prompts_of(lengths: list[int], seed: int, repeat: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 160, (n,), generator=g).tolist() * repeat for n in lengths]
+
+
+def greedy(max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def tp1(path: str, prompts: list[list[int]], max_tokens: int = 12, **kw) -> list[list[int]]:
+    with make_llm(path, 1, **kw) as llm:
+        return run(llm, prompts, max_tokens)
+
+
+def assert_ranks_agree(llm: LLM) -> None:
+    """Every worker replayed rank 0's device-state writes: while each rank holds the whole model
+    (a replicated checkpoint), its slots, pages and windows hold what rank 0's hold."""
+    digests = llm.engine.tensor_parallel_digests()
+    assert len(digests) == 2
+    ours, theirs = digests
+    assert torch.equal(ours["page_table"], theirs["page_table"])
+    if _replicated(llm):
+        for name in ours:
+            torch.testing.assert_close(theirs[name], ours[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _replicated(llm: LLM) -> bool:
+    # once the models shard their heads each rank's pools hold other heads, and the tokens
+    # (which then depend on every rank's state) are the check
+    from deltaserve.models.loader import load_model
+
+    cfg = llm.engine.config
+    whole = load_model(cfg.model, cfg.torch_dtype, torch.device("cpu"), cfg.load_format).model
+    return bool(whole.state_shapes() == llm.engine.runner.model.state_shapes())
+
+
+@pytest.fixture(scope="module")
+def qwen(make_checkpoint) -> str:
+    return make_checkpoint("qwen3_5")
+
+
+def test_tp2_greedy_equals_tp1_and_transformers(qwen, hf_reference, pools_held):
+    # mixed lengths, two prompts longer than a 32-token prefill chunk
+    prompts = prompts_of([5, 40, 17, 100], seed=1)
+    ref = tp1(qwen, prompts)
+    assert ref == hf_reference(qwen, prompts, 12)
+    with make_llm(qwen, 2) as llm:
+        assert run(llm, prompts) == ref
+        assert_ranks_agree(llm)
+        assert not pools_held(llm)
+
+
+def test_radix_hit_at_tp2_reads_the_cached_state_on_every_rank(qwen):
+    shared = prompts_of([96], seed=2)[0]
+    first, second = shared + [3, 4, 5], shared + [9, 8, 7, 6]
+    ref = [tp1(qwen, [first])[0], tp1(qwen, [second])[0]]
+    with make_llm(qwen, 2) as llm:
+        a = llm.generate([{"prompt_token_ids": first}], greedy(), use_tqdm=False)[0]
+        b = llm.generate([{"prompt_token_ids": second}], greedy(), use_tqdm=False)[0]
+        assert b.num_cached_tokens >= 64  # the hit: the snapshot copied into the slot on every rank
+        assert [a.outputs[0].token_ids, b.outputs[0].token_ids] == ref
+        assert_ranks_agree(llm)
+
+
+def test_a_write_not_replayed_shows_in_the_digests(qwen):
+    """The digests catch a writer that forgets to record: rank 0's snapshot copies kept from
+    the workers leave their slots behind."""
+    shared = prompts_of([96], seed=3)[0]
+    with make_llm(qwen, 2) as llm:
+        run(llm, [shared + [1, 2]])
+        llm.engine.runner.state_pool.log = None
+        # one token: the state of a tiny random model forgets its start within a few steps
+        hit = llm.generate([{"prompt_token_ids": shared + [5]}], greedy(1), use_tqdm=False)[0]
+        assert hit.num_cached_tokens > 0
+        ours, theirs = llm.engine.tensor_parallel_digests()
+        assert not torch.allclose(ours["state.recurrent"], theirs["state.recurrent"], rtol=1e-5, atol=1e-5)
+
+
+def test_ngram_speculation_at_tp2(qwen):
+    prompts = prompts_of([6, 9, 40], seed=4, repeat=3)  # repeats: the n-gram drafts get accepted
+    ref = tp1(qwen, prompts, 20)
+    with make_llm(qwen, 2, speculative_config=NGRAM) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(20), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert sum(o.num_accepted_tokens for o in outs) > 0  # windows were committed
+        assert_ranks_agree(llm)
+
+
+def test_overlap_scheduling_at_tp2(qwen):
+    """Decode inputs filled from rank 0's sampled tokens on the device reach the workers."""
+    shared = prompts_of([70], seed=5)[0]
+    prompts = [*prompts_of([3, 33], seed=6), shared + [1], shared + [2, 3]]
+    ref = tp1(qwen, prompts, 16)
+    with make_llm(qwen, 2, enable_overlap_schedule=True) as llm:
+        assert run(llm, prompts[:2], 16) == ref[:2]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[2:]], greedy(16), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref[2:]
+        assert_ranks_agree(llm)
+
+
+@pytest.mark.slow
+def test_kimi_linear_at_tp2(small_kimi_checkpoint):
+    prompts = prompts_of([7, 50, 23], seed=7)
+    ref = tp1(small_kimi_checkpoint, prompts)
+    with make_llm(small_kimi_checkpoint, 2) as llm:
+        assert run(llm, prompts) == ref
+        assert_ranks_agree(llm)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_shutdown_ends_the_workers_and_a_lost_worker_kills_the_engine(qwen):
+    llm = make_llm(qwen, 2)
+    workers = llm.engine._workers
+    assert workers is not None and all(_alive(p) for p in workers.pids)
+    llm.shutdown()
+    assert not any(_alive(p) for p in workers.pids)
+    # the process group is gone with it: another tensor-parallel engine starts in this process
+    llm = make_llm(qwen, 2)
+    try:
+        workers = llm.engine._workers
+        assert workers is not None
+        os.kill(workers.pids[0], 9)
+        deadline = time.monotonic() + 10
+        while llm.engine.dead_reason is None:
+            assert time.monotonic() < deadline, "the lost worker went unnoticed"
+            time.sleep(0.05)
+        assert "rank 1" in llm.engine.dead_reason
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            run(llm, prompts_of([5], seed=8))
+    finally:
+        llm.shutdown()
+
+
+def test_a_missing_rank_is_a_clear_error_not_a_hang(qwen):
+    from deltaserve.engine.parallel.group import free_port
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rendezvous .* timed out after 2 s: 0 of the other 1 ranks"):
+        make_llm(qwen, 2, nnodes=2, master_port=free_port(), distributed_timeout_s=2)
+    assert time.monotonic() - t0 < 30
+
+
+def test_mtp_with_tp2_is_refused(qwen):
+    with pytest.raises(ValueError, match="MTP"):
+        make_llm(qwen, 2, speculative_config={"method": "mtp", "num_speculative_tokens": 1})

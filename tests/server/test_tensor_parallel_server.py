@@ -1,0 +1,158 @@
+"""`deltaserve serve --tensor-parallel-size 2` on CPU (gloo): answers through the openai client as
+TP = 1 does, stops with its workers, spreads over two loopback "nodes" (one headless), and is a
+dead engine (503, requests in flight failed) once a worker is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5]
+TP2 = ("--device", "cpu", "--max-model-len", "512", "--tensor-parallel-size", "2")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except FileNotFoundError:
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    found = []
+    for pid in descendants(server_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"deltaserve.engine.parallel.worker" in cmdline:
+            found.append(pid)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def tp1_text(builtin_path: str) -> str:
+    from deltaserve import LLM, SamplingParams
+
+    llm = LLM(builtin_path, device="cpu", max_model_len=512)
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0.0, max_tokens=12))
+    return out[0].outputs[0].text
+
+
+def complete(url: str, model: str) -> str:
+    import openai
+
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0.0)
+    return reply.choices[0].text
+
+
+def test_tp2_server_answers_as_tp1_and_stops_with_its_workers(spawn_server, model_name, tp1_text):
+    server = spawn_server(*TP2)
+    assert server.proc is not None
+    workers = worker_pids(server.proc.pid)
+    assert len(workers) == 1 and alive(workers[0])
+    assert complete(server.url, model_name) == tp1_text
+    assert server.stop() == 0
+    assert not any(alive(p) for p in workers)
+
+
+def test_two_loopback_nodes_serve_through_node_0(spawn_server, model_cache, model_name, tp1_text, tmp_path):
+    port = free_port()
+    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
+    log = open(tmp_path / "node1.log", "w")
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "deltaserve", "serve", *TP2, *nodes, "--node-rank", "1", "--headless"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "DELTASERVE_CACHE": model_cache},
+    )
+    try:
+        server = spawn_server(*TP2, *nodes, "--node-rank", "0")
+        assert server.proc is not None
+        assert worker_pids(server.proc.pid) == []  # node 0 holds rank 0 only
+        assert complete(server.url, model_name) == tp1_text
+        assert server.stop() == 0
+        assert node1.wait(60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def test_a_killed_worker_is_a_dead_engine(spawn_server, model_name):
+    server = spawn_server(*TP2)
+    assert server.proc is not None
+    (worker,) = worker_pids(server.proc.pid)
+    (engine,) = [
+        p for p in descendants(server.proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
+    streamed: dict[str, Any] = {}
+    body = {
+        "model": model_name,
+        "prompt": "keep going",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+            streamed["events"] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.log().count("POST /v1/completions") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(worker, signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive() and time.monotonic() - t0 < 15  # no hang
+    events = streamed["events"]
+    assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+    health = httpx.get(f"{server.url}/health", timeout=5)
+    assert health.status_code == 503 and "rank 1" in health.json()["reason"], health.text
+    assert (
+        httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=10).status_code
+        == 503
+    )
+    deadline = time.monotonic() + 15
+    while alive(engine):  # the dead engine's process ends too, nothing left behind
+        assert time.monotonic() < deadline, "the engine process outlived its worker"
+        time.sleep(0.1)
+    assert server.stop() == 0
