@@ -77,7 +77,14 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device or "cpu")
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, config.torch_dtype, self.device, config.load_format, config.seed)
+        loaded = load_model(
+            config.model,
+            config.torch_dtype,
+            self.device,
+            config.load_format,
+            config.seed,
+            config.quantization,
+        )
         self.model_config = loaded.config
         self.vocab_size = int(loaded.config.vocab_size)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
