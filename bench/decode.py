@@ -177,6 +177,12 @@ def main() -> None:
     ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        default=None,
+        help="fp8: block-FP8 weights for an unquantized config (FP8 configs need no flag)",
+    )
+    ap.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
         help="synchronous steps (overlap scheduling is on by default on CUDA); needed for the "
@@ -199,6 +205,7 @@ def main() -> None:
         EngineConfig(
             model=args.model,
             load_format="dummy",
+            quantization=args.quantization,
             dtype="bfloat16",
             device=args.device,
             cache_type="naive",

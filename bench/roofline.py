@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from deltaserve.models.layers import Experts
+from deltaserve.models.quantization import Fp8Experts
 
 
 @dataclass(frozen=True)
@@ -38,17 +39,24 @@ def _attention_width(cfg: Any) -> int:
 
 
 def model_cost(model: nn.Module, cfg: Any, dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> ModelCost:
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    experts = [m for m in model.modules() if isinstance(m, (Experts, Fp8Experts))]
     expert_params = sum(p.numel() for m in experts for p in m.parameters())
     num_experts = experts[0].num_experts if experts else 0
     per_expert = expert_params // (num_experts * len(experts)) if experts else 0
     tied = bool(getattr(model, "tie_word_embeddings", False))
-    dense = 0
+
+    def nbytes(p: nn.Parameter) -> int:  # FP8 weights are one byte; the rest in the serving dtype
+        return p.numel() * (1 if p.element_size() == 1 else dtype_bytes)
+
+    expert_bytes = sum(nbytes(p) for m in experts for p in m.parameters())
+    dense = dense_bytes = 0
     for name, p in model.named_parameters():  # a tied lm_head is listed once, as the embedding
         if name.endswith("embed_tokens.weight") and not tied:
             continue
         dense += p.numel()
+        dense_bytes += nbytes(p)
     dense -= expert_params
+    dense_bytes -= expert_bytes
     top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
     types = list(model.layer_types)  # type: ignore[arg-type]
     n_lin = types.count("linear_attention")
@@ -59,8 +67,8 @@ def model_cost(model: nn.Module, cfg: Any, dtype_bytes: int = 2, state_dtype_byt
     )
     kv = n_attn * dtype_bytes * sum(_numel(s) for s in model.kv_shapes().values())  # type: ignore[operator]
     return ModelCost(
-        weight_bytes=dense * dtype_bytes,
-        expert_bytes=per_expert * dtype_bytes,
+        weight_bytes=dense_bytes,
+        expert_bytes=expert_bytes // (num_experts * len(experts)) if experts else 0,
         num_experts=num_experts,
         top_k=top_k,
         moe_layers=len(experts),

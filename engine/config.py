@@ -40,6 +40,9 @@ class EngineConfig:
     state_dtype: str = "float32"
     seed: int = 0
     load_format: str = "auto"
+    # "fp8": quantize an unquantized checkpoint to block FP8 at load (models/quantization.py);
+    # block-FP8 checkpoints are recognised from their config either way
+    quantization: str | None = None
     mem_fraction_static: float = 0.85
     pool_memory_gb: float | None = None  # CPU: KV and state pools' memory; None: a quarter of what is free
     num_kv_pages: int | None = None  # overrides the memory-based sizing
@@ -79,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.state_dtype not in DTYPES:
             raise ValueError(f"state_dtype must be one of {sorted(DTYPES)}, got {self.state_dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         if self.cache_type not in ("naive", "radix"):
             raise ValueError(f"cache_type must be 'radix' or 'naive', got {self.cache_type!r}")
         if self.prefix_cache_policy not in POLICIES:

@@ -152,7 +152,13 @@ class Engine:
         torch.manual_seed(config.seed)
         tp = config.tensor_parallel or SINGLE
         loaded = load_model(
-            config.model, config.torch_dtype, self.device, config.load_format, config.seed, tp
+            config.model,
+            config.torch_dtype,
+            self.device,
+            config.load_format,
+            config.seed,
+            quantization=config.quantization,
+            tp=tp,
         )
         self.model_config = loaded.config
         self.vocab_size = int(loaded.config.vocab_size)

@@ -7,13 +7,16 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 from deltaserve.models.parallel import SINGLE, TensorParallel
 from deltaserve.models.registry import resolve, text_config
+
+if TYPE_CHECKING:
+    from deltaserve.models.quantization import Fp8Config
 
 logger = logging.getLogger(__name__)
 
@@ -43,35 +46,40 @@ def read_config(path: str) -> tuple[Any, str]:
     return AutoConfig.from_pretrained(path, trust_remote_code=False), archs[0]
 
 
-def refuse_quantized(path: str, raw_config: dict[str, Any]) -> None:
-    """A quantized checkpoint is an error, not garbage output: deltaserve computes in the
-    checkpoint's floating-point weights only, and FP8 weights read without their scales load
-    silently and generate noise. Looked for in config.json and in the files' own dtypes."""
+def refuse_quantized(path: str, raw_config: dict[str, Any]) -> Fp8Config | None:
+    """The checkpoint's FP8 block quantization (models/quantization.py), None when unquantized,
+    and an error for every other quantization: FP8 weights read without their scales, or any
+    format deltaserve does not implement, would load silently and generate noise. Looked for in
+    config.json and in the files' own dtypes."""
+    from deltaserve.models.quantization import Fp8Config
+
     for cfg in (raw_config, raw_config.get("text_config") or {}):
         quant = cfg.get("quantization_config")
         if quant:
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-            raise ValueError(
-                f"{path!r} is a quantized checkpoint (quantization_config: quant_method {method!r}); "
-                "deltaserve serves unquantized (bf16 / fp16 / fp32) checkpoints only"
-            )
-    for name, dtype in _safetensors_dtypes(path):
+            return Fp8Config.from_checkpoint(path, quant)
+    for name, dtype, _ in _safetensors_headers(path):
         if dtype.startswith("F8") or name.endswith(("weight_scale_inv", "weight_scale")):
             raise ValueError(
                 f"{path!r} holds quantized weights ({name}: {dtype}) but config.json has no "
-                "quantization_config; deltaserve serves unquantized checkpoints only"
+                "quantization_config; deltaserve serves unquantized checkpoints and block-FP8 ones"
             )
+    return None
 
 
-def _safetensors_dtypes(path: str) -> Iterator[tuple[str, str]]:
-    """(tensor name, safetensors dtype such as 'BF16' or 'F8_E4M3') from the files' headers alone."""
+def checkpoint_quantization(path: str) -> Fp8Config | None:
+    with open(os.path.join(path, "config.json")) as f:
+        return refuse_quantized(path, json.load(f))
+
+
+def _safetensors_headers(path: str) -> Iterator[tuple[str, str, list[int]]]:
+    """(tensor name, safetensors dtype such as 'BF16' or 'F8_E4M3', shape) from the files' headers alone."""
     for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
         with open(os.path.join(path, name), "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
         for key, info in header.items():
             if key != "__metadata__":
-                yield key, str(info.get("dtype", ""))
+                yield key, str(info.get("dtype", "")), list(info.get("shape", []))
 
 
 def iter_safetensors(path: str, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -119,6 +127,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     }
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
+            if p.dtype.itemsize == 1:  # FP8 weights and their records: models/quantization.py's
+                continue
             gen = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
             if name.endswith("A_log"):
                 p.uniform_(1.0, 16.0, generator=gen).log_()
@@ -136,6 +146,7 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
     tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     """The model for rank `tp.rank` of `tp.size` (every rank holds the whole model for now)."""
@@ -146,19 +157,48 @@ def load_model(
         tcfg.tie_word_embeddings = config.tie_word_embeddings
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load format {load_format!r}; use 'auto' or 'dummy'")
-    model = build_on(device, dtype, lambda: cls(tcfg))
+    logger.info("loading the weights of %s (%s) onto %s", path, arch, device)
+    model = build_and_load(path, lambda: cls(tcfg), dtype, device, load_format, seed, quantization, True)
+    num_params = sum(p.numel() for p in model.parameters())
+    return LoadedModel(model, tcfg, arch, num_params)
+
+
+def build_and_load(
+    path: str,
+    make: Callable[[], M],
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str,
+    seed: int,
+    quantization: str | None,
+    progress: bool = False,
+) -> M:
+    """`make()` on `device` with the checkpoint's weights (or random ones: load_format 'dummy');
+    FP8 when the checkpoint is block-FP8 or `quantization` is 'fp8' (quantized as it loads)."""
+    from deltaserve.models import quantization as q
+
+    if quantization not in (None, *q.METHODS):
+        raise ValueError(f"unknown quantization {quantization!r}; supported: {', '.join(q.METHODS)}")
+    fp8 = checkpoint_quantization(path)
+    quantize = fp8 is None and quantization == "fp8"
+    if quantize:
+        fp8 = q.Fp8Config()
+    model: M = q.build_fp8(make, device, dtype) if fp8 is not None else build_on(device, dtype, make)  # type: ignore[assignment]
     # linear-attention gate parameters stay fp32: exp(A_log) in bf16 loses the decay
     for name, p in model.named_parameters():
         if name.endswith(("A_log", "dt_bias")):
             p.data = p.data.float()
     if load_format == "dummy":
+        if fp8 is not None:
+            q.init_dummy_fp8(model, fp8, device, seed)
         init_dummy_weights(model, seed)
     else:
-        logger.info("loading the weights of %s (%s) onto %s", path, arch, device)
-        model.load_weights(iter_safetensors(path, progress=True))  # type: ignore[operator]
-    model.eval()
-    num_params = sum(p.numel() for p in model.parameters())
-    return LoadedModel(model, tcfg, arch, num_params)
+        weights = iter_safetensors(path, progress=progress)
+        if fp8 is not None:
+            headers = list(_safetensors_headers(path))
+            weights = q.fp8_weights(weights, headers, fp8, dtype, device, quantize)
+        model.load_weights(weights)  # type: ignore[operator]
+    return model.eval()
 
 
 def load_tokenizer(path: str) -> Any | None:

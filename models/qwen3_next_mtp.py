@@ -71,13 +71,14 @@ class MultiTokenPredictor(nn.Module):
 
 
 def load_mtp(
-    path: str, config: Any, dtype: torch.dtype, device: torch.device, dummy: bool
+    path: str,
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    dummy: bool,
+    quantization: str | None = None,
 ) -> MultiTokenPredictor:
-    from deltaserve.models.loader import build_on, init_dummy_weights, iter_safetensors
+    from deltaserve.models.loader import build_and_load
 
-    mtp = build_on(device, dtype, lambda: MultiTokenPredictor(config))
-    if dummy:
-        init_dummy_weights(mtp)
-    else:
-        mtp.load_weights(iter_safetensors(path))
-    return mtp.eval()
+    make = lambda: MultiTokenPredictor(config)  # noqa: E731
+    return build_and_load(path, make, dtype, device, "dummy" if dummy else "auto", 0, quantization)

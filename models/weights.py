@@ -23,7 +23,15 @@ class WeightLoader:
         # modules list them as {checkpoint name: (parameter, first row, rows)}
         self.shards: dict[str, tuple[str, int, int]] = {}
         self.shards_per_param: dict[str, int] = {}
+        # parameters that FP8 holders (models/quantization.py) allocate on first write and
+        # convert once complete: {parameter: (module, its attribute)}
+        self.holders: dict[str, tuple[nn.Module, str]] = {}
+        self.device = next((p.device for p in self.params.values() if not p.is_meta), torch.device("cpu"))
         for prefix, module in model.named_modules():
+            if hasattr(module, "finish_param"):
+                for attr, p in module.named_parameters(recurse=False):
+                    if p.is_meta and p.dtype == torch.uint8:
+                        self.holders[f"{prefix}.{attr}" if prefix else attr] = (module, attr)
             listing = getattr(module, "checkpoint_shards", None)
             if not callable(listing):
                 continue
@@ -33,32 +41,32 @@ class WeightLoader:
                 self.shards_per_param[dot + dst] = self.shards_per_param.get(dot + dst, 0) + 1
 
     def copy(self, name: str, tensor: torch.Tensor) -> None:
-        param = self.params.get(name)
-        if param is None:
+        if name not in self.params:
             if name in self.shards:
                 dst, start, rows = self.shards[name]
-                self._slice(dst, self.params[dst][start : start + rows], tensor, name)
+                self._slice(dst, self._param(dst)[start : start + rows], tensor, name)
                 return
             self.unexpected.append(name)
             return
+        param = self._param(name)
+        tensor = self._fit(name, tensor)
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
             )
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
-        self.loaded.add(name)
+        self._done(name)
 
     def load_expert(self, name: str, tensor: torch.Tensor) -> bool:
         """Per-expert (`experts.E.gate_proj`, or `w1`/`w3`/`w2`) or fused expert tensors."""
         m = _EXPERT.match(name)
         if m:
             prefix, expert, kind = m.group(1), int(m.group(2)), m.group(3)
-            gate_up = self.params.get(prefix + ".gate_up_proj")
-            down = self.params.get(prefix + ".down_proj")
-            if gate_up is None or down is None:
+            if prefix + ".gate_up_proj" not in self.params or prefix + ".down_proj" not in self.params:
                 self.unexpected.append(name)
                 return True
+            gate_up, down = self._param(prefix + ".gate_up_proj"), self._param(prefix + ".down_proj")
             inter = gate_up.shape[1] // 2
             if kind in ("gate_proj", "w1"):
                 self._slice(prefix + ".gate_up_proj", gate_up[expert, :inter], tensor, name)
@@ -69,7 +77,7 @@ class WeightLoader:
             return True
         m = _FUSED_EXPERTS.match(name)
         if m:
-            param = self.params.get(name)
+            param = self._param(name) if name in self.params else None
             if param is not None and tensor.dim() == 3 and tensor.shape != param.shape:
                 if tensor.transpose(1, 2).shape == param.shape:
                     tensor = tensor.transpose(1, 2)
@@ -78,6 +86,7 @@ class WeightLoader:
         return False
 
     def _slice(self, param_name: str, dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        tensor = self._fit(param_name, tensor)
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
@@ -93,7 +102,39 @@ class WeightLoader:
         else:  # stacked experts: gate and up per expert, or down per expert
             needed = param.shape[0] * (2 if param_name.endswith("gate_up_proj") else 1)
         if counts[param_name] == needed:
-            self.loaded.add(param_name)
+            self._done(param_name)
+
+    def _param(self, name: str) -> torch.Tensor:
+        """The parameter `name`, allocated now if an FP8 holder deferred it."""
+        param = self.params[name]
+        if param.is_meta and name in self.holders:
+            module, attr = self.holders[name]
+            module.materialize_param(attr, self.device)  # type: ignore[operator]
+            param = self.params[name] = getattr(module, attr)
+        return param
+
+    def _fit(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor in its parameter's form: FP8 holders take row records (see
+        models/quantization.py), other parameters plain values."""
+        from deltaserve.models import quantization as q
+
+        if param_name in self.holders:
+            if tensor.dtype == torch.uint8:
+                return tensor
+            dtype: torch.dtype = self.holders[param_name][0].dtype  # type: ignore[assignment]
+            return q.pack_dense(tensor, dtype)
+        param = self.params[param_name]
+        if tensor.dtype == torch.uint8 and param.dtype != torch.uint8:
+            return q.records_to_dense(tensor, param.shape[-1], param.dtype)
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"{param_name}: an FP8 checkpoint tensor reached it without its block scales")
+        return tensor
+
+    def _done(self, name: str) -> None:
+        self.loaded.add(name)
+        if name in self.holders:
+            module, attr = self.holders[name]
+            module.finish_param(attr)  # type: ignore[operator]
 
     def finish(self) -> None:
         missing = sorted(n for n in self.params if n not in self.loaded and n not in self.ignore)

@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto loads the safetensors weights; dummy uses random weights of the checkpoint's shapes",
     )
     model.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        default=None,
+        help="fp8: quantize an unquantized checkpoint's linear weights to block FP8 as they load "
+        "(block-FP8 checkpoints are detected from their config without this flag)",
+    )
+    model.add_argument(
         "--generation-config",
         type=_generation_config,
         default="auto",

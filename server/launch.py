@@ -162,6 +162,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
             page_size=args.page_size,
             max_waiting_requests=args.max_waiting_requests,
             load_format=args.load_format,
+            quantization=args.quantization,
             tokenizer=args.tokenizer,
             speculative_config=args.speculative_config,
             tensor_parallel_size=args.tensor_parallel_size,

@@ -1,4 +1,5 @@
-"""A quantized checkpoint is refused at load with a clear error, never served as noise."""
+"""A quantized checkpoint that deltaserve does not implement is refused at load with a clear
+error, never served as noise (block FP8, the supported one, is tests/models/test_fp8_checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ from safetensors.torch import load_file, save_file
 from deltaserve.models.loader import read_config
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+UNSUPPORTED = [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "quant_method 'awq'"),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+    ({**FP8, "activation_scheme": "static"}, "activation_scheme 'static'"),
+    ({**FP8, "weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]"),
+    ({**FP8, "weight_block_size": None}, "weight_block_size None"),
+    ({**FP8, "fmt": "e5m2"}, "fmt 'e5m2'"),
+]
 
 
 def copy_of(src: str, dst: Path) -> Path:
@@ -20,12 +29,13 @@ def copy_of(src: str, dst: Path) -> Path:
     return dst
 
 
-def test_quantization_config_is_refused(make_checkpoint, tmp_path: Path) -> None:
+@pytest.mark.parametrize("quant,why", UNSUPPORTED)
+def test_unsupported_quantization_is_refused(quant: dict, why: str, make_checkpoint, tmp_path: Path) -> None:
     path = copy_of(make_checkpoint("qwen3_5"), tmp_path / "ckpt")
     read_config(str(path))  # the plain checkpoint loads
     cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": FP8}))
-    with pytest.raises(ValueError, match="quantized checkpoint.*'fp8'"):
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}))
+    with pytest.raises(ValueError, match=f"quantized checkpoint that deltaserve does not implement.*{why}"):
         read_config(str(path))
 
 
@@ -46,6 +56,8 @@ def test_the_engine_start_says_why(make_checkpoint, tmp_path: Path) -> None:
 
     path = copy_of(make_checkpoint("qwen3_5"), tmp_path / "ckpt")
     cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": FP8}))
-    with pytest.raises(ValueError, match="unquantized"):
+    (path / "config.json").write_text(
+        json.dumps({**cfg, "quantization_config": {"quant_method": "bitsandbytes"}})
+    )
+    with pytest.raises(ValueError, match="supported: quant_method 'fp8'.*or unquantized"):
         LLM(model=str(path), device="cpu", dtype="float32")

@@ -1,0 +1,229 @@
+"""Triton kernels of the block-FP8 matmuls (`kernels.fp8` holds their references).
+
+- `_act_quant_kernel`: one program per (token, 128-channel group): amax, scale = amax / 448,
+  e4m3 values and the fp32 scale.
+- `_fp8_gemm_kernel`: w8a8 GEMM on the FP8 tensor cores; the K loop steps one 128-column
+  block at a time, so each partial product is scaled by its token-group and weight-block
+  scales before it is accumulated in fp32.
+- `_fp8_gemv_kernel`: one to a few rows (decode). It streams the e4m3 weight rows once, widening
+  them in registers, and keeps the activations unquantized (the weight's bytes are the cost).
+- `_fp8_moe_*_kernel`: `triton_moe`'s grouped GEMMs with e4m3 experts: the e4m3 tile is widened
+  to the activations' dtype (exact) for the dot, and the block scale applied after it.
+Weight scales are per `SCALE_ROWS` x 128 block (SCALE_ROWS 128, or 1 for per-row scales).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BLOCK_K = 128  # the format's block: one scale per K step
+
+
+@triton.jit
+def _act_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = group * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    v = tl.load(x + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-10)
+    scale = amax / 448.0
+    y = tl.clamp(v / scale, -448.0, 448.0)
+    tl.store(q + row * stride_q + offs, y.to(q.dtype.element_ty), mask=mask)
+    tl.store(s + row * stride_s + group, scale)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a,  # [M, K] e4m3
+    a_s,  # [M, ceil(K/128)] fp32
+    b,  # [N, K] e4m3
+    b_s,  # [ceil(N/SCALE_ROWS), ceil(K/128)] fp32
+    c,  # [M, N]
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_bn,
+    stride_bsn,
+    stride_cm,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_rows = a + offs_m.to(tl.int64)[:, None] * stride_am
+    b_cols = b + offs_n.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, tl.cdiv(K, BLOCK)):
+        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+        k_ok = offs_k < K
+        at = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        bt = tl.load(b_cols + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        sa = tl.load(a_s + offs_m * stride_asm + i, mask=m_ok, other=0.0)
+        sb = tl.load(b_s + (offs_n // SCALE_ROWS) * stride_bsn + i, mask=n_ok, other=0.0)
+        acc += tl.dot(at, bt) * sa[:, None] * sb[None, :]
+    dst = c + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(dst, acc.to(c.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x,  # [M, K]
+    w,  # [N, K] e4m3
+    w_s,
+    y,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_ym,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    on = tl.program_id(0) * BN + tl.arange(0, BN)
+    om = tl.arange(0, BLOCK_M)
+    n_ok = on < N
+    m_ok = om < M
+    w_rows = w + on.to(tl.int64)[:, None] * stride_wn
+    s_rows = w_s + (on // SCALE_ROWS) * stride_wsn
+    # elementwise products, reduced along K once at the end (see triton_gemv)
+    acc = tl.zeros((BLOCK_M, BN, BLOCK), dtype=tl.float32)
+    for i in range(0, tl.cdiv(K, BLOCK)):
+        ok = i * BLOCK + tl.arange(0, BLOCK)
+        k_ok = ok < K
+        wt = tl.load(w_rows + ok[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        ws = tl.load(s_rows + i, mask=n_ok, other=0.0)
+        xt = tl.load(x + om[:, None] * stride_xm + ok[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += xt.to(tl.float32)[:, None, :] * (wt * ws[:, None])[None, :, :]
+    out = tl.sum(acc, axis=2)
+    dst = y + om[:, None] * stride_ym + on[None, :]
+    tl.store(dst, out.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_moe_gate_up_kernel(
+    x,  # [T, H]
+    w,  # [E, 2I, H] e4m3
+    w_s,  # [E, ceil(2I/SCALE_ROWS), ceil(H/128)]
+    rows,
+    block_expert,
+    inter,  # [num_assign, I]
+    num_assign,
+    H,
+    INTER,
+    TOP_K: tl.constexpr,
+    E: tl.constexpr,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_it,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert + pid_m)
+    if expert >= E:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(rows + offs_m)
+    valid = assign < num_assign
+    token = tl.where(valid, assign // TOP_K, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < INTER
+    w_base = w + expert.to(tl.int64) * stride_we
+    s_base = w_s + expert.to(tl.int64) * stride_se
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, tl.cdiv(H, BLOCK)):
+        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+        k_ok = offs_k < H
+        a = tl.load(
+            x + token[:, None] * stride_xt + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0
+        )
+        wmask = n_ok[None, :] & k_ok[:, None]
+        wg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w_base + (offs_n[None, :] + INTER) * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
+        sg = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
+        su = tl.load(s_base + ((offs_n + INTER) // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
+        acc_g += tl.dot(a, wg.to(a.dtype), input_precision=PRECISION) * sg[None, :]
+        acc_u += tl.dot(a, wu.to(a.dtype), input_precision=PRECISION) * su[None, :]
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    dst = inter + assign.to(tl.int64)[:, None] * stride_it + offs_n[None, :]
+    tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_moe_down_kernel(
+    inter,  # [num_assign, I]
+    w,  # [E, H, I] e4m3
+    w_s,  # [E, ceil(H/SCALE_ROWS), ceil(I/128)]
+    rows,
+    block_expert,
+    weights,
+    out,  # [num_assign, H]
+    num_assign,
+    H,
+    INTER,
+    E: tl.constexpr,
+    stride_it,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert + pid_m)
+    if expert >= E:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(rows + offs_m)
+    valid = assign < num_assign
+    a_row = tl.where(valid, assign, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    w_base = w + expert.to(tl.int64) * stride_we
+    s_base = w_s + expert.to(tl.int64) * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, tl.cdiv(INTER, BLOCK)):
+        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+        k_ok = offs_k < INTER
+        a = tl.load(
+            inter + a_row[:, None] * stride_it + offs_k[None, :],
+            mask=valid[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        sb = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * sb[None, :]
+    rw = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]
+    dst = out + a_row[:, None] * stride_ot + offs_n[None, :]
+    tl.store(dst, acc.to(out.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])

@@ -1,0 +1,113 @@
+"""The block-FP8 CUDA kernels against their torch references (`kernels.fp8`), at FP8 tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.kernels.fp8 import (
+    dequantize_blocks,
+    fp8_linear_ref,
+    fp8_moe_ref,
+    quantize_activations,
+    quantize_blocks,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ROWS = [1, 2, 3, 8, 64, 300]
+# (N, K): aligned, partial row and column blocks, a narrow projection, 9B's down projection
+SHAPES = [(256, 512), (200, 300), (64, 2048), (1000, 130), (4096, 12288)]
+
+
+def _weight(n: int, k: int, scale_rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+    return quantize_blocks(w, scale_rows)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    """Within `rel` of the reference's largest magnitude."""
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= rel * ref.float().abs().max().item() + 1e-4, err
+
+
+def test_act_quant_matches_reference():
+    from deltaserve.kernels.fp8_cuda import act_quant_cuda
+
+    x = torch.randn(37, 300, device="cuda", dtype=torch.bfloat16) * 3
+    x[5] = 0  # an all-zero token: a tiny scale, zeros out
+    q, s = act_quant_cuda(x)
+    q_ref, s_ref = quantize_activations(x)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    # the same codes, but for a rounding tie of the division (one e4m3 step apart)
+    assert (q.float() - q_ref.float()).abs().le(q_ref.float().abs() * 0.13 + 1e-6).all()
+    assert (q.float() != q_ref.float()).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale_rows", [128, 1])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", ROWS)
+def test_fp8_linear_matches_reference(m, n, k, scale_rows, dtype):
+    """Up to GEMV_ROWS rows the GEMV (unquantized activations: held to x @ dequantized w), past
+    them the w8a8 GEMM (held to the reference); both within FP8's error of the reference."""
+    from deltaserve.kernels.fp8_cuda import GEMV_ROWS, fp8_linear_cuda
+
+    w, s = _weight(n, k, scale_rows, m + n + k)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    out = fp8_linear_cuda(x, w, s, scale_rows)
+    assert out.dtype == dtype and out.shape == (m, n)
+    exact = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    if m <= GEMV_ROWS:
+        _close(out, x.float() @ dequantize_blocks(w, s, scale_rows).T, exact)
+    else:
+        _close(out, fp8_linear_ref(x.float(), w, s, scale_rows), exact + 1e-2)  # + rounding ties
+    _close(out, fp8_linear_ref(x.float(), w, s, scale_rows), 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t", [1, 3, 64, 300])
+@pytest.mark.parametrize(
+    "e,h,inter,top_k,scale_rows", [(8, 256, 128, 2, 128), (16, 300, 96, 4, 1), (64, 2048, 512, 10, 128)]
+)
+def test_fp8_moe_matches_reference(t, e, h, inter, top_k, scale_rows, dtype):
+    """The FP8 experts widened in registers (activations unquantized): held to the unquantized
+    MoE on the dequantized experts, and within FP8's error of the w8a8 reference."""
+    from deltaserve.kernels.fp8_cuda import fp8_moe_cuda
+    from deltaserve.kernels.moe import moe_ref
+
+    g = torch.Generator(device="cuda").manual_seed(t + e)
+    gu, gu_s = quantize_blocks(torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5, scale_rows)
+    dn, dn_s = quantize_blocks(torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5, scale_rows)
+    x = torch.randn(t, h, device="cuda", generator=g).to(dtype)
+    logits = torch.randn(t, e, device="cuda", generator=g)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    out = fp8_moe_cuda(x, gu, gu_s, dn, dn_s, scale_rows, ids, weights.to(dtype))
+    deq = moe_ref(
+        x.float(),
+        dequantize_blocks(gu, gu_s, scale_rows),
+        dequantize_blocks(dn, dn_s, scale_rows),
+        ids,
+        weights,
+    )
+    _close(out, deq, 2e-2 if dtype == torch.bfloat16 else 1e-4)
+    _close(out, fp8_moe_ref(x.float(), gu, gu_s, dn, dn_s, scale_rows, ids, weights), 0.1)
+
+
+def test_fp8_linear_is_graph_capturable():
+    from deltaserve.kernels.fp8_cuda import fp8_linear_cuda
+
+    w, s = _weight(512, 1024, 128, 0)
+    for m in (1, 64):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        expected = fp8_linear_cuda(x, w, s, 128)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fp8_linear_cuda(x, w, s, 128)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
