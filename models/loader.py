@@ -146,6 +146,7 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    *,
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
 ) -> LoadedModel:

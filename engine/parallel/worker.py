@@ -49,7 +49,13 @@ def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
     try:
         config.tensor_parallel = groups.tp
         loaded = load_model(
-            config.model, config.torch_dtype, device, config.load_format, config.seed, groups.tp
+            config.model,
+            config.torch_dtype,
+            device,
+            config.load_format,
+            config.seed,
+            quantization=config.quantization,
+            tp=groups.tp,
         )
         runner = ModelRunner(config, loaded, device, groups)
         assert runner.channel is not None
