@@ -11,6 +11,7 @@ from deltaserve.engine.cache_policy import POLICIES
 
 if TYPE_CHECKING:
     from deltaserve.engine.spec_decode.config import SpecConfig
+    from deltaserve.models.parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,6 +52,9 @@ class EngineConfig:
     # run a few prompts at start-up so that kernels compile before the first request;
     # None: on CUDA (where compiling and autotuning take seconds), off on CPU
     warmup: bool | None = None
+    # this process's rank, size and process group when the model is sharded over several
+    # (set by whoever spawns the ranks, never a flag); None: one process holds the whole model
+    tensor_parallel: TensorParallel | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -39,6 +39,7 @@ from deltaserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutp
 from deltaserve.engine.spec_decode import Computed, MtpDrafter, SpecDecoder, Verdict
 from deltaserve.engine.stop_checks import check_stop, visible_length, visible_text
 from deltaserve.models.loader import load_model, load_tokenizer
+from deltaserve.models.parallel import SINGLE
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,10 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device or "cpu")
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, config.torch_dtype, self.device, config.load_format, config.seed)
+        tp = config.tensor_parallel or SINGLE
+        loaded = load_model(
+            config.model, config.torch_dtype, self.device, config.load_format, config.seed, tp
+        )
         self.model_config = loaded.config
         self.vocab_size = int(loaded.config.vocab_size)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)

@@ -108,7 +108,7 @@ class ModelRunner:
                 f"MTP speculation needs a Qwen3-Next / Qwen3.5 checkpoint, not {loaded.architecture}"
             )
         dummy = self.config.load_format == "dummy"
-        return load_mtp(self.config.model, loaded.config, self.config.torch_dtype, device, dummy)
+        return load_mtp(self.config.model, loaded.config, self.config.torch_dtype, device, dummy, loaded.tp)
 
     def _decode_body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # every row of a decode batch is sampled

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from deltaserve.models.parallel import SINGLE, Narrow, TensorParallel
 from deltaserve.models.registry import resolve, text_config
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,8 @@ class LoadedModel:
     model: nn.Module
     config: Any  # the text model's config
     architecture: str
-    num_params: int
+    num_params: int  # this rank's, under tensor parallelism
+    tp: TensorParallel = SINGLE
 
 
 def read_config(path: str) -> tuple[Any, str]:
@@ -73,9 +75,14 @@ def _safetensors_dtypes(path: str) -> Iterator[tuple[str, str]]:
                 yield key, str(info.get("dtype", ""))
 
 
-def iter_safetensors(path: str, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    path: str,
+    progress: bool = False,
+    narrow: Callable[[str, tuple[int, ...]], Narrow | None] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a single-file or sharded (index.json) safetensors checkpoint; `progress`
-    shows a bar over the shards on stderr."""
+    shows a bar over the shards on stderr. `narrow(name, shape)` names the part of a tensor to
+    read (a tensor-parallel rank's), and only that part is read from the file."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -90,7 +97,12 @@ def iter_safetensors(path: str, progress: bool = False) -> Iterator[tuple[str, t
     for name in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
         with safe_open(os.path.join(path, name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield key, f.get_tensor(key)
+                if narrow is None:
+                    yield key, f.get_tensor(key)
+                    continue
+                lazy = f.get_slice(key)
+                part = narrow(key, tuple(lazy.get_shape()))
+                yield key, (f.get_tensor(key) if part is None else part.read(lazy))
 
 
 M = TypeVar("M", bound=nn.Module)
@@ -130,8 +142,15 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
+    """The model of a checkpoint folder; with `tp`, this rank's shard of it, read from the
+    files slice by slice."""
     config, arch = read_config(path)
     cls, nested = resolve(arch)
     tcfg = text_config(config, nested)
@@ -139,7 +158,7 @@ def load_model(
         tcfg.tie_word_embeddings = config.tie_word_embeddings
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load format {load_format!r}; use 'auto' or 'dummy'")
-    model = build_on(device, dtype, lambda: cls(tcfg))
+    model = build_on(device, dtype, lambda: cls(tcfg, tp))  # type: ignore[call-arg]
     # linear-attention gate parameters stay fp32: exp(A_log) in bf16 loses the decay
     for name, p in model.named_parameters():
         if name.endswith(("A_log", "dt_bias")):
@@ -148,10 +167,12 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         logger.info("loading the weights of %s (%s) onto %s", path, arch, device)
-        model.load_weights(iter_safetensors(path, progress=True))  # type: ignore[operator]
+        narrow = model.checkpoint_narrow if tp.enabled else None
+        weights = iter_safetensors(path, progress=tp.rank == 0, narrow=narrow)  # type: ignore[arg-type]
+        model.load_weights(weights)  # type: ignore[operator]
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
-    return LoadedModel(model, tcfg, arch, num_params)
+    return LoadedModel(model, tcfg, arch, num_params, tp)
 
 
 def load_tokenizer(path: str) -> Any | None:
