@@ -63,8 +63,9 @@ class VocabParallelEmbedding(nn.Embedding):
     shard zero-padded), looks up the ids it holds, and the ranks' rows are summed."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel = SINGLE) -> None:
-        self.vocab_start, rows = tp.vocab_range(vocab_size)
+        start, rows = tp.vocab_range(vocab_size)
         super().__init__(rows, hidden)
+        self.vocab_start = start
         self.vocab_size = vocab_size
         self.tp = tp
 
