@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+import shutil
 import traceback
 from typing import Any
 
@@ -39,29 +39,40 @@ def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+def generate(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """(greedy tokens, draft tokens proposed)."""
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs], sum(o.num_draft_tokens for o in outs)
 
 
-def _rank(rank: int, size: int, rendezvous: str, cases: list[dict[str, Any]], out_dir: str) -> None:
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return generate(llm, prompts)[0]
+
+
+def _rank(
+    rank: int, size: int, rendezvous: str, cases: list[dict[str, Any]], engine: dict[str, Any], out_dir: str
+) -> None:
     """One rank: every case's greedy tokens (each prompt set twice, the second a prefix-cache
-    hit) to `out_dir/rank{rank}.json`, or the error to `rank{rank}.err`."""
-    sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
+    hit) to `out_dir/rank{rank}.json`, or the error to `rank{rank}.err`. On CUDA, rank r runs
+    on GPU r over NCCL; on CPU over gloo."""
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=size)
+        on_cuda = engine["device"] == "cuda"
+        if on_cuda:
+            torch.cuda.set_device(rank)
+        backend = "nccl" if on_cuda else "gloo"
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size)
         tp = TensorParallel(rank, size, dist.group.WORLD)
         results = []
         for case in cases:
-            llm = LLM(case["path"], tensor_parallel=tp, **ENGINE)
-            first = greedy(llm, case["prompts"])
+            llm = LLM(case["path"], tensor_parallel=tp, **engine, **case.get("engine", {}))
+            first, drafts = generate(llm, case["prompts"])
             hits_before = llm.engine.stats()["cached_tokens_total"]
             again = greedy(llm, case["prompts"])
             hits = llm.engine.stats()["cached_tokens_total"] - hits_before
-            results.append({"first": first, "again": again, "hit_tokens": hits})
+            results.append({"first": first, "again": again, "hit_tokens": hits, "drafts": drafts})
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         dist.destroy_process_group()
@@ -71,13 +82,15 @@ def _rank(rank: int, size: int, rendezvous: str, cases: list[dict[str, Any]], ou
         raise
 
 
-def run_ranks(tmp_path, cases: list[dict[str, Any]], size: int = 2) -> list[list[dict[str, Any]]]:
-    """Every rank's results of `cases` (spawned processes, gloo over a file rendezvous)."""
+def run_ranks(
+    tmp_path, cases: list[dict[str, Any]], engine: dict[str, Any] = ENGINE, size: int = 2
+) -> list[list[dict[str, Any]]]:
+    """Every rank's results of `cases` (spawned processes, a file rendezvous)."""
     import torch.multiprocessing as mp
 
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
     try:
-        mp.spawn(_rank, args=(size, rendezvous, cases, str(tmp_path)), nprocs=size, join=True)
+        mp.spawn(_rank, args=(size, rendezvous, cases, engine, str(tmp_path)), nprocs=size, join=True)
     except Exception:
         errors = [p.read_text() for p in sorted(tmp_path.glob("rank*.err"))]
         pytest.fail("a rank failed:\n" + "\n".join(errors))
@@ -87,18 +100,22 @@ def run_ranks(tmp_path, cases: list[dict[str, Any]], size: int = 2) -> list[list
 LENGTHS = [1, 7, 33, 100, 150, 64]
 
 
-def check_against_tp1_and_transformers(tmp_path, cases: dict[str, dict[str, Any]], hf_reference) -> None:
+def check_against_tp1_and_transformers(
+    tmp_path, cases: dict[str, dict[str, Any]], hf_reference, engine: dict[str, Any] = ENGINE
+) -> None:
     names = list(cases)
-    ranks = run_ranks(tmp_path, [cases[n] for n in names])
+    ranks = run_ranks(tmp_path, [cases[n] for n in names], engine)
     for i, name in enumerate(names):
         case = cases[name]
-        single = greedy(LLM(case["path"], **ENGINE), case["prompts"])
+        single = greedy(LLM(case["path"], **engine, **case.get("engine", {})), case["prompts"])
         hf = hf_reference(case["path"], case["prompts"], NEW_TOKENS)
         rank0 = ranks[0][i]
         assert single == hf, name
         assert rank0["first"] == hf, name
         assert rank0["again"] == hf, name  # from the prefix cache
         assert rank0["hit_tokens"] > 0, name
+        if "speculative_config" in case.get("engine", {}):
+            assert rank0["drafts"] > 0, name
         assert ranks[1][i] == rank0, name  # every rank sampled the same tokens
 
 
@@ -108,11 +125,45 @@ def test_tp2_qwen3_next_equals_tp1_and_transformers(tmp_path, make_checkpoint, h
     check_against_tp1_and_transformers(tmp_path, {"qwen3_next": case}, hf_reference)
 
 
+def with_mtp(src: str, dst: str) -> str:
+    """The checkpoint plus `mtp.*` tensors (save_pretrained drops them): the layer copied from
+    layer 3 (full attention, MoE), a random fc and norms."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    file = os.path.join(dst, "model.safetensors")
+    sd = load_file(file)
+    g = torch.Generator().manual_seed(5)
+    for k in list(sd):
+        if k.startswith("model.layers.3."):
+            sd["mtp.layers.0." + k[len("model.layers.3.") :]] = sd[k].clone()
+    sd["mtp.fc.weight"] = torch.randn(32, 64, generator=g) / 8
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        sd[f"mtp.{name}.weight"] = 0.2 * torch.randn(32, generator=g)
+    save_file(sd, file, metadata={"format": "pt"})
+    return dst
+
+
 @pytest.mark.slow
 def test_tp2_qwen3_5_and_kimi_equal_tp1_and_transformers(
     tmp_path, make_checkpoint, small_kimi_checkpoint, hf_reference
 ):
+    mtp = with_mtp(make_checkpoint("qwen3_next"), str(tmp_path / "mtp"))
+    repeats = [[5, 6, 7, 8, 9] * 12, [40, 41, 42] * 30]  # n-gram lookup finds drafts in these
     cases = {
+        # the MTP layer sharded as the model's, drafting through the sharded embedding and head
+        "qwen3_next_mtp": dict(
+            path=mtp,
+            prompts=random_prompts(160, [7, 100, 33], 5),
+            engine=dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
+        ),
+        "qwen3_next_ngram": dict(
+            path=make_checkpoint("qwen3_next"),
+            prompts=repeats + random_prompts(160, [50], 6),
+            engine=dict(
+                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+            ),
+        ),
         # Qwen3.5's separate projections, an odd vocabulary (the last shard padded), tied embeddings
         "qwen3_5_tied_odd_vocab": dict(
             path=make_checkpoint("qwen3_5", tie_word_embeddings=True, vocab_size=161),
@@ -309,3 +360,23 @@ def test_indivisible_heads_are_a_clear_error(field, value):
     Qwen3NextForCausalLM(config)  # a valid model at one rank
     with pytest.raises(ValueError, match=rf"{field} \({value}\).*tensor-parallel size 2"):
         Qwen3NextForCausalLM(config, TensorParallel(0, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tp2_on_two_gpus_equals_transformers(tmp_path, make_checkpoint, small_kimi_checkpoint, hf_reference):
+    """NCCL between two GPUs, fp32 (so that tokens are held to transformers exactly), decode by
+    CUDA graphs where they capture: the GPU kernels on each rank's shard shapes."""
+    engine = {**ENGINE, "device": "cuda", "max_running_requests": 8}
+    wide = dict(hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
+    cases = {
+        "qwen3_next": dict(
+            path=make_checkpoint("qwen3_next", **wide), prompts=random_prompts(160, LENGTHS, 7)
+        ),
+        "qwen3_5_moe_kv1": dict(
+            path=make_checkpoint("qwen3_5_moe", num_key_value_heads=1, **wide),
+            prompts=random_prompts(160, LENGTHS, 8),
+        ),
+        "kimi_linear": dict(path=small_kimi_checkpoint, prompts=random_prompts(160, LENGTHS, 9)),
+    }
+    check_against_tp1_and_transformers(tmp_path, cases, hf_reference, engine)
