@@ -314,6 +314,21 @@ def test_kimi_shards_from_fused_checkpoint(tmp_path, kimi_builder, kimi_config):
             torch.testing.assert_close(shard[name], expected, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5_vl", "qwen3_5_moe_vl"])
+def test_vision_language_checkpoints_shard_their_text_model(kind, make_checkpoint):
+    """`model.language_model.*` names narrow as the text model's; the vision tower is skipped."""
+    path = make_checkpoint(kind)
+    ckpt, full = _safetensors(path), _load(path)
+    for rank in (0, 1):
+        shard = _load(path, rank, 2)
+        embed = ckpt["model.language_model.embed_tokens.weight"][rank * 80 : rank * 80 + 80]
+        torch.testing.assert_close(shard["model.embed_tokens.weight"], embed, rtol=0, atol=0)
+        o_proj = ckpt["model.language_model.layers.3.self_attn.o_proj.weight"][:, rank * 32 : rank * 32 + 32]
+        torch.testing.assert_close(shard["model.layers.3.self_attn.o_proj.weight"], o_proj, rtol=0, atol=0)
+        a_log = "model.layers.0.linear_attn.A_log"
+        torch.testing.assert_close(shard[a_log], full[a_log][rank * 2 : rank * 2 + 2], rtol=0, atol=0)
+
+
 def test_pool_shapes_are_per_rank_and_dummy_weights_load(make_checkpoint, small_kimi_checkpoint):
     """The engine sizes its pools from kv_shapes / state_shapes: each rank's hold its heads
     only (MLA's latent is replicated). `--load-format dummy` fills each rank's shard."""
