@@ -140,7 +140,9 @@ class ModelRunner:
             )
         dummy = self.config.load_format == "dummy"
         config = self.config
-        return load_mtp(config.model, loaded.config, config.torch_dtype, device, dummy, config.quantization)
+        return load_mtp(
+            config.model, loaded.config, config.torch_dtype, device, dummy, config.quantization, loaded.tp
+        )
 
     def _decode_body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # every row of a decode batch is sampled

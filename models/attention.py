@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from deltaserve.kernels.norm import rms_norm_rope, sigmoid_gate
-from deltaserve.models.layers import Linear, PartialRotaryEmbedding, ZeroCenteredRMSNorm
+from deltaserve.models.layers import Linear, PartialRotaryEmbedding, RowParallelLinear, ZeroCenteredRMSNorm
+from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 
 if TYPE_CHECKING:
     from deltaserve.engine.forward_context import ForwardContext
@@ -23,14 +24,21 @@ def rope_settings(config: Any) -> tuple[float, float]:
 
 
 class GatedAttention(nn.Module):
-    """q/k RMSNorm, partial RoPE, and an output gate sigmoid(g) carried inside q_proj."""
+    """q/k RMSNorm, partial RoPE, and an output gate sigmoid(g) carried inside q_proj.
 
-    def __init__(self, config: Any, layer_id: int) -> None:
+    Tensor-parallel: each rank holds a slice of the query heads (each head's q and gate rows
+    together) and of the KV heads, or one KV head replicated when there are fewer than ranks;
+    o_proj is row-parallel."""
+
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        total_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.num_heads = tp.split(total_heads, "num_attention_heads")
+        self.total_kv_heads = config.num_key_value_heads
+        self.first_kv_head, self.num_kv_heads = tp.kv_heads(self.total_kv_heads, "num_key_value_heads")
         bias = getattr(config, "attention_bias", False)
         hidden = config.hidden_size
         # q (with its output gate), k and v as one matmul; the loader fills it from the three
@@ -42,7 +50,7 @@ class GatedAttention(nn.Module):
             bias=bias,
             shard_sizes=[self.q_size, self.kv_size, self.kv_size],
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias, tp)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         theta, factor = rope_settings(config)
@@ -54,6 +62,12 @@ class GatedAttention(nn.Module):
         rows = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
         kinds = ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",)
         return {f"{p}.{w}": (f"qkv_proj.{w}", s, n) for p, (s, n) in rows.items() for w in kinds}
+
+    def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        q = self.tp.narrow(0, self.q_size * self.tp.size)  # whole heads: q and gate interleave per head
+        kv = Narrow(0, ((self.first_kv_head * self.head_dim, self.kv_size),))
+        kinds = ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",)
+        return {f"{p}.{w}": n for p, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)) for w in kinds}
 
     def kv_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}

@@ -13,18 +13,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from deltaserve.models.layers import GatedRMSNorm, Linear
+from deltaserve.models.layers import GatedRMSNorm, Linear, RowParallelLinear
+from deltaserve.models.parallel import SINGLE, ShardSpec, TensorParallel
 
 if TYPE_CHECKING:
     from deltaserve.engine.forward_context import ForwardContext
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: Any, layer_id: int) -> None:
+    """Tensor-parallel: each rank holds a slice of the key heads and the value heads grouped
+    under them (in_proj rows, conv channels, A_log, dt_bias, its heads' state); out_proj is
+    row-parallel."""
+
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
+        self.tp = tp
+        self.num_k_heads = tp.split(config.linear_num_key_heads, "linear_num_key_heads")
+        self.num_v_heads = tp.split(config.linear_num_value_heads, "linear_num_value_heads")
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
@@ -37,7 +43,26 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = RowParallelLinear(self.value_dim * tp.size, hidden, False, tp)
+
+    def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        tp, n = self.tp, self.tp.size
+        key, value, heads = self.key_dim * n, self.value_dim * n, self.num_v_heads * n
+        qkv = tp.narrow(0, key, key, value)
+        per_head = tp.narrow(0, heads)
+        return {
+            # Qwen3-Next's fused rows are grouped per key head: a contiguous slice is whole groups
+            "in_proj_qkvz.weight": tp.narrow(0, 2 * key + 2 * value),
+            "in_proj_ba.weight": tp.narrow(0, 2 * heads),
+            # Qwen3.5's: q | k | v, each sliced on its own
+            "in_proj_qkv.weight": qkv,
+            "in_proj_z.weight": tp.narrow(0, value),
+            "in_proj_b.weight": per_head,
+            "in_proj_a.weight": per_head,
+            "conv1d.weight": qkv,
+            "A_log": per_head,
+            "dt_bias": per_head,
+        }
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-slot state of this layer: conv history and the recurrent matrix per value head."""

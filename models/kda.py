@@ -14,17 +14,23 @@ import torch
 from torch import nn
 
 from deltaserve.kernels.norm import kda_gate
-from deltaserve.models.layers import GatedRMSNorm, Linear
+from deltaserve.models.layers import GatedRMSNorm, Linear, RowParallelLinear
+from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 
 if TYPE_CHECKING:
     from deltaserve.engine.forward_context import ForwardContext
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, config: Any, layer_id: int) -> None:
+    """Tensor-parallel: each rank holds a slice of the heads (q/k/v rows and conv channels,
+    the heads' rows of f_b, g_b and b, A_log, dt_bias, their state); the low-rank f_a and g_a
+    are replicated and o_proj is row-parallel."""
+
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.linear_num_heads
+        self.tp = tp
+        self.num_heads = tp.split(config.linear_num_heads, "linear_num_heads")
         self.head_dim = config.linear_head_dim
         self.dim = self.num_heads * self.head_dim
         self.conv_kernel = config.linear_conv_kernel_dim
@@ -45,8 +51,22 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(self.dim))
         self.g_b_proj = Linear(self.head_dim, self.dim, bias=False)
         self.o_norm = GatedRMSNorm(self.head_dim, eps=config.rms_norm_eps, kind="sigmoid")
-        self.o_proj = Linear(self.dim, hidden, bias=False)
+        self.o_proj = RowParallelLinear(self.dim * tp.size, hidden, False, tp)
         self.activation = getattr(config, "hidden_act", "silu")
+
+    def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        tp, dim, heads = self.tp, self.dim * self.tp.size, self.num_heads * self.tp.size
+        rows = tp.narrow(0, dim)
+
+        def a_log(shape: tuple[int, ...]) -> Narrow:  # `[H]`, or the release's `[1, 1, H, 1]`
+            return tp.narrow(shape.index(heads), heads)
+
+        specs: dict[str, ShardSpec] = {f"{p}.weight": rows for p in ("q_proj", "k_proj", "v_proj")}
+        specs.update({f"{p}_conv1d.weight": rows for p in ("q", "k", "v")})
+        specs["conv1d.weight"] = tp.narrow(0, dim, dim, dim)  # transformers' fused q | k | v conv
+        specs.update({"f_b_proj.weight": rows, "g_b_proj.weight": rows, "dt_bias": rows})
+        specs.update({"b_proj.weight": tp.narrow(0, heads), "A_log": a_log})
+        return specs
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-slot state: the fused q/k/v conv history and the recurrent matrix per head."""

@@ -19,8 +19,16 @@ from torch import nn
 
 from deltaserve.kernels.router import sigmoid_topk
 from deltaserve.models.kda import KimiDeltaAttention
-from deltaserve.models.layers import Experts, GatedMLP, HybridCausalLM, RMSNorm, run_decoder
+from deltaserve.models.layers import (
+    Experts,
+    GatedMLP,
+    HybridCausalLM,
+    RMSNorm,
+    VocabParallelEmbedding,
+    run_decoder,
+)
 from deltaserve.models.mla import MultiLatentAttention
+from deltaserve.models.parallel import SINGLE, TensorParallel
 from deltaserve.models.weights import WeightLoader
 
 if TYPE_CHECKING:
@@ -84,35 +92,41 @@ class SigmoidRouter(nn.Module):
 
 
 class KimiMoE(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """Tensor-parallel: the router replicated, the routed and shared experts split by their
+    intermediate width, their partial sums joined by one all-reduce."""
+
+    def __init__(self, config: Any, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.gate = SigmoidRouter(config)
-        self.experts = Experts(config.num_local_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = Experts(config.num_local_experts, config.hidden_size, config.moe_intermediate_size, tp)
         shared = config.moe_intermediate_size * (getattr(config, "n_shared_experts", 0) or 0)
-        self.shared_experts = GatedMLP(config.hidden_size, shared) if shared else None
+        self.shared_experts = GatedMLP(config.hidden_size, shared, tp, reduce=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
         out = self.experts(x, ids, weights.to(x.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, layer_type: str, mlp_type: str) -> None:
+    def __init__(
+        self, config: Any, layer_id: int, layer_type: str, mlp_type: str, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn: KimiDeltaAttention | MultiLatentAttention
         if layer_type == "linear_attention":
-            self.self_attn = KimiDeltaAttention(config, layer_id)
+            self.self_attn = KimiDeltaAttention(config, layer_id, tp)
         else:
-            self.self_attn = MultiLatentAttention(config, layer_id)
+            self.self_attn = MultiLatentAttention(config, layer_id, tp)
         self.mlp: nn.Module = (
-            KimiMoE(config)
+            KimiMoE(config, tp)
             if mlp_type == "sparse"
-            else GatedMLP(config.hidden_size, config.intermediate_size)
+            else GatedMLP(config.hidden_size, config.intermediate_size, tp)
         )
 
     def forward(
@@ -132,13 +146,13 @@ class DecoderLayer(nn.Module):
 
 
 class KimiLinearModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_types = layer_types_of(config)
         mlp_types = mlp_types_of(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, t, m) for i, (t, m) in enumerate(zip(self.layer_types, mlp_types))
+            DecoderLayer(config, i, t, m, tp) for i, (t, m) in enumerate(zip(self.layer_types, mlp_types))
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -160,8 +174,13 @@ _KDA_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(\w+\.weight|\w+)$")
 
 
 class KimiLinearForCausalLM(HybridCausalLM):
-    def __init__(self, config: Any) -> None:
-        super().__init__(config, KimiLinearModel(config))
+    def __init__(self, config: Any, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, KimiLinearModel(config, tp), tp)
+
+    def checkpoint_name(self, name: str) -> str:
+        for pattern, repl in _RENAMES:
+            name = pattern.sub(repl, name)
+        return name
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-slot state of one KDA layer (every KDA layer has the same)."""
@@ -179,9 +198,8 @@ class KimiLinearForCausalLM(HybridCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, ignore=self.tied_names())
         pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in weights:
-            for pattern, repl in _RENAMES:
-                name = pattern.sub(repl, name)
+        for raw_name, tensor in weights:
+            name = self.checkpoint_name(raw_name)
             m = _KDA_TENSOR.match(name)
             if m and isinstance(self.model.layers[int(m.group(1))].self_attn, KimiDeltaAttention):
                 self._load_kda_tensor(loader, pending, name, m.group(2), tensor)

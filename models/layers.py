@@ -13,6 +13,7 @@ from deltaserve.kernels.linear import linear, silu_mul_linear
 from deltaserve.kernels.moe import fused_moe
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 from deltaserve.kernels.router import softmax_topk
+from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 
 
 class Linear(nn.Linear):
@@ -37,6 +38,53 @@ class Linear(nn.Linear):
             b = self.bias.split(self.shard_sizes) if self.bias is not None else [None] * len(w)
             return torch.cat([F.linear(x, wi, bi) for wi, bi in zip(w, b)], dim=-1)
         return linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input columns are split over the ranks (o_proj, out_proj): each rank
+    multiplies its slice, the partial sums are all-reduced, the bias is added once after."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(tp.split(in_features, "a row-parallel projection's input width"), out_features, bias)
+        self.tp = tp
+
+    def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        return {"weight": self.tp.narrow(1, self.in_features * self.tp.size)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return super().forward(x)
+        y = self.tp.all_reduce(linear(x, self.weight, None))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding table split by token id: each rank holds `vocab_range` rows (the last
+    shard zero-padded), looks up the ids it holds, and the ranks' rows are summed."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel = SINGLE) -> None:
+        start, rows = tp.vocab_range(vocab_size)
+        super().__init__(rows, hidden)
+        self.vocab_start = start
+        self.vocab_size = vocab_size
+        self.tp = tp
+
+    def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        return {"weight": vocab_narrow(self.tp, self.vocab_size)}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return super().forward(input_ids)
+        local = input_ids - self.vocab_start
+        held = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(local.masked_fill(~held, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(~held.unsqueeze(-1), 0.0))
+
+
+def vocab_narrow(tp: TensorParallel, vocab_size: int) -> ShardSpec:
+    start, rows = tp.vocab_range(vocab_size)
+    length = max(0, min(vocab_size, start + rows) - start)
+    return Narrow(0, ((min(start, vocab_size), length),), pad_to=rows)
 
 
 class _RMSNorm(nn.Module):
@@ -117,12 +165,21 @@ class PartialRotaryEmbedding(nn.Module):
 
 class GatedMLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up as one matmul (`gate_up_proj`,
-    filled from the checkpoint's `gate_proj` and `up_proj` by the weight loader)."""
+    filled from the checkpoint's `gate_proj` and `up_proj` by the weight loader).
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    Tensor-parallel: each rank holds a slice of the intermediate width (gate_up
+    column-parallel, down row-parallel); with `reduce` False the caller all-reduces the partial
+    sum (a MoE block joins it with the experts' into one all-reduce)."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, tp: TensorParallel = SINGLE, reduce: bool = True
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, shard_sizes=[intermediate] * 2)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.tp = tp
+        self.reduce = reduce
+        inter = tp.split(intermediate, "an MLP's intermediate size")
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False, shard_sizes=[inter] * 2)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def checkpoint_shards(self) -> dict[str, tuple[str, int, int]]:
         inter = self.down_proj.in_features
@@ -131,19 +188,51 @@ class GatedMLP(nn.Module):
             "up_proj.weight": ("gate_up_proj.weight", inter, inter),
         }
 
+    def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        full = self.down_proj.in_features * self.tp.size
+        rows, cols = self.tp.narrow(0, full), self.tp.narrow(1, full)
+        return {"gate_proj.weight": rows, "up_proj.weight": rows, "down_proj.weight": cols}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the activation is applied inside the down projection's GEMV where that runs
-        return silu_mul_linear(self.gate_up_proj(x), self.down_proj.weight)
+        out = silu_mul_linear(self.gate_up_proj(x), self.down_proj.weight)
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
 class Experts(nn.Module):
-    """Routed experts stored stacked: gate_up `[E, 2I, H]`, down `[E, H, I]`."""
+    """Routed experts stored stacked: gate_up `[E, 2I, H]`, down `[E, H, I]`.
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    Tensor-parallel: every rank holds every expert's slice of the intermediate width, and
+    returns its partial sum (the MoE block all-reduces)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.tp = tp
+        self.intermediate = intermediate  # the full width, for slicing checkpoint tensors
+        inter = tp.split(intermediate, "moe_intermediate_size")
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        full, tp = self.intermediate, self.tp
+        rows, cols = tp.narrow(0, full), tp.narrow(1, full)
+        specs: dict[str, ShardSpec] = {}
+        for e in range(self.num_experts):
+            for kind in ("gate_proj", "up_proj", "w1", "w3"):
+                specs[f"{e}.{kind}.weight"] = rows
+            for kind in ("down_proj", "w2"):
+                specs[f"{e}.{kind}.weight"] = cols
+
+        # stacked checkpoints come as `[E, 2I, H]` or transposed `[E, H, 2I]` (the loader's rule)
+        def gate_up(shape: tuple[int, ...]) -> Narrow:
+            return tp.narrow(1 if shape[1] == 2 * full else 2, full, full)
+
+        def down(shape: tuple[int, ...]) -> Narrow:
+            return tp.narrow(2 if shape[2] == full else 1, full)
+
+        specs["gate_up_proj"], specs["down_proj"] = gate_up, down
+        return specs
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
@@ -160,13 +249,18 @@ class SparseMoeBlock(nn.Module):
         expert_size: int,
         shared_expert_size: int,
         norm_topk_prob: bool,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.tp = tp
+        # the router and the shared expert's gate are replicated: every rank routes alike
         self.gate = Linear(hidden, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden, expert_size)
-        self.shared_expert = GatedMLP(hidden, shared_expert_size) if shared_expert_size else None
+        self.experts = Experts(num_experts, hidden, expert_size, tp)
+        self.shared_expert = (
+            GatedMLP(hidden, shared_expert_size, tp, reduce=False) if shared_expert_size else None
+        )
         self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_expert_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +268,8 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, ids, weights.to(x.dtype))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        # routed and shared partial sums joined by one all-reduce (the gate is per token)
+        return self.tp.all_reduce(out)
 
 
 def run_decoder(
@@ -196,17 +291,40 @@ def run_decoder(
 
 class HybridCausalLM(nn.Module):
     """The causal-LM shell shared by the model families: a decoder `model` (with
-    `embed_tokens` and `layer_types`) and the vocabulary projection, tied or not."""
+    `embed_tokens` and `layer_types`) and the vocabulary projection, tied or not.
 
-    def __init__(self, config: Any, model: Any) -> None:
+    Tensor-parallel: the LM head holds the embedding's vocabulary shard (tied or not), and
+    `compute_logits` all-gathers the shards into the full vocabulary on every rank."""
+
+    def __init__(self, config: Any, model: Any, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.model = model
+        self.tp = tp
+        self.vocab_size = int(config.vocab_size)
         self._layer_types: list[str] = list(model.layer_types)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, tp.vocab_range(self.vocab_size)[1], bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = model.embed_tokens.weight
+        self._narrows: dict[str, ShardSpec] | None = None
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name in this model's module tree (before fusing), or None for
+        tensors it does not serve; families with other spellings override it."""
+        return name
+
+    def checkpoint_narrow(self, name: str, shape: tuple[int, ...]) -> Narrow | None:
+        """This rank's part of the checkpoint tensor `name` of `shape` (None: all of it), from
+        the `checkpoint_narrows` listings of the modules."""
+        if self._narrows is None:
+            self._narrows = collect_narrows(self)
+        canonical = self.checkpoint_name(name)
+        spec = self._narrows.get(canonical) if canonical is not None else None
+        return spec(shape) if callable(spec) else spec
+
+    def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        return {"lm_head.weight": vocab_narrow(self.tp, self.vocab_size)}
 
     @property
     def layer_types(self) -> list[str]:
@@ -219,4 +337,18 @@ class HybridCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        if not self.tp.enabled:
+            return self.lm_head(hidden)
+        return self.tp.all_gather(self.lm_head(hidden), dim=-1)[..., : self.vocab_size]
+
+
+def collect_narrows(model: nn.Module) -> dict[str, ShardSpec]:
+    """{checkpoint name: its part on this rank} from every module's `checkpoint_narrows`
+    (names relative to the module)."""
+    specs: dict[str, ShardSpec] = {}
+    for prefix, module in model.named_modules():
+        listing = getattr(module, "checkpoint_narrows", None)
+        if callable(listing):
+            dot = f"{prefix}." if prefix else ""
+            specs.update({dot + name: spec for name, spec in listing().items()})
+    return specs

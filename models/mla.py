@@ -14,20 +14,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from deltaserve.models.layers import Linear, RMSNorm
+from deltaserve.models.layers import Linear, RMSNorm, RowParallelLinear
+from deltaserve.models.parallel import SINGLE, ShardSpec, TensorParallel
 
 if TYPE_CHECKING:
     from deltaserve.engine.forward_context import ForwardContext
 
 
 class MultiLatentAttention(nn.Module):
-    def __init__(self, config: Any, layer_id: int) -> None:
+    """Tensor-parallel: each rank holds a slice of the query heads (q_proj / q_b_proj rows)
+    and their rows of the kv_b up-projection; the latent path (q_a, kv_a and their norms) and
+    the latent cache are replicated; o_proj is row-parallel."""
+
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if not getattr(config, "mla_use_nope", True):
             # the release's own modeling code asserts mla_use_nope; transformers never rotates
             raise ValueError("Kimi-Linear MLA with RoPE (mla_use_nope=false) is not supported")
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
+        self.tp = tp
+        self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
@@ -48,8 +54,14 @@ class MultiLatentAttention(nn.Module):
         self.kv_b_proj = Linear(
             self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False
         )
-        self.o_proj = Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.o_proj = RowParallelLinear(self.num_heads * self.v_head_dim * tp.size, hidden, bias, tp)
         self.scale = qk_head_dim**-0.5
+
+    def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        heads = self.num_heads * self.tp.size
+        q = self.tp.narrow(0, heads * (self.nope_dim + self.rope_dim))
+        kv_b = self.tp.narrow(0, heads * (self.nope_dim + self.v_head_dim))
+        return {"q_proj.weight": q, "q_b_proj.weight": q, "kv_b_proj.weight": kv_b}
 
     def kv_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"latent": (self.kv_lora_rank + self.rope_dim,)}

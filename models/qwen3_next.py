@@ -20,9 +20,11 @@ from deltaserve.models.layers import (
     GatedMLP,
     HybridCausalLM,
     SparseMoeBlock,
+    VocabParallelEmbedding,
     ZeroCenteredRMSNorm,
     run_decoder,
 )
+from deltaserve.models.parallel import SINGLE, TensorParallel
 from deltaserve.models.weights import WeightLoader
 
 if TYPE_CHECKING:
@@ -49,7 +51,7 @@ def is_moe_layer(config: Any, layer_id: int) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, layer_type: str) -> None:
+    def __init__(self, config: Any, layer_id: int, layer_type: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_type = layer_type
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -57,9 +59,9 @@ class DecoderLayer(nn.Module):
         self.linear_attn: GatedDeltaNet | None = None
         self.self_attn: GatedAttention | None = None
         if layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNet(config, layer_id)
+            self.linear_attn = GatedDeltaNet(config, layer_id, tp)
         else:
-            self.self_attn = GatedAttention(config, layer_id)
+            self.self_attn = GatedAttention(config, layer_id, tp)
         self.mlp: nn.Module
         if is_moe_layer(config, layer_id):
             self.mlp = SparseMoeBlock(
@@ -69,9 +71,10 @@ class DecoderLayer(nn.Module):
                 config.moe_intermediate_size,
                 getattr(config, "shared_expert_intermediate_size", 0),
                 getattr(config, "norm_topk_prob", True),
+                tp,
             )
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None
@@ -92,11 +95,11 @@ class DecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_types = layer_types_of(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, t) for i, t in enumerate(self.layer_types))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, t, tp) for i, t in enumerate(self.layer_types))
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -106,8 +109,8 @@ class HybridModel(nn.Module):
 class Qwen3NextForCausalLM(HybridCausalLM):
     """Also serves Qwen3.5 dense and MoE text models (same blocks, other weight names)."""
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config, HybridModel(config))
+    def __init__(self, config: Any, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, HybridModel(config, tp), tp)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
@@ -129,7 +132,7 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         loader = WeightLoader(self, ignore=self.tied_names())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for raw_name, tensor in weights:
-            name = self.canonical_name(raw_name)
+            name = self.checkpoint_name(raw_name)
             if name is None:
                 continue
             m = re.match(r"model\.layers\.(\d+)\.linear_attn\.(in_proj_\w+)\.weight$", name)
@@ -151,8 +154,7 @@ class Qwen3NextForCausalLM(HybridCausalLM):
                 raise ValueError(f"layer {layer_id}: incomplete linear-attention projections {sorted(parts)}")
         loader.finish()
 
-    @staticmethod
-    def canonical_name(name: str) -> str | None:
+    def checkpoint_name(self, name: str) -> str | None:
         """Map a checkpoint name to ours, or None for weights we do not serve."""
         if name.startswith(("mtp.", "model.visual.", "visual.", "model.mtp.")):
             return None

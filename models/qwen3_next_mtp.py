@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from deltaserve.models.layers import Linear, ZeroCenteredRMSNorm
+from deltaserve.models.layers import Linear, ZeroCenteredRMSNorm, collect_narrows
+from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 from deltaserve.models.qwen3_next import DecoderLayer
 from deltaserve.models.weights import WeightLoader
 
@@ -37,7 +38,9 @@ def num_mtp_layers(config: Any) -> int:
 
 
 class MultiTokenPredictor(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """Tensor-parallel: the layer is sharded as the model's are; fc and the norms replicated."""
+
+    def __init__(self, config: Any, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if num_mtp_layers(config) != 1:
             raise ValueError(f"only one MTP layer is supported, the config has {num_mtp_layers(config)}")
@@ -46,8 +49,9 @@ class MultiTokenPredictor(nn.Module):
         self.fc = Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, eps=config.rms_norm_eps)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(config, self.layer_id, "full_attention")])
+        self.layers = nn.ModuleList([DecoderLayer(config, self.layer_id, "full_attention", tp)])
         self.norm = ZeroCenteredRMSNorm(hidden, eps=config.rms_norm_eps)
+        self._narrows: dict[str, ShardSpec] | None = None
 
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -69,6 +73,16 @@ class MultiTokenPredictor(nn.Module):
             raise ValueError("the checkpoint has no mtp.* weights: MTP speculation needs them")
         loader.finish()
 
+    def checkpoint_narrow(self, name: str, shape: tuple[int, ...]) -> Narrow | None:
+        """This rank's part of the checkpoint tensor `name` (None: all of it, or not ours)."""
+        prefix = next((p for p in PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            return None
+        if self._narrows is None:
+            self._narrows = collect_narrows(self)
+        spec = self._narrows.get(name[len(prefix) :])
+        return spec(shape) if callable(spec) else spec
+
 
 def load_mtp(
     path: str,
@@ -77,8 +91,9 @@ def load_mtp(
     device: torch.device,
     dummy: bool,
     quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> MultiTokenPredictor:
     from deltaserve.models.loader import build_and_load
 
-    make = lambda: MultiTokenPredictor(config)  # noqa: E731
-    return build_and_load(path, make, dtype, device, "dummy" if dummy else "auto", 0, quantization)
+    make = lambda: MultiTokenPredictor(config, tp)  # noqa: E731
+    return build_and_load(path, make, dtype, device, "dummy" if dummy else "auto", 0, quantization, tp)
