@@ -240,10 +240,8 @@ class ModelRunner:
 
     def state_digest(self) -> dict[str, torch.Tensor]:
         """Per slot, page and window row, the sum and the absolute sum of its device state (fp64, on
-        the host), and the
-        decode page table itself: while every rank holds the whole model, all ranks' digests agree
-        (up to the rounding of different thread counts) when the workers replayed every write of
-        rank 0; the page table always does."""
+        the host), and the decode page table: a check that workers replayed rank 0's writes (a
+        copied row equals its source on every rank; the page table is the same everywhere)."""
 
         def per_row(buf: torch.Tensor) -> torch.Tensor:  # rows: dim 1 (dim 0 is the layer)
             x = buf.double().transpose(0, 1).flatten(1)
