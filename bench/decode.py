@@ -28,8 +28,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-COPY_BW = 4.27e12  # bytes/s, measured device-to-device on this H200 (REFERENCE.md)
-MATMUL_FLOPS = 790e12  # bf16, measured
+COPY_BW = 4.27e12  # bytes/s, the H200's device-to-device copy rate (docs/kernels.md)
+MATMUL_FLOPS = 790e12  # bf16 matmul rate of the H200 (docs/kernels.md)
 
 
 def timed_steps(engine: Engine) -> tuple[list[float], list[float]]:

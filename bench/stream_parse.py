@@ -6,9 +6,9 @@ A synthetic Qwen reasoning output (`<think>` ... `</think>` then content, with a
 the end under `--tools`) arrives in pieces of `--piece` characters, as a stream's steps deliver
 it. Two ways of turning the pieces into deltas are timed, in microseconds per step over ranges
 of the output's length:
-  reparse      parse the whole text so far every step and send what grew (what streams did
-               before the incremental parsers: a cost that grows with the text)
-  incremental  `ChatStreamState.feed` with the new piece only (what streams do now)
+  reparse      parse the whole text so far every step and send what grew (the baseline: a
+               cost that grows with the text)
+  incremental  `ChatStreamState.feed` with the new piece only (what streams do)
 """
 
 from __future__ import annotations

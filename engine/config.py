@@ -117,7 +117,7 @@ class EngineConfig:
         from deltaserve.kernels.mla import mla_prefill_mode
         from deltaserve.kernels.triton_utils import pdl_mode
 
-        gemv_mode()  # DELTASERVE_GEMV: a typo is an error now, not a silent default
+        gemv_mode()  # DELTASERVE_GEMV: a typo fails at start-up, not as a silent default
         pdl_mode()  # DELTASERVE_PDL, likewise
         mla_prefill_mode()  # DELTASERVE_MLA_PREFILL
 

@@ -45,9 +45,8 @@ def capture(
 
     Python's garbage collector is paused during the capture. A collection there can free
     another CUDA graph (one of an engine dropped earlier, kept alive by a reference cycle), and
-    destroying a graph while a stream captures is an error that invalidates this capture (it
-    happened on the H200: a test's second engine fell back to eager decoding, and the failed
-    capture left CUDA's random generator unusable for the rest of the process)."""
+    destroying a graph while a stream captures is an error that invalidates this capture, and a
+    failed capture leaves CUDA's random generator unusable for the rest of the process."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

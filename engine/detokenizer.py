@@ -15,10 +15,9 @@ class IncrementalDetokenizer:
     """
 
     # The text is kept as chunks joined on demand: `self.text += delta` copies the whole text
-    # for every token (a str attribute is never extended in place), which at 32k-64k tokens a
-    # request cost 18 µs a token (bench/detokenize.py). The newest pieces are merged into one
-    # chunk every MERGE appends, so an append costs O(1) amortised and the chunk list stays
-    # short.
+    # for every token (a str attribute is never extended in place), a cost that grows with the
+    # output. The newest pieces are merged into one chunk every MERGE appends, so an append
+    # costs O(1) amortised and the chunk list stays short.
     MERGE = 64
     # Tokens held back (their text ends in an unfinished character) before the settled part of
     # their text is released (`_release`), and the tokens of context the window path decodes

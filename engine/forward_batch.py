@@ -16,8 +16,8 @@ import torch
 
 from deltaserve.engine.h2d import to_device_packed
 
-# chunks longer than this compute their KV slots with numpy (an 8k-token prefill's Python loop
-# cost the host about 1.5 ms, bench/profile_prefill.py --cprofile)
+# chunks longer than this compute their KV slots with numpy: a per-token Python loop over a
+# long prefill is a visible share of the host's step
 _VECTOR_ROWS = 64
 FLA_CHUNK = 64  # the chunk length of FLA's chunked delta-rule kernels
 

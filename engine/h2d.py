@@ -3,9 +3,8 @@
 On CUDA the values are written into a pinned staging buffer and copied without blocking, in
 order on the current stream: `torch.tensor(values, device=cuda)` (a blocking copy) would make
 the host wait for everything queued, which under overlap scheduling is the step in flight.
-The staging buffers are a small ring, reused: in the batch-1 GPU profile a fresh pinned
-tensor cost the host about 24 µs and each copy about 16 µs, and a batch-256 step made eleven
-of each (docs/performance.md); now a batch is one copy from a buffer allocated once.
+The staging buffers are a small ring, reused, and a batch's lists go over in one packed copy:
+a fresh pinned allocation and each separate copy cost the host tens of microseconds.
 """
 
 from __future__ import annotations
@@ -102,7 +101,7 @@ def to_device_packed(
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`values` (a list, or a list of equal-length lists) as a tensor on `device`, through
-    numpy (about three times faster than `torch.tensor` on nested lists); on CUDA through the
+    numpy (`torch.tensor` converts nested lists element by element); on CUDA through the
     pinned ring, without blocking."""
     if device.type != "cuda":
         return torch.from_numpy(np.asarray(values, dtype=_numpy_dtype(dtype)))

@@ -1,8 +1,8 @@
 """Each state slot's KV page list, kept on the device for decode-graph batches.
 
 A decode step at batch 256 would otherwise rebuild the whole `[N, max_pages]` page table from
-Python lists and copy it over (about 0.2 ms of host time at 40 pages a request on the 2-core
-development CPU, growing with the context). Here the table lives on the device, one row per
+Python lists and copy it over, host time that grows with the context. Here the table lives on
+the device, one row per
 state slot, and a step sends only the entries that changed: the pages a request gained since
 its row was last written, or its whole list when the request's list object is new (admission,
 preemption, or a new request in a reused slot). A request's page list only grows in place

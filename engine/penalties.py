@@ -1,8 +1,9 @@
 """Repetition, presence and frequency penalties for a whole batch at once.
 
-Applied row by row, each penalised request cost a set and a sort of its whole token history
-in Python, a transfer and three or four kernels, every step: at batch 256 with long outputs,
-tens of milliseconds of host time (Qwen's model cards suggest presence_penalty 1.5). Here each
+Applied row by row, each penalised request would cost a set and a sort of its whole token
+history in Python, a transfer and three or four kernels, every step: at large batches with long
+outputs, more host time than the forward pass (Qwen's model cards suggest presence_penalty 1.5,
+so many requests carry one). Here each
 request's tokens are kept as numpy arrays that grow with it (`TokenArrays`, on the request,
 so they go when it goes), the batch's (row, token) pairs go over in one copy, and the counts
 and the seen-mask are built by one scatter each. The results are those of `apply_penalties`

@@ -18,9 +18,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Batches of at least TOPK_MIN_ROWS rows that all set a top-k of at most TOPK_LIMIT rank only
-# their k best tokens. On the H200 at Qwen3.5's 248k vocabulary (bench/sampler.py --ops) a
-# full sort took 0.10 / 0.24 / 1.1 / 4.6 ms at 1 / 8 / 64 / 256 rows, `torch.topk` of 20 or
-# 1024 0.12-0.18 / 0.12-0.19 / 0.29-0.32 / 0.85-0.91 ms: slower for a single row.
+# their k best tokens: over a large vocabulary `torch.topk` is cheaper than a full sort from a
+# few rows on, but not for a single row (docs/performance.md, "Sampling").
 TOPK_LIMIT = 1024
 TOPK_MIN_ROWS = 4
 # on CUDA, sampled batches of at most this many rows replay graphs (engine/sampler_graphs.py):

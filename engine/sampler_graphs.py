@@ -1,9 +1,9 @@
 """Sampling by CUDA-graph replay, for small batches.
 
 Sampling a batch eagerly launches about twenty small kernels from Python (scaling, ranking,
-three softmaxes, the masks, the race, the greedy rows' argmax); at batch 1 on the H200 that
-made a sampled decode step a third slower than a greedy one (docs/performance.md), the host
-time, not the GPU's. Here the same ops (`pick_tokens`, shared with the eager path) are
+three softmaxes, the masks, the race, the greedy rows' argmax); at small batches those
+launches, host time rather than the GPU's, are most of what sampling adds to a decode step.
+Here the same ops (`pick_tokens`, shared with the eager path) are
 captured once per padded batch size and ranking width, reading static buffers: the logits,
 the per-row parameters and the noise. A step then costs a copy of the logits, the logit
 processing it needs (biases, penalties, min_tokens bans and grammar masks run eagerly on the
@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 # larger k, or a row without one, sorts the whole vocabulary
 TOPK_BUCKETS = (64, 256, TOPK_LIMIT)
 # batches of fewer rows sort instead of ranking with `torch.topk`. Inside a graph only the GPU's
-# time counts, so every batch may rank; whether a sort is faster at one row is not measured yet
-# (bench/sampler.py --graphs 32 [--graph-topk-min-rows N])
+# time counts, so every batch may rank (`bench/sampler.py --graphs 32 --graph-topk-min-rows N`
+# compares the two)
 GRAPH_TOPK_MIN_ROWS = 1
 
 # captures `fn` (static inputs to a static output): the replay callable and the output

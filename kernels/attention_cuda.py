@@ -13,9 +13,8 @@ from deltaserve.kernels.triton_pdl import pdl_args
 from deltaserve.kernels.triton_utils import sm_count
 
 _MAX_SPLITS = 64
-# One 64-token tile per split at least. With 256 a batch-1 decode graph at max_model_len 656
-# got 3 splits, 6 programs for Qwen3.5-0.8B's 2 KV heads, and took 11.7 us a layer on the H200
-# for a 640-token context (bench/profile_decode.py).
+# One 64-token tile per split at least: a larger minimum leaves a small batch with few KV heads
+# too few programs to fill the GPU (docs/kernels.md, "Paged attention decode").
 _MIN_TOKENS_PER_SPLIT = 64
 
 
@@ -113,8 +112,9 @@ def paged_decode_launch(
 def prefill_tiles(dtype: torch.dtype, dim: int) -> tuple[int, int, int, int]:
     """`(BM, BN, num_warps, num_stages)` of the prefill kernel.
 
-    bf16 / fp16: the best of a sweep on an H200 at head dim 256 (docs/kernels.md), 2.7x the
-    64 x 32 tile. fp32 (tests, debugging) keeps tiles small enough for shared memory.
+    bf16 / fp16: the fastest of a sweep at head dim 256 (`bench.kernels --only paged_prefill
+    --sweep`, docs/kernels.md). fp32 (tests, debugging) keeps tiles small enough for shared
+    memory.
     """
     if dtype == torch.float32:
         return 32, 32, 4, 2
@@ -205,8 +205,8 @@ def paged_attention_cuda(
         max_context = page_table.shape[1] * page_size
         sms = sm_count(q.device)
         splits = decode_splits(n, hkv, max_context, sms)
-        # Measured (docs/kernels.md): 64-token tiles keep more bytes in flight when the grid is
-        # about one wave; 32-token tiles let more programs share an SM when it is many.
+        # 64-token tiles keep more bytes in flight when the grid is about one wave; 32-token
+        # tiles let more programs share an SM when it is many.
         few_programs = n * hkv * splits <= 2 * sms
         block_n = 64 if q.element_size() == 2 and (dim <= 128 or few_programs) else 32
         paged_decode_launch(

@@ -1,15 +1,13 @@
-"""The models' linear layers: cuBLAS, or our Triton GEMV where it was measured to win.
+"""The models' linear layers: cuBLAS, or our Triton GEMV for decode rows of small matrices.
 
 On CUDA (`DELTASERVE_GEMV` unset or `auto`), projections of one or two tokens go to
-`triton_gemv` when the weight is at most 8 MB or has at most 4096 output rows. Measured on the
-H200 with each matrix read from HBM (bench/gemv.py, docs/kernels.md): cuBLAS reads small
-matrices at 0.3-1.5 TB/s (a 1024x2048 bf16 projection: 12.4 us against Triton's 3.3 us) and
-splits K on matrices with few output rows (9B's 4096x12288 down projection: 29.0 against
-25.4 us), while on wide matrices (5120 rows and more) it is as fast or faster. The Triton
-kernel's tiles shrink as rows are added (its accumulator is capped at 8k elements), and it
-loses from three rows on. `DELTASERVE_GEMV=cublas` keeps every projection on cuBLAS;
-`DELTASERVE_GEMV=triton` widens the rule to `MAX_ROWS` rows and `MAX_WEIGHT_BYTES` (for
-measuring).
+`triton_gemv` when the weight is at most 8 MB or has at most 4096 output rows: cuBLAS streams
+small matrices well below the memory bandwidth and splits K (a second kernel) on matrices with
+few output rows, while on wide matrices it is as fast. The Triton kernel's tiles shrink as rows
+are added (its accumulator is capped at 8k elements), so from three rows on cuBLAS is used
+everywhere. The rule's timings are in docs/kernels.md (`python -m bench.gemv`).
+`DELTASERVE_GEMV=cublas` keeps every projection on cuBLAS; `DELTASERVE_GEMV=triton` widens the
+rule to `MAX_ROWS` rows and `MAX_WEIGHT_BYTES` (for measuring).
 """
 
 from __future__ import annotations

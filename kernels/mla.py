@@ -189,9 +189,9 @@ def mla_attention(
 
     CPU runs the expanded reference. On CUDA, batches of one token per request (decode, and
     what CUDA graphs capture) take the Triton kernel over the latent cache (absorbed form);
-    prefill takes the same expansion through torch's fused attention (`mla_prefill_sdpa`: a
-    4k Kimi-Linear prefill 198 -> 106 ms on the H200), or with `DELTASERVE_MLA_PREFILL=reference`
-    the expanded reference.
+    prefill takes the same expansion through torch's fused attention (`mla_prefill_sdpa`, which
+    never materialises the fp32 scores), or with `DELTASERVE_MLA_PREFILL=reference` the
+    expanded reference.
     """
     if use_fast_path(q):
         if q.shape[0] == seq_lens.shape[0]:

@@ -85,7 +85,7 @@ def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 def fla_internal(module: str, name: str) -> Callable[..., Any] | None:
     """FLA's chunked forward `module.name`, below its public entry point (no autograd Function,
-    argument guards or backend dispatch: about 1.5 ms of host time a layer saved in the 0.8B 8k
+    argument guards or backend dispatch, whose host time per layer bounds a small model's
     prefill, docs/performance.md). None with DELTASERVE_FLA_DIRECT=0, or where FLA's internals
     differ from 0.6's (no such function, or one without `chunk_indices`): the public call then."""
     if os.environ.get("DELTASERVE_FLA_DIRECT", "1") == "0":

@@ -246,9 +246,8 @@ def conv_prefill_launch(
     block_d: int = 128,
     num_warps: int = 4,
 ) -> None:
-    """Tiles: the fastest of 50 in `python -m bench.kernels --only conv_prefill --sweep` on the
-    H200 (8k tokens: 200 against 231 µs at 6144 channels for the former 32 x 128, 263 against
-    302 µs at 8192; docs/kernels.md)."""
+    """Tiles: the fastest of the `python -m bench.kernels --only conv_prefill --sweep` tilings
+    (docs/kernels.md)."""
     total, dim = x.shape
     width = weight.shape[1]
     n = slots.shape[0]

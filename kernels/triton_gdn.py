@@ -106,10 +106,9 @@ def decode_block_v(
 ) -> tuple[int, int]:
     """Pick `(BV, num_warps)` for the decode kernel.
 
-    Measured on an H200 (docs/kernels.md): wide tiles (BV=64, 4 warps, 32 KiB of state per
-    program) stream best once they give every SM about four programs (batch 64 and up at 16
-    or 32 value heads); below that (batch 1 to 4), narrow tiles (BV=16, 2 warps) spread the
-    few heads over more SMs.
+    Wide tiles (BV=64, 4 warps, 32 KiB of state per program) stream best once they give every
+    SM about four programs; below that, narrow tiles (BV=16, 2 warps) spread the few heads over
+    more SMs (the sweep is in docs/kernels.md).
     """
     bk = triton.next_power_of_2(head_k_dim)
     bv_max = triton.next_power_of_2(head_v_dim)

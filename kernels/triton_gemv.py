@@ -1,8 +1,9 @@
 """Triton GEMV for decode-sized batches: `y = x @ w.T` for a few rows of x.
 
 At batch 1-8 a linear layer is a matrix read: its cost is the weight's bytes over the memory
-bandwidth. cuBLAS picks tiles for GEMMs; on the small matrices of a 1-2B model (4-20 MB) a
-batch-1 call reached 1-1.5 TB/s on the H200. Here each program reads a few whole weight rows
+bandwidth. cuBLAS picks tiles for GEMMs, and on the small matrices of a 1-2B model (4-20 MB) a
+batch-1 call streams well below the bandwidth (docs/kernels.md). Here each program reads a few
+whole weight rows
 (a contiguous stream along K) and the rows are spread over about twice as many programs as
 the GPU has SMs, so that every SM streams.
 """

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL, Hopper and later) for our Triton kernels.
 
-A decode step is a chain of a few hundred small kernels, and each launch costs 1-2 µs even
-inside a CUDA graph. A kernel launched with PDL may be scheduled while the kernel before it on
+A decode step is a chain of a few hundred small kernels, and the gap between one kernel's end
+and the next one's start stays even inside a CUDA graph. A kernel launched with PDL may be scheduled while the kernel before it on
 the stream is still running: it does what depends on nothing earlier (the GEMV loads its first
 weight tile), then `griddepcontrol.wait` blocks until the previous kernel has finished and its
 writes are visible. Right after the wait it lets the next kernel launch in turn.

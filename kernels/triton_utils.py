@@ -11,10 +11,9 @@ from contextvars import ContextVar
 import torch
 
 PDL_MODES = ("off", "auto", "on")
-# "auto": PDL in the decode graphs of at most this many tokens. Measured on the H200: batch 1
-# gains 3-10%, batch 8 2-3%, while 9B batch 256 loses 8-9% (docs/performance.md): a kernel lets
-# the next one launch as soon as it has passed its wait, and at large grids the next kernel's
-# waiting programs take SM slots from the running one.
+# "auto": PDL in the decode graphs of at most this many tokens. Small graphs are chains of short
+# kernels whose launch gaps PDL hides; at large grids the next kernel's waiting programs take SM
+# slots from the running one, a loss (docs/performance.md, "Environment switches").
 PDL_AUTO_MAX_TOKENS = 32
 _graph_tokens: ContextVar[int | None] = ContextVar("deltaserve_pdl_graph_tokens", default=None)
 
