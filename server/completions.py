@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 
 
 def _prompts(
-    ctx: ServerContext, prompt: str | list[str] | list[int] | list[list[int]]
+    ctx: ServerContext, prompt: str | list[str] | list[int] | list[list[int]], echo: bool
 ) -> list[tuple[str, list[int]]]:
-    """Every prompt as (text, token ids)."""
+    """Every prompt as (text, token ids); token-id prompts are decoded only to be echoed."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -48,7 +48,7 @@ def _prompts(
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "prompt")
         ids = list(item)  # type: ignore[arg-type]
-        out.append((ctx.decode(ids) if ctx.tokenizer is not None else "", ids))
+        out.append((ctx.decode(ids) if echo and ctx.tokenizer is not None else "", ids))
     return out
 
 
@@ -101,7 +101,7 @@ class _Choice:
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
-    prompts = await ctx.off_loop(_prompts, ctx, req.prompt)
+    prompts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo)
     request_id = random_id("cmpl")
     requests, choices = [], []
     for j, (text, ids) in enumerate(prompts):
