@@ -398,6 +398,8 @@ class EngineClient:
                     self._on_fault(*fault)
             elif message[0] == "dead":
                 self._on_dead(message[1])
+            # a queued message is received without yielding: a backlog would starve the loop
+            await asyncio.sleep(0)
 
     async def _watch(self) -> None:
         """Notice an engine that died: every request in flight fails at once instead of hanging."""
