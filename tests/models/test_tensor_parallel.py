@@ -546,3 +546,29 @@ def test_tp2_on_two_gpus_equals_transformers(tmp_path, make_checkpoint, small_ki
         "kimi_linear": dict(path=small_kimi_checkpoint, prompts=random_prompts(160, LENGTHS, 9)),
     }
     check_against_tp1_and_transformers(tmp_path, cases, hf_reference, engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tp2_expert_parallel_on_two_gpus_equals_transformers(
+    tmp_path, make_checkpoint, small_kimi_checkpoint, hf_reference
+):
+    """Expert parallelism over NCCL, fp32: the Triton fused MoE skips the other rank's
+    assignments (eagerly and in the decode graphs) and the sum over ranks is transformers'."""
+    engine = {**ENGINE, "device": "cuda", "max_running_requests": 8}
+    wide = dict(hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
+    cases = {
+        "qwen3_5_moe_ep": dict(
+            path=make_checkpoint("qwen3_5_moe", **wide),
+            prompts=random_prompts(160, LENGTHS, 14),
+            expert_parallel=True,
+            experts=[2, 16],
+        ),
+        "kimi_linear_ep": dict(
+            path=small_kimi_checkpoint,
+            prompts=random_prompts(160, LENGTHS, 15),
+            expert_parallel=True,
+            experts=[2, 16],
+        ),
+    }
+    check_against_tp1_and_transformers(tmp_path, cases, hf_reference, engine)
