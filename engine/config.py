@@ -62,6 +62,9 @@ class EngineConfig:
     # Ranks are spread evenly over `nnodes` machines, which meet at master_addr:master_port
     # (torch.distributed's TCP rendezvous); None: a free port on this machine (one node only)
     tensor_parallel_size: int = 1
+    # MoE experts placed whole, num_experts / tensor_parallel_size per rank, instead of each rank
+    # holding every expert's slice (EP size = TP size, as vLLM's); no effect at one rank
+    enable_expert_parallel: bool = False
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

@@ -214,6 +214,7 @@ class Engine:
             "dtype": config.dtype,
             "device": str(self.device),
             "tensor_parallel_size": config.tensor_parallel_size,
+            "expert_parallel": (config.tensor_parallel or SINGLE).experts_whole,
             "num_params": loaded.num_params,
             "kv_capacity_tokens": self.runner.kv_pool.capacity * config.page_size,
             "state_slots": self.runner.state_pool.num_working,

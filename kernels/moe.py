@@ -1,4 +1,7 @@
-"""Routed-expert MLP (SwiGLU experts, top-k weighted sum)."""
+"""Routed-expert MLP (SwiGLU experts, top-k weighted sum).
+
+An id outside `[0, E)` (-1: an expert held by another expert-parallel rank) is an assignment
+to skip: it costs no expert compute and adds exactly nothing, whatever its weight."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ def moe_ref(
     """x `[T, H]`; gate_up `[E, 2I, H]`; down `[E, H, I]`; topk ids and weights `[T, k]`."""
     out = torch.zeros_like(x)
     for e in topk_ids.unique().tolist():
+        if not 0 <= e < gate_up.shape[0]:
+            continue
         token_idx, k_idx = torch.where(topk_ids == e)
         gate, up = F.linear(x[token_idx], gate_up[e]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, down[e])

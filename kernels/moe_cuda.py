@@ -8,13 +8,17 @@ import torch
 def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows grouped by expert, each group padded to block_m, in buffers of a fixed worst-case size.
 
-    Returns (rows [R], block_expert [R // block_m]); padding rows hold num_assign, empty
-    blocks hold num_experts. No host synchronisation, so CUDA graphs can capture it.
+    Returns (rows [R], block_expert [R // block_m]); padding rows hold num_assign. Assignments
+    whose id is outside [0, num_experts) (skipped: another rank's expert) form one last group
+    whose blocks hold num_experts, as empty blocks do (num_experts or num_experts + 1): the
+    GEMMs pass over every block of an expert >= num_experts, the down kernel writes zeros for
+    the skipped rows. No host synchronisation, so CUDA graphs can capture it.
     """
     flat = topk_ids.reshape(-1).long()
+    flat = flat.masked_fill((flat < 0) | (flat >= num_experts), num_experts)
     n = flat.numel()
     device = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
         0, flat, torch.ones_like(flat)
     )
     padded = (counts + block_m - 1) // block_m * block_m
@@ -24,7 +28,7 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     order = torch.sort(flat, stable=True).indices
     sorted_expert = flat[order]
     rank = torch.arange(n, device=device) - count_start[sorted_expert]
-    max_rows = n + num_experts * (block_m - 1)
+    max_rows = n + (num_experts + 1) * (block_m - 1)
     max_rows = (max_rows + block_m - 1) // block_m * block_m
     rows = torch.full((max_rows,), n, dtype=torch.int32, device=device)
     rows.scatter_(0, padded_start[sorted_expert] + rank, order.to(torch.int32))

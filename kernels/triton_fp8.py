@@ -197,14 +197,18 @@ def _fp8_moe_down_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert + pid_m)
-    if expert >= E:
-        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     assign = tl.load(rows + offs_m)
     valid = assign < num_assign
     a_row = tl.where(valid, assign, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
+    dst = out + a_row[:, None] * stride_ot + offs_n[None, :]
+    if expert >= E:
+        # skipped assignments (another rank's expert) add zero to their token's sum
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out.dtype.element_ty)
+        tl.store(dst, zero, mask=valid[:, None] & n_ok[None, :])
+        return
     w_base = w + expert.to(tl.int64) * stride_we
     s_base = w_s + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -225,5 +229,4 @@ def _fp8_moe_down_kernel(
         acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * sb[None, :]
     rw = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
-    dst = out + a_row[:, None] * stride_ot + offs_n[None, :]
     tl.store(dst, acc.to(out.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])

@@ -4,6 +4,8 @@ Each (token, k) assignment is one row. Rows are grouped by expert and every grou
 a multiple of BLOCK_M, so a program handles one block of one expert's rows: the first GEMM
 computes silu(x W_gate) * (x W_up) for its rows, the second multiplies by W_down and the
 routing weight. Nothing depends on values at launch time, so the whole op is graph-safe.
+Blocks of an expert >= E are empty or hold skipped assignments (another expert-parallel
+rank's experts): no GEMM runs for them, and the down kernel writes their rows as zeros.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ def _moe_gate_up_kernel(
     x,  # [T, H]
     w,  # [E, 2I, H]
     rows,  # [R] assignment id per padded row (>= num_assign: padding)
-    block_expert,  # [B] expert of each block (>= E: empty block)
+    block_expert,  # [B] expert of each block (>= E: empty, or skipped assignments)
     inter,  # [num_assign, I] output
     num_assign,
     H,
@@ -100,14 +102,18 @@ def _moe_down_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert + pid_m)
-    if expert >= E:
-        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     assign = tl.load(rows + offs_m)
     valid = assign < num_assign
     a_row = tl.where(valid, assign, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
+    dst = out + a_row[:, None] * stride_ot + offs_n[None, :]
+    if expert >= E:
+        # skipped assignments (another rank's expert) add zero to their token's sum
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out.dtype.element_ty)
+        tl.store(dst, zero, mask=valid[:, None] & n_ok[None, :])
+        return
     w_base = w + expert.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
@@ -126,5 +132,4 @@ def _moe_down_kernel(
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     rw = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
-    dst = out + a_row[:, None] * stride_ot + offs_n[None, :]
     tl.store(dst, acc.to(out.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])

@@ -93,7 +93,8 @@ class SigmoidRouter(nn.Module):
 
 class KimiMoE(nn.Module):
     """Tensor-parallel: the router replicated, the routed and shared experts split by their
-    intermediate width, their partial sums joined by one all-reduce."""
+    intermediate width, their partial sums joined by one all-reduce. Expert-parallel: the
+    routed experts whole per rank (`Experts`), the shared experts still split, one all-reduce."""
 
     def __init__(self, config: Any, tp: TensorParallel = SINGLE) -> None:
         super().__init__()

@@ -13,7 +13,7 @@ from deltaserve.kernels.linear import linear, silu_mul_linear
 from deltaserve.kernels.moe import fused_moe
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 from deltaserve.kernels.router import softmax_topk
-from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
+from deltaserve.models.parallel import NOTHING, SINGLE, Narrow, ShardSpec, TensorParallel
 
 
 class Linear(nn.Linear):
@@ -203,18 +203,24 @@ class Experts(nn.Module):
     """Routed experts stored stacked: gate_up `[E, 2I, H]`, down `[E, H, I]`.
 
     Tensor-parallel: every rank holds every expert's slice of the intermediate width, and
-    returns its partial sum (the MoE block all-reduces)."""
+    returns its partial sum (the MoE block all-reduces). Expert-parallel (`tp.expert_parallel`):
+    each rank holds whole experts, the block `expert_range`, and sums only the assignments to
+    them (the others' ids are masked out); the same all-reduce adds the ranks' sums."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.tp = tp
         self.intermediate = intermediate  # the full width, for slicing checkpoint tensors
-        inter = tp.split(intermediate, "moe_intermediate_size")
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.expert_range = tp.expert_range(num_experts)  # (first, count) held by this rank
+        local = self.expert_range[1]
+        inter = intermediate if tp.experts_whole else tp.split(intermediate, "moe_intermediate_size")
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(local, hidden, inter))
 
     def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        if self.tp.experts_whole:
+            return self._expert_narrows()
         full, tp = self.intermediate, self.tp
         rows, cols = tp.narrow(0, full), tp.narrow(1, full)
         specs: dict[str, ShardSpec] = {}
@@ -234,12 +240,32 @@ class Experts(nn.Module):
         specs["gate_up_proj"], specs["down_proj"] = gate_up, down
         return specs
 
+    def _expert_narrows(self) -> dict[str, ShardSpec]:
+        """Expert-parallel: this rank's experts whole (per-expert tensors of the others skipped
+        unread), stacked tensors narrowed along the expert dimension (the first in either layout)."""
+        first, count = self.expert_range
+        specs: dict[str, ShardSpec] = {}
+        for e in range(self.num_experts):
+            if not first <= e < first + count:
+                for kind in ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"):
+                    specs[f"{e}.{kind}.weight"] = NOTHING
+        specs["gate_up_proj"] = specs["down_proj"] = Narrow(0, ((first, count),))
+        return specs
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.tp.experts_whole:
+            first, count = self.expert_range
+            local = topk_ids - first
+            # another rank's expert: an id the fused MoE skips (no compute, a zero contribution)
+            topk_ids = local.masked_fill((local < 0) | (local >= count), -1)
         return fused_moe(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
 
 
 class SparseMoeBlock(nn.Module):
-    """Softmax top-k routing plus a sigmoid-gated shared expert (Qwen3-Next, Qwen3.5-MoE)."""
+    """Softmax top-k routing plus a sigmoid-gated shared expert (Qwen3-Next, Qwen3.5-MoE).
+
+    The shared expert stays split by its intermediate width under expert parallelism too, as
+    vLLM keeps it: only the routed experts are placed whole."""
 
     def __init__(
         self,

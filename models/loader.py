@@ -90,7 +90,8 @@ def iter_safetensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a single-file or sharded (index.json) safetensors checkpoint; `progress`
     shows a bar over the shards on stderr. `narrow(name, shape)` names the part of a tensor to
-    read (a tensor-parallel rank's), and only that part is read from the file."""
+    read (a tensor-parallel rank's), and only that part is read from the file; a tensor the rank
+    holds nothing of (another rank's expert) is not read nor yielded."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -110,6 +111,8 @@ def iter_safetensors(
                     continue
                 lazy = f.get_slice(key)
                 part = narrow(key, tuple(lazy.get_shape()))
+                if part is not None and part.holds_nothing:
+                    continue
                 yield key, (f.get_tensor(key) if part is None else part.read(lazy))
 
 

@@ -19,11 +19,17 @@ import torch
 @dataclass(frozen=True)
 class Narrow:
     """A rank's part of a checkpoint tensor: `pieces` `(start, length)` along `dim`, in order,
-    concatenated, then zero-padded along `dim` to `pad_to` rows (a padded vocabulary shard)."""
+    concatenated, then zero-padded along `dim` to `pad_to` rows (a padded vocabulary shard).
+    No pieces (`NOTHING`): the rank holds none of the tensor (another rank's expert), and the
+    loader skips it without reading."""
 
     dim: int
     pieces: tuple[tuple[int, int], ...]
     pad_to: int | None = None
+
+    @property
+    def holds_nothing(self) -> bool:
+        return not self.pieces
 
     def _index(self, ndim: int, start: int, length: int) -> tuple[slice, ...]:
         dim = self.dim % ndim
@@ -48,6 +54,8 @@ class Narrow:
         return self._finish([lazy[self._index(ndim, s, n)] for s, n in self.pieces], ndim)
 
 
+NOTHING = Narrow(0, ())
+
 # what a module lists per checkpoint tensor: a fixed part, or one that depends on the tensor's
 # stored shape (layouts that differ between releases)
 ShardSpec = Narrow | Callable[[tuple[int, ...]], Narrow]
@@ -55,13 +63,24 @@ ShardSpec = Narrow | Callable[[tuple[int, ...]], Narrow]
 
 @dataclass(frozen=True)
 class TensorParallel:
+    """`expert_parallel`: the routed experts are split whole over the same ranks (EP size = TP
+    size, as with vLLM's --enable-expert-parallel) instead of each rank holding every expert's
+    slice of the intermediate width."""
+
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup; None when size == 1
+    expert_parallel: bool = False
 
     @property
     def enabled(self) -> bool:
         return self.size > 1
+
+    @property
+    def experts_whole(self) -> bool:
+        """True when this rank holds whole experts: expert parallelism over more than one rank
+        (at size 1 the flag changes nothing, as in vLLM)."""
+        return self.expert_parallel and self.size > 1
 
     # -- shard sizes ----------------------------------------------------------------
 
@@ -94,6 +113,20 @@ class TensorParallel:
             pieces.append((offset + self.rank * n, n))
             offset += b
         return Narrow(dim, tuple(pieces))
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """(first expert, count) of this rank: under expert parallelism a contiguous block of
+        `num_experts / size` experts, otherwise all of them."""
+        if not self.experts_whole:
+            return 0, num_experts
+        if num_experts % self.size:
+            raise ValueError(
+                f"the number of routed experts ({num_experts}) is not divisible by the "
+                f"expert-parallel size {self.size} (the tensor-parallel size); "
+                "serve it without --enable-expert-parallel"
+            )
+        n = num_experts // self.size
+        return self.rank * n, n
 
     def vocab_range(self, vocab: int) -> tuple[int, int]:
         """(first token id, padded rows) of this rank's vocabulary shard: ceil(vocab / size)

@@ -27,7 +27,12 @@ class WeightLoader:
         # convert once complete: {parameter: (module, its attribute)}
         self.holders: dict[str, tuple[nn.Module, str]] = {}
         self.device = next((p.device for p in self.params.values() if not p.is_meta), torch.device("cpu"))
+        # expert stacks that hold a block of the experts (expert parallelism): {prefix: (first, count)}
+        self.expert_ranges: dict[str, tuple[int, int]] = {}
         for prefix, module in model.named_modules():
+            held = getattr(module, "expert_range", None)
+            if isinstance(held, tuple):
+                self.expert_ranges[prefix] = held
             if hasattr(module, "finish_param"):
                 for attr, p in module.named_parameters(recurse=False):
                     if p.is_meta and p.dtype == torch.uint8:
@@ -59,13 +64,20 @@ class WeightLoader:
         self._done(name)
 
     def load_expert(self, name: str, tensor: torch.Tensor) -> bool:
-        """Per-expert (`experts.E.gate_proj`, or `w1`/`w3`/`w2`) or fused expert tensors."""
+        """Per-expert (`experts.E.gate_proj`, or `w1`/`w3`/`w2`) or fused expert tensors. E is
+        the checkpoint's expert number; a stack holding a block of the experts (`expert_range`)
+        stores it at E - first and passes over the experts it does not hold."""
         m = _EXPERT.match(name)
         if m:
             prefix, expert, kind = m.group(1), int(m.group(2)), m.group(3)
             if prefix + ".gate_up_proj" not in self.params or prefix + ".down_proj" not in self.params:
                 self.unexpected.append(name)
                 return True
+            if prefix in self.expert_ranges:
+                first, count = self.expert_ranges[prefix]
+                expert -= first
+                if not 0 <= expert < count:  # another rank's expert
+                    return True
             gate_up, down = self._param(prefix + ".gate_up_proj"), self._param(prefix + ".down_proj")
             inter = gate_up.shape[1] // 2
             if kind in ("gate_proj", "w1"):

@@ -285,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranks the model is split over, one process (one GPU) each; rank 0 schedules and samples",
     )
     parallel.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE models: each rank holds whole experts (num_experts / tensor-parallel size of them) "
+        "instead of a slice of every expert; no effect at one rank",
+    )
+    parallel.add_argument(
         "--nnodes",
         type=_int_at_least(1),
         default=1,

@@ -166,6 +166,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
             tokenizer=args.tokenizer,
             speculative_config=args.speculative_config,
             tensor_parallel_size=args.tensor_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
             nnodes=args.nnodes,
             node_rank=args.node_rank,
             master_addr=args.master_addr,

@@ -110,7 +110,8 @@ def init_rank(
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
     cpu_group = dist.new_group(backend="gloo", timeout=_COLLECTIVE_TIMEOUT) if backend != "gloo" else None
     logger.info("tensor-parallel rank %d of %d joined (%s on %s)", rank, world, backend, device)
-    return RankGroups(TensorParallel(rank, world, dist.group.WORLD), cpu_group or dist.group.WORLD)
+    tp = TensorParallel(rank, world, dist.group.WORLD, expert_parallel=config.enable_expert_parallel)
+    return RankGroups(tp, cpu_group or dist.group.WORLD)
 
 
 def destroy(groups: RankGroups | None) -> None:

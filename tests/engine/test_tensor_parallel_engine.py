@@ -13,6 +13,7 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.errors import EngineDeadError
+from deltaserve.models.layers import Experts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
@@ -199,3 +200,36 @@ def test_a_missing_rank_is_a_clear_error_not_a_hang(qwen):
 def test_mtp_with_tp2_is_refused(qwen):
     with pytest.raises(ValueError, match="MTP"):
         make_llm(qwen, 2, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+@pytest.fixture(scope="module")
+def qwen_moe(make_checkpoint) -> str:
+    return make_checkpoint("qwen3_5_moe")
+
+
+def test_expert_parallel_reaches_every_rank(qwen_moe, hf_reference):
+    """LLM(enable_expert_parallel=True): rank 0 and its worker each hold 2 of the 4 experts whole
+    (a worker holding width slices instead would sum other parts); greedy tokens equal TP=1's
+    and transformers', again from the prefix cache."""
+    prompts = prompts_of([5, 40, 17, 100], seed=9)
+    ref = tp1(qwen_moe, prompts)
+    assert ref == hf_reference(qwen_moe, prompts, 12)
+    with make_llm(qwen_moe, 2, enable_expert_parallel=True) as llm:
+        assert llm.engine.model_info["expert_parallel"] is True
+        experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
+        assert experts and all(tuple(m.down_proj.shape) == (2, 32, 16) for m in experts)
+        assert run(llm, prompts) == ref
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert sum(o.num_cached_tokens for o in outs) > 0
+        assert_ranks_agree(llm)
+
+
+def test_expert_parallel_at_one_rank_is_a_no_op(qwen_moe):
+    """As in vLLM: with one rank the flag changes nothing (every expert, TP=1's tokens)."""
+    prompts = prompts_of([9, 30], seed=10)
+    with make_llm(qwen_moe, 1, enable_expert_parallel=True) as llm:
+        assert llm.engine.model_info["expert_parallel"] is False
+        experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
+        assert experts and all(m.down_proj.shape[0] == 4 for m in experts)
+        assert run(llm, prompts) == tp1(qwen_moe, prompts)

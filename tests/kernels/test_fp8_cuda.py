@@ -111,3 +111,25 @@ def test_fp8_linear_is_graph_capturable():
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_fp8_moe_skips_masked_ids():
+    """Ids -1 and E (another expert-parallel rank's experts) add nothing: bit for bit the
+    kernel with those assignments on a valid expert at weight zero."""
+    from deltaserve.kernels.fp8_cuda import fp8_moe_cuda
+
+    e, h, inter = 8, 256, 128
+    g = torch.Generator(device="cuda").manual_seed(3)
+    gu, gu_s = quantize_blocks(torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5, 128)
+    dn, dn_s = quantize_blocks(torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5, 128)
+    x = torch.randn(40, h, device="cuda", generator=g).to(torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(40, e, device="cuda", generator=g), -1).topk(3, dim=-1)
+    weights = weights.to(torch.bfloat16)
+    skipped = ids.clone()
+    skipped[::2, 0] = -1
+    skipped[1::3, 2] = e
+    keep = (skipped >= 0) & (skipped < e)
+    out = fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, skipped, weights)
+    zero_weight = fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, ids, weights * keep)
+    torch.testing.assert_close(out, zero_weight, rtol=0, atol=0)
+    assert not torch.equal(out, fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, ids, weights))

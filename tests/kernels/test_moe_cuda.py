@@ -52,3 +52,54 @@ def test_fused_moe_replays_in_a_cuda_graph():
     graph.replay()
     ref = moe_ref(x.float(), w1.float(), w2.float(), ids, wts.float())
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _skip_some(ids: torch.Tensor, e: int, seed: int) -> torch.Tensor:
+    """About half the assignments skipped, as -1 or as e (both mean another rank's expert)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    draw = torch.rand(ids.shape, device="cuda", generator=g)
+    return ids.masked_fill(draw < 0.25, -1).masked_fill((draw >= 0.25) & (draw < 0.5), e)
+
+
+@pytest.mark.parametrize("t", [1, 7, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_skips_masked_ids(t, dtype):
+    """Expert parallelism masks other ranks' experts: skipped assignments add nothing. Held to
+    the reference, and bit for bit to the kernel run with those assignments on a valid expert
+    at weight zero; all skipped is exactly zero."""
+    from deltaserve.kernels.moe_cuda import fused_moe_cuda
+
+    e = 8
+    x, w1, w2, ids, wts = inputs(t, e, 4, 128, 96, dtype)
+    skipped = _skip_some(ids, e, t)
+    keep = (skipped >= 0) & (skipped < e)
+    assert 0 < int(keep.sum()) < keep.numel() or t == 1
+    out = fused_moe_cuda(x, w1, w2, skipped, wts)
+    ref = moe_ref(x.float(), w1.float(), w2.float(), skipped, wts.float())
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    zero_weight = fused_moe_cuda(x, w1, w2, ids, wts * keep)
+    torch.testing.assert_close(out, zero_weight, rtol=0, atol=0)
+    nothing = fused_moe_cuda(x, w1, w2, torch.full_like(ids, -1), wts)
+    assert torch.equal(nothing, torch.zeros_like(nothing))
+
+
+def test_fused_moe_with_masked_ids_replays_in_a_cuda_graph():
+    """The skip pattern changes between replays (each step routes anew): no stale rows."""
+    from deltaserve.kernels.moe_cuda import fused_moe_cuda
+
+    e = 32
+    x, w1, w2, ids, wts = inputs(16, e, 4, 64, 64, torch.bfloat16)
+    ids.copy_(_skip_some(ids, e, 0))
+    fused_moe_cuda(x, w1, w2, ids, wts)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_cuda(x, w1, w2, ids, wts)
+    for seed in (1, 2):
+        x2, _, _, ids2, wts2 = inputs(16, e, 4, 64, 64, torch.bfloat16, seed=seed)
+        x.copy_(x2)
+        ids.copy_(_skip_some(ids2, e, seed))
+        wts.copy_(wts2)
+        graph.replay()
+        ref = moe_ref(x.float(), w1.float(), w2.float(), ids, wts.float())
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

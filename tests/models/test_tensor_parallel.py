@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import traceback
 from typing import Any
@@ -19,7 +20,8 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.models.loader import load_model
+from deltaserve.models.layers import Experts
+from deltaserve.models.loader import iter_safetensors, load_model
 from deltaserve.models.parallel import TensorParallel
 
 NEW_TOKENS = 8
@@ -64,15 +66,24 @@ def _rank(
             torch.cuda.set_device(rank)
         backend = "nccl" if on_cuda else "gloo"
         dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size)
-        tp = TensorParallel(rank, size, dist.group.WORLD)
         results = []
         for case in cases:
+            ep = case.get("expert_parallel", False)
+            tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=ep)
             llm = LLM(case["path"], tensor_parallel=tp, **engine, **case.get("engine", {}))
             first, drafts = generate(llm, case["prompts"])
             hits_before = llm.engine.stats()["cached_tokens_total"]
             again = greedy(llm, case["prompts"])
             hits = llm.engine.stats()["cached_tokens_total"] - hits_before
-            results.append({"first": first, "again": again, "hit_tokens": hits, "drafts": drafts})
+            # (experts, intermediate width) of every routed-expert stack this rank holds
+            experts = [
+                list(m.down_proj.shape[::2])
+                for m in llm.engine.runner.model.modules()
+                if isinstance(m, Experts)
+            ]
+            results.append(
+                {"first": first, "again": again, "hit_tokens": hits, "drafts": drafts, "experts": experts}
+            )
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         dist.destroy_process_group()
@@ -116,6 +127,8 @@ def check_against_tp1_and_transformers(
         assert rank0["hit_tokens"] > 0, name
         if "speculative_config" in case.get("engine", {}):
             assert rank0["drafts"] > 0, name
+        if "experts" in case:  # (experts, intermediate width) every expert stack must hold
+            assert rank0["experts"] and all(e == case["experts"] for e in rank0["experts"]), name
         assert ranks[1][i] == rank0, name  # every rank sampled the same tokens
 
 
@@ -123,6 +136,40 @@ def test_tp2_qwen3_next_equals_tp1_and_transformers(tmp_path, make_checkpoint, h
     """GDN, gated attention with its KV heads split, MoE with a shared expert, the vocabulary."""
     case = dict(path=make_checkpoint("qwen3_next"), prompts=random_prompts(160, LENGTHS, 1))
     check_against_tp1_and_transformers(tmp_path, {"qwen3_next": case}, hf_reference)
+
+
+def test_tp2_expert_parallel_qwen3_next_equals_tp1_and_transformers(tmp_path, make_checkpoint, hf_reference):
+    """Expert parallelism: each rank holds 2 of the 4 experts whole (full intermediate width 16)
+    and masks the others' assignments; the shared expert stays split; one all-reduce sums."""
+    case = dict(
+        path=make_checkpoint("qwen3_next"),
+        prompts=random_prompts(160, LENGTHS, 11),
+        expert_parallel=True,
+        experts=[2, 16],
+    )
+    check_against_tp1_and_transformers(tmp_path, {"qwen3_next_ep": case}, hf_reference)
+
+
+@pytest.mark.slow
+def test_tp2_expert_parallel_qwen3_5_moe_and_kimi(
+    tmp_path, make_checkpoint, small_kimi_checkpoint, hf_reference
+):
+    cases = {
+        "qwen3_5_moe_ep": dict(
+            path=make_checkpoint("qwen3_5_moe"),
+            prompts=random_prompts(160, LENGTHS, 12),
+            expert_parallel=True,
+            experts=[2, 16],
+        ),
+        # sigmoid routing over two expert groups, one group per rank; shared experts split
+        "kimi_linear_ep": dict(
+            path=small_kimi_checkpoint,
+            prompts=random_prompts(160, LENGTHS, 13),
+            expert_parallel=True,
+            experts=[2, 16],
+        ),
+    }
+    check_against_tp1_and_transformers(tmp_path, cases, hf_reference)
 
 
 def with_mtp(src: str, dst: str) -> str:
@@ -198,8 +245,9 @@ def _safetensors(path: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def _load(path: str, rank: int = 0, size: int = 1) -> dict[str, torch.Tensor]:
-    loaded = load_model(path, torch.float32, torch.device("cpu"), tp=TensorParallel(rank, size))
+def _load(path: str, rank: int = 0, size: int = 1, ep: bool = False) -> dict[str, torch.Tensor]:
+    tp = TensorParallel(rank, size, expert_parallel=ep)
+    loaded = load_model(path, torch.float32, torch.device("cpu"), tp=tp)
     return dict(loaded.model.named_parameters())
 
 
@@ -250,6 +298,104 @@ def test_qwen_shards_are_checkpoint_slices(make_checkpoint):
             torch.testing.assert_close(shard[name], full[name], rtol=0, atol=0)  # replicated
 
 
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+def test_expert_parallel_ranks_hold_their_experts_whole(kind, make_checkpoint):
+    """Per-expert checkpoint names: rank r's stacks are experts 2r and 2r + 1 of the file,
+    whole; the other rank's expert tensors are not read at all; the shared expert is halved by
+    its width as without EP, the router replicated."""
+    path = make_checkpoint(kind)
+    ckpt = _safetensors(path)
+    cpu = torch.device("cpu")
+    for rank in (0, 1):
+        model = load_model(path, torch.float32, cpu, tp=TensorParallel(rank, 2, expert_parallel=True)).model
+        shard = dict(model.named_parameters())
+        for layer in range(4):
+            mlp = f"model.layers.{layer}.mlp."
+            gate_up, down = shard[mlp + "experts.gate_up_proj"], shard[mlp + "experts.down_proj"]
+            assert gate_up.shape == (2, 32, 32) and down.shape == (2, 32, 16)
+            for local in (0, 1):
+                e = f"{mlp}experts.{2 * rank + local}."
+                gate, up = ckpt[e + "gate_proj.weight"], ckpt[e + "up_proj.weight"]
+                torch.testing.assert_close(gate_up[local], torch.cat([gate, up]), rtol=0, atol=0)
+                torch.testing.assert_close(down[local], ckpt[e + "down_proj.weight"], rtol=0, atol=0)
+            shared_gate = ckpt[mlp + "shared_expert.gate_proj.weight"][rank * 8 : rank * 8 + 8]
+            torch.testing.assert_close(
+                shard[mlp + "shared_expert.gate_up_proj.weight"][:8], shared_gate, rtol=0, atol=0
+            )
+            torch.testing.assert_close(shard[mlp + "gate.weight"], ckpt[mlp + "gate.weight"], rtol=0, atol=0)
+        read = {name for name, _ in iter_safetensors(path, narrow=model.checkpoint_narrow)}
+        owner = {n: int(m.group(1)) // 2 for n in ckpt if (m := re.search(r"\.experts\.(\d+)\.", n))}
+        mine = {n for n, r in owner.items() if r == rank}
+        theirs = set(owner) - mine
+        assert len(theirs) == len(mine) == 4 * 2 * 3  # layers x experts x (gate, up, down)
+        assert mine <= read and not theirs & read
+
+
+def test_expert_parallel_dummy_weights_and_pools(make_checkpoint):
+    """`--load-format dummy` fills each rank's whole experts; the pools are those of TP."""
+    path = make_checkpoint("qwen3_next")
+    for rank in (0, 1):
+        tp = TensorParallel(rank, 2, expert_parallel=True)
+        model = load_model(path, torch.float32, torch.device("cpu"), load_format="dummy", tp=tp).model
+        experts = [m for m in model.modules() if isinstance(m, Experts)]
+        assert len(experts) == 4 and all(m.gate_up_proj.shape == (2, 32, 32) for m in experts)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert all(m.gate_up_proj.abs().sum() > 0 for m in experts)
+        assert model.state_shapes() == {"conv": (32, 3), "recurrent": (2, 8, 8)}
+
+
+def test_indivisible_expert_count_is_a_clear_error():
+    """Three experts over two ranks: EP says so; plain TP still splits their width."""
+    import transformers as T
+
+    from deltaserve.models.kimi_linear import KimiLinearForCausalLM
+    from deltaserve.models.qwen3_next import Qwen3NextForCausalLM
+
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=16, vocab_size=64, hidden_size=32)
+    qwen = T.Qwen3NextConfig(
+        num_hidden_layers=4,
+        num_experts=3,
+        shared_expert_intermediate_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        **moe,
+    )
+    kimi = T.KimiLinearConfig(
+        num_hidden_layers=2,
+        num_local_experts=3,
+        n_shared_experts=1,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        linear_num_heads=2,
+        linear_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        **moe,
+    )
+    for cls, config in ((Qwen3NextForCausalLM, qwen), (KimiLinearForCausalLM, kimi)):
+        cls(config, TensorParallel(0, 2))  # tensor parallelism alone splits their width
+        with pytest.raises(ValueError, match=r"routed experts \(3\).*expert-parallel size 2"):
+            cls(config, TensorParallel(0, 2, expert_parallel=True))
+
+
+def test_expert_parallel_at_one_rank_changes_nothing(make_checkpoint):
+    """As in vLLM, EP over a single rank is plain loading: every expert, the same tensors."""
+    path = make_checkpoint("qwen3_next")
+    plain, ep = _load(path), _load(path, 0, 1, ep=True)
+    assert plain.keys() == ep.keys()
+    assert all(torch.equal(plain[n], ep[n]) for n in plain)
+    assert ep["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+
+
 def test_replicated_kv_head_and_qwen35_projections(make_checkpoint):
     """One KV head: both ranks hold it. Qwen3.5's separate in_proj_qkv: each of q, k, v halved."""
     path = make_checkpoint("qwen3_5_moe", num_key_value_heads=1)
@@ -264,9 +410,12 @@ def test_replicated_kv_head_and_qwen35_projections(make_checkpoint):
         torch.testing.assert_close(in_proj[:32], _halves(full_qkv, rank, 0, 16, 16, 32), rtol=0, atol=0)
 
 
-def test_kimi_shards_from_fused_checkpoint(tmp_path, kimi_builder, kimi_config):
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_kimi_shards_from_fused_checkpoint(tmp_path, kimi_builder, kimi_config, ep):
     """transformers' in-memory Kimi names (stacked experts, one fused conv, `forget_gate.`)
-    narrowed per rank: the shards are the TP = 1 model's tensors, halved as sharded."""
+    narrowed per rank: the shards are the TP = 1 model's tensors, halved as sharded; with
+    expert parallelism the stacked experts are halved along the expert dimension instead (4 of
+    the 8 whole), and the shared experts still by their width."""
     from safetensors.torch import save_file
 
     saved, fused = tmp_path / "saved", tmp_path / "fused"
@@ -298,8 +447,10 @@ def test_kimi_shards_from_fused_checkpoint(tmp_path, kimi_builder, kimi_config):
         "0.mlp.gate_up_proj.weight": (0, [64, 64]),
         "0.mlp.down_proj.weight": (1, [64]),
     }
+    if ep:
+        rules["experts.gate_up_proj"] = rules["experts.down_proj"] = (0, [8])
     for rank in (0, 1):
-        shard = _load(str(fused), rank, 2)
+        shard = _load(str(fused), rank, 2, ep)
         assert shard.keys() == full.keys()
         for name, tensor in full.items():
             rule = next((r for suffix, r in rules.items() if name.endswith(suffix)), None)
@@ -393,5 +544,31 @@ def test_tp2_on_two_gpus_equals_transformers(tmp_path, make_checkpoint, small_ki
             prompts=random_prompts(160, LENGTHS, 8),
         ),
         "kimi_linear": dict(path=small_kimi_checkpoint, prompts=random_prompts(160, LENGTHS, 9)),
+    }
+    check_against_tp1_and_transformers(tmp_path, cases, hf_reference, engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tp2_expert_parallel_on_two_gpus_equals_transformers(
+    tmp_path, make_checkpoint, small_kimi_checkpoint, hf_reference
+):
+    """Expert parallelism over NCCL, fp32: the Triton fused MoE skips the other rank's
+    assignments (eagerly and in the decode graphs) and the sum over ranks is transformers'."""
+    engine = {**ENGINE, "device": "cuda", "max_running_requests": 8}
+    wide = dict(hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
+    cases = {
+        "qwen3_5_moe_ep": dict(
+            path=make_checkpoint("qwen3_5_moe", **wide),
+            prompts=random_prompts(160, LENGTHS, 14),
+            expert_parallel=True,
+            experts=[2, 16],
+        ),
+        "kimi_linear_ep": dict(
+            path=small_kimi_checkpoint,
+            prompts=random_prompts(160, LENGTHS, 15),
+            expert_parallel=True,
+            experts=[2, 16],
+        ),
     }
     check_against_tp1_and_transformers(tmp_path, cases, hf_reference, engine)

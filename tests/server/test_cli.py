@@ -123,6 +123,17 @@ def test_overlap_schedule_follows_the_device_unless_a_flag_says() -> None:
     )
 
 
+def test_enable_expert_parallel_reaches_the_engine_config(tmp_path: Path) -> None:
+    from deltaserve.server.launch import _engine_config
+
+    parser = build_parser()
+    base = ["serve", "--model", str(tmp_path), "--device", "cpu", "-tp", "2"]
+    assert _engine_config(parser.parse_args(base)).enable_expert_parallel is False
+    assert (
+        _engine_config(parser.parse_args([*base, "--enable-expert-parallel"])).enable_expert_parallel is True
+    )
+
+
 @pytest.mark.parametrize(
     "variable,typo,modes",
     [
