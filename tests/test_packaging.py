@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CODE = {"engine", "models", "kernels", "server", "deltaserve"}
 
 
+@pytest.mark.slow
 def test_every_subpackage_is_listed_in_pyproject():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     packages, dirs = set(config["packages"]), config["package-dir"]

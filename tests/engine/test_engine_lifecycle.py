@@ -82,6 +82,7 @@ def test_bad_requests_raise_and_change_nothing(engine, prompt, params, message):
     assert idle(engine) and "bad" not in engine.requests
 
 
+@pytest.mark.slow
 def test_waiting_queue_bound(engine):
     """A burst fills the free running places (3) and then the waiting queue (4) before anything
     is refused, whether or not a step has moved the first ones into the running batch."""

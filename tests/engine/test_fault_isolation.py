@@ -71,6 +71,7 @@ def assert_idle(engine: Engine) -> None:
         ({"logit_bias": {10**12: 5.0}}, False),
     ],
 )
+@pytest.mark.slow
 def test_a_bad_request_fails_alone(checkpoint, bad: dict, overlap: bool) -> None:
     engine = make_engine(checkpoint, overlap)
     reference = run(engine)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
@@ -78,6 +79,7 @@ def make(path: str, **kw) -> LLM:
     return LLM(path, dtype="float32", device="cpu", chunked_prefill_size=32, max_running_requests=8, **kw)
 
 
+@pytest.mark.slow
 def test_decode_and_verification_graphs_replay_as_eager(make_checkpoint, monkeypatch):
     path = make_checkpoint("qwen3_5")
     ps = prompts()

@@ -6,11 +6,14 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from deltaserve import LLM, SamplingParams
 
 PROMPTS = [{"prompt_token_ids": [5, 9, 17, 3, 88]}, {"prompt_token_ids": list(range(40, 70))}]
 
 
+@pytest.mark.slow
 def test_generate_without_params_takes_the_generation_config(make_checkpoint, tmp_path: Path) -> None:
     model = tmp_path / "model"
     shutil.copytree(make_checkpoint("qwen3_next"), model)

@@ -52,6 +52,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "kimi"])
+@pytest.mark.slow
 def test_greedy_with_stops_identical_to_sync(kind, make_checkpoint, small_kimi_checkpoint, pools_held):
     path = small_kimi_checkpoint if kind == "kimi" else make_checkpoint(kind)
     ps = prompts()

@@ -168,6 +168,7 @@ def test_small_pools_evict_and_still_match(path):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.slow
 def test_every_policy_gives_the_same_outputs(path, policy):
     batches = shared_prefix(6)
     want = tokens(run(make_llm(path, "naive", 32), batches))

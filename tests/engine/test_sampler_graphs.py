@@ -131,6 +131,7 @@ def test_failed_capture_falls_back_to_eager():
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.slow
 def test_engine_with_sampler_graphs_matches_eager(make_checkpoint, pools_held, overlap):
     """Seeded sampling, greedy rows and stops through the whole engine (overlap: the token
     views of the graph's output feed the next step's inputs) give the eager sampler's outputs."""

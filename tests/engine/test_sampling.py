@@ -32,6 +32,7 @@ def tokens(outs):
     return [c.token_ids for o in outs for c in o.outputs]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_reproduces_and_seeds_differ(llm):
     p = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
     a = tokens(llm.generate(PROMPTS, SamplingParams(seed=1, **p)))

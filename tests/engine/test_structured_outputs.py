@@ -36,6 +36,7 @@ def check(value: dict) -> None:
     assert isinstance(value["size"], int) and 0 <= value["size"] <= 9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_outputs_satisfy_the_schema(llm, temperature):
     params = [
@@ -91,6 +92,7 @@ def test_mixed_batch_leaves_unconstrained_requests_alone(llm):
     check(json.loads(mixed[1].outputs[0].text))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [
@@ -157,6 +159,7 @@ def test_without_xgrammar_or_a_tokenizer_the_error_says_so(llm, monkeypatch):
         Grammars(llm.tokenizer, llm.engine.vocab_size, [])
 
 
+@pytest.mark.slow
 def test_the_grammar_waits_for_the_end_of_reasoning(llm):
     """`after_token` (the server sets `</think>` when the prompt opened reasoning): the tokens up
     to it are the model's own (here the random weights' noise), the answer after it satisfies
@@ -222,6 +225,7 @@ TIME = {
 
 @pytest.mark.parametrize("most", [1, 3])
 @pytest.mark.parametrize("form", ["json", "xml"])
+@pytest.mark.slow
 def test_forced_tool_calls_parse_in_both_forms(llm, form, most):
     """Forced calls (tool_choice) in Qwen3's JSON form or Qwen3.5's XML form: the server's
     tool-call parser reads one call (or up to `most`) of the given functions, their arguments
@@ -285,6 +289,7 @@ def test_structured_outputs_on_cuda(tokenized_checkpoint, pools_held):
     assert not pools_held(gpu)
 
 
+@pytest.mark.slow
 def test_grammars_prepared_ahead_serve_the_first_request(tokenized_checkpoint, monkeypatch):
     """`prepare_grammars` (the server runs it in a thread at start-up) builds the vocabulary
     tables once; the first JSON request then reuses them. Without xgrammar it does nothing, and
@@ -320,6 +325,7 @@ def test_grammars_prepared_ahead_serve_the_first_request(tokenized_checkpoint, m
         bare.generate(["Hi"], SamplingParams(max_tokens=4, structured_outputs=spec))
 
 
+@pytest.mark.slow
 def test_a_grammar_compiled_ahead_is_not_compiled_again(llm):
     """The server compiles a request's grammar in its worker (`compile_structured`) before it
     submits the request; admitting it on the engine's thread then finds it compiled."""
@@ -345,6 +351,7 @@ def test_a_grammar_compiled_ahead_is_not_compiled_again(llm):
         )
 
 
+@pytest.mark.slow
 def test_regex_choice_and_grammar(llm):
     """vLLM's other constraints: the random model's outputs match a regular expression, are one
     of the choices, or are sentences of an EBNF grammar (unconstrained they are noise)."""

@@ -74,6 +74,7 @@ def qwen(make_checkpoint) -> str:
     return make_checkpoint("qwen3_5")
 
 
+@pytest.mark.slow
 def test_tp2_greedy_equals_tp1_and_transformers(qwen, hf_reference, pools_held):
     # mixed lengths, two prompts longer than a 32-token prefill chunk
     prompts = prompts_of([5, 40, 17, 100], seed=1)
@@ -85,6 +86,7 @@ def test_tp2_greedy_equals_tp1_and_transformers(qwen, hf_reference, pools_held):
         assert not pools_held(llm)
 
 
+@pytest.mark.slow
 def test_radix_hit_at_tp2_reads_the_cached_state_on_every_rank(qwen):
     shared = prompts_of([96], seed=2)[0]
     first, second = shared + [3, 4, 5], shared + [9, 8, 7, 6]
@@ -97,6 +99,7 @@ def test_radix_hit_at_tp2_reads_the_cached_state_on_every_rank(qwen):
         assert_ranks_agree(llm)
 
 
+@pytest.mark.slow
 def test_a_write_not_replayed_changes_what_rank_0_computes(qwen):
     """A writer that forgets to record: rank 0's snapshot copies kept from the workers leave rank
     1 computing a prefix-cache hit from another state, and the hit's first log-probability (which
@@ -126,6 +129,7 @@ def test_a_write_not_replayed_changes_what_rank_0_computes(qwen):
     assert abs(dropped - ref) > 2e-5
 
 
+@pytest.mark.slow
 def test_ngram_speculation_at_tp2(qwen):
     prompts = prompts_of([6, 9, 40], seed=4, repeat=3)  # repeats: the n-gram drafts get accepted
     ref = tp1(qwen, prompts, 20)
@@ -136,6 +140,7 @@ def test_ngram_speculation_at_tp2(qwen):
         assert_ranks_agree(llm)
 
 
+@pytest.mark.slow
 def test_overlap_scheduling_at_tp2(qwen):
     """Decode inputs filled from rank 0's sampled tokens on the device reach the workers."""
     shared = prompts_of([70], seed=5)[0]
@@ -165,6 +170,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_shutdown_ends_the_workers_and_a_lost_worker_kills_the_engine(qwen):
     llm = make_llm(qwen, 2)
     workers = llm.engine._workers
@@ -207,6 +213,7 @@ def qwen_moe(make_checkpoint) -> str:
     return make_checkpoint("qwen3_5_moe")
 
 
+@pytest.mark.slow
 def test_expert_parallel_reaches_every_rank(qwen_moe, hf_reference):
     """LLM(enable_expert_parallel=True): rank 0 and its worker each hold 2 of the 4 experts whole
     (a worker holding width slices instead would sum other parts); greedy tokens equal TP=1's

@@ -26,6 +26,7 @@ def test_incremental_detokenization_never_splits_characters(llm):
     assert all("\ufffd" not in p for p in pieces)
 
 
+@pytest.mark.slow
 def test_text_prompt_and_stop_string_trimmed(llm):
     params = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
     free = llm.generate("Hello, my name is", SamplingParams(**params))[0].outputs[0]
@@ -109,6 +110,7 @@ def test_byte_runs_stay_exact_and_the_held_window_bounded(llm, fast):
         assert held <= 24  # tokens decoded again with each new one
 
 
+@pytest.mark.slow
 def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
     """`output_kind="delta"` (what streams use): each output holds what its step added, an output
     comes only from steps that add tokens, and joined they equal a cumulative request's outputs,
@@ -157,6 +159,7 @@ def test_deferred_detokenizer_gives_the_incremental_text(llm):
     assert deferred.flush() == deferred.text == incremental.text
 
 
+@pytest.mark.slow
 def test_final_only_text_equals_the_streamed_text(llm):
     engine = llm.engine
     prompt = llm.tokenizer.encode("Hello, my name is")

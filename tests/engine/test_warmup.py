@@ -37,6 +37,7 @@ def greedy(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("cache_type", ["radix", "naive"])
+@pytest.mark.slow
 def test_warmed_engine_is_as_new(make_checkpoint, cache_type: str) -> None:
     path = make_checkpoint("qwen3_next")
     warm, cold = make(path, True, cache_type), make(path, False, cache_type)

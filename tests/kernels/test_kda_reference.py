@@ -74,6 +74,7 @@ def test_recurrent_matches_transformers_bit_for_bit():
     assert torch.equal(torch.cat(outs), ho[0]) and torch.equal(state[0], hs[0])
 
 
+@pytest.mark.slow
 def test_pool_ops_match_per_sequence():
     """Varlen prefill (fresh and continued) then a decode step, on scrambled pool slots."""
     lengths, slots, has_init = [5, 64, 1, 97], [6, 2, 9, 4], [False, True, True, False]

@@ -167,6 +167,7 @@ def ds_greedy(path, n: int, **kw) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.slow
 def test_fp8_checkpoint_matches_w8a8_reference(kind: str, make_checkpoint, tmp_path: Path) -> None:
     fp8 = write_fp8(make_checkpoint(kind, **SHAPES), tmp_path / "fp8")
     deq, quantized = write_dequantized(fp8, tmp_path / "deq")

@@ -39,6 +39,7 @@ def test_greedy_matches_transformers(kind, make_checkpoint, hf_reference):
     assert_idle(llm)
 
 
+@pytest.mark.slow
 def test_small_chunks_and_few_slots_match(make_checkpoint, hf_reference):
     """Chunks of 32 tokens, and more prompts than state slots: requests wait their turn."""
     path = make_checkpoint("qwen3_next")

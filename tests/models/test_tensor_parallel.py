@@ -132,12 +132,14 @@ def check_against_tp1_and_transformers(
         assert ranks[1][i] == rank0, name  # every rank sampled the same tokens
 
 
+@pytest.mark.slow
 def test_tp2_qwen3_next_equals_tp1_and_transformers(tmp_path, make_checkpoint, hf_reference):
     """GDN, gated attention with its KV heads split, MoE with a shared expert, the vocabulary."""
     case = dict(path=make_checkpoint("qwen3_next"), prompts=random_prompts(160, LENGTHS, 1))
     check_against_tp1_and_transformers(tmp_path, {"qwen3_next": case}, hf_reference)
 
 
+@pytest.mark.slow
 def test_tp2_expert_parallel_qwen3_next_equals_tp1_and_transformers(tmp_path, make_checkpoint, hf_reference):
     """Expert parallelism: each rank holds 2 of the 4 experts whole (full intermediate width 16)
     and masks the others' assignments; the shared expert stays split; one all-reduce sums."""

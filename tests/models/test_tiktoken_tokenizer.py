@@ -70,6 +70,7 @@ def kimi_llm(kimi_tokenizer_folder, tmp_path_factory, kimi_builder, kimi_config)
     return LLM(str(ckpt), dtype="float32", device="cpu")
 
 
+@pytest.mark.slow
 def test_a_kimi_checkpoint_serves_text_with_it(kimi_llm, kimi_tokenizer_folder):
     """The engine loads the tokenizer from a Kimi checkpoint folder (no remote code run), renders
     its chat template and returns text; the prompt's ids are tiktoken's."""
@@ -87,6 +88,7 @@ def test_a_kimi_checkpoint_serves_text_with_it(kimi_llm, kimi_tokenizer_folder):
     assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_forced_kimi_tool_call(kimi_llm):
     """tool_choice's grammar in Kimi's form (up to three calls in one section, numbered): the
     random model's reply parses, with the server's Kimi parser, as calls whose arguments satisfy

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from deltaserve.models.builtin import BUILTIN_NAME, builtin_model_path
 
 
@@ -60,6 +62,7 @@ def test_build_is_deterministic_and_reused(builtin_path: str, tmp_path: Path) ->
     assert (again / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+@pytest.mark.slow
 def test_concurrent_first_use(tmp_path: Path) -> None:
     code = "import sys; from deltaserve.models.builtin import builtin_model_path; print(builtin_model_path(sys.argv[1]))"
     procs = [

@@ -153,6 +153,7 @@ def test_unknown_kernel_mode_is_a_start_up_error(monkeypatch, variable: str, typ
         EngineConfig(model="m", device="cpu")
 
 
+@pytest.mark.slow
 def test_unknown_gemv_mode_stops_serve_with_one_line() -> None:
     env = {**os.environ, "DELTASERVE_GEMV": "fast"}
     result = subprocess.run(

@@ -81,6 +81,7 @@ def test_engine_runs_in_its_own_process(server) -> None:
     assert rss[pid] > 0
 
 
+@pytest.mark.slow
 def test_256_concurrent_streams_complete_and_health_stays_quick(server, until_idle) -> None:
     body = {
         "model": MODEL_NAME,
@@ -131,6 +132,7 @@ def test_256_concurrent_streams_complete_and_health_stays_quick(server, until_id
     until_idle(server.url)
 
 
+@pytest.mark.slow
 def test_killed_engine_fails_requests_in_flight_and_health(spawn_server) -> None:
     server = spawn_server("--max-model-len", "512")
     assert server.proc is not None
@@ -153,6 +155,7 @@ def test_killed_engine_fails_requests_in_flight_and_health(spawn_server) -> None
     assert httpx.get(f"{server.url}/metrics").status_code == 200
 
 
+@pytest.mark.slow
 def test_shutdown_deadline_ends_every_request_with_an_error_and_drains_with_503(spawn_server) -> None:
     server = spawn_server("--max-model-len", "2048", "--shutdown-timeout", "2")
     assert server.proc is not None
@@ -253,6 +256,7 @@ def test_budget_flags_reach_the_engine(flag: str) -> None:
     assert getattr(args, flag[2:].replace("-", "_")) == 2048
 
 
+@pytest.mark.slow
 def test_more_slots_than_fit_start_with_what_fits_and_say_so(spawn_server, read_metrics) -> None:
     server = spawn_server(
         "--max-model-len", "512", "--max-running-requests", "100000", "--pool-memory-gb", "0.05"
@@ -268,6 +272,7 @@ def test_more_slots_than_fit_start_with_what_fits_and_say_so(spawn_server, read_
     assert r.status_code == 200
 
 
+@pytest.mark.slow
 def test_engine_process_ends_when_the_server_is_killed(spawn_server) -> None:
     server = spawn_server("--max-model-len", "2048")
     assert server.proc is not None

@@ -208,6 +208,7 @@ def keyed_server(spawn_server, builtin_path):
 @pytest.mark.parametrize(
     "method,path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")]
 )
+@pytest.mark.slow
 def test_api_key_required_on_v1(keyed_server, method: str, path: str) -> None:
     body = {**GOOD, "model": "tiny"} if "chat" in path else {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     kwargs = {"json": body} if method == "POST" else {}
@@ -222,6 +223,7 @@ def test_api_key_required_on_v1(keyed_server, method: str, path: str) -> None:
     assert httpx.get(f"{keyed_server.url}/health").status_code == 200  # outside /v1: open
 
 
+@pytest.mark.slow
 def test_api_key_and_served_names_with_openai_client(keyed_server) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="wrong", max_retries=0).models.list()
@@ -274,6 +276,7 @@ def test_bad_requests_do_not_disturb_a_running_one(server) -> None:
     assert tokens["count"] > 0 and len(chunks) > 10  # streamed as made, not in one piece
 
 
+@pytest.mark.slow
 def test_full_waiting_queue_is_503(spawn_server, until_idle) -> None:
     server = spawn_server(
         "--max-model-len", "512", "--max-running-requests", "1", "--max-waiting-requests", "1"

@@ -86,6 +86,7 @@ def test_a_request_still_gets_a_clear_error_for_its_own_values() -> None:
     assert (info.value.status, info.value.param) == (400, "temperature")
 
 
+@pytest.mark.slow
 def test_served_requests_take_the_folder_defaults(tmp_path: Path, spawn_server, model_name: str) -> None:
     """A real server with a generation config of temperature 0 and 5 new tokens: a request that sets
     neither is greedy (its n choices agree, and agree with an explicit temperature 0) and 5 long;

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
 
@@ -158,6 +159,7 @@ def test_curl(server) -> None:
     assert status == "400" and "error" in json.loads(payload)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_running_requests_and_exits_0(spawn_server) -> None:
     server = spawn_server("--max-model-len", "512", "--shutdown-timeout", "60")
     results: dict[str, object] = {}
@@ -189,6 +191,7 @@ def test_sigterm_drains_running_requests_and_exits_0(spawn_server) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # it ran to completion
 
 
+@pytest.mark.slow
 def test_overlap_schedule_server_matches_and_frees_on_disconnect(
     base_url, spawn_server, read_metrics, until_idle
 ) -> None:

@@ -7,6 +7,7 @@ import json
 import math
 
 import httpx
+import pytest
 
 from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
 
@@ -539,6 +540,7 @@ THINKING_TEMPLATE = (  # Qwen3.5's shape: the generation prompt opens <think>, X
 )
 
 
+@pytest.mark.slow
 def test_structured_output_follows_the_reasoning(spawn_server, tmp_path) -> None:
     """When the prompt opens <think>, the grammar starts after the model's </think>: the answer
     (content) is the JSON and the reasoning stays the model's own. (The random model is pushed to
@@ -614,6 +616,7 @@ TOOLS = [
 ]
 
 
+@pytest.mark.slow
 def test_tool_choice_forces_a_call(client) -> None:
     """tool_choice names a function (one call), or "required" (one or more, unless
     parallel_tool_calls is false): the built-in model's random weights answer with calls whose

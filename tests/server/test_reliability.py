@@ -188,6 +188,7 @@ def keyed(spawn_server):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_api_key_is_checked_before_the_body(keyed) -> None:
     for path in ("/v1/chat/completions", "/tokenize"):
         status, body, elapsed = raw_request(keyed.port, post_head(path, 10_000_000), b'{"model": ')
@@ -198,6 +199,7 @@ def test_api_key_is_checked_before_the_body(keyed) -> None:
         assert status == 401
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "path,body", [("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [1, 2, 3]})]
 )
