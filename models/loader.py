@@ -26,7 +26,7 @@ class LoadedModel:
     model: nn.Module
     config: Any  # the text model's config
     architecture: str
-    num_params: int  # this rank's, under tensor parallelism
+    num_params: int  # the whole model's, also under tensor parallelism
     tp: TensorParallel = SINGLE
 
 
@@ -177,6 +177,9 @@ def load_model(
     make = lambda: cls(tcfg, tp)  # noqa: E731
     model = build_and_load(path, make, dtype, device, load_format, seed, quantization, tp, tp.rank == 0)
     num_params = sum(p.numel() for p in model.parameters())
+    if tp.enabled:  # a rank holds a shard: count the whole model on the meta device instead
+        with torch.device("meta"):
+            num_params = sum(p.numel() for p in cls(tcfg).parameters())
     return LoadedModel(model, tcfg, arch, num_params, tp)
 
 

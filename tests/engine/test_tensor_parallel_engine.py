@@ -80,10 +80,14 @@ def test_tp2_greedy_equals_tp1_and_transformers(qwen, hf_reference, pools_held):
     prompts = prompts_of([5, 40, 17, 100], seed=1)
     ref = tp1(qwen, prompts)
     assert ref == hf_reference(qwen, prompts, 12)
+    with make_llm(qwen, 1) as whole:
+        num_params = whole.engine.model_info["num_params"]
     with make_llm(qwen, 2) as llm:
         assert run(llm, prompts) == ref
         assert_ranks_agree(llm)
         assert not pools_held(llm)
+        # a rank holds a shard, but the model it serves is the whole one
+        assert llm.engine.model_info["num_params"] == num_params
 
 
 @pytest.mark.slow
