@@ -14,8 +14,8 @@ from deltaserve.engine.outputs import Logprob
 from deltaserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deltaserve.engine.penalties import TokenArrays
-    from deltaserve.engine.prefix_caching import CacheHold
+    from deltaserve.engine.cache.adapter import CacheHold
+    from deltaserve.engine.sampling.penalties import TokenArrays
 
 
 class Status(enum.Enum):
@@ -62,7 +62,7 @@ class Request:
     # output_kind "delta": how much of the output earlier outputs carried (tokens, characters)
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
-    # penalties: the prompt and output ids as numpy arrays (engine/penalties.py `TokenArrays`)
+    # penalties: the prompt and output ids as numpy arrays (engine/sampling/penalties.py `TokenArrays`)
     token_arrays: TokenArrays | None = field(default=None, repr=False)
     # structured outputs: the grammar's state (xgrammar GrammarMatcher), fed every new token
     matcher: Any = field(default=None, repr=False)

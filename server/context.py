@@ -116,7 +116,7 @@ class ServerContext:
     async def warm_prefix(self, prompts: list[list[int]], n: int, request: Request) -> None:
         """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`). A client that
         hangs up meanwhile gets ClientDisconnected, as from `collect`."""
-        from deltaserve.engine.prefix_caching import warmup_params, warmup_prompts
+        from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
 
         info = self.client.model_info
         warm = warmup_prompts(

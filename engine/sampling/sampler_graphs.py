@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltaserve.engine.cuda_graphs import capture, graph_batch_sizes
-from deltaserve.engine.h2d import copy_to_device
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampler import TOPK_LIMIT, Sampler, param_rows, pick_tokens
+from deltaserve.engine.runner.cuda_graphs import capture, graph_batch_sizes
+from deltaserve.engine.runner.h2d import copy_to_device
+from deltaserve.engine.sampling.sampler import TOPK_LIMIT, Sampler, param_rows, pick_tokens
 
 logger = logging.getLogger(__name__)
 

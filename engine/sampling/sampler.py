@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.engine.h2d import to_device, to_device_packed
 from deltaserve.engine.outputs import Logprob
-from deltaserve.engine.penalties import apply_penalties_batch
 from deltaserve.engine.request import Request
+from deltaserve.engine.runner.h2d import to_device, to_device_packed
+from deltaserve.engine.sampling.penalties import apply_penalties_batch
 
 if TYPE_CHECKING:
-    from deltaserve.engine.sampler_graphs import Capture, SamplerGraphs
+    from deltaserve.engine.sampling.sampler_graphs import Capture, SamplerGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 # few rows on, but not for a single row (docs/performance.md, "Sampling").
 TOPK_LIMIT = 1024
 TOPK_MIN_ROWS = 4
-# on CUDA, sampled batches of at most this many rows replay graphs (engine/sampler_graphs.py):
+# on CUDA, sampled batches of at most this many rows replay graphs (engine/sampling/sampler_graphs.py):
 # their cost is the host's launches; larger batches' is the GPU's
 SAMPLER_GRAPH_MAX_BS = 32
 
@@ -31,7 +31,7 @@ class Sampler:
     """Samples a whole batch at once; only seeded rows draw their noise one by one.
 
     With `graph_max_bs`, sampled batches of at most that many rows replay CUDA graphs of the
-    same ops (`engine/sampler_graphs.py`; `capture` replaces CUDA's capture, for tests)."""
+    same ops (`engine/sampling/sampler_graphs.py`; `capture` replaces CUDA's capture, for tests)."""
 
     def __init__(
         self,
@@ -67,7 +67,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         if 0 < len(reqs) <= self.graph_max_bs:
             if self.graphs is None:
-                from deltaserve.engine.sampler_graphs import SamplerGraphs
+                from deltaserve.engine.sampling.sampler_graphs import SamplerGraphs
 
                 self.graphs = SamplerGraphs(self, logits.shape[-1], self.graph_max_bs, self.capture)
             if self.graphs.takes(len(reqs), logits.shape[-1]):
@@ -163,7 +163,7 @@ class Sampler:
                     logits[i, to_device(banned, torch.long, dev)] = float("-inf")
         constrained = [i for i, r in enumerate(reqs) if r.matcher is not None and r.matcher.active]
         if constrained:  # last: what the grammar forbids stays forbidden
-            from deltaserve.engine.structured import apply_grammar_masks
+            from deltaserve.engine.sampling.structured import apply_grammar_masks
 
             apply_grammar_masks(logits, constrained, [reqs[i].matcher for i in constrained])
         return logits

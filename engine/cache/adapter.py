@@ -1,5 +1,6 @@
-"""The scheduler's side of prefix caching: what a request takes from the cache at admission,
-which snapshots it saves while it runs, and what it hands back when it leaves.
+"""The engine's adapter to the prefix cache, as the scheduler calls it: what a request takes
+from the cache at admission, which snapshots it saves while it runs, and what it hands back
+when it leaves.
 
 `NaivePrefixCache` (``cache_type="naive"``) reuses nothing. `RadixPrefixCache` drives
 `RadixCache` by the contract in radix_cache.py:
@@ -33,20 +34,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltaserve.engine.cache_policy import HybridPrefillCost
-from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.kv_pool import KVPool
-from deltaserve.engine.radix_cache import (
+from deltaserve.engine.cache.cache_policy import HybridPrefillCost
+from deltaserve.engine.cache.kv_pool import KVPool
+from deltaserve.engine.cache.radix_cache import (
     TENTATIVE_PER_PREFILL,
     RadixCache,
     SnapshotKind,
     resend_point,
     tentative_cap,
 )
-from deltaserve.engine.radix_node import Node
+from deltaserve.engine.cache.radix_node import Node
+from deltaserve.engine.cache.state_pool import StatePool
+from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.engine.state_pool import StatePool
 
 
 @dataclass(eq=False)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deltaserve.engine.h2d import to_device_packed
 from deltaserve.engine.request import Request
+from deltaserve.engine.runner.h2d import to_device_packed
 
 
 def apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
