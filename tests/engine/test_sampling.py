@@ -10,8 +10,9 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.request import Request
+from deltaserve.engine.sampling.ops import TOPK_LIMIT, TOPK_MIN_ROWS
 from deltaserve.engine.sampling.penalties import apply_penalties
-from deltaserve.engine.sampling.sampler import TOPK_LIMIT, TOPK_MIN_ROWS, Sampler
+from deltaserve.engine.sampling.sampler import Sampler
 
 
 def make_request(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
