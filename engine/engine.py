@@ -762,4 +762,4 @@ class Engine:
         }
 
 
-__all__ = ["Engine", "EngineConfig", "QueueFullError", "SamplingParams", "Status"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "Status"]

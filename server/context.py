@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
-from deltaserve.engine.errors import EngineDeadError, EngineFaultError
+from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
 from deltaserve.engine.generation_defaults import SamplingDefaults
 
-from .engine_client import EngineClient, QueueFullError, RequestGroup, ShuttingDownError
+from .engine_client import EngineClient, RequestGroup, ShuttingDownError
 from .errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed
 from .logprobs import TokenText
 from .metrics import Metrics
