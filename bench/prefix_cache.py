@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from deltaserve.engine.cache_policy import QWEN3_NEXT_PREFILL_COST
-from deltaserve.engine.radix_cache import TENTATIVE_PER_PREFILL, RadixCache, resend_point, tentative_cap
+from deltaserve.engine.cache.cache_policy import QWEN3_NEXT_PREFILL_COST
+from deltaserve.engine.cache.radix_cache import TENTATIVE_PER_PREFILL, RadixCache, resend_point, tentative_cap
 
 SNAPSHOT_BYTES = 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
 KV_BYTES_PER_TOKEN = 12 * 2 * 2 * 256 * 2

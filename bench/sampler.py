@@ -24,7 +24,7 @@ import torch
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampler import Sampler
+from deltaserve.engine.sampling.sampler import Sampler
 from deltaserve.engine.sampling_params import SamplingParams
 
 SETTINGS = {
@@ -55,7 +55,7 @@ def main() -> None:
         type=int,
         default=0,
         metavar="MAX_BS",
-        help="sample batches of at most MAX_BS rows by graph replay (engine/sampler_graphs.py)",
+        help="sample batches of at most MAX_BS rows by graph replay (engine/sampling/sampler_graphs.py)",
     )
     ap.add_argument(
         "--graph-topk-min-rows",
@@ -67,7 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device(args.device)
     if args.graphs:
-        from deltaserve.engine import sampler_graphs
+        from deltaserve.engine.sampling import sampler_graphs
 
         if args.graph_topk_min_rows is not None:
             sampler_graphs.GRAPH_TOPK_MIN_ROWS = args.graph_topk_min_rows

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deltaserve.engine.cache_policy import POLICIES
+from deltaserve.engine.cache.cache_policy import POLICIES
 
 if TYPE_CHECKING:
     from deltaserve.engine.spec_decode.config import SpecConfig
@@ -35,7 +35,7 @@ class EngineConfig:
     max_prefill_delay_steps: int = 0
     page_size: int = 16
     cache_type: str = "radix"  # "naive": no reuse across requests
-    prefix_cache_policy: str = "marconi"  # snapshot admission / eviction: see cache_policy.py
+    prefix_cache_policy: str = "marconi"  # snapshot admission / eviction: see cache/cache_policy.py
     prefix_cache_alpha: float = 1.0  # marconi's weight of FLOPs saved per byte against recency
     state_dtype: str = "float32"
     seed: int = 0

@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from deltaserve.engine.errors import EngineDeadError, QueueFullError
+from deltaserve.engine.errors import EngineDeadError, error_reply
 
 logger = logging.getLogger("deltaserve.engine")
 
@@ -49,15 +49,6 @@ def engine_info(engine: Any) -> dict[str, Any]:
         "eos_token_ids": list(engine.eos_token_ids),
         "vocab_size": getattr(engine, "vocab_size", None),
     }
-
-
-def error_reply(exc: BaseException) -> tuple[str, str]:
-    """An exception as (kind, message): the client raises the matching error type."""
-    if isinstance(exc, QueueFullError):
-        return "queue_full", str(exc)
-    if isinstance(exc, ValueError):
-        return "value", str(exc)
-    return "internal", f"{type(exc).__name__}: {exc}"
 
 
 class EngineCore:

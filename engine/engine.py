@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deltaserve.engine.cache.adapter import make_prefix_cache, prefill_cost
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.errors import EngineDeadError, QueueFullError
-from deltaserve.engine.forward_batch import build_forward_batch
-from deltaserve.engine.h2d import to_device_packed
-from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from deltaserve.engine.prefix_caching import make_prefix_cache, prefill_cost
 from deltaserve.engine.request import Request, Status
-from deltaserve.engine.sampler import SAMPLER_GRAPH_MAX_BS, Sampler
+from deltaserve.engine.runner.forward_batch import build_forward_batch
+from deltaserve.engine.runner.h2d import to_device_packed
+from deltaserve.engine.runner.model_runner import ModelRunner
+from deltaserve.engine.sampling.sampler import SAMPLER_GRAPH_MAX_BS, Sampler
 from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
 from deltaserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import Computed, MtpDrafter, SpecDecoder, Verdict
@@ -170,9 +170,9 @@ class Engine:
         self._prefill_cost = prefill_cost(loaded.config, self.runner.model.layer_types, loaded.num_params)
         self.prefix_cache = make_prefix_cache(config, kv, st, self._prefill_cost)
         self.scheduler = Scheduler(config, kv, st, self.prefix_cache)
-        self._grammars: Any = None  # structured outputs' compiled grammars (engine/structured.py)
+        self._grammars: Any = None  # structured outputs' compiled grammars (engine/sampling/structured.py)
         self._grammars_lock = threading.Lock()
-        # small sampled batches replay CUDA graphs of the sampler (engine/sampler_graphs.py)
+        # small sampled batches replay CUDA graphs of the sampler (engine/sampling/sampler_graphs.py)
         graphs = self.device.type == "cuda" and not config.disable_cuda_graph
         self.sampler = Sampler(
             self.device,
@@ -325,7 +325,7 @@ class Engine:
     def _grammars_built(self) -> Any:
         with self._grammars_lock:
             if self._grammars is None:
-                from deltaserve.engine.structured import Grammars
+                from deltaserve.engine.sampling.structured import Grammars
 
                 self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammars
@@ -762,4 +762,4 @@ class Engine:
         }
 
 
-__all__ = ["Engine", "EngineConfig", "QueueFullError", "SamplingParams", "Status"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "Status"]

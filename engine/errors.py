@@ -13,3 +13,20 @@ class EngineDeadError(RuntimeError):
 
 class EngineFaultError(RuntimeError):
     """A step failed in a way no single request explains; the requests in flight were aborted."""
+
+
+# the error types a reply from the engine process carries by kind, so the client raises the same type
+_REPLY_KINDS: dict[str, type[Exception]] = {"queue_full": QueueFullError, "value": ValueError}
+
+
+def error_reply(exc: BaseException) -> tuple[str, str]:
+    """An exception as the engine process's (kind, message); `reply_error` turns it back."""
+    for kind, exc_type in _REPLY_KINDS.items():
+        if isinstance(exc, exc_type):
+            return kind, str(exc)
+    return "internal", f"{type(exc).__name__}: {exc}"
+
+
+def reply_error(kind: str, message: str) -> Exception:
+    """The exception of a reply's (kind, message): the engine's own type, RuntimeError for the rest."""
+    return _REPLY_KINDS.get(kind, RuntimeError)(message)

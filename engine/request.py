@@ -5,17 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import numpy as np
 import torch
 
+from deltaserve.engine.cache.radix_node import CacheHold
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.outputs import Logprob
 from deltaserve.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from deltaserve.engine.penalties import TokenArrays
-    from deltaserve.engine.prefix_caching import CacheHold
 
 
 class Status(enum.Enum):
@@ -62,7 +60,7 @@ class Request:
     # output_kind "delta": how much of the output earlier outputs carried (tokens, characters)
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
-    # penalties: the prompt and output ids as numpy arrays (engine/penalties.py `TokenArrays`)
+    # penalties: the prompt and output ids as numpy arrays (`TokenArrays`)
     token_arrays: TokenArrays | None = field(default=None, repr=False)
     # structured outputs: the grammar's state (xgrammar GrammarMatcher), fed every new token
     matcher: Any = field(default=None, repr=False)
@@ -101,3 +99,42 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+@dataclass(eq=False)
+class TokenArrays:
+    """A request's prompt and output ids as numpy arrays; the output array grows with the list
+    it mirrors (only the new tail is converted each step)."""
+
+    prompt_ref: list[int]
+    prompt: np.ndarray
+    output_ref: list[int]
+    output: np.ndarray
+    filled: int = 0
+
+    @classmethod
+    def of(cls, req: Request) -> TokenArrays:
+        cached = req.token_arrays
+        if cached is None or cached.prompt_ref is not req.prompt_token_ids:
+            cached = cls(
+                req.prompt_token_ids,
+                np.asarray(req.prompt_token_ids, dtype=np.int64),
+                req.output_token_ids,
+                np.empty(64, dtype=np.int64),
+            )
+            req.token_arrays = cached
+        return cached
+
+    def outputs(self, req: Request) -> np.ndarray:
+        ids = req.output_token_ids
+        if ids is not self.output_ref:  # a verification view (or a replaced list): convert it
+            return np.asarray(ids, dtype=np.int64)
+        n = len(ids)
+        if n > self.output.shape[0]:
+            grown = np.empty(max(n, 2 * self.output.shape[0]), dtype=np.int64)
+            grown[: self.filled] = self.output[: self.filled]
+            self.output = grown
+        if n > self.filled:
+            self.output[self.filled : n] = ids[self.filled : n]
+        self.filled = n
+        return self.output[:n]

@@ -15,7 +15,7 @@ class StructuredOutputs:
     """Constrain the output (vLLM's `StructuredOutputsParams`, OpenAI's response_format): `json` a
     JSON schema (a dict or its text) the output must satisfy, `json_object=True` any JSON object,
     `regex`, `choice` or an EBNF `grammar`. Decoded with xgrammar's token masks
-    (`engine/structured.py`)."""
+    (`engine/sampling/structured.py`)."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False

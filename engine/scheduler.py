@@ -18,7 +18,7 @@ window (the last token and the drafts), placed after the one-token decodes. Its 
 the whole window, but it is not advanced with the plan: the engine advances it by the
 accepted length after sampling (`advance` skips it).
 
-Pages come from the prefix cache (`prefix_caching.py`), which evicts cached pages before it
+Pages come from the prefix cache (`cache/adapter.py`), which evicts cached pages before it
 reports the pool dry; a newly admitted request starts from its cached prefix, and a prefill
 chunk ends where the prompt leaves the cache's tree, so that a snapshot can be saved there.
 """
@@ -29,11 +29,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from deltaserve.engine.cache.adapter import PrefixCache
+from deltaserve.engine.cache.kv_pool import KVPool
+from deltaserve.engine.cache.state_pool import StatePool
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.kv_pool import KVPool
-from deltaserve.engine.prefix_caching import PrefixCache
 from deltaserve.engine.request import Request, Status
-from deltaserve.engine.state_pool import StatePool
 
 
 @dataclass

@@ -12,7 +12,7 @@ from deltaserve.models.layers import Linear, PartialRotaryEmbedding, RowParallel
 from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 
 if TYPE_CHECKING:
-    from deltaserve.engine.forward_context import ForwardContext
+    from deltaserve.engine.runner.forward_context import ForwardContext
 
 
 def rope_settings(config: Any) -> tuple[float, float]:

@@ -17,7 +17,7 @@ from deltaserve.models.layers import GatedRMSNorm, Linear, RowParallelLinear
 from deltaserve.models.parallel import SINGLE, ShardSpec, TensorParallel
 
 if TYPE_CHECKING:
-    from deltaserve.engine.forward_context import ForwardContext
+    from deltaserve.engine.runner.forward_context import ForwardContext
 
 
 class GatedDeltaNet(nn.Module):

@@ -18,7 +18,7 @@ from deltaserve.models.layers import GatedRMSNorm, Linear, RowParallelLinear
 from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 
 if TYPE_CHECKING:
-    from deltaserve.engine.forward_context import ForwardContext
+    from deltaserve.engine.runner.forward_context import ForwardContext
 
 
 class KimiDeltaAttention(nn.Module):

@@ -32,7 +32,7 @@ from deltaserve.models.parallel import SINGLE, TensorParallel
 from deltaserve.models.weights import WeightLoader
 
 if TYPE_CHECKING:
-    from deltaserve.engine.forward_context import ForwardContext
+    from deltaserve.engine.runner.forward_context import ForwardContext
 
 
 def layer_types_of(config: Any) -> list[str]:

@@ -18,7 +18,7 @@ from deltaserve.models.layers import Linear, RMSNorm, RowParallelLinear
 from deltaserve.models.parallel import SINGLE, ShardSpec, TensorParallel
 
 if TYPE_CHECKING:
-    from deltaserve.engine.forward_context import ForwardContext
+    from deltaserve.engine.runner.forward_context import ForwardContext
 
 
 class MultiLatentAttention(nn.Module):

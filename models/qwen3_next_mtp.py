@@ -27,7 +27,7 @@ from deltaserve.models.qwen3_next import DecoderLayer
 from deltaserve.models.weights import WeightLoader
 
 if TYPE_CHECKING:
-    from deltaserve.engine.forward_context import ForwardContext
+    from deltaserve.engine.runner.forward_context import ForwardContext
 
 PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.", "language_model.mtp.")
 

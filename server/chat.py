@@ -31,7 +31,7 @@ from .protocol import (
     random_id,
 )
 from .reasoning import prompt_opens_reasoning
-from .sampling import build_sampling_params, fan_out, tool_choice_constraint
+from .request_params import build_sampling_params, fan_out, tool_choice_constraint
 from .tool_calls import KIMI
 
 if TYPE_CHECKING:

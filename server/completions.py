@@ -23,7 +23,7 @@ from .protocol import (
     Usage,
     random_id,
 )
-from .sampling import build_sampling_params, fan_out
+from .request_params import build_sampling_params, fan_out
 
 if TYPE_CHECKING:
     from deltaserve.engine.outputs import CompletionOutput, RequestOutput

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
-from deltaserve.engine.errors import EngineDeadError, EngineFaultError
+from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
 from deltaserve.engine.generation_defaults import SamplingDefaults
 
-from .engine_client import EngineClient, QueueFullError, RequestGroup, ShuttingDownError
+from .engine_client import EngineClient, RequestGroup, ShuttingDownError
 from .errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed
 from .logprobs import TokenText
 from .metrics import Metrics
@@ -116,7 +116,7 @@ class ServerContext:
     async def warm_prefix(self, prompts: list[list[int]], n: int, request: Request) -> None:
         """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`). A client that
         hangs up meanwhile gets ClientDisconnected, as from `collect`."""
-        from deltaserve.engine.prefix_caching import warmup_params, warmup_prompts
+        from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
 
         info = self.client.model_info
         warm = warmup_prompts(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
+from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError, reply_error
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -427,9 +427,7 @@ class EngineClient:
         if error is None:
             future.set_result(value)
             return
-        kind, message = error
-        exc_type = {"value": ValueError, "queue_full": QueueFullError}.get(kind, RuntimeError)
-        future.set_exception(exc_type(message))
+        future.set_exception(reply_error(*error))
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:

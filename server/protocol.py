@@ -127,7 +127,7 @@ class ChatMessage(OpenAIModel):
 
 
 class SamplingRequest(RequestBody):
-    """Fields shared by chat and completions; ranges are checked in `sampling.py` for clear messages."""
+    """Fields shared by chat and completions; ranges are checked in `request_params.py` for clear messages."""
 
     model: str | None = None
     max_tokens: int | None = None

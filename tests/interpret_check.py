@@ -66,7 +66,7 @@ def use_fast(families: list[str]) -> None:
     if "linear" in families:
         os.environ["DELTASERVE_GEMV"] = "triton"
     if "gdn_decode" in families:
-        import deltaserve.engine.linear_backend as lb
+        import deltaserve.engine.runner.linear_backend as lb
         from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
 
         def gated(q, k, v, a, b, A_log, dt_bias, pool, slots):  # the kernel computes the gates

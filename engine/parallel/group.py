@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from deltaserve.engine.cache.pool_sizing import PoolSizes
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.memory import PoolSizes
 from deltaserve.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)

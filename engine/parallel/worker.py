@@ -36,8 +36,8 @@ class WorkerArgs:
 
 
 def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
-    from deltaserve.engine.model_runner import ModelRunner
     from deltaserve.engine.parallel.group import destroy, init_rank, rank_device
+    from deltaserve.engine.runner.model_runner import ModelRunner
     from deltaserve.models.loader import load_model
 
     device = rank_device(config, rank)

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampler import Sampler
+from deltaserve.engine.sampling.sampler import Sampler
 from deltaserve.engine.spec_decode.config import SpecConfig
 from deltaserve.engine.spec_decode.mtp import Computed, MtpDrafter
 from deltaserve.engine.spec_decode.ngram import NgramProposer

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.engine.forward_batch import build_forward_batch
-from deltaserve.engine.forward_context import ForwardContext
-from deltaserve.engine.h2d import to_device
 from deltaserve.engine.request import Request
+from deltaserve.engine.runner.forward_batch import build_forward_batch
+from deltaserve.engine.runner.forward_context import ForwardContext
+from deltaserve.engine.runner.h2d import to_device
 
 if TYPE_CHECKING:
-    from deltaserve.engine.forward_batch import ForwardBatch
-    from deltaserve.engine.model_runner import ModelRunner
+    from deltaserve.engine.runner.forward_batch import ForwardBatch
+    from deltaserve.engine.runner.model_runner import ModelRunner
 
 
 @dataclass

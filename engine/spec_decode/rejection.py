@@ -24,7 +24,7 @@ import torch
 
 from deltaserve.engine.outputs import Logprob
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampler import Sampler
+from deltaserve.engine.sampling.sampler import Sampler
 
 
 @dataclass

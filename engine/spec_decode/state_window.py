@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.engine.h2d import to_device
-from deltaserve.engine.state_pool import StatePool
+from deltaserve.engine.cache.state_pool import StatePool
+from deltaserve.engine.runner.h2d import to_device
 
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.step_sync import OpLog

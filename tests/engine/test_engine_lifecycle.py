@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.engine import Engine, QueueFullError
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.errors import QueueFullError
 from deltaserve.engine.sampling_params import SamplingParams
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from deltaserve.engine.forward_batch import FLA_CHUNK, build_forward_batch, fla_chunk_indices
+from deltaserve.engine.runner.forward_batch import FLA_CHUNK, build_forward_batch, fla_chunk_indices
 
 
 def chunk_pairs(lengths: list[int], chunk: int) -> list[tuple[int, int]]:

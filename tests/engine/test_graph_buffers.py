@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.engine.cuda_graphs import CudaGraphRunner
+from deltaserve.engine.runner.cuda_graphs import CudaGraphRunner
 
 K = 3
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "cuda_graph": True}

@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from deltaserve.engine.cuda_graphs import capture
+from deltaserve.engine.runner.cuda_graphs import capture
 
 
 class _Holder:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.engine.h2d import PinnedRing, to_device, to_device_packed
+from deltaserve.engine.runner.h2d import PinnedRing, to_device, to_device_packed
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -62,7 +62,7 @@ def test_staging_ring_is_not_overwritten_under_queued_copies():
     """More transfers than the ring starts with while the stream is still busy: each tensor
     keeps its own values (a buffer is reused only after its copy has run) and the host does not
     wait for the GPU (the ring grows instead)."""
-    from deltaserve.engine.h2d import to_device
+    from deltaserve.engine.runner.h2d import to_device
 
     torch.cuda._sleep(200_000_000)  # the copies queue behind ~0.1 s of GPU time
     # more than the ring's first 8 buffers, fewer than the 64 it may grow to (so no waiting),

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from deltaserve.engine.page_table import SlotPageTable
+from deltaserve.engine.cache.page_table import SlotPageTable
 
 
 def _rows(table: SlotPageTable, slots: list[int], lens: list[int]) -> list[list[int]]:

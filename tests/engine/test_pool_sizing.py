@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from deltaserve.engine.cache.pool_sizing import plan_pools
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.memory import plan_pools
 
 MIB = 2**20
 CPU = torch.device("cpu")
@@ -63,13 +63,13 @@ def test_refused_only_when_not_one_request_fits() -> None:
 
 
 def test_cpu_default_follows_available_memory(monkeypatch) -> None:
-    from deltaserve.engine import memory
+    from deltaserve.engine.cache import pool_sizing
 
-    monkeypatch.setattr(memory, "_available_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(pool_sizing, "_available_bytes", lambda: 64 * 2**30)
     cfg = config(max_running_requests=256)
     big = plan_pools(cfg, 64 * 1024, 20 * MIB, 4096, CPU)
     assert big.num_slots == 256  # 16 GiB: 768 slots of 20 MiB fit
-    monkeypatch.setattr(memory, "_available_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(pool_sizing, "_available_bytes", lambda: 8 * 2**30)
     cfg = config(max_running_requests=256)
     small = plan_pools(cfg, 64 * 1024, 20 * MIB, 4096, CPU)
     assert small.num_slots < 256 and math.isclose(cfg.max_running_requests, small.num_slots)

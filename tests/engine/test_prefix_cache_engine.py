@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.engine.cache_policy import POLICIES
+from deltaserve.engine.cache.cache_policy import POLICIES
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.outputs import RequestOutput
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from deltaserve.engine.cache_policy import QWEN3_NEXT_PREFILL_COST
-from deltaserve.engine.radix_cache import Node, RadixCache
+from deltaserve.engine.cache.cache_policy import QWEN3_NEXT_PREFILL_COST
+from deltaserve.engine.cache.radix_cache import Node, RadixCache
 
 
 class FakeKVPool:

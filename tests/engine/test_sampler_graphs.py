@@ -1,4 +1,4 @@
-"""Sampling by graph replay (engine/sampler_graphs.py) gives the eager sampler's tokens.
+"""Sampling by graph replay (engine/sampling/sampler_graphs.py) gives the eager sampler's tokens.
 
 On CPU the capture is replaced by a stand-in that keeps what a CUDA graph keeps: static
 buffers read at replay and one output tensor overwritten by every replay of its graph. Seeded
@@ -18,8 +18,8 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampler import Sampler
-from deltaserve.engine.sampler_graphs import TOPK_BUCKETS
+from deltaserve.engine.sampling.sampler import Sampler
+from deltaserve.engine.sampling.sampler_graphs import TOPK_BUCKETS
 from deltaserve.engine.sampling_params import SamplingParams
 
 

@@ -9,9 +9,10 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.penalties import apply_penalties
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampler import TOPK_LIMIT, TOPK_MIN_ROWS, Sampler
+from deltaserve.engine.sampling.ops import TOPK_LIMIT, TOPK_MIN_ROWS
+from deltaserve.engine.sampling.penalties import apply_penalties
+from deltaserve.engine.sampling.sampler import Sampler
 
 
 def make_request(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
@@ -286,7 +287,7 @@ def test_batched_penalties_equal_the_row_by_row_ones():
     import copy
     import random
 
-    from deltaserve.engine.penalties import apply_penalties_batch
+    from deltaserve.engine.sampling.penalties import apply_penalties_batch
 
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(0)

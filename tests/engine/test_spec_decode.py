@@ -220,7 +220,7 @@ def test_sampling_with_drafts_runs_and_is_seeded(make_checkpoint):
 
 def test_rejection_sampling_keeps_the_target_distribution():
     """A point-mass draft accepted with p(d), else the residual: the output law is p."""
-    from deltaserve.engine.sampler import Sampler
+    from deltaserve.engine.sampling.sampler import Sampler
     from deltaserve.engine.spec_decode.rejection import _rejection_sample
 
     class View:

@@ -150,7 +150,7 @@ def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(llm):
 def test_without_xgrammar_or_a_tokenizer_the_error_says_so(llm, monkeypatch):
     import sys
 
-    from deltaserve.engine.structured import Grammars
+    from deltaserve.engine.sampling.structured import Grammars
 
     with pytest.raises(ValueError, match="tokenizer"):
         Grammars(None, 100, [])
@@ -185,7 +185,7 @@ def test_the_grammar_waits_for_the_end_of_reasoning(llm):
 
 
 def test_a_waiting_grammar_feeds_its_matcher_only_after_the_token():
-    from deltaserve.engine.structured import RequestGrammar
+    from deltaserve.engine.sampling.structured import RequestGrammar
 
     fed = []
 
@@ -297,7 +297,7 @@ def test_grammars_prepared_ahead_serve_the_first_request(tokenized_checkpoint, m
     import sys
     import threading
 
-    from deltaserve.engine import structured
+    from deltaserve.engine.sampling import structured
 
     builds = []
     real = structured.Grammars

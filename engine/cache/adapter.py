@@ -1,5 +1,6 @@
-"""The scheduler's side of prefix caching: what a request takes from the cache at admission,
-which snapshots it saves while it runs, and what it hands back when it leaves.
+"""The engine's adapter to the prefix cache, as the scheduler calls it: what a request takes
+from the cache at admission, which snapshots it saves while it runs, and what it hands back
+when it leaves.
 
 `NaivePrefixCache` (``cache_type="naive"``) reuses nothing. `RadixPrefixCache` drives
 `RadixCache` by the contract in radix_cache.py:
@@ -30,37 +31,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from deltaserve.engine.cache_policy import HybridPrefillCost
-from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.kv_pool import KVPool
-from deltaserve.engine.radix_cache import (
+from deltaserve.engine.cache.cache_policy import HybridPrefillCost
+from deltaserve.engine.cache.kv_pool import KVPool
+from deltaserve.engine.cache.radix_cache import (
     TENTATIVE_PER_PREFILL,
     RadixCache,
     SnapshotKind,
     resend_point,
     tentative_cap,
 )
-from deltaserve.engine.radix_node import Node
+from deltaserve.engine.cache.radix_node import CacheHold
+from deltaserve.engine.cache.state_pool import StatePool
+from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.engine.state_pool import StatePool
-
-
-@dataclass(eq=False)
-class CacheHold:
-    """What a running request holds of the radix cache, from admission to release."""
-
-    node: Node  # locked: the pages from the root to it are the tree's (pinned until commit)
-    snapshot_slot: int | None  # the matched snapshot, copied in at commit
-    num_shared_pages: int  # the head of `req.pages` that belongs to the tree
-    branch_point: int  # a prefill chunk ends here (0: nowhere)
-    tentative: list[Node] = field(default_factory=list)  # this prefill's tentative snapshots
-    prompt_end: Node | None = None  # where this prefill's prompt-end snapshot went
-    rolling_slot: int | None = None  # the state at `rolling_pos`, the last page boundary landed on
-    rolling_pos: int = 0
 
 
 class PrefixCache(ABC):

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from deltaserve.engine.attention_backend import AttentionBackend
-from deltaserve.engine.forward_batch import ForwardBatch
-from deltaserve.engine.linear_backend import LinearAttentionBackend
+from deltaserve.engine.runner.attention_backend import AttentionBackend
+from deltaserve.engine.runner.forward_batch import ForwardBatch
+from deltaserve.engine.runner.linear_backend import LinearAttentionBackend
 from deltaserve.kernels.triton_utils import capturing_graph
 
 logger = logging.getLogger(__name__)

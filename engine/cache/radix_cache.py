@@ -50,8 +50,8 @@ import heapq
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Literal
 
-from deltaserve.engine.cache_policy import make_policy
-from deltaserve.engine.radix_node import CacheStats, InsertResult, KVPool, MatchResult, Node, StatePool
+from deltaserve.engine.cache.cache_policy import make_policy
+from deltaserve.engine.cache.radix_node import CacheStats, InsertResult, KVPool, MatchResult, Node, StatePool
 
 __all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "Node", "SnapshotKind"]
 

@@ -7,18 +7,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.engine.attention_backend import AttentionBackend
+from deltaserve.engine.cache.kv_pool import KVPool
+from deltaserve.engine.cache.page_table import SlotPageTable
+from deltaserve.engine.cache.pool_sizing import free_memory_bytes, plan_pools
+from deltaserve.engine.cache.state_pool import StatePool
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.errors import EngineDeadError
-from deltaserve.engine.forward_batch import ForwardBatch, build_forward_batch
-from deltaserve.engine.forward_context import ForwardContext
-from deltaserve.engine.kv_pool import KVPool
-from deltaserve.engine.linear_backend import LinearAttentionBackend
-from deltaserve.engine.memory import free_memory_bytes, plan_pools
-from deltaserve.engine.page_table import SlotPageTable
+from deltaserve.engine.runner.attention_backend import AttentionBackend
+from deltaserve.engine.runner.cuda_graphs import CudaGraphRunner
+from deltaserve.engine.runner.forward_batch import ForwardBatch, build_forward_batch
+from deltaserve.engine.runner.forward_context import ForwardContext
+from deltaserve.engine.runner.linear_backend import LinearAttentionBackend
 from deltaserve.engine.spec_decode.state_window import StateWindow
-from deltaserve.engine.state_pool import StatePool
 from deltaserve.models.loader import LoadedModel
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class ModelRunner:
             )
             self.linear.window = self.window
         self.ctx = ForwardContext(self.attn, self.linear)
-        # decode batches read each slot's pages from here (`engine/page_table.py`)
+        # decode batches read each slot's pages from here (`engine/cache/page_table.py`)
         max_pages = -(-self.sizes.max_model_len // config.page_size)
         self.attn.slot_pages = SlotPageTable(1 + self.sizes.num_slots, max_pages, device)
         self.step_log = None

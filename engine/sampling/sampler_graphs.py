@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltaserve.engine.cuda_graphs import capture, graph_batch_sizes
-from deltaserve.engine.h2d import copy_to_device
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampler import TOPK_LIMIT, Sampler, param_rows, pick_tokens
+from deltaserve.engine.runner.cuda_graphs import capture, graph_batch_sizes
+from deltaserve.engine.runner.h2d import copy_to_device
+from deltaserve.engine.sampling.ops import TOPK_LIMIT, param_rows, pick_tokens, ranking_width
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,10 @@ GRAPH_TOPK_MIN_ROWS = 1
 
 # captures `fn` (static inputs to a static output): the replay callable and the output
 Capture = Callable[[Callable[[], torch.Tensor], Any], tuple[Callable[[], None], torch.Tensor]]
+# the sampler's logit processing of `reqs` into the given buffer (`Sampler.process`)
+Process = Callable[[torch.Tensor, list[Request], torch.Tensor], torch.Tensor]
+# the sampler's Exp(1) noise for `reqs` over a vocabulary (`Sampler.fill_noise`)
+FillNoise = Callable[[torch.Tensor, list[Request], int], None]
 
 
 def cuda_capture(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
@@ -54,12 +58,21 @@ def cuda_capture(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[]
 class SamplerGraphs:
     """Replays `pick_tokens` for batches of at most `max_bs` rows."""
 
-    def __init__(self, sampler: Sampler, vocab: int, max_bs: int, capture: Capture | None = None) -> None:
-        self.sampler = sampler
+    def __init__(
+        self,
+        process: Process,
+        fill_noise: FillNoise,
+        device: torch.device,
+        vocab: int,
+        max_bs: int,
+        capture: Capture | None = None,
+    ) -> None:
+        self.process = process
+        self.fill_noise = fill_noise
         self.vocab = vocab
         self.sizes = graph_batch_sizes(max_bs)
         self.capture = capture or cuda_capture
-        top, dev = self.sizes[-1], sampler.device
+        top, dev = self.sizes[-1], device
         with torch.inference_mode():
             self.logits = torch.zeros(top, vocab, dtype=torch.float32, device=dev)
             self.noise = torch.ones(top, vocab, dtype=torch.float32, device=dev)
@@ -75,9 +88,9 @@ class SamplerGraphs:
         return not self.failed and 0 < n <= self.sizes[-1] and vocab == self.vocab
 
     def width(self, reqs: list[Request]) -> int:
-        """The eager sampler's ranking width (`Sampler._width`) with a top-k rounded up to its
+        """The eager sampler's ranking width (`ranking_width`) with a top-k rounded up to its
         bucket: 0 (no ranking), a bucket, or the vocabulary (a full sort)."""
-        width = Sampler._width(reqs, self.vocab, GRAPH_TOPK_MIN_ROWS)
+        width = ranking_width(reqs, self.vocab, GRAPH_TOPK_MIN_ROWS)
         if 0 < width < self.vocab:
             bucket = TOPK_BUCKETS[bisect.bisect_left(TOPK_BUCKETS, width)]  # the last is TOPK_LIMIT
             return bucket if bucket < self.vocab else self.vocab
@@ -91,12 +104,12 @@ class SamplerGraphs:
         n = len(reqs)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         width = self.width(reqs)
-        self.sampler.process(logits, reqs, out=self.logits[:n])
+        self.process(logits, reqs, self.logits[:n])
         rows = np.empty((bs, 5), dtype=np.float32)
         rows[:n] = np.array(param_rows(reqs, self.vocab), dtype=np.float32).T
         rows[n:] = self._pad
         copy_to_device(self.params[:bs], rows)
-        self.sampler.fill_noise(self.noise[:n, : width or self.vocab], reqs, self.vocab)
+        self.fill_noise(self.noise[:n, : width or self.vocab], reqs, self.vocab)
         key = (bs, width)
         if key not in self.graphs:
             try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltaserve.engine.attention_backend import AttentionBackend
-from deltaserve.engine.linear_backend import LinearAttentionBackend
+from deltaserve.engine.runner.attention_backend import AttentionBackend
+from deltaserve.engine.runner.linear_backend import LinearAttentionBackend
 
 
 @dataclass

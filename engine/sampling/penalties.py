@@ -4,7 +4,7 @@ Applied row by row, each penalised request would cost a set and a sort of its wh
 history in Python, a transfer and three or four kernels, every step: at large batches with long
 outputs, more host time than the forward pass (Qwen's model cards suggest presence_penalty 1.5,
 so many requests carry one). Here each
-request's tokens are kept as numpy arrays that grow with it (`TokenArrays`, on the request,
+request's tokens are kept as numpy arrays that grow with it (`TokenArrays` in request.py, on the request,
 so they go when it goes), the batch's (row, token) pairs go over in one copy, and the counts
 and the seen-mask are built by one scatter each. The results are those of `apply_penalties`
 (tests/engine/test_sampling.py holds them to it).
@@ -12,13 +12,11 @@ and the seen-mask are built by one scatter each. The results are those of `apply
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from deltaserve.engine.h2d import to_device_packed
-from deltaserve.engine.request import Request
+from deltaserve.engine.request import Request, TokenArrays
+from deltaserve.engine.runner.h2d import to_device_packed
 
 
 def apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
@@ -33,45 +31,6 @@ def apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
         counts = torch.zeros_like(row).index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return row
-
-
-@dataclass(eq=False)
-class TokenArrays:
-    """A request's prompt and output ids as numpy arrays; the output array grows with the list
-    it mirrors (only the new tail is converted each step)."""
-
-    prompt_ref: list[int]
-    prompt: np.ndarray
-    output_ref: list[int]
-    output: np.ndarray
-    filled: int = 0
-
-    @classmethod
-    def of(cls, req: Request) -> TokenArrays:
-        cached = req.token_arrays
-        if cached is None or cached.prompt_ref is not req.prompt_token_ids:
-            cached = cls(
-                req.prompt_token_ids,
-                np.asarray(req.prompt_token_ids, dtype=np.int64),
-                req.output_token_ids,
-                np.empty(64, dtype=np.int64),
-            )
-            req.token_arrays = cached
-        return cached
-
-    def outputs(self, req: Request) -> np.ndarray:
-        ids = req.output_token_ids
-        if ids is not self.output_ref:  # a verification view (or a replaced list): convert it
-            return np.asarray(ids, dtype=np.int64)
-        n = len(ids)
-        if n > self.output.shape[0]:
-            grown = np.empty(max(n, 2 * self.output.shape[0]), dtype=np.int64)
-            grown[: self.filled] = self.output[: self.filled]
-            self.output = grown
-        if n > self.filled:
-            self.output[self.filled : n] = ids[self.filled : n]
-        self.filled = n
-        return self.output[:n]
 
 
 def _pairs(rows: list[int], arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

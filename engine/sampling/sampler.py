@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.engine.h2d import to_device, to_device_packed
 from deltaserve.engine.outputs import Logprob
-from deltaserve.engine.penalties import apply_penalties_batch
 from deltaserve.engine.request import Request
-
-if TYPE_CHECKING:
-    from deltaserve.engine.sampler_graphs import Capture, SamplerGraphs
+from deltaserve.engine.runner.h2d import to_device, to_device_packed
+from deltaserve.engine.sampling.ops import filtered_probs, param_rows, pick_tokens, ranking_width
+from deltaserve.engine.sampling.penalties import apply_penalties_batch
+from deltaserve.engine.sampling.sampler_graphs import Capture, SamplerGraphs
 
 logger = logging.getLogger(__name__)
 
-# Batches of at least TOPK_MIN_ROWS rows that all set a top-k of at most TOPK_LIMIT rank only
-# their k best tokens: over a large vocabulary `torch.topk` is cheaper than a full sort from a
-# few rows on, but not for a single row (docs/performance.md, "Sampling").
-TOPK_LIMIT = 1024
-TOPK_MIN_ROWS = 4
-# on CUDA, sampled batches of at most this many rows replay graphs (engine/sampler_graphs.py):
+# on CUDA, sampled batches of at most this many rows replay graphs (engine/sampling/sampler_graphs.py):
 # their cost is the host's launches; larger batches' is the GPU's
 SAMPLER_GRAPH_MAX_BS = 32
 
@@ -31,7 +24,7 @@ class Sampler:
     """Samples a whole batch at once; only seeded rows draw their noise one by one.
 
     With `graph_max_bs`, sampled batches of at most that many rows replay CUDA graphs of the
-    same ops (`engine/sampler_graphs.py`; `capture` replaces CUDA's capture, for tests)."""
+    same ops (`engine/sampling/sampler_graphs.py`; `capture` replaces CUDA's capture, for tests)."""
 
     def __init__(
         self,
@@ -67,9 +60,14 @@ class Sampler:
             return logits.argmax(dim=-1)
         if 0 < len(reqs) <= self.graph_max_bs:
             if self.graphs is None:
-                from deltaserve.engine.sampler_graphs import SamplerGraphs
-
-                self.graphs = SamplerGraphs(self, logits.shape[-1], self.graph_max_bs, self.capture)
+                self.graphs = SamplerGraphs(
+                    self.process,
+                    self.fill_noise,
+                    self.device,
+                    logits.shape[-1],
+                    self.graph_max_bs,
+                    self.capture,
+                )
             if self.graphs.takes(len(reqs), logits.shape[-1]):
                 tokens = self.graphs.sample(logits, reqs)
                 if tokens is not None:
@@ -163,7 +161,7 @@ class Sampler:
                     logits[i, to_device(banned, torch.long, dev)] = float("-inf")
         constrained = [i for i, r in enumerate(reqs) if r.matcher is not None and r.matcher.active]
         if constrained:  # last: what the grammar forbids stays forbidden
-            from deltaserve.engine.structured import apply_grammar_masks
+            from deltaserve.engine.sampling.structured import apply_grammar_masks
 
             apply_grammar_masks(logits, constrained, [reqs[i].matcher for i in constrained])
         return logits
@@ -174,7 +172,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         vocab = logits.shape[-1]
         temp, min_p, top_p, top_k, greedy = self._param_tensors(reqs, vocab, logits.device)
-        width = self._width(reqs, vocab)
+        width = ranking_width(reqs, vocab)
         noise = torch.empty((len(reqs), width or vocab), dtype=torch.float32, device=logits.device)
         self.fill_noise(noise, reqs, vocab)
         keep_min_p = min_p if any(r.params.min_p > 0 for r in reqs) else None
@@ -226,88 +224,6 @@ class Sampler:
         vocab = logits.shape[-1]
         temp, min_p, top_p, top_k, _ = self._param_tensors(reqs, vocab, logits.device)
         keep_min_p = min_p if any(r.params.min_p > 0 for r in reqs) else None
-        return filtered_probs(logits / temp.unsqueeze(1), keep_min_p, top_p, top_k, self._width(reqs, vocab))
-
-    @staticmethod
-    def _width(reqs: list[Request], vocab: int, min_rows: int = TOPK_MIN_ROWS) -> int:
-        """How many tokens of each row are ranked: none (0) without top-k and top-p; only the
-        k best (`torch.topk`) when at least `min_rows` rows all set a top-k of at most
-        TOPK_LIMIT (much cheaper than sorting a 248k vocabulary per row); else all (a sort)."""
-        ks = [r.params.top_k for r in reqs]
-        if not any(ks) and all(r.params.top_p >= 1.0 for r in reqs):
-            return 0
-        if all(ks) and max(ks) <= min(TOPK_LIMIT, vocab) and len(reqs) >= min_rows:
-            return max(ks)
-        return vocab
-
-
-def param_rows(reqs: list[Request], vocab: int) -> list[list[float]]:
-    """The sampling parameters as five per-row lists: temperature (1 for greedy rows), min_p,
-    top_p, top_k (the vocabulary where unset) and greedy (1 or 0)."""
-    params = [r.params for r in reqs]
-    return [
-        [1.0 if p.greedy else p.temperature for p in params],
-        [p.min_p for p in params],
-        [p.top_p for p in params],
-        [min(p.top_k, vocab) if p.top_k else vocab for p in params],  # any k past the vocabulary is all
-        [1 if p.greedy else 0 for p in params],
-    ]
-
-
-def filtered_probs(
-    scaled: torch.Tensor,
-    min_p: torch.Tensor | None,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    width: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Temperature-scaled logits `[n, vocab]` to the probabilities each row samples from, after
-    top-k, top-p and min-p (per-row tensors; `min_p` None: no row sets one), and the token id
-    of each column (None: column = token id).
-
-    `width` says how much is ranked: 0 nothing (no row may set top-k or top-p), less than the
-    vocabulary the `width` best (`torch.topk`; every row's top-k must be at most `width`), the
-    vocabulary a full sort. Shapes depend on `width` alone, so CUDA graphs capture this.
-    """
-    vocab = scaled.shape[-1]
-    if width == 0:
-        probs = torch.softmax(scaled, dim=-1)
-        if min_p is None:
-            return probs, None
-        low = probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        return torch.softmax(scaled.masked_fill(low, float("-inf")), dim=-1), None
-    if width < vocab:
-        vals, order = torch.topk(scaled, width, dim=-1)  # the k best, in descending order
-    else:
-        vals, order = torch.sort(scaled, dim=-1, descending=True)
-    rank = torch.arange(vals.shape[-1], device=scaled.device).unsqueeze(0)
-    vals = vals.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(vals, dim=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays); rows
-    # without top-p keep everything (a cumulative sum may reach 1.0 early by rounding)
-    cut = (probs.cumsum(-1) - probs >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-    vals = vals.masked_fill(cut, float("-inf"))
-    if min_p is not None:
-        probs = torch.softmax(vals, dim=-1)
-        vals = vals.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1], float("-inf"))
-    return torch.softmax(vals, dim=-1), order
-
-
-def pick_tokens(
-    logits: torch.Tensor,
-    temp: torch.Tensor,
-    min_p: torch.Tensor | None,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    greedy: torch.Tensor,
-    noise: torch.Tensor,
-    width: int,
-) -> torch.Tensor:
-    """Each row's token: the argmax where `greedy`, else a draw from `filtered_probs` by the
-    exponential race (argmax of p / E with E ~ Exp(1) samples from p; `noise` holds the E,
-    `[n, width or vocab]`). No host syncs: CUDA graphs capture this."""
-    greedy_tokens = logits.argmax(dim=-1)
-    probs, order = filtered_probs(logits / temp.unsqueeze(1), min_p, top_p, top_k, width)
-    picked = (probs / noise).argmax(dim=-1, keepdim=True)
-    sampled = (order.gather(1, picked) if order is not None else picked).squeeze(1)
-    return torch.where(greedy, greedy_tokens, sampled)
+        return filtered_probs(
+            logits / temp.unsqueeze(1), keep_min_p, top_p, top_k, ranking_width(reqs, vocab)
+        )

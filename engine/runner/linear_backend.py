@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.engine.forward_batch import ForwardBatch
-from deltaserve.engine.state_pool import StatePool
+from deltaserve.engine.cache.state_pool import StatePool
+from deltaserve.engine.runner.forward_batch import ForwardBatch
 from deltaserve.kernels import conv_decode, conv_prefill, gdn_prefill
 from deltaserve.kernels.gdn import gdn_decode_gated
 from deltaserve.kernels.kda import kda_decode, kda_prefill

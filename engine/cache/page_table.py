@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.engine.h2d import to_device_packed
+from deltaserve.engine.runner.h2d import to_device_packed
 
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.step_sync import OpLog

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltaserve.engine.h2d import to_device_packed
+from deltaserve.engine.runner.h2d import to_device_packed
 
 # chunks longer than this compute their KV slots with numpy: a per-token Python loop over a
 # long prefill is a visible share of the host's step
@@ -75,7 +75,7 @@ def build_forward_batch(
     `prompt_rows[i]`: logits of request i's first so many new positions too, after all sampled
     rows (prompt log-probabilities).
     `page_table=False` leaves the page table out (a decode batch, whose table the attention
-    backend keeps on the device, `engine/page_table.py`)."""
+    backend keeps on the device, `engine/cache/page_table.py`)."""
     source = dict(
         token_lists=token_lists,
         starts=starts,

@@ -1,4 +1,5 @@
-"""The radix prefix cache's node, its results and its counters (see `radix_cache`)."""
+"""The radix prefix cache's node, its results, a running request's hold on it and its counters
+(see `radix_cache`)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,20 @@ class MatchResult:
     pages: list[int]
     snapshot_slot: int | None
     node: Node
+
+
+@dataclass(eq=False)
+class CacheHold:
+    """What a running request holds of the radix cache, from admission to release."""
+
+    node: Node  # locked: the pages from the root to it are the tree's (pinned until commit)
+    snapshot_slot: int | None  # the matched snapshot, copied in at commit
+    num_shared_pages: int  # the head of `req.pages` that belongs to the tree
+    branch_point: int  # a prefill chunk ends here (0: nowhere)
+    tentative: list[Node] = field(default_factory=list)  # this prefill's tentative snapshots
+    prompt_end: Node | None = None  # where this prefill's prompt-end snapshot went
+    rolling_slot: int | None = None  # the state at `rolling_pos`, the last page boundary landed on
+    rolling_pos: int = 0
 
 
 @dataclass(frozen=True)
