@@ -81,14 +81,17 @@ _STATS = (
 )
 
 
-# (vLLM's name, engine stat key, type, help): what existing vLLM dashboards chart
-_VLLM_STATS = (
-    ("num_requests_running", "running", "gauge", "Requests in the running batch."),
-    ("num_requests_waiting", "waiting", "gauge", "Requests waiting for admission."),
-    ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed."),
-    ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated."),
-    ("prefix_cache_queries_total", "prefix_cache_query_tokens", "counter", "Prompt tokens looked up."),
-    ("prefix_cache_hits_total", "prefix_cache_hit_tokens", "counter", "Prompt tokens matched in the cache."),
+# engine stat key -> vLLM's name, for what existing vLLM dashboards chart (type and help: _STATS)
+_VLLM_NAMES = {
+    "running": "num_requests_running",
+    "waiting": "num_requests_waiting",
+    "prompt_tokens_total": "prompt_tokens_total",
+    "generation_tokens_total": "generation_tokens_total",
+    "prefix_cache_query_tokens": "prefix_cache_queries_total",
+    "prefix_cache_hit_tokens": "prefix_cache_hits_total",
+}
+_VLLM_STATS = tuple(
+    (_VLLM_NAMES[key], key, kind, help_text) for key, _, kind, help_text in _STATS if key in _VLLM_NAMES
 )
 
 
