@@ -441,7 +441,9 @@ def _quantizable(name: str, shape: list[int], config: Fp8Config) -> bool:
     module = name[: -len(".weight")] if name.endswith(".weight") else name
     leaf = module.rsplit(".", 1)[-1]
     fused_experts = ".experts." in f".{name}" and leaf in ("gate_up_proj", "down_proj") and len(shape) == 3
-    projection = leaf.endswith("proj") or leaf.startswith("in_proj_")
+    # Kimi-Linear spells its experts' matrices w1/w2/w3 and MLA's latent projection *_proj_with_mqa
+    kimi = leaf.endswith("proj_with_mqa") or (".experts." in name and leaf in ("w1", "w2", "w3"))
+    projection = leaf.endswith("proj") or leaf.startswith("in_proj_") or kimi
     linear_weight = name.endswith(".weight") and len(shape) == 2 and projection
     return (fused_experts or linear_weight) and config.converts(module)
 
