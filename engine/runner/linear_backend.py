@@ -14,8 +14,8 @@ import torch
 
 from deltaserve.engine.cache.state_pool import StatePool
 from deltaserve.engine.runner.forward_batch import ForwardBatch
-from deltaserve.kernels import conv_decode, conv_prefill, gdn_prefill
-from deltaserve.kernels.gdn import gdn_decode_gated
+from deltaserve.kernels.conv import conv_decode, conv_prefill
+from deltaserve.kernels.gdn import gdn_decode_gated, gdn_prefill
 from deltaserve.kernels.kda import kda_decode, kda_prefill
 from deltaserve.kernels.norm import gdn_gates
 from deltaserve.kernels.window import conv_window, gdn_window, kda_window, window_pad_index

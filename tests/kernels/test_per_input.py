@@ -1,11 +1,11 @@
-"""`pool_states.per_input`: what derives from a forward's `cu_seqlens` is built once per forward
+"""`delta_rule.pool.per_input`: what derives from a forward's `cu_seqlens` is built once per forward
 and never served for another input (a new object, a refill in place, other extra arguments)."""
 
 from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels.pool_states import fla_cu_seqlens, per_input
+from deltaserve.kernels.delta_rule.pool import fla_cu_seqlens, per_input
 
 
 def test_built_once_per_input_and_again_when_it_changes():
@@ -37,8 +37,9 @@ def test_fla_internal_finds_fla_06s_forwards_or_steps_aside(monkeypatch):
     import sys
     import types
 
-    from deltaserve.kernels import gdn_cuda, kda_cuda
-    from deltaserve.kernels.pool_states import fla_internal
+    from deltaserve.kernels.delta_rule.pool import fla_internal
+    from deltaserve.kernels.gdn import cuda as gdn_cuda
+    from deltaserve.kernels.kda import cuda as kda_cuda
 
     monkeypatch.delenv("DELTASERVE_FLA_DIRECT", raising=False)
     # FLA's helper module beside the forwards (on CPU the tests hide the real FLA)
