@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels.common.per_forward import PerForwardCache
 from deltaserve.kernels.dispatch import use_fast_path
 
 
@@ -54,12 +55,16 @@ def conv_prefill(
     slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
+    cache: PerForwardCache | None = None,
 ) -> torch.Tensor:
-    """Variable-length conv over N packed sequences; final states go to `conv_pool[slots]`."""
+    """Variable-length conv over N packed sequences; final states go to `conv_pool[slots]`.
+    `cache`: the caller's, where the fast path keeps what it derives from `cu_seqlens`."""
     if use_fast_path(x):
         from deltaserve.kernels.conv.cuda import conv_prefill_cuda
 
-        return conv_prefill_cuda(x, conv_pool, weight, bias, cu_seqlens, slots, has_initial_state, activation)
+        return conv_prefill_cuda(
+            x, conv_pool, weight, bias, cu_seqlens, slots, has_initial_state, activation, cache
+        )
     out = torch.empty_like(x)
     bounds = cu_seqlens.tolist()
     for i, slot in enumerate(slots.tolist()):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.kernels.common.per_forward import PerForwardCache
+
 
 def _is_silu(activation: str | None) -> bool:
     if activation is None:
@@ -49,6 +51,7 @@ def conv_prefill_cuda(
     slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
+    cache: PerForwardCache | None = None,
 ) -> torch.Tensor:
     """Varlen causal conv from the pool's histories; final histories go back to `conv_pool[slots]`."""
     from deltaserve.kernels.conv.triton import conv_prefill_launch
@@ -56,5 +59,6 @@ def conv_prefill_cuda(
     _check(x, conv_pool, weight)
     out = torch.empty_like(x)
     has_init = has_initial_state.to(torch.int32)
-    conv_prefill_launch(x, conv_pool, weight, bias, cu_seqlens, slots, has_init, out, _is_silu(activation))
+    silu = _is_silu(activation)
+    conv_prefill_launch(x, conv_pool, weight, bias, cu_seqlens, slots, has_init, out, silu, cache=cache)
     return out

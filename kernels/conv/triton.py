@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
-from deltaserve.kernels.delta_rule.pool import per_input
+from deltaserve.kernels.common.per_forward import PerForwardCache, per_input
 
 
 @triton.jit
@@ -221,15 +221,17 @@ def conv_decode_launch(
     )
 
 
-def sequence_index(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+def sequence_index(
+    cu_seqlens: torch.Tensor, total: int, cache: PerForwardCache | None = None
+) -> torch.Tensor:
     """The sequence of each of `total` tokens `[total]` int32, on the device (no host sync):
-    the first bound strictly above t. Built once per forward (`delta_rule.pool.per_input`)."""
+    the first bound strictly above t. Built once per forward where the caller keeps a `cache`."""
 
     def build() -> torch.Tensor:
         tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
         return torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True).to(torch.int32)
 
-    return per_input("sequence_index", cu_seqlens, total, build)
+    return per_input(cache, "sequence_index", cu_seqlens, total, build)
 
 
 def conv_prefill_launch(
@@ -245,14 +247,16 @@ def conv_prefill_launch(
     block_t: int = 16,
     block_d: int = 128,
     num_warps: int = 4,
+    *,
+    cache: PerForwardCache | None = None,
 ) -> None:
     """Tiles: the fastest of the `python -m bench.kernels --only conv_prefill --sweep` tilings
-    (docs/kernels.md)."""
+    (docs/kernels.md). `cache`: the caller's, where the token-to-sequence index is kept."""
     total, dim = x.shape
     width = weight.shape[1]
     n = slots.shape[0]
     if total > 0:
-        seq_idx = sequence_index(cu_seqlens, total)
+        seq_idx = sequence_index(cu_seqlens, total, cache)
         _conv_prefill_kernel[(triton.cdiv(total, block_t), triton.cdiv(dim, block_d))](
             x,
             conv_pool,

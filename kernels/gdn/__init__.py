@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels.common.per_forward import PerForwardCache
 from deltaserve.kernels.delta_rule.pool import prefill_each_sequence, step_slots
 from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.norm import gdn_gates
@@ -111,6 +112,7 @@ def gdn_prefill(
     slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     chunk_indices: torch.Tensor | None = None,
+    cache: PerForwardCache | None = None,
 ) -> torch.Tensor:
     """Variable-length prefill of N sequences packed along T.
 
@@ -118,12 +120,13 @@ def gdn_prefill(
     `state_pool[slots[i]]` when `has_initial_state[i]` (else from zeros) and leaves its final
     state in `state_pool[slots[i]]`. Returns o `[T, HV, V]` in v's dtype.
     `chunk_indices`: FLA's chunk indices for these sequences, built ahead (the fast path only).
+    `cache`: the caller's, where the fast path keeps what it derives from `cu_seqlens`.
     """
     if use_fast_path(q):
         from deltaserve.kernels.gdn.cuda import gdn_prefill_cuda
 
         return gdn_prefill_cuda(
-            q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial_state, chunk_indices
+            q, k, v, g, beta, cu_seqlens, state_pool, slots, has_initial_state, chunk_indices, cache
         )
     return prefill_each_sequence(
         chunk_gated_delta_rule_ref, (q, k, v, g, beta), cu_seqlens, state_pool, slots, has_initial_state

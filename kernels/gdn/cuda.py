@@ -10,12 +10,9 @@ from collections.abc import Callable
 
 import torch
 
-from deltaserve.kernels.delta_rule.pool import (
-    fla_chunk_forward,
-    fla_cu_seqlens,
-    fla_internal,
-    gather_initial_states,
-)
+from deltaserve.kernels.common.per_forward import PerForwardCache
+from deltaserve.kernels.delta_rule.fla import fla_chunk_forward, fla_cu_seqlens, fla_internal, import_fla
+from deltaserve.kernels.delta_rule.pool import gather_initial_states
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -35,6 +32,7 @@ def gdn_prefill_cuda(
     slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     chunk_indices: torch.Tensor | None = None,
+    cache: PerForwardCache | None = None,
 ) -> torch.Tensor:
     """Varlen prefill through FLA's `chunk_gated_delta_rule`, gathering and scattering pool slots.
 
@@ -43,19 +41,19 @@ def gdn_prefill_cuda(
     traffic is small next to the chunked work.
     """
     init = gather_initial_states(state_pool, slots, has_initial_state)
+    cu = fla_cu_seqlens(cu_seqlens, cache)
     direct = _fla_forward()
     if direct is not None:
-        o, final = direct(q, k, v, g, beta, init, fla_cu_seqlens(cu_seqlens), chunk_indices)
+        o, final = direct(q, k, v, g, beta, init, cu, chunk_indices)
     else:
-        o, final = _fla_public(q, k, v, g, beta, init, fla_cu_seqlens(cu_seqlens))
+        o, final = _fla_public(q, k, v, g, beta, init, cu)
     state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
     return o[0].to(v.dtype)
 
 
 def _fla_public(q, k, v, g, beta, init, cu):  # type: ignore[no-untyped-def]
     """FLA's public `chunk_gated_delta_rule` (its autograd Function, guards and dispatch)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
+    chunk_gated_delta_rule = import_fla("fla.ops.gated_delta_rule").chunk_gated_delta_rule
     with torch.no_grad():
         return chunk_gated_delta_rule(
             q.unsqueeze(0),

@@ -11,12 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from deltaserve.kernels.delta_rule.pool import (
-    fla_chunk_forward,
-    fla_cu_seqlens,
-    fla_internal,
-    gather_initial_states,
-)
+from deltaserve.kernels.common.per_forward import PerForwardCache
+from deltaserve.kernels.delta_rule.fla import fla_chunk_forward, fla_cu_seqlens, fla_internal, import_fla
+from deltaserve.kernels.delta_rule.pool import gather_initial_states
 
 
 def kda_prefill_cuda(
@@ -30,6 +27,7 @@ def kda_prefill_cuda(
     slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     chunk_indices: torch.Tensor | None = None,
+    cache: PerForwardCache | None = None,
 ) -> torch.Tensor:
     """Varlen prefill through FLA's `chunk_kda`, gathering and scattering pool slots.
 
@@ -38,13 +36,13 @@ def kda_prefill_cuda(
     scattered back; prefill is compute-bound, so the extra state traffic is small.
     """
     init = gather_initial_states(state_pool, slots, has_initial_state)
+    cu = fla_cu_seqlens(cu_seqlens, cache)
     direct = _kda_forward()
     if direct is not None:
-        o, final = direct(q, k, v, g, beta, init, fla_cu_seqlens(cu_seqlens), chunk_indices)
+        o, final = direct(q, k, v, g, beta, init, cu, chunk_indices)
         state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
         return o[0].to(v.dtype)
-    from fla.ops.kda import chunk_kda
-
+    chunk_kda = import_fla("fla.ops.kda").chunk_kda
     with torch.no_grad():
         o, final = chunk_kda(
             q.unsqueeze(0),
@@ -55,7 +53,7 @@ def kda_prefill_cuda(
             initial_state=init,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
-            cu_seqlens=fla_cu_seqlens(cu_seqlens),
+            cu_seqlens=cu,
         )
     state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
     return o[0].to(v.dtype)
@@ -94,8 +92,7 @@ def kda_decode_cuda(
     Each request is a batch row of one token (no cu_seqlens): no host syncs, launch
     parameters depend on shapes only, so it is CUDA-graph safe.
     """
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-
+    fused_recurrent_kda_fwd = import_fla("fla.ops.kda.fused_recurrent").fused_recurrent_kda_fwd
     assert state_pool.dtype == torch.float32 and state_pool.is_contiguous(), "KDA decode needs an fp32 pool"
     # the kernel assumes packed rows; views of fused projections are not
     q, k, v, g, beta = (x.contiguous().unsqueeze(1) for x in (q, k, v, g.float(), beta))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from deltaserve.kernels.attention import paged_attention
+from deltaserve.kernels.common.per_forward import PerForwardCache
 from deltaserve.kernels.conv import conv_decode, conv_prefill
 from deltaserve.kernels.gdn import gdn_decode, gdn_prefill
 
@@ -141,12 +142,13 @@ def test_gdn_prefill_refilled_cu_seqlens(monkeypatch):
     slots = pick_slots(2, num_slots)
     has_init = torch.tensor([False, True], device=DEV)
     pool = torch.randn(num_slots, hv, dim, dim, device=DEV) * 0.1
+    cache = PerForwardCache()  # as the engine's backend keeps one
     for lengths in ([100, 30], [7, 123]):
         cu.copy_(cu_from(lengths))
         inputs = gdn_inputs(130, hk, hv, dim, dim, torch.bfloat16)
         ref_pool = pool.clone()
         ref = reference(monkeypatch, gdn_prefill, *inputs, cu, ref_pool, slots, has_init)
-        out = gdn_prefill_cuda(*inputs, cu, pool, slots, has_init)
+        out = gdn_prefill_cuda(*inputs, cu, pool, slots, has_init, cache=cache)
         assert rel_err(out, ref) < 2e-2
         assert rel_err(pool, ref_pool) < 2e-2
 
@@ -266,13 +268,14 @@ def test_conv_prefill_refilled_cu_seqlens(monkeypatch):
     slots = pick_slots(2, num_slots)
     has_init = torch.tensor([True, True], device=DEV)
     cu = cu_from([50, 10])
+    cache = PerForwardCache()  # as the engine's backend keeps one
     for lengths in ([50, 10], [3, 57]):
         cu.copy_(cu_from(lengths))
         pool = torch.randn(num_slots, dim, width - 1, device=DEV)
         x = torch.randn(60, dim, device=DEV)
         ref_pool = pool.clone()
         ref = reference(monkeypatch, conv_prefill, x, ref_pool, weight, None, cu, slots, has_init, "silu")
-        out = conv_prefill_cuda(x, pool, weight, None, cu, slots, has_init, "silu")
+        out = conv_prefill_cuda(x, pool, weight, None, cu, slots, has_init, "silu", cache=cache)
         assert rel_err(out, ref) < TOL[torch.float32]
         assert torch.equal(pool, ref_pool)
 
