@@ -8,29 +8,17 @@ q and k are L2-normalised inside the op and q is scaled by K ** -0.5.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from deltaserve.kernels.common.per_forward import PerForwardCache
 from deltaserve.kernels.delta_rule.pool import prefill_each_sequence, step_slots
+from deltaserve.kernels.delta_rule.reference import chunk_delta_rule_ref, recurrent_delta_rule_ref
 from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.norm import gdn_gates
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GDN's q / k normalisation, in the form of transformers' Qwen3-Next reference."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def _prepare(q, k, v, g, beta):
-    """Expand grouped heads, move to fp32 and `[H, T, D]`, normalise and scale q, k."""
-    hv, hk = v.shape[-2], k.shape[-2]
-    if hv != hk:
-        q = q.repeat_interleave(hv // hk, dim=-2)
-        k = k.repeat_interleave(hv // hk, dim=-2)
-    q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))
-    q = l2norm(q)
-    k = l2norm(k)
-    q = q * q.shape[-1] ** -0.5
-    return q, k, v, g.transpose(0, 1).float(), beta.transpose(0, 1).float()
 
 
 def chunk_gated_delta_rule_ref(
@@ -43,38 +31,7 @@ def chunk_gated_delta_rule_ref(
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, chunked (WY / UT form). Returns `(o [T, HV, V], final_state [HV, K, V])`."""
-    seq_len = q.shape[0]
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    heads, _, dk = k.shape
-    dv = v.shape[-1]
-    pad = (chunk_size - seq_len % chunk_size) % chunk_size
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    n = (seq_len + pad) // chunk_size
-    k_beta = k * beta.unsqueeze(-1)
-    v_beta = v * beta.unsqueeze(-1)
-    q, k, k_beta, v_beta = (x.reshape(heads, n, chunk_size, -1) for x in (q, k, k_beta, v_beta))
-    g = g.reshape(heads, n, chunk_size).cumsum(-1)
-    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    # decay[i, j] = prod of gates between j and i inside a chunk (causal part only)
-    decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    intra = (q @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * g.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    state = torch.zeros(heads, dk, dv, dtype=torch.float32, device=q.device)
-    if initial_state is not None:
-        state = initial_state.float().clone()
-    q_decayed = q * g.exp().unsqueeze(-1)
-    k_to_end = k * (g[..., -1:] - g).exp().unsqueeze(-1)
-    chunk_decay = g[..., -1].exp()[..., None, None]
-    out = torch.empty_like(u)
-    for i in range(n):
-        v_new = u[:, i] - w[:, i] @ state
-        out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
-        state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
-    out = out.reshape(heads, -1, dv)[:, :seq_len].transpose(0, 1)
-    return out, state
+    return chunk_delta_rule_ref(q, k, v, g, beta, initial_state, l2norm, chunk_size)
 
 
 def recurrent_gated_delta_rule_ref(
@@ -90,15 +47,7 @@ def recurrent_gated_delta_rule_ref(
     q, k `[N, Hk, K]`, v `[N, HV, V]`, g, beta `[N, HV]`, state `[N, HV, K, V]`.
     Returns `(o [N, HV, V], new_state)`.
     """
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [HV, N, D]
-    q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [N, HV, D]
-    g, beta = g.transpose(0, 1), beta.transpose(0, 1)
-    s = state.float() * g.exp()[..., None, None]
-    predicted = (s * k.unsqueeze(-1)).sum(-2)
-    delta = (v - predicted) * beta.unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (s * q.unsqueeze(-1)).sum(-2)
-    return out, s
+    return recurrent_delta_rule_ref(q, k, v, g, beta, state, l2norm)
 
 
 def gdn_prefill(

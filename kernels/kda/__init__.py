@@ -10,22 +10,16 @@ eps)`, the form FLA's kernels and transformers use) and q is scaled by K ** -0.5
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from deltaserve.kernels.common.per_forward import PerForwardCache
 from deltaserve.kernels.delta_rule.pool import prefill_each_sequence, step_slots
+from deltaserve.kernels.delta_rule.reference import chunk_delta_rule_ref, recurrent_delta_rule_ref
 from deltaserve.kernels.dispatch import use_fast_path
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """KDA's q / k normalisation, in the form of FLA's kernels and transformers."""
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def _prepare(q, k, v, g, beta):
-    """fp32, head-major `[H, T, D]`, q and k normalised, q scaled."""
-    q, k, v, g = (x.transpose(0, 1).float() for x in (q, k, v, g))
-    q = l2norm(q) * q.shape[-1] ** -0.5
-    return q, l2norm(k), v, g, beta.transpose(0, 1).float()
 
 
 def chunk_kda_ref(
@@ -38,40 +32,7 @@ def chunk_kda_ref(
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, chunked (WY / UT form). Returns `(o [T, H, V], final_state [H, K, V])`."""
-    seq_len = q.shape[0]
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    heads, _, dk = k.shape
-    dv = v.shape[-1]
-    pad = (chunk_size - seq_len % chunk_size) % chunk_size
-    q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
-    beta = F.pad(beta, (0, pad))
-    n = (seq_len + pad) // chunk_size
-    k_beta = k * beta.unsqueeze(-1)
-    v_beta = v * beta.unsqueeze(-1)
-    q, k, v_beta, k_beta, g = (x.reshape(heads, n, chunk_size, -1) for x in (q, k, v_beta, k_beta, g))
-    # cumulative log decay inside each chunk, per key channel
-    g = g.cumsum(-2)
-    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    state = torch.zeros(heads, dk, dv, dtype=torch.float32, device=q.device)
-    if initial_state is not None:
-        state = initial_state.float().clone()
-    out = torch.empty(heads, n, chunk_size, dv, dtype=torch.float32, device=q.device)
-    for i in range(n):
-        gi = g[:, i]
-        # decay[h, a, b, d] = exp(g_a - g_b) for b <= a; the gates differ per channel, so it
-        # cannot be factored into the two operands without exp(-g) overflowing.
-        decay = (gi.unsqueeze(-2) - gi.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()
-        system = (k_beta[:, i].unsqueeze(-2) * k[:, i].unsqueeze(-3) * decay).sum(-1)
-        intra = (q[:, i].unsqueeze(-2) * k[:, i].unsqueeze(-3) * decay).sum(-1)
-        u = torch.linalg.solve_triangular(system, v_beta[:, i], upper=False, unitriangular=True)
-        w = torch.linalg.solve_triangular(system, k_beta[:, i] * gi.exp(), upper=False, unitriangular=True)
-        v_new = u - w @ state
-        out[:, i] = (q[:, i] * gi.exp()) @ state + intra @ v_new
-        g_last = gi[:, -1:]  # [H, 1, K]
-        k_to_end = k[:, i] * (g_last - gi).exp()
-        state = state * g_last.transpose(-1, -2).exp() + k_to_end.transpose(-1, -2) @ v_new
-    out = out.reshape(heads, -1, dv)[:, :seq_len].transpose(0, 1)
-    return out, state
+    return chunk_delta_rule_ref(q, k, v, g, beta, initial_state, l2norm, chunk_size)
 
 
 def recurrent_kda_ref(
@@ -87,13 +48,7 @@ def recurrent_kda_ref(
     q, k, g `[N, H, K]`, v `[N, H, V]`, beta `[N, H]`, state `[N, H, K, V]`.
     Returns `(o [N, H, V], new_state)`.
     """
-    q, k, v, g, beta = (x.transpose(0, 1) for x in _prepare(q, k, v, g, beta))  # back to [N, H, D]
-    s = state.float() * g.exp().unsqueeze(-1)
-    predicted = (s * k.unsqueeze(-1)).sum(-2)
-    delta = (v - predicted) * beta.unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (s * q.unsqueeze(-1)).sum(-2)
-    return out, s
+    return recurrent_delta_rule_ref(q, k, v, g, beta, state, l2norm)
 
 
 def kda_prefill(
