@@ -8,7 +8,7 @@ which leaves launch overhead out as a decode graph does. The calls cycle through
 weight that together exceed the L2 cache (60 MB on the H200), so that each call reads its
 matrix from HBM as a decode step does (the same matrix 20 times would be served from L2 when
 it fits). Reported: microseconds per call and the bandwidth of reading the weight once.
-Decides the Triton GEMV rule of `kernels/linear.py` (docs/kernels.md).
+Decides the Triton GEMV rule of `kernels/linear/__init__.py` (docs/kernels.md).
 
 `--tiles BN:BK ...` also times the Triton GEMV with the given tiles (a sweep of its tiling).
 Run with `DELTASERVE_PDL=on` to time the kernels as the small decode graphs launch them.
@@ -70,8 +70,8 @@ def main() -> None:
     ap.add_argument("--tiles", nargs="*", default=[], help="BN:BK tiles to time the Triton GEMV with")
     ap.add_argument("--json")
     args = ap.parse_args()
-    from deltaserve.kernels import triton_gemv
-    from deltaserve.kernels.triton_gemv import gemv
+    from deltaserve.kernels.linear import triton as triton_gemv
+    from deltaserve.kernels.linear.triton import gemv
 
     default_tiles = triton_gemv.gemv_tiles
 

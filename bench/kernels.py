@@ -72,8 +72,8 @@ def layers_for(bytes_per_layer: int) -> int:
 
 
 def bench_gdn_decode(batch: int, hk: int, hv: int, dim: int, sweep: bool) -> list[dict]:
-    from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
-    from deltaserve.kernels.triton_gdn import decode_block_v, gdn_decode_launch
+    from deltaserve.kernels.gdn.cuda import gdn_decode_cuda
+    from deltaserve.kernels.gdn.triton import decode_block_v, gdn_decode_launch
 
     state_bytes = batch * hv * dim * dim * 4
     layers = layers_for(state_bytes)
@@ -162,7 +162,7 @@ def bench_gdn_decode(batch: int, hk: int, hv: int, dim: int, sweep: bool) -> lis
 def bench_paged_decode(
     batch: int, context: int, hq: int, hkv: int, dim: int, page: int, sweep: bool
 ) -> list[dict]:
-    from deltaserve.kernels.attention_cuda import decode_splits, paged_attention_cuda, paged_decode_launch
+    from deltaserve.kernels.attention.cuda import decode_splits, paged_attention_cuda, paged_decode_launch
 
     pages_per = -(-context // page)
     kv_bytes = 2 * batch * context * hkv * dim * 2
@@ -224,7 +224,7 @@ def bench_paged_decode(
 def bench_paged_prefill(
     q_len: int, prefix: int, hq: int, hkv: int, dim: int, page: int, sweep: bool
 ) -> list[dict]:
-    from deltaserve.kernels.attention_cuda import paged_prefill_launch, prefill_tiles
+    from deltaserve.kernels.attention.cuda import paged_prefill_launch, prefill_tiles
 
     total = prefix + q_len
     pages = -(-total // page)
@@ -292,7 +292,7 @@ def gpu_seconds(fn: Callable[[], object], reps: int = 5) -> float:
 
 
 def bench_gdn_prefill(lengths: list[int], hk: int, hv: int, dim: int) -> dict:
-    from deltaserve.kernels.gdn_cuda import gdn_prefill_cuda
+    from deltaserve.kernels.gdn.cuda import gdn_prefill_cuda
 
     total = sum(lengths)
     q = torch.randn(total, hk, dim, device=DEV, dtype=torch.bfloat16)
@@ -339,7 +339,7 @@ def bench_gdn_prefill(lengths: list[int], hk: int, hv: int, dim: int) -> dict:
 
 
 def bench_conv_decode(batch: int, dim: int, width: int, sweep: bool) -> list[dict]:
-    from deltaserve.kernels.triton_conv import conv_decode_launch
+    from deltaserve.kernels.conv.triton import conv_decode_launch
 
     state_bytes = batch * dim * (width - 1) * 2
     layers = layers_for(state_bytes)
@@ -388,7 +388,7 @@ def bench_conv_decode(batch: int, dim: int, width: int, sweep: bool) -> list[dic
 def bench_conv_prefill(tokens: int, dim: int, row_stride: int, width: int, sweep: bool) -> list[dict]:
     """GDN's prefill conv as the model runs it: a strided view of the in_proj output (rows of
     `row_stride`), one sequence of `tokens`, silu; GPU time per call against bytes moved."""
-    from deltaserve.kernels.triton_conv import conv_prefill_launch
+    from deltaserve.kernels.conv.triton import conv_prefill_launch
 
     proj = torch.randn(tokens, row_stride, device=DEV, dtype=torch.bfloat16)
     x = proj[:, :dim]

@@ -116,9 +116,9 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         spec = self.spec  # validates speculative_config
         self._check_parallel(spec)
+        from deltaserve.kernels.common.launch import pdl_mode
         from deltaserve.kernels.linear import gemv_mode
         from deltaserve.kernels.mla import mla_prefill_mode
-        from deltaserve.kernels.triton_utils import pdl_mode
 
         gemv_mode()  # DELTASERVE_GEMV: a typo fails at start-up, not as a silent default
         pdl_mode()  # DELTASERVE_PDL, likewise

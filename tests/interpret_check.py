@@ -67,7 +67,7 @@ def use_fast(families: list[str]) -> None:
         os.environ["DELTASERVE_GEMV"] = "triton"
     if "gdn_decode" in families:
         import deltaserve.engine.runner.linear_backend as lb
-        from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
+        from deltaserve.kernels.gdn.cuda import gdn_decode_cuda
 
         def gated(q, k, v, a, b, A_log, dt_bias, pool, slots):  # the kernel computes the gates
             return gdn_decode_cuda(q, k, v, a, b, pool, slots, gates=(A_log, dt_bias))

@@ -9,7 +9,7 @@ import torch
 from deltaserve.engine.cache.kv_pool import KVPool
 from deltaserve.engine.cache.page_table import SlotPageTable
 from deltaserve.engine.runner.forward_batch import ForwardBatch
-from deltaserve.kernels import paged_attention, store_kv
+from deltaserve.kernels.attention import paged_attention, store_kv
 from deltaserve.kernels.mla import mla_attention, store_latent
 
 

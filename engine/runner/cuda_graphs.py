@@ -24,7 +24,7 @@ import torch
 from deltaserve.engine.runner.attention_backend import AttentionBackend
 from deltaserve.engine.runner.forward_batch import ForwardBatch
 from deltaserve.engine.runner.linear_backend import LinearAttentionBackend
-from deltaserve.kernels.triton_utils import capturing_graph
+from deltaserve.kernels.common.launch import capturing_graph
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class CudaGraphRunner:
     def _capture(
         self, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # small graphs launch our kernels with PDL (DELTASERVE_PDL, kernels/triton_utils.py)
+        # small graphs launch our kernels with PDL (DELTASERVE_PDL, kernels/common/launch.py)
         with capturing_graph(input_ids.numel()):
             return capture(lambda: self.body(input_ids, positions), self.pool, warmups=2)
 

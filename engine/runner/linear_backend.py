@@ -14,8 +14,9 @@ import torch
 
 from deltaserve.engine.cache.state_pool import StatePool
 from deltaserve.engine.runner.forward_batch import ForwardBatch
-from deltaserve.kernels import conv_decode, conv_prefill, gdn_prefill
-from deltaserve.kernels.gdn import gdn_decode_gated
+from deltaserve.kernels.common.per_forward import PerForwardCache
+from deltaserve.kernels.conv import conv_decode, conv_prefill
+from deltaserve.kernels.gdn import gdn_decode_gated, gdn_prefill
 from deltaserve.kernels.kda import kda_decode, kda_prefill
 from deltaserve.kernels.norm import gdn_gates
 from deltaserve.kernels.window import conv_window, gdn_window, kda_window, window_pad_index
@@ -34,6 +35,8 @@ class LinearAttentionBackend:
         self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32)
         self.prefill_has_initial = torch.empty(0, dtype=torch.bool)
         self.prefill_chunk_indices: torch.Tensor | None = None
+        # what the prefill ops derive from prefill_cu_seqlens, built by the first layer only
+        self.kernel_cache = PerForwardCache()
         self._graph_slots: dict[int, torch.Tensor] = {}  # CUDA-graph buffers per width
         self._graph_pad: dict[int, torch.Tensor] = {}
         self.window: StateWindow | None = None  # set when speculative decoding is on
@@ -136,6 +139,7 @@ class LinearAttentionBackend:
                     self.prefill_slots,
                     self.prefill_has_initial,
                     activation,
+                    cache=self.kernel_cache,
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -160,6 +164,7 @@ class LinearAttentionBackend:
                     self.prefill_slots,
                     self.prefill_has_initial,
                     chunk_indices=self.prefill_chunk_indices,
+                    cache=self.kernel_cache,
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -19,6 +19,7 @@ from deltaserve.engine.runner.forward_batch import ForwardBatch, build_forward_b
 from deltaserve.engine.runner.forward_context import ForwardContext
 from deltaserve.engine.runner.linear_backend import LinearAttentionBackend
 from deltaserve.engine.spec_decode.state_window import StateWindow
+from deltaserve.kernels.delta_rule.fla import configure_fla
 from deltaserve.models.loader import LoadedModel
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ class ModelRunner:
         device: torch.device,
         groups: RankGroups | None = None,
     ) -> None:
+        if device.type == "cuda":
+            configure_fla()  # before anything imports FLA: it reads its switch once, at import
         self.config = config
         self.groups = groups
         self.loaded = loaded

@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.kernels import conv_decode, conv_prefill, gdn_decode, gdn_prefill, paged_attention
+from deltaserve.kernels.attention import paged_attention
+from deltaserve.kernels.common.per_forward import PerForwardCache
+from deltaserve.kernels.conv import conv_decode, conv_prefill
+from deltaserve.kernels.gdn import gdn_decode, gdn_prefill
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,7 +68,7 @@ def gdn_inputs(total: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtyp
 @pytest.mark.parametrize(("hk", "hv", "dk", "dv"), [(2, 4, 128, 128), (3, 3, 64, 32), (2, 8, 128, 64)])
 @pytest.mark.parametrize("batch", [1, 7, 70])
 def test_gdn_decode(monkeypatch, dtype, hk, hv, dk, dv, batch):
-    from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
+    from deltaserve.kernels.gdn.cuda import gdn_decode_cuda
 
     num_slots = 2 * batch + 3
     pool = torch.randn(num_slots, hv, dk, dv, device=DEV) * 0.1
@@ -82,7 +85,7 @@ def test_gdn_decode(monkeypatch, dtype, hk, hv, dk, dv, batch):
 
 
 def test_gdn_decode_cuda_graph(monkeypatch):
-    from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
+    from deltaserve.kernels.gdn.cuda import gdn_decode_cuda
 
     batch, hk, hv, dk, dv, num_slots = 8, 2, 4, 128, 128, 20
     pool = torch.randn(num_slots, hv, dk, dv, device=DEV) * 0.1
@@ -108,7 +111,7 @@ def test_gdn_decode_cuda_graph(monkeypatch):
     ("dtype", "hk", "hv", "dk", "dv"), [(torch.bfloat16, 2, 4, 128, 128), (torch.float32, 2, 2, 64, 64)]
 )
 def test_gdn_prefill(monkeypatch, dtype, hk, hv, dk, dv):
-    from deltaserve.kernels.gdn_cuda import gdn_prefill_cuda
+    from deltaserve.kernels.gdn.cuda import gdn_prefill_cuda
 
     lengths = [1, 63, 64, 65, 130, 7, 200]
     has_init = torch.tensor([True, False, True, True, False, True, False], device=DEV)
@@ -132,19 +135,20 @@ def test_gdn_prefill(monkeypatch, dtype, hk, hv, dk, dv):
 def test_gdn_prefill_refilled_cu_seqlens(monkeypatch):
     """A cu_seqlens buffer refilled in place must not reuse FLA's chunk indices of the
     previous batch (FLA caches them by tensor identity)."""
-    from deltaserve.kernels.gdn_cuda import gdn_prefill_cuda
+    from deltaserve.kernels.gdn.cuda import gdn_prefill_cuda
 
     hk, hv, dim, num_slots = 2, 4, 128, 6
     cu = cu_from([100, 30])
     slots = pick_slots(2, num_slots)
     has_init = torch.tensor([False, True], device=DEV)
     pool = torch.randn(num_slots, hv, dim, dim, device=DEV) * 0.1
+    cache = PerForwardCache()  # as the engine's backend keeps one
     for lengths in ([100, 30], [7, 123]):
         cu.copy_(cu_from(lengths))
         inputs = gdn_inputs(130, hk, hv, dim, dim, torch.bfloat16)
         ref_pool = pool.clone()
         ref = reference(monkeypatch, gdn_prefill, *inputs, cu, ref_pool, slots, has_init)
-        out = gdn_prefill_cuda(*inputs, cu, pool, slots, has_init)
+        out = gdn_prefill_cuda(*inputs, cu, pool, slots, has_init, cache=cache)
         assert rel_err(out, ref) < 2e-2
         assert rel_err(pool, ref_pool) < 2e-2
 
@@ -153,7 +157,7 @@ def test_gdn_prefill_direct_equals_public(monkeypatch):
     """FLA's forward called below its entry point (the default, `_fla_forward`; q and k
     normalised by our kernel instead of FLA's) gives the public call's outputs and states, on
     strided views of one projection as the model passes them."""
-    from deltaserve.kernels import gdn_cuda
+    from deltaserve.kernels.gdn import cuda as gdn_cuda
 
     hk, hv, dk, dv, num_slots = 2, 4, 128, 128, 8
     lengths = [5, 64, 190, 33]
@@ -191,7 +195,7 @@ def test_qk_norm_v(dtype, t, hk, hv, dk, dv):
     against FLA's own l2norm_fwd (which the public FLA call uses)."""
     from fla.modules.norm.l2norm import l2norm_fwd
 
-    from deltaserve.kernels.triton_gdn import qk_norm_v_launch
+    from deltaserve.kernels.gdn.triton import qk_norm_v_launch
 
     wide = torch.randn(t, 2 * hk * dk + hv * dv + 7, device=DEV, dtype=dtype)
     q, k, v = wide[:, 7:].split([hk * dk, hk * dk, hv * dv], dim=-1)
@@ -214,7 +218,7 @@ def test_qk_norm_v(dtype, t, hk, hv, dk, dv):
 @pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize(("use_bias", "activation"), [(True, "silu"), (False, None)])
 def test_conv_decode(monkeypatch, dtype, width, use_bias, activation):
-    from deltaserve.kernels.conv_cuda import conv_decode_cuda
+    from deltaserve.kernels.conv.cuda import conv_decode_cuda
 
     batch, dim, num_slots = 9, 300, 16
     pool = torch.randn(num_slots, dim, width - 1, device=DEV).to(dtype)
@@ -234,7 +238,7 @@ def test_conv_decode(monkeypatch, dtype, width, use_bias, activation):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [2, 4])
 def test_conv_prefill(monkeypatch, dtype, width):
-    from deltaserve.kernels.conv_cuda import conv_prefill_cuda
+    from deltaserve.kernels.conv.cuda import conv_prefill_cuda
 
     lengths = [1, 2, 3, 64, 70, 5, 1]
     has_init = torch.tensor([True, True, False, True, False, True, False], device=DEV)
@@ -257,26 +261,27 @@ def test_conv_prefill(monkeypatch, dtype, width):
 def test_conv_prefill_refilled_cu_seqlens(monkeypatch):
     """The tokens' sequence index is kept per cu_seqlens object (once per forward): a buffer
     refilled in place with other lengths must not reuse the old index."""
-    from deltaserve.kernels.conv_cuda import conv_prefill_cuda
+    from deltaserve.kernels.conv.cuda import conv_prefill_cuda
 
     dim, width, num_slots = 96, 4, 6
     weight = torch.randn(dim, width, device=DEV)
     slots = pick_slots(2, num_slots)
     has_init = torch.tensor([True, True], device=DEV)
     cu = cu_from([50, 10])
+    cache = PerForwardCache()  # as the engine's backend keeps one
     for lengths in ([50, 10], [3, 57]):
         cu.copy_(cu_from(lengths))
         pool = torch.randn(num_slots, dim, width - 1, device=DEV)
         x = torch.randn(60, dim, device=DEV)
         ref_pool = pool.clone()
         ref = reference(monkeypatch, conv_prefill, x, ref_pool, weight, None, cu, slots, has_init, "silu")
-        out = conv_prefill_cuda(x, pool, weight, None, cu, slots, has_init, "silu")
+        out = conv_prefill_cuda(x, pool, weight, None, cu, slots, has_init, "silu", cache=cache)
         assert rel_err(out, ref) < TOL[torch.float32]
         assert torch.equal(pool, ref_pool)
 
 
 def test_conv_decode_cuda_graph(monkeypatch):
-    from deltaserve.kernels.conv_cuda import conv_decode_cuda
+    from deltaserve.kernels.conv.cuda import conv_decode_cuda
 
     batch, dim, width, num_slots = 4, 128, 4, 10
     pool = torch.randn(num_slots, dim, width - 1, device=DEV)
@@ -334,7 +339,7 @@ def test_paged_decode(monkeypatch, dtype, dim, hq, hkv, page):
 
 @pytest.mark.parametrize("splits", [1, 3, 32])
 def test_paged_decode_splits(monkeypatch, splits):
-    from deltaserve.kernels.attention_cuda import paged_decode_launch
+    from deltaserve.kernels.attention.cuda import paged_decode_launch
 
     seq_lens = [1, 700, 33, 2048]
     args = paged_inputs([1] * len(seq_lens), seq_lens, 8, 2, 128, 16, torch.bfloat16)
@@ -345,7 +350,7 @@ def test_paged_decode_splits(monkeypatch, splits):
 
 
 def test_paged_decode_cuda_graph(monkeypatch):
-    from deltaserve.kernels.attention_cuda import paged_attention_cuda
+    from deltaserve.kernels.attention.cuda import paged_attention_cuda
 
     q, k_cache, v_cache, table, cu, seq = paged_inputs([1] * 4, [900] * 4, 8, 2, 128, 16, torch.bfloat16)
     seq.copy_(torch.tensor([5, 300, 900, 17], device=DEV))

@@ -36,7 +36,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
 
 
 def test_act_quant_matches_reference():
-    from deltaserve.kernels.fp8_cuda import act_quant_cuda
+    from deltaserve.kernels.fp8.cuda import act_quant_cuda
 
     x = torch.randn(37, 300, device="cuda", dtype=torch.bfloat16) * 3
     x[5] = 0  # an all-zero token: a tiny scale, zeros out
@@ -55,7 +55,7 @@ def test_act_quant_matches_reference():
 def test_fp8_linear_matches_reference(m, n, k, scale_rows, dtype):
     """Up to GEMV_ROWS rows the GEMV (unquantized activations: held to x @ dequantized w), past
     them the w8a8 GEMM (held to the reference); both within FP8's error of the reference."""
-    from deltaserve.kernels.fp8_cuda import GEMV_ROWS, fp8_linear_cuda
+    from deltaserve.kernels.fp8.cuda import GEMV_ROWS, fp8_linear_cuda
 
     w, s = _weight(n, k, scale_rows, m + n + k)
     x = torch.randn(m, k, device="cuda").to(dtype)
@@ -77,7 +77,7 @@ def test_fp8_linear_matches_reference(m, n, k, scale_rows, dtype):
 def test_fp8_moe_matches_reference(t, e, h, inter, top_k, scale_rows, dtype):
     """The FP8 experts widened in registers (activations unquantized): held to the unquantized
     MoE on the dequantized experts, and within FP8's error of the w8a8 reference."""
-    from deltaserve.kernels.fp8_cuda import fp8_moe_cuda
+    from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
     from deltaserve.kernels.moe import moe_ref
 
     g = torch.Generator(device="cuda").manual_seed(t + e)
@@ -99,7 +99,7 @@ def test_fp8_moe_matches_reference(t, e, h, inter, top_k, scale_rows, dtype):
 
 
 def test_fp8_linear_is_graph_capturable():
-    from deltaserve.kernels.fp8_cuda import fp8_linear_cuda
+    from deltaserve.kernels.fp8.cuda import fp8_linear_cuda
 
     w, s = _weight(512, 1024, 128, 0)
     for m in (1, 64):
@@ -116,7 +116,7 @@ def test_fp8_linear_is_graph_capturable():
 def test_fp8_moe_skips_masked_ids():
     """Ids -1 and E (another expert-parallel rank's experts) add nothing: bit for bit the
     kernel with those assignments on a valid expert at weight zero."""
-    from deltaserve.kernels.fp8_cuda import fp8_moe_cuda
+    from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
 
     e, h, inter = 8, 256, 128
     g = torch.Generator(device="cuda").manual_seed(3)

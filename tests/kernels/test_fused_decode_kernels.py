@@ -25,7 +25,7 @@ def randn(*shape, dtype, scale=1.0, seed=0):
 def test_gdn_decode_with_gates_equals_gates_then_decode(dtype, hk, hv, batch):
     """Same kernel both ways: gates computed inside must give exactly the gates kernel's
     g and beta, so outputs and states agree bit for bit."""
-    from deltaserve.kernels.gdn_cuda import gdn_decode_cuda
+    from deltaserve.kernels.gdn.cuda import gdn_decode_cuda
 
     dk = dv = 128
     q, k = randn(batch, hk, dk, dtype=dtype), randn(batch, hk, dk, dtype=dtype, seed=1)

@@ -15,7 +15,7 @@ pytestmark = [
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("n,k", [(1024, 3584), (7168, 1024), (8224, 1024), (33, 100), (4096, 12288)])
 def test_gemv_matches_matmul(dtype, m, n, k):
-    from deltaserve.kernels.triton_gemv import gemv
+    from deltaserve.kernels.linear.triton import gemv
 
     g = torch.Generator(device="cuda").manual_seed(m + n)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
@@ -58,8 +58,8 @@ def test_switch_routes_measured_shapes_only(monkeypatch):
 def test_gemv_with_swiglu_equals_activation_then_gemv(dtype, m, n, k):
     """The activation applied while x is read rounds as the separate kernel does, so the
     product is the same number for number."""
+    from deltaserve.kernels.linear.triton import gemv
     from deltaserve.kernels.norm import silu_and_mul
-    from deltaserve.kernels.triton_gemv import gemv
 
     g = torch.Generator(device="cuda").manual_seed(m + n)
     x = (torch.randn(m, 2 * k, device="cuda", generator=g) * 2).to(dtype)
@@ -75,7 +75,7 @@ def test_mlp_down_projection_routes_through_the_fused_gemv(monkeypatch):
     """auto: one row into a small down projection takes the fused GEMV; cublas: the
     activation kernel and F.linear; both agree."""
     from deltaserve.kernels import linear as L
-    from deltaserve.kernels import triton_gemv
+    from deltaserve.kernels.linear import triton as triton_gemv
 
     calls = []
     real = triton_gemv.gemv

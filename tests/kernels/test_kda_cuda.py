@@ -57,7 +57,7 @@ def test_kda_prefill_direct_equals_public(monkeypatch):
     """FLA's KDA forward called below its entry point (the default, `_kda_forward`) gives the
     public `chunk_kda`'s outputs and states (bf16, one shape: each new shape compiles FLA's
     KDA kernels for a minute or two)."""
-    from deltaserve.kernels import kda_cuda
+    from deltaserve.kernels.kda import cuda as kda_cuda
 
     heads, dim, num_slots = 4, 128, 8
     lengths = [5, 64, 190, 33]
@@ -84,7 +84,7 @@ def test_kda_prefill_direct_equals_public(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "dim"), [(4, 128), (3, 64)])
 def test_kda_prefill(monkeypatch, dtype, heads, dim):
-    from deltaserve.kernels.kda_cuda import kda_prefill_cuda
+    from deltaserve.kernels.kda.cuda import kda_prefill_cuda
 
     lengths = [1, 63, 64, 65, 130, 7, 200]
     has_init = torch.tensor([True, False, True, True, False, True, False], device=DEV)
@@ -109,7 +109,7 @@ def test_kda_prefill(monkeypatch, dtype, heads, dim):
 @pytest.mark.parametrize(("heads", "dim"), [(4, 128), (3, 64)])
 @pytest.mark.parametrize("batch", [1, 7, 70])
 def test_kda_decode(monkeypatch, dtype, heads, dim, batch):
-    from deltaserve.kernels.kda_cuda import kda_decode_cuda
+    from deltaserve.kernels.kda.cuda import kda_decode_cuda
 
     num_slots = 2 * batch + 3
     pool = torch.randn(num_slots, heads, dim, dim, device=DEV) * 0.1
@@ -127,7 +127,7 @@ def test_kda_decode(monkeypatch, dtype, heads, dim, batch):
 
 
 def test_kda_decode_cuda_graph(monkeypatch):
-    from deltaserve.kernels.kda_cuda import kda_decode_cuda
+    from deltaserve.kernels.kda.cuda import kda_decode_cuda
 
     batch, heads, dim, num_slots = 8, 4, 128, 20
     pool = torch.randn(num_slots, heads, dim, dim, device=DEV) * 0.1

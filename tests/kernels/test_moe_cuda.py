@@ -28,7 +28,7 @@ def inputs(t, e, k, h, i, dtype, seed=0):
 @pytest.mark.parametrize("h,i", [(64, 32), (128, 96)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_matches_reference(t, e, k, h, i, dtype):
-    from deltaserve.kernels.moe_cuda import fused_moe_cuda
+    from deltaserve.kernels.moe.cuda import fused_moe_cuda
 
     x, w1, w2, ids, wts = inputs(t, e, k, h, i, dtype)
     ref = moe_ref(x.float(), w1.float(), w2.float(), ids, wts.float())
@@ -38,7 +38,7 @@ def test_fused_moe_matches_reference(t, e, k, h, i, dtype):
 
 
 def test_fused_moe_replays_in_a_cuda_graph():
-    from deltaserve.kernels.moe_cuda import fused_moe_cuda
+    from deltaserve.kernels.moe.cuda import fused_moe_cuda
 
     x, w1, w2, ids, wts = inputs(16, 32, 4, 64, 64, torch.bfloat16)
     fused_moe_cuda(x, w1, w2, ids, wts)  # compile outside the capture
@@ -67,7 +67,7 @@ def test_fused_moe_skips_masked_ids(t, dtype):
     """Expert parallelism masks other ranks' experts: skipped assignments add nothing. Held to
     the reference, and bit for bit to the kernel run with those assignments on a valid expert
     at weight zero; all skipped is exactly zero."""
-    from deltaserve.kernels.moe_cuda import fused_moe_cuda
+    from deltaserve.kernels.moe.cuda import fused_moe_cuda
 
     e = 8
     x, w1, w2, ids, wts = inputs(t, e, 4, 128, 96, dtype)
@@ -86,7 +86,7 @@ def test_fused_moe_skips_masked_ids(t, dtype):
 
 def test_fused_moe_with_masked_ids_replays_in_a_cuda_graph():
     """The skip pattern changes between replays (each step routes anew): no stale rows."""
-    from deltaserve.kernels.moe_cuda import fused_moe_cuda
+    from deltaserve.kernels.moe.cuda import fused_moe_cuda
 
     e = 32
     x, w1, w2, ids, wts = inputs(16, e, 4, 64, 64, torch.bfloat16)

@@ -29,7 +29,7 @@ def randn(*shape, dtype, scale=1.0, seed=0):
 @pytest.mark.parametrize("zero_centered", [True, False])
 @pytest.mark.parametrize("rows,dim", [(1, 1024), (7, 4096), (300, 2048), (3, 100)])
 def test_rms_norm_and_residual_add(dtype, zero_centered, rows, dim):
-    from deltaserve.kernels.triton_norm import add_rms_norm_launch, rms_norm_launch
+    from deltaserve.kernels.norm.triton import add_rms_norm_launch, rms_norm_launch
 
     x, r = randn(rows, dim, dtype=dtype), randn(rows, dim, dtype=dtype, seed=1)
     w = randn(dim, dtype=dtype, scale=0.2, seed=2)
@@ -43,7 +43,7 @@ def test_rms_norm_and_residual_add(dtype, zero_centered, rows, dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,rotary", [(256, 64), (128, 128), (64, 32)])
 def test_qk_norm_rope_on_a_strided_view(dtype, head_dim, rotary):
-    from deltaserve.kernels.triton_norm import rms_norm_rope_launch
+    from deltaserve.kernels.norm.triton import rms_norm_rope_launch
 
     t, h = 9, 4
     q = randn(t, h, 2 * head_dim, dtype=dtype)[..., :head_dim]  # q beside its gate, as q_proj lays it
@@ -56,7 +56,7 @@ def test_qk_norm_rope_on_a_strided_view(dtype, head_dim, rotary):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_norm_reads_the_gate_inside_the_projection(dtype):
-    from deltaserve.kernels.triton_norm import gated_rms_norm_launch
+    from deltaserve.kernels.norm.triton import gated_rms_norm_launch
 
     t, h, d = 5, 16, 128
     proj = randn(t, 3 * h * d + 7, dtype=dtype)
@@ -69,7 +69,7 @@ def test_gated_norm_reads_the_gate_inside_the_projection(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gdn_gates(dtype):
-    from deltaserve.kernels.triton_norm import gdn_gates_launch
+    from deltaserve.kernels.norm.triton import gdn_gates_launch
 
     t, h = 33, 32
     proj = randn(t, 4 * h, dtype=dtype, scale=8.0)  # large enough to reach softplus' linear part
@@ -83,7 +83,7 @@ def test_gdn_gates(dtype):
 
 
 def test_norms_replay_in_a_cuda_graph():
-    from deltaserve.kernels.triton_norm import add_rms_norm_launch
+    from deltaserve.kernels.norm.triton import add_rms_norm_launch
 
     x, r = randn(4, 512, dtype=torch.bfloat16), randn(4, 512, dtype=torch.bfloat16, seed=1)
     w = randn(512, dtype=torch.bfloat16, seed=2)
@@ -100,7 +100,7 @@ def test_norms_replay_in_a_cuda_graph():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 3584), (64, 12288), (5, 100)])
 def test_silu_and_mul(dtype, rows, inter):
-    from deltaserve.kernels.triton_norm import silu_and_mul_launch
+    from deltaserve.kernels.norm.triton import silu_and_mul_launch
 
     x = randn(rows, 2 * inter, dtype=dtype, scale=3.0)
     torch.testing.assert_close(silu_and_mul_launch(x), N.silu_and_mul_ref(x), **tol(dtype))
@@ -108,7 +108,7 @@ def test_silu_and_mul(dtype, rows, inter):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kda_gate_and_sigmoid_gated_norm(dtype):
-    from deltaserve.kernels.triton_norm import gated_rms_norm_launch, kda_gate_launch
+    from deltaserve.kernels.norm.triton import gated_rms_norm_launch, kda_gate_launch
 
     t, h, d = 7, 32, 128  # Kimi-Linear-48B's KDA heads
     proj = randn(t, 3 * h * d, dtype=dtype, scale=6.0)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.kernels import triton_utils
-from deltaserve.kernels.triton_utils import PDL_AUTO_MAX_TOKENS, capturing_graph, pdl_enabled, pdl_mode
+from deltaserve.kernels.common import launch
+from deltaserve.kernels.common.launch import PDL_AUTO_MAX_TOKENS, capturing_graph, pdl_enabled, pdl_mode
 
 
 def test_pdl_switch(monkeypatch):
@@ -22,7 +22,7 @@ def test_pdl_switch(monkeypatch):
 
 
 def test_auto_uses_pdl_in_small_graphs_only(monkeypatch):
-    monkeypatch.setattr(triton_utils, "_pdl_capable", lambda device: True)  # as on a Hopper GPU
+    monkeypatch.setattr(launch, "_pdl_capable", lambda device: True)  # as on a Hopper GPU
     dev = torch.device("cuda")
     for mode, outside, small, large in (
         ("auto", False, True, False),
@@ -41,8 +41,8 @@ def test_auto_uses_pdl_in_small_graphs_only(monkeypatch):
 def _layers(x, res, weights):
     """A decode layer's worth of our kernels per step: add + RMSNorm, GEMV, output gate, GEMV
     with SwiGLU; each reads what the one before wrote, and the residual skips two kernels."""
+    from deltaserve.kernels.linear.triton import gemv
     from deltaserve.kernels.norm import add_rms_norm, sigmoid_gate
-    from deltaserve.kernels.triton_gemv import gemv
 
     for norm_w, w_up, gate, w_down in weights:
         y, res = add_rms_norm(x, res, norm_w, 1e-6, True)

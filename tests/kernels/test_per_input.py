@@ -1,32 +1,80 @@
-"""`pool_states.per_input`: what derives from a forward's `cu_seqlens` is built once per forward
-and never served for another input (a new object, a refill in place, other extra arguments)."""
+"""`PerForwardCache`: what derives from a forward's `cu_seqlens` is built once per forward, never
+served for another input (a new object, a refill in place, other extra arguments), and kept by
+its owner only; FLA's switch is set by `configure_fla`, not by importing deltaserve."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 
-from deltaserve.kernels.pool_states import fla_cu_seqlens, per_input
+from deltaserve.kernels.common.per_forward import PerForwardCache, per_input
+from deltaserve.kernels.delta_rule.fla import configure_fla, fla_cu_seqlens
 
 
 def test_built_once_per_input_and_again_when_it_changes():
     builds = []
+    cache = PerForwardCache()
 
     def build(cu: torch.Tensor, total: int):
         return lambda: builds.append(1) or cu.sum() + total
 
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
-    first = per_input("t", cu, 5, build(cu, 5))
-    assert per_input("t", cu, 5, build(cu, 5)) is first and len(builds) == 1  # the other layers
+    first = cache.get("t", cu, 5, build(cu, 5))
+    assert cache.get("t", cu, 5, build(cu, 5)) is first and len(builds) == 1  # the other layers
     cu.copy_(torch.tensor([0, 1, 5]))  # refilled in place: its version moved
-    assert per_input("t", cu, 5, build(cu, 5)).item() == 11 and len(builds) == 2
-    assert per_input("t", cu, 6, build(cu, 6)).item() == 12 and len(builds) == 3  # other extra
+    assert cache.get("t", cu, 5, build(cu, 5)).item() == 11 and len(builds) == 2
+    assert cache.get("t", cu, 6, build(cu, 6)).item() == 12 and len(builds) == 3  # other extra
     other = cu.clone()
-    per_input("t", other, 6, build(other, 6))
+    cache.get("t", other, 6, build(other, 6))
     assert len(builds) == 4  # another object
     with torch.inference_mode():
         inf = torch.tensor([0, 2], dtype=torch.int32)
-    copy = fla_cu_seqlens(inf)
-    assert copy.dtype == torch.int64 and fla_cu_seqlens(inf) is copy
+    copy = fla_cu_seqlens(inf, cache)
+    assert copy.dtype == torch.int64 and fla_cu_seqlens(inf, cache) is copy
+
+
+def test_caches_are_their_owners_own():
+    """Two owners (two engines' backends) never see each other's entries; without a cache every
+    call builds."""
+    builds = []
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    a, b = PerForwardCache(), PerForwardCache()
+    kept_a = a.get("t", cu, None, lambda: builds.append("a") or cu + 1)
+    kept_b = b.get("t", cu, None, lambda: builds.append("b") or cu + 2)
+    assert kept_a is not kept_b and builds == ["a", "b"]
+    assert torch.equal(kept_b, cu + 2)
+    per_input(None, "t", cu, None, lambda: builds.append("none") or cu)
+    per_input(None, "t", cu, None, lambda: builds.append("none") or cu)
+    assert builds == ["a", "b", "none", "none"]
+    assert fla_cu_seqlens(cu) is not fla_cu_seqlens(cu)
+
+
+def test_importing_the_kernels_leaves_the_environment_alone():
+    env = {k: v for k, v in os.environ.items() if k != "FLA_DISABLE_BACKEND_DISPATCH"}
+    code = (
+        "import os, pkgutil, importlib, deltaserve.kernels as K\n"
+        "for m in pkgutil.walk_packages(K.__path__, 'deltaserve.kernels.'):\n"
+        "    if not m.name.endswith(('.triton', '.cuda', '.pdl')): importlib.import_module(m.name)\n"
+        "print(os.environ.get('FLA_DISABLE_BACKEND_DISPATCH'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"
+
+
+def test_configure_fla_sets_fla_switch_unless_told_not_to(monkeypatch):
+    monkeypatch.delenv("FLA_DISABLE_BACKEND_DISPATCH", raising=False)
+    monkeypatch.setenv("DELTASERVE_FLA_DIRECT", "0")
+    configure_fla()
+    assert "FLA_DISABLE_BACKEND_DISPATCH" not in os.environ
+    monkeypatch.delenv("DELTASERVE_FLA_DIRECT")
+    configure_fla()
+    assert os.environ["FLA_DISABLE_BACKEND_DISPATCH"] == "1"
+    monkeypatch.setenv("FLA_DISABLE_BACKEND_DISPATCH", "0")  # the user's own choice stays
+    configure_fla()
+    assert os.environ["FLA_DISABLE_BACKEND_DISPATCH"] == "0"
 
 
 def test_fla_internal_finds_fla_06s_forwards_or_steps_aside(monkeypatch):
@@ -34,13 +82,14 @@ def test_fla_internal_finds_fla_06s_forwards_or_steps_aside(monkeypatch):
     `chunk_indices`); with DELTASERVE_FLA_DIRECT=0, a missing function or another signature they
     fall back to FLA's public call. (The direct and public paths are held to each other on the
     GPU, tests/kernels/test_cuda_kernels.py and test_kda_cuda.py.)"""
-    import sys
     import types
 
-    from deltaserve.kernels import gdn_cuda, kda_cuda
-    from deltaserve.kernels.pool_states import fla_internal
+    from deltaserve.kernels.delta_rule.fla import fla_internal
+    from deltaserve.kernels.gdn import cuda as gdn_cuda
+    from deltaserve.kernels.kda import cuda as kda_cuda
 
     monkeypatch.delenv("DELTASERVE_FLA_DIRECT", raising=False)
+    monkeypatch.setenv("FLA_DISABLE_BACKEND_DISPATCH", "1")  # configure_fla's write, undone after
     # FLA's helper module beside the forwards (on CPU the tests hide the real FLA)
     monkeypatch.setitem(sys.modules, "fla.ops.utils.index", types.ModuleType("fla.ops.utils.index"))
     fake = types.ModuleType("fake_fla_ops")

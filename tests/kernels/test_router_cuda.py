@@ -21,7 +21,7 @@ def sorted_pairs(ids, weights):
 @pytest.mark.parametrize("e,k", [(256, 8), (512, 10), (64, 4)])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_softmax_topk(e, k, renormalize):
-    from deltaserve.kernels.triton_router import topk_route_launch
+    from deltaserve.kernels.router.triton import topk_route_launch
 
     g = torch.Generator(device="cuda").manual_seed(e)
     logits = torch.randn(33, e, device="cuda", generator=g)  # fp32: no ties
@@ -32,7 +32,7 @@ def test_softmax_topk(e, k, renormalize):
 
 
 def test_sigmoid_topk_with_bias_and_scaling():
-    from deltaserve.kernels.triton_router import topk_route_launch
+    from deltaserve.kernels.router.triton import topk_route_launch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(33, 256, device="cuda", generator=g)

@@ -1,0 +1,1 @@
+"""The delta rule shared by GDN and KDA: pool-slot plumbing around the per-sequence references."""

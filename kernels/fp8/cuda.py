@@ -1,0 +1,134 @@
+"""Block-FP8 matmuls on CUDA: launch shapes around `fp8/triton.py`'s kernels. Nothing here reads
+a value back to the host, so CUDA graphs capture all of it."""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.kernels.fp8 import BLOCK, FP8_DTYPE, num_blocks
+
+GEMV_ROWS = 8  # up to this many rows a projection is a weight read: the GEMV
+
+
+def act_quant_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[T, K]` per token and 128 channels: (e4m3 `[T, K]`, fp32 scales `[T, ceil(K/128)]`)."""
+    from deltaserve.kernels.fp8.triton import _act_quant_kernel
+
+    t, k = x.shape
+    q = torch.empty(t, k, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(t, num_blocks(k), dtype=torch.float32, device=x.device)
+    if t:
+        _act_quant_kernel[(t, num_blocks(k))](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), BLOCK=BLOCK)
+    return q, s
+
+
+def fp8_gemm_cuda(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
+) -> torch.Tensor:
+    """w8a8 on the FP8 tensor cores: x `[M, K]` quantized per token group, then the GEMM."""
+    import triton
+
+    from deltaserve.kernels.fp8.triton import _fp8_gemm_kernel
+
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    q, s = act_quant_cuda(x)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 128
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp8_gemm_kernel[grid](
+        q, s, weight, scale, out, m, n, k,
+        q.stride(0), s.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def fp8_gemv_cuda(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
+) -> torch.Tensor:
+    """x `[M <= GEMV_ROWS, K]` unquantized times the e4m3 weight, read once."""
+    import triton
+
+    from deltaserve.kernels.common.launch import sm_count
+    from deltaserve.kernels.fp8.triton import _fp8_gemv_kernel
+
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_m = triton.next_power_of_2(m)
+    # the accumulator (BLOCK_M x BN x 128 fp32) within 8k elements; at least two programs per SM
+    bn = max(1, min(16, 8192 // (block_m * BLOCK)))
+    sms = sm_count(x.device)
+    while bn > 1 and triton.cdiv(n, bn) < 2 * sms:
+        bn //= 2
+    _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
+        x, weight, scale, out, m, n, k,
+        x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def fp8_linear_cuda(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
+) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] <= GEMV_ROWS:
+        out = fp8_gemv_cuda(x2, weight, scale, scale_rows)
+    else:
+        out = fp8_gemm_cuda(x2, weight, scale, scale_rows)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_moe_cuda(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+    scale_rows: int,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """`moe.cuda.fused_moe_cuda` with e4m3 experts (the activations stay in x's dtype)."""
+    import triton
+
+    from deltaserve.kernels.fp8.triton import _fp8_moe_down_kernel, _fp8_moe_gate_up_kernel
+    from deltaserve.kernels.moe.cuda import _align
+
+    t, h = x.shape
+    e, two_i, _ = gate_up.shape
+    inter_size = two_i // 2
+    top_k = topk_ids.shape[1]
+    n = t * top_k
+    block_m = 16 if n <= 512 else 64
+    x = x.contiguous()
+    rows, block_expert = _align(topk_ids, e, block_m)
+    inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
+    block_n = 64
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    grid1 = (block_expert.numel(), triton.cdiv(inter_size, block_n))
+    _fp8_moe_gate_up_kernel[grid1](
+        x, gate_up, gate_up_scale, rows, block_expert, inter, n, h, inter_size, top_k, e,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
+        inter.stride(0),
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, PRECISION=precision,
+    )  # fmt: skip
+    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    grid2 = (block_expert.numel(), triton.cdiv(h, block_n))
+    _fp8_moe_down_kernel[grid2](
+        inter, down, down_scale, rows, block_expert, weights, out, n, h, inter_size, e,
+        inter.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
+        out.stride(0),
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, PRECISION=precision,
+    )  # fmt: skip
+    return out.view(t, top_k, h).sum(dim=1)

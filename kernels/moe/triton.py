@@ -1,0 +1,135 @@
+"""Triton kernels of the fused MoE: grouped GEMMs over assignments sorted by expert.
+
+Each (token, k) assignment is one row. Rows are grouped by expert and every group padded to
+a multiple of BLOCK_M, so a program handles one block of one expert's rows: the first GEMM
+computes silu(x W_gate) * (x W_up) for its rows, the second multiplies by W_down and the
+routing weight. Nothing depends on values at launch time, so the whole op is graph-safe.
+Blocks of an expert >= E are empty or hold skipped assignments (another expert-parallel
+rank's experts): no GEMM runs for them, and the down kernel writes their rows as zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from deltaserve.kernels.common.pdl import wait_inputs
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x,  # [T, H]
+    w,  # [E, 2I, H]
+    rows,  # [R] assignment id per padded row (>= num_assign: padding)
+    block_expert,  # [B] expert of each block (>= E: empty, or skipped assignments)
+    inter,  # [num_assign, I] output
+    num_assign,
+    H,
+    INTER,
+    TOP_K: tl.constexpr,
+    E: tl.constexpr,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_it,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_inputs(PDL)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert + pid_m)
+    if expert >= E:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(rows + offs_m)
+    valid = assign < num_assign
+    token = tl.where(valid, assign // TOP_K, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < INTER
+    w_base = w + expert.to(tl.int64) * stride_we
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        a = tl.load(
+            x + token[:, None] * stride_xt + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0
+        )
+        wg = tl.load(
+            w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        wu = tl.load(
+            w_base + (offs_n[None, :] + INTER) * stride_wn + offs_k[:, None],
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    dst = inter + assign.to(tl.int64)[:, None] * stride_it + offs_n[None, :]
+    tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    inter,  # [num_assign, I]
+    w,  # [E, H, I]
+    rows,
+    block_expert,
+    weights,  # [num_assign] routing weight of each assignment
+    out,  # [num_assign, H]
+    num_assign,
+    H,
+    INTER,
+    E: tl.constexpr,
+    stride_it,
+    stride_we,
+    stride_wn,
+    stride_ot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_inputs(PDL)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert + pid_m)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(rows + offs_m)
+    valid = assign < num_assign
+    a_row = tl.where(valid, assign, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    dst = out + a_row[:, None] * stride_ot + offs_n[None, :]
+    if expert >= E:
+        # skipped assignments (another rank's expert) add zero to their token's sum
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out.dtype.element_ty)
+        tl.store(dst, zero, mask=valid[:, None] & n_ok[None, :])
+        return
+    w_base = w + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < INTER
+        a = tl.load(
+            inter + a_row[:, None] * stride_it + offs_k[None, :],
+            mask=valid[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    rw = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]
+    tl.store(dst, acc.to(out.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])

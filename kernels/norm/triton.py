@@ -1,0 +1,404 @@
+"""Triton kernels of `deltaserve.kernels.norm`: one program per row, one launch per op.
+
+Rows are addressed as `[T, H, D]` with strides `(s0, s1, 1)`, so that per-head views of fused
+projections (q beside its gate, z inside `in_proj`'s output) are read in place; a plain `[T, D]`
+input is `H = 1`. Outputs are contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(x with a unit last stride, H, s0, s1) describing x as rows `[T, H, D]`."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 2:
+        return x, 1, x.stride(0), 0
+    if x.dim() == 3:
+        return x, x.shape[1], x.stride(0), x.stride(1)
+    x = x.reshape(-1, x.shape[-1])
+    return x, 1, x.stride(0), 0
+
+
+def _warps(block: int) -> int:
+    return 1 if block <= 256 else 4 if block <= 2048 else 8
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x,
+    res,
+    w,
+    y,
+    res_out,
+    H,
+    sx0,
+    sx1,
+    sr0,
+    sr1,
+    D,
+    eps,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_inputs(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    t = r // H
+    h = r % H
+    o = tl.arange(0, BLOCK)
+    m = o < D
+    xv = tl.load(x + t * sx0 + h * sx1 + o, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        rv = tl.load(res + t * sr0 + h * sr1 + o, mask=m, other=0.0).to(tl.float32)
+        s = (xv + rv).to(res_out.dtype.element_ty)  # the unfused model's add, rounded alike
+        tl.store(res_out + r * D + o, s, mask=m)
+        xv = s.to(tl.float32)
+    n = xv * tl.rsqrt(tl.sum(xv * xv, 0) / D + eps)
+    wv = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        out = n * (1.0 + wv)
+    else:
+        out = n.to(y.dtype.element_ty).to(tl.float32) * wv
+    tl.store(y + r * D + o, out.to(y.dtype.element_ty), mask=m)
+
+
+def _norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, zero_centered: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    shape = x.shape
+    d = shape[-1]
+    xr, h, sx0, sx1 = _rows(x)
+    rows = xr.shape[0] * h if xr.dim() == 3 else xr.shape[0]
+    y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    res_out = None
+    sr0 = sr1 = 0
+    rr = xr
+    if residual is not None:
+        assert residual.shape == shape, (residual.shape, shape)
+        rr, hr, sr0, sr1 = _rows(residual)
+        assert hr == h
+        res_out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(d)
+        _rms_norm_kernel[(rows,)](
+            xr,
+            rr,
+            weight,
+            y,
+            res_out if res_out is not None else y,
+            h,
+            sx0,
+            sx1,
+            sr0,
+            sr1,
+            d,
+            eps,
+            ZERO_CENTERED=zero_centered,
+            HAS_RES=residual is not None,
+            BLOCK=block,
+            num_warps=_warps(block),
+            **pdl_args(xr.device),
+        )
+    return y, res_out
+
+
+def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    return _norm(x, None, weight, eps, zero_centered)[0]
+
+
+def add_rms_norm_launch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, s = _norm(x, residual, weight, eps, zero_centered)
+    assert s is not None
+    return y, s
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x,
+    z,
+    w,
+    y,
+    H,
+    sx0,
+    sx1,
+    sz0,
+    sz1,
+    D,
+    eps,
+    BLOCK: tl.constexpr,
+    SIGMOID_FP32: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_inputs(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    t = r // H
+    h = r % H
+    o = tl.arange(0, BLOCK)
+    m = o < D
+    xv = tl.load(x + t * sx0 + h * sx1 + o, mask=m, other=0.0).to(tl.float32)
+    n = xv * tl.rsqrt(tl.sum(xv * xv, 0) / D + eps)
+    wv = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
+    zv = tl.load(z + t * sz0 + h * sz1 + o, mask=m, other=0.0).to(tl.float32)
+    if SIGMOID_FP32:  # KDA: w * norm(x) * sigmoid(z), all fp32
+        out = wv * n * tl.sigmoid(zv)
+    else:  # GDN: (w * norm(x) rounded to x's dtype) * silu(z)
+        v = (n.to(y.dtype.element_ty).to(tl.float32) * wv).to(y.dtype.element_ty).to(tl.float32)
+        out = v * zv * tl.sigmoid(zv)
+    tl.store(y + r * D + o, out.to(y.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm_launch(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = "silu"
+) -> torch.Tensor:
+    assert x.shape == gate.shape and x.dim() == 3, (x.shape, gate.shape)
+    t, h, d = x.shape
+    xr, _, sx0, sx1 = _rows(x)
+    zr, _, sz0, sz1 = _rows(gate)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if t * h:
+        block = triton.next_power_of_2(d)
+        _gated_rms_norm_kernel[(t * h,)](
+            xr,
+            zr,
+            weight,
+            y,
+            h,
+            sx0,
+            sx1,
+            sz0,
+            sz1,
+            d,
+            eps,
+            BLOCK=block,
+            SIGMOID_FP32=kind == "sigmoid",
+            num_warps=_warps(block),
+            **pdl_args(xr.device),
+        )
+    return y
+
+
+@triton.jit
+def _kda_gate_kernel(f, dt_bias, A_log, g, HD, sf, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < HD
+    u = tl.load(f + t * sf + o, mask=m, other=0.0).to(tl.float32)
+    u += tl.load(dt_bias + o, mask=m, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(A_log + o // D, mask=m, other=0.0).to(tl.float32))
+    softplus = tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0))))
+    tl.store(g + t * HD + o, -decay * softplus, mask=m)
+
+
+def kda_gate_launch(
+    f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, head_dim: int
+) -> torch.Tensor:
+    assert f.dim() == 2 and f.stride(-1) == 1 and f.shape[1] % head_dim == 0, f.shape
+    t, hd = f.shape
+    g = torch.empty((t, hd // head_dim, head_dim), dtype=torch.float32, device=f.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(hd))
+        _kda_gate_kernel[(t, triton.cdiv(hd, block))](
+            f, dt_bias, A_log, g, hd, f.stride(0), D=head_dim, BLOCK=block, num_warps=4, **pdl_args(f.device)
+        )
+    return g
+
+
+@triton.jit
+def _rms_norm_rope_kernel(
+    x,
+    w,
+    pos,
+    inv_freq,
+    y,
+    H,
+    s0,
+    s1,
+    D,
+    eps,
+    HALF: tl.constexpr,
+    BH: tl.constexpr,
+    BR: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_inputs(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    t = r // H
+    h = r % H
+    base = x + t * s0 + h * s1
+    rot = 2 * HALF
+    o1 = tl.arange(0, BH)
+    m1 = o1 < HALF
+    orr = tl.arange(0, BR)
+    mr = orr < D - rot
+    x1 = tl.load(base + o1, mask=m1, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + o1, mask=m1, other=0.0).to(tl.float32)
+    xr = tl.load(base + rot + orr, mask=mr, other=0.0).to(tl.float32)
+    inv = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0) + tl.sum(xr * xr, 0)) / D + eps)
+    dt = y.dtype.element_ty
+    w1 = tl.load(w + o1, mask=m1, other=0.0).to(tl.float32)
+    w2 = tl.load(w + HALF + o1, mask=m1, other=0.0).to(tl.float32)
+    wr = tl.load(w + rot + orr, mask=mr, other=0.0).to(tl.float32)
+    # the reference rounds the norm's output, cos and sin to x's dtype before rotating
+    y1 = (x1 * inv * (1.0 + w1)).to(dt).to(tl.float32)
+    y2 = (x2 * inv * (1.0 + w2)).to(dt).to(tl.float32)
+    yr = xr * inv * (1.0 + wr)
+    f = tl.load(pos + t).to(tl.float32) * tl.load(inv_freq + o1, mask=m1, other=0.0)
+    c = tl.cos(f).to(dt).to(tl.float32)  # angles reach 1e5 rad: the GPU test holds them to torch
+    s = tl.sin(f).to(dt).to(tl.float32)
+    out = y + r * D
+    tl.store(out + o1, (y1 * c - y2 * s).to(dt), mask=m1)
+    tl.store(out + HALF + o1, (y2 * c + y1 * s).to(dt), mask=m1)
+    tl.store(out + rot + orr, yr.to(dt), mask=mr)
+
+
+def rms_norm_rope_launch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    assert x.dim() == 3 and positions.shape[0] == x.shape[0], (x.shape, positions.shape)
+    t, h, d = x.shape
+    half = inv_freq.shape[0]
+    assert 2 * half <= d
+    xr, _, s0, s1 = _rows(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if t * h:
+        _rms_norm_rope_kernel[(t * h,)](
+            xr,
+            weight,
+            positions,
+            inv_freq,
+            y,
+            h,
+            s0,
+            s1,
+            d,
+            eps,
+            HALF=half,
+            BH=triton.next_power_of_2(max(half, 1)),
+            BR=triton.next_power_of_2(max(d - 2 * half, 1)),
+            num_warps=1 if d <= 256 else 4,
+            **pdl_args(xr.device),
+        )
+    return y
+
+
+@triton.jit
+def gdn_log_decay(a, dt_bias, A_log):
+    """GDN's log-decay `-exp(A_log) * softplus(a + dt_bias)` from fp32 values (softplus linear
+    above 20, as torch's); also inlined by the GDN decode kernel."""
+    u = a + dt_bias
+    return -tl.exp(A_log) * tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0))))
+
+
+@triton.jit
+def _gdn_gates_kernel(a, b, A_log, dt_bias, g, beta, H, sa, sb, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    m = o < H
+    av = tl.load(a + t * sa + o, mask=m, other=0.0).to(tl.float32)
+    bias = tl.load(dt_bias + o, mask=m, other=0.0).to(tl.float32)
+    a_log = tl.load(A_log + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(g + t * H + o, gdn_log_decay(av, bias, a_log), mask=m)
+    bv = tl.load(b + t * sb + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(beta + t * H + o, tl.sigmoid(bv).to(beta.dtype.element_ty), mask=m)
+
+
+def gdn_gates_launch(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    assert a.dim() == 2 and a.shape == b.shape and a.stride(-1) == 1 and b.stride(-1) == 1
+    t, h = a.shape
+    g = torch.empty((t, h), dtype=torch.float32, device=a.device)
+    beta = torch.empty((t, h), dtype=b.dtype, device=b.device)
+    if t:
+        _gdn_gates_kernel[(t,)](
+            a,
+            b,
+            A_log,
+            dt_bias,
+            g,
+            beta,
+            h,
+            a.stride(0),
+            b.stride(0),
+            BLOCK=triton.next_power_of_2(h),
+            num_warps=1,
+            **pdl_args(a.device),
+        )
+    return g, beta
+
+
+@triton.jit
+def _silu_and_mul_kernel(x, y, N, sx, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < N
+    gate = tl.load(x + t * sx + o, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(x + t * sx + N + o, mask=m, other=0.0)
+    # the reference rounds silu(gate) to x's dtype before the product
+    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+    tl.store(y + t * N + o, (act * up.to(tl.float32)).to(y.dtype.element_ty), mask=m)
+
+
+def silu_and_mul_launch(x: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] % 2 == 0, x.shape
+    t, i = x.shape[0], x.shape[1] // 2
+    y = torch.empty((t, i), dtype=x.dtype, device=x.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(i))
+        _silu_and_mul_kernel[(t, triton.cdiv(i, block))](
+            x, y, i, x.stride(0), BLOCK=block, num_warps=4, **pdl_args(x.device)
+        )
+    return y
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    x, gate, y, H, sxt, sxh, sgt, sgh, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    wait_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    o = tl.arange(0, BLOCK)
+    m = o < D
+    xv = tl.load(x + t * sxt + h * sxh + o, mask=m, other=0.0)
+    gv = tl.load(gate + t * sgt + h * sgh + o, mask=m, other=0.0)
+    # as torch: the sigmoid rounded to the gate's dtype, the product in fp32 rounded to x's
+    act = tl.sigmoid(gv.to(tl.float32)).to(gv.dtype).to(tl.float32)
+    tl.store(y + (t * H + h) * D + o, (xv.to(tl.float32) * act).to(y.dtype.element_ty), mask=m)
+
+
+def sigmoid_gate_launch(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 3 and x.shape == gate.shape and x.stride(-1) == 1 and gate.stride(-1) == 1
+    assert x.dtype == gate.dtype, (x.dtype, gate.dtype)
+    t, h, d = x.shape
+    y = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t:
+        block = triton.next_power_of_2(d)
+        _sigmoid_gate_kernel[(t, h)](
+            x,
+            gate,
+            y,
+            h,
+            x.stride(0),
+            x.stride(1),
+            gate.stride(0),
+            gate.stride(1),
+            D=d,
+            BLOCK=block,
+            num_warps=_warps(block),
+            **pdl_args(x.device),
+        )
+    return y

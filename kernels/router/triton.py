@@ -1,0 +1,91 @@
+"""Triton MoE router of `deltaserve.kernels.router`: one program per token, the top k found by
+k rounds of argmax over the row (E <= a few hundred experts fit one program)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
+
+
+@triton.jit
+def _topk_route_kernel(
+    logits,
+    bias,
+    ids,
+    weights,
+    E,
+    s_l,
+    scaling,
+    K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    oe = tl.arange(0, BLOCK_E)
+    me = oe < E
+    x = tl.load(logits + t * s_l + oe, mask=me, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        score = tl.sigmoid(x)
+        choice = score + tl.load(bias + oe, mask=me, other=0.0).to(tl.float32)
+        choice = tl.where(me, choice, float("-inf"))
+    else:
+        p = tl.exp(x - tl.max(x, 0))
+        score = p / tl.sum(p, 0)
+        choice = tl.where(me, score, float("-inf"))
+    ok = tl.arange(0, BLOCK_K)
+    sel_ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    sel_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(choice, 0)
+        idx = tl.min(tl.where(choice == best, oe, BLOCK_E), 0)  # the lowest index among ties
+        w = tl.sum(tl.where(oe == idx, score, 0.0), 0)
+        sel_ids = tl.where(ok == j, idx.to(tl.int64), sel_ids)
+        sel_w = tl.where(ok == j, w, sel_w)
+        choice = tl.where(oe == idx, float("-inf"), choice)
+    if RENORM:
+        total = tl.sum(sel_w, 0)
+        if SIGMOID:
+            total += 1e-20
+        sel_w = sel_w / total
+    mk = ok < K
+    tl.store(ids + t * K + ok, sel_ids, mask=mk)
+    tl.store(weights + t * K + ok, sel_w * scaling, mask=mk)
+
+
+def topk_route_launch(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    renormalize: bool,
+    scaling: float,
+    sigmoid: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    assert logits.dim() == 2 and logits.stride(-1) == 1 and k <= logits.shape[1], (logits.shape, k)
+    t, e = logits.shape
+    ids = torch.empty((t, k), dtype=torch.long, device=logits.device)
+    weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
+    if t:
+        _topk_route_kernel[(t,)](
+            logits,
+            bias if bias is not None else logits,
+            ids,
+            weights,
+            e,
+            logits.stride(0),
+            scaling,
+            K=k,
+            BLOCK_E=triton.next_power_of_2(e),
+            BLOCK_K=triton.next_power_of_2(k),
+            SIGMOID=sigmoid,
+            RENORM=renormalize,
+            num_warps=4 if e > 256 else 2,
+            **pdl_args(logits.device),
+        )
+    return ids, weights
