@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from deltaserve.kernels.norm import rms_norm_rope, sigmoid_gate
+from deltaserve.models.forward import ForwardContext
 from deltaserve.models.layers import Linear, PartialRotaryEmbedding, RowParallelLinear, ZeroCenteredRMSNorm
 from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
-
-if TYPE_CHECKING:
-    from deltaserve.engine.runner.forward_context import ForwardContext
 
 
 def rope_settings(config: Any) -> tuple[float, float]:

@@ -8,16 +8,14 @@ interleaved `in_proj_qkvz` / `in_proj_ba`, Qwen3.5's separate `in_proj_qkv`, `in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from deltaserve.models.forward import ForwardContext
 from deltaserve.models.layers import GatedRMSNorm, Linear, RowParallelLinear
 from deltaserve.models.parallel import SINGLE, ShardSpec, TensorParallel
-
-if TYPE_CHECKING:
-    from deltaserve.engine.runner.forward_context import ForwardContext
 
 
 class GatedDeltaNet(nn.Module):

@@ -8,17 +8,15 @@ and one kernel launch instead of three.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from deltaserve.kernels.norm import kda_gate
+from deltaserve.models.forward import ForwardContext
 from deltaserve.models.layers import GatedRMSNorm, Linear, RowParallelLinear
 from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
-
-if TYPE_CHECKING:
-    from deltaserve.engine.runner.forward_context import ForwardContext
 
 
 class KimiDeltaAttention(nn.Module):

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.kernels.router import sigmoid_topk
+from deltaserve.models.forward import ForwardContext
 from deltaserve.models.kda import KimiDeltaAttention
 from deltaserve.models.layers import (
     Experts,
@@ -30,9 +31,6 @@ from deltaserve.models.layers import (
 from deltaserve.models.mla import MultiLatentAttention
 from deltaserve.models.parallel import SINGLE, TensorParallel
 from deltaserve.models.weights import WeightLoader
-
-if TYPE_CHECKING:
-    from deltaserve.engine.runner.forward_context import ForwardContext
 
 
 def layer_types_of(config: Any) -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +13,7 @@ from deltaserve.kernels.linear import linear, silu_mul_linear
 from deltaserve.kernels.moe import fused_moe
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 from deltaserve.kernels.router import softmax_topk
+from deltaserve.models.forward import ForwardContext, ModelCapabilities
 from deltaserve.models.parallel import NOTHING, SINGLE, Narrow, ShardSpec, TensorParallel
 
 
@@ -304,7 +305,7 @@ def run_decoder(
     norm: _RMSNorm,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
-    ctx: Any,
+    ctx: ForwardContext,
 ) -> torch.Tensor:
     """Embed, the decoder layers, the final norm. Each layer returns `(output, residual
     stream)`; the residual adds happen inside the next norm (`_RMSNorm.forward_add`)."""
@@ -320,7 +321,12 @@ class HybridCausalLM(nn.Module):
     `embed_tokens` and `layer_types`) and the vocabulary projection, tied or not.
 
     Tensor-parallel: the LM head holds the embedding's vocabulary shard (tied or not), and
-    `compute_logits` all-gathers the shards into the full vocabulary on every rank."""
+    `compute_logits` all-gathers the shards into the full vocabulary on every rank.
+
+    What the engine reads of a model: `layer_types`, `kv_shapes` and `state_shapes` (to size
+    its pools), `capabilities`, the forward (hidden states) and `compute_logits`."""
+
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities()
 
     def __init__(self, config: Any, model: Any, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -359,7 +365,15 @@ class HybridCausalLM(nn.Module):
     def tied_names(self) -> set[str]:
         return {"lm_head.weight"} if self.tie_word_embeddings else set()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def kv_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-token KV cache entries of one full-attention layer, by name (`k`, `v`, `latent`)."""
+        raise NotImplementedError
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-slot state of one linear-attention layer, by name (`conv`, `recurrent`)."""
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

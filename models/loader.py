@@ -16,6 +16,7 @@ from deltaserve.models.parallel import SINGLE, Narrow, TensorParallel
 from deltaserve.models.registry import resolve, text_config
 
 if TYPE_CHECKING:
+    from deltaserve.models.layers import HybridCausalLM
     from deltaserve.models.quantization import Fp8Config
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: HybridCausalLM
     config: Any  # the text model's config
     architecture: str
     num_params: int  # the whole model's, also under tensor parallelism

@@ -9,16 +9,14 @@ position comes from the KDA layers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from deltaserve.models.forward import ForwardContext
 from deltaserve.models.layers import Linear, RMSNorm, RowParallelLinear
 from deltaserve.models.parallel import SINGLE, ShardSpec, TensorParallel
-
-if TYPE_CHECKING:
-    from deltaserve.engine.runner.forward_context import ForwardContext
 
 
 class MultiLatentAttention(nn.Module):

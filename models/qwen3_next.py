@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from deltaserve.models.attention import GatedAttention
+from deltaserve.models.forward import ForwardContext, ModelCapabilities
 from deltaserve.models.gated_deltanet import GatedDeltaNet
 from deltaserve.models.layers import (
     GatedMLP,
@@ -26,9 +27,6 @@ from deltaserve.models.layers import (
 )
 from deltaserve.models.parallel import SINGLE, TensorParallel
 from deltaserve.models.weights import WeightLoader
-
-if TYPE_CHECKING:
-    from deltaserve.engine.runner.forward_context import ForwardContext
 
 
 def layer_types_of(config: Any) -> list[str]:
@@ -108,6 +106,8 @@ class HybridModel(nn.Module):
 
 class Qwen3NextForCausalLM(HybridCausalLM):
     """Also serves Qwen3.5 dense and MoE text models (same blocks, other weight names)."""
+
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(mtp_head=True)
 
     def __init__(self, config: Any, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, HybridModel(config, tp), tp)

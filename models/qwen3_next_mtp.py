@@ -16,18 +16,16 @@ checkpoints carry them.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from deltaserve.models.forward import ForwardContext
 from deltaserve.models.layers import Linear, ZeroCenteredRMSNorm, collect_narrows
 from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 from deltaserve.models.qwen3_next import DecoderLayer
 from deltaserve.models.weights import WeightLoader
-
-if TYPE_CHECKING:
-    from deltaserve.engine.runner.forward_context import ForwardContext
 
 PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.", "language_model.mtp.")
 

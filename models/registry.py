@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from deltaserve.models.layers import HybridCausalLM
+
+# a model class: (text config, tensor parallelism = one rank) -> the model
+ModelClass = Callable[..., "HybridCausalLM"]
 
 # architecture -> (module, class, whether the text config is nested under `text_config`)
 _MODELS: dict[str, tuple[str, str, bool]] = {
@@ -22,7 +27,7 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def resolve(architecture: str) -> tuple[type[nn.Module], bool]:
+def resolve(architecture: str) -> tuple[ModelClass, bool]:
     """(model class, config nested under text_config) for an architecture name."""
     if architecture not in _MODELS:
         raise ValueError(

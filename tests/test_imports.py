@@ -1,4 +1,5 @@
-"""The package's modules import in any order, and engine/ has no import cycles.
+"""The package's modules import in any order, engine/ has no import cycles, and the imports run
+one way (models/ and kernels/ import nothing of the engine or the server).
 
 A cycle hidden by a lazy import or a TYPE_CHECKING block still ties two modules into one (neither
 can be read, moved or tested without the other), so the scan counts every import statement of
@@ -111,6 +112,49 @@ def test_engine_has_no_import_cycles():
     assert "deltaserve.engine.sampling.sampler" in graph["deltaserve.engine.engine"]  # the scan sees imports
     in_engine = [c for c in cycles(graph) if any(m.startswith("deltaserve.engine.") for m in c)]
     assert in_engine == []
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs against `server -> engine -> models -> kernels`: models/ and
+    kernels/ import neither the engine nor the server (the contract lives in models/forward.py),
+    and kernels/ import no model."""
+    forbidden = {
+        "deltaserve.models": ("deltaserve.engine", "deltaserve.server"),
+        "deltaserve.kernels": ("deltaserve.engine", "deltaserve.server", "deltaserve.models"),
+    }
+    found = []
+    for name, imported in sorted(graph.items()):
+        for layer, above in forbidden.items():
+            if name == layer or name.startswith(layer + "."):
+                bad = [m for m in imported if any(m == a or m.startswith(a + ".") for a in above)]
+                found += [(name, m) for m in sorted(bad)]
+    return found
+
+
+def test_layering_scan_finds_an_engine_import_under_type_checking(tmp_path):
+    for top in CODE:
+        (tmp_path / top).mkdir()
+    (tmp_path / "engine" / "__init__.py").write_text("")
+    (tmp_path / "engine" / "ctx.py").write_text("class ForwardContext: ...\n")
+    (tmp_path / "kernels" / "op.py").write_text("def f():\n    from deltaserve.engine import ctx\n")
+    (tmp_path / "models" / "layer.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from deltaserve.engine.ctx import ForwardContext\n"
+    )
+    (tmp_path / "models" / "fine.py").write_text("from deltaserve.kernels.op import f\n")
+    mods = module_files(tmp_path)
+    graph = {name: imports_of(name, path, mods) for name, path in mods.items()}
+    assert layering_violations(graph) == [
+        ("deltaserve.kernels.op", "deltaserve.engine.ctx"),
+        ("deltaserve.models.layer", "deltaserve.engine.ctx"),
+    ]
+
+
+def test_models_and_kernels_import_nothing_of_the_engine_or_server():
+    mods = module_files()
+    graph = {name: imports_of(name, path, mods) for name, path in mods.items()}
+    assert "deltaserve.models.forward" in graph["deltaserve.models.attention"]  # the scan sees imports
+    assert layering_violations(graph) == []
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from deltaserve.engine.cache.page_table import SlotPageTable
 from deltaserve.engine.runner.forward_batch import ForwardBatch
 from deltaserve.kernels.attention import paged_attention, store_kv
 from deltaserve.kernels.mla import mla_attention, store_latent
+from deltaserve.models.forward import AttentionOps
 
 
 @dataclass
@@ -22,7 +23,10 @@ class AttentionMetadata:
     max_seqlen_q: int
 
 
-class AttentionBackend:
+class AttentionBackend(AttentionOps):
+    """`models.forward.AttentionOps` over the KV pool: `prepare` (or a graph's buffers) sets
+    the batch, then each full-attention layer's call stores its K / V and attends."""
+
     def __init__(self, pool: KVPool, layer_index: dict[int, int]) -> None:
         self.pool = pool
         self.layer_index = layer_index  # model layer id -> pool layer

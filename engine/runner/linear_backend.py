@@ -20,12 +20,15 @@ from deltaserve.kernels.gdn import gdn_decode_gated, gdn_prefill
 from deltaserve.kernels.kda import kda_decode, kda_prefill
 from deltaserve.kernels.norm import gdn_gates
 from deltaserve.kernels.window import conv_window, gdn_window, kda_window, window_pad_index
+from deltaserve.models.forward import LinearOps
 
 if TYPE_CHECKING:
     from deltaserve.engine.spec_decode.state_window import StateWindow
 
 
-class LinearAttentionBackend:
+class LinearAttentionBackend(LinearOps):
+    """`models.forward.LinearOps` (causal conv, GDN and KDA delta rules) over the state pool."""
+
     def __init__(self, pool: StatePool, layer_index: dict[int, int]) -> None:
         self.pool = pool
         self.layer_index = layer_index  # model layer id -> pool layer
@@ -64,7 +67,7 @@ class LinearAttentionBackend:
         assert self.window is not None, "a verification batch without a window buffer"
         return self.window.layer(self.layer_index[layer_id])[state]
 
-    def _verify_args(self, layer_id: int, state: str) -> tuple:
+    def _verify_args(self, layer_id: int, state: str) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         return self.verify_slots, self.verify_pad_index, self.verify_width, self._window(layer_id, state)
 
     # -- CUDA graphs: batches of n requests of `width` tokens each (decode: 1; speculative

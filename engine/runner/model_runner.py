@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,10 +17,10 @@ from deltaserve.engine.errors import EngineDeadError
 from deltaserve.engine.runner.attention_backend import AttentionBackend
 from deltaserve.engine.runner.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.runner.forward_batch import ForwardBatch, build_forward_batch
-from deltaserve.engine.runner.forward_context import ForwardContext
 from deltaserve.engine.runner.linear_backend import LinearAttentionBackend
 from deltaserve.engine.spec_decode.state_window import StateWindow
 from deltaserve.kernels.delta_rule.fla import configure_fla
+from deltaserve.models.forward import ForwardContext
 from deltaserve.models.loader import LoadedModel
 
 if TYPE_CHECKING:
@@ -28,6 +29,15 @@ if TYPE_CHECKING:
     from deltaserve.models.qwen3_next_mtp import MultiTokenPredictor
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerBackends:
+    """The runner's two backends side by side: what it hands the model as its
+    `models.forward.ForwardContext`."""
+
+    attn: AttentionBackend
+    linear: LinearAttentionBackend
 
 
 class ModelRunner:
@@ -100,7 +110,8 @@ class ModelRunner:
                 self.state_pool, config.spec_window_rows, spec.num_speculative_tokens + 1
             )
             self.linear.window = self.window
-        self.ctx = ForwardContext(self.attn, self.linear)
+        # typed as the models' Protocol so that mypy holds the backends to the contract
+        self.ctx: ForwardContext = LayerBackends(self.attn, self.linear)
         # decode batches read each slot's pages from here (`engine/cache/page_table.py`)
         max_pages = -(-self.sizes.max_model_len // config.page_size)
         self.attn.slot_pages = SlotPageTable(1 + self.sizes.num_slots, max_pages, device)
@@ -134,10 +145,9 @@ class ModelRunner:
         }
 
     def _load_mtp(self, loaded: LoadedModel, device: torch.device) -> MultiTokenPredictor:
-        from deltaserve.models.qwen3_next import Qwen3NextForCausalLM
         from deltaserve.models.qwen3_next_mtp import load_mtp
 
-        if not isinstance(self.model, Qwen3NextForCausalLM):
+        if not self.model.capabilities.mtp_head:
             raise ValueError(
                 f"MTP speculation needs a Qwen3-Next / Qwen3.5 checkpoint, not {loaded.architecture}"
             )
@@ -250,6 +260,7 @@ class ModelRunner:
             x = buf.double().transpose(0, 1).flatten(1)
             return torch.stack([x.sum(1), x.abs().sum(1)], 1).cpu()
 
+        assert self.attn.slot_pages is not None
         out: dict[str, torch.Tensor] = {"page_table": self.attn.slot_pages.table.cpu().clone()}
         for name, buf in self.state_pool.buffers.items():
             out[f"state.{name}"] = per_row(buf)

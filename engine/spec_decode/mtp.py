@@ -26,7 +26,6 @@ import torch
 
 from deltaserve.engine.request import Request
 from deltaserve.engine.runner.forward_batch import build_forward_batch
-from deltaserve.engine.runner.forward_context import ForwardContext
 from deltaserve.engine.runner.h2d import to_device
 
 if TYPE_CHECKING:
@@ -51,7 +50,6 @@ class MtpDrafter:
         self.runner = runner
         self.reserve_pages = reserve_pages  # (req, num_tokens) -> bool, pages without preempting
         self.k = k
-        self.ctx = ForwardContext(runner.attn, runner.linear)
         self.page_size = runner.config.page_size
         self._drafts: weakref.WeakKeyDictionary[Request, list[int]] = weakref.WeakKeyDictionary()
 
@@ -124,4 +122,4 @@ class MtpDrafter:
         assert self.runner.mtp is not None
         self.runner.attn.prepare(batch)
         embeds = self.runner.model.model.embed_tokens(batch.input_ids)
-        return self.runner.mtp(embeds, hidden, batch.positions, self.ctx)
+        return self.runner.mtp(embeds, hidden, batch.positions, self.runner.ctx)

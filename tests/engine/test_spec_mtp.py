@@ -157,3 +157,9 @@ def test_copy_token_mtp_drafts_are_accepted(make_checkpoint, tmp_path_factory, p
 def test_mtp_needs_the_weights(make_checkpoint):
     with pytest.raises(ValueError, match="mtp"):
         make_llm(make_checkpoint("qwen3_5"), MTP)
+
+
+def test_mtp_needs_a_model_that_declares_an_mtp_head(small_kimi_checkpoint):
+    """Kimi-Linear declares no MTP head (`ModelCapabilities`): refused before any weight is read."""
+    with pytest.raises(ValueError, match="MTP speculation needs a Qwen3-Next"):
+        make_llm(small_kimi_checkpoint, MTP)
