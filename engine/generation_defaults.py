@@ -33,8 +33,12 @@ class SamplingDefaults:
         """As engine parameters (max_tokens: SamplingParams' 16 when the file sets none)."""
         from deltaserve.engine.sampling_params import SamplingParams
 
-        fields_ = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "max_tokens"}
-        return SamplingParams(**fields_, **({"max_tokens": self.max_tokens} if self.max_tokens else {}))
+        kwargs: dict[str, Any] = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name != "max_tokens"
+        }
+        if self.max_tokens:
+            kwargs["max_tokens"] = self.max_tokens
+        return SamplingParams(**kwargs)
 
     def changed(self) -> dict[str, Any]:
         """The defaults that differ from OpenAI's (what the start-up log reports)."""

@@ -130,7 +130,7 @@ def build_forward_batch(
     first_prefill = num_decodes + num_verify
     chunks = fla_chunk_indices([len(t) for t in token_lists[first_prefill:]], FLA_CHUNK)
 
-    (ids, pos, cu_t, lens, table_t, slot_map, slots_t, initial, logits_idx, chunks_t) = to_device_packed(
+    (ids, pos_t, cu_t, lens, table_t, slot_map, slots_t, initial, logits_idx, chunks_t) = to_device_packed(
         [
             (input_ids, torch.long),
             (positions, torch.long),
@@ -147,7 +147,7 @@ def build_forward_batch(
     )
     return ForwardBatch(
         input_ids=ids,
-        positions=pos,
+        positions=pos_t,
         num_decodes=num_decodes,
         max_seqlen_q=max(len(x) for x in token_lists),
         cu_seqlens_q=cu_t,

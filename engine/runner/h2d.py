@@ -76,7 +76,7 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
 
 
 def to_device_packed(
-    fields: Sequence[tuple[Sequence, torch.dtype]], device: torch.device
+    fields: Sequence[tuple[Sequence | np.ndarray, torch.dtype]], device: torch.device
 ) -> list[torch.Tensor]:
     """Several host lists (each `(values, dtype)`; a list of equal-length lists is 2-D) as
     tensors on `device` through one staging buffer and one copy. The tensors are views into
