@@ -15,6 +15,18 @@ class EngineFaultError(RuntimeError):
     """A step failed in a way no single request explains; the requests in flight were aborted."""
 
 
+class InvalidParamError(ValueError):
+    """A request's value is out of range or contradicts another (HTTP 400); `param` names the
+    field as `SamplingParams` calls it, None when no one field is to blame."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple[type[InvalidParamError], tuple[str, str | None]]:
+        return type(self), (str(self), self.param)  # pickled with its field, not the message alone
+
+
 # the error types a reply from the engine process carries by kind, so the client raises the same type
 _REPLY_KINDS: dict[str, type[Exception]] = {"queue_full": QueueFullError, "value": ValueError}
 

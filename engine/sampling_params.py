@@ -7,7 +7,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import InvalidParamError
+
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+# OpenAI's bounds, held here so that the HTTP API and the offline API refuse the same values
+MAX_N = 128
+MAX_TEMPERATURE = 2.0
+MAX_LOGPROBS = 20
+
+
+def _structured(message: str) -> InvalidParamError:
+    return InvalidParamError(f"structured outputs: {message}", "structured_outputs")
 
 
 @dataclass
@@ -39,31 +49,28 @@ class StructuredOutputs:
         given = [self.json is not None, self.json_object, self.tool_calls is not None]
         given += [self.regex is not None, self.choice is not None, self.grammar is not None]
         if sum(given) != 1:
-            raise ValueError(
-                "structured outputs: give exactly one of json (a schema), json_object, regex, choice, "
-                "grammar and tool_calls"
+            raise _structured(
+                "give exactly one of json (a schema), json_object, regex, choice, grammar and tool_calls"
             )
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise ValueError("structured outputs: choice needs a list of non-empty strings")
+            raise _structured("choice needs a list of non-empty strings")
         if self.tool_calls is not None and not self.tool_calls:
-            raise ValueError("structured outputs: tool_calls needs at least one function")
+            raise _structured("tool_calls needs at least one function")
         if not 1 <= self.max_tool_calls <= 16:
-            raise ValueError(f"structured outputs: max_tool_calls is 1 to 16, got {self.max_tool_calls}")
+            raise _structured(f"max_tool_calls is 1 to 16, got {self.max_tool_calls}")
         if self.tool_call_form not in ("json", "xml", "kimi"):
-            raise ValueError(
-                f"structured outputs: tool_call_form is 'json', 'xml' or 'kimi', got {self.tool_call_form!r}"
-            )
+            raise _structured(f"tool_call_form is 'json', 'xml' or 'kimi', got {self.tool_call_form!r}")
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
             except json.JSONDecodeError as e:
-                raise ValueError(f"structured outputs: the JSON schema is not valid JSON ({e})") from None
+                raise _structured(f"the JSON schema is not valid JSON ({e})") from None
         if self.json is not None and not isinstance(self.json, dict):
-            raise ValueError("structured outputs: a JSON schema must be an object")
+            raise _structured("a JSON schema must be an object")
         if self.after_token is not None and self.after_token < 0:
-            raise ValueError(f"structured outputs: after_token must be a token id, got {self.after_token}")
+            raise _structured(f"after_token must be a token id, got {self.after_token}")
 
     def key(self) -> str:
         """The grammar's cache key (the schema's text: its key order is the output's)."""
@@ -116,58 +123,83 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is not None and self.top_k < -1:
+            raise InvalidParamError(f"top_k must be -1 (off) or positive, got {self.top_k}", "top_k")
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the field when a value is out of range."""
-        if self.stop and not self.detokenize:
-            raise ValueError("stop strings need the text: detokenize must be on")
+        """Raise InvalidParamError naming the field when a value is out of range or two disagree:
+        the one check of a request's values, for the offline API and the HTTP server alike."""
         if self.output_kind not in OUTPUT_KINDS:
-            raise ValueError(
-                f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}"
+            raise InvalidParamError(
+                f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}",
+                "output_kind",
             )
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        _in_range("n", self.n, 1, MAX_N)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):  # the ranges below let inf through, some NaN
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
+                raise InvalidParamError(f"{name} must be a finite number, got {getattr(self, name)}", name)
+        _in_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _in_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _in_range("min_p", self.min_p, 0.0, 1.0)
+        _in_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.repetition_penalty <= 0:
+            raise InvalidParamError(
+                f"repetition_penalty must be positive, got {self.repetition_penalty}", "repetition_penalty"
+            )
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise InvalidParamError(f"seed must be a 64-bit integer, got {self.seed}", "seed")
+        if any(not s for s in self.stop):
+            raise InvalidParamError("stop sequences must not be empty", "stop")
+        if self.stop and not self.detokenize:
+            raise InvalidParamError("stop strings need the text: detokenize must be on", "detokenize")
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
-            raise ValueError(f"stop_token_ids must be token ids, got {bad[0]!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise InvalidParamError(f"stop_token_ids must be token ids, got {bad[0]!r}", "stop_token_ids")
+        _in_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _in_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
-            raise ValueError(
-                f"max_tokens must be at least 1 (0 only with prompt_logprobs), got {self.max_tokens}"
+            raise InvalidParamError(
+                f"max_tokens must be at least 1 (0 only with prompt_logprobs), got {self.max_tokens}",
+                "max_tokens",
             )
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs must be within [0, 20], got {self.prompt_logprobs}")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+            raise InvalidParamError(f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise InvalidParamError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
+            )
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
-                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+                raise InvalidParamError(f"logit_bias keys must be token ids, got {token!r}", "logit_bias")
             if not -100.0 <= bias <= 100.0:  # NaN fails this too
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+                raise InvalidParamError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token}", "logit_bias"
+                )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidParamError for a stop token id or a logit_bias key outside [0, vocab_size)."""
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or {})),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidParamError(
+                    f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", name
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+
+def _in_range(name: str, value: float | None, low: float, high: float, low_open: bool = False) -> None:
+    if value is None:
+        return
+    if not low <= value <= high or (low_open and value == low):  # NaN fails this too
+        bracket = "(" if low_open else "["
+        raise InvalidParamError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value}", name)

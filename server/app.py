@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve import __version__
-from deltaserve.engine.errors import EngineDeadError
+from deltaserve.engine.errors import EngineDeadError, InvalidParamError
 from deltaserve.engine.generation_defaults import SamplingDefaults
 
 from .chat import create_chat_completion
@@ -22,7 +22,7 @@ from .completions import create_completion
 from .context import ServerContext
 from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient
-from .errors import APIError, bad_request, error_body, validation_message
+from .errors import APIError, bad_request, error_body, refused, validation_message
 from .metrics import Metrics
 from .protocol import (
     ChatCompletionRequest,
@@ -182,6 +182,11 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return reply(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(InvalidParamError)
+    async def invalid_param(_: Request, exc: InvalidParamError) -> JSONResponse:
+        error = refused(exc)
+        return reply(error.status, error.message, error.param, error.code)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
+from pydantic import BaseModel
 
 from .chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
 from .chat_template import render_chat
-from .context import ClientDisconnected, ServerContext
-from .engine_client import RequestGroup
-from .errors import error_body, failure_of, raise_if_failed
+from .context import ServerContext
+from .generation import Generation
 from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .protocol import (
     AssistantMessage,
@@ -25,13 +22,10 @@ from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    PromptTokensDetails,
-    StreamOptions,
-    Usage,
     random_id,
 )
 from .reasoning import prompt_opens_reasoning
-from .request_params import build_sampling_params, fan_out, tool_choice_constraint
+from .request_params import tool_choice_constraint
 from .tool_calls import KIMI
 
 if TYPE_CHECKING:
@@ -41,17 +35,6 @@ if TYPE_CHECKING:
 
 def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
     return "tool_calls" if has_tool_calls and reason == "stop" else reason
-
-
-def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> Usage:
-    completion = sum(c.num_tokens for out in outputs for c in out.outputs)
-    cached = min(prompt_tokens, max((out.num_cached_tokens for out in outputs), default=0))
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion,
-        total_tokens=prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-    )
 
 
 @dataclass
@@ -81,13 +64,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
         return text, ctx.encode(text)
 
     prompt, prompt_ids = await ctx.off_loop(prepare)
-    params = build_sampling_params(
-        req,
-        prompt_len=len(prompt_ids),
-        max_model_len=ctx.client.max_model_len,
-        defaults=ctx.sampling_defaults,
-        vocab_size=ctx.vocab_size,
-    )
+    params = ctx.sampling_params(req, len(prompt_ids))
     forced = tool_choice_constraint(
         req.tool_choice,
         tools,
@@ -117,29 +94,58 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
     prepared = await prepare_chat(ctx, req)
-    prompt_ids, params, parser = prepared.prompt_ids, prepared.params, prepared.parser
-    request_id = random_id("chatcmpl")
-    requests = fan_out(request_id, prompt_ids, params, req.n)
-    index = {rid: i for i, (rid, _, _) in enumerate(requests)}
-    try:
-        await ctx.warm_prefix([prompt_ids], req.n, raw)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    group = await ctx.submit(requests)
-    if req.stream:
-        events = _stream(
-            ctx, group, parser, index, request_id, model, len(prompt_ids), params.logprobs, req.stream_options
-        )
-        return StreamingResponse(ctx.guarded(group, events), media_type="text/event-stream")
+    generation = ChatGeneration(ctx, req, model, prepared)
+    generation.add(generation.request_id, prepared.prompt_ids, prepared.params)
+    return await generation.respond(raw, req.stream)
 
-    try:
-        final = await ctx.collect(group, raw)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    choices = []
-    for rid, i in index.items():
-        completion = final[rid].outputs[0]
-        parsed = parser.parse(completion.text, final=True, cut=completion.finish_reason == "length")
+
+class ChatGeneration(Generation[ChatChunkChoice]):
+    """A chat completion's chunks and response: the output parsed into reasoning, content and
+    tool calls."""
+
+    chunk_type = ChatCompletionChunk
+
+    def __init__(
+        self, ctx: ServerContext, req: ChatCompletionRequest, model: str, prepared: PreparedChat
+    ) -> None:
+        super().__init__(ctx, random_id("chatcmpl"), model, req.stream_options)
+        self.req, self.parser = req, prepared.parser
+        self.logprobs = prepared.params.logprobs
+        self.states: dict[str, ChatStreamState] = {}
+
+    def opening_choices(self) -> list[ChatChunkChoice]:
+        return [
+            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+            for i in self.index.values()
+        ]
+
+    def delta_choice(self, out: RequestOutput) -> ChatChunkChoice | None:
+        state = self.states.setdefault(out.request_id, ChatStreamState(self.parser))
+        completion = out.outputs[0]
+        cut = completion.finish_reason == "length"
+        reasoning, content, calls = state.feed(completion.text, completion.finished, cut)
+        new_logprobs = None
+        if self.logprobs is not None and completion.logprobs:
+            new_logprobs = chat_logprobs(completion.logprobs, self.logprobs, self.ctx.token_text)
+        reason = finish_reason(completion.finish_reason, state.calls_sent > 0)
+        if not (reasoning or content or calls or new_logprobs or reason):
+            return None
+        delta = ChatDelta(
+            reasoning_content=reasoning, reasoning=reasoning, content=content, tool_calls=calls or None
+        )
+        return ChatChunkChoice(
+            index=self.index[out.request_id], delta=delta, logprobs=new_logprobs, finish_reason=reason
+        )
+
+    def chunk_json(self, chunk: BaseModel) -> dict[str, Any]:
+        payload = chunk.model_dump(mode="json")
+        for choice in payload["choices"]:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        return payload
+
+    def final_choice(self, index: int, out: RequestOutput) -> ChatChoice:
+        completion = out.outputs[0]
+        parsed = self.parser.parse(completion.text, final=True, cut=completion.finish_reason == "length")
         calls = to_openai_tool_calls(parsed.tool_calls) or None
         content: str | None = parsed.content
         if not content and (calls or parsed.reasoning):
@@ -151,94 +157,26 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             tool_calls=calls,
         )
         logprobs = None
-        if params.logprobs is not None:
-            logprobs = chat_logprobs(completion.logprobs or [], params.logprobs, ctx.token_text)
+        if self.logprobs is not None:
+            logprobs = chat_logprobs(completion.logprobs or [], self.logprobs, self.ctx.token_text)
         reason = finish_reason(completion.finish_reason, bool(calls))
-        choices.append(ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason))
-    prompt_logprobs = None
-    if req.prompt_logprobs is not None:  # vLLM's: the rendered prompt's tokens, scored in its prefill
-        first = final[next(iter(index))].prompt_logprobs
-        prompt_logprobs = vllm_prompt_logprobs(first, req.prompt_logprobs, ctx.token_text)
-    response = ChatCompletionResponse(
-        id=request_id,
-        model=model,
-        choices=choices,
-        usage=usage_of(len(prompt_ids), list(final.values())),
-        prompt_logprobs=prompt_logprobs,
-    )
-    payload = response.model_dump(mode="json")
-    if payload["prompt_logprobs"] is None:  # vLLM's field, there only when asked for
-        del payload["prompt_logprobs"]
-    return JSONResponse(payload)
+        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason)
 
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def chunk_event(chunk: ChatCompletionChunk) -> str:
-    payload = chunk.model_dump(mode="json")
-    for choice in payload["choices"]:
-        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-    if payload["usage"] is None:
-        del payload["usage"]
-    return sse(payload)
-
-
-async def _stream(
-    ctx: ServerContext,
-    group: RequestGroup,
-    parser: ChatOutputParser,
-    index: dict[str, int],
-    request_id: str,
-    model: str,
-    prompt_tokens: int,
-    logprobs: int | None,
-    options: StreamOptions | None,
-) -> AsyncIterator[str]:
-    created = int(time.time())
-    continuous = bool(options and options.continuous_usage_stats)
-
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        if usage is None and continuous:
-            usage = usage_of(prompt_tokens, list(latest.values()))
-        return chunk_event(
-            ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
+    def response_json(self, choices: list[Any], final: dict[str, RequestOutput]) -> dict[str, Any]:
+        prompt_logprobs = None
+        if (
+            self.req.prompt_logprobs is not None
+        ):  # vLLM's: the rendered prompt's tokens, scored in its prefill
+            first = final[next(iter(self.index))].prompt_logprobs
+            prompt_logprobs = vllm_prompt_logprobs(first, self.req.prompt_logprobs, self.ctx.token_text)
+        response = ChatCompletionResponse(
+            id=self.request_id,
+            model=self.model,
+            choices=choices,
+            usage=self.usage(list(final.values())),
+            prompt_logprobs=prompt_logprobs,
         )
-
-    states = {rid: ChatStreamState(parser) for rid in index}
-    latest: dict[str, RequestOutput] = {}
-    yield chunk(
-        [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in index.values()]
-    )
-    try:
-        async for outputs in group:
-            for out in outputs:
-                raise_if_failed(out)  # failed in the engine: the stream ends with an error event
-                latest[out.request_id] = out
-                state, completion = states[out.request_id], out.outputs[0]
-                # the engine sends deltas: what this step (or the steps merged into it) added
-                cut = completion.finish_reason == "length"
-                reasoning, content, calls = state.feed(completion.text, completion.finished, cut)
-                new_logprobs = None
-                if logprobs is not None and completion.logprobs:
-                    new_logprobs = chat_logprobs(completion.logprobs, logprobs, ctx.token_text)
-                reason = finish_reason(completion.finish_reason, state.calls_sent > 0)
-                if reasoning or content or calls or new_logprobs or reason:
-                    delta = ChatDelta(
-                        reasoning_content=reasoning,
-                        reasoning=reasoning,
-                        content=content,
-                        tool_calls=calls or None,
-                    )
-                    choice = ChatChunkChoice(
-                        index=index[out.request_id], delta=delta, logprobs=new_logprobs, finish_reason=reason
-                    )
-                    yield chunk([choice])
-    except Exception as exc:  # the engine failed or the server is draining: tell the client in-band
-        yield sse(error_body(*failure_of(exc)))
-        yield "data: [DONE]\n\n"
-        return
-    if options and options.include_usage:
-        yield chunk([], usage_of(prompt_tokens, list(latest.values())))
-    yield "data: [DONE]\n\n"
+        payload = response.model_dump(mode="json")
+        if payload["prompt_logprobs"] is None:  # vLLM's field, there only when asked for
+            del payload["prompt_logprobs"]
+        return payload

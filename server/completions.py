@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
+from pydantic import BaseModel
 
-from .chat import sse, usage_of
-from .context import ClientDisconnected, ServerContext
-from .engine_client import RequestGroup
-from .errors import bad_request, error_body, failure_of, raise_if_failed
+from .context import ServerContext
+from .errors import bad_request
+from .generation import Generation
 from .logprobs import completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs
 from .protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    StreamOptions,
-    Usage,
     random_id,
 )
-from .request_params import build_sampling_params, fan_out
 
 if TYPE_CHECKING:
     from deltaserve.engine.outputs import CompletionOutput, RequestOutput
@@ -52,7 +47,7 @@ def _prompts(
     return out
 
 
-def without_unasked(response: CompletionResponse) -> dict[str, Any]:
+def without_unasked(response: BaseModel) -> dict[str, Any]:
     """The response as JSON, vLLM's `prompt_logprobs` left out of choices that did not ask."""
     payload = response.model_dump(mode="json")
     for choice in payload["choices"]:
@@ -102,129 +97,65 @@ class _Choice:
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
     prompts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo)
-    request_id = random_id("cmpl")
-    requests, choices = [], []
+    generation = CompletionGeneration(ctx, req, model)
     for j, (text, ids) in enumerate(prompts):
-        params = build_sampling_params(
-            req,
-            prompt_len=len(ids),
-            max_model_len=ctx.client.max_model_len,
-            defaults=ctx.sampling_defaults,
-            vocab_size=ctx.vocab_size,
-        )
+        params = ctx.sampling_params(req, len(ids))
         if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt
             await ctx.compile_structured(params.structured_outputs)
-        requests += fan_out(f"{request_id}-{j}", ids, params, req.n)
-        choices += [_Choice(ctx, (text, ids), req.echo, params.logprobs)] * req.n
-    index = {rid: i for i, (rid, _, _) in enumerate(requests)}
-    prompt_tokens = sum(len(ids) for _, ids in prompts)
-    try:
-        await ctx.warm_prefix([ids for _, ids in prompts], req.n, raw)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    group = await ctx.submit(requests)
-    if req.stream:
-        events = _stream(group, index, choices, request_id, model, prompt_tokens, req.stream_options)
-        return StreamingResponse(ctx.guarded(group, events), media_type="text/event-stream")
+        generation.add(f"{generation.request_id}-{j}", ids, params)
+        generation.choices += [_Choice(ctx, (text, ids), req.echo, params.logprobs)] * req.n
+    return await generation.respond(raw, req.stream)
 
-    try:
-        final = await ctx.collect(group, raw)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    out = []
-    for rid, i in index.items():
-        completion = final[rid].outputs[0]
-        logprobs = choices[i].logprobs_of(final[rid], echo_prompt=req.echo)
-        asked = req.prompt_logprobs
+
+class CompletionGeneration(Generation[CompletionChoice]):
+    """A text completion's chunks and response: the text, echo and logprobs of each choice."""
+
+    chunk_type = CompletionResponse
+
+    def __init__(self, ctx: ServerContext, req: CompletionRequest, model: str) -> None:
+        super().__init__(ctx, random_id("cmpl"), model, req.stream_options)
+        self.req = req
+        self.choices: list[_Choice] = []  # by choice index
+        self.offsets: dict[str, int] = {}  # where the next token's text starts (logprobs' text_offset)
+
+    def delta_choice(self, out: RequestOutput) -> CompletionChoice | None:
+        rid, completion = out.request_id, out.outputs[0]
+        choice = self.choices[self.index[rid]]
+        first = rid not in self.offsets
+        delta = choice.text(completion) if first else completion.text
+        logprobs = choice.logprobs_of(
+            out, echo_prompt=choice.echo and first, text_start=self.offsets.get(rid)
+        )
+        if logprobs is not None and logprobs.tokens:
+            self.offsets[rid] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        else:
+            self.offsets.setdefault(rid, len(choice.prompt_text) if choice.echo else 0)
+        if not (delta or completion.finish_reason or (logprobs and logprobs.tokens)):
+            return None
+        return CompletionChoice(
+            index=self.index[rid], text=delta, logprobs=logprobs, finish_reason=completion.finish_reason
+        )
+
+    def chunk_json(self, chunk: BaseModel) -> dict[str, Any]:
+        return without_unasked(chunk)
+
+    def final_choice(self, index: int, out: RequestOutput) -> CompletionChoice:
         prompt_logprobs = None
-        if asked is not None:
-            prompt_logprobs = vllm_prompt_logprobs(final[rid].prompt_logprobs, asked, ctx.token_text)
-        out.append(
-            CompletionChoice(
-                index=i,
-                text=choices[i].text(completion),
-                logprobs=logprobs,
-                finish_reason=completion.finish_reason,
-                prompt_logprobs=prompt_logprobs,
+        if self.req.prompt_logprobs is not None:
+            prompt_logprobs = vllm_prompt_logprobs(
+                out.prompt_logprobs, self.req.prompt_logprobs, self.ctx.token_text
             )
+        choice = self.choices[index]
+        return CompletionChoice(
+            index=index,
+            text=choice.text(out.outputs[0]),
+            logprobs=choice.logprobs_of(out, echo_prompt=self.req.echo),
+            finish_reason=out.outputs[0].finish_reason,
+            prompt_logprobs=prompt_logprobs,
         )
-    usage = _with_prompt(usage_of(0, list(final.values())), prompt_tokens, list(final.values()))
-    return JSONResponse(
-        without_unasked(CompletionResponse(id=request_id, model=model, choices=out, usage=usage))
-    )
 
-
-def _with_prompt(usage: Usage, prompt_tokens: int, outputs: list[RequestOutput]) -> Usage:
-    usage.prompt_tokens = prompt_tokens
-    usage.total_tokens = prompt_tokens + usage.completion_tokens
-    # n copies of a prompt share their prompt tokens: count each prompt's cache hits once.
-    per_prompt: dict[str, int] = {}
-    for out in outputs:
-        key = out.request_id.rsplit("-", 1)[0]
-        per_prompt[key] = max(per_prompt.get(key, 0), out.num_cached_tokens)
-    usage.prompt_tokens_details.cached_tokens = min(prompt_tokens, sum(per_prompt.values()))
-    return usage
-
-
-async def _stream(
-    group: RequestGroup,
-    index: dict[str, int],
-    choices: list[_Choice],
-    request_id: str,
-    model: str,
-    prompt_tokens: int,
-    options: StreamOptions | None,
-) -> AsyncIterator[str]:
-    created = int(time.time())
-    continuous = bool(options and options.continuous_usage_stats)
-
-    def usage_now() -> Usage:
-        outs = list(latest.values())
-        return _with_prompt(usage_of(0, outs), prompt_tokens, outs)
-
-    def chunk(choice: CompletionChoice | None, usage: Usage | None = None) -> str:
-        if usage is None and continuous:
-            usage = usage_now()
-        response = CompletionResponse(
-            id=request_id, created=created, model=model, choices=[choice] if choice else [], usage=usage
+    def response_json(self, choices: list[Any], final: dict[str, RequestOutput]) -> dict[str, Any]:
+        usage = self.usage(list(final.values()))
+        return without_unasked(
+            CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
         )
-        payload = without_unasked(response)
-        if usage is None:
-            del payload["usage"]
-        return sse(payload)
-
-    offsets: dict[str, int] = {}  # where the next token's text starts (logprobs' text_offset)
-    latest: dict[str, RequestOutput] = {}
-    try:
-        async for outputs in group:
-            for out in outputs:
-                raise_if_failed(out)  # failed in the engine: the stream ends with an error event
-                # the engine sends deltas: what this step (or the steps merged into it) added
-                rid, completion = out.request_id, out.outputs[0]
-                latest[rid] = out
-                choice = choices[index[rid]]
-                first = rid not in offsets
-                delta = choice.text(completion) if first else completion.text
-                logprobs = choice.logprobs_of(
-                    out, echo_prompt=choice.echo and first, text_start=offsets.get(rid)
-                )
-                if logprobs is not None and logprobs.tokens:
-                    offsets[rid] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                else:
-                    offsets.setdefault(rid, len(choice.prompt_text) if choice.echo else 0)
-                if delta or completion.finish_reason or (logprobs and logprobs.tokens):
-                    yield chunk(
-                        CompletionChoice(
-                            index=index[rid],
-                            text=delta,
-                            logprobs=logprobs,
-                            finish_reason=completion.finish_reason,
-                        )
-                    )
-    except Exception as exc:  # the engine failed or the server is draining: tell the client in-band
-        yield sse(error_body(*failure_of(exc)))
-        yield "data: [DONE]\n\n"
-        return
-    if options and options.include_usage:
-        yield chunk(None, usage_now())
-    yield "data: [DONE]\n\n"

@@ -16,14 +16,17 @@ from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFul
 from deltaserve.engine.generation_defaults import SamplingDefaults
 
 from .engine_client import EngineClient, RequestGroup, ShuttingDownError
-from .errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed
+from .errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed, refused
 from .logprobs import TokenText
 from .metrics import Metrics
+from .request_params import build_sampling_params
 from .tool_calls import tool_call_format
 
 if TYPE_CHECKING:
     from deltaserve.engine.outputs import RequestOutput
     from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
+
+    from .protocol import ChatCompletionRequest, CompletionRequest
 
 
 T = TypeVar("T")
@@ -90,6 +93,19 @@ class ServerContext:
     def decode(self, token_ids: list[int]) -> str:
         return self.need_tokenizer().decode(token_ids, skip_special_tokens=False)
 
+    def sampling_params(
+        self, req: ChatCompletionRequest | CompletionRequest, prompt_len: int
+    ) -> SamplingParams:
+        """The request's engine parameters under this server's context length, generation defaults
+        and vocabulary (`request_params.build_sampling_params`: 400s for bad values)."""
+        return build_sampling_params(
+            req,
+            prompt_len=prompt_len,
+            max_model_len=self.client.max_model_len,
+            defaults=self.sampling_defaults,
+            vocab_size=self.vocab_size,
+        )
+
     async def compile_structured(self, spec: StructuredOutputs) -> None:
         """Compile a request's grammar in the prompt worker, before it is submitted: a new JSON
         schema can take xgrammar a while, which the engine's thread would otherwise spend while
@@ -97,7 +113,7 @@ class ServerContext:
         try:
             await self.client.call("compile_structured", spec)
         except ValueError as exc:
-            raise bad_request(str(exc), None) from exc
+            raise refused(exc) from exc
 
     async def submit(
         self, requests: list[tuple[str, list[int], SamplingParams]], track: bool = True
@@ -111,7 +127,7 @@ class ServerContext:
         except EngineDeadError as exc:
             raise APIError(503, str(exc), None, "engine_unavailable") from exc
         except ValueError as exc:
-            raise bad_request(str(exc), None) from exc
+            raise refused(exc) from exc
 
     async def warm_prefix(self, prompts: list[list[int]], n: int, request: Request) -> None:
         """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`). A client that

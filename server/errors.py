@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,6 +28,16 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
+
+    def renamed(self, names: Mapping[str, str]) -> APIError:
+        """The error naming the field as the client sent it (`names`: our name -> theirs), in
+        `param` and in the message."""
+        if self.param is not None and self.param in names:
+            new = names[self.param]
+            self.message = re.sub(rf"\b{re.escape(self.param)}\b", new, self.message)
+            self.args = (self.message,)
+            self.param = new
+        return self
 
 
 def failure_of(exc: BaseException) -> tuple[int, str]:
@@ -52,6 +64,12 @@ def raise_if_failed(out: RequestOutput) -> None:
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def refused(exc: ValueError) -> APIError:
+    """The engine's refusal of a request (`SamplingParams`' checks, `InvalidParamError` with the
+    field it names; any ValueError the engine raises for bad input) as a 400."""
+    return bad_request(str(exc), getattr(exc, "param", None))
 
 
 def error_body(

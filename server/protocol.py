@@ -127,7 +127,8 @@ class ChatMessage(OpenAIModel):
 
 
 class SamplingRequest(RequestBody):
-    """Fields shared by chat and completions; ranges are checked in `request_params.py` for clear messages."""
+    """Fields shared by chat and completions; their values are checked by the engine's
+    `SamplingParams` (`request_params.py` translates them and names the field in a 400)."""
 
     model: str | None = None
     max_tokens: int | None = None

@@ -1,27 +1,17 @@
-"""OpenAI request fields -> engine SamplingParams, with OpenAI's ranges and clear 400 messages."""
+"""OpenAI request fields -> engine SamplingParams. The values are checked by SamplingParams alone;
+this module translates fields and names them in the 400s as the request spells them."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .errors import bad_request
+from .errors import bad_request, refused
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 if TYPE_CHECKING:
     from deltaserve.engine.generation_defaults import SamplingDefaults
     from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
-
-MAX_N = 128
-MAX_LOGPROBS = 20
-
-
-def check_range(name: str, value: float | None, low: float, high: float, low_open: bool = False) -> None:
-    if value is None:
-        return
-    if value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise bad_request(f"{name} must be in {bracket}{low:g}, {high:g}], got {value}", name)
 
 
 def build_sampling_params(
@@ -33,81 +23,35 @@ def build_sampling_params(
     vocab_size: int = 0,
 ) -> SamplingParams:
     """The engine's parameters for one request: the request's values, else `defaults` (the
-    checkpoint's generation_config.json, `--generation-config`), else OpenAI's. Token ids
+    checkpoint's generation_config.json, `--generation-config`), else OpenAI's. `SamplingParams`
+    checks the values; its refusal is a 400 naming the field as this request spells it. Token ids
     (stop_token_ids, logit_bias keys) must lie in [0, vocab_size) when it is known (not 0)."""
+    from deltaserve.engine.errors import InvalidParamError
     from deltaserve.engine.sampling_params import SamplingParams
-
-    check_range("n", req.n, 1, MAX_N)
-    check_range("temperature", req.temperature, 0.0, 2.0)
-    check_range("top_p", req.top_p, 0.0, 1.0, low_open=True)
-    check_range("min_p", req.min_p, 0.0, 1.0)
-    check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
-    check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
-    if req.top_k is not None and req.top_k < -1:
-        raise bad_request(f"top_k must be -1 (off) or positive, got {req.top_k}", "top_k")
-    if req.repetition_penalty is not None and req.repetition_penalty <= 0:
-        raise bad_request(
-            f"repetition_penalty must be positive, got {req.repetition_penalty}", "repetition_penalty"
-        )
-    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
-        raise bad_request(f"seed must be a 64-bit integer, got {req.seed}", "seed")
-    check_token_ids("stop_token_ids", req.stop_token_ids or [], vocab_size)
 
     if isinstance(req, ChatCompletionRequest):
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        check_range("top_logprobs", req.top_logprobs, 0, MAX_LOGPROBS)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        names = {"logprobs": "top_logprobs", "max_tokens": max_name}
     else:
-        max_name, max_tokens = "max_tokens", req.max_tokens
-        check_range("logprobs", req.logprobs, 0, MAX_LOGPROBS)
-        logprobs = req.logprobs
-    check_range("prompt_logprobs", req.prompt_logprobs, 0, MAX_LOGPROBS)
+        max_name, max_tokens, logprobs = "max_tokens", req.max_tokens, req.logprobs
+        names = {}
     prompt_logprobs = req.prompt_logprobs
     echo = isinstance(req, CompletionRequest) and req.echo
-    if echo and (logprobs is not None or max_tokens == 0):  # the echoed prompt's log-probabilities
+    # the echoed prompt's log-probabilities (a negative count is left for the check to refuse)
+    if echo and (logprobs is not None or max_tokens == 0) and (prompt_logprobs or 0) >= 0:
         prompt_logprobs = max(prompt_logprobs or 0, logprobs or 0)
-    if max_tokens is not None and max_tokens < (0 if echo else 1):
-        raise bad_request(f"{max_name} must be at least 1 (0 only with echo), got {max_tokens}", max_name)
-
-    if prompt_len < 1:
-        raise bad_request(
-            "the prompt is empty", "prompt" if isinstance(req, CompletionRequest) else "messages"
-        )
-    room = max_model_len - prompt_len
-    if room < 1 or (max_tokens is not None and max_tokens > room):
-        requested = prompt_len + (max_tokens or 1)
-        raise bad_request(
-            f"this model's maximum context length is {max_model_len} tokens, but {requested} tokens were "
-            f"requested ({prompt_len} in the prompt, {max_tokens or 1} for the completion); "
-            f"shorten the prompt or lower {max_name}",
-            max_name if room >= 1 else ("messages" if isinstance(req, ChatCompletionRequest) else "prompt"),
-            code="context_length_exceeded",
-        )
     if defaults is None:
         from deltaserve.engine.generation_defaults import SamplingDefaults
 
         defaults = SamplingDefaults()
-    if max_tokens is None:
-        max_tokens = min(room, defaults.max_tokens) if defaults.max_tokens else room
-
-    logit_bias = _logit_bias(req.logit_bias)
-    check_token_ids("logit_bias", list(logit_bias or {}), vocab_size)
-    structured = _response_format(req.response_format)
-    vllm_style = _vllm_structured(req)
-    if structured is not None and vllm_style is not None:
-        raise bad_request(
-            "give one of response_format and structured_outputs / guided_*", "structured_outputs"
-        )
-    structured = structured or vllm_style
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(not s for s in stop):
-        raise bad_request("stop sequences must not be empty", "stop")
     try:
-        return SamplingParams(
-            n=1,  # the server fans out n itself, see `fan_out`
+        params = SamplingParams(
+            n=req.n,  # the server fans out n itself, see `fan_out`
             temperature=defaults.temperature if req.temperature is None else req.temperature,
             top_p=defaults.top_p if req.top_p is None else req.top_p,
             top_k=defaults.top_k if req.top_k is None else req.top_k,
@@ -127,13 +71,56 @@ def build_sampling_params(
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            logit_bias=logit_bias,
+            logit_bias=_logit_bias(req.logit_bias),
             # a stream sends what each step adds; a non-streamed response is built from the final output
             output_kind="delta" if req.stream else "final_only",
-            structured_outputs=structured,
+            structured_outputs=_structured_outputs(req),
         )
-    except ValueError as exc:
-        raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from exc
+        if vocab_size:
+            params.check_vocab(vocab_size)
+        room = _room(req, prompt_len, max_model_len, max_tokens, max_name)
+        if max_tokens is None:
+            params = replace(
+                params, max_tokens=min(room, defaults.max_tokens) if defaults.max_tokens else room
+            )
+    except InvalidParamError as exc:
+        raise refused(exc).renamed(names) from exc
+    return params
+
+
+def _room(
+    req: ChatCompletionRequest | CompletionRequest,
+    prompt_len: int,
+    max_model_len: int,
+    max_tokens: int | None,
+    max_name: str,
+) -> int:
+    """The tokens the context leaves after the prompt; a 400 where the prompt and max_tokens do not fit."""
+    prompt_name = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    if prompt_len < 1:
+        raise bad_request("the prompt is empty", prompt_name)
+    room = max_model_len - prompt_len
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        requested = prompt_len + (max_tokens or 1)
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens, but {requested} tokens were "
+            f"requested ({prompt_len} in the prompt, {max_tokens or 1} for the completion); "
+            f"shorten the prompt or lower {max_name}",
+            max_name if room >= 1 else prompt_name,
+            code="context_length_exceeded",
+        )
+    return room
+
+
+def _structured_outputs(req: SamplingRequest) -> StructuredOutputs | None:
+    """The grammar of OpenAI's response_format or of vLLM's fields; a 400 for both at once."""
+    structured = _response_format(req.response_format)
+    vllm_style = _vllm_structured(req)
+    if structured is not None and vllm_style is not None:
+        raise bad_request(
+            "give one of response_format and structured_outputs / guided_*", "structured_outputs"
+        )
+    return structured or vllm_style
 
 
 def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
@@ -254,16 +241,9 @@ def tool_choice_constraint(
         raise bad_request(str(exc), "tool_choice") from exc
 
 
-def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
-    """400 for an id outside [0, vocab_size) (only below 0 while the vocabulary is unknown)."""
-    for t in ids:
-        if t < 0 or (vocab_size and t >= vocab_size):
-            bound = f"the vocabulary [0, {vocab_size})" if vocab_size else "the vocabulary"
-            raise bad_request(f"{name}: token id {t} is outside {bound}", name)
-
-
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias: token ids as JSON object keys, biases within [-100, 100]."""
+    """OpenAI's logit_bias, token ids as JSON object keys, as token ids (their range is checked
+    with the other values)."""
     if not bias:
         return None
     out: dict[int, float] = {}
@@ -272,18 +252,19 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
             token = int(key)
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-        if token < 0:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-        check_range("logit_bias", value, -100.0, 100.0)
         out[token] = float(value)
     return out
 
 
 def fan_out(
-    base_id: str, prompt_ids: list[int], params: SamplingParams, n: int
+    base_id: str, prompt_ids: list[int], params: SamplingParams
 ) -> list[tuple[str, list[int], SamplingParams]]:
-    """n engine requests for one OpenAI request; distinct seeds keep seeded choices distinct."""
+    """One engine request per choice (`params.n`); distinct seeds keep seeded choices distinct."""
     return [
-        (f"{base_id}-{i}", prompt_ids, replace(params, seed=None if params.seed is None else params.seed + i))
-        for i in range(n)
+        (
+            f"{base_id}-{i}",
+            prompt_ids,
+            replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+        )
+        for i in range(params.n)
     ]

@@ -306,9 +306,7 @@ async def create_response(
     try:
         prepared = await prepare_chat(ctx, to_chat_request(req, items))
     except APIError as exc:  # name the field as this API calls it
-        if exc.param in _PARAMS:
-            exc.message = exc.message.replace(exc.param, _PARAMS[exc.param])
-            exc.param = _PARAMS[exc.param]
+        exc.renamed(_PARAMS)
         raise
     shell = _Shell(req, model)
     group = await ctx.submit([(shell.id, prepared.prompt_ids, prepared.params)])

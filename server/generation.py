@@ -1,0 +1,163 @@
+"""The way one chat or text completion runs: its engine requests (one per prompt and choice) are
+submitted together, then streamed as server-sent events or collected into one response.
+
+`Generation` holds the flow: warming a shared prompt for n > 1, submitting, the stream's loop
+(failed outputs, continuous and final usage, an engine failure as an in-band error event, the
+closing `[DONE]`), a client that hangs up (499) and usage. Its subclasses in `chat.py` and
+`completions.py` give only what differs: the chunk each output makes and the final response.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from .context import ClientDisconnected, ServerContext
+from .engine_client import RequestGroup
+from .errors import error_body, failure_of, raise_if_failed
+from .protocol import PromptTokensDetails, StreamOptions, Usage
+from .request_params import fan_out
+
+if TYPE_CHECKING:
+    from deltaserve.engine.outputs import RequestOutput
+    from deltaserve.engine.sampling_params import SamplingParams
+
+DONE = "data: [DONE]\n\n"
+
+ChunkChoice = TypeVar("ChunkChoice")
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> Usage:
+    """Usage over a request's outputs. The n choices of a prompt share its tokens, so each
+    prompt's cache hits count once (an engine request's id is its prompt's id, `-`, its choice)."""
+    completion = sum(c.num_tokens for out in outputs for c in out.outputs)
+    per_prompt: dict[str, int] = {}
+    for out in outputs:
+        key = out.request_id.rsplit("-", 1)[0]
+        per_prompt[key] = max(per_prompt.get(key, 0), out.num_cached_tokens)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=min(prompt_tokens, sum(per_prompt.values()))),
+    )
+
+
+class Generation(ABC, Generic[ChunkChoice]):
+    """One OpenAI request's engine requests and the way they run; `ChunkChoice` is the type of a
+    stream chunk's choice."""
+
+    chunk_type: ClassVar[type[BaseModel]]  # a stream chunk: id, created, model, choices, usage
+
+    def __init__(
+        self, ctx: ServerContext, request_id: str, model: str, stream_options: StreamOptions | None
+    ) -> None:
+        self.ctx, self.request_id, self.model = ctx, request_id, model
+        self.stream_options = stream_options
+        self.created = int(time.time())
+        self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.index: dict[str, int] = {}  # engine request id -> its choice's index
+        self.prompts: list[list[int]] = []
+        self.n = 1  # choices per prompt
+        self.latest: dict[str, RequestOutput] = {}  # each engine request's latest output, streaming
+
+    def add(self, prompt_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """A prompt and its `params.n` choices, indexed after those added before."""
+        self.prompts.append(prompt_ids)
+        self.n = params.n
+        for request in fan_out(prompt_id, prompt_ids, params):
+            self.index[request[0]] = len(self.requests)
+            self.requests.append(request)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompts)
+
+    def usage(self, outputs: list[RequestOutput]) -> Usage:
+        return usage_of(self.prompt_tokens, outputs)
+
+    async def respond(self, raw: Request, stream: bool) -> Response:
+        """Submit every request, then stream the chunks or answer with the whole response."""
+        try:
+            await self.ctx.warm_prefix(self.prompts, self.n, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        group = await self.ctx.submit(self.requests)
+        if stream:
+            return StreamingResponse(
+                self.ctx.guarded(group, self._events(group)), media_type="text/event-stream"
+            )
+        try:
+            final = await self.ctx.collect(group, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return self.response(final)
+
+    def event(self, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        """A chunk as a server-sent event, with the usage so far where the client asked for it."""
+        if usage is None and self.stream_options and self.stream_options.continuous_usage_stats:
+            usage = self.usage(list(self.latest.values()))
+        chunk = self.chunk_type(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+        payload = self.chunk_json(chunk)
+        if usage is None:
+            del payload["usage"]
+        return sse(payload)
+
+    async def _events(self, group: RequestGroup) -> AsyncIterator[str]:
+        opening = self.opening_choices()
+        if opening:
+            yield self.event(opening)
+        try:
+            async for outputs in group:
+                for out in outputs:
+                    raise_if_failed(out)  # failed in the engine: the stream ends with an error event
+                    self.latest[out.request_id] = out
+                    # the engine sends deltas: what this step (or the steps merged into it) added
+                    choice = self.delta_choice(out)
+                    if choice is not None:
+                        yield self.event([choice])
+        except Exception as exc:  # the engine failed or the server is draining: tell the client in-band
+            yield sse(error_body(*failure_of(exc)))
+            yield DONE
+            return
+        if self.stream_options and self.stream_options.include_usage:
+            yield self.event([], self.usage(list(self.latest.values())))
+        yield DONE
+
+    def opening_choices(self) -> list[ChunkChoice]:
+        """The choices of the stream's first chunk, before any output (none by default)."""
+        return []
+
+    @abstractmethod
+    def delta_choice(self, out: RequestOutput) -> ChunkChoice | None:
+        """The chunk choice of what `out` adds; None when it adds nothing to send."""
+
+    def chunk_json(self, chunk: BaseModel) -> dict[str, Any]:
+        """A stream chunk as JSON."""
+        return chunk.model_dump(mode="json")
+
+    def response(self, final: dict[str, RequestOutput]) -> Response:
+        """The whole response from every engine request's final output."""
+        choices = [self.final_choice(i, final[rid]) for rid, i in self.index.items()]
+        return JSONResponse(self.response_json(choices, final))
+
+    @abstractmethod
+    def final_choice(self, index: int, out: RequestOutput) -> BaseModel:
+        """Choice `index` of the whole response, from its engine request's final output."""
+
+    @abstractmethod
+    def response_json(self, choices: list[Any], final: dict[str, RequestOutput]) -> dict[str, Any]:
+        """The whole response as JSON, around its choices."""
