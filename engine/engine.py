@@ -10,7 +10,6 @@ accepted tokens are committed after it (`spec_decode/commit.py`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -18,26 +17,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deltaserve.engine.admission import Admission, LazyGrammars
-from deltaserve.engine.cache.adapter import make_prefix_cache, prefill_cost
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import EngineDeadError
-from deltaserve.engine.generation_defaults import eos_token_ids_of
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.engine.overlap import Overlap, can_overlap
+from deltaserve.engine.parts import build_loop_parts, build_model_parts
 from deltaserve.engine.prompt_logprobs import record_prompt_logprobs
 from deltaserve.engine.request import Request, Status
 from deltaserve.engine.runner.forward_batch import ForwardBatch
 from deltaserve.engine.runner.model_runner import ModelRunner
-from deltaserve.engine.sampling.sampler import SAMPLER_GRAPH_MAX_BS, Sampler
 from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
-from deltaserve.engine.scheduler import Scheduler, SchedulerOutput, reserve_pages
-from deltaserve.engine.spec_decode import MtpDrafter, SpecDecoder, Verdict
+from deltaserve.engine.scheduler import SchedulerOutput
+from deltaserve.engine.spec_decode import Verdict
 from deltaserve.engine.spec_decode.commit import computed_rows, finish_windows
 from deltaserve.engine.step_batch import build_step_batch
-from deltaserve.engine.token_sink import TokenSink, new_counters
-from deltaserve.models.loader import LoadedModel, load_model, load_tokenizer
-from deltaserve.models.parallel import SINGLE
 
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.ranks import Ranks
@@ -88,73 +81,32 @@ class Engine:
             self.ranks.stop(runner.channel if alive and runner is not None else None, graceful)
 
     def _build(self, config: EngineConfig) -> None:
-        torch.manual_seed(config.seed)
-        groups = self.ranks.groups if self.ranks is not None else None
-        tp = groups.tp if groups is not None else SINGLE
-        loaded = load_model(
-            config.model,
-            config.torch_dtype,
-            self.device,
-            config.load_format,
-            config.seed,
-            quantization=config.quantization,
-            tp=tp,
-        )
-        self.model_config = loaded.config
-        self.vocab_size = int(loaded.config.vocab_size)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.eos_token_ids = eos_token_ids_of(config.model, loaded.config, self.tokenizer)
-        self.runner = ModelRunner(config, loaded, self.device, groups)
-        self.max_model_len = self.runner.sizes.max_model_len
-        self._prefill_cost = prefill_cost(loaded.config, self.runner.model.layer_types, loaded.num_params)
-        # small sampled batches replay CUDA graphs of the sampler (engine/sampling/sampler_graphs.py)
-        graphs = self.device.type == "cuda" and not config.disable_cuda_graph
-        self.sampler = Sampler(
-            self.device,
-            config.seed,
-            self.eos_token_ids,
-            graph_max_bs=min(SAMPLER_GRAPH_MAX_BS, config.cuda_graph_max_bs) if graphs else 0,
-        )
-        self.grammars = LazyGrammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.admission = Admission(
-            config, self.vocab_size, self.max_model_len, self.tokenizer, self.sampler, self.grammars
-        )
-        self.overlap = (
-            Overlap(self.sampler, self.device, config.num_running) if config.enable_overlap_schedule else None
-        )
+        model = build_model_parts(config, self.device, self.ranks.groups if self.ranks is not None else None)
+        self.model_config = model.model_config
+        self.vocab_size = model.vocab_size
+        self.tokenizer = model.tokenizer
+        self.eos_token_ids = model.eos_token_ids
+        self.runner = model.runner
+        self.max_model_len = model.max_model_len
+        self.sampler = model.sampler
+        self.grammars = model.grammars
+        self.admission = model.admission
+        self.overlap = model.overlap
+        self.model_info = model.model_info
+        self._model_parts = model
         self.requests: dict[str, Request] = {}
         self._finished_outputs: list[RequestOutput] = []  # aborts, sent with the next step's outputs
-        self._assemble()
-        self.model_info = _model_info(config, loaded, self.device, tp, self.runner)
+        self._new_loop_parts()
         if config.warmup:
             self._warm_up()
 
-    def _assemble(self) -> None:
-        """A new prefix cache and the parts that hold it or count requests: the speculative
-        decoder, the scheduler, the token sink and the counters."""
-        config, runner = self.config, self.runner
-        kv, st = runner.kv_pool, runner.state_pool
-        self.prefix_cache = make_prefix_cache(config, kv, st, self._prefill_cost)
-        self.spec: SpecDecoder | None = None
-        if config.spec is not None:
-            assert runner.window is not None
-            mtp = None
-            if runner.mtp is not None:
-                reserve = functools.partial(reserve_pages, self.prefix_cache, kv.page_size)
-                mtp = MtpDrafter(runner, reserve, config.spec.num_speculative_tokens)
-            self.spec = SpecDecoder(config.spec, runner.window, self.sampler, self.max_model_len, mtp)
-        self.scheduler = Scheduler(
-            config,
-            kv,
-            st,
-            self.prefix_cache,
-            propose=self.spec.propose if self.spec is not None else None,
-            max_verify=runner.window.rows if self.spec is not None and runner.window is not None else 0,
-        )
-        self.counters = new_counters()
-        self.sink = TokenSink(
-            self.scheduler, self.requests, self.counters, self.eos_token_ids, self.max_model_len
-        )
+    def _new_loop_parts(self) -> None:
+        loop = build_loop_parts(self.config, self._model_parts, self.requests)
+        self.prefix_cache = loop.prefix_cache
+        self.spec = loop.spec
+        self.scheduler = loop.scheduler
+        self.counters = loop.counters
+        self.sink = loop.sink
 
     def _warm_up(self) -> None:
         """Run a few prompts of mixed lengths through mixed steps once before serving: the first
@@ -173,7 +125,7 @@ class Engine:
         while self.has_unfinished_requests():
             self.step()
         self.prefix_cache.flush()
-        self._assemble()
+        self._new_loop_parts()
         logger.info("warmed up the prefill kernels in %.1f s", time.perf_counter() - t0)
 
     # -- requests ---------------------------------------------------------------------
@@ -385,30 +337,6 @@ class Engine:
             **self.prefix_cache.stats(),
             **self.counters,
         }
-
-
-def _model_info(
-    config: EngineConfig, loaded: LoadedModel, device: torch.device, tp: Any, runner: ModelRunner
-) -> dict[str, Any]:
-    """What the start-up summary and `/v1/models` report about the model and the pools."""
-    return {
-        "model": config.model,
-        "architecture": loaded.architecture,
-        "dtype": config.dtype,
-        "device": str(device),
-        "tensor_parallel_size": config.tensor_parallel_size,
-        "expert_parallel": tp.experts_whole,
-        "num_params": loaded.num_params,
-        "kv_capacity_tokens": runner.kv_pool.capacity * config.page_size,
-        "state_slots": runner.state_pool.num_working,
-        "max_model_len": runner.sizes.max_model_len,
-        "cache_type": config.cache_type,
-        "prefix_cache_policy": config.prefix_cache_policy,
-        "page_size": config.page_size,
-        "max_num_batched_tokens": config.max_num_batched_tokens,
-        "chunked_prefill_size": config.chunked_prefill_size,
-        **runner.memory_info(),  # bytes of weights and pools, free memory: start-up summary
-    }
 
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "Status"]
