@@ -11,7 +11,6 @@ from deltaserve.engine.cache.cache_policy import POLICIES
 
 if TYPE_CHECKING:
     from deltaserve.engine.spec_decode.config import SpecConfig
-    from deltaserve.models.parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,7 +47,7 @@ class EngineConfig:
     num_kv_pages: int | None = None  # overrides the memory-based sizing
     num_snapshot_slots: int | None = None  # radix: default two per running request
     disable_cuda_graph: bool = False
-    # launch step N+1 before reading step N's tokens back (engine.py, "Overlap scheduling");
+    # launch step N+1 before reading step N's tokens back (engine/overlap.py);
     # None: on for CUDA devices (where the GPU runs asynchronously), off on CPU
     enable_overlap_schedule: bool | None = None
     cuda_graph_max_bs: int = 256
@@ -70,8 +69,6 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     distributed_timeout_s: float = 300.0  # how long the ranks wait for each other to join
-    # the handle this rank's model was built with; set inside each rank's process, never pickled
-    tensor_parallel: TensorParallel | None = field(default=None, repr=False, compare=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

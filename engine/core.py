@@ -229,7 +229,8 @@ def serve_engine(config: Any, in_addr: str, out_addr: str, parent_pid: int, log_
     try:
         from deltaserve.engine.engine import Engine
 
-        engine = Engine(config)
+        # a lost tensor-parallel rank: the loop ends on its own unless a collective holds it
+        engine = Engine(config, on_worker_lost=lambda why: _exit_unless_gone(why, 5.0))
     except Exception as exc:
         logger.debug("engine start-up failed", exc_info=True)
         ctx = zmq.Context()
@@ -248,8 +249,6 @@ def serve_engine(config: Any, in_addr: str, out_addr: str, parent_pid: int, log_
         if importlib.util.find_spec("xgrammar") is not None:
             # JSON output's vocabulary tables, built beside start-up rather than at the first request
             threading.Thread(target=engine.prepare_grammars, name="deltaserve-grammars", daemon=True).start()
-    # a lost tensor-parallel rank: the loop ends on its own unless a collective holds it
-    engine.on_worker_lost = lambda why: _exit_unless_gone(why, 5.0)
     core.send(("ready", engine_info(engine)))
     try:
         core.run()

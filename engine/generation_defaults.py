@@ -6,12 +6,16 @@ as vLLM and SGLang do (Qwen3.5 ships temperature 0.6, top_p
 0.95, top_k 20); a value the request sets always wins. `max_new_tokens` becomes the completion
 length of requests that set no max_tokens. `--generation-config none` keeps OpenAI's defaults
 (temperature 1, no top-p / top-k / min-p / repetition penalty) and no completion cap.
+
+The same file names the model's EOS tokens (`eos_token_ids_of`), beside config.json and the
+tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,3 +106,23 @@ def load_sampling_defaults(source: str, model_dir: str | Path | None) -> Samplin
     if not (Path(source) / "generation_config.json").is_file():
         raise ValueError(f"--generation-config: no generation_config.json in {source}")
     return read_sampling_defaults(source)
+
+
+def eos_token_ids_of(path: str, config: Any, tokenizer: Any | None) -> list[int]:
+    """Every EOS token id that generation_config.json, the model's config and the tokenizer name."""
+    ids: list[int] = []
+
+    def add(v: Any) -> None:
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, (list, tuple)):
+            ids.extend(int(x) for x in v)
+
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file) as f:
+            add(json.load(f).get("eos_token_id"))
+    add(getattr(config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return sorted(set(ids))

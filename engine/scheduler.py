@@ -57,9 +57,30 @@ class SchedulerOutput:
         return self.chunks[self.num_decodes : self.num_decodes + self.num_verify]
 
 
+def reserve_pages(prefix_cache: PrefixCache, page_size: int, req: Request, num_tokens: int) -> bool:
+    """Pages for the first `num_tokens` positions, if free (or evictable); never preempts."""
+    need = -(-num_tokens // page_size) - len(req.pages)
+    if need <= 0:
+        return True
+    pages = prefix_cache.alloc_pages(need)
+    if pages is None:
+        return False
+    req.pages.extend(pages)
+    return True
+
+
 class Scheduler:
+    """`propose` (speculative decoding) gives a decoding request's drafts; at most `max_verify`
+    requests verify drafts in one step."""
+
     def __init__(
-        self, config: EngineConfig, kv_pool: KVPool, state_pool: StatePool, prefix_cache: PrefixCache
+        self,
+        config: EngineConfig,
+        kv_pool: KVPool,
+        state_pool: StatePool,
+        prefix_cache: PrefixCache,
+        propose: Callable[[Request], list[int]] | None = None,
+        max_verify: int = 0,
     ) -> None:
         self.config = config
         self.kv_pool = kv_pool
@@ -67,9 +88,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # speculative decoding: drafts for a decoding request, and how many verify per step
-        self.propose: Callable[[Request], list[int]] | None = None
-        self.max_verify = 0
+        self.propose = propose
+        self.max_verify = max_verify
         self.num_steps = 0
 
     def add(self, req: Request) -> None:
@@ -198,19 +218,8 @@ class Scheduler:
             chunk = min(chunk, stop - req.num_computed_tokens)
         return chunk
 
-    def reserve_pages(self, req: Request, num_tokens: int) -> bool:
-        """Pages for the first `num_tokens` positions, if free (or evictable); never preempts."""
-        return self._ensure_pages(req, num_tokens)
-
     def _ensure_pages(self, req: Request, num_tokens: int) -> bool:
-        need = -(-num_tokens // self.kv_pool.page_size) - len(req.pages)
-        if need <= 0:
-            return True
-        pages = self.prefix_cache.alloc_pages(need)
-        if pages is None:
-            return False
-        req.pages.extend(pages)
-        return True
+        return reserve_pages(self.prefix_cache, self.kv_pool.page_size, req, num_tokens)
 
     def _release(self, req: Request) -> None:
         self.prefix_cache.release(req)

@@ -7,7 +7,6 @@ may start, which multiprocessing forbids. Workers also end themselves when their
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import pickle
@@ -26,8 +25,6 @@ logger = logging.getLogger(__name__)
 
 class WorkerProcesses:
     def __init__(self, config: EngineConfig, ranks: Iterable[int], master_port: int) -> None:
-        config = copy.copy(config)
-        config.tensor_parallel = None  # a process group does not travel; each rank makes its own
         level = logging.getLogger().getEffectiveLevel()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         for rank in ranks:

@@ -47,7 +47,6 @@ def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
     torch.manual_seed(config.seed)
     groups = init_rank(config, rank, master_port, device)
     try:
-        config.tensor_parallel = groups.tp
         loaded = load_model(
             config.model,
             config.torch_dtype,

@@ -56,7 +56,7 @@ class Sampler:
     def sample_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The sampled token of each row, left on the logits' device (no host sync)."""
         logits = logits.float()
-        if all(r.params.greedy and not self._needs_processing(r) and not r.params.logit_bias for r in reqs):
+        if all(r.params.greedy and not self.needs_processing(r) and not r.params.logit_bias for r in reqs):
             return logits.argmax(dim=-1)
         if 0 < len(reqs) <= self.graph_max_bs:
             if self.graphs is None:
@@ -97,9 +97,9 @@ class Sampler:
             lps.append(Logprob(tok, float(row[tok]), top))
         return lps
 
-    def _needs_processing(self, r: Request) -> bool:
-        """Logit processing that needs the request's tokens so far (so its step cannot overlap
-        the previous one): penalties, min_tokens, a grammar (structured outputs)."""
+    def needs_processing(self, r: Request) -> bool:
+        """Whether the request's logits need processing that reads its tokens so far (so its
+        step cannot overlap the previous one): penalties, min_tokens, a grammar."""
         return self._penalised(r) or r.matcher is not None
 
     @staticmethod

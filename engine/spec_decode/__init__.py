@@ -5,7 +5,7 @@ pool from the window buffer.
 The engine's hooks: the scheduler asks `propose` for each decoding request's drafts, the
 linear backend runs verification rows through the window ops into `window`, and after the
 forward `verify` gives each window's tokens and `commit` moves the accepted states into the
-working slots (see `engine.Engine._finish_windows`).
+working slots (`commit.finish_windows`).
 """
 
 from __future__ import annotations

@@ -115,13 +115,13 @@ def test_overlap_schedule_identical_with_graphs(make_checkpoint, pools_held):
     assert over.engine.config.enable_overlap_schedule
     assert over.engine.runner.graph_runner is not None
     overlapped = []
-    fill = over.engine._fill_placeholders
+    fill = over.engine.overlap.fill_placeholders
 
     def counting_fill(*args):
         overlapped.append(1)  # a step launched while the previous one was in flight
         return fill(*args)
 
-    over.engine._fill_placeholders = counting_fill  # type: ignore[method-assign]
+    over.engine.overlap.fill_placeholders = counting_fill  # type: ignore[method-assign]
     params = [
         SamplingParams(
             temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[r[5]] if i % 2 else []

@@ -140,7 +140,7 @@ def test_abort_while_a_step_is_in_flight(make_checkpoint, pools_held):
         for out in eng.step():
             if out.finished:
                 finished[out.request_id] = out
-    assert eng._inflight is not None  # a step is launched and not read back
+    assert eng.overlap.in_flight is not None  # a step is launched and not read back
     eng.abort_request("1")
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -160,7 +160,7 @@ def test_with_speculative_decoding_steps_synchronously(make_checkpoint):
     params = [greedy(20) for _ in ps]
     over = engine(path, True, speculative_config=spec)
     assert run(over, ps, params) == run(engine(path, False), ps, params)
-    assert over._inflight is None and over.counters["spec_windows_total"] > 0
+    assert over.overlap.in_flight is None and over.counters["spec_windows_total"] > 0
 
 
 def test_drain_finishes_the_step_in_flight(make_checkpoint, pools_held):
@@ -205,7 +205,7 @@ def test_logit_bias_identical_to_sync_and_overlaps(make_checkpoint):
             if out.finished:
                 o = out.outputs[0]
                 got[out.request_id] = (o.token_ids, o.finish_reason, o.stop_reason)
-        in_flight += over_eng._inflight is not None  # a step was left running: it overlapped
+        in_flight += over_eng.overlap.in_flight is not None  # a step was left running: it overlapped
     assert got == expected and in_flight > 5
     for i in range(len(ps)):
         banned = set(ref[str(i)][0][:3])

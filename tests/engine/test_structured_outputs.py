@@ -332,7 +332,7 @@ def test_a_grammar_compiled_ahead_is_not_compiled_again(llm):
     schema = {"type": "object", "properties": {"ahead": {"type": "integer"}}, "required": ["ahead"]}
     spec = StructuredOutputs(json=schema)
     llm.engine.compile_structured(spec)
-    grammars = llm.engine._grammars
+    grammars = llm.engine.grammars.get()
     compiler = grammars.compiler
 
     class Refuses:

@@ -177,14 +177,14 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_shutdown_ends_the_workers_and_a_lost_worker_kills_the_engine(qwen):
     llm = make_llm(qwen, 2)
-    workers = llm.engine._workers
+    workers = llm.engine.ranks.workers
     assert workers is not None and all(_alive(p) for p in workers.pids)
     llm.shutdown()
     assert not any(_alive(p) for p in workers.pids)
     # the process group is gone with it: another tensor-parallel engine starts in this process
     llm = make_llm(qwen, 2)
     try:
-        workers = llm.engine._workers
+        workers = llm.engine.ranks.workers
         assert workers is not None
         os.kill(workers.pids[0], 9)
         deadline = time.monotonic() + 10

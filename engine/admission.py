@@ -1,0 +1,112 @@
+"""A new request checked against the model and the engine's limits, and built: its detokenizer,
+seed generator and grammar matcher. Nothing is left behind when a check fails."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.errors import QueueFullError
+from deltaserve.engine.request import Request
+from deltaserve.engine.sampling.sampler import Sampler
+from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
+
+
+class LazyGrammars:
+    """Structured outputs' compiled grammars (`engine/sampling/structured.py`), built at first
+    use: building them reads the whole vocabulary, and most servers never need them."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.grammars: Any = None
+        self._lock = threading.Lock()  # the server builds them in a thread while the engine steps
+
+    def get(self) -> Any:
+        with self._lock:
+            if self.grammars is None:
+                from deltaserve.engine.sampling.structured import Grammars
+
+                self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self.grammars
+
+
+class Admission:
+    def __init__(
+        self,
+        config: EngineConfig,
+        vocab_size: int,
+        max_model_len: int,
+        tokenizer: Any,
+        sampler: Sampler,
+        grammars: LazyGrammars,
+    ) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.grammars = grammars
+
+    def build(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, running: int, waiting: int
+    ) -> Request:
+        """The request, or a ValueError (bad input) / QueueFullError (`waiting` requests wait
+        already, beside `running` ones)."""
+        vocab, max_len = self.vocab_size, self.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        params = copy.copy(params)  # max_tokens may be filled in below; the caller's stays as given
+        params.validate()
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        n_prompt = len(prompt_token_ids)
+        if params.max_tokens is None:
+            if n_prompt >= max_len:
+                raise ValueError(f"the prompt has {n_prompt} tokens; the maximum model length is {max_len}")
+            params.max_tokens = max_len - n_prompt
+        if n_prompt + params.max_tokens > max_len:
+            raise ValueError(
+                f"the prompt has {n_prompt} tokens and max_tokens is {params.max_tokens}: together "
+                f"{n_prompt + params.max_tokens}, over the maximum model length of {max_len}"
+            )
+        # requests not yet scheduled into free running places do not count against the bound
+        free = max(0, self.config.num_running - running)
+        if waiting >= self.config.max_waiting_requests + free:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.config.max_waiting_requests} requests beyond the running batch)"
+            )
+        matcher = None
+        if params.structured_outputs is not None:  # compiled here: a bad schema is the caller's 400
+            matcher = self.grammars.get().matcher(params.structured_outputs)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            # a final-only output without stop strings needs its text once, at the end
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer if params.detokenize else None,
+                params.skip_special_tokens,
+                deferred=params.output_kind == "final_only" and not params.stop,
+            ),
+            generator=self.sampler.new_generator(params.seed),
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            matcher=matcher,
+        )
+
+    def compile_structured(self, spec: StructuredOutputs) -> None:
+        """Compile `spec`'s grammar into the cache now (ValueError for a bad schema or a missing
+        xgrammar), so that admitting the request does not compile it on the engine's thread."""
+        self.grammars.get().compile(spec)
