@@ -34,15 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.kernels.dispatch import use_fast_path
-from deltaserve.kernels.fp8 import (
-    BLOCK,
-    FP8_DTYPE,
-    dequantize_blocks,
-    fp8_linear,
-    fp8_moe,
-    num_blocks,
-    quantize_blocks,
-)
+from deltaserve.kernels.fp8 import fp8_linear, fp8_moe
+from deltaserve.kernels.fp8.blocks import BLOCK, FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks
 from deltaserve.kernels.linear import linear
 from deltaserve.kernels.moe import fused_moe
 from deltaserve.kernels.norm import silu_and_mul
@@ -248,7 +241,7 @@ class Fp8Linear(nn.Module):
         assert self.weight_scale_inv is not None
         if self.shard_sizes is not None and not use_fast_path(x) and self.dense_weight is None:
             w = dequantize_blocks(self.weight, self.weight_scale_inv, self.scale_rows)
-            from deltaserve.kernels.fp8 import fake_quantize_activations
+            from deltaserve.kernels.fp8.reference import fake_quantize_activations
 
             xq = fake_quantize_activations(x.reshape(-1, x.shape[-1]))
             outs = [F.linear(xq, wi) for wi in w.split(self.shard_sizes)]

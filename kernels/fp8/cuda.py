@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels.fp8 import BLOCK, FP8_DTYPE, num_blocks
+from deltaserve.kernels.fp8.blocks import BLOCK, FP8_DTYPE, num_blocks
 
 GEMV_ROWS = 8  # up to this many rows a projection is a weight read: the GEMV
 

@@ -1,9 +1,9 @@
 """RMSNorm in its forms (with a fused residual add, gated by silu, before RoPE), the GDN gates
 and SwiGLU's activation.
 
-Each op has its torch reference here (the CPU path and the oracle) and one fused Triton kernel on
-CUDA (`norm/triton.py`): in torch a norm is about nine kernels, and at small batches a decode step
-is bound by how many kernels it runs, not by the bytes they move.
+Each op has its torch reference in `norm/reference.py` (the CPU path and the oracle) and one fused
+Triton kernel on CUDA (`norm/triton.py`): in torch a norm is about nine kernels, and at small
+batches a decode step is bound by how many kernels it runs, not by the bytes they move.
 
 Two weight conventions: `zero_centered` (Qwen3-Next / Qwen3.5: y = norm(x) * (1 + w), all in
 fp32) and plain (Kimi-Linear: y = w * norm(x) rounded to x's dtype first).
@@ -12,21 +12,17 @@ fp32) and plain (Kimi-Linear: y = w * norm(x) rounded to x's dtype first).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from deltaserve.kernels.dispatch import use_fast_path
-
-
-def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    y = _normalize(x, eps)
-    if zero_centered:
-        return (y * (1.0 + weight.float())).to(x.dtype)
-    return weight * y.to(x.dtype)
+from deltaserve.kernels.norm.reference import (
+    gated_rms_norm_ref,
+    gdn_gates_ref,
+    kda_gate_ref,
+    rms_norm_ref,
+    rope_ref,
+    sigmoid_gate_ref,
+    silu_and_mul_ref,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
@@ -51,15 +47,6 @@ def add_rms_norm(
     return rms_norm_ref(s, weight, eps, zero_centered), s
 
 
-def gated_rms_norm_ref(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = "silu"
-) -> torch.Tensor:
-    if kind == "sigmoid":  # KDA: all in fp32, like the release
-        return (weight.float() * _normalize(x, eps) * torch.sigmoid(gate.float())).to(x.dtype)
-    y = weight * _normalize(x, eps).to(x.dtype)
-    return (y * F.silu(gate.float())).to(x.dtype)
-
-
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = "silu"
 ) -> torch.Tensor:
@@ -75,19 +62,6 @@ def gated_rms_norm(
     return gated_rms_norm_ref(x, gate, weight, eps, kind)
 
 
-def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first `2 * len(inv_freq)` channels of `x` `[T, H, D]`."""
-    rotary = 2 * inv_freq.shape[0]
-    freqs = positions.float().unsqueeze(-1) * inv_freq.to(x.device)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos = emb.cos().to(x.dtype).unsqueeze(1)
-    sin = emb.sin().to(x.dtype).unsqueeze(1)
-    rot, rest = x[..., :rotary], x[..., rotary:]
-    half = rotary // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
-
-
 def rms_norm_rope(
     x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor
 ) -> torch.Tensor:
@@ -97,13 +71,6 @@ def rms_norm_rope(
 
         return rms_norm_rope_launch(x, weight, eps, positions, inv_freq)
     return rope_ref(rms_norm_ref(x, weight, eps, zero_centered=True), positions, inv_freq)
-
-
-def gdn_gates_ref(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return g, b.sigmoid()
 
 
 def gdn_gates(
@@ -118,11 +85,6 @@ def gdn_gates(
     return gdn_gates_ref(a, b, A_log, dt_bias)
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's `silu(gate) * up` of `x = [gate | up]` `[T, 2I]`; `[T, I]` out."""
     if use_fast_path(x):
@@ -130,13 +92,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return silu_and_mul_launch(x)
     return silu_and_mul_ref(x)
-
-
-def sigmoid_gate_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    # over `[T, H * D]` rows, as transformers computes it: the sigmoid of a strided `[T, H, D]`
-    # view would run D-long inner loops, whose scalar tails round differently on CPU in fp32
-    t = x.shape[0]
-    return (x.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))).view(x.shape)
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -148,18 +103,6 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
         return sigmoid_gate_launch(x, gate)
     return sigmoid_gate_ref(x, gate)
-
-
-def kda_softplus(x: torch.Tensor) -> torch.Tensor:
-    # spelled as the release and transformers spell it (log(1 + exp)), not F.softplus
-    # (log1p), so that fp32 gates agree bit for bit
-    return torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))
-
-
-def kda_gate_ref(f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, head_dim: int) -> torch.Tensor:
-    f = f.float() + dt_bias.float()
-    f = f.view(f.shape[0], -1, head_dim)
-    return -A_log.float().exp().view(-1, 1) * kda_softplus(f)
 
 
 def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, head_dim: int) -> torch.Tensor:

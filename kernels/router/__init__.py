@@ -2,8 +2,8 @@
 
 Two rules: softmax top-k (Qwen3-Next, Qwen3.5-MoE; weights optionally renormalised over the
 chosen k) and DeepSeek-V3's sigmoid top-k on bias-corrected scores (Kimi-Linear; weights from
-the uncorrected scores, renormalised, scaled). The torch references are the CPU path and the
-oracle; on CUDA one Triton program per token does a rule's five to nine torch ops.
+the uncorrected scores, renormalised, scaled). The torch references (`router/reference.py`) are
+the CPU path and the oracle; on CUDA one Triton program per token does a rule's five to nine torch ops.
 """
 
 from __future__ import annotations
@@ -11,14 +11,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.kernels.dispatch import use_fast_path
-
-
-def softmax_topk_ref(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    weights, ids = torch.topk(probs, k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights
+from deltaserve.kernels.router.reference import sigmoid_topk_ref, softmax_topk_ref
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,16 +21,6 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
 
         return topk_route_launch(logits, None, k, renormalize, 1.0, sigmoid=False)
     return softmax_topk_ref(logits, k, renormalize)
-
-
-def sigmoid_topk_ref(
-    scores: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.topk(scores + bias, k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, weights * scaling
 
 
 def sigmoid_topk(

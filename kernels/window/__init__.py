@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels.conv import _activate
+from deltaserve.kernels.conv.reference import _activate
 from deltaserve.kernels.dispatch import use_fast_path
-from deltaserve.kernels.gdn import recurrent_gated_delta_rule_ref
-from deltaserve.kernels.kda import recurrent_kda_ref
+from deltaserve.kernels.gdn.reference import recurrent_gated_delta_rule_ref
+from deltaserve.kernels.kda.reference import recurrent_kda_ref
 
 
 def window_pad_index(lens: list[int], device: torch.device) -> torch.Tensor:

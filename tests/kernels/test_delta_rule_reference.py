@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deltaserve.kernels.delta_rule.reference import chunk_delta_rule_ref, recurrent_delta_rule_ref
-from deltaserve.kernels.gdn import l2norm
+from deltaserve.kernels.gdn.reference import l2norm
 
 HK, H, K, V = 2, 4, 16, 8
 

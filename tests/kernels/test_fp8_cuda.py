@@ -1,17 +1,12 @@
-"""The block-FP8 CUDA kernels against their torch references (`kernels.fp8`), at FP8 tolerance."""
+"""The block-FP8 CUDA kernels against their torch references (`kernels.fp8.reference`), at FP8 tolerance."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deltaserve.kernels.fp8 import (
-    dequantize_blocks,
-    fp8_linear_ref,
-    fp8_moe_ref,
-    quantize_activations,
-    quantize_blocks,
-)
+from deltaserve.kernels.fp8.blocks import dequantize_blocks, quantize_blocks
+from deltaserve.kernels.fp8.reference import fp8_linear_ref, fp8_moe_ref, quantize_activations
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,7 +73,7 @@ def test_fp8_moe_matches_reference(t, e, h, inter, top_k, scale_rows, dtype):
     """The FP8 experts widened in registers (activations unquantized): held to the unquantized
     MoE on the dequantized experts, and within FP8's error of the w8a8 reference."""
     from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
-    from deltaserve.kernels.moe import moe_ref
+    from deltaserve.kernels.moe.reference import moe_ref
 
     g = torch.Generator(device="cuda").manual_seed(t + e)
     gu, gu_s = quantize_blocks(torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5, scale_rows)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.kernels.kda import chunk_kda_ref, kda_decode, kda_prefill, recurrent_kda_ref
-from deltaserve.kernels.mla import (
+from deltaserve.kernels.kda import kda_decode, kda_prefill
+from deltaserve.kernels.kda.reference import chunk_kda_ref, recurrent_kda_ref
+from deltaserve.kernels.mla import store_latent
+from deltaserve.kernels.mla.cuda import mla_prefill_sdpa
+from deltaserve.kernels.mla.reference import (
     mla_attention_absorbed_ref,
     mla_attention_ref,
     mla_decode_absorbed,
-    mla_prefill_sdpa,
-    store_latent,
 )
 
 H, K, V = 3, 16, 12

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.kernels.mla import mla_attention_ref, mla_decode_triton
+from deltaserve.kernels.mla.cuda import mla_decode_triton
+from deltaserve.kernels.mla.reference import mla_attention_ref
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +45,7 @@ def test_triton_mla_decode_matches_expanded_reference(dtype, lens):
 def test_fused_attention_prefill_matches_expanded_reference(dtype):
     """The opt-in MLA prefill through torch's fused attention, Kimi-Linear's shapes: a fresh
     prompt, one continued over a cached prefix, and a decode row."""
-    from deltaserve.kernels.mla import mla_prefill_sdpa
+    from deltaserve.kernels.mla.cuda import mla_prefill_sdpa
 
     g = torch.Generator(device="cuda").manual_seed(1)
     heads, nope, rope, latent, v_dim, page = 32, 128, 64, 512, 128, 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.kernels.moe import moe_ref
+from deltaserve.kernels.moe.reference import moe_ref
 
 pytestmark = [
     pytest.mark.gpu,

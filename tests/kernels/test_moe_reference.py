@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels.moe import moe_ref
+from deltaserve.kernels.moe.reference import moe_ref
 
 
 def _inputs(t: int, e: int, k: int, h: int = 16, i: int = 8, seed: int = 0):

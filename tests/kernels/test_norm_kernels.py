@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.kernels import norm as N
+from deltaserve.kernels.norm import reference as N
 
 pytestmark = [
     pytest.mark.gpu,

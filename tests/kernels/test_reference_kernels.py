@@ -6,9 +6,12 @@ import pytest
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-from deltaserve.kernels.attention import paged_attention_ref, store_kv
-from deltaserve.kernels.conv import causal_conv1d_ref, conv_decode, conv_prefill
-from deltaserve.kernels.gdn import chunk_gated_delta_rule_ref, gdn_decode, gdn_prefill
+from deltaserve.kernels.attention import store_kv
+from deltaserve.kernels.attention.reference import paged_attention_ref
+from deltaserve.kernels.conv import conv_decode, conv_prefill
+from deltaserve.kernels.conv.reference import causal_conv1d_ref
+from deltaserve.kernels.gdn import gdn_decode, gdn_prefill
+from deltaserve.kernels.gdn.reference import chunk_gated_delta_rule_ref
 
 
 def gdn_inputs(t: int, hk: int = 2, hv: int = 4, dk: int = 8, dv: int = 6, seed: int = 0):

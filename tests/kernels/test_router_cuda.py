@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.kernels import router as R
+from deltaserve.kernels.router import reference as R
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 
-from deltaserve.kernels.fp8 import quantize_blocks
+from deltaserve.kernels.fp8.blocks import quantize_blocks
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 # several 128-column blocks with a partial last one, and fused sub-matrices of 144 rows
