@@ -11,6 +11,7 @@ from deltaserve.engine.cache.cache_policy import POLICIES
 
 if TYPE_CHECKING:
     from deltaserve.engine.spec_decode.config import SpecConfig
+    from deltaserve.models.parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,6 +70,9 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     distributed_timeout_s: float = 300.0  # how long the ranks wait for each other to join
+    # a process group the caller already runs, one engine per rank fed the same requests (the
+    # ranks stay in step without the engine's own step sync); never pickled
+    tensor_parallel: TensorParallel | None = field(default=None, repr=False, compare=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

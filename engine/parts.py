@@ -60,7 +60,7 @@ class LoopParts:
 
 def build_model_parts(config: EngineConfig, device: torch.device, groups: RankGroups | None) -> ModelParts:
     torch.manual_seed(config.seed)
-    tp = groups.tp if groups is not None else SINGLE
+    tp = groups.tp if groups is not None else (config.tensor_parallel or SINGLE)
     loaded = load_model(
         config.model,
         config.torch_dtype,
