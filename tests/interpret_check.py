@@ -6,6 +6,7 @@ GPU; it says nothing about speed or bf16, and pytest does not collect it.
     TRITON_INTERPRET=1 python tests/interpret_check.py kimi --families norm,router,conv,moe,mla
     TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5 --spec   # + verification windows
     TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5 --compile  # + Triton IR of each launch
+    TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5 --compile --cubin  # + registers, spills
 
 `--compile` also builds the Triton IR of every distinct kernel launch for sm_90 in a process
 without the interpreter (`tests/triton_ir.py`): the interpreter does not type-check kernels the
@@ -81,6 +82,9 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(ALL))
     ap.add_argument("--spec", action="store_true", help="n-gram speculative decoding on repetitive prompts")
     ap.add_argument("--compile", action="store_true", help="also build each launch's Triton IR for sm_90")
+    ap.add_argument(
+        "--cubin", action="store_true", help="with --compile: on to the binary, registers and spills"
+    )
     args = ap.parse_args()
     launches: set[str] = set()
     if args.compile:
@@ -119,7 +123,15 @@ def main() -> None:
             json.dump([json.loads(x) for x in sorted(launches)], f)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         compiled = (
-            subprocess.run([sys.executable, os.path.join(HERE, "triton_ir.py"), f.name], env=env).returncode
+            subprocess.run(
+                [
+                    sys.executable,
+                    os.path.join(HERE, "triton_ir.py"),
+                    f.name,
+                    *(["--cubin"] if args.cubin else []),
+                ],
+                env=env,
+            ).returncode
             == 0
         )
     sys.exit(0 if out == ref and compiled else 1)

@@ -10,6 +10,8 @@ the interpreted engine makes and hands them to this module, which builds each on
     python tests/triton_ir.py LAUNCHES.json [--debug]  # written by interpret_check.py --compile
 
 `--debug` prints each failure's whole traceback (the compiler's message is in its last lines).
+`--cubin` goes on to the sm_90 binary (Triton's whole pipeline and the wheel's own `ptxas`, still
+no GPU) and reports each launch's registers and spilled bytes, as `ptxas -v` counts them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ _DTYPES = {
     "torch.int8": "i8",
     "torch.uint8": "u8",
     "torch.bool": "i1",
+    "torch.float8_e4m3fn": "fp8e4nv",
 }
 
 
@@ -64,6 +67,7 @@ def record_launches(seen: set[str]) -> None:
             "module": self.fn.__module__,
             "name": self.fn.__qualname__,
             "args": {name: describe(value) for name, value in bound.items()},
+            "options": {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs},
         }
         seen.add(json.dumps(launch, sort_keys=True))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -118,6 +122,9 @@ def build_ir(launches: list[dict]) -> list[str]:
                     backend.get_module_map(),
                     context,
                 )
+                if "--cubin" in sys.argv:
+                    usage = ptxas_usage(source, target, launch.get("options", {}))
+                    print(f"  {launch['name']} {_constexprs(fn, constexprs)}: {usage}")
             except Exception as e:  # the compiler's own message: what the interpreter let through
                 if "--debug" in sys.argv:
                     import traceback
@@ -125,6 +132,33 @@ def build_ir(launches: list[dict]) -> list[str]:
                     traceback.print_exc()
                 failures.append(f"{launch['module']}.{launch['name']}: {str(e).strip()[-600:]}")
     return failures
+
+
+def _constexprs(fn: Any, constexprs: dict) -> str:
+    return ", ".join(
+        f"{fn.params[i].name}={v}" for (i,), v in constexprs.items() if fn.params[i].name.isupper()
+    )
+
+
+def ptxas_usage(source: Any, target: Any, options: dict) -> str:
+    """The launch built to an sm_90 binary: `ptxas -v`'s registers and spill line."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    kernel = triton.compile(source, target=target, options=options)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        err = subprocess.run(
+            [ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True
+        ).stderr
+    return "; ".join(
+        line.split("info    : ")[-1] for line in err.splitlines() if "Used" in line or "spill" in line
+    )
 
 
 def main() -> None:
