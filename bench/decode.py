@@ -20,7 +20,7 @@ import torch
 from bench.roofline import decode_step_bytes, model_cost, prefill_flops
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
 def _sync() -> None:

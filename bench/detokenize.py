@@ -18,7 +18,7 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 
 
 def main() -> None:

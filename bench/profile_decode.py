@@ -17,7 +17,7 @@ import torch
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
 def _ms(fn, n: int = 50) -> float:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from bench.profile_decode import dummy_engine, report
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
 def main() -> None:

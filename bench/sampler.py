@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.requests.request import Request
+from deltaserve.engine.requests.sampling_params import SamplingParams
 from deltaserve.engine.sampling.sampler import Sampler
-from deltaserve.engine.sampling_params import SamplingParams
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),

@@ -28,7 +28,7 @@ import torch
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
 def _sync() -> None:

@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from deltaserve.engine.llm import LLM
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.requests.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from deltaserve.engine.sampling_params import SamplingParams
+        from deltaserve.engine.requests.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -48,7 +48,7 @@ class EngineConfig:
     num_kv_pages: int | None = None  # overrides the memory-based sizing
     num_snapshot_slots: int | None = None  # radix: default two per running request
     disable_cuda_graph: bool = False
-    # launch step N+1 before reading step N's tokens back (engine/overlap.py);
+    # launch step N+1 before reading step N's tokens back (engine/step/overlap.py);
     # None: on for CUDA devices (where the GPU runs asynchronously), off on CPU
     enable_overlap_schedule: bool | None = None
     cuda_graph_max_bs: int = 256

@@ -19,18 +19,18 @@ import torch
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import EngineDeadError
-from deltaserve.engine.outputs import RequestOutput
-from deltaserve.engine.overlap import Overlap, can_overlap
 from deltaserve.engine.parts import build_loop_parts, build_model_parts
-from deltaserve.engine.prompt_logprobs import record_prompt_logprobs
-from deltaserve.engine.request import Request, Status
+from deltaserve.engine.requests.outputs import RequestOutput
+from deltaserve.engine.requests.request import Request, Status
+from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputs
 from deltaserve.engine.runner.forward_batch import ForwardBatch
 from deltaserve.engine.runner.model_runner import ModelRunner
-from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
-from deltaserve.engine.scheduler import SchedulerOutput
 from deltaserve.engine.spec_decode import Verdict
 from deltaserve.engine.spec_decode.commit import computed_rows, finish_windows
-from deltaserve.engine.step_batch import build_step_batch
+from deltaserve.engine.step.overlap import Overlap, can_overlap
+from deltaserve.engine.step.prompt_logprobs import record_prompt_logprobs
+from deltaserve.engine.step.scheduler import SchedulerOutput
+from deltaserve.engine.step.step_batch import build_step_batch
 
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.ranks import Ranks

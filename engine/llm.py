@@ -9,9 +9,9 @@ from typing import Any
 from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.generation_defaults import SamplingDefaults, read_sampling_defaults
-from deltaserve.engine.outputs import CompletionOutput, RequestOutput
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.generation_defaults import SamplingDefaults, read_sampling_defaults
+from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 

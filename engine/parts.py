@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deltaserve.engine.admission import Admission, LazyGrammars
 from deltaserve.engine.cache.adapter import PrefixCache, make_prefix_cache, prefill_cost
 from deltaserve.engine.cache.cache_policy import HybridPrefillCost
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.generation_defaults import eos_token_ids_of
-from deltaserve.engine.overlap import Overlap
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.generation_defaults import eos_token_ids_of
+from deltaserve.engine.requests.request import Request
 from deltaserve.engine.runner.model_runner import ModelRunner
 from deltaserve.engine.sampling.sampler import SAMPLER_GRAPH_MAX_BS, Sampler
-from deltaserve.engine.scheduler import Scheduler, reserve_pages
 from deltaserve.engine.spec_decode import MtpDrafter, SpecDecoder
-from deltaserve.engine.token_sink import TokenSink, new_counters
+from deltaserve.engine.step.admission import Admission, LazyGrammars
+from deltaserve.engine.step.overlap import Overlap
+from deltaserve.engine.step.scheduler import Scheduler, reserve_pages
+from deltaserve.engine.step.token_sink import TokenSink, new_counters
 from deltaserve.models.loader import LoadedModel, load_model, load_tokenizer
 from deltaserve.models.parallel import SINGLE
 

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve import __version__
 from deltaserve.engine.errors import EngineDeadError, InvalidParamError
-from deltaserve.engine.generation_defaults import SamplingDefaults
+from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 
 from .chat import create_chat_completion
 from .chat_template import render_chat

@@ -29,8 +29,8 @@ from .request_params import tool_choice_constraint
 from .tool_calls import KIMI
 
 if TYPE_CHECKING:
-    from deltaserve.engine.outputs import RequestOutput
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.requests.outputs import RequestOutput
+    from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
 def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:

@@ -85,7 +85,7 @@ def _generation_config(text: str) -> str:
     """auto, none (vllm) or a folder whose generation_config.json is readable and in range."""
     if text in ("auto", "none", "vllm"):
         return text
-    from deltaserve.engine.generation_defaults import load_sampling_defaults
+    from deltaserve.engine.requests.generation_defaults import load_sampling_defaults
 
     try:
         load_sampling_defaults(text, None)

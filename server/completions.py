@@ -21,7 +21,7 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:
-    from deltaserve.engine.outputs import CompletionOutput, RequestOutput
+    from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 
 
 def _prompts(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
-from deltaserve.engine.generation_defaults import SamplingDefaults
+from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 
 from .engine_client import EngineClient, RequestGroup, ShuttingDownError
 from .errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed, refused
@@ -23,8 +23,8 @@ from .request_params import build_sampling_params
 from .tool_calls import tool_call_format
 
 if TYPE_CHECKING:
-    from deltaserve.engine.outputs import RequestOutput
-    from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
+    from deltaserve.engine.requests.outputs import RequestOutput
+    from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputs
 
     from .protocol import ChatCompletionRequest, CompletionRequest
 

@@ -25,14 +25,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError, reply_error
+from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-    from deltaserve.engine.outputs import RequestOutput
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.requests.outputs import RequestOutput
+    from deltaserve.engine.requests.sampling_params import SamplingParams
 
     from .metrics import Metrics
 

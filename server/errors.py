@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from deltaserve.engine.outputs import RequestOutput
+    from deltaserve.engine.requests.outputs import RequestOutput
 
 _TYPES = {
     400: "invalid_request_error",

@@ -26,8 +26,8 @@ from .protocol import PromptTokensDetails, StreamOptions, Usage
 from .request_params import fan_out
 
 if TYPE_CHECKING:
-    from deltaserve.engine.outputs import RequestOutput
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.requests.outputs import RequestOutput
+    from deltaserve.engine.requests.sampling_params import SamplingParams
 
 DONE = "data: [DONE]\n\n"
 

@@ -261,7 +261,7 @@ def _log_engine(client: Any) -> None:
 def _sampling_defaults(args: argparse.Namespace, model_dir: Any) -> Any:
     """`--generation-config`: the checkpoint's sampling defaults, logged when they differ from
     OpenAI's (the built-in model's generation_config.json sets only max_new_tokens)."""
-    from deltaserve.engine.generation_defaults import load_sampling_defaults
+    from deltaserve.engine.requests.generation_defaults import load_sampling_defaults
 
     try:
         defaults = load_sampling_defaults(getattr(args, "generation_config", "auto"), model_dir)

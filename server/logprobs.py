@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from .protocol import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
-    from deltaserve.engine.outputs import Logprob
+    from deltaserve.engine.requests.outputs import Logprob
 
 
 @lru_cache(maxsize=1)

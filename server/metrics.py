@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from deltaserve.engine.outputs import RequestOutput
+    from deltaserve.engine.requests.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
     0.001,

@@ -10,8 +10,8 @@ from .errors import bad_request, refused
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 if TYPE_CHECKING:
-    from deltaserve.engine.generation_defaults import SamplingDefaults
-    from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
+    from deltaserve.engine.requests.generation_defaults import SamplingDefaults
+    from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputs
 
 
 def build_sampling_params(
@@ -27,7 +27,7 @@ def build_sampling_params(
     checks the values; its refusal is a 400 naming the field as this request spells it. Token ids
     (stop_token_ids, logit_bias keys) must lie in [0, vocab_size) when it is known (not 0)."""
     from deltaserve.engine.errors import InvalidParamError
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.requests.sampling_params import SamplingParams
 
     if isinstance(req, ChatCompletionRequest):
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -45,7 +45,7 @@ def build_sampling_params(
     if echo and (logprobs is not None or max_tokens == 0) and (prompt_logprobs or 0) >= 0:
         prompt_logprobs = max(prompt_logprobs or 0, logprobs or 0)
     if defaults is None:
-        from deltaserve.engine.generation_defaults import SamplingDefaults
+        from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 
         defaults = SamplingDefaults()
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -126,7 +126,7 @@ def _structured_outputs(req: SamplingRequest) -> StructuredOutputs | None:
 def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
     """OpenAI's response_format: "text" (nothing), "json_object" (any JSON object) or
     "json_schema" (`{"json_schema": {"name": ..., "schema": {...}}}`)."""
-    from deltaserve.engine.sampling_params import StructuredOutputs
+    from deltaserve.engine.requests.sampling_params import StructuredOutputs
 
     kind = (fmt or {}).get("type", "text")
     if kind == "text":
@@ -157,7 +157,7 @@ _VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 def _vllm_structured(req: SamplingRequest) -> StructuredOutputs | None:
     """vLLM's `structured_outputs` ({"json": schema} or json_object / regex / choice / grammar)
     and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`."""
-    from deltaserve.engine.sampling_params import StructuredOutputs
+    from deltaserve.engine.requests.sampling_params import StructuredOutputs
 
     legacy = {
         "json": req.guided_json,
@@ -200,7 +200,7 @@ def tool_choice_constraint(
     tokenizer has Kimi's tool-call markers (its form, whatever the prompt shows). "required" with
     `parallel` (parallel_tool_calls, true by default) allows up to FORCED_CALLS calls, as vLLM
     allows a list; a named function is called once."""
-    from deltaserve.engine.sampling_params import StructuredOutputs
+    from deltaserve.engine.requests.sampling_params import StructuredOutputs
 
     if tool_choice in (None, "auto", "none"):
         return None

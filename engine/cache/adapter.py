@@ -45,8 +45,8 @@ from deltaserve.engine.cache.radix_cache import (
 from deltaserve.engine.cache.radix_node import CacheHold
 from deltaserve.engine.cache.state_pool import StatePool
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.request import Request
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.request import Request
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
 class PrefixCache(ABC):

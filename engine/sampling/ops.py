@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.request import Request
 
 # Batches of at least TOPK_MIN_ROWS rows that all set a top-k of at most TOPK_LIMIT rank only
 # their k best tokens: over a large vocabulary `torch.topk` is cheaper than a full sort from a

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deltaserve.engine.request import Request, TokenArrays
+from deltaserve.engine.requests.request import Request, TokenArrays
 from deltaserve.engine.runner.h2d import to_device_packed
 
 

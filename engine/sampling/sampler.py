@@ -6,8 +6,8 @@ import logging
 
 import torch
 
-from deltaserve.engine.outputs import Logprob
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.outputs import Logprob
+from deltaserve.engine.requests.request import Request
 from deltaserve.engine.runner.h2d import to_device, to_device_packed
 from deltaserve.engine.sampling.ops import filtered_probs, param_rows, pick_tokens, ranking_width
 from deltaserve.engine.sampling.penalties import apply_penalties_batch

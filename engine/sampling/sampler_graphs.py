@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.request import Request
 from deltaserve.engine.runner.cuda_graphs import capture, graph_batch_sizes
 from deltaserve.engine.runner.h2d import copy_to_device
 from deltaserve.engine.sampling.ops import TOPK_LIMIT, param_rows, pick_tokens, ranking_width

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from deltaserve.engine.sampling_params import StructuredOutputs
+from deltaserve.engine.requests.sampling_params import StructuredOutputs
 
 
 class Grammars:

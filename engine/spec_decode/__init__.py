@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.request import Request
 from deltaserve.engine.sampling.sampler import Sampler
 from deltaserve.engine.spec_decode.config import SpecConfig
 from deltaserve.engine.spec_decode.mtp import Computed, MtpDrafter

@@ -4,12 +4,12 @@ after its last accepted position committed to the request's working slot."""
 from __future__ import annotations
 
 from deltaserve.engine.cache.adapter import PrefixCache
-from deltaserve.engine.outputs import RequestOutput
-from deltaserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from deltaserve.engine.requests.outputs import RequestOutput
 from deltaserve.engine.spec_decode.mtp import Computed
 from deltaserve.engine.spec_decode.rejection import Verdict
 from deltaserve.engine.spec_decode.state_window import StateWindow
-from deltaserve.engine.token_sink import TokenSink
+from deltaserve.engine.step.scheduler import ScheduledChunk, SchedulerOutput
+from deltaserve.engine.step.token_sink import TokenSink
 
 
 def computed_rows(plan: SchedulerOutput, starts: list[int], verdicts: list[Verdict]) -> list[Computed]:

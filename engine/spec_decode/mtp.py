@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.request import Request
 from deltaserve.engine.runner.forward_batch import build_forward_batch
 from deltaserve.engine.runner.h2d import to_device
 

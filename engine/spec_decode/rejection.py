@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.engine.outputs import Logprob
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.outputs import Logprob
+from deltaserve.engine.requests.request import Request
 from deltaserve.engine.sampling.sampler import Sampler
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
 def run(engine: Engine, detokenize: bool, tag: str) -> dict[str, list[tuple[list[int], str, bool]]]:

@@ -7,7 +7,7 @@ import random
 
 from transformers import AutoTokenizer
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 from deltaserve.models.builtin import builtin_model_path
 
 

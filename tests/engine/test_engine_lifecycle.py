@@ -7,7 +7,7 @@ import pytest
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.errors import QueueFullError
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

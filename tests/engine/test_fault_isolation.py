@@ -8,7 +8,7 @@ import torch
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 GOOD = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

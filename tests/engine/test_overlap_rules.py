@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.overlap import can_overlap
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.requests.request import Request
+from deltaserve.engine.requests.sampling_params import SamplingParams
 from deltaserve.engine.sampling.sampler import Sampler
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.step.overlap import can_overlap
 
 SAMPLER = Sampler(torch.device("cpu"), 0, [0])
 

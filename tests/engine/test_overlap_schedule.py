@@ -9,7 +9,7 @@ import torch
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 LENGTHS = [1, 7, 33, 64, 90, 150, 5, 40]
 

@@ -9,7 +9,7 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.cache.cache_policy import POLICIES
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.outputs import RequestOutput
+from deltaserve.engine.requests.outputs import RequestOutput
 
 VOCAB = 160
 PAGE = 16
@@ -208,7 +208,7 @@ def test_naive_reuses_nothing(path):
 def test_preemption_releases_and_recomputes_from_the_cache(path, monkeypatch):
     """Too few pages for four long decodes behind a cached prefix: decodes preempt each other,
     hand their computed pages to the tree, and start again from there."""
-    from deltaserve.engine.scheduler import Scheduler
+    from deltaserve.engine.step.scheduler import Scheduler
 
     preempted = []
     preempt = Scheduler.preempt

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.requests.request import Request
+from deltaserve.engine.requests.sampling_params import SamplingParams
 from deltaserve.engine.sampling.sampler import Sampler
 from deltaserve.engine.sampling.sampler_graphs import TOPK_BUCKETS
-from deltaserve.engine.sampling_params import SamplingParams
 
 
 class StandIn:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.requests.request import Request
 from deltaserve.engine.sampling.ops import TOPK_LIMIT, TOPK_MIN_ROWS
 from deltaserve.engine.sampling.penalties import apply_penalties
 from deltaserve.engine.sampling.sampler import Sampler

@@ -11,7 +11,7 @@ import pytest
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.sampling_params import StructuredOutputs
+from deltaserve.engine.requests.sampling_params import StructuredOutputs
 
 SCHEMA = {
     "type": "object",

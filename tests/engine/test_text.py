@@ -8,7 +8,7 @@ import random
 import pytest
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
 def make(path: str, warmup: bool, cache_type: str) -> Engine:

@@ -157,7 +157,7 @@ def hf_prompt_logprobs(path: Path, prompt: list[int]) -> torch.Tensor:
 
 def ds_greedy(path, n: int, **kw) -> tuple[list[list[int]], list[torch.Tensor]]:
     from deltaserve import LLM
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.requests.sampling_params import SamplingParams
 
     llm = LLM(model=str(path), device="cpu", dtype="float32", **kw)
     outs = llm.generate(
@@ -262,7 +262,7 @@ def test_dummy_fp8_weights(make_checkpoint, tmp_path: Path) -> None:
 def test_fp8_engine_on_cuda_matches_cpu(make_checkpoint, tmp_path):
     """A tiny FP8 Qwen3-Next on CUDA (fp32 activations): the CPU reference engine's greedy tokens."""
     from deltaserve import LLM
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.requests.sampling_params import SamplingParams
 
     src = make_checkpoint("qwen3_next", **SHAPES)
     fp8 = write_fp8(src, tmp_path / "fp8")

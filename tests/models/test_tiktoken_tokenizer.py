@@ -97,7 +97,7 @@ def test_forced_kimi_tool_call(kimi_llm):
 
     pytest.importorskip("xgrammar")
     from deltaserve import SamplingParams
-    from deltaserve.engine.sampling_params import StructuredOutputs
+    from deltaserve.engine.requests.sampling_params import StructuredOutputs
     from deltaserve.server.tool_calls import KIMI, extract_tool_calls
 
     params = {

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from deltaserve.engine.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.engine.generation_defaults import SamplingDefaults, load_sampling_defaults
+from deltaserve.engine.requests.generation_defaults import SamplingDefaults, load_sampling_defaults
 from deltaserve.server.cli import build_parser
 from deltaserve.server.errors import APIError
 from deltaserve.server.protocol import ChatCompletionRequest

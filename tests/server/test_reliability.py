@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from deltaserve.engine.outputs import CompletionOutput, RequestOutput
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.requests.sampling_params import SamplingParams
 from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
 
 NAN, INF = float("nan"), float("inf")

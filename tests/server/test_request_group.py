@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from deltaserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deltaserve.engine.requests.outputs import CompletionOutput, Logprob, RequestOutput
 from deltaserve.server.engine_client import RequestGroup
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from deltaserve.engine.errors import InvalidParamError
-from deltaserve.engine.outputs import CompletionOutput, RequestOutput
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.requests.sampling_params import SamplingParams
 from deltaserve.server.errors import APIError
 from deltaserve.server.generation import usage_of
 from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest

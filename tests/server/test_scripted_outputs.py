@@ -13,8 +13,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from deltaserve.engine.outputs import CompletionOutput, RequestOutput
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.requests.sampling_params import SamplingParams
 from deltaserve.server.app import build_app
 from deltaserve.server.engine_client import EngineClient
 

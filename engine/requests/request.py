@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from deltaserve.engine.cache.radix_node import CacheHold
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.outputs import Logprob
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.requests.outputs import Logprob
+from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.engine.prompt_logprobs import prompt_rows
 from deltaserve.engine.runner.forward_batch import ForwardBatch, build_forward_batch
 from deltaserve.engine.runner.model_runner import ModelRunner
-from deltaserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from deltaserve.engine.step.prompt_logprobs import prompt_rows
+from deltaserve.engine.step.scheduler import ScheduledChunk, SchedulerOutput
 
 
 def _tokens(c: ScheduledChunk) -> list[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.request import Request
 
 Verdict = tuple[str, int | str | None]  # (finish_reason, stop_reason)
 

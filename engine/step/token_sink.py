@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from deltaserve.engine.outputs import CompletionOutput, RequestOutput
-from deltaserve.engine.request import Request
-from deltaserve.engine.scheduler import Scheduler
-from deltaserve.engine.stop_checks import check_stop, visible_length, visible_text
+from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.requests.request import Request
+from deltaserve.engine.requests.stop_checks import check_stop, visible_length, visible_text
+from deltaserve.engine.step.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ import threading
 from typing import Any
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.errors import QueueFullError
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.requests.request import Request
+from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputs
 from deltaserve.engine.sampling.sampler import Sampler
-from deltaserve.engine.sampling_params import SamplingParams, StructuredOutputs
 
 
 class LazyGrammars:

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from deltaserve.engine.request import Request
+from deltaserve.engine.requests.request import Request
 from deltaserve.engine.runner.forward_batch import ForwardBatch
 from deltaserve.engine.runner.h2d import to_device_packed
 from deltaserve.engine.sampling.sampler import Sampler
-from deltaserve.engine.scheduler import SchedulerOutput
-from deltaserve.engine.token_sink import TokenSink
+from deltaserve.engine.step.scheduler import SchedulerOutput
+from deltaserve.engine.step.token_sink import TokenSink
 
 
 @dataclass

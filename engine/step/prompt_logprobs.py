@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.engine.outputs import Logprob
-from deltaserve.engine.request import Request
-from deltaserve.engine.scheduler import SchedulerOutput
+from deltaserve.engine.requests.outputs import Logprob
+from deltaserve.engine.requests.request import Request
+from deltaserve.engine.step.scheduler import SchedulerOutput
 
 
 def prompt_rows(req: Request, start: int, num_tokens: int) -> int:

@@ -33,7 +33,7 @@ from deltaserve.engine.cache.adapter import PrefixCache
 from deltaserve.engine.cache.kv_pool import KVPool
 from deltaserve.engine.cache.state_pool import StatePool
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.request import Request, Status
+from deltaserve.engine.requests.request import Request, Status
 
 
 @dataclass

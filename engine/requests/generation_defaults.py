@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class SamplingDefaults:
 
     def sampling_params(self) -> SamplingParams:
         """As engine parameters (max_tokens: SamplingParams' 16 when the file sets none)."""
-        from deltaserve.engine.sampling_params import SamplingParams
+        from deltaserve.engine.requests.sampling_params import SamplingParams
 
         kwargs: dict[str, Any] = {
             f.name: getattr(self, f.name) for f in fields(self) if f.name != "max_tokens"

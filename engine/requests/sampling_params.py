@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidParamError
+from deltaserve.engine.errors import InvalidParamError
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # OpenAI's bounds, held here so that the HTTP API and the offline API refuse the same values
