@@ -27,7 +27,7 @@ from deltaserve.engine.step.overlap import Overlap
 from deltaserve.engine.step.scheduler import Scheduler, reserve_pages
 from deltaserve.engine.step.token_sink import TokenSink, new_counters
 from deltaserve.models.loader import LoadedModel, load_model, load_tokenizer
-from deltaserve.models.parallel import SINGLE
+from deltaserve.models.parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.group import RankGroups
@@ -58,10 +58,10 @@ class LoopParts:
     sink: TokenSink
 
 
-def build_model_parts(config: EngineConfig, device: torch.device, groups: RankGroups | None) -> ModelParts:
+def load_engine_model(config: EngineConfig, device: torch.device, tp: TensorParallel) -> LoadedModel:
+    """The model as `config` asks for it, this rank's slice of it under `tp` (every rank's the same way)."""
     torch.manual_seed(config.seed)
-    tp = groups.tp if groups is not None else (config.tensor_parallel or SINGLE)
-    loaded = load_model(
+    return load_model(
         config.model,
         config.torch_dtype,
         device,
@@ -69,6 +69,12 @@ def build_model_parts(config: EngineConfig, device: torch.device, groups: RankGr
         config.seed,
         quantization=config.quantization,
         tp=tp,
+    )
+
+
+def build_model_parts(config: EngineConfig, device: torch.device, groups: RankGroups | None) -> ModelParts:
+    loaded = load_engine_model(
+        config, device, groups.tp if groups is not None else (config.tensor_parallel or SINGLE)
     )
     vocab_size = int(loaded.config.vocab_size)
     tokenizer = load_tokenizer(config.tokenizer or config.model)

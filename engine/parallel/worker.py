@@ -37,25 +37,16 @@ class WorkerArgs:
 
 def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
     from deltaserve.engine.parallel.group import destroy, init_rank, rank_device
+    from deltaserve.engine.parts import load_engine_model
     from deltaserve.engine.runner.model_runner import ModelRunner
-    from deltaserve.models.loader import load_model
 
     device = rank_device(config, rank)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # the node's ranks share its cores: threads that busy-wait on every core slow all of them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.ranks_per_node))
-    torch.manual_seed(config.seed)
     groups = init_rank(config, rank, master_port, device)
     try:
-        loaded = load_model(
-            config.model,
-            config.torch_dtype,
-            device,
-            config.load_format,
-            config.seed,
-            quantization=config.quantization,
-            tp=groups.tp,
-        )
+        loaded = load_engine_model(config, device, groups.tp)
         runner = ModelRunner(config, loaded, device, groups)
         assert runner.channel is not None
         logger.info("tensor-parallel rank %d ready", rank)
