@@ -136,8 +136,16 @@ def hf_w8a8_greedy(path: Path, quantized: set[str], prompts: list[list[int]], n:
         if hit:
             storages.add(p.untyped_storage().data_ptr())
     assert storages
-    outs = []
+    return greedy_quantizing_inputs(model, storages, prompts, n)[0]
+
+
+def greedy_quantizing_inputs(
+    model, storages: set[int], prompts: list[list[int]], n: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """`model`'s greedy tokens and prompt log-probabilities, the input of every F.linear whose
+    weight lives in `storages` quantized as the format does."""
     mode = QuantizeInputs(storages)
+    outs, lps = [], []
     with torch.no_grad(), mode:
         for p in prompts:
             ids = torch.tensor([p])
@@ -145,14 +153,19 @@ def hf_w8a8_greedy(path: Path, quantized: set[str], prompts: list[list[int]], n:
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
             )
             outs.append(gen[0, len(p) :].tolist())
+            lps.append(prompt_logprobs(model, p))
     assert mode.calls > 0
-    return outs
+    return outs, lps
+
+
+def prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
 
 
 def hf_prompt_logprobs(path: Path, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf_model(path)(torch.tensor([prompt])).logits[0].float()
-    return torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    return prompt_logprobs(hf_model(path), prompt)
 
 
 def ds_greedy(path, n: int, **kw) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -307,19 +320,7 @@ def hf_kimi_w8a8(path: Path, prompts: list[list[int]], n: int) -> tuple[list[lis
             storages.add(module.weight.untyped_storage().data_ptr())
         if name.endswith(".experts"):
             storages |= {p.untyped_storage().data_ptr() for p in module.parameters(recurse=False)}
-    mode = QuantizeInputs(storages)
-    outs, lps = [], []
-    with torch.no_grad(), mode:
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
-            )
-            outs.append(gen[0, len(p) :].tolist())
-            logits = model(ids).logits[0].float()
-            lps.append(torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None])[:, 0])
-    assert mode.calls > 0
-    return outs, lps
+    return greedy_quantizing_inputs(model, storages, prompts, n)
 
 
 @pytest.mark.slow
