@@ -4,6 +4,7 @@
 # Logs and JSON go under $OUT (at most 8 files a part: what a device call brings back).
 #
 # On the GPU machine, from the repository root, after the wheels are installed:
+#   bash bench/gpu_session.sh all     # every GPU test, in four concurrent groups (one call; one GPU suffices)
 #   bash bench/gpu_session.sh tests   # the GPU tests but those of the kda part
 #   bash bench/gpu_session.sh engine  # the engine's GPU tests alone (the whole call)
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
@@ -36,6 +37,14 @@ run() {  # run SECONDS NAME CMD...: a hard time limit each, so one stuck step le
   echo "$name: exit $? ($(tail -1 "$out/$name.log"))"
 }
 case "${1:-tests}" in
+  all)  # one pytest per group at once: the suite is bound by Triton/FLA compiling on the CPU, not the GPU
+    run 560 engine-hf-tests python3 -m pytest -q -rA -m gpu tests/engine/test_gpu_engine.py &
+    run 560 engine-rest-tests python3 -m pytest -q -rA -m gpu tests/engine tests/models \
+      --ignore=tests/engine/test_gpu_engine.py &
+    run 560 kda-tests python3 -m pytest -q -rA -m gpu tests/kernels/test_kda_cuda.py &
+    run 560 kernel-tests python3 -m pytest -q -rA -m gpu tests/kernels --ignore=tests/kernels/test_kda_cuda.py &
+    wait
+    ;;
   tests)
     run 90 kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_norm_kernels.py tests/kernels/test_gemv_cuda.py tests/kernels/test_router_cuda.py \
       tests/kernels/test_moe_cuda.py tests/kernels/test_window_kernels.py tests/kernels/test_mla_cuda.py tests/kernels/test_pdl.py
@@ -203,7 +212,7 @@ case "${1:-tests}" in
     done
     ;;
   *)
-    echo "usage: $0 tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac
