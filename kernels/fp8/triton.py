@@ -5,8 +5,9 @@
 - `_fp8_gemm_kernel`: w8a8 GEMM on the FP8 tensor cores; the K loop steps one 128-column
   block at a time, so each partial product is scaled by its token-group and weight-block
   scales before it is accumulated in fp32.
-- `_fp8_gemv_kernel`: one to a few rows (decode). It streams the e4m3 weight rows once, widening
+- `_fp8_gemv_kernel`: one or two rows (decode). It streams the e4m3 weight rows once, widening
   them in registers, and keeps the activations unquantized (the weight's bytes are the cost).
+- `_fp8_skinny_kernel`: up to `GEMV_ROWS` rows: the same w8a16 math with dots.
 - `_fp8_moe_*_kernel`: `triton_moe`'s grouped GEMMs with e4m3 experts: the e4m3 tile is widened
   to the activations' dtype (exact) for the dot, and the block scale applied after it.
 Weight scales are per `SCALE_ROWS` x 128 block (SCALE_ROWS 128, or 1 for per-row scales).
@@ -89,26 +90,76 @@ def _fp8_gemv_kernel(
     SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BN: tl.constexpr,
+    S: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Each iteration reads S whole 128-column blocks of BN rows, so that enough bytes are in
+    flight: the scale then broadcasts along the block's own axis."""
     on = tl.program_id(0) * BN + tl.arange(0, BN)
     om = tl.arange(0, BLOCK_M)
+    ob = tl.arange(0, S)
+    oc = tl.arange(0, BLOCK)
     n_ok = on < N
     m_ok = om < M
-    w_rows = w + on.to(tl.int64)[:, None] * stride_wn
-    s_rows = w_s + (on // SCALE_ROWS) * stride_wsn
-    # elementwise products, reduced along K once at the end (see triton_gemv)
-    acc = tl.zeros((BLOCK_M, BN, BLOCK), dtype=tl.float32)
-    for i in range(0, tl.cdiv(K, BLOCK)):
-        ok = i * BLOCK + tl.arange(0, BLOCK)
+    w_rows = w + on.to(tl.int64)[:, None, None] * stride_wn
+    s_rows = w_s + (on // SCALE_ROWS)[:, None] * stride_wsn
+    x_rows = x + om[:, None, None] * stride_xm
+    kb = tl.cdiv(K, BLOCK)
+    # elementwise products, reduced along K once at the end (see linear/triton.py)
+    acc = tl.zeros((BLOCK_M, BN, S, BLOCK), dtype=tl.float32)
+    for k0 in range(0, K, S * BLOCK):
+        blk = k0 // BLOCK + ob
+        ok = blk[:, None] * BLOCK + oc[None, :]
         k_ok = ok < K
-        wt = tl.load(w_rows + ok[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        ws = tl.load(s_rows + i, mask=n_ok, other=0.0)
-        xt = tl.load(x + om[:, None] * stride_xm + ok[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += xt.to(tl.float32)[:, None, :] * (wt * ws[:, None])[None, :, :]
-    out = tl.sum(acc, axis=2)
+        wt = tl.load(w_rows + ok[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0)
+        ws = tl.load(s_rows + blk[None, :], mask=n_ok[:, None] & (blk < kb)[None, :], other=0.0)
+        xt = tl.load(x_rows + ok[None, :, :], mask=m_ok[:, None, None] & k_ok[None, :, :], other=0.0)
+        wf = wt.to(tl.float32) * ws[:, :, None]
+        acc += xt.to(tl.float32)[:, None, :, :] * wf[None, :, :, :]
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)
     dst = y + om[:, None] * stride_ym + on[None, :]
     tl.store(dst, out.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_skinny_kernel(
+    x,  # [M, K], unquantized
+    w,  # [N, K] e4m3
+    w_s,
+    y,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_ym,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """A few rows on the tensor cores: the e4m3 tile widened to x's dtype (exact), the block
+    scale applied after each 128-column dot. Triton pipelines the loads that feed dots, which
+    the elementwise GEMV's loop does not get."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x + offs_m[:, None] * stride_xm
+    w_cols = w + offs_n.to(tl.int64)[None, :] * stride_wn
+    s_cols = w_s + (offs_n // SCALE_ROWS) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, tl.cdiv(K, BLOCK)):
+        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+        k_ok = offs_k < K
+        a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        sb = tl.load(s_cols + i, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * sb[None, :]
+    dst = y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(dst, acc.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
