@@ -110,7 +110,8 @@ def fp8_moe_cuda(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """`moe.cuda.fused_moe_cuda` with e4m3 experts (the activations stay in x's dtype)."""
+    """`moe.cuda.fused_moe_cuda` with e4m3 experts: w8a8 grouped GEMMs, or for a few tokens the
+    per-assignment GEMV with the activations unquantized (as `fp8_linear_cuda` splits rows)."""
     import triton
 
     from deltaserve.kernels.fp8.triton import _fp8_moe_down_kernel, _fp8_moe_gate_up_kernel
@@ -126,23 +127,24 @@ def fp8_moe_cuda(
     block_m = 16 if n <= 512 else 64
     x = x.contiguous()
     rows, block_expert = _align(topk_ids, e, block_m)
+    xq, xs = act_quant_cuda(x)
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
     block_n = 64
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid1 = (block_expert.numel(), triton.cdiv(inter_size, block_n))
     _fp8_moe_gate_up_kernel[grid1](
-        x, gate_up, gate_up_scale, rows, block_expert, inter, n, h, inter_size, top_k, e,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
-        inter.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, PRECISION=precision,
+        xq, xs, gate_up, gate_up_scale, rows, block_expert, inter, n, h, inter_size, top_k, e,
+        xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
+        gate_up_scale.stride(1), inter.stride(0),
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK,
     )  # fmt: skip
+    iq, is_ = act_quant_cuda(inter)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     grid2 = (block_expert.numel(), triton.cdiv(h, block_n))
     _fp8_moe_down_kernel[grid2](
-        inter, down, down_scale, rows, block_expert, weights, out, n, h, inter_size, e,
-        inter.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
+        iq, is_, down, down_scale, rows, block_expert, weights, out, n, h, inter_size, e,
+        iq.stride(0), is_.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         out.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, PRECISION=precision,
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK,
     )  # fmt: skip
     return out.view(t, top_k, h).sum(dim=1)

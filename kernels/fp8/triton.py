@@ -8,8 +8,8 @@
 - `_fp8_gemv_kernel`: one or two rows (decode). It streams the e4m3 weight rows once, widening
   them in registers, and keeps the activations unquantized (the weight's bytes are the cost).
 - `_fp8_skinny_kernel`: up to `GEMV_ROWS` rows: the same w8a16 math with dots.
-- `_fp8_moe_*_kernel`: `triton_moe`'s grouped GEMMs with e4m3 experts: the e4m3 tile is widened
-  to the activations' dtype (exact) for the dot, and the block scale applied after it.
+- `_fp8_moe_*_kernel`: `triton_moe`'s grouped GEMMs, w8a8: e4m3 experts times rows quantized per
+  token and 128 channels, on the FP8 tensor cores; both scales apply after each 128-column dot.
 Weight scales are per `SCALE_ROWS` x 128 block (SCALE_ROWS 128, or 1 for per-row scales).
 """
 
@@ -164,7 +164,8 @@ def _fp8_skinny_kernel(
 
 @triton.jit
 def _fp8_moe_gate_up_kernel(
-    x,  # [T, H]
+    x,  # [T, H] e4m3, per token and 128 channels
+    x_s,  # [T, ceil(H/128)] fp32
     w,  # [E, 2I, H] e4m3
     w_s,  # [E, ceil(2I/SCALE_ROWS), ceil(H/128)]
     rows,
@@ -176,6 +177,7 @@ def _fp8_moe_gate_up_kernel(
     TOP_K: tl.constexpr,
     E: tl.constexpr,
     stride_xt,
+    stride_xst,
     stride_we,
     stride_wn,
     stride_se,
@@ -185,7 +187,6 @@ def _fp8_moe_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -213,8 +214,9 @@ def _fp8_moe_gate_up_kernel(
         wu = tl.load(w_base + (offs_n[None, :] + INTER) * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
         sg = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
         su = tl.load(s_base + ((offs_n + INTER) // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
-        acc_g += tl.dot(a, wg.to(a.dtype), input_precision=PRECISION) * sg[None, :]
-        acc_u += tl.dot(a, wu.to(a.dtype), input_precision=PRECISION) * su[None, :]
+        sa = tl.load(x_s + token * stride_xst + i, mask=valid, other=0.0)
+        acc_g += tl.dot(a, wg) * sa[:, None] * sg[None, :]
+        acc_u += tl.dot(a, wu) * sa[:, None] * su[None, :]
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     dst = inter + assign.to(tl.int64)[:, None] * stride_it + offs_n[None, :]
     tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
@@ -222,7 +224,8 @@ def _fp8_moe_gate_up_kernel(
 
 @triton.jit
 def _fp8_moe_down_kernel(
-    inter,  # [num_assign, I]
+    inter,  # [num_assign, I] e4m3, per row and 128 channels
+    inter_s,  # [num_assign, ceil(I/128)] fp32
     w,  # [E, H, I] e4m3
     w_s,  # [E, ceil(H/SCALE_ROWS), ceil(I/128)]
     rows,
@@ -234,6 +237,7 @@ def _fp8_moe_down_kernel(
     INTER,
     E: tl.constexpr,
     stride_it,
+    stride_ist,
     stride_we,
     stride_wn,
     stride_se,
@@ -243,7 +247,6 @@ def _fp8_moe_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -277,7 +280,8 @@ def _fp8_moe_down_kernel(
             other=0.0,
         )
         sb = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * sb[None, :]
+        sa = tl.load(inter_s + a_row * stride_ist + i, mask=valid, other=0.0)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
     rw = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
     tl.store(dst, acc.to(out.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
