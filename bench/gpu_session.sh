@@ -211,17 +211,23 @@ case "${1:-tests}" in
         --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
     done
     ;;
-  fp8)  # FP8 kernel tests; the decode matmuls per path; FP8 decode against REV (bash bench/ab.sh prepare REV)
+  fp8)  # FP8 kernel tests; the decode matmuls per path; 9B FP8 decode against REV (bash bench/ab.sh prepare REV)
     run 150 fp8-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py tests/kernels/test_moe_cuda.py
     run 90 fp8-gemv python3 -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 4 8 \
       --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 2 4 16 32
-    run 170 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-9b-fp8 \
+    run 200 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-9b-fp8 \
       --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
+    ;;
+  fp8-moe)  # 80B-A3B FP8 decode and 35B-A3B FP8 8k prefill; bf16 MoE decode (Kimi-Linear) against REV
     run 150 80b-fp8 python3 -m bench.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
       --prompt-len 1024 --new-tokens 128 --prefill-len 0
+    run 150 35b-fp8 python3 -m bench.decode --model configs/qwen3.5-35b-a3b-fp8 --batch-sizes 1 \
+      --new-tokens 64 --prefill-len 8192
+    run 250 ab-kimi bash bench/ab.sh run python3 -m bench.decode --model configs/kimi-linear-48b-a3b \
+      --batch-sizes 1 8 --new-tokens 64 --prefill-len 0
     ;;
   *)
-    echo "usage: $0 all|fp8|tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fp8|fp8-moe|tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac
