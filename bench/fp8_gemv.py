@@ -22,7 +22,7 @@ from bench.gemv import COLD_BYTES, linear_shapes, time_us
 
 def bench_dense(model: str, rows: list[int]) -> list[dict]:
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
-    from deltaserve.kernels.fp8 import quantize_blocks
+    from deltaserve.kernels.fp8.blocks import quantize_blocks
     from deltaserve.kernels.linear.triton import gemv
 
     out = []
@@ -49,7 +49,7 @@ def bench_dense(model: str, rows: list[int]) -> list[dict]:
 
 def bench_moe(model: str, tokens: list[int]) -> list[dict]:
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
-    from deltaserve.kernels.fp8 import quantize_blocks
+    from deltaserve.kernels.fp8.blocks import quantize_blocks
     from deltaserve.kernels.moe import cuda as moe_cuda
     from deltaserve.models.loader import read_config
     from deltaserve.models.registry import resolve, text_config
