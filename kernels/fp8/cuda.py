@@ -128,6 +128,9 @@ def fp8_moe_cuda(
     x = x.contiguous()
     rows, block_expert = _align(topk_ids, e, block_m)
     xq, xs = act_quant_cuda(x)
+    # 8 warps and a K step of part of a scale block: the tiles' pointers then fit the registers
+    # (4 warps, or 128-column steps, spill: ptxas -v on the sm_90 build)
+    step_k = 64 if block_m == 16 else 32
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
     block_n = 64
     grid1 = (block_expert.numel(), triton.cdiv(inter_size, block_n))
@@ -135,7 +138,7 @@ def fp8_moe_cuda(
         xq, xs, gate_up, gate_up_scale, rows, block_expert, inter, n, h, inter_size, top_k, e,
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
         gate_up_scale.stride(1), inter.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK,
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k, num_warps=8,
     )  # fmt: skip
     iq, is_ = act_quant_cuda(inter)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
@@ -145,6 +148,6 @@ def fp8_moe_cuda(
         iq, is_, down, down_scale, rows, block_expert, weights, out, n, h, inter_size, e,
         iq.stride(0), is_.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         out.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK,
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k, num_warps=8,
     )  # fmt: skip
     return out.view(t, top_k, h).sum(dim=1)

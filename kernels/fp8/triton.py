@@ -187,6 +187,7 @@ def _fp8_moe_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
+    STEP_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -203,8 +204,9 @@ def _fp8_moe_gate_up_kernel(
     s_base = w_s + expert.to(tl.int64) * stride_se
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, tl.cdiv(H, BLOCK)):
-        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+    for k0 in range(0, H, STEP_K):  # STEP_K divides the 128-column scale block
+        i = k0 // BLOCK
+        offs_k = k0 + tl.arange(0, STEP_K)
         k_ok = offs_k < H
         a = tl.load(
             x + token[:, None] * stride_xt + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0
@@ -247,6 +249,7 @@ def _fp8_moe_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
+    STEP_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -266,8 +269,9 @@ def _fp8_moe_down_kernel(
     w_base = w + expert.to(tl.int64) * stride_we
     s_base = w_s + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, tl.cdiv(INTER, BLOCK)):
-        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+    for k0 in range(0, INTER, STEP_K):
+        i = k0 // BLOCK
+        offs_k = k0 + tl.arange(0, STEP_K)
         k_ok = offs_k < INTER
         a = tl.load(
             inter + a_row[:, None] * stride_it + offs_k[None, :],
