@@ -219,13 +219,13 @@ case "${1:-tests}" in
     run 200 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-9b-fp8 \
       --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
     ;;
-  fp8-moe)  # 80B-A3B FP8 decode and 35B-A3B FP8 8k prefill; bf16 MoE decode (Kimi-Linear) against REV
+  fp8-moe)  # 80B-A3B FP8 decode and 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
     run 150 80b-fp8 python3 -m bench.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
       --prompt-len 1024 --new-tokens 128 --prefill-len 0
     run 150 35b-fp8 python3 -m bench.decode --model configs/qwen3.5-35b-a3b-fp8 --batch-sizes 1 \
       --new-tokens 64 --prefill-len 8192
     run 250 ab-kimi bash bench/ab.sh run python3 -m bench.decode --model configs/kimi-linear-48b-a3b \
-      --batch-sizes 1 8 --new-tokens 64 --prefill-len 0
+      --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   *)
     echo "usage: $0 all|fp8|fp8-moe|tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
