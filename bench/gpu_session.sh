@@ -4,8 +4,9 @@
 # Logs and JSON go under $OUT (at most 8 files a part: what a device call brings back).
 #
 # On the GPU machine, from the repository root, after the wheels are installed:
-    echo "usage: $0 all|fp8|fp8-moe|tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
->>>>>>> d0d8c30 (gpu_session.sh: the fp8 parts in its usage)
+#   bash bench/gpu_session.sh all     # every GPU test, in four concurrent groups (one call; one GPU suffices)
+#   bash bench/gpu_session.sh fp8     # FP8 kernel tests, decode matmuls per path, 9B FP8 decode against REV (prepare REV)
+#   bash bench/gpu_session.sh fp8-moe # 80B FP8 decode, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) decode against REV
 #   bash bench/gpu_session.sh tests   # the GPU tests but those of the kda part
 #   bash bench/gpu_session.sh engine  # the engine's GPU tests alone (the whole call)
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
