@@ -7,7 +7,7 @@ import torch
 
 from deltaserve.kernels.fp8.blocks import BLOCK, FP8_DTYPE, num_blocks
 
-GEMV_ROWS = 8  # up to this many rows a projection is a weight read, activations unquantized
+GEMV_ROWS = 8  # up to this many rows a projection is a weight read (rows quantized in registers)
 GEMV_DOT_ROWS = 2  # past this many of them the rows go through dots
 
 
@@ -51,8 +51,8 @@ def fp8_gemm_cuda(
 def fp8_gemv_cuda(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
 ) -> torch.Tensor:
-    """x `[M <= GEMV_ROWS, K]` unquantized times the e4m3 weight, read once: one or two rows
-    with products in registers, more with dots."""
+    """x `[M <= GEMV_ROWS, K]` times the e4m3 weight, read once, x quantized per token and 128
+    channels inside the kernel: one or two rows with products in registers, more with dots."""
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
@@ -67,10 +67,8 @@ def fp8_gemv_cuda(
     args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0))
     if m > GEMV_DOT_ROWS:
         block_n = 16
-        precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](
-            *args, SCALE_ROWS=scale_rows, BLOCK_M=16, BLOCK_N=block_n, BLOCK=BLOCK, PRECISION=precision,
-            num_warps=4, num_stages=4,
+            *args, SCALE_ROWS=scale_rows, BLOCK_M=16, BLOCK_N=block_n, BLOCK=BLOCK, num_warps=4, num_stages=4,
         )  # fmt: skip
         return out
     block_m = triton.next_power_of_2(m)
@@ -111,7 +109,7 @@ def fp8_moe_cuda(
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
     """`moe.cuda.fused_moe_cuda` with e4m3 experts: w8a8 grouped GEMMs, or for a few tokens the
-    per-assignment GEMV with the activations unquantized (as `fp8_linear_cuda` splits rows)."""
+    per-assignment GEMV, which quantizes its rows in registers (as `fp8_linear_cuda` splits rows)."""
     import triton
 
     from deltaserve.kernels.fp8.triton import _fp8_moe_down_kernel, _fp8_moe_gate_up_kernel

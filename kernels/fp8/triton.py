@@ -6,8 +6,10 @@
   block at a time, so each partial product is scaled by its token-group and weight-block
   scales before it is accumulated in fp32.
 - `_fp8_gemv_kernel`: one or two rows (decode). It streams the e4m3 weight rows once, widening
-  them in registers, and keeps the activations unquantized (the weight's bytes are the cost).
-- `_fp8_skinny_kernel`: up to `GEMV_ROWS` rows: the same w8a16 math with dots.
+  them in registers; the activations are quantized in registers (`_fake_quant`), so decode
+  does the format's w8a8 math as the GEMM does.
+- `_fp8_skinny_kernel`: up to `GEMV_ROWS` rows: rows quantized in registers, dots on the FP8
+  tensor cores.
 - `_fp8_moe_*_kernel`: `triton_moe`'s grouped GEMMs, w8a8: e4m3 experts times rows quantized per
   token and 128 channels, on the FP8 tensor cores; both scales apply after each 128-column dot.
 Weight scales are per `SCALE_ROWS` x 128 block (SCALE_ROWS 128, or 1 for per-row scales).
@@ -33,6 +35,13 @@ def _act_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, BLOCK: tl.conste
     y = tl.clamp(v / scale, -448.0, 448.0)
     tl.store(q + row * stride_q + offs, y.to(q.dtype.element_ty), mask=mask)
     tl.store(s + row * stride_s + group, scale)
+
+
+@triton.jit
+def _fake_quant(v, AXIS: tl.constexpr):
+    """fp32 v after `_act_quant_kernel`'s e4m3 round trip, AXIS holding one 128-channel group."""
+    scale = tl.expand_dims(tl.maximum(tl.max(tl.abs(v), axis=AXIS), 1e-10) / 448.0, AXIS)
+    return tl.clamp(v / scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32) * scale
 
 
 @triton.jit
@@ -115,7 +124,7 @@ def _fp8_gemv_kernel(
         ws = tl.load(s_rows + blk[None, :], mask=n_ok[:, None] & (blk < kb)[None, :], other=0.0)
         xt = tl.load(x_rows + ok[None, :, :], mask=m_ok[:, None, None] & k_ok[None, :, :], other=0.0)
         wf = wt.to(tl.float32) * ws[:, :, None]
-        acc += xt.to(tl.float32)[:, None, :, :] * wf[None, :, :, :]
+        acc += _fake_quant(xt.to(tl.float32), 2)[:, None, :, :] * wf[None, :, :, :]
     out = tl.sum(tl.sum(acc, axis=3), axis=2)
     dst = y + om[:, None] * stride_ym + on[None, :]
     tl.store(dst, out.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -123,7 +132,7 @@ def _fp8_gemv_kernel(
 
 @triton.jit
 def _fp8_skinny_kernel(
-    x,  # [M, K], unquantized
+    x,  # [M, K], quantized here
     w,  # [N, K] e4m3
     w_s,
     y,  # [M, N]
@@ -138,11 +147,10 @@ def _fp8_skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
-    """A few rows on the tensor cores: the e4m3 tile widened to x's dtype (exact), the block
-    scale applied after each 128-column dot. Triton pipelines the loads that feed dots, which
-    the elementwise GEMV's loop does not get."""
+    """A few rows on the FP8 tensor cores, quantized per 128 channels in registers (the GEMM's
+    math without `_act_quant_kernel`'s launch); both scales apply after each 128-column dot.
+    Triton pipelines the loads that feed dots, which the elementwise GEMV's loop does not get."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -154,10 +162,12 @@ def _fp8_skinny_kernel(
     for i in range(0, tl.cdiv(K, BLOCK)):
         offs_k = i * BLOCK + tl.arange(0, BLOCK)
         k_ok = offs_k < K
-        a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         b = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         sb = tl.load(s_cols + i, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * sb[None, :]
+        sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10) / 448.0
+        aq = tl.clamp(a / sa[:, None], -448.0, 448.0).to(tl.float8e4nv)
+        acc += tl.dot(aq, b) * sa[:, None] * sb[None, :]
     dst = y + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(dst, acc.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

@@ -110,8 +110,8 @@ def moe_gemv_cuda(
     scale_rows: int = 128,
 ) -> torch.Tensor:
     """The fused MoE for a few tokens: each assignment's expert rows read once by programs of
-    their own. With scales, the experts are e4m3 (scales per `scale_rows` x 128 block) and the
-    activations stay in x's dtype, as in `fp8.cuda.fp8_moe_cuda`."""
+    their own. With scales, the experts are e4m3 (scales per `scale_rows` x 128 block) and both
+    inputs are quantized per 128 channels in the kernels, as `fp8.cuda.fp8_moe_cuda` does."""
     import triton
 
     from deltaserve.kernels.common.launch import sm_count

@@ -4,13 +4,16 @@ output rows) reads its expert's rows once, as `linear/triton.py`'s GEMV reads a 
 The grouped GEMMs of `moe/triton.py` / `fp8/triton.py` pad each expert's rows to a 16-row tile and
 give each expert only `ceil(N / 64)` programs: at one token and ten experts that is too few
 programs to stream the experts' bytes. Weights are bf16/fp32, or e4m3 with a scale per
-`SCALE_ROWS` x 128 block (`HAS_SCALE`); products are fp32 and reduced once at the end.
+`SCALE_ROWS` x 128 block (`HAS_SCALE`), whose inputs are then quantized per 128 channels in
+registers (the format's w8a8 math); products are fp32 and reduced once at the end.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from deltaserve.kernels.fp8.triton import _fake_quant
 
 
 @triton.jit
@@ -77,6 +80,8 @@ def _moe_gemv_gate_up_kernel(
         blk = k0 // BLOCK + ob
         ok = blk[:, None] * BLOCK + oc[None, :]
         v = tl.load(x_row + ok, mask=ok < H, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            v = _fake_quant(v, 1)
         acc_g += _expert_rows_dot(v, g_rows, sg_rows, ok, blk, H, n_ok, HAS_SCALE)
         acc_u += _expert_rows_dot(v, u_rows, su_rows, ok, blk, H, n_ok, HAS_SCALE)
     g = tl.sum(tl.sum(acc_g, axis=2), axis=1)
@@ -126,6 +131,8 @@ def _moe_gemv_down_kernel(
         blk = k0 // BLOCK + ob
         ok = blk[:, None] * BLOCK + oc[None, :]
         v = tl.load(i_row + ok, mask=ok < INTER, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            v = _fake_quant(v, 1)
         acc += _expert_rows_dot(v, rows, s_rows, ok, blk, INTER, n_ok, HAS_SCALE)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights + a)
     tl.store(dst, y.to(out.dtype.element_ty), mask=n_ok)

@@ -294,7 +294,8 @@ def test_fp8_engine_on_cuda_matches_cpu(make_checkpoint, tmp_path):
     print(
         f"bf16 vs FP8 on CUDA: {agreement(greedy(src, 'cuda', 'bfloat16'), greedy(fp8, 'cuda', 'bfloat16'))}"
     )
-    # the prefill is w8a8 on both; decode's GEMV keeps activations unquantized, so later tokens may drift
+    # every CUDA path is w8a8 as the reference is; a rounding tie of an activation's quantization
+    # (the kernels' other summation order) may still move a later token of a random tiny model
     assert [c[0] for c in cpu] == [g[0] for g in gpu]
 
 
