@@ -88,7 +88,9 @@ def test_fp8_moe_matches_reference(t, e, h, inter, top_k, scale_rows, dtype):
         weights,
     )
     ref = fp8_moe_ref(x.float(), gu, gu_s, dn, dn_s, scale_rows, ids, weights)
-    exact = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    # bf16: the kernels quantize the bf16-rounded intermediate, the reference its fp32 value, and a
+    # bf16 rounding moves about one e4m3 code in 32 by a step (6%)
+    exact = 4e-2 if dtype == torch.bfloat16 else 1e-4
     _close(out, ref, exact + 1e-2)  # + rounding ties of the activations' quantization
     _close(out, deq, 0.1)
 
