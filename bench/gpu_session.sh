@@ -5,6 +5,8 @@
 #
 # On the GPU machine, from the repository root, after the wheels are installed:
 #   bash bench/gpu_session.sh all     # every GPU test, in four concurrent groups (one call; one GPU suffices)
+#   bash bench/gpu_session.sh fp8     # FP8 GPU tests, 9B FP8 decode against REV (prepare REV) and bf16, 80B FP8 decode
+#   bash bench/gpu_session.sh fp8-moe # FP8 matmuls per path, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh tests   # the GPU tests but those of the kda part
 #   bash bench/gpu_session.sh engine  # the engine's GPU tests alone (the whole call)
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
@@ -211,8 +213,26 @@ case "${1:-tests}" in
         --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
     done
     ;;
+  fp8)  # FP8 kernel and checkpoint GPU tests; 9B FP8 decode against REV (bash bench/ab.sh prepare REV) and bf16; 80B FP8 decode
+    run 170 fp8-tests python3 -m pytest -q -rfE -s -m gpu tests/kernels/test_fp8_cuda.py tests/kernels/test_moe_cuda.py \
+      tests/models/test_fp8_checkpoints.py
+    run 200 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-9b-fp8 \
+      --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
+    run 80 9b-bf16 python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 --prompt-len 512 \
+      --new-tokens 128 --prefill-len 0
+    run 150 80b-fp8 python3 -m bench.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
+      --prompt-len 1024 --new-tokens 128 --prefill-len 0
+    ;;
+  fp8-moe)  # FP8 decode matmuls per path; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
+    run 90 fp8-gemv python3 -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 4 8 \
+      --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 2 4 16 32
+    run 150 35b-fp8 python3 -m bench.decode --model configs/qwen3.5-35b-a3b-fp8 --batch-sizes 1 \
+      --new-tokens 64 --prefill-len 8192
+    run 250 ab-kimi bash bench/ab.sh run python3 -m bench.decode --model configs/kimi-linear-48b-a3b \
+      --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
+    ;;
   *)
-    echo "usage: $0 all|tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fp8|fp8-moe|tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac

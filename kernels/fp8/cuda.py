@@ -7,7 +7,8 @@ import torch
 
 from deltaserve.kernels.fp8.blocks import BLOCK, FP8_DTYPE, num_blocks
 
-GEMV_ROWS = 8  # up to this many rows a projection is a weight read: the GEMV
+GEMV_ROWS = 8  # up to this many rows a projection is a weight read (rows quantized in registers)
+GEMV_DOT_ROWS = 2  # past this many of them the rows go through dots
 
 
 def act_quant_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,28 +51,37 @@ def fp8_gemm_cuda(
 def fp8_gemv_cuda(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
 ) -> torch.Tensor:
-    """x `[M <= GEMV_ROWS, K]` unquantized times the e4m3 weight, read once."""
+    """x `[M <= GEMV_ROWS, K]` times the e4m3 weight, read once, x quantized per token and 128
+    channels inside the kernel: one or two rows with products in registers, more with dots."""
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
-    from deltaserve.kernels.fp8.triton import _fp8_gemv_kernel
+    from deltaserve.kernels.fp8.triton import _fp8_gemv_kernel, _fp8_skinny_kernel
 
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m = triton.next_power_of_2(m)
-    # the accumulator (BLOCK_M x BN x 128 fp32) within 8k elements; at least two programs per SM
-    bn = max(1, min(16, 8192 // (block_m * BLOCK)))
     sms = sm_count(x.device)
-    while bn > 1 and triton.cdiv(n, bn) < 2 * sms:
+    args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0))
+    if m > GEMV_DOT_ROWS:
+        block_n = 16
+        _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](
+            *args, SCALE_ROWS=scale_rows, BLOCK_M=16, BLOCK_N=block_n, BLOCK=BLOCK, num_warps=4, num_stages=4,
+        )  # fmt: skip
+        return out
+    block_m = triton.next_power_of_2(m)
+    # BLOCK_M x BN x S x 128 fp32 products within 8k; at least two programs per SM
+    s = min(8, triton.next_power_of_2(num_blocks(k)))
+    bn = 16
+    while bn > 1 and (triton.cdiv(n, bn) < 2 * sms or block_m * bn * s * BLOCK > 8192):
         bn //= 2
+    while block_m * bn * s * BLOCK > 8192:
+        s //= 2
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
-        x, weight, scale, out, m, n, k,
-        x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, BLOCK=BLOCK, num_warps=4,
-    )  # fmt: skip
+        *args, SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, S=s, BLOCK=BLOCK, num_warps=4
+    )
     return out
 
 
@@ -98,37 +108,44 @@ def fp8_moe_cuda(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """`moe.cuda.fused_moe_cuda` with e4m3 experts (the activations stay in x's dtype)."""
+    """`moe.cuda.fused_moe_cuda` with e4m3 experts: w8a8 grouped GEMMs, or for a few tokens the
+    per-assignment GEMV, which quantizes its rows in registers (as `fp8_linear_cuda` splits rows)."""
     import triton
 
     from deltaserve.kernels.fp8.triton import _fp8_moe_down_kernel, _fp8_moe_gate_up_kernel
-    from deltaserve.kernels.moe.cuda import _align
+    from deltaserve.kernels.moe.cuda import GEMV_ASSIGNMENTS, _align, moe_gemv_cuda
 
     t, h = x.shape
     e, two_i, _ = gate_up.shape
     inter_size = two_i // 2
     top_k = topk_ids.shape[1]
     n = t * top_k
+    if n <= GEMV_ASSIGNMENTS:
+        return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights, gate_up_scale, down_scale, scale_rows)
     block_m = 16 if n <= 512 else 64
     x = x.contiguous()
     rows, block_expert = _align(topk_ids, e, block_m)
+    xq, xs = act_quant_cuda(x)
+    # 8 warps and a K step of part of a scale block: the tiles' pointers then fit the registers
+    # (4 warps, or 128-column steps, spill: ptxas -v on the sm_90 build)
+    step_k = 64 if block_m == 16 else 32
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
     block_n = 64
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid1 = (block_expert.numel(), triton.cdiv(inter_size, block_n))
     _fp8_moe_gate_up_kernel[grid1](
-        x, gate_up, gate_up_scale, rows, block_expert, inter, n, h, inter_size, top_k, e,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
-        inter.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, PRECISION=precision,
+        xq, xs, gate_up, gate_up_scale, rows, block_expert, inter, n, h, inter_size, top_k, e,
+        xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
+        gate_up_scale.stride(1), inter.stride(0),
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k, num_warps=8,
     )  # fmt: skip
+    iq, is_ = act_quant_cuda(inter)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     grid2 = (block_expert.numel(), triton.cdiv(h, block_n))
     _fp8_moe_down_kernel[grid2](
-        inter, down, down_scale, rows, block_expert, weights, out, n, h, inter_size, e,
-        inter.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
+        iq, is_, down, down_scale, rows, block_expert, weights, out, n, h, inter_size, e,
+        iq.stride(0), is_.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         out.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, PRECISION=precision,
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k, num_warps=8,
     )  # fmt: skip
     return out.view(t, top_k, h).sum(dim=1)

@@ -5,10 +5,13 @@
 - `_fp8_gemm_kernel`: w8a8 GEMM on the FP8 tensor cores; the K loop steps one 128-column
   block at a time, so each partial product is scaled by its token-group and weight-block
   scales before it is accumulated in fp32.
-- `_fp8_gemv_kernel`: one to a few rows (decode). It streams the e4m3 weight rows once, widening
-  them in registers, and keeps the activations unquantized (the weight's bytes are the cost).
-- `_fp8_moe_*_kernel`: `triton_moe`'s grouped GEMMs with e4m3 experts: the e4m3 tile is widened
-  to the activations' dtype (exact) for the dot, and the block scale applied after it.
+- `_fp8_gemv_kernel`: one or two rows (decode). It streams the e4m3 weight rows once, widening
+  them in registers; the activations are quantized in registers (`_fake_quant`), so decode
+  does the format's w8a8 math as the GEMM does.
+- `_fp8_skinny_kernel`: up to `GEMV_ROWS` rows: rows quantized in registers, dots on the FP8
+  tensor cores.
+- `_fp8_moe_*_kernel`: `triton_moe`'s grouped GEMMs, w8a8: e4m3 experts times rows quantized per
+  token and 128 channels, on the FP8 tensor cores; both scales apply after each 128-column dot.
 Weight scales are per `SCALE_ROWS` x 128 block (SCALE_ROWS 128, or 1 for per-row scales).
 """
 
@@ -32,6 +35,13 @@ def _act_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, BLOCK: tl.conste
     y = tl.clamp(v / scale, -448.0, 448.0)
     tl.store(q + row * stride_q + offs, y.to(q.dtype.element_ty), mask=mask)
     tl.store(s + row * stride_s + group, scale)
+
+
+@triton.jit
+def _fake_quant(v, AXIS: tl.constexpr):
+    """fp32 v after `_act_quant_kernel`'s e4m3 round trip, AXIS holding one 128-channel group."""
+    scale = tl.expand_dims(tl.maximum(tl.max(tl.abs(v), axis=AXIS), 1e-10) / 448.0, AXIS)
+    return tl.clamp(v / scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32) * scale
 
 
 @triton.jit
@@ -89,31 +99,83 @@ def _fp8_gemv_kernel(
     SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BN: tl.constexpr,
+    S: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Each iteration reads S whole 128-column blocks of BN rows, so that enough bytes are in
+    flight: the scale then broadcasts along the block's own axis."""
     on = tl.program_id(0) * BN + tl.arange(0, BN)
     om = tl.arange(0, BLOCK_M)
+    ob = tl.arange(0, S)
+    oc = tl.arange(0, BLOCK)
     n_ok = on < N
     m_ok = om < M
-    w_rows = w + on.to(tl.int64)[:, None] * stride_wn
-    s_rows = w_s + (on // SCALE_ROWS) * stride_wsn
-    # elementwise products, reduced along K once at the end (see triton_gemv)
-    acc = tl.zeros((BLOCK_M, BN, BLOCK), dtype=tl.float32)
-    for i in range(0, tl.cdiv(K, BLOCK)):
-        ok = i * BLOCK + tl.arange(0, BLOCK)
+    w_rows = w + on.to(tl.int64)[:, None, None] * stride_wn
+    s_rows = w_s + (on // SCALE_ROWS)[:, None] * stride_wsn
+    x_rows = x + om[:, None, None] * stride_xm
+    kb = tl.cdiv(K, BLOCK)
+    # elementwise products, reduced along K once at the end (see linear/triton.py)
+    acc = tl.zeros((BLOCK_M, BN, S, BLOCK), dtype=tl.float32)
+    for k0 in range(0, K, S * BLOCK):
+        blk = k0 // BLOCK + ob
+        ok = blk[:, None] * BLOCK + oc[None, :]
         k_ok = ok < K
-        wt = tl.load(w_rows + ok[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        ws = tl.load(s_rows + i, mask=n_ok, other=0.0)
-        xt = tl.load(x + om[:, None] * stride_xm + ok[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += xt.to(tl.float32)[:, None, :] * (wt * ws[:, None])[None, :, :]
-    out = tl.sum(acc, axis=2)
+        wt = tl.load(w_rows + ok[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0)
+        ws = tl.load(s_rows + blk[None, :], mask=n_ok[:, None] & (blk < kb)[None, :], other=0.0)
+        xt = tl.load(x_rows + ok[None, :, :], mask=m_ok[:, None, None] & k_ok[None, :, :], other=0.0)
+        wf = wt.to(tl.float32) * ws[:, :, None]
+        acc += _fake_quant(xt.to(tl.float32), 2)[:, None, :, :] * wf[None, :, :, :]
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)
     dst = y + om[:, None] * stride_ym + on[None, :]
     tl.store(dst, out.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
+def _fp8_skinny_kernel(
+    x,  # [M, K], quantized here
+    w,  # [N, K] e4m3
+    w_s,
+    y,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_ym,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A few rows on the FP8 tensor cores, quantized per 128 channels in registers (the GEMM's
+    math without `_act_quant_kernel`'s launch); both scales apply after each 128-column dot.
+    Triton pipelines the loads that feed dots, which the elementwise GEMV's loop does not get."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x + offs_m[:, None] * stride_xm
+    w_cols = w + offs_n.to(tl.int64)[None, :] * stride_wn
+    s_cols = w_s + (offs_n // SCALE_ROWS) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, tl.cdiv(K, BLOCK)):
+        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+        k_ok = offs_k < K
+        a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        b = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        sb = tl.load(s_cols + i, mask=n_ok, other=0.0)
+        sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10) / 448.0
+        aq = tl.clamp(a / sa[:, None], -448.0, 448.0).to(tl.float8e4nv)
+        acc += tl.dot(aq, b) * sa[:, None] * sb[None, :]
+    dst = y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(dst, acc.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _fp8_moe_gate_up_kernel(
-    x,  # [T, H]
+    x,  # [T, H] e4m3, per token and 128 channels
+    x_s,  # [T, ceil(H/128)] fp32
     w,  # [E, 2I, H] e4m3
     w_s,  # [E, ceil(2I/SCALE_ROWS), ceil(H/128)]
     rows,
@@ -125,6 +187,7 @@ def _fp8_moe_gate_up_kernel(
     TOP_K: tl.constexpr,
     E: tl.constexpr,
     stride_xt,
+    stride_xst,
     stride_we,
     stride_wn,
     stride_se,
@@ -134,7 +197,7 @@ def _fp8_moe_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    STEP_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -151,8 +214,9 @@ def _fp8_moe_gate_up_kernel(
     s_base = w_s + expert.to(tl.int64) * stride_se
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, tl.cdiv(H, BLOCK)):
-        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+    for k0 in range(0, H, STEP_K):  # STEP_K divides the 128-column scale block
+        i = k0 // BLOCK
+        offs_k = k0 + tl.arange(0, STEP_K)
         k_ok = offs_k < H
         a = tl.load(
             x + token[:, None] * stride_xt + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0
@@ -162,8 +226,9 @@ def _fp8_moe_gate_up_kernel(
         wu = tl.load(w_base + (offs_n[None, :] + INTER) * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
         sg = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
         su = tl.load(s_base + ((offs_n + INTER) // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
-        acc_g += tl.dot(a, wg.to(a.dtype), input_precision=PRECISION) * sg[None, :]
-        acc_u += tl.dot(a, wu.to(a.dtype), input_precision=PRECISION) * su[None, :]
+        sa = tl.load(x_s + token * stride_xst + i, mask=valid, other=0.0)
+        acc_g += tl.dot(a, wg) * sa[:, None] * sg[None, :]
+        acc_u += tl.dot(a, wu) * sa[:, None] * su[None, :]
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     dst = inter + assign.to(tl.int64)[:, None] * stride_it + offs_n[None, :]
     tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
@@ -171,7 +236,8 @@ def _fp8_moe_gate_up_kernel(
 
 @triton.jit
 def _fp8_moe_down_kernel(
-    inter,  # [num_assign, I]
+    inter,  # [num_assign, I] e4m3, per row and 128 channels
+    inter_s,  # [num_assign, ceil(I/128)] fp32
     w,  # [E, H, I] e4m3
     w_s,  # [E, ceil(H/SCALE_ROWS), ceil(I/128)]
     rows,
@@ -183,6 +249,7 @@ def _fp8_moe_down_kernel(
     INTER,
     E: tl.constexpr,
     stride_it,
+    stride_ist,
     stride_we,
     stride_wn,
     stride_se,
@@ -192,7 +259,7 @@ def _fp8_moe_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    STEP_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -212,8 +279,9 @@ def _fp8_moe_down_kernel(
     w_base = w + expert.to(tl.int64) * stride_we
     s_base = w_s + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, tl.cdiv(INTER, BLOCK)):
-        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+    for k0 in range(0, INTER, STEP_K):
+        i = k0 // BLOCK
+        offs_k = k0 + tl.arange(0, STEP_K)
         k_ok = offs_k < INTER
         a = tl.load(
             inter + a_row[:, None] * stride_it + offs_k[None, :],
@@ -226,7 +294,8 @@ def _fp8_moe_down_kernel(
             other=0.0,
         )
         sb = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * sb[None, :]
+        sa = tl.load(inter_s + a_row * stride_ist + i, mask=valid, other=0.0)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
     rw = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
     tl.store(dst, acc.to(out.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])

@@ -1,8 +1,12 @@
-"""Fused MoE on CUDA: assignments sorted by expert with tensor ops only, then two grouped GEMMs."""
+"""Fused MoE on CUDA: assignments sorted by expert with tensor ops only, then two grouped GEMMs;
+for a few tokens, one GEMV per assignment instead (`moe/triton_gemv.py`)."""
 
 from __future__ import annotations
 
 import torch
+
+GEMV_ASSIGNMENTS = 64  # up to this many (token, expert) pairs the experts' rows are streamed per pair
+_GEMV_ACC = 4096  # fp32 products a program keeps, BN x S x 128: more spill at sm_90's 255 registers
 
 
 def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,18 +58,21 @@ def fused_moe_cuda(
     inter_size = two_i // 2
     top_k = topk_ids.shape[1]
     n = t * top_k
+    if n <= GEMV_ASSIGNMENTS:
+        return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights)
     block_m = 16 if n <= 512 else 64
     x = x.contiguous()
     rows, block_expert = _align(topk_ids, e, block_m)
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
     block_n, block_k = 64, 64
+    warps = 8 if block_m == 64 else 4  # 64-row tiles in 4 warps spill (ptxas -v on the sm_90 build)
     # fp32 serving asks for fp32 results: no tf32 rounding inside the dots
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid1 = (block_expert.numel(), triton.cdiv(inter_size, block_n))
     _moe_gate_up_kernel[grid1](
         x, gate_up, rows, block_expert, inter, n, h, inter_size, top_k, e,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=warps,
         **pdl_args(x.device),
     )  # fmt: skip
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
@@ -74,7 +81,68 @@ def fused_moe_cuda(
     _moe_down_kernel[grid2](
         inter, down, rows, block_expert, weights, out, n, h, inter_size, e,
         inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=warps,
         **pdl_args(inter.device),
+    )  # fmt: skip
+    return out.view(t, top_k, h).sum(dim=1)
+
+
+def moe_gemv_tiles(n: int, k: int, assignments: int, acc: int, sms: int) -> tuple[int, int]:
+    """(BN, S): S 128-column blocks per iteration (up to 4), BN rows within `acc` products, fewer
+    while the grid would leave SMs without two programs."""
+    import triton
+
+    s = min(4, triton.next_power_of_2(triton.cdiv(k, 128)))
+    bn = max(1, acc // (s * 128))
+    while bn > 1 and triton.cdiv(n, bn) * assignments < 2 * sms:
+        bn //= 2
+    return bn, s
+
+
+def moe_gemv_cuda(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    scale_rows: int = 128,
+) -> torch.Tensor:
+    """The fused MoE for a few tokens: each assignment's expert rows read once by programs of
+    their own. With scales, the experts are e4m3 (scales per `scale_rows` x 128 block) and both
+    inputs are quantized per 128 channels in the kernels, as `fp8.cuda.fp8_moe_cuda` does."""
+    import triton
+
+    from deltaserve.kernels.common.launch import sm_count
+    from deltaserve.kernels.moe.triton_gemv import _moe_gemv_down_kernel, _moe_gemv_gate_up_kernel
+
+    t, h = x.shape
+    e, two_i, _ = gate_up.shape
+    inter_size = two_i // 2
+    top_k = topk_ids.shape[1]
+    n = t * top_k
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    fp8 = gate_up_scale is not None and down_scale is not None
+    gs = gate_up_scale if gate_up_scale is not None else gate_up
+    ds = down_scale if down_scale is not None else down
+    sms = sm_count(x.device)
+    inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
+    bn, s = moe_gemv_tiles(inter_size, h, n, _GEMV_ACC // 2, sms)
+    _moe_gemv_gate_up_kernel[(triton.cdiv(inter_size, bn), n)](
+        x, gate_up, gs, ids, inter, h, inter_size, top_k, e,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gs.stride(0) if fp8 else 0, gs.stride(1) if fp8 else 0, inter.stride(0),
+        SCALE_ROWS=scale_rows, HAS_SCALE=fp8, BN=bn, S=s, BLOCK=128, num_warps=4,
+    )  # fmt: skip
+    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    bn, s = moe_gemv_tiles(h, inter_size, n, _GEMV_ACC, sms)
+    _moe_gemv_down_kernel[(triton.cdiv(h, bn), n)](
+        inter, down, ds, ids, weights, out, h, inter_size, e,
+        inter.stride(0), down.stride(0), down.stride(1),
+        ds.stride(0) if fp8 else 0, ds.stride(1) if fp8 else 0, out.stride(0),
+        SCALE_ROWS=scale_rows, HAS_SCALE=fp8, BN=bn, S=s, BLOCK=128, num_warps=4,
     )  # fmt: skip
     return out.view(t, top_k, h).sum(dim=1)

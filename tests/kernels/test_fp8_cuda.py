@@ -48,20 +48,17 @@ def test_act_quant_matches_reference():
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", ROWS)
 def test_fp8_linear_matches_reference(m, n, k, scale_rows, dtype):
-    """Up to GEMV_ROWS rows the GEMV (unquantized activations: held to x @ dequantized w), past
-    them the w8a8 GEMM (held to the reference); both within FP8's error of the reference."""
-    from deltaserve.kernels.fp8.cuda import GEMV_ROWS, fp8_linear_cuda
+    """Every path (the GEMV, the few-row dots, the GEMM) is w8a8: held to the reference but for
+    rounding ties of the activations' quantization, and within FP8's error of the unquantized product."""
+    from deltaserve.kernels.fp8.cuda import fp8_linear_cuda
 
     w, s = _weight(n, k, scale_rows, m + n + k)
     x = torch.randn(m, k, device="cuda").to(dtype)
     out = fp8_linear_cuda(x, w, s, scale_rows)
     assert out.dtype == dtype and out.shape == (m, n)
     exact = 1e-2 if dtype == torch.bfloat16 else 1e-4
-    if m <= GEMV_ROWS:
-        _close(out, x.float() @ dequantize_blocks(w, s, scale_rows).T, exact)
-    else:
-        _close(out, fp8_linear_ref(x.float(), w, s, scale_rows), exact + 1e-2)  # + rounding ties
-    _close(out, fp8_linear_ref(x.float(), w, s, scale_rows), 0.1)
+    _close(out, fp8_linear_ref(x.float(), w, s, scale_rows), exact + 1e-2)  # + rounding ties
+    _close(out, x.float() @ dequantize_blocks(w, s, scale_rows).T, 0.1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -70,8 +67,9 @@ def test_fp8_linear_matches_reference(m, n, k, scale_rows, dtype):
     "e,h,inter,top_k,scale_rows", [(8, 256, 128, 2, 128), (16, 300, 96, 4, 1), (64, 2048, 512, 10, 128)]
 )
 def test_fp8_moe_matches_reference(t, e, h, inter, top_k, scale_rows, dtype):
-    """The FP8 experts widened in registers (activations unquantized): held to the unquantized
-    MoE on the dequantized experts, and within FP8's error of the w8a8 reference."""
+    """Both paths (the per-assignment GEMV up to GEMV_ASSIGNMENTS (token, expert) pairs, the
+    grouped GEMMs past them) are w8a8: held to the reference but for rounding ties, and within
+    FP8's error of the MoE on the dequantized experts."""
     from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
     from deltaserve.kernels.moe.reference import moe_ref
 
@@ -89,8 +87,12 @@ def test_fp8_moe_matches_reference(t, e, h, inter, top_k, scale_rows, dtype):
         ids,
         weights,
     )
-    _close(out, deq, 2e-2 if dtype == torch.bfloat16 else 1e-4)
-    _close(out, fp8_moe_ref(x.float(), gu, gu_s, dn, dn_s, scale_rows, ids, weights), 0.1)
+    ref = fp8_moe_ref(x.float(), gu, gu_s, dn, dn_s, scale_rows, ids, weights)
+    # bf16: the kernels quantize the bf16-rounded intermediate, the reference its fp32 value, and a
+    # bf16 rounding moves about one e4m3 code in 32 by a step (6%)
+    exact = 4e-2 if dtype == torch.bfloat16 else 1e-4
+    _close(out, ref, exact + 1e-2)  # + rounding ties of the activations' quantization
+    _close(out, deq, 0.1)
 
 
 def test_fp8_linear_is_graph_capturable():
@@ -108,7 +110,8 @@ def test_fp8_linear_is_graph_capturable():
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_fp8_moe_skips_masked_ids():
+@pytest.mark.parametrize("t", [4, 40])  # the per-assignment GEMV, the grouped GEMMs
+def test_fp8_moe_skips_masked_ids(t):
     """Ids -1 and E (another expert-parallel rank's experts) add nothing: bit for bit the
     kernel with those assignments on a valid expert at weight zero."""
     from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
@@ -117,8 +120,8 @@ def test_fp8_moe_skips_masked_ids():
     g = torch.Generator(device="cuda").manual_seed(3)
     gu, gu_s = quantize_blocks(torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5, 128)
     dn, dn_s = quantize_blocks(torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5, 128)
-    x = torch.randn(40, h, device="cuda", generator=g).to(torch.bfloat16)
-    weights, ids = torch.softmax(torch.randn(40, e, device="cuda", generator=g), -1).topk(3, dim=-1)
+    x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(t, e, device="cuda", generator=g), -1).topk(3, dim=-1)
     weights = weights.to(torch.bfloat16)
     skipped = ids.clone()
     skipped[::2, 0] = -1

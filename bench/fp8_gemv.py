@@ -1,0 +1,111 @@
+"""The block-FP8 matmuls at decode sizes: each path on a model's own shapes, cold weights.
+
+    python -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 4 8
+    python -m bench.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 4 16 32
+
+Dense: every distinct linear weight of the model, quantized to e4m3 with 128 x 128 block scales,
+timed through the GEMV (products in registers), the dot path and the w8a8 GEMM, against the
+bf16 Triton GEMV on the same shape; MoE: one layer's routed experts, through the per-assignment
+GEMV and the grouped GEMMs. Each is timed as `bench.gemv` times it (CUDA graphs, copies that
+exceed the L2 cache). Reported: microseconds per call and the bandwidth of the bytes read once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench.gemv import COLD_BYTES, linear_shapes, time_us
+
+
+def bench_dense(model: str, rows: list[int]) -> list[dict]:
+    from deltaserve.kernels.fp8 import cuda as fp8_cuda
+    from deltaserve.kernels.fp8.blocks import quantize_blocks
+    from deltaserve.kernels.linear.triton import gemv
+
+    out = []
+    for (n, k), count in sorted(linear_shapes(model).items()):
+        copies = -(-COLD_BYTES // (n * k))
+        qs = [quantize_blocks(torch.randn(n, k, device="cuda") / k**0.5) for _ in range(copies)]
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(-(-copies // 2))]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row: dict = {"n": n, "k": k, "layers": count, "rows": m}
+            row["bf16_gemv_us"] = time_us(lambda w, x=x: gemv(x, w), ws)
+            for name, dot_rows in (("fp8_gemv", 8), ("fp8_dots", 0)):
+                fp8_cuda.GEMV_DOT_ROWS = dot_rows
+                row[f"{name}_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemv_cuda(x, q[0], q[1], 128), qs)
+            fp8_cuda.GEMV_DOT_ROWS = 2
+            row["fp8_gemm_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128), qs)
+            gb = n * k / 1e9
+            for key in [key for key in row if key.endswith("_us")]:
+                row[key.replace("_us", "_tb_s")] = gb * (2 if key.startswith("bf16") else 1) * 1e3 / row[key]
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
+def bench_moe(model: str, tokens: list[int]) -> list[dict]:
+    from deltaserve.kernels.fp8 import cuda as fp8_cuda
+    from deltaserve.kernels.fp8.blocks import quantize_blocks
+    from deltaserve.kernels.moe import cuda as moe_cuda
+    from deltaserve.models.loader import read_config
+    from deltaserve.models.registry import resolve, text_config
+
+    config, arch = read_config(model)
+    cfg = text_config(config, resolve(arch)[1])
+    e, h, inter, top_k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gu, gu_s = quantize_blocks(torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5)
+    dn, dn_s = quantize_blocks(torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5)
+    out = []
+    for t in tokens:
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        # routings cycled through, so that the experts the calls touch exceed the L2 cache
+        routes = []
+        for _ in range(8):
+            w, ids = torch.softmax(torch.randn(t, e, device="cuda", generator=g), -1).topk(top_k, dim=-1)
+            routes.append((w.to(torch.bfloat16), ids))
+        touched = sum(ids.unique().numel() for _, ids in routes) / len(routes)
+        row: dict = {
+            "experts": e,
+            "hidden": h,
+            "inter": inter,
+            "top_k": top_k,
+            "tokens": t,
+            "touched": touched,
+        }
+        for name, limit in (("gemv", 1 << 30), ("grouped", 0)):
+            moe_cuda.GEMV_ASSIGNMENTS = limit
+            row[f"{name}_us"] = time_us(
+                lambda r, x=x: fp8_cuda.fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]), routes
+            )
+            row[f"{name}_tb_s"] = touched * 3 * h * inter / 1e9 * 1e3 / row[f"{name}_us"]
+        moe_cuda.GEMV_ASSIGNMENTS = 64
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="dense shapes of this config")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--moe", help="routed experts of this config")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows = []
+    if args.model:
+        rows += bench_dense(args.model, args.rows)
+    if args.moe:
+        rows += bench_moe(args.moe, args.tokens)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
