@@ -7,8 +7,9 @@ import torch
 
 from deltaserve.kernels.fp8.blocks import BLOCK, FP8_DTYPE, num_blocks
 
-GEMV_ROWS = 8  # up to this many rows a projection is a weight read (rows quantized in registers)
-GEMV_DOT_ROWS = 2  # past this many of them the rows go through dots
+# One row through the GEMV while the GEMM's 128-row tiles would leave SMs idle; past one row, or
+# for wider weights, the GEMM is faster on the H200 (bench/fp8_gemv.py, docs/performance.md)
+GEMV_MAX_N = 8192
 
 
 def act_quant_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,12 +52,12 @@ def fp8_gemm_cuda(
 def fp8_gemv_cuda(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
 ) -> torch.Tensor:
-    """x `[M <= GEMV_ROWS, K]` times the e4m3 weight, read once, x quantized per token and 128
-    channels inside the kernel: one or two rows with products in registers, more with dots."""
+    """x `[M, K]` (one row in serving) times the e4m3 weight, read once, x quantized per token and
+    128 channels inside the kernel; products in registers."""
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
-    from deltaserve.kernels.fp8.triton import _fp8_gemv_kernel, _fp8_skinny_kernel
+    from deltaserve.kernels.fp8.triton import _fp8_gemv_kernel
 
     m, k = x.shape
     n = weight.shape[0]
@@ -64,13 +65,6 @@ def fp8_gemv_cuda(
     if m == 0:
         return out
     sms = sm_count(x.device)
-    args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0))
-    if m > GEMV_DOT_ROWS:
-        block_n = 16
-        _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](
-            *args, SCALE_ROWS=scale_rows, BLOCK_M=16, BLOCK_N=block_n, BLOCK=BLOCK, num_warps=4, num_stages=4,
-        )  # fmt: skip
-        return out
     block_m = triton.next_power_of_2(m)
     # BLOCK_M x BN x S x 128 fp32 products within 8k; at least two programs per SM
     s = min(8, triton.next_power_of_2(num_blocks(k)))
@@ -80,8 +74,9 @@ def fp8_gemv_cuda(
     while block_m * bn * s * BLOCK > 8192:
         s //= 2
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
-        *args, SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, S=s, BLOCK=BLOCK, num_warps=4
-    )
+        x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, S=s, BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
     return out
 
 
@@ -91,7 +86,7 @@ def fp8_linear_cuda(
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] <= GEMV_ROWS:
+    if x2.shape[0] == 1 and weight.shape[0] < GEMV_MAX_N:
         out = fp8_gemv_cuda(x2, weight, scale, scale_rows)
     else:
         out = fp8_gemm_cuda(x2, weight, scale, scale_rows)

@@ -5,11 +5,9 @@
 - `_fp8_gemm_kernel`: w8a8 GEMM on the FP8 tensor cores; the K loop steps one 128-column
   block at a time, so each partial product is scaled by its token-group and weight-block
   scales before it is accumulated in fp32.
-- `_fp8_gemv_kernel`: one or two rows (decode). It streams the e4m3 weight rows once, widening
-  them in registers; the activations are quantized in registers (`_fake_quant`), so decode
+- `_fp8_gemv_kernel`: one row (decode) against a narrow weight. It streams the e4m3 weight rows
+  once, widening them in registers; the row is quantized in registers (`_fake_quant`), so decode
   does the format's w8a8 math as the GEMM does.
-- `_fp8_skinny_kernel`: up to `GEMV_ROWS` rows: rows quantized in registers, dots on the FP8
-  tensor cores.
 - `_fp8_moe_*_kernel`: `triton_moe`'s grouped GEMMs, w8a8: e4m3 experts times rows quantized per
   token and 128 channels, on the FP8 tensor cores; both scales apply after each 128-column dot.
 Weight scales are per `SCALE_ROWS` x 128 block (SCALE_ROWS 128, or 1 for per-row scales).
@@ -128,48 +126,6 @@ def _fp8_gemv_kernel(
     out = tl.sum(tl.sum(acc, axis=3), axis=2)
     dst = y + om[:, None] * stride_ym + on[None, :]
     tl.store(dst, out.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _fp8_skinny_kernel(
-    x,  # [M, K], quantized here
-    w,  # [N, K] e4m3
-    w_s,
-    y,  # [M, N]
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_wsn,
-    stride_ym,
-    SCALE_ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """A few rows on the FP8 tensor cores, quantized per 128 channels in registers (the GEMM's
-    math without `_act_quant_kernel`'s launch); both scales apply after each 128-column dot.
-    Triton pipelines the loads that feed dots, which the elementwise GEMV's loop does not get."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    x_rows = x + offs_m[:, None] * stride_xm
-    w_cols = w + offs_n.to(tl.int64)[None, :] * stride_wn
-    s_cols = w_s + (offs_n // SCALE_ROWS) * stride_wsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, tl.cdiv(K, BLOCK)):
-        offs_k = i * BLOCK + tl.arange(0, BLOCK)
-        k_ok = offs_k < K
-        a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        b = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        sb = tl.load(s_cols + i, mask=n_ok, other=0.0)
-        sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10) / 448.0
-        aq = tl.clamp(a / sa[:, None], -448.0, 448.0).to(tl.float8e4nv)
-        acc += tl.dot(aq, b) * sa[:, None] * sb[None, :]
-    dst = y + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(dst, acc.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit

@@ -15,7 +15,7 @@ pytestmark = [
 
 ROWS = [1, 2, 3, 8, 64, 300]
 # (N, K): aligned, partial row and column blocks, a narrow projection, 9B's down projection
-SHAPES = [(256, 512), (200, 300), (64, 2048), (1000, 130), (4096, 12288)]
+SHAPES = [(256, 512), (200, 300), (64, 2048), (1000, 130), (4096, 12288), (9000, 256)]
 
 
 def _weight(n: int, k: int, scale_rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,9 +48,10 @@ def test_act_quant_matches_reference():
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", ROWS)
 def test_fp8_linear_matches_reference(m, n, k, scale_rows, dtype):
-    """Every path (the GEMV, the few-row dots, the GEMM) is w8a8: held to the reference but for
-    rounding ties of the activations' quantization, and within FP8's error of the unquantized product."""
-    from deltaserve.kernels.fp8.cuda import fp8_linear_cuda
+    """Both paths (the GEMV for one row of a narrow weight, the GEMM) are w8a8: held to the
+    reference but for rounding ties of the activations' quantization, and within FP8's error of
+    the unquantized product."""
+    from deltaserve.kernels.fp8.cuda import fp8_gemv_cuda, fp8_linear_cuda
 
     w, s = _weight(n, k, scale_rows, m + n + k)
     x = torch.randn(m, k, device="cuda").to(dtype)
@@ -59,6 +60,8 @@ def test_fp8_linear_matches_reference(m, n, k, scale_rows, dtype):
     exact = 1e-2 if dtype == torch.bfloat16 else 1e-4
     _close(out, fp8_linear_ref(x.float(), w, s, scale_rows), exact + 1e-2)  # + rounding ties
     _close(out, x.float() @ dequantize_blocks(w, s, scale_rows).T, 0.1)
+    if m <= 8:  # the GEMV itself at every row count (serving sends it one row of narrow weights)
+        _close(fp8_gemv_cuda(x, w, s, scale_rows), fp8_linear_ref(x.float(), w, s, scale_rows), exact + 1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
