@@ -1,6 +1,6 @@
 """The block-FP8 matmuls at decode sizes: each path on a model's own shapes, cold weights.
 
-    python -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 4 8
+    python -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 4 8 --gemm-tiles 64:4 32:6
     python -m bench.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 4 16 32
 
 Dense: every distinct linear weight of the model, quantized to e4m3 with 128 x 128 block scales,
@@ -20,7 +20,7 @@ import torch
 from bench.gemv import COLD_BYTES, linear_shapes, time_us
 
 
-def bench_dense(model: str, rows: list[int]) -> list[dict]:
+def bench_dense(model: str, rows: list[int], gemm_tiles: list[tuple[int, int]]) -> list[dict]:
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
     from deltaserve.kernels.fp8.blocks import quantize_blocks
     from deltaserve.kernels.linear.triton import gemv
@@ -36,6 +36,10 @@ def bench_dense(model: str, rows: list[int]) -> list[dict]:
             row["bf16_gemv_us"] = time_us(lambda w, x=x: gemv(x, w), ws)
             row["fp8_gemv_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemv_cuda(x, q[0], q[1], 128), qs)
             row["fp8_gemm_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128), qs)
+            for bn, stages in gemm_tiles:
+                row[f"fp8_gemm_n{bn}_s{stages}_us"] = time_us(
+                    lambda q, x=x, bn=bn, st=stages: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128, bn, st), qs
+                )
             gb = n * k / 1e9
             for key in [key for key in row if key.endswith("_us")]:
                 row[key.replace("_us", "_tb_s")] = gb * (2 if key.startswith("bf16") else 1) * 1e3 / row[key]
@@ -90,13 +94,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="dense shapes of this config")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument(
+        "--gemm-tiles",
+        nargs="*",
+        default=[],
+        metavar="BLOCK_N:STAGES",
+        help="also time the w8a8 GEMM at these tilings (the default is 128:3)",
+    )
     ap.add_argument("--moe", help="routed experts of this config")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
     if args.model:
-        rows += bench_dense(args.model, args.rows)
+        tiles = [(int(t.split(":")[0]), int(t.split(":")[1])) for t in args.gemm_tiles]
+        rows += bench_dense(args.model, args.rows, tiles)
     if args.moe:
         rows += bench_moe(args.moe, args.tokens)
     if args.json:

@@ -6,6 +6,7 @@
 # On the GPU machine, from the repository root, after the wheels are installed:
 #   bash bench/gpu_session.sh all     # every GPU test, in four concurrent groups (one call; one GPU suffices)
 #   bash bench/gpu_session.sh fp8     # FP8 GPU tests, 9B FP8 decode against REV (prepare REV) and bf16, 80B FP8 decode
+#   bash bench/gpu_session.sh fp8-next # FP8 GPU tests, GEMM tilings, 9B FP8 against REV (prepare REV), 80B FP8 profile
 #   bash bench/gpu_session.sh fp8-moe # FP8 matmuls per path, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh tests   # the GPU tests but those of the kda part
 #   bash bench/gpu_session.sh engine  # the engine's GPU tests alone (the whole call)
@@ -223,6 +224,17 @@ case "${1:-tests}" in
     run 150 80b-fp8 python3 -m bench.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
       --prompt-len 1024 --new-tokens 128 --prefill-len 0
     ;;
+  fp8-next)  # the FP8 GPU tests at once; GEMM tilings per shape; 9B FP8 against REV (prepare REV); 80B-A3B FP8 decode and its kernels
+    run 200 fp8-kernel-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py tests/kernels/test_moe_cuda.py &
+    run 200 fp8-model-tests python3 -m pytest -q -rfE -s -m gpu tests/models/test_fp8_checkpoints.py &
+    wait
+    run 100 fp8-gemv python3 -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 8 --gemm-tiles 64:4 32:6 64:6 \
+      --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 8 32
+    run 170 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-9b-fp8 \
+      --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
+    run 120 profile-80b-fp8 python3 -m bench.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \
+      --prompt-len 1024 --rows 25
+    ;;
   fp8-moe)  # FP8 decode matmuls per path; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
     run 90 fp8-gemv python3 -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 4 8 \
       --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 2 4 16 32
@@ -232,7 +244,7 @@ case "${1:-tests}" in
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   *)
-    echo "usage: $0 all|fp8|fp8-moe|tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fp8|fp8-next|fp8-moe|tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac

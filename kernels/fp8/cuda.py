@@ -25,9 +25,15 @@ def act_quant_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_gemm_cuda(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_rows: int,
+    block_n: int = 128,
+    num_stages: int = 3,
 ) -> torch.Tensor:
-    """w8a8 on the FP8 tensor cores: x `[M, K]` quantized per token group, then the GEMM."""
+    """w8a8 on the FP8 tensor cores: x `[M, K]` quantized per token group, then the GEMM
+    (`block_n`, `num_stages`: the tiling, which `bench/fp8_gemv.py` sweeps)."""
     import triton
 
     from deltaserve.kernels.fp8.triton import _fp8_gemm_kernel
@@ -39,12 +45,11 @@ def fp8_gemm_cuda(
         return out
     q, s = act_quant_cuda(x)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 128
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _fp8_gemm_kernel[grid](
         q, s, weight, scale, out, m, n, k,
         q.stride(0), s.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, num_warps=4, num_stages=3,
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, num_warps=4, num_stages=num_stages,
     )  # fmt: skip
     return out
 
