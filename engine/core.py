@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from deltaserve.engine.errors import EngineDeadError, error_reply
+from deltaserve.engine.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger("deltaserve.engine")
 
@@ -243,6 +244,7 @@ def serve_engine(config: Any, in_addr: str, out_addr: str, parent_pid: int, log_
         raise SystemExit(1) from None
     _leave_a_core_for_http(str(engine.device))
     core = EngineCore(engine, in_addr, out_addr, parent_pid)
+    freeze_startup_heap("engine process")
     if engine.tokenizer is not None:
         import importlib.util
 

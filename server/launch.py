@@ -24,6 +24,8 @@ def serve(args: argparse.Namespace) -> int:
         return _serve_headless(args)
     import uvicorn
 
+    from deltaserve.engine.gc_heap import freeze_startup_heap
+
     from .app import build_app
     from .chat_template import load_chat_template
     from .draining import FLUSH_S, DrainingServer
@@ -61,6 +63,7 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=int(args.max_request_body_mb * 2**20),
     )
     server = DrainingServer(config, client, float(args.shutdown_timeout))
+    freeze_startup_heap("HTTP process")
     # uvicorn re-raises the signal that stopped it once it has drained; a Python-level handler makes
     # that a no-op, so a SIGTERM'd server exits 0 after its drain instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -36,6 +36,7 @@ class WorkerArgs:
 
 
 def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
+    from deltaserve.engine.gc_heap import freeze_startup_heap
     from deltaserve.engine.parallel.group import destroy, init_rank, rank_device
     from deltaserve.engine.parts import load_engine_model
     from deltaserve.engine.runner.model_runner import ModelRunner
@@ -49,6 +50,7 @@ def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
         loaded = load_engine_model(config, device, groups.tp)
         runner = ModelRunner(config, loaded, device, groups)
         assert runner.channel is not None
+        freeze_startup_heap(f"tensor-parallel rank {rank}")
         logger.info("tensor-parallel rank %d ready", rank)
         while True:
             message = runner.channel.recv()
