@@ -158,7 +158,7 @@ case "${1:-tests}" in
     done
     ;;
   sampler-graphs)  # sampling by graph replay: its GPU tests, the sampler alone, sampled decode before/after
-    run 200 sampler-graph-tests python3 -m pytest -q -rA -m gpu tests/engine/test_sampler_graphs.py
+    run 200 sampler-graph-tests python3 -m pytest -q -rA -m gpu tests/engine/sampling/test_sampler_graphs.py
     run 200 ab-sampled-0.8b bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-0.8b \
       --batch-sizes 1 8 32 --new-tokens 128 --prefill-len 0 --sampling qwen
     run 60 sampler-eager python3 -m bench.sampler --batch-sizes 1 2 8 32 --iters 50

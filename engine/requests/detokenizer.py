@@ -50,7 +50,8 @@ class IncrementalDetokenizer:
 
     def _catch_up(self) -> None:
         """Deferred: decode the ids collected since the last call, in one call. The text is the
-        whole decode of the ids, which the incremental paths also give (tests/engine/test_text.py)."""
+        whole decode of the ids, which the incremental paths also give
+        (tests/engine/requests/test_text.py)."""
         if self.deferred and self._decoded != len(self.ids) and self.tokenizer is not None:
             text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
             self._chunks, self._pieces, self.length = [text], 0, len(text)

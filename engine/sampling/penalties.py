@@ -7,7 +7,7 @@ so many requests carry one). Here each
 request's tokens are kept as numpy arrays that grow with it (`TokenArrays` in request.py, on the request,
 so they go when it goes), the batch's (row, token) pairs go over in one copy, and the counts
 and the seen-mask are built by one scatter each. The results are those of `apply_penalties`
-(tests/engine/test_sampling.py holds them to it).
+(tests/engine/sampling/test_sampling.py holds them to it).
 """
 
 from __future__ import annotations

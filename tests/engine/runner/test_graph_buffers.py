@@ -2,7 +2,7 @@
 replays the way a captured graph does (the backends' metadata as it was at capture, pointing
 into the buffers; the contents filled before replay) gives the eager engine's greedy tokens,
 for decode graphs and for speculative verification graphs. Real capture runs on the GPU
-(`tests/engine/test_gpu_engine.py`, `test_spec_decode_gpu.py`)."""
+(`tests/engine/test_gpu_engine.py`, `tests/engine/spec_decode/test_spec_decode_gpu.py`)."""
 
 from __future__ import annotations
 
