@@ -17,7 +17,7 @@ import argparse
 import json
 import time
 
-from deltaserve.server.chat_output import ChatOutputParser, ChatStreamState
+from deltaserve.server.text.chat_output import ChatOutputParser, ChatStreamState
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}}
 

@@ -16,10 +16,10 @@ from deltaserve import __version__
 from deltaserve.engine.errors import EngineDeadError, InvalidParamError
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 
-from .chat import create_chat_completion
-from .chat_template import render_chat
-from .completions import create_completion
-from .context import ServerContext
+from .api.chat import create_chat_completion
+from .api.completions import create_completion
+from .api.context import ServerContext
+from .api.responses import ResponsesRequest, ResponseStore, create_response
 from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient
 from .errors import APIError, bad_request, error_body, refused, validation_message
@@ -32,7 +32,7 @@ from .protocol import (
     ModelList,
     TokenizeRequest,
 )
-from .responses import ResponsesRequest, ResponseStore, create_response
+from .text.chat_template import render_chat
 
 logger = logging.getLogger("deltaserve.server")
 

@@ -27,10 +27,10 @@ def serve(args: argparse.Namespace) -> int:
     from deltaserve.engine.gc_heap import freeze_startup_heap
 
     from .app import build_app
-    from .chat_template import load_chat_template
     from .draining import FLUSH_S, DrainingServer
     from .engine_client import EngineClient
     from .metrics import Metrics
+    from .text.chat_template import load_chat_template
 
     config = uvicorn.Config(
         "deltaserve:unused",  # the app comes with the run below

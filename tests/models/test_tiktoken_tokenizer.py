@@ -98,7 +98,7 @@ def test_forced_kimi_tool_call(kimi_llm):
     pytest.importorskip("xgrammar")
     from deltaserve import SamplingParams
     from deltaserve.engine.requests.sampling_params import StructuredOutputs
-    from deltaserve.server.tool_calls import KIMI, extract_tool_calls
+    from deltaserve.server.text.tool_calls import KIMI, extract_tool_calls
 
     params = {
         "type": "object",
@@ -131,8 +131,8 @@ def test_tools_render_with_sorted_keys_as_kimis_code_does(kimi_tokenizer_folder)
 
     from transformers import PreTrainedTokenizerFast
 
-    from deltaserve.server.chat_template import render_chat
     from deltaserve.server.protocol import ChatMessage, ToolDefinition
+    from deltaserve.server.text.chat_template import render_chat
 
     tool = ToolDefinition.model_validate(
         {

@@ -333,9 +333,9 @@ def test_bad_tool_choice_is_400(server, extra: dict, needle: str) -> None:
 
 
 def test_tool_choice_follows_the_templates_tool_call_form() -> None:
+    from deltaserve.server.api.request_params import tool_choice_constraint
     from deltaserve.server.errors import APIError
     from deltaserve.server.protocol import ToolDefinition
-    from deltaserve.server.request_params import tool_choice_constraint
 
     tools = [ToolDefinition.model_validate(TOOL)]
     xml = tool_choice_constraint("required", tools, "<tool_call>\n<function=example_function_name>")

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults, load_sampling_defaults
+from deltaserve.server.api.request_params import build_sampling_params
 from deltaserve.server.cli import build_parser
 from deltaserve.server.errors import APIError
 from deltaserve.server.protocol import ChatCompletionRequest
-from deltaserve.server.request_params import build_sampling_params
 
 QWEN35 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": [1, 2]}
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from deltaserve.server.chat_output import ChatOutputParser, ChatStreamState
-from deltaserve.server.reasoning import prompt_opens_reasoning, split_reasoning
-from deltaserve.server.tool_calls import KIMI, QWEN, extract_tool_calls, tool_call_format
+from deltaserve.server.text.chat_output import ChatOutputParser, ChatStreamState
+from deltaserve.server.text.reasoning import prompt_opens_reasoning, split_reasoning
+from deltaserve.server.text.tool_calls import KIMI, QWEN, extract_tool_calls, tool_call_format
 
 WEATHER_TOOLS = {
     "get_weather": {

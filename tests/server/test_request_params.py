@@ -11,10 +11,10 @@ import pytest
 from deltaserve.engine.errors import InvalidParamError
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.requests.sampling_params import SamplingParams
+from deltaserve.server.api.generation import usage_of
+from deltaserve.server.api.request_params import build_sampling_params, fan_out
 from deltaserve.server.errors import APIError
-from deltaserve.server.generation import usage_of
 from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from deltaserve.server.request_params import build_sampling_params, fan_out
 
 VOCAB = 1000
 

@@ -249,7 +249,7 @@ def test_previous_response_continues_the_conversation(client, base_url: str) -> 
 
 
 def test_the_store_keeps_the_last_responses() -> None:
-    from deltaserve.server.responses import ResponseStore, StoredResponse
+    from deltaserve.server.api.responses import ResponseStore, StoredResponse
 
     store = ResponseStore(size=2)
     for name in ("a", "b"):

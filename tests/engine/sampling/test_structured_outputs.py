@@ -230,7 +230,7 @@ def test_forced_tool_calls_parse_in_both_forms(llm, form, most):
     """Forced calls (tool_choice) in Qwen3's JSON form or Qwen3.5's XML form: the server's
     tool-call parser reads one call (or up to `most`) of the given functions, their arguments
     typed by the schemas."""
-    from deltaserve.server.tool_calls import extract_tool_calls
+    from deltaserve.server.text.tool_calls import extract_tool_calls
 
     schemas = {f["name"]: f["parameters"] for f in (WEATHER, TIME)}
     spec = StructuredOutputs(tool_calls=[WEATHER, TIME], tool_call_form=form, max_tool_calls=most)
@@ -265,7 +265,7 @@ def test_forced_tool_calls_parse_in_both_forms(llm, form, most):
 def test_structured_outputs_on_cuda(tokenized_checkpoint, pools_held):
     """On CUDA (decode graphs, sampler graphs, overlap scheduling around the constrained steps):
     schema-valid JSON and forced calls beside unconstrained requests, pools idle afterwards."""
-    from deltaserve.server.tool_calls import extract_tool_calls
+    from deltaserve.server.text.tool_calls import extract_tool_calls
 
     gpu = LLM(tokenized_checkpoint, dtype="float32", device="cuda", chunked_prefill_size=64)
     assert gpu.engine.sampler.graph_max_bs > 0

@@ -25,11 +25,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .chat import PreparedChat, prepare_chat
-from .chat_output import ChatStreamState, tool_call_id
-from .context import ClientDisconnected, ServerContext
-from .errors import APIError, bad_request, error_body, failure_of, raise_if_failed
-from .protocol import (
+from ..errors import APIError, bad_request, error_body, failure_of, raise_if_failed
+from ..protocol import (
     ChatCompletionRequest,
     ChatMessage,
     DeltaToolCall,
@@ -38,6 +35,9 @@ from .protocol import (
     ToolDefinition,
     unsupported_if_set,
 )
+from ..text.chat_output import ChatStreamState, tool_call_id
+from .chat import PreparedChat, prepare_chat
+from .context import ClientDisconnected, ServerContext
 
 # chat fields named otherwise here, for error messages that name the field the client sent
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}

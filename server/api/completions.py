@@ -8,17 +8,17 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from .context import ServerContext
-from .errors import bad_request
-from .generation import Generation
-from .logprobs import completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs
-from .protocol import (
+from ..errors import bad_request
+from ..protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     random_id,
 )
+from .context import ServerContext
+from .generation import Generation
+from .logprobs import completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput

@@ -9,12 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from .chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
-from .chat_template import render_chat
-from .context import ServerContext
-from .generation import Generation
-from .logprobs import chat_logprobs, vllm_prompt_logprobs
-from .protocol import (
+from ..protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -24,9 +19,14 @@ from .protocol import (
     ChatDelta,
     random_id,
 )
-from .reasoning import prompt_opens_reasoning
+from ..text.chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
+from ..text.chat_template import render_chat
+from ..text.reasoning import prompt_opens_reasoning
+from ..text.tool_calls import KIMI
+from .context import ServerContext
+from .generation import Generation
+from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .request_params import tool_choice_constraint
-from .tool_calls import KIMI
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput

@@ -19,10 +19,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from ..engine_client import RequestGroup
+from ..errors import error_body, failure_of, raise_if_failed
+from ..protocol import PromptTokensDetails, StreamOptions, Usage
 from .context import ClientDisconnected, ServerContext
-from .engine_client import RequestGroup
-from .errors import error_body, failure_of, raise_if_failed
-from .protocol import PromptTokensDetails, StreamOptions, Usage
 from .request_params import fan_out
 
 if TYPE_CHECKING:

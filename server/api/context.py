@@ -15,18 +15,18 @@ from fastapi import Request
 from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 
-from .engine_client import EngineClient, RequestGroup, ShuttingDownError
-from .errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed, refused
+from ..engine_client import EngineClient, RequestGroup, ShuttingDownError
+from ..errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed, refused
+from ..metrics import Metrics
+from ..text.tool_calls import tool_call_format
 from .logprobs import TokenText
-from .metrics import Metrics
 from .request_params import build_sampling_params
-from .tool_calls import tool_call_format
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput
     from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputs
 
-    from .protocol import ChatCompletionRequest, CompletionRequest
+    from ..protocol import ChatCompletionRequest, CompletionRequest
 
 
 T = TypeVar("T")

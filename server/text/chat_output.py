@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .protocol import DeltaToolCall, ToolCall, ToolCallFunction
+from ..protocol import DeltaToolCall, ToolCall, ToolCallFunction
 from .reasoning import ReasoningStream, split_reasoning
 from .tool_calls import ParsedToolCall, ToolCallFormat, ToolCallStream, extract_tool_calls
 

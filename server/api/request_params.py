@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .errors import bad_request, refused
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from ..errors import bad_request, refused
+from ..protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.generation_defaults import SamplingDefaults

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import bad_request
-from .protocol import ChatMessage, ToolDefinition
+from ..errors import bad_request
+from ..protocol import ChatMessage, ToolDefinition
 
 
 def load_chat_template(path: str | None) -> str | None:
