@@ -17,7 +17,7 @@ PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13]
 @pytest.fixture(scope="module")
 def offline(builtin_path: str):
     """The same model's prompt log-probabilities from the offline engine, the reference here
-    (the engine's own are held to transformers in tests/engine/test_prompt_logprobs.py)."""
+    (the engine's own are held to transformers in tests/engine/step/test_prompt_logprobs.py)."""
     from deltaserve import LLM, SamplingParams
 
     llm = LLM(model=builtin_path, dtype="float32", device="cpu")
