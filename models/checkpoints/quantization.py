@@ -360,9 +360,9 @@ def parameters_on_meta() -> Iterator[None]:
 
 def swap_in_fp8_modules(model: nn.Module, dtype: torch.dtype) -> None:
     """Every linear layer (but a tied LM head) and every routed-expert stack becomes an FP8 holder."""
-    from deltaserve.models.gated_deltanet import GatedDeltaNet
-    from deltaserve.models.layers import Experts, GatedMLP
-    from deltaserve.models.mla import MultiLatentAttention
+    from deltaserve.models.layers.common import Experts, GatedMLP
+    from deltaserve.models.layers.gated_deltanet import GatedDeltaNet
+    from deltaserve.models.layers.mla import MultiLatentAttention
 
     tied = {id(p) for n, p in model.named_parameters() if n.endswith("embed_tokens.weight")}
     for parent in list(model.modules()):
@@ -401,7 +401,7 @@ def materialize_rest(model: nn.Module, device: torch.device) -> None:
 
 
 def build_fp8(make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype) -> nn.Module:
-    from deltaserve.models.loader import build_on
+    from deltaserve.models.checkpoints.loader import build_on
 
     with parameters_on_meta():
         model = build_on(device, dtype, make)
