@@ -1,5 +1,5 @@
-"""The package's modules import in any order, engine/ has no import cycles, and the imports run
-one way (models/ and kernels/ import nothing of the engine or the server).
+"""The package's modules import in any order, engine/ and models/ have no import cycles, and the
+imports run one way (models/ and kernels/ import nothing of the engine or the server).
 
 A cycle hidden by a lazy import or a TYPE_CHECKING block still ties two modules into one (neither
 can be read, moved or tested without the other), so the scan counts every import statement of
@@ -112,6 +112,14 @@ def test_engine_has_no_import_cycles():
     assert "deltaserve.engine.sampling.sampler" in graph["deltaserve.engine.parts"]  # the scan sees imports
     in_engine = [c for c in cycles(graph) if any(m.startswith("deltaserve.engine.") for m in c)]
     assert in_engine == []
+
+
+def test_models_have_no_import_cycles():
+    mods = module_files()
+    graph = {name: imports_of(name, path, mods) for name, path in mods.items()}
+    assert "deltaserve.models.checkpoints.quantization" in graph["deltaserve.models.checkpoints.loader"]
+    in_models = [c for c in cycles(graph) if any(m.startswith("deltaserve.models.") for m in c)]
+    assert in_models == []
 
 
 def layering_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:

@@ -209,7 +209,8 @@ def build_and_load(
     if fp8 is not None and tp.enabled:
         # a rank's slice must split whole 128 x 128 scale blocks, which the shards do not promise
         raise ValueError("FP8 weights with tensor parallelism are not supported yet; use one GPU")
-    model: M = q.build_fp8(make, device, dtype) if fp8 is not None else build_on(device, dtype, make)  # type: ignore[assignment]
+    build = lambda: build_on(device, dtype, make)  # noqa: E731
+    model: M = q.build_fp8(build, device, dtype) if fp8 is not None else build()  # type: ignore[assignment]
     # linear-attention gate parameters stay fp32: exp(A_log) in bf16 loses the decay
     for name, p in model.named_parameters():
         if name.endswith(("A_log", "dt_bias")):
