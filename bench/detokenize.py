@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--byte-run", action="store_true", help="one incomplete byte token repeated")
     args = ap.parse_args()
     if args.model is None:
-        from deltaserve.models.builtin import builtin_model_path
+        from deltaserve.models.checkpoints.builtin import builtin_model_path
 
         args.model = builtin_model_path()
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -52,7 +52,7 @@ def bench_moe(model: str, tokens: list[int]) -> list[dict]:
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
     from deltaserve.kernels.fp8.blocks import quantize_blocks
     from deltaserve.kernels.moe import cuda as moe_cuda
-    from deltaserve.models.loader import read_config
+    from deltaserve.models.checkpoints.loader import read_config
     from deltaserve.models.registry import resolve, text_config
 
     config, arch = read_config(model)

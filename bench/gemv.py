@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 def linear_shapes(path: str) -> Counter:
     """(N, K) of each linear weight under 256 MB, with how many layers have it."""
-    from deltaserve.models.layers import Linear
-    from deltaserve.models.loader import read_config
+    from deltaserve.models.checkpoints.loader import read_config
+    from deltaserve.models.layers.common import Linear
     from deltaserve.models.registry import resolve, text_config
 
     config, arch = read_config(path)

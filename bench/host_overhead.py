@@ -44,7 +44,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.model is None:
-        from deltaserve.models.builtin import builtin_model_path
+        from deltaserve.models.checkpoints.builtin import builtin_model_path
 
         args.model = builtin_model_path()
     engine = Engine(

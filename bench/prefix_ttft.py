@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.model is None:
-        from deltaserve.models.builtin import builtin_model_path
+        from deltaserve.models.checkpoints.builtin import builtin_model_path
 
         args.model = builtin_model_path()
     results = [run(args, "naive"), run(args, "radix")]

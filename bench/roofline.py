@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from deltaserve.models.layers import Experts
-from deltaserve.models.quantization import Fp8Experts
+from deltaserve.models.checkpoints.quantization import Fp8Experts
+from deltaserve.models.layers.common import Experts
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ offline() {  # offline NAME CONFIG ARGS_JSON BENCH ARGS...
 }
 
 # the built-in model's Qwen3 tokenizer: streams then carry text, detokenized as users' would be
-tok=$(python3 -c "from deltaserve.models.builtin import builtin_model_path; print(builtin_model_path())")
+tok=$(python3 -c "from deltaserve.models.checkpoints.builtin import builtin_model_path; print(builtin_model_path())")
 dummy="--load-format dummy --tokenizer $tok"
 
 profile_load() {  # profile_load NAME SECONDS BENCH ARGS...: py-spy both processes under a load

@@ -40,7 +40,7 @@ class EngineConfig:
     state_dtype: str = "float32"
     seed: int = 0
     load_format: str = "auto"
-    # "fp8": quantize an unquantized checkpoint to block FP8 at load (models/quantization.py);
+    # "fp8": quantize an unquantized checkpoint to block FP8 at load (models/checkpoints/quantization.py);
     # block-FP8 checkpoints are recognised from their config either way
     quantization: str | None = None
     mem_fraction_static: float = 0.85

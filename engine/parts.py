@@ -26,7 +26,7 @@ from deltaserve.engine.step.admission import Admission, LazyGrammars
 from deltaserve.engine.step.overlap import Overlap
 from deltaserve.engine.step.scheduler import Scheduler, reserve_pages
 from deltaserve.engine.step.token_sink import TokenSink, new_counters
-from deltaserve.models.loader import LoadedModel, load_model, load_tokenizer
+from deltaserve.models.checkpoints.loader import LoadedModel, load_model, load_tokenizer
 from deltaserve.models.parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.kernels.router import sigmoid_topk
+from deltaserve.models.checkpoints.weights import WeightLoader
 from deltaserve.models.forward import ForwardContext
-from deltaserve.models.kda import KimiDeltaAttention
-from deltaserve.models.layers import (
+from deltaserve.models.layers.common import (
     Experts,
     GatedMLP,
     HybridCausalLM,
@@ -28,9 +28,9 @@ from deltaserve.models.layers import (
     VocabParallelEmbedding,
     run_decoder,
 )
-from deltaserve.models.mla import MultiLatentAttention
+from deltaserve.models.layers.kda import KimiDeltaAttention
+from deltaserve.models.layers.mla import MultiLatentAttention
 from deltaserve.models.parallel import SINGLE, TensorParallel
-from deltaserve.models.weights import WeightLoader
 
 
 def layer_types_of(config: Any) -> list[str]:

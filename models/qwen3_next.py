@@ -14,10 +14,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from deltaserve.models.attention import GatedAttention
+from deltaserve.models.checkpoints.weights import WeightLoader
 from deltaserve.models.forward import ForwardContext, ModelCapabilities
-from deltaserve.models.gated_deltanet import GatedDeltaNet
-from deltaserve.models.layers import (
+from deltaserve.models.layers.attention import GatedAttention
+from deltaserve.models.layers.common import (
     GatedMLP,
     HybridCausalLM,
     SparseMoeBlock,
@@ -25,8 +25,8 @@ from deltaserve.models.layers import (
     ZeroCenteredRMSNorm,
     run_decoder,
 )
+from deltaserve.models.layers.gated_deltanet import GatedDeltaNet
 from deltaserve.models.parallel import SINGLE, TensorParallel
-from deltaserve.models.weights import WeightLoader
 
 
 def layer_types_of(config: Any) -> list[str]:

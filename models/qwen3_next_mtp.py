@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltaserve.models.checkpoints.weights import WeightLoader
 from deltaserve.models.forward import ForwardContext
-from deltaserve.models.layers import Linear, ZeroCenteredRMSNorm, collect_narrows
+from deltaserve.models.layers.common import Linear, ZeroCenteredRMSNorm, collect_narrows
 from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 from deltaserve.models.qwen3_next import DecoderLayer
-from deltaserve.models.weights import WeightLoader
 
 PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.", "language_model.mtp.")
 
@@ -91,7 +91,7 @@ def load_mtp(
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
 ) -> MultiTokenPredictor:
-    from deltaserve.models.loader import build_and_load
+    from deltaserve.models.checkpoints.loader import build_and_load
 
     make = lambda: MultiTokenPredictor(config, tp)  # noqa: E731
     return build_and_load(path, make, dtype, device, "dummy" if dummy else "auto", 0, quantization, tp)

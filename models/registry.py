@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from deltaserve.models.layers import HybridCausalLM
+    from deltaserve.models.layers.common import HybridCausalLM
 
 # a model class: (text config, tensor parallelism = one rank) -> the model
 ModelClass = Callable[..., "HybridCausalLM"]

@@ -47,7 +47,7 @@ def serve(args: argparse.Namespace) -> int:
     sampling_defaults = _sampling_defaults(args, engine_config.model)
     names, aliases = _served_names(args)
     handle = _start_engine(engine_config, args.log_level)
-    from deltaserve.models.loader import load_tokenizer
+    from deltaserve.models.checkpoints.loader import load_tokenizer
 
     client = EngineClient(
         handle, load_tokenizer(engine_config.tokenizer or engine_config.model), Metrics(names[0])
@@ -125,7 +125,7 @@ def _served_names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     if args.served_model_name:
         return list(args.served_model_name), []
     if args.model is None:
-        from deltaserve.models.builtin import BUILTIN_NAME
+        from deltaserve.models.checkpoints.builtin import BUILTIN_NAME
 
         return [BUILTIN_NAME], []
     path = str(args.model).rstrip("/") or str(args.model)
@@ -136,7 +136,7 @@ def _served_names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 def _engine_config(args: argparse.Namespace) -> Any:
     model = args.model
     if model is None:
-        from deltaserve.models.builtin import builtin_model_path
+        from deltaserve.models.checkpoints.builtin import builtin_model_path
 
         logger.info("no --model given: serving the built-in tiny random-weight Qwen3-Next model")
         model = builtin_model_path()

@@ -268,7 +268,8 @@ def tokenized_checkpoint(tmp_path_factory) -> str:
     return path
 
 
-# a toy Kimi-Linear tokenizer (tiktoken.model + tokenizer_config.json), for models/tiktoken_tokenizer.py
+# a toy Kimi-Linear tokenizer (tiktoken.model + tokenizer_config.json), for
+# models/checkpoints/tiktoken_tokenizer.py
 KIMI_CORPUS = (
     "The quick brown fox jumps over the lazy dog. It's 2026 and we're testing 12345 tokens!\n\n"
     "中国的首都是北京。 Tokenizers split CamelCase words like HTTPServer and naïve café.\n"

@@ -38,7 +38,7 @@ sys.path.insert(0, HERE)
 ALL = ["norm", "linear", "router", "conv", "attention", "moe", "mla", "gdn_decode", "window"]
 MODULES = {
     "norm": ["deltaserve.kernels.norm"],
-    "linear": ["deltaserve.kernels.linear", "deltaserve.models.layers"],
+    "linear": ["deltaserve.kernels.linear", "deltaserve.models.layers.common"],
     "router": ["deltaserve.kernels.router"],
     "conv": ["deltaserve.kernels.conv"],
     "attention": ["deltaserve.kernels.attention"],

@@ -78,7 +78,7 @@ def test_backends_and_models_keep_to_the_contract(tmp_path):
         "        g: torch.Tensor,\n        beta: torch.Tensor,\n    ) -> torch.Tensor:\n",
         "        g: torch.Tensor,\n    ) -> torch.Tensor:\n        beta = g\n",
     )
-    edit(root / "deltaserve/models/mla.py", "self.v_head_dim, self.scale\n", "self.v_head_dim\n")
+    edit(root / "deltaserve/models/layers/mla.py", "self.v_head_dim, self.scale\n", "self.v_head_dim\n")
     proc = mypy(root)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert 'Signature of "kda" incompatible with supertype' in proc.stdout, proc.stdout

@@ -20,8 +20,8 @@ from deltaserve.engine.runner.forward_batch import ForwardBatch, build_forward_b
 from deltaserve.engine.runner.linear_backend import LinearAttentionBackend
 from deltaserve.engine.spec_decode.state_window import StateWindow
 from deltaserve.kernels.delta_rule.fla import configure_fla
+from deltaserve.models.checkpoints.loader import LoadedModel
 from deltaserve.models.forward import ForwardContext
-from deltaserve.models.loader import LoadedModel
 
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.group import RankGroups

@@ -115,7 +115,7 @@ def test_pool_ops_match_per_sequence():
 def test_forget_gate_matches_transformers():
     from transformers import KimiLinearConfig
 
-    from deltaserve.models.kda import KimiDeltaAttention
+    from deltaserve.models.layers.kda import KimiDeltaAttention
 
     cfg = KimiLinearConfig(hidden_size=24, num_hidden_layers=1, linear_num_heads=2, linear_head_dim=8)
     torch.manual_seed(0)

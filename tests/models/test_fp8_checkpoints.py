@@ -198,7 +198,7 @@ def test_fp8_checkpoint_matches_w8a8_reference(kind: str, make_checkpoint, tmp_p
 
 
 def test_fp8_weights_are_stored_as_fp8(make_checkpoint, tmp_path: Path) -> None:
-    from deltaserve.models.loader import load_model
+    from deltaserve.models.checkpoints.loader import load_model
 
     fp8 = write_fp8(make_checkpoint("qwen3_next", **SHAPES), tmp_path / "fp8")
     model = load_model(str(fp8), torch.float32, torch.device("cpu")).model
@@ -211,7 +211,7 @@ def test_fp8_weights_are_stored_as_fp8(make_checkpoint, tmp_path: Path) -> None:
 
 
 def test_modules_to_not_convert_is_honoured(make_checkpoint, tmp_path: Path) -> None:
-    from deltaserve.models.loader import load_model
+    from deltaserve.models.checkpoints.loader import load_model
 
     src = make_checkpoint("qwen3_5", **SHAPES)
     # o_proj kept unquantized and listed: served unquantized
@@ -233,7 +233,7 @@ def _edit(path: Path, change) -> None:
 
 
 def test_missing_or_misshapen_scales_are_errors(make_checkpoint, tmp_path: Path) -> None:
-    from deltaserve.models.loader import load_model
+    from deltaserve.models.checkpoints.loader import load_model
 
     src = make_checkpoint("qwen3_5", **SHAPES)
     name = "model.layers.3.self_attn.o_proj.weight"
@@ -261,7 +261,7 @@ def test_online_quantization_equals_offline(kind: str, make_checkpoint, tmp_path
 
 
 def test_dummy_fp8_weights(make_checkpoint, tmp_path: Path) -> None:
-    from deltaserve.models.loader import load_model
+    from deltaserve.models.checkpoints.loader import load_model
 
     fp8 = write_fp8(make_checkpoint("qwen3_next", **SHAPES), tmp_path / "fp8")
     model = load_model(str(fp8), torch.float32, torch.device("cpu"), load_format="dummy").model
@@ -336,7 +336,7 @@ def hf_kimi_w8a8(path: Path, prompts: list[list[int]], n: int) -> tuple[list[lis
 
 @pytest.mark.slow
 def test_fp8_kimi_linear_matches_w8a8_reference(kimi_builder, kimi_config, tmp_path: Path) -> None:
-    from deltaserve.models.loader import load_model
+    from deltaserve.models.checkpoints.loader import load_model
 
     src, fp8 = _kimi_fp8(kimi_builder, kimi_config, tmp_path)
     model = load_model(str(fp8), torch.float32, torch.device("cpu")).model

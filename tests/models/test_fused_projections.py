@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.models.layers import Linear
+from deltaserve.models.layers.common import Linear
 
 
 def test_sharded_linear_is_bitwise_the_separate_matmuls():
@@ -25,8 +25,8 @@ def test_sharded_linear_is_bitwise_the_separate_matmuls():
 
 
 def test_loader_fills_each_shard_from_its_checkpoint_tensor():
-    from deltaserve.models.layers import GatedMLP
-    from deltaserve.models.weights import WeightLoader
+    from deltaserve.models.checkpoints.weights import WeightLoader
+    from deltaserve.models.layers.common import GatedMLP
 
     mlp = GatedMLP(6, 4)
     gate, up, down = torch.randn(4, 6), torch.randn(4, 6), torch.randn(6, 4)
@@ -43,8 +43,8 @@ def test_loader_fills_each_shard_from_its_checkpoint_tensor():
 def test_loader_names_a_missing_shard():
     import pytest
 
-    from deltaserve.models.layers import GatedMLP
-    from deltaserve.models.weights import WeightLoader
+    from deltaserve.models.checkpoints.weights import WeightLoader
+    from deltaserve.models.layers.common import GatedMLP
 
     mlp = GatedMLP(6, 4)
     loader = WeightLoader(mlp)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deltaserve.models.loader import read_config
+from deltaserve.models.checkpoints.loader import read_config
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 UNSUPPORTED = [

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.models.layers import Experts
-from deltaserve.models.loader import iter_safetensors, load_model
+from deltaserve.models.checkpoints.loader import iter_safetensors, load_model
+from deltaserve.models.layers.common import Experts
 from deltaserve.models.parallel import TensorParallel
 
 NEW_TOKENS = 8

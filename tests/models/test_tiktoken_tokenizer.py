@@ -1,4 +1,4 @@
-"""Kimi-Linear's tokenizer read natively (`models/tiktoken_tokenizer.py`) against tiktoken itself
+"""Kimi-Linear's tokenizer read natively (`models/checkpoints/tiktoken_tokenizer.py`) against tiktoken itself
 (what Kimi's remote code wraps), on a toy `tiktoken.model` built here: the same ids for mixed
 Latin / CJK / digit / whitespace text and special-token text, the same decoded text, and a tiny
 Kimi-Linear checkpoint with it serves text prompts and a chat template end to end."""
@@ -11,7 +11,11 @@ import pytest
 
 tiktoken = pytest.importorskip("tiktoken")
 
-from deltaserve.models.tiktoken_tokenizer import KIMI_PATTERN, NUM_SPECIAL, load_tiktoken_tokenizer  # noqa: E402
+from deltaserve.models.checkpoints.tiktoken_tokenizer import (  # noqa: E402
+    KIMI_PATTERN,
+    NUM_SPECIAL,
+    load_tiktoken_tokenizer,
+)
 
 
 def oracle(ranks: dict[bytes, int], specials: dict[int, str]):

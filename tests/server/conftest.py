@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
 MAX_MODEL_LEN = 512
 
@@ -85,7 +85,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def builtin_path(model_cache: str) -> str:
-    from deltaserve.models.builtin import builtin_model_path
+    from deltaserve.models.checkpoints.builtin import builtin_model_path
 
     return builtin_model_path(Path(model_cache))
 

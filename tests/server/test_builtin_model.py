@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.models.builtin import BUILTIN_NAME, builtin_model_path
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME, builtin_model_path
 
 
 def sha256(path: Path) -> str:
@@ -64,7 +64,7 @@ def test_build_is_deterministic_and_reused(builtin_path: str, tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_concurrent_first_use(tmp_path: Path) -> None:
-    code = "import sys; from deltaserve.models.builtin import builtin_model_path; print(builtin_model_path(sys.argv[1]))"
+    code = "import sys; from deltaserve.models.checkpoints.builtin import builtin_model_path; print(builtin_model_path(sys.argv[1]))"
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
         for _ in range(2)

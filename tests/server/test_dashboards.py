@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana.json"
 METRIC = re.compile(r"\b(?:deltaserve_|vllm:)[a-z0-9_:]+")

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
-from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
 
 def children_of(pid: int) -> list[int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
 DATA = Path(__file__).parent.parent / "data" / "lm_eval"
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
 LONG = {"max_tokens": 400, "ignore_eos": True}
 

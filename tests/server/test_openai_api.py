@@ -9,7 +9,7 @@ import math
 import httpx
 import pytest
 
-from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

@@ -9,7 +9,7 @@ import math
 import httpx
 import pytest
 
-from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
 PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13]
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from deltaserve.models.builtin import BUILTIN_NAME as MODEL_NAME
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
 WEATHER = {
     "type": "function",

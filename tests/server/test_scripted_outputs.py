@@ -240,7 +240,7 @@ def test_responses_api_gives_reasoning_and_call_items(serve_script) -> None:
 def test_kimi_tool_calls_over_http(serve_script, kimi_tokenizer_folder) -> None:
     """A Kimi-style tokenizer (its markers in the vocabulary) makes the server read Kimi's call
     markup: chat completions and the Responses API, whole and streamed."""
-    from deltaserve.models.tiktoken_tokenizer import load_tiktoken_tokenizer
+    from deltaserve.models.checkpoints.tiktoken_tokenizer import load_tiktoken_tokenizer
 
     tok = load_tiktoken_tokenizer(kimi_tokenizer_folder[0])
     script = (

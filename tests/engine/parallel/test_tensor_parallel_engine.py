@@ -13,7 +13,7 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.errors import EngineDeadError
-from deltaserve.models.layers import Experts
+from deltaserve.models.layers.common import Experts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 

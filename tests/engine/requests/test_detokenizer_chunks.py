@@ -8,7 +8,7 @@ import random
 from transformers import AutoTokenizer
 
 from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
-from deltaserve.models.builtin import builtin_model_path
+from deltaserve.models.checkpoints.builtin import builtin_model_path
 
 
 def test_text_tail_and_cut_match_the_concatenated_pieces():

@@ -23,7 +23,7 @@ class WeightLoader:
         # modules list them as {checkpoint name: (parameter, first row, rows)}
         self.shards: dict[str, tuple[str, int, int]] = {}
         self.shards_per_param: dict[str, int] = {}
-        # parameters that FP8 holders (models/quantization.py) allocate on first write and
+        # parameters that FP8 holders (models/checkpoints/quantization.py) allocate on first write and
         # convert once complete: {parameter: (module, its attribute)}
         self.holders: dict[str, tuple[nn.Module, str]] = {}
         self.device = next((p.device for p in self.params.values() if not p.is_meta), torch.device("cpu"))
@@ -127,8 +127,8 @@ class WeightLoader:
 
     def _fit(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor in its parameter's form: FP8 holders take row records (see
-        models/quantization.py), other parameters plain values."""
-        from deltaserve.models import quantization as q
+        models/checkpoints/quantization.py), other parameters plain values."""
+        from deltaserve.models.checkpoints import quantization as q
 
         if param_name in self.holders:
             if tensor.dtype == torch.uint8:

@@ -16,8 +16,8 @@ from deltaserve.models.parallel import SINGLE, Narrow, TensorParallel
 from deltaserve.models.registry import resolve, text_config
 
 if TYPE_CHECKING:
-    from deltaserve.models.layers import HybridCausalLM
-    from deltaserve.models.quantization import Fp8Config
+    from deltaserve.models.checkpoints.quantization import Fp8Config
+    from deltaserve.models.layers.common import HybridCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +49,11 @@ def read_config(path: str) -> tuple[Any, str]:
 
 
 def refuse_quantized(path: str, raw_config: dict[str, Any]) -> Fp8Config | None:
-    """The checkpoint's FP8 block quantization (models/quantization.py), None when unquantized,
+    """The checkpoint's FP8 block quantization (models/checkpoints/quantization.py), None when unquantized,
     and an error for every other quantization: FP8 weights read without their scales, or any
     format deltaserve does not implement, would load silently and generate noise. Looked for in
     config.json and in the files' own dtypes."""
-    from deltaserve.models.quantization import Fp8Config
+    from deltaserve.models.checkpoints.quantization import Fp8Config
 
     for cfg in (raw_config, raw_config.get("text_config") or {}):
         quant = cfg.get("quantization_config")
@@ -134,7 +134,7 @@ def build_on(device: torch.device, dtype: torch.dtype, make: Callable[[], M]) ->
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights of a realistic scale, for benchmarks without checkpoints."""
-    from deltaserve.models.layers import ZeroCenteredRMSNorm
+    from deltaserve.models.layers.common import ZeroCenteredRMSNorm
 
     # a norm stored as an offset from one is neutral at 0, every other norm at 1
     zero_centred = {
@@ -142,7 +142,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     }
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
-            if p.dtype.itemsize == 1:  # FP8 weights and their records: models/quantization.py's
+            if p.dtype.itemsize == 1:  # FP8 weights and their records: models/checkpoints/quantization.py's
                 continue
             gen = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
             if name.endswith("A_log"):
@@ -198,7 +198,7 @@ def build_and_load(
     """`make()` on `device` with the checkpoint's weights (or random ones: load_format 'dummy');
     FP8 when the checkpoint is block-FP8 or `quantization` is 'fp8' (quantized as it loads);
     with `tp`, only this rank's slices are read."""
-    from deltaserve.models import quantization as q
+    from deltaserve.models.checkpoints import quantization as q
 
     if quantization not in (None, *q.METHODS):
         raise ValueError(f"unknown quantization {quantization!r}; supported: {', '.join(q.METHODS)}")
@@ -209,7 +209,8 @@ def build_and_load(
     if fp8 is not None and tp.enabled:
         # a rank's slice must split whole 128 x 128 scale blocks, which the shards do not promise
         raise ValueError("FP8 weights with tensor parallelism are not supported yet; use one GPU")
-    model: M = q.build_fp8(make, device, dtype) if fp8 is not None else build_on(device, dtype, make)  # type: ignore[assignment]
+    build = lambda: build_on(device, dtype, make)  # noqa: E731
+    model: M = q.build_fp8(build, device, dtype) if fp8 is not None else build()  # type: ignore[assignment]
     # linear-attention gate parameters stay fp32: exp(A_log) in bf16 loses the decay
     for name, p in model.named_parameters():
         if name.endswith(("A_log", "dt_bias")):
@@ -233,7 +234,7 @@ def load_tokenizer(path: str) -> Any | None:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
     if not any(os.path.isfile(os.path.join(path, n)) for n in names):
         return None
-    from deltaserve.models.tiktoken_tokenizer import is_tiktoken_folder, load_tiktoken_tokenizer
+    from deltaserve.models.checkpoints.tiktoken_tokenizer import is_tiktoken_folder, load_tiktoken_tokenizer
 
     if is_tiktoken_folder(path):  # Kimi-Linear's: a tiktoken file and remote code, read natively
         return load_tiktoken_tokenizer(path)

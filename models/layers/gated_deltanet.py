@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from deltaserve.models.forward import ForwardContext
-from deltaserve.models.layers import GatedRMSNorm, Linear, RowParallelLinear
+from deltaserve.models.layers.common import GatedRMSNorm, Linear, RowParallelLinear
 from deltaserve.models.parallel import SINGLE, ShardSpec, TensorParallel
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from deltaserve.kernels.norm import kda_gate
 from deltaserve.models.forward import ForwardContext
-from deltaserve.models.layers import GatedRMSNorm, Linear, RowParallelLinear
+from deltaserve.models.layers.common import GatedRMSNorm, Linear, RowParallelLinear
 from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from deltaserve.models.forward import ForwardContext
-from deltaserve.models.layers import Linear, RMSNorm, RowParallelLinear
+from deltaserve.models.layers.common import Linear, RMSNorm, RowParallelLinear
 from deltaserve.models.parallel import SINGLE, ShardSpec, TensorParallel
 
 

@@ -360,9 +360,9 @@ def parameters_on_meta() -> Iterator[None]:
 
 def swap_in_fp8_modules(model: nn.Module, dtype: torch.dtype) -> None:
     """Every linear layer (but a tied LM head) and every routed-expert stack becomes an FP8 holder."""
-    from deltaserve.models.gated_deltanet import GatedDeltaNet
-    from deltaserve.models.layers import Experts, GatedMLP
-    from deltaserve.models.mla import MultiLatentAttention
+    from deltaserve.models.layers.common import Experts, GatedMLP
+    from deltaserve.models.layers.gated_deltanet import GatedDeltaNet
+    from deltaserve.models.layers.mla import MultiLatentAttention
 
     tied = {id(p) for n, p in model.named_parameters() if n.endswith("embed_tokens.weight")}
     for parent in list(model.modules()):
@@ -400,11 +400,11 @@ def materialize_rest(model: nn.Module, device: torch.device) -> None:
             module._parameters[name] = done[id(p)]
 
 
-def build_fp8(make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype) -> nn.Module:
-    from deltaserve.models.loader import build_on
-
+def build_fp8(build: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """`build()` (the loader's: the model made on `device` in `dtype`) with FP8 holders in place;
+    taken as an argument so that this module imports nothing of the loader that imports it."""
     with parameters_on_meta():
-        model = build_on(device, dtype, make)
+        model = build()
     swap_in_fp8_modules(model, dtype)
     materialize_rest(model, device)
     return model

@@ -9,7 +9,12 @@ from torch import nn
 
 from deltaserve.kernels.norm import rms_norm_rope, sigmoid_gate
 from deltaserve.models.forward import ForwardContext
-from deltaserve.models.layers import Linear, PartialRotaryEmbedding, RowParallelLinear, ZeroCenteredRMSNorm
+from deltaserve.models.layers.common import (
+    Linear,
+    PartialRotaryEmbedding,
+    RowParallelLinear,
+    ZeroCenteredRMSNorm,
+)
 from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 
 
