@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe | kimi | chat | delay [STEPS] | profile [CONFIG] | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
+# PART: 9b | 08b | moe | kimi | chat | streams | delay [STEPS] | profile [CONFIG] | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
 # carry .base)
 set -u
 out=${OUT:-/tmp/out}
@@ -113,6 +113,12 @@ case "${1:-9b}" in
       serve_bench "9b-delay$d" . "${PYTHONPATH:-}" "--model configs/qwen3.5-9b $dummy --max-prefill-delay-steps $d" \
         "${WORKLOAD[@]}" --concurrency 64,256
     done
+    ;;
+  streams)  # issue 18's failure check: 1,024 concurrent streams, with and without keep-alive (0.8B, short outputs)
+    serve_bench 08b-1024 . "${PYTHONPATH:-}" "--model configs/qwen3.5-0.8b $dummy" \
+      --input-len 1024 --output-len 64 --health-probe --concurrency 1024 --num-prompts 2048
+    serve_bench 08b-1024-close . "${PYTHONPATH:-}" "--model configs/qwen3.5-0.8b $dummy" \
+      --input-len 1024 --output-len 64 --health-probe --concurrency 1024 --num-prompts 2048 --no-keepalive
     ;;
   kimi)
     serve_bench kimi-new . "${PYTHONPATH:-}" "--model configs/kimi-linear-48b-a3b $dummy" \
