@@ -5,15 +5,10 @@
 #
 # On the GPU machine, from the repository root, after the wheels are installed:
 #   bash bench/gpu_session.sh all     # every GPU test, in four concurrent groups (one call; one GPU suffices)
-#   bash bench/gpu_session.sh fp8     # FP8 GPU tests, 9B FP8 decode against REV (prepare REV) and bf16, 80B FP8 decode
-#   bash bench/gpu_session.sh fp8-next # FP8 GPU tests, GEMM tilings, 9B FP8 against REV (prepare REV), 80B FP8 profile
-#   bash bench/gpu_session.sh fp8-moe # FP8 matmuls per path, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
-#   bash bench/gpu_session.sh tests   # the GPU tests but those of the kda part
-#   bash bench/gpu_session.sh engine  # the engine's GPU tests alone (the whole call)
+#   bash bench/gpu_session.sh fp8     # FP8 GPU tests, each path and GEMM tiling, 9B FP8 against REV (prepare REV), 80B FP8 decode
+#   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
-#   bash bench/gpu_session.sh kda     # attention / GDN / conv kernel tests (the whole call)
-#   bash bench/gpu_session.sh kda-only # KDA prefill/decode + MLA graph tests (the whole call, another GPU)
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
 #   bash bench/gpu_session.sh profiles # GPU idle gaps with overlap at two max_model_len, batch-1 kernels
@@ -39,7 +34,7 @@ run() {  # run SECONDS NAME CMD...: a hard time limit each, so one stuck step le
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $? ($(tail -1 "$out/$name.log"))"
 }
-case "${1:-tests}" in
+case "${1:-all}" in
   all)  # one pytest per group at once: the suite is bound by Triton/FLA compiling on the CPU, not the GPU
     run 560 engine-hf-tests python3 -m pytest -q -rA -m gpu tests/engine/test_gpu_engine.py &
     run 560 engine-rest-tests python3 -m pytest -q -rA -m gpu tests/engine tests/models \
@@ -47,15 +42,6 @@ case "${1:-tests}" in
     run 560 kda-tests python3 -m pytest -q -rA -m gpu tests/kernels/test_kda_cuda.py &
     run 560 kernel-tests python3 -m pytest -q -rA -m gpu tests/kernels --ignore=tests/kernels/test_kda_cuda.py &
     wait
-    ;;
-  tests)
-    run 90 kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_norm_kernels.py tests/kernels/test_gemv_cuda.py tests/kernels/test_router_cuda.py \
-      tests/kernels/test_moe_cuda.py tests/kernels/test_window_kernels.py tests/kernels/test_mla_cuda.py tests/kernels/test_pdl.py
-    run 420 engine-tests python3 -m pytest -q -rA -s -m gpu tests/engine
-    ;;
-  engine)  # the engine's GPU tests alone: on a fresh machine beside another compiling job
-    # they took more than 550 s (14 of 15 done), more than the `tests` part leaves them
-    run 570 engine-tests python3 -m pytest -q -rA -s -m gpu tests/engine
     ;;
   qwen)
     run 170 bench-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
@@ -134,14 +120,6 @@ case "${1:-tests}" in
     run 60 spec-verify-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs
     ;;
-  kda)  # the attention / GDN / conv / KDA kernel tests: compile-heavy. On a fresh machine
-    # test_cuda_kernels.py took about 170 s and test_kda_cuda.py 403 s (FLA compiling chunk_kda
-    # per shape): run them on two GPUs at once (CUDA_VISIBLE_DEVICES=0 ... kda, =1 ... kda-only)
-    run 560 cuda-kernel-tests python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py
-    ;;
-  kda-only)
-    run 560 kda-tests python3 -m pytest -v -m gpu tests/kernels/test_kda_cuda.py --durations=10
-    ;;
   spec)  # eager verification, window kernels against their torch references, one call
     run 90 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3
@@ -214,17 +192,7 @@ case "${1:-tests}" in
         --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
     done
     ;;
-  fp8)  # FP8 kernel and checkpoint GPU tests; 9B FP8 decode against REV (bash bench/ab.sh prepare REV) and bf16; 80B FP8 decode
-    run 170 fp8-tests python3 -m pytest -q -rfE -s -m gpu tests/kernels/test_fp8_cuda.py tests/kernels/test_moe_cuda.py \
-      tests/models/test_fp8_checkpoints.py
-    run 200 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-9b-fp8 \
-      --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
-    run 80 9b-bf16 python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 --prompt-len 512 \
-      --new-tokens 128 --prefill-len 0
-    run 150 80b-fp8 python3 -m bench.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
-      --prompt-len 1024 --new-tokens 128 --prefill-len 0
-    ;;
-  fp8-next)  # the FP8 GPU tests at once; GEMM tilings per shape; 9B FP8 against REV (prepare REV); 80B-A3B FP8 decode and its kernels
+  fp8)  # FP8 GPU tests at once; each FP8 path and GEMM tiling per shape; 9B FP8 against REV (prepare REV); 80B FP8 decode
     run 200 fp8-kernel-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py tests/kernels/test_moe_cuda.py &
     run 200 fp8-model-tests python3 -m pytest -q -rfE -s -m gpu tests/models/test_fp8_checkpoints.py &
     wait
@@ -232,19 +200,19 @@ case "${1:-tests}" in
       --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 8 32
     run 170 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-9b-fp8 \
       --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
+    run 120 80b-fp8 python3 -m bench.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
+      --prompt-len 1024 --new-tokens 128 --prefill-len 0
+    ;;
+  fp8-moe)  # where 80B FP8's batch-1 step goes; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
     run 120 profile-80b-fp8 python3 -m bench.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \
       --prompt-len 1024 --rows 25
-    ;;
-  fp8-moe)  # FP8 decode matmuls per path; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
-    run 90 fp8-gemv python3 -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 4 8 \
-      --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 2 4 16 32
     run 150 35b-fp8 python3 -m bench.decode --model configs/qwen3.5-35b-a3b-fp8 --batch-sizes 1 \
       --new-tokens 64 --prefill-len 8192
     run 250 ab-kimi bash bench/ab.sh run python3 -m bench.decode --model configs/kimi-linear-48b-a3b \
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   *)
-    echo "usage: $0 all|fp8|fp8-next|fp8-moe|tests|engine|qwen|more|kda|kda-only|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fp8|fp8-moe|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac
