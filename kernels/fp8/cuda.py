@@ -7,9 +7,15 @@ import torch
 
 from deltaserve.kernels.fp8.blocks import BLOCK, FP8_DTYPE, num_blocks
 
-# One row through the GEMV while the GEMM's 128-row tiles would leave SMs idle; past one row, or
-# for wider weights, the GEMM is faster on the H200 (bench/fp8_gemv.py, docs/performance.md)
-GEMV_MAX_N = 8192
+# One row through the GEMV only for weights too narrow to give the GEMM's 32-row tiles an SM each;
+# from 4096 rows, or past one row, the GEMM is faster on the H200 (bench/fp8_gemv.py, docs/performance.md)
+GEMV_MAX_N = 4096
+
+
+def gemm_tiles(m: int) -> tuple[int, int]:
+    """(BLOCK_N, stages): decode-sized batches read the weight in 32-row tiles, 6 deep, so that a
+    4096-row weight spreads over every SM; prefill keeps the tensor cores' 128-row tiles."""
+    return (32, 6) if m <= 16 else (128, 3)
 
 
 def act_quant_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,11 +35,11 @@ def fp8_gemm_cuda(
     weight: torch.Tensor,
     scale: torch.Tensor,
     scale_rows: int,
-    block_n: int = 128,
-    num_stages: int = 3,
+    block_n: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """w8a8 on the FP8 tensor cores: x `[M, K]` quantized per token group, then the GEMM
-    (`block_n`, `num_stages`: the tiling, which `bench/fp8_gemv.py` sweeps)."""
+    (`block_n`, `num_stages`: the tiling, `gemm_tiles(M)` unless given; `bench/fp8_gemv.py` sweeps it)."""
     import triton
 
     from deltaserve.kernels.fp8.triton import _fp8_gemm_kernel
@@ -45,6 +51,9 @@ def fp8_gemm_cuda(
         return out
     q, s = act_quant_cuda(x)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    tiles = gemm_tiles(m)
+    block_n = block_n or tiles[0]
+    num_stages = num_stages or tiles[1]
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _fp8_gemm_kernel[grid](
         q, s, weight, scale, out, m, n, k,
