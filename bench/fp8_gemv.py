@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from bench.gemv import COLD_BYTES, linear_shapes, time_us
+from bench.gemv import cold_copies, linear_shapes, time_us
 
 
 def bench_dense(model: str, rows: list[int], gemm_tiles: list[tuple[int, int]]) -> list[dict]:
@@ -27,7 +27,7 @@ def bench_dense(model: str, rows: list[int], gemm_tiles: list[tuple[int, int]]) 
 
     out = []
     for (n, k), count in sorted(linear_shapes(model).items()):
-        copies = -(-COLD_BYTES // (n * k))
+        copies = cold_copies(n * k)
         qs = [quantize_blocks(torch.randn(n, k, device="cuda") / k**0.5) for _ in range(copies)]
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(-(-copies // 2))]
         for m in rows:

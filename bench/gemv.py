@@ -42,6 +42,12 @@ def linear_shapes(path: str) -> Counter:
 
 
 COLD_BYTES = 256 << 20  # weight copies per shape add up to at least this
+MAX_COPIES = 512  # a tiny weight (a router's 1 x 2048) would otherwise need 100k copies
+
+
+def cold_copies(nbytes: int) -> int:
+    """Copies of an `nbytes` weight that exceed the L2 cache together (up to MAX_COPIES)."""
+    return min(-(-COLD_BYTES // nbytes), MAX_COPIES)
 
 
 def time_us(fn, weights: list[torch.Tensor], reps: int = 20, iters: int = 20) -> float:
@@ -77,7 +83,7 @@ def main() -> None:
 
     rows = []
     for (n, k), count in sorted(linear_shapes(args.model).items()):
-        copies = -(-COLD_BYTES // (n * k * 2))
+        copies = cold_copies(n * k * 2)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
