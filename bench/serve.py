@@ -41,13 +41,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import random
 import shlex
+import ssl
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -129,6 +132,34 @@ class Target:
         return body
 
 
+class Connections:
+    """A connection per request in flight, each reused by the next request (LIFO), as C clients of
+    their own would: one httpx pool shared by 1,024 streams scans every connection it holds on each
+    request and response, and that made this client, not the server, the bottleneck."""
+
+    def __init__(self, keepalive: bool, timeout: float) -> None:
+        self.limits = httpx.Limits(max_connections=1, max_keepalive_connections=1 if keepalive else 0)
+        self.timeout = httpx.Timeout(timeout)
+        self.ssl = ssl.create_default_context()  # built once: a client of its own takes ~10 ms
+        self.idle: list[httpx.AsyncClient] = []
+        self.opened: list[httpx.AsyncClient] = []
+
+    @contextlib.asynccontextmanager
+    async def client(self) -> AsyncIterator[httpx.AsyncClient]:
+        if self.idle:
+            client = self.idle.pop()
+        else:
+            client = httpx.AsyncClient(limits=self.limits, timeout=self.timeout, verify=self.ssl)
+            self.opened.append(client)
+        try:
+            yield client
+        finally:
+            self.idle.append(client)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self.opened))
+
+
 def _body_error(body: bytes) -> str:
     """An error response's message, else its first bytes."""
     try:
@@ -147,12 +178,15 @@ def _error_of(payload: dict[str, Any]) -> str | None:
     return str(err or payload.get("message") or payload)
 
 
-async def send(client: httpx.AsyncClient, target: Target, prompt: list[int]) -> RequestResult:
+async def send(conns: Connections, target: Target, prompt: list[int]) -> RequestResult:
     res = RequestResult(prompt_tokens=len(prompt), output_tokens=target.output_len)
     body = target.body(prompt)
     start = time.perf_counter()
     try:
-        async with client.stream("POST", target.url, json=body, headers=target.headers) as resp:
+        async with (
+            conns.client() as client,
+            client.stream("POST", target.url, json=body, headers=target.headers) as resp,
+        ):
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {_body_error(await resp.aread())}"
                 return res
@@ -209,7 +243,7 @@ def _take_usage(usage: dict[str, Any], res: RequestResult) -> None:
     res.prompt_tokens = int(usage.get("prompt_tokens") or res.prompt_tokens)
 
 
-async def closed_loop(client: httpx.AsyncClient, target: Target, run: Run) -> list[RequestResult]:
+async def closed_loop(conns: Connections, target: Target, run: Run) -> list[RequestResult]:
     assert run.concurrency is not None
     results: list[RequestResult | None] = [None] * len(run.prompts)
     queue = deque(range(len(run.prompts)))
@@ -217,22 +251,22 @@ async def closed_loop(client: httpx.AsyncClient, target: Target, run: Run) -> li
     async def worker() -> None:
         while queue:
             i = queue.popleft()
-            results[i] = await send(client, target, run.prompts[i])
+            results[i] = await send(conns, target, run.prompts[i])
 
     await asyncio.gather(*(worker() for _ in range(min(run.concurrency, len(run.prompts)))))
     return [r for r in results if r is not None]
 
 
-async def poisson(client: httpx.AsyncClient, target: Target, run: Run, seed: int) -> list[RequestResult]:
+async def poisson(conns: Connections, target: Target, run: Run, seed: int) -> list[RequestResult]:
     assert run.rate is not None
     rng = random.Random(seed)
     gate = asyncio.Semaphore(run.max_concurrency) if run.max_concurrency else None
 
     async def one(prompt: list[int]) -> RequestResult:
         if gate is None:
-            return await send(client, target, prompt)
+            return await send(conns, target, prompt)
         async with gate:  # timed from when it is sent, as vLLM's bench does
-            return await send(client, target, prompt)
+            return await send(conns, target, prompt)
 
     tasks = []
     for prompt in run.prompts:
@@ -292,17 +326,18 @@ class HealthProbe:
 
 
 async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[str, Any]:
-    pool = run.concurrency or run.max_concurrency or len(run.prompts)
-    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool if args.keepalive else 0)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout)) as client:
+    conns = Connections(args.keepalive, args.timeout)
+    try:
         probe = HealthProbe(args.base_url) if args.health_probe else None
         start = time.perf_counter()
         if run.concurrency is not None:
-            results = await closed_loop(client, target, run)
+            results = await closed_loop(conns, target, run)
         else:
-            results = await poisson(client, target, run, args.seed)
+            results = await poisson(conns, target, run, args.seed)
         duration = time.perf_counter() - start
         health = probe.finish() if probe is not None else None
+    finally:
+        await conns.aclose()
     out = summarize(run, results, duration, args.save_detailed)
     if health is not None:
         out["health"] = health
@@ -360,10 +395,13 @@ async def run_all_http(args: argparse.Namespace, runs: list[Run]) -> tuple[str, 
     target = Target(args, model)
     if args.warmup:  # first-request costs (compilation, allocator) stay out of the first run
         warm = make_prompts(args.warmup, args.input_len, args.vocab_low, args.vocab_high, f"{args.seed}-warm")
-        async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
-            for res in await asyncio.gather(*(send(client, target, p) for p in warm)):
+        conns = Connections(args.keepalive, args.timeout)
+        try:
+            for res in await asyncio.gather(*(send(conns, target, p) for p in warm)):
                 if not res.ok:
                     raise SystemExit(f"warm-up request failed: {res.error}")
+        finally:
+            await conns.aclose()
     out = []
     for run in runs:
         out.append(await run_http(args, target, run))

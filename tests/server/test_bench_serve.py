@@ -3,13 +3,14 @@ the /health probe, the JSON report, and the offline comparison through deltaserv
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.serve import main
+from bench.serve import Connections, main
 
 pytestmark = pytest.mark.slow
 
@@ -64,3 +65,19 @@ def test_offline_only(builtin_path: str) -> None:
     result = main([*argv, "--offline-args", json.dumps({"max_model_len": 64})])
     assert result["runs"] == [] and len(result["offline"]) == 1
     assert result["offline"][0]["output_tokens"] == PROMPTS * OUTPUT_LEN
+
+
+def test_connections_reuse_the_last_freed_client() -> None:
+    """One client (one connection) per request in flight; a freed one serves the next request."""
+
+    async def go() -> None:
+        conns = Connections(keepalive=True, timeout=5.0)
+        async with conns.client() as a, conns.client() as b:
+            assert a is not b
+        async with conns.client() as c:
+            assert c is a  # b was freed first, a last
+        assert len(conns.opened) == 2
+        await conns.aclose()
+        assert all(client.is_closed for client in conns.opened)
+
+    asyncio.run(go())
