@@ -4,7 +4,8 @@
     python -m bench.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 4 16 32
 
 Dense: every distinct linear weight of the model, quantized to e4m3 with 128 x 128 block scales,
-timed through the GEMV (products in registers) and the w8a8 GEMM, against the
+timed through the GEMV (products in registers; the row quantized inside it, or before it with
+`prequant`) and the w8a8 GEMM, against the
 bf16 Triton GEMV on the same shape; MoE: one layer's routed experts, through the per-assignment
 GEMV and the grouped GEMMs. Each is timed as `bench.gemv` times it (CUDA graphs, copies that
 exceed the L2 cache). Reported: microseconds per call and the bandwidth of the bytes read once.
@@ -35,6 +36,9 @@ def bench_dense(model: str, rows: list[int], gemm_tiles: list[tuple[int, int]]) 
             row: dict = {"n": n, "k": k, "layers": count, "rows": m}
             row["bf16_gemv_us"] = time_us(lambda w, x=x: gemv(x, w), ws)
             row["fp8_gemv_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemv_cuda(x, q[0], q[1], 128), qs)
+            row["fp8_gemv_prequant_us"] = time_us(
+                lambda q, x=x: fp8_cuda.fp8_gemv_cuda(x, q[0], q[1], 128, prequant=True), qs
+            )
             row["fp8_gemm_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128), qs)
             for bn, stages in gemm_tiles:
                 row[f"fp8_gemm_n{bn}_s{stages}_us"] = time_us(

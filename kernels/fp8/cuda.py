@@ -64,10 +64,10 @@ def fp8_gemm_cuda(
 
 
 def fp8_gemv_cuda(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int, prequant: bool = False
 ) -> torch.Tensor:
     """x `[M, K]` (one row in serving) times the e4m3 weight, read once, x quantized per token and
-    128 channels inside the kernel; products in registers."""
+    128 channels inside the kernel (`prequant`: by `act_quant_cuda` first); products in registers."""
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
@@ -87,9 +87,11 @@ def fp8_gemv_cuda(
         bn //= 2
     while block_m * bn * s * BLOCK > 8192:
         s //= 2
+    xq, xs = act_quant_cuda(x) if prequant else (x, x)
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
-        x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, S=s, BLOCK=BLOCK, num_warps=4,
+        xq, xs, weight, scale, out, m, n, k, xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0),
+        out.stride(0), SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, S=s, BLOCK=BLOCK, PREQUANT=prequant,
+        num_warps=4,
     )  # fmt: skip
     return out
 

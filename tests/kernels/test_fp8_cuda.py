@@ -61,7 +61,9 @@ def test_fp8_linear_matches_reference(m, n, k, scale_rows, dtype):
     _close(out, fp8_linear_ref(x.float(), w, s, scale_rows), exact + 1e-2)  # + rounding ties
     _close(out, x.float() @ dequantize_blocks(w, s, scale_rows).T, 0.1)
     if m <= 8:  # the GEMV itself at every row count (serving sends it one row of narrow weights)
-        _close(fp8_gemv_cuda(x, w, s, scale_rows), fp8_linear_ref(x.float(), w, s, scale_rows), exact + 1e-2)
+        ref = fp8_linear_ref(x.float(), w, s, scale_rows)
+        for prequant in (False, True):
+            _close(fp8_gemv_cuda(x, w, s, scale_rows, prequant=prequant), ref, exact + 1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
