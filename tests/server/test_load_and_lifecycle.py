@@ -223,3 +223,32 @@ def test_overlap_schedule_server_matches_and_frees_on_disconnect(
         assert [line for _, line in zip(range(6), r.iter_lines()) if line]
     idle = until_idle(overlap.url)
     assert idle["deltaserve_state_slots_used"] == 0 and idle["deltaserve_kv_pages_used"] == 0
+
+
+def test_accepted_connections_send_without_nagle() -> None:
+    """The listening socket `serve` binds gives the connections asyncio (so uvicorn) accepts
+    TCP_NODELAY: with Nagle on, a response written in two parts waited for the client's delayed
+    ACK, 40 ms on every kept-alive request."""
+    from types import SimpleNamespace
+
+    from deltaserve.server.launch import _bind
+
+    sock = _bind(SimpleNamespace(host="127.0.0.1", port=0))
+
+    async def accept_one() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.set_result(
+                writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            )
+            writer.close()
+
+        server = await asyncio.start_server(handle, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            nodelay = await asyncio.wait_for(seen, 10)
+            writer.close()
+        return nodelay
+
+    assert asyncio.run(accept_one()) != 0
