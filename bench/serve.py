@@ -33,6 +33,11 @@ clients. Output tok/s is output tokens over the wall time from the first add to 
 finish. A rate run is compared as a closed loop at min(N, --max-concurrency). Mirror the
 server's flags in --offline-args (max_running_requests, max_model_len, ...) for a fair ratio.
 
+Where the server publishes vLLM's latency histograms in /metrics (deltaserve and vLLM do), each
+run also reports the mean TTFT and E2E as the server timed them, from the histograms' sums and
+counts before and after the run: the gap to the client's means is time outside the engine (HTTP,
+the network, this client).
+
 --health-probe GETs /health every 100 ms from a process of its own while a run's load is on and
 reports its latency (the server's, not that of this client's busy event loop).
 """
@@ -325,8 +330,41 @@ class HealthProbe:
         return out
 
 
+# the server's own latency histograms in its Prometheus /metrics (vLLM's names, which deltaserve keeps)
+SERVER_LATENCIES = {"ttft": "vllm:time_to_first_token_seconds", "e2e": "vllm:e2e_request_latency_seconds"}
+
+
+async def server_latency_totals(base_url: str) -> dict[str, float]:
+    """`{"ttft_sum": s, "ttft_count": n, ...}` from the server's /metrics; empty where it has none."""
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            resp = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return {}
+    totals: dict[str, float] = {}
+    if resp.status_code != 200:
+        return totals
+    for line in resp.text.splitlines():
+        for key, name in SERVER_LATENCIES.items():
+            for part in ("sum", "count"):
+                if line.startswith(f"{name}_{part}"):
+                    totals[f"{key}_{part}"] = totals.get(f"{key}_{part}", 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def server_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean TTFT and E2E of the requests between two scrapes, as the server timed them."""
+    out = {}
+    for key in SERVER_LATENCIES:
+        count = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
+        if count > 0:
+            out[key] = 1e3 * (after[f"{key}_sum"] - before.get(f"{key}_sum", 0.0)) / count
+    return out
+
+
 async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[str, Any]:
     conns = Connections(args.keepalive, args.timeout)
+    before = await server_latency_totals(args.base_url)
     try:
         probe = HealthProbe(args.base_url) if args.health_probe else None
         start = time.perf_counter()
@@ -341,6 +379,8 @@ async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[s
     out = summarize(run, results, duration, args.save_detailed)
     if health is not None:
         out["health"] = health
+    # beside the client's figures: a gap between the two is time outside the engine
+    out["server_mean_ms"] = server_means_ms(before, await server_latency_totals(args.base_url))
     return out
 
 
@@ -506,6 +546,16 @@ def print_report(result: dict[str, Any]) -> None:
     for r in runs:
         for e in r["errors"][:5]:
             print(f"{r['label']}: {e['count']} x {e['error']}")
+        server = r.get("server_mean_ms") or {}
+        if server:
+            client = {
+                "ttft": (r.get("ttft_ms") or {}).get("mean"),
+                "e2e": (r.get("e2e_ms") or {}).get("mean"),
+            }
+            print(
+                f"{r['label']}: mean as the server timed it (client): "
+                + ", ".join(f"{k.upper()} {_f(v, 2)} ms ({_f(client[k], 2)})" for k, v in server.items())
+            )
         if "health" in r:
             h = r["health"]
             lat = h["latency_ms"] or {}

@@ -39,6 +39,10 @@ def test_streamed_levels_with_health_probe(server: Any, tmp_path: Path) -> None:
     for run in result["runs"]:
         check_run(run, streamed=True)
         assert run["health"]["probes"] > 0 and run["health"]["non_200"] == 0
+        # the server's own timing of this run's requests, within what the client saw
+        server = run["server_mean_ms"]
+        assert 0 < server["ttft"] <= run["ttft_ms"]["mean"], (server, run["ttft_ms"])
+        assert server["ttft"] < server["e2e"] <= run["e2e_ms"]["mean"], (server, run["e2e_ms"])
     saved = json.loads(path.read_text())
     assert saved["runs"] == json.loads(json.dumps(result["runs"]))
     assert saved["command"].startswith("python -m bench.serve --base-url") and saved["date"]
