@@ -61,6 +61,9 @@ def test_whole_responses_fresh_connections_and_offline(
         assert offline["output_tokens"] == PROMPTS * OUTPUT_LEN
         assert offline["concurrency"] == run["concurrency"]
         assert run["server_vs_offline"] == run["output_tok_s"] / offline["output_tok_s"]
+        # the engine's arrival-to-first-token time, below the whole request's
+        assert 0 < offline["ttft_mean_ms"] < 1e3 * offline["duration_s"]
+        assert run["offline_ttft_mean_ms"] == offline["ttft_mean_ms"]
     assert json.loads((tmp_path / "serve.json").read_text())["offline"] == result["offline"]
 
 
