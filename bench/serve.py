@@ -30,7 +30,8 @@ largest level unless --offline-args gives one. For each level, `llm.engine` is d
 directly: min(C, max_running_requests) requests are added, the engine steps, and each
 finished request is replaced by the next one, so at most C run at once as with C HTTP
 clients. Output tok/s is output tokens over the wall time from the first add to the last
-finish. A rate run is compared as a closed loop at min(N, --max-concurrency). Mirror the
+finish; its TTFT is each request's arrival to first token on the engine's clock, as the server's
+histogram keeps it. A rate run is compared as a closed loop at min(N, --max-concurrency). Mirror the
 server's flags in --offline-args (max_running_requests, max_model_len, ...) for a fair ratio.
 
 Where the server publishes vLLM's latency histograms in /metrics (deltaserve and vLLM do), each
