@@ -1,6 +1,6 @@
 """The block-FP8 matmuls at decode sizes: each path on a model's own shapes, cold weights.
 
-    python -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 4 8 --gemm-tiles 64:4 32:6
+    python -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 4 8 --gemm-tiles 64:4 32:6 --gemv-tiles 4:4
     python -m bench.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 4 16 32
 
 Dense: every distinct linear weight of the model, quantized to e4m3 with 128 x 128 block scales,
@@ -21,7 +21,9 @@ import torch
 from bench.gemv import cold_copies, linear_shapes, time_us
 
 
-def bench_dense(model: str, rows: list[int], gemm_tiles: list[tuple[int, int]]) -> list[dict]:
+def bench_dense(
+    model: str, rows: list[int], gemm_tiles: list[tuple[int, int]], gemv_tiles: list[tuple[int, int]]
+) -> list[dict]:
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
     from deltaserve.kernels.fp8.blocks import quantize_blocks
     from deltaserve.kernels.linear.triton import gemv
@@ -39,6 +41,15 @@ def bench_dense(model: str, rows: list[int], gemm_tiles: list[tuple[int, int]]) 
             row["fp8_gemv_prequant_us"] = time_us(
                 lambda q, x=x: fp8_cuda.fp8_gemv_cuda(x, q[0], q[1], 128, prequant=True), qs
             )
+            for bn, blocks in gemv_tiles if m == 1 else []:
+                for prequant in (False, True):
+                    key = f"fp8_gemv{'_prequant' if prequant else ''}_bn{bn}_s{blocks}_us"
+                    row[key] = time_us(
+                        lambda q, x=x, t=(bn, blocks), p=prequant: fp8_cuda.fp8_gemv_cuda(
+                            x, q[0], q[1], 128, prequant=p, tiles=t
+                        ),
+                        qs,
+                    )
             row["fp8_gemm_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128), qs)
             for bn, stages in gemm_tiles:
                 row[f"fp8_gemm_n{bn}_s{stages}_us"] = time_us(
@@ -105,14 +116,24 @@ def main() -> None:
         metavar="BLOCK_N:STAGES",
         help="also time the w8a8 GEMM at these tilings (the default is 128:3)",
     )
+    ap.add_argument(
+        "--gemv-tiles",
+        nargs="*",
+        default=[],
+        metavar="BN:S",
+        help="also time the one-row FP8 GEMVs at BN weight rows and S 128-column blocks a program",
+    )
     ap.add_argument("--moe", help="routed experts of this config")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
     if args.model:
-        tiles = [(int(t.split(":")[0]), int(t.split(":")[1])) for t in args.gemm_tiles]
-        rows += bench_dense(args.model, args.rows, tiles)
+
+        def pairs(specs: list[str]) -> list[tuple[int, int]]:
+            return [(int(t.split(":")[0]), int(t.split(":")[1])) for t in specs]
+
+        rows += bench_dense(args.model, args.rows, pairs(args.gemm_tiles), pairs(args.gemv_tiles))
     if args.moe:
         rows += bench_moe(args.moe, args.tokens)
     if args.json:

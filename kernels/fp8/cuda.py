@@ -64,10 +64,17 @@ def fp8_gemm_cuda(
 
 
 def fp8_gemv_cuda(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int, prequant: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_rows: int,
+    prequant: bool = False,
+    tiles: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """x `[M, K]` (one row in serving) times the e4m3 weight, read once, x quantized per token and
-    128 channels inside the kernel (`prequant`: by `act_quant_cuda` first); products in registers."""
+    128 channels inside the kernel (`prequant`: by `act_quant_cuda` first); products in registers.
+    `tiles`: (BN weight rows, S 128-column blocks) a program and iteration, which `bench/fp8_gemv.py`
+    sweeps; by default as many rows as leave two programs an SM, within 8k products."""
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
@@ -87,6 +94,8 @@ def fp8_gemv_cuda(
         bn //= 2
     while block_m * bn * s * BLOCK > 8192:
         s //= 2
+    if tiles is not None:
+        bn, s = tiles
     xq, xs = act_quant_cuda(x) if prequant else (x, x)
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
         xq, xs, weight, scale, out, m, n, k, xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0),
