@@ -5,7 +5,8 @@
 #
 # On the GPU machine, from the repository root, after the wheels are installed:
 #   bash bench/gpu_session.sh all     # every GPU test, in four concurrent groups (one call; one GPU suffices)
-#   bash bench/gpu_session.sh fp8     # FP8 GPU tests, each path and GEMM tiling, 9B FP8 against REV (prepare REV), 80B FP8 decode
+#   bash bench/gpu_session.sh fp8     # FP8 GPU tests, each FP8 path and tiling on 9B's and 80B's shapes
+#   bash bench/gpu_session.sh fp8-ab  # 9B FP8 decode against REV (prepare REV), 80B FP8 decode
 #   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
@@ -192,7 +193,7 @@ case "${1:-all}" in
         --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
     done
     ;;
-  fp8)  # FP8 GPU tests at once; each FP8 path and GEMM tiling per shape; 9B FP8 against REV (prepare REV); 80B FP8 decode
+  fp8)  # FP8 GPU tests at once; each FP8 path and tiling on 9B's and 80B's dense shapes, 80B's experts
     run 200 fp8-kernel-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py tests/kernels/test_moe_cuda.py &
     run 200 fp8-model-tests python3 -m pytest -q -rfE -s -m gpu tests/models/test_fp8_checkpoints.py &
     wait
@@ -200,6 +201,8 @@ case "${1:-all}" in
       --gemv-tiles 4:4 8:4 2:8 4:2 16:2 --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 8 32
     run 100 fp8-gemv-80b python3 -m bench.fp8_gemv --model configs/qwen3-next-80b-a3b-fp8 --rows 1 8 32 \
       --gemm-tiles 64:4 32:6
+    ;;
+  fp8-ab)  # 9B FP8 decode against REV (prepare REV), 80B FP8 decode
     run 170 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-9b-fp8 \
       --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
     run 120 80b-fp8 python3 -m bench.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
@@ -214,7 +217,7 @@ case "${1:-all}" in
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   *)
-    echo "usage: $0 all|fp8|fp8-moe|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac
