@@ -200,7 +200,7 @@ case "${1:-all}" in
     run 150 fp8-gemv python3 -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 8 32 --gemm-tiles 64:4 32:6 \
       --gemv-tiles 4:4 8:4 2:8 4:2 16:2 --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 8 32
     run 100 fp8-gemv-80b python3 -m bench.fp8_gemv --model configs/qwen3-next-80b-a3b-fp8 --rows 1 8 32 \
-      --gemm-tiles 64:4 32:6
+      --gemm-tiles 64:4 32:6 --gemv-tiles 4:4 8:4 2:8 16:2
     ;;
   fp8-ab)  # 9B FP8 decode against REV (prepare REV), 80B FP8 decode
     run 170 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-9b-fp8 \
