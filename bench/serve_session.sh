@@ -15,6 +15,12 @@ log="$out/serve.log"
 port=8000
 WORKLOAD=(--input-len 1024 --output-len 256 --health-probe)
 
+listen_drops() {  # the kernel's count of connections a full accept queue dropped, and its limits
+  awk '/^TcpExt:/ { if (!h) { split($0, k); h = 1 } else { split($0, v)
+    for (i = 1; i <= NF; i++) if (k[i] ~ /^Listen/) printf "%s %s ", k[i], v[i] } }' /proc/net/netstat
+  echo "somaxconn $(cat /proc/sys/net/core/somaxconn) syn_backlog $(cat /proc/sys/net/ipv4/tcp_max_syn_backlog)"
+}
+
 serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS... ($BENCH: the load's module)
   local name=$1 cwd=$2 pypath=$3 sargs=$4
   shift 4
@@ -32,9 +38,10 @@ serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS... (
     fi
     sleep 1
   done
-  echo "$name: up in $((SECONDS - t0)) s" | tee -a "$log"
+  echo "$name: up in $((SECONDS - t0)) s; before: $(listen_drops)" | tee -a "$log"
   timeout 500 python3 -m "${BENCH:-bench.serve}" --base-url "http://127.0.0.1:$port" "$@" \
     --output-json "$out/runs/$name.json" 2>&1 | tee -a "$log"
+  echo "$name: after: $(listen_drops)" | tee -a "$log"
   kill -TERM $pid
   wait $pid
   echo "$name: server exit $?" | tee -a "$log"
