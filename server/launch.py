@@ -43,6 +43,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     sock = _bind(config)  # a taken port fails now, not after minutes of loading
     _raise_open_files_limit()
+    _warn_if_accept_queue_capped(config.backlog)
     engine_config = _engine_config(args)
     sampling_defaults = _sampling_defaults(args, engine_config.model)
     names, aliases = _served_names(args)
@@ -120,6 +121,22 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         except (ValueError, OSError):
             logger.warning("open files limited to %d: very many connections at once will fail", soft)
+
+
+def _warn_if_accept_queue_capped(backlog: int, somaxconn: str = "/proc/sys/net/core/somaxconn") -> None:
+    # as Redis does: a burst of connections past the kernel's cap is dropped before the server sees it
+    try:
+        with open(somaxconn) as f:
+            cap = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return
+    if cap < backlog:
+        logger.warning(
+            "the kernel caps the accept queue at %d connections (net.core.somaxconn), below the %d asked for: "
+            "more clients than that connecting at once may lose their connections; raise it with sysctl",
+            cap,
+            backlog,
+        )
 
 
 def _served_names(args: argparse.Namespace) -> tuple[list[str], list[str]]:

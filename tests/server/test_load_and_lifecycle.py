@@ -252,3 +252,18 @@ def test_accepted_connections_send_without_nagle() -> None:
         return nodelay
 
     assert asyncio.run(accept_one()) != 0
+
+
+def test_a_kernel_capped_accept_queue_is_warned_about(tmp_path, caplog) -> None:
+    from deltaserve.server.launch import _warn_if_accept_queue_capped
+
+    path = tmp_path / "somaxconn"
+    path.write_text("128\n")
+    with caplog.at_level("WARNING", logger="deltaserve"):
+        _warn_if_accept_queue_capped(2048, str(path))
+    assert "caps the accept queue at 128" in caplog.text
+    caplog.clear()
+    path.write_text("4096\n")
+    with caplog.at_level("WARNING", logger="deltaserve"):
+        _warn_if_accept_queue_capped(2048, str(path))
+    assert caplog.text == ""
