@@ -53,14 +53,7 @@ class WeightLoader:
                 return
             self.unexpected.append(name)
             return
-        param = self._param(name)
-        tensor = self._fit(name, tensor)
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
+        _copy_into(self._param(name), self._fit(name, tensor), name)
         self._done(name)
 
     def load_expert(self, name: str, tensor: torch.Tensor) -> bool:
@@ -98,13 +91,7 @@ class WeightLoader:
         return False
 
     def _slice(self, param_name: str, dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-        tensor = self._fit(param_name, tensor)
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
-            )
-        with torch.no_grad():
-            dst.copy_(tensor.to(dst.dtype))
+        _copy_into(dst, self._fit(param_name, tensor), name)
         # an expert parameter counts as loaded once every expert's slices arrived
         counts = self.__dict__.setdefault("_slices", {})
         counts[param_name] = counts.get(param_name, 0) + 1
@@ -153,3 +140,13 @@ class WeightLoader:
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing tensors: {shown}")
+
+
+def _copy_into(dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """The checkpoint tensor `name` into `dst` (a parameter or a slice of one), shapes checked."""
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+        )
+    with torch.no_grad():
+        dst.copy_(tensor.to(dst.dtype))
