@@ -42,7 +42,7 @@ def linear_shapes(path: str) -> Counter:
 
 
 COLD_BYTES = 256 << 20  # weight copies per shape add up to at least this
-MAX_COPIES = 512  # a tiny weight (a router's 1 x 2048) would otherwise need 100k copies
+MAX_COPIES = 512  # a tiny weight (a 1 x 2048 gate) would otherwise need copies by the hundred thousand
 
 
 def cold_copies(nbytes: int) -> int:

@@ -140,13 +140,13 @@ class Target:
 
 class Connections:
     """A connection per request in flight, each reused by the next request (LIFO), as C clients of
-    their own would: one httpx pool shared by 1,024 streams scans every connection it holds on each
-    request and response, and that made this client, not the server, the bottleneck."""
+    their own would: one httpx pool shared by all scans every connection it holds on each request
+    and response, which at high concurrency makes this client, not the server, the bottleneck."""
 
     def __init__(self, keepalive: bool, timeout: float) -> None:
         self.limits = httpx.Limits(max_connections=1, max_keepalive_connections=1 if keepalive else 0)
         self.timeout = httpx.Timeout(timeout)
-        self.ssl = ssl.create_default_context()  # built once: a client of its own takes ~10 ms
+        self.ssl = ssl.create_default_context()  # built once, not by every client (the costly part)
         self.idle: list[httpx.AsyncClient] = []
         self.opened: list[httpx.AsyncClient] = []
 

@@ -96,7 +96,7 @@ def _bind(config: Any) -> Any:
     try:
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         # IPPROTO_TCP named, or asyncio leaves Nagle on for the connections it accepts: a response
-        # written in two parts then waits for the client's delayed ACK (40 ms a kept-alive request)
+        # written in two parts then waits for the client's delayed ACK on kept-alive connections
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -63,6 +63,20 @@ def fp8_gemm_cuda(
     return out
 
 
+def gemv_tiles(block_m: int, n: int, k: int, sms: int) -> tuple[int, int]:
+    """(BN, S) of the FP8 GEMV: BLOCK_M x BN x S x 128 fp32 products within 8k, and at least two
+    programs per SM."""
+    import triton
+
+    s = min(8, triton.next_power_of_2(num_blocks(k)))
+    bn = 16
+    while bn > 1 and (triton.cdiv(n, bn) < 2 * sms or block_m * bn * s * BLOCK > 8192):
+        bn //= 2
+    while block_m * bn * s * BLOCK > 8192:
+        s //= 2
+    return bn, s
+
+
 def fp8_gemv_cuda(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -85,17 +99,8 @@ def fp8_gemv_cuda(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    sms = sm_count(x.device)
     block_m = triton.next_power_of_2(m)
-    # BLOCK_M x BN x S x 128 fp32 products within 8k; at least two programs per SM
-    s = min(8, triton.next_power_of_2(num_blocks(k)))
-    bn = 16
-    while bn > 1 and (triton.cdiv(n, bn) < 2 * sms or block_m * bn * s * BLOCK > 8192):
-        bn //= 2
-    while block_m * bn * s * BLOCK > 8192:
-        s //= 2
-    if tiles is not None:
-        bn, s = tiles
+    bn, s = tiles or gemv_tiles(block_m, n, k, sm_count(x.device))
     xq, xs = act_quant_cuda(x) if prequant else (x, x)
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
         xq, xs, weight, scale, out, m, n, k, xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0),

@@ -228,7 +228,7 @@ def test_overlap_schedule_server_matches_and_frees_on_disconnect(
 def test_accepted_connections_send_without_nagle() -> None:
     """The listening socket `serve` binds gives the connections asyncio (so uvicorn) accepts
     TCP_NODELAY: with Nagle on, a response written in two parts waited for the client's delayed
-    ACK, 40 ms on every kept-alive request."""
+    ACK on every kept-alive request."""
     from types import SimpleNamespace
 
     from deltaserve.server.launch import _bind
