@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel
 
 from ..protocol import (
     AssistantMessage,
@@ -136,12 +135,6 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         return ChatChunkChoice(
             index=self.index[out.request_id], delta=delta, logprobs=new_logprobs, finish_reason=reason
         )
-
-    def chunk_json(self, chunk: BaseModel) -> dict[str, Any]:
-        payload = chunk.model_dump(mode="json")
-        for choice in payload["choices"]:
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-        return payload
 
     def final_choice(self, index: int, out: RequestOutput) -> ChatChoice:
         completion = out.outputs[0]

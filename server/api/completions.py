@@ -136,8 +136,9 @@ class CompletionGeneration(Generation[CompletionChoice]):
             index=self.index[rid], text=delta, logprobs=logprobs, finish_reason=completion.finish_reason
         )
 
-    def chunk_json(self, chunk: BaseModel) -> dict[str, Any]:
-        return without_unasked(chunk)
+    def chunk_json(self, chunk: BaseModel, exclude: dict[str, Any] | None = None) -> str:
+        # stream chunks never carry vLLM's prompt_logprobs (the whole response does, when asked)
+        return super().chunk_json(chunk, {"choices": {"__all__": {"prompt_logprobs"}}})
 
     def final_choice(self, index: int, out: RequestOutput) -> CompletionChoice:
         prompt_logprobs = None
