@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe | kimi | chat | streams | delay [STEPS] | profile [CONFIG] | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
+# PART: 9b | 08b | moe | 80b-fp8 | kimi | chat | streams | delay [STEPS] | profile [CONFIG] | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
 # carry .base)
 set -u
 out=${OUT:-/tmp/out}
@@ -126,6 +126,10 @@ case "${1:-9b}" in
       --input-len 1024 --output-len 64 --health-probe --concurrency 1024 --num-prompts 2048
     serve_bench 08b-1024-close . "${PYTHONPATH:-}" "--model configs/qwen3.5-0.8b $dummy" \
       --input-len 1024 --output-len 64 --health-probe --concurrency 1024 --num-prompts 2048 --no-keepalive
+    ;;
+  80b-fp8)  # issue 24's serving row: Qwen3-Next-80B-A3B FP8, 8k in / 1k out, 32 clients
+    serve_bench 80b-fp8 . "${PYTHONPATH:-}" "--model configs/qwen3-next-80b-a3b-fp8 $dummy" \
+      --input-len 8192 --output-len 1024 --health-probe --concurrency 32 --num-prompts 64
     ;;
   kimi)
     serve_bench kimi-new . "${PYTHONPATH:-}" "--model configs/kimi-linear-48b-a3b $dummy" \
