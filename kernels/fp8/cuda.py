@@ -18,6 +18,9 @@ def gemm_tiles(m: int) -> tuple[int, int]:
     return (32, 6) if m <= 16 else (128, 3)
 
 
+ACT_QUANT_ROWS = 32  # tokens per program of the activation quantization
+
+
 def act_quant_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[T, K]` per token and 128 channels: (e4m3 `[T, K]`, fp32 scales `[T, ceil(K/128)]`)."""
     from deltaserve.kernels.fp8.triton import _act_quant_kernel
@@ -26,7 +29,9 @@ def act_quant_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(t, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(t, num_blocks(k), dtype=torch.float32, device=x.device)
     if t:
-        _act_quant_kernel[(t, num_blocks(k))](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), BLOCK=BLOCK)
+        rows = min(ACT_QUANT_ROWS, 1 << (t - 1).bit_length())
+        grid = (-(-t // rows), num_blocks(k))
+        _act_quant_kernel[grid](x, q, s, t, k, x.stride(0), q.stride(0), s.stride(0), BLOCK=BLOCK, ROWS=rows)
     return q, s
 
 
@@ -82,11 +87,10 @@ def fp8_gemv_cuda(
     weight: torch.Tensor,
     scale: torch.Tensor,
     scale_rows: int,
-    prequant: bool = False,
     tiles: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """x `[M, K]` (one row in serving) times the e4m3 weight, read once, x quantized per token and
-    128 channels inside the kernel (`prequant`: by `act_quant_cuda` first); products in registers.
+    128 channels inside the kernel; products in registers.
     `tiles`: (BN weight rows, S 128-column blocks) a program and iteration, which `bench/fp8_gemv.py`
     sweeps; by default as many rows as leave two programs an SM, within 8k products."""
     import triton
@@ -101,11 +105,9 @@ def fp8_gemv_cuda(
         return out
     block_m = triton.next_power_of_2(m)
     bn, s = tiles or gemv_tiles(block_m, n, k, sm_count(x.device))
-    xq, xs = act_quant_cuda(x) if prequant else (x, x)
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
-        xq, xs, weight, scale, out, m, n, k, xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0),
-        out.stride(0), SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, S=s, BLOCK=BLOCK, PREQUANT=prequant,
-        num_warps=4,
+        x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, S=s, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
     return out
 

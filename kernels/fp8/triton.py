@@ -1,13 +1,13 @@
 """Triton kernels of the block-FP8 matmuls (`kernels.fp8` holds their references).
 
-- `_act_quant_kernel`: one program per (token, 128-channel group): amax, scale = amax / 448,
-  e4m3 values and the fp32 scale.
+- `_act_quant_kernel`: per token and 128-channel group (32 tokens a program): amax,
+  scale = amax / 448, e4m3 values and the fp32 scale.
 - `_fp8_gemm_kernel`: w8a8 GEMM on the FP8 tensor cores; the K loop steps one 128-column
   block at a time, so each partial product is scaled by its token-group and weight-block
   scales before it is accumulated in fp32.
 - `_fp8_gemv_kernel`: one row (decode) against a narrow weight. It streams the e4m3 weight rows
-  once, widening them in registers; the row is quantized in registers (`_fake_quant`), or before
-  the kernel (PREQUANT), so decode does the format's w8a8 math as the GEMM does.
+  once, widening them in registers; the row is quantized in registers (`_fake_quant`), so decode
+  does the format's w8a8 math as the GEMM does.
 - `_fp8_moe_*_kernel`: `triton_moe`'s grouped GEMMs, w8a8: e4m3 experts times rows quantized per
   token and 128 channels, on the FP8 tensor cores; both scales apply after each 128-column dot.
 Weight scales are per `SCALE_ROWS` x 128 block (SCALE_ROWS 128, or 1 for per-row scales).
@@ -22,17 +22,19 @@ BLOCK_K = 128  # the format's block: one scale per K step
 
 
 @triton.jit
-def _act_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _act_quant_kernel(x, q, s, T, K, stride_x, stride_q, stride_s, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    # ROWS tokens per program: one token's 128 channels alone left a prefill with 100k+ tiny programs
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     group = tl.program_id(1)
     offs = group * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < K
-    v = tl.load(x + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-10)
-    scale = amax / 448.0
-    y = tl.clamp(v / scale, -448.0, 448.0)
-    tl.store(q + row * stride_q + offs, y.to(q.dtype.element_ty), mask=mask)
-    tl.store(s + row * stride_s + group, scale)
+    live = rows < T
+    mask = live[:, None] & (offs[None, :] < K)
+    rows64 = rows.to(tl.int64)
+    v = tl.load(x + rows64[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-10) / 448.0
+    y = tl.clamp(v / scale[:, None], -448.0, 448.0)
+    tl.store(q + rows64[:, None] * stride_q + offs[None, :], y.to(q.dtype.element_ty), mask=mask)
+    tl.store(s + rows64 * stride_s + group, scale, mask=live)
 
 
 @triton.jit
@@ -83,8 +85,7 @@ def _fp8_gemm_kernel(
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x,  # [M, K]: bf16/fp32, or with PREQUANT e4m3 codes
-    x_s,  # with PREQUANT [M, ceil(K/128)] fp32 group scales (else unused)
+    x,  # [M, K] bf16/fp32
     w,  # [N, K] e4m3
     w_s,
     y,  # [M, N]
@@ -92,7 +93,6 @@ def _fp8_gemv_kernel(
     N,
     K,
     stride_xm,
-    stride_xsm,
     stride_wn,
     stride_wsn,
     stride_ym,
@@ -101,15 +101,9 @@ def _fp8_gemv_kernel(
     BN: tl.constexpr,
     S: tl.constexpr,
     BLOCK: tl.constexpr,
-    PREQUANT: tl.constexpr,
 ):
     """Each iteration reads S whole 128-column blocks of BN rows, so that enough bytes are in
-    flight: the scale then broadcasts along the block's own axis.
-
-    Without PREQUANT the row is quantized here, a max over each 128-column group per iteration.
-    With PREQUANT it comes quantized (`_act_quant_kernel`), and where BN rows share their weight
-    blocks (BN divides SCALE_ROWS) both scales fold into the row once per iteration: each weight
-    byte then costs a widening and a multiply-add, as in the bf16 GEMV."""
+    flight: the scale then broadcasts along the block's own axis."""
     pid = tl.program_id(0)
     on = pid * BN + tl.arange(0, BN)
     om = tl.arange(0, BLOCK_M)
@@ -129,24 +123,9 @@ def _fp8_gemv_kernel(
         k_ok = ok < K
         wt = tl.load(w_rows + ok[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0)
         xt = tl.load(x_rows + ok[None, :, :], mask=m_ok[:, None, None] & k_ok[None, :, :], other=0.0)
-        if PREQUANT:
-            xs = tl.load(
-                x_s + om[:, None] * stride_xsm + blk[None, :],
-                mask=m_ok[:, None] & (blk < kb)[None, :],
-                other=0.0,
-            )
-            if SCALE_ROWS % BN == 0:
-                ws = tl.load(w_s + (pid * BN // SCALE_ROWS) * stride_wsn + blk, mask=blk < kb, other=0.0)
-                xe = xt.to(tl.float32) * (xs * ws[None, :])[:, :, None]
-                acc += xe[:, None, :, :] * wt.to(tl.float32)[None, :, :, :]
-            else:
-                ws = tl.load(s_rows + blk[None, :], mask=n_ok[:, None] & (blk < kb)[None, :], other=0.0)
-                xe = xt.to(tl.float32) * xs[:, :, None]
-                acc += xe[:, None, :, :] * (wt.to(tl.float32) * ws[:, :, None])[None, :, :, :]
-        else:
-            ws = tl.load(s_rows + blk[None, :], mask=n_ok[:, None] & (blk < kb)[None, :], other=0.0)
-            wf = wt.to(tl.float32) * ws[:, :, None]
-            acc += _fake_quant(xt.to(tl.float32), 2)[:, None, :, :] * wf[None, :, :, :]
+        ws = tl.load(s_rows + blk[None, :], mask=n_ok[:, None] & (blk < kb)[None, :], other=0.0)
+        wf = wt.to(tl.float32) * ws[:, :, None]
+        acc += _fake_quant(xt.to(tl.float32), 2)[:, None, :, :] * wf[None, :, :, :]
     out = tl.sum(tl.sum(acc, axis=3), axis=2)
     dst = y + om[:, None] * stride_ym + on[None, :]
     tl.store(dst, out.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
