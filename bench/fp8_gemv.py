@@ -4,10 +4,9 @@
     python -m bench.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 4 16 32
 
 Dense: every distinct linear weight of the model, quantized to e4m3 with 128 x 128 block scales,
-timed through the GEMV (products in registers; the row quantized inside it, or before it with
-`prequant`) and the w8a8 GEMM, against the
-bf16 Triton GEMV on the same shape; MoE: one layer's routed experts, through the per-assignment
-GEMV and the grouped GEMMs. Each is timed as `bench.gemv` times it (CUDA graphs, copies that
+timed through the GEMV (products in registers, the row quantized inside it; up to 8 rows) and
+the w8a8 GEMM, against the bf16 Triton GEMV on the same shape; MoE: one layer's routed experts,
+through the per-assignment GEMV and the grouped GEMMs. Each is timed as `bench.gemv` times it (CUDA graphs, copies that
 exceed the L2 cache). Reported: microseconds per call and the bandwidth of the bytes read once.
 """
 
@@ -26,7 +25,7 @@ def bench_dense(
 ) -> list[dict]:
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
     from deltaserve.kernels.fp8.blocks import quantize_blocks
-    from deltaserve.kernels.linear.triton import gemv
+    from deltaserve.kernels.linear.triton import MAX_ROWS, gemv
 
     out = []
     for (n, k), count in sorted(linear_shapes(model).items()):
@@ -36,20 +35,13 @@ def bench_dense(
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row: dict = {"n": n, "k": k, "layers": count, "rows": m}
-            row["bf16_gemv_us"] = time_us(lambda w, x=x: gemv(x, w), ws)
-            row["fp8_gemv_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemv_cuda(x, q[0], q[1], 128), qs)
-            row["fp8_gemv_prequant_us"] = time_us(
-                lambda q, x=x: fp8_cuda.fp8_gemv_cuda(x, q[0], q[1], 128, prequant=True), qs
-            )
+            if m <= MAX_ROWS:  # the GEMVs take decode's few rows; more go to a GEMM
+                row["bf16_gemv_us"] = time_us(lambda w, x=x: gemv(x, w), ws)
+                row["fp8_gemv_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemv_cuda(x, q[0], q[1], 128), qs)
             for bn, blocks in gemv_tiles if m == 1 else []:
-                for prequant in (False, True):
-                    key = f"fp8_gemv{'_prequant' if prequant else ''}_bn{bn}_s{blocks}_us"
-                    row[key] = time_us(
-                        lambda q, x=x, t=(bn, blocks), p=prequant: fp8_cuda.fp8_gemv_cuda(
-                            x, q[0], q[1], 128, prequant=p, tiles=t
-                        ),
-                        qs,
-                    )
+                row[f"fp8_gemv_bn{bn}_s{blocks}_us"] = time_us(
+                    lambda q, x=x, t=(bn, blocks): fp8_cuda.fp8_gemv_cuda(x, q[0], q[1], 128, tiles=t), qs
+                )
             row["fp8_gemm_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128), qs)
             for bn, stages in gemm_tiles:
                 row[f"fp8_gemm_n{bn}_s{stages}_us"] = time_us(
