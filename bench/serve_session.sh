@@ -5,8 +5,8 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe | 80b-fp8 | kimi | chat | streams | delay [STEPS] | profile [CONFIG] | before (REV's server, exported with `bash bench/ab.sh prepare REV`;
-# carry .base)
+# PART: 9b | 08b | moe | 80b-fp8 | kimi | chat | streams | delay [STEPS] | profile [CONFIG]
+#   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out/runs"
@@ -80,11 +80,17 @@ case "${1:-9b}" in
       "${WORKLOAD[@]}" --concurrency 1,64,256
     offline 9b-offline configs/qwen3.5-9b '{"load_format": "dummy"}' "${WORKLOAD[@]}" --concurrency 1,64,256
     ;;
-  before)
+  before)  # before [CONFIG] [CONCURRENCY]: REV's server (default 9B at 64,256); BEFORE_PATH: its site-packages
     [ -d /tmp/ab-base ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base .base/base
     mkdir -p /tmp/ab-cwd && cp -r .base/base/configs /tmp/ab-cwd/ && cp -r bench /tmp/ab-cwd/
-    serve_bench 9b-before /tmp/ab-cwd "/tmp/ab-base:${PYTHONPATH:-}" \
-      "--model configs/qwen3.5-9b $dummy --max-running-requests 256" "${WORKLOAD[@]}" --concurrency 64,256
+    cfg=${2:-qwen3.5-9b}
+    serve_bench "$cfg-before" /tmp/ab-cwd "/tmp/ab-base:${BEFORE_PATH:-${PYTHONPATH:-}}" \
+      "--model configs/$cfg $dummy" "${WORKLOAD[@]}" --concurrency "${3:-64,256}"
+    ;;
+  after)  # after [CONFIG] [CONCURRENCY]: the tree's server, as `before` runs REV's
+    cfg=${2:-qwen3.5-9b}
+    serve_bench "$cfg-after" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy" "${WORKLOAD[@]}" \
+      --concurrency "${3:-64,256}"
     ;;
   profile)  # profile [CONFIG]: py-spy at C = 64 and 256
     cfg=${2:-qwen3.5-9b}
