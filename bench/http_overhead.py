@@ -1,0 +1,213 @@
+"""The HTTP process's CPU time per streamed token, with no model: the real server (the app, its
+EngineClient, pyzmq, uvicorn, the tokenizer's detokenization) over a stand-in engine process
+that gives every running request one token a step, a step every `--step-ms`.
+
+    python -m bench.http_overhead --concurrency 64,256 --output-len 256
+
+Each level drives the server with `bench.serve` (streamed completions, prompts of `--input-len`
+token ids) and reports its output tok/s and the server process's CPU time (user + system, from
+/proc) per output token. The HTTP process bounds a server whose engine steps faster than it can
+stream: at X µs a token it streams at most 1e6 / X tokens a second on one core. Runs on any
+Linux machine; the figure belongs to that machine's CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+STAND_IN = "stand-in"  # the model name the stand-in server serves
+
+
+class StandInEngine:
+    """The Engine's interface: each step sleeps `step_s` and gives every request one random token."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.tokenizer = None
+        self.max_model_len = 1 << 20
+        self.vocab_size = 151936
+        self.model_info = {"model": STAND_IN, "architecture": "StandIn"}
+        self.eos_token_ids: list[int] = []
+        self.requests: dict[str, list[Any]] = {}  # id -> [params, tokens so far, arrival]
+        self.rng = random.Random(0)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        self.requests[request_id] = [params, 0, time.time()]
+
+    def abort_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, int]:
+        return {"running": len(self.requests), "waiting": 0}
+
+    def step(self) -> list[Any]:
+        from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
+
+        time.sleep(self.step_s)
+        outputs = []
+        for request_id, state in list(self.requests.items()):
+            params, count, arrival = state
+            state[1] = count = count + 1
+            done = count >= params.max_tokens
+            token = self.rng.randrange(1000, 30000)
+            completion = CompletionOutput(0, [token], "", "length" if done else None, num_tokens=count)
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    [],
+                    [completion],
+                    done,
+                    arrival_time=arrival,
+                    first_token_time=arrival,
+                    delta=params.output_kind == "delta",
+                )
+            )
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+
+def _run_core(in_addr: str, out_addr: str, step_s: float) -> None:
+    from deltaserve.engine.core import EngineCore, engine_info
+
+    engine = StandInEngine(step_s)
+    core = EngineCore(engine, in_addr, out_addr)
+    core.send(("ready", engine_info(engine)))
+    core.run()
+
+
+def serve(port: int, step_s: float) -> None:
+    """The server process: the stand-in engine in a process of its own, the app as `deltaserve
+    serve` builds it (its garbage-collector settings included), uvicorn on loopback."""
+    import multiprocessing
+
+    import uvicorn
+
+    from deltaserve.engine.gc_heap import freeze_startup_heap
+    from deltaserve.models.checkpoints.builtin import builtin_model_path
+    from deltaserve.models.checkpoints.loader import load_tokenizer
+    from deltaserve.server.app import build_app
+    from deltaserve.server.engine_client import EngineClient, EngineHandle
+
+    handle = EngineHandle._bind()
+    in_addr, out_addr = handle._addresses()
+    process = multiprocessing.get_context("spawn").Process(
+        target=_run_core, args=(in_addr, out_addr, step_s), daemon=True
+    )
+    process.start()
+    handle.process = process
+    handle._await_ready(60.0)
+    app = build_app(EngineClient(handle, load_tokenizer(builtin_model_path())), model_names=[STAND_IN])
+    freeze_startup_heap("HTTP process")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_up(url: str, server: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the stand-in server exited with code {server.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("the stand-in server did not come up")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="64,256", help="comma-separated levels")
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--step-ms", type=float, default=10.0, help="the stand-in engine's step time")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--serve-port", type=int, default=None, help=argparse.SUPPRESS)  # the server process
+    args = ap.parse_args()
+    if args.serve_port is not None:
+        serve(args.serve_port, args.step_ms / 1e3)
+        return
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.http_overhead",
+        "--serve-port",
+        str(port),
+        "--step-ms",
+        str(args.step_ms),
+    ]
+    server = subprocess.Popen(cmd)
+    results = []
+    try:
+        _wait_up(url, server)
+        load = [
+            sys.executable, "-m", "bench.serve", "--base-url", url, "--input-len", str(args.input_len),
+            "--output-len", str(args.output_len), "--vocab-high", "30000", "--warmup", "0",
+        ]  # fmt: skip
+        # a first load outside the measurement: the first requests import and build what later ones reuse
+        subprocess.run(
+            [*load, "--concurrency", "8", "--num-prompts", "8"], check=True, stdout=subprocess.DEVNULL
+        )
+        for level in [int(c) for c in args.concurrency.split(",")]:
+            with tempfile.NamedTemporaryFile(suffix=".json") as out_json:
+                before = cpu_seconds(server.pid)
+                subprocess.run(
+                    [*load, "--concurrency", str(level), "--num-prompts", str(level * args.requests_per_client),
+                     "--output-json", out_json.name],
+                    check=True, stdout=subprocess.DEVNULL,
+                )  # fmt: skip
+                cpu = cpu_seconds(server.pid) - before
+                run = json.load(out_json)["runs"][0]
+            tokens = run["output_tokens"]
+            row = {
+                "concurrency": level,
+                "failed": run["failed"],
+                "output_tok_s": run["output_tok_s"],
+                "server_cpu_s": cpu,
+                "server_cpu_us_per_token": 1e6 * cpu / tokens,
+                "ideal_tok_s": level * 1e3 / args.step_ms,
+            }
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        server.terminate()
+        server.wait(30)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
