@@ -138,7 +138,7 @@ class CompletionGeneration(Generation[CompletionChoice]):
 
     def chunk_json(self, chunk: BaseModel, exclude: dict[str, Any] | None = None) -> str:
         # stream chunks never carry vLLM's prompt_logprobs (the whole response does, when asked)
-        return super().chunk_json(chunk, {"choices": {"__all__": {"prompt_logprobs"}}})
+        return super().chunk_json(chunk, {"choices": {"__all__": {"prompt_logprobs"}}, **(exclude or {})})
 
     def final_choice(self, index: int, out: RequestOutput) -> CompletionChoice:
         prompt_logprobs = None

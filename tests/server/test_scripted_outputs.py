@@ -329,3 +329,52 @@ def test_responses_items_keep_the_written_order(serve_script) -> None:
     final = list(client.responses.create(**kw, stream=True))[-1].response
     assert [item.type for item in final.output] == ["message", "function_call", "message"]
     assert final.output_text == resp.output_text
+
+
+def raw_chunks(client: openai.OpenAI, path: str, body: dict) -> list[dict]:
+    """The stream's chunks as the bytes on the wire give them (the SDK would hide absent fields)."""
+    import httpx
+
+    chunks = []
+    with httpx.stream("POST", f"{client.base_url}{path}", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: ") :]))
+    return chunks
+
+
+def test_stream_chunks_on_the_wire(serve_script) -> None:
+    # OpenAI's chunk shape: a chat delta holds only what it adds, no nulls; choices keep their
+    # logprobs and finish_reason (null until the end); usage only in its own last chunk
+    client = serve_script(QWEN3_OUTPUT)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    chat = raw_chunks(
+        client,
+        "chat/completions",
+        {
+            "model": "scripted",
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    *deltas, last = chat
+    assert deltas[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    for chunk in deltas:
+        assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk
+        (choice,) = chunk["choices"]
+        assert set(choice) == {"index", "delta", "logprobs", "finish_reason"}
+        assert choice["delta"] and None not in choice["delta"].values()
+    assert deltas[-1]["choices"][0]["finish_reason"] == "stop"
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
+
+    text = raw_chunks(
+        client, "completions", {"model": "scripted", "prompt": "Hi", "max_tokens": 5, "stream": True}
+    )
+    assert len(text) == 5
+    for chunk in text:
+        assert chunk["object"] == "text_completion" and "usage" not in chunk
+        (choice,) = chunk["choices"]
+        assert set(choice) == {"index", "text", "logprobs", "finish_reason"}  # no vLLM prompt_logprobs
+    assert [c["choices"][0]["finish_reason"] for c in text] == [None] * 4 + ["length"]
