@@ -6,7 +6,9 @@
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
 # PART: 9b | 08b | moe | 80b-fp8 | kimi | chat | streams | delay [STEPS] | profile [CONFIG]
-#   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
+#   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's,
+#     each after 64 concurrent warm-up requests: a fresh server's first mixed steps compile kernels,
+#     which confounded the first such pair in docs/performance.md
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out/runs"
@@ -85,12 +87,12 @@ case "${1:-9b}" in
     mkdir -p /tmp/ab-cwd && cp -r .base/base/configs /tmp/ab-cwd/ && cp -r bench /tmp/ab-cwd/
     cfg=${2:-qwen3.5-9b}
     serve_bench "$cfg-before" /tmp/ab-cwd "/tmp/ab-base:${BEFORE_PATH:-${PYTHONPATH:-}}" \
-      "--model configs/$cfg $dummy" "${WORKLOAD[@]}" --concurrency "${3:-64,256}"
+      "--model configs/$cfg $dummy" "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64
     ;;
   after)  # after [CONFIG] [CONCURRENCY]: the tree's server, as `before` runs REV's
     cfg=${2:-qwen3.5-9b}
     serve_bench "$cfg-after" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy" "${WORKLOAD[@]}" \
-      --concurrency "${3:-64,256}"
+      --concurrency "${3:-64,256}" --warmup 64
     ;;
   profile)  # profile [CONFIG]: py-spy at C = 64 and 256
     cfg=${2:-qwen3.5-9b}
