@@ -33,6 +33,7 @@ from typing import Any
 
 from deltaserve.engine.errors import EngineDeadError, error_reply
 from deltaserve.engine.gc_heap import freeze_startup_heap
+from deltaserve.engine.stats_log import StatsLog
 
 logger = logging.getLogger("deltaserve.engine")
 
@@ -55,10 +56,19 @@ def engine_info(engine: Any) -> dict[str, Any]:
 class EngineCore:
     """Owns one Engine and runs its loop until told to stop (or until its parent is gone)."""
 
-    def __init__(self, engine: Any, in_addr: str, out_addr: str, parent_pid: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        in_addr: str,
+        out_addr: str,
+        parent_pid: int | None = None,
+        stats_interval_s: float = 0.0,
+    ) -> None:
         import zmq
 
         self.engine = engine
+        # the periodic stats line (engine/stats_log.py); 0: none
+        self._stats_log = StatsLog(engine.stats, stats_interval_s) if stats_interval_s > 0 else None
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PULL)
         self._in.connect(in_addr)
@@ -99,6 +109,8 @@ class EngineCore:
                 if reason is not None:
                     raise EngineDeadError(reason)
                 self._step()
+                if self._stats_log is not None:
+                    self._stats_log.tick()
         except EngineDeadError as exc:
             logger.error("the engine is dead: %s", exc)
             self.send(("dead", str(exc)))
@@ -220,8 +232,11 @@ class EngineCore:
                 logger.exception("clean-up step failed")
 
 
-def serve_engine(config: Any, in_addr: str, out_addr: str, parent_pid: int, log_level: str) -> None:
-    """The engine process: load the engine, say ready (or why not), and run the loop."""
+def serve_engine(
+    config: Any, in_addr: str, out_addr: str, parent_pid: int, log_level: str, stats_interval_s: float = 0.0
+) -> None:
+    """The engine process: load the engine, say ready (or why not), and run the loop (with a stats
+    line every `stats_interval_s` while it works; 0: none)."""
     import zmq
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -243,7 +258,7 @@ def serve_engine(config: Any, in_addr: str, out_addr: str, parent_pid: int, log_
         ctx.term()
         raise SystemExit(1) from None
     _leave_a_core_for_http(str(engine.device))
-    core = EngineCore(engine, in_addr, out_addr, parent_pid)
+    core = EngineCore(engine, in_addr, out_addr, parent_pid, stats_interval_s)
     freeze_startup_heap("engine process")
     if engine.tokenizer is not None:
         import importlib.util

@@ -248,6 +248,8 @@ class Engine:
         for req in plan.admitted:
             if req.num_preemptions == 0:
                 self.counters["cached_tokens_total"] += req.num_cached_tokens
+        prefills = plan.chunks[plan.num_decodes + plan.num_verify :]
+        self.counters["prefill_tokens_total"] += sum(c.num_tokens for c in prefills)
 
     def _batch(self, plan: SchedulerOutput) -> ForwardBatch:
         return build_step_batch(plan, self.runner, self.config.page_size, self.device)

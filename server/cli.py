@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from deltaserve import __version__
+from deltaserve.engine.stats_log import STATS_INTERVAL_S
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,17 +26,26 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+def _at_least(low: float, kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
         return value
 
     return parse
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    return _at_least(low, int)  # type: ignore[return-value]
+
+
+def _float_at_least(low: float) -> Callable[[str], float]:
+    return _at_least(low, float)
 
 
 def _power_of_two(text: str) -> int:
@@ -356,6 +366,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error", "critical"],
         default="info",
         help="log verbosity",
+    )
+    http.add_argument(
+        "--log-stats-interval",
+        type=_float_at_least(0.0),
+        default=STATS_INTERVAL_S,
+        metavar="SECONDS",
+        help="while the engine works, log a line this often: prompt and generation tok/s, requests "
+        "running and waiting, KV pages and state slots in use, prefix cache hits; 0: never",
+    )
+    http.add_argument(
+        "--disable-log-stats", action="store_true", help="no stats line (vLLM's flag; --log-stats-interval 0)"
     )
     return parser
 

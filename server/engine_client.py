@@ -93,9 +93,12 @@ class EngineHandle:
     _ctx: Any = field(default=None, repr=False)
 
     @classmethod
-    def spawn(cls, config: Any, log_level: str = "info", timeout: float | None = None) -> EngineHandle:
+    def spawn(
+        cls, config: Any, log_level: str = "info", timeout: float | None = None, stats_interval_s: float = 0.0
+    ) -> EngineHandle:
         """Start the engine process for `config` and wait until its model is loaded. A failed load
-        raises RuntimeError with the engine's own message."""
+        raises RuntimeError with the engine's own message. `stats_interval_s`: the engine's
+        periodic stats line (engine/stats_log.py); 0: none."""
         import multiprocessing
 
         from deltaserve.engine.core import serve_engine
@@ -105,7 +108,7 @@ class EngineHandle:
         # spawn, not fork: the child initialises CUDA, which a forked copy of this process may not
         process = multiprocessing.get_context("spawn").Process(
             target=serve_engine,
-            args=(config, in_addr, out_addr, os.getpid(), log_level),
+            args=(config, in_addr, out_addr, os.getpid(), log_level, stats_interval_s),
             name="deltaserve-engine",
             daemon=True,
         )

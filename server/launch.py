@@ -47,7 +47,9 @@ def serve(args: argparse.Namespace) -> int:
     engine_config = _engine_config(args)
     sampling_defaults = _sampling_defaults(args, engine_config.model)
     names, aliases = _served_names(args)
-    handle = _start_engine(engine_config, args.log_level)
+    handle = _start_engine(
+        engine_config, args.log_level, 0.0 if args.disable_log_stats else args.log_stats_interval
+    )
     from deltaserve.models.checkpoints.loader import load_tokenizer
 
     client = EngineClient(
@@ -242,12 +244,12 @@ def _serve_headless(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_engine(config: Any, log_level: str) -> Any:
+def _start_engine(config: Any, log_level: str, stats_interval_s: float) -> Any:
     """The engine in its own process; its load errors end the server with the engine's message."""
     from .engine_client import EngineHandle
 
     try:
-        return EngineHandle.spawn(config, log_level)
+        return EngineHandle.spawn(config, log_level, stats_interval_s=stats_interval_s)
     except RuntimeError as exc:
         print(f"deltaserve serve: error: could not load {config.model}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

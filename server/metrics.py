@@ -44,6 +44,12 @@ _STATS = (
     ("state_slots_used", "state_slots_used", "gauge", "Recurrent-state slots in use."),
     ("state_slots_total", "state_slots_total", "gauge", "Recurrent-state slots in the pool."),
     ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed."),
+    (
+        "prefill_tokens_total",
+        "prefill_tokens_total",
+        "counter",
+        "Tokens computed by prefill (prompt tokens less cache hits, plus recomputes).",
+    ),
     ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated."),
     (
         "cached_tokens_total",

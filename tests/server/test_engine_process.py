@@ -298,3 +298,19 @@ def _ignore(fn, url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
         fn(f"{url}/v1/completions", body, out)
     except httpx.HTTPError:
         pass  # the server was killed under it
+
+
+@pytest.mark.slow
+def test_the_engine_logs_its_stats_while_it_works(spawn_server) -> None:
+    logged = spawn_server("--max-model-len", "512", "--log-stats-interval", "0.3")
+    quiet = spawn_server("--max-model-len", "512", "--log-stats-interval", "0.3", "--disable-log-stats")
+    body = {"model": MODEL_NAME, "prompt": "stats " * 40, "max_tokens": 96, "ignore_eos": True}
+    for server in (logged, quiet):
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
+    time.sleep(1.0)  # past the interval after the request: the idle line
+    lines = [line for line in logged.log().splitlines() if "deltaserve.engine:" in line and "tok/s" in line]
+    working = [line for line in lines if "generation 0.0 tok/s" not in line]
+    assert working and "running 1" in working[0] and "KV pages" in working[0]
+    assert "running 0, waiting 0" in lines[-1]  # the idle line, once
+    assert sum("running 0, waiting 0" in line and "generation 0.0" in line for line in lines) == 1
+    assert "tok/s" not in quiet.log()

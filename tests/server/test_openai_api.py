@@ -319,6 +319,20 @@ def test_cached_tokens_match_the_prefix_cache_counter(client, server, read_metri
     assert 0 < metrics["deltaserve_prefix_cache_hit_rate"] <= 1
 
 
+def test_prefill_counter_counts_what_the_cache_did_not_serve(client, server, read_metrics) -> None:
+    import uuid
+
+    messages = [{"role": "user", "content": f"{uuid.uuid4().hex} count my prefill. " * 8}]
+    computed = []
+    for _ in range(2):
+        before = read_metrics(server.url)
+        r = chat(client, messages=messages, max_tokens=1, temperature=0)
+        after = read_metrics(server.url)
+        computed.append(after["deltaserve_prefill_tokens_total"] - before["deltaserve_prefill_tokens_total"])
+        assert computed[-1] == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+    assert computed[0] == r.usage.prompt_tokens and 0 < computed[1] < computed[0]  # the repeat hit
+
+
 def test_async_client(async_client) -> None:
     async def run() -> tuple[str, str]:
         whole = await async_client.chat.completions.create(

@@ -1,0 +1,73 @@
+"""The engine's periodic log line, as vLLM's and SGLang's servers write one: what it did since the
+last line (prompt tokens computed and tokens generated a second, the prefix cache's share of the
+prompt tokens) and its load now (requests running and waiting, KV pages and state
+slots in use).
+
+A line every `interval_s` while there is work, then one more once the engine is idle, so that an
+idle server's log stays quiet. `deltaserve serve --disable-log-stats` (or `--log-stats-interval 0`) turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger("deltaserve.engine")
+
+STATS_INTERVAL_S = 10.0  # vLLM's interval too
+
+
+class StatsLog:
+    """Call `tick` once a loop iteration; it reads the engine's stats only once an interval."""
+
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, Any]],
+        interval_s: float = STATS_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stats, self.interval_s, self.clock = stats, interval_s, clock
+        self._since = clock()
+        self._last: dict[str, Any] = {}
+        self._quiet = True  # nothing to say until the engine works (then one line once it is idle)
+
+    def tick(self) -> str | None:
+        """The line logged now, if one is due (None otherwise)."""
+        now = self.clock()
+        if now - self._since < self.interval_s:
+            return None
+        stats = self.stats()
+        elapsed, self._since = now - self._since, now
+        new = {key: stats.get(key, 0) - self._last.get(key, 0) for key in _COUNTERS}
+        self._last = {key: stats.get(key, 0) for key in _COUNTERS}
+        idle = not (stats.get("running") or stats.get("waiting") or any(new.values()))
+        if idle and self._quiet:
+            return None
+        self._quiet = idle
+        line = _line(stats, new, elapsed)
+        logger.info(line)
+        return line
+
+
+_COUNTERS = ("prefill_tokens_total", "generation_tokens_total", "cached_tokens_total")
+
+
+def _line(stats: dict[str, Any], new: dict[str, Any], elapsed: float) -> str:
+    parts = [
+        f"prompt {new['prefill_tokens_total'] / elapsed:.1f} tok/s",  # computed, as vLLM's line counts
+        f"generation {new['generation_tokens_total'] / elapsed:.1f} tok/s",
+        f"running {stats.get('running', 0)}",
+        f"waiting {stats.get('waiting', 0)}",
+    ]
+    for name, used, total in (
+        ("KV pages", "kv_pages_used", "kv_pages_total"),
+        ("state slots", "state_slots_used", "state_slots_total"),
+    ):
+        if stats.get(total):
+            parts.append(f"{name} {stats[used]}/{stats[total]} ({100 * stats[used] / stats[total]:.1f}%)")
+    admitted = new["cached_tokens_total"] + new["prefill_tokens_total"]  # both counted as prompts start
+    if admitted:
+        parts.append(f"prefix cache hits {100 * new['cached_tokens_total'] / admitted:.1f}%")
+    return ", ".join(parts)

@@ -1,0 +1,84 @@
+"""The engine's periodic stats line: throughputs over the interval, the load now, quiet when idle."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from deltaserve.engine.stats_log import StatsLog
+
+
+class Engine:
+    """Stats as `Engine.stats` gives them, moved by hand."""
+
+    def __init__(self) -> None:
+        self.s: dict[str, Any] = {
+            "running": 0,
+            "waiting": 0,
+            "kv_pages_used": 0,
+            "kv_pages_total": 200,
+            "state_slots_used": 0,
+            "state_slots_total": 8,
+            "prompt_tokens_total": 0,
+            "prefill_tokens_total": 0,
+            "generation_tokens_total": 0,
+            "cached_tokens_total": 0,
+        }
+        self.reads = 0
+
+    def stats(self) -> dict[str, Any]:
+        self.reads += 1
+        return dict(self.s)
+
+    def work(self, prompt: int, cached: int, generated: int, running: int) -> None:
+        self.s["prompt_tokens_total"] += prompt
+        self.s["cached_tokens_total"] += cached
+        self.s["prefill_tokens_total"] += prompt - cached
+        self.s["generation_tokens_total"] += generated
+        self.s.update(running=running, kv_pages_used=50, state_slots_used=running)
+
+
+@pytest.fixture
+def clock() -> list[float]:
+    return [100.0]
+
+
+def test_a_line_an_interval_with_the_intervals_rates(clock, caplog) -> None:
+    engine = Engine()
+    log = StatsLog(engine.stats, 10.0, clock=lambda: clock[0])
+    engine.work(prompt=3000, cached=1000, generated=500, running=2)
+    clock[0] += 9.0
+    assert log.tick() is None and engine.reads == 0  # not due: the stats are not even read
+    clock[0] += 1.0
+    with caplog.at_level(logging.INFO, logger="deltaserve.engine"):
+        line = log.tick()
+    assert line == (
+        "prompt 200.0 tok/s, generation 50.0 tok/s, running 2, waiting 0, KV pages 50/200 (25.0%), "
+        "state slots 2/8 (25.0%), prefix cache hits 33.3%"
+    )
+    assert caplog.messages == [line]
+    # the next interval counts only its own tokens
+    engine.work(prompt=0, cached=0, generated=1000, running=2)
+    clock[0] += 20.0
+    assert log.tick().startswith("prompt 0.0 tok/s, generation 50.0 tok/s, running 2")
+
+
+def test_one_line_for_an_idle_engine_then_quiet_until_it_works(clock) -> None:
+    engine = Engine()
+    log = StatsLog(engine.stats, 10.0, clock=lambda: clock[0])
+    clock[0] += 30.0
+    assert log.tick() is None  # a server that has not worked yet says nothing
+    engine.work(prompt=100, cached=0, generated=10, running=1)
+    lines = []
+    for _ in range(4):
+        clock[0] += 10.0
+        lines.append(log.tick())
+        engine.s["running"] = 0  # finished after the first interval
+    assert lines[0] is not None and "running 1" in lines[0]
+    assert lines[1] is not None and "generation 0.0 tok/s, running 0" in lines[1]  # the idle line
+    assert lines[2:] == [None, None]
+    engine.work(prompt=10, cached=0, generated=5, running=1)
+    clock[0] += 10.0
+    assert "running 1" in log.tick()
