@@ -88,7 +88,7 @@ def _run_core(in_addr: str, out_addr: str, step_s: float) -> None:
     core.run()
 
 
-def serve(port: int, step_s: float) -> None:
+def serve(port: int, step_s: float, gc_thresholds: tuple[int, ...] | None = None) -> None:
     """The server process: the stand-in engine in a process of its own, the app as `deltaserve
     serve` builds it (its garbage-collector settings included), uvicorn on loopback."""
     import multiprocessing
@@ -111,6 +111,10 @@ def serve(port: int, step_s: float) -> None:
     handle._await_ready(60.0)
     app = build_app(EngineClient(handle, load_tokenizer(builtin_model_path())), model_names=[STAND_IN])
     freeze_startup_heap("HTTP process")
+    if gc_thresholds:  # in place of the server's own (engine/gc_heap.py), to compare
+        import gc
+
+        gc.set_threshold(*gc_thresholds)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -150,11 +154,15 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--step-ms", type=float, default=10.0, help="the stand-in engine's step time")
+    ap.add_argument(
+        "--gc-thresholds", default=None, help="the HTTP process's gc thresholds, e.g. 700,10,10 (Python's)"
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--serve-port", type=int, default=None, help=argparse.SUPPRESS)  # the server process
     args = ap.parse_args()
+    gc_thresholds = tuple(int(t) for t in args.gc_thresholds.split(",")) if args.gc_thresholds else None
     if args.serve_port is not None:
-        serve(args.serve_port, args.step_ms / 1e3)
+        serve(args.serve_port, args.step_ms / 1e3, gc_thresholds)
         return
 
     port = _free_port()
@@ -168,6 +176,8 @@ def main() -> None:
         "--step-ms",
         str(args.step_ms),
     ]
+    if args.gc_thresholds:
+        cmd += ["--gc-thresholds", args.gc_thresholds]
     server = subprocess.Popen(cmd)
     results = []
     try:
