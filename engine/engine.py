@@ -107,6 +107,7 @@ class Engine:
         self.scheduler = loop.scheduler
         self.counters = loop.counters
         self.sink = loop.sink
+        self._last_plan_t = time.perf_counter()  # the debug log's step timeline
 
     def _warm_up(self) -> None:
         """Run a few prompts of mixed lengths through mixed steps once before serving: the first
@@ -186,7 +187,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return outputs
-        self._count_cached(plan)
+        self._count_plan(plan)
         starts = [c.req.num_computed_tokens for c in plan.chunks]
         logits = self._forward(plan, starts)
         sampled = [c.req for c in plan.chunks if c.sample and not c.drafts]
@@ -212,7 +213,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return outputs + self.drain()
-        self._count_cached(plan)
+        self._count_plan(plan)
         batch = self._batch(plan)
         if prev is not None:
             overlap.fill_placeholders(batch, plan, prev)
@@ -244,12 +245,26 @@ class Engine:
         outputs, self._finished_outputs = self._finished_outputs, []
         return outputs
 
-    def _count_cached(self, plan: SchedulerOutput) -> None:
+    def _count_plan(self, plan: SchedulerOutput) -> None:
+        """The step's part of the counters; at debug level, a log line of the step (what it runs,
+        and the time since the step before: a timeline of the engine)."""
         for req in plan.admitted:
             if req.num_preemptions == 0:
                 self.counters["cached_tokens_total"] += req.num_cached_tokens
         prefills = plan.chunks[plan.num_decodes + plan.num_verify :]
-        self.counters["prefill_tokens_total"] += sum(c.num_tokens for c in prefills)
+        prefill_tokens = sum(c.num_tokens for c in prefills)
+        self.counters["prefill_tokens_total"] += prefill_tokens
+        if logger.isEnabledFor(logging.DEBUG):
+            now = time.perf_counter()
+            logger.debug(
+                "step: %d decodes, %d verifications, %d prefill chunks of %d tokens; %.2f ms since the last",
+                plan.num_decodes,
+                plan.num_verify,
+                len(prefills),
+                prefill_tokens,
+                1e3 * (now - self._last_plan_t),
+            )
+            self._last_plan_t = now
 
     def _batch(self, plan: SchedulerOutput) -> ForwardBatch:
         return build_step_batch(plan, self.runner, self.config.page_size, self.device)
