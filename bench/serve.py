@@ -643,6 +643,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--offline-only", action="store_true", help="no HTTP runs, the offline one alone")
     ap.add_argument("--save-detailed", action="store_true", help="per-request results in the JSON too")
+    ap.add_argument(
+        "--log-level", default=None, help="the offline engine's logging (debug: a line per engine step)"
+    )
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
@@ -674,6 +677,12 @@ def _prompts_for(args: argparse.Namespace, n: int, label: str) -> list[list[int]
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.log_level:
+        import logging
+
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
     runs = build_runs(args)
     result: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "bench.serve", *(sys.argv[1:] if argv is None else argv)]),

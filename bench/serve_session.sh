@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe | 80b-fp8 | kimi | chat | streams | delay [STEPS] | profile [CONFIG]
+# PART: 9b | 08b | moe | 80b-fp8 | ttft [CONFIG] | kimi | chat | streams | delay [STEPS] | profile [CONFIG]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's,
 #     each after 64 concurrent warm-up requests: a fresh server's first mixed steps compile kernels,
 #     which confounded the first such pair in docs/performance.md
@@ -134,6 +134,15 @@ case "${1:-9b}" in
       --input-len 1024 --output-len 64 --health-probe --concurrency 1024 --num-prompts 2048
     serve_bench 08b-1024-close . "${PYTHONPATH:-}" "--model configs/qwen3.5-0.8b $dummy" \
       --input-len 1024 --output-len 64 --health-probe --concurrency 1024 --num-prompts 2048 --no-keepalive
+    ;;
+  ttft)  # ttft [CONFIG]: C = 1 with each engine step in the log, server then offline, to compare their timelines
+    cfg=${2:-qwen3.5-0.8b}
+    serve_bench "$cfg-ttft" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy --log-level debug" \
+      "${WORKLOAD[@]}" --concurrency 1 --num-prompts 4
+    grep -E "step:|tok/s" "$out/runs/$cfg-ttft.server.log" | tail -40 | tee -a "$log"
+    python3 -m bench.serve --offline-only --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy"}' \
+      "${WORKLOAD[@]}" --concurrency 1 --num-prompts 4 --log-level debug > "$out/runs/$cfg-ttft-offline.log" 2>&1
+    grep -E "step:|tok/s|TTFT" "$out/runs/$cfg-ttft-offline.log" | tail -40 | tee -a "$log"
     ;;
   80b-fp8)  # issue 24's serving row: Qwen3-Next-80B-A3B FP8, 8k in / 1k out, 32 clients
     serve_bench 80b-fp8 . "${PYTHONPATH:-}" "--model configs/qwen3-next-80b-a3b-fp8 $dummy" \
