@@ -1,10 +1,10 @@
 """The engine's periodic log line, as vLLM's and SGLang's servers write one: what it did since the
 last line (prompt tokens computed and tokens generated a second, the prefix cache's share of the
-prompt tokens) and its load now (requests running and waiting, KV pages and state
-slots in use).
+prompt tokens) and its load now (requests running and waiting, KV pages and state slots in use).
 
 A line every `interval_s` while there is work, then one more once the engine is idle, so that an
-idle server's log stays quiet. `deltaserve serve --disable-log-stats` (or `--log-stats-interval 0`) turns it off.
+idle server's log stays quiet. `deltaserve serve --disable-log-stats` (or `--log-stats-interval 0`)
+turns it off.
 """
 
 from __future__ import annotations

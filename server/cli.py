@@ -8,10 +8,12 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from deltaserve import __version__
 from deltaserve.engine.stats_log import STATS_INTERVAL_S
+
+_Number = TypeVar("_Number", int, float)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,8 +28,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def _at_least(low: float, kind: Callable[[str], float]) -> Callable[[str], float]:
-    def parse(text: str) -> float:
+def _at_least(low: _Number, kind: Callable[[str], _Number]) -> Callable[[str], _Number]:
+    def parse(text: str) -> _Number:
         try:
             value = kind(text)
         except ValueError:
@@ -41,7 +43,7 @@ def _at_least(low: float, kind: Callable[[str], float]) -> Callable[[str], float
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:
-    return _at_least(low, int)  # type: ignore[return-value]
+    return _at_least(low, int)
 
 
 def _float_at_least(low: float) -> Callable[[str], float]:

@@ -85,7 +85,7 @@ def _fp8_gemm_kernel(
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x,  # [M, K] bf16/fp32
+    x,  # [M, K]
     w,  # [N, K] e4m3
     w_s,
     y,  # [M, N]
@@ -104,8 +104,7 @@ def _fp8_gemv_kernel(
 ):
     """Each iteration reads S whole 128-column blocks of BN rows, so that enough bytes are in
     flight: the scale then broadcasts along the block's own axis."""
-    pid = tl.program_id(0)
-    on = pid * BN + tl.arange(0, BN)
+    on = tl.program_id(0) * BN + tl.arange(0, BN)
     om = tl.arange(0, BLOCK_M)
     ob = tl.arange(0, S)
     oc = tl.arange(0, BLOCK)
@@ -122,8 +121,8 @@ def _fp8_gemv_kernel(
         ok = blk[:, None] * BLOCK + oc[None, :]
         k_ok = ok < K
         wt = tl.load(w_rows + ok[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0)
-        xt = tl.load(x_rows + ok[None, :, :], mask=m_ok[:, None, None] & k_ok[None, :, :], other=0.0)
         ws = tl.load(s_rows + blk[None, :], mask=n_ok[:, None] & (blk < kb)[None, :], other=0.0)
+        xt = tl.load(x_rows + ok[None, :, :], mask=m_ok[:, None, None] & k_ok[None, :, :], other=0.0)
         wf = wt.to(tl.float32) * ws[:, :, None]
         acc += _fake_quant(xt.to(tl.float32), 2)[:, None, :, :] * wf[None, :, :, :]
     out = tl.sum(tl.sum(acc, axis=3), axis=2)
