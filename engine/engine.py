@@ -251,10 +251,12 @@ class Engine:
         for req in plan.admitted:
             if req.num_preemptions == 0:
                 self.counters["cached_tokens_total"] += req.num_cached_tokens
-        prefills = plan.chunks[plan.num_decodes + plan.num_verify :]
-        prefill_tokens = sum(c.num_tokens for c in prefills)
-        self.counters["prefill_tokens_total"] += prefill_tokens
+            # counted as it is admitted: what the cache left to prefill (a prompt's last token may
+            # run as a decode, so the prefill chunks alone would miss it)
+            self.counters["prefill_tokens_total"] += req.num_pending
         if logger.isEnabledFor(logging.DEBUG):
+            prefills = plan.chunks[plan.num_decodes + plan.num_verify :]
+            prefill_tokens = sum(c.num_tokens for c in prefills)
             now = time.perf_counter()
             logger.debug(
                 "step: %d decodes, %d verifications, %d prefill chunks of %d tokens; %.2f ms since the last",

@@ -48,7 +48,7 @@ _STATS = (
         "prefill_tokens_total",
         "prefill_tokens_total",
         "counter",
-        "Tokens computed by prefill (prompt tokens less cache hits, plus recomputes).",
+        "Tokens left to prefill as requests are admitted (prompt tokens less cache hits, plus recomputes).",
     ),
     ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated."),
     (

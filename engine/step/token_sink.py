@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 COUNTERS = (
     "prompt_tokens_total",
-    "prefill_tokens_total",  # computed by prefill: prompts less their cache hits, and recomputes
+    "prefill_tokens_total",  # left to prefill at admission: prompts less cache hits, and recomputes
     "generation_tokens_total",
     "cached_tokens_total",
     "spec_draft_tokens_total",

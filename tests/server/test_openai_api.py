@@ -320,17 +320,22 @@ def test_cached_tokens_match_the_prefix_cache_counter(client, server, read_metri
 
 
 def test_prefill_counter_counts_what_the_cache_did_not_serve(client, server, read_metrics) -> None:
-    import uuid
+    import random
 
-    messages = [{"role": "user", "content": f"{uuid.uuid4().hex} count my prefill. " * 8}]
-    computed = []
-    for _ in range(2):
-        before = read_metrics(server.url)
-        r = chat(client, messages=messages, max_tokens=1, temperature=0)
-        after = read_metrics(server.url)
-        computed.append(after["deltaserve_prefill_tokens_total"] - before["deltaserve_prefill_tokens_total"])
-        assert computed[-1] == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
-    assert computed[0] == r.usage.prompt_tokens and 0 < computed[1] < computed[0]  # the repeat hit
+    rng = random.Random()
+    # 273 tokens: 17 pages and one token, which runs as a decode after the prompt-end chunk
+    for length in (273, 100):
+        prompt = [rng.randrange(1000, 20000) for _ in range(length)]
+        computed = []
+        for _ in range(2):
+            before = read_metrics(server.url)
+            r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0)
+            after = read_metrics(server.url)
+            computed.append(
+                after["deltaserve_prefill_tokens_total"] - before["deltaserve_prefill_tokens_total"]
+            )
+            assert computed[-1] == length - r.usage.prompt_tokens_details.cached_tokens
+        assert computed[0] == length and 0 < computed[1] < length  # the repeat hit the cache
 
 
 def test_async_client(async_client) -> None:
