@@ -1,6 +1,7 @@
 """The engine's periodic log line, as vLLM's and SGLang's servers write one: what it did since the
-last line (prompt tokens computed and tokens generated a second, the prefix cache's share of the
-prompt tokens) and its load now (requests running and waiting, KV pages and state slots in use).
+last line (prompt tokens admitted for prefill less cache hits, and tokens generated, a second; the
+prefix cache's share of the prompt tokens) and its load now (requests running and waiting, KV pages
+and state slots in use).
 
 A line every `interval_s` while there is work, then one more once the engine is idle, so that an
 idle server's log stays quiet. `deltaserve serve --disable-log-stats` (or `--log-stats-interval 0`)
@@ -56,7 +57,7 @@ _COUNTERS = ("prefill_tokens_total", "generation_tokens_total", "cached_tokens_t
 
 def _line(stats: dict[str, Any], new: dict[str, Any], elapsed: float) -> str:
     parts = [
-        f"prompt {new['prefill_tokens_total'] / elapsed:.1f} tok/s",  # computed, as vLLM's line counts
+        f"prompt {new['prefill_tokens_total'] / elapsed:.1f} tok/s",  # cache hits excluded
         f"generation {new['generation_tokens_total'] / elapsed:.1f} tok/s",
         f"running {stats.get('running', 0)}",
         f"waiting {stats.get('waiting', 0)}",
