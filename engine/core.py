@@ -10,7 +10,8 @@ are pickled tuples:
        ("call", call_id, name, args)     stats / compile_structured / flush_cache
        ("stop",)
   out: ("ready", info) | ("failed", message)          once, at start-up
-       ("step", outputs, replies, fault)              replies: [(call_id, error, value)]
+       ("step", outputs, replies, fault)              outputs: pack_outputs' tuples;
+                                                      replies: [(call_id, error, value)]
        ("beat",)                                      while idle, so that a wedged loop shows
        ("dead", reason)                               last: the engine cannot go on (a lost
                                                       tensor-parallel rank); the process exits
@@ -33,6 +34,7 @@ from typing import Any
 
 from deltaserve.engine.errors import EngineDeadError, error_reply
 from deltaserve.engine.gc_heap import freeze_startup_heap
+from deltaserve.engine.requests.outputs import pack_outputs
 from deltaserve.engine.stats_log import StatsLog
 
 logger = logging.getLogger("deltaserve.engine")
@@ -209,7 +211,7 @@ class EngineCore:
                 self._live.discard(out.request_id)
         if outputs or self._replies or fault is not None:
             replies, self._replies = self._replies, []
-            self.send(("step", outputs, replies, fault))
+            self.send(("step", pack_outputs(outputs), replies, fault))
 
     def _idle_tick(self) -> None:
         if time.monotonic() - self._last_sent >= BEAT_S:

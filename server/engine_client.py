@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError, reply_error
 from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.requests.outputs import unpack_outputs
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -392,11 +393,11 @@ class EngineClient:
             self._last_heard = time.monotonic()
             message = pickle.loads(raw.buffer)
             if message[0] == "step":
-                _, outputs, replies, fault = message
+                _, packed, replies, fault = message
                 for call_id, error, value in replies:
                     self._resolve(call_id, error, value)
-                if outputs:
-                    self._dispatch(outputs, time.monotonic())
+                if packed:
+                    self._dispatch(unpack_outputs(packed), time.monotonic())
                 if fault is not None:
                     self._on_fault(*fault)
             elif message[0] == "dead":

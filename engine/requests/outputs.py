@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
+from typing import Any
 
 
 @dataclass
@@ -66,3 +68,27 @@ class RequestOutput:
             if old.logprobs is not None and new.logprobs is not None:
                 new.logprobs = old.logprobs + new.logprobs
         return newer
+
+
+# A step's outputs cross to the HTTP process as plain tuples: pickling dataclasses goes through
+# each object's __reduce_ex__ and state dict, several times the cost of its fields as a tuple.
+_REQUEST_FIELDS = tuple(f.name for f in fields(RequestOutput) if f.name != "outputs")
+_COMPLETION_FIELDS = tuple(f.name for f in fields(CompletionOutput))
+_OUTPUTS_AT = [f.name for f in fields(RequestOutput)].index("outputs")
+
+PackedOutput = tuple[Any, ...]
+
+
+def pack_outputs(outputs: list[RequestOutput]) -> list[PackedOutput]:
+    """The outputs as tuples of their fields, theirs then their completions'."""
+    req_get, comp_get = attrgetter(*_REQUEST_FIELDS), attrgetter(*_COMPLETION_FIELDS)
+    return [(req_get(out), [comp_get(c) for c in out.outputs]) for out in outputs]
+
+
+def unpack_outputs(packed: list[PackedOutput]) -> list[RequestOutput]:
+    """`pack_outputs`' outputs back as RequestOutput objects."""
+    at = _OUTPUTS_AT
+    return [
+        RequestOutput(*head[:at], [CompletionOutput(*c) for c in comps], *head[at:])  # type: ignore[call-arg]
+        for head, comps in packed
+    ]
