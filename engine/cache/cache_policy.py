@@ -20,9 +20,10 @@ tentative snapshots with a quota of their own (radix_cache.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 
 class SnapshotNode(Protocol):
@@ -117,6 +118,55 @@ def _normalise(values: list[float]) -> list[float]:
     if hi <= lo:
         return [0.0] * len(values)
     return [(v - lo) / (hi - lo) for v in values]
+
+
+Ranked = TypeVar("Ranked", bound=SnapshotNode)
+
+# A ranking serves this fraction of the candidates' count in evictions before it is redone.
+RERANK_FRACTION = 16
+
+
+class VictimQueue(Generic[Ranked]):
+    """Victims in a policy's order, ranked once for several evictions.
+
+    Ranking every candidate is O(N log N) Python and a busy server evicts a snapshot for nearly
+    every prompt it admits, so `rank(k)` gives the first max(k, N / RERANK_FRACTION) at once and
+    later evictions take from them. A ranked node hit, pinned, dropped or made a branch point
+    since (`still(node)` false, or its access or branch state changed) is passed over, and a
+    snapshot added since waits for the next ranking: with LRU the order is exact (the newest go
+    last anyway), with Marconi's utility it is at most that many evictions old. Below
+    RERANK_FRACTION candidates every eviction ranks afresh.
+    """
+
+    def __init__(self, rank: Callable[[int], list[Ranked]], still: Callable[[Ranked], bool]) -> None:
+        self._rank, self._still = rank, still
+        self._queue: deque[tuple[Ranked, int, bool]] = deque()
+
+    def take(self, n: int) -> list[Ranked]:
+        """Up to `n` victims, each still a candidate now."""
+        out: list[Ranked] = []
+        fresh = False
+        while len(out) < n:
+            if not self._queue:
+                if fresh:  # a new ranking gave no more: nothing else is a candidate
+                    break
+                self._queue.extend(
+                    (c, c.snapshot_access, c.num_children >= 2) for c in self._rank(n - len(out))
+                )
+                fresh = True
+                continue
+            node, access, shared = self._queue.popleft()
+            if self._still(node) and node.snapshot_access == access and (node.num_children >= 2) == shared:
+                out.append(node)
+        return out
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+
+def ranking_size(n: int, num_candidates: int) -> int:
+    """How many a ranking of `num_candidates` for `n` victims takes: `n`, or more to amortise it."""
+    return max(n, num_candidates // RERANK_FRACTION)
 
 
 POLICIES = ("marconi", "branch_lru", "every_chunk_lru")

@@ -50,7 +50,7 @@ import heapq
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Literal
 
-from deltaserve.engine.cache.cache_policy import make_policy
+from deltaserve.engine.cache.cache_policy import VictimQueue, make_policy, ranking_size
 from deltaserve.engine.cache.radix_node import CacheStats, InsertResult, KVPool, MatchResult, Node, StatePool
 
 __all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "Node", "SnapshotKind"]
@@ -99,6 +99,12 @@ class RadixCache:
         self._snapshot_nodes: set[Node] = set()
         self._tentative_nodes: set[Node] = set()
         self._clock = 0
+        self._regular_victims = VictimQueue(
+            self._rank_regular, lambda n: n in self._snapshot_nodes and not n.pins and not n.tentative
+        )
+        self._tentative_victims = VictimQueue(
+            self._rank_tentative, lambda n: n in self._tentative_nodes and not n.pins
+        )
 
     # ---- lookups -----------------------------------------------------------------------
 
@@ -288,13 +294,20 @@ class RadixCache:
         ones oldest first (their quota keeps them from crowding regular ones out; evicting them
         first would leave none once the area is full); their nodes' KV stays."""
         dropped = self._evict_tentative(min(n, self.num_tentative - self.tentative_quota))
-        candidates = [node for node in self._snapshot_nodes if node.pins == 0 and not node.tentative]
-        victims = self.policy.victims(candidates, n - dropped)
+        victims = self._regular_victims.take(n - dropped)
         for node in victims:
-            assert isinstance(node, Node)
             self._drop_snapshot(node)
         dropped += len(victims)
         return dropped + self._evict_tentative(n - dropped)
+
+    def _rank_regular(self, n: int) -> list[Node]:
+        candidates = [node for node in self._snapshot_nodes if node.pins == 0 and not node.tentative]
+        return self.policy.victims(candidates, ranking_size(n, len(candidates)))  # type: ignore[return-value]
+
+    def _rank_tentative(self, n: int) -> list[Node]:
+        candidates = [node for node in self._tentative_nodes if node.pins == 0]
+        candidates.sort(key=lambda node: (node.snapshot_access, node.depth))
+        return candidates[: ranking_size(n, len(candidates))]
 
     def demote(self, node: Node) -> bool:
         """Make `node`'s regular snapshot tentative, unless it is pinned or a branch point."""
@@ -350,10 +363,7 @@ class RadixCache:
     def _evict_tentative(self, n: int) -> int:
         if n <= 0:
             return 0
-        victims = sorted(
-            (node for node in self._tentative_nodes if node.pins == 0),
-            key=lambda node: (node.snapshot_access, node.depth),
-        )[:n]
+        victims = self._tentative_victims.take(n)
         for node in victims:
             self._drop_snapshot(node)
         return len(victims)

@@ -609,3 +609,55 @@ def test_prefill_cost_and_policy_names() -> None:
     assert cost(0) == 0 and cost(2000) > 2 * cost(1000) > 0  # the attention term is quadratic
     with pytest.raises(ValueError, match="unknown snapshot policy"):
         make_cache("fifo")
+
+
+def test_lru_evictions_keep_the_exact_order_while_rankings_are_reused() -> None:
+    """With many snapshots a ranking serves several evictions (the cost of one is O(N log N));
+    under LRU every victim is still the least recently used snapshot at that moment."""
+    rng = random.Random(7)
+    ps, n = 2, 96
+    cache = make_cache("branch_lru", ps=ps, pages=4 * n, snaps=n)
+    ranks = 0
+    rank = cache._rank_regular
+
+    def counting(k: int) -> list[Node]:
+        nonlocal ranks
+        ranks += 1
+        return rank(k)
+
+    cache._regular_victims._rank = counting  # type: ignore[assignment]
+    prompts = []
+    for i in range(n):  # n distinct two-page prompts, each with its end's snapshot
+        tokens = [1000 + i, i, 7, 7]
+        slot = cache.state_pool.alloc_snapshot()
+        cache.kv_pool.free(cache.insert(tokens, cache.kv_pool.alloc(2), {4: slot}).duplicates)
+        prompts.append(tokens)
+    evicted = 0
+    for _ in range(40):
+        for tokens in rng.sample(prompts, 3):  # hits move snapshots to the back of the order
+            cache.match_prefix(tokens + [9])
+        snapshot_nodes = [nd for nd in cache._snapshot_nodes if not nd.tentative and not nd.pins]
+        expect = min(snapshot_nodes, key=lambda nd: (nd.snapshot_access, nd.depth))
+        assert cache.evict_snapshots(1) == 1
+        evicted += 1
+        assert expect.snapshot is None, "the least recently used snapshot went first"
+    assert ranks <= evicted // 2, f"{ranks} rankings for {evicted} evictions"
+
+
+def test_a_snapshot_hit_after_its_ranking_is_passed_over() -> None:
+    ps, n = 2, 64
+    cache = make_cache("branch_lru", ps=ps, pages=4 * n, snaps=n)
+    prompts = []
+    for i in range(n):
+        tokens = [1000 + i, i, 7, 7]
+        slot = cache.state_pool.alloc_snapshot()
+        cache.kv_pool.free(cache.insert(tokens, cache.kv_pool.alloc(2), {4: slot}).duplicates)
+        cache.match_prefix(tokens + [9])  # distinct access times, oldest first
+        prompts.append(tokens)
+    assert cache.evict_snapshots(1) == 1  # ranks several at once: the next victims are queued
+    oldest_left = prompts[1]
+    cache.match_prefix(oldest_left + [9])  # now the newest
+    assert cache.evict_snapshots(1) == 1
+    hit = cache.match_prefix(oldest_left + [9], record=False)
+    assert hit.snapshot_slot is not None, "the snapshot hit since the ranking was kept"
+    assert cache.match_prefix(prompts[2] + [9], record=False).snapshot_slot is None
