@@ -6,7 +6,8 @@
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
 # PART: 9b | 08b | moe | 80b-fp8 | ttft [CONFIG] | kimi | chat | streams | delay [STEPS] | profile [CONFIG]
-#   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's,
+#   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
+#     ($SERVER_ARGS: more server flags; $TAG: a suffix to the run's name),
 #     each after 64 concurrent warm-up requests: a fresh server's first mixed steps compile kernels,
 #     which confounded the first such pair in docs/performance.md
 set -u
@@ -61,6 +62,10 @@ offline() {  # offline NAME CONFIG ARGS_JSON BENCH ARGS...
 tok=$(python3 -c "from deltaserve.models.checkpoints.builtin import builtin_model_path; print(builtin_model_path())")
 dummy="--load-format dummy --tokenizer $tok"
 
+cpu_s() {  # a process's user+system CPU seconds, all threads
+  awk -v hz="$(getconf CLK_TCK)" '{ printf "%.2f", ($14 + $15) / hz }' "/proc/$1/stat"
+}
+
 profile_load() {  # profile_load NAME SECONDS BENCH ARGS...: py-spy both processes under a load
   local name=$1 secs=$2
   shift 2
@@ -71,8 +76,12 @@ profile_load() {  # profile_load NAME SECONDS BENCH ARGS...: py-spy both process
   local server engine
   server=$(pgrep -f "deltaserve serve --port $port" | head -1)
   engine=$(pgrep -f spawn_main | head -1)
+  local cpu0 cpu1
+  cpu0="$(cpu_s "$engine") $(cpu_s "$server")"
   py-spy record --nonblocking -r 100 -d "$secs" -f raw -p "$engine" -o "$out/runs/$name.engine.txt" > /dev/null 2>&1 &
   py-spy record --nonblocking -r 100 -d "$secs" -f raw -p "$server" -o "$out/runs/$name.http.txt" > /dev/null 2>&1
+  cpu1="$(cpu_s "$engine") $(cpu_s "$server")"
+  echo "$name: CPU seconds over ${secs} s (engine, http): $cpu0 -> $cpu1" | tee -a "$log"
   wait $bench
   tail -22 "$out/runs/$name.log" | tee -a "$log"
 }
@@ -86,13 +95,13 @@ case "${1:-9b}" in
     [ -d /tmp/ab-base ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base .base/base
     mkdir -p /tmp/ab-cwd && cp -r .base/base/configs /tmp/ab-cwd/ && cp -r bench /tmp/ab-cwd/
     cfg=${2:-qwen3.5-9b}
-    serve_bench "$cfg-before" /tmp/ab-cwd "/tmp/ab-base:${BEFORE_PATH:-${PYTHONPATH:-}}" \
-      "--model configs/$cfg $dummy" "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64
+    serve_bench "$cfg-before${TAG:-}" /tmp/ab-cwd "/tmp/ab-base:${BEFORE_PATH:-${PYTHONPATH:-}}" \
+      "--model configs/$cfg $dummy ${SERVER_ARGS:-}" "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64
     ;;
   after)  # after [CONFIG] [CONCURRENCY]: the tree's server, as `before` runs REV's
     cfg=${2:-qwen3.5-9b}
-    serve_bench "$cfg-after" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy" "${WORKLOAD[@]}" \
-      --concurrency "${3:-64,256}" --warmup 64
+    serve_bench "$cfg-after${TAG:-}" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy ${SERVER_ARGS:-}" \
+      "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64
     ;;
   profile)  # profile [CONFIG]: py-spy at C = 64 and 256
     cfg=${2:-qwen3.5-9b}

@@ -33,6 +33,10 @@ class EngineConfig:
     # new prompts arriving beside decode-only steps wait up to this many steps to be prefilled
     # together (a prefill step runs eagerly, a decode step by CUDA graph); 0: never wait
     max_prefill_delay_steps: int = 0
+    # ... and with this, wait no longer than a step with a prefill costs beyond a decode step, as
+    # measured (engine/step/step_costs.py); the steps' cap is then max_prefill_delay_steps or 16.
+    # None: on CUDA, where decode steps replay graphs and prefill steps launch eagerly
+    adaptive_prefill_delay: bool | None = None
     page_size: int = 16
     cache_type: str = "radix"  # "naive": no reuse across requests
     prefix_cache_policy: str = "marconi"  # snapshot admission / eviction: see cache/cache_policy.py
@@ -99,6 +103,8 @@ class EngineConfig:
         on_cuda = torch.device(self.device).type == "cuda"
         if self.warmup is None:
             self.warmup = on_cuda
+        if self.adaptive_prefill_delay is None:
+            self.adaptive_prefill_delay = on_cuda
         if self.max_running_requests is None:
             self.max_running_requests = 256 if on_cuda else 64
         if self.max_running_requests < 1:

@@ -107,7 +107,9 @@ class Engine:
         self.scheduler = loop.scheduler
         self.counters = loop.counters
         self.sink = loop.sink
-        self._last_plan_t = time.perf_counter()  # the debug log's step timeline
+        # the previous plan's time and kind: the step timeline (debug log) and the scheduler's
+        # measure of what a prefill step costs; None after a step with nothing to run
+        self._last_plan: tuple[float, bool] | None = None
 
     def _warm_up(self) -> None:
         """Run a few prompts of mixed lengths through mixed steps once before serving: the first
@@ -186,6 +188,7 @@ class Engine:
         outputs = self._take_finished()
         plan = self.scheduler.schedule()
         if plan is None:
+            self._last_plan = None
             return outputs
         self._count_plan(plan)
         starts = [c.req.num_computed_tokens for c in plan.chunks]
@@ -212,6 +215,7 @@ class Engine:
         outputs = self._take_finished()
         plan = self.scheduler.schedule()
         if plan is None:
+            self._last_plan = None
             return outputs + self.drain()
         self._count_plan(plan)
         batch = self._batch(plan)
@@ -254,19 +258,22 @@ class Engine:
             # counted as it is admitted: what the cache left to prefill (a prompt's last token may
             # run as a decode, so the prefill chunks alone would miss it)
             self.counters["prefill_tokens_total"] += req.num_pending
+        now = time.perf_counter()
+        prefills = plan.chunks[plan.num_decodes + plan.num_verify :]
+        since = None
+        if self._last_plan is not None:
+            since = now - self._last_plan[0]
+            self.scheduler.step_cost.record(self._last_plan[1], since)
+        self._last_plan = (now, bool(prefills))
         if logger.isEnabledFor(logging.DEBUG):
-            prefills = plan.chunks[plan.num_decodes + plan.num_verify :]
-            prefill_tokens = sum(c.num_tokens for c in prefills)
-            now = time.perf_counter()
             logger.debug(
-                "step: %d decodes, %d verifications, %d prefill chunks of %d tokens; %.2f ms since the last",
+                "step: %d decodes, %d verifications, %d prefill chunks of %d tokens; %s since the last",
                 plan.num_decodes,
                 plan.num_verify,
                 len(prefills),
-                prefill_tokens,
-                1e3 * (now - self._last_plan_t),
+                sum(c.num_tokens for c in prefills),
+                "-" if since is None else f"{1e3 * since:.2f} ms",
             )
-            self._last_plan_t = now
 
     def _batch(self, plan: SchedulerOutput) -> ForwardBatch:
         return build_step_batch(plan, self.runner, self.config.page_size, self.device)

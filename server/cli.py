@@ -217,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill runs eagerly); 0: prefill at once",
     )
     engine.add_argument(
+        "--adaptive-prefill-delay",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let such prompts wait, but no longer than a step with a prefill costs beyond a decode "
+        "step, as measured while serving (at most --max-prefill-delay-steps steps, or 16 when that "
+        "is 0); default: on with CUDA, off on CPU",
+    )
+    engine.add_argument(
         "--page-size", type=_power_of_two, default=16, help="tokens per KV-cache page (a power of two)"
     )
     engine.add_argument(

@@ -11,7 +11,8 @@ otherwise it waits. A decode that finds no free page preempts the newest running
 While the running requests only decode, a step runs by CUDA-graph replay; one with a prefill
 chunk runs eagerly, which costs the host far more. So new prompts that arrive one by one
 under load may wait up to `max_prefill_delay_steps` steps to be prefilled together, unless
-they already fill the step's budget.
+they already fill the step's budget; with `adaptive_prefill_delay`, also no longer than a
+prefill step costs beyond a decode step, as measured (`step_costs.py`).
 
 With speculative decoding a decoding request may bring drafts: its chunk is a verification
 window (the last token and the drafts), placed after the one-token decodes. Its pages cover
@@ -25,6 +26,7 @@ chunk ends where the prompt leaves the cache's tree, so that a snapshot can be s
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +36,9 @@ from deltaserve.engine.cache.kv_pool import KVPool
 from deltaserve.engine.cache.state_pool import StatePool
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.requests.request import Request, Status
+from deltaserve.engine.step.step_costs import MixedStepCost
+
+ADAPTIVE_MAX_STEPS = 16  # the adaptive delay's cap in steps when max_prefill_delay_steps is 0
 
 
 @dataclass
@@ -91,6 +96,7 @@ class Scheduler:
         self.propose = propose
         self.max_verify = max_verify
         self.num_steps = 0
+        self.step_cost = MixedStepCost()  # fed by the engine: the adaptive prefill delay's bound
 
     def add(self, req: Request) -> None:
         req.arrival_step = self.num_steps
@@ -184,10 +190,14 @@ class Scheduler:
         """Whether waiting prompts sit out this step to be prefilled with later arrivals: only
         beside decodes alone, for at most `max_prefill_delay_steps`, and while they leave most
         of the budget unused."""
-        delay = self.config.max_prefill_delay_steps
+        adaptive = self.config.adaptive_prefill_delay
+        delay = self.config.max_prefill_delay_steps or (ADAPTIVE_MAX_STEPS if adaptive else 0)
         if not delay or not self.waiting or prefilling or num_decoding == 0:
             return False
-        if self.num_steps - self.waiting[0].arrival_step >= delay:
+        oldest = self.waiting[0]
+        if self.num_steps - oldest.arrival_step >= delay:
+            return False
+        if adaptive and time.time() - oldest.arrival_time >= self.step_cost.extra_s:
             return False
         pending = 0
         for req in self.waiting:

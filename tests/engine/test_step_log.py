@@ -8,7 +8,7 @@ import re
 from deltaserve import LLM, SamplingParams
 
 LINE = re.compile(
-    r"step: (\d+) decodes, (\d+) verifications, (\d+) prefill chunks of (\d+) tokens; [\d.]+ ms"
+    r"step: (\d+) decodes, (\d+) verifications, (\d+) prefill chunks of (\d+) tokens; (?:[\d.]+ ms|-) since the last"
 )
 
 

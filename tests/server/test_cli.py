@@ -190,3 +190,10 @@ def test_start_up_says_what_it_does(spawn_server, server, tmp_path: Path) -> Non
     assert "prefix cache: radix, policy marconi" in log
     assert "384 tokens a step (max_num_batched_tokens), 128 a request (chunked_prefill_size)" in log
     assert "building the built-in model" not in server.log()  # its cache already held it
+
+
+def test_adaptive_prefill_delay_defaults_to_the_device_and_can_be_turned_off() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).adaptive_prefill_delay is None  # the engine picks by device
+    assert parser.parse_args(["serve", "--no-adaptive-prefill-delay"]).adaptive_prefill_delay is False
+    assert parser.parse_args(["serve", "--adaptive-prefill-delay"]).adaptive_prefill_delay is True

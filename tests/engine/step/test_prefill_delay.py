@@ -8,11 +8,12 @@ import pytest
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.requests.sampling_params import SamplingParams
+from deltaserve.engine.step.step_costs import LONGEST_S, MixedStepCost
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def make_engine(path: str, delay: int) -> Engine:
+def make_engine(path: str, delay: int, adaptive: bool = False) -> Engine:
     cfg = EngineConfig(
         model=path,
         dtype="float32",
@@ -21,6 +22,7 @@ def make_engine(path: str, delay: int) -> Engine:
         max_running_requests=4,
         max_model_len=256,
         max_prefill_delay_steps=delay,
+        adaptive_prefill_delay=adaptive,
     )
     return Engine(cfg)
 
@@ -80,3 +82,93 @@ def test_no_delay_without_decodes(path: str) -> None:
 def test_negative_delay_is_refused(path: str) -> None:
     with pytest.raises(ValueError, match="max_prefill_delay_steps"):
         EngineConfig(model=path, device="cpu", max_prefill_delay_steps=-1)
+
+
+class FixedCost(MixedStepCost):
+    """A prefill step's extra cost held where the test puts it (the engine's records ignored)."""
+
+    def __init__(self, extra_s: float) -> None:
+        super().__init__()
+        self.fixed = extra_s
+
+    def record(self, mixed: bool, seconds: float) -> None:
+        pass
+
+    @property
+    def extra_s(self) -> float:
+        return self.fixed
+
+
+def decoding_alone(engine: Engine) -> None:
+    engine.add_request(
+        "a", list(range(1, 21)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    )
+    while not any(out.outputs[0].token_ids for out in engine.step()):
+        pass
+
+
+def test_adaptive_delay_waits_while_a_prefill_step_would_cost_more(path: str) -> None:
+    engine = make_engine(path, delay=0, adaptive=True)
+    engine.scheduler.step_cost = FixedCost(3600.0)
+    decoding_alone(engine)
+    engine.add_request("b", list(range(30, 40)), GREEDY)
+    for _ in range(15):
+        engine.step()
+        assert waiting(engine) == 1  # a prefill step costs far more than the wait so far
+    engine.step()  # the 16-step cap
+    assert waiting(engine) == 0
+
+
+def test_adaptive_delay_does_not_wait_when_a_prefill_step_costs_no_more(path: str) -> None:
+    engine = make_engine(path, delay=8, adaptive=True)
+    engine.scheduler.step_cost = FixedCost(0.0)
+    decoding_alone(engine)
+    engine.add_request("b", list(range(30, 40)), GREEDY)
+    engine.step()
+    assert waiting(engine) == 0  # the fixed 8-step delay alone would have held it
+
+
+def test_adaptive_delay_ends_once_the_wait_reaches_the_extra_cost(path: str) -> None:
+    import time
+
+    engine = make_engine(path, delay=0, adaptive=True)
+    engine.scheduler.step_cost = FixedCost(0.3)
+    decoding_alone(engine)
+    engine.add_request("b", list(range(30, 40)), GREEDY)
+    engine.step()
+    assert waiting(engine) == 1
+    time.sleep(0.35)
+    engine.step()
+    assert waiting(engine) == 0
+
+
+def test_mixed_step_cost_is_the_difference_of_the_averages() -> None:
+    cost = MixedStepCost()
+    cost.record(True, 0.030)
+    assert cost.extra_s == 0.0  # no decode step seen yet
+    for _ in range(50):
+        cost.record(False, 0.004)
+        cost.record(True, 0.030)
+    assert cost.extra_s == pytest.approx(0.026, rel=1e-3)
+    cost.record(False, LONGEST_S + 1)  # idle time between two steps is no step's cost
+    cost.record(True, 0.0)
+    assert cost.extra_s == pytest.approx(0.026, rel=1e-3)
+    for _ in range(100):
+        cost.record(True, 0.002)  # prefill steps got cheaper than decode steps
+    assert cost.extra_s == 0.0
+
+
+def test_the_engine_measures_both_kinds_of_step(path: str) -> None:
+    engine = make_engine(path, delay=0, adaptive=True)
+    decoding_alone(engine)
+    for _ in range(3):
+        engine.step()
+    cost = engine.scheduler.step_cost
+    assert cost.mixed_s is not None and cost.decode_s is not None
+    assert 0 < cost.decode_s <= LONGEST_S and 0 < cost.mixed_s <= LONGEST_S
+
+
+def test_adaptive_delay_is_on_by_default_with_cuda_only(path: str) -> None:
+    assert EngineConfig(model=path, device="cpu").adaptive_prefill_delay is False
+    assert EngineConfig(model=path, device="cpu", adaptive_prefill_delay=True).adaptive_prefill_delay is True
+    assert EngineConfig(model=path, device="cuda").adaptive_prefill_delay is True
