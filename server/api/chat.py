@@ -16,6 +16,8 @@ from ..protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
+    DeltaToolCall,
     random_id,
 )
 from ..text.chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
@@ -118,7 +120,25 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             for i in self.index.values()
         ]
 
+    def delta_event(self, out: RequestOutput) -> str | None:
+        parts = self._delta_parts(out)
+        reasoning, content, calls, new_logprobs, reason = parts
+        index = self.index[out.request_id]
+        if content and reasoning is None and not calls and new_logprobs is None and reason is None:
+            if not self.usage_in_every_chunk:  # content alone: the common token
+                return self.text_event(
+                    index, content, lambda text: ChatChunkChoice(index=index, delta=ChatDelta(content=text))
+                )
+        choice = self._choice(index, *parts)
+        return None if choice is None else self.event([choice])
+
     def delta_choice(self, out: RequestOutput) -> ChatChunkChoice | None:
+        return self._choice(self.index[out.request_id], *self._delta_parts(out))
+
+    def _delta_parts(
+        self, out: RequestOutput
+    ) -> tuple[str | None, str | None, list[DeltaToolCall], ChatLogprobs | None, str | None]:
+        """What `out` adds: reasoning, content, tool calls, logprobs and the finish reason."""
         state = self.states.setdefault(out.request_id, ChatStreamState(self.parser))
         completion = out.outputs[0]
         cut = completion.finish_reason == "length"
@@ -126,15 +146,29 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         new_logprobs = None
         if self.logprobs is not None and completion.logprobs:
             new_logprobs = chat_logprobs(completion.logprobs, self.logprobs, self.ctx.token_text)
-        reason = finish_reason(completion.finish_reason, state.calls_sent > 0)
+        return (
+            reasoning,
+            content,
+            calls,
+            new_logprobs,
+            finish_reason(completion.finish_reason, state.calls_sent > 0),
+        )
+
+    @staticmethod
+    def _choice(
+        index: int,
+        reasoning: str | None,
+        content: str | None,
+        calls: list[DeltaToolCall],
+        new_logprobs: ChatLogprobs | None,
+        reason: str | None,
+    ) -> ChatChunkChoice | None:
         if not (reasoning or content or calls or new_logprobs or reason):
             return None
         delta = ChatDelta(
             reasoning_content=reasoning, reasoning=reasoning, content=content, tool_calls=calls or None
         )
-        return ChatChunkChoice(
-            index=self.index[out.request_id], delta=delta, logprobs=new_logprobs, finish_reason=reason
-        )
+        return ChatChunkChoice(index=index, delta=delta, logprobs=new_logprobs, finish_reason=reason)
 
     def final_choice(self, index: int, out: RequestOutput) -> ChatChoice:
         completion = out.outputs[0]

@@ -118,6 +118,25 @@ class CompletionGeneration(Generation[CompletionChoice]):
         self.choices: list[_Choice] = []  # by choice index
         self.offsets: dict[str, int] = {}  # where the next token's text starts (logprobs' text_offset)
 
+    def delta_event(self, out: RequestOutput) -> str | None:
+        rid, completion = out.request_id, out.outputs[0]
+        plain = (
+            rid in self.offsets  # not the first: no echo, the text offset already set
+            and self.choices[self.index[rid]].logprobs is None
+            and completion.finish_reason is None
+            and not self.usage_in_every_chunk
+        )
+        if not plain:
+            return super().delta_event(out)
+        if not completion.text:
+            return None
+        index = self.index[rid]
+        return self.text_event(
+            index,
+            completion.text,
+            lambda text: CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None),
+        )
+
     def delta_choice(self, out: RequestOutput) -> CompletionChoice | None:
         rid, completion = out.request_id, out.outputs[0]
         choice = self.choices[self.index[rid]]

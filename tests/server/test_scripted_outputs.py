@@ -331,17 +331,20 @@ def test_responses_items_keep_the_written_order(serve_script) -> None:
     assert final.output_text == resp.output_text
 
 
-def raw_chunks(client: openai.OpenAI, path: str, body: dict) -> list[dict]:
-    """The stream's chunks as the bytes on the wire give them (the SDK would hide absent fields)."""
+def raw_lines(client: openai.OpenAI, path: str, body: dict) -> list[str]:
+    """The stream's chunks' JSON text, as on the wire."""
     import httpx
 
-    chunks = []
-    with httpx.stream("POST", f"{client.base_url}{path}", json=body, timeout=30) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: ") :]))
-    return chunks
+    resp = httpx.post(f"{client.base_url}{path}", json=body, timeout=30)
+    assert resp.status_code == 200
+    # SSE lines end at CR or LF only (str.splitlines would also split a U+2028 inside a string)
+    lines = resp.content.decode().split("\n")
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def raw_chunks(client: openai.OpenAI, path: str, body: dict) -> list[dict]:
+    """The stream's chunks as the bytes on the wire give them (the SDK would hide absent fields)."""
+    return [json.loads(line) for line in raw_lines(client, path, body)]
 
 
 def test_stream_chunks_on_the_wire(serve_script) -> None:
@@ -378,3 +381,37 @@ def test_stream_chunks_on_the_wire(serve_script) -> None:
         (choice,) = chunk["choices"]
         assert set(choice) == {"index", "text", "logprobs", "finish_reason"}  # no vLLM prompt_logprobs
     assert [c["choices"][0]["finish_reason"] for c in text] == [None] * 4 + ["length"]
+
+
+TRICKY = (
+    'Quotes " and \\ back\\slashes,\ttabs,\nnew lines, </script>, café, 日本語, emoji 🙂 and \u2028 done.'
+)
+
+
+def test_streamed_text_chunks_are_what_pydantic_renders(serve_script) -> None:
+    """Text-only chunks are filled into a template rendered once (generation.py's text_event):
+    each must be byte for byte the chunk that pydantic's models give, and the text whole."""
+    from deltaserve.server.protocol import ChatCompletionChunk, CompletionResponse
+
+    client = serve_script(TRICKY)
+    chat = raw_lines(
+        client,
+        "chat/completions",
+        {"model": "scripted", "messages": [{"role": "user", "content": "x"}], "stream": True},
+    )
+    text = raw_lines(
+        client, "completions", {"model": "scripted", "prompt": "Hi", "max_tokens": 500, "stream": True}
+    )
+    assert len(chat) > 10 and len(text) > 10
+    for line in chat:
+        chunk = ChatCompletionChunk.model_validate_json(line)
+        assert chunk.model_dump_json(exclude={"usage"}) == line
+    for line in text:
+        chunk = CompletionResponse.model_validate_json(line)
+        assert (
+            chunk.model_dump_json(exclude={"usage": True, "choices": {"__all__": {"prompt_logprobs"}}})
+            == line
+        )
+    content = "".join(json.loads(line)["choices"][0]["delta"].get("content") or "" for line in chat)
+    assert content == TRICKY
+    assert "".join(json.loads(line)["choices"][0]["text"] for line in text) == TRICKY
