@@ -75,6 +75,7 @@ class Generation(ABC, Generic[ChunkChoice]):
         self.n = 1  # choices per prompt
         self.latest: dict[str, RequestOutput] = {}  # each engine request's latest output, streaming
         self._templates: dict[int, tuple[str, str]] = {}  # text_event's, by choice index
+        self.usage_in_every_chunk = bool(stream_options and stream_options.continuous_usage_stats)
 
     def add(self, prompt_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """A prompt and its `params.n` choices, indexed after those added before."""
@@ -110,7 +111,7 @@ class Generation(ABC, Generic[ChunkChoice]):
 
     def event(self, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
         """A chunk as a server-sent event, with the usage so far where the client asked for it."""
-        if usage is None and self.stream_options and self.stream_options.continuous_usage_stats:
+        if usage is None and self.usage_in_every_chunk:
             usage = self.usage(list(self.latest.values()))
         chunk = self.chunk_type(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
@@ -154,10 +155,6 @@ class Generation(ABC, Generic[ChunkChoice]):
             assert found and _PLACEHOLDER_JSON not in tail, "the placeholder must appear once"
             template = self._templates[index] = (head, tail)
         return template[0] + to_json(text).decode() + template[1]
-
-    @property
-    def usage_in_every_chunk(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def opening_choices(self) -> list[ChunkChoice]:
         """The choices of the stream's first chunk, before any output (none by default)."""
