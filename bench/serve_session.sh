@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe | 80b-fp8 | ttft [CONFIG] | kimi | chat | streams | delay [STEPS] | profile [CONFIG]
+# PART: 9b | 08b | moe | 80b-fp8 | ttft [CONFIG] | kimi | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $TAG: a suffix to the run's name),
 #     each after 64 concurrent warm-up requests: a fresh server's first mixed steps compile kernels,
@@ -152,6 +152,15 @@ case "${1:-9b}" in
     python3 -m bench.serve --offline-only --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy"}' \
       "${WORKLOAD[@]}" --concurrency 1 --num-prompts 4 --log-level debug > "$out/runs/$cfg-ttft-offline.log" 2>&1
     grep -E "step:|tok/s|TTFT" "$out/runs/$cfg-ttft-offline.log" | tail -40 | tee -a "$log"
+    ;;
+  spread)  # spread [CONFIG]: server then offline, twice, at C = 64 and 256: how far one build moves within a call
+    cfg=${2:-qwen3.5-0.8b}
+    for round in 1 2; do
+      serve_bench "$cfg-spread$round" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy" "${WORKLOAD[@]}" \
+        --concurrency 64,256 --warmup 64
+      offline "$cfg-spread$round-offline" "configs/$cfg" '{"load_format": "dummy"}' "${WORKLOAD[@]}" \
+        --concurrency 64,256 --warmup 64
+    done
     ;;
   80b-fp8)  # issue 24's serving row: Qwen3-Next-80B-A3B FP8, 8k in / 1k out, 32 clients
     serve_bench 80b-fp8 . "${PYTHONPATH:-}" "--model configs/qwen3-next-80b-a3b-fp8 $dummy" \
