@@ -37,6 +37,9 @@ class EngineConfig:
     # measured (engine/step/step_costs.py); the steps' cap is then max_prefill_delay_steps or 16.
     # None: on CUDA, where decode steps replay graphs and prefill steps launch eagerly
     adaptive_prefill_delay: bool | None = None
+    # with the adaptive delay, running prompts' remaining chunks (the short tail the prefix cache
+    # leaves after a prompt's last full page) wait with the arrivals too, under the same bound
+    hold_prefill_tails: bool = False
     page_size: int = 16
     cache_type: str = "radix"  # "naive": no reuse across requests
     prefix_cache_policy: str = "marconi"  # snapshot admission / eviction: see cache/cache_policy.py

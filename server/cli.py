@@ -225,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
         "is 0); default: on with CUDA, off on CPU",
     )
     engine.add_argument(
+        "--hold-prefill-tails",
+        action="store_true",
+        help="with the adaptive prefill delay, running prompts' remaining chunks (the short tail the "
+        "prefix cache leaves after a prompt's last full page) wait with the arrivals too; "
+        "experimental, off until measured on a GPU",
+    )
+    engine.add_argument(
         "--page-size", type=_power_of_two, default=16, help="tokens per KV-cache page (a power of two)"
     )
     engine.add_argument(

@@ -176,6 +176,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_prefill_delay_steps=args.max_prefill_delay_steps,
             adaptive_prefill_delay=args.adaptive_prefill_delay,
+            hold_prefill_tails=args.hold_prefill_tails,
             cache_type=args.cache_type,
             prefix_cache_policy=args.prefix_cache_policy,
             mem_fraction_static=args.mem_fraction_static,

@@ -48,6 +48,10 @@ class Request:
     cumulative_logprob: float = 0.0
     arrival_time: float = field(default_factory=time.time)
     arrival_step: int = 0  # the scheduler's step count when the request was added
+    # when its next prefill chunk became ready to run: its arrival, then the end of each chunk
+    # that left part of the prompt (the prefill delay's clock with `hold_prefill_tails`)
+    ready_time: float = 0.0
+    ready_step: int = 0
     first_token_time: float | None = None
     # set when the request's state slot starts from a copied snapshot (prefix-cache hit)
     has_initial_state: bool = False

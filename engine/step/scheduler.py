@@ -12,7 +12,8 @@ While the running requests only decode, a step runs by CUDA-graph replay; one wi
 chunk runs eagerly, which costs the host far more. So new prompts that arrive one by one
 under load may wait up to `max_prefill_delay_steps` steps to be prefilled together, unless
 they already fill the step's budget; with `adaptive_prefill_delay`, also no longer than a
-prefill step costs beyond a decode step, as measured (`step_costs.py`).
+prefill step costs beyond a decode step, as measured (`step_costs.py`), and with
+`hold_prefill_tails` running prompts' remaining chunks wait with them.
 
 With speculative decoding a decoding request may bring drafts: its chunk is a verification
 window (the last token and the drafts), placed after the one-token decodes. Its pages cover
@@ -99,7 +100,8 @@ class Scheduler:
         self.step_cost = MixedStepCost()  # fed by the engine: the adaptive prefill delay's bound
 
     def add(self, req: Request) -> None:
-        req.arrival_step = self.num_steps
+        req.arrival_step = req.ready_step = self.num_steps
+        req.ready_time = req.arrival_time
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -114,10 +116,14 @@ class Scheduler:
         preempted: list[Request] = []
         admitted: list[Request] = []
         starved = False  # a running prefill found no pages for its chunk
+        hold_all = self.config.hold_prefill_tails and self._hold_all_prefills(budget)
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            if req.num_pending == 1 and req.num_computed_tokens > 0:
+            decoding = req.num_pending == 1 and req.num_computed_tokens > 0
+            if hold_all and not decoding:
+                continue
+            if decoding:
                 if req.ends_with_placeholder:  # overlap scheduling: finishes when read back
                     continue
                 drafts: list[int] = []
@@ -146,7 +152,7 @@ class Scheduler:
                 continue
             budget -= chunk
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
-        hold = self._hold_prefills(len(decodes) + len(verifies), bool(prefills), budget)
+        hold = hold_all or self._hold_prefills(len(decodes) + len(verifies), bool(prefills), budget)
         while not hold and self.waiting and budget > 0 and len(self.running) < self.config.num_running:
             req = self.waiting[0]
             if req.num_placeholders:  # preempted with a token in flight: wait for its value
@@ -206,13 +212,48 @@ class Scheduler:
                 return False
         return True
 
+    def _hold_all_prefills(self, budget: int) -> bool:
+        """`hold_prefill_tails`: whether every prefill chunk, arrivals' and running prompts' alike,
+        sits out this step. As `_hold_prefills` with the adaptive bound, but a prompt's remaining
+        chunk waits from the end of its last one: the prefix cache stops a prompt's first chunk at
+        its last full page, and its short tail would otherwise make the next step eager too."""
+        if not self.config.adaptive_prefill_delay:
+            return False
+        chunks: list[Request] = []  # running prompts with chunks left
+        decoding = False
+        for r in self.running:
+            if r.status is not Status.RUNNING:
+                continue
+            if not (r.num_pending == 1 and r.num_computed_tokens > 0):
+                chunks.append(r)
+            elif not r.ends_with_placeholder:
+                decoding = True
+        work = chunks + ([self.waiting[0]] if self.waiting else [])
+        if not work or not decoding:
+            return False
+        delay = self.config.max_prefill_delay_steps or ADAPTIVE_MAX_STEPS
+        if self.num_steps - min(r.ready_step for r in work) >= delay:
+            return False
+        if time.time() - min(r.ready_time for r in work) >= self.step_cost.extra_s:
+            return False
+        pending = sum(r.num_pending for r in chunks)
+        for req in self.waiting:
+            pending += req.num_pending
+            if pending * 2 >= budget:
+                return False
+        return pending * 2 < budget
+
     def advance(self, plan: SchedulerOutput) -> None:
         """The plan's forward pass ran: its tokens are computed (verification windows: later)."""
+        now = None
         for i, c in enumerate(plan.chunks):
             if c.drafts:
                 continue
             c.req.num_computed_tokens += c.num_tokens
             self.prefix_cache.on_computed(c.req, prefill=i >= plan.num_decodes)
+            if i >= plan.num_decodes and not c.sample:  # part of the prompt is left: ready now
+                now = time.time() if now is None else now
+                c.req.ready_time, c.req.ready_step = now, self.num_steps
 
     def _chunk(self, req: Request, budget: int) -> int:
         pending = req.num_pending

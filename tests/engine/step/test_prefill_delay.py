@@ -13,7 +13,7 @@ from deltaserve.engine.step.step_costs import LONGEST_S, MixedStepCost
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def make_engine(path: str, delay: int, adaptive: bool = False) -> Engine:
+def make_engine(path: str, delay: int, adaptive: bool = False, tails: bool = False) -> Engine:
     cfg = EngineConfig(
         model=path,
         dtype="float32",
@@ -23,6 +23,7 @@ def make_engine(path: str, delay: int, adaptive: bool = False) -> Engine:
         max_model_len=256,
         max_prefill_delay_steps=delay,
         adaptive_prefill_delay=adaptive,
+        hold_prefill_tails=tails,
     )
     return Engine(cfg)
 
@@ -172,3 +173,55 @@ def test_adaptive_delay_is_on_by_default_with_cuda_only(path: str) -> None:
     assert EngineConfig(model=path, device="cpu").adaptive_prefill_delay is False
     assert EngineConfig(model=path, device="cpu", adaptive_prefill_delay=True).adaptive_prefill_delay is True
     assert EngineConfig(model=path, device="cuda").adaptive_prefill_delay is True
+
+
+def computed(engine: Engine, rid: str) -> int:
+    return engine.requests[rid].num_computed_tokens
+
+
+def test_held_tails_wait_from_their_first_chunk_and_give_the_same_tokens(path: str) -> None:
+    """A 20-token prompt runs as 16 (the cache keeps the state at the last full page) and a
+    4-token tail; with `hold_prefill_tails` the tail waits beside the decodes like an arrival."""
+    engine = make_engine(path, delay=3, adaptive=True, tails=True)
+    engine.scheduler.step_cost = FixedCost(3600.0)
+    decoding_alone(engine)
+    prompt = list(range(30, 50))
+    engine.add_request("b", prompt, GREEDY)
+    for _ in range(2):
+        engine.step()
+        assert waiting(engine) == 1  # the arrival waits (3 steps)
+    engine.step()
+    assert waiting(engine) == 0 and computed(engine, "b") == 16  # admitted: its first chunk ran
+    for _ in range(2):
+        engine.step()
+        assert computed(engine, "b") == 16  # its tail waits 3 steps from the first chunk's end
+    engine.step()
+    assert computed(engine, "b") >= 20
+    held = finish(engine)
+
+    reference = make_engine(path, delay=0)
+    reference.add_request("b", prompt, GREEDY)
+    assert finish(reference)["b"] == held["b"]
+
+
+def test_tails_run_at_once_without_the_flag_or_when_a_prefill_step_costs_no_more(path: str) -> None:
+    for tails, cost in ((False, 3600.0), (True, 0.0)):
+        engine = make_engine(path, delay=3, adaptive=True, tails=tails)
+        engine.scheduler.step_cost = FixedCost(cost)
+        decoding_alone(engine)
+        engine.add_request("b", list(range(30, 50)), GREEDY)
+        while waiting(engine):
+            engine.step()
+        assert computed(engine, "b") == 16
+        engine.step()
+        assert computed(engine, "b") >= 20, (tails, cost)
+
+
+def test_tails_are_not_held_without_decodes(path: str) -> None:
+    engine = make_engine(path, delay=3, adaptive=True, tails=True)
+    engine.scheduler.step_cost = FixedCost(3600.0)
+    engine.add_request("b", list(range(30, 50)), GREEDY)
+    engine.step()
+    assert computed(engine, "b") == 16
+    engine.step()
+    assert computed(engine, "b") >= 20  # nothing decodes beside it: no reason to wait
