@@ -160,9 +160,6 @@ class VictimQueue(Generic[Ranked]):
                 out.append(node)
         return out
 
-    def clear(self) -> None:
-        self._queue.clear()
-
 
 def ranking_size(n: int, num_candidates: int) -> int:
     """How many a ranking of `num_candidates` for `n` victims takes: `n`, or more to amortise it."""

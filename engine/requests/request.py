@@ -48,8 +48,8 @@ class Request:
     cumulative_logprob: float = 0.0
     arrival_time: float = field(default_factory=time.time)
     arrival_step: int = 0  # the scheduler's step count when the request was added
-    # when its next prefill chunk became ready to run: its arrival, then the end of each chunk
-    # that left part of the prompt (the prefill delay's clock with `hold_prefill_tails`)
+    # when the last prefill chunk that left part of the prompt ended: the time its next chunk
+    # waits from (the prefill delay with `hold_prefill_tails`)
     ready_time: float = 0.0
     ready_step: int = 0
     first_token_time: float | None = None

@@ -100,8 +100,7 @@ class Scheduler:
         self.step_cost = MixedStepCost()  # fed by the engine: the adaptive prefill delay's bound
 
     def add(self, req: Request) -> None:
-        req.arrival_step = req.ready_step = self.num_steps
-        req.ready_time = req.arrival_time
+        req.arrival_step = self.num_steps
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -116,7 +115,9 @@ class Scheduler:
         preempted: list[Request] = []
         admitted: list[Request] = []
         starved = False  # a running prefill found no pages for its chunk
-        hold_all = self.config.hold_prefill_tails and self._hold_all_prefills(budget)
+        # with hold_prefill_tails, running prompts' chunks may wait with the arrivals
+        tails = self.config.hold_prefill_tails and self.config.adaptive_prefill_delay
+        hold_all = bool(tails) and self._hold_prefills(*self._prefill_work(), budget)
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
@@ -152,7 +153,7 @@ class Scheduler:
                 continue
             budget -= chunk
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
-        hold = hold_all or self._hold_prefills(len(decodes) + len(verifies), bool(prefills), budget)
+        hold = hold_all or (not prefills and self._hold_prefills(bool(decodes or verifies), [], budget))
         while not hold and self.waiting and budget > 0 and len(self.running) < self.config.num_running:
             req = self.waiting[0]
             if req.num_placeholders:  # preempted with a token in flight: wait for its value
@@ -192,34 +193,35 @@ class Scheduler:
             decodes + verifies + prefills, len(decodes), preempted, admitted, len(verifies)
         )
 
-    def _hold_prefills(self, num_decoding: int, prefilling: bool, budget: int) -> bool:
-        """Whether waiting prompts sit out this step to be prefilled with later arrivals: only
-        beside decodes alone, for at most `max_prefill_delay_steps`, and while they leave most
-        of the budget unused."""
+    def _hold_prefills(self, decoding: bool, chunks: list[Request], budget: int) -> bool:
+        """Whether the waiting prompts, and `chunks` (running prompts' remaining chunks, with
+        `hold_prefill_tails`), sit out this step to be prefilled with later arrivals: only beside
+        decodes, for at most `max_prefill_delay_steps` (with the adaptive delay, 16 if 0) and, with
+        the adaptive delay, no longer than a prefill step costs beyond a decode step; and while
+        they leave most of the budget unused. An arrival waits from its arrival, a running
+        prompt's chunk from the end of its last one."""
         adaptive = self.config.adaptive_prefill_delay
         delay = self.config.max_prefill_delay_steps or (ADAPTIVE_MAX_STEPS if adaptive else 0)
-        if not delay or not self.waiting or prefilling or num_decoding == 0:
+        first = self.waiting[0] if self.waiting else None
+        if not delay or not decoding or (first is None and not chunks):
             return False
-        oldest = self.waiting[0]
-        if self.num_steps - oldest.arrival_step >= delay:
+        oldest_step = min([r.ready_step for r in chunks] + ([first.arrival_step] if first else []))
+        if self.num_steps - oldest_step >= delay:
             return False
-        if adaptive and time.time() - oldest.arrival_time >= self.step_cost.extra_s:
-            return False
-        pending = 0
+        if adaptive:
+            oldest = min([r.ready_time for r in chunks] + ([first.arrival_time] if first else []))
+            if time.time() - oldest >= self.step_cost.extra_s:
+                return False
+        pending = sum(r.num_pending for r in chunks)
         for req in self.waiting:
             pending += req.num_pending
             if pending * 2 >= budget:
                 return False
-        return True
+        return pending * 2 < budget
 
-    def _hold_all_prefills(self, budget: int) -> bool:
-        """`hold_prefill_tails`: whether every prefill chunk, arrivals' and running prompts' alike,
-        sits out this step. As `_hold_prefills` with the adaptive bound, but a prompt's remaining
-        chunk waits from the end of its last one: the prefix cache stops a prompt's first chunk at
-        its last full page, and its short tail would otherwise make the next step eager too."""
-        if not self.config.adaptive_prefill_delay:
-            return False
-        chunks: list[Request] = []  # running prompts with chunks left
+    def _prefill_work(self) -> tuple[bool, list[Request]]:
+        """Whether a running request decodes this step, and the running prompts with chunks left."""
+        chunks: list[Request] = []
         decoding = False
         for r in self.running:
             if r.status is not Status.RUNNING:
@@ -228,20 +230,7 @@ class Scheduler:
                 chunks.append(r)
             elif not r.ends_with_placeholder:
                 decoding = True
-        work = chunks + ([self.waiting[0]] if self.waiting else [])
-        if not work or not decoding:
-            return False
-        delay = self.config.max_prefill_delay_steps or ADAPTIVE_MAX_STEPS
-        if self.num_steps - min(r.ready_step for r in work) >= delay:
-            return False
-        if time.time() - min(r.ready_time for r in work) >= self.step_cost.extra_s:
-            return False
-        pending = sum(r.num_pending for r in chunks)
-        for req in self.waiting:
-            pending += req.num_pending
-            if pending * 2 >= budget:
-                return False
-        return pending * 2 < budget
+        return decoding, chunks
 
     def advance(self, plan: SchedulerOutput) -> None:
         """The plan's forward pass ran: its tokens are computed (verification windows: later)."""

@@ -108,11 +108,20 @@ def decoding_alone(engine: Engine) -> None:
         pass
 
 
-def test_adaptive_delay_waits_while_a_prefill_step_would_cost_more(path: str) -> None:
-    engine = make_engine(path, delay=0, adaptive=True)
-    engine.scheduler.step_cost = FixedCost(3600.0)
+def arrival_beside_decodes(
+    path: str, delay: int, extra_s: float, prompt: list[int], tails: bool = False
+) -> Engine:
+    """An adaptive-delay engine whose prefill step costs `extra_s` more than a decode step, with
+    "a" decoding and "b" (`prompt`) just arrived."""
+    engine = make_engine(path, delay=delay, adaptive=True, tails=tails)
+    engine.scheduler.step_cost = FixedCost(extra_s)
     decoding_alone(engine)
-    engine.add_request("b", list(range(30, 40)), GREEDY)
+    engine.add_request("b", prompt, GREEDY)
+    return engine
+
+
+def test_adaptive_delay_waits_while_a_prefill_step_would_cost_more(path: str) -> None:
+    engine = arrival_beside_decodes(path, 0, 3600.0, list(range(30, 40)))
     for _ in range(15):
         engine.step()
         assert waiting(engine) == 1  # a prefill step costs far more than the wait so far
@@ -121,10 +130,7 @@ def test_adaptive_delay_waits_while_a_prefill_step_would_cost_more(path: str) ->
 
 
 def test_adaptive_delay_does_not_wait_when_a_prefill_step_costs_no_more(path: str) -> None:
-    engine = make_engine(path, delay=8, adaptive=True)
-    engine.scheduler.step_cost = FixedCost(0.0)
-    decoding_alone(engine)
-    engine.add_request("b", list(range(30, 40)), GREEDY)
+    engine = arrival_beside_decodes(path, 8, 0.0, list(range(30, 40)))
     engine.step()
     assert waiting(engine) == 0  # the fixed 8-step delay alone would have held it
 
@@ -132,10 +138,7 @@ def test_adaptive_delay_does_not_wait_when_a_prefill_step_costs_no_more(path: st
 def test_adaptive_delay_ends_once_the_wait_reaches_the_extra_cost(path: str) -> None:
     import time
 
-    engine = make_engine(path, delay=0, adaptive=True)
-    engine.scheduler.step_cost = FixedCost(0.3)
-    decoding_alone(engine)
-    engine.add_request("b", list(range(30, 40)), GREEDY)
+    engine = arrival_beside_decodes(path, 0, 0.3, list(range(30, 40)))
     engine.step()
     assert waiting(engine) == 1
     time.sleep(0.35)
@@ -182,11 +185,8 @@ def computed(engine: Engine, rid: str) -> int:
 def test_held_tails_wait_from_their_first_chunk_and_give_the_same_tokens(path: str) -> None:
     """A 20-token prompt runs as 16 (the cache keeps the state at the last full page) and a
     4-token tail; with `hold_prefill_tails` the tail waits beside the decodes like an arrival."""
-    engine = make_engine(path, delay=3, adaptive=True, tails=True)
-    engine.scheduler.step_cost = FixedCost(3600.0)
-    decoding_alone(engine)
     prompt = list(range(30, 50))
-    engine.add_request("b", prompt, GREEDY)
+    engine = arrival_beside_decodes(path, 3, 3600.0, prompt, tails=True)
     for _ in range(2):
         engine.step()
         assert waiting(engine) == 1  # the arrival waits (3 steps)
@@ -206,10 +206,7 @@ def test_held_tails_wait_from_their_first_chunk_and_give_the_same_tokens(path: s
 
 def test_tails_run_at_once_without_the_flag_or_when_a_prefill_step_costs_no_more(path: str) -> None:
     for tails, cost in ((False, 3600.0), (True, 0.0)):
-        engine = make_engine(path, delay=3, adaptive=True, tails=tails)
-        engine.scheduler.step_cost = FixedCost(cost)
-        decoding_alone(engine)
-        engine.add_request("b", list(range(30, 50)), GREEDY)
+        engine = arrival_beside_decodes(path, 3, cost, list(range(30, 50)), tails=tails)
         while waiting(engine):
             engine.step()
         assert computed(engine, "b") == 16
