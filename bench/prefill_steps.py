@@ -45,7 +45,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--prompts", type=int, default=4, help="timed prompts per cache type")
     ap.add_argument("--cache-types", default="radix,naive")
-    ap.add_argument("--cprofile", type=int, default=0, metavar="ROWS", help="profile one prompt: ROWS rows")
+    ap.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="profile one prompt: ROWS rows by cumulative, then by own time",
+    )
     args = ap.parse_args()
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
@@ -66,6 +72,7 @@ def main() -> None:
             prof = cProfile.Profile()
             run_prompt(llm.engine, prompt(), params, prof)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(args.cprofile)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
         llm.shutdown()
         del llm
         if torch.cuda.is_available():

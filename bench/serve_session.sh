@@ -7,7 +7,7 @@
 #   bash bench/serve_session.sh PART
 # PART: 9b | 08b | moe | 80b-fp8 | ttft [CONFIG] | kimi | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
-#     ($SERVER_ARGS: more server flags; $TAG: a suffix to the run's name),
+#     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serve flags; $TAG: a suffix to the run's name),
 #     each after 64 concurrent warm-up requests: a fresh server's first mixed steps compile kernels,
 #     which confounded the first such pair in docs/performance.md
 set -u
@@ -96,12 +96,12 @@ case "${1:-9b}" in
     mkdir -p /tmp/ab-cwd && cp -r .base/base/configs /tmp/ab-cwd/ && cp -r bench /tmp/ab-cwd/
     cfg=${2:-qwen3.5-9b}
     serve_bench "$cfg-before${TAG:-}" /tmp/ab-cwd "/tmp/ab-base:${BEFORE_PATH:-${PYTHONPATH:-}}" \
-      "--model configs/$cfg $dummy ${SERVER_ARGS:-}" "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64
+      "--model configs/$cfg $dummy ${SERVER_ARGS:-}" "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64 ${BENCH_ARGS:-}
     ;;
   after)  # after [CONFIG] [CONCURRENCY]: the tree's server, as `before` runs REV's
     cfg=${2:-qwen3.5-9b}
     serve_bench "$cfg-after${TAG:-}" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy ${SERVER_ARGS:-}" \
-      "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64
+      "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64 ${BENCH_ARGS:-}
     ;;
   profile)  # profile [CONFIG]: py-spy at C = 64 and 256
     cfg=${2:-qwen3.5-9b}

@@ -109,7 +109,7 @@ class Engine:
         self.sink = loop.sink
         # the previous plan's time and kind: the step timeline (debug log) and the scheduler's
         # measure of what a prefill step costs; None after a step with nothing to run
-        self._last_plan: tuple[float, bool] | None = None
+        self._last_plan: tuple[float, int] | None = None  # (when, prefill tokens)
 
     def _warm_up(self) -> None:
         """Run a few prompts of mixed lengths through mixed steps once before serving: the first
@@ -260,18 +260,19 @@ class Engine:
             self.counters["prefill_tokens_total"] += req.num_pending
         now = time.perf_counter()
         prefills = plan.chunks[plan.num_decodes + plan.num_verify :]
+        tokens = sum(c.num_tokens for c in prefills)
         since = None
         if self._last_plan is not None:
             since = now - self._last_plan[0]
-            self.scheduler.step_cost.record(self._last_plan[1], since)
-        self._last_plan = (now, bool(prefills))
+            self.scheduler.step_cost.record(self._last_plan[1] > 0, since, self._last_plan[1])
+        self._last_plan = (now, tokens)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "step: %d decodes, %d verifications, %d prefill chunks of %d tokens; %s since the last",
                 plan.num_decodes,
                 plan.num_verify,
                 len(prefills),
-                sum(c.num_tokens for c in prefills),
+                tokens,
                 "-" if since is None else f"{1e3 * since:.2f} ms",
             )
 
@@ -362,6 +363,17 @@ class Engine:
             "snapshots_total": st.num_snapshots,
             **self.prefix_cache.stats(),
             **self.counters,
+            **(self._hold_stats() if self.config.adaptive_prefill_delay else {}),
+        }
+
+    def _hold_stats(self) -> dict[str, float]:
+        """What the adaptive prefill delay weighs: a prefill step's cost beyond a decode step
+        (fixed, and per prefill token) and the arrival rate."""
+        cost = self.scheduler.step_cost
+        return {
+            "prefill_step_fixed_ms": 1e3 * cost.fixed_s,
+            "prefill_step_us_per_token": 1e6 * cost.per_token_s,
+            "arrivals_per_s": self.scheduler.arrivals.rate(time.monotonic()),
         }
 
 

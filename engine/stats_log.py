@@ -71,4 +71,10 @@ def _line(stats: dict[str, Any], new: dict[str, Any], elapsed: float) -> str:
     admitted = new["cached_tokens_total"] + new["prefill_tokens_total"]  # both counted as prompts start
     if admitted:
         parts.append(f"prefix cache hits {100 * new['cached_tokens_total'] / admitted:.1f}%")
+    if "prefill_step_fixed_ms" in stats:  # the adaptive prefill delay's view
+        parts.append(
+            f"prefill step +{stats['prefill_step_fixed_ms']:.1f} ms"
+            f" +{stats['prefill_step_us_per_token']:.2f} us/token"
+            f" at {stats['arrivals_per_s']:.1f} arrivals/s"
+        )
     return ", ".join(parts)

@@ -48,9 +48,8 @@ class Request:
     cumulative_logprob: float = 0.0
     arrival_time: float = field(default_factory=time.time)
     arrival_step: int = 0  # the scheduler's step count when the request was added
-    # when the last prefill chunk that left part of the prompt ended: the time its next chunk
-    # waits from (the prefill delay with `hold_prefill_tails`)
-    ready_time: float = 0.0
+    # the step whose prefill chunk left part of the prompt: its next chunk waits from there (the
+    # prefill delay with `hold_prefill_tails`)
     ready_step: int = 0
     first_token_time: float | None = None
     # set when the request's state slot starts from a copied snapshot (prefix-cache hit)

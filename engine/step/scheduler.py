@@ -11,8 +11,8 @@ otherwise it waits. A decode that finds no free page preempts the newest running
 While the running requests only decode, a step runs by CUDA-graph replay; one with a prefill
 chunk runs eagerly, which costs the host far more. So new prompts that arrive one by one
 under load may wait up to `max_prefill_delay_steps` steps to be prefilled together, unless
-they already fill the step's budget; with `adaptive_prefill_delay`, also no longer than a
-prefill step costs beyond a decode step, as measured (`step_costs.py`), and with
+they already fill the step's budget; with `adaptive_prefill_delay`, also only while one more
+step's wait costs less than it is expected to save, as measured (`step_costs.py`), and with
 `hold_prefill_tails` running prompts' remaining chunks wait with them.
 
 With speculative decoding a decoding request may bring drafts: its chunk is a verification
@@ -37,7 +37,7 @@ from deltaserve.engine.cache.kv_pool import KVPool
 from deltaserve.engine.cache.state_pool import StatePool
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.requests.request import Request, Status
-from deltaserve.engine.step.step_costs import MixedStepCost
+from deltaserve.engine.step.step_costs import ArrivalRate, MixedStepCost, worth_holding
 
 ADAPTIVE_MAX_STEPS = 16  # the adaptive delay's cap in steps when max_prefill_delay_steps is 0
 
@@ -98,9 +98,11 @@ class Scheduler:
         self.max_verify = max_verify
         self.num_steps = 0
         self.step_cost = MixedStepCost()  # fed by the engine: the adaptive prefill delay's bound
+        self.arrivals = ArrivalRate()
 
     def add(self, req: Request) -> None:
         req.arrival_step = self.num_steps
+        self.arrivals.add(time.monotonic())
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -153,7 +155,7 @@ class Scheduler:
                 continue
             budget -= chunk
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
-        hold = hold_all or (not prefills and self._hold_prefills(bool(decodes or verifies), [], budget))
+        hold = hold_all or (not prefills and self._hold_prefills(len(decodes) + len(verifies), [], budget))
         while not hold and self.waiting and budget > 0 and len(self.running) < self.config.num_running:
             req = self.waiting[0]
             if req.num_placeholders:  # preempted with a token in flight: wait for its value
@@ -193,13 +195,13 @@ class Scheduler:
             decodes + verifies + prefills, len(decodes), preempted, admitted, len(verifies)
         )
 
-    def _hold_prefills(self, decoding: bool, chunks: list[Request], budget: int) -> bool:
+    def _hold_prefills(self, decoding: int, chunks: list[Request], budget: int) -> bool:
         """Whether the waiting prompts, and `chunks` (running prompts' remaining chunks, with
         `hold_prefill_tails`), sit out this step to be prefilled with later arrivals: only beside
-        decodes, for at most `max_prefill_delay_steps` (with the adaptive delay, 16 if 0) and, with
-        the adaptive delay, no longer than a prefill step costs beyond a decode step; and while
-        they leave most of the budget unused. An arrival waits from its arrival, a running
-        prompt's chunk from the end of its last one."""
+        `decoding` decodes, for at most `max_prefill_delay_steps` steps (with the adaptive delay,
+        16 if 0), while they leave part of the budget unused, and, with the adaptive delay, while
+        holding them one more step is worth it (`step_costs.worth_holding`). An arrival waits from
+        its arrival, a running prompt's chunk from the end of its last one."""
         adaptive = self.config.adaptive_prefill_delay
         delay = self.config.max_prefill_delay_steps or (ADAPTIVE_MAX_STEPS if adaptive else 0)
         first = self.waiting[0] if self.waiting else None
@@ -208,41 +210,41 @@ class Scheduler:
         oldest_step = min([r.ready_step for r in chunks] + ([first.arrival_step] if first else []))
         if self.num_steps - oldest_step >= delay:
             return False
-        if adaptive:
-            oldest = min([r.ready_time for r in chunks] + ([first.arrival_time] if first else []))
-            if time.time() - oldest >= self.step_cost.extra_s:
-                return False
-        pending = sum(r.num_pending for r in chunks)
+        pending, held = sum(r.num_pending for r in chunks), len(chunks)
         for req in self.waiting:
+            if pending >= budget:
+                break
             pending += req.num_pending
-            if pending * 2 >= budget:
-                return False
-        return pending * 2 < budget
+            held += 1
+        if pending >= budget:
+            return False
+        if not adaptive:
+            return True
+        rate = self.arrivals.rate(time.monotonic())
+        return worth_holding(held, decoding, rate, self.step_cost.fixed_s)
 
-    def _prefill_work(self) -> tuple[bool, list[Request]]:
-        """Whether a running request decodes this step, and the running prompts with chunks left."""
+    def _prefill_work(self) -> tuple[int, list[Request]]:
+        """How many running requests decode this step, and the running prompts with chunks left."""
         chunks: list[Request] = []
-        decoding = False
+        decoding = 0
         for r in self.running:
             if r.status is not Status.RUNNING:
                 continue
             if not (r.num_pending == 1 and r.num_computed_tokens > 0):
                 chunks.append(r)
             elif not r.ends_with_placeholder:
-                decoding = True
+                decoding += 1
         return decoding, chunks
 
     def advance(self, plan: SchedulerOutput) -> None:
         """The plan's forward pass ran: its tokens are computed (verification windows: later)."""
-        now = None
         for i, c in enumerate(plan.chunks):
             if c.drafts:
                 continue
             c.req.num_computed_tokens += c.num_tokens
             self.prefix_cache.on_computed(c.req, prefill=i >= plan.num_decodes)
             if i >= plan.num_decodes and not c.sample:  # part of the prompt is left: ready now
-                now = time.time() if now is None else now
-                c.req.ready_time, c.req.ready_step = now, self.num_steps
+                c.req.ready_step = self.num_steps
 
     def _chunk(self, req: Request, budget: int) -> int:
         pending = req.num_pending

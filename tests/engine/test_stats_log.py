@@ -82,3 +82,12 @@ def test_one_line_for_an_idle_engine_then_quiet_until_it_works(clock) -> None:
     engine.work(prompt=10, cached=0, generated=5, running=1)
     clock[0] += 10.0
     assert "running 1" in log.tick()
+
+
+def test_the_line_shows_what_the_adaptive_prefill_delay_weighs(clock) -> None:
+    engine = Engine()
+    engine.s.update(prefill_step_fixed_ms=24.5, prefill_step_us_per_token=1.25, arrivals_per_s=130.0)
+    log = StatsLog(engine.stats, 10.0, clock=lambda: clock[0])
+    engine.work(prompt=100, cached=0, generated=10, running=1)
+    clock[0] += 10.0
+    assert log.tick().endswith("prefill step +24.5 ms +1.25 us/token at 130.0 arrivals/s")

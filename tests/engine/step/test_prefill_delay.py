@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.requests.sampling_params import SamplingParams
-from deltaserve.engine.step.step_costs import LONGEST_S, MixedStepCost
+from deltaserve.engine.step.step_costs import LONGEST_S, ArrivalRate, MixedStepCost, worth_holding
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -61,14 +63,14 @@ def test_arrivals_beside_decodes_are_prefilled_together(path: str) -> None:
     assert waiting(engine) == 2
     engine.step()  # "b" has waited its 3 steps: both are admitted in one step
     assert waiting(engine) == 0 and engine.stats()["running"] == 3
-    # prompts that fill half the step's budget do not wait
-    engine.add_request("d", list(range(60, 92)), GREEDY)
+    # prompts that fill the step's budget do not wait
+    engine.add_request("d", list(range(60, 124)), GREEDY)
     engine.step()
     assert waiting(engine) == 0
     held = finish(engine)
 
     reference = make_engine(path, delay=0)
-    for rid, prompt in (("b", range(30, 40)), ("c", range(50, 60)), ("d", range(60, 92))):
+    for rid, prompt in (("b", range(30, 40)), ("c", range(50, 60)), ("d", range(60, 124))):
         reference.add_request(rid, list(prompt), GREEDY)
     assert finish(reference) == {rid: held[rid] for rid in ("b", "c", "d")}
 
@@ -86,18 +88,25 @@ def test_negative_delay_is_refused(path: str) -> None:
 
 
 class FixedCost(MixedStepCost):
-    """A prefill step's extra cost held where the test puts it (the engine's records ignored)."""
+    """A prefill step's fixed extra cost held where the test puts it (the engine's records ignored)."""
 
-    def __init__(self, extra_s: float) -> None:
+    def __init__(self, fixed_s: float) -> None:
         super().__init__()
-        self.fixed = extra_s
+        self.fixed_s = fixed_s
 
-    def record(self, mixed: bool, seconds: float) -> None:
+    def record(self, mixed: bool, seconds: float, tokens: int = 0) -> None:
         pass
 
-    @property
-    def extra_s(self) -> float:
-        return self.fixed
+
+class FixedRate(ArrivalRate):
+    """Arrivals per second held where the test puts them."""
+
+    def __init__(self, per_s: float) -> None:
+        super().__init__()
+        self.per_s = per_s
+
+    def rate(self, now: float) -> float:
+        return self.per_s
 
 
 def decoding_alone(engine: Engine) -> None:
@@ -109,12 +118,13 @@ def decoding_alone(engine: Engine) -> None:
 
 
 def arrival_beside_decodes(
-    path: str, delay: int, extra_s: float, prompt: list[int], tails: bool = False
+    path: str, delay: int, fixed_s: float, prompt: list[int], tails: bool = False, rate: float = 1.0
 ) -> Engine:
-    """An adaptive-delay engine whose prefill step costs `extra_s` more than a decode step, with
-    "a" decoding and "b" (`prompt`) just arrived."""
+    """An adaptive-delay engine whose prefill step costs a fixed `fixed_s` more than a decode
+    step, under `rate` arrivals a second, with "a" decoding and "b" (`prompt`) just arrived."""
     engine = make_engine(path, delay=delay, adaptive=True, tails=tails)
-    engine.scheduler.step_cost = FixedCost(extra_s)
+    engine.scheduler.step_cost = FixedCost(fixed_s)
+    engine.scheduler.arrivals = FixedRate(rate)
     decoding_alone(engine)
     engine.add_request("b", prompt, GREEDY)
     return engine
@@ -135,41 +145,85 @@ def test_adaptive_delay_does_not_wait_when_a_prefill_step_costs_no_more(path: st
     assert waiting(engine) == 0  # the fixed 8-step delay alone would have held it
 
 
-def test_adaptive_delay_ends_once_the_wait_reaches_the_extra_cost(path: str) -> None:
-    import time
-
-    engine = arrival_beside_decodes(path, 0, 0.3, list(range(30, 40)))
+def test_adaptive_delay_holds_while_the_arrivals_it_waits_for_are_worth_it(path: str) -> None:
+    # one decoding request, 3 arrivals a second, 0.5 s saved by each: worth holding fewer than 1.5
+    engine = arrival_beside_decodes(path, 0, 0.5, list(range(30, 40)), rate=3.0)
     engine.step()
     assert waiting(engine) == 1
-    time.sleep(0.35)
+    engine.add_request("c", list(range(50, 60)), GREEDY)
     engine.step()
-    assert waiting(engine) == 0
+    assert waiting(engine) == 0 and engine.stats()["running"] == 3  # two held: both go at once
+    engine.add_request("d", list(range(60, 70)), GREEDY)
+    engine.step()
+    assert waiting(engine) == 1  # three decode now: worth holding fewer than 4.5
+    engine.scheduler.arrivals = FixedRate(0.0)
+    engine.step()
+    assert waiting(engine) == 0  # nothing more is coming: holding saves nothing
 
 
-def test_mixed_step_cost_is_the_difference_of_the_averages() -> None:
+def test_worth_holding_compares_the_idle_share_with_the_expected_saving() -> None:
+    assert worth_holding(1, 10, 2.0, 0.1)  # 1/10 of a step idle against 2 x 0.1
+    assert not worth_holding(2, 10, 2.0, 0.1)
+    assert not worth_holding(1, 10, 100.0, 0.0)  # nothing fixed to save
+
+
+def run_steps(cost: MixedStepCost, fixed_s: float, per_token_s: float, decode_s: float, lag: bool) -> None:
+    """2,000 steps, a random third of them with prefill chunks of random sizes; `lag`: each
+    interval shows the step before's extra time (overlap scheduling when the GPU sets the pace)."""
+    rng = random.Random(0)
+    before = 0.0
+    for _ in range(2000):
+        tokens = rng.choice([16, 1024, 2048, 4096, 8192]) if rng.random() < 0.3 else 0
+        extra = fixed_s + per_token_s * tokens if tokens else 0.0
+        cost.record(tokens > 0, decode_s + (before if lag else extra), tokens)
+        before = extra
+
+
+def test_mixed_step_cost_finds_the_fixed_part_of_a_prefill_step() -> None:
+    host_bound = MixedStepCost()
+    assert host_bound.fixed_s == 0.0 and host_bound.decode_s is None
+    run_steps(host_bound, 0.025, 1e-6, 0.004, lag=False)  # 25 ms of launches, 1 us a token
+    assert host_bound.fixed_s == pytest.approx(0.025, rel=1e-3)
+    assert host_bound.per_token_s == pytest.approx(1e-6, rel=1e-2)
+    assert host_bound.decode_s == pytest.approx(0.004, rel=1e-3)
+    host_bound.record(False, LONGEST_S + 1)  # idle time between two steps is no step's cost
+    assert host_bound.fixed_s == pytest.approx(0.025, rel=1e-3)
+
+
+def test_the_fixed_part_survives_overlap_scheduling_lag() -> None:
+    # the GPU's work per token, each interval showing the step before: nothing fixed to save
+    gpu_bound = MixedStepCost()
+    run_steps(gpu_bound, -0.004, 26e-6, 0.017, lag=True)
+    assert gpu_bound.fixed_s < 0.002
+    assert gpu_bound.per_token_s == pytest.approx(26e-6, rel=0.05)
+    # host-bound steps seen with the lag: the same parts
+    lagged = MixedStepCost()
+    run_steps(lagged, 0.025, 1e-6, 0.004, lag=True)
+    assert lagged.fixed_s == pytest.approx(0.025, rel=0.1)  # a window's edges blur it a little
+
+
+def test_prefill_steps_all_alike_cannot_tell_the_fixed_part() -> None:
     cost = MixedStepCost()
-    cost.record(True, 0.030)
-    assert cost.extra_s == 0.0  # no decode step seen yet
-    for _ in range(50):
-        cost.record(False, 0.004)
-        cost.record(True, 0.030)
-    assert cost.extra_s == pytest.approx(0.026, rel=1e-3)
-    cost.record(False, LONGEST_S + 1)  # idle time between two steps is no step's cost
-    cost.record(True, 0.0)
-    assert cost.extra_s == pytest.approx(0.026, rel=1e-3)
-    for _ in range(100):
-        cost.record(True, 0.002)  # prefill steps got cheaper than decode steps
-    assert cost.extra_s == 0.0
+    for i in range(400):
+        cost.record(i % 3 == 0, 0.030 if i % 3 == 0 else 0.004, 1024 if i % 3 == 0 else 0)
+    assert cost.fixed_s == 0.0  # nothing waits on a guess
+
+
+def test_arrival_rate_follows_the_arrivals() -> None:
+    arrivals = ArrivalRate()
+    for i in range(300):
+        arrivals.add(10.0 + i / 100)  # 100 a second for 3 s
+    assert arrivals.rate(13.0) == pytest.approx(100, rel=0.06)
+    assert arrivals.rate(18.0) < 1.0  # quiet for 5 s
 
 
 def test_the_engine_measures_both_kinds_of_step(path: str) -> None:
     engine = make_engine(path, delay=0, adaptive=True)
     decoding_alone(engine)
-    for _ in range(3):
-        engine.step()
-    cost = engine.scheduler.step_cost
-    assert cost.mixed_s is not None and cost.decode_s is not None
-    assert 0 < cost.decode_s <= LONGEST_S and 0 < cost.mixed_s <= LONGEST_S
+    assert engine.scheduler.step_cost.decode_s is None
+    finish(engine)  # 40 steps: a window with the prefill, then one of decodes alone
+    decode_s = engine.scheduler.step_cost.decode_s
+    assert decode_s is not None and 0 < decode_s <= LONGEST_S
 
 
 def test_adaptive_delay_is_on_by_default_with_cuda_only(path: str) -> None:
@@ -222,3 +276,13 @@ def test_tails_are_not_held_without_decodes(path: str) -> None:
     assert computed(engine, "b") == 16
     engine.step()
     assert computed(engine, "b") >= 20  # nothing decodes beside it: no reason to wait
+
+
+def test_the_engine_reports_what_the_adaptive_delay_weighs(path: str) -> None:
+    plain = make_engine(path, delay=0)
+    assert "prefill_step_fixed_ms" not in plain.stats()
+    engine = make_engine(path, delay=0, adaptive=True)
+    decoding_alone(engine)
+    stats = engine.stats()
+    assert stats["arrivals_per_s"] > 0.3  # "a" arrived within the last second or so
+    assert stats["prefill_step_fixed_ms"] >= 0 and stats["prefill_step_us_per_token"] >= 0
