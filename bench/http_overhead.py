@@ -5,8 +5,8 @@ that gives every running request one token a step, a step every `--step-ms`.
     python -m bench.http_overhead --concurrency 64,256 --output-len 256
 
 Each level drives the server with `bench.serve` (streamed completions, prompts of `--input-len`
-token ids) and reports its output tok/s and the server process's CPU time (user + system, from
-/proc) per output token. The HTTP process bounds a server whose engine steps faster than it can
+token ids, /health probed every 100 ms) and reports its output tok/s, the server process's CPU
+time (user + system, from /proc) per output token and the p99 of /health. The HTTP process bounds a server whose engine steps faster than it can
 stream: at X µs a token it streams at most 1e6 / X tokens a second on one core. Runs on any
 Linux machine; the figure belongs to that machine's CPU.
 """
@@ -184,7 +184,7 @@ def main() -> None:
         _wait_up(url, server)
         load = [
             sys.executable, "-m", "bench.serve", "--base-url", url, "--input-len", str(args.input_len),
-            "--output-len", str(args.output_len), "--vocab-high", "30000", "--warmup", "0",
+            "--output-len", str(args.output_len), "--vocab-high", "30000", "--warmup", "0", "--health-probe",
         ]  # fmt: skip
         # a first load outside the measurement: the first requests import and build what later ones reuse
         subprocess.run(
@@ -208,6 +208,7 @@ def main() -> None:
                 "server_cpu_s": cpu,
                 "server_cpu_us_per_token": 1e6 * cpu / tokens,
                 "ideal_tok_s": level * 1e3 / args.step_ms,
+                "health_p99_ms": (run.get("health", {}).get("latency_ms") or {}).get("p99"),
             }
             results.append(row)
             print(json.dumps(row), flush=True)
