@@ -8,7 +8,6 @@ tiles are mostly empty for a decode row.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ from deltaserve.engine.cache.kv_pool import KVPool
 from deltaserve.engine.cache.page_table import SlotPageTable
 from deltaserve.engine.runner.forward_batch import ForwardBatch
 from deltaserve.kernels.attention import paged_attention, store_kv
+from deltaserve.kernels.common.launch import env_mode
 from deltaserve.kernels.mla import mla_attention, store_latent
 from deltaserve.models.forward import AttentionOps
 
@@ -25,12 +25,7 @@ MIXED_ATTENTION_MODES = ("joint", "split")
 
 def mixed_attention_mode() -> str:
     """`DELTASERVE_MIXED_ATTENTION`: `joint` (the default) or `split`."""
-    mode = os.environ.get("DELTASERVE_MIXED_ATTENTION", "joint") or "joint"
-    if mode not in MIXED_ATTENTION_MODES:
-        raise ValueError(
-            f"DELTASERVE_MIXED_ATTENTION must be one of {', '.join(MIXED_ATTENTION_MODES)}, got {mode!r}"
-        )
-    return mode
+    return env_mode("DELTASERVE_MIXED_ATTENTION", MIXED_ATTENTION_MODES, "joint")
 
 
 @dataclass

@@ -26,11 +26,17 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pdl_mode() -> str:
-    mode = os.environ.get("DELTASERVE_PDL", "auto") or "auto"
-    if mode not in PDL_MODES:
-        raise ValueError(f"DELTASERVE_PDL must be one of {', '.join(PDL_MODES)}, got {mode!r}")
+def env_mode(variable: str, modes: tuple[str, ...], default: str) -> str:
+    """A kernel switch's value from the environment: one of `modes`, `default` when unset or
+    empty; another value is an error (a typo fails at start-up, not as a silent default)."""
+    mode = os.environ.get(variable, "") or default
+    if mode not in modes:
+        raise ValueError(f"{variable} must be one of {', '.join(modes)}, got {mode!r}")
     return mode
+
+
+def pdl_mode() -> str:
+    return env_mode("DELTASERVE_PDL", PDL_MODES, "auto")
 
 
 @functools.cache

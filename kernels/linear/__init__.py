@@ -12,11 +12,10 @@ rule to `MAX_ROWS` rows and `MAX_WEIGHT_BYTES` (for measuring).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels.common.launch import env_mode
 from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.norm import silu_and_mul
 
@@ -31,10 +30,7 @@ MODES = ("auto", "cublas", "triton")
 
 
 def gemv_mode() -> str:
-    mode = os.environ.get("DELTASERVE_GEMV", "auto") or "auto"
-    if mode not in MODES:
-        raise ValueError(f"DELTASERVE_GEMV must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
+    return env_mode("DELTASERVE_GEMV", MODES, "auto")
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

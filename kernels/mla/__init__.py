@@ -17,10 +17,9 @@ Both references are in `mla/reference.py`, the fast paths in `mla/cuda.py`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from deltaserve.kernels.common.launch import env_mode
 from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.mla.cuda import mla_decode_triton, mla_prefill_sdpa
 from deltaserve.kernels.mla.reference import mla_attention_ref
@@ -62,9 +61,4 @@ MLA_PREFILL_MODES = ("sdpa", "reference")
 
 def mla_prefill_mode() -> str:
     """`DELTASERVE_MLA_PREFILL`: `sdpa` (the default) or `reference`."""
-    mode = os.environ.get("DELTASERVE_MLA_PREFILL", "sdpa") or "sdpa"
-    if mode not in MLA_PREFILL_MODES:
-        raise ValueError(
-            f"DELTASERVE_MLA_PREFILL must be one of {', '.join(MLA_PREFILL_MODES)}, got {mode!r}"
-        )
-    return mode
+    return env_mode("DELTASERVE_MLA_PREFILL", MLA_PREFILL_MODES, "sdpa")
