@@ -126,7 +126,7 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         spec = self.spec  # validates speculative_config
         self._check_parallel(spec)
-        from deltaserve.engine.runner.attention_backend import mixed_attention_mode
+        from deltaserve.kernels.attention import mixed_attention_mode
         from deltaserve.kernels.common.launch import pdl_mode
         from deltaserve.kernels.linear import gemv_mode
         from deltaserve.kernels.mla import mla_prefill_mode

@@ -15,17 +15,9 @@ import torch
 from deltaserve.engine.cache.kv_pool import KVPool
 from deltaserve.engine.cache.page_table import SlotPageTable
 from deltaserve.engine.runner.forward_batch import ForwardBatch
-from deltaserve.kernels.attention import paged_attention, store_kv
-from deltaserve.kernels.common.launch import env_mode
+from deltaserve.kernels.attention import mixed_attention_mode, paged_attention, store_kv
 from deltaserve.kernels.mla import mla_attention, store_latent
 from deltaserve.models.forward import AttentionOps
-
-MIXED_ATTENTION_MODES = ("joint", "split")
-
-
-def mixed_attention_mode() -> str:
-    """`DELTASERVE_MIXED_ATTENTION`: `joint` (the default) or `split`."""
-    return env_mode("DELTASERVE_MIXED_ATTENTION", MIXED_ATTENTION_MODES, "joint")
 
 
 @dataclass
