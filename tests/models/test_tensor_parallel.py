@@ -86,6 +86,10 @@ def _rank(
             )
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
+        # both ranks done with the group before either tears it down: a rank that destroyed it
+        # while the other still held gloo work (or engine tensors) was seen to abort the other
+        del llm
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
