@@ -33,12 +33,12 @@ class EngineConfig:
     # new prompts arriving beside decode-only steps wait up to this many steps to be prefilled
     # together (a prefill step runs eagerly, a decode step by CUDA graph); 0: never wait
     max_prefill_delay_steps: int = 0
-    # ... and with this, wait no longer than a step with a prefill costs beyond a decode step, as
-    # measured (engine/step/step_costs.py); the steps' cap is then max_prefill_delay_steps or 16.
+    # ... and with this, wait while one more step's wait costs less than it saves, as measured
+    # (engine/step/step_costs.py); the steps' cap is then max_prefill_delay_steps or 16.
     # None: on CUDA, where decode steps replay graphs and prefill steps launch eagerly
     adaptive_prefill_delay: bool | None = None
     # with the adaptive delay, running prompts' remaining chunks (the short tail the prefix cache
-    # leaves after a prompt's last full page) wait with the arrivals too, under the same bound
+    # leaves after a prompt's last full page) wait with the arrivals too, under the same rule
     hold_prefill_tails: bool = False
     page_size: int = 16
     cache_type: str = "radix"  # "naive": no reuse across requests

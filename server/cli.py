@@ -220,16 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--adaptive-prefill-delay",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="let such prompts wait, but no longer than a step with a prefill costs beyond a decode "
-        "step, as measured while serving (at most --max-prefill-delay-steps steps, or 16 when that "
-        "is 0); default: on with CUDA, off on CPU",
+        help="let such prompts wait while one more step's wait costs less than it saves, as measured "
+        "while serving (a prefill step's fixed cost beyond a decode step, and the arrival rate); at "
+        "most --max-prefill-delay-steps steps, or 16 when that is 0; default: on with CUDA, off on CPU",
     )
     engine.add_argument(
         "--hold-prefill-tails",
         action="store_true",
         help="with the adaptive prefill delay, running prompts' remaining chunks (the short tail the "
         "prefix cache leaves after a prompt's last full page) wait with the arrivals too; "
-        "experimental, off until measured on a GPU",
+        "experimental: measured on a GPU without a clear gain",
     )
     engine.add_argument(
         "--page-size", type=_power_of_two, default=16, help="tokens per KV-cache page (a power of two)"

@@ -97,7 +97,7 @@ class Scheduler:
         self.propose = propose
         self.max_verify = max_verify
         self.num_steps = 0
-        self.step_cost = MixedStepCost()  # fed by the engine: the adaptive prefill delay's bound
+        self.step_cost = MixedStepCost()  # fed by the engine: the adaptive prefill delay's cost model
         self.arrivals = ArrivalRate()
 
     def add(self, req: Request) -> None:

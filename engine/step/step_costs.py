@@ -29,8 +29,8 @@ class MixedStepCost:
     recent windows."""
 
     def __init__(self) -> None:
-        self.decode_s: float | None = None
-        self.fixed_s = 0.0  # 0 until windows of different mixes told the parts apart
+        self.decode_s: float | None = None  # None, and fixed_s 0, until windows of different
+        self.fixed_s = 0.0  # mixes told the parts apart
         self.per_token_s = 0.0
         self._window = [0, 0, 0, 0.0]  # steps, mixed steps, prefill tokens, seconds
         self._xx: list[list[float]] | None = None  # the normal equations, moving averages
@@ -58,8 +58,6 @@ class MixedStepCost:
         else:
             self._xx = [[o + WEIGHT * (n - o) for o, n in zip(ro, rn)] for ro, rn in zip(self._xx, xx)]
             self._xy = [o + WEIGHT * (n - o) for o, n in zip(self._xy, xy)]
-        if x[1] == 0 and self.decode_s is None:
-            self.decode_s = y / x[0]  # a first guess from decode steps alone
         solved = _solve3(self._xx, self._xy)
         if solved is not None:
             decode, fixed, per_k = solved

@@ -217,13 +217,29 @@ def test_arrival_rate_follows_the_arrivals() -> None:
     assert arrivals.rate(18.0) < 1.0  # quiet for 5 s
 
 
-def test_the_engine_measures_both_kinds_of_step(path: str) -> None:
+class Recorded(MixedStepCost):
+    """What the engine feeds the cost model, kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[bool, float, int]] = []
+
+    def record(self, mixed: bool, seconds: float, tokens: int = 0) -> None:
+        self.steps.append((mixed, seconds, tokens))
+        super().record(mixed, seconds, tokens)
+
+
+def test_the_engine_feeds_each_step_with_its_prefill_tokens(path: str) -> None:
     engine = make_engine(path, delay=0, adaptive=True)
-    decoding_alone(engine)
-    assert engine.scheduler.step_cost.decode_s is None
-    finish(engine)  # 40 steps: a window with the prefill, then one of decodes alone
-    decode_s = engine.scheduler.step_cost.decode_s
-    assert decode_s is not None and 0 < decode_s <= LONGEST_S
+    engine.scheduler.step_cost = cost = Recorded()
+    decoding_alone(engine)  # "a" (20 tokens) prefilled, then decoding
+    engine.add_request("b", list(range(30, 40)), GREEDY)
+    finish(engine)
+    assert all(0 < seconds <= LONGEST_S for _, seconds, _ in cost.steps)
+    assert all(mixed == (tokens > 0) for mixed, _, tokens in cost.steps)
+    # every step but the last is recorded at the next plan; the prompts' tokens are all there
+    assert sum(tokens for _, _, tokens in cost.steps) == 20 + 10
+    assert sum(not mixed for mixed, _, _ in cost.steps) >= 30
 
 
 def test_adaptive_delay_is_on_by_default_with_cuda_only(path: str) -> None:
