@@ -39,6 +39,12 @@ def run_prompt(
     return steps
 
 
+def timed_prompts(engine: Any, prompts: list[list[int]], params: SamplingParams) -> list[list[float]]:
+    """Each prompt's steps (`run_prompt`), after the warm-up: a profiler's samples of the timed
+    prompts alone are those under this frame (`bench.pyspy_summary --within timed_prompts`)."""
+    return [run_prompt(engine, p, params) for p in prompts]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -63,8 +69,7 @@ def main() -> None:
         llm = LLM(args.model, load_format="dummy", cache_type=cache, max_model_len=args.tokens + 16)
         for _ in range(3):  # compile and autotune at these shapes
             run_prompt(llm.engine, prompt(), params)
-        for _ in range(args.prompts):
-            steps = run_prompt(llm.engine, prompt(), params)
+        for steps in timed_prompts(llm.engine, [prompt() for _ in range(args.prompts)], params):
             print(
                 f"{cache}: first token after {sum(steps):.1f} ms, steps (ms) {[round(s, 1) for s in steps]}"
             )
