@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from deltaserve.kernels.common.per_forward import PerForwardCache, per_input
+
 # (q, k, v, g, beta, initial state or None) -> (o, final state), one sequence
 ChunkRef = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # (q, k, v, g, beta, states [N, ...]) -> (o, new states), one token for each of N sequences
@@ -43,11 +45,24 @@ def step_slots(
     return out.to(inputs[2].dtype)
 
 
+def long_slots(slots: torch.Tensor, cache: PerForwardCache | None = None) -> torch.Tensor:
+    """`slots` as int64 (index_select's and index_copy_'s index), built once per forward."""
+    return per_input(cache, "long_slots", slots, None, slots.long)
+
+
 def gather_initial_states(
-    state_pool: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    cache: PerForwardCache | None = None,
 ) -> torch.Tensor:
-    """fp32 copies of the slots' states, zeros where a sequence starts fresh (for FLA's kernels)."""
-    init = state_pool.index_select(0, slots.long()).float()
-    # where, not multiply: an unused slot may hold garbage (NaN) that 0 * x would keep
-    fresh = ~has_initial_state.bool().view(-1, *([1] * (init.dim() - 1)))
-    return torch.where(fresh, torch.zeros((), dtype=init.dtype, device=init.device), init)
+    """fp32 copies of the slots' states, zeros where a sequence starts fresh (for FLA's kernels).
+    The fresh-row mask and the int64 slots are built by the first layer of a forward only: each
+    op here is a launch, and a small model's prefill step is bound by launches."""
+    init = state_pool.index_select(0, long_slots(slots, cache)).float()
+    shape = (-1, *([1] * (init.dim() - 1)))
+    fresh = per_input(
+        cache, "fresh_rows", has_initial_state, shape, lambda: ~has_initial_state.bool().view(shape)
+    )
+    # a fill, not a multiply: an unused slot may hold garbage (NaN) that 0 * x would keep
+    return init.masked_fill_(fresh, 0.0)

@@ -12,7 +12,7 @@ import torch
 
 from deltaserve.kernels.common.per_forward import PerForwardCache
 from deltaserve.kernels.delta_rule.fla import fla_chunk_forward, fla_cu_seqlens, fla_internal, import_fla
-from deltaserve.kernels.delta_rule.pool import gather_initial_states
+from deltaserve.kernels.delta_rule.pool import gather_initial_states, long_slots
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -40,14 +40,14 @@ def gdn_prefill_cuda(
     fresh) and the final states scattered back; prefill is compute-bound, so the extra state
     traffic is small next to the chunked work.
     """
-    init = gather_initial_states(state_pool, slots, has_initial_state)
+    init = gather_initial_states(state_pool, slots, has_initial_state, cache)
     cu = fla_cu_seqlens(cu_seqlens, cache)
     direct = _fla_forward()
     if direct is not None:
         o, final = direct(q, k, v, g, beta, init, cu, chunk_indices)
     else:
         o, final = _fla_public(q, k, v, g, beta, init, cu)
-    state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
+    state_pool.index_copy_(0, long_slots(slots, cache), final.to(state_pool.dtype))
     return o[0].to(v.dtype)
 
 

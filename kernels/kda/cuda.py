@@ -13,7 +13,7 @@ import torch
 
 from deltaserve.kernels.common.per_forward import PerForwardCache
 from deltaserve.kernels.delta_rule.fla import fla_chunk_forward, fla_cu_seqlens, fla_internal, import_fla
-from deltaserve.kernels.delta_rule.pool import gather_initial_states
+from deltaserve.kernels.delta_rule.pool import gather_initial_states, long_slots
 
 
 def kda_prefill_cuda(
@@ -35,12 +35,12 @@ def kda_prefill_cuda(
     states are gathered as fp32, zeros where a request starts fresh, and the final states
     scattered back; prefill is compute-bound, so the extra state traffic is small.
     """
-    init = gather_initial_states(state_pool, slots, has_initial_state)
+    init = gather_initial_states(state_pool, slots, has_initial_state, cache)
     cu = fla_cu_seqlens(cu_seqlens, cache)
     direct = _kda_forward()
     if direct is not None:
         o, final = direct(q, k, v, g, beta, init, cu, chunk_indices)
-        state_pool.index_copy_(0, slots.long(), final.to(state_pool.dtype))
+        state_pool.index_copy_(0, long_slots(slots, cache), final.to(state_pool.dtype))
         return o[0].to(v.dtype)
     chunk_kda = import_fla("fla.ops.kda").chunk_kda
     with torch.no_grad():

@@ -105,3 +105,24 @@ def test_fla_internal_finds_fla_06s_forwards_or_steps_aside(monkeypatch):
     for cached in (gdn_cuda._fla_forward, kda_cuda._kda_forward):
         assert cached() is None
         cached.cache_clear()
+
+
+def test_initial_states_gathered_per_layer_with_the_mask_built_once():
+    """Each layer's pool gives its own rows; fresh rows are zeros even over garbage (NaN); the
+    next forward's flags are not served the previous forward's mask."""
+    from deltaserve.kernels.delta_rule.pool import gather_initial_states
+
+    cache = PerForwardCache()
+    slots = torch.tensor([3, 1, 4], dtype=torch.int32)
+    pools = [torch.randn(6, 2, 4, 4) for _ in range(2)]
+    for p in pools:
+        p[1] = float("nan")  # slot 1 starts fresh: whatever it holds must not leak
+    first = torch.tensor([True, False, True])
+    for p in pools:  # two layers of one forward
+        init = gather_initial_states(p, slots, first, cache)
+        assert torch.equal(init[0], p[3]) and torch.equal(init[2], p[4])
+        assert torch.equal(init[1], torch.zeros(2, 4, 4))
+    second = torch.tensor([False, False, True])  # the next forward
+    init = gather_initial_states(pools[0], slots, second, cache)
+    assert torch.equal(init[0], torch.zeros(2, 4, 4)) and torch.equal(init[2], pools[0][4])
+    assert not torch.isnan(pools[0][3]).any() and torch.isnan(pools[0][1]).all()  # the pool unchanged
