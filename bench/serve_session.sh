@@ -6,7 +6,6 @@
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
 # PART: 9b | 08b | moe | 80b-fp8 | ttft [CONFIG] | kimi | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
-#   | split [CONFIG]: DELTASERVE_MIXED_ATTENTION joint against split
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serve flags; $TAG: a suffix to the run's name),
 #     each after 64 concurrent warm-up requests: a fresh server's first mixed steps compile kernels,
@@ -103,13 +102,6 @@ case "${1:-9b}" in
     cfg=${2:-qwen3.5-9b}
     serve_bench "$cfg-after${TAG:-}" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy ${SERVER_ARGS:-}" \
       "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64 ${BENCH_ARGS:-}
-    ;;
-  split)  # split [CONFIG]: the tree's server with DELTASERVE_MIXED_ATTENTION joint, then split (default 9B)
-    cfg=${2:-qwen3.5-9b}
-    for mode in joint split; do
-      DELTASERVE_MIXED_ATTENTION=$mode serve_bench "$cfg-$mode" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy" \
-        "${WORKLOAD[@]}" --concurrency 64,256 --warmup 64 ${BENCH_ARGS:-}
-    done
     ;;
   profile)  # profile [CONFIG]: py-spy at C = 64 and 256
     cfg=${2:-qwen3.5-9b}

@@ -126,7 +126,6 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         spec = self.spec  # validates speculative_config
         self._check_parallel(spec)
-        from deltaserve.kernels.attention import mixed_attention_mode
         from deltaserve.kernels.common.launch import pdl_mode
         from deltaserve.kernels.linear import gemv_mode
         from deltaserve.kernels.mla import mla_prefill_mode
@@ -134,7 +133,6 @@ class EngineConfig:
         gemv_mode()  # DELTASERVE_GEMV: a typo fails at start-up, not as a silent default
         pdl_mode()  # DELTASERVE_PDL, likewise
         mla_prefill_mode()  # DELTASERVE_MLA_PREFILL
-        mixed_attention_mode()  # DELTASERVE_MIXED_ATTENTION
 
     def _check_parallel(self, spec: SpecConfig | None) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes

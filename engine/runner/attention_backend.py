@@ -1,10 +1,4 @@
-"""Full-attention layers' backend: writes new K/V into pages, attends over the page table.
-
-A step with prefill chunks attends in one launch of the prefill kernel, its decode rows included;
-with `DELTASERVE_MIXED_ATTENTION=split` the decode rows take the decode kernel (one query row per
-request, the KV heads' query groups together) and only the rest the prefill kernel, whose query
-tiles are mostly empty for a decode row.
-"""
+"""Full-attention layers' backend: writes new K/V into pages, attends over the page table."""
 
 from __future__ import annotations
 
@@ -15,7 +9,7 @@ import torch
 from deltaserve.engine.cache.kv_pool import KVPool
 from deltaserve.engine.cache.page_table import SlotPageTable
 from deltaserve.engine.runner.forward_batch import ForwardBatch
-from deltaserve.kernels.attention import mixed_attention_mode, paged_attention, store_kv
+from deltaserve.kernels.attention import paged_attention, store_kv
 from deltaserve.kernels.mla import mla_attention, store_latent
 from deltaserve.models.forward import AttentionOps
 
@@ -27,7 +21,6 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [N+1]
     seq_lens: torch.Tensor  # [N]
     max_seqlen_q: int
-    num_decodes: int = 0  # leading rows of one token each that take the decode kernel (split mode)
 
 
 class AttentionBackend(AttentionOps):
@@ -42,21 +35,14 @@ class AttentionBackend(AttentionOps):
         self._graphs: dict[int, AttentionMetadata] = {}
         # decode batches: each state slot's pages kept on the device (set by the model runner)
         self.slot_pages: SlotPageTable | None = None
-        self.split_decodes = mixed_attention_mode() == "split"
 
     def prepare(self, batch: ForwardBatch) -> None:
         page_table = batch.page_table
         if page_table is None:  # a decode batch: its slots' rows, as wide as its longest
             assert self.slot_pages is not None, "a batch without a page table needs the slot table"
             page_table = self.slot_pages.table[:, : batch.page_columns].index_select(0, batch.state_slots)
-        split = self.split_decodes and batch.max_seqlen_q > 1 and batch.num_requests > batch.num_decodes
         self.batch = AttentionMetadata(
-            batch.slot_mapping,
-            page_table,
-            batch.cu_seqlens_q,
-            batch.seq_lens,
-            batch.max_seqlen_q,
-            batch.num_decodes if split else 0,
+            batch.slot_mapping, page_table, batch.cu_seqlens_q, batch.seq_lens, batch.max_seqlen_q
         )
 
     # -- CUDA graphs: batches of n requests of `width` tokens each (decode: 1; speculative
@@ -107,25 +93,9 @@ class AttentionBackend(AttentionOps):
         assert b is not None, "prepare() was not called for this forward"
         cache = self.pool.layer(self.layer_index[layer_id])
         store_kv(cache["k"], cache["v"], k, v, b.slot_mapping)
-        n = b.num_decodes
-        if not n:
-            return paged_attention(
-                q, cache["k"], cache["v"], b.page_table, b.cu_seqlens_q, b.seq_lens, scale, b.max_seqlen_q
-            )
-        decodes = paged_attention(
-            q[:n], cache["k"], cache["v"], b.page_table[:n], b.cu_seqlens_q[: n + 1], b.seq_lens[:n], scale, 1
+        return paged_attention(
+            q, cache["k"], cache["v"], b.page_table, b.cu_seqlens_q, b.seq_lens, scale, b.max_seqlen_q
         )
-        rest = paged_attention(
-            q[n:],
-            cache["k"],
-            cache["v"],
-            b.page_table[n:],
-            b.cu_seqlens_q[n:] - n,
-            b.seq_lens[n:],
-            scale,
-            b.max_seqlen_q,
-        )
-        return torch.cat([decodes, rest])
 
     def mla_attention(
         self,

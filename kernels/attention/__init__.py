@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from deltaserve.kernels.attention.reference import paged_attention_ref
-from deltaserve.kernels.common.launch import env_mode
 from deltaserve.kernels.dispatch import use_fast_path
 
 
@@ -56,13 +55,3 @@ def paged_attention(
             q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q
         )
     return paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale)
-
-
-MIXED_ATTENTION_MODES = ("joint", "split")
-
-
-def mixed_attention_mode() -> str:
-    """`DELTASERVE_MIXED_ATTENTION`: `joint` (the default: a step with prefill chunks attends in
-    one launch of the prefill kernel, decode rows included) or `split` (its decode rows through
-    the decode kernel; `engine/runner/attention_backend.py`)."""
-    return env_mode("DELTASERVE_MIXED_ATTENTION", MIXED_ATTENTION_MODES, "joint")

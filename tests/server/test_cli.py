@@ -140,7 +140,6 @@ def test_enable_expert_parallel_reaches_the_engine_config(tmp_path: Path) -> Non
         ("DELTASERVE_GEMV", "cuBLAS", ("auto", "cublas", "triton", "")),
         ("DELTASERVE_PDL", "yes", ("on", "off", "auto", "")),
         ("DELTASERVE_MLA_PREFILL", "flash", ("sdpa", "reference", "")),
-        ("DELTASERVE_MIXED_ATTENTION", "apart", ("joint", "split", "")),
     ],
 )
 def test_unknown_kernel_mode_is_a_start_up_error(monkeypatch, variable: str, typo: str, modes: tuple) -> None:
