@@ -126,6 +126,7 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         spec = self.spec  # validates speculative_config
         self._check_parallel(spec)
+        from deltaserve.kernels.common.fast_launch import fast_launch_enabled
         from deltaserve.kernels.common.launch import pdl_mode
         from deltaserve.kernels.linear import gemv_mode
         from deltaserve.kernels.mla import mla_prefill_mode
@@ -133,6 +134,7 @@ class EngineConfig:
         gemv_mode()  # DELTASERVE_GEMV: a typo fails at start-up, not as a silent default
         pdl_mode()  # DELTASERVE_PDL, likewise
         mla_prefill_mode()  # DELTASERVE_MLA_PREFILL
+        fast_launch_enabled()  # DELTASERVE_FAST_LAUNCH
 
     def _check_parallel(self, spec: SpecConfig | None) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes

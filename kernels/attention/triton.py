@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
 
 
@@ -388,3 +389,6 @@ def store_kv_launch(
             num_warps=1 if block <= 256 else 4,
             **pdl_args(k_cache.device),
         )
+
+
+fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)

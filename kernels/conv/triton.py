@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
 from deltaserve.kernels.common.per_forward import PerForwardCache, per_input
 
@@ -301,3 +302,6 @@ def conv_prefill_launch(
             num_warps=4,
             **pdl_args(x.device),
         )
+
+
+fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)

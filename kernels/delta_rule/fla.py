@@ -60,6 +60,9 @@ def fla_internal(module: str, name: str) -> Callable[..., Any] | None:
         return None
     if "chunk_indices" not in inspect.signature(fn).parameters:
         return None
+    from deltaserve.kernels.common.fast_launch import fast_launch_modules
+
+    fast_launch_modules("fla.")  # its kernels, loaded with `module`: no per-call autotuner work
     return fn
 
 

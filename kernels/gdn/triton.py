@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
 from deltaserve.kernels.norm.triton import gdn_log_decay
 
@@ -263,3 +264,6 @@ def qk_norm_v_launch(
             num_warps=4,
         )
     return q_out, k_out, v_out
+
+
+fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.launch import sm_count
 from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
 
@@ -122,3 +123,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tens
         **pdl_args(x.device),
     )
     return y
+
+
+fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)

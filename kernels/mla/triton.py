@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import wait_inputs
 
 
@@ -92,3 +93,6 @@ def _mla_decode_kernel(
     ml = out_ml + (i_n.to(tl.int64) * H + heads) * (SPLITS * 2) + i_s * 2
     tl.store(ml, m_i, mask=m_h)
     tl.store(ml + 1, l_i, mask=m_h)
+
+
+fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)

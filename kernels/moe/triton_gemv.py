@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.fp8.triton import _fake_quant
 
 
@@ -136,3 +137,6 @@ def _moe_gemv_down_kernel(
         acc += _expert_rows_dot(v, rows, s_rows, ok, blk, INTER, n_ok, HAS_SCALE)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights + a)
     tl.store(dst, y.to(out.dtype.element_ty), mask=n_ok)
+
+
+fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)

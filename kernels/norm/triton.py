@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
 
 
@@ -402,3 +403,6 @@ def sigmoid_gate_launch(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             **pdl_args(x.device),
         )
     return y
+
+
+fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
 
 
@@ -89,3 +90,6 @@ def topk_route_launch(
             **pdl_args(logits.device),
         )
     return ids, weights
+
+
+fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import wait_inputs
 from deltaserve.kernels.gdn.triton import delta_rule_update
 
@@ -161,3 +162,6 @@ def _conv_window_kernel(
             acc.to(out.dtype.element_ty),
             mask=m_d & (t >= 0),
         )
+
+
+fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)

@@ -186,6 +186,37 @@ def test_gdn_prefill_direct_equals_public(monkeypatch):
     assert_untouched(results[0][1], pool, slots)
 
 
+def test_cached_launches_equal_tritons_path(monkeypatch):
+    """After the first call of a kind, launches skip Triton's Python path (fast_launch.py): they
+    must run what Triton's path runs. The GDN prefill (FLA's kernels, our qk-norm, the initial
+    state gather) gives bit-identical outputs and states either way, over batches of other sizes
+    and initial states, and the second round takes the cached path."""
+    import fla.ops.common.chunk_o as fla_chunk_o
+
+    from deltaserve.kernels.common import fast_launch
+    from deltaserve.kernels.gdn import triton as gdn_triton
+    from deltaserve.kernels.gdn.cuda import gdn_prefill_cuda
+
+    hk, hv, dk, dv, num_slots = 2, 4, 128, 128, 16
+    kernels = (gdn_triton._qk_norm_v_kernel, fla_chunk_o.chunk_fwd_kernel_o)
+    hits = [fast_launch.cached_launches(k) for k in kernels]
+    for lengths in [[5, 64, 190, 33], [1000], [7, 7, 130], [64, 1, 300, 12, 77]] * 2:
+        n = len(lengths)
+        inputs = gdn_inputs(sum(lengths), hk, hv, dk, dv, torch.bfloat16)
+        slots = pick_slots(n, num_slots)
+        has_init = torch.rand(n, device=DEV) < 0.5
+        pool = torch.randn(num_slots, hv, dk, dv, device=DEV) * 0.1
+        cached_pool, plain_pool = pool.clone(), pool.clone()
+        cached = gdn_prefill_cuda(*inputs, cu_from(lengths), cached_pool, slots, has_init)
+        with fast_launch.plain_launches():
+            plain = gdn_prefill_cuda(*inputs, cu_from(lengths), plain_pool, slots, has_init)
+        assert torch.equal(cached, plain) and torch.equal(cached_pool, plain_pool)
+        ref_pool = pool.clone()
+        ref = reference(monkeypatch, gdn_prefill, *inputs, cu_from(lengths), ref_pool, slots, has_init)
+        assert rel_err(cached, ref) < 2e-2 and rel_err(cached_pool, ref_pool) < 2e-2
+    assert all(fast_launch.cached_launches(k) >= before + 4 for k, before in zip(kernels, hits))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("t", "hk", "hv", "dk", "dv"), [(8192, 16, 16, 128, 128), (37, 3, 3, 64, 32), (70, 1, 2, 48, 80)]
