@@ -52,8 +52,10 @@ def fast_launch_enabled() -> bool:
     mode = env_mode("DELTASERVE_FAST_LAUNCH", ("auto", "0", "1"), "auto")
     if mode != "auto":
         return mode == "1"
-    import triton
-
+    try:
+        import triton
+    except ImportError:  # a CPU install without Triton: nothing to launch
+        return False
     version = tuple(int(p) for p in triton.__version__.split(".")[:2])
     return _TRITON_CHECKED[0] <= version <= _TRITON_CHECKED[1]
 

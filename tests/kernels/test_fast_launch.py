@@ -124,6 +124,19 @@ def test_default_follows_the_triton_versions_checked(
         fast_launch_enabled()
 
 
+def test_no_triton_installed_means_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU install (torch's CPU wheel brings no Triton) starts: the engine's config check of the
+    switch must not need Triton (the README's `pip install . && deltaserve serve`)."""
+    import sys
+
+    from deltaserve.engine.config import EngineConfig
+
+    monkeypatch.setenv("DELTASERVE_FAST_LAUNCH", "auto")
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    assert fast_launch_enabled() is False
+    EngineConfig(model="unused", device="cpu")
+
+
 def test_our_kernel_modules_take_it() -> None:
     from deltaserve.kernels.norm import triton as norm_triton
 
