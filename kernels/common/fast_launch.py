@@ -146,7 +146,10 @@ def _launch_cached(plan: _Plan, entry: _Entry, grid: Any, d: dict[str, Any], dev
         grid = grid(dict(zip(plan.arg_names, vals)))
     n = len(grid)
     g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
-    assert plan.get_stream is not None
+    if plan.get_stream is None:
+        from triton.runtime.driver import driver
+
+        plan.get_stream = driver.active.get_current_stream
     stream = plan.get_stream(device)
     k = entry.kernel
     entry.hits += 1
@@ -178,11 +181,8 @@ def _launch_recording(
     key: tuple[Any, ...] | None,
 ) -> Any:
     """Triton's own path, recording its last launch (the one after any autotuning) under `key`."""
-    from triton.runtime.driver import driver
-
     jit = plan.jit
     assert jit is not None
-    plan.get_stream = driver.active.get_current_stream
     launches: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = []
     run = jit.run
 
@@ -202,9 +202,11 @@ def _launch_recording(
         k = k.result() if hasattr(k, "result") else k
         bound = jit.signature.bind(*a, **{n: v for n, v in kw.items() if n in plan.params})
         bound.apply_defaults()
+        # what comes from each call keeps no value here: the recorded call's tensors would stay alive
+        from_call = [name in d and name not in plan.overridden for name in plan.arg_names]
         template = [
-            (name, name in d and name not in plan.overridden, bound.arguments[name])
-            for name in plan.arg_names
+            (name, call, None if call else bound.arguments[name])
+            for name, call in zip(plan.arg_names, from_call)
         ]
         plan.entries[key] = _Entry(k, template)
     return result

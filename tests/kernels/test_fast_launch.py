@@ -124,6 +124,41 @@ def test_default_follows_the_triton_versions_checked(
         fast_launch_enabled()
 
 
+def test_a_recorded_launch_keeps_the_kernel_and_constants_not_the_calls_tensors() -> None:
+    """The first call of a kind takes Triton's path (a stand-in `run` here: no GPU) and records
+    its last launch: the compiled kernel, and the values the wrappers chose (a heuristic's
+    output); what each call passes is read from the call, and the recorded call's tensors are
+    not kept alive (they would hold device memory for as long as the process runs)."""
+    import gc
+    import weakref
+
+    from deltaserve.kernels.common.fast_launch import _launch_recording
+
+    k = fast_launch(triton.heuristics({"FLAG": lambda a: a["n"] > 3})(_kernel()))
+    plan = k._deltaserve_plan
+    runs: list[bool] = []
+
+    def tritons_run(*a: object, grid: object, warmup: bool, **kw: object) -> str:
+        runs.append(kw["FLAG"])  # type: ignore[arg-type]
+        return "compiled"
+
+    plan.jit.run = tritons_run  # what Triton's JITFunction.run would be, for the hook to wrap
+    x = torch.zeros(64)
+    alive = weakref.ref(x)
+    call = _args(x=x, n=7)
+    key = plan.key(call, 0)
+    assert _launch_recording(plan, k._deltaserve_base, k, (1,), (), call, dict(call), key) == "compiled"
+    assert runs == [True] and "run" not in vars(plan.jit)  # the hook is gone again
+    entry = plan.entries[key]
+    assert entry.kernel == "compiled"
+    template = {name: (from_call, value) for name, from_call, value in entry.template}
+    assert template["x"] == (True, None) and template["n"] == (True, None)
+    assert template["FLAG"] == (False, True)  # the heuristic's choice, recorded
+    del x, call
+    gc.collect()
+    assert alive() is None
+
+
 def test_no_triton_installed_means_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU install (torch's CPU wheel brings no Triton) starts: the engine's config check of the
     switch must not need Triton (the README's `pip install . && deltaserve serve`)."""
