@@ -188,7 +188,7 @@ def _launch_recording(
 
     def record(*a: Any, grid: Any, warmup: bool, **kw: Any) -> Any:
         k = run(*a, grid=grid, warmup=warmup, **kw)
-        if not warmup:
+        if not warmup and k is not None:  # None: Triton launched nothing to record
             launches.append((a, kw, k))
         return k
 
