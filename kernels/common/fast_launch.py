@@ -109,6 +109,7 @@ class _Plan:
         self.overridden = overridden
         self.entries: dict[tuple[Any, ...], _Entry] = {}
         self.get_stream: Callable[[int], int] | None = None  # Triton's, found at the first launch
+        self.hooks: Any = None  # triton.knobs.runtime, likewise
 
     def key(self, d: dict[str, Any], device: int) -> tuple[Any, ...] | None:
         """The call's kind (see the module's docstring), or None for a call it cannot key (a
@@ -139,22 +140,21 @@ class _Plan:
 
 
 def _launch_cached(plan: _Plan, entry: _Entry, grid: Any, d: dict[str, Any], device: int) -> Any:
-    from triton import knobs
-
     vals = [d[name] if from_call else value for name, from_call, value in entry.template]
     if callable(grid):
         grid = grid(dict(zip(plan.arg_names, vals)))
     n = len(grid)
     g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
-    if plan.get_stream is None:
+    if plan.get_stream is None:  # Triton's stream getter and launch hooks, looked up once
+        from triton import knobs
         from triton.runtime.driver import driver
 
-        plan.get_stream = driver.active.get_current_stream
+        plan.get_stream, plan.hooks = driver.active.get_current_stream, knobs.runtime
     stream = plan.get_stream(device)
     k = entry.kernel
     entry.hits += 1
     meta = k.launch_metadata(grid, stream, *vals)
-    hooks = knobs.runtime
+    hooks = plan.hooks  # its attributes are read per launch: a profiler may set them later
     k.run(
         g0,
         g1,
