@@ -21,7 +21,7 @@ from bench.gemv import cold_copies, linear_shapes, time_us
 
 
 def bench_dense(
-    model: str, rows: list[int], gemm_tiles: list[tuple[int, int]], gemv_tiles: list[tuple[int, int]]
+    model: str, rows: list[int], gemm_tiles: list[tuple[int, ...]], gemv_tiles: list[tuple[int, ...]]
 ) -> list[dict]:
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
     from deltaserve.kernels.fp8.blocks import quantize_blocks
@@ -43,9 +43,10 @@ def bench_dense(
                     lambda q, x=x, t=(bn, blocks): fp8_cuda.fp8_gemv_cuda(x, q[0], q[1], 128, tiles=t), qs
                 )
             row["fp8_gemm_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128), qs)
-            for bn, stages in gemm_tiles:
-                row[f"fp8_gemm_n{bn}_s{stages}_us"] = time_us(
-                    lambda q, x=x, bn=bn, st=stages: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128, bn, st), qs
+            for bn, stages, *split in gemm_tiles:
+                t = (bn, stages, split[0] if split else 1)
+                row["fp8_gemm_n{}_s{}_k{}_us".format(*t)] = time_us(
+                    lambda q, x=x, t=t: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128, t), qs
                 )
             gb = n * k / 1e9
             for key in [key for key in row if key.endswith("_us")]:
@@ -105,8 +106,8 @@ def main() -> None:
         "--gemm-tiles",
         nargs="*",
         default=[],
-        metavar="BLOCK_N:STAGES",
-        help="also time the w8a8 GEMM at these tilings (the default is 128:3)",
+        metavar="BLOCK_N:STAGES[:SPLIT]",
+        help="also time the w8a8 GEMM at these tilings and K splits (the default: kernels/fp8/cuda.py's gemm_tiles)",
     )
     ap.add_argument(
         "--gemv-tiles",
@@ -122,8 +123,8 @@ def main() -> None:
     rows = []
     if args.model:
 
-        def pairs(specs: list[str]) -> list[tuple[int, int]]:
-            return [(int(t.split(":")[0]), int(t.split(":")[1])) for t in specs]
+        def pairs(specs: list[str]) -> list[tuple[int, ...]]:
+            return [tuple(int(v) for v in t.split(":")) for t in specs]
 
         rows += bench_dense(args.model, args.rows, pairs(args.gemm_tiles), pairs(args.gemv_tiles))
     if args.moe:

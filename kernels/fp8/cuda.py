@@ -7,15 +7,25 @@ import torch
 
 from deltaserve.kernels.fp8.blocks import BLOCK, FP8_DTYPE, num_blocks
 
-# One row through the GEMV only for weights too narrow to give the GEMM's 32-row tiles an SM each;
-# from 4096 rows, or past one row, the GEMM is faster on the H200 (bench/fp8_gemv.py, docs/performance.md)
+# One row through the GEMV only for small weights (under 4,096 rows and 8M elements); past them, or
+# past one row, the GEMM with its K split is faster on the H200 (bench/fp8_gemv.py, docs/performance.md)
 GEMV_MAX_N = 4096
+GEMV_MAX_NUMEL = 2048 * 4096
 
 
-def gemm_tiles(m: int) -> tuple[int, int]:
-    """(BLOCK_N, stages): decode-sized batches read the weight in 32-row tiles, 6 deep, so that a
-    4096-row weight spreads over every SM; prefill keeps the tensor cores' 128-row tiles."""
-    return (32, 6) if m <= 16 else (128, 3)
+def gemm_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, stages, split) of `fp8_gemm_cuda`. Prefill keeps the tensor cores' 128-row tiles.
+    Decode-sized batches (up to 16 rows) read a wide weight in 32-row tiles, 6 deep, one part of K;
+    a weight too narrow for two such tiles an SM in 64-row tiles, 4 deep, with K split until there
+    are as many tiles as SMs (each part two 128-column blocks or more)."""
+    if m > 16:
+        return 128, 3, 1
+    if -(-n // 32) >= 2 * sms:
+        return 32, 6, 1
+    tiles, kb, split = -(-n // 64), num_blocks(k), 1
+    while tiles * split < sms and 4 * split <= kb:
+        split *= 2
+    return 64, 4, split
 
 
 ACT_QUANT_ROWS = 32  # tokens per program of the activation quantization
@@ -40,14 +50,15 @@ def fp8_gemm_cuda(
     weight: torch.Tensor,
     scale: torch.Tensor,
     scale_rows: int,
-    block_n: int | None = None,
-    num_stages: int | None = None,
+    tiles: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """w8a8 on the FP8 tensor cores: x `[M, K]` quantized per token group, then the GEMM
-    (`block_n`, `num_stages`: the tiling, `gemm_tiles(M)` unless given; `bench/fp8_gemv.py` sweeps it)."""
+    """w8a8 on the FP8 tensor cores: x `[M, K]` quantized per token group, then the GEMM (and with
+    a K split, the parts' sum). `tiles`: (BLOCK_N, stages, split), `gemm_tiles` unless given
+    (`bench/fp8_gemv.py` sweeps them)."""
     import triton
 
-    from deltaserve.kernels.fp8.triton import _fp8_gemm_kernel
+    from deltaserve.kernels.common.launch import sm_count
+    from deltaserve.kernels.fp8.triton import _fp8_gemm_kernel, _split_sum_kernel
 
     m, k = x.shape
     n = weight.shape[0]
@@ -56,15 +67,21 @@ def fp8_gemm_cuda(
         return out
     q, s = act_quant_cuda(x)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    tiles = gemm_tiles(m)
-    block_n = block_n or tiles[0]
-    num_stages = num_stages or tiles[1]
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    block_n, num_stages, split = tiles or gemm_tiles(m, n, k, sm_count(x.device))
+    per_split = -(-num_blocks(k) // split)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _fp8_gemm_kernel[grid](
-        q, s, weight, scale, out, m, n, k,
+        q, s, weight, scale, out, part, m, n, k, per_split,
         q.stride(0), s.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, num_warps=4, num_stages=num_stages,
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, SPLIT=split,
+        num_warps=4, num_stages=num_stages,
     )  # fmt: skip
+    if split > 1:
+        sum_block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, sum_block),)](
+            part, out, m * n, n, out.stride(0), SPLIT=split, BLOCK=sum_block
+        )
     return out
 
 
@@ -118,7 +135,7 @@ def fp8_linear_cuda(
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] == 1 and weight.shape[0] < GEMV_MAX_N:
+    if x2.shape[0] == 1 and weight.shape[0] < GEMV_MAX_N and weight.numel() < GEMV_MAX_NUMEL:
         out = fp8_gemv_cuda(x2, weight, scale, scale_rows)
     else:
         out = fp8_gemm_cuda(x2, weight, scale, scale_rows)

@@ -4,7 +4,9 @@
   scale = amax / 448, e4m3 values and the fp32 scale.
 - `_fp8_gemm_kernel`: w8a8 GEMM on the FP8 tensor cores; the K loop steps one 128-column
   block at a time, so each partial product is scaled by its token-group and weight-block
-  scales before it is accumulated in fp32.
+  scales before it is accumulated in fp32. With SPLIT > 1, program (m, n, s) takes the s-th range
+  of K blocks and writes fp32 parts, which `_split_sum_kernel` adds: a narrow weight at decode's few
+  rows then still gives every SM several tiles in flight.
 - `_fp8_gemv_kernel`: one row (decode) against a narrow weight. It streams the e4m3 weight rows
   once, widening them in registers; the row is quantized in registers (`_fake_quant`), so decode
   does the format's w8a8 math as the GEMM does.
@@ -53,9 +55,11 @@ def _fp8_gemm_kernel(
     b,  # [N, K] e4m3
     b_s,  # [ceil(N/SCALE_ROWS), ceil(K/128)] fp32
     c,  # [M, N]
+    part,  # [SPLIT, M, N] fp32 (SPLIT > 1)
     M,
     N,
     K,
+    blocks_per_split,
     stride_am,
     stride_asm,
     stride_bn,
@@ -65,6 +69,7 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,8 +77,9 @@ def _fp8_gemm_kernel(
     n_ok = offs_n < N
     a_rows = a + offs_m.to(tl.int64)[:, None] * stride_am
     b_cols = b + offs_n.to(tl.int64)[None, :] * stride_bn
+    first = tl.program_id(2) * blocks_per_split
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, tl.cdiv(K, BLOCK)):
+    for i in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(K, BLOCK))):
         offs_k = i * BLOCK + tl.arange(0, BLOCK)
         k_ok = offs_k < K
         at = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -81,8 +87,25 @@ def _fp8_gemm_kernel(
         sa = tl.load(a_s + offs_m * stride_asm + i, mask=m_ok, other=0.0)
         sb = tl.load(b_s + (offs_n // SCALE_ROWS) * stride_bsn + i, mask=n_ok, other=0.0)
         acc += tl.dot(at, bt) * sa[:, None] * sb[None, :]
-    dst = c + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(dst, acc.to(c.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT == 1:
+        dst = c + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(dst, acc.to(c.dtype.element_ty), mask=mask)
+    else:
+        dst = part + (tl.program_id(2) * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        tl.store(dst, acc, mask=mask)
+
+
+@triton.jit
+def _split_sum_kernel(part, c, MN, N, stride_cm, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """c = the sum over SPLIT of part `[SPLIT, M, N]` fp32, in split order (deterministic)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part + s * MN + offs, mask=ok, other=0.0)
+    dst = c + (offs // N).to(tl.int64) * stride_cm + offs % N
+    tl.store(dst, acc.to(c.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -65,6 +65,24 @@ def test_fp8_linear_matches_reference(m, n, k, scale_rows, dtype):
         _close(fp8_gemv_cuda(x, w, s, scale_rows), fp8_linear_ref(x.float(), w, s, scale_rows), exact + 1e-2)
 
 
+@pytest.mark.parametrize("tiles", [(64, 4, 3), (16, 8, 8)])
+@pytest.mark.parametrize("scale_rows", [128, 1])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 40])
+def test_fp8_gemm_k_split_matches_one_part(m, n, k, scale_rows, tiles):
+    """K split across programs (at a split that leaves some parts no blocks at all, for the short
+    K's) gives the one-part GEMM's result but for the order of its fp32 sums."""
+    from deltaserve.kernels.fp8.cuda import fp8_gemm_cuda
+
+    w, s = _weight(n, k, scale_rows, m + n + k)
+    x = torch.randn(m, k, device="cuda") * 3
+    x[0, : min(k, 128)] = 0  # an all-zero group
+    got = fp8_gemm_cuda(x, w, s, scale_rows, tiles)
+    want = fp8_gemm_cuda(x, w, s, scale_rows, (tiles[0], tiles[1], 1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t", [1, 3, 64, 300])
 @pytest.mark.parametrize(
@@ -103,7 +121,7 @@ def test_fp8_linear_is_graph_capturable():
     from deltaserve.kernels.fp8.cuda import fp8_linear_cuda
 
     w, s = _weight(512, 1024, 128, 0)
-    for m in (1, 64):
+    for m in (1, 4, 64):  # the GEMV, the GEMM with a K split (decode's rows on a narrow weight), without
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         expected = fp8_linear_cuda(x, w, s, 128)
         graph = torch.cuda.CUDAGraph()
