@@ -1,4 +1,4 @@
-"""The step loop as a service: an Engine driven over two pyzmq sockets, in its own process.
+"""The step loop as a service: an Engine driven over pyzmq sockets, in its own process.
 
 The HTTP process and the step loop then never share a GIL (vLLM V1's EngineCore and SGLang's
 scheduler process do the same). Every loop applies all commands waiting, runs one step, and
@@ -18,6 +18,10 @@ are pickled tuples:
 
 Outputs leave without their prompt token ids (the client has them) to keep each step's message
 small. `serve_engine` runs in the engine process; tests run `EngineCore` in a thread instead.
+
+With several HTTP processes (`--api-server-count`) each has its own pair of sockets: the core
+reads the commands of all, remembers which one added each request, and sends each its own
+requests' outputs, replies and faults; beats and "dead" go to all, "ready" to the first.
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ class EngineCore:
     def __init__(
         self,
         engine: Any,
-        in_addr: str,
-        out_addr: str,
+        in_addrs: str | list[str],
+        out_addrs: str | list[str],
         parent_pid: int | None = None,
         stats_interval_s: float = 0.0,
     ) -> None:
@@ -71,33 +75,46 @@ class EngineCore:
         self.engine = engine
         # the periodic stats line (engine/stats_log.py); 0: none
         self._stats_log = StatsLog(engine.stats, stats_interval_s) if stats_interval_s > 0 else None
+        in_addrs = [in_addrs] if isinstance(in_addrs, str) else in_addrs
+        out_addrs = [out_addrs] if isinstance(out_addrs, str) else out_addrs
+        assert len(in_addrs) == len(out_addrs)
         self._ctx = zmq.Context()
-        self._in = self._ctx.socket(zmq.PULL)
-        self._in.connect(in_addr)
-        self._out = self._ctx.socket(zmq.PUSH)
-        self._out.setsockopt(zmq.LINGER, 1000)
-        self._out.setsockopt(zmq.SNDTIMEO, 1000)  # a send that waits this long checks the parent
-        self._out.connect(out_addr)
         self._poller = zmq.Poller()
-        self._poller.register(self._in, zmq.POLLIN)
+        self._ins: list[Any] = []
+        self._outs: list[Any] = []
+        for in_addr, out_addr in zip(in_addrs, out_addrs):
+            pull = self._ctx.socket(zmq.PULL)
+            pull.connect(in_addr)
+            self._poller.register(pull, zmq.POLLIN)
+            push = self._ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 1000)
+            push.setsockopt(zmq.SNDTIMEO, 1000)  # a send that waits this long checks the parent
+            push.connect(out_addr)
+            self._ins.append(pull)
+            self._outs.append(push)
         self._parent_pid = parent_pid
         self._live: set[str] = set()  # ids added and not yet finished or aborted
-        self._replies: list[tuple[int, tuple[str, str] | None, Any]] = []
-        self._done_off_loop: queue.SimpleQueue[tuple[int, tuple[str, str] | None, Any]] = queue.SimpleQueue()
+        self._owner: dict[str, int] = {}  # live id -> the HTTP process (socket pair) that added it
+        self._replies: list[list[tuple[int, tuple[str, str] | None, Any]]] = [[] for _ in self._outs]
+        self._done_off_loop: queue.SimpleQueue[tuple[int, int, tuple[str, str] | None, Any]] = (
+            queue.SimpleQueue()
+        )
         self._off_loop_pending = 0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-engine-calls")
         self._last_sent = time.monotonic()
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: tuple[Any, ...], client: int | None = 0) -> None:
+        """To one HTTP process's socket; `client=None`: to all."""
         import zmq
 
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        while True:
-            try:
-                self._out.send(data, copy=False)
-                break
-            except zmq.Again:  # nobody reads: fine while the server lives, the end when it is gone
-                self._check_parent()
+        for out in self._outs if client is None else [self._outs[client]]:
+            while True:
+                try:
+                    out.send(data, copy=False)
+                    break
+                except zmq.Again:  # nobody reads: fine while the server lives, the end when it is gone
+                    self._check_parent()
         self._last_sent = time.monotonic()
 
     def _check_parent(self) -> None:
@@ -115,13 +132,15 @@ class EngineCore:
                     self._stats_log.tick()
         except EngineDeadError as exc:
             logger.error("the engine is dead: %s", exc)
-            self.send(("dead", str(exc)))
+            self.send(("dead", str(exc)), client=None)
             raise
         finally:
             self._abort_all()
             self._worker.shutdown(wait=False, cancel_futures=True)
-            self._in.close(linger=0)
-            self._out.close()
+            for pull in self._ins:
+                pull.close(linger=0)
+            for push in self._outs:
+                push.close()
             self._ctx.term()
 
     def _apply_commands(self) -> bool:
@@ -134,15 +153,17 @@ class EngineCore:
             if not busy:
                 self._idle_tick()
             return True
-        while True:
-            try:
-                raw = self._in.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return True
-            if not self._apply(pickle.loads(raw.buffer)):
-                return False
+        for client, pull in enumerate(self._ins):
+            while True:
+                try:
+                    raw = pull.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if not self._apply(pickle.loads(raw.buffer), client):
+                    return False
+        return True
 
-    def _apply(self, command: tuple[Any, ...]) -> bool:
+    def _apply(self, command: tuple[Any, ...], client: int = 0) -> bool:
         kind = command[0]
         if kind == "stop":
             return False
@@ -150,22 +171,25 @@ class EngineCore:
             for request_id in command[1]:
                 if request_id in self._live:
                     self._live.discard(request_id)
+                    self._owner.pop(request_id, None)
                     self.engine.abort_request(request_id)
         elif kind == "add":
             _, call_id, requests = command
-            self._replies.append((call_id, *self._add(requests)))
+            self._replies[client].append((call_id, *self._add(requests, client)))
         elif kind == "call":
             _, call_id, name, args = command
             if name not in _CALLS:
-                self._replies.append((call_id, ("internal", f"unknown call {name!r}"), None))
+                self._replies[client].append((call_id, ("internal", f"unknown call {name!r}"), None))
             elif name in _OFF_LOOP:
                 self._off_loop_pending += 1
-                self._worker.submit(self._call_off_loop, call_id, name, args)
+                self._worker.submit(self._call_off_loop, client, call_id, name, args)
             else:
-                self._replies.append((call_id, *self._call(name, args)))
+                self._replies[client].append((call_id, *self._call(name, args)))
         return True
 
-    def _add(self, requests: list[tuple[str, list[int], Any]]) -> tuple[tuple[str, str] | None, None]:
+    def _add(
+        self, requests: list[tuple[str, list[int], Any]], client: int = 0
+    ) -> tuple[tuple[str, str] | None, None]:
         added: list[str] = []
         try:
             for request_id, token_ids, params in requests:
@@ -176,6 +200,7 @@ class EngineCore:
                 self.engine.abort_request(request_id)
             return error_reply(exc), None
         self._live.update(added)
+        self._owner.update((request_id, client) for request_id in added)
         return None, None
 
     def _call(self, name: str, args: tuple[Any, ...]) -> tuple[tuple[str, str] | None, Any]:
@@ -187,15 +212,17 @@ class EngineCore:
         except Exception as exc:
             return error_reply(exc), None
 
-    def _call_off_loop(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
-        self._done_off_loop.put((call_id, *self._call(name, args)))
+    def _call_off_loop(self, client: int, call_id: int, name: str, args: tuple[Any, ...]) -> None:
+        self._done_off_loop.put((client, call_id, *self._call(name, args)))
 
     def _step(self) -> None:
         while not self._done_off_loop.empty():
-            self._replies.append(self._done_off_loop.get())
+            client, *reply = self._done_off_loop.get()
+            self._replies[client].append(tuple(reply))  # type: ignore[arg-type]
             self._off_loop_pending -= 1
         outputs: list[Any] = []
         fault: tuple[str, list[str]] | None = None
+        fault_owners: dict[str, int] = {}
         if self.engine.has_unfinished_requests():
             try:
                 outputs = self.engine.step()
@@ -204,18 +231,27 @@ class EngineCore:
             except Exception as exc:  # a step that fails leaves no request's state to trust
                 logger.exception("engine step failed; aborting the requests in flight")
                 fault = (f"{type(exc).__name__}: {exc}", sorted(self._live))
+                fault_owners = dict(self._owner)
                 self._abort_all()
+        routed: list[list[Any]] = [[] for _ in self._outs]
+        owners: dict[str, int] = self._owner if len(self._outs) > 1 else {}
         for out in outputs:
             out.prompt_token_ids = []
+            routed[owners.get(out.request_id, 0)].append(out)
             if out.finished:
                 self._live.discard(out.request_id)
-        if outputs or self._replies or fault is not None:
-            replies, self._replies = self._replies, []
-            self.send(("step", pack_outputs(outputs), replies, fault))
+                self._owner.pop(out.request_id, None)
+        for client, (mine, replies) in enumerate(zip(routed, self._replies)):
+            own_fault = fault
+            if fault is not None and len(self._outs) > 1:
+                own_fault = (fault[0], [rid for rid in fault[1] if fault_owners.get(rid, 0) == client])
+            if mine or replies or own_fault is not None:
+                self._replies[client] = []
+                self.send(("step", pack_outputs(mine), replies, own_fault), client)
 
     def _idle_tick(self) -> None:
         if time.monotonic() - self._last_sent >= BEAT_S:
-            self.send(("beat",))
+            self.send(("beat",), client=None)
         self._check_parent()
 
     def _abort_all(self) -> None:
@@ -225,6 +261,7 @@ class EngineCore:
             except Exception:
                 logger.exception("abort of %s failed", request_id)
         self._live.clear()
+        self._owner.clear()
         if getattr(self.engine, "dead_reason", None) is not None:
             return
         if self.engine.has_unfinished_requests():  # anything the engine still holds: drop its outputs
@@ -235,10 +272,15 @@ class EngineCore:
 
 
 def serve_engine(
-    config: Any, in_addr: str, out_addr: str, parent_pid: int, log_level: str, stats_interval_s: float = 0.0
+    config: Any,
+    in_addrs: str | list[str],
+    out_addrs: str | list[str],
+    parent_pid: int,
+    log_level: str,
+    stats_interval_s: float = 0.0,
 ) -> None:
-    """The engine process: load the engine, say ready (or why not), and run the loop (with a stats
-    line every `stats_interval_s` while it works; 0: none)."""
+    """The engine process: load the engine, say ready (or why not) to the first HTTP process, and
+    run the loop for all of them (with a stats line every `stats_interval_s` while it works; 0: none)."""
     import zmq
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -254,13 +296,13 @@ def serve_engine(
         ctx = zmq.Context()
         out = ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 5000)
-        out.connect(out_addr)
+        out.connect(out_addrs if isinstance(out_addrs, str) else out_addrs[0])
         out.send(pickle.dumps(("failed", f"{type(exc).__name__}: {exc}")))
         out.close()
         ctx.term()
         raise SystemExit(1) from None
-    _leave_a_core_for_http(str(engine.device))
-    core = EngineCore(engine, in_addr, out_addr, parent_pid, stats_interval_s)
+    _leave_cores_for_http(str(engine.device), 1 if isinstance(in_addrs, str) else len(in_addrs))
+    core = EngineCore(engine, in_addrs, out_addrs, parent_pid, stats_interval_s)
     freeze_startup_heap("engine process")
     if engine.tokenizer is not None:
         import importlib.util
@@ -284,11 +326,11 @@ def _exit_unless_gone(why: str, after_s: float) -> None:
     threading.Thread(target=run, name="deltaserve-exit", daemon=True).start()
 
 
-def _leave_a_core_for_http(device: str) -> None:
-    # On CPU, torch's intra-op threads busy-wait on every core; the HTTP process (tokenizing,
-    # streaming) then fights them and both slow down severalfold. One core for it is cheaper.
+def _leave_cores_for_http(device: str, processes: int) -> None:
+    # On CPU, torch's intra-op threads busy-wait on every core; the HTTP processes (tokenizing,
+    # streaming) then fight them and all slow down severalfold. A core for each is cheaper.
     import torch
 
     cores = os.cpu_count() or 1
     if device.startswith("cpu") and cores > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(min(torch.get_num_threads(), cores - 1))
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - processes)))

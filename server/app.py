@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -23,7 +25,7 @@ from .api.responses import ResponsesRequest, ResponseStore, create_response
 from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient
 from .errors import APIError, bad_request, error_body, refused, validation_message
-from .metrics import Metrics
+from .metrics import Metrics, SharedMetrics
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,10 +48,12 @@ def build_app(
     api_key: str | None = None,
     sampling_defaults: SamplingDefaults | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    shared_metrics: SharedMetrics | None = None,
 ) -> FastAPI:
     """The app for one engine client; the client's engine thread runs for the app's lifespan.
     `api_key` guards /v1, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413.
-    `model_aliases` are accepted in requests like `model_names` but not listed by /v1/models."""
+    `model_aliases` are accepted in requests like `model_names` but not listed by /v1/models.
+    `shared_metrics`: one of several HTTP processes, whose /metrics adds up all of theirs."""
     metrics = engine_client.metrics or Metrics(model_names[0])
     engine_client.metrics = metrics
     ctx = ServerContext(
@@ -65,7 +69,15 @@ def build_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine_client.start()
+        publisher = None
+        if shared_metrics is not None:
+            publisher = asyncio.create_task(shared_metrics.publish_every(metrics))
         yield
+        if shared_metrics is not None:
+            if publisher is not None:
+                publisher.cancel()
+            with contextlib.suppress(OSError):
+                shared_metrics.publish(metrics)  # the last requests count too
         await engine_client.shutdown()
 
     app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
@@ -129,7 +141,8 @@ def build_app(
             stats = await engine_client.stats()
         except EngineDeadError:  # the HTTP side's own counters still tell what happened
             stats = {"engine_faults_total": engine_client.faults}
-        return PlainTextResponse(metrics.render(stats), media_type="text/plain; version=0.0.4")
+        total = metrics if shared_metrics is None else metrics.merged(shared_metrics.peers())
+        return PlainTextResponse(total.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

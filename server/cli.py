@@ -373,6 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Jinja chat template file to use instead of the tokenizer's",
     )
     http.add_argument(
+        "--api-server-count",
+        type=_int_at_least(1),
+        default=1,
+        help="HTTP processes sharing the port (tokenizing, streaming, JSON), each talking to the one "
+        "engine process: more than one helps small models at hundreds of streams",
+    )
+    http.add_argument(
         "--shutdown-timeout",
         type=_int_at_least(0),
         default=30,

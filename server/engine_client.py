@@ -91,31 +91,49 @@ class EngineHandle:
     ipc_dir: str
     process: BaseProcess | None = None
     thread: threading.Thread | None = None
+    # another HTTP process's engine (`attach`): watched by its pid, neither stopped nor cleaned up here
+    engine_pid: int | None = None
+    index: int = 0  # which of the HTTP processes' socket pairs
     _ctx: Any = field(default=None, repr=False)
 
     @classmethod
     def spawn(
-        cls, config: Any, log_level: str = "info", timeout: float | None = None, stats_interval_s: float = 0.0
+        cls,
+        config: Any,
+        log_level: str = "info",
+        timeout: float | None = None,
+        stats_interval_s: float = 0.0,
+        api_servers: int = 1,
     ) -> EngineHandle:
         """Start the engine process for `config` and wait until its model is loaded. A failed load
         raises RuntimeError with the engine's own message. `stats_interval_s`: the engine's
-        periodic stats line (engine/stats_log.py); 0: none."""
+        periodic stats line (engine/stats_log.py); 0: none. `api_servers`: HTTP processes it
+        serves, this one first; the others `attach` to it."""
         import multiprocessing
 
         from deltaserve.engine.core import serve_engine
 
         handle = cls._bind()
-        in_addr, out_addr = handle._addresses()
+        ins = [handle.address("in", i) for i in range(api_servers)]
+        outs = [handle.address("out", i) for i in range(api_servers)]
         # spawn, not fork: the child initialises CUDA, which a forked copy of this process may not
         process = multiprocessing.get_context("spawn").Process(
             target=serve_engine,
-            args=(config, in_addr, out_addr, os.getpid(), log_level, stats_interval_s),
+            args=(config, ins, outs, os.getpid(), log_level, stats_interval_s),
             name="deltaserve-engine",
             daemon=True,
         )
         process.start()
         handle.process = process
         handle._await_ready(timeout)
+        return handle
+
+    @classmethod
+    def attach(cls, ipc_dir: str, index: int, info: dict[str, Any], engine_pid: int) -> EngineHandle:
+        """HTTP process `index` (of `spawn`'s `api_servers`) joins the engine that process 0 started."""
+        handle = cls._bind(ipc_dir, index)
+        handle.info = info
+        handle.engine_pid = engine_pid
         return handle
 
     @classmethod
@@ -137,20 +155,24 @@ class EngineHandle:
         return handle
 
     @classmethod
-    def _bind(cls) -> EngineHandle:
+    def _bind(cls, ipc_dir: str | None = None, index: int = 0) -> EngineHandle:
         import zmq
 
         ctx = zmq.Context()
-        ipc_dir = tempfile.mkdtemp(prefix="deltaserve-")
-        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        push.setsockopt(zmq.LINGER, 0)
-        pull.setsockopt(zmq.LINGER, 0)
-        push.bind(f"ipc://{ipc_dir}/in")
-        pull.bind(f"ipc://{ipc_dir}/out")
-        return cls(push, pull, {}, ipc_dir, _ctx=ctx)
+        handle = cls(None, None, {}, ipc_dir or tempfile.mkdtemp(prefix="deltaserve-"), index=index, _ctx=ctx)
+        handle.push, handle.pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        handle.push.setsockopt(zmq.LINGER, 0)
+        handle.pull.setsockopt(zmq.LINGER, 0)
+        handle.push.bind(handle.address("in", index))
+        handle.pull.bind(handle.address("out", index))
+        return handle
+
+    def address(self, kind: str, index: int) -> str:
+        """The engine's `kind` ("in": commands, "out": steps) socket of HTTP process `index`."""
+        return f"ipc://{self.ipc_dir}/{kind}" + (f"-{index}" if index else "")
 
     def _addresses(self) -> tuple[str, str]:
-        return f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
+        return self.address("in", self.index), self.address("out", self.index)
 
     def _await_ready(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -175,12 +197,18 @@ class EngineHandle:
     def alive(self) -> bool:
         if self.process is not None:
             return self.process.is_alive()
+        if self.engine_pid is not None:
+            return pid_running(self.engine_pid)
         return self.thread is not None and self.thread.is_alive()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Tell the loop to stop, wait for it, then kill a process that did not."""
+        """Tell the loop to stop, wait for it, then kill a process that did not (an attached
+        handle only closes its sockets: the engine is process 0's)."""
         import zmq
 
+        if self.engine_pid is not None:
+            self.close()
+            return
         try:
             self.push.send(pickle.dumps(("stop",)), zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -204,7 +232,25 @@ class EngineHandle:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if self.engine_pid is None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def pid_running(pid: int) -> bool:
+    """A process that exists and has not exited (a zombie, not yet reaped by its parent, has)."""
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+    try:  # no /proc: ask the kernel whether the pid exists
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 class EngineClient:

@@ -22,55 +22,42 @@ def serve(args: argparse.Namespace) -> int:
     )
     if args.headless or args.node_rank > 0:
         return _serve_headless(args)
-    import uvicorn
+    from .draining import FLUSH_S
 
-    from deltaserve.engine.gc_heap import freeze_startup_heap
-
-    from .app import build_app
-    from .draining import FLUSH_S, DrainingServer
-    from .engine_client import EngineClient
-    from .metrics import Metrics
-    from .text.chat_template import load_chat_template
-
-    config = uvicorn.Config(
-        "deltaserve:unused",  # the app comes with the run below
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        log_config=None,  # keep our one log format
-        timeout_graceful_shutdown=FLUSH_S,  # the drain itself is DrainingServer's
-        timeout_keep_alive=_KEEP_ALIVE_S,
-    )
+    config = _uvicorn_config(args)
     sock = _bind(config)  # a taken port fails now, not after minutes of loading
     _raise_open_files_limit()
     _warn_if_accept_queue_capped(config.backlog)
     engine_config = _engine_config(args)
     sampling_defaults = _sampling_defaults(args, engine_config.model)
-    names, aliases = _served_names(args)
+    count = args.api_server_count
     handle = _start_engine(
-        engine_config, args.log_level, 0.0 if args.disable_log_stats else args.log_stats_interval
+        engine_config, args.log_level, 0.0 if args.disable_log_stats else args.log_stats_interval, count
     )
-    from deltaserve.models.checkpoints.loader import load_tokenizer
+    model_dir, tokenizer = str(engine_config.model), str(engine_config.tokenizer or engine_config.model)
+    others = None
+    if count > 1:
+        from .api_servers import ApiServers
 
-    client = EngineClient(
-        handle, load_tokenizer(engine_config.tokenizer or engine_config.model), Metrics(names[0])
+        others = ApiServers.start(args, sock, handle, model_dir, tokenizer)
+    server = http_server(
+        args,
+        handle,
+        sampling_defaults,
+        tokenizer,
+        shared=_shared_metrics(handle, 0, count),
+        on_drain=None if others is None else others.drain,
+        peers_busy=None if others is None else others.any_alive,
     )
-    _log_engine(client)
-    config.app = build_app(
-        client,
-        model_names=names,
-        model_aliases=aliases,
-        chat_template=load_chat_template(args.chat_template),
-        api_key=args.api_key,
-        sampling_defaults=sampling_defaults,
-        max_body_bytes=int(args.max_request_body_mb * 2**20),
-    )
-    server = DrainingServer(config, client, float(args.shutdown_timeout))
-    freeze_startup_heap("HTTP process")
-    # uvicorn re-raises the signal that stopped it once it has drained; a Python-level handler makes
-    # that a no-op, so a SIGTERM'd server exits 0 after its drain instead of dying by the signal.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+    _log_engine(server.client)
+    if others is not None:
+        others.wait_ready()
+        others.watch(lambda: server.handle_exit(signal.SIGTERM, None))  # one gone: the server stops
+        logger.info(
+            "%d HTTP processes share the port (pids %s)", count, ", ".join(map(str, others.pids(os.getpid())))
+        )
+    logger.info("engine process pid %s", handle.process.pid if handle.process is not None else "?")
+    names, aliases = _served_names(args)
     logger.info(
         "serving %s on http://%s:%d (API key %s)",
         ", ".join(names + [f"{a} (alias)" for a in aliases]),
@@ -81,12 +68,83 @@ def serve(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[sock])
     finally:
+        if others is not None:
+            others.stop(float(args.shutdown_timeout) + FLUSH_S + 5)
         if handle.alive():  # the app's shutdown normally stops it; not when start-up failed
             handle.stop()
     if not server.started:
         raise SystemExit(1)
     logger.info("shut down cleanly")
     return 0
+
+
+def http_server(
+    args: argparse.Namespace,
+    handle: Any,
+    sampling_defaults: Any,
+    tokenizer: str,
+    *,
+    shared: Any = None,
+    on_drain: Any = None,
+    ignore_sigint: bool = False,
+    peers_busy: Any = None,
+) -> Any:
+    """One HTTP process's uvicorn server over `handle`'s engine (a DrainingServer, not yet run):
+    the app, its EngineClient and Metrics. Its signal handlers make a SIGTERM'd server exit 0
+    after its drain."""
+    from deltaserve.engine.gc_heap import freeze_startup_heap
+    from deltaserve.models.checkpoints.loader import load_tokenizer
+
+    from .app import build_app
+    from .draining import DrainingServer
+    from .engine_client import EngineClient
+    from .metrics import Metrics
+    from .text.chat_template import load_chat_template
+
+    config = _uvicorn_config(args)
+    names, aliases = _served_names(args)
+    client = EngineClient(handle, load_tokenizer(tokenizer), Metrics(names[0]))
+    config.app = build_app(
+        client,
+        model_names=names,
+        model_aliases=aliases,
+        chat_template=load_chat_template(args.chat_template),
+        api_key=args.api_key,
+        sampling_defaults=sampling_defaults,
+        max_body_bytes=int(args.max_request_body_mb * 2**20),
+        shared_metrics=shared,
+    )
+    server = DrainingServer(config, client, float(args.shutdown_timeout), on_drain, ignore_sigint, peers_busy)
+    freeze_startup_heap("HTTP process")
+    # uvicorn re-raises the signal that stopped it once it has drained; a Python-level handler makes
+    # that a no-op, so a SIGTERM'd server exits 0 after its drain instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    return server
+
+
+def _uvicorn_config(args: argparse.Namespace) -> Any:
+    import uvicorn
+
+    from .draining import FLUSH_S
+
+    return uvicorn.Config(
+        "deltaserve:unused",  # the app comes with the run below
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=None,  # keep our one log format
+        timeout_graceful_shutdown=FLUSH_S,  # the drain itself is DrainingServer's
+        timeout_keep_alive=_KEEP_ALIVE_S,
+    )
+
+
+def _shared_metrics(handle: Any, index: int, count: int) -> Any:
+    if count == 1:
+        return None
+    from .metrics import SharedMetrics
+
+    return SharedMetrics(handle.ipc_dir, index, count)
 
 
 _KEEP_ALIVE_S = 60  # idle keep-alive connections: longer than clients' pools keep them
@@ -246,18 +304,20 @@ def _serve_headless(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_engine(config: Any, log_level: str, stats_interval_s: float) -> Any:
+def _start_engine(config: Any, log_level: str, stats_interval_s: float, api_servers: int = 1) -> Any:
     """The engine in its own process; its load errors end the server with the engine's message."""
     from .engine_client import EngineHandle
 
     try:
-        return EngineHandle.spawn(config, log_level, stats_interval_s=stats_interval_s)
+        return EngineHandle.spawn(
+            config, log_level, stats_interval_s=stats_interval_s, api_servers=api_servers
+        )
     except RuntimeError as exc:
         print(f"deltaserve serve: error: could not load {config.model}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
-def _log_engine(client: Any) -> None:
+def _log_engine(client: Any) -> None:  # process 0 alone: the others would repeat it
     info = client.model_info
     logger.info("model: %s (%s)", info.get("model"), info.get("architecture", "?"))
     logger.info("dtype: %s, device: %s (engine process)", info.get("dtype", "?"), info.get("device", "?"))
@@ -285,7 +345,7 @@ def _log_engine(client: Any) -> None:
     )
 
 
-def _sampling_defaults(args: argparse.Namespace, model_dir: Any) -> Any:
+def _sampling_defaults(args: argparse.Namespace, model_dir: Any, log: bool = True) -> Any:
     """`--generation-config`: the checkpoint's sampling defaults, logged when they differ from
     OpenAI's (the built-in model's generation_config.json sets only max_new_tokens)."""
     from deltaserve.engine.requests.generation_defaults import load_sampling_defaults
@@ -295,7 +355,7 @@ def _sampling_defaults(args: argparse.Namespace, model_dir: Any) -> Any:
     except ValueError as exc:  # the model's own file is out of range: say so rather than guess
         raise SystemExit(f"deltaserve: error: {exc} (--generation-config none ignores it)") from None
     changed = defaults.changed()
-    if changed:
+    if changed and log:
         logger.info(
             "sampling defaults from generation_config.json (a request's own values win): %s",
             ", ".join(f"{k}={v}" for k, v in changed.items()),

@@ -3,12 +3,16 @@
 Every metric is `deltaserve_...`; the few that vLLM's dashboards chart are also given under vLLM's
 names (`vllm:...`, `_VLLM_STATS` and the latency histograms), with the same `model_name` label.
 Latencies are measured on the engine thread's clock right after each step, so they include the
-model's time but not the HTTP event loop's.
+model's time but not the HTTP event loop's. With several HTTP processes (`--api-server-count`)
+each counts its own requests and `SharedMetrics` adds the others' to what /metrics shows.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import os
+import pickle
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +147,12 @@ class Histogram:
         lines.append(f"{name}_count{{{labels}}} {self.count}")
         return lines
 
+    def add(self, counts: list[int], total: float, count: int) -> None:
+        """Another process's observations of the same buckets."""
+        self.counts = [a + b for a, b in zip(self.counts, counts)]
+        self.sum += total
+        self.count += count
+
 
 class Metrics:
     def __init__(self, model_name: str) -> None:
@@ -196,6 +206,35 @@ class Metrics:
         "shutting_down"."""
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
+    def snapshot(self) -> dict[str, Any]:
+        """The counters and histograms (not the requests in flight), for `merged` in another process."""
+        hists = {name: (h.counts, h.sum, h.count) for name, h in self._histograms().items()}
+        return {
+            "finished": self.finished,
+            "http_errors": self.http_errors,
+            "rejected": self.rejected,
+            **hists,
+        }
+
+    def merged(self, snapshots: list[dict[str, Any]]) -> Metrics:
+        """A copy of these metrics with other processes' snapshots added."""
+        total = Metrics.__new__(Metrics)
+        total.labels = self.labels
+        total.finished, total.http_errors, total.rejected = {}, {}, {}
+        total.ttft, total.itl, total.e2e = Histogram(), Histogram(), Histogram(self.e2e.buckets)
+        total._timing = {}
+        for snap in [self.snapshot(), *snapshots]:
+            for key in ("finished", "http_errors", "rejected"):
+                mine = getattr(total, key)
+                for k, v in snap[key].items():
+                    mine[k] = mine.get(k, 0) + v
+            for name, hist in total._histograms().items():
+                hist.add(*snap[name])
+        return total
+
+    def _histograms(self) -> dict[str, Histogram]:
+        return {"ttft": self.ttft, "itl": self.itl, "e2e": self.e2e}
+
     def _finish(self, request_id: str, reason: str, now: float) -> None:
         arrival = self._timing.pop(request_id)[0]
         self.e2e.observe(now - arrival)
@@ -246,6 +285,48 @@ class Metrics:
             header(name, "histogram", help_text)
             lines.extend(f"{p}{line}" for line in hist.render(name, lab))
         return "\n".join(lines) + "\n"
+
+
+class SharedMetrics:
+    """The HTTP processes' own metrics, each process's snapshot in a file of a folder they share
+    (rewritten every `PUBLISH_S`): /metrics in any process adds the others' to its own, as
+    Prometheus' multiprocess mode does. The others' figures are then up to `PUBLISH_S` old."""
+
+    PUBLISH_S = 1.0
+
+    def __init__(self, folder: str, index: int, count: int) -> None:
+        self.folder, self.index, self.count = folder, index, count
+
+    def _path(self, index: int) -> str:
+        return os.path.join(self.folder, f"metrics-{index}.pkl")
+
+    def publish(self, metrics: Metrics) -> None:
+        tmp = self._path(self.index) + ".tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(metrics.snapshot(), f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, self._path(self.index))  # a reader sees the old file or the new, never half
+
+    def peers(self) -> list[dict[str, Any]]:
+        """The other processes' last snapshots (none yet from one that has not published)."""
+        out = []
+        for index in range(self.count):
+            if index == self.index:
+                continue
+            try:
+                with open(self._path(index), "rb") as f:
+                    out.append(pickle.load(f))
+            except (OSError, EOFError, pickle.UnpicklingError):
+                continue
+        return out
+
+    async def publish_every(self, metrics: Metrics) -> None:
+        """Publish until cancelled (the app's lifespan)."""
+        while True:
+            try:
+                self.publish(metrics)
+            except OSError:
+                pass  # the folder went with a shutdown; the next try or the end will tell
+            await asyncio.sleep(self.PUBLISH_S)
 
 
 def _escape(value: str) -> str:

@@ -1,0 +1,237 @@
+"""`--api-server-count 2`: two HTTP processes on one port and one engine process. Both answer
+requests, each gets its own requests' outputs, /metrics adds them up, a disconnect frees its
+request, the engine's death fails both processes' requests, and SIGTERM drains them all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
+
+from .test_engine_process import FailingEngine, children_of, stream_events, wait_for
+
+TWO = ("--api-server-count", "2", "--max-model-len", "512")
+
+
+def pids_from_log(server) -> tuple[list[int], int]:
+    """(the HTTP processes' pids, the engine's pid), as the server logs them at start-up."""
+    log = server.log()
+    http = re.search(r"HTTP processes share the port \(pids ([\d, ]+)\)", log)
+    engine = re.search(r"engine process pid (\d+)", log)
+    assert http and engine, log[-2000:]
+    return [int(p) for p in http.group(1).split(", ")], int(engine.group(1))
+
+
+def gone(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return not status.exists() or "\nState:\tZ" in status.read_text()
+
+
+async def streams(url: str, n: int, body: dict[str, Any]) -> list[list[str]]:
+    """n streamed completions at once, each on its own connection: their data lines."""
+
+    async def one(i: int) -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            payload = {**body, "prompt": f"client {i}", "stream": True}
+            async with http.stream("POST", f"{url}/v1/completions", json=payload) as r:
+                assert r.status_code == 200
+                return [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+
+    return await asyncio.gather(*[one(i) for i in range(n)])
+
+
+def counter(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def finished(url: str, outcome: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    match = re.search(rf'^deltaserve_requests_total{{[^}}]*outcome="{outcome}"}} (\S+)$', text, re.M)
+    assert match, text
+    return float(match.group(1))
+
+
+def test_two_http_processes_serve_one_engine_and_count_together(spawn_server) -> None:
+    server = spawn_server(*TWO)
+    (first, second), engine = pids_from_log(server)
+    assert {first, second, engine} <= {server.proc.pid, *children_of(server.proc.pid)}
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    results = asyncio.run(streams(server.url, 48, body))
+    for events in results:
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 6  # its own tokens, no other's
+    log = server.log()
+    # the kernel handed connections to both processes (each logs its own access lines)
+    assert log.count("uvicorn.access: 127.0.0.1") and log.count("uvicorn.access[1]: 127.0.0.1"), log[-3000:]
+    time.sleep(1.5)  # each process publishes its counts every second
+    for _ in range(6):  # whichever process answers the scrape, the totals are the server's
+        assert finished(server.url, "length") == 48
+
+
+def test_a_disconnect_in_either_process_frees_its_request(spawn_server) -> None:
+    server = spawn_server(*TWO)
+    body = {"model": MODEL_NAME, "prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def open_and_leave() -> None:
+        clients = [httpx.AsyncClient(timeout=60) for _ in range(12)]
+        contexts = [c.stream("POST", f"{server.url}/v1/completions", json=body) for c in clients]
+        responses = [await ctx.__aenter__() for ctx in contexts]
+        for r in responses:  # each has its first chunk: running in the engine
+            await r.aiter_lines().__anext__()
+        for ctx, c in zip(contexts, clients):
+            await ctx.__aexit__(None, None, None)
+            await c.aclose()
+
+    asyncio.run(open_and_leave())
+    log = server.log()
+    assert log.count("uvicorn.access: 127.0.0.1") and log.count("uvicorn.access[1]: 127.0.0.1"), log[-3000:]
+    wait_for(lambda: counter(server.url, "deltaserve_num_requests_running") == 0, timeout=30)
+    time.sleep(1.5)
+    assert finished(server.url, "abort") == 12
+
+
+@pytest.mark.slow
+def test_killed_engine_fails_requests_and_health_in_every_process(spawn_server) -> None:
+    server = spawn_server(*TWO)
+    _, engine = pids_from_log(server)
+    body = {"model": MODEL_NAME, "prompt": "keep going", "max_tokens": 400, "ignore_eos": True}
+    outs: list[dict[str, Any]] = [{} for _ in range(8)]
+    threads = [
+        threading.Thread(target=stream_events, args=(f"{server.url}/v1/completions", body, out))
+        for out in outs
+    ]
+    for t in threads:
+        t.start()
+    wait_for(lambda: server.log().count("POST /v1/completions") >= 8)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(engine, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - t0 < 10  # no hang, in either process
+    for out in outs:
+        assert out["events"][-1] == "[DONE]"
+        assert json.loads(out["events"][-2])["error"]["type"] == "service_unavailable_error"
+    for _ in range(10):  # fresh connections: both processes' /health
+        with httpx.Client() as http:
+            assert http.get(f"{server.url}/health").status_code == 503
+
+
+@pytest.mark.slow
+def test_sigterm_drains_every_http_process(spawn_server) -> None:
+    server = spawn_server(*TWO)
+    pids, engine = pids_from_log(server)
+    outs: list[dict[str, Any]] = [{} for _ in range(8)]
+    # of different lengths: the process whose requests end first must not stop the engine under the other's
+    threads = [
+        threading.Thread(
+            target=stream_events,
+            args=(
+                f"{server.url}/v1/completions",
+                {"model": MODEL_NAME, "prompt": "drain", "max_tokens": 20 + 40 * i, "ignore_eos": True},
+                out,
+            ),
+        )
+        for i, out in enumerate(outs)
+    ]
+    for t in threads:
+        t.start()
+    wait_for(lambda: server.log().count("POST /v1/completions") >= 8)
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    assert server.proc.wait(60) == 0
+    for out in outs:  # running requests finished within the drain's time
+        assert out["events"][-1] == "[DONE]" and "error" not in out["events"][-2]
+    assert server.log().count("Finished server process") == 2
+    wait_for(lambda: all(gone(p) for p in [*pids, engine]), timeout=30)
+
+
+class FailsOnceAllAreIn(FailingEngine):
+    """Four steps with all three requests, then a step that fails for a reason no request explains."""
+
+    def step(self) -> list[RequestOutput]:
+        if len(self.requests) == 3:
+            self.steps += 1
+            if self.steps == 5:
+                raise RuntimeError("device lost")
+        time.sleep(0.01)
+        return [
+            RequestOutput(rid, [], [CompletionOutput(0, [7], "x", None)], False, delta=True)
+            for rid in self.requests
+        ]
+
+
+def test_each_http_process_gets_its_own_outputs_and_faults() -> None:
+    """The engine loop with two socket pairs: each client sees only its own requests' outputs,
+    and a failed step fails each client's own requests (both count the fault)."""
+    from deltaserve.engine.core import EngineCore, engine_info
+    from deltaserve.engine.errors import EngineFaultError
+    from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.server.engine_client import EngineClient, EngineHandle
+
+    engine = FailsOnceAllAreIn()
+    first = EngineHandle._bind()
+    second = EngineHandle._bind(first.ipc_dir, 1)
+    core = EngineCore(
+        engine, [first.address("in", i) for i in (0, 1)], [first.address("out", i) for i in (0, 1)]
+    )
+
+    def loop() -> None:
+        core.send(("ready", engine_info(engine)))
+        core.run()
+
+    first.thread = second.thread = threading.Thread(target=loop, daemon=True)
+    first.thread.start()
+    first._await_ready(30)
+    second.info = first.info
+    params = SamplingParams(max_tokens=50, output_kind="delta")
+
+    async def run() -> tuple[dict[str, set[str]], dict[str, BaseException], list[int]]:
+        clients = {"a": EngineClient(first), "b": EngineClient(second)}
+        for c in clients.values():
+            await c.start()
+        seen: dict[str, set[str]] = {"a": set(), "b": set()}
+        errors: dict[str, BaseException] = {}
+
+        async def read(name: str, group: Any) -> None:
+            try:
+                async for outs in group:
+                    seen[name].update(o.request_id for o in outs)
+            except EngineFaultError as exc:
+                errors[name] = exc
+
+        # each read from its add on, so that the steps' outputs are taken before the fault
+        reading = [asyncio.create_task(read("a", await clients["a"].add([("a1", [1, 2], params)])))]
+        b_group = await clients["b"].add([("b1", [1, 2], params), ("b2", [3], params)])
+        reading.append(asyncio.create_task(read("b", b_group)))
+        await asyncio.wait_for(asyncio.gather(*reading), 30)
+        return seen, errors, [c.faults for c in clients.values()]
+
+    try:
+        seen, errors, faults = asyncio.run(run())
+    finally:
+        second.close()
+        first.stop(10)
+    assert seen == {"a": {"a1"}, "b": {"b1", "b2"}}
+    assert set(errors) == {"a", "b"} and faults == [1, 1]
+    assert not engine.requests
