@@ -5,7 +5,7 @@ that gives every running request one token a step, a step every `--step-ms`.
     python -m bench.http_overhead --concurrency 64,256 --output-len 256
 
 Each level drives the server with `bench.serve` (streamed completions, prompts of `--input-len`
-token ids, /health probed every 100 ms) and reports its output tok/s, the server process's CPU
+token ids, /health probed every 100 ms) and reports its output tok/s, the HTTP processes' CPU
 time (user + system, from /proc) per output token and the p99 of /health. The HTTP process bounds a server whose engine steps faster than it can
 stream: at X µs a token it streams at most 1e6 / X tokens a second on one core. Runs on any
 Linux machine; the figure belongs to that machine's CPU.
@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -79,20 +80,62 @@ class StandInEngine:
         return outputs
 
 
-def _run_core(in_addr: str, out_addr: str, step_s: float) -> None:
+def _run_core(in_addrs: list[str], out_addrs: list[str], step_s: float) -> None:
     from deltaserve.engine.core import EngineCore, engine_info
 
     engine = StandInEngine(step_s)
-    core = EngineCore(engine, in_addr, out_addr)
+    core = EngineCore(engine, in_addrs, out_addrs, parent_pid=os.getppid())  # ends with the server
     core.send(("ready", engine_info(engine)))
     core.run()
 
 
-def serve(port: int, step_s: float, gc_thresholds: tuple[int, ...] | None = None) -> None:
-    """The server process: the stand-in engine in a process of its own, the app as `deltaserve
-    serve` builds it (its garbage-collector settings included), uvicorn on loopback."""
+def serve(
+    port: int,
+    step_s: float,
+    gc_thresholds: tuple[int, ...] | None = None,
+    api_servers: int = 1,
+    pid_file: str = "",
+) -> None:
+    """The server: the stand-in engine in a process of its own, the app as `deltaserve serve` builds
+    it (its garbage-collector settings included), uvicorn on loopback; with `api_servers` HTTP
+    processes on the port as `--api-server-count` runs them (server/api_servers.py). Their pids go
+    to `pid_file`, one a line."""
     import multiprocessing
 
+    from deltaserve.server.engine_client import EngineHandle
+    from deltaserve.server.launch import _bind
+
+    handle = EngineHandle._bind()
+    ins = [handle.address("in", i) for i in range(api_servers)]
+    outs = [handle.address("out", i) for i in range(api_servers)]
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(target=_run_core, args=(ins, outs, step_s), daemon=True)
+    process.start()
+    handle.process = process
+    handle._await_ready(60.0)
+    sock = _bind(argparse.Namespace(host="127.0.0.1", port=port))
+    pids = [os.getpid()]
+    for index in range(1, api_servers):
+        other = context.Process(
+            target=_serve_http,
+            args=(
+                sock,
+                index,
+                api_servers,
+                (handle.ipc_dir, handle.info, process.pid, os.getpid()),
+                gc_thresholds,
+            ),
+            daemon=True,
+        )
+        other.start()
+        pids.append(int(other.pid or 0))
+    with open(pid_file or os.devnull, "w") as f:
+        f.write("".join(f"{pid}\n" for pid in pids))
+    _serve_http(sock, 0, api_servers, handle, gc_thresholds)
+
+
+def _serve_http(sock: socket.socket, index: int, count: int, engine: Any, gc_thresholds: Any) -> None:
+    """One HTTP process: the app over `engine` (process 0's handle, or what another attaches with)."""
     import uvicorn
 
     from deltaserve.engine.gc_heap import freeze_startup_heap
@@ -100,22 +143,24 @@ def serve(port: int, step_s: float, gc_thresholds: tuple[int, ...] | None = None
     from deltaserve.models.checkpoints.loader import load_tokenizer
     from deltaserve.server.app import build_app
     from deltaserve.server.engine_client import EngineClient, EngineHandle
+    from deltaserve.server.metrics import SharedMetrics
 
-    handle = EngineHandle._bind()
-    in_addr, out_addr = handle._addresses()
-    process = multiprocessing.get_context("spawn").Process(
-        target=_run_core, args=(in_addr, out_addr, step_s), daemon=True
-    )
-    process.start()
-    handle.process = process
-    handle._await_ready(60.0)
-    app = build_app(EngineClient(handle, load_tokenizer(builtin_model_path())), model_names=[STAND_IN])
+    if index > 0:
+        from deltaserve.server.api_servers import _end_with_parent
+
+        _end_with_parent(engine[3])
+    handle = engine if index == 0 else EngineHandle.attach(engine[0], index, engine[1], engine[2])
+    shared = SharedMetrics(handle.ipc_dir, index, count) if count > 1 else None
+    client = EngineClient(handle, load_tokenizer(builtin_model_path()))
+    app = build_app(client, model_names=[STAND_IN], shared_metrics=shared)
     freeze_startup_heap("HTTP process")
     if gc_thresholds:  # in place of the server's own (engine/gc_heap.py), to compare
         import gc
 
         gc.set_threshold(*gc_thresholds)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    for sig in (signal.SIGTERM, signal.SIGINT):  # as the server: exit after the drain, not by the signal
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 
 
 def cpu_seconds(pid: int) -> float:
@@ -157,14 +202,17 @@ def main() -> None:
     ap.add_argument(
         "--gc-thresholds", default=None, help="the HTTP process's gc thresholds, e.g. 700,10,10 (Python's)"
     )
+    ap.add_argument("--api-server-count", type=int, default=1, help="HTTP processes, as the server's flag")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--serve-port", type=int, default=None, help=argparse.SUPPRESS)  # the server process
+    ap.add_argument("--pid-file", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     gc_thresholds = tuple(int(t) for t in args.gc_thresholds.split(",")) if args.gc_thresholds else None
     if args.serve_port is not None:
-        serve(args.serve_port, args.step_ms / 1e3, gc_thresholds)
+        serve(args.serve_port, args.step_ms / 1e3, gc_thresholds, args.api_server_count, args.pid_file)
         return
 
+    pid_file = tempfile.NamedTemporaryFile(suffix=".pids")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
@@ -175,6 +223,10 @@ def main() -> None:
         str(port),
         "--step-ms",
         str(args.step_ms),
+        "--api-server-count",
+        str(args.api_server_count),
+        "--pid-file",
+        pid_file.name,
     ]
     if args.gc_thresholds:
         cmd += ["--gc-thresholds", args.gc_thresholds]
@@ -182,6 +234,8 @@ def main() -> None:
     results = []
     try:
         _wait_up(url, server)
+        with open(pid_file.name) as f:
+            http_pids = [int(line) for line in f if line.strip()]
         load = [
             sys.executable, "-m", "bench.serve", "--base-url", url, "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--vocab-high", "30000", "--warmup", "0", "--health-probe",
@@ -192,13 +246,13 @@ def main() -> None:
         )
         for level in [int(c) for c in args.concurrency.split(",")]:
             with tempfile.NamedTemporaryFile(suffix=".json") as out_json:
-                before = cpu_seconds(server.pid)
+                before = sum(cpu_seconds(pid) for pid in http_pids)
                 subprocess.run(
                     [*load, "--concurrency", str(level), "--num-prompts", str(level * args.requests_per_client),
                      "--output-json", out_json.name],
                     check=True, stdout=subprocess.DEVNULL,
                 )  # fmt: skip
-                cpu = cpu_seconds(server.pid) - before
+                cpu = sum(cpu_seconds(pid) for pid in http_pids) - before
                 run = json.load(out_json)["runs"][0]
             tokens = run["output_tokens"]
             row = {
