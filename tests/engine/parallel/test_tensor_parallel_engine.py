@@ -57,9 +57,17 @@ def disagreements(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]
 
 
 def _partition(rows: torch.Tensor) -> list[int]:
-    # each row's (sum, absolute sum) digest named by the first row that has it
-    first: dict[tuple[float, ...], int] = {}
-    return [first.setdefault(tuple(r.tolist()), i) for i, r in enumerate(rows)]
+    """Each row's (sum, absolute sum) digest named by the first row within 1e-6 of it: a copy is
+    exact, but the same prefix computed again in another batch can come out bit-equal on one rank
+    and a rounding apart on another (the CPU's matmul blocking decides), which is no departure."""
+    firsts: list[int] = []
+    out = []
+    for i, row in enumerate(rows):
+        same = next((j for j in firsts if torch.allclose(row, rows[j], rtol=1e-6, atol=1e-12)), None)
+        if same is None:
+            firsts.append(i)
+        out.append(i if same is None else same)
+    return out
 
 
 def assert_ranks_agree(llm: LLM) -> None:
