@@ -217,8 +217,8 @@ class EngineCore:
 
     def _step(self) -> None:
         while not self._done_off_loop.empty():
-            client, *reply = self._done_off_loop.get()
-            self._replies[client].append(tuple(reply))  # type: ignore[arg-type]
+            client, call_id, error, value = self._done_off_loop.get()
+            self._replies[client].append((call_id, error, value))
             self._off_loop_pending -= 1
         outputs: list[Any] = []
         fault: tuple[str, list[str]] | None = None
