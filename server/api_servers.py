@@ -38,6 +38,7 @@ class ApiServers:
         self.processes = processes
         self.ready = ready  # one multiprocessing Event each, set when its app is built
         self._stopping = False
+        self.lost: str | None = None  # which one exited while the server was running
 
     @classmethod
     def start(
@@ -103,11 +104,8 @@ class ApiServers:
             while not self._stopping:
                 for process in self.processes:
                     if not process.is_alive() and not self._stopping:
-                        logger.error(
-                            "HTTP process %s exited (code %s); stopping the server",
-                            process.pid,
-                            process.exitcode,
-                        )
+                        self.lost = f"HTTP process {process.pid} exited (code {process.exitcode})"
+                        logger.error("%s; stopping the server", self.lost)
                         self._stopping = True
                         on_lost()
                         return

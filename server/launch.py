@@ -74,6 +74,9 @@ def serve(args: argparse.Namespace) -> int:
             handle.stop()
     if not server.started:
         raise SystemExit(1)
+    if others is not None and others.lost is not None:
+        logger.error("stopped because %s", others.lost)
+        return 1  # a supervisor restarts a server that lost a part of itself
     logger.info("shut down cleanly")
     return 0
 

@@ -235,3 +235,13 @@ def test_each_http_process_gets_its_own_outputs_and_faults() -> None:
     assert seen == {"a": {"a1"}, "b": {"b1", "b2"}}
     assert set(errors) == {"a", "b"} and faults == [1, 1]
     assert not engine.requests
+
+
+@pytest.mark.slow
+def test_a_lost_http_process_stops_the_server_with_an_error(spawn_server) -> None:
+    server = spawn_server(*TWO)
+    (_, second), engine = pids_from_log(server)
+    os.kill(second, signal.SIGKILL)
+    assert server.proc.wait(60) == 1  # exits, not serving on half of itself; a supervisor restarts it
+    assert f"stopped because HTTP process {second} exited" in server.log()
+    wait_for(lambda: gone(engine), timeout=30)
