@@ -234,16 +234,15 @@ class EngineCore:
                 fault_owners = dict(self._owner)
                 self._abort_all()
         routed: list[list[Any]] = [[] for _ in self._outs]
-        owners: dict[str, int] = self._owner if len(self._outs) > 1 else {}
         for out in outputs:
             out.prompt_token_ids = []
-            routed[owners.get(out.request_id, 0)].append(out)
+            routed[self._owner.get(out.request_id, 0)].append(out)
             if out.finished:
                 self._live.discard(out.request_id)
                 self._owner.pop(out.request_id, None)
         for client, (mine, replies) in enumerate(zip(routed, self._replies)):
-            own_fault = fault
-            if fault is not None and len(self._outs) > 1:
+            own_fault = None
+            if fault is not None:
                 own_fault = (fault[0], [rid for rid in fault[1] if fault_owners.get(rid, 0) == client])
             if mine or replies or own_fault is not None:
                 self._replies[client] = []

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from .engine_client import EngineClient, ShuttingDownError
+
+if TYPE_CHECKING:
+    from .api_servers import ApiServers
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -23,27 +25,26 @@ class DrainingServer(uvicorn.Server):
     error event and [DONE] when streamed, a 503 when not) and the server exits. A second signal
     exits at once.
 
-    `on_drain` runs when the drain starts (process 0 passes the signal on to the other HTTP
-    processes, and `peers_busy` tells it when they are done); `ignore_sigint`: those others leave Ctrl-C, which reaches the whole process group,
-    to process 0, whose SIGTERM then starts their drain (a second signal would cut it short)."""
+    `peers` (process 0 of several HTTP processes): each signal is passed on to them, and the drain
+    also waits for them to exit, since process 0's shutdown stops the engine under them.
+    `ignore_sigint` (the others): Ctrl-C reaches the whole process group; process 0's SIGTERM
+    then starts their drain, which a second signal would cut short."""
 
     def __init__(
         self,
         config: uvicorn.Config,
         client: EngineClient,
         drain_s: float,
-        on_drain: Callable[[], None] | None = None,
+        peers: ApiServers | None = None,
         ignore_sigint: bool = False,
-        peers_busy: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__(config)
         self.client = client
         self.drain_s = drain_s
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.on_drain = on_drain
+        self.peers = peers
         self.ignore_sigint = ignore_sigint
-        self.peers_busy = peers_busy or (lambda: False)
 
     async def startup(self, sockets: Any = None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -52,8 +53,8 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         if sig == signal.SIGINT and self.ignore_sigint:
             return
-        if self.on_drain is not None:
-            self.on_drain()
+        if self.peers is not None:
+            self.peers.drain()
         if self.draining or not self.started or self.loop is None:
             super().handle_exit(sig, frame)
             return
@@ -67,8 +68,10 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self, sig: int) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_s
-        # process 0 also waits for the other HTTP processes: its shutdown stops the engine under them
-        while (self.client.num_in_flight or self.peers_busy()) and loop.time() < deadline:
+        peers = self.peers
+        while (
+            self.client.num_in_flight or (peers is not None and peers.any_alive())
+        ) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self.client.num_in_flight:
             logger.info("aborting %d requests still running", self.client.num_in_flight)

@@ -46,8 +46,7 @@ def serve(args: argparse.Namespace) -> int:
         sampling_defaults,
         tokenizer,
         shared=_shared_metrics(handle, 0, count),
-        on_drain=None if others is None else others.drain,
-        peers_busy=None if others is None else others.any_alive,
+        peers=others,
     )
     _log_engine(server.client)
     if others is not None:
@@ -88,9 +87,8 @@ def http_server(
     tokenizer: str,
     *,
     shared: Any = None,
-    on_drain: Any = None,
+    peers: Any = None,
     ignore_sigint: bool = False,
-    peers_busy: Any = None,
 ) -> Any:
     """One HTTP process's uvicorn server over `handle`'s engine (a DrainingServer, not yet run):
     the app, its EngineClient and Metrics. Its signal handlers make a SIGTERM'd server exit 0
@@ -117,7 +115,7 @@ def http_server(
         max_body_bytes=int(args.max_request_body_mb * 2**20),
         shared_metrics=shared,
     )
-    server = DrainingServer(config, client, float(args.shutdown_timeout), on_drain, ignore_sigint, peers_busy)
+    server = DrainingServer(config, client, float(args.shutdown_timeout), peers, ignore_sigint)
     freeze_startup_heap("HTTP process")
     # uvicorn re-raises the signal that stopped it once it has drained; a Python-level handler makes
     # that a no-op, so a SIGTERM'd server exits 0 after its drain instead of dying by the signal.

@@ -156,6 +156,7 @@ class Histogram:
 
 class Metrics:
     def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.labels = f'model_name="{_escape(model_name)}"'
         self.finished: dict[str, int] = {}
         self.http_errors: dict[int, int] = {}
@@ -218,11 +219,7 @@ class Metrics:
 
     def merged(self, snapshots: list[dict[str, Any]]) -> Metrics:
         """A copy of these metrics with other processes' snapshots added."""
-        total = Metrics.__new__(Metrics)
-        total.labels = self.labels
-        total.finished, total.http_errors, total.rejected = {}, {}, {}
-        total.ttft, total.itl, total.e2e = Histogram(), Histogram(), Histogram(self.e2e.buckets)
-        total._timing = {}
+        total = Metrics(self.model_name)
         for snap in [self.snapshot(), *snapshots]:
             for key in ("finished", "http_errors", "rejected"):
                 mine = getattr(total, key)
