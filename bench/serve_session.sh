@@ -73,9 +73,9 @@ profile_load() {  # profile_load NAME SECONDS BENCH ARGS...: py-spy both process
     > "$out/runs/$name.log" 2>&1 &
   local bench=$!
   sleep 8
-  local server engine
+  local server engine  # process 0 and the engine, whose pids the server logs at start-up
   server=$(pgrep -f "deltaserve serve --port $port" | head -1)
-  engine=$(pgrep -f spawn_main | head -1)
+  engine=$(grep -ho "engine process pid [0-9]*" "$out"/runs/profile-*.server.log | tail -1 | awk '{ print $4 }')
   local cpu0 cpu1
   cpu0="$(cpu_s "$engine") $(cpu_s "$server")"
   py-spy record --nonblocking -r 100 -d "$secs" -f raw -p "$engine" -o "$out/runs/$name.engine.txt" > /dev/null 2>&1 &

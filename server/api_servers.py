@@ -30,6 +30,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("deltaserve.server")
 
+MIN_CORES_FOR_TWO = 8  # two HTTP processes and the engine's busy thread each want a core of their own
+
+
+def default_api_server_count(device: str, cores: int) -> int:
+    """`--api-server-count` left unset: two HTTP processes beside a CUDA engine on a host with
+    the cores for them (a GPU's small model at hundreds of streams outruns one), else one."""
+    return 2 if device.startswith("cuda") and cores >= MIN_CORES_FOR_TWO else 1
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as a container's cpuset limits it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
 
 class ApiServers:
     """HTTP processes 1..N-1, started and watched by process 0."""

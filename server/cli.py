@@ -375,9 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument(
         "--api-server-count",
         type=_int_at_least(1),
-        default=1,
+        default=None,
         help="HTTP processes sharing the port (tokenizing, streaming, JSON), each talking to the one "
-        "engine process: more than one helps small models at hundreds of streams",
+        "engine process: more than one helps small models at hundreds of streams (default: 2 with a "
+        "CUDA device and at least 8 cores, else 1)",
     )
     http.add_argument(
         "--shutdown-timeout",

@@ -30,6 +30,10 @@ def serve(args: argparse.Namespace) -> int:
     _warn_if_accept_queue_capped(config.backlog)
     engine_config = _engine_config(args)
     sampling_defaults = _sampling_defaults(args, engine_config.model)
+    if args.api_server_count is None:
+        from .api_servers import default_api_server_count, usable_cores
+
+        args.api_server_count = default_api_server_count(str(engine_config.device), usable_cores())
     count = args.api_server_count
     handle = _start_engine(
         engine_config, args.log_level, 0.0 if args.disable_log_stats else args.log_stats_interval, count

@@ -245,3 +245,12 @@ def test_a_lost_http_process_stops_the_server_with_an_error(spawn_server) -> Non
     assert server.proc.wait(60) == 1  # exits, not serving on half of itself; a supervisor restarts it
     assert f"stopped because HTTP process {second} exited" in server.log()
     wait_for(lambda: gone(engine), timeout=30)
+
+
+def test_default_count_is_two_beside_a_cuda_engine_with_cores_for_them() -> None:
+    from deltaserve.server.api_servers import default_api_server_count
+
+    assert default_api_server_count("cuda", 16) == 2
+    assert default_api_server_count("cuda:1", 8) == 2
+    assert default_api_server_count("cuda", 4) == 1  # the engine and two HTTP processes would share cores
+    assert default_api_server_count("cpu", 64) == 1
