@@ -39,6 +39,10 @@ run also reports the mean TTFT and E2E as the server timed them, from the histog
 counts before and after the run: the gap to the client's means is time outside the engine (HTTP,
 the network, this client).
 
+One Python client process streams only so many chunks a second: each run reports the busiest
+client process's CPU share, and --client-processes N splits the clients (or the arrivals) over N
+processes that start together.
+
 --health-probe GETs /health every 100 ms from a process of its own while a run's load is on and
 reports its latency (the server's, not that of this client's busy event loop).
 """
@@ -363,21 +367,94 @@ def server_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[s
     return out
 
 
-async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[str, Any]:
+async def drive(args: argparse.Namespace, target: Target, run: Run, seed: int) -> list[RequestResult]:
+    """The run's load from this process: its closed loop or its Poisson arrivals."""
     conns = Connections(args.keepalive, args.timeout)
-    before = await server_latency_totals(args.base_url)
     try:
-        probe = HealthProbe(args.base_url) if args.health_probe else None
-        start = time.perf_counter()
         if run.concurrency is not None:
-            results = await closed_loop(conns, target, run)
-        else:
-            results = await poisson(conns, target, run, args.seed)
-        duration = time.perf_counter() - start
-        health = probe.finish() if probe is not None else None
+            return await closed_loop(conns, target, run)
+        return await poisson(conns, target, run, seed)
     finally:
         await conns.aclose()
+
+
+def split_run(run: Run, workers: int) -> list[Run]:
+    """The run as one part per client process: closed-loop clients and prompts dealt out round
+    the processes; Poisson arrivals at rate / parts each (together a Poisson process at the whole
+    rate), the in-flight cap dealt out as the clients are."""
+    cap = run.concurrency or run.max_concurrency
+    n = max(1, min(workers, len(run.prompts), cap or workers))
+
+    def share(total: int | None, i: int) -> int | None:
+        return None if total is None else total // n + (i < total % n)
+
+    return [
+        Run(
+            run.label,
+            run.prompts[i::n],
+            concurrency=share(run.concurrency, i),
+            rate=None if run.rate is None else run.rate / n,
+            max_concurrency=share(run.max_concurrency, i),
+        )
+        for i in range(n)
+    ]
+
+
+def _client_process(
+    args: argparse.Namespace, model: str, part: Run, seed: int, barrier: Any, results: Any
+) -> None:
+    """One client process's part of a run; hands back (start, end, CPU seconds, results as dicts)
+    on the monotonic clock, which all processes share."""
+
+    async def go() -> list[RequestResult]:
+        return await drive(args, Target(args, model), part, seed)
+
+    barrier.wait()  # every part starts together
+    start, cpu = time.monotonic(), time.process_time()
+    done = asyncio.run(go())
+    results.put((start, time.monotonic(), time.process_time() - cpu, [asdict(r) for r in done]))
+
+
+def run_in_processes(
+    args: argparse.Namespace, model: str, run: Run
+) -> tuple[list[RequestResult], float, list[float]]:
+    """The run from `--client-processes` processes: (results, wall time from the first start to
+    the last end, each process's CPU seconds)."""
+    import multiprocessing
+
+    parts = split_run(run, args.client_processes)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(len(parts)), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_client_process, args=(args, model, part, args.seed + i, barrier, queue), daemon=True
+        )
+        for i, part in enumerate(parts)
+    ]
+    for proc in procs:
+        proc.start()
+    got = [queue.get(timeout=args.timeout + 600) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    results = [RequestResult(**r) for *_, part in got for r in part]
+    return results, max(g[1] for g in got) - min(g[0] for g in got), [g[2] for g in got]
+
+
+async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[str, Any]:
+    before = await server_latency_totals(args.base_url)
+    probe = HealthProbe(args.base_url) if args.health_probe else None
+    if args.client_processes > 1:
+        loop = asyncio.get_running_loop()
+        results, duration, cpu = await loop.run_in_executor(None, run_in_processes, args, target.model, run)
+    else:
+        start, cpu0 = time.perf_counter(), time.process_time()
+        results = await drive(args, target, run, args.seed)
+        duration = time.perf_counter() - start
+        cpu = [time.process_time() - cpu0]
+    health = probe.finish() if probe is not None else None
     out = summarize(run, results, duration, args.save_detailed)
+    # the busiest client process's CPU share: near 1, the load generator may bound the figures
+    out["client_processes"], out["client_cpu_share"] = len(cpu), max(cpu) / duration
     if health is not None:
         out["health"] = health
     # beside the client's figures: a gap between the two is time outside the engine
@@ -574,6 +651,11 @@ def print_report(result: dict[str, Any]) -> None:
                 f"{r['label']}: /health {h['probes']} probes, p50 {_f(lat.get('p50'), 2)} ms, "
                 f"p99 {_f(lat.get('p99'), 2)} ms, non-200 {h['non_200']}"
             )
+        if "client_cpu_share" in r:
+            print(
+                f"{r['label']}: {r['client_processes']} client process(es), the busiest at "
+                f"{100 * r['client_cpu_share']:.0f}% of a core"
+            )
     if not runs:
         _table(
             ["run", "concurrency", "dur s", "out tok/s", "total tok/s", "TTFT mean ms"],
@@ -634,6 +716,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before the runs")
     ap.add_argument("--health-probe", action="store_true", help="GET /health every 100 ms during each run")
+    ap.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="split each HTTP run's clients (or arrivals) over this many processes, so that one "
+        "Python process's event loop does not bound a fast server",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offline-model", default=None, help="also run the prompts through deltaserve.LLM(PATH)")
     ap.add_argument(
@@ -651,6 +740,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
     if args.offline_only and not args.offline_model:
         ap.error("--offline-only needs --offline-model")
+    if args.client_processes < 1:
+        ap.error("--client-processes must be at least 1")
     if not 0 <= args.vocab_low < args.vocab_high:
         ap.error("need 0 <= --vocab-low < --vocab-high")
     if args.concurrency is None and args.request_rate is None:

@@ -10,9 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench.serve import Connections, main
-
-pytestmark = pytest.mark.slow
+from bench.serve import Connections, Run, main, split_run
 
 PROMPTS, OUTPUT_LEN = 4, 8
 SHAPE = ["--input-len", "16", "--output-len", str(OUTPUT_LEN), "--num-prompts", str(PROMPTS)]
@@ -31,6 +29,7 @@ def check_run(run: dict[str, Any], streamed: bool) -> None:
         assert run["ttft_ms"] is None and run["itl_ms"] is None
 
 
+@pytest.mark.slow
 def test_streamed_levels_with_health_probe(server: Any, tmp_path: Path) -> None:
     path = tmp_path / "serve.json"
     argv = ["--base-url", server.url, "--concurrency", "1,4", *SHAPE, "--health-probe"]
@@ -49,6 +48,7 @@ def test_streamed_levels_with_health_probe(server: Any, tmp_path: Path) -> None:
     assert saved["settings"]["stream"] is True and saved["model"]
 
 
+@pytest.mark.slow
 def test_whole_responses_fresh_connections_and_offline(
     server: Any, builtin_path: str, tmp_path: Path
 ) -> None:
@@ -67,6 +67,27 @@ def test_whole_responses_fresh_connections_and_offline(
     assert json.loads((tmp_path / "serve.json").read_text())["offline"] == result["offline"]
 
 
+@pytest.mark.slow
+def test_client_processes_share_the_clients(server: Any) -> None:
+    argv = ["--base-url", server.url, "--concurrency", "4", *SHAPE, "--client-processes", "2"]
+    (run,) = main(argv)["runs"]
+    check_run(run, streamed=True)
+    assert run["client_processes"] == 2 and 0 < run["client_cpu_share"] < 2
+
+
+def test_split_run_deals_clients_prompts_and_arrivals() -> None:
+    prompts = [[i] for i in range(10)]
+    parts = split_run(Run("c=5", prompts, concurrency=5), 3)
+    assert [p.concurrency for p in parts] == [2, 2, 1]
+    assert sorted(q for p in parts for q in p.prompts) == prompts
+    assert [len(split_run(Run("c=2", prompts, concurrency=2), 8))] == [2]  # never a process without a client
+    parts = split_run(Run("rate=6", prompts, rate=6.0, max_concurrency=4), 4)
+    assert [p.rate for p in parts] == [1.5] * 4 and [p.max_concurrency for p in parts] == [1] * 4
+    assert sorted(q for p in parts for q in p.prompts) == prompts
+    assert [p.max_concurrency for p in split_run(Run("rate=6", prompts, rate=6.0), 2)] == [None, None]
+
+
+@pytest.mark.slow
 def test_offline_only(builtin_path: str) -> None:
     argv = ["--offline-only", "--offline-model", builtin_path, "--concurrency", "2", *SHAPE]
     result = main([*argv, "--offline-args", json.dumps({"max_model_len": 64})])
