@@ -16,7 +16,7 @@ mkdir -p "$out/runs"
 export PYTHONUNBUFFERED=1
 log="$out/serve.log"
 port=8000
-WORKLOAD=(--input-len 1024 --output-len 256 --health-probe)
+WORKLOAD=(--input-len 1024 --output-len 256 --health-probe --client-processes 4)
 
 listen_drops() {  # the kernel's count of connections a full accept queue dropped, and its limits
   awk '/^TcpExt:/ { if (!h) { split($0, k); h = 1 } else { split($0, v)
