@@ -547,6 +547,7 @@ def run_offline(args: argparse.Namespace, runs: list[Run]) -> list[dict[str, Any
     out = []
     for run in runs:
         concurrency = min(run.offline_concurrency, cap)
+        print(f"offline {run.label}: started", file=sys.stderr)  # marks where its steps begin in a log
         t = time.perf_counter()
         tokens, ttfts = _drive(engine, run.prompts, params, concurrency, run.label)
         dt = time.perf_counter() - t

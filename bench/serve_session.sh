@@ -6,6 +6,7 @@
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
 # PART: 9b | 08b | moe | 80b-fp8 | ttft [CONFIG] | kimi | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+#   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serve flags; $TAG: a suffix to the run's name),
 #     each after 64 concurrent warm-up requests: a fresh server's first mixed steps compile kernels,
@@ -152,6 +153,17 @@ case "${1:-9b}" in
     python3 -m bench.serve --offline-only --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy"}' \
       "${WORKLOAD[@]}" --concurrency 1 --num-prompts 4 --log-level debug > "$out/runs/$cfg-ttft-offline.log" 2>&1
     grep -E "step:|tok/s|TTFT" "$out/runs/$cfg-ttft-offline.log" | tail -40 | tee -a "$log"
+    ;;
+  timeline)  # timeline [CONFIG] [C]: the engine's steps (bench/step_timeline.py), server against offline, at C
+    cfg=${2:-qwen3.5-0.8b}
+    c=${3:-256}
+    serve_bench "$cfg-timeline" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy --log-level debug ${SERVER_ARGS:-}" \
+      "${WORKLOAD[@]}" --concurrency "$c" --warmup 64
+    python3 -m bench.serve --offline-only --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy"}' \
+      "${WORKLOAD[@]}" --concurrency "$c" --warmup 64 --log-level debug > "$out/runs/$cfg-timeline-offline.log" 2>&1
+    grep "^offline" "$out/runs/$cfg-timeline-offline.log" | tee -a "$log"
+    python3 -m bench.step_timeline "$out/runs/$cfg-timeline.server.log" "$out/runs/$cfg-timeline-offline.log" \
+      --between 'GET /metrics|^offline c=' | tee -a "$log"
     ;;
   spread)  # spread [CONFIG]: server then offline, twice, at C = 64 and 256: how far one build moves within a call
     cfg=${2:-qwen3.5-0.8b}

@@ -1,0 +1,33 @@
+"""bench.step_timeline: the engine's debug step lines summed, between a run's marks."""
+
+from __future__ import annotations
+
+from bench.step_timeline import Timeline
+
+LOG = """\
+x DEBUG deltaserve.engine: step: 1 decodes, 0 verifications, 0 prefill chunks of 0 tokens; - since the last
+x INFO uvicorn.access: 127.0.0.1 - "GET /metrics HTTP/1.1" 200
+x DEBUG deltaserve.engine: step: 0 decodes, 0 verifications, 2 prefill chunks of 64 tokens; 500.00 ms since the last
+x DEBUG deltaserve.engine: step: 2 decodes, 0 verifications, 0 prefill chunks of 0 tokens; 30.00 ms since the last
+x DEBUG deltaserve.engine: step: 1 decodes, 1 verifications, 1 prefill chunks of 32 tokens; 10.00 ms since the last
+x DEBUG deltaserve.engine: step: 3 decodes, 0 verifications, 0 prefill chunks of 0 tokens; 50.00 ms since the last
+x DEBUG deltaserve.engine: step: 3 decodes, 0 verifications, 0 prefill chunks of 0 tokens; 12.00 ms since the last
+x INFO uvicorn.access: 127.0.0.1 - "GET /metrics HTTP/1.1" 200
+x DEBUG deltaserve.engine: step: 9 decodes, 0 verifications, 0 prefill chunks of 0 tokens; 8.00 ms since the last
+"""
+
+
+def test_steps_between_the_marks_are_timed_by_the_next_line() -> None:
+    s = Timeline.parse(LOG.splitlines(), between="GET /metrics").summary()
+    # five steps between the marks; the last of them has no next line inside, so four are timed:
+    # the prefill step 30 ms, the decode step 10, the mixed step 50, a decode step 12
+    assert s["steps"] == 4 and s["with_prefill"] == 2
+    assert s["decode_rows"] == 0 + 2 + 2 + 3 and s["prefill_tokens"] == 64 + 32
+    assert s["decode_ms"] == (10 + 12) / 2 and s["mixed_ms"] == (30 + 50) / 2
+    assert abs(s["seconds"] - 0.102) < 1e-9
+
+
+def test_idle_gaps_are_left_out_and_no_marks_keep_every_step() -> None:
+    s = Timeline.parse(LOG.splitlines()).summary(idle_ms=100)
+    assert s["steps"] == 5  # six timed (all but the last line), the 500 ms gap left out
+    assert Timeline.parse(LOG.splitlines(), between="never").summary()["steps"] == 0
