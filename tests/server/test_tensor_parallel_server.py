@@ -89,6 +89,17 @@ def test_tp2_server_answers_as_tp1_and_stops_with_its_workers(spawn_server, mode
     assert not any(alive(p) for p in workers)
 
 
+def test_tp2_beside_two_http_processes(spawn_server, model_name, tp1_text):
+    # on CUDA two HTTP processes are the default, so tensor parallelism meets them there
+    server = spawn_server(*TP2, "--api-server-count", "2")
+    assert server.proc is not None
+    workers = worker_pids(server.proc.pid)
+    assert len(workers) == 1 and "2 HTTP processes share the port" in server.log()
+    assert [complete(server.url, model_name) for _ in range(4)] == [tp1_text] * 4
+    assert server.stop() == 0
+    assert not any(alive(p) for p in workers)
+
+
 def test_two_loopback_nodes_serve_through_node_0(spawn_server, model_cache, model_name, tp1_text, tmp_path):
     port = free_port()
     nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
