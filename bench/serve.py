@@ -62,6 +62,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
+from queue import Empty
 from typing import Any
 
 import httpx
@@ -433,7 +434,14 @@ def run_in_processes(
     ]
     for proc in procs:
         proc.start()
-    got = [queue.get(timeout=args.timeout + 600) for _ in procs]
+    got = []
+    while len(got) < len(procs):
+        try:
+            got.append(queue.get(timeout=1.0))
+        except Empty:  # a process that failed says so on stderr, and the run stops here
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                raise SystemExit(f"a client process failed (exit code {failed[0]})") from None
     for proc in procs:
         proc.join(30)
     results = [RequestResult(**r) for *_, part in got for r in part]
