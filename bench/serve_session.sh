@@ -79,12 +79,15 @@ profile_load() {  # profile_load NAME SECONDS BENCH ARGS...: py-spy both process
   engine=$(grep -ho "engine process pid [0-9]*" "$out"/runs/profile-*.server.log | tail -1 | awk '{ print $4 }')
   local cpu0 cpu1
   cpu0="$(cpu_s "$engine") $(cpu_s "$server")"
-  py-spy record --nonblocking -r 100 -d "$secs" -f raw -p "$engine" -o "$out/runs/$name.engine.txt" > /dev/null 2>&1 &
+  # the engine's idle samples too: where its loop sleeps (it was busy 60% of a C = 256 load at 0.8B)
+  py-spy record --nonblocking --idle -r 100 -d "$secs" -f raw -p "$engine" -o "$out/runs/$name.engine.txt" > /dev/null 2>&1 &
   py-spy record --nonblocking -r 100 -d "$secs" -f raw -p "$server" -o "$out/runs/$name.http.txt" > /dev/null 2>&1
   cpu1="$(cpu_s "$engine") $(cpu_s "$server")"
   echo "$name: CPU seconds over ${secs} s (engine, http): $cpu0 -> $cpu1" | tee -a "$log"
   wait $bench
   tail -22 "$out/runs/$name.log" | tee -a "$log"
+  python3 -m bench.pyspy_summary "$out/runs/$name.engine.txt" --within EngineCore.run --rows 30 | tee -a "$log"
+  python3 -m bench.pyspy_summary "$out/runs/$name.http.txt" --rows 20 | tee -a "$log"
 }
 case "${1:-9b}" in
   9b)
@@ -105,6 +108,10 @@ case "${1:-9b}" in
       "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64 ${BENCH_ARGS:-}
     ;;
   profile)  # profile [CONFIG]: py-spy at C = 64 and 256
+    if ! command -v py-spy > /dev/null; then  # pip --target skips bin/ on a machine that has /tmp/site already
+      python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/py_spy*.whl
+      export PATH=/tmp/spy/bin:$PATH
+    fi
     cfg=${2:-qwen3.5-9b}
     (exec python3 -m deltaserve serve --port $port --model "configs/$cfg" $dummy) > "$out/runs/profile-$cfg.server.log" 2>&1 &
     pid=$!
