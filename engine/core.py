@@ -74,7 +74,8 @@ class EngineCore:
 
         self.engine = engine
         # the periodic stats line (engine/stats_log.py); 0: none
-        self._stats_log = StatsLog(engine.stats, stats_interval_s) if stats_interval_s > 0 else None
+        self._stats_log = StatsLog(self.stats, stats_interval_s) if stats_interval_s > 0 else None
+        self._idle_s = 0.0  # seconds the loop waited for a command with no work to do
         in_addrs = [in_addrs] if isinstance(in_addrs, str) else in_addrs
         out_addrs = [out_addrs] if isinstance(out_addrs, str) else out_addrs
         assert len(in_addrs) == len(out_addrs)
@@ -149,7 +150,11 @@ class EngineCore:
 
         busy = self.engine.has_unfinished_requests()
         timeout = 0 if busy else (1 if self._off_loop_pending else IDLE_POLL_MS)
-        if not self._poller.poll(timeout):
+        start = time.perf_counter()
+        ready = self._poller.poll(timeout)
+        if not busy:
+            self._idle_s += time.perf_counter() - start
+        if not ready:
             if not busy:
                 self._idle_tick()
             return True
@@ -203,10 +208,16 @@ class EngineCore:
         self._owner.update((request_id, client) for request_id in added)
         return None, None
 
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats, and the loop's idle time beside its step time."""
+        return {**self.engine.stats(), "idle_seconds_total": self._idle_s}
+
     def _call(self, name: str, args: tuple[Any, ...]) -> tuple[tuple[str, str] | None, Any]:
         fn = getattr(self.engine, name, None)
         if fn is None:  # a stand-in engine without it: nothing to do
             return None, None
+        if name == "stats":
+            fn = self.stats
         try:
             return None, fn(*args)
         except Exception as exc:

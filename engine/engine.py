@@ -110,6 +110,8 @@ class Engine:
         # the previous plan's time and kind: the step timeline (debug log) and the scheduler's
         # measure of what a prefill step costs; None after a step with nothing to run
         self._last_plan: tuple[float, int] | None = None  # (when, prefill tokens)
+        # where the loop's time goes (stats): seconds inside `step`, and the GPU waits among them
+        self.step_s, self._wait_base = 0.0, self.read_back_wait_s
 
     def _warm_up(self) -> None:
         """Run a few prompts of mixed lengths through mixed steps once before serving: the first
@@ -173,6 +175,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        start = time.perf_counter()
         try:
             if self.overlap is not None:
                 return self._step_overlapped(self.overlap)
@@ -183,6 +186,8 @@ class Engine:
                 gone = self.ranks.exited(wait_s=1.0) if self.ranks is not None else None
                 self.dead_reason = f"the engine lost a worker: {gone}" if gone else str(exc)
             raise EngineDeadError(self.dead_reason) from exc
+        finally:
+            self.step_s += time.perf_counter() - start
 
     def _step_sync(self) -> list[RequestOutput]:
         outputs = self._take_finished()
@@ -364,6 +369,10 @@ class Engine:
             **self.prefix_cache.stats(),
             **self.counters,
             **(self._hold_stats() if self.config.adaptive_prefill_delay else {}),
+            "step_seconds_total": self.step_s,
+            # overlap scheduling: the host waiting for a step's tokens (without it, a step's wait
+            # for the GPU is inside its sampling, counted as step time only)
+            "gpu_wait_seconds_total": self.read_back_wait_s - self._wait_base,
         }
 
     def _hold_stats(self) -> dict[str, float]:

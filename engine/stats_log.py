@@ -1,7 +1,9 @@
 """The engine's periodic log line, as vLLM's and SGLang's servers write one: what it did since the
 last line (prompt tokens admitted for prefill less cache hits, and tokens generated, a second; the
-prefix cache's share of the prompt tokens) and its load now (requests running and waiting, KV pages
-and state slots in use).
+prefix cache's share of the prompt tokens), its load now (requests running and waiting, KV pages
+and state slots in use), and where the engine loop's time went: in steps (the part of it spent
+waiting for the GPU's tokens apart), idle, and the rest (commands and outputs crossing to the HTTP
+processes).
 
 A line every `interval_s` while there is work, then one more once the engine is idle, so that an
 idle server's log stays quiet. `deltaserve serve --disable-log-stats` (or `--log-stats-interval 0`)
@@ -43,7 +45,7 @@ class StatsLog:
         elapsed, self._since = now - self._since, now
         new = {key: stats.get(key, 0) - self._last.get(key, 0) for key in _COUNTERS}
         self._last = {key: stats.get(key, 0) for key in _COUNTERS}
-        idle = not (stats.get("running") or stats.get("waiting") or any(new.values()))
+        idle = not (stats.get("running") or stats.get("waiting") or any(new[k] for k in _TOKENS))
         if idle and self._quiet:
             return None
         self._quiet = idle
@@ -52,7 +54,13 @@ class StatsLog:
         return line
 
 
-_COUNTERS = ("prefill_tokens_total", "generation_tokens_total", "cached_tokens_total")
+_TOKENS = ("prefill_tokens_total", "generation_tokens_total", "cached_tokens_total")
+_COUNTERS = (
+    *_TOKENS,
+    "step_seconds_total",
+    "gpu_wait_seconds_total",
+    "idle_seconds_total",
+)
 
 
 def _line(stats: dict[str, Any], new: dict[str, Any], elapsed: float) -> str:
@@ -76,5 +84,11 @@ def _line(stats: dict[str, Any], new: dict[str, Any], elapsed: float) -> str:
             f"prefill step +{stats['prefill_step_fixed_ms']:.1f} ms"
             f" +{stats['prefill_step_us_per_token']:.2f} us/token"
             f" at {stats['arrivals_per_s']:.1f} arrivals/s"
+        )
+    if "step_seconds_total" in stats:  # where the engine loop's time went (EngineCore)
+        parts.append(
+            f"loop: steps {100 * new['step_seconds_total'] / elapsed:.0f}%"
+            f" (waiting for the GPU {100 * new['gpu_wait_seconds_total'] / elapsed:.0f}%),"
+            f" idle {100 * new['idle_seconds_total'] / elapsed:.0f}%"
         )
     return ", ".join(parts)

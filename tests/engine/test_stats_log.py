@@ -91,3 +91,23 @@ def test_the_line_shows_what_the_adaptive_prefill_delay_weighs(clock) -> None:
     engine.work(prompt=100, cached=0, generated=10, running=1)
     clock[0] += 10.0
     assert log.tick().endswith("prefill step +24.5 ms +1.25 us/token at 130.0 arrivals/s")
+
+
+def test_the_line_shows_where_the_engine_loops_time_went(clock) -> None:
+    engine = Engine()
+    engine.s.update(step_seconds_total=1.0, gpu_wait_seconds_total=0.5, idle_seconds_total=3.0)
+    log = StatsLog(engine.stats, 10.0, clock=lambda: clock[0])
+    engine.work(prompt=100, cached=0, generated=10, running=1)
+    clock[0] += 10.0
+    log.tick()  # the first interval: the totals from before the log started are not its own
+    engine.work(prompt=0, cached=0, generated=10, running=1)
+    engine.s.update(step_seconds_total=9.0, gpu_wait_seconds_total=3.5, idle_seconds_total=3.5)
+    clock[0] += 10.0
+    assert log.tick().endswith("loop: steps 80% (waiting for the GPU 30%), idle 5%")
+    # an idle loop's seconds are not work: the engine still goes quiet
+    engine.s.update(running=0, idle_seconds_total=13.5)
+    clock[0] += 10.0
+    assert log.tick().endswith("idle 100%")
+    engine.s["idle_seconds_total"] = 23.5
+    clock[0] += 10.0
+    assert log.tick() is None

@@ -49,7 +49,10 @@ def test_warmed_engine_is_as_new(make_checkpoint, cache_type: str) -> None:
     assert not warm.requests
     prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
     assert greedy(warm, prompts) == greedy(cold, prompts)
-    assert warm.stats() == cold.stats()
+    times = ("step_seconds_total", "gpu_wait_seconds_total")  # wall time: never equal twice
+    assert {k: v for k, v in warm.stats().items() if k not in times} == {
+        k: v for k, v in cold.stats().items() if k not in times
+    }
 
 
 def test_warmup_follows_the_device() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import httpx
 import pytest
@@ -376,6 +377,23 @@ def test_metrics_exposition(client, server, read_metrics) -> None:
         == m["deltaserve_time_to_first_token_seconds_count"]
     )
     assert m["deltaserve_kv_pages_total"] > 0 and m["deltaserve_state_slots_total"] > 0
+
+
+def test_metrics_say_where_the_engine_loops_time_goes(client, server, read_metrics) -> None:
+    before, t0 = read_metrics(server.url), time.monotonic()
+    chat(client, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    time.sleep(0.5)  # nothing to do meanwhile
+    after, wall = read_metrics(server.url), time.monotonic() - t0
+
+    def delta(name: str) -> float:
+        return (
+            after[f"deltaserve_engine_{name}_seconds_total"]
+            - before[f"deltaserve_engine_{name}_seconds_total"]
+        )
+
+    assert delta("step") > 0 and delta("idle") > 0.3
+    assert delta("step") + delta("idle") <= wall
+    assert after["deltaserve_engine_gpu_wait_seconds_total"] == 0  # CPU: no overlapped steps to wait for
 
 
 def test_non_streamed_request_times_its_first_token(client, server, read_metrics) -> None:
