@@ -86,9 +86,14 @@ def _line(stats: dict[str, Any], new: dict[str, Any], elapsed: float) -> str:
             f" at {stats['arrivals_per_s']:.1f} arrivals/s"
         )
     if "step_seconds_total" in stats:  # where the engine loop's time went (EngineCore)
+        wait = new["gpu_wait_seconds_total"]  # only overlapped steps (CUDA) wait apart from their work
         parts.append(
             f"loop: steps {100 * new['step_seconds_total'] / elapsed:.0f}%"
-            f" (waiting for the GPU {100 * new['gpu_wait_seconds_total'] / elapsed:.0f}%),"
-            f" idle {100 * new['idle_seconds_total'] / elapsed:.0f}%"
+            + (
+                f" (waiting for the GPU {100 * wait / elapsed:.0f}%)"
+                if stats["gpu_wait_seconds_total"]
+                else ""
+            )
+            + f", idle {100 * new['idle_seconds_total'] / elapsed:.0f}%"
         )
     return ", ".join(parts)

@@ -111,3 +111,12 @@ def test_the_line_shows_where_the_engine_loops_time_went(clock) -> None:
     engine.s["idle_seconds_total"] = 23.5
     clock[0] += 10.0
     assert log.tick() is None
+
+
+def test_without_overlapped_steps_the_line_leaves_the_gpu_wait_out(clock) -> None:
+    engine = Engine()
+    engine.s.update(step_seconds_total=6.0, gpu_wait_seconds_total=0.0, idle_seconds_total=1.0)
+    log = StatsLog(engine.stats, 10.0, clock=lambda: clock[0])
+    engine.work(prompt=100, cached=0, generated=10, running=1)
+    clock[0] += 10.0
+    assert log.tick().endswith("loop: steps 60%, idle 10%")
