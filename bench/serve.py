@@ -43,6 +43,9 @@ One Python client process streams only so many chunks a second: each run reports
 client process's CPU share, and --client-processes N splits the clients (or the arrivals) over N
 processes that start together.
 
+Against deltaserve, each run also reports where the engine loop's time went over it (its /metrics
+counters): in steps, waiting for the GPU among them, and idle.
+
 --health-probe GETs /health every 100 ms from a process of its own while a run's load is on and
 reports its latency (the server's, not that of this client's busy event loop).
 """
@@ -355,7 +358,24 @@ async def server_latency_totals(base_url: str) -> dict[str, float]:
             for part in ("sum", "count"):
                 if line.startswith(f"{name}_{part}"):
                     totals[f"{key}_{part}"] = totals.get(f"{key}_{part}", 0.0) + float(line.rsplit(" ", 1)[1])
+        for key in ENGINE_LOOP:
+            if line.startswith(f"deltaserve_engine_{key}_seconds_total"):
+                totals[f"loop_{key}"] = float(line.rsplit(" ", 1)[1])
     return totals
+
+
+# deltaserve's engine loop: seconds in steps, of those waiting for the GPU, and idle (/metrics)
+ENGINE_LOOP = ("step", "gpu_wait", "idle")
+
+
+def engine_loop_shares(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    """Each part of the engine loop's time between two scrapes, as a share of the `wall` time
+    between them."""
+    return {
+        key: (after[f"loop_{key}"] - before[f"loop_{key}"]) / wall
+        for key in ENGINE_LOOP
+        if f"loop_{key}" in after and f"loop_{key}" in before
+    }
 
 
 def server_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -449,7 +469,7 @@ def run_in_processes(
 
 
 async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[str, Any]:
-    before = await server_latency_totals(args.base_url)
+    before, scraped = await server_latency_totals(args.base_url), time.perf_counter()
     probe = HealthProbe(args.base_url) if args.health_probe else None
     if args.client_processes > 1:
         loop = asyncio.get_running_loop()
@@ -466,7 +486,9 @@ async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[s
     if health is not None:
         out["health"] = health
     # beside the client's figures: a gap between the two is time outside the engine
-    out["server_mean_ms"] = server_means_ms(before, await server_latency_totals(args.base_url))
+    after = await server_latency_totals(args.base_url)
+    out["server_mean_ms"] = server_means_ms(before, after)
+    out["engine_loop"] = engine_loop_shares(before, after, time.perf_counter() - scraped)
     return out
 
 
@@ -659,6 +681,12 @@ def print_report(result: dict[str, Any]) -> None:
             print(
                 f"{r['label']}: /health {h['probes']} probes, p50 {_f(lat.get('p50'), 2)} ms, "
                 f"p99 {_f(lat.get('p99'), 2)} ms, non-200 {h['non_200']}"
+            )
+        loop = r.get("engine_loop") or {}
+        if loop:
+            print(
+                f"{r['label']}: the engine loop in steps {100 * loop['step']:.0f}% of the run "
+                f"(waiting for the GPU {100 * loop['gpu_wait']:.0f}%), idle {100 * loop['idle']:.0f}%"
             )
         if "client_cpu_share" in r:
             print(

@@ -42,6 +42,10 @@ def test_streamed_levels_with_health_probe(server: Any, tmp_path: Path) -> None:
         server = run["server_mean_ms"]
         assert 0 < server["ttft"] <= run["ttft_ms"]["mean"], (server, run["ttft_ms"])
         assert server["ttft"] < server["e2e"] <= run["e2e_ms"]["mean"], (server, run["e2e_ms"])
+        # the engine loop's shares of the run, from its /metrics counters (CPU: no GPU wait)
+        loop = run["engine_loop"]
+        assert 0 < loop["step"] and 0 <= loop["idle"] and loop["step"] + loop["idle"] <= 1, loop
+        assert loop["gpu_wait"] == 0
     saved = json.loads(path.read_text())
     assert saved["runs"] == json.loads(json.dumps(result["runs"]))
     assert saved["command"].startswith("python -m bench.serve --base-url") and saved["date"]
