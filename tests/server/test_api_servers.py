@@ -109,6 +109,32 @@ def test_a_disconnect_in_either_process_frees_its_request(spawn_server) -> None:
     assert finished(server.url, "abort") == 12
 
 
+def test_every_http_process_checks_the_api_key(spawn_server) -> None:
+    server = spawn_server(*TWO, "--api-key", "sesame")
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+
+    async def without_key() -> list[int]:
+        async def one() -> int:
+            async with httpx.AsyncClient(timeout=60) as http:  # a connection each: both processes take some
+                return (await http.post(f"{server.url}/v1/completions", json=body)).status_code
+
+        return await asyncio.gather(*[one() for _ in range(24)])
+
+    # the kernel hands a burst's connections to whichever process waits first: burst until both
+    # have refused some (each logs its own access lines)
+    both = (r"uvicorn\.access: .*\" 401", r"uvicorn\.access\[1\]: .*\" 401")
+    for _ in range(20):
+        assert asyncio.run(without_key()) == [401] * 24
+        if all(re.search(p, server.log()) for p in both):
+            break
+    else:
+        raise AssertionError(f"one process took every connection: {server.log()[-3000:]}")
+    with_key = httpx.post(
+        f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer sesame"}, timeout=60
+    )
+    assert with_key.status_code == 200
+
+
 @pytest.mark.slow
 def test_killed_engine_fails_requests_and_health_in_every_process(spawn_server) -> None:
     server = spawn_server(*TWO)
