@@ -84,13 +84,19 @@ def test_one_line_for_an_idle_engine_then_quiet_until_it_works(clock) -> None:
     assert "running 1" in log.tick()
 
 
-def test_the_line_shows_what_the_adaptive_prefill_delay_weighs(clock) -> None:
+def first_line(clock: list[float], **stats: float) -> str | None:
+    """The line after one interval of a little work, the engine's stats holding `stats` too."""
     engine = Engine()
-    engine.s.update(prefill_step_fixed_ms=24.5, prefill_step_us_per_token=1.25, arrivals_per_s=130.0)
+    engine.s.update(stats)
     log = StatsLog(engine.stats, 10.0, clock=lambda: clock[0])
     engine.work(prompt=100, cached=0, generated=10, running=1)
     clock[0] += 10.0
-    assert log.tick().endswith("prefill step +24.5 ms +1.25 us/token at 130.0 arrivals/s")
+    return log.tick()
+
+
+def test_the_line_shows_what_the_adaptive_prefill_delay_weighs(clock) -> None:
+    line = first_line(clock, prefill_step_fixed_ms=24.5, prefill_step_us_per_token=1.25, arrivals_per_s=130.0)
+    assert line is not None and line.endswith("prefill step +24.5 ms +1.25 us/token at 130.0 arrivals/s")
 
 
 def test_the_line_shows_where_the_engine_loops_time_went(clock) -> None:
@@ -114,9 +120,5 @@ def test_the_line_shows_where_the_engine_loops_time_went(clock) -> None:
 
 
 def test_without_overlapped_steps_the_line_leaves_the_gpu_wait_out(clock) -> None:
-    engine = Engine()
-    engine.s.update(step_seconds_total=6.0, gpu_wait_seconds_total=0.0, idle_seconds_total=1.0)
-    log = StatsLog(engine.stats, 10.0, clock=lambda: clock[0])
-    engine.work(prompt=100, cached=0, generated=10, running=1)
-    clock[0] += 10.0
-    assert log.tick().endswith("loop: steps 60%, idle 10%")
+    line = first_line(clock, step_seconds_total=6.0, gpu_wait_seconds_total=0.0, idle_seconds_total=1.0)
+    assert line is not None and line.endswith("loop: steps 60%, idle 10%")
