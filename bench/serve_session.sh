@@ -92,8 +92,8 @@ profile_load() {  # profile_load NAME SECONDS BENCH ARGS...: py-spy both process
 case "${1:-9b}" in
   9b)
     serve_bench 9b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-9b $dummy" \
-      "${WORKLOAD[@]}" --concurrency 1,64,256
-    offline 9b-offline configs/qwen3.5-9b '{"load_format": "dummy"}' "${WORKLOAD[@]}" --concurrency 1,64,256
+      "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
+    offline 9b-offline configs/qwen3.5-9b '{"load_format": "dummy"}' "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
     ;;
   before)  # before [CONFIG] [CONCURRENCY]: REV's server (default 9B at 64,256); BEFORE_PATH: its site-packages
     [ -d /tmp/ab-base ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base .base/base
@@ -123,12 +123,12 @@ case "${1:-9b}" in
     ;;
   08b)
     serve_bench 08b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-0.8b $dummy" \
-      "${WORKLOAD[@]}" --concurrency 1,64,256
-    offline 08b-offline configs/qwen3.5-0.8b '{"load_format": "dummy"}' "${WORKLOAD[@]}" --concurrency 1,64,256
+      "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
+    offline 08b-offline configs/qwen3.5-0.8b '{"load_format": "dummy"}' "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
     ;;
   moe)
     serve_bench 35b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-35b-a3b $dummy" \
-      "${WORKLOAD[@]}" --concurrency 1,64,256
+      "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
     ;;
   chat)  # multi-turn chat sessions with retries, radix against naive (bench/chat_sessions.py)
     CHAT=(--sessions 64 --concurrency 32 --turns 4 --system-words 1000 --user-words 100 --max-tokens 256)
@@ -187,7 +187,7 @@ case "${1:-9b}" in
     ;;
   kimi)
     serve_bench kimi-new . "${PYTHONPATH:-}" "--model configs/kimi-linear-48b-a3b $dummy" \
-      "${WORKLOAD[@]}" --concurrency 1,64,256
+      "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
     ;;
   *)
     echo "unknown part $1" >&2
