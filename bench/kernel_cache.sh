@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Triton's compiled kernels from one GPU machine to the next: a fresh machine otherwise compiles
-# every kernel again (60-100 s a model at its first server start, minutes for the GPU tests).
+# every kernel again, out of the session's device time.
 #
 # On the GPU machine, at the end of a call (the parts come back from $OUT, under its limits):
 #   bash bench/kernel_cache.sh save

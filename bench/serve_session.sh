@@ -79,7 +79,7 @@ profile_load() {  # profile_load NAME SECONDS BENCH ARGS...: py-spy both process
   engine=$(grep -ho "engine process pid [0-9]*" "$out"/runs/profile-*.server.log | tail -1 | awk '{ print $4 }')
   local cpu0 cpu1
   cpu0="$(cpu_s "$engine") $(cpu_s "$server")"
-  # the engine's idle samples too: where its loop sleeps (it was busy 60% of a C = 256 load at 0.8B)
+  # the engine's idle samples too: where its loop sleeps, not only where it works
   py-spy record --nonblocking --idle -r 100 -d "$secs" -f raw -p "$engine" -o "$out/runs/$name.engine.txt" > /dev/null 2>&1 &
   py-spy record --nonblocking -r 100 -d "$secs" -f raw -p "$server" -o "$out/runs/$name.http.txt" > /dev/null 2>&1
   cpu1="$(cpu_s "$engine") $(cpu_s "$server")"

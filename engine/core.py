@@ -149,10 +149,11 @@ class EngineCore:
         import zmq
 
         busy = self.engine.has_unfinished_requests()
-        timeout = 0 if busy else (1 if self._off_loop_pending else IDLE_POLL_MS)
-        start = time.perf_counter()
-        ready = self._poller.poll(timeout)
-        if not busy:
+        if busy:
+            ready = self._poller.poll(0)
+        else:  # the wait for work is the loop's idle time
+            start = time.perf_counter()
+            ready = self._poller.poll(1 if self._off_loop_pending else IDLE_POLL_MS)
             self._idle_s += time.perf_counter() - start
         if not ready:
             if not busy:
@@ -213,11 +214,10 @@ class EngineCore:
         return {**self.engine.stats(), "idle_seconds_total": self._idle_s}
 
     def _call(self, name: str, args: tuple[Any, ...]) -> tuple[tuple[str, str] | None, Any]:
-        fn = getattr(self.engine, name, None)
+        # stats are the core's own (the engine's and the loop's); the other calls are the engine's
+        fn = self.stats if name == "stats" else getattr(self.engine, name, None)
         if fn is None:  # a stand-in engine without it: nothing to do
             return None, None
-        if name == "stats":
-            fn = self.stats
         try:
             return None, fn(*args)
         except Exception as exc:

@@ -69,13 +69,12 @@ def build_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine_client.start()
-        publisher = None
-        if shared_metrics is not None:
+        if shared_metrics is None:
+            yield
+        else:
             publisher = asyncio.create_task(shared_metrics.publish_every(metrics))
-        yield
-        if shared_metrics is not None:
-            if publisher is not None:
-                publisher.cancel()
+            yield
+            publisher.cancel()
             with contextlib.suppress(OSError):
                 shared_metrics.publish(metrics)  # the last requests count too
         await engine_client.shutdown()

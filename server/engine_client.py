@@ -93,7 +93,6 @@ class EngineHandle:
     thread: threading.Thread | None = None
     # another HTTP process's engine (`attach`): watched by its pid, neither stopped nor cleaned up here
     engine_pid: int | None = None
-    index: int = 0  # which of the HTTP processes' socket pairs
     _ctx: Any = field(default=None, repr=False)
 
     @classmethod
@@ -142,8 +141,7 @@ class EngineHandle:
         from deltaserve.engine.core import EngineCore, engine_info
 
         handle = cls._bind()
-        in_addr, out_addr = handle._addresses()
-        core = EngineCore(engine, in_addr, out_addr)
+        core = EngineCore(engine, handle.address("in", 0), handle.address("out", 0))
 
         def run() -> None:
             core.send(("ready", engine_info(engine)))
@@ -159,7 +157,7 @@ class EngineHandle:
         import zmq
 
         ctx = zmq.Context()
-        handle = cls(None, None, {}, ipc_dir or tempfile.mkdtemp(prefix="deltaserve-"), index=index, _ctx=ctx)
+        handle = cls(None, None, {}, ipc_dir or tempfile.mkdtemp(prefix="deltaserve-"), _ctx=ctx)
         handle.push, handle.pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
         handle.push.setsockopt(zmq.LINGER, 0)
         handle.pull.setsockopt(zmq.LINGER, 0)
@@ -170,9 +168,6 @@ class EngineHandle:
     def address(self, kind: str, index: int) -> str:
         """The engine's `kind` ("in": commands, "out": steps) socket of HTTP process `index`."""
         return f"ipc://{self.ipc_dir}/{kind}" + (f"-{index}" if index else "")
-
-    def _addresses(self) -> tuple[str, str]:
-        return self.address("in", self.index), self.address("out", self.index)
 
     def _await_ready(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
