@@ -161,7 +161,7 @@ case "${1:-9b}" in
       "${WORKLOAD[@]}" --concurrency 1 --num-prompts 4 --log-level debug > "$out/runs/$cfg-ttft-offline.log" 2>&1
     grep -E "step:|tok/s|TTFT" "$out/runs/$cfg-ttft-offline.log" | tail -40 | tee -a "$log"
     ;;
-  timeline)  # timeline [CONFIG] [C]: the engine's steps (bench/step_timeline.py), server against offline, at C
+  timeline)  # timeline [CONFIG] [C,...]: the engine's steps (bench/step_timeline.py), server against offline, per C
     cfg=${2:-qwen3.5-0.8b}
     c=${3:-256}
     serve_bench "$cfg-timeline" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy --log-level debug ${SERVER_ARGS:-}" \
@@ -169,8 +169,12 @@ case "${1:-9b}" in
     python3 -m bench.serve --offline-only --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy"}' \
       "${WORKLOAD[@]}" --concurrency "$c" --warmup 64 --log-level debug > "$out/runs/$cfg-timeline-offline.log" 2>&1
     grep "^offline" "$out/runs/$cfg-timeline-offline.log" | tee -a "$log"
-    python3 -m bench.step_timeline "$out/runs/$cfg-timeline.server.log" "$out/runs/$cfg-timeline-offline.log" \
-      --between 'GET /metrics|^offline c=' | tee -a "$log"
+    IFS=, read -ra cs <<< "$c"
+    for k in "${!cs[@]}"; do  # one table per run
+      echo "c=${cs[$k]}:" | tee -a "$log"
+      python3 -m bench.step_timeline "$out/runs/$cfg-timeline.server.log" "$out/runs/$cfg-timeline-offline.log" \
+        --between 'GET /metrics|^offline c=' --run $((k + 1)) | tee -a "$log"
+    done
     ;;
   spread)  # spread [CONFIG]: server then offline, twice, at C = 64 and 256: how far one build moves within a call
     cfg=${2:-qwen3.5-0.8b}

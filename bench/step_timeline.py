@@ -8,7 +8,7 @@ since the step before; that time is charged to the step before (the one it ran),
 how many steps, how many of them carried prefill chunks, and the mean wall time of a decode-only
 step and of a step with prefill. `--between REGEX` keeps the steps after the first line that
 matches and before the last (bench.serve scrapes the server's /metrics just before and after each
-run, and prints "offline c=N" before and after its offline run). Where the server gives less than the offline engine on the same
+run, and prints "offline c=N" before and after its offline run); `--run K` keeps the K-th run's. Where the server gives less than the offline engine on the same
 requests, this says whether it ran more steps, other steps, or the same steps slower.
 """
 
@@ -37,11 +37,15 @@ class Timeline:
     steps: list[Step] = field(default_factory=list)
 
     @classmethod
-    def parse(cls, lines: list[str], between: str | None = None) -> Timeline:
+    def parse(cls, lines: list[str], between: str | None = None, run: int | None = None) -> Timeline:
         """The steps of one engine's log, each given the time until the next step's plan; with
-        `between`, only those after the first line matching it and before the last."""
+        `between`, only those after the first line matching it and before the last, or with `run`
+        (from 1) too, only those between that run's pair of marks (each run is marked before and
+        after)."""
         if between is not None:
             marks = [i for i, line in enumerate(lines) if re.search(between, line)]
+            if run is not None:
+                marks = marks[2 * run - 2 : 2 * run]
             lines = lines[marks[0] + 1 : marks[-1]] if len(marks) > 1 else []
         steps: list[Step] = []
         for line in lines:
@@ -96,12 +100,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     ap.add_argument(
         "--between", default=None, help="only the steps between the first and last line matching this"
     )
+    ap.add_argument(
+        "--run", type=int, default=None, help="with --between: only the K-th run's steps (from 1)"
+    )
     ap.add_argument("--idle-ms", type=float, default=None, help="a longer gap is idle time, not a step's")
     args = ap.parse_args(argv)
     rows = []
     for path in args.logs:
         with open(path, errors="replace") as f:
-            rows.append(Timeline.parse(f.readlines(), args.between).summary(args.idle_ms))
+            rows.append(Timeline.parse(f.readlines(), args.between, args.run).summary(args.idle_ms))
     table = [["log"] + [c[1] for c in COLUMNS]]
     for path, row in zip(args.logs, rows):
         table.append([path.rsplit("/", 1)[-1]] + [f"{row[k]:.{nd}f}" for k, _, nd in COLUMNS])

@@ -31,3 +31,21 @@ def test_idle_gaps_are_left_out_and_no_marks_keep_every_step() -> None:
     s = Timeline.parse(LOG.splitlines()).summary(idle_ms=100)
     assert s["steps"] == 5  # six timed (all but the last line), the 500 ms gap left out
     assert Timeline.parse(LOG.splitlines(), between="never").summary()["steps"] == 0
+
+
+def test_a_run_keeps_only_the_steps_between_its_own_pair_of_marks() -> None:
+    second = """\
+x DEBUG deltaserve.engine: step: 5 decodes, 0 verifications, 0 prefill chunks of 0 tokens; 7.00 ms since the last
+x INFO uvicorn.access: 127.0.0.1 - "GET /metrics HTTP/1.1" 200
+x DEBUG deltaserve.engine: step: 4 decodes, 0 verifications, 0 prefill chunks of 0 tokens; 9.00 ms since the last
+x DEBUG deltaserve.engine: step: 4 decodes, 0 verifications, 0 prefill chunks of 0 tokens; 6.00 ms since the last
+x DEBUG deltaserve.engine: step: 4 decodes, 0 verifications, 0 prefill chunks of 0 tokens; 6.00 ms since the last
+x INFO uvicorn.access: 127.0.0.1 - "GET /metrics HTTP/1.1" 200
+"""
+    lines = (LOG + second).splitlines()
+    first = Timeline.parse(lines, between="GET /metrics", run=1).summary()
+    assert first["steps"] == 4 and first["with_prefill"] == 2
+    s = Timeline.parse(lines, between="GET /metrics", run=2).summary()
+    # three steps between the second run's marks, the first two timed (6 ms each)
+    assert s["steps"] == 2 and s["decode_rows"] == 8 and s["decode_ms"] == 6.0
+    assert Timeline.parse(lines, between="GET /metrics", run=3).summary()["steps"] == 0
