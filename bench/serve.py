@@ -63,7 +63,7 @@ import ssl
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from queue import Empty
 from typing import Any
@@ -169,6 +169,22 @@ class Connections:
             yield client
         finally:
             self.idle.append(client)
+
+    async def open(self, n: int, base_url: str) -> None:
+        """`n` connections made before the run's clock starts, each by a GET /health, as clients
+        that have been running hold them: otherwise a fresh client process's first requests time
+        its own lazy imports and handshakes, not the server (at C = 1, most of a run's overhead)."""
+        clients = [
+            httpx.AsyncClient(limits=self.limits, timeout=self.timeout, verify=self.ssl) for _ in range(n)
+        ]
+        self.opened.extend(clients)
+
+        async def touch(client: httpx.AsyncClient) -> None:
+            with contextlib.suppress(httpx.HTTPError):  # a server down fails the run's requests
+                await client.get(f"{base_url}/health")
+
+        await asyncio.gather(*(touch(c) for c in clients))
+        self.idle.extend(clients)
 
     async def aclose(self) -> None:
         await asyncio.gather(*(c.aclose() for c in self.opened))
@@ -388,13 +404,29 @@ def server_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[s
     return out
 
 
-async def drive(args: argparse.Namespace, target: Target, run: Run, seed: int) -> list[RequestResult]:
-    """The run's load from this process: its closed loop or its Poisson arrivals."""
+@dataclass
+class Driven:
+    results: list[RequestResult]
+    start: float  # time.monotonic() when the load began, after the connections were made
+    cpu_s: float  # this process's CPU seconds from then
+
+
+async def drive(
+    args: argparse.Namespace, target: Target, run: Run, seed: int, ready: Callable[[], object] | None = None
+) -> Driven:
+    """The run's load from this process: its connections made, `ready` waited for (the other
+    client processes), then its closed loop or its Poisson arrivals."""
     conns = Connections(args.keepalive, args.timeout)
     try:
+        await conns.open(run.concurrency or run.max_concurrency or 1, args.base_url)
+        if ready is not None:
+            ready()
+        start, cpu = time.monotonic(), time.process_time()
         if run.concurrency is not None:
-            return await closed_loop(conns, target, run)
-        return await poisson(conns, target, run, seed)
+            results = await closed_loop(conns, target, run)
+        else:
+            results = await poisson(conns, target, run, seed)
+        return Driven(results, start, time.process_time() - cpu)
     finally:
         await conns.aclose()
 
@@ -427,13 +459,13 @@ def _client_process(
     """One client process's part of a run; hands back (start, end, CPU seconds, results as dicts)
     on the monotonic clock, which all processes share."""
 
-    async def go() -> list[RequestResult]:
-        return await drive(args, Target(args, model), part, seed)
+    async def go() -> Driven:
+        # every part starts together, once each has its connections
+        return await drive(args, Target(args, model), part, seed, ready=barrier.wait)
 
-    barrier.wait()  # every part starts together
-    start, cpu = time.monotonic(), time.process_time()
     done = asyncio.run(go())
-    results.put((start, time.monotonic(), time.process_time() - cpu, [asdict(r) for r in done]))
+    end = time.monotonic()
+    results.put((done.start, end, done.cpu_s, [asdict(r) for r in done.results]))
 
 
 def run_in_processes(
@@ -475,10 +507,8 @@ async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[s
         loop = asyncio.get_running_loop()
         results, duration, cpu = await loop.run_in_executor(None, run_in_processes, args, target.model, run)
     else:
-        start, cpu0 = time.perf_counter(), time.process_time()
-        results = await drive(args, target, run, args.seed)
-        duration = time.perf_counter() - start
-        cpu = [time.process_time() - cpu0]
+        done = await drive(args, target, run, args.seed)
+        results, duration, cpu = done.results, time.monotonic() - done.start, [done.cpu_s]
     health = probe.finish() if probe is not None else None
     out = summarize(run, results, duration, args.save_detailed)
     # the busiest client process's CPU share: near 1, the load generator may bound the figures

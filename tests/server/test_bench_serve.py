@@ -4,6 +4,7 @@ the /health probe, the JSON report, and the offline comparison through deltaserv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -111,5 +112,45 @@ def test_connections_reuse_the_last_freed_client() -> None:
         assert len(conns.opened) == 2
         await conns.aclose()
         assert all(client.is_closed for client in conns.opened)
+
+    asyncio.run(go())
+
+
+def test_connections_opened_before_the_run_serve_its_first_requests() -> None:
+    """`open(n)` makes n connections (a GET /health each) that the run's first n requests reuse,
+    so that no request is timed with a handshake; a server that is not there raises nothing."""
+    accepted: list[int] = []
+    paths: list[str] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):  # the client closed
+            while True:
+                request = await reader.readuntil(b"\r\n\r\n")
+                paths.append(request.split(b" ")[1].decode())
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        writer.close()
+
+    async def go() -> None:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        conns = Connections(keepalive=True, timeout=5.0)
+        await conns.open(3, url)
+        assert len(accepted) == 3 and paths == ["/health"] * 3
+
+        async def request() -> None:
+            async with conns.client() as client:
+                assert (await client.get(f"{url}/v1/completions")).status_code == 200
+                await asyncio.sleep(0.01)  # the three in flight together
+
+        await asyncio.gather(request(), request(), request())
+        assert len(accepted) == 3 and len(conns.opened) == 3  # reused, none opened
+        await conns.aclose()
+        server.close()
+        await server.wait_closed()
+        gone = Connections(keepalive=True, timeout=5.0)
+        await gone.open(1, url)  # refused: the run's requests will say so
+        await gone.aclose()
 
     asyncio.run(go())
