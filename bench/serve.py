@@ -41,10 +41,13 @@ the network, this client).
 
 One Python client process streams only so many chunks a second: each run reports the busiest
 client process's CPU share, and --client-processes N splits the clients (or the arrivals) over N
-processes that start together.
+processes that start together. Each process opens its connections (one per client, a GET /health
+each) before the clock starts, as clients that have been running hold them.
 
 Against deltaserve, each run also reports where the engine loop's time went over it (its /metrics
-counters): in steps, waiting for the GPU among them, and idle.
+counters, read just before the load starts and as it ends): in steps, waiting for the GPU among
+them, and idle. Its HTTP processes share their metrics once a second, so each run waits a second
+before each of its latency scrapes.
 
 --health-probe GETs /health every 100 ms from a process of its own while a run's load is on and
 reports its latency (the server's, not that of this client's busy event loop).
@@ -63,7 +66,7 @@ import ssl
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from queue import Empty
 from typing import Any
@@ -412,7 +415,11 @@ class Driven:
 
 
 async def drive(
-    args: argparse.Namespace, target: Target, run: Run, seed: int, ready: Callable[[], object] | None = None
+    args: argparse.Namespace,
+    target: Target,
+    run: Run,
+    seed: int,
+    ready: Callable[[], Awaitable[object]] | None = None,
 ) -> Driven:
     """The run's load from this process: its connections made, `ready` waited for (the other
     client processes), then its closed loop or its Poisson arrivals."""
@@ -420,7 +427,7 @@ async def drive(
     try:
         await conns.open(run.concurrency or run.max_concurrency or 1, args.base_url)
         if ready is not None:
-            ready()
+            await ready()
         start, cpu = time.monotonic(), time.process_time()
         if run.concurrency is not None:
             results = await closed_loop(conns, target, run)
@@ -459,25 +466,25 @@ def _client_process(
     """One client process's part of a run; hands back (start, end, CPU seconds, results as dicts)
     on the monotonic clock, which all processes share."""
 
-    async def go() -> Driven:
-        # every part starts together, once each has its connections
-        return await drive(args, Target(args, model), part, seed, ready=barrier.wait)
+    async def released() -> None:  # every part starts together, once each has its connections
+        barrier.wait()
 
-    done = asyncio.run(go())
+    done = asyncio.run(drive(args, Target(args, model), part, seed, ready=released))
     end = time.monotonic()
     results.put((done.start, end, done.cpu_s, [asdict(r) for r in done.results]))
 
 
-def run_in_processes(
-    args: argparse.Namespace, model: str, run: Run
+async def run_in_processes(
+    args: argparse.Namespace, model: str, run: Run, ready: Callable[[], Awaitable[object]]
 ) -> tuple[list[RequestResult], float, list[float]]:
-    """The run from `--client-processes` processes: (results, wall time from the first start to
-    the last end, each process's CPU seconds)."""
+    """The run from `--client-processes` processes, started by this one once they all have their
+    connections and `ready` has run: (results, wall time from the first start to the last end,
+    each process's CPU seconds)."""
     import multiprocessing
 
     parts = split_run(run, args.client_processes)
     ctx = multiprocessing.get_context("spawn")
-    barrier, queue = ctx.Barrier(len(parts)), ctx.Queue()
+    barrier, queue = ctx.Barrier(len(parts) + 1), ctx.Queue()
     procs = [
         ctx.Process(
             target=_client_process, args=(args, model, part, args.seed + i, barrier, queue), daemon=True
@@ -486,29 +493,53 @@ def run_in_processes(
     ]
     for proc in procs:
         proc.start()
-    got = []
-    while len(got) < len(procs):
-        try:
-            got.append(queue.get(timeout=1.0))
-        except Empty:  # a process that failed says so on stderr, and the run stops here
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed:
-                raise SystemExit(f"a client process failed (exit code {failed[0]})") from None
+
+    def check() -> None:  # a process that failed says so on stderr, and the run stops here
+        failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if failed:
+            raise SystemExit(f"a client process failed (exit code {failed[0]})")
+
+    while barrier.n_waiting < len(parts):
+        check()
+        await asyncio.sleep(0.01)
+    await ready()
+    barrier.wait()  # the last party: releases them all
+
+    def collect() -> list[Any]:
+        got = []
+        while len(got) < len(procs):
+            try:
+                got.append(queue.get(timeout=1.0))
+            except Empty:
+                check()
+        return got
+
+    got = await asyncio.get_running_loop().run_in_executor(None, collect)
     for proc in procs:
         proc.join(30)
     results = [RequestResult(**r) for *_, part in got for r in part]
     return results, max(g[1] for g in got) - min(g[0] for g in got), [g[2] for g in got]
 
 
+# deltaserve's HTTP processes share their metrics once a second: a scrape this long after the
+# last request counts it wherever it was served
+METRICS_SETTLE_S = 1.1
+
+
 async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[str, Any]:
-    before, scraped = await server_latency_totals(args.base_url), time.perf_counter()
     probe = HealthProbe(args.base_url) if args.health_probe else None
+    scrape: dict[str, Any] = {}
+
+    async def ready() -> None:  # the server's counters just before the load, not the clients' start-up
+        await asyncio.sleep(METRICS_SETTLE_S)
+        scrape["before"], scrape["at"] = await server_latency_totals(args.base_url), time.perf_counter()
+
     if args.client_processes > 1:
-        loop = asyncio.get_running_loop()
-        results, duration, cpu = await loop.run_in_executor(None, run_in_processes, args, target.model, run)
+        results, duration, cpu = await run_in_processes(args, target.model, run, ready)
     else:
-        done = await drive(args, target, run, args.seed)
+        done = await drive(args, target, run, args.seed, ready=ready)
         results, duration, cpu = done.results, time.monotonic() - done.start, [done.cpu_s]
+    ended, wall = await server_latency_totals(args.base_url), time.perf_counter() - scrape["at"]
     health = probe.finish() if probe is not None else None
     out = summarize(run, results, duration, args.save_detailed)
     # the busiest client process's CPU share: near 1, the load generator may bound the figures
@@ -516,9 +547,9 @@ async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[s
     if health is not None:
         out["health"] = health
     # beside the client's figures: a gap between the two is time outside the engine
-    after = await server_latency_totals(args.base_url)
-    out["server_mean_ms"] = server_means_ms(before, after)
-    out["engine_loop"] = engine_loop_shares(before, after, time.perf_counter() - scraped)
+    await asyncio.sleep(METRICS_SETTLE_S)
+    out["server_mean_ms"] = server_means_ms(scrape["before"], await server_latency_totals(args.base_url))
+    out["engine_loop"] = engine_loop_shares(scrape["before"], ended, wall)
     return out
 
 
