@@ -25,6 +25,15 @@ listen_drops() {  # the kernel's count of connections a full accept queue droppe
   echo "somaxconn $(cat /proc/sys/net/core/somaxconn) syn_backlog $(cat /proc/sys/net/ipv4/tcp_max_syn_backlog)"
 }
 
+engine_sched() {  # where the engine process ran: its context switches and last CPU, beside the host's layout
+  local pid
+  pid=$(grep -ho "engine process pid [0-9]*" "$out/runs/$1.server.log" | tail -1 | awk '{ print $4 }')
+  [ -n "$pid" ] && [ -r "/proc/$pid/status" ] || return 0
+  echo "$1: engine pid $pid on CPU $(awk '{ print $39 }' "/proc/$pid/stat") of $(nproc)" \
+    "($(lscpu 2> /dev/null | awk -F: '/^Thread\(s\) per core/ { gsub(/ /, "", $2); print $2 }') threads a core)," \
+    "context switches: $(awk '/ctxt_switches/ { printf "%s %s ", $1, $2 }' "/proc/$pid/status")"
+}
+
 serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS... ($BENCH: the load's module)
   local name=$1 cwd=$2 pypath=$3 sargs=$4
   shift 4
@@ -46,6 +55,7 @@ serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS... (
   timeout 500 python3 -m "${BENCH:-bench.serve}" --base-url "http://127.0.0.1:$port" "$@" \
     --output-json "$out/runs/$name.json" 2>&1 | tee -a "$log"
   echo "$name: after: $(listen_drops)" | tee -a "$log"
+  engine_sched "$name" | tee -a "$log"
   kill -TERM $pid
   wait $pid
   echo "$name: server exit $?" | tee -a "$log"
