@@ -425,7 +425,9 @@ async def drive(
     client processes), then its closed loop or its Poisson arrivals."""
     conns = Connections(args.keepalive, args.timeout)
     try:
-        await conns.open(run.concurrency or run.max_concurrency or 1, args.base_url)
+        await conns.open(
+            max(1, min(run.concurrency or run.max_concurrency or 1, len(run.prompts))), args.base_url
+        )
         if ready is not None:
             await ready()
         start, cpu = time.monotonic(), time.process_time()

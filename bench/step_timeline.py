@@ -8,8 +8,9 @@ since the step before; that time is charged to the step before (the one it ran),
 how many steps, how many of them carried prefill chunks, and the mean wall time of a decode-only
 step and of a step with prefill. `--between REGEX` keeps the steps after the first line that
 matches and before the last (bench.serve scrapes the server's /metrics just before and after each
-run, and prints "offline c=N" before and after its offline run); `--run K` keeps the K-th run's. Where the server gives less than the offline engine on the same
-requests, this says whether it ran more steps, other steps, or the same steps slower.
+run, and prints "offline c=N" before and after its offline run); `--run K` keeps the K-th run's.
+Where the server gives less than the offline engine on the same requests, this says whether it
+ran more steps, other steps, or the same steps slower.
 """
 
 from __future__ import annotations
