@@ -163,24 +163,22 @@ class Connections:
 
     @contextlib.asynccontextmanager
     async def client(self) -> AsyncIterator[httpx.AsyncClient]:
-        if self.idle:
-            client = self.idle.pop()
-        else:
-            client = httpx.AsyncClient(limits=self.limits, timeout=self.timeout, verify=self.ssl)
-            self.opened.append(client)
+        client = self.idle.pop() if self.idle else self._new()
         try:
             yield client
         finally:
             self.idle.append(client)
 
+    def _new(self) -> httpx.AsyncClient:
+        client = httpx.AsyncClient(limits=self.limits, timeout=self.timeout, verify=self.ssl)
+        self.opened.append(client)
+        return client
+
     async def open(self, n: int, base_url: str) -> None:
         """`n` connections made before the run's clock starts, each by a GET /health, as clients
         that have been running hold them: otherwise a fresh client process's first requests time
-        its own lazy imports and handshakes, not the server (at C = 1, most of a run's overhead)."""
-        clients = [
-            httpx.AsyncClient(limits=self.limits, timeout=self.timeout, verify=self.ssl) for _ in range(n)
-        ]
-        self.opened.extend(clients)
+        its own lazy imports and handshakes, not the server."""
+        clients = [self._new() for _ in range(n)]
 
         async def touch(client: httpx.AsyncClient) -> None:
             with contextlib.suppress(httpx.HTTPError):  # a server down fails the run's requests
@@ -426,7 +424,7 @@ async def drive(
     conns = Connections(args.keepalive, args.timeout)
     try:
         await conns.open(
-            max(1, min(run.concurrency or run.max_concurrency or 1, len(run.prompts))), args.base_url
+            min(run.concurrency or run.max_concurrency or 1, len(run.prompts)) or 1, args.base_url
         )
         if ready is not None:
             await ready()
