@@ -532,7 +532,9 @@ async def run_http(args: argparse.Namespace, target: Target, run: Run) -> dict[s
 
     async def ready() -> None:  # the server's counters just before the load, not the clients' start-up
         await asyncio.sleep(METRICS_SETTLE_S)
-        scrape["before"], scrape["at"] = await server_latency_totals(args.base_url), time.perf_counter()
+        # the clock starts before the scrape: the counters' interval then lies inside the wall time
+        scrape["at"] = time.perf_counter()
+        scrape["before"] = await server_latency_totals(args.base_url)
 
     if args.client_processes > 1:
         results, duration, cpu = await run_in_processes(args, target.model, run, ready)
