@@ -1,5 +1,6 @@
-"""Block-FP8 matmuls on CUDA: launch shapes around `fp8/triton.py`'s kernels. Nothing here reads
-a value back to the host, so CUDA graphs capture all of it."""
+"""Block-FP8 matmuls on CUDA: launch shapes around `fp8/triton.py`'s kernels, and cuBLAS's
+block-scaled GEMM where it fits. Nothing here reads a value back to the host, so CUDA graphs
+capture all of it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ GEMV_MAX_NUMEL = 2048 * 4096
 
 
 def gemm_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, stages, split) of `fp8_gemm_cuda`. Prefill keeps the tensor cores' 128-row tiles.
+    """(BLOCK_N, stages, split) of the Triton GEMM. Past 16 rows (where cuBLAS does not fit): 128-row tiles.
     Decode-sized batches (up to 16 rows) read a wide weight in 32-row tiles, 6 deep, one part of K;
     a weight too narrow for two such tiles an SM in 64-row tiles, 4 deep, with K split until there
     are as many tiles as SMs (each part two 128-column blocks or more)."""
@@ -31,18 +32,49 @@ def gemm_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
 ACT_QUANT_ROWS = 32  # tokens per program of the activation quantization
 
 
-def act_quant_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x `[T, K]` per token and 128 channels: (e4m3 `[T, K]`, fp32 scales `[T, ceil(K/128)]`)."""
+def act_quant_cuda(
+    x: torch.Tensor, rows_multiple: int = 1, group_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[T, K]` per token and 128 channels: (e4m3 `[T', K]`, fp32 scales `[T', ceil(K/128)]`),
+    T' = T rounded up to `rows_multiple` (the rows past T are zeros). `group_major`: the scales'
+    storage is `[ceil(K/128), T']` (the returned tensor is its transpose), as cuBLAS reads them."""
     from deltaserve.kernels.fp8.triton import _act_quant_kernel
 
     t, k = x.shape
-    q = torch.empty(t, k, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(t, num_blocks(k), dtype=torch.float32, device=x.device)
-    if t:
-        rows = min(ACT_QUANT_ROWS, 1 << (t - 1).bit_length())
-        grid = (-(-t // rows), num_blocks(k))
-        _act_quant_kernel[grid](x, q, s, t, k, x.stride(0), q.stride(0), s.stride(0), BLOCK=BLOCK, ROWS=rows)
+    t_out = -(-t // rows_multiple) * rows_multiple
+    q = torch.empty(t_out, k, dtype=FP8_DTYPE, device=x.device)
+    if group_major:
+        s = torch.empty(num_blocks(k), t_out, dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty(t_out, num_blocks(k), dtype=torch.float32, device=x.device)
+    if t_out:
+        rows = min(ACT_QUANT_ROWS, 1 << (t_out - 1).bit_length())
+        grid = (-(-t_out // rows), num_blocks(k))
+        _act_quant_kernel[grid](
+            x, q, s, t, t_out, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), BLOCK=BLOCK, ROWS=rows
+        )
     return q, s
+
+
+# cuBLAS's block-scaled FP8 GEMM (1 x 128 activation scales, 128 x 128 or 1 x 128 weight scales)
+# from this many rows on; below them the Triton GEMM (bench/fp8_gemm.py, docs/performance.md)
+CUBLAS_MIN_ROWS = 17
+
+
+def cublas_fits(m: int, n: int, k: int) -> bool:
+    """cuBLAS takes both dimensions of the weight in multiples of 16, and its scales' K blocks in
+    multiples of 4."""
+    return m >= CUBLAS_MIN_ROWS and n % 16 == 0 and k % (4 * BLOCK) == 0
+
+
+def fp8_gemm_cublas(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
+) -> torch.Tensor:
+    """w8a8 through `torch._scaled_mm`'s block scaling: the rows quantized (padded to a multiple of
+    4, so that each K block's scales start 16-byte aligned), the weight read as K x N column-major."""
+    q, s = act_quant_cuda(x, rows_multiple=4, group_major=True)
+    w_s = scale.t() if scale_rows == BLOCK else scale.t().contiguous()
+    return torch._scaled_mm(q, weight.t(), s, w_s, out_dtype=x.dtype)[: x.shape[0]]
 
 
 def fp8_gemm_cuda(
@@ -51,9 +83,11 @@ def fp8_gemm_cuda(
     scale: torch.Tensor,
     scale_rows: int,
     tiles: tuple[int, int, int] | None = None,
+    cublas: bool | None = None,
 ) -> torch.Tensor:
-    """w8a8 on the FP8 tensor cores: x `[M, K]` quantized per token group, then the GEMM (and with
-    a K split, the parts' sum). `tiles`: (BLOCK_N, stages, split), `gemm_tiles` unless given
+    """w8a8 on the FP8 tensor cores: x `[M, K]` quantized per token group, then cuBLAS's GEMM where
+    it fits (`cublas`: None, by `cublas_fits`), else the Triton GEMM (and with a K split, the parts'
+    sum). `tiles`: the Triton GEMM's (BLOCK_N, stages, split), `gemm_tiles` unless given
     (`bench/fp8_gemv.py` sweeps them)."""
     import triton
 
@@ -62,6 +96,8 @@ def fp8_gemm_cuda(
 
     m, k = x.shape
     n = weight.shape[0]
+    if m and (cublas_fits(m, n, k) if cublas is None else cublas):
+        return fp8_gemm_cublas(x, weight, scale, scale_rows)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out

@@ -1,7 +1,7 @@
 """Triton kernels of the block-FP8 matmuls (`kernels.fp8` holds their references).
 
 - `_act_quant_kernel`: per token and 128-channel group (32 tokens a program): amax,
-  scale = amax / 448, e4m3 values and the fp32 scale.
+  scale = amax / 448, e4m3 values and the fp32 scale, the scales token- or group-major.
 - `_fp8_gemm_kernel`: w8a8 GEMM on the FP8 tensor cores; the K loop steps one 128-column
   block at a time, so each partial product is scaled by its token-group and weight-block
   scales before it is accumulated in fp32. With SPLIT > 1, program (m, n, s) takes the s-th range
@@ -26,19 +26,37 @@ BLOCK_K = 128  # the format's block: one scale per K step
 
 
 @triton.jit
-def _act_quant_kernel(x, q, s, T, K, stride_x, stride_q, stride_s, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _act_quant_kernel(
+    x,
+    q,
+    s,
+    T,
+    T_OUT,
+    K,
+    stride_x,
+    stride_q,
+    stride_st,
+    stride_sg,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     # ROWS tokens per program: one token's 128 channels alone left a prefill with 100k+ tiny programs
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     group = tl.program_id(1)
     offs = group * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
-    mask = live[:, None] & (offs[None, :] < K)
+    kept = rows < T_OUT  # rows past T (padding) quantize zeros
+    k_ok = offs[None, :] < K
     rows64 = rows.to(tl.int64)
-    v = tl.load(x + rows64[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(x + rows64[:, None] * stride_x + offs[None, :], mask=live[:, None] & k_ok, other=0.0).to(
+        tl.float32
+    )
     scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-10) / 448.0
     y = tl.clamp(v / scale[:, None], -448.0, 448.0)
-    tl.store(q + rows64[:, None] * stride_q + offs[None, :], y.to(q.dtype.element_ty), mask=mask)
-    tl.store(s + rows64 * stride_s + group, scale, mask=live)
+    tl.store(
+        q + rows64[:, None] * stride_q + offs[None, :], y.to(q.dtype.element_ty), mask=kept[:, None] & k_ok
+    )
+    tl.store(s + rows64 * stride_st + group * stride_sg, scale, mask=kept)
 
 
 @triton.jit

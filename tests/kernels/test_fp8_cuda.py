@@ -44,6 +44,42 @@ def test_act_quant_matches_reference(tokens):
     assert (q.float() != q_ref.float()).float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("tokens", [1, 37, 64])
+def test_act_quant_pads_rows_and_lays_scales_by_group(tokens):
+    """cuBLAS's layout: rows padded to a multiple of 4 with zeros, the scales stored group-major."""
+    from deltaserve.kernels.fp8.cuda import act_quant_cuda
+
+    x = torch.randn(tokens, 640, device="cuda", dtype=torch.bfloat16)
+    q, s = act_quant_cuda(x, rows_multiple=4, group_major=True)
+    padded = -(-tokens // 4) * 4
+    assert q.shape == (padded, 640) and s.shape == (padded, 5) and s.stride() == (1, padded)
+    q0, s0 = act_quant_cuda(x)
+    assert torch.equal(q[:tokens].float(), q0.float()) and torch.equal(s[:tokens], s0)
+    assert not q[tokens:].float().any()
+
+
+# (N, K) that cuBLAS takes: aligned, a partial 128-row block (208), 9B's down projection
+CUBLAS_SHAPES = [(256, 512), (208, 1024), (4096, 12288)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale_rows", [128, 1])
+@pytest.mark.parametrize("n,k", CUBLAS_SHAPES)
+@pytest.mark.parametrize("m", [17, 64, 301])
+def test_fp8_gemm_cublas_matches_reference_and_triton(m, n, k, scale_rows, dtype):
+    """cuBLAS's block-scaled GEMM does the reference's w8a8 math, as the Triton GEMM does, for row
+    counts that are and are not multiples of 4."""
+    from deltaserve.kernels.fp8.cuda import fp8_gemm_cuda
+
+    w, s = _weight(n, k, scale_rows, m + n + k)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    got = fp8_gemm_cuda(x, w, s, scale_rows, cublas=True)
+    assert got.dtype == dtype and got.shape == (m, n) and got.is_contiguous()
+    exact = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    _close(got, fp8_linear_ref(x.float(), w, s, scale_rows), exact + 1e-2)  # + rounding ties
+    _close(got, fp8_gemm_cuda(x, w, s, scale_rows, cublas=False), exact + 1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scale_rows", [128, 1])
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -121,7 +157,11 @@ def test_fp8_linear_is_graph_capturable():
     from deltaserve.kernels.fp8.cuda import fp8_linear_cuda
 
     w, s = _weight(512, 1024, 128, 0)
-    for m in (1, 4, 64):  # the GEMV, the GEMM with a K split (decode's rows on a narrow weight), without
+    for m in (
+        1,
+        4,
+        64,
+    ):  # the GEMV, the Triton GEMM with a K split (decode's rows on a narrow weight), cuBLAS
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         expected = fp8_linear_cuda(x, w, s, 128)
         graph = torch.cuda.CUDAGraph()
