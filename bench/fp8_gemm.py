@@ -2,6 +2,7 @@
 
     python -m bench.fp8_gemm --model configs/qwen3.5-9b --rows 512 2048 8192
     python -m bench.fp8_gemm --model configs/qwen3.5-9b --rows 8192 --triton-tiles 64:128:4:3 128:128:8:3
+    python -m bench.fp8_gemm --moe configs/qwen3.5-35b-a3b --tokens 8192 --moe-tiles 64:128:64:8:3
 
 Per weight shape `[N, K]` and row count M, microseconds per call (the activations' quantization
 included; timed as `bench.gemv` times, in CUDA graphs with weights that exceed the L2 cache) and
@@ -12,6 +13,8 @@ TFLOP/s of:
   1 x 128, weight scales per 128 x 128); `cublas_row_scales`: the same with a scale per weight row
   and 128 columns (a `scale_rows` of 1);
 - `bf16`: `torch.mm` on bf16 weights of the same shape, for scale.
+With --moe, one layer's routed experts through `fp8_moe_cuda`'s grouped GEMMs (past its GEMV's
+assignments), at its default tiles and at each of --moe-tiles (BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES).
 Each FP8 path's largest error against `fp8_linear_ref` (fp32), relative to the reference's
 largest magnitude, is printed beside its time.
 """
@@ -89,13 +92,57 @@ def bench_shape(n: int, k: int, count: int, m: int, tiles: list[tuple[int, ...]]
     return row
 
 
+def bench_moe(model: str, tokens: int, tiles: list[tuple[int, ...]]) -> dict:
+    from deltaserve.kernels.fp8.blocks import quantize_blocks
+    from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
+    from deltaserve.kernels.fp8.reference import fp8_moe_ref
+    from deltaserve.models.checkpoints.loader import read_config
+    from deltaserve.models.registry import resolve, text_config
+
+    config, arch = read_config(model)
+    cfg = text_config(config, resolve(arch)[1])
+    e, h, inter, top_k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gu, gu_s = quantize_blocks(torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5)
+    dn, dn_s = quantize_blocks(torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    routes: list[Any] = []
+    for _ in range(2):
+        w, ids = torch.softmax(torch.randn(tokens, e, device="cuda", generator=g), -1).topk(top_k, dim=-1)
+        routes.append((w.to(torch.bfloat16), ids))
+    ref = fp8_moe_ref(x.float(), gu, gu_s, dn, dn_s, 128, routes[0][1], routes[0][0].float())
+    peak = ref.abs().max().item()
+    row: dict = {"experts": e, "hidden": h, "inter": inter, "top_k": top_k, "tokens": tokens}
+    flops = 2 * tokens * top_k * 3 * h * inter
+    for t in [None, *tiles]:
+        name = "default" if t is None else "tiles_{}x{}_k{}_w{}_s{}".format(*t)
+        try:
+            out = fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, routes[0][1], routes[0][0], t)  # type: ignore[arg-type]
+            err = (out.float() - ref).abs().max().item() / peak
+            us = time_us(lambda r, t=t: fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0], t), routes)
+        except Exception as exc:  # a tiling that does not compile or fit: say why and go on
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            continue
+        row[f"{name}_us"], row[f"{name}_tflops"] = round(us, 1), round(flops / us / 1e6, 1)
+        row[f"{name}_relerr"] = float(f"{err:.2e}")
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model")
+    p.add_argument("--moe", help="a MoE config: time its routed experts instead")
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192])
+    p.add_argument("--moe-tiles", nargs="*", default=[], help="BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES")
     p.add_argument("--rows", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--triton-tiles", nargs="*", default=[], help="BM:BN:WARPS:STAGES")
     args = p.parse_args()
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda}), flush=True)
+    if args.moe:
+        moe_tiles = [tuple(int(v) for v in t.split(":")) for t in args.moe_tiles]
+        for t in args.tokens:
+            print(json.dumps(bench_moe(args.moe, t, moe_tiles)), flush=True)
+        return
     tiles = [tuple(int(v) for v in t.split(":")) for t in args.triton_tiles]
     for (n, k), count in sorted(linear_shapes(args.model).items()):
         for m in args.rows:

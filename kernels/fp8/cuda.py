@@ -178,6 +178,15 @@ def fp8_linear_cuda(
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def moe_tiles(assignments: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, STEP_K, warps, stages) of the grouped GEMMs, with a K step of a whole scale
+    block: 16-row tiles for decode's batches, 64-row ones for prefill (bench/fp8_gemm.py --moe,
+    docs/performance.md)."""
+    if assignments <= 2048:
+        return 16, 128, 128, 4, 3
+    return 64, 64, 128, 8, 3
+
+
 def fp8_moe_cuda(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -187,9 +196,12 @@ def fp8_moe_cuda(
     scale_rows: int,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """`moe.cuda.fused_moe_cuda` with e4m3 experts: w8a8 grouped GEMMs, or for a few tokens the
-    per-assignment GEMV, which quantizes its rows in registers (as `fp8_linear_cuda` splits rows)."""
+    per-assignment GEMV, which quantizes its rows in registers (as `fp8_linear_cuda` splits rows).
+    `tiles`: the grouped GEMMs' (BLOCK_M, BLOCK_N, STEP_K, warps, stages), `moe_tiles` unless given
+    (`bench/fp8_gemm.py --moe` sweeps them)."""
     import triton
 
     from deltaserve.kernels.fp8.triton import _fp8_moe_down_kernel, _fp8_moe_gate_up_kernel
@@ -202,21 +214,18 @@ def fp8_moe_cuda(
     n = t * top_k
     if n <= GEMV_ASSIGNMENTS:
         return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights, gate_up_scale, down_scale, scale_rows)
-    block_m = 16 if n <= 512 else 64
+    block_m, block_n, step_k, warps, stages = tiles or moe_tiles(n)
     x = x.contiguous()
     rows, block_expert = _align(topk_ids, e, block_m)
     xq, xs = act_quant_cuda(x)
-    # 8 warps and a K step of part of a scale block: the tiles' pointers then fit the registers
-    # (4 warps, or 128-column steps, spill: ptxas -v on the sm_90 build)
-    step_k = 64 if block_m == 16 else 32
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
-    block_n = 64
     grid1 = (block_expert.numel(), triton.cdiv(inter_size, block_n))
     _fp8_moe_gate_up_kernel[grid1](
         xq, xs, gate_up, gate_up_scale, rows, block_expert, inter, n, h, inter_size, top_k, e,
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
         gate_up_scale.stride(1), inter.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k, num_warps=8,
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     iq, is_ = act_quant_cuda(inter)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
@@ -226,6 +235,7 @@ def fp8_moe_cuda(
         iq, is_, down, down_scale, rows, block_expert, weights, out, n, h, inter_size, e,
         iq.stride(0), is_.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         out.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k, num_warps=8,
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out.view(t, top_k, h).sum(dim=1)
