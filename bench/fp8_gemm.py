@@ -14,7 +14,8 @@ TFLOP/s of:
   and 128 columns (a `scale_rows` of 1);
 - `bf16`: `torch.mm` on bf16 weights of the same shape, for scale.
 With --moe, one layer's routed experts through `fp8_moe_cuda`'s grouped GEMMs (past its GEMV's
-assignments), at its default tiles and at each of --moe-tiles (BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES).
+assignments), at its default tiles and at each of --moe-tiles (BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES);
+with --bf16 as well, through the bf16 experts' `fused_moe_cuda` (the third number is its BLOCK_K).
 Each FP8 path's largest error against `fp8_linear_ref` (fp32), relative to the reference's
 largest magnitude, is printed beside its time.
 """
@@ -92,10 +93,12 @@ def bench_shape(n: int, k: int, count: int, m: int, tiles: list[tuple[int, ...]]
     return row
 
 
-def bench_moe(model: str, tokens: int, tiles: list[tuple[int, ...]]) -> dict:
-    from deltaserve.kernels.fp8.blocks import quantize_blocks
+def bench_moe(model: str, tokens: int, tiles: list[tuple[int, ...]], bf16: bool) -> dict:
+    from deltaserve.kernels.fp8.blocks import dequantize_blocks, quantize_blocks
     from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
     from deltaserve.kernels.fp8.reference import fp8_moe_ref
+    from deltaserve.kernels.moe.cuda import fused_moe_cuda
+    from deltaserve.kernels.moe.reference import moe_ref
     from deltaserve.models.checkpoints.loader import read_config
     from deltaserve.models.registry import resolve, text_config
 
@@ -110,16 +113,26 @@ def bench_moe(model: str, tokens: int, tiles: list[tuple[int, ...]]) -> dict:
     for _ in range(2):
         w, ids = torch.softmax(torch.randn(tokens, e, device="cuda", generator=g), -1).topk(top_k, dim=-1)
         routes.append((w.to(torch.bfloat16), ids))
-    ref = fp8_moe_ref(x.float(), gu, gu_s, dn, dn_s, 128, routes[0][1], routes[0][0].float())
+    if bf16:  # the bf16 experts' kernels, on the same values
+        gu_b, dn_b = dequantize_blocks(gu, gu_s).bfloat16(), dequantize_blocks(dn, dn_s).bfloat16()
+        ref = moe_ref(x.float(), gu_b.float(), dn_b.float(), routes[0][1], routes[0][0].float())
+
+        def run(r: Any, t: Any) -> torch.Tensor:
+            return fused_moe_cuda(x, gu_b, dn_b, r[1], r[0], t)
+    else:
+        ref = fp8_moe_ref(x.float(), gu, gu_s, dn, dn_s, 128, routes[0][1], routes[0][0].float())
+
+        def run(r: Any, t: Any) -> torch.Tensor:
+            return fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0], t)
+
     peak = ref.abs().max().item()
-    row: dict = {"experts": e, "hidden": h, "inter": inter, "top_k": top_k, "tokens": tokens}
+    row: dict = {"experts": e, "hidden": h, "inter": inter, "top_k": top_k, "tokens": tokens, "bf16": bf16}
     flops = 2 * tokens * top_k * 3 * h * inter
     for t in [None, *tiles]:
         name = "default" if t is None else "tiles_{}x{}_k{}_w{}_s{}".format(*t)
         try:
-            out = fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, routes[0][1], routes[0][0], t)  # type: ignore[arg-type]
-            err = (out.float() - ref).abs().max().item() / peak
-            us = time_us(lambda r, t=t: fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0], t), routes)
+            err = (run(routes[0], t).float() - ref).abs().max().item() / peak
+            us = time_us(partial(run, t=t), routes)
         except Exception as exc:  # a tiling that does not compile or fit: say why and go on
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             continue
@@ -134,6 +147,7 @@ def main() -> None:
     p.add_argument("--moe", help="a MoE config: time its routed experts instead")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192])
     p.add_argument("--moe-tiles", nargs="*", default=[], help="BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES")
+    p.add_argument("--bf16", action="store_true", help="with --moe: the bf16 experts' kernels")
     p.add_argument("--rows", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--triton-tiles", nargs="*", default=[], help="BM:BN:WARPS:STAGES")
     args = p.parse_args()
@@ -141,7 +155,7 @@ def main() -> None:
     if args.moe:
         moe_tiles = [tuple(int(v) for v in t.split(":")) for t in args.moe_tiles]
         for t in args.tokens:
-            print(json.dumps(bench_moe(args.moe, t, moe_tiles)), flush=True)
+            print(json.dumps(bench_moe(args.moe, t, moe_tiles, args.bf16)), flush=True)
         return
     tiles = [tuple(int(v) for v in t.split(":")) for t in args.triton_tiles]
     for (n, k), count in sorted(linear_shapes(args.model).items()):

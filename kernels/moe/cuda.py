@@ -41,13 +41,27 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     return rows, block_expert
 
 
+def grouped_tiles(assignments: int, element_size: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the grouped GEMMs: 16-row tiles for decode's
+    batches, 64-row ones for prefill (bench/fp8_gemm.py --moe --bf16, docs/performance.md); fp32's
+    twice as wide values in smaller tiles, within the shared memory."""
+    if element_size > 2:
+        return (16, 64, 64, 4, 3) if assignments <= 512 else (64, 64, 64, 8, 3)
+    if assignments <= 2048:
+        return 16, 64, 128, 4, 3
+    return 64, 128, 64, 4, 4
+
+
 def fused_moe_cuda(
     x: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
+    """`tiles`: the grouped GEMMs' (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), `grouped_tiles`
+    unless given (`bench/fp8_gemm.py --moe --bf16` sweeps them)."""
     import triton
 
     from deltaserve.kernels.common.pdl import pdl_args
@@ -60,12 +74,10 @@ def fused_moe_cuda(
     n = t * top_k
     if n <= GEMV_ASSIGNMENTS:
         return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights)
-    block_m = 16 if n <= 512 else 64
+    block_m, block_n, block_k, warps, stages = tiles or grouped_tiles(n, x.element_size())
     x = x.contiguous()
     rows, block_expert = _align(topk_ids, e, block_m)
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
-    block_n, block_k = 64, 64
-    warps = 8 if block_m == 64 else 4  # 64-row tiles in 4 warps spill (ptxas -v on the sm_90 build)
     # fp32 serving asks for fp32 results: no tf32 rounding inside the dots
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid1 = (block_expert.numel(), triton.cdiv(inter_size, block_n))
@@ -73,6 +85,7 @@ def fused_moe_cuda(
         x, gate_up, rows, block_expert, inter, n, h, inter_size, top_k, e,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=warps,
+        num_stages=stages,
         **pdl_args(x.device),
     )  # fmt: skip
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
@@ -82,6 +95,7 @@ def fused_moe_cuda(
         inter, down, rows, block_expert, weights, out, n, h, inter_size, e,
         inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=warps,
+        num_stages=stages,
         **pdl_args(inter.device),
     )  # fmt: skip
     return out.view(t, top_k, h).sum(dim=1)
