@@ -94,20 +94,16 @@ def bench_shape(n: int, k: int, count: int, m: int, tiles: list[tuple[int, ...]]
 
 
 def bench_moe(model: str, tokens: int, tiles: list[tuple[int, ...]], bf16: bool) -> dict:
-    from deltaserve.kernels.fp8.blocks import dequantize_blocks, quantize_blocks
+    from bench.fp8_gemv import moe_layer
+    from deltaserve.kernels.fp8.blocks import dequantize_blocks
     from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
     from deltaserve.kernels.fp8.reference import fp8_moe_ref
     from deltaserve.kernels.moe.cuda import fused_moe_cuda
     from deltaserve.kernels.moe.reference import moe_ref
-    from deltaserve.models.checkpoints.loader import read_config
-    from deltaserve.models.registry import resolve, text_config
 
-    config, arch = read_config(model)
-    cfg = text_config(config, resolve(arch)[1])
-    e, h, inter, top_k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    g = torch.Generator(device="cuda").manual_seed(0)
-    gu, gu_s = quantize_blocks(torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5)
-    dn, dn_s = quantize_blocks(torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5)
+    layer = moe_layer(model)
+    e, h, inter, top_k, g = layer.experts, layer.hidden, layer.inter, layer.top_k, layer.generator
+    (gu, gu_s), (dn, dn_s) = layer.gate_up, layer.down
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     routes: list[Any] = []
     for _ in range(2):

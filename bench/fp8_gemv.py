@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,10 +58,21 @@ def bench_dense(
     return out
 
 
-def bench_moe(model: str, tokens: list[int]) -> list[dict]:
-    from deltaserve.kernels.fp8 import cuda as fp8_cuda
+@dataclass
+class MoeLayer:
+    """One layer's routed experts of a MoE config, random and quantized to e4m3 blocks."""
+
+    experts: int
+    hidden: int
+    inter: int
+    top_k: int
+    gate_up: tuple[torch.Tensor, torch.Tensor]  # e4m3 `[E, 2I, H]`, its block scales
+    down: tuple[torch.Tensor, torch.Tensor]  # e4m3 `[E, H, I]`, its block scales
+    generator: torch.Generator
+
+
+def moe_layer(model: str) -> MoeLayer:
     from deltaserve.kernels.fp8.blocks import quantize_blocks
-    from deltaserve.kernels.moe import cuda as moe_cuda
     from deltaserve.models.checkpoints.loader import read_config
     from deltaserve.models.registry import resolve, text_config
 
@@ -67,13 +80,23 @@ def bench_moe(model: str, tokens: list[int]) -> list[dict]:
     cfg = text_config(config, resolve(arch)[1])
     e, h, inter, top_k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     g = torch.Generator(device="cuda").manual_seed(0)
-    gu, gu_s = quantize_blocks(torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5)
-    dn, dn_s = quantize_blocks(torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5)
+    gu = quantize_blocks(torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5)
+    dn = quantize_blocks(torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5)
+    return MoeLayer(e, h, inter, top_k, gu, dn, g)
+
+
+def bench_moe(model: str, tokens: list[int]) -> list[dict]:
+    from deltaserve.kernels.fp8 import cuda as fp8_cuda
+    from deltaserve.kernels.moe import cuda as moe_cuda
+
+    layer = moe_layer(model)
+    e, h, inter, top_k, g = layer.experts, layer.hidden, layer.inter, layer.top_k, layer.generator
+    (gu, gu_s), (dn, dn_s) = layer.gate_up, layer.down
     out = []
     for t in tokens:
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         # routings cycled through, so that the experts the calls touch exceed the L2 cache
-        routes = []
+        routes: list[Any] = []
         for _ in range(8):
             w, ids = torch.softmax(torch.randn(t, e, device="cuda", generator=g), -1).topk(top_k, dim=-1)
             routes.append((w.to(torch.bfloat16), ids))
