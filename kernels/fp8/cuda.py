@@ -86,9 +86,9 @@ def fp8_gemm_cuda(
     cublas: bool | None = None,
 ) -> torch.Tensor:
     """w8a8 on the FP8 tensor cores: x `[M, K]` quantized per token group, then cuBLAS's GEMM where
-    it fits (`cublas`: None, by `cublas_fits`), else the Triton GEMM (and with a K split, the parts'
-    sum). `tiles`: the Triton GEMM's (BLOCK_N, stages, split), `gemm_tiles` unless given
-    (`bench/fp8_gemv.py` sweeps them)."""
+    it fits (`cublas`: None, by `cublas_fits` unless `tiles` are given), else the Triton GEMM (and
+    with a K split, the parts' sum). `tiles`: the Triton GEMM's (BLOCK_N, stages, split),
+    `gemm_tiles` unless given (`bench/fp8_gemv.py` sweeps them)."""
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
@@ -96,7 +96,7 @@ def fp8_gemm_cuda(
 
     m, k = x.shape
     n = weight.shape[0]
-    if m and (cublas_fits(m, n, k) if cublas is None else cublas):
+    if m and (tiles is None and cublas_fits(m, n, k) if cublas is None else cublas):
         return fp8_gemm_cublas(x, weight, scale, scale_rows)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
