@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe | 80b-fp8 | ttft [CONFIG] | kimi | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+# PART: 9b | 08b | moe [C] | 80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serve flags; $TAG: a suffix to the run's name),
@@ -136,9 +136,9 @@ case "${1:-9b}" in
       "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
     offline 08b-offline configs/qwen3.5-0.8b '{"load_format": "dummy"}' "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
     ;;
-  moe)
+  moe)  # moe [C,...]: Qwen3.5-35B-A3B (default C = 1,64,256)
     serve_bench 35b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-35b-a3b $dummy" \
-      "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
+      "${WORKLOAD[@]}" --concurrency "${2:-1,64,256}" --warmup 64
     ;;
   chat)  # multi-turn chat sessions with retries, radix against naive (bench/chat_sessions.py)
     CHAT=(--sessions 64 --concurrency 32 --turns 4 --system-words 1000 --user-words 100 --max-tokens 256)
@@ -199,9 +199,9 @@ case "${1:-9b}" in
     serve_bench 80b-fp8 . "${PYTHONPATH:-}" "--model configs/qwen3-next-80b-a3b-fp8 $dummy" \
       --input-len 8192 --output-len 1024 --health-probe --concurrency 32 --num-prompts 64
     ;;
-  kimi)
+  kimi)  # kimi [C,...]: Kimi-Linear-48B-A3B (default C = 1,64,256; one level a call fits a call's limit)
     serve_bench kimi-new . "${PYTHONPATH:-}" "--model configs/kimi-linear-48b-a3b $dummy" \
-      "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
+      "${WORKLOAD[@]}" --concurrency "${2:-1,64,256}" --warmup 64
     ;;
   *)
     echo "unknown part $1" >&2
