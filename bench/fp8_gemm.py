@@ -1,14 +1,12 @@
 """The block-FP8 matmul at prefill sizes: each path on a model's own linear shapes.
 
     python -m bench.fp8_gemm --model configs/qwen3.5-9b --rows 512 2048 8192
-    python -m bench.fp8_gemm --model configs/qwen3.5-9b --rows 8192 --triton-tiles 64:128:4:3 128:128:8:3
     python -m bench.fp8_gemm --moe configs/qwen3.5-35b-a3b --tokens 8192 --moe-tiles 64:128:64:8:3
 
 Per weight shape `[N, K]` and row count M, microseconds per call (the activations' quantization
 included; timed as `bench.gemv` times, in CUDA graphs with weights that exceed the L2 cache) and
 TFLOP/s of:
 - `triton`: `fp8_gemm_cuda`'s Triton GEMM (at up to 16 rows with its K split);
-- `triton BM:BN:W:S`: that kernel with BLOCK_M x BLOCK_N tiles, W warps, S stages, no split;
 - `cublas`: cuBLAS's block-scaled FP8 GEMM through `torch._scaled_mm` (activation scales per
   1 x 128, weight scales per 128 x 128); `cublas_row_scales`: the same with a scale per weight row
   and 128 columns (a `scale_rows` of 1);
@@ -33,32 +31,7 @@ import torch
 from bench.gemv import cold_copies, linear_shapes, time_us
 
 
-def triton_tiled(x, weight, scale, block_m: int, block_n: int, warps: int, stages: int) -> torch.Tensor:
-    import triton
-
-    from deltaserve.kernels.fp8.blocks import BLOCK
-    from deltaserve.kernels.fp8.cuda import act_quant_cuda
-    from deltaserve.kernels.fp8.triton import _fp8_gemm_kernel
-
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    q, s = act_quant_cuda(x)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), 1)
-    _fp8_gemm_kernel[grid](
-        q, s, weight, scale, out, out, m, n, k, -(-k // BLOCK),
-        q.stride(0), s.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        SCALE_ROWS=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, SPLIT=1,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
-
-
-def _tiled(x: torch.Tensor, tiles: tuple[int, ...], q: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return triton_tiled(x, q[0], q[1], *tiles)
-
-
-def bench_shape(n: int, k: int, count: int, m: int, tiles: list[tuple[int, ...]]) -> dict:
+def bench_shape(n: int, k: int, count: int, m: int) -> dict:
     from deltaserve.kernels.fp8.blocks import quantize_blocks
     from deltaserve.kernels.fp8.cuda import fp8_gemm_cuda
     from deltaserve.kernels.fp8.reference import fp8_linear_ref
@@ -75,8 +48,6 @@ def bench_shape(n: int, k: int, count: int, m: int, tiles: list[tuple[int, ...]]
         "cublas": (lambda q: fp8_gemm_cuda(x, q[0], q[1], 128, cublas=True), qs),
         "cublas_row_scales": (lambda q: fp8_gemm_cuda(x, q[0], q[1], 1, cublas=True), rows),
     }
-    for t in tiles:
-        paths["triton_{}x{}_w{}_s{}".format(*t)] = (partial(_tiled, x, t), qs)
     for name, (fn, weights) in paths.items():
         try:
             err = (fn(weights[0]).float() - ref).abs().max().item() / peak
@@ -145,7 +116,6 @@ def main() -> None:
     p.add_argument("--moe-tiles", nargs="*", default=[], help="BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES")
     p.add_argument("--bf16", action="store_true", help="with --moe: the bf16 experts' kernels")
     p.add_argument("--rows", type=int, nargs="+", default=[512, 2048, 8192])
-    p.add_argument("--triton-tiles", nargs="*", default=[], help="BM:BN:WARPS:STAGES")
     args = p.parse_args()
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda}), flush=True)
     if args.moe:
@@ -153,10 +123,9 @@ def main() -> None:
         for t in args.tokens:
             print(json.dumps(bench_moe(args.moe, t, moe_tiles, args.bf16)), flush=True)
         return
-    tiles = [tuple(int(v) for v in t.split(":")) for t in args.triton_tiles]
     for (n, k), count in sorted(linear_shapes(args.model).items()):
         for m in args.rows:
-            print(json.dumps(bench_shape(n, k, count, m, tiles)), flush=True)
+            print(json.dumps(bench_shape(n, k, count, m)), flush=True)
 
 
 if __name__ == "__main__":

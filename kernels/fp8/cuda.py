@@ -96,7 +96,9 @@ def fp8_gemm_cuda(
 
     m, k = x.shape
     n = weight.shape[0]
-    if m and (tiles is None and cublas_fits(m, n, k) if cublas is None else cublas):
+    if cublas is None:
+        cublas = tiles is None and cublas_fits(m, n, k)
+    if m and cublas:
         return fp8_gemm_cublas(x, weight, scale, scale_rows)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:

@@ -157,11 +157,8 @@ def test_fp8_linear_is_graph_capturable():
     from deltaserve.kernels.fp8.cuda import fp8_linear_cuda
 
     w, s = _weight(512, 1024, 128, 0)
-    for m in (
-        1,
-        4,
-        64,
-    ):  # the GEMV, the Triton GEMM with a K split (decode's rows on a narrow weight), cuBLAS
+    # the GEMV, the Triton GEMM with a K split (decode's rows on a narrow weight), cuBLAS
+    for m in (1, 4, 64):
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         expected = fp8_linear_cuda(x, w, s, 128)
         graph = torch.cuda.CUDAGraph()
