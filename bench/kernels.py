@@ -17,7 +17,15 @@ from collections.abc import Callable
 import torch
 
 DEV = "cuda"
-SECTIONS = ("gdn_decode", "conv_decode", "conv_prefill", "paged_decode", "paged_prefill", "gdn_prefill")
+SECTIONS = (
+    "gdn_decode",
+    "conv_decode",
+    "conv_prefill",
+    "gated_norm",
+    "paged_decode",
+    "paged_prefill",
+    "gdn_prefill",
+)
 L2_BYTES = 60 * 2**20
 
 
@@ -427,6 +435,35 @@ def bench_conv_prefill(tokens: int, dim: int, row_stride: int, width: int, sweep
     return rows
 
 
+def bench_gated_norm(tokens: int, heads: int, dim: int, sweep: bool) -> list[dict]:
+    """GDN's output norm as the model runs it: the attention output `[T, H, D]` normalised and
+    gated by silu of z, a strided view of the in_proj output; GPU time per call against bytes moved."""
+    from deltaserve.kernels.norm.triton import gated_rms_norm_launch
+
+    width = heads * dim
+    x = torch.randn(tokens, heads, dim, device=DEV, dtype=torch.bfloat16)
+    z = torch.randn(tokens, 2 * width + 64, device=DEV, dtype=torch.bfloat16)[:, width : 2 * width]
+    z = z.view(tokens, heads, dim)
+    w = torch.randn(dim, device=DEV, dtype=torch.bfloat16)
+    moved = 3 * tokens * width * 2  # x and z read once, out written once
+    expected = gated_rms_norm_launch(x, z, w, 1e-6)
+    rows = []
+    for per_program in [None] + ([1, 2, 4, 8, 32, 64] if sweep else [1]):
+        seconds = gpu_seconds(lambda r=per_program: gated_rms_norm_launch(x, z, w, 1e-6, rows=r))
+        ok = torch.equal(gated_rms_norm_launch(x, z, w, 1e-6, rows=per_program), expected)
+        rows.append(
+            dict(
+                op="gated_norm",
+                variant=f"rows={per_program or 'default'}" + ("" if ok else " MISMATCH"),
+                tokens=tokens,
+                dim=width,
+                us=seconds * 1e6,
+                gbps=moved / seconds / 1e9,
+            )
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every row here")
@@ -468,6 +505,9 @@ def main() -> None:
         # Qwen3.5-0.8B's GDN conv (q, k, v: 6144 channels of an 8224-wide in_proj row), 9B's
         report(bench_conv_prefill(8192, 6144, 8224, 4, args.sweep))
         report(bench_conv_prefill(8192, 8192, 12352, 4, args.sweep))
+    if "gated_norm" in only:
+        for tokens in (8192, 1):
+            report(bench_gated_norm(tokens, 32, 128, args.sweep))
     if "paged_decode" in only:
         for batch, context in ((1, 32768), (64, 4096), (256, 2048)):
             report(bench_paged_decode(batch, context, 16, 4, 256, 16, args.sweep))

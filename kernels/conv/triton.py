@@ -101,37 +101,38 @@ def _conv_prefill_kernel(
     o_d = i_d * BD + tl.arange(0, BD)
     m_t = o_t < T
     m_d = o_d < D
-    rows = o_t.to(tl.int64)  # T * D can pass 2**31 on long prompts
     b_seq = tl.load(seq_idx + o_t, mask=m_t, other=0)
     b_pos = o_t - tl.load(cu_seqlens + b_seq, mask=m_t, other=0).to(tl.int32)  # position in its sequence
+    # the tile's pointers once (T * D can pass 2**31): each tap is a scalar offset from them
+    p_x = x + o_t.to(tl.int64)[:, None] * stride_xt + o_d[None, :]
+    # the history is read only in tiles where a sequence starts (its first W-1 outputs)
+    need_hist = tl.min(tl.where(m_t, b_pos, W - 1)) < W - 1
     b_slot = tl.load(slots + b_seq, mask=m_t, other=0).to(tl.int64)
     b_init = tl.load(has_init + b_seq, mask=m_t, other=0) != 0
-
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
     for j in tl.static_range(W):
         # tap j reads stream position pos + j, i.e. input pos + j - (W-1) of this sequence,
         # or history column pos + j when that input would precede the sequence.
-        src = b_pos + j - (W - 1)
-        in_x = src >= 0
-        b_in = tl.load(
-            x + (rows + j - (W - 1))[:, None] * stride_xt + o_d[None, :],
-            mask=(m_t & in_x)[:, None] & m_d[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        m_hist = m_t & (~in_x) & b_init
-        b_hist = tl.load(
-            pool + b_slot[:, None] * stride_ps + o_d[None, :] * stride_pd + (b_pos + j)[:, None],
-            mask=m_hist[:, None] & m_d[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        back = W - 1 - j
+        # loaded without waiting for b_pos (two dependent loads away); a prior sequence's rows dropped after
+        b_in = tl.load(p_x - back * stride_xt, mask=(m_t & (o_t >= back))[:, None] & m_d[None, :], other=0.0)
+        b_in = tl.where((b_pos >= back)[:, None], b_in.to(tl.float32), 0.0)
+        if j < W - 1:
+            if need_hist:
+                m_hist = m_t & (b_pos < back) & b_init
+                b_in += tl.load(
+                    pool + b_slot[:, None] * stride_ps + o_d[None, :] * stride_pd + (b_pos + j)[:, None],
+                    mask=m_hist[:, None] & m_d[None, :],
+                    other=0.0,
+                ).to(tl.float32)
         b_w = tl.load(weight + o_d * stride_wd + j, mask=m_d, other=0.0).to(tl.float32)
-        acc += (b_in + b_hist) * b_w[None, :]
+        acc += b_in * b_w[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(
-        out + rows[:, None] * stride_ot + o_d[None, :],
+        out + o_t.to(tl.int64)[:, None] * stride_ot + o_d[None, :],
         acc.to(out.dtype.element_ty),
         mask=m_t[:, None] & m_d[None, :],
     )

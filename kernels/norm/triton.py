@@ -27,6 +27,9 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x, 1, x.stride(0), 0
 
 
+GATED_NORM_ELEMENTS = 2048  # a gated norm program's rows x columns at most (16 rows of 128)
+
+
 def _warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8
 
@@ -129,6 +132,7 @@ def _gated_rms_norm_kernel(
     z,
     w,
     y,
+    R,
     H,
     sx0,
     sx1,
@@ -136,31 +140,40 @@ def _gated_rms_norm_kernel(
     sz1,
     D,
     eps,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     SIGMOID_FP32: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_inputs(PDL)
-    r = tl.program_id(0).to(tl.int64)
+    # ROWS (token, head) rows a program: one 128-wide row is too little work for a program
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     t = r // H
     h = r % H
     o = tl.arange(0, BLOCK)
-    m = o < D
-    xv = tl.load(x + t * sx0 + h * sx1 + o, mask=m, other=0.0).to(tl.float32)
-    n = xv * tl.rsqrt(tl.sum(xv * xv, 0) / D + eps)
-    wv = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
-    zv = tl.load(z + t * sz0 + h * sz1 + o, mask=m, other=0.0).to(tl.float32)
+    m = (r < R)[:, None] & (o < D)[None, :]
+    xv = tl.load(x + (t * sx0 + h * sx1)[:, None] + o[None, :], mask=m, other=0.0).to(tl.float32)
+    n = xv * tl.rsqrt(tl.sum(xv * xv, 1) / D + eps)[:, None]
+    wv = tl.load(w + o, mask=o < D, other=0.0).to(tl.float32)[None, :]
+    zv = tl.load(z + (t * sz0 + h * sz1)[:, None] + o[None, :], mask=m, other=0.0).to(tl.float32)
     if SIGMOID_FP32:  # KDA: w * norm(x) * sigmoid(z), all fp32
         out = wv * n * tl.sigmoid(zv)
     else:  # GDN: (w * norm(x) rounded to x's dtype) * silu(z)
         v = (n.to(y.dtype.element_ty).to(tl.float32) * wv).to(y.dtype.element_ty).to(tl.float32)
         out = v * zv * tl.sigmoid(zv)
-    tl.store(y + r * D + o, out.to(y.dtype.element_ty), mask=m)
+    tl.store(y + r[:, None] * D + o[None, :], out.to(y.dtype.element_ty), mask=m)
 
 
 def gated_rms_norm_launch(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = "silu"
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    kind: str = "silu",
+    rows: int | None = None,
 ) -> torch.Tensor:
+    """`rows`: (token, head) rows a program (default: one for decode-sized inputs, up to
+    GATED_NORM_ELEMENTS' worth for prefill; the sweep in docs/kernels.md)."""
     assert x.shape == gate.shape and x.dim() == 3, (x.shape, gate.shape)
     t, h, d = x.shape
     xr, _, sx0, sx1 = _rows(x)
@@ -168,11 +181,14 @@ def gated_rms_norm_launch(
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if t * h:
         block = triton.next_power_of_2(d)
-        _gated_rms_norm_kernel[(t * h,)](
+        if rows is None:  # several rows a program once there are programs enough for the SMs
+            rows = max(1, min(GATED_NORM_ELEMENTS // block, triton.next_power_of_2(t * h) // 512))
+        _gated_rms_norm_kernel[(triton.cdiv(t * h, rows),)](
             xr,
             zr,
             weight,
             y,
+            t * h,
             h,
             sx0,
             sx1,
@@ -180,9 +196,10 @@ def gated_rms_norm_launch(
             sz1,
             d,
             eps,
+            ROWS=rows,
             BLOCK=block,
             SIGMOID_FP32=kind == "sigmoid",
-            num_warps=_warps(block),
+            num_warps=_warps(rows * block),
             **pdl_args(xr.device),
         )
     return y

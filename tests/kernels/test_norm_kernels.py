@@ -55,16 +55,18 @@ def test_qk_norm_rope_on_a_strided_view(dtype, head_dim, rotary):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_norm_reads_the_gate_inside_the_projection(dtype):
+@pytest.mark.parametrize("rows", [None, 1, 16])  # the default, and each tiling it picks between
+@pytest.mark.parametrize("t", [5, 300])
+def test_gated_norm_reads_the_gate_inside_the_projection(dtype, rows, t):
     from deltaserve.kernels.norm.triton import gated_rms_norm_launch
 
-    t, h, d = 5, 16, 128
+    h, d = 16, 128
     proj = randn(t, 3 * h * d + 7, dtype=dtype)
     z = proj[:, h * d : 2 * h * d].view(t, h, d)
     o = randn(t, h, d, dtype=dtype, seed=1)
     w = randn(d, dtype=dtype, scale=0.5, seed=2)
     ref = N.gated_rms_norm_ref(o, z, w, 1e-6)
-    torch.testing.assert_close(gated_rms_norm_launch(o, z, w, 1e-6), ref, **tol(dtype))
+    torch.testing.assert_close(gated_rms_norm_launch(o, z, w, 1e-6, rows=rows), ref, **tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -107,10 +109,11 @@ def test_silu_and_mul(dtype, rows, inter):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kda_gate_and_sigmoid_gated_norm(dtype):
+@pytest.mark.parametrize("t", [7, 300])  # one row a program, 16 rows a program
+def test_kda_gate_and_sigmoid_gated_norm(dtype, t):
     from deltaserve.kernels.norm.triton import gated_rms_norm_launch, kda_gate_launch
 
-    t, h, d = 7, 32, 128  # Kimi-Linear-48B's KDA heads
+    h, d = 32, 128  # Kimi-Linear-48B's KDA heads
     proj = randn(t, 3 * h * d, dtype=dtype, scale=6.0)
     f = proj[:, : h * d]
     dt_bias, A_log = randn(h * d, dtype=dtype, seed=1), randn(h, dtype=dtype, seed=2)
