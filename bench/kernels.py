@@ -423,16 +423,21 @@ def bench_conv_prefill(tokens: int, dim: int, row_stride: int, width: int, sweep
         ok = torch.equal(out, expected)
         seconds = gpu_seconds(call)
         rows.append(
-            dict(
-                op="conv_prefill",
-                variant=f"BT={bt},BD={bd},warps={warps}" + ("" if ok else " MISMATCH"),
-                tokens=tokens,
-                dim=dim,
-                us=seconds * 1e6,
-                gbps=moved / seconds / 1e9,
-            )
+            prefill_row("conv_prefill", f"BT={bt},BD={bd},warps={warps}", ok, tokens, dim, seconds, moved)
         )
     return rows
+
+
+def prefill_row(op: str, variant: str, ok: bool, tokens: int, dim: int, seconds: float, moved: int) -> dict:
+    """One timed variant of a prefill kernel, marked where its output differs from the default's."""
+    return dict(
+        op=op,
+        variant=variant + ("" if ok else " MISMATCH"),
+        tokens=tokens,
+        dim=dim,
+        us=seconds * 1e6,
+        gbps=moved / seconds / 1e9,
+    )
 
 
 def bench_gated_norm(tokens: int, heads: int, dim: int, sweep: bool) -> list[dict]:
@@ -452,14 +457,7 @@ def bench_gated_norm(tokens: int, heads: int, dim: int, sweep: bool) -> list[dic
         seconds = gpu_seconds(lambda r=per_program: gated_rms_norm_launch(x, z, w, 1e-6, rows=r))
         ok = torch.equal(gated_rms_norm_launch(x, z, w, 1e-6, rows=per_program), expected)
         rows.append(
-            dict(
-                op="gated_norm",
-                variant=f"rows={per_program or 'default'}" + ("" if ok else " MISMATCH"),
-                tokens=tokens,
-                dim=width,
-                us=seconds * 1e6,
-                gbps=moved / seconds / 1e9,
-            )
+            prefill_row("gated_norm", f"rows={per_program or 'default'}", ok, tokens, width, seconds, moved)
         )
     return rows
 
