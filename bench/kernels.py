@@ -429,7 +429,7 @@ def bench_conv_prefill(tokens: int, dim: int, row_stride: int, width: int, sweep
 
 
 def prefill_row(op: str, variant: str, ok: bool, tokens: int, dim: int, seconds: float, moved: int) -> dict:
-    """One timed variant of a prefill kernel, marked where its output differs from the default's."""
+    """One timed variant of a prefill kernel, marked where its output does not match the default's."""
     return dict(
         op=op,
         variant=variant + ("" if ok else " MISMATCH"),
@@ -455,7 +455,9 @@ def bench_gated_norm(tokens: int, heads: int, dim: int, sweep: bool) -> list[dic
     rows = []
     for per_program in [None] + ([1, 2, 4, 8, 32, 64] if sweep else [1]):
         seconds = gpu_seconds(lambda r=per_program: gated_rms_norm_launch(x, z, w, 1e-6, rows=r))
-        ok = torch.equal(gated_rms_norm_launch(x, z, w, 1e-6, rows=per_program), expected)
+        # tilings sum a row in different orders: one bf16 rounding apart is a match
+        got = gated_rms_norm_launch(x, z, w, 1e-6, rows=per_program)
+        ok = torch.allclose(got.float(), expected.float(), atol=3e-2, rtol=2e-2)
         rows.append(
             prefill_row("gated_norm", f"rows={per_program or 'default'}", ok, tokens, width, seconds, moved)
         )
