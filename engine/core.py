@@ -156,7 +156,9 @@ class EngineCore:
             ready = self._poller.poll(1 if self._off_loop_pending else IDLE_POLL_MS)
             self._idle_s += time.perf_counter() - start
         if not ready:
-            if not busy:
+            if busy:  # a killed server's outputs queue unread for many steps before a send blocks
+                self._check_parent()
+            else:
                 self._idle_tick()
             return True
         for client, pull in enumerate(self._ins):
