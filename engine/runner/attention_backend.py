@@ -21,6 +21,9 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [N+1]
     seq_lens: torch.Tensor  # [N]
     max_seqlen_q: int
+    num_decodes: int = 0  # the first requests, one query row each
+    # (request, first row, end row, KV length) of the others, from the host: MLA's prefill loop
+    requests: list[tuple[int, int, int, int]] | None = None
 
 
 class AttentionBackend(AttentionOps):
@@ -42,7 +45,13 @@ class AttentionBackend(AttentionOps):
             assert self.slot_pages is not None, "a batch without a page table needs the slot table"
             page_table = self.slot_pages.table[:, : batch.page_columns].index_select(0, batch.state_slots)
         self.batch = AttentionMetadata(
-            batch.slot_mapping, page_table, batch.cu_seqlens_q, batch.seq_lens, batch.max_seqlen_q
+            batch.slot_mapping,
+            page_table,
+            batch.cu_seqlens_q,
+            batch.seq_lens,
+            batch.max_seqlen_q,
+            batch.num_decodes,
+            _host_requests(batch),
         )
 
     # -- CUDA graphs: batches of n requests of `width` tokens each (decode: 1; speculative
@@ -112,4 +121,31 @@ class AttentionBackend(AttentionOps):
         assert b is not None, "prepare() was not called for this forward"
         cache = self.pool.layer(self.layer_index[layer_id])["latent"]
         store_latent(cache, latent, b.slot_mapping)
-        return mla_attention(q, cache, w_kv_b, b.page_table, b.cu_seqlens_q, b.seq_lens, scale, v_head_dim)
+        return mla_attention(
+            q,
+            cache,
+            w_kv_b,
+            b.page_table,
+            b.cu_seqlens_q,
+            b.seq_lens,
+            scale,
+            v_head_dim,
+            b.num_decodes,
+            b.requests,
+        )
+
+
+def _host_requests(batch: ForwardBatch) -> list[tuple[int, int, int, int]] | None:
+    """(request, first row, end row, KV length) of each request past the decode rows, from the
+    lists the batch was built from (None without them, or with decode rows only)."""
+    src = batch.source
+    if src is None or batch.num_decodes == batch.num_requests:
+        return None
+    tokens, starts = src["token_lists"], src["starts"]
+    requests, lo = [], batch.num_decodes
+    for i in range(batch.num_decodes, len(tokens)):
+        hi = lo + len(tokens[i])
+        if hi > lo:
+            requests.append((i, lo, hi, starts[i] + len(tokens[i])))
+        lo = hi
+    return requests

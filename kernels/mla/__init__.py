@@ -39,20 +39,26 @@ def mla_attention(
     seq_lens: torch.Tensor,
     scale: float,
     v_head_dim: int,
+    num_decodes: int = 0,
+    requests: list[tuple[int, int, int, int]] | None = None,
 ) -> torch.Tensor:
-    """q `[T, H, nope + R]` packed over N requests; returns `[T, H, v_head_dim]`.
+    """q `[T, H, nope + R]` packed over N requests; returns `[T, H, v_head_dim]`. The first
+    `num_decodes` requests have one query row each; `requests`, from the host where known: (request,
+    first row, end row, KV length) of the others (the fast path's; the reference reads its own).
 
     CPU runs the expanded reference. On CUDA, batches of one token per request (decode, and
     what CUDA graphs capture) take the Triton kernel over the latent cache (absorbed form);
     prefill takes the same expansion through torch's fused attention (`mla_prefill_sdpa`, which
-    never materialises the fp32 scores), or with `DELTASERVE_MLA_PREFILL=reference` the
-    expanded reference.
+    never materialises the fp32 scores; a mixed batch's decode rows take the decode kernel), or
+    with `DELTASERVE_MLA_PREFILL=reference` the expanded reference.
     """
     if use_fast_path(q):
         if q.shape[0] == seq_lens.shape[0]:
             return mla_decode_triton(q, cache, w_kv_b, page_table, seq_lens, scale, v_head_dim)
         if mla_prefill_mode() == "sdpa":
-            return mla_prefill_sdpa(q, cache, w_kv_b, page_table, cu_seqlens_q, seq_lens, scale, v_head_dim)
+            return mla_prefill_sdpa(
+                q, cache, w_kv_b, page_table, cu_seqlens_q, seq_lens, scale, v_head_dim, num_decodes, requests
+            )
     return mla_attention_ref(q, cache, w_kv_b, page_table, cu_seqlens_q, seq_lens, scale, v_head_dim)
 
 

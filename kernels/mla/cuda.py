@@ -18,15 +18,27 @@ def mla_prefill_sdpa(
     seq_lens: torch.Tensor,
     scale: float,
     v_head_dim: int,
+    num_decodes: int = 0,
+    requests: list[tuple[int, int, int, int]] | None = None,
 ) -> torch.Tensor:
     """Expanded form through torch's fused attention: per request, the cached latents become
     per-head K and V in q's dtype and `scaled_dot_product_attention` attends without the
     `[H, Tq, S]` fp32 scores the reference materialises (on CUDA its flash / memory-efficient
-    kernels). V is zero-padded to the key width, so that one head size serves both."""
+    kernels). V is zero-padded to the key width, so that one head size serves both.
+
+    The first `num_decodes` requests (one query row each, rows `0:num_decodes`) take the decode
+    kernel in one launch: a mixed step's hundreds of decode rows would otherwise each pay a loop
+    turn of launches and expand their whole context. `requests`: (request, first row, end row, KV
+    length) of the others, from the host; None reads them back from the device."""
     heads, width = q.shape[1], q.shape[2]
     w = w_kv_b.to(q.dtype)
     out = q.new_empty(q.shape[0], heads, v_head_dim)
-    for i, lo, hi, total in _requests(cu_seqlens_q, seq_lens):
+    if num_decodes:
+        d = slice(0, num_decodes)
+        out[d] = mla_decode_triton(q[d], cache, w_kv_b, page_table[d], seq_lens[d], scale, v_head_dim)
+    if requests is None:
+        requests = [r for r in _requests(cu_seqlens_q, seq_lens) if r[0] >= num_decodes]
+    for i, lo, hi, total in requests:
         k, v = _expanded_kv(_gather(cache, page_table[i], total).to(q.dtype), w, heads, v_head_dim)
         if v_head_dim < width:
             v = F.pad(v, (0, width - v_head_dim))

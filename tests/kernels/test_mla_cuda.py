@@ -64,3 +64,32 @@ def test_fused_attention_prefill_matches_expanded_reference(dtype):
     ref = mla_attention_ref(q.float(), cache.float(), w.float(), table, cu, seq, scale, v_dim)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("host_requests", [True, False])
+def test_mixed_batch_decode_rows_take_the_decode_kernel_and_match_the_reference(host_requests):
+    """A mixed step's layout (decode rows first, then a fresh prompt and one continued over a
+    cached prefix) through the fused-attention prefill with `num_decodes`: the decode rows go
+    to the Triton kernel in one launch, the others to the loop; all match the reference."""
+    from deltaserve.kernels.mla import mla_attention
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    heads, nope, rope, latent, v_dim, page = 32, 128, 64, 512, 128, 16
+    seq_lens, q_lens, decodes = [33, 1, 500, 400, 900], [1, 1, 1, 400, 200], 3
+    max_pages = max(seq_lens) // page + 1
+    pool_pages = len(seq_lens) * max_pages + 1
+    cache = torch.randn(pool_pages, page, latent + rope, device="cuda", generator=g).bfloat16()
+    perm = torch.randperm(pool_pages - 1, device="cuda", generator=g) + 1
+    table = perm[: len(seq_lens) * max_pages].view(len(seq_lens), -1).int()
+    q = torch.randn(sum(q_lens), heads, nope + rope, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(heads * (nope + v_dim), latent, device="cuda", generator=g) / latent**0.5).bfloat16()
+    bounds = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    requests = [(i, bounds[i], bounds[i + 1], seq_lens[i]) for i in range(decodes, len(seq_lens))]
+    scale = (nope + rope) ** -0.5
+    out = mla_attention(
+        q, cache, w, table, cu, seq, scale, v_dim, decodes, requests if host_requests else None
+    )
+    ref = mla_attention_ref(q.float(), cache.float(), w.float(), table, cu, seq, scale, v_dim)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)

@@ -56,3 +56,28 @@ def test_equal_to_flas_own_builder() -> None:
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
         ours = torch.tensor(fla_chunk_indices(lengths, FLA_CHUNK), device="cuda").view(-1, 2)
         assert torch.equal(ours, prepare_chunk_indices(cu, FLA_CHUNK))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_host_request_bounds_equal_the_device_tensors(seed: int) -> None:
+    """MLA's prefill loop takes each non-decode request's rows and KV length from the host's lists;
+    they must be what the batch's cu_seqlens_q and seq_lens say."""
+    from deltaserve.engine.runner.attention_backend import _host_requests
+    from deltaserve.kernels.mla.reference import _requests
+
+    rng = random.Random(seed)
+    decodes, verify, prefill = rng.randint(0, 6), rng.randint(0, 2), rng.randint(1, 4)
+    lens = [1] * decodes + [3] * verify + [rng.randint(1, 300) for _ in range(prefill)]
+    starts = [rng.randint(0, 200) for _ in lens]
+    page = 16
+    pages = [
+        list(range(1 + 40 * i, 1 + 40 * i + (s + n) // page + 1))
+        for i, (s, n) in enumerate(zip(starts, lens))
+    ]
+    batch = build_forward_batch(
+        [list(range(5, 5 + n)) for n in lens], starts, pages, list(range(len(lens))), [s > 0 for s in starts],
+        [True] * len(lens), decodes, page, torch.device("cpu"), num_verify=verify,
+    )  # fmt: skip
+    expected = [r for r in _requests(batch.cu_seqlens_q, batch.seq_lens) if r[0] >= decodes]
+    assert _host_requests(batch) == expected
+    assert [r[2] - r[1] for r in expected] == lens[decodes:]
