@@ -423,13 +423,13 @@ def bench_conv_prefill(tokens: int, dim: int, row_stride: int, width: int, sweep
         ok = torch.equal(out, expected)
         seconds = gpu_seconds(call)
         rows.append(
-            prefill_row("conv_prefill", f"BT={bt},BD={bd},warps={warps}", ok, tokens, dim, seconds, moved)
+            variant_row("conv_prefill", f"BT={bt},BD={bd},warps={warps}", ok, tokens, dim, seconds, moved)
         )
     return rows
 
 
-def prefill_row(op: str, variant: str, ok: bool, tokens: int, dim: int, seconds: float, moved: int) -> dict:
-    """One timed variant of a prefill kernel, marked where its output does not match the default's."""
+def variant_row(op: str, variant: str, ok: bool, tokens: int, dim: int, seconds: float, moved: int) -> dict:
+    """One timed variant of a kernel, marked where its output does not match the default's."""
     return dict(
         op=op,
         variant=variant + ("" if ok else " MISMATCH"),
@@ -459,7 +459,7 @@ def bench_gated_norm(tokens: int, heads: int, dim: int, sweep: bool) -> list[dic
         got = gated_rms_norm_launch(x, z, w, 1e-6, rows=per_program)
         ok = torch.allclose(got.float(), expected.float(), atol=3e-2, rtol=2e-2)
         rows.append(
-            prefill_row("gated_norm", f"rows={per_program or 'default'}", ok, tokens, width, seconds, moved)
+            variant_row("gated_norm", f"rows={per_program or 'default'}", ok, tokens, width, seconds, moved)
         )
     return rows
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -11,6 +14,7 @@ from deltaserve.engine.cache.page_table import SlotPageTable
 from deltaserve.engine.runner.forward_batch import ForwardBatch
 from deltaserve.kernels.attention import paged_attention, store_kv
 from deltaserve.kernels.mla import mla_attention, store_latent
+from deltaserve.kernels.mla.reference import RequestBounds, request_bounds
 from deltaserve.models.forward import AttentionOps
 
 
@@ -22,8 +26,19 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [N]
     max_seqlen_q: int
     num_decodes: int = 0  # the first requests, one query row each
-    # (request, first row, end row, KV length) of the others, from the host: MLA's prefill loop
-    requests: list[tuple[int, int, int, int]] | None = None
+    source: dict[str, Any] | None = None  # the host lists the batch was built from
+
+    @cached_property
+    def requests(self) -> list[RequestBounds] | None:
+        """The bounds of the requests past the decode rows, from the host's lists (MLA's prefill
+        loop; built at its first layer's call, so models without MLA never build them)."""
+        if self.source is None:
+            return None
+        tokens, starts = self.source["token_lists"], self.source["starts"]
+        if len(tokens) == self.num_decodes:  # decode rows only: the decode kernel's
+            return []
+        bounds = [0, *accumulate(len(t) for t in tokens)]
+        return request_bounds(bounds, [s + len(t) for s, t in zip(starts, tokens)], self.num_decodes)
 
 
 class AttentionBackend(AttentionOps):
@@ -51,7 +66,7 @@ class AttentionBackend(AttentionOps):
             batch.seq_lens,
             batch.max_seqlen_q,
             batch.num_decodes,
-            _host_requests(batch),
+            batch.source,
         )
 
     # -- CUDA graphs: batches of n requests of `width` tokens each (decode: 1; speculative
@@ -133,19 +148,3 @@ class AttentionBackend(AttentionOps):
             b.num_decodes,
             b.requests,
         )
-
-
-def _host_requests(batch: ForwardBatch) -> list[tuple[int, int, int, int]] | None:
-    """(request, first row, end row, KV length) of each request past the decode rows, from the
-    lists the batch was built from (None without them, or with decode rows only)."""
-    src = batch.source
-    if src is None or batch.num_decodes == batch.num_requests:
-        return None
-    tokens, starts = src["token_lists"], src["starts"]
-    requests, lo = [], batch.num_decodes
-    for i in range(batch.num_decodes, len(tokens)):
-        hi = lo + len(tokens[i])
-        if hi > lo:
-            requests.append((i, lo, hi, starts[i] + len(tokens[i])))
-        lo = hi
-    return requests

@@ -22,7 +22,7 @@ import torch
 from deltaserve.kernels.common.launch import env_mode
 from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.mla.cuda import mla_decode_triton, mla_prefill_sdpa
-from deltaserve.kernels.mla.reference import mla_attention_ref
+from deltaserve.kernels.mla.reference import RequestBounds, mla_attention_ref
 
 
 def store_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -40,7 +40,7 @@ def mla_attention(
     scale: float,
     v_head_dim: int,
     num_decodes: int = 0,
-    requests: list[tuple[int, int, int, int]] | None = None,
+    requests: list[RequestBounds] | None = None,
 ) -> torch.Tensor:
     """q `[T, H, nope + R]` packed over N requests; returns `[T, H, v_head_dim]`. The first
     `num_decodes` requests have one query row each; `requests`, from the host where known: (request,

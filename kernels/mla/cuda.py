@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels.mla.reference import _causal_mask, _expanded_kv, _gather, _requests, absorb_weights
+from deltaserve.kernels.mla.reference import (
+    RequestBounds,
+    _causal_mask,
+    _expanded_kv,
+    _gather,
+    _requests,
+    absorb_weights,
+)
 
 
 def mla_prefill_sdpa(
@@ -19,7 +26,7 @@ def mla_prefill_sdpa(
     scale: float,
     v_head_dim: int,
     num_decodes: int = 0,
-    requests: list[tuple[int, int, int, int]] | None = None,
+    requests: list[RequestBounds] | None = None,
 ) -> torch.Tensor:
     """Expanded form through torch's fused attention: per request, the cached latents become
     per-head K and V in q's dtype and `scaled_dot_product_attention` attends without the
@@ -37,7 +44,7 @@ def mla_prefill_sdpa(
         d = slice(0, num_decodes)
         out[d] = mla_decode_triton(q[d], cache, w_kv_b, page_table[d], seq_lens[d], scale, v_head_dim)
     if requests is None:
-        requests = [r for r in _requests(cu_seqlens_q, seq_lens) if r[0] >= num_decodes]
+        requests = _requests(cu_seqlens_q, seq_lens, num_decodes)
     for i, lo, hi, total in requests:
         k, v = _expanded_kv(_gather(cache, page_table[i], total).to(q.dtype), w, heads, v_head_dim)
         if v_head_dim < width:

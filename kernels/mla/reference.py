@@ -5,8 +5,6 @@ fast paths of `mla/cuda.py`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 
@@ -22,12 +20,21 @@ def _causal_mask(total: int, q_len: int, device: torch.device) -> torch.Tensor:
     return pos.unsqueeze(0) > q_pos.unsqueeze(1)  # [Tq, S], True where masked
 
 
-def _requests(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> Iterator[tuple[int, int, int, int]]:
-    """(request, first query row, end query row, KV length) of each request with queries."""
-    bounds = cu_seqlens_q.tolist()
-    for i, total in enumerate(seq_lens.tolist()):
-        if bounds[i + 1] > bounds[i]:
-            yield i, bounds[i], bounds[i + 1], total
+RequestBounds = tuple[int, int, int, int]  # (request, first query row, end query row, KV length)
+
+
+def request_bounds(bounds: list[int], kv_lens: list[int], first: int = 0) -> list[RequestBounds]:
+    """Each request from `first` on with queries: `bounds` are the query rows' cumulative starts."""
+    return [
+        (i, bounds[i], bounds[i + 1], kv_lens[i])
+        for i in range(first, len(kv_lens))
+        if bounds[i + 1] > bounds[i]
+    ]
+
+
+def _requests(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, first: int = 0) -> list[RequestBounds]:
+    """`request_bounds` of the batch's tensors (read back from the device)."""
+    return request_bounds(cu_seqlens_q.tolist(), seq_lens.tolist(), first)
 
 
 def _expanded_kv(

@@ -62,7 +62,7 @@ def test_equal_to_flas_own_builder() -> None:
 def test_host_request_bounds_equal_the_device_tensors(seed: int) -> None:
     """MLA's prefill loop takes each non-decode request's rows and KV length from the host's lists;
     they must be what the batch's cu_seqlens_q and seq_lens say."""
-    from deltaserve.engine.runner.attention_backend import _host_requests
+    from deltaserve.engine.runner.attention_backend import AttentionMetadata
     from deltaserve.kernels.mla.reference import _requests
 
     rng = random.Random(seed)
@@ -78,6 +78,10 @@ def test_host_request_bounds_equal_the_device_tensors(seed: int) -> None:
         [list(range(5, 5 + n)) for n in lens], starts, pages, list(range(len(lens))), [s > 0 for s in starts],
         [True] * len(lens), decodes, page, torch.device("cpu"), num_verify=verify,
     )  # fmt: skip
-    expected = [r for r in _requests(batch.cu_seqlens_q, batch.seq_lens) if r[0] >= decodes]
-    assert _host_requests(batch) == expected
+    meta = AttentionMetadata(
+        batch.slot_mapping, batch.page_table, batch.cu_seqlens_q, batch.seq_lens, batch.max_seqlen_q,
+        batch.num_decodes, batch.source,
+    )  # fmt: skip
+    expected = _requests(batch.cu_seqlens_q, batch.seq_lens, decodes)
+    assert meta.requests == expected
     assert [r[2] - r[1] for r in expected] == lens[decodes:]
