@@ -375,12 +375,13 @@ def test_stream_chunks_on_the_wire(serve_script) -> None:
     text = raw_chunks(
         client, "completions", {"model": "scripted", "prompt": "Hi", "max_tokens": 5, "stream": True}
     )
-    assert len(text) == 5
+    # a chunk a token, or fewer: outputs the stream had not yet sent when the next came go as one
+    assert 1 <= len(text) <= 5
     for chunk in text:
         assert chunk["object"] == "text_completion" and "usage" not in chunk
         (choice,) = chunk["choices"]
         assert set(choice) == {"index", "text", "logprobs", "finish_reason"}  # no vLLM prompt_logprobs
-    assert [c["choices"][0]["finish_reason"] for c in text] == [None] * 4 + ["length"]
+    assert [c["choices"][0]["finish_reason"] for c in text] == [None] * (len(text) - 1) + ["length"]
 
 
 TRICKY = (
