@@ -5,7 +5,7 @@
 # Here, before the device call (the export lands in .base/, which git ignores; carry it):
 #   bash bench/ab.sh prepare REV
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
-#   bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8
+#   bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b --batch-sizes 1 8
 # prints "=== before (REV)" and "=== after (working tree)" around the two runs' output.
 set -euo pipefail
 case "${1:-}" in
@@ -25,6 +25,15 @@ case "${1:-}" in
       # the benchmarks import `bench` and read `configs` from the working directory; the
       # package itself must come from the install, not from the export's source folders
       mkdir -p /tmp/ab-cwd && cp -r .base/base/bench .base/base/configs /tmp/ab-cwd/
+      # a REV from before bench/ was split into folders (serving/, engine/, ops/) has its
+      # benchmarks at bench/NAME.py: each also goes where the tree's command names it, so that
+      # `-m bench.engine.decode` runs REV's own decode.py (whose `bench.NAME` imports find REV's)
+      for f in bench/*/*.py; do
+        old=/tmp/ab-cwd/bench/${f##*/}
+        if [ "${f##*/}" != __init__.py ] && [ -f "$old" ] && [ ! -e "/tmp/ab-cwd/$f" ]; then
+          mkdir -p "/tmp/ab-cwd/${f%/*}" && cp "$old" "/tmp/ab-cwd/$f"
+        fi
+      done
       # a benchmark newer than REV runs from the tree's copy (against REV's package)
       cp -rn bench/. /tmp/ab-cwd/bench/
     fi

@@ -45,116 +45,116 @@ case "${1:-all}" in
     wait
     ;;
   qwen)
-    run 170 bench-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
+    run 170 bench-0.8b python3 -m bench.engine.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
       --new-tokens 128 --prefill-len 8192 --hf --hf-new-tokens 16 --json "$out/qwen3.5-0.8b.json"
-    run 140 bench-9b python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
+    run 140 bench-9b python3 -m bench.engine.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
       --new-tokens 128 --prefill-len 8192 --hf --hf-new-tokens 16 --json "$out/qwen3.5-9b.json"
-    run 100 sync-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 64 256 \
+    run 100 sync-0.8b python3 -m bench.engine.decode --model configs/qwen3.5-0.8b --batch-sizes 64 256 \
       --new-tokens 128 --prefill-len 0 --disable-overlap-schedule --json "$out/qwen3.5-0.8b-sync.json"
     ;;
   defaults)  # before (cuBLAS everywhere, synchronous steps) and after (the CUDA defaults), one run
     run 40 gemv-tests python3 -m pytest -q -m gpu tests/kernels/test_gemv_cuda.py
-    DELTASERVE_GEMV=cublas run 80 before-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b \
+    DELTASERVE_GEMV=cublas run 80 before-0.8b python3 -m bench.engine.decode --model configs/qwen3.5-0.8b \
       --batch-sizes 1 8 64 256 --new-tokens 128 --prefill-len 0 --disable-overlap-schedule
-    run 90 after-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
+    run 90 after-0.8b python3 -m bench.engine.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
       --new-tokens 128 --prefill-len 8192 --json "$out/qwen3.5-0.8b.json"
-    DELTASERVE_GEMV=cublas run 80 before-9b python3 -m bench.decode --model configs/qwen3.5-9b \
+    DELTASERVE_GEMV=cublas run 80 before-9b python3 -m bench.engine.decode --model configs/qwen3.5-9b \
       --batch-sizes 1 256 --new-tokens 128 --prefill-len 0 --disable-overlap-schedule
-    run 100 after-9b python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
+    run 100 after-9b python3 -m bench.engine.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
       --new-tokens 128 --prefill-len 8192 --json "$out/qwen3.5-9b.json"
-    run 100 spec-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+    run 100 spec-graphs python3 -m bench.engine.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs --dtype float32
     ;;
   diagnose)  # the open questions of docs/performance.md, one device call
-    run 120 spec-fp32 python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+    run 120 spec-fp32 python3 -m bench.engine.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs --dtype float32 --new-tokens 64
-    run 120 host-9b-bs256 python3 -m bench.profile_decode --model configs/qwen3.5-9b --batch-size 256 \
+    run 120 host-9b-bs256 python3 -m bench.engine.profile_decode --model configs/qwen3.5-9b --batch-size 256 \
       --max-model-len 8208 --rows 25
-    run 100 host-0.8b-bs256 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
+    run 100 host-0.8b-bs256 python3 -m bench.engine.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
       --max-model-len 8208 --rows 25
-    run 100 sync-9b-bs256 python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 256 \
+    run 100 sync-9b-bs256 python3 -m bench.engine.decode --model configs/qwen3.5-9b --batch-sizes 256 \
       --new-tokens 128 --prefill-len 0 --disable-overlap-schedule
     ;;
   profiles)  # GPU busy time and idle gaps with overlap at two max_model_len, and batch 1
-    run 100 profile-656 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
+    run 100 profile-656 python3 -m bench.engine.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
       --max-model-len 656 --rows 10
-    run 100 profile-8208 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
+    run 100 profile-8208 python3 -m bench.engine.profile_decode --model configs/qwen3.5-0.8b --batch-size 256 \
       --max-model-len 8208 --rows 10
-    run 80 profile-bs1 python3 -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 1 --rows 30
+    run 80 profile-bs1 python3 -m bench.engine.profile_decode --model configs/qwen3.5-0.8b --batch-size 1 --rows 30
     ;;
   kimi-prefill)  # KDA prefill below FLA's entry and MLA prefill: before/after timings, one call
     run 120 kda-prefill-tests python3 -m pytest -q -m gpu tests/kernels/test_kda_cuda.py -k "prefill or fused" \
       tests/kernels/test_mla_cuda.py
-    DELTASERVE_FLA_DIRECT=0 run 150 kimi-prefill-public python3 -m bench.decode \
+    DELTASERVE_FLA_DIRECT=0 run 150 kimi-prefill-public python3 -m bench.engine.decode \
       --model configs/kimi-linear-48b-a3b --batch-sizes --prefill-len 4096
-    run 150 kimi-prefill-direct python3 -m bench.decode --model configs/kimi-linear-48b-a3b \
+    run 150 kimi-prefill-direct python3 -m bench.engine.decode --model configs/kimi-linear-48b-a3b \
       --batch-sizes --prefill-len 4096
-    DELTASERVE_MLA_PREFILL=sdpa run 170 kimi-prefill-sdpa python3 -m bench.decode \
+    DELTASERVE_MLA_PREFILL=sdpa run 170 kimi-prefill-sdpa python3 -m bench.engine.decode \
       --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   final-qwen)  # the decode table's commands (no transformers), then the KDA decode / graph tests
-    run 130 final-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
+    run 130 final-0.8b python3 -m bench.engine.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
       --new-tokens 128 --prefill-len 8192 --json "$out/qwen3.5-0.8b.json"
-    run 150 final-9b python3 -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
+    run 150 final-9b python3 -m bench.engine.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
       --new-tokens 128 --prefill-len 8192 --json "$out/qwen3.5-9b.json"
     run 150 kda-decode-tests python3 -m pytest -q -m gpu tests/kernels/test_kda_cuda.py -k "decode or graph"
     ;;
   final-kimi)  # KDA prefill below FLA's entry against its public call and the reference, Kimi's table
     run 260 kda-prefill-tests python3 -m pytest -v -m gpu tests/kernels/test_kda_cuda.py::test_kda_prefill_direct_equals_public \
       "tests/kernels/test_kda_cuda.py::test_kda_prefill[4-128-dtype1]" "tests/kernels/test_kda_cuda.py::test_kda_prefill[3-64-dtype0]"
-    run 180 final-kimi python3 -m bench.decode --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 64 \
+    run 180 final-kimi python3 -m bench.engine.decode --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 64 \
       --new-tokens 64 --prefill-len 4096 --json "$out/kimi.json"
     ;;
   ttft)
-    run 100 ttft-9b python3 -m bench.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --device cuda \
+    run 100 ttft-9b python3 -m bench.engine.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --device cuda \
       --sessions 16 --turns 4 --system-len 2048 --json "$out/ttft-9b.json"
     ;;
   more)
-    run 40 gemv-0.8b python3 -m bench.gemv --model configs/qwen3.5-0.8b --rows 1 2 4 8
-    run 40 gemv-9b python3 -m bench.gemv --model configs/qwen3.5-9b --rows 1 2 4 8
-    DELTASERVE_GEMV=triton run 60 gemv-all-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b \
+    run 40 gemv-0.8b python3 -m bench.ops.gemv --model configs/qwen3.5-0.8b --rows 1 2 4 8
+    run 40 gemv-9b python3 -m bench.ops.gemv --model configs/qwen3.5-9b --rows 1 2 4 8
+    DELTASERVE_GEMV=triton run 60 gemv-all-0.8b python3 -m bench.engine.decode --model configs/qwen3.5-0.8b \
       --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
-    DELTASERVE_GEMV=triton run 60 gemv-all-9b python3 -m bench.decode --model configs/qwen3.5-9b \
+    DELTASERVE_GEMV=triton run 60 gemv-all-9b python3 -m bench.engine.decode --model configs/qwen3.5-9b \
       --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
-    run 180 bench-kimi python3 -m bench.decode --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 64 \
+    run 180 bench-kimi python3 -m bench.engine.decode --model configs/kimi-linear-48b-a3b --batch-sizes 1 8 64 \
       --new-tokens 64 --prefill-len 4096 --json "$out/kimi.json"
-    run 60 spec-verify-graphs python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+    run 60 spec-verify-graphs python3 -m bench.engine.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3 --verify-graphs
     ;;
   spec)  # eager verification, window kernels against their torch references, one call
-    run 90 spec-oracle python3 -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+    run 90 spec-oracle python3 -m bench.engine.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
       --drafter oracle --oracle-right 3
-    run 90 spec-oracle-ref-windows python3 -m bench.spec_decode --model configs/qwen3.5-0.8b \
+    run 90 spec-oracle-ref-windows python3 -m bench.engine.spec_decode --model configs/qwen3.5-0.8b \
       --batch-sizes 1 16 --drafter oracle --oracle-right 3 --reference-windows
     run 60 window-tests python3 -m pytest -q -m gpu tests/kernels/test_window_kernels.py
     ;;
   sampling)  # sampled decode end to end (Qwen3.5's generation defaults) against greedy
     for model in qwen3.5-0.8b qwen3.5-9b; do
       for sampling in greedy qwen; do
-        run 130 "$sampling-$model" python3 -m bench.decode --model "configs/$model" --batch-sizes 1 8 64 256 \
+        run 130 "$sampling-$model" python3 -m bench.engine.decode --model "configs/$model" --batch-sizes 1 8 64 256 \
           --new-tokens 128 --prefill-len 0 --sampling "$sampling"
       done
     done
     ;;
   sampler-graphs)  # sampling by graph replay: its GPU tests, the sampler alone, sampled decode before/after
     run 200 sampler-graph-tests python3 -m pytest -q -rA -m gpu tests/engine/sampling/test_sampler_graphs.py
-    run 200 ab-sampled-0.8b bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-0.8b \
+    run 200 ab-sampled-0.8b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-0.8b \
       --batch-sizes 1 8 32 --new-tokens 128 --prefill-len 0 --sampling qwen
-    run 60 sampler-eager python3 -m bench.sampler --batch-sizes 1 2 8 32 --iters 50
-    run 60 sampler-graphs python3 -m bench.sampler --batch-sizes 1 2 8 32 --iters 50 --graphs 32
-    run 60 sampler-graphs-sort python3 -m bench.sampler --batch-sizes 1 2 8 32 --iters 50 --graphs 32 \
+    run 60 sampler-eager python3 -m bench.engine.sampler --batch-sizes 1 2 8 32 --iters 50
+    run 60 sampler-graphs python3 -m bench.engine.sampler --batch-sizes 1 2 8 32 --iters 50 --graphs 32
+    run 60 sampler-graphs-sort python3 -m bench.engine.sampler --batch-sizes 1 2 8 32 --iters 50 --graphs 32 \
       --graph-topk-min-rows 64
-    run 100 prefill-0.8b python3 -m bench.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192
+    run 100 prefill-0.8b python3 -m bench.engine.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192
     ;;
   prefill-ab)  # FLA's GDN forward called directly (default) against its public entry (DELTASERVE_FLA_DIRECT=0)
     run 150 gdn-prefill-tests python3 -m pytest -q -rA -m gpu tests/kernels/test_cuda_kernels.py -k gdn_prefill
     for direct in 0 1; do
-      DELTASERVE_FLA_DIRECT=$direct run 100 "profile-prefill-direct$direct" python3 -m bench.profile_prefill \
+      DELTASERVE_FLA_DIRECT=$direct run 100 "profile-prefill-direct$direct" python3 -m bench.engine.profile_prefill \
         --model configs/qwen3.5-0.8b --tokens 8192 --rows 25 --cprofile 30
     done
     for model in qwen3.5-0.8b qwen3.5-9b; do
       for direct in 0 1; do
-        DELTASERVE_FLA_DIRECT=$direct run 90 "prefill-$model-direct$direct" python3 -m bench.decode \
+        DELTASERVE_FLA_DIRECT=$direct run 90 "prefill-$model-direct$direct" python3 -m bench.engine.decode \
           --model "configs/$model" --batch-sizes --prefill-len 8192
       done
     done
@@ -162,34 +162,34 @@ case "${1:-all}" in
   prefill-host)  # the prefill's host-side changes against REV (bench/ab.sh prepare REV), the conv tile sweep
     run 200 prefill-kernel-tests python3 -m pytest -q -rA -m gpu tests/kernels/test_cuda_kernels.py \
       -k "gdn_prefill or qk_norm or conv_prefill"
-    run 100 conv-prefill-sweep python3 -m bench.kernels --only conv_prefill --sweep
-    run 160 ab-profile-prefill bash bench/ab.sh run python3 -m bench.profile_prefill \
+    run 100 conv-prefill-sweep python3 -m bench.ops.kernels --only conv_prefill --sweep
+    run 160 ab-profile-prefill bash bench/ab.sh run python3 -m bench.engine.profile_prefill \
       --model configs/qwen3.5-0.8b --tokens 8192 --rows 12
-    run 60 prefill-0.8b-overlap python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes --prefill-len 8192
-    run 60 prefill-0.8b-sync python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes --prefill-len 8192 \
+    run 60 prefill-0.8b-overlap python3 -m bench.engine.decode --model configs/qwen3.5-0.8b --batch-sizes --prefill-len 8192
+    run 60 prefill-0.8b-sync python3 -m bench.engine.decode --model configs/qwen3.5-0.8b --batch-sizes --prefill-len 8192 \
       --disable-overlap-schedule
     ;;
   prefill-final)  # the prefill changes' GPU tests, the 8k prefill figure, profile_prefill at 1 and 4 running requests
     run 200 prefill-kernel-tests python3 -m pytest -q -rA -m gpu tests/kernels/test_cuda_kernels.py \
       -k "gdn_prefill or qk_norm or conv_prefill"
-    run 70 prefill-0.8b python3 -m bench.decode --model configs/qwen3.5-0.8b --batch-sizes --prefill-len 8192
+    run 70 prefill-0.8b python3 -m bench.engine.decode --model configs/qwen3.5-0.8b --batch-sizes --prefill-len 8192
     for mr in 1 4; do
-      run 70 "profile-prefill-mr$mr" python3 -m bench.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192 \
+      run 70 "profile-prefill-mr$mr" python3 -m bench.engine.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192 \
         --rows 5 --max-running-requests $mr
     done
     run 150 engine-hf-tests python3 -m pytest -q -rA -s -m gpu tests/engine/test_gpu_engine.py -k transformers
     ;;
   ab)  # a performance change against the commit exported by `bench/ab.sh prepare REV`
     for model in qwen3.5-0.8b qwen3.5-9b; do
-      run 200 "ab-$model" bash bench/ab.sh run python3 -m bench.decode --model "configs/$model" \
+      run 200 "ab-$model" bash bench/ab.sh run python3 -m bench.engine.decode --model "configs/$model" \
         --batch-sizes 1 8 256 --new-tokens 128 --prefill-len 0
     done
     ;;
   ab-pdl)  # before (REV, no PDL) / after (working tree, DELTASERVE_PDL=on), then the tree with PDL off
     for model in qwen3.5-9b qwen3.5-0.8b; do
-      DELTASERVE_PDL=on run 190 "ab-$model" bash bench/ab.sh run python3 -m bench.decode \
+      DELTASERVE_PDL=on run 190 "ab-$model" bash bench/ab.sh run python3 -m bench.engine.decode \
         --model "configs/$model" --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
-      run 70 "nopdl-$model" python3 -m bench.decode --model "configs/$model" \
+      run 70 "nopdl-$model" python3 -m bench.engine.decode --model "configs/$model" \
         --batch-sizes 1 8 --new-tokens 128 --prefill-len 0
     done
     ;;
@@ -197,23 +197,23 @@ case "${1:-all}" in
     run 200 fp8-kernel-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py tests/kernels/test_moe_cuda.py &
     run 200 fp8-model-tests python3 -m pytest -q -rfE -s -m gpu tests/models/test_fp8_checkpoints.py &
     wait
-    run 150 fp8-gemv python3 -m bench.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 8 32 --gemm-tiles 64:4 32:6 \
+    run 150 fp8-gemv python3 -m bench.ops.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 8 32 --gemm-tiles 64:4 32:6 \
       --gemv-tiles 4:4 8:4 2:8 4:2 16:2 --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 8 32
-    run 100 fp8-gemv-80b python3 -m bench.fp8_gemv --model configs/qwen3-next-80b-a3b-fp8 --rows 1 8 32 \
+    run 100 fp8-gemv-80b python3 -m bench.ops.fp8_gemv --model configs/qwen3-next-80b-a3b-fp8 --rows 1 8 32 \
       --gemm-tiles 64:4 32:6 --gemv-tiles 4:4 8:4 2:8 16:2
     ;;
   fp8-ab)  # 9B FP8 decode against REV (prepare REV), 80B FP8 decode
-    run 170 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.decode --model configs/qwen3.5-9b-fp8 \
+    run 170 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b-fp8 \
       --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
-    run 120 80b-fp8 python3 -m bench.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
+    run 120 80b-fp8 python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
       --prompt-len 1024 --new-tokens 128 --prefill-len 0
     ;;
   fp8-moe)  # where 80B FP8's batch-1 step goes; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
-    run 120 profile-80b-fp8 python3 -m bench.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \
+    run 120 profile-80b-fp8 python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \
       --prompt-len 1024 --rows 25
-    run 150 35b-fp8 python3 -m bench.decode --model configs/qwen3.5-35b-a3b-fp8 --batch-sizes 1 \
+    run 150 35b-fp8 python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 --batch-sizes 1 \
       --new-tokens 64 --prefill-len 8192
-    run 250 ab-kimi bash bench/ab.sh run python3 -m bench.decode --model configs/kimi-linear-48b-a3b \
+    run 250 ab-kimi bash bench/ab.sh run python3 -m bench.engine.decode --model configs/kimi-linear-48b-a3b \
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   *)

@@ -2,7 +2,7 @@
 own time and cumulative, over the samples whose stack passes through `--within` (for example
 the timed loop of a benchmark, leaving out its start-up).
 
-    py-spy record -r 200 -f raw -o prof.txt -- python -m bench.prefill_steps ...
+    py-spy record -r 200 -f raw -o prof.txt -- python -m bench.engine.prefill_steps ...
     python -m bench.pyspy_summary prof.txt --within timed_prompts --lines jit.py,autotuner.py
 
 `--lines` keeps the line numbers of the files named, so that time in one function splits by

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Serving runs on the GPU machine: start `deltaserve serve` with random weights, drive it with
-# bench/serve.py, stop it; then the same prompts through the offline engine. Everything lands in
+# bench/serving/serve.py, stop it; then the same prompts through the offline engine. Everything lands in
 # $OUT/serve.log (the tables) and $OUT/serve.tgz (each run's JSON and server log).
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
@@ -8,7 +8,7 @@
 # PART: 9b | 08b | moe [C] | 80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
-#     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serve flags; $TAG: a suffix to the run's name),
+#     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
 #     each after 64 concurrent warm-up requests: a fresh server's first mixed steps compile kernels,
 #     which confounded the first such pair in docs/performance.md
 set -u
@@ -52,7 +52,7 @@ serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS... (
     sleep 1
   done
   echo "$name: up in $((SECONDS - t0)) s; before: $(listen_drops)" | tee -a "$log"
-  timeout 500 python3 -m "${BENCH:-bench.serve}" --base-url "http://127.0.0.1:$port" "$@" \
+  timeout 500 python3 -m "${BENCH:-bench.serving.serve}" --base-url "http://127.0.0.1:$port" "$@" \
     --output-json "$out/runs/$name.json" 2>&1 | tee -a "$log"
   echo "$name: after: $(listen_drops)" | tee -a "$log"
   engine_sched "$name" | tee -a "$log"
@@ -65,7 +65,7 @@ offline() {  # offline NAME CONFIG ARGS_JSON BENCH ARGS...
   local name=$1 model=$2 args=$3
   shift 3
   echo "=== $name: offline $model $args | $*" | tee -a "$log"
-  timeout 500 python3 -m bench.serve --offline-only --offline-model "$model" --offline-args "$args" "$@" \
+  timeout 500 python3 -m bench.serving.serve --offline-only --offline-model "$model" --offline-args "$args" "$@" \
     --output-json "$out/runs/$name.json" 2>&1 | grep -v "it/s\]" | tee -a "$log"
 }
 
@@ -80,7 +80,7 @@ cpu_s() {  # a process's user+system CPU seconds, all threads
 profile_load() {  # profile_load NAME SECONDS BENCH ARGS...: py-spy both processes under a load
   local name=$1 secs=$2
   shift 2
-  python3 -m bench.serve --base-url "http://127.0.0.1:$port" "$@" --output-json "$out/runs/$name.json" \
+  python3 -m bench.serving.serve --base-url "http://127.0.0.1:$port" "$@" --output-json "$out/runs/$name.json" \
     > "$out/runs/$name.log" 2>&1 &
   local bench=$!
   sleep 8
@@ -140,10 +140,10 @@ case "${1:-9b}" in
     serve_bench 35b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-35b-a3b $dummy" \
       "${WORKLOAD[@]}" --concurrency "${2:-1,64,256}" --warmup 64
     ;;
-  chat)  # multi-turn chat sessions with retries, radix against naive (bench/chat_sessions.py)
+  chat)  # multi-turn chat sessions with retries, radix against naive (bench/serving/chat_sessions.py)
     CHAT=(--sessions 64 --concurrency 32 --turns 4 --system-words 1000 --user-words 100 --max-tokens 256)
-    BENCH=bench.chat_sessions serve_bench chat-9b-radix . "${PYTHONPATH:-}" "--model configs/qwen3.5-9b $dummy" "${CHAT[@]}"
-    BENCH=bench.chat_sessions serve_bench chat-9b-naive . "${PYTHONPATH:-}" \
+    BENCH=bench.serving.chat_sessions serve_bench chat-9b-radix . "${PYTHONPATH:-}" "--model configs/qwen3.5-9b $dummy" "${CHAT[@]}"
+    BENCH=bench.serving.chat_sessions serve_bench chat-9b-naive . "${PYTHONPATH:-}" \
       "--model configs/qwen3.5-9b $dummy --cache-type naive" "${CHAT[@]}"
     ;;
   delay)  # delay [STEPS]: --max-prefill-delay-steps 0 against STEPS (default 8), 0.8B and 9B
@@ -167,22 +167,22 @@ case "${1:-9b}" in
     serve_bench "$cfg-ttft" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy --log-level debug" \
       "${WORKLOAD[@]}" --concurrency 1 --num-prompts 4
     grep -E "step:|tok/s" "$out/runs/$cfg-ttft.server.log" | tail -40 | tee -a "$log"
-    python3 -m bench.serve --offline-only --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy"}' \
+    python3 -m bench.serving.serve --offline-only --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy"}' \
       "${WORKLOAD[@]}" --concurrency 1 --num-prompts 4 --log-level debug > "$out/runs/$cfg-ttft-offline.log" 2>&1
     grep -E "step:|tok/s|TTFT" "$out/runs/$cfg-ttft-offline.log" | tail -40 | tee -a "$log"
     ;;
-  timeline)  # timeline [CONFIG] [C,...]: the engine's steps (bench/step_timeline.py), server against offline, per C
+  timeline)  # timeline [CONFIG] [C,...]: the engine's steps (bench/serving/step_timeline.py), server against offline, per C
     cfg=${2:-qwen3.5-0.8b}
     c=${3:-256}
     serve_bench "$cfg-timeline" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy --log-level debug ${SERVER_ARGS:-}" \
       "${WORKLOAD[@]}" --concurrency "$c" --warmup 64
-    python3 -m bench.serve --offline-only --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy"}' \
+    python3 -m bench.serving.serve --offline-only --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy"}' \
       "${WORKLOAD[@]}" --concurrency "$c" --warmup 64 --log-level debug > "$out/runs/$cfg-timeline-offline.log" 2>&1
     grep "^offline" "$out/runs/$cfg-timeline-offline.log" | tee -a "$log"
     IFS=, read -ra cs <<< "$c"
     for k in "${!cs[@]}"; do  # one table per run
       echo "c=${cs[$k]}:" | tee -a "$log"
-      python3 -m bench.step_timeline "$out/runs/$cfg-timeline.server.log" "$out/runs/$cfg-timeline-offline.log" \
+      python3 -m bench.serving.step_timeline "$out/runs/$cfg-timeline.server.log" "$out/runs/$cfg-timeline-offline.log" \
         --between 'GET /metrics|^offline c=' --run $((k + 1)) | tee -a "$log"
     done
     ;;

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 # larger k, or a row without one, sorts the whole vocabulary
 TOPK_BUCKETS = (64, 256, TOPK_LIMIT)
 # batches of fewer rows sort instead of ranking with `torch.topk`. Inside a graph only the GPU's
-# time counts, so every batch may rank (`bench/sampler.py --graphs 32 --graph-topk-min-rows N`
+# time counts, so every batch may rank (`bench/engine/sampler.py --graphs 32 --graph-topk-min-rows N`
 # compares the two)
 GRAPH_TOPK_MIN_ROWS = 1
 

@@ -112,7 +112,7 @@ def paged_decode_launch(
 def prefill_tiles(dtype: torch.dtype, dim: int) -> tuple[int, int, int, int]:
     """`(BM, BN, num_warps, num_stages)` of the prefill kernel.
 
-    bf16 / fp16: the fastest of a sweep at head dim 256 (`bench.kernels --only paged_prefill
+    bf16 / fp16: the fastest of a sweep at head dim 256 (`bench.ops.kernels --only paged_prefill
     --sweep`, docs/kernels.md). fp32 (tests, debugging) keeps tiles small enough for shared
     memory.
     """

@@ -252,7 +252,7 @@ def conv_prefill_launch(
     *,
     cache: PerForwardCache | None = None,
 ) -> None:
-    """Tiles: the fastest of the `python -m bench.kernels --only conv_prefill --sweep` tilings
+    """Tiles: the fastest of the `python -m bench.ops.kernels --only conv_prefill --sweep` tilings
     (docs/kernels.md). `cache`: the caller's, where the token-to-sequence index is kept."""
     total, dim = x.shape
     width = weight.shape[1]

@@ -9,7 +9,7 @@ import torch
 from deltaserve.kernels.fp8.blocks import BLOCK, FP8_DTYPE, num_blocks
 
 # One row through the GEMV only for small weights (under 4,096 rows and 8M elements); past them, or
-# past one row, the GEMM with its K split is faster on the H200 (bench/fp8_gemv.py, docs/performance.md)
+# past one row, the GEMM with its K split is faster on the H200 (bench/ops/fp8_gemv.py, docs/performance.md)
 GEMV_MAX_N = 4096
 GEMV_MAX_NUMEL = 2048 * 4096
 
@@ -57,7 +57,7 @@ def act_quant_cuda(
 
 
 # cuBLAS's block-scaled FP8 GEMM (1 x 128 activation scales, 128 x 128 or 1 x 128 weight scales)
-# from this many rows on; below them the Triton GEMM (bench/fp8_gemm.py, docs/performance.md)
+# from this many rows on; below them the Triton GEMM (bench/ops/fp8_gemm.py, docs/performance.md)
 CUBLAS_MIN_ROWS = 17
 
 
@@ -88,7 +88,7 @@ def fp8_gemm_cuda(
     """w8a8 on the FP8 tensor cores: x `[M, K]` quantized per token group, then cuBLAS's GEMM where
     it fits (`cublas`: None, by `cublas_fits` unless `tiles` are given), else the Triton GEMM (and
     with a K split, the parts' sum). `tiles`: the Triton GEMM's (BLOCK_N, stages, split),
-    `gemm_tiles` unless given (`bench/fp8_gemv.py` sweeps them)."""
+    `gemm_tiles` unless given (`bench/ops/fp8_gemv.py` sweeps them)."""
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
@@ -146,7 +146,7 @@ def fp8_gemv_cuda(
 ) -> torch.Tensor:
     """x `[M, K]` (one row in serving) times the e4m3 weight, read once, x quantized per token and
     128 channels inside the kernel; products in registers.
-    `tiles`: (BN weight rows, S 128-column blocks) a program and iteration, which `bench/fp8_gemv.py`
+    `tiles`: (BN weight rows, S 128-column blocks) a program and iteration, which `bench/ops/fp8_gemv.py`
     sweeps; by default as many rows as leave two programs an SM, within 8k products."""
     import triton
 
@@ -182,7 +182,7 @@ def fp8_linear_cuda(
 
 def moe_tiles(assignments: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STEP_K, warps, stages) of the grouped GEMMs, with a K step of a whole scale
-    block: 16-row tiles for decode's batches, 64-row ones for prefill (bench/fp8_gemm.py --moe,
+    block: 16-row tiles for decode's batches, 64-row ones for prefill (bench/ops/fp8_gemm.py --moe,
     docs/performance.md)."""
     if assignments <= 2048:
         return 16, 128, 128, 4, 3
@@ -203,7 +203,7 @@ def fp8_moe_cuda(
     """`moe.cuda.fused_moe_cuda` with e4m3 experts: w8a8 grouped GEMMs, or for a few tokens the
     per-assignment GEMV, which quantizes its rows in registers (as `fp8_linear_cuda` splits rows).
     `tiles`: the grouped GEMMs' (BLOCK_M, BLOCK_N, STEP_K, warps, stages), `moe_tiles` unless given
-    (`bench/fp8_gemm.py --moe` sweeps them)."""
+    (`bench/ops/fp8_gemm.py --moe` sweeps them)."""
     import triton
 
     from deltaserve.kernels.fp8.triton import _fp8_moe_down_kernel, _fp8_moe_gate_up_kernel

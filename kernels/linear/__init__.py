@@ -5,7 +5,7 @@ On CUDA (`DELTASERVE_GEMV` unset or `auto`), projections of one or two tokens go
 small matrices well below the memory bandwidth and splits K (a second kernel) on matrices with
 few output rows, while on wide matrices it is as fast. The Triton kernel's tiles shrink as rows
 are added (its accumulator is capped at 8k elements), so from three rows on cuBLAS is used
-everywhere. The rule's timings are in docs/kernels.md (`python -m bench.gemv`).
+everywhere. The rule's timings are in docs/kernels.md (`python -m bench.ops.gemv`).
 `DELTASERVE_GEMV=cublas` keeps every projection on cuBLAS; `DELTASERVE_GEMV=triton` widens the
 rule to `MAX_ROWS` rows and `MAX_WEIGHT_BYTES` (for measuring).
 """

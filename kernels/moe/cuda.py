@@ -43,7 +43,7 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 def grouped_tiles(assignments: int, element_size: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the grouped GEMMs: 16-row tiles for decode's
-    batches, 64-row ones for prefill (bench/fp8_gemm.py --moe --bf16, docs/performance.md); fp32's
+    batches, 64-row ones for prefill (bench/ops/fp8_gemm.py --moe --bf16, docs/performance.md); fp32's
     twice as wide values in smaller tiles, within the shared memory."""
     if element_size > 2:
         return (16, 64, 64, 4, 3) if assignments <= 512 else (64, 64, 64, 8, 3)
@@ -61,7 +61,7 @@ def fused_moe_cuda(
     tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """`tiles`: the grouped GEMMs' (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), `grouped_tiles`
-    unless given (`bench/fp8_gemm.py --moe --bf16` sweeps them)."""
+    unless given (`bench/ops/fp8_gemm.py --moe --bf16` sweeps them)."""
     import triton
 
     from deltaserve.kernels.common.pdl import pdl_args

@@ -1,4 +1,4 @@
-"""bench.chat_sessions against a real server on the built-in model: multi-turn sessions with
+"""bench.serving.chat_sessions against a real server on the built-in model: multi-turn sessions with
 retries through the chat template, the prefix cache's share of each prompt against the ideal."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench.chat_sessions import SentPrompts, Turn, main, summarize
+from bench.serving.chat_sessions import SentPrompts, Turn, main, summarize
 
 pytestmark = pytest.mark.slow
 

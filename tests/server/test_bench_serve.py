@@ -1,4 +1,4 @@
-"""bench.serve against a real server on the built-in model: closed-loop levels streamed and not,
+"""bench.serving.serve against a real server on the built-in model: closed-loop levels streamed and not,
 the /health probe, the JSON report, and the offline comparison through deltaserve.LLM."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench.serve import Connections, Run, main, split_run
+from bench.serving.serve import Connections, Run, main, split_run
 
 PROMPTS, OUTPUT_LEN = 4, 8
 SHAPE = ["--input-len", "16", "--output-len", str(OUTPUT_LEN), "--num-prompts", str(PROMPTS)]
@@ -49,7 +49,7 @@ def test_streamed_levels_with_health_probe(server: Any, tmp_path: Path) -> None:
         assert loop["gpu_wait"] == 0
     saved = json.loads(path.read_text())
     assert saved["runs"] == json.loads(json.dumps(result["runs"]))
-    assert saved["command"].startswith("python -m bench.serve --base-url") and saved["date"]
+    assert saved["command"].startswith("python -m bench.serving.serve --base-url") and saved["date"]
     assert saved["settings"]["stream"] is True and saved["model"]
 
 

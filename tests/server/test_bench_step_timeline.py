@@ -1,8 +1,8 @@
-"""bench.step_timeline: the engine's debug step lines summed, between a run's marks."""
+"""bench.serving.step_timeline: the engine's debug step lines summed, between a run's marks."""
 
 from __future__ import annotations
 
-from bench.step_timeline import Timeline
+from bench.serving.step_timeline import Timeline
 
 LOG = """\
 x DEBUG deltaserve.engine: step: 1 decodes, 0 verifications, 0 prefill chunks of 0 tokens; - since the last

@@ -12,7 +12,7 @@ some earlier request had already sent: the longest common token prefix with any 
 (prompt ids from the server's /tokenize with the same messages). Tokens the model generated are
 not in the ideal, so a cache that also keeps what it generated can exceed it.
 
-    python -m bench.chat_sessions --base-url http://127.0.0.1:8000 --sessions 32 --turns 4 \
+    python -m bench.serving.chat_sessions --base-url http://127.0.0.1:8000 --sessions 32 --turns 4 \
         --output-json chat.json
     # the same against a server started with --cache-type naive, for TTFT without reuse
 """

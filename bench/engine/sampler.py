@@ -1,6 +1,6 @@
 """The sampler's time per decode step: a batch of logits in, tokens out (left on the device).
 
-    python -m bench.sampler [--vocab 248320] [--batch-sizes 1 64 256] [--device cuda]
+    python -m bench.engine.sampler [--vocab 248320] [--batch-sizes 1 64 256] [--device cuda]
 
 Random fp32 logits of Qwen3.5's vocabulary; each batch samples with one set of parameters for
 all its rows: greedy, temperature only, Qwen3.5's generation_config.json (temperature 0.6,

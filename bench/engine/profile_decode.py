@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the CUDA-graph replay alone, the whole forward, the
 engine step, and a torch-profiler table of the kernels of a few steps.
 
-    python -m bench.profile_decode --model configs/qwen3.5-0.8b --batch-size 1
+    python -m bench.engine.profile_decode --model configs/qwen3.5-0.8b --batch-size 1
 
 It also reports how busy the GPU was over the profiled steps (the union of kernel and copy
 times over their span) and the longest idle gaps: with overlap scheduling (on by default)

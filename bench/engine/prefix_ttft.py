@@ -6,8 +6,8 @@ wave as one batch, and each request's time to first token is recorded. The same 
 with `cache_type="naive"` and `"radix"` on a fresh engine each, and the greedy outputs are
 compared (identical on CPU in fp32; in bf16 the share of identical requests is reported).
 
-    python -m bench.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --json ttft.json
-    python -m bench.prefix_ttft --device cpu      # a dry run on the built-in tiny model
+    python -m bench.engine.prefix_ttft --model configs/qwen3.5-9b --load-format dummy --json ttft.json
+    python -m bench.engine.prefix_ttft --device cpu      # a dry run on the built-in tiny model
 """
 
 from __future__ import annotations

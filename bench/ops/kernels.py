@@ -1,6 +1,6 @@
 """Microbenchmarks of the fast kernels on one GPU, against the measured copy bandwidth.
 
-    python bench/kernels.py [--json PATH] [--sweep] [--only gdn_decode,paged_prefill,...]
+    python bench/ops/kernels.py [--json PATH] [--sweep] [--only gdn_decode,paged_prefill,...]
 
 Decode kernels are timed as CUDA-graph replays (that is how the engine runs them) over
 enough layer-like copies of the data that it cannot sit in L2 between calls; prefill kernels

@@ -1,6 +1,6 @@
 """Decode and prefill throughput on real architectures with random weights, against the roofline.
 
-    python -m bench.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
+    python -m bench.engine.decode --model configs/qwen3.5-9b --batch-sizes 1 8 64 256 \
         --prompt-len 512 --new-tokens 256 --prefill-len 8192 --hf --json out.json
 
 Decode tok/s counts only steps where every request decodes (prefill excluded). The roofline
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.roofline import decode_step_bytes, model_cost, prefill_flops
+from bench.engine.roofline import decode_step_bytes, model_cost, prefill_flops
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.requests.sampling_params import SamplingParams

@@ -1,13 +1,13 @@
 """What the engine's steps were: the `step:` lines that the engine logs at debug level (the
-server's `--log-level debug`, or `bench.serve --offline-only --log-level debug`), summed per log.
+server's `--log-level debug`, or `bench.serving.serve --offline-only --log-level debug`), summed per log.
 
-    python -m bench.step_timeline server.log offline.log --between 'GET /metrics|^offline c='
+    python -m bench.serving.step_timeline server.log offline.log --between 'GET /metrics|^offline c='
 
 Each line gives a step's decode rows, verification rows, prefill chunks and tokens, and the time
 since the step before; that time is charged to the step before (the one it ran), so a row reads:
 how many steps, how many of them carried prefill chunks, and the mean wall time of a decode-only
 step and of a step with prefill. `--between REGEX` keeps the steps after the first line that
-matches and before the last (bench.serve scrapes the server's /metrics just before and after each
+matches and before the last (bench.serving.serve scrapes the server's /metrics just before and after each
 run, and prints "offline c=N" before and after its offline run); `--run K` keeps the K-th run's.
 Where the server gives less than the offline engine on the same requests, this says whether it
 ran more steps, other steps, or the same steps slower.

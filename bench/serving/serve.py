@@ -6,15 +6,15 @@ Each request is a random prompt of `--input-len` token ids (uniform in [--vocab-
 work. The benchmark does not start the server; point it at one with --base-url.
 
     # closed loop: C clients, each sending its next request when the last one finishes
-    python -m bench.serve --base-url http://127.0.0.1:8000 --concurrency 1,16,64,256 \
+    python -m bench.serving.serve --base-url http://127.0.0.1:8000 --concurrency 1,16,64,256 \
         --input-len 1024 --output-len 256 --output-json serve.json
     # open loop: Poisson arrivals at 10 req/s, at most 64 in flight, /health probed meanwhile
-    python -m bench.serve --request-rate 10 --num-prompts 500 --max-concurrency 64 --health-probe
+    python -m bench.serving.serve --request-rate 10 --num-prompts 500 --max-concurrency 64 --health-probe
     # the same prompts through deltaserve.LLM in-process afterwards (server/offline ratio per level)
-    python -m bench.serve --concurrency 1,64 --offline-model configs/qwen3.5-9b \
+    python -m bench.serving.serve --concurrency 1,64 --offline-model configs/qwen3.5-9b \
         --offline-args '{"load_format": "dummy", "max_running_requests": 64}'
     # offline alone (no server)
-    python -m bench.serve --offline-only --offline-model configs/qwen3.5-9b --concurrency 1,64 \
+    python -m bench.serving.serve --offline-only --offline-model configs/qwen3.5-9b --concurrency 1,64 \
         --offline-args '{"load_format": "dummy"}'
 
 Streamed runs (the default; --no-stream for whole responses) time the first chunk that
@@ -876,7 +876,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     runs = build_runs(args)
     result: dict[str, Any] = {
-        "command": shlex.join(["python", "-m", "bench.serve", *(sys.argv[1:] if argv is None else argv)]),
+        "command": shlex.join(
+            ["python", "-m", "bench.serving.serve", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": vars(args),
         "model": args.model,

@@ -1,6 +1,6 @@
 """cuBLAS against the Triton GEMV on a model's own projection shapes at decode batch sizes.
 
-    python -m bench.gemv --model configs/qwen3.5-0.8b --rows 1 4 8
+    python -m bench.ops.gemv --model configs/qwen3.5-0.8b --rows 1 4 8
 
 Every distinct bias-free linear weight of the model (built on the meta device from its
 config, so nothing is allocated for it) is timed both ways inside a CUDA graph of 20 calls,

@@ -2,7 +2,7 @@
 a lone request's time to first token goes (how many steps its prefill takes, and what each costs),
 with the radix prefix cache and without; then one prompt's steps under Python's profiler.
 
-    python -m bench.prefill_steps --model configs/qwen3.5-0.8b --tokens 1024
+    python -m bench.engine.prefill_steps --model configs/qwen3.5-0.8b --tokens 1024
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The model's forward is replaced by a constant logits tensor, and the sampler is 
 apart, so what remains is the scheduler, batch building, token bookkeeping,
 detokenization, stop checks and outputs: the part of a step that CUDA graphs cannot hide.
 
-    python -m bench.host_overhead --batch 256 --prompt-len 512 --steps 50 [--profile]
+    python -m bench.engine.host_overhead --batch 256 --prompt-len 512 --steps 50 [--profile]
 
 `--profile` prints the functions that take the host's time (cProfile: its own overhead makes
 the reported total larger than without it).

@@ -1,6 +1,6 @@
 """Speculative decoding: per-request decode latency with and without drafts, and acceptance.
 
-    python -m bench.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
+    python -m bench.engine.spec_decode --model configs/qwen3.5-0.8b --batch-sizes 1 16 \
         --num-speculative-tokens 3 --json out.json
 
 Random weights do not continue text, so acceptance has to be arranged: the workload is

@@ -2,9 +2,9 @@
 EngineClient, pyzmq, uvicorn, the tokenizer's detokenization) over a stand-in engine process
 that gives every running request one token a step, a step every `--step-ms`.
 
-    python -m bench.http_overhead --concurrency 64,256 --output-len 256
+    python -m bench.serving.http_overhead --concurrency 64,256 --output-len 256
 
-Each level drives the server with `bench.serve` (streamed completions, prompts of `--input-len`
+Each level drives the server with `bench.serving.serve` (streamed completions, prompts of `--input-len`
 token ids, /health probed every 100 ms) and reports its output tok/s, the HTTP processes' CPU
 time (user + system, from /proc) per output token and the p99 of /health. The HTTP process bounds a server whose engine steps faster than it can
 stream: at X µs a token it streams at most 1e6 / X tokens a second on one core. Runs on any
@@ -218,7 +218,7 @@ def main() -> None:
     cmd = [
         sys.executable,
         "-m",
-        "bench.http_overhead",
+        "bench.serving.http_overhead",
         "--serve-port",
         str(port),
         "--step-ms",
@@ -237,7 +237,7 @@ def main() -> None:
         with open(pid_file.name) as f:
             http_pids = [int(line) for line in f if line.strip()]
         load = [
-            sys.executable, "-m", "bench.serve", "--base-url", url, "--input-len", str(args.input_len),
+            sys.executable, "-m", "bench.serving.serve", "--base-url", url, "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--vocab-high", "30000", "--warmup", "0", "--health-probe",
         ]  # fmt: skip
         # a first load outside the measurement: the first requests import and build what later ones reuse

@@ -1,6 +1,6 @@
 """Host cost of incremental detokenization per token as a request's output grows.
 
-    python -m bench.detokenize [--tokens 64000] [--model PATH] [--byte-run]
+    python -m bench.serving.detokenize [--tokens 64000] [--model PATH] [--byte-run]
 
 Appends random token ids to one `IncrementalDetokenizer` (the built-in model's tokenizer by
 default) and prints microseconds per token over ranges of the output's length: with a cost

@@ -1,10 +1,10 @@
 """The block-FP8 matmul at prefill sizes: each path on a model's own linear shapes.
 
-    python -m bench.fp8_gemm --model configs/qwen3.5-9b --rows 512 2048 8192
-    python -m bench.fp8_gemm --moe configs/qwen3.5-35b-a3b --tokens 8192 --moe-tiles 64:128:64:8:3
+    python -m bench.ops.fp8_gemm --model configs/qwen3.5-9b --rows 512 2048 8192
+    python -m bench.ops.fp8_gemm --moe configs/qwen3.5-35b-a3b --tokens 8192 --moe-tiles 64:128:64:8:3
 
 Per weight shape `[N, K]` and row count M, microseconds per call (the activations' quantization
-included; timed as `bench.gemv` times, in CUDA graphs with weights that exceed the L2 cache) and
+included; timed as `bench.ops.gemv` times, in CUDA graphs with weights that exceed the L2 cache) and
 TFLOP/s of:
 - `triton`: `fp8_gemm_cuda`'s Triton GEMM (at up to 16 rows with its K split);
 - `cublas`: cuBLAS's block-scaled FP8 GEMM through `torch._scaled_mm` (activation scales per
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bench.gemv import cold_copies, linear_shapes, time_us
+from bench.ops.gemv import cold_copies, linear_shapes, time_us
 
 
 def bench_shape(n: int, k: int, count: int, m: int) -> dict:
@@ -65,7 +65,7 @@ def bench_shape(n: int, k: int, count: int, m: int) -> dict:
 
 
 def bench_moe(model: str, tokens: int, tiles: list[tuple[int, ...]], bf16: bool) -> dict:
-    from bench.fp8_gemv import moe_layer
+    from bench.ops.fp8_gemv import moe_layer
     from deltaserve.kernels.fp8.blocks import dequantize_blocks
     from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
     from deltaserve.kernels.fp8.reference import fp8_moe_ref

@@ -3,7 +3,7 @@ then once under the torch profiler (kernels by GPU time, ops by CPU time, and ho
 was over the step: a low figure means the host's launches set the pace), and with `--cprofile`
 once under Python's profiler (which Python functions the host's time goes to).
 
-    python -m bench.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192
+    python -m bench.engine.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from bench.profile_decode import dummy_engine, report
+from bench.engine.profile_decode import dummy_engine, report
 from deltaserve.engine.requests.sampling_params import SamplingParams
 
 

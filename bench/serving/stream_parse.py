@@ -1,6 +1,6 @@
 """Host cost of a streamed chat choice's parsing per step as its output grows.
 
-    python -m bench.stream_parse [--chars 200000] [--piece 5] [--tools]
+    python -m bench.serving.stream_parse [--chars 200000] [--piece 5] [--tools]
 
 A synthetic Qwen reasoning output (`<think>` ... `</think>` then content, with a tool call at
 the end under `--tools`) arrives in pieces of `--piece` characters, as a stream's steps deliver

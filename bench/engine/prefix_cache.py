@@ -12,8 +12,8 @@ branch point and the resend point; at each chunk end the cache keeps a regular s
 their quota) or none, inserted at once; the finished sequence's end is offered last, and
 then the prompt end's snapshot turns tentative (``+tentative`` rows).
 
-    python bench/prefix_cache.py                  # table on stdout
-    python bench/prefix_cache.py --json out.json  # also the rows as JSON
+    python bench/engine/prefix_cache.py                  # table on stdout
+    python bench/engine/prefix_cache.py --json out.json  # also the rows as JSON
 """
 
 from __future__ import annotations

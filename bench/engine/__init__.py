@@ -1,0 +1,1 @@
+"""Offline-engine benchmarks and profiles: decode, prefill, host time, sampling, speculation, caching."""

@@ -1,0 +1,1 @@
+"""Microbenchmarks of single kernels and matmuls on one GPU."""
