@@ -56,18 +56,19 @@ def _build(kind: str, path: str, seed: int = 0, shard: bool = False, **overrides
     import transformers as T
 
     torch.manual_seed(seed)
-    text = {**TEXT, **overrides}
+    text = {**TEXT, **{k: v for k, v in overrides.items() if k not in MOE}}
+    moe = {**MOE, **{k: v for k, v in overrides.items() if k in MOE}}
     if kind == "qwen3_next":
-        model = T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**text, **MOE))
+        model = T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**text, **moe))
     elif kind == "qwen3_5":
         model = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**text))
     elif kind == "qwen3_5_vl":
         model = T.Qwen3_5ForConditionalGeneration(T.Qwen3_5Config(text_config=text, vision_config=VISION))
     elif kind == "qwen3_5_moe":
-        model = T.Qwen3_5MoeForCausalLM(T.Qwen3_5MoeTextConfig(**text, **MOE))
+        model = T.Qwen3_5MoeForCausalLM(T.Qwen3_5MoeTextConfig(**text, **moe))
     elif kind == "qwen3_5_moe_vl":
         model = T.Qwen3_5MoeForConditionalGeneration(
-            T.Qwen3_5MoeConfig(text_config={**text, **MOE}, vision_config=VISION)
+            T.Qwen3_5MoeConfig(text_config={**text, **moe}, vision_config=VISION)
         )
     else:
         raise ValueError(kind)

@@ -206,9 +206,6 @@ def build_and_load(
     quantize = fp8 is None and quantization == "fp8"
     if quantize:
         fp8 = q.Fp8Config()
-    if fp8 is not None and tp.enabled:
-        # a rank's slice must split whole 128 x 128 scale blocks, which the shards do not promise
-        raise ValueError("FP8 weights with tensor parallelism are not supported yet; use one GPU")
     build = lambda: build_on(device, dtype, make)  # noqa: E731
     model: M = q.build_fp8(build, device, dtype) if fp8 is not None else build()  # type: ignore[assignment]
     # linear-attention gate parameters stay fp32: exp(A_log) in bf16 loses the decay
@@ -221,10 +218,13 @@ def build_and_load(
         init_dummy_weights(model, seed)
     else:
         narrow = model.checkpoint_narrow if tp.enabled else None
-        weights = iter_safetensors(path, progress=progress, narrow=narrow)  # type: ignore[arg-type]
-        if fp8 is not None:
+        if fp8 is None:
+            weights = iter_safetensors(path, progress=progress, narrow=narrow)  # type: ignore[arg-type]
+        else:
             headers = list(_safetensors_headers(path))
-            weights = q.fp8_weights(weights, headers, fp8, dtype, device, quantize)
+            read = q.read_narrow(narrow, headers, fp8, quantize) if narrow is not None else None  # type: ignore[arg-type]
+            weights = iter_safetensors(path, progress=progress, narrow=read)
+            weights = q.fp8_weights(weights, headers, fp8, dtype, device, quantize, narrow)  # type: ignore[arg-type]
         model.load_weights(weights)  # type: ignore[operator]
     return model.eval()
 

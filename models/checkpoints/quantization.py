@@ -18,6 +18,12 @@ How the weights arrive without a full-precision copy:
   scale, its row in the model dtype;
 - once a holder's parameter is complete it is unpacked into e4m3 + block scales (and an
   unquantized tail of rows, if any), and the records are freed.
+
+Tensor parallelism: a rank reads its rows or columns of each e4m3 weight and the whole (small)
+scale tensor, whose rows follow the weight's as the records' per-row scales do; a rank's columns
+must be whole 128-column blocks, since activations are quantized per 128 channels.
+`--quantization fp8` reads each weight whole, quantizes it, then keeps the rank's part, so that
+every rank quantizes the blocks one GPU would.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +45,11 @@ from deltaserve.kernels.fp8.blocks import BLOCK, FP8_DTYPE, dequantize_blocks, n
 from deltaserve.kernels.linear import linear
 from deltaserve.kernels.moe import fused_moe
 from deltaserve.kernels.norm import silu_and_mul
+from deltaserve.models.layers.common import held_expert_ids
+from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
+
+if TYPE_CHECKING:
+    from deltaserve.models.layers.common import Experts
 
 logger = logging.getLogger(__name__)
 
@@ -102,19 +113,50 @@ def record_width(k: int, dtype: torch.dtype) -> int:
     return k * dtype.itemsize + 4 * num_blocks(k)
 
 
-def pack_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
-    """An e4m3 weight `[..., N, K]` and its 128 x 128 scales as row records `[..., N, width]`."""
-    *lead, n, k = q.shape
+def row_scales(scale: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """The 128 x 128 block scales of the weight `name` of `shape` `[..., N, K]`, one row of
+    column-block scales per weight row: `[..., N, ceil(K/128)]`."""
+    *lead, n, k = shape
     if tuple(scale.shape) != (*lead, num_blocks(n), num_blocks(k)):
         raise ValueError(
             f"{name}_scale_inv has shape {tuple(scale.shape)}, expected "
-            f"{(*lead, num_blocks(n), num_blocks(k))} (one scale per 128 x 128 block of {name} {tuple(q.shape)})"
+            f"{(*lead, num_blocks(n), num_blocks(k))} (one scale per 128 x 128 block of {name} {tuple(shape)})"
         )
-    rows = scale.float().repeat_interleave(BLOCK, dim=-2)[..., :n, :]
+    return scale.float().repeat_interleave(BLOCK, dim=-2)[..., :n, :]
+
+
+def narrow_row_scales(rows: torch.Tensor, spec: Narrow, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """A rank's part (`spec`, of the weight of `shape`) of per-row scales: rows and experts as the
+    weight's; columns in whole 128-column blocks (the last may end at the weight's edge)."""
+    dim = spec.dim % len(shape)
+    if dim != len(shape) - 1:
+        return spec.apply(rows)
+    k = shape[-1]
+    pieces = []
+    for start, length in spec.pieces:
+        if start % BLOCK or (length % BLOCK and start + length != k):
+            raise ValueError(
+                f"{name}: a tensor-parallel rank would hold its input columns {start}-{start + length} "
+                f"of {k}, which split the FP8 format's 128-column blocks (activations are quantized per "
+                "128 channels); serve this checkpoint with a tensor-parallel size that splits them whole"
+            )
+        pieces.append((start // BLOCK, num_blocks(length)))
+    return Narrow(dim, tuple(pieces)).apply(rows)
+
+
+def pack_rows(q: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An e4m3 weight `[..., N, K]` and its per-row scales `[..., N, ceil(K/128)]` as row records
+    `[..., N, width]`."""
+    *lead, n, k = q.shape
     out = torch.zeros(*lead, n, record_width(k, dtype), dtype=torch.uint8, device=q.device)
     out[..., :k] = q.view(torch.uint8)
     out[..., k * dtype.itemsize :] = rows.contiguous().view(torch.uint8)
     return out
+
+
+def pack_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """An e4m3 weight `[..., N, K]` and its 128 x 128 scales as row records `[..., N, width]`."""
+    return pack_rows(q, row_scales(scale, tuple(q.shape), name), dtype)
 
 
 def pack_dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -162,7 +204,9 @@ class Fp8Linear(nn.Module):
     per `scale_rows` x 128 block), optionally followed by `dense_rows` unquantized output rows
     (`dense_weight`), or, when the checkpoint stores it unquantized, a plain linear layer.
 
-    `shard_sizes` as in `layers.Linear`: off the fast path each sub-matrix is its own matmul."""
+    `shard_sizes` as in `layers.Linear`: off the fast path each sub-matrix is its own matmul.
+    `tp`: a row-parallel projection's, whose partial sums are all-reduced before the bias;
+    `narrows`: the replaced layer's `checkpoint_narrows`."""
 
     def __init__(
         self,
@@ -171,12 +215,16 @@ class Fp8Linear(nn.Module):
         bias: bool,
         shard_sizes: list[int] | None,
         dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
+        narrows: dict[str, ShardSpec] | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.shard_sizes = shard_sizes
         self.dtype = dtype
+        self.tp = tp
+        self.narrows = narrows or {}
         self.weight = nn.Parameter(
             torch.empty(out_features, record_width(in_features, dtype), dtype=torch.uint8, device="meta"),
             requires_grad=False,
@@ -188,6 +236,9 @@ class Fp8Linear(nn.Module):
         self.fp8_rows = 0
         self.dense_only = False  # dequantize FP8 rows at load (a consumer reads `.weight` itself)
         self.dummy_dense_rows = 0  # `--load-format dummy`: unquantized trailing rows
+
+    def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        return self.narrows
 
     def materialize_param(self, name: str, device: torch.device) -> None:
         self.weight = nn.Parameter(torch.zeros_like(self.weight, device=device), requires_grad=False)
@@ -235,6 +286,7 @@ class Fp8Linear(nn.Module):
             y = self._fp8(x)
             if self.dense_weight is not None:
                 y = torch.cat([y, linear(x, self.dense_weight)], dim=-1)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def _fp8(self, x: torch.Tensor) -> torch.Tensor:
@@ -256,14 +308,20 @@ class Fp8Linear(nn.Module):
 
 class Fp8Experts(nn.Module):
     """Routed experts (gate_up `[E, 2I, H]`, down `[E, H, I]`) in block FP8 (scales per
-    `scale_rows` x 128 block, `gate_up_scale` / `down_scale`), or unquantized as stored."""
+    `scale_rows` x 128 block, `gate_up_scale` / `down_scale`), or unquantized as stored.
+    `experts`: the stack it replaces, whose sharding it keeps (`layers.common.Experts`)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+    def __init__(self, experts: Experts, dtype: torch.dtype) -> None:
         super().__init__()
+        num_experts, two_i, hidden = experts.gate_up_proj.shape
+        intermediate = two_i // 2
         self.num_experts = num_experts
         self.hidden = hidden
         self.intermediate = intermediate
         self.dtype = dtype
+        self.tp = experts.tp
+        self.expert_range = experts.expert_range
+        self.narrows = experts.checkpoint_narrows()
         shapes = {"gate_up_proj": (2 * intermediate, hidden), "down_proj": (hidden, intermediate)}
         for name, (n, k) in shapes.items():
             meta = torch.empty(num_experts, n, record_width(k, dtype), dtype=torch.uint8, device="meta")
@@ -272,6 +330,9 @@ class Fp8Experts(nn.Module):
         self.gate_up_scale: torch.Tensor | None = None
         self.down_scale: torch.Tensor | None = None
         self.scale_rows = BLOCK
+
+    def checkpoint_narrows(self) -> dict[str, ShardSpec]:
+        return self.narrows
 
     def materialize_param(self, name: str, device: torch.device) -> None:
         setattr(
@@ -324,6 +385,7 @@ class Fp8Experts(nn.Module):
         self._pending.clear()
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        topk_ids = held_expert_ids(self.tp, self.expert_range, topk_ids)
         if self.down_scale is None:
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
         assert self.gate_up_scale is not None
@@ -334,7 +396,8 @@ class Fp8Experts(nn.Module):
 
 
 def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    return self.tp.all_reduce(out) if self.reduce else out
 
 
 # -- building the model ---------------------------------------------------------------------
@@ -360,7 +423,7 @@ def parameters_on_meta() -> Iterator[None]:
 
 def swap_in_fp8_modules(model: nn.Module, dtype: torch.dtype) -> None:
     """Every linear layer (but a tied LM head) and every routed-expert stack becomes an FP8 holder."""
-    from deltaserve.models.layers.common import Experts, GatedMLP
+    from deltaserve.models.layers.common import Experts, GatedMLP, RowParallelLinear
     from deltaserve.models.layers.gated_deltanet import GatedDeltaNet
     from deltaserve.models.layers.mla import MultiLatentAttention
 
@@ -368,18 +431,23 @@ def swap_in_fp8_modules(model: nn.Module, dtype: torch.dtype) -> None:
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and id(child.weight) not in tied:
+                # a row-parallel projection's all-reduce and checkpoint slices go with it
+                tp, narrows = (
+                    (child.tp, child.checkpoint_narrows())
+                    if isinstance(child, RowParallelLinear)
+                    else (SINGLE, None)
+                )
                 holder = Fp8Linear(
                     child.in_features, child.out_features, child.bias is not None,
-                    getattr(child, "shard_sizes", None), dtype,
+                    getattr(child, "shard_sizes", None), dtype, tp, narrows,
                 )  # fmt: skip
                 if isinstance(parent, GatedDeltaNet) and child_name == "in_proj":
                     holder.dummy_dense_rows = 2 * parent.num_v_heads
                 if isinstance(parent, MultiLatentAttention) and child_name == "kv_b_proj":
                     holder.dense_only = True  # the MLA kernels read its weight as a matrix
                 setattr(parent, child_name, holder)
-            elif isinstance(child, Experts) and not isinstance(child, Fp8Experts):
-                e, two_i, h = child.gate_up_proj.shape
-                setattr(parent, child_name, Fp8Experts(e, h, two_i // 2, dtype))
+            elif isinstance(child, Experts):
+                setattr(parent, child_name, Fp8Experts(child, dtype))
         if isinstance(parent, GatedMLP):
             # its forward hands `down_proj.weight` to a fused kernel; the holder runs as a module
             parent.forward = _mlp_forward.__get__(parent)  # type: ignore[method-assign]
@@ -441,16 +509,43 @@ def _quantizable(name: str, shape: list[int], config: Fp8Config) -> bool:
     return (fused_experts or linear_weight) and config.converts(module)
 
 
+Headers = list[tuple[str, str, list[int]]]  # (name, safetensors dtype, shape) of each checkpoint tensor
+NarrowFn = Callable[[str, tuple[int, ...]], Narrow | None]  # a rank's part of a checkpoint tensor
+
+
+def read_narrow(narrow: NarrowFn, headers: Headers, config: Fp8Config, quantize: bool) -> NarrowFn:
+    """Tensor parallelism: what a rank reads of each checkpoint tensor. An FP8 weight's scales
+    whole (`fp8_weights` keeps the rows the weight's part has), a weight that `--quantization
+    fp8` quantizes whole (quantized as on one GPU, then narrowed), neither where the rank holds
+    nothing of the weight; every other tensor as `narrow` says."""
+    shapes = {n: tuple(shape) for n, _, shape in headers}
+
+    def part(name: str, shape: tuple[int, ...]) -> Narrow | None:
+        if name.endswith(".weight_scale_inv"):
+            weight = name[: -len("_scale_inv")]
+        elif quantize and _quantizable(name, list(shape), config):
+            weight = name
+        else:
+            return narrow(name, shape)
+        spec = narrow(weight, shapes.get(weight, shape))
+        return spec if spec is not None and spec.holds_nothing else None
+
+    return part
+
+
 def fp8_weights(
     tensors: Iterator[tuple[str, torch.Tensor]],
-    headers: list[tuple[str, str, list[int]]],
+    headers: Headers,
     config: Fp8Config,
     dtype: torch.dtype,
     device: torch.device,
     quantize: bool,
+    narrow: NarrowFn | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with FP8 weights (and the unquantized matrices beside them) as
-    row records; `quantize`: the unquantized checkpoint's linear weights quantized on the way."""
+    row records; `quantize`: the unquantized checkpoint's linear weights quantized on the way.
+    `narrow` (tensor parallelism; the tensors read as `read_narrow` says): each FP8 record
+    holds the rank's part of its weight."""
     names = {n for n, _, _ in headers}
     fp8: set[str] = set()
     for name, dtype_s, shape in headers:
@@ -470,7 +565,7 @@ def fp8_weights(
             raise ValueError(
                 f"{name} is stored as FP8 but quantization_config's modules_to_not_convert names it"
             )
-    shapes = {n: s for n, _, s in headers}
+    shapes = {n: tuple(s) for n, _, s in headers}
     parents = {_parent(n) for n in fp8}
     held: dict[str, torch.Tensor] = {}
     for name, t in tensors:
@@ -488,7 +583,14 @@ def fp8_weights(
                         )
                 else:
                     q, s = quantize_blocks(w)
-                yield weight, pack_fp8(q, s, dtype, weight)
+                full = shapes.get(weight, tuple(w.shape))
+                rows = row_scales(s, full, weight)
+                spec = narrow(weight, full) if narrow is not None else None
+                if spec is not None:
+                    rows = narrow_row_scales(rows, spec, full, weight)
+                    if scale_name not in names:  # quantized whole: the rank's part now
+                        q = spec.apply(q)
+                yield weight, pack_rows(q, rows, dtype)
         elif len(shapes.get(name, [])) in (2, 3) and name.endswith(".weight") and _parent(name) in parents:
             yield name, pack_dense(t.to(device), dtype)  # fused with FP8 sub-matrices
         else:

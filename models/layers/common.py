@@ -254,12 +254,20 @@ class Experts(nn.Module):
         return specs
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.tp.experts_whole:
-            first, count = self.expert_range
-            local = topk_ids - first
-            # another rank's expert: an id the fused MoE skips (no compute, a zero contribution)
-            topk_ids = local.masked_fill((local < 0) | (local >= count), -1)
+        topk_ids = held_expert_ids(self.tp, self.expert_range, topk_ids)
         return fused_moe(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+
+
+def held_expert_ids(
+    tp: TensorParallel, expert_range: tuple[int, int], topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """Expert parallelism: the routed ids as indices into this rank's block of experts, another
+    rank's expert as -1, an id the fused MoE skips (no compute, a zero contribution)."""
+    if not tp.experts_whole:
+        return topk_ids
+    first, count = expert_range
+    local = topk_ids - first
+    return local.masked_fill((local < 0) | (local >= count), -1)
 
 
 class SparseMoeBlock(nn.Module):

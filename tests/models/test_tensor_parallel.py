@@ -52,6 +52,22 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return generate(llm, prompts)[0]
 
 
+def logprobs(llm: LLM, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """Per prompt: its log-probabilities and, at each greedy token, the two likeliest tokens'."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2, prompt_logprobs=0
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [
+        {
+            "prompt": [lp.logprob for lp in o.prompt_logprobs[1:]],  # type: ignore[union-attr]
+            "top": [sorted(lp.top.values(), reverse=True)[:2] for lp in o.outputs[0].logprobs],  # type: ignore[union-attr]
+            "tokens": o.outputs[0].token_ids,
+        }
+        for o in outs
+    ]
+
+
 def _rank(
     rank: int, size: int, rendezvous: str, cases: list[dict[str, Any]], engine: dict[str, Any], out_dir: str
 ) -> None:
@@ -84,6 +100,8 @@ def _rank(
             results.append(
                 {"first": first, "again": again, "hit_tokens": hits, "drafts": drafts, "experts": experts}
             )
+            if case.get("logprobs"):
+                results[-1]["logprobs"] = logprobs(llm, case["prompts"])
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         # both ranks done with the group before either tears it down: a rank that destroyed it
