@@ -135,13 +135,24 @@ def narrow_row_scales(rows: torch.Tensor, spec: Narrow, shape: tuple[int, ...], 
     pieces = []
     for start, length in spec.pieces:
         if start % BLOCK or (length % BLOCK and start + length != k):
-            raise ValueError(
-                f"{name}: a tensor-parallel rank would hold its input columns {start}-{start + length} "
-                f"of {k}, which split the FP8 format's 128-column blocks (activations are quantized per "
-                "128 channels); serve this checkpoint with a tensor-parallel size that splits them whole"
-            )
+            raise split_blocks_error(name, start, length, k)
         pieces.append((start // BLOCK, num_blocks(length)))
     return Narrow(dim, tuple(pieces)).apply(rows)
+
+
+def split_blocks_error(name: str, start: int, length: int, k: int) -> ValueError:
+    return ValueError(
+        f"{name}: a tensor-parallel rank would hold its input columns {start}-{start + length} "
+        f"of {k}, which split the FP8 format's 128-column blocks (activations are quantized per "
+        "128 channels); serve this checkpoint with a tensor-parallel size that splits them whole"
+    )
+
+
+def check_whole_blocks(name: str, local: int, tp: TensorParallel) -> None:
+    """`--load-format dummy`: the error a checkpoint of these shapes would give (each rank holds
+    `local` of a projection's input columns)."""
+    if tp.enabled and local % BLOCK:
+        raise split_blocks_error(name, tp.rank * local, local, local * tp.size)
 
 
 def pack_rows(q: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -236,6 +247,7 @@ class Fp8Linear(nn.Module):
         self.fp8_rows = 0
         self.dense_only = False  # dequantize FP8 rows at load (a consumer reads `.weight` itself)
         self.dummy_dense_rows = 0  # `--load-format dummy`: unquantized trailing rows
+        self.input_split = SINGLE  # the ranks its input columns are split over (row-parallel)
 
     def checkpoint_narrows(self) -> dict[str, ShardSpec]:
         return self.narrows
@@ -441,6 +453,10 @@ def swap_in_fp8_modules(model: nn.Module, dtype: torch.dtype) -> None:
                     child.in_features, child.out_features, child.bias is not None,
                     getattr(child, "shard_sizes", None), dtype, tp, narrows,
                 )  # fmt: skip
+                if isinstance(parent, GatedMLP) and child_name == "down_proj":
+                    holder.input_split = parent.tp  # row-parallel, the MLP all-reducing
+                elif tp.enabled:
+                    holder.input_split = tp
                 if isinstance(parent, GatedDeltaNet) and child_name == "in_proj":
                     holder.dummy_dense_rows = 2 * parent.num_v_heads
                 if isinstance(parent, MultiLatentAttention) and child_name == "kv_b_proj":
@@ -484,8 +500,12 @@ def init_dummy_fp8(model: nn.Module, config: Fp8Config, device: torch.device, se
     for i, (name, module) in enumerate(model.named_modules()):
         if isinstance(module, Fp8Linear):
             fp8 = config.converts(name) and not name.endswith(("lm_head", ".gate", "shared_expert_gate"))
+            if fp8:
+                check_whole_blocks(f"{name}.weight", module.in_features, module.input_split)
             module.init_dummy(device, fp8 and not module.dense_only, seed * 100003 + i)
         elif isinstance(module, Fp8Experts):
+            if not module.tp.experts_whole:
+                check_whole_blocks(f"{name}.down_proj", module.intermediate, module.tp)
             module.init_dummy(device, seed * 100003 + i)
 
 

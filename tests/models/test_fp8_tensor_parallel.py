@@ -101,11 +101,14 @@ def test_columns_that_split_a_scale_block_are_a_clear_error(make_checkpoint, tmp
     """SHAPES' GDN layers have 32 value columns: rank 1's 16-31 would split the first 128-column
     block (so would its MLP's 72 of 144 intermediate columns)."""
     fp8 = write_fp8(make_checkpoint("qwen3_5", **SHAPES), tmp_path / "fp8")
-    with pytest.raises(
-        ValueError,
-        match=r"out_proj.weight: a tensor-parallel rank would hold its input columns 16-32 of 32, which split",
-    ):
-        load_model(str(fp8), torch.float32, torch.device("cpu"), tp=TensorParallel(1, 2))
+    for load_format in ("auto", "dummy"):  # random weights of these shapes are refused alike
+        with pytest.raises(
+            ValueError,
+            match=r"out_proj.weight: a tensor-parallel rank would hold its input columns 16-32 of 32, which split",
+        ):
+            load_model(
+                str(fp8), torch.float32, torch.device("cpu"), load_format=load_format, tp=TensorParallel(1, 2)
+            )
 
 
 def test_dummy_fp8_shards_load(make_checkpoint, tmp_path):
