@@ -155,14 +155,17 @@ def conversation(
         history = prompt + reply
 
 
-def chat_trace(seed: int, sessions: int = 400) -> list[Request]:
-    """ShareGPT / LMSys-like: short template header, ~3 turns, lognormal turn lengths."""
+def chat_trace(seed: int, sessions: int = 400, thinking: bool = False) -> list[Request]:
+    """ShareGPT / LMSys-like: short template header, ~3 turns, lognormal turn lengths. `thinking`:
+    a reasoning model's (lognormal 300 reasoning tokens, dropped from the history), 10% of turns
+    retried."""
     tok = Tokens(np.random.default_rng(seed))
     header = tok.text(24)
+    extra = dict(think=lambda: tok.lognormal(300, 0.8, 8, 4096), retry=0.1) if thinking else {}
     convs = [
         conversation(
             tok, header, min(1 + int(tok.rng.geometric(0.35)), 12),
-            lambda: tok.lognormal(80, 1.0, 4, 4096), lambda: tok.lognormal(250, 0.9, 8, 2048),
+            lambda: tok.lognormal(80, 1.0, 4, 4096), lambda: tok.lognormal(250, 0.9, 8, 2048), **extra,
         )
         for _ in range(sessions)
     ]  # fmt: skip
@@ -170,19 +173,8 @@ def chat_trace(seed: int, sessions: int = 400) -> list[Request]:
 
 
 def chat_think_trace(seed: int, sessions: int = 400) -> list[Request]:
-    """The chat trace with a reasoning model (lognormal 300 reasoning tokens, dropped from the
-    history) and 10% of turns retried."""
-    tok = Tokens(np.random.default_rng(seed))
-    header = tok.text(24)
-    convs = [
-        conversation(
-            tok, header, min(1 + int(tok.rng.geometric(0.35)), 12),
-            lambda: tok.lognormal(80, 1.0, 4, 4096), lambda: tok.lognormal(250, 0.9, 8, 2048),
-            think=lambda: tok.lognormal(300, 0.8, 8, 4096), retry=0.1,
-        )
-        for _ in range(sessions)
-    ]  # fmt: skip
-    return interleave(convs, tok.rng.uniform(0, 3600, sessions).tolist(), lambda: tok.rng.exponential(60))
+    """The chat trace with a reasoning model, 10% of turns retried."""
+    return chat_trace(seed, sessions, thinking=True)
 
 
 def few_shot_trace(seed: int, tasks: int = 60) -> list[Request]:

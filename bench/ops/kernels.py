@@ -96,18 +96,7 @@ def bench_gdn_decode(batch: int, hk: int, hv: int, dim: int, sweep: bool) -> lis
     rows = []
 
     def record(name: str, seconds: float) -> None:
-        rows.append(
-            dict(
-                op="gdn_decode",
-                variant=name,
-                batch=batch,
-                hk=hk,
-                hv=hv,
-                dim=dim,
-                us=seconds * 1e6,
-                gbps=moved / seconds / 1e9,
-            )
-        )
+        rows.append(variant_row("gdn_decode", name, seconds, moved, batch=batch, hk=hk, hv=hv, dim=dim))
 
     record("deltaserve", time_graph([lambda p=p: gdn_decode_cuda(q, k, v, g, beta, p, slots) for p in pools]))
     if sweep:
@@ -191,20 +180,8 @@ def bench_paged_decode(
     rows = []
 
     def record(name: str, seconds: float) -> None:
-        rows.append(
-            dict(
-                op="paged_decode",
-                variant=name,
-                batch=batch,
-                context=context,
-                hq=hq,
-                hkv=hkv,
-                dim=dim,
-                page=page,
-                us=seconds * 1e6,
-                gbps=kv_bytes / seconds / 1e9,
-            )
-        )
+        shape = dict(batch=batch, context=context, hq=hq, hkv=hkv, dim=dim, page=page)
+        rows.append(variant_row("paged_decode", name, seconds, kv_bytes, **shape))
 
     fns = [lambda c=c: paged_attention_cuda(q, c[0], c[1], table, cu, seq, dim**-0.5, 1) for c in caches]
     splits = decode_splits(
@@ -423,18 +400,19 @@ def bench_conv_prefill(tokens: int, dim: int, row_stride: int, width: int, sweep
         ok = torch.equal(out, expected)
         seconds = gpu_seconds(call)
         rows.append(
-            variant_row("conv_prefill", f"BT={bt},BD={bd},warps={warps}", ok, tokens, dim, seconds, moved)
+            variant_row(
+                "conv_prefill", f"BT={bt},BD={bd},warps={warps}", seconds, moved, ok, tokens=tokens, dim=dim
+            )
         )
     return rows
 
 
-def variant_row(op: str, variant: str, ok: bool, tokens: int, dim: int, seconds: float, moved: int) -> dict:
-    """One timed variant of a kernel, marked where its output does not match the default's."""
+def variant_row(op: str, variant: str, seconds: float, moved: int, ok: bool = True, **shape: int) -> dict:
+    """One timed variant of a kernel at `shape`, marked where its output does not match the default's."""
     return dict(
         op=op,
         variant=variant + ("" if ok else " MISMATCH"),
-        tokens=tokens,
-        dim=dim,
+        **shape,
         us=seconds * 1e6,
         gbps=moved / seconds / 1e9,
     )
@@ -459,7 +437,9 @@ def bench_gated_norm(tokens: int, heads: int, dim: int, sweep: bool) -> list[dic
         got = gated_rms_norm_launch(x, z, w, 1e-6, rows=per_program)
         ok = torch.allclose(got.float(), expected.float(), atol=3e-2, rtol=2e-2)
         rows.append(
-            variant_row("gated_norm", f"rows={per_program or 'default'}", ok, tokens, width, seconds, moved)
+            variant_row(
+                "gated_norm", f"rows={per_program or 'default'}", seconds, moved, ok, tokens=tokens, dim=width
+            )
         )
     return rows
 
