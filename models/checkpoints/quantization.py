@@ -298,7 +298,8 @@ class Fp8Linear(nn.Module):
             y = self._fp8(x)
             if self.dense_weight is not None:
                 y = torch.cat([y, linear(x, self.dense_weight)], dim=-1)
-        y = self.tp.all_reduce(y)
+        if self.tp.enabled:  # row-parallel: the ranks' partial sums, before the bias
+            y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def _fp8(self, x: torch.Tensor) -> torch.Tensor:
