@@ -23,7 +23,11 @@ from bench.ops.gemv import cold_copies, linear_shapes, time_us
 
 
 def bench_dense(
-    model: str, rows: list[int], gemm_tiles: list[tuple[int, ...]], gemv_tiles: list[tuple[int, ...]]
+    model: str,
+    rows: list[int],
+    gemm_tiles: list[tuple[int, ...]],
+    gemv_tiles: list[tuple[int, ...]],
+    skinny_tiles: list[tuple[int, ...]],
 ) -> list[dict]:
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
     from deltaserve.kernels.fp8.blocks import quantize_blocks
@@ -50,6 +54,12 @@ def bench_dense(
                 row["fp8_gemm_n{}_s{}_k{}_us".format(*t)] = time_us(
                     lambda q, x=x, t=t: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128, t), qs
                 )
+            if m <= fp8_cuda.SKINNY_MAX_ROWS:
+                for t in [None, *skinny_tiles]:
+                    name = "x".join(map(str, t)) if t else "default"
+                    row[f"fp8_skinny_{name}_us"] = time_us(
+                        lambda q, x=x, t=t: fp8_cuda.fp8_skinny_cuda(x, q[0], q[1], 128, t), qs
+                    )
             gb = n * k / 1e9
             for key in [key for key in row if key.endswith("_us")]:
                 row[key.replace("_us", "_tb_s")] = gb * (2 if key.startswith("bf16") else 1) * 1e3 / row[key]
@@ -139,6 +149,13 @@ def main() -> None:
         metavar="BN:S",
         help="also time the one-row FP8 GEMVs at BN weight rows and S 128-column blocks a program",
     )
+    ap.add_argument(
+        "--skinny-tiles",
+        nargs="*",
+        default=[],
+        metavar="BLOCK_N:STAGES:SPLIT",
+        help="also time the skinny GEMM (up to 16 rows, weight rows as the MMA's wide side) at these tilings",
+    )
     ap.add_argument("--moe", help="routed experts of this config")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--json")
@@ -149,7 +166,9 @@ def main() -> None:
         def pairs(specs: list[str]) -> list[tuple[int, ...]]:
             return [tuple(int(v) for v in t.split(":")) for t in specs]
 
-        rows += bench_dense(args.model, args.rows, pairs(args.gemm_tiles), pairs(args.gemv_tiles))
+        rows += bench_dense(
+            args.model, args.rows, pairs(args.gemm_tiles), pairs(args.gemv_tiles), pairs(args.skinny_tiles)
+        )
     if args.moe:
         rows += bench_moe(args.moe, args.tokens)
     if args.json:

@@ -4,6 +4,8 @@ capture all of it."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from deltaserve.kernels.fp8.blocks import BLOCK, FP8_DTYPE, num_blocks
@@ -38,6 +40,7 @@ def act_quant_cuda(
     """x `[T, K]` per token and 128 channels: (e4m3 `[T', K]`, fp32 scales `[T', ceil(K/128)]`),
     T' = T rounded up to `rows_multiple` (the rows past T are zeros). `group_major`: the scales'
     storage is `[ceil(K/128), T']` (the returned tensor is its transpose), as cuBLAS reads them."""
+    from deltaserve.kernels.common.pdl import pdl_args
     from deltaserve.kernels.fp8.triton import _act_quant_kernel
 
     t, k = x.shape
@@ -51,8 +54,9 @@ def act_quant_cuda(
         rows = min(ACT_QUANT_ROWS, 1 << (t_out - 1).bit_length())
         grid = (-(-t_out // rows), num_blocks(k))
         _act_quant_kernel[grid](
-            x, q, s, t, t_out, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), BLOCK=BLOCK, ROWS=rows
-        )
+            x, q, s, t, t_out, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), BLOCK=BLOCK, ROWS=rows,
+            **pdl_args(x.device),
+        )  # fmt: skip
     return q, s
 
 
@@ -123,6 +127,67 @@ def fp8_gemm_cuda(
     return out
 
 
+SKINNY_MAX_ROWS = 16  # the narrow side of the skinny GEMM's MMA
+
+
+def skinny_tiles(n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, stages, split) of the skinny GEMM: 64-row weight tiles, 4 deep, K split in two
+    until the tiles number at least twice the SMs, each part eight 128-column blocks or more
+    (the fastest on each of 9B's weights at 1-16 rows, bench/ops/fp8_gemv.py)."""
+    tiles, kb, split = -(-n // 64), num_blocks(k), 1
+    while tiles * split < 2 * sms and kb >= 16 * split:
+        split *= 2
+    return 64, 4, split
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-tile arrival counts of the skinny GEMM's K split, zero between launches (each launch's
+    last part resets its tile's); one buffer a device, as launches on it run one after another."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < tiles:
+        buf = _counters[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def fp8_skinny_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_rows: int,
+    tiles: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """w8a8 for up to `SKINNY_MAX_ROWS` rows on the FP8 tensor cores, the weight's rows as the MMA's
+    wide side: the rows quantized, then one launch, a K split summed by its last part. `tiles`:
+    (BLOCK_N, stages, split), `skinny_tiles` unless given (`bench/ops/fp8_gemv.py` sweeps them)."""
+    import triton
+
+    from deltaserve.kernels.common.launch import sm_count
+    from deltaserve.kernels.common.pdl import pdl_args
+    from deltaserve.kernels.fp8.triton import _fp8_skinny_kernel
+
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= SKINNY_MAX_ROWS, m
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    xq, xs = act_quant_cuda(x)
+    block_n, num_stages, split = tiles or skinny_tiles(n, k, sm_count(x.device))
+    grid = (triton.cdiv(n, block_n), split)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    counters = _split_counters(x.device, grid[0]) if split > 1 else out
+    _fp8_skinny_kernel[grid](
+        xq, xs, weight, scale, out, part, counters, m, n, k, -(-num_blocks(k) // split),
+        xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        SCALE_ROWS=scale_rows, BLOCK_N=block_n, BLOCK_M=SKINNY_MAX_ROWS, BLOCK=BLOCK, SPLIT=split,
+        num_warps=4, num_stages=num_stages, **pdl_args(x.device),
+    )  # fmt: skip
+    return out
+
+
 def gemv_tiles(block_m: int, n: int, k: int, sms: int) -> tuple[int, int]:
     """(BN, S) of the FP8 GEMV: BLOCK_M x BN x S x 128 fp32 products within 8k, and at least two
     programs per SM."""
@@ -167,6 +232,15 @@ def fp8_gemv_cuda(
     return out
 
 
+@functools.cache
+def decode_mode() -> str:
+    """`DELTASERVE_FP8_DECODE`: 2-16 rows, and one row of a weight too large for the GEMV, through
+    the skinny GEMM (`skinny`) or the Triton GEMM with its split-sum kernel (`gemm`)."""
+    from deltaserve.kernels.common.launch import env_mode
+
+    return env_mode("DELTASERVE_FP8_DECODE", ("skinny", "gemm"), "skinny")
+
+
 def fp8_linear_cuda(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
 ) -> torch.Tensor:
@@ -175,6 +249,8 @@ def fp8_linear_cuda(
         x2 = x2.contiguous()
     if x2.shape[0] == 1 and weight.shape[0] < GEMV_MAX_N and weight.numel() < GEMV_MAX_NUMEL:
         out = fp8_gemv_cuda(x2, weight, scale, scale_rows)
+    elif x2.shape[0] <= SKINNY_MAX_ROWS and decode_mode() == "skinny":
+        out = fp8_skinny_cuda(x2, weight, scale, scale_rows)
     else:
         out = fp8_gemm_cuda(x2, weight, scale, scale_rows)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -7,6 +7,9 @@
   scales before it is accumulated in fp32. With SPLIT > 1, program (m, n, s) takes the s-th range
   of K blocks and writes fp32 parts, which `_split_sum_kernel` adds: a narrow weight at decode's few
   rows then still gives every SM several tiles in flight.
+- `_fp8_skinny_kernel`: decode's 1-16 rows on the FP8 tensor cores with the weight's rows as the
+  MMA's wide side (wgmma's 64 rows; the tokens its narrow 16), a K split summed by each tile's last
+  part to finish instead of a second kernel.
 - `_fp8_gemv_kernel`: one row (decode) against a narrow weight. It streams the e4m3 weight rows
   once, widening them in registers; the row is quantized in registers (`_fake_quant`), so decode
   does the format's w8a8 math as the GEMM does.
@@ -21,6 +24,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.common.fast_launch import fast_launch_module
+from deltaserve.kernels.common.pdl import wait_inputs
 
 BLOCK_K = 128  # the format's block: one scale per K step
 
@@ -39,7 +43,9 @@ def _act_quant_kernel(
     stride_sg,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     # ROWS tokens per program: one token's 128 channels alone left a prefill with 100k+ tiny programs
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     group = tl.program_id(1)
@@ -112,6 +118,84 @@ def _fp8_gemm_kernel(
     else:
         dst = part + (tl.program_id(2) * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
         tl.store(dst, acc, mask=mask)
+
+
+@triton.jit
+def _skinny_block(x, x_s, wt, sw, i, K, offs_m, m_ok, stride_xm, stride_xsm, BLOCK: tl.constexpr):
+    """One 128-column block's scaled product `[BLOCK_N, BLOCK_M]`: weight tile wt (scales sw) times
+    the rows' e4m3 codes of block i and their scales."""
+    offs_k = i * BLOCK + tl.arange(0, BLOCK)
+    mask = m_ok[None, :] & (offs_k < K)[:, None]
+    xt = tl.load(x + offs_m[None, :] * stride_xm + offs_k[:, None], mask=mask, other=0.0)
+    sx = tl.load(x_s + offs_m * stride_xsm + i, mask=m_ok & (i * BLOCK + 0 * offs_m < K), other=0.0)
+    return tl.dot(wt, xt) * sx[None, :] * sw[:, None]
+
+
+@triton.jit
+def _fp8_skinny_kernel(
+    x,  # [M, K] e4m3, per token and 128 channels
+    x_s,  # [M, ceil(K/128)] fp32
+    w,  # [N, K] e4m3
+    w_s,  # [ceil(N/SCALE_ROWS), ceil(K/128)] fp32
+    y,  # [M, N]
+    part,  # [SPLIT, M, N] fp32 (SPLIT > 1)
+    counters,  # [ceil(N/BLOCK_N)] int32, zero between launches (SPLIT > 1)
+    M,
+    N,
+    K,
+    blocks_per_split,
+    stride_xm,
+    stride_xsm,
+    stride_wn,
+    stride_wsn,
+    stride_ym,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Decode's few rows (M <= BLOCK_M) as the MMA's narrow side: weight tiles of BLOCK_N rows are
+    the left operand, so the tensor cores take them as loaded (wgmma's 64-row side). SPLIT > 1: program (n, s) takes the s-th range of K blocks and writes
+    its fp32 part; the last of a tile's parts to finish adds them in split order (deterministic)
+    and resets the tile's counter, so no second kernel sums them. With PDL the first weight tile
+    is loaded before waiting for the previous kernel (no kernel writes weights)."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_rows = w + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_rows = w_s + (offs_n // SCALE_ROWS) * stride_wsn
+    first = tl.program_id(1) * blocks_per_split
+    # a part past the last block (short K, many parts) reads nothing and adds zeros
+    k_ok = first * BLOCK + tl.arange(0, BLOCK) < K
+    wt = tl.load(
+        w_rows + first * BLOCK + tl.arange(0, BLOCK)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+    )
+    sw = tl.load(s_rows + first, mask=n_ok & (first * BLOCK + 0 * offs_n < K), other=0.0)
+    wait_inputs(PDL)
+    acc = _skinny_block(x, x_s, wt, sw, first, K, offs_m, m_ok, stride_xm, stride_xsm, BLOCK)
+    for i in range(first + 1, tl.minimum(first + blocks_per_split, tl.cdiv(K, BLOCK))):
+        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+        wt = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        sw = tl.load(s_rows + i, mask=n_ok, other=0.0)
+        acc += _skinny_block(x, x_s, wt, sw, i, K, offs_m, m_ok, stride_xm, stride_xsm, BLOCK)
+    mask = n_ok[:, None] & m_ok[None, :]
+    dst = y + offs_m[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT == 1:
+        tl.store(dst, acc.to(y.dtype.element_ty), mask=mask)
+    else:
+        parts = part + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(parts + tl.program_id(1) * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's part stored before the tile's count moves
+        if tl.atomic_add(counters + pid_n, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(dst, total.to(y.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counters + pid_n, 0)
 
 
 @triton.jit

@@ -190,3 +190,60 @@ def test_fp8_moe_skips_masked_ids(t):
     zero_weight = fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, ids, weights * keep)
     torch.testing.assert_close(out, zero_weight, rtol=0, atol=0)
     assert not torch.equal(out, fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, ids, weights))
+
+
+@pytest.mark.parametrize("tiles", [None, (64, 4, 1), (64, 3, 3), (128, 4, 8)])
+@pytest.mark.parametrize("scale_rows", [128, 1])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_fp8_skinny_matches_gemm(m, n, k, scale_rows, tiles):
+    """The skinny GEMM (weight rows as the MMA's wide side, a K split summed by its last part, at
+    splits that leave some parts no blocks) is the reference's w8a8 math, and the Triton GEMM's
+    result but for the tensor cores' own accumulation within each 128-column block (wgmma's FP8
+    sums keep fewer bits than fp32: about 1e-4 of the output, measured on the H200); it leaves
+    its counters at zero, so a second call gives the same bits."""
+    from deltaserve.kernels.fp8 import cuda as fp8_cuda
+
+    w, s = _weight(n, k, scale_rows, m + n + k)
+    x = torch.randn(m, k, device="cuda") * 3
+    x[0, : min(k, 128)] = 0  # an all-zero group
+    got = fp8_cuda.fp8_skinny_cuda(x, w, s, scale_rows, tiles)
+    _close(got, fp8_linear_ref(x, w, s, scale_rows), 1e-4 + 1e-2)  # + rounding ties
+    _close(got, fp8_cuda.fp8_gemm_cuda(x, w, s, scale_rows, (64, 4, 1), cublas=False), 1e-3)
+    assert not torch.equal(got, torch.zeros_like(got))
+    assert torch.equal(fp8_cuda.fp8_skinny_cuda(x, w, s, scale_rows, tiles), got)
+    counters = fp8_cuda._counters.get(x.device)  # none until a launch splits K
+    assert counters is None or not counters.any()
+
+
+def test_fp8_skinny_graph_with_pdl_equals_plain_launches(monkeypatch):
+    """A chain of skinny GEMMs (K splits) replayed from a graph with
+    programmatic dependent launch: bit for bit what plain launches compute."""
+    from deltaserve.kernels.fp8.cuda import fp8_skinny_cuda
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0 (the launches would be plain ones)")
+    layers = [_weight(512, 1024, 128, i) + _weight(1024, 512, 128, 100 + i) for i in range(6)]
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for up, up_s, down, down_s in layers:
+            x = fp8_skinny_cuda(fp8_skinny_cuda(x, up, up_s, 128), down, down_s, 128)
+        return x
+
+    inputs = [torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    monkeypatch.setenv("DELTASERVE_PDL", "off")
+    expected = [chain(x) for x in inputs]
+    monkeypatch.setenv("DELTASERVE_PDL", "on")
+    x_in = torch.zeros_like(inputs[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(x_in)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x_in)
+    for x, want in zip(inputs, expected):
+        x_in.copy_(x)
+        graph.replay()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
