@@ -22,8 +22,8 @@ How the weights arrive without a full-precision copy:
 Tensor parallelism: a rank reads its rows or columns of each e4m3 weight and the whole (small)
 scale tensor, whose rows follow the weight's as the records' per-row scales do; a rank's columns
 must be whole 128-column blocks, since activations are quantized per 128 channels.
-`--quantization fp8` reads each weight whole, quantizes it, then keeps the rank's part, so that
-every rank quantizes the blocks one GPU would.
+`--quantization fp8` reads the rank's part of each weight widened to whole 128 x 128 blocks,
+quantizes it, then keeps the rank's part, so that every rank quantizes the blocks one GPU would.
 """
 
 from __future__ import annotations
@@ -131,13 +131,56 @@ def narrow_row_scales(rows: torch.Tensor, spec: Narrow, shape: tuple[int, ...], 
     dim = spec.dim % len(shape)
     if dim != len(shape) - 1:
         return spec.apply(rows)
-    k = shape[-1]
-    pieces = []
+    return Narrow(dim, _column_blocks(spec, shape[-1], name)).apply(rows)
+
+
+def _column_blocks(spec: Narrow, k: int, name: str) -> tuple[tuple[int, int], ...]:
+    """A column part's pieces in 128-column blocks, or the error of a piece that splits one."""
     for start, length in spec.pieces:
         if start % BLOCK or (length % BLOCK and start + length != k):
             raise split_blocks_error(name, start, length, k)
-        pieces.append((start // BLOCK, num_blocks(length)))
-    return Narrow(dim, tuple(pieces)).apply(rows)
+    return tuple((start // BLOCK, num_blocks(length)) for start, length in spec.pieces)
+
+
+def whole_blocks(spec: Narrow, shape: tuple[int, ...]) -> Narrow:
+    """`spec`'s pieces widened to whole 128 x 128 blocks of the weight of `shape` (a part along
+    an expert dimension as it is): what `--quantization fp8` reads of a weight under tensor
+    parallelism, so that quantizing it gives the whole weight's blocks."""
+    dim = spec.dim % len(shape)
+    if dim < len(shape) - 2:
+        return spec
+    pieces = []
+    for start, length in spec.pieces:
+        first = start // BLOCK * BLOCK
+        pieces.append((first, min(shape[dim], -(-(start + length) // BLOCK) * BLOCK) - first))
+    return Narrow(dim, tuple(pieces))
+
+
+def quantize_part(
+    w: torch.Tensor, spec: Narrow | None, shape: tuple[int, ...], name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`--quantization fp8` of the weight `name` of `shape`: (e4m3, per-row scales) of the whole
+    weight, or of the rank's part `spec` when `w` holds it widened as `whole_blocks` reads it
+    (each widened piece quantized alone: its blocks are the whole weight's)."""
+    if spec is None or spec.dim % len(shape) < len(shape) - 2:  # whole matrices
+        q, s = quantize_blocks(w)
+        return q, row_scales(s, tuple(w.shape), name)
+    assert spec.pad_to is None, name  # padding is for vocabularies, which stay unquantized
+    dim = spec.dim % len(shape)
+    wide = whole_blocks(spec, shape)
+    codes, rows = [], []
+    for (start, length), (first, _), piece in zip(
+        spec.pieces, wide.pieces, w.split([n for _, n in wide.pieces], dim), strict=True
+    ):
+        q, s = quantize_blocks(piece)
+        r = row_scales(s, tuple(piece.shape), name)
+        codes.append(Narrow(dim, ((start - first, length),)).apply(q))
+        if dim == len(shape) - 1:
+            _column_blocks(Narrow(dim, ((start, length),)), shape[-1], name)
+            rows.append(Narrow(dim, ((0, num_blocks(length)),)).apply(r))
+        else:
+            rows.append(Narrow(dim, ((start - first, length),)).apply(r))
+    return torch.cat(codes, dim), torch.cat(rows, dim)
 
 
 def split_blocks_error(name: str, start: int, length: int, k: int) -> ValueError:
@@ -536,18 +579,18 @@ NarrowFn = Callable[[str, tuple[int, ...]], Narrow | None]  # a rank's part of a
 
 def read_narrow(narrow: NarrowFn, headers: Headers, config: Fp8Config, quantize: bool) -> NarrowFn:
     """Tensor parallelism: what a rank reads of each checkpoint tensor. An FP8 weight's scales
-    whole (`fp8_weights` keeps the rows the weight's part has), a weight that `--quantization
-    fp8` quantizes whole (quantized as on one GPU, then narrowed), neither where the rank holds
-    nothing of the weight; every other tensor as `narrow` says."""
+    whole (`fp8_weights` keeps the rows the weight's part has), none where the rank holds nothing
+    of the weight; a weight that `--quantization fp8` quantizes, its part widened to whole blocks
+    (quantized as on one GPU, then narrowed); every other tensor as `narrow` says."""
     shapes = {n: tuple(shape) for n, _, shape in headers}
 
     def part(name: str, shape: tuple[int, ...]) -> Narrow | None:
-        if name.endswith(".weight_scale_inv"):
-            weight = name[: -len("_scale_inv")]
-        elif quantize and _quantizable(name, list(shape), config):
-            weight = name
-        else:
+        if quantize and _quantizable(name, list(shape), config):
+            spec = narrow(name, shape)
+            return whole_blocks(spec, shape) if spec is not None and not spec.holds_nothing else spec
+        if not name.endswith(".weight_scale_inv"):
             return narrow(name, shape)
+        weight = name[: -len("_scale_inv")]
         spec = narrow(weight, shapes.get(weight, shape))
         return spec if spec is not None and spec.holds_nothing else None
 
@@ -596,21 +639,19 @@ def fp8_weights(
             scale_name = f"{weight}_scale_inv"
             if weight in held and (scale_name in held or scale_name not in names):
                 w = held.pop(weight).to(device)
+                full = shapes.get(weight, tuple(w.shape))
+                spec = narrow(weight, full) if narrow is not None else None
                 if scale_name in names:
-                    q, s = w, held.pop(scale_name).to(device)
+                    q = w
                     if q.dtype != FP8_DTYPE:
                         raise ValueError(
                             f"{weight} has a weight_scale_inv but is {q.dtype}, not float8_e4m3fn"
                         )
+                    rows = row_scales(held.pop(scale_name).to(device), full, weight)
+                    if spec is not None:
+                        rows = narrow_row_scales(rows, spec, full, weight)
                 else:
-                    q, s = quantize_blocks(w)
-                full = shapes.get(weight, tuple(w.shape))
-                rows = row_scales(s, full, weight)
-                spec = narrow(weight, full) if narrow is not None else None
-                if spec is not None:
-                    rows = narrow_row_scales(rows, spec, full, weight)
-                    if scale_name not in names:  # quantized whole: the rank's part now
-                        q = spec.apply(q)
+                    q, rows = quantize_part(w, spec, full, weight)
                 yield weight, pack_rows(q, rows, dtype)
         elif len(shapes.get(name, [])) in (2, 3) and name.endswith(".weight") and _parent(name) in parents:
             yield name, pack_dense(t.to(device), dtype)  # fused with FP8 sub-matrices

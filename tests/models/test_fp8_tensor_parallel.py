@@ -160,3 +160,42 @@ def test_tp2_fp8_equals_tp1_but_for_rounding_flips(make_checkpoint, tmp_path):
                 assert tp2["tokens"][pos] == tok, (i, pos, one["tokens"], tp2["tokens"])
     # the quantized model is not the plain one
     assert greedy(LLM(src, **ENGINE), prompts) != ranks[0][2]["first"]
+
+
+def test_quantizing_at_load_reads_parts_widened_to_whole_blocks():
+    """`--quantization fp8` under tensor parallelism reads a rank's rows or columns widened to whole
+    128 x 128 blocks (clipped at the weight's edge), not the whole weight; an expert part as it is."""
+    from deltaserve.models.checkpoints.quantization import Fp8Config, read_narrow, whole_blocks
+    from deltaserve.models.parallel import Narrow
+
+    assert whole_blocks(Narrow(0, ((64, 64), (320, 100))), (500, 256)) == Narrow(0, ((0, 128), (256, 244)))
+    assert whole_blocks(Narrow(1, ((128, 128),)), (160, 256)) == Narrow(1, ((128, 128),))
+    assert whole_blocks(Narrow(-1, ((0, 100),)), (4, 160, 300)) == Narrow(2, ((0, 128),))
+    assert whole_blocks(Narrow(0, ((2, 2),)), (4, 256, 160)) == Narrow(0, ((2, 2),))
+    parts = {"a.q_proj.weight": Narrow(0, ((64, 64),)), "a.o_proj.weight": None}
+    headers = [(n, "F32", [256, 160]) for n in parts] + [("a.norm.weight", "F32", [160])]
+    read = read_narrow(lambda name, shape: parts.get(name), headers, Fp8Config(), quantize=True)
+    assert read("a.q_proj.weight", (256, 160)) == Narrow(0, ((0, 128),))
+    assert read("a.o_proj.weight", (256, 160)) is None  # the rank holds it whole
+
+
+@pytest.mark.parametrize("kind,ep", [("qwen3_5", False), ("qwen3_next", False), ("qwen3_next", True)])
+def test_quantizing_at_load_gives_each_rank_the_fp8_checkpoints_shard(kind, ep, make_checkpoint, tmp_path):
+    """Each of two ranks quantizing its parts of a plain checkpoint at load holds, bit for bit,
+    its shard of that checkpoint quantized whole (TP_SHAPES' 64-row heads put half a row block on
+    each rank)."""
+    src = make_checkpoint(kind, **TP_SHAPES)
+    fp8 = write_fp8(src, tmp_path / "fp8")
+    for rank in range(2):
+        tp = TensorParallel(rank, 2, expert_parallel=ep)
+        at_load = load_model(src, torch.float32, torch.device("cpu"), quantization="fp8", tp=tp).model
+        stored = load_model(str(fp8), torch.float32, torch.device("cpu"), tp=tp).model.state_dict()
+        got = at_load.state_dict()
+        assert got.keys() == stored.keys()
+        assert any(t.dtype == torch.float8_e4m3fn for t in got.values())
+        for name, t in got.items():
+            want = stored[name]
+            assert t.dtype == want.dtype and t.shape == want.shape, name
+            if t.dtype == torch.float8_e4m3fn:
+                t, want = t.view(torch.uint8), want.view(torch.uint8)
+            assert torch.equal(t, want), name
