@@ -1,11 +1,12 @@
 """The block-FP8 matmuls at decode sizes: each path on a model's own shapes, cold weights.
 
     python -m bench.ops.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 4 8 --gemm-tiles 64:4 32:6 --gemv-tiles 4:4
+    python -m bench.ops.fp8_gemv --model configs/qwen3.5-9b --rows 1 8 16 --skinny-tiles 64:4:1 64:4:4 128:4:2
     python -m bench.ops.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 4 16 32
 
 Dense: every distinct linear weight of the model, quantized to e4m3 with 128 x 128 block scales,
-timed through the GEMV (products in registers, the row quantized inside it; up to 8 rows) and
-the w8a8 GEMM, against the bf16 Triton GEMV on the same shape; MoE: one layer's routed experts,
+timed through the GEMV (products in registers, the row quantized inside it; up to 8 rows), the
+w8a8 GEMM and the skinny GEMM (up to 16 rows), against the bf16 Triton GEMV on the same shape; MoE: one layer's routed experts,
 through the per-assignment GEMV and the grouped GEMMs. Each is timed as `bench.ops.gemv` times it (CUDA graphs, copies that
 exceed the L2 cache). Reported: microseconds per call and the bandwidth of the bytes read once.
 """
