@@ -217,8 +217,9 @@ def test_fp8_skinny_matches_gemm(m, n, k, scale_rows, tiles):
 
 
 def test_fp8_skinny_graph_with_pdl_equals_plain_launches(monkeypatch):
-    """A chain of skinny GEMMs (K splits) replayed from a graph with
-    programmatic dependent launch: bit for bit what plain launches compute."""
+    """A chain of skinny GEMMs (at their default tiling, one K part for these weights; the K
+    split is checked above) replayed from a graph with programmatic dependent launch: bit for bit
+    what plain launches compute."""
     from deltaserve.kernels.fp8.cuda import fp8_skinny_cuda
 
     if torch.cuda.get_device_capability()[0] < 9:
