@@ -157,10 +157,11 @@ def _fp8_skinny_kernel(
     PDL: tl.constexpr,
 ):
     """Decode's few rows (M <= BLOCK_M) as the MMA's narrow side: weight tiles of BLOCK_N rows are
-    the left operand, so the tensor cores take them as loaded (wgmma's 64-row side). SPLIT > 1: program (n, s) takes the s-th range of K blocks and writes
-    its fp32 part; the last of a tile's parts to finish adds them in split order (deterministic)
-    and resets the tile's counter, so no second kernel sums them. With PDL the first weight tile
-    is loaded before waiting for the previous kernel (no kernel writes weights)."""
+    the left operand, so the tensor cores take them as loaded (wgmma's 64-row side).
+    SPLIT > 1: program (n, s) takes the s-th range of K blocks and writes its fp32 part; the last
+    of a tile's parts to finish adds them in split order (deterministic) and resets the tile's
+    counter, so no second kernel sums them. With PDL the first weight tile is loaded before
+    waiting for the previous kernel (no kernel writes weights)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
