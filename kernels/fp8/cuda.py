@@ -133,7 +133,7 @@ SKINNY_MAX_ROWS = 16  # the narrow side of the skinny GEMM's MMA
 def skinny_tiles(n: int, k: int, sms: int) -> tuple[int, int, int]:
     """(BLOCK_N, stages, split) of the skinny GEMM: 64-row weight tiles, 4 deep, K split in two
     until the tiles number at least twice the SMs, each part eight 128-column blocks or more
-    (the fastest on each of 9B's weights at 1-16 rows, bench/ops/fp8_gemv.py)."""
+    (`bench/ops/fp8_gemv.py --skinny-tiles` sweeps the alternatives)."""
     tiles, kb, split = -(-n // 64), num_blocks(k), 1
     while tiles * split < 2 * sms and kb >= 16 * split:
         split *= 2

@@ -200,8 +200,8 @@ def test_fp8_skinny_matches_gemm(m, n, k, scale_rows, tiles):
     """The skinny GEMM (weight rows as the MMA's wide side, a K split summed by its last part, at
     splits that leave some parts no blocks) is the reference's w8a8 math, and the Triton GEMM's
     result but for the tensor cores' own accumulation within each 128-column block (wgmma's FP8
-    sums keep fewer bits than fp32: about 1e-4 of the output, measured on the H200); it leaves
-    its counters at zero, so a second call gives the same bits."""
+    sums keep fewer bits than fp32); it leaves its counters at zero, so a second call gives the
+    same bits."""
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
 
     w, s = _weight(n, k, scale_rows, m + n + k)

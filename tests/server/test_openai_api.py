@@ -381,7 +381,7 @@ def test_metrics_exposition(client, server, read_metrics) -> None:
 
 def test_metrics_say_where_the_engine_loops_time_goes(client, server, read_metrics) -> None:
     # the wall clock spans both reads, so it holds the engine's time between its two snapshots
-    # even when a response is slow to come back (a loaded machine: 29 ms once in CI)
+    # even when a response is slow to come back
     t0 = time.monotonic()
     before = read_metrics(server.url)
     chat(client, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
