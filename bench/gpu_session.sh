@@ -7,6 +7,8 @@
 #   bash bench/gpu_session.sh all     # every GPU test, in four concurrent groups (one call; one GPU suffices)
 #   bash bench/gpu_session.sh fp8     # FP8 GPU tests, each FP8 path and tiling on 9B's and 80B's shapes
 #   bash bench/gpu_session.sh fp8-ab  # 9B FP8 decode against REV (prepare REV), 80B FP8 decode
+#   bash bench/gpu_session.sh fp8-decode # FP8 GPU tests, 80B FP8 decode against REV (prepare REV)
+#   bash bench/gpu_session.sh fp8-decode-2 # 35B FP8 decode against REV, 80B with DELTASERVE_FP8_DECODE=gemm, 80B profile
 #   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
@@ -208,6 +210,21 @@ case "${1:-all}" in
     run 120 80b-fp8 python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
       --prompt-len 1024 --new-tokens 128 --prefill-len 0
     ;;
+  fp8-decode)  # FP8 GPU tests; 80B-A3B FP8 decode against REV (prepare REV)
+    run 240 fp8-kernel-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py tests/kernels/test_moe_cuda.py &
+    run 240 fp8-model-tests python3 -m pytest -q -rfE -s -m gpu tests/models/test_fp8_checkpoints.py &
+    wait
+    run 300 ab-80b-fp8 bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-sizes 1 8 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    ;;
+  fp8-decode-2)  # 35B-A3B FP8 decode against REV; the tree's old decode path; where 80B FP8's batch-1 step goes
+    run 200 ab-35b-fp8 bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
+      --batch-sizes 1 8 --new-tokens 64 --prefill-len 0
+    DELTASERVE_FP8_DECODE=gemm run 150 gemm-80b-fp8 python3 -m bench.engine.decode \
+      --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 8 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    run 150 profile-80b-fp8 python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-size 1 --prompt-len 1024 --rows 25
+    ;;
   fp8-moe)  # where 80B FP8's batch-1 step goes; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
     run 120 profile-80b-fp8 python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \
       --prompt-len 1024 --rows 25
@@ -217,7 +234,7 @@ case "${1:-all}" in
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   *)
-    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac

@@ -7,7 +7,7 @@
 Dense: every distinct linear weight of the model, quantized to e4m3 with 128 x 128 block scales,
 timed through the GEMV (products in registers, the row quantized inside it; up to 8 rows), the
 w8a8 GEMM and the skinny GEMM (up to 16 rows), against the bf16 Triton GEMV on the same shape; MoE: one layer's routed experts,
-through the per-assignment GEMV and the grouped GEMMs. Each is timed as `bench.ops.gemv` times it (CUDA graphs, copies that
+through the per-assignment GEMV, the skinny MoE and the grouped GEMMs. Each is timed as `bench.ops.gemv` times it (CUDA graphs, copies that
 exceed the L2 cache). Reported: microseconds per call and the bandwidth of the bytes read once.
 """
 
@@ -120,11 +120,14 @@ def bench_moe(model: str, tokens: list[int]) -> list[dict]:
             "tokens": t,
             "touched": touched,
         }
-        for name, limit in (("gemv", 1 << 30), ("grouped", 0)):
-            moe_cuda.GEMV_ASSIGNMENTS = limit
-            row[f"{name}_us"] = time_us(
-                lambda r, x=x: fp8_cuda.fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]), routes
-            )
+        paths = {
+            "gemv": lambda r, x=x: moe_cuda.moe_gemv_cuda(x, gu, dn, r[1], r[0], gu_s, dn_s, 128),
+            "skinny": lambda r, x=x: fp8_cuda.fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]),
+            "grouped": lambda r, x=x: fp8_cuda.fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]),
+        }
+        moe_cuda.GEMV_ASSIGNMENTS = 0  # fp8_moe_cuda's grouped GEMMs at any count
+        for name, call in paths.items():
+            row[f"{name}_us"] = time_us(call, routes)
             row[f"{name}_tb_s"] = touched * 3 * h * inter / 1e9 * 1e3 / row[f"{name}_us"]
         moe_cuda.GEMV_ASSIGNMENTS = 64
         out.append(row)

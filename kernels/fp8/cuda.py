@@ -188,6 +188,65 @@ def fp8_skinny_cuda(
     return out
 
 
+def fp8_moe_skinny_cuda(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+    scale_rows: int,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The FP8 MoE for a few tokens on the skinny GEMM: each assignment's 128-row blocks of gate
+    and up rows on wgmma's wide side (H split while that leaves too few programs), the intermediate
+    quantized by whoever finishes its block, then the down projection, whose per-token sum over the
+    experts the last of them adds: three launches with the rows' quantization."""
+    import triton
+    import triton.language as tl
+
+    from deltaserve.kernels.common.launch import sm_count
+    from deltaserve.kernels.common.pdl import pdl_args
+    from deltaserve.kernels.fp8.triton import _fp8_moe_skinny_down_kernel, _fp8_moe_skinny_gate_up_kernel
+
+    t, h = x.shape
+    e, two_i, _ = gate_up.shape
+    inter_size = two_i // 2
+    top_k = topk_ids.shape[1]
+    n = t * top_k
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    pdl = pdl_args(x.device)
+    xq, xs = act_quant_cuda(x)
+    ids = topk_ids.reshape(-1).contiguous()
+    tiles_i, tiles_h, kb = num_blocks(inter_size), triton.cdiv(h, 64), num_blocks(h)
+    split = 1
+    while n * tiles_i * split < 2 * sm_count(x.device) and kb >= 8 * split:
+        split *= 2
+    hq = torch.empty(n, inter_size, dtype=FP8_DTYPE, device=x.device)
+    hs = torch.empty(n, tiles_i, dtype=torch.float32, device=x.device)
+    part = torch.empty(split, n, 2, inter_size, dtype=torch.float32, device=x.device) if split > 1 else hs
+    counters = _split_counters(x.device, max(n * tiles_i, t * tiles_h))
+    round_to = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype, tl.float32)
+    _fp8_moe_skinny_gate_up_kernel[(tiles_i, n, split)](
+        xq, xs, gate_up, gate_up_scale, ids, hq, hs, part, counters, n, h, inter_size, -(-kb // split),
+        xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
+        gate_up_scale.stride(1), hq.stride(0), hs.stride(0),
+        TOP_K=top_k, E=e, SCALE_ROWS=scale_rows, BLOCK=BLOCK, ROUND=round_to, SPLIT=split,
+        num_warps=4, num_stages=3, **pdl,
+    )  # fmt: skip
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    down_part = torch.empty(n, h, dtype=torch.float32, device=x.device)
+    _fp8_moe_skinny_down_kernel[(tiles_h, n)](
+        hq, hs, down, down_scale, ids, weights, out, down_part, counters, h, inter_size,
+        hq.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
+        out.stride(0),
+        TOP_K=top_k, E=e, SCALE_ROWS=scale_rows, BLOCK_N=64, BLOCK=BLOCK, num_warps=4, num_stages=4, **pdl,
+    )  # fmt: skip
+    return out
+
+
 def gemv_tiles(block_m: int, n: int, k: int, sms: int) -> tuple[int, int]:
     """(BN, S) of the FP8 GEMV: BLOCK_M x BN x S x 128 fp32 products within 8k, and at least two
     programs per SM."""
@@ -235,7 +294,8 @@ def fp8_gemv_cuda(
 @functools.cache
 def decode_mode() -> str:
     """`DELTASERVE_FP8_DECODE`: 2-16 rows, and one row of a weight too large for the GEMV, through
-    the skinny GEMM (`skinny`) or the Triton GEMM with its split-sum kernel (`gemm`)."""
+    the skinny GEMM (`skinny`) or the Triton GEMM with its split-sum kernel (`gemm`); the routed
+    experts of up to 64 assignments through the skinny MoE or the per-assignment GEMVs."""
     from deltaserve.kernels.common.launch import env_mode
 
     return env_mode("DELTASERVE_FP8_DECODE", ("skinny", "gemm"), "skinny")
@@ -290,6 +350,10 @@ def fp8_moe_cuda(
     inter_size = two_i // 2
     top_k = topk_ids.shape[1]
     n = t * top_k
+    if n <= GEMV_ASSIGNMENTS and decode_mode() == "skinny":
+        return fp8_moe_skinny_cuda(
+            x, gate_up, gate_up_scale, down, down_scale, scale_rows, topk_ids, topk_weights
+        )
     if n <= GEMV_ASSIGNMENTS:
         return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights, gate_up_scale, down_scale, scale_rows)
     block_m, block_n, step_k, warps, stages = tiles or moe_tiles(n)

@@ -121,6 +121,14 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
+def _last_part(counters, tile, PARTS: tl.constexpr):
+    """After this program's part is stored: whether it is the last of PARTS parts of `tile` to
+    arrive (that one adds them, then resets the tile's counter with `_release`)."""
+    tl.debug_barrier()  # every thread's part stored before the tile's count moves
+    return tl.atomic_add(counters + tile, 1, sem="acq_rel") == PARTS - 1
+
+
+@triton.jit
 def _skinny_block(x, x_s, wt, sw, i, K, offs_m, m_ok, stride_xm, stride_xsm, BLOCK: tl.constexpr):
     """One 128-column block's scaled product `[BLOCK_N, BLOCK_M]`: weight tile wt (scales sw) times
     the rows' e4m3 codes of block i and their scales."""
@@ -190,13 +198,173 @@ def _fp8_skinny_kernel(
     else:
         parts = part + offs_m[None, :] * N + offs_n[:, None]
         tl.store(parts + tl.program_id(1) * M * N, acc, mask=mask)
-        tl.debug_barrier()  # every thread's part stored before the tile's count moves
-        if tl.atomic_add(counters + pid_n, 1, sem="acq_rel") == SPLIT - 1:
+        if _last_part(counters, pid_n, SPLIT):
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(SPLIT):
                 total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(dst, total.to(y.dtype.element_ty), mask=mask)
             tl.atomic_xchg(counters + pid_n, 0)
+
+
+@triton.jit
+def _fp8_moe_skinny_gate_up_kernel(
+    x,  # [T, H] e4m3, per token and 128 channels
+    x_s,  # [T, ceil(H/128)] fp32
+    w,  # [E, 2I, H] e4m3
+    w_s,  # [E, ceil(2I/SCALE_ROWS), ceil(H/128)] fp32
+    ids,  # [T * TOP_K]
+    h,  # [T * TOP_K, I] e4m3: silu(gate) * up, rounded to the model dtype, quantized per 128
+    h_s,  # [T * TOP_K, ceil(I/128)] fp32
+    part,  # [SPLIT, T * TOP_K, 2, I] fp32 (SPLIT > 1)
+    counters,  # [T * TOP_K * ceil(I/128)] int32, zero between launches (SPLIT > 1)
+    NUM_ASSIGN,
+    H,
+    INTER,
+    blocks_per_split,
+    stride_xt,
+    stride_xst,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ht,
+    stride_hst,
+    TOP_K: tl.constexpr,
+    E: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROUND: tl.constexpr,  # the model dtype the intermediate is rounded to before its quantization
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The skinny GEMM for the routed experts of a few tokens: program (n, a, s) takes 128 gate
+    and 128 up rows of assignment a's expert (the 128 intermediate channels that form one block of
+    the down projection's input) over the s-th range of H's blocks, on wgmma's wide side; the
+    token's row is the narrow side. Whoever completes a tile computes silu(gate) * up and
+    quantizes it, so the down projection needs no quantization launch."""
+    pid_n = tl.program_id(0)
+    a = tl.program_id(1)
+    wait_inputs(PDL)
+    expert = tl.load(ids + a).to(tl.int64)
+    if (expert < 0) | (expert >= E):  # another rank's expert: the down kernel adds zero for it
+        return
+    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    n_ok = offs_n < INTER
+    cols = tl.arange(0, 16)[None, :]  # the token's row is the MMA's first column
+    x_row = x + (a // TOP_K).to(tl.int64) * stride_xt
+    sx_row = x_s + (a // TOP_K).to(tl.int64) * stride_xst
+    g_rows = w + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    u_rows = g_rows + INTER * stride_wn
+    sg_rows = w_s + expert * stride_se + (offs_n // SCALE_ROWS) * stride_sn
+    su_rows = w_s + expert * stride_se + ((offs_n + INTER) // SCALE_ROWS) * stride_sn
+    acc_g = tl.zeros((BLOCK, 16), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK, 16), dtype=tl.float32)
+    first = tl.program_id(2) * blocks_per_split
+    for i in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(H, BLOCK))):
+        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+        k_ok = offs_k < H
+        xt = tl.load(x_row + offs_k[:, None] + cols * 0, mask=(cols == 0) & k_ok[:, None], other=0.0)
+        sx = tl.load(sx_row + i)
+        wmask = n_ok[:, None] & k_ok[None, :]
+        wg = tl.load(g_rows + offs_k[None, :], mask=wmask, other=0.0)
+        wu = tl.load(u_rows + offs_k[None, :], mask=wmask, other=0.0)
+        sg = tl.load(sg_rows + i, mask=n_ok, other=0.0)
+        su = tl.load(su_rows + i, mask=n_ok, other=0.0)
+        acc_g += tl.dot(wg, xt) * sx * sg[:, None]
+        acc_u += tl.dot(wu, xt) * sx * su[:, None]
+    g = tl.sum(acc_g, axis=1)  # the other columns are zeros
+    u = tl.sum(acc_u, axis=1)
+    finish = True
+    if SPLIT > 1:
+        parts = part + (a * 2) * INTER + offs_n
+        step = NUM_ASSIGN * 2 * INTER
+        tl.store(parts + tl.program_id(2) * step, g, mask=n_ok)
+        tl.store(parts + tl.program_id(2) * step + INTER, u, mask=n_ok)
+        tile = a * tl.num_programs(0) + pid_n
+        finish = _last_part(counters, tile, SPLIT)
+        if finish:
+            g = tl.zeros((BLOCK,), dtype=tl.float32)
+            u = tl.zeros((BLOCK,), dtype=tl.float32)
+            for s in range(SPLIT):
+                g += tl.load(parts + s * step, mask=n_ok, other=0.0, cache_modifier=".cg")
+                u += tl.load(parts + s * step + INTER, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counters + tile, 0)
+    if finish:
+        v = (g * tl.sigmoid(g) * u).to(ROUND).to(tl.float32)
+        v = tl.where(n_ok, v, 0.0)
+        scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-10) / 448.0
+        q = tl.clamp(v / scale, -448.0, 448.0)
+        tl.store(h + a.to(tl.int64) * stride_ht + offs_n, q.to(h.dtype.element_ty), mask=n_ok)
+        tl.store(h_s + a.to(tl.int64) * stride_hst + pid_n, scale)
+
+
+@triton.jit
+def _fp8_moe_skinny_down_kernel(
+    h,  # [T * TOP_K, I] e4m3
+    h_s,  # [T * TOP_K, ceil(I/128)] fp32
+    w,  # [E, H, I] e4m3
+    w_s,  # [E, ceil(H/SCALE_ROWS), ceil(I/128)] fp32
+    ids,  # [T * TOP_K]
+    weights,  # [T * TOP_K] fp32 routing weights
+    out,  # [T, H]
+    part,  # [T * TOP_K, H] fp32
+    counters,  # [T * ceil(H/BLOCK_N)] int32, zero between launches
+    H,
+    INTER,
+    stride_ht,
+    stride_hst,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    E: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (n, a): BLOCK_N rows of assignment a's down projection times its quantized
+    intermediate, scaled by its routing weight (zero for another rank's expert); the last of a
+    token's TOP_K assignments to finish a tile adds theirs in assignment order (deterministic) and
+    writes the token's output, so no kernel sums over the experts afterwards."""
+    pid_n = tl.program_id(0)
+    a = tl.program_id(1)
+    wait_inputs(PDL)
+    expert = tl.load(ids + a).to(tl.int64)
+    valid = (expert >= 0) & (expert < E)
+    expert = tl.where(valid, expert, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    cols = tl.arange(0, 16)[None, :]
+    h_row = h + a.to(tl.int64) * stride_ht
+    w_rows = w + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_rows = w_s + expert * stride_se + (offs_n // SCALE_ROWS) * stride_sn
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for i in range(0, tl.where(valid, tl.cdiv(INTER, BLOCK), 0)):
+        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+        k_ok = offs_k < INTER
+        xt = tl.load(h_row + offs_k[:, None] + cols * 0, mask=(cols == 0) & k_ok[:, None], other=0.0)
+        sx = tl.load(h_s + a.to(tl.int64) * stride_hst + i)
+        wt = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        sw = tl.load(s_rows + i, mask=n_ok, other=0.0)
+        acc += tl.dot(wt, xt) * sx * sw[:, None]
+    y = tl.sum(acc, axis=1) * tl.load(weights + a)
+    token = a // TOP_K
+    tl.store(part + a.to(tl.int64) * H + offs_n, y, mask=n_ok)
+    tile = token * tl.num_programs(0) + pid_n
+    if _last_part(counters, tile, TOP_K):
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in range(TOP_K):
+            total += tl.load(
+                part + (token * TOP_K + j).to(tl.int64) * H + offs_n,
+                mask=n_ok,
+                other=0.0,
+                cache_modifier=".cg",
+            )
+        tl.store(out + token.to(tl.int64) * stride_ot + offs_n, total.to(out.dtype.element_ty), mask=n_ok)
+        tl.atomic_xchg(counters + tile, 0)
 
 
 @triton.jit

@@ -216,6 +216,36 @@ def test_fp8_skinny_matches_gemm(m, n, k, scale_rows, tiles):
     assert counters is None or not counters.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t", [1, 3, 6])
+@pytest.mark.parametrize(
+    "e,h,inter,top_k,scale_rows", [(8, 256, 128, 2, 128), (16, 300, 96, 4, 1), (512, 2048, 512, 10, 128)]
+)
+def test_fp8_moe_skinny_matches_gemv(t, e, h, inter, top_k, scale_rows, dtype):
+    """The skinny MoE (gate and up rows on wgmma's wide side, H split at few assignments, the
+    intermediate quantized by whoever finishes its block, the experts' sum added by the last of
+    a token's assignments) gives the per-assignment GEMVs' result but for the tensor cores' own
+    sums, the intermediate's roundings they move and one rounding of the experts' sum; another
+    rank's experts add nothing; its counters end at zero, so a second call gives the same bits."""
+    from deltaserve.kernels.fp8 import cuda as fp8_cuda
+    from deltaserve.kernels.moe.cuda import moe_gemv_cuda
+
+    g = torch.Generator(device="cuda").manual_seed(t + e)
+    gu, gu_s = quantize_blocks(torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5, scale_rows)
+    dn, dn_s = quantize_blocks(torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5, scale_rows)
+    x = torch.randn(t, h, device="cuda", generator=g).to(dtype)
+    weights, ids = torch.softmax(torch.randn(t, e, device="cuda", generator=g), -1).topk(top_k, dim=-1)
+    weights = weights.to(dtype)
+    ids[0, 0] = -1  # another rank's expert
+    got = fp8_cuda.fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, scale_rows, ids, weights)
+    want = moe_gemv_cuda(x, gu, dn, ids, weights, gu_s, dn_s, scale_rows)
+    # wgmma's FP8 sums keep fewer bits than fp32, which moves a few of the intermediate's e4m3
+    # roundings by a step (6%); bf16 as test_fp8_moe_matches_reference
+    _close(got, want, 5e-2 if dtype == torch.bfloat16 else 1e-2)
+    assert torch.equal(fp8_cuda.fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, scale_rows, ids, weights), got)
+    assert not fp8_cuda._counters[x.device].any()
+
+
 def test_fp8_skinny_graph_with_pdl_equals_plain_launches(monkeypatch):
     """A chain of skinny GEMMs (at their default tiling, one K part for these weights; the K
     split is checked above) replayed from a graph with programmatic dependent launch: bit for bit
