@@ -275,6 +275,7 @@ def fp8_gemv_cuda(
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
+    from deltaserve.kernels.common.pdl import pdl_args
     from deltaserve.kernels.fp8.triton import _fp8_gemv_kernel
 
     m, k = x.shape
@@ -286,7 +287,7 @@ def fp8_gemv_cuda(
     bn, s = tiles or gemv_tiles(block_m, n, k, sm_count(x.device))
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, S=s, BLOCK=BLOCK, num_warps=4,
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, S=s, BLOCK=BLOCK, num_warps=4, **pdl_args(x.device),
     )  # fmt: skip
     return out
 

@@ -397,9 +397,11 @@ def _fp8_gemv_kernel(
     BN: tl.constexpr,
     S: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Each iteration reads S whole 128-column blocks of BN rows, so that enough bytes are in
     flight: the scale then broadcasts along the block's own axis."""
+    wait_inputs(PDL)
     on = tl.program_id(0) * BN + tl.arange(0, BN)
     om = tl.arange(0, BLOCK_M)
     ob = tl.arange(0, S)

@@ -129,6 +129,7 @@ def moe_gemv_cuda(
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
+    from deltaserve.kernels.common.pdl import pdl_args
     from deltaserve.kernels.moe.triton_gemv import _moe_gemv_down_kernel, _moe_gemv_gate_up_kernel
 
     t, h = x.shape
@@ -142,13 +143,14 @@ def moe_gemv_cuda(
     gs = gate_up_scale if gate_up_scale is not None else gate_up
     ds = down_scale if down_scale is not None else down
     sms = sm_count(x.device)
+    pdl = pdl_args(x.device)
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
     bn, s = moe_gemv_tiles(inter_size, h, n, _GEMV_ACC // 2, sms)
     _moe_gemv_gate_up_kernel[(triton.cdiv(inter_size, bn), n)](
         x, gate_up, gs, ids, inter, h, inter_size, top_k, e,
         x.stride(0), gate_up.stride(0), gate_up.stride(1),
         gs.stride(0) if fp8 else 0, gs.stride(1) if fp8 else 0, inter.stride(0),
-        SCALE_ROWS=scale_rows, HAS_SCALE=fp8, BN=bn, S=s, BLOCK=128, num_warps=4,
+        SCALE_ROWS=scale_rows, HAS_SCALE=fp8, BN=bn, S=s, BLOCK=128, num_warps=4, **pdl,
     )  # fmt: skip
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -157,6 +159,6 @@ def moe_gemv_cuda(
         inter, down, ds, ids, weights, out, h, inter_size, e,
         inter.stride(0), down.stride(0), down.stride(1),
         ds.stride(0) if fp8 else 0, ds.stride(1) if fp8 else 0, out.stride(0),
-        SCALE_ROWS=scale_rows, HAS_SCALE=fp8, BN=bn, S=s, BLOCK=128, num_warps=4,
+        SCALE_ROWS=scale_rows, HAS_SCALE=fp8, BN=bn, S=s, BLOCK=128, num_warps=4, **pdl,
     )  # fmt: skip
     return out.view(t, top_k, h).sum(dim=1)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.common.fast_launch import fast_launch_module
+from deltaserve.kernels.common.pdl import wait_inputs
 from deltaserve.kernels.fp8.triton import _fake_quant
 
 
@@ -59,7 +60,9 @@ def _moe_gemv_gate_up_kernel(
     BN: tl.constexpr,
     S: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     a = tl.program_id(1)
     expert = tl.load(ids + a).to(tl.int64)
     if (expert < 0) | (expert >= E):  # another rank's expert: the down kernel writes its zeros
@@ -113,7 +116,9 @@ def _moe_gemv_down_kernel(
     BN: tl.constexpr,
     S: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     a = tl.program_id(1)
     expert = tl.load(ids + a).to(tl.int64)
     on = tl.program_id(0) * BN + tl.arange(0, BN)

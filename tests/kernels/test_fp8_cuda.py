@@ -246,19 +246,32 @@ def test_fp8_moe_skinny_matches_gemv(t, e, h, inter, top_k, scale_rows, dtype):
     assert not fp8_cuda._counters[x.device].any()
 
 
-def test_fp8_skinny_graph_with_pdl_equals_plain_launches(monkeypatch):
-    """A chain of skinny GEMMs (at their default tiling, one K part for these weights; the K
-    split is checked above) replayed from a graph with programmatic dependent launch: bit for bit
-    what plain launches compute."""
-    from deltaserve.kernels.fp8.cuda import fp8_skinny_cuda
+def test_fp8_decode_graph_with_pdl_equals_plain_launches(monkeypatch):
+    """A chain of batch-1 decode's FP8 kernels (the skinny GEMM with and without a K split, the
+    GEMV, the skinny MoE and the per-assignment MoE GEMVs) replayed from a graph with programmatic
+    dependent launch: bit for bit what plain launches compute."""
+    from deltaserve.kernels.fp8.cuda import fp8_gemv_cuda, fp8_moe_skinny_cuda, fp8_skinny_cuda
+    from deltaserve.kernels.moe.cuda import moe_gemv_cuda
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9.0 (the launches would be plain ones)")
-    layers = [_weight(512, 1024, 128, i) + _weight(1024, 512, 128, 100 + i) for i in range(6)]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    layers = []
+    for i in range(6):
+        experts = [
+            quantize_blocks(torch.randn(8, *shape, device="cuda", generator=g) / 32)
+            for shape in ((256, 1024), (1024, 128))
+        ]
+        layers.append((_weight(512, 1024, 128, i), _weight(1024, 512, 128, 100 + i), experts))
+    ids = torch.tensor([[1, 6]], device="cuda")
+    weights = torch.tensor([[0.7, 0.3]], device="cuda", dtype=torch.bfloat16)
 
     def chain(x: torch.Tensor) -> torch.Tensor:
-        for up, up_s, down, down_s in layers:
-            x = fp8_skinny_cuda(fp8_skinny_cuda(x, up, up_s, 128), down, down_s, 128)
+        for (up, up_s), (down, down_s), ((gu, gu_s), (dn, dn_s)) in layers:
+            h = fp8_skinny_cuda(x, up, up_s, 128, (64, 4, 4))  # K split in four
+            x = fp8_gemv_cuda(h, down, down_s, 128) + fp8_skinny_cuda(h, down, down_s, 128)
+            x = x + fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, 128, ids, weights)
+            x = x + moe_gemv_cuda(x, gu, dn, ids, weights, gu_s, dn_s, 128)
         return x
 
     inputs = [torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
@@ -278,3 +291,4 @@ def test_fp8_skinny_graph_with_pdl_equals_plain_launches(monkeypatch):
         x_in.copy_(x)
         graph.replay()
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+        assert want.abs().max() > 0
