@@ -9,6 +9,8 @@
 #   bash bench/gpu_session.sh fp8-ab  # 9B FP8 decode against REV (prepare REV), 80B FP8 decode
 #   bash bench/gpu_session.sh fp8-decode # FP8 GPU tests, 80B FP8 decode against REV (prepare REV)
 #   bash bench/gpu_session.sh fp8-decode-2 # 35B FP8 decode against REV, 80B with DELTASERVE_FP8_DECODE=gemm, 80B profile
+#   bash bench/gpu_session.sh shared-fusion # fused shared experts: GPU tests, 80B FP8 decode against REV and unfused
+#   bash bench/gpu_session.sh shared-fusion-2 # 35B FP8 decode + 8k prefill against REV and unfused, Kimi against REV
 #   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
@@ -225,6 +227,25 @@ case "${1:-all}" in
     run 150 profile-80b-fp8 python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-size 1 --prompt-len 1024 --rows 25
     ;;
+  shared-fusion)  # the fused shared expert: GPU tests; 80B-A3B FP8 decode against REV, and with it off
+    run 240 fusion-tests python3 -m pytest -q -rfE -s -m gpu tests/models/test_shared_expert_fusion.py \
+      tests/kernels/test_router_cuda.py tests/models/test_fp8_checkpoints.py &
+    run 240 fp8-kernel-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py -k "pdl or moe" \
+      tests/kernels/test_moe_cuda.py &
+    wait
+    run 200 ab-80b-fp8 bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-sizes 1 8 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    DELTASERVE_SHARED_EXPERT_TOKENS=0 run 120 apart-80b-fp8 python3 -m bench.engine.decode \
+      --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 8 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    ;;
+  shared-fusion-2)  # 35B-A3B FP8 decode and 8k prefill against REV and with the fusion off; Kimi-Linear against REV
+    run 200 ab-35b-fp8 bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
+      --batch-sizes 1 8 --new-tokens 64 --prefill-len 8192
+    DELTASERVE_SHARED_EXPERT_TOKENS=0 run 100 apart-35b-fp8 python3 -m bench.engine.decode \
+      --model configs/qwen3.5-35b-a3b-fp8 --batch-sizes 1 8 --new-tokens 64 --prefill-len 8192
+    run 250 ab-kimi bash bench/ab.sh run python3 -m bench.engine.decode --model configs/kimi-linear-48b-a3b \
+      --batch-sizes 1 8 --new-tokens 64 --prefill-len 0
+    ;;
   fp8-moe)  # where 80B FP8's batch-1 step goes; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
     run 120 profile-80b-fp8 python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \
       --prompt-len 1024 --rows 25
@@ -234,7 +255,7 @@ case "${1:-all}" in
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   *)
-    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.kernels.router import sigmoid_topk
+from deltaserve.kernels.router.reference import with_shared
 from deltaserve.models.checkpoints.weights import WeightLoader
 from deltaserve.models.forward import ForwardContext
 from deltaserve.models.layers.common import (
@@ -26,7 +27,9 @@ from deltaserve.models.layers.common import (
     HybridCausalLM,
     RMSNorm,
     VocabParallelEmbedding,
+    fused_shared_max_tokens,
     run_decoder,
+    stack_shared_expert,
 )
 from deltaserve.models.layers.kda import KimiDeltaAttention
 from deltaserve.models.layers.mla import MultiLatentAttention
@@ -67,12 +70,13 @@ class SigmoidRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(topk_ids `[T, k]`, topk_weights `[T, k]` fp32)."""
+    def forward(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_ids `[T, k]`, topk_weights `[T, k]` fp32); with `shared`, a shared expert fused
+        into the stack as expert E follows the k with weight one."""
         logits = F.linear(x.float(), self.weight.float())
         if self.num_groups == 1:
             bias = self.e_score_correction_bias
-            return sigmoid_topk(logits, bias, self.top_k, self.renormalize, self.scaling)
+            return sigmoid_topk(logits, bias, self.top_k, self.renormalize, self.scaling, shared)
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.num_groups > 1:
@@ -86,6 +90,8 @@ class SigmoidRouter(nn.Module):
         weights = scores.gather(1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if shared:
+            return with_shared(ids, weights * self.scaling, logits.shape[1], None)
         return ids, weights * self.scaling
 
 
@@ -100,9 +106,25 @@ class KimiMoE(nn.Module):
         self.gate = SigmoidRouter(config)
         self.experts = Experts(config.num_local_experts, config.hidden_size, config.moe_intermediate_size, tp)
         shared = config.moe_intermediate_size * (getattr(config, "n_shared_experts", 0) or 0)
-        self.shared_experts = GatedMLP(config.hidden_size, shared, tp, reduce=False) if shared else None
+        self.shared_experts: GatedMLP | None = (
+            GatedMLP(config.hidden_size, shared, tp, reduce=False) if shared else None
+        )
+        self.fused_max_tokens: int | None = None  # set by fuse_shared_expert
+
+    def fuse_shared_expert(self) -> bool:
+        """`SparseMoeBlock.fuse_shared_expert`: the shared experts (one expert's width) as expert E,
+        routed to every token with weight one."""
+        if self.shared_experts is None or self.tp.experts_whole:
+            return False
+        if not stack_shared_expert(self.experts, self.shared_experts):
+            return False
+        self.fused_max_tokens = fused_shared_max_tokens()
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_max_tokens is not None and x.shape[0] <= self.fused_max_tokens:
+            ids, weights = self.gate(x, shared=True)
+            return self.tp.all_reduce(self.experts(x, ids, weights.to(x.dtype)))
         ids, weights = self.gate(x)
         out = self.experts(x, ids, weights.to(x.dtype))
         if self.shared_experts is not None:

@@ -344,3 +344,25 @@ def kimi_tokenizer_folder(tmp_path_factory):
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return str(path), ranks, dict(KIMI_SPECIALS), KIMI_CORPUS
+
+
+@pytest.fixture
+def fuse_on_cpu(monkeypatch):
+    """Call it to have models load with their shared experts fused into the routed ones on CPU
+    too (the loader fuses on CUDA only); the list it returns gets how many blocks each load fused."""
+    from deltaserve.models.checkpoints import loader
+    from deltaserve.models.layers import common
+
+    counts: list[int] = []
+    fuse = common.fuse_shared_experts
+
+    def counted(model) -> int:
+        counts.append(fuse(model))
+        return counts[-1]
+
+    def enable() -> list[int]:
+        monkeypatch.setattr(loader, "SHARED_EXPERT_FUSION", ("cuda", "cpu"))
+        monkeypatch.setattr(common, "fuse_shared_experts", counted)
+        return counts
+
+    return enable

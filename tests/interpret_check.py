@@ -5,6 +5,7 @@ GPU; it says nothing about speed or bf16, and pytest does not collect it.
     TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5
     TRITON_INTERPRET=1 python tests/interpret_check.py kimi --families norm,router,conv,moe,mla
     TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5 --spec   # + verification windows
+    TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_next --fuse-shared  # shared experts fused, as on CUDA
     TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5 --compile  # + Triton IR of each launch
     TRITON_INTERPRET=1 python tests/interpret_check.py qwen3_5 --compile --cubin  # + registers, spills
 
@@ -83,6 +84,11 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help="n-gram speculative decoding on repetitive prompts")
     ap.add_argument("--compile", action="store_true", help="also build each launch's Triton IR for sm_90")
     ap.add_argument(
+        "--fuse-shared",
+        action="store_true",
+        help="the interpreted run's MoE shared experts fused, as on CUDA",
+    )
+    ap.add_argument(
         "--cubin", action="store_true", help="with --compile: on to the binary, registers and spills"
     )
     args = ap.parse_args()
@@ -112,6 +118,10 @@ def main() -> None:
     ref = run()
     families = [f for f in args.families.split(",") if f]
     use_fast(families)
+    if args.fuse_shared:
+        from deltaserve.models.checkpoints import loader
+
+        loader.SHARED_EXPERT_FUSION = ("cuda", "cpu")
     out = run()
     print(f"{args.kind} with {','.join(families)} interpreted: identical = {out == ref}")
     compiled = True

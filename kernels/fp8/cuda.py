@@ -296,7 +296,7 @@ def fp8_gemv_cuda(
 def decode_mode() -> str:
     """`DELTASERVE_FP8_DECODE`: 2-16 rows, and one row of a weight too large for the GEMV, through
     the skinny GEMM (`skinny`) or the Triton GEMM with its split-sum kernel (`gemm`); the routed
-    experts of up to 64 assignments through the skinny MoE or the per-assignment GEMVs."""
+    experts of up to `GEMV_ASSIGNMENTS` pairs through the skinny MoE or the per-assignment GEMVs."""
     from deltaserve.kernels.common.launch import env_mode
 
     return env_mode("DELTASERVE_FP8_DECODE", ("skinny", "gemm"), "skinny")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-GEMV_ASSIGNMENTS = 64  # up to this many (token, expert) pairs the experts' rows are streamed per pair
+GEMV_ASSIGNMENTS = 128  # up to this many (token, expert) pairs the experts' rows are streamed per pair
 _GEMV_ACC = 4096  # fp32 products a program keeps, BN x S x 128: more spill at sm_90's 255 registers
 
 

@@ -4,6 +4,8 @@ Two rules: softmax top-k (Qwen3-Next, Qwen3.5-MoE; weights optionally renormalis
 chosen k) and DeepSeek-V3's sigmoid top-k on bias-corrected scores (Kimi-Linear; weights from
 the uncorrected scores, renormalised, scaled). The torch references (`router/reference.py`) are
 the CPU path and the oracle; on CUDA one Triton program per token does a rule's five to nine torch ops.
+A shared expert fused into the experts' stack (`layers.common.fuse_shared_expert`) is routed as a
+(k + 1)-th expert of every token.
 """
 
 from __future__ import annotations
@@ -11,24 +13,33 @@ from __future__ import annotations
 import torch
 
 from deltaserve.kernels.dispatch import use_fast_path
-from deltaserve.kernels.router.reference import sigmoid_topk_ref, softmax_topk_ref
+from deltaserve.kernels.router.reference import sigmoid_topk_ref, softmax_topk_ref, with_shared
 
 
-def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids `[T, k]` int64, weights `[T, k]` fp32) from router logits `[T, E]`."""
+def softmax_topk(
+    logits: torch.Tensor, k: int, renormalize: bool, shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids `[T, k]` int64, weights `[T, k]` fp32) from router logits `[T, E]`. With `shared`,
+    the logits' last column is a shared expert's gate: that expert, fused into the stack after the
+    routed ones, follows them with the gate's sigmoid as its weight (`[T, k + 1]`)."""
     if use_fast_path(logits):
         from deltaserve.kernels.router.triton import topk_route_launch
 
-        return topk_route_launch(logits, None, k, renormalize, 1.0, sigmoid=False)
-    return softmax_topk_ref(logits, k, renormalize)
+        return topk_route_launch(logits, None, k, renormalize, 1.0, sigmoid=False, shared=int(shared))
+    if not shared:
+        return softmax_topk_ref(logits, k, renormalize)
+    e = logits.shape[1] - 1
+    return with_shared(*softmax_topk_ref(logits[:, :e], k, renormalize), e, logits[:, e])
 
 
 def sigmoid_topk(
-    logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool, scaling: float
+    logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool, scaling: float, shared: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 routing with one expert group, from fp32 router logits `[T, E]`."""
+    """DeepSeek-V3 routing with one expert group, from fp32 router logits `[T, E]`. With `shared`,
+    a shared expert fused into the stack as expert E follows the k with weight one."""
     if use_fast_path(logits):
         from deltaserve.kernels.router.triton import topk_route_launch
 
-        return topk_route_launch(logits, bias, k, renormalize, scaling, sigmoid=True)
-    return sigmoid_topk_ref(logits.sigmoid(), bias, k, renormalize, scaling)
+        return topk_route_launch(logits, bias, k, renormalize, scaling, sigmoid=True, shared=2 * shared)
+    ids, weights = sigmoid_topk_ref(logits.sigmoid(), bias, k, renormalize, scaling)
+    return with_shared(ids, weights, logits.shape[1], None) if shared else (ids, weights)

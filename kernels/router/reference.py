@@ -22,3 +22,13 @@ def sigmoid_topk_ref(
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, weights * scaling
+
+
+def with_shared(
+    ids: torch.Tensor, weights: torch.Tensor, expert: int, gate: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed (ids, weights) followed by a shared expert fused into the stack as `expert`,
+    weighted by the sigmoid of its gate logits `[T]`, or by one."""
+    shared = torch.sigmoid(gate.float()) if gate is not None else torch.ones_like(weights[:, 0])
+    ids = torch.cat([ids, torch.full_like(ids[:, :1], expert)], dim=1)
+    return ids, torch.cat([weights, shared[:, None]], dim=1)

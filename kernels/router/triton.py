@@ -1,5 +1,6 @@
 """Triton MoE router of `deltaserve.kernels.router`: one program per token, the top k found by
-k rounds of argmax over the row (E <= a few hundred experts fit one program)."""
+k rounds of argmax over the row (E <= a few hundred experts fit one program); a shared expert
+fused into the experts' stack as expert E follows them, weighted by its gate or by one."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ def _topk_route_kernel(
     BLOCK_K: tl.constexpr,
     SIGMOID: tl.constexpr,
     RENORM: tl.constexpr,
+    SHARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """SHARED: 0 none; 1 expert E weighted by the sigmoid of logit column E (Qwen's gate); 2 by one."""
     wait_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     oe = tl.arange(0, BLOCK_E)
@@ -55,9 +58,18 @@ def _topk_route_kernel(
         if SIGMOID:
             total += 1e-20
         sel_w = sel_w / total
-    mk = ok < K
-    tl.store(ids + t * K + ok, sel_ids, mask=mk)
-    tl.store(weights + t * K + ok, sel_w * scaling, mask=mk)
+    sel_w = sel_w * scaling
+    if SHARED:
+        if SHARED == 1:
+            gate = tl.sigmoid(tl.load(logits + t * s_l + E).to(tl.float32))
+        else:
+            gate = 1.0
+        sel_ids = tl.where(ok == K, (ok * 0 + E).to(tl.int64), sel_ids)
+        sel_w = tl.where(ok == K, gate, sel_w)
+    width = K + (SHARED > 0)
+    mk = ok < width
+    tl.store(ids + t * width + ok, sel_ids, mask=mk)
+    tl.store(weights + t * width + ok, sel_w, mask=mk)
 
 
 def topk_route_launch(
@@ -67,11 +79,15 @@ def topk_route_launch(
     renormalize: bool,
     scaling: float,
     sigmoid: bool,
+    shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`shared` as the kernel's SHARED; with 1, the logits' last column is the shared expert's gate."""
     assert logits.dim() == 2 and logits.stride(-1) == 1 and k <= logits.shape[1], (logits.shape, k)
     t, e = logits.shape
-    ids = torch.empty((t, k), dtype=torch.long, device=logits.device)
-    weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
+    e -= shared == 1
+    width = k + (shared > 0)
+    ids = torch.empty((t, width), dtype=torch.long, device=logits.device)
+    weights = torch.empty((t, width), dtype=torch.float32, device=logits.device)
     if t:
         _topk_route_kernel[(t,)](
             logits,
@@ -83,9 +99,10 @@ def topk_route_launch(
             scaling,
             K=k,
             BLOCK_E=triton.next_power_of_2(e),
-            BLOCK_K=triton.next_power_of_2(k),
+            BLOCK_K=triton.next_power_of_2(width),
             SIGMOID=sigmoid,
             RENORM=renormalize,
+            SHARED=shared,
             num_warps=4 if e > 256 else 2,
             **pdl_args(logits.device),
         )

@@ -118,6 +118,9 @@ def iter_safetensors(
 
 
 M = TypeVar("M", bound=nn.Module)
+# where MoE blocks run their shared expert as one more routed expert; the CPU (the oracle) keeps
+# transformers' order of operations
+SHARED_EXPERT_FUSION = ("cuda",)
 
 
 def build_on(device: torch.device, dtype: torch.dtype, make: Callable[[], M]) -> M:
@@ -226,6 +229,11 @@ def build_and_load(
             weights = iter_safetensors(path, progress=progress, narrow=read)
             weights = q.fp8_weights(weights, headers, fp8, dtype, device, quantize, narrow)  # type: ignore[arg-type]
         model.load_weights(weights)  # type: ignore[operator]
+    if device.type in SHARED_EXPERT_FUSION:
+        from deltaserve.models.layers.common import fuse_shared_experts
+
+        if fused := fuse_shared_experts(model):
+            logger.info("shared experts run as one more routed expert in %d MoE blocks", fused)
     return model.eval()
 
 

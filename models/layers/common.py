@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 import torch
@@ -270,6 +271,69 @@ def held_expert_ids(
     return local.masked_fill((local < 0) | (local >= count), -1)
 
 
+def dense_weight(proj: nn.Module) -> torch.Tensor | None:
+    """A projection's weight where it is one unquantized matrix with no bias, else None."""
+    if getattr(proj, "bias", None) is not None or getattr(proj, "weight_scale_inv", None) is not None:
+        return None
+    return proj.weight if getattr(proj, "dense_weight", None) is None else None  # type: ignore[return-value]
+
+
+def stack_shared_expert(experts: nn.Module, shared: GatedMLP) -> bool:
+    """Append `shared`'s matrices to `experts`' stacks (`Experts`, or the FP8 holder with its block
+    scales) as one more expert, where both take the same form: one intermediate width on this
+    rank, one dtype, FP8 with one scale layout or unquantized alike; `shared`'s weights become
+    views of the new stacks' last expert. False, nothing changed, else."""
+    stacks = []
+    for name, proj in (("gate_up", shared.gate_up_proj), ("down", shared.down_proj)):
+        stack, scales = getattr(experts, f"{name}_proj"), getattr(experts, f"{name}_scale", None)
+        weight, scale = proj.weight, getattr(proj, "weight_scale_inv", None)
+        if getattr(proj, "bias", None) is not None or getattr(proj, "dense_weight", None) is not None:
+            return False
+        if (
+            weight.shape != stack.shape[1:]
+            or weight.dtype != stack.dtype
+            or (scale is None) != (scales is None)
+        ):
+            return False
+        if scale is not None and scales is not None:
+            rows, stack_rows = getattr(proj, "scale_rows", 0), getattr(experts, "scale_rows", 0)
+            if rows != 1 and stack_rows == 1:  # block scales as the stack's per-row ones
+                scale = scale.repeat_interleave(rows, dim=0)[: weight.shape[0]]
+            elif rows != stack_rows:
+                return False
+            if scale.shape != scales.shape[1:]:
+                return False
+        stacks.append((name, proj, stack, weight, scales, scale))
+    for name, proj, stack, weight, scales, scale in stacks:
+        merged = torch.cat([stack, weight[None]])
+        setattr(experts, f"{name}_proj", nn.Parameter(merged, requires_grad=False))
+        proj.weight = nn.Parameter(merged[-1], requires_grad=False)
+        if scale is not None and scales is not None:
+            setattr(experts, f"{name}_scale", torch.cat([scales, scale[None]]))
+    return True
+
+
+def fused_shared_max_tokens() -> int:
+    """`DELTASERVE_SHARED_EXPERT_TOKENS`: up to this many tokens in a forward, a fused shared
+    expert runs inside the routed experts' launches; past it (prefill) as its own MLP, whose
+    dense GEMMs suit many tokens better; 0 never."""
+    value = os.environ.get("DELTASERVE_SHARED_EXPERT_TOKENS", "") or "512"
+    if not value.isdigit():
+        raise ValueError(f"DELTASERVE_SHARED_EXPERT_TOKENS={value!r}: expected a token count")
+    return int(value)
+
+
+def fuse_shared_experts(model: nn.Module) -> int:
+    """Every MoE block's shared expert into its routed experts (`fuse_shared_expert`): on CUDA,
+    where a shared MLP costs a decode step about as many launches as the routed experts; the CPU
+    keeps transformers' order of operations. Returns how many blocks fused."""
+    blocks = [m for m in model.modules() if hasattr(m, "fuse_shared_expert")]
+    fused = sum(bool(m.fuse_shared_expert()) for m in blocks)  # type: ignore[operator]
+    if fused and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # the stacks replaced stay cached, unseen by the KV pool's sizing
+    return fused
+
+
 class SparseMoeBlock(nn.Module):
     """Softmax top-k routing plus a sigmoid-gated shared expert (Qwen3-Next, Qwen3.5-MoE).
 
@@ -296,13 +360,41 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = (
             GatedMLP(hidden, shared_expert_size, tp, reduce=False) if shared_expert_size else None
         )
-        self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_expert_size else None
+        self.shared_expert_gate: nn.Module | None = (
+            Linear(hidden, 1, bias=False) if shared_expert_size else None
+        )
+        self.fused_max_tokens: int | None = None  # set by fuse_shared_expert
+
+    def fuse_shared_expert(self) -> bool:
+        """The shared expert appended to the routed experts' stack as expert E and its gate to the
+        router's rows, so that for up to `fused_max_tokens` tokens one routed-MoE call computes
+        both; False, nothing changed, where their forms differ (expert parallelism, sizes, FP8
+        against unquantized)."""
+        if self.shared_expert is None or self.shared_expert_gate is None or self.tp.experts_whole:
+            return False
+        gate, shared_gate = dense_weight(self.gate), dense_weight(self.shared_expert_gate)
+        if gate is None or shared_gate is None or gate.dtype != shared_gate.dtype:
+            return False
+        if not stack_shared_expert(self.experts, self.shared_expert):
+            return False
+        with torch.device("meta"):  # off the fast path the two matmuls stay apart, as unfused
+            self.gate = Linear(gate.shape[1], gate.shape[0] + 1, bias=False, shard_sizes=[gate.shape[0], 1])
+        self.gate.weight = nn.Parameter(torch.cat([gate, shared_gate]), requires_grad=False)
+        self.shared_expert_gate = None
+        self.fused_max_tokens = fused_shared_max_tokens()
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        logits = self.gate(x)
+        fused = self.fused_max_tokens is not None  # the shared gate's logit is the router's last
+        if self.fused_max_tokens is not None and x.shape[0] <= self.fused_max_tokens:
+            ids, weights = softmax_topk(logits, self.top_k, self.norm_topk_prob, shared=True)
+            return self.tp.all_reduce(self.experts(x, ids, weights.to(x.dtype)))
+        ids, weights = softmax_topk(logits[:, :-1] if fused else logits, self.top_k, self.norm_topk_prob)
         out = self.experts(x, ids, weights.to(x.dtype))
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            gate = logits[:, -1:] if fused else self.shared_expert_gate(x)  # type: ignore[misc]
+            out = out + torch.sigmoid(gate) * self.shared_expert(x)
         # routed and shared partial sums joined by one all-reduce (the gate is per token)
         return self.tp.all_reduce(out)
 

@@ -42,3 +42,26 @@ def test_sigmoid_topk_with_bias_and_scaling():
     got, want = sorted_pairs(ids, w), sorted_pairs(*ref)
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("e,k", [(512, 10), (64, 4), (6, 5)])
+def test_shared_expert_follows_the_routed_ones(e, k):
+    """A shared expert fused as expert E: softmax over the first E columns, then E weighted by the
+    sigmoid of column E (Qwen's gate); or, after sigmoid routing, weighted by one (Kimi's)."""
+    from deltaserve.kernels.router.triton import topk_route_launch
+
+    g = torch.Generator(device="cuda").manual_seed(e)
+    logits = torch.randn(33, e + 1, device="cuda", generator=g)
+    ids, w = topk_route_launch(logits, None, k, True, 1.0, sigmoid=False, shared=1)
+    ref_ids, ref_w = R.with_shared(*R.softmax_topk_ref(logits[:, :e], k, True), e, logits[:, e])
+    assert ids.shape == (33, k + 1) and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
+
+    logits = logits[:, :e].contiguous()
+    bias = torch.randn(e, device="cuda", generator=g) * 0.1
+    ids, w = topk_route_launch(logits, bias, k, True, 2.446, sigmoid=True, shared=2)
+    ref_ids, ref_w = R.sigmoid_topk_ref(logits.sigmoid(), bias, k, True, 2.446)
+    got, want = sorted_pairs(ids[:, :k], w[:, :k]), sorted_pairs(ref_ids, ref_w)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
+    assert (ids[:, k] == e).all() and (w[:, k] == 1).all()

@@ -369,3 +369,21 @@ def test_kimi_online_quantization_equals_offline(kimi_builder, kimi_config, tmp_
     offline_tokens, offline_lps = ds_greedy(fp8, 10)
     assert online_tokens == offline_tokens
     assert all(torch.equal(a, b) for a, b in zip(online_lps, offline_lps))
+
+
+@pytest.mark.slow
+def test_fp8_fused_shared_experts_change_nothing(
+    make_checkpoint, kimi_builder, kimi_config, tmp_path: Path, fuse_on_cpu
+) -> None:
+    """FP8 shared experts fuse into FP8 routed experts (block scales widened to the stack's
+    per-row ones where its fused gate|up needs those), and change nothing: fp32 on CPU."""
+    qwen = write_fp8(make_checkpoint("qwen3_next", **SHAPES), tmp_path / "fp8")
+    _, kimi = _kimi_fp8(kimi_builder, kimi_config, tmp_path)
+    before = [ds_greedy(path, 8) for path in (qwen, kimi)]
+    counts = fuse_on_cpu()
+    after = [ds_greedy(path, 8) for path in (qwen, kimi)]
+    assert counts == [4, 3]  # every MoE block of each
+    for (tokens, lps), (fused_tokens, fused_lps) in zip(before, after):
+        assert fused_tokens == tokens
+        for a, b in zip(fused_lps, lps):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
