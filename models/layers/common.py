@@ -324,9 +324,9 @@ def fused_shared_max_tokens() -> int:
 
 
 def fuse_shared_experts(model: nn.Module) -> int:
-    """Every MoE block's shared expert into its routed experts (`fuse_shared_expert`): on CUDA,
-    where a shared MLP costs a decode step about as many launches as the routed experts; the CPU
-    keeps transformers' order of operations. Returns how many blocks fused."""
+    """Every MoE block's shared expert into its routed experts (`fuse_shared_expert`), as the
+    loader does on CUDA, where a shared MLP costs a decode step about as many launches as the
+    routed experts. Returns how many blocks fused."""
     blocks = [m for m in model.modules() if hasattr(m, "fuse_shared_expert")]
     fused = sum(bool(m.fuse_shared_expert()) for m in blocks)  # type: ignore[operator]
     if fused and torch.cuda.is_initialized():
