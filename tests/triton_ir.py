@@ -51,6 +51,10 @@ def describe(value: Any) -> list:
         return ["str", value]
     if value is None:
         return ["none"]
+    import triton.language as tl
+
+    if isinstance(value, tl.dtype):  # a constexpr dtype (what a kernel rounds to, say)
+        return ["tl.dtype", value.name]
     return ["other", repr(value)]
 
 
@@ -78,6 +82,7 @@ def record_launches(seen: set[str]) -> None:
 def build_ir(launches: list[dict]) -> list[str]:
     """Build each launch's Triton IR for sm_90; the failures, one line each."""
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
@@ -96,6 +101,8 @@ def build_ir(launches: list[dict]) -> list[str]:
             kind = launch["args"].get(param.name)
             if param.is_constexpr or kind is None or kind[0] == "none":
                 value = param.default if kind is None else (kind[1] if len(kind) > 1 else None)
+                if kind is not None and kind[0] == "tl.dtype":
+                    value = tl.dtype(kind[1])
                 signature[param.name] = "constexpr"
                 constexprs[(i,)] = value
             elif kind[0] == "tensor":
