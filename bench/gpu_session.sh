@@ -11,6 +11,7 @@
 #   bash bench/gpu_session.sh fp8-decode-2 # 35B FP8 decode against REV, 80B with DELTASERVE_FP8_DECODE=gemm, 80B profile
 #   bash bench/gpu_session.sh shared-fusion # fused shared experts: GPU tests, 80B FP8 decode against REV and unfused
 #   bash bench/gpu_session.sh shared-fusion-2 # 35B FP8 decode + 8k prefill against REV and unfused, Kimi against REV
+#   bash bench/gpu_session.sh shared-fusion-bf16 # fused shared experts' GPU tests, 35B bf16 / Kimi decode against REV
 #   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
@@ -246,6 +247,14 @@ case "${1:-all}" in
     run 250 ab-kimi bash bench/ab.sh run python3 -m bench.engine.decode --model configs/kimi-linear-48b-a3b \
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 0
     ;;
+  shared-fusion-bf16)  # the fused shared expert's GPU tests; bf16 MoE decode (35B-A3B, Kimi-Linear) against REV
+    run 300 fusion-tests python3 -m pytest -q -rfE -s -m gpu tests/models/test_shared_expert_fusion.py \
+      tests/kernels/test_router_cuda.py
+    run 200 ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b --batch-sizes 1 8 16 \
+      --new-tokens 64 --prefill-len 0
+    run 250 ab-kimi bash bench/ab.sh run python3 -m bench.engine.decode --model configs/kimi-linear-48b-a3b \
+      --batch-sizes 1 8 --new-tokens 64 --prefill-len 0
+    ;;
   fp8-moe)  # where 80B FP8's batch-1 step goes; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
     run 120 profile-80b-fp8 python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \
       --prompt-len 1024 --rows 25
@@ -255,7 +264,7 @@ case "${1:-all}" in
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   *)
-    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|shared-fusion-bf16|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac
