@@ -30,6 +30,14 @@ BLOCK_K = 128  # the format's block: one scale per K step
 
 
 @triton.jit
+def _e4m3_codes(v, AXIS: tl.constexpr):
+    """fp32 v quantized per group along AXIS (one 128-channel group): its codes in e4m3's range,
+    not yet rounded to e4m3, and the group's scale (largest magnitude to 448)."""
+    scale = tl.maximum(tl.max(tl.abs(v), axis=AXIS), 1e-10) / 448.0
+    return tl.clamp(v / tl.expand_dims(scale, AXIS), -448.0, 448.0), scale
+
+
+@triton.jit
 def _act_quant_kernel(
     x,
     q,
@@ -57,8 +65,7 @@ def _act_quant_kernel(
     v = tl.load(x + rows64[:, None] * stride_x + offs[None, :], mask=live[:, None] & k_ok, other=0.0).to(
         tl.float32
     )
-    scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-10) / 448.0
-    y = tl.clamp(v / scale[:, None], -448.0, 448.0)
+    y, scale = _e4m3_codes(v, 1)
     tl.store(
         q + rows64[:, None] * stride_q + offs[None, :], y.to(q.dtype.element_ty), mask=kept[:, None] & k_ok
     )
@@ -68,8 +75,8 @@ def _act_quant_kernel(
 @triton.jit
 def _fake_quant(v, AXIS: tl.constexpr):
     """fp32 v after `_act_quant_kernel`'s e4m3 round trip, AXIS holding one 128-channel group."""
-    scale = tl.expand_dims(tl.maximum(tl.max(tl.abs(v), axis=AXIS), 1e-10) / 448.0, AXIS)
-    return tl.clamp(v / scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32) * scale
+    codes, scale = _e4m3_codes(v, AXIS)
+    return codes.to(tl.float8e4nv).to(tl.float32) * tl.expand_dims(scale, AXIS)
 
 
 @triton.jit
@@ -123,7 +130,7 @@ def _fp8_gemm_kernel(
 @triton.jit
 def _last_part(counters, tile, PARTS: tl.constexpr):
     """After this program's part is stored: whether it is the last of PARTS parts of `tile` to
-    arrive (that one adds them, then resets the tile's counter with `_release`)."""
+    arrive (that one adds them, then sets the tile's counter back to zero)."""
     tl.debug_barrier()  # every thread's part stored before the tile's count moves
     return tl.atomic_add(counters + tile, 1, sem="acq_rel") == PARTS - 1
 
@@ -291,9 +298,7 @@ def _fp8_moe_skinny_gate_up_kernel(
             tl.atomic_xchg(counters + tile, 0)
     if finish:
         v = (g * tl.sigmoid(g) * u).to(ROUND).to(tl.float32)
-        v = tl.where(n_ok, v, 0.0)
-        scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-10) / 448.0
-        q = tl.clamp(v / scale, -448.0, 448.0)
+        q, scale = _e4m3_codes(tl.where(n_ok, v, 0.0), 0)
         tl.store(h + a.to(tl.int64) * stride_ht + offs_n, q.to(h.dtype.element_ty), mask=n_ok)
         tl.store(h_s + a.to(tl.int64) * stride_hst + pid_n, scale)
 
