@@ -71,12 +71,13 @@ class SigmoidRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(topk_ids `[T, k]`, topk_weights `[T, k]` fp32); with `shared`, a shared expert fused
-        into the stack as expert E follows the k with weight one."""
+        """(topk_ids `[T, k]`, topk_weights `[T, k]`, rounded to x's dtype as `router.sigmoid_topk`
+        says); with `shared`, a shared expert fused into the stack as expert E follows the k with
+        weight one."""
         logits = F.linear(x.float(), self.weight.float())
         if self.num_groups == 1:
             bias = self.e_score_correction_bias
-            return sigmoid_topk(logits, bias, self.top_k, self.renormalize, self.scaling, shared)
+            return sigmoid_topk(logits, bias, self.top_k, self.renormalize, self.scaling, shared, x.dtype)
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.num_groups > 1:
@@ -90,9 +91,10 @@ class SigmoidRouter(nn.Module):
         weights = scores.gather(1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.scaling
         if shared:
-            return with_shared(ids, weights * self.scaling, logits.shape[1], None)
-        return ids, weights * self.scaling
+            ids, weights = with_shared(ids, weights, logits.shape[1], None)
+        return ids, weights.to(x.dtype)
 
 
 class KimiMoE(nn.Module):
@@ -124,9 +126,9 @@ class KimiMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_max_tokens is not None and x.shape[0] <= self.fused_max_tokens:
             ids, weights = self.gate(x, shared=True)
-            return self.tp.all_reduce(self.experts(x, ids, weights.to(x.dtype)))
+            return self.tp.all_reduce(self.experts(x, ids, weights))
         ids, weights = self.gate(x)
-        out = self.experts(x, ids, weights.to(x.dtype))
+        out = self.experts(x, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)

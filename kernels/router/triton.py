@@ -27,9 +27,11 @@ def _topk_route_kernel(
     SIGMOID: tl.constexpr,
     RENORM: tl.constexpr,
     SHARED: tl.constexpr,
+    ROUND: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """SHARED: 0 none; 1 expert E weighted by the sigmoid of logit column E (Qwen's gate); 2 by one."""
+    """SHARED: 0 none; 1 expert E weighted by the sigmoid of logit column E (Qwen's gate); 2 by one.
+    ROUND: the dtype the weights are rounded to, stored as fp32."""
     wait_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     oe = tl.arange(0, BLOCK_E)
@@ -69,7 +71,7 @@ def _topk_route_kernel(
     width = K + (SHARED > 0)
     mk = ok < width
     tl.store(ids + t * width + ok, sel_ids, mask=mk)
-    tl.store(weights + t * width + ok, sel_w, mask=mk)
+    tl.store(weights + t * width + ok, sel_w.to(ROUND).to(tl.float32), mask=mk)
 
 
 def topk_route_launch(
@@ -80,8 +82,10 @@ def topk_route_launch(
     scaling: float,
     sigmoid: bool,
     shared: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`shared` as the kernel's SHARED; with 1, the logits' last column is the shared expert's gate."""
+    """`shared` as the kernel's SHARED; with 1, the logits' last column is the shared expert's gate.
+    The weights rounded to `dtype`, kept in fp32: what the fused MoE reads, with no conversion."""
     assert logits.dim() == 2 and logits.stride(-1) == 1 and k <= logits.shape[1], (logits.shape, k)
     t, e = logits.shape
     e -= shared == 1
@@ -103,6 +107,7 @@ def topk_route_launch(
             SIGMOID=sigmoid,
             RENORM=renormalize,
             SHARED=shared,
+            ROUND={torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(dtype, tl.float32),
             num_warps=4 if e > 256 else 2,
             **pdl_args(logits.device),
         )

@@ -388,10 +388,11 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(x)
         fused = self.fused_max_tokens is not None  # the shared gate's logit is the router's last
         if self.fused_max_tokens is not None and x.shape[0] <= self.fused_max_tokens:
-            ids, weights = softmax_topk(logits, self.top_k, self.norm_topk_prob, shared=True)
-            return self.tp.all_reduce(self.experts(x, ids, weights.to(x.dtype)))
-        ids, weights = softmax_topk(logits[:, :-1] if fused else logits, self.top_k, self.norm_topk_prob)
-        out = self.experts(x, ids, weights.to(x.dtype))
+            ids, weights = softmax_topk(logits, self.top_k, self.norm_topk_prob, True, x.dtype)
+            return self.tp.all_reduce(self.experts(x, ids, weights))
+        routed = logits[:, :-1] if fused else logits
+        ids, weights = softmax_topk(routed, self.top_k, self.norm_topk_prob, dtype=x.dtype)
+        out = self.experts(x, ids, weights)
         if self.shared_expert is not None:
             gate = logits[:, -1:] if fused else self.shared_expert_gate(x)  # type: ignore[misc]
             out = out + torch.sigmoid(gate) * self.shared_expert(x)

@@ -65,3 +65,16 @@ def test_shared_expert_follows_the_routed_ones(e, k):
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
     assert (ids[:, k] == e).all() and (w[:, k] == 1).all()
+
+
+def test_weights_rounded_to_the_model_dtype_in_fp32():
+    """The weights as the model's bf16 product would take them, stored in fp32 so that the fused
+    MoE reads them without a conversion launch."""
+    from deltaserve.kernels.router.triton import topk_route_launch
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(33, 129, device="cuda", generator=g)
+    ids, w = topk_route_launch(logits, None, 8, True, 1.0, False, 1, torch.bfloat16)
+    ref_ids, ref_w = topk_route_launch(logits, None, 8, True, 1.0, False, 1)
+    assert w.dtype == torch.float32 and torch.equal(ids, ref_ids)
+    assert torch.equal(w, ref_w.to(torch.bfloat16).float())
