@@ -12,6 +12,7 @@
 #   bash bench/gpu_session.sh shared-fusion # fused shared experts: GPU tests, 80B FP8 decode against REV and unfused
 #   bash bench/gpu_session.sh shared-fusion-2 # 35B FP8 decode + 8k prefill against REV and unfused, Kimi against REV
 #   bash bench/gpu_session.sh shared-fusion-bf16 # fused shared experts' GPU tests, 35B bf16 / Kimi decode against REV
+#   bash bench/gpu_session.sh pairs-router # fusion/router/FP8 tests, router rounding against REV, MoE pair limit
 #   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
@@ -255,6 +256,21 @@ case "${1:-all}" in
     run 250 ab-kimi bash bench/ab.sh run python3 -m bench.engine.decode --model configs/kimi-linear-48b-a3b \
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 0
     ;;
+  pairs-router)  # fusion, router and FP8 GPU tests; 80B FP8 batch 1 against REV; the per-pair MoE limit on 35B FP8; 80B profile
+    run 240 fusion-tests python3 -m pytest -q -rfE -s -m gpu tests/models/test_shared_expert_fusion.py \
+      tests/kernels/test_router_cuda.py &
+    run 240 fp8-tests python3 -m pytest -q -rfE -s -m gpu tests/models/test_fp8_checkpoints.py \
+      tests/kernels/test_fp8_cuda.py -k "moe or pdl or skinny or checkpoint" &
+    wait
+    run 150 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-sizes 1 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    for p in 128 1024; do
+      run 90 pairs-35b-$p python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 --batch-sizes 8 16 32 64 \
+        --new-tokens 64 --prefill-len 0 --moe-pairs $p
+    done
+    run 100 profile-80b python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \
+      --prompt-len 1024 --rows 30
+    ;;
   fp8-moe)  # where 80B FP8's batch-1 step goes; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
     run 120 profile-80b-fp8 python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \
       --prompt-len 1024 --rows 25
@@ -264,7 +280,7 @@ case "${1:-all}" in
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   *)
-    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|shared-fusion-bf16|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|shared-fusion-bf16|pairs-router|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac
