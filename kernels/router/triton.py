@@ -1,5 +1,5 @@
-"""Triton MoE router of `deltaserve.kernels.router`: one program per token, the top k found by
-k rounds of argmax over the row (E <= a few hundred experts fit one program); a shared expert
+"""Triton MoE router of `deltaserve.kernels.router`: one program (one warp) per token, the top k
+found by k rounds of argmax over the row (E <= a few hundred experts fit one program); a shared expert
 fused into the experts' stack as expert E follows them, weighted by its gate or by one."""
 
 from __future__ import annotations
@@ -48,13 +48,22 @@ def _topk_route_kernel(
     ok = tl.arange(0, BLOCK_K)
     sel_ids = tl.zeros([BLOCK_K], dtype=tl.int64)
     sel_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    # one max a round finds the value and, among ties, the lowest index: the value's bits in an
+    # order-preserving int32 above the reversed index
+    bits = choice.to(tl.int32, bitcast=True)
+    bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = (bits.to(tl.int64) << 32) | (BLOCK_E - 1 - oe).to(tl.int64)
     for j in tl.static_range(K):
-        best = tl.max(choice, 0)
-        idx = tl.min(tl.where(choice == best, oe, BLOCK_E), 0)  # the lowest index among ties
-        w = tl.sum(tl.where(oe == idx, score, 0.0), 0)
-        sel_ids = tl.where(ok == j, idx.to(tl.int64), sel_ids)
+        best = tl.max(key, 0)
+        idx = BLOCK_E - 1 - (best & 0xFFFFFFFF)
+        if SIGMOID:  # the weight is the score, not the biased choice that ranked it
+            w = tl.sum(tl.where(oe == idx, score, 0.0), 0)
+        else:
+            w_bits = (best >> 32).to(tl.int32)
+            w = tl.where(w_bits >= 0, w_bits, w_bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        sel_ids = tl.where(ok == j, idx, sel_ids)
         sel_w = tl.where(ok == j, w, sel_w)
-        choice = tl.where(oe == idx, float("-inf"), choice)
+        key = tl.where(oe == idx, -(2**63), key)
     if RENORM:
         total = tl.sum(sel_w, 0)
         if SIGMOID:
@@ -108,7 +117,7 @@ def topk_route_launch(
             RENORM=renormalize,
             SHARED=shared,
             ROUND={torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(dtype, tl.float32),
-            num_warps=4 if e > 256 else 2,
+            num_warps=1,  # a row's reductions within one warp: shuffles, no barriers
             **pdl_args(logits.device),
         )
     return ids, weights

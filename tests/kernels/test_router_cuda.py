@@ -31,6 +31,18 @@ def test_softmax_topk(e, k, renormalize):
     torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("e,k", [(512, 10), (6, 5)])
+def test_ties_go_to_the_lowest_index(e, k):
+    """Logits of a few distinct values: among equal weights the lower expert id is chosen first,
+    as a stable descending sort orders them."""
+    from deltaserve.kernels.router.triton import topk_route_launch
+
+    g = torch.Generator(device="cuda").manual_seed(e)
+    logits = torch.randint(-3, 3, (33, e), device="cuda", generator=g).float()
+    ids, _ = topk_route_launch(logits, None, k, False, 1.0, sigmoid=False)
+    assert torch.equal(ids, torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :k])
+
+
 def test_sigmoid_topk_with_bias_and_scaling():
     from deltaserve.kernels.router.triton import topk_route_launch
 
