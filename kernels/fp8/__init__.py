@@ -17,12 +17,20 @@ from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.fp8.reference import fp8_linear_ref, fp8_moe_ref
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_rows: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`out`: `[..., N]`, unit last stride (a slice of a wider output), written in place."""
     if use_fast_path(x):
         from deltaserve.kernels.fp8.cuda import fp8_linear_cuda
 
-        return fp8_linear_cuda(x, weight, scale, scale_rows)
-    return fp8_linear_ref(x, weight, scale, scale_rows)
+        return fp8_linear_cuda(x, weight, scale, scale_rows, out)
+    y = fp8_linear_ref(x, weight, scale, scale_rows)
+    return y if out is None else out.copy_(y)
 
 
 def fp8_moe(

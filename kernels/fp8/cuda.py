@@ -143,6 +143,13 @@ def skinny_tiles(n: int, k: int, sms: int) -> tuple[int, int, int]:
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
+def _output(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(-1) == 1 and out.dtype == x.dtype, (out.shape, out.stride())
+    return out
+
+
 def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Per-tile arrival counts of the skinny GEMM's K split, zero between launches (each launch's
     last part resets its tile's); one buffer a device, as launches on it run one after another."""
@@ -158,10 +165,12 @@ def fp8_skinny_cuda(
     scale: torch.Tensor,
     scale_rows: int,
     tiles: tuple[int, int, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """w8a8 for up to `SKINNY_MAX_ROWS` rows on the FP8 tensor cores, the weight's rows as the MMA's
     wide side: the rows quantized, then one launch, a K split summed by its last part. `tiles`:
-    (BLOCK_N, stages, split), `skinny_tiles` unless given (`bench/ops/fp8_gemv.py` sweeps them)."""
+    (BLOCK_N, stages, split), `skinny_tiles` unless given (`bench/ops/fp8_gemv.py` sweeps them).
+    `out`: `[M, N]` with a unit last stride, written in place of a new tensor."""
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
@@ -171,7 +180,7 @@ def fp8_skinny_cuda(
     m, k = x.shape
     n = weight.shape[0]
     assert m <= SKINNY_MAX_ROWS, m
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = _output(out, m, n, x)
     if m == 0:
         return out
     xq, xs = act_quant_cuda(x)
@@ -267,9 +276,10 @@ def fp8_gemv_cuda(
     scale: torch.Tensor,
     scale_rows: int,
     tiles: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x `[M, K]` (one row in serving) times the e4m3 weight, read once, x quantized per token and
-    128 channels inside the kernel; products in registers.
+    128 channels inside the kernel; products in registers; `out` as in `fp8_skinny_cuda`.
     `tiles`: (BN weight rows, S 128-column blocks) a program and iteration, which `bench/ops/fp8_gemv.py`
     sweeps; by default as many rows as leave two programs an SM, within 8k products."""
     import triton
@@ -280,7 +290,7 @@ def fp8_gemv_cuda(
 
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = _output(out, m, n, x)
     if m == 0:
         return out
     block_m = triton.next_power_of_2(m)
@@ -303,18 +313,26 @@ def decode_mode() -> str:
 
 
 def fp8_linear_cuda(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_rows: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """`out`: `[..., N]` with a unit last stride (a slice of a wider output), written in place."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    out2 = out.view(-1, weight.shape[0]) if out is not None else None
     if x2.shape[0] == 1 and weight.shape[0] < GEMV_MAX_N and weight.numel() < GEMV_MAX_NUMEL:
-        out = fp8_gemv_cuda(x2, weight, scale, scale_rows)
+        y = fp8_gemv_cuda(x2, weight, scale, scale_rows, out=out2)
     elif x2.shape[0] <= SKINNY_MAX_ROWS and decode_mode() == "skinny":
-        out = fp8_skinny_cuda(x2, weight, scale, scale_rows)
+        y = fp8_skinny_cuda(x2, weight, scale, scale_rows, out=out2)
     else:
-        out = fp8_gemm_cuda(x2, weight, scale, scale_rows)
-    return out.view(*x.shape[:-1], weight.shape[0])
+        y = fp8_gemm_cuda(x2, weight, scale, scale_rows)
+        if out2 is not None:
+            y = out2.copy_(y)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def moe_tiles(assignments: int) -> tuple[int, int, int, int, int]:

@@ -47,12 +47,16 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return fits and x.stride(-1) == 1 and weight.is_contiguous() and use_fast_path(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`out`: `[..., N]` with a unit last stride (a slice of a wider output), written in place."""
     if use_gemv(x, weight, bias):
         from deltaserve.kernels.linear.triton import gemv
 
-        return gemv(x, weight)
-    return F.linear(x, weight, bias)
+        return gemv(x, weight, out=out)
+    y = F.linear(x, weight, bias)
+    return y if out is None else out.copy_(y)
 
 
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

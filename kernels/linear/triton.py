@@ -92,16 +92,19 @@ def gemv_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
     return block_m, bn, bk
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-    """x `[M, K]` (M <= MAX_ROWS, unit last stride), w `[N, K]` contiguous; `[M, N]` in x's dtype.
-    `silu_mul`: x is `[M, 2K]` = `[gate | up]`, and the result is `silu_and_mul(x) @ w.T`
-    without the activation's own kernel."""
+def gemv(
+    x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x `[M, K]` (M <= MAX_ROWS, unit last stride), w `[N, K]` contiguous; `[M, N]` in x's dtype,
+    into `out` if given (unit last stride). `silu_mul`: x is `[M, 2K]` = `[gate | up]`, and the
+    result is `silu_and_mul(x) @ w.T` without the activation's own kernel."""
     m = x.shape[0]
     k = x.shape[1] // 2 if silu_mul else x.shape[1]
     n = w.shape[0]
     assert m <= MAX_ROWS and w.shape[1] == k and x.stride(-1) == 1 and w.stride(-1) == 1
     assert not silu_mul or x.shape[1] == 2 * k
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (m, n) and y.stride(-1) == 1 and y.dtype == x.dtype, (y.shape, y.stride())
     if m == 0:
         return y
     block_m, bn, bk = gemv_tiles(m, n, k, sm_count(x.device))

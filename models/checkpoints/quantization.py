@@ -252,6 +252,8 @@ def _compact(row_scales: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 # -- the FP8 holders ------------------------------------------------------------------------
 
+DECODE_ROWS = 16  # up to this many rows a mixed FP8 + unquantized projection writes one output
+
 
 class Fp8Linear(nn.Module):
     """A linear layer whose weight is block-FP8 (`weight` e4m3 `[N, K]`, `weight_scale_inv` fp32
@@ -337,6 +339,12 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is None:
             y = self._dense(x, self.weight)
+        elif self.dense_weight is not None and use_fast_path(x) and x.numel() <= DECODE_ROWS * x.shape[-1]:
+            # decode: both parts write their columns of one output, no concatenation launch
+            y = x.new_empty(*x.shape[:-1], self.out_features)
+            n = self.fp8_rows
+            fp8_linear(x, self.weight, self.weight_scale_inv, self.scale_rows, out=y[..., :n])
+            linear(x, self.dense_weight, out=y[..., n:])
         else:
             y = self._fp8(x)
             if self.dense_weight is not None:
