@@ -21,6 +21,7 @@ from bench.engine.roofline import decode_step_bytes, model_cost, prefill_flops
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.requests.sampling_params import SamplingParams
+from deltaserve.kernels.fp8 import cuda as fp8_cuda
 from deltaserve.kernels.moe import cuda as moe_cuda
 
 
@@ -201,13 +202,14 @@ def main() -> None:
         type=int,
         default=None,
         help="the most (token, expert) pairs the MoE streams per pair before its grouped GEMMs "
-        "(kernels.moe.cuda.GEMV_ASSIGNMENTS), to find where the two paths cross",
+        "(kernels.moe.cuda.GEMV_ASSIGNMENTS, kernels.fp8.cuda.SKINNY_MOE_PAIRS), to find where "
+        "the two paths cross",
     )
     ap.add_argument("--device", default="cuda", help="cpu only for a quick dry run of the script")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.moe_pairs is not None:
-        moe_cuda.GEMV_ASSIGNMENTS = args.moe_pairs
+        moe_cuda.GEMV_ASSIGNMENTS = fp8_cuda.SKINNY_MOE_PAIRS = args.moe_pairs
 
     max_bs = max(args.batch_sizes, default=1)
     max_len = args.max_model_len or max(args.prompt_len + args.new_tokens, args.prefill_len) + 16

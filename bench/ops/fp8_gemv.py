@@ -125,11 +125,12 @@ def bench_moe(model: str, tokens: list[int]) -> list[dict]:
             "skinny": lambda r, x=x: fp8_cuda.fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]),
             "grouped": lambda r, x=x: fp8_cuda.fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]),
         }
-        limit, moe_cuda.GEMV_ASSIGNMENTS = moe_cuda.GEMV_ASSIGNMENTS, 0  # the grouped GEMMs at any count
+        limits = moe_cuda.GEMV_ASSIGNMENTS, fp8_cuda.SKINNY_MOE_PAIRS
+        moe_cuda.GEMV_ASSIGNMENTS = fp8_cuda.SKINNY_MOE_PAIRS = 0  # the grouped GEMMs at any count
         for name, call in paths.items():
             row[f"{name}_us"] = time_us(call, routes)
             row[f"{name}_tb_s"] = touched * 3 * h * inter / 1e9 * 1e3 / row[f"{name}_us"]
-        moe_cuda.GEMV_ASSIGNMENTS = limit
+        moe_cuda.GEMV_ASSIGNMENTS, fp8_cuda.SKINNY_MOE_PAIRS = limits
         out.append(row)
         print(json.dumps(row), flush=True)
     return out

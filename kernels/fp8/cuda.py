@@ -128,6 +128,9 @@ def fp8_gemm_cuda(
 
 
 SKINNY_MAX_ROWS = 16  # the narrow side of the skinny GEMM's MMA
+# up to this many (token, expert) pairs the skinny MoE reads each pair's expert rows, past it the
+# grouped GEMMs read each expert's once: where they crossed on 35B-A3B's and 80B-A3B's experts
+SKINNY_MOE_PAIRS = 384
 
 
 def skinny_tiles(n: int, k: int, sms: int) -> tuple[int, int, int]:
@@ -306,7 +309,8 @@ def fp8_gemv_cuda(
 def decode_mode() -> str:
     """`DELTASERVE_FP8_DECODE`: 2-16 rows, and one row of a weight too large for the GEMV, through
     the skinny GEMM (`skinny`) or the Triton GEMM with its split-sum kernel (`gemm`); the routed
-    experts of up to `GEMV_ASSIGNMENTS` pairs through the skinny MoE or the per-assignment GEMVs."""
+    experts of up to `SKINNY_MOE_PAIRS` pairs through the skinny MoE, or of up to `GEMV_ASSIGNMENTS`
+    through the per-assignment GEMVs."""
     from deltaserve.kernels.common.launch import env_mode
 
     return env_mode("DELTASERVE_FP8_DECODE", ("skinny", "gemm"), "skinny")
@@ -369,7 +373,7 @@ def fp8_moe_cuda(
     inter_size = two_i // 2
     top_k = topk_ids.shape[1]
     n = t * top_k
-    if n <= GEMV_ASSIGNMENTS and decode_mode() == "skinny":
+    if n <= SKINNY_MOE_PAIRS and decode_mode() == "skinny":
         return fp8_moe_skinny_cuda(
             x, gate_up, gate_up_scale, down, down_scale, scale_rows, topk_ids, topk_weights
         )
