@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 _CPU_POOL_SHARE = 0.25  # a CPU machine's pools get this share of the memory available at start-up
 _CPU_POOL_MIN = 1 << 30
+KV_TOKENS_PER_REQUEST = 8192  # when memory clamps the slots, KV pages planned for each running request
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,11 @@ def plan_pools(
     device: torch.device,
 ) -> PoolSizes:
     """Pages and slots for the memory the weights leave. Requested slots that do not fit are
-    clamped (the prefix cache's snapshots first, then the running requests), always leaving KV
-    pages for one request of the full model length; only when not one request fits is it an error.
-    A clamp lowers `config.max_running_requests`, which the scheduler reads."""
+    clamped: as many running requests as hold their slots and KV pages for `KV_TOKENS_PER_REQUEST`
+    tokens each (or the model length, if shorter), then the prefix cache's tree snapshots with what
+    is left, always leaving KV pages for one request of the full model length; only when not one
+    request fits is it an error. A clamp lowers `config.max_running_requests`, which the scheduler
+    reads."""
     slots = config.num_running
     snapshots = config.num_snapshot_slots
     if snapshots is None:
@@ -52,29 +55,36 @@ def plan_pools(
     else:
         budget = _pool_budget(config, device)
         one_request = (math.ceil(want_len / page) + 1) * max(bytes_per_page, 1)  # with the padding page
-        states = budget - one_request - (1 + window) * bytes_per_slot
-        fit = states // max(bytes_per_slot, 1)
+        base = budget - (1 + window) * bytes_per_slot  # less the padding slot and the window's
+        fit = (base - one_request) // max(bytes_per_slot, 1)
         if slots + snapshots > fit:
             asked = (slots, snapshots)
             per_request = 1 if config.cache_type == "radix" else 0  # a snapshot slot each, at least
             tree = snapshots - per_request * slots
-            snapshots -= min(tree, slots + snapshots - fit)
-            if slots + snapshots > fit:
-                slots = int(fit // (1 + per_request))
-                snapshots = per_request * slots
+            # running requests first, each with its slots and KV pages for KV_TOKENS_PER_REQUEST
+            # tokens (not only one request's of the full length: requests would wait for pages while
+            # slots sat idle); the tree's snapshots get what is left
+            kv_each = math.ceil(min(want_len, KV_TOKENS_PER_REQUEST) / page) * bytes_per_page
+            per_slot_set = (1 + per_request) * bytes_per_slot + kv_each
+            held = (base - bytes_per_page) // max(per_slot_set, 1)  # with the padding page
+            slots = min(slots, int(fit // (1 + per_request)), int(held))
             if slots < 1:
                 raise ValueError(
                     f"not enough memory for one request: a state slot takes {bytes_per_slot / 2**20:.1f} MiB "
                     f"and {one_request / 2**30:.2f} GiB of KV pages hold {want_len} tokens; free memory, "
                     "lower --max-model-len or raise --mem-fraction-static"
                 )
+            kv = max(one_request, slots * kv_each + bytes_per_page)
+            left = base - kv - (1 + per_request) * slots * bytes_per_slot
+            snapshots = per_request * slots + max(0, min(tree, int(left // max(bytes_per_slot, 1))))
             logger.warning(
                 "memory holds %d running requests and %d snapshot slots, not the %d and %d asked for "
-                "(a slot is %.1f MiB); clamped",
+                "(a slot is %.1f MiB, with KV pages for %d tokens a request); clamped",
                 slots,
                 snapshots,
                 *asked,
                 bytes_per_slot / 2**20,
+                min(want_len, KV_TOKENS_PER_REQUEST),
             )
             config.max_running_requests = slots
         budget -= (1 + slots + snapshots + window) * bytes_per_slot

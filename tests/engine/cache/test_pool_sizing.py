@@ -24,34 +24,42 @@ def test_everything_fits_nothing_changes() -> None:
     assert (sizes.num_slots, sizes.num_snapshots, cfg.max_running_requests) == (8, 16, 8)
 
 
-def test_too_many_slots_are_clamped_snapshots_first() -> None:
-    # 100 MiB: one full-length request's pages (64 + the padding page, of 64 KiB) and 1 padding
-    # slot leave 94 one-MiB slots, not the 64 + 128 asked for
+def test_clamped_slots_keep_kv_pages_for_their_requests() -> None:
+    # 100 MiB less the padding slot: each running request takes its state slot, its snapshot slot
+    # (1 MiB each) and the 64 pages of 64 KiB its 1,024 tokens fill, 6 MiB in all, so 16 run
+    # (not the 47 whose slots alone fit, which would leave pages for one request at a time)
     cfg = config(max_running_requests=64, pool_memory_gb=100 / 1024)
     sizes = plan_pools(
         cfg, bytes_per_page=64 * 1024, bytes_per_slot=MIB, max_position_embeddings=4096, device=CPU
     )
-    assert sizes.num_slots == 47 and sizes.num_snapshots == 47  # one snapshot slot per request
-    assert cfg.max_running_requests == 47  # the scheduler admits what the pool holds
-    used = (1 + sizes.num_slots + sizes.num_snapshots) * MIB + (sizes.num_pages - 1) * 64 * 1024
+    assert sizes.num_slots == 16 and cfg.max_running_requests == 16  # what the scheduler admits
+    assert 16 <= sizes.num_snapshots <= 19  # one a request, and the tree's from the last 3 MiB
+    used = (1 + sizes.num_slots + sizes.num_snapshots) * MIB + sizes.num_pages * 64 * 1024
     assert used <= 100 * MIB
-    assert sizes.max_model_len == 1024  # a request of the full length still fits
+    assert (sizes.num_pages - 1) * cfg.page_size >= 16 * 1024  # every running request at full length
+    assert sizes.max_model_len == 1024
 
 
-def test_only_the_tree_snapshots_go_when_that_suffices() -> None:
-    cfg = config(max_running_requests=32, pool_memory_gb=90 / 1024)
-    sizes = plan_pools(
-        cfg, bytes_per_page=64 * 1024, bytes_per_slot=MIB, max_position_embeddings=4096, device=CPU
-    )
-    assert sizes.num_slots == 32 and 32 <= sizes.num_snapshots < 64
+def test_long_model_lengths_plan_8k_tokens_a_request() -> None:
+    # a hybrid model's state slot (64 MiB) costs as much as 8k tokens of its KV (8 KiB a token):
+    # 8 GiB less the padding slot holds 42 requests of two slots and 8,192 tokens (192 MiB each),
+    # not the 55 whose slots fit beside one 131,072-token request's pages (16 requests of 8k)
+    cfg = config(max_running_requests=256)
+    cfg.max_model_len = 131072
+    cfg.pool_memory_gb = 8.0
+    sizes = plan_pools(cfg, 16 * 8 * 1024, 64 * MIB, 131072, CPU)
+    assert sizes.num_slots == 42 and sizes.num_snapshots == 42
+    assert (sizes.num_pages - 1) * cfg.page_size >= 42 * 8192
+    assert sizes.max_model_len == 131072  # one request of the full length still fits
 
 
 def test_naive_cache_needs_no_snapshot_slots() -> None:
+    # one state slot and 4 MiB of pages a request: 39 MiB less the padding slot holds 7
     cfg = config(max_running_requests=64, pool_memory_gb=40 / 1024, cache_type="naive")
     sizes = plan_pools(
         cfg, bytes_per_page=64 * 1024, bytes_per_slot=MIB, max_position_embeddings=4096, device=CPU
     )
-    assert sizes.num_snapshots == 0 and sizes.num_slots == 34
+    assert sizes.num_snapshots == 0 and sizes.num_slots == 7
 
 
 def test_refused_only_when_not_one_request_fits() -> None:
