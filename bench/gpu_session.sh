@@ -14,6 +14,8 @@
 #   bash bench/gpu_session.sh shared-fusion-bf16 # fused shared experts' GPU tests, 35B bf16 / Kimi decode against REV
 #   bash bench/gpu_session.sh pairs-router # fusion/router/FP8 tests, router rounding against REV, MoE pair limit
 #   bash bench/gpu_session.sh pairs-2 # router/FP8 MoE tests, the MoE pair limit on 80B FP8, kernels without PDL
+#   bash bench/gpu_session.sh pairs-3 # router tests, 80B FP8 batch 1 / 32 against REV, 80B FP8 serving
+#   bash bench/gpu_session.sh pairs-4 # FP8 MoE tests, 80B FP8 serving
 #   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
@@ -283,6 +285,19 @@ case "${1:-all}" in
     DELTASERVE_PDL=off run 100 profile-80b-nopdl python3 -m bench.engine.profile_decode \
       --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 --prompt-len 1024 --rows 30
     ;;
+  pairs-3)  # router, FP8 MoE and FP8 engine tests; 80B FP8 batch 1 against REV; issue 24's serving row
+    run 230 fp8-engine-test python3 -m pytest -q -rfE -s -m gpu tests/models/test_fp8_checkpoints.py &
+    run 100 router-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_router_cuda.py &
+    run 150 moe-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py -k "moe or skinny or gemv" &
+    wait
+    run 110 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-sizes 1 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    run 200 serve-80b bash bench/serve_session.sh 80b-fp8
+    ;;
+  pairs-4)  # FP8 MoE tests; issue 24's serving row with KV pages planned for each request
+    run 120 moe-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py -k "moe_matches or skinny"
+    run 230 serve-80b bash bench/serve_session.sh 80b-fp8
+    ;;
   fp8-moe)  # where 80B FP8's batch-1 step goes; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
     run 120 profile-80b-fp8 python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \
       --prompt-len 1024 --rows 25
@@ -292,7 +307,7 @@ case "${1:-all}" in
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   *)
-    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|shared-fusion-bf16|pairs-router|pairs-2|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|shared-fusion-bf16|pairs-router|pairs-2|pairs-3|pairs-4|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac
