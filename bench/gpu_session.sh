@@ -16,6 +16,7 @@
 #   bash bench/gpu_session.sh pairs-2 # router/FP8 MoE tests, the MoE pair limit on 80B FP8, kernels without PDL
 #   bash bench/gpu_session.sh pairs-3 # router tests, 80B FP8 batch 1 / 32 against REV, 80B FP8 serving
 #   bash bench/gpu_session.sh pairs-4 # FP8 MoE tests, 80B FP8 serving
+#   bash bench/gpu_session.sh next-80b # 80B FP8 skinny tilings and MoE paths on its shapes, its 8k prefill's profile
 #   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
@@ -298,6 +299,12 @@ case "${1:-all}" in
     run 120 moe-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py -k "moe_matches or skinny"
     run 230 serve-80b bash bench/serve_session.sh 80b-fp8
     ;;
+  next-80b)  # 80B FP8: the skinny GEMM's tilings and the MoE paths on its own shapes; where an 8k prefill goes
+    run 200 skinny-80b python3 -m bench.ops.fp8_gemv --model configs/qwen3-next-80b-a3b-fp8 --rows 1 4 16 \
+      --skinny-tiles 64:4:1 64:4:2 64:4:4 64:6:2 128:4:1 128:4:2 128:6:2
+    run 120 moe-80b python3 -m bench.ops.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 8 16 32 48 64
+    run 150 prefill-80b python3 -m bench.engine.profile_prefill --model configs/qwen3-next-80b-a3b-fp8 --tokens 8192
+    ;;
   fp8-moe)  # where 80B FP8's batch-1 step goes; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
     run 120 profile-80b-fp8 python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \
       --prompt-len 1024 --rows 25
@@ -307,7 +314,7 @@ case "${1:-all}" in
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
   *)
-    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|shared-fusion-bf16|pairs-router|pairs-2|pairs-3|pairs-4|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|shared-fusion-bf16|pairs-router|pairs-2|pairs-3|pairs-4|next-80b|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac
