@@ -15,7 +15,10 @@ logger = logging.getLogger(__name__)
 
 _CPU_POOL_SHARE = 0.25  # a CPU machine's pools get this share of the memory available at start-up
 _CPU_POOL_MIN = 1 << 30
-KV_TOKENS_PER_REQUEST = 8192  # when memory clamps the slots, KV pages planned for each running request
+# when memory clamps the slots, KV pages planned for each running request: enough that 32 requests
+# of 9k tokens run on 80B-A3B FP8 (8k in / 1k out), few enough to keep the running requests of
+# models whose state slots are large (Kimi-Linear, 35B-A3B) near what they were
+KV_TOKENS_PER_REQUEST = 4096
 
 
 @dataclass(frozen=True)

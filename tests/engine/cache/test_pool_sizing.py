@@ -40,16 +40,16 @@ def test_clamped_slots_keep_kv_pages_for_their_requests() -> None:
     assert sizes.max_model_len == 1024
 
 
-def test_long_model_lengths_plan_8k_tokens_a_request() -> None:
+def test_long_model_lengths_plan_4k_tokens_a_request() -> None:
     # a hybrid model's state slot (64 MiB) costs as much as 8k tokens of its KV (8 KiB a token):
-    # 8 GiB less the padding slot holds 42 requests of two slots and 8,192 tokens (192 MiB each),
-    # not the 55 whose slots fit beside one 131,072-token request's pages (16 requests of 8k)
+    # 8 GiB less the padding slot holds 50 requests of two slots and 4,096 tokens (160 MiB each),
+    # not the 55 whose slots fit beside one 131,072-token request's pages (32 requests of 4k)
     cfg = config(max_running_requests=256)
     cfg.max_model_len = 131072
     cfg.pool_memory_gb = 8.0
     sizes = plan_pools(cfg, 16 * 8 * 1024, 64 * MIB, 131072, CPU)
-    assert sizes.num_slots == 42 and sizes.num_snapshots == 42
-    assert (sizes.num_pages - 1) * cfg.page_size >= 42 * 8192
+    assert sizes.num_slots == 50 and 50 <= sizes.num_snapshots <= 51
+    assert (sizes.num_pages - 1) * cfg.page_size >= 50 * 4096
     assert sizes.max_model_len == 131072  # one request of the full length still fits
 
 
