@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe [C] | 80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+# PART: 9b | 08b | moe [C] | 80b-fp8 | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
@@ -83,7 +83,7 @@ profile_load() {  # profile_load NAME SECONDS BENCH ARGS...: py-spy both process
   python3 -m bench.serving.serve --base-url "http://127.0.0.1:$port" "$@" --output-json "$out/runs/$name.json" \
     > "$out/runs/$name.log" 2>&1 &
   local bench=$!
-  sleep 8
+  sleep "${PROFILE_DELAY:-8}"  # seconds of load before py-spy starts
   local server engine  # process 0 and the engine, whose pids the server logs at start-up
   server=$(pgrep -f "deltaserve serve --port $port" | head -1)
   engine=$(grep -ho "engine process pid [0-9]*" "$out"/runs/profile-*.server.log | tail -1 | awk '{ print $4 }')
@@ -128,6 +128,20 @@ case "${1:-9b}" in
     until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
     profile_load "$cfg-c64-prof" 6 "${WORKLOAD[@]}" --concurrency 64 --num-prompts 256
     profile_load "$cfg-c256-prof" 8 "${WORKLOAD[@]}" --concurrency 256 --num-prompts 768
+    kill -TERM $pid
+    wait $pid
+    ;;
+  profile-80b-fp8)  # py-spy of the 80B FP8 server through its first wave's 8k prefills (issue 24's workload)
+    if ! command -v py-spy > /dev/null; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/py_spy*.whl
+      export PATH=/tmp/spy/bin:$PATH
+    fi
+    (exec python3 -m deltaserve serve --port $port --model configs/qwen3-next-80b-a3b-fp8 $dummy) \
+      > "$out/runs/profile-80b-fp8.server.log" 2>&1 &
+    pid=$!
+    until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
+    PROFILE_DELAY=3 profile_load 80b-fp8-prefill-prof 12 --input-len 8192 --output-len 1024 --concurrency 32 \
+      --num-prompts 32
     kill -TERM $pid
     wait $pid
     ;;
