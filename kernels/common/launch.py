@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 import torch
 
@@ -24,6 +25,14 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def rounding_dtype(dtype: torch.dtype) -> Any:
+    """The Triton dtype a kernel rounds to for a model of `dtype` (its `ROUND` constexpr): bf16 or
+    fp16, else fp32 (no rounding)."""
+    import triton.language as tl
+
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(dtype, tl.float32)
 
 
 def env_mode(variable: str, modes: tuple[str, ...], default: str) -> str:

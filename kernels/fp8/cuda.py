@@ -215,9 +215,8 @@ def fp8_moe_skinny_cuda(
     quantized by whoever finishes its block, then the down projection, whose per-token sum over the
     experts the last of them adds: three launches with the rows' quantization."""
     import triton
-    import triton.language as tl
 
-    from deltaserve.kernels.common.launch import sm_count
+    from deltaserve.kernels.common.launch import rounding_dtype, sm_count
     from deltaserve.kernels.common.pdl import pdl_args
     from deltaserve.kernels.fp8.triton import _fp8_moe_skinny_down_kernel, _fp8_moe_skinny_gate_up_kernel
 
@@ -240,12 +239,11 @@ def fp8_moe_skinny_cuda(
     hs = torch.empty(n, tiles_i, dtype=torch.float32, device=x.device)
     part = torch.empty(split, n, 2, inter_size, dtype=torch.float32, device=x.device) if split > 1 else hs
     counters = _split_counters(x.device, max(n * tiles_i, t * tiles_h))
-    round_to = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype, tl.float32)
     _fp8_moe_skinny_gate_up_kernel[(tiles_i, n, split)](
         xq, xs, gate_up, gate_up_scale, ids, hq, hs, part, counters, n, h, inter_size, -(-kb // split),
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
         gate_up_scale.stride(1), hq.stride(0), hs.stride(0),
-        TOP_K=top_k, E=e, SCALE_ROWS=scale_rows, BLOCK=BLOCK, ROUND=round_to, SPLIT=split,
+        TOP_K=top_k, E=e, SCALE_ROWS=scale_rows, BLOCK=BLOCK, ROUND=rounding_dtype(x.dtype), SPLIT=split,
         num_warps=4, num_stages=3, **pdl,
     )  # fmt: skip
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()

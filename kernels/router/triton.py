@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.common.fast_launch import fast_launch_module
+from deltaserve.kernels.common.launch import rounding_dtype
 from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
 
 
@@ -116,7 +117,7 @@ def topk_route_launch(
             SIGMOID=sigmoid,
             RENORM=renormalize,
             SHARED=shared,
-            ROUND={torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(dtype, tl.float32),
+            ROUND=rounding_dtype(dtype),
             num_warps=1,  # a row's reductions within one warp: shuffles, no barriers
             **pdl_args(logits.device),
         )
