@@ -1,7 +1,9 @@
 """Where a long prefill's time goes: one prompt of `--tokens` tokens in one chunk, timed whole,
 then once under the torch profiler (kernels by GPU time, ops by CPU time, and how busy the GPU
 was over the step: a low figure means the host's launches set the pace), and with `--cprofile`
-once under Python's profiler (which Python functions the host's time goes to).
+once under Python's profiler (which Python functions the host's time goes to), and with
+`--sync-debug` once under torch's sync debug mode (each op that waits for the GPU, with the
+Python lines that called it).
 
     python -m bench.engine.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192
 """
@@ -12,6 +14,10 @@ import argparse
 import cProfile
 import pstats
 import time
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +38,11 @@ def main() -> None:
         default=0,
         metavar="ROWS",
         help="also run one prefill under cProfile and print its ROWS costliest Python functions",
+    )
+    ap.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="also run one prefill under torch's sync debug mode and print where each host sync is called",
     )
     args = ap.parse_args()
     engine = dummy_engine(
@@ -70,6 +81,32 @@ def main() -> None:
         pr.disable()
         for key in ("tottime", "cumulative"):
             pstats.Stats(pr).sort_stats(key).print_stats(args.cprofile)
+    if args.sync_debug:
+        print_syncs(lambda: prefill("sync-debug"))
+
+
+def print_syncs(fn: Callable[[], object]) -> None:
+    """Run fn under torch's sync debug mode; print each synchronizing call site once, with a count."""
+    sites: Counter[str] = Counter()
+
+    def record(message: Warning | str, *args: object, **kwargs: object) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        sites[f"{message}\n" + "".join(traceback.format_list(frames[-6:]))] += 1
+
+    shown = warnings.showwarning
+    warnings.showwarning = record  # type: ignore[assignment]
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record  # type: ignore[assignment]
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = shown
+    print(f"host syncs in one prefill: {sum(sites.values())} at {len(sites)} call sites")
+    for site, n in sites.most_common():
+        print(f"--- {n}x {site}")
 
 
 if __name__ == "__main__":
