@@ -89,11 +89,16 @@ profile_load() {  # profile_load NAME SECONDS BENCH ARGS...: py-spy both process
   engine=$(grep -ho "engine process pid [0-9]*" "$out"/runs/profile-*.server.log | tail -1 | awk '{ print $4 }')
   local cpu0 cpu1
   cpu0="$(cpu_s "$engine") $(cpu_s "$server")"
+  # the GPU's busy fraction beside it: a loop that looks host-bound may be waiting in launches
+  timeout "$secs" nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 \
+    > "$out/runs/$name.gpu-util.txt" 2> /dev/null &
   # the engine's idle samples too: where its loop sleeps, not only where it works
   py-spy record --nonblocking --idle -r 100 -d "$secs" -f raw -p "$engine" -o "$out/runs/$name.engine.txt" > /dev/null 2>&1 &
   py-spy record --nonblocking -r 100 -d "$secs" -f raw -p "$server" -o "$out/runs/$name.http.txt" > /dev/null 2>&1
   cpu1="$(cpu_s "$engine") $(cpu_s "$server")"
   echo "$name: CPU seconds over ${secs} s (engine, http): $cpu0 -> $cpu1" | tee -a "$log"
+  awk '{ n++; s += $1; if ($1 >= 90) b++ } END { if (n) printf "%s: GPU utilization mean %.0f%%, >= 90%% in %d of %d samples\n", name, s / n, b, n }' \
+    name="$name" "$out/runs/$name.gpu-util.txt" | tee -a "$log"
   wait $bench
   tail -22 "$out/runs/$name.log" | tee -a "$log"
   python3 -m bench.pyspy_summary "$out/runs/$name.engine.txt" --within EngineCore.run --rows 30 | tee -a "$log"
@@ -140,6 +145,9 @@ case "${1:-9b}" in
       > "$out/runs/profile-80b-fp8.server.log" 2>&1 &
     pid=$!
     until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
+    # a fresh machine's first prefills compile kernels: not what the profile is for
+    python3 -m bench.serving.serve --base-url "http://127.0.0.1:$port" --input-len 8192 --output-len 16 \
+      --concurrency 8 --num-prompts 8 > "$out/runs/profile-80b-fp8.warmup.log" 2>&1
     PROFILE_DELAY=3 profile_load 80b-fp8-prefill-prof 12 --input-len 8192 --output-len 1024 --concurrency 32 \
       --num-prompts 32
     kill -TERM $pid
