@@ -2,9 +2,39 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _ShadowedTopLevel(importlib.abc.MetaPathFinder):
+    """A checkout's top-level folders (`kernels/` is `deltaserve.kernels`) shadow installed packages
+    of the same name, such as Hugging Face's `kernels` that transformers imports, wherever the
+    checkout's root is on sys.path (`python -m` run from it): such names resolve past the root
+    first, and to the folder only where nothing else has them."""
+
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if path is not None or not os.path.isfile(os.path.join(_ROOT, name, "__init__.py")):
+            return None
+        elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+        return importlib.machinery.PathFinder.find_spec(name, elsewhere)
+
+
+# a checkout (an editable install); an installed copy's folders sit beside the packages they would shadow
+if os.path.isfile(os.path.join(_ROOT, "pyproject.toml")) and not any(
+    isinstance(f, _ShadowedTopLevel) for f in sys.meta_path
+):
+    sys.meta_path.insert(0, _ShadowedTopLevel())
 
 if TYPE_CHECKING:
     from deltaserve.engine.llm import LLM

@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+import deltaserve  # noqa: F401  (first: its import keeps the checkout's folders from shadowing packages)
+
 if not torch.cuda.is_available():  # on a GPU machine FLA runs, for transformers and for us
     sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
 
