@@ -12,8 +12,8 @@ TFLOP/s of:
   and 128 columns (a `scale_rows` of 1);
 - `bf16`: `torch.mm` on bf16 weights of the same shape, for scale.
 With --moe, one layer's routed experts through `fp8_moe_cuda`'s grouped GEMMs (past its GEMV's
-assignments), at its default tiles and at each of --moe-tiles (BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES);
-with --bf16 as well, through the bf16 experts' `fused_moe_cuda` (the third number is its BLOCK_K).
+assignments), at its default tiles and at each of --moe-tiles (BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES,
+the FP8 down GEMM's own BLOCK_N:STEP_K:WARPS:STAGES after a slash); with --bf16 as well, through the bf16 experts' `fused_moe_cuda` (the third number is its BLOCK_K).
 Each FP8 path's largest error against `fp8_linear_ref` (fp32), relative to the reference's
 largest magnitude, is printed beside its time.
 """
@@ -64,7 +64,18 @@ def bench_shape(n: int, k: int, count: int, m: int) -> dict:
     return row
 
 
-def bench_moe(model: str, tokens: int, tiles: list[tuple[int, ...]], bf16: bool) -> dict:
+def parse_moe_tiles(spec: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """`BM:BN:K:W:S[/BN:K:W:S]`: the grouped GEMMs' tiles, the down GEMM's apart after a slash."""
+    gate_up, _, down = spec.partition("/")
+    return tuple(int(v) for v in gate_up.split(":")), tuple(int(v) for v in down.split(":")) if down else None
+
+
+def tiles_name(t: tuple[tuple[int, ...], tuple[int, ...] | None]) -> str:
+    name = "tiles_{}x{}_k{}_w{}_s{}".format(*t[0])
+    return name if t[1] is None else name + "_down_{}_k{}_w{}_s{}".format(*t[1])
+
+
+def bench_moe(model: str, tokens: int, tiles: list[Any], bf16: bool) -> dict:
     from bench.ops.fp8_gemv import moe_layer
     from deltaserve.kernels.fp8.blocks import dequantize_blocks
     from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
@@ -85,18 +96,19 @@ def bench_moe(model: str, tokens: int, tiles: list[tuple[int, ...]], bf16: bool)
         ref = moe_ref(x.float(), gu_b.float(), dn_b.float(), routes[0][1], routes[0][0].float())
 
         def run(r: Any, t: Any) -> torch.Tensor:
-            return fused_moe_cuda(x, gu_b, dn_b, r[1], r[0], t)
+            return fused_moe_cuda(x, gu_b, dn_b, r[1], r[0], t[0] if t is not None else None)
     else:
         ref = fp8_moe_ref(x.float(), gu, gu_s, dn, dn_s, 128, routes[0][1], routes[0][0].float())
 
         def run(r: Any, t: Any) -> torch.Tensor:
-            return fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0], t)
+            gate_up, down = t if t is not None else (None, None)
+            return fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0], gate_up, down)
 
     peak = ref.abs().max().item()
     row: dict = {"experts": e, "hidden": h, "inter": inter, "top_k": top_k, "tokens": tokens, "bf16": bf16}
     flops = 2 * tokens * top_k * 3 * h * inter
     for t in [None, *tiles]:
-        name = "default" if t is None else "tiles_{}x{}_k{}_w{}_s{}".format(*t)
+        name = "default" if t is None else tiles_name(t)
         try:
             err = (run(routes[0], t).float() - ref).abs().max().item() / peak
             us = time_us(partial(run, t=t), routes)
@@ -113,13 +125,18 @@ def main() -> None:
     p.add_argument("--model")
     p.add_argument("--moe", help="a MoE config: time its routed experts instead")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192])
-    p.add_argument("--moe-tiles", nargs="*", default=[], help="BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES")
+    p.add_argument(
+        "--moe-tiles",
+        nargs="*",
+        default=[],
+        help="BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES, optionally /BLOCK_N:STEP_K:WARPS:STAGES for the down GEMM (FP8)",
+    )
     p.add_argument("--bf16", action="store_true", help="with --moe: the bf16 experts' kernels")
     p.add_argument("--rows", type=int, nargs="+", default=[512, 2048, 8192])
     args = p.parse_args()
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda}), flush=True)
     if args.moe:
-        moe_tiles = [tuple(int(v) for v in t.split(":")) for t in args.moe_tiles]
+        moe_tiles = [parse_moe_tiles(t) for t in args.moe_tiles]
         for t in args.tokens:
             print(json.dumps(bench_moe(args.moe, t, moe_tiles, args.bf16)), flush=True)
         return

@@ -338,12 +338,21 @@ def fp8_linear_cuda(
 
 
 def moe_tiles(assignments: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, STEP_K, warps, stages) of the grouped GEMMs, with a K step of a whole scale
-    block: 16-row tiles for decode's batches, 64-row ones for prefill (bench/ops/fp8_gemm.py --moe,
+    """(BLOCK_M, BLOCK_N, STEP_K, warps, stages) of the gate/up grouped GEMM, with a K step of a whole
+    scale block: 16-row tiles for decode's batches, 64-row ones for prefill (bench/ops/fp8_gemm.py --moe,
     docs/performance.md)."""
     if assignments <= 2048:
         return 16, 128, 128, 4, 3
-    return 64, 64, 128, 8, 3
+    return 64, 64, 128, 4, 4
+
+
+def moe_down_tiles(assignments: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, STEP_K, warps, stages) of the down GEMM, whose rows are the gate/up GEMM's
+    (`moe_tiles`' BLOCK_M): its K is the experts' intermediate width, a few scale blocks, so
+    past decode's batches wider tiles than gate/up's read each row's activations fewer times."""
+    if assignments <= 2048:
+        return moe_tiles(assignments)[1:]
+    return 128, 128, 4, 3
 
 
 def fp8_moe_cuda(
@@ -356,11 +365,13 @@ def fp8_moe_cuda(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     tiles: tuple[int, int, int, int, int] | None = None,
+    down_tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """`moe.cuda.fused_moe_cuda` with e4m3 experts: w8a8 grouped GEMMs, or for a few tokens the
     per-assignment GEMV, which quantizes its rows in registers (as `fp8_linear_cuda` splits rows).
-    `tiles`: the grouped GEMMs' (BLOCK_M, BLOCK_N, STEP_K, warps, stages), `moe_tiles` unless given
-    (`bench/ops/fp8_gemm.py --moe` sweeps them)."""
+    `tiles`: the gate/up GEMM's (BLOCK_M, BLOCK_N, STEP_K, warps, stages), `moe_tiles` unless given;
+    `down_tiles`: the down GEMM's (BLOCK_N, STEP_K, warps, stages), `moe_down_tiles` unless given
+    (`bench/ops/fp8_gemm.py --moe` sweeps both)."""
     import triton
 
     from deltaserve.kernels.fp8.triton import _fp8_moe_down_kernel, _fp8_moe_gate_up_kernel
@@ -393,6 +404,7 @@ def fp8_moe_cuda(
     iq, is_ = act_quant_cuda(inter)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    block_n, step_k, warps, stages = down_tiles or moe_down_tiles(n)
     grid2 = (block_expert.numel(), triton.cdiv(h, block_n))
     _fp8_moe_down_kernel[grid2](
         iq, is_, down, down_scale, rows, block_expert, weights, out, n, h, inter_size, e,
