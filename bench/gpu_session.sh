@@ -17,6 +17,8 @@
 #   bash bench/gpu_session.sh pairs-3 # router tests, 80B FP8 batch 1 / 32 against REV, 80B FP8 serving
 #   bash bench/gpu_session.sh pairs-4 # FP8 MoE tests, 80B FP8 serving
 #   bash bench/gpu_session.sh next-80b # 80B FP8 skinny tilings and MoE paths on its shapes, its 8k prefill's profile
+#   bash bench/gpu_session.sh moe-prefill # 80B 8k prefill's host syncs, MoE prefill tiles (80B, 35B), 80B decode at 8k context
+#   bash bench/gpu_session.sh moe-prefill-ab # padded router + MoE prefill tiles: tests, 80B/35B 8k prefill vs REV, 80B serving
 #   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
@@ -304,6 +306,27 @@ case "${1:-all}" in
       --skinny-tiles 64:4:1 64:4:2 64:4:4 64:6:2 128:4:1 128:4:2 128:6:2
     run 120 moe-80b python3 -m bench.ops.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 8 16 32 48 64
     run 150 prefill-80b python3 -m bench.engine.profile_prefill --model configs/qwen3-next-80b-a3b-fp8 --tokens 8192
+    ;;
+  moe-prefill)  # 80B FP8 8k prefill's host syncs; the MoE's gate/up and down tiles at 8k tokens (80B, 35B); 80B decode at 8k context
+    run 150 prefill-sync-80b python3 -m bench.engine.profile_prefill --model configs/qwen3-next-80b-a3b-fp8 --tokens 8192 \
+      --rows 40 --sync-debug
+    moe_tiles=(64:128:128:8:3 64:128:128:4:4 64:64:128:4:4 64:64:128:8:3/128:128:4:3 64:64:128:8:3/128:128:8:3
+      64:64:128:8:3/128:128:4:4 64:64:128:8:3/256:128:8:3 64:64:128:8:3/64:128:4:4 64:64:128:8:3/128:64:4:4)
+    run 150 moe-tiles-80b python3 -m bench.ops.fp8_gemm --moe configs/qwen3-next-80b-a3b-fp8 --tokens 8192 \
+      --moe-tiles "${moe_tiles[@]}"
+    run 150 moe-tiles-35b python3 -m bench.ops.fp8_gemm --moe configs/qwen3.5-35b-a3b-fp8 --tokens 8192 \
+      --moe-tiles "${moe_tiles[@]}" 128:64:128:8:3 128:128:128:8:3
+    run 150 decode-8k-80b python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-size 32 --prompt-len 8192 --rows 30
+    ;;
+  moe-prefill-ab)  # the padded router and the MoE's prefill tiles: their GPU tests; 80B / 35B FP8 8k prefill against REV; 80B serving
+    run 150 moe-tests python3 -m pytest -q -m gpu tests/kernels/test_fp8_cuda.py -k fp8_moe tests/models/test_shared_expert_fusion.py
+    run 150 prefill-ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-sizes 1 --new-tokens 8 --prefill-len 8192
+    run 130 prefill-ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
+      --batch-sizes 1 --new-tokens 8 --prefill-len 8192
+    bash bench/serve_session.sh 80b-fp8 > /dev/null 2>&1
+    tail -16 "$out/serve.log"
     ;;
   fp8-moe)  # where 80B FP8's batch-1 step goes; 35B-A3B FP8 8k prefill; bf16 MoE decode and 4k prefill (Kimi-Linear) against REV
     run 120 profile-80b-fp8 python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 \

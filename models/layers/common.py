@@ -323,6 +323,11 @@ def fused_shared_max_tokens() -> int:
     return int(value)
 
 
+# the fused router's rows padded to this: at 513 (Qwen3-Next) cuBLAS's prefill GEMM took a pre-Hopper
+# kernel for the unaligned rows of its output, 250 µs at 8k tokens (docs/performance.md)
+ROUTER_ROWS_MULTIPLE = 16
+
+
 def fuse_shared_experts(model: nn.Module) -> int:
     """Every MoE block's shared expert into its routed experts (`fuse_shared_expert`), as the
     loader does on CUDA, where a shared MLP costs a decode step about as many launches as the
@@ -364,10 +369,11 @@ class SparseMoeBlock(nn.Module):
             Linear(hidden, 1, bias=False) if shared_expert_size else None
         )
         self.fused_max_tokens: int | None = None  # set by fuse_shared_expert
+        self.router_columns: int | None = None  # the router's rows in use, set by fuse_shared_expert
 
     def fuse_shared_expert(self) -> bool:
         """The shared expert appended to the routed experts' stack as expert E and its gate to the
-        router's rows, so that for up to `fused_max_tokens` tokens one routed-MoE call computes
+        router's rows (zero rows after them to a multiple of `ROUTER_ROWS_MULTIPLE`), so that for up to `fused_max_tokens` tokens one routed-MoE call computes
         both; False, nothing changed, where their forms differ (expert parallelism, sizes, FP8
         against unquantized)."""
         if self.shared_expert is None or self.shared_expert_gate is None or self.tp.experts_whole:
@@ -377,9 +383,14 @@ class SparseMoeBlock(nn.Module):
             return False
         if not stack_shared_expert(self.experts, self.shared_expert):
             return False
-        with torch.device("meta"):  # off the fast path the two matmuls stay apart, as unfused
-            self.gate = Linear(gate.shape[1], gate.shape[0] + 1, bias=False, shard_sizes=[gate.shape[0], 1])
-        self.gate.weight = nn.Parameter(torch.cat([gate, shared_gate]), requires_grad=False)
+        e, hidden = gate.shape
+        pad = -(e + 1) % ROUTER_ROWS_MULTIPLE
+        with torch.device("meta"):  # off the fast path the matmuls stay apart, as unfused
+            shards = [e, 1, pad] if pad else [e, 1]
+            self.gate = Linear(hidden, e + 1 + pad, bias=False, shard_sizes=shards)
+        weight = torch.cat([gate, shared_gate, gate.new_zeros(pad, hidden)])
+        self.gate.weight = nn.Parameter(weight, requires_grad=False)
+        self.router_columns = e + 1
         self.shared_expert_gate = None
         self.fused_max_tokens = fused_shared_max_tokens()
         return True
@@ -387,6 +398,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         fused = self.fused_max_tokens is not None  # the shared gate's logit is the router's last
+        if self.router_columns is not None:
+            logits = logits[:, : self.router_columns]  # the padding rows' zeros
         if self.fused_max_tokens is not None and x.shape[0] <= self.fused_max_tokens:
             ids, weights = softmax_topk(logits, self.top_k, self.norm_topk_prob, True, x.dtype)
             return self.tp.all_reduce(self.experts(x, ids, weights))

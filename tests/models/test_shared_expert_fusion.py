@@ -68,6 +68,8 @@ def test_block_fuses_its_shared_expert_as_expert_e(monkeypatch):
     assert block.fuse_shared_expert()
     assert block.experts.gate_up_proj.shape[0] == 9 and block.fused_max_tokens == 4
     assert torch.equal(block.experts.gate_up_proj[8], shared_gate_up)
+    # the router's 9 rows (8 experts, the shared gate) padded with zeros to 16, aligned for cuBLAS
+    assert block.gate.weight.shape[0] == 16 and not block.gate.weight[9:].any()
     # the shared MLP's weights are views of the stack's expert E, not a second copy
     assert block.shared_expert.gate_up_proj.weight.data_ptr() == block.experts.gate_up_proj[8].data_ptr()
     torch.testing.assert_close(block(x[:4]), want[:4], rtol=0, atol=1e-6)  # one routed-MoE call
