@@ -93,17 +93,14 @@ def print_syncs(fn: Callable[[], object]) -> None:
         frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
         sites[f"{message}\n" + "".join(traceback.format_list(frames[-6:]))] += 1
 
-    shown = warnings.showwarning
-    warnings.showwarning = record  # type: ignore[assignment]
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning on leaving
             warnings.simplefilter("always")
             warnings.showwarning = record  # type: ignore[assignment]
             fn()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = shown
     print(f"host syncs in one prefill: {sum(sites.values())} at {len(sites)} call sites")
     for site, n in sites.most_common():
         print(f"--- {n}x {site}")

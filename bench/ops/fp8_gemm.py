@@ -13,7 +13,8 @@ TFLOP/s of:
 - `bf16`: `torch.mm` on bf16 weights of the same shape, for scale.
 With --moe, one layer's routed experts through `fp8_moe_cuda`'s grouped GEMMs (past its GEMV's
 assignments), at its default tiles and at each of --moe-tiles (BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES,
-the FP8 down GEMM's own BLOCK_N:STEP_K:WARPS:STAGES after a slash); with --bf16 as well, through the bf16 experts' `fused_moe_cuda` (the third number is its BLOCK_K).
+the FP8 down GEMM's own BLOCK_N:STEP_K:WARPS:STAGES after a slash); with --bf16 as well, through
+the bf16 experts' `fused_moe_cuda` (the third number is its BLOCK_K).
 Each FP8 path's largest error against `fp8_linear_ref` (fp32), relative to the reference's
 largest magnitude, is printed beside its time.
 """

@@ -323,8 +323,7 @@ def fused_shared_max_tokens() -> int:
     return int(value)
 
 
-# the fused router's rows padded to this: at 513 (Qwen3-Next) cuBLAS's prefill GEMM took a pre-Hopper
-# kernel for the unaligned rows of its output, 250 µs at 8k tokens (docs/performance.md)
+# the fused router's rows padded to this: cuBLAS's Hopper kernels want the logits' rows 16-byte aligned
 ROUTER_ROWS_MULTIPLE = 16
 
 
@@ -373,8 +372,8 @@ class SparseMoeBlock(nn.Module):
 
     def fuse_shared_expert(self) -> bool:
         """The shared expert appended to the routed experts' stack as expert E and its gate to the
-        router's rows (zero rows after them to a multiple of `ROUTER_ROWS_MULTIPLE`), so that for up to `fused_max_tokens` tokens one routed-MoE call computes
-        both; False, nothing changed, where their forms differ (expert parallelism, sizes, FP8
+        router's rows (zero rows after them to a multiple of `ROUTER_ROWS_MULTIPLE`), so that for up
+        to `fused_max_tokens` tokens one routed-MoE call computes both; False, nothing changed, where their forms differ (expert parallelism, sizes, FP8
         against unquantized)."""
         if self.shared_expert is None or self.shared_expert_gate is None or self.tp.experts_whole:
             return False
@@ -397,9 +396,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        fused = self.fused_max_tokens is not None  # the shared gate's logit is the router's last
-        if self.router_columns is not None:
-            logits = logits[:, : self.router_columns]  # the padding rows' zeros
+        fused = self.router_columns is not None  # the shared gate's logit is the router's last
+        if fused:
+            logits = logits[:, : self.router_columns]  # without the padding rows' zeros
         if self.fused_max_tokens is not None and x.shape[0] <= self.fused_max_tokens:
             ids, weights = softmax_topk(logits, self.top_k, self.norm_topk_prob, True, x.dtype)
             return self.tp.all_reduce(self.experts(x, ids, weights))
