@@ -57,13 +57,15 @@ def disagreements(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]
 
 
 def _partition(rows: torch.Tensor) -> list[int]:
-    """Each row's (sum, absolute sum) digest named by the first row within 1e-6 of it: a copy is
-    exact, but the same prefix computed again in another batch can come out bit-equal on one rank
-    and a rounding apart on another (the CPU's matmul blocking decides), which is no departure."""
+    """Each row's (sum, absolute sum) digest named by the first row within 1e-6 of its size: a copy
+    is exact, but the same prefix computed again in another batch can come out bit-equal on one
+    rank and a rounding apart on another (the CPU's matmul blocking decides), which is no
+    departure. The tolerance scales with the absolute sum, since a signed sum may be near zero."""
     firsts: list[int] = []
     out = []
     for i, row in enumerate(rows):
-        same = next((j for j in firsts if torch.allclose(row, rows[j], rtol=1e-6, atol=1e-12)), None)
+        tol = 1e-6 * float(row.abs().max()) + 1e-12
+        same = next((j for j in firsts if float((row - rows[j]).abs().max()) <= tol), None)
         if same is None:
             firsts.append(i)
         out.append(i if same is None else same)
@@ -75,6 +77,24 @@ def assert_ranks_agree(llm: LLM) -> None:
     digests = llm.engine.tensor_parallel_digests()
     assert len(digests) == 2
     assert disagreements(*digests) == []
+
+
+def test_state_check_sees_a_missed_copy_not_a_rounding():
+    """The check itself: a rounding apart on a row whose signed sum is near zero is no departure,
+    a slot copy that one rank missed is."""
+    page_table = torch.zeros(2, 2, dtype=torch.int32)
+    rank0 = torch.tensor([[0.01, 27.5], [3.0, 9.0], [3.0, 9.0]], dtype=torch.float64)
+    worker = torch.tensor([[0.02, 31.0], [1e-3, 7.0], [1e-3, 7.0]], dtype=torch.float64)
+    rounded = worker.clone()
+    rounded[2, 0] += 5e-8
+    assert (
+        disagreements({"page_table": page_table, "s": rank0}, {"page_table": page_table, "s": rounded}) == []
+    )
+    missed = worker.clone()
+    missed[2] = torch.tensor([0.5, 2.0])
+    assert disagreements({"page_table": page_table, "s": rank0}, {"page_table": page_table, "s": missed}) == [
+        "s"
+    ]
 
 
 @pytest.fixture(scope="module")
