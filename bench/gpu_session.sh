@@ -19,6 +19,7 @@
 #   bash bench/gpu_session.sh next-80b # 80B FP8 skinny tilings and MoE paths on its shapes, its 8k prefill's profile
 #   bash bench/gpu_session.sh moe-prefill # 80B 8k prefill's host syncs, MoE prefill tiles (80B, 35B), 80B decode at 8k context
 #   bash bench/gpu_session.sh moe-prefill-ab # padded router + MoE prefill tiles: tests, 80B/35B 8k prefill vs REV, 80B serving
+#   bash bench/gpu_session.sh fused-quant # FP8 rows from the norms/SwiGLU: tests, 9B/80B/35B FP8 decode against REV
 #   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh more    # GEMV microbenchmarks and forced everywhere, Kimi-Linear, verification graphs
@@ -336,8 +337,20 @@ case "${1:-all}" in
     run 250 ab-kimi bash bench/ab.sh run python3 -m bench.engine.decode --model configs/kimi-linear-48b-a3b \
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
+  fused-quant)  # norms/SwiGLU writing FP8 rows: their tests, the FP8 engine's and MoE's; 9B / 80B / 35B FP8 decode against REV
+    run 150 quant-tests python3 -m pytest -q -rfE -s -m gpu tests/kernels/test_fused_quant.py \
+      tests/kernels/test_norm_kernels.py tests/models/test_fp8_checkpoints.py &
+    run 150 moe-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py -k "moe_matches or skinny" &
+    wait
+    run 120 ab-9b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b-fp8 \
+      --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
+    run 130 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-sizes 1 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    run 110 ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
+      --batch-sizes 1 8 --new-tokens 64 --prefill-len 0
+    ;;
   *)
-    echo "usage: $0 all|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|shared-fusion-bf16|pairs-router|pairs-2|pairs-3|pairs-4|next-80b|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
+    echo "usage: $0 all|fused-quant|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|shared-fusion-bf16|pairs-router|pairs-2|pairs-3|pairs-4|next-80b|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
     exit 2
     ;;
 esac

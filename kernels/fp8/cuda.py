@@ -33,16 +33,56 @@ def gemm_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
 
 ACT_QUANT_ROWS = 32  # tokens per program of the activation quantization
 
+# Up to this many rows (decode's, where the skinny GEMM and MoE quantize their input in a launch of
+# its own) the ops that write a matmul's input quantize it on their way out (`keep_quantized`).
+FUSED_QUANT_ROWS = 16
+
+# (y, q, s): the last output that its op also quantized; holding y keeps its memory from being
+# handed to another tensor while the slot can match it
+_kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def quantized_buffers(rows: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 `[rows, k]`, fp32 scales `[rows, ceil(k/128)]`) in `act_quant_cuda`'s default layout,
+    for an op that quantizes its output as it writes it."""
+    return (
+        torch.empty(rows, k, dtype=FP8_DTYPE, device=device),
+        torch.empty(rows, num_blocks(k), dtype=torch.float32, device=device),
+    )
+
+
+def keep_quantized(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
+    """Record that (q, s) is `act_quant_cuda` of y seen as `[rows, k]` (`q`'s shape): the next
+    matmul that quantizes y, or a view of all of it with that shape, takes them instead of a
+    launch. One slot: y's producer is the op just before its matmuls (a norm, SwiGLU), and y
+    is not written again after it."""
+    global _kept
+    assert y.is_contiguous() and y.numel() == q.numel(), (y.shape, q.shape)
+    _kept = (y, q, s)
+
+
+def _kept_quantization(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if _kept is None:
+        return None
+    y, q, s = _kept
+    same = x.data_ptr() == y.data_ptr() and x.dtype == y.dtype and x.shape == q.shape
+    return (q, s) if same and x.is_contiguous() else None
+
 
 def act_quant_cuda(
     x: torch.Tensor, rows_multiple: int = 1, group_major: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[T, K]` per token and 128 channels: (e4m3 `[T', K]`, fp32 scales `[T', ceil(K/128)]`),
     T' = T rounded up to `rows_multiple` (the rows past T are zeros). `group_major`: the scales'
-    storage is `[ceil(K/128), T']` (the returned tensor is its transpose), as cuBLAS reads them."""
+    storage is `[ceil(K/128), T']` (the returned tensor is its transpose), as cuBLAS reads them.
+    In the default layout, what x's producer quantized already (`keep_quantized`) is returned."""
     from deltaserve.kernels.common.pdl import pdl_args
     from deltaserve.kernels.fp8.triton import _act_quant_kernel
 
+    if rows_multiple == 1 and not group_major:
+        kept = _kept_quantization(x)
+        if kept is not None:
+            return kept
     t, k = x.shape
     t_out = -(-t // rows_multiple) * rows_multiple
     q = torch.empty(t_out, k, dtype=FP8_DTYPE, device=x.device)

@@ -73,6 +73,15 @@ def _act_quant_kernel(
 
 
 @triton.jit
+def e4m3_groups(v, R: tl.constexpr, N: tl.constexpr):
+    """fp32 v `[R, N]` (N a multiple of 128) in 128-channel groups along its rows: (e4m3 codes
+    `[R, N]`, fp32 scales `[R, N // 128]`), as `_act_quant_kernel` makes them; what an op that
+    writes a matmul's input quantizes on its way out (`kernels.norm`'s fused norms)."""
+    codes, scale = _e4m3_codes(tl.reshape(v, (R * (N // 128), 128)), 1)
+    return tl.reshape(codes, (R, N)).to(tl.float8e4nv), tl.reshape(scale, (R, N // 128))
+
+
+@triton.jit
 def _fake_quant(v, AXIS: tl.constexpr):
     """fp32 v after `_act_quant_kernel`'s e4m3 round trip, AXIS holding one 128-channel group."""
     codes, scale = _e4m3_codes(v, AXIS)

@@ -25,40 +25,56 @@ from deltaserve.kernels.norm.reference import (
 )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    """Over the last dim of `x` `[..., D]`; the result is contiguous."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, quantize: bool = False
+) -> torch.Tensor:
+    """Over the last dim of `x` `[..., D]`; the result is contiguous. `quantize`: an FP8 matmul
+    reads the result; on CUDA, at decode's few rows, the kernel also writes its block-FP8 rows,
+    which that matmul takes instead of quantizing them in a launch (`kernels.fp8.cuda.keep_quantized`)."""
     if use_fast_path(x):
         from deltaserve.kernels.norm.triton import rms_norm_launch
 
-        return rms_norm_launch(x, weight, eps, zero_centered)
+        return rms_norm_launch(x, weight, eps, zero_centered, quantize)
     return rms_norm_ref(x, weight, eps, zero_centered)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    quantize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`s = x + residual` (rounded to x's dtype, as the unfused model adds), then
-    `(rms_norm(s), s)`: the pre-norm decoder layer's residual add fused into its next norm."""
+    `(rms_norm(s), s)`: the pre-norm decoder layer's residual add fused into its next norm.
+    `quantize` as `rms_norm`'s."""
     if use_fast_path(x):
         from deltaserve.kernels.norm.triton import add_rms_norm_launch
 
-        return add_rms_norm_launch(x, residual, weight, eps, zero_centered)
+        return add_rms_norm_launch(x, residual, weight, eps, zero_centered, quantize)
     s = x + residual
     return rms_norm_ref(s, weight, eps, zero_centered), s
 
 
 def gated_rms_norm(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = "silu"
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    kind: str = "silu",
+    quantize: bool = False,
 ) -> torch.Tensor:
     """A linear-attention layer's output norm, per head, gated: `x`, `gate` `[T, H, D]` (any row
     strides); `[T, H, D]` out. `kind="silu"`: GDN's `(w * norm(x)) * silu(gate)`, the product
-    rounded to x's dtype first; `"sigmoid"`: KDA's `w * norm(x) * sigmoid(gate)` in fp32."""
+    rounded to x's dtype first; `"sigmoid"`: KDA's `w * norm(x) * sigmoid(gate)` in fp32.
+    `quantize` as `rms_norm`'s, for the output seen as `[T, H * D]`."""
     if kind not in ("silu", "sigmoid"):
         raise ValueError(f"gated norm kind must be 'silu' or 'sigmoid', got {kind!r}")
     if use_fast_path(x):
         from deltaserve.kernels.norm.triton import gated_rms_norm_launch
 
-        return gated_rms_norm_launch(x, gate, weight, eps, kind)
+        return gated_rms_norm_launch(x, gate, weight, eps, kind, quantize=quantize)
     return gated_rms_norm_ref(x, gate, weight, eps, kind)
 
 
@@ -85,12 +101,13 @@ def gdn_gates(
     return gdn_gates_ref(a, b, A_log, dt_bias)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's `silu(gate) * up` of `x = [gate | up]` `[T, 2I]`; `[T, I]` out."""
+def silu_and_mul(x: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """SwiGLU's `silu(gate) * up` of `x = [gate | up]` `[T, 2I]`; `[T, I]` out. `quantize` as
+    `rms_norm`'s."""
     if use_fast_path(x):
         from deltaserve.kernels.norm.triton import silu_and_mul_launch
 
-        return silu_and_mul_launch(x)
+        return silu_and_mul_launch(x, quantize)
     return silu_and_mul_ref(x)
 
 

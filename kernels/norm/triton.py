@@ -13,6 +13,7 @@ import triton.language as tl
 
 from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
+from deltaserve.kernels.fp8.triton import e4m3_groups
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -41,6 +42,8 @@ def _rms_norm_kernel(
     w,
     y,
     res_out,
+    q,
+    qs,
     H,
     sx0,
     sx1,
@@ -51,6 +54,7 @@ def _rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_inputs(PDL)
@@ -72,16 +76,51 @@ def _rms_norm_kernel(
     else:
         out = n.to(y.dtype.element_ty).to(tl.float32) * wv
     tl.store(y + r * D + o, out.to(y.dtype.element_ty), mask=m)
+    if QUANT:
+        one = r + tl.zeros((1,), tl.int64)
+        _store_quantized(out.to(y.dtype.element_ty)[None, :], q, qs, one, one >= 0, 0, D, 1, BLOCK)
+
+
+@triton.jit
+def _store_quantized(v, q, qs, rows, row_ok, col0, D, R: tl.constexpr, BLOCK: tl.constexpr):
+    """Output values v `[R, BLOCK]` in the output's dtype (`rows` of a `[*, D]` output, columns
+    from col0, a multiple of 128) quantized as `act_quant_cuda` would read them back: e4m3 into q
+    `[*, D]`, each 128-channel group's scale into qs `[*, ceil(D / 128)]`."""
+    codes, scale = e4m3_groups(v.to(tl.float32), R, BLOCK)
+    cols = col0 + tl.arange(0, BLOCK)
+    tl.store(q + rows[:, None] * D + cols[None, :], codes, mask=row_ok[:, None] & (cols < D)[None, :])
+    groups = tl.cdiv(D, 128)
+    g = col0 // 128 + tl.arange(0, BLOCK // 128)
+    tl.store(qs + rows[:, None] * groups + g[None, :], scale, mask=row_ok[:, None] & (g < groups)[None, :])
+
+
+def _quantized_out(
+    y: torch.Tensor, rows: int, k: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q, scales) for an op that quantizes its output `y` seen as `[rows, k]` (decode's few rows,
+    whole 128-channel groups a program), or None where it should not."""
+    from deltaserve.kernels.fp8.cuda import FUSED_QUANT_ROWS, quantized_buffers
+
+    if rows > FUSED_QUANT_ROWS or block % 128:
+        return None
+    return quantized_buffers(rows, k, y.device)
 
 
 def _norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, zero_centered: bool
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    quantize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     shape = x.shape
     d = shape[-1]
     xr, h, sx0, sx1 = _rows(x)
     rows = xr.shape[0] * h if xr.dim() == 3 else xr.shape[0]
     y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(d)
+    quant = _quantized_out(y, rows, d, block) if quantize and x.dim() == 2 else None
     res_out = None
     sr0 = sr1 = 0
     rr = xr
@@ -91,13 +130,13 @@ def _norm(
         assert hr == h
         res_out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if rows:
-        block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows,)](
             xr,
             rr,
             weight,
             y,
             res_out if res_out is not None else y,
+            *(quant or (y, y)),
             h,
             sx0,
             sx1,
@@ -108,20 +147,38 @@ def _norm(
             ZERO_CENTERED=zero_centered,
             HAS_RES=residual is not None,
             BLOCK=block,
+            QUANT=quant is not None,
             num_warps=_warps(block),
             **pdl_args(xr.device),
         )
+    _keep(y, quant)
     return y, res_out
 
 
-def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    return _norm(x, None, weight, eps, zero_centered)[0]
+def _keep(y: torch.Tensor, quant: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    if quant is not None:
+        from deltaserve.kernels.fp8.cuda import keep_quantized
+
+        keep_quantized(y, *quant)
+
+
+def rms_norm_launch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, quantize: bool = False
+) -> torch.Tensor:
+    """`quantize`: also the output's block-FP8 rows, which the next FP8 matmul of it takes
+    (`kernels.fp8.cuda.keep_quantized`; decode's few rows of a 2-D x only)."""
+    return _norm(x, None, weight, eps, zero_centered, quantize)[0]
 
 
 def add_rms_norm_launch(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    quantize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    y, s = _norm(x, residual, weight, eps, zero_centered)
+    y, s = _norm(x, residual, weight, eps, zero_centered, quantize)
     assert s is not None
     return y, s
 
@@ -132,6 +189,8 @@ def _gated_rms_norm_kernel(
     z,
     w,
     y,
+    q,
+    qs,
     R,
     H,
     sx0,
@@ -143,6 +202,7 @@ def _gated_rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     SIGMOID_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_inputs(PDL)
@@ -162,6 +222,8 @@ def _gated_rms_norm_kernel(
         v = (n.to(y.dtype.element_ty).to(tl.float32) * wv).to(y.dtype.element_ty).to(tl.float32)
         out = v * zv * tl.sigmoid(zv)
     tl.store(y + r[:, None] * D + o[None, :], out.to(y.dtype.element_ty), mask=m)
+    if QUANT:  # a (token, head) row is whole groups of its token's row (D a multiple of 128)
+        _store_quantized(out.to(y.dtype.element_ty), q, qs, r, r < R, 0, D, ROWS, BLOCK)
 
 
 def gated_rms_norm_launch(
@@ -171,16 +233,19 @@ def gated_rms_norm_launch(
     eps: float,
     kind: str = "silu",
     rows: int | None = None,
+    quantize: bool = False,
 ) -> torch.Tensor:
     """`rows`: (token, head) rows a program (default: one for decode-sized inputs, up to
-    GATED_NORM_ELEMENTS' worth for prefill; the sweep in docs/kernels.md)."""
+    GATED_NORM_ELEMENTS' worth for prefill; the sweep in docs/kernels.md). `quantize`: as
+    `rms_norm_launch`'s, of the output seen as `[T, H * D]` (a head dimension of whole groups)."""
     assert x.shape == gate.shape and x.dim() == 3, (x.shape, gate.shape)
     t, h, d = x.shape
     xr, _, sx0, sx1 = _rows(x)
     zr, _, sz0, sz1 = _rows(gate)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(d)
+    quant = _quantized_out(y, t, h * d, block) if quantize and d % 128 == 0 else None
     if t * h:
-        block = triton.next_power_of_2(d)
         if rows is None:  # several rows a program once there are programs enough for the SMs
             rows = max(1, min(GATED_NORM_ELEMENTS // block, triton.next_power_of_2(t * h) // 512))
         _gated_rms_norm_kernel[(triton.cdiv(t * h, rows),)](
@@ -188,6 +253,7 @@ def gated_rms_norm_launch(
             zr,
             weight,
             y,
+            *(quant or (y, y)),
             t * h,
             h,
             sx0,
@@ -199,9 +265,11 @@ def gated_rms_norm_launch(
             ROWS=rows,
             BLOCK=block,
             SIGMOID_FP32=kind == "sigmoid",
+            QUANT=quant is not None,
             num_warps=_warps(rows * block),
             **pdl_args(xr.device),
         )
+    _keep(y, quant)
     return y
 
 
@@ -358,7 +426,7 @@ def gdn_gates_launch(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, y, N, sx, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_and_mul_kernel(x, y, q, qs, N, sx, BLOCK: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     wait_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -367,18 +435,26 @@ def _silu_and_mul_kernel(x, y, N, sx, BLOCK: tl.constexpr, PDL: tl.constexpr):
     up = tl.load(x + t * sx + N + o, mask=m, other=0.0)
     # the reference rounds silu(gate) to x's dtype before the product
     act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
-    tl.store(y + t * N + o, (act * up.to(tl.float32)).to(y.dtype.element_ty), mask=m)
+    out = (act * up.to(tl.float32)).to(y.dtype.element_ty)
+    tl.store(y + t * N + o, out, mask=m)
+    if QUANT:
+        one = t + tl.zeros((1,), tl.int64)
+        _store_quantized(out[None, :], q, qs, one, one >= 0, tl.program_id(1) * BLOCK, N, 1, BLOCK)
 
 
-def silu_and_mul_launch(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_launch(x: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """`quantize`: as `rms_norm_launch`'s."""
     assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] % 2 == 0, x.shape
     t, i = x.shape[0], x.shape[1] // 2
     y = torch.empty((t, i), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(i))
+    quant = _quantized_out(y, t, i, block) if quantize else None
     if t:
-        block = min(1024, triton.next_power_of_2(i))
         _silu_and_mul_kernel[(t, triton.cdiv(i, block))](
-            x, y, i, x.stride(0), BLOCK=block, num_warps=4, **pdl_args(x.device)
-        )
+            x, y, *(quant or (y, y)), i, x.stride(0), BLOCK=block, QUANT=quant is not None, num_warps=4,
+            **pdl_args(x.device),
+        )  # fmt: skip
+    _keep(y, quant)
     return y
 
 

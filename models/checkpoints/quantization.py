@@ -460,7 +460,8 @@ class Fp8Experts(nn.Module):
 
 
 def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    fp8_down = self.down_proj.weight_scale_inv is not None
+    out = self.down_proj(silu_and_mul(self.gate_up_proj(x), quantize=fp8_down))
     return self.tp.all_reduce(out) if self.reduce else out
 
 
@@ -486,8 +487,16 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def swap_in_fp8_modules(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every linear layer (but a tied LM head) and every routed-expert stack becomes an FP8 holder."""
-    from deltaserve.models.layers.common import Experts, GatedMLP, RowParallelLinear
+    """Every linear layer (but a tied LM head) and every routed-expert stack becomes an FP8 holder;
+    the norms before the FP8 matmuls write their outputs' FP8 rows too (`kernels.norm.rms_norm`)."""
+    from deltaserve.models.layers.common import (
+        Experts,
+        GatedMLP,
+        GatedRMSNorm,
+        RMSNorm,
+        RowParallelLinear,
+        ZeroCenteredRMSNorm,
+    )
     from deltaserve.models.layers.gated_deltanet import GatedDeltaNet
     from deltaserve.models.layers.mla import MultiLatentAttention
 
@@ -516,6 +525,11 @@ def swap_in_fp8_modules(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(parent, child_name, holder)
             elif isinstance(child, Experts):
                 setattr(parent, child_name, Fp8Experts(child, dtype))
+            elif isinstance(child, GatedRMSNorm) or (
+                isinstance(child, (RMSNorm, ZeroCenteredRMSNorm))
+                and child_name in ("input_layernorm", "post_attention_layernorm")
+            ):  # their outputs are the FP8 matmuls' inputs (the final norm's is the LM head's)
+                child.quantize = True
         if isinstance(parent, GatedMLP):
             # its forward hands `down_proj.weight` to a fused kernel; the holder runs as a module
             parent.forward = _mlp_forward.__get__(parent)  # type: ignore[method-assign]

@@ -96,13 +96,14 @@ class _RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.full((dim,), init))
+        self.quantize = False  # FP8 matmuls read the output (`kernels.norm.rms_norm`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.zero_centered)
+        return rms_norm(x, self.weight, self.eps, self.zero_centered, self.quantize)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(norm(x + residual), x + residual)`: a decoder layer's residual add, fused."""
-        return add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
+        return add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered, self.quantize)
 
 
 class ZeroCenteredRMSNorm(_RMSNorm):
@@ -132,10 +133,11 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.kind = kind
         self.weight = nn.Parameter(torch.ones(dim))
+        self.quantize = False  # as `_RMSNorm.quantize`
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate `[T, H, D]`."""
-        return gated_rms_norm(x, gate, self.weight, self.eps, self.kind)
+        return gated_rms_norm(x, gate, self.weight, self.eps, self.kind, self.quantize)
 
 
 class PartialRotaryEmbedding(nn.Module):

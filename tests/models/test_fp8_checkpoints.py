@@ -208,6 +208,9 @@ def test_fp8_weights_are_stored_as_fp8(make_checkpoint, tmp_path: Path) -> None:
     assert layer.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     assert layer.mlp.gate.weight.dtype == torch.float32 and model.lm_head.weight.dtype == torch.float32
     assert not any(p.is_meta for p in model.parameters())
+    # the norms before FP8 matmuls write their FP8 rows on CUDA; the last one feeds the LM head
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.linear_attn.norm]
+    assert all(n.quantize for n in norms) and not model.model.norm.quantize
 
 
 def test_modules_to_not_convert_is_honoured(make_checkpoint, tmp_path: Path) -> None:
