@@ -111,14 +111,15 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False) -> torch.Tensor:
     return silu_and_mul_ref(x)
 
 
-def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, quantize: bool = False) -> torch.Tensor:
     """`x * sigmoid(gate)` for x, gate `[T, H, D]` (gate any view with unit last stride: the
     attention output gate inside q_proj's rows), contiguous, in x's dtype: one kernel on CUDA
-    where torch runs three (the gate's copy, the sigmoid, the product)."""
+    where torch runs three (the gate's copy, the sigmoid, the product). `quantize` as
+    `gated_rms_norm`'s."""
     if use_fast_path(x):
         from deltaserve.kernels.norm.triton import sigmoid_gate_launch
 
-        return sigmoid_gate_launch(x, gate)
+        return sigmoid_gate_launch(x, gate, quantize)
     return sigmoid_gate_ref(x, gate)
 
 

@@ -460,7 +460,20 @@ def silu_and_mul_launch(x: torch.Tensor, quantize: bool = False) -> torch.Tensor
 
 @triton.jit
 def _sigmoid_gate_kernel(
-    x, gate, y, H, sxt, sxh, sgt, sgh, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+    x,
+    gate,
+    y,
+    q,
+    qs,
+    H,
+    sxt,
+    sxh,
+    sgt,
+    sgh,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    QUANT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -471,20 +484,27 @@ def _sigmoid_gate_kernel(
     gv = tl.load(gate + t * sgt + h * sgh + o, mask=m, other=0.0)
     # as torch: the sigmoid rounded to the gate's dtype, the product in fp32 rounded to x's
     act = tl.sigmoid(gv.to(tl.float32)).to(gv.dtype).to(tl.float32)
-    tl.store(y + (t * H + h) * D + o, (xv.to(tl.float32) * act).to(y.dtype.element_ty), mask=m)
+    out = (xv.to(tl.float32) * act).to(y.dtype.element_ty)
+    tl.store(y + (t * H + h) * D + o, out, mask=m)
+    if QUANT:  # as the gated norm's: a head is whole groups of its token's row
+        one = t * H + h + tl.zeros((1,), tl.int64)
+        _store_quantized(out[None, :], q, qs, one, one >= 0, 0, D, 1, BLOCK)
 
 
-def sigmoid_gate_launch(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_gate_launch(x: torch.Tensor, gate: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """`quantize`: as `gated_rms_norm_launch`'s."""
     assert x.dim() == 3 and x.shape == gate.shape and x.stride(-1) == 1 and gate.stride(-1) == 1
     assert x.dtype == gate.dtype, (x.dtype, gate.dtype)
     t, h, d = x.shape
     y = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(d)
+    quant = _quantized_out(y, t, h * d, block) if quantize and d % 128 == 0 else None
     if t:
-        block = triton.next_power_of_2(d)
         _sigmoid_gate_kernel[(t, h)](
             x,
             gate,
             y,
+            *(quant or (y, y)),
             h,
             x.stride(0),
             x.stride(1),
@@ -492,9 +512,11 @@ def sigmoid_gate_launch(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             gate.stride(1),
             D=d,
             BLOCK=block,
+            QUANT=quant is not None,
             num_warps=_warps(block),
             **pdl_args(x.device),
         )
+    _keep(y, quant)
     return y
 
 

@@ -488,7 +488,9 @@ def parameters_on_meta() -> Iterator[None]:
 
 def swap_in_fp8_modules(model: nn.Module, dtype: torch.dtype) -> None:
     """Every linear layer (but a tied LM head) and every routed-expert stack becomes an FP8 holder;
-    the norms before the FP8 matmuls write their outputs' FP8 rows too (`kernels.norm.rms_norm`)."""
+    the norms and gates before the FP8 matmuls write their outputs' FP8 rows too
+    (`kernels.norm.rms_norm`)."""
+    from deltaserve.models.layers.attention import GatedAttention
     from deltaserve.models.layers.common import (
         Experts,
         GatedMLP,
@@ -533,6 +535,8 @@ def swap_in_fp8_modules(model: nn.Module, dtype: torch.dtype) -> None:
         if isinstance(parent, GatedMLP):
             # its forward hands `down_proj.weight` to a fused kernel; the holder runs as a module
             parent.forward = _mlp_forward.__get__(parent)  # type: ignore[method-assign]
+        elif isinstance(parent, GatedAttention):
+            parent.quantize = True  # its gated output is o_proj's input
 
 
 def materialize_rest(model: nn.Module, device: torch.device) -> None:

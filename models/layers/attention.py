@@ -59,6 +59,7 @@ class GatedAttention(nn.Module):
         theta, factor = rope_settings(config)
         self.rotary = PartialRotaryEmbedding(self.head_dim, int(self.head_dim * factor), theta)
         self.scale = self.head_dim**-0.5
+        self.quantize = False  # an FP8 o_proj reads the gated output (`kernels.norm.sigmoid_gate`)
 
     def checkpoint_shards(self) -> dict[str, tuple[str, int, int]]:
         q, kv = self.q_size, self.kv_size
@@ -86,4 +87,4 @@ class GatedAttention(nn.Module):
         q = rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, positions, inv_freq)
         k = rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, positions, inv_freq)
         o = ctx.attn.attention(self.layer_id, q, k, v, self.scale)
-        return self.o_proj(sigmoid_gate(o, gate).reshape(t, -1))
+        return self.o_proj(sigmoid_gate(o, gate, self.quantize).reshape(t, -1))

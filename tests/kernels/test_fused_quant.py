@@ -1,4 +1,4 @@
-"""The ops that write an FP8 matmul's input (the norms, SwiGLU) quantize it on their way out at
+"""The ops that write an FP8 matmul's input (the norms, the attention's gate, SwiGLU) quantize it on their way out at
 decode's few rows: what they keep must be what `act_quant_cuda` makes of their output, bit for
 bit, and a matmul takes it only for that very output. On CUDA; on CPU through Triton's
 interpreter in a process of its own (the interpreter is chosen when Triton is imported)."""
@@ -55,6 +55,12 @@ def check_fused_quantization(device: str) -> int:
                 N.gated_rms_norm_launch(x, z, w, 1e-6, kind),
             )
             cases += 1
+    for t, h, d in [(1, 2, 256), (7, 3, 128)]:  # the attention's output gate, inside q_proj's rows
+        x, qg = randn(t, h, d), randn(t, h, 2 * d)
+        kept_equals_act_quant(
+            N.sigmoid_gate_launch(x, qg[..., d:], quantize=True), N.sigmoid_gate_launch(x, qg[..., d:])
+        )
+        cases += 1
     for t, i in [(1, 512), (3, 3000), (16, 128)]:
         x = randn(t, 2 * i, scale=3.0)
         kept_equals_act_quant(N.silu_and_mul_launch(x, quantize=True), N.silu_and_mul_launch(x))

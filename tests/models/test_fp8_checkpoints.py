@@ -211,6 +211,7 @@ def test_fp8_weights_are_stored_as_fp8(make_checkpoint, tmp_path: Path) -> None:
     # the norms before FP8 matmuls write their FP8 rows on CUDA; the last one feeds the LM head
     norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.linear_attn.norm]
     assert all(n.quantize for n in norms) and not model.model.norm.quantize
+    assert model.model.layers[3].self_attn.quantize
 
 
 def test_modules_to_not_convert_is_honoured(make_checkpoint, tmp_path: Path) -> None:
