@@ -3,6 +3,7 @@
     python -m bench.ops.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 4 8 --gemm-tiles 64:4 32:6 --gemv-tiles 4:4
     python -m bench.ops.fp8_gemv --model configs/qwen3.5-9b --rows 1 8 16 --skinny-tiles 64:4:1 64:4:4 128:4:2
     python -m bench.ops.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 4 16 32
+    python -m bench.ops.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 --skinny-moe-tiles 4:3:64:4 8:4:64:4
 
 Dense: every distinct linear weight of the model, quantized to e4m3 with 128 x 128 block scales,
 timed through the GEMV (products in registers, the row quantized inside it; up to 8 rows), the
@@ -96,7 +97,7 @@ def moe_layer(model: str) -> MoeLayer:
     return MoeLayer(e, h, inter, top_k, gu, dn, g)
 
 
-def bench_moe(model: str, tokens: list[int]) -> list[dict]:
+def bench_moe(model: str, tokens: list[int], skinny_tiles: list[tuple[int, ...]]) -> list[dict]:
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
     from deltaserve.kernels.moe import cuda as moe_cuda
 
@@ -125,6 +126,12 @@ def bench_moe(model: str, tokens: list[int]) -> list[dict]:
             "skinny": lambda r, x=x: fp8_cuda.fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]),
             "grouped": lambda r, x=x: fp8_cuda.fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]),
         }
+        for spec in skinny_tiles:  # SPLIT:GATE_UP_STAGES:DOWN_BLOCK_N:DOWN_STAGES
+
+            def tiled(r: Any, x: torch.Tensor = x, spec: Any = spec) -> torch.Tensor:
+                return fp8_cuda.fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0], tiles=spec)
+
+            paths["skinny_" + "_".join(map(str, spec))] = tiled
         limits = moe_cuda.GEMV_ASSIGNMENTS, fp8_cuda.SKINNY_MOE_PAIRS
         moe_cuda.GEMV_ASSIGNMENTS = fp8_cuda.SKINNY_MOE_PAIRS = 0  # the grouped GEMMs at any count
         for name, call in paths.items():
@@ -162,6 +169,13 @@ def main() -> None:
         help="also time the skinny GEMM (up to 16 rows, weight rows as the MMA's wide side) at these tilings",
     )
     ap.add_argument("--moe", help="routed experts of this config")
+    ap.add_argument(
+        "--skinny-moe-tiles",
+        nargs="*",
+        default=[],
+        metavar="SPLIT:STAGES:DOWN_BLOCK_N:DOWN_STAGES",
+        help="with --moe: also time the skinny MoE at these tilings (the default: kernels/fp8/cuda.py's skinny_moe_tiles)",
+    )
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -175,7 +189,9 @@ def main() -> None:
             args.model, args.rows, pairs(args.gemm_tiles), pairs(args.gemv_tiles), pairs(args.skinny_tiles)
         )
     if args.moe:
-        rows += bench_moe(args.moe, args.tokens)
+        rows += bench_moe(
+            args.moe, args.tokens, [tuple(int(v) for v in t.split(":")) for t in args.skinny_moe_tiles]
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
