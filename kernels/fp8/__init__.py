@@ -12,6 +12,7 @@ oracle of the CUDA kernels.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.fp8.reference import fp8_linear_ref, fp8_moe_ref
@@ -23,13 +24,17 @@ def fp8_linear(
     scale: torch.Tensor,
     scale_rows: int,
     out: torch.Tensor | None = None,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`out`: `[..., N]`, unit last stride (a slice of a wider output), written in place."""
+    """`out`: `[..., N]`, unit last stride (a slice of a wider output), written in place. `dense`:
+    unquantized weight rows `[ND, K]`, whose products with x follow the FP8 ones (`[..., N + ND]`)."""
     if use_fast_path(x):
         from deltaserve.kernels.fp8.cuda import fp8_linear_cuda
 
-        return fp8_linear_cuda(x, weight, scale, scale_rows, out)
+        return fp8_linear_cuda(x, weight, scale, scale_rows, out, dense)
     y = fp8_linear_ref(x, weight, scale, scale_rows)
+    if dense is not None:
+        y = torch.cat([y, F.linear(x, dense)], dim=-1)
     return y if out is None else out.copy_(y)
 
 

@@ -209,11 +209,14 @@ def fp8_skinny_cuda(
     scale_rows: int,
     tiles: tuple[int, int, int] | None = None,
     out: torch.Tensor | None = None,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """w8a8 for up to `SKINNY_MAX_ROWS` rows on the FP8 tensor cores, the weight's rows as the MMA's
     wide side: the rows quantized, then one launch, a K split summed by its last part. `tiles`:
     (BLOCK_N, stages, split), `skinny_tiles` unless given (`bench/ops/fp8_gemv.py` sweeps them).
-    `out`: `[M, N]` with a unit last stride, written in place of a new tensor."""
+    `out`: `[M, N]` with a unit last stride, written in place of a new tensor. `dense`: unquantized
+    weight rows `[ND, K]` whose products with the unquantized rows follow in the output (`[M, N +
+    ND]`), from the same launch."""
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
@@ -222,19 +225,24 @@ def fp8_skinny_cuda(
 
     m, k = x.shape
     n = weight.shape[0]
+    nd = 0 if dense is None else dense.shape[0]
     assert m <= SKINNY_MAX_ROWS, m
-    out = _output(out, m, n, x)
+    assert dense is None or (dense.shape[1] == k and dense.stride(-1) == 1 and dense.dtype == x.dtype)
+    out = _output(out, m, n + nd, x)
     if m == 0:
         return out
     xq, xs = act_quant_cuda(x)
     block_n, num_stages, split = tiles or skinny_tiles(n, k, sm_count(x.device))
-    grid = (triton.cdiv(n, block_n), split)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(n, block_n) + triton.cdiv(nd, block_n), split)
+    part = torch.empty(split, m, n + nd, dtype=torch.float32, device=x.device) if split > 1 else out
     counters = _split_counters(x.device, grid[0]) if split > 1 else out
     _fp8_skinny_kernel[grid](
-        xq, xs, weight, scale, out, part, counters, m, n, k, -(-num_blocks(k) // split),
-        xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        xq, xs, weight, scale, out, part, counters, x, dense if dense is not None else x,
+        m, n, nd, k, -(-num_blocks(k) // split),
+        xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), out.stride(0), x.stride(0),
+        dense.stride(0) if dense is not None else 0,
         SCALE_ROWS=scale_rows, BLOCK_N=block_n, BLOCK_M=SKINNY_MAX_ROWS, BLOCK=BLOCK, SPLIT=split,
+        DENSE=dense is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return out
@@ -375,13 +383,29 @@ def fp8_linear_cuda(
     scale: torch.Tensor,
     scale_rows: int,
     out: torch.Tensor | None = None,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`out`: `[..., N]` with a unit last stride (a slice of a wider output), written in place."""
+    """`out`: `[..., N]` with a unit last stride (a slice of a wider output), written in place.
+    `dense`: unquantized weight rows `[ND, K]` whose products follow the FP8 ones (`[..., N + ND]`
+    out): in the skinny GEMM's launch where that runs, else the unquantized matmul apart."""
+    from deltaserve.kernels.linear import linear
+
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out2 = out.view(-1, weight.shape[0]) if out is not None else None
-    if x2.shape[0] == 1 and weight.shape[0] < GEMV_MAX_N and weight.numel() < GEMV_MAX_NUMEL:
+    n = weight.shape[0]
+    width = n + (0 if dense is None else dense.shape[0])
+    out2 = out.view(-1, width) if out is not None else None
+    if x2.shape[0] <= SKINNY_MAX_ROWS and decode_mode() == "skinny" and dense is not None:
+        return fp8_skinny_cuda(x2, weight, scale, scale_rows, out=out2, dense=dense).view(
+            *x.shape[:-1], width
+        )
+    if dense is not None:  # both parts into one output
+        out2 = out2 if out2 is not None else x2.new_empty(x2.shape[0], width)
+        fp8_linear_cuda(x2, weight, scale, scale_rows, out2[:, :n])
+        linear(x2, dense, out=out2[:, n:])
+        return out2.view(*x.shape[:-1], width)
+    if x2.shape[0] == 1 and n < GEMV_MAX_N and weight.numel() < GEMV_MAX_NUMEL:
         y = fp8_gemv_cuda(x2, weight, scale, scale_rows, out=out2)
     elif x2.shape[0] <= SKINNY_MAX_ROWS and decode_mode() == "skinny":
         y = fp8_skinny_cuda(x2, weight, scale, scale_rows, out=out2)
@@ -389,7 +413,7 @@ def fp8_linear_cuda(
         y = fp8_gemm_cuda(x2, weight, scale, scale_rows)
         if out2 is not None:
             y = out2.copy_(y)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y.view(*x.shape[:-1], n)
 
 
 def moe_tiles(assignments: int) -> tuple[int, int, int, int, int]:

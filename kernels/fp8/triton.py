@@ -9,7 +9,8 @@
   rows then still gives every SM several tiles in flight.
 - `_fp8_skinny_kernel`: decode's 1-16 rows on the FP8 tensor cores with the weight's rows as the
   MMA's wide side (wgmma's 64 rows; the tokens its narrow 16), a K split summed by each tile's last
-  part to finish instead of a second kernel.
+  part to finish instead of a second kernel; unquantized rows after the FP8 ones in programs of
+  their own.
 - `_fp8_gemv_kernel`: one row (decode) against a narrow weight. It streams the e4m3 weight rows
   once, widening them in registers; the row is quantized in registers (`_fake_quant`), so decode
   does the format's w8a8 math as the GEMM does.
@@ -156,44 +157,16 @@ def _skinny_block(x, x_s, wt, sw, i, K, offs_m, m_ok, stride_xm, stride_xsm, BLO
 
 
 @triton.jit
-def _fp8_skinny_kernel(
-    x,  # [M, K] e4m3, per token and 128 channels
-    x_s,  # [M, ceil(K/128)] fp32
-    w,  # [N, K] e4m3
-    w_s,  # [ceil(N/SCALE_ROWS), ceil(K/128)] fp32
-    y,  # [M, N]
-    part,  # [SPLIT, M, N] fp32 (SPLIT > 1)
-    counters,  # [ceil(N/BLOCK_N)] int32, zero between launches (SPLIT > 1)
-    M,
-    N,
-    K,
-    blocks_per_split,
-    stride_xm,
-    stride_xsm,
-    stride_wn,
-    stride_wsn,
-    stride_ym,
-    SCALE_ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SPLIT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Decode's few rows (M <= BLOCK_M) as the MMA's narrow side: weight tiles of BLOCK_N rows are
-    the left operand, so the tensor cores take them as loaded (wgmma's 64-row side).
-    SPLIT > 1: program (n, s) takes the s-th range of K blocks and writes its fp32 part; the last
-    of a tile's parts to finish adds them in split order (deterministic) and resets the tile's
-    counter, so no second kernel sums them. With PDL the first weight tile is loaded before
-    waiting for the previous kernel (no kernel writes weights)."""
-    pid_n = tl.program_id(0)
+def _skinny_fp8_tile(
+    x, x_s, w, w_s, pid_n, offs_m, m_ok, N, K, first, last, stride_xm, stride_xsm, stride_wn, stride_wsn,
+    SCALE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """(acc `[BLOCK_N, BLOCK_M]`, output columns, their mask) of weight tile pid_n over K blocks
+    [first, last). With PDL its first weight tile is loaded before waiting for the previous kernel."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
-    m_ok = offs_m < M
     w_rows = w + offs_n.to(tl.int64)[:, None] * stride_wn
     s_rows = w_s + (offs_n // SCALE_ROWS) * stride_wsn
-    first = tl.program_id(1) * blocks_per_split
     # a part past the last block (short K, many parts) reads nothing and adds zeros
     k_ok = first * BLOCK + tl.arange(0, BLOCK) < K
     wt = tl.load(
@@ -202,22 +175,112 @@ def _fp8_skinny_kernel(
     sw = tl.load(s_rows + first, mask=n_ok & (first * BLOCK + 0 * offs_n < K), other=0.0)
     wait_inputs(PDL)
     acc = _skinny_block(x, x_s, wt, sw, first, K, offs_m, m_ok, stride_xm, stride_xsm, BLOCK)
-    for i in range(first + 1, tl.minimum(first + blocks_per_split, tl.cdiv(K, BLOCK))):
+    for i in range(first + 1, last):
         offs_k = i * BLOCK + tl.arange(0, BLOCK)
         wt = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         sw = tl.load(s_rows + i, mask=n_ok, other=0.0)
         acc += _skinny_block(x, x_s, wt, sw, i, K, offs_m, m_ok, stride_xm, stride_xsm, BLOCK)
+    return acc, offs_n, n_ok
+
+
+@triton.jit
+def _skinny_dense_tile(
+    xd, wd, tile, offs_m, m_ok, N, ND, K, first, last, stride_xdm, stride_wdn,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """As `_skinny_fp8_tile`, for tile `tile` of the ND unquantized rows (output columns N on),
+    in the inputs' dtype on the tensor cores (PRECISION: fp32's, not TF32)."""
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rows < ND
+    wd_rows = wd + rows.to(tl.int64)[:, None] * stride_wdn
+    wait_inputs(PDL)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in range(first, last):
+        offs_k = i * BLOCK + tl.arange(0, BLOCK)
+        k_ok = offs_k < K
+        wt = tl.load(wd_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        xt = tl.load(
+            xd + offs_m[None, :] * stride_xdm + offs_k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0
+        )
+        acc += tl.dot(wt, xt, input_precision=PRECISION)
+    return acc, N + rows, n_ok
+
+
+@triton.jit
+def _fp8_skinny_kernel(
+    x,  # [M, K] e4m3, per token and 128 channels
+    x_s,  # [M, ceil(K/128)] fp32
+    w,  # [N, K] e4m3
+    w_s,  # [ceil(N/SCALE_ROWS), ceil(K/128)] fp32
+    y,  # [M, N + ND]
+    part,  # [SPLIT, M, N + ND] fp32 (SPLIT > 1)
+    counters,  # [num_programs(0)] int32, zero between launches (SPLIT > 1)
+    xd,  # [M, K] the unquantized rows (DENSE)
+    wd,  # [ND, K] the unquantized weight rows after w's (DENSE)
+    M,
+    N,
+    ND,
+    K,
+    blocks_per_split,
+    stride_xm,
+    stride_xsm,
+    stride_wn,
+    stride_wsn,
+    stride_ym,
+    stride_xdm,
+    stride_wdn,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DENSE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Decode's few rows (M <= BLOCK_M) as the MMA's narrow side: weight tiles of BLOCK_N rows are
+    the left operand, so the tensor cores take them as loaded (wgmma's 64-row side).
+    SPLIT > 1: program (n, s) takes the s-th range of K blocks and writes its fp32 part; the last
+    of a tile's parts to finish adds them in split order (deterministic) and resets the tile's
+    counter, so no second kernel sums them. With PDL the first weight tile is loaded before
+    waiting for the previous kernel (no kernel writes weights).
+    DENSE: the first programs take the ND unquantized rows that follow w's in the output (a GDN
+    in_proj's gate rows), with the same split: one launch for a projection mixing both."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    first = tl.program_id(1) * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(K, BLOCK))
+    if DENSE:  # the unquantized tiles first: twice an FP8 tile's bytes, they start in the first wave
+        dense_tiles = tl.cdiv(ND, BLOCK_N)
+        if pid_n < dense_tiles:
+            acc, offs_n, n_ok = _skinny_dense_tile(
+                xd, wd, pid_n, offs_m, m_ok, N, ND, K, first, last, stride_xdm, stride_wdn,
+                BLOCK_N, BLOCK_M, BLOCK, PRECISION, PDL,
+            )  # fmt: skip
+        else:
+            acc, offs_n, n_ok = _skinny_fp8_tile(
+                x, x_s, w, w_s, pid_n - dense_tiles, offs_m, m_ok, N, K, first, last, stride_xm, stride_xsm,
+                stride_wn, stride_wsn, SCALE_ROWS, BLOCK_N, BLOCK, PDL,
+            )  # fmt: skip
+    else:
+        acc, offs_n, n_ok = _skinny_fp8_tile(
+            x, x_s, w, w_s, pid_n, offs_m, m_ok, N, K, first, last, stride_xm, stride_xsm, stride_wn,
+            stride_wsn, SCALE_ROWS, BLOCK_N, BLOCK, PDL,
+        )  # fmt: skip
+    width = N + ND
     mask = n_ok[:, None] & m_ok[None, :]
     dst = y + offs_m[None, :] * stride_ym + offs_n[:, None]
     if SPLIT == 1:
         tl.store(dst, acc.to(y.dtype.element_ty), mask=mask)
     else:
-        parts = part + offs_m[None, :] * N + offs_n[:, None]
-        tl.store(parts + tl.program_id(1) * M * N, acc, mask=mask)
+        parts = part + offs_m[None, :] * width + offs_n[:, None]
+        tl.store(parts + tl.program_id(1) * M * width, acc, mask=mask)
         if _last_part(counters, pid_n, SPLIT):
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(SPLIT):
-                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                total += tl.load(parts + s * M * width, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(dst, total.to(y.dtype.element_ty), mask=mask)
             tl.atomic_xchg(counters + pid_n, 0)
 

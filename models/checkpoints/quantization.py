@@ -340,11 +340,9 @@ class Fp8Linear(nn.Module):
         if self.weight_scale_inv is None:
             y = self._dense(x, self.weight)
         elif self.dense_weight is not None and use_fast_path(x) and x.numel() <= DECODE_ROWS * x.shape[-1]:
-            # decode: both parts write their columns of one output, no concatenation launch
-            y = x.new_empty(*x.shape[:-1], self.out_features)
-            n = self.fp8_rows
-            fp8_linear(x, self.weight, self.weight_scale_inv, self.scale_rows, out=y[..., :n])
-            linear(x, self.dense_weight, out=y[..., n:])
+            # decode: both parts in one output (no concatenation launch), from one launch where
+            # the skinny GEMM runs
+            y = fp8_linear(x, self.weight, self.weight_scale_inv, self.scale_rows, dense=self.dense_weight)
         else:
             y = self._fp8(x)
             if self.dense_weight is not None:

@@ -120,6 +120,36 @@ def test_fp8_gemm_k_split_matches_one_part(m, n, k, scale_rows, tiles):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tiles", [None, (64, 4, 3)])
+@pytest.mark.parametrize("nd", [64, 10, 200])  # 80B's and 9B's GDN gate rows, a partial tile, several
+@pytest.mark.parametrize("m", [1, 3, 16, 40])  # 40: past the skinny GEMM, both matmuls apart
+def test_fp8_linear_with_unquantized_rows(m, nd, tiles, dtype):
+    """A projection of FP8 rows followed by unquantized ones (a GDN in_proj's gate rows) writes
+    both into one output; through the skinny GEMM from one launch, whose FP8 columns are the plain
+    skinny GEMM's bits, and whose unquantized ones are the matmul in the inputs' dtype."""
+    from deltaserve.kernels.fp8 import cuda as fp8_cuda
+
+    n, k = 1024, 2048
+    w, s = _weight(n, k, 128, m + nd)
+    dense = (torch.randn(nd, k, device="cuda") / k**0.5).to(dtype)
+    x = (torch.randn(m, k, device="cuda") * 3).to(dtype)
+    if m <= fp8_cuda.SKINNY_MAX_ROWS:
+        got = fp8_cuda.fp8_skinny_cuda(x, w, s, 128, tiles, dense=dense)
+        assert torch.equal(got[:, :n], fp8_cuda.fp8_skinny_cuda(x, w, s, 128, tiles))
+        counters = fp8_cuda._counters.get(x.device)
+        assert counters is None or not counters.any()
+    else:
+        got = fp8_cuda.fp8_linear_cuda(x, w, s, 128, dense=dense)
+        _close(got[:, :n], fp8_linear_ref(x.float(), w, s, 128), 2e-2)
+    assert got.shape == (m, n + nd)
+    want = x.float() @ dense.float().T
+    _close(got[:, n:], want, 1e-5 if dtype == torch.float32 else 1e-2)
+    out = torch.full((m, n + nd), float("nan"), device="cuda", dtype=dtype)
+    fp8_cuda.fp8_linear_cuda(x, w, s, 128, out=out, dense=dense)  # in place, every column written
+    assert torch.equal(out, fp8_cuda.fp8_linear_cuda(x, w, s, 128, dense=dense))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t", [1, 3, 64, 300, 600])  # 600: past 2,048 pairs (64-row tiles) at top 4 and 10
 @pytest.mark.parametrize(
     "e,h,inter,top_k,scale_rows", [(8, 256, 128, 2, 128), (16, 300, 96, 4, 1), (64, 2048, 512, 10, 128)]

@@ -212,6 +212,14 @@ def test_fp8_weights_are_stored_as_fp8(make_checkpoint, tmp_path: Path) -> None:
     norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.linear_attn.norm]
     assert all(n.quantize for n in norms) and not model.model.norm.quantize
     assert model.model.layers[3].self_attn.quantize
+    # decode's form of the mixed in_proj (one output from one op) is the module's two matmuls
+    from deltaserve.kernels.fp8 import fp8_linear
+
+    proj = layer.linear_attn.in_proj
+    x = torch.randn(3, proj.in_features)
+    both = fp8_linear(x, proj.weight, proj.weight_scale_inv, proj.scale_rows, dense=proj.dense_weight)
+    assert both.shape == (3, proj.out_features)
+    assert torch.equal(both, proj(x))
 
 
 def test_modules_to_not_convert_is_honoured(make_checkpoint, tmp_path: Path) -> None:
