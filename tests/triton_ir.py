@@ -156,16 +156,27 @@ def ptxas_usage(source: Any, target: Any, options: dict) -> str:
     import triton
 
     kernel = triton.compile(source, target=target, options=options)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kernel.asm["ptx"])
         f.flush()
-        err = subprocess.run(
-            [ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True
-        ).stderr
-    return "; ".join(
-        line.split("info    : ")[-1] for line in err.splitlines() if "Used" in line or "spill" in line
-    )
+        # a wheel's `ptxas` can be older than the PTX its compiler writes; its newer one then reads it
+        tools = [
+            os.path.join(bin_dir, n)
+            for n in ("ptxas", "ptxas-blackwell")
+            if os.path.exists(os.path.join(bin_dir, n))
+        ]
+        for tool in tools:
+            done = subprocess.run(
+                [tool, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True
+            )
+            if done.returncode == 0:
+                break
+        else:
+            return "no ptxas here reads this PTX"
+    lines = done.stderr.splitlines()
+    usage = "; ".join(line.split("info    : ")[-1] for line in lines if "Used" in line or "spill" in line)
+    return f"{usage}; {kernel.metadata.shared} bytes of shared memory"
 
 
 def main() -> None:
