@@ -183,23 +183,11 @@ def skinny_tiles(n: int, k: int, sms: int) -> tuple[int, int, int]:
     return 64, 4, split
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
 def _output(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(-1) == 1 and out.dtype == x.dtype, (out.shape, out.stride())
     return out
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Per-tile arrival counts of the skinny GEMM's K split, zero between launches (each launch's
-    last part resets its tile's); one buffer a device, as launches on it run one after another."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < tiles:
-        buf = _counters[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return buf
 
 
 def fp8_skinny_cuda(
@@ -219,6 +207,7 @@ def fp8_skinny_cuda(
     ND]`), from the same launch."""
     import triton
 
+    from deltaserve.kernels.common.arrival import arrival_counters
     from deltaserve.kernels.common.launch import sm_count
     from deltaserve.kernels.common.pdl import pdl_args
     from deltaserve.kernels.fp8.triton import _fp8_skinny_kernel
@@ -235,7 +224,7 @@ def fp8_skinny_cuda(
     block_n, num_stages, split = tiles or skinny_tiles(n, k, sm_count(x.device))
     grid = (triton.cdiv(n, block_n) + triton.cdiv(nd, block_n), split)
     part = torch.empty(split, m, n + nd, dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = _split_counters(x.device, grid[0]) if split > 1 else out
+    counters = arrival_counters(x.device, grid[0]) if split > 1 else out
     _fp8_skinny_kernel[grid](
         xq, xs, weight, scale, out, part, counters, x, dense if dense is not None else x,
         m, n, nd, k, -(-num_blocks(k) // split),
@@ -279,6 +268,7 @@ def fp8_moe_skinny_cuda(
     `skinny_moe_tiles` returns them, which give them unless given."""
     import triton
 
+    from deltaserve.kernels.common.arrival import arrival_counters
     from deltaserve.kernels.common.launch import rounding_dtype, sm_count
     from deltaserve.kernels.common.pdl import pdl_args
     from deltaserve.kernels.fp8.triton import _fp8_moe_skinny_down_kernel, _fp8_moe_skinny_gate_up_kernel
@@ -300,7 +290,7 @@ def fp8_moe_skinny_cuda(
     hq = torch.empty(n, inter_size, dtype=FP8_DTYPE, device=x.device)
     hs = torch.empty(n, tiles_i, dtype=torch.float32, device=x.device)
     part = torch.empty(split, n, 2, inter_size, dtype=torch.float32, device=x.device) if split > 1 else hs
-    counters = _split_counters(x.device, max(n * tiles_i, t * tiles_h))
+    counters = arrival_counters(x.device, max(n * tiles_i, t * tiles_h))
     _fp8_moe_skinny_gate_up_kernel[(tiles_i, n, split)](
         xq, xs, gate_up, gate_up_scale, ids, hq, hs, part, counters, n, h, inter_size, -(-kb // split),
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),

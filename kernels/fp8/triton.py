@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.common.arrival import last_to_arrive
 from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import wait_inputs
 
@@ -135,14 +136,6 @@ def _fp8_gemm_kernel(
     else:
         dst = part + (tl.program_id(2) * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
         tl.store(dst, acc, mask=mask)
-
-
-@triton.jit
-def _last_part(counters, tile, PARTS: tl.constexpr):
-    """After this program's part is stored: whether it is the last of PARTS parts of `tile` to
-    arrive (that one adds them, then sets the tile's counter back to zero)."""
-    tl.debug_barrier()  # every thread's part stored before the tile's count moves
-    return tl.atomic_add(counters + tile, 1, sem="acq_rel") == PARTS - 1
 
 
 @triton.jit
@@ -277,7 +270,7 @@ def _fp8_skinny_kernel(
     else:
         parts = part + offs_m[None, :] * width + offs_n[:, None]
         tl.store(parts + tl.program_id(1) * M * width, acc, mask=mask)
-        if _last_part(counters, pid_n, SPLIT):
+        if last_to_arrive(counters, pid_n, SPLIT):
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(SPLIT):
                 total += tl.load(parts + s * M * width, mask=mask, other=0.0, cache_modifier=".cg")
@@ -360,7 +353,7 @@ def _fp8_moe_skinny_gate_up_kernel(
         tl.store(parts + tl.program_id(2) * step, g, mask=n_ok)
         tl.store(parts + tl.program_id(2) * step + INTER, u, mask=n_ok)
         tile = a * tl.num_programs(0) + pid_n
-        finish = _last_part(counters, tile, SPLIT)
+        finish = last_to_arrive(counters, tile, SPLIT)
         if finish:
             g = tl.zeros((BLOCK,), dtype=tl.float32)
             u = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -431,7 +424,7 @@ def _fp8_moe_skinny_down_kernel(
     token = a // TOP_K
     tl.store(part + a.to(tl.int64) * H + offs_n, y, mask=n_ok)
     tile = token * tl.num_programs(0) + pid_n
-    if _last_part(counters, tile, TOP_K):
+    if last_to_arrive(counters, tile, TOP_K):
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for j in range(TOP_K):
             total += tl.load(
