@@ -19,7 +19,7 @@
 #   bash bench/gpu_session.sh next-80b # 80B FP8 skinny tilings and MoE paths on its shapes, its 8k prefill's profile
 #   bash bench/gpu_session.sh moe-prefill # 80B 8k prefill's host syncs, MoE prefill tiles (80B, 35B), 80B decode at 8k context
 #   bash bench/gpu_session.sh moe-prefill-ab # padded router + MoE prefill tiles: tests, 80B/35B 8k prefill vs REV, 80B serving
-#   bash bench/gpu_session.sh fused-quant # FP8 rows from the norms/SwiGLU, one-launch in_proj: tests, FP8 decode vs REV
+#   bash bench/gpu_session.sh fused-quant # FP8 rows from norms/SwiGLU, one-launch in_proj/router: tests, FP8 decode vs REV
 #   bash bench/gpu_session.sh skinny-moe # the skinny MoE's tilings on 80B's and 35B's experts
 #   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
@@ -338,9 +338,10 @@ case "${1:-all}" in
     run 250 ab-kimi bash bench/ab.sh run python3 -m bench.engine.decode --model configs/kimi-linear-48b-a3b \
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
-  fused-quant)  # FP8 rows from the norms/SwiGLU, in_proj in one launch: tests; 9B / 80B / 35B FP8 decode against REV
+  fused-quant)  # FP8 rows from the norms/SwiGLU, one-launch in_proj and router: tests; 9B / 80B / 35B FP8 decode vs REV
     run 150 quant-tests python3 -m pytest -q -rfE -s -m gpu tests/kernels/test_fused_quant.py \
-      tests/kernels/test_norm_kernels.py tests/models/test_fp8_checkpoints.py &
+      tests/kernels/test_norm_kernels.py tests/kernels/test_router_cuda.py tests/models/test_fp8_checkpoints.py \
+      tests/models/test_shared_expert_fusion.py &
     run 150 fp8-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py \
       -k "moe_matches or skinny or unquantized_rows" &
     wait
