@@ -195,7 +195,7 @@ def gemv_route_launch(
             x, weight, logits, ids, weights, arrival_counters(x.device, 1), m, n, h, e, x.stride(0),
             weight.stride(0), BLOCK_M=block_m, BN=bn, BK=bk, K=k, BLOCK_E=triton.next_power_of_2(e),
             BLOCK_K=triton.next_power_of_2(k + 1), RENORM=renormalize, ROUND=rounding_dtype(dtype),
-            num_warps=4, **pdl_args(x.device),
+            num_warps=4, **pdl_args(x.device),  # the GEMV's: the same logits, bit for bit
         )  # fmt: skip
     return ids, weights
 
