@@ -264,8 +264,8 @@ def fp8_moe_skinny_cuda(
     """The FP8 MoE for a few tokens on the skinny GEMM: each assignment's 128-row blocks of gate
     and up rows on wgmma's wide side (H split while that leaves too few programs), the intermediate
     quantized by whoever finishes its block, then the down projection, whose per-token sum over the
-    experts the last of them adds: three launches with the rows' quantization. `tiles`: as
-    `skinny_moe_tiles` returns them, which give them unless given."""
+    experts the last of them adds: three launches with the rows' quantization. `tiles`: (split,
+    gate/up stages, down BLOCK_N, down stages), `skinny_moe_tiles` unless given."""
     import triton
 
     from deltaserve.kernels.common.arrival import arrival_counters
@@ -386,24 +386,22 @@ def fp8_linear_cuda(
     n = weight.shape[0]
     width = n + (0 if dense is None else dense.shape[0])
     out2 = out.view(-1, width) if out is not None else None
-    if x2.shape[0] <= SKINNY_MAX_ROWS and decode_mode() == "skinny" and dense is not None:
-        return fp8_skinny_cuda(x2, weight, scale, scale_rows, out=out2, dense=dense).view(
-            *x.shape[:-1], width
-        )
-    if dense is not None:  # both parts into one output
-        out2 = out2 if out2 is not None else x2.new_empty(x2.shape[0], width)
-        fp8_linear_cuda(x2, weight, scale, scale_rows, out2[:, :n])
-        linear(x2, dense, out=out2[:, n:])
-        return out2.view(*x.shape[:-1], width)
-    if x2.shape[0] == 1 and n < GEMV_MAX_N and weight.numel() < GEMV_MAX_NUMEL:
+    skinny = x2.shape[0] <= SKINNY_MAX_ROWS and decode_mode() == "skinny"
+    if dense is not None and skinny:
+        y = fp8_skinny_cuda(x2, weight, scale, scale_rows, out=out2, dense=dense)
+    elif dense is not None:  # both parts into one output
+        y = out2 if out2 is not None else x2.new_empty(x2.shape[0], width)
+        fp8_linear_cuda(x2, weight, scale, scale_rows, y[:, :n])
+        linear(x2, dense, out=y[:, n:])
+    elif x2.shape[0] == 1 and n < GEMV_MAX_N and weight.numel() < GEMV_MAX_NUMEL:
         y = fp8_gemv_cuda(x2, weight, scale, scale_rows, out=out2)
-    elif x2.shape[0] <= SKINNY_MAX_ROWS and decode_mode() == "skinny":
+    elif skinny:
         y = fp8_skinny_cuda(x2, weight, scale, scale_rows, out=out2)
     else:
         y = fp8_gemm_cuda(x2, weight, scale, scale_rows)
         if out2 is not None:
             y = out2.copy_(y)
-    return y.view(*x.shape[:-1], n)
+    return y.view(*x.shape[:-1], width)
 
 
 def moe_tiles(assignments: int) -> tuple[int, int, int, int, int]:

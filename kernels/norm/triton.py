@@ -77,8 +77,7 @@ def _rms_norm_kernel(
         out = n.to(y.dtype.element_ty).to(tl.float32) * wv
     tl.store(y + r * D + o, out.to(y.dtype.element_ty), mask=m)
     if QUANT:
-        one = r + tl.zeros((1,), tl.int64)
-        _store_quantized(out.to(y.dtype.element_ty)[None, :], q, qs, one, one >= 0, 0, D, 1, BLOCK)
+        _store_quantized_row(out.to(y.dtype.element_ty), q, qs, r, 0, D, BLOCK)
 
 
 @triton.jit
@@ -92,6 +91,13 @@ def _store_quantized(v, q, qs, rows, row_ok, col0, D, R: tl.constexpr, BLOCK: tl
     groups = tl.cdiv(D, 128)
     g = col0 // 128 + tl.arange(0, BLOCK // 128)
     tl.store(qs + rows[:, None] * groups + g[None, :], scale, mask=row_ok[:, None] & (g < groups)[None, :])
+
+
+@triton.jit
+def _store_quantized_row(v, q, qs, row, col0, D, BLOCK: tl.constexpr):
+    """`_store_quantized` of one row's values v `[BLOCK]`."""
+    rows = row + tl.zeros((1,), tl.int64)
+    _store_quantized(v[None, :], q, qs, rows, rows >= 0, col0, D, 1, BLOCK)
 
 
 def _quantized_out(
@@ -438,8 +444,7 @@ def _silu_and_mul_kernel(x, y, q, qs, N, sx, BLOCK: tl.constexpr, QUANT: tl.cons
     out = (act * up.to(tl.float32)).to(y.dtype.element_ty)
     tl.store(y + t * N + o, out, mask=m)
     if QUANT:
-        one = t + tl.zeros((1,), tl.int64)
-        _store_quantized(out[None, :], q, qs, one, one >= 0, tl.program_id(1) * BLOCK, N, 1, BLOCK)
+        _store_quantized_row(out, q, qs, t, tl.program_id(1) * BLOCK, N, BLOCK)
 
 
 def silu_and_mul_launch(x: torch.Tensor, quantize: bool = False) -> torch.Tensor:
@@ -487,8 +492,7 @@ def _sigmoid_gate_kernel(
     out = (xv.to(tl.float32) * act).to(y.dtype.element_ty)
     tl.store(y + (t * H + h) * D + o, out, mask=m)
     if QUANT:  # as the gated norm's: a head is whole groups of its token's row
-        one = t * H + h + tl.zeros((1,), tl.int64)
-        _store_quantized(out[None, :], q, qs, one, one >= 0, 0, D, 1, BLOCK)
+        _store_quantized_row(out, q, qs, t * H + h, 0, D, BLOCK)
 
 
 def sigmoid_gate_launch(x: torch.Tensor, gate: torch.Tensor, quantize: bool = False) -> torch.Tensor:
