@@ -38,7 +38,7 @@ def softmax_topk(
 
 
 def softmax_topk_shared(
-    x: torch.Tensor, gate: nn.Module, columns: int, k: int, renormalize: bool, dtype: torch.dtype
+    x: torch.Tensor, gate: nn.Linear, columns: int, k: int, renormalize: bool, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`softmax_topk(gate(x)[:, :columns], k, renormalize, True, dtype)`: routing hidden states x
     `[T, H]` by the router projection `gate`, whose output column `columns - 1` is the shared
@@ -47,11 +47,10 @@ def softmax_topk_shared(
     Elsewhere `gate` runs as a module (off the fast path its fused rows stay separate matmuls)."""
     from deltaserve.kernels.linear import use_gemv
 
-    weight = gate.weight
-    if isinstance(weight, torch.Tensor) and getattr(gate, "bias", None) is None and use_gemv(x, weight, None):
+    if use_gemv(x, gate.weight, gate.bias):
         from deltaserve.kernels.router.triton import gemv_route_launch
 
-        return gemv_route_launch(x, weight, columns, k, renormalize, dtype)
+        return gemv_route_launch(x, gate.weight, columns, k, renormalize, dtype)
     return softmax_topk(gate(x)[:, :columns], k, renormalize, True, dtype)
 
 
