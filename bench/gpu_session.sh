@@ -19,7 +19,7 @@
 #   bash bench/gpu_session.sh next-80b # 80B FP8 skinny tilings and MoE paths on its shapes, its 8k prefill's profile
 #   bash bench/gpu_session.sh moe-prefill # 80B 8k prefill's host syncs, MoE prefill tiles (80B, 35B), 80B decode at 8k context
 #   bash bench/gpu_session.sh moe-prefill-ab # padded router + MoE prefill tiles: tests, 80B/35B 8k prefill vs REV, 80B serving
-#   bash bench/gpu_session.sh fused-quant # FP8 rows from norms/SwiGLU, one-launch in_proj/router: tests, FP8 decode vs REV
+#   bash bench/gpu_session.sh fused-quant # FP8 rows from norms/SwiGLU, one-launch in_proj: tests, FP8 decode vs REV
 #   bash bench/gpu_session.sh skinny-moe # the skinny MoE's tilings on 80B's and 35B's experts
 #   bash bench/gpu_session.sh fp8-moe # 80B FP8 batch-1 profile, 35B FP8 8k prefill, Kimi-Linear (bf16 MoE) against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
@@ -338,7 +338,7 @@ case "${1:-all}" in
     run 250 ab-kimi bash bench/ab.sh run python3 -m bench.engine.decode --model configs/kimi-linear-48b-a3b \
       --batch-sizes 1 8 --new-tokens 64 --prefill-len 4096
     ;;
-  fused-quant)  # FP8 rows from the norms/SwiGLU, one-launch in_proj and router: tests; 9B / 80B / 35B FP8 decode vs REV
+  fused-quant)  # FP8 rows from the norms/SwiGLU, one-launch in_proj: tests; 9B / 80B / 35B FP8 decode vs REV
     run 150 quant-tests python3 -m pytest -q -rfE -s -m gpu tests/kernels/test_fused_quant.py \
       tests/kernels/test_norm_kernels.py tests/kernels/test_router_cuda.py tests/models/test_fp8_checkpoints.py \
       tests/models/test_shared_expert_fusion.py &
@@ -358,6 +358,15 @@ case "${1:-all}" in
       4:3:32:4 4:3:128:4 4:3:64:2 4:3:128:3
     run 150 skinny-moe-35b python3 -m bench.ops.fp8_gemv --moe configs/qwen3.5-35b-a3b-fp8 --tokens 1 8 16 \
       --skinny-moe-tiles 1:3:64:4 2:3:64:4 4:3:64:4 8:3:64:4 4:4:64:4 8:4:64:4 4:3:32:4 4:3:128:4
+    ;;
+  router-bisect)  # GPU end-to-end tests of the fused quantization; 80B FP8 b1 against REV; 80B's skinny MoE tiles
+    run 200 e2e-tests python3 -m pytest -q -rfE -m gpu tests/models/test_fp8_checkpoints.py \
+      tests/models/test_shared_expert_fusion.py tests/kernels/test_router_cuda.py
+    run 120 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-sizes 1 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    run 200 skinny-moe-80b python3 -m bench.ops.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 8 \
+      --skinny-moe-tiles 1:3:64:4 2:3:64:4 4:3:64:4 8:3:64:4 16:3:64:4 4:4:64:4 8:2:64:4 8:4:64:4 \
+      4:3:32:4 4:3:128:4 4:3:64:2 4:3:128:3
     ;;
   *)
     echo "usage: $0 all|fused-quant|skinny-moe|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|shared-fusion-bf16|pairs-router|pairs-2|pairs-3|pairs-4|next-80b|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2

@@ -35,14 +35,28 @@ def _gemv_tile(x, wt, om, mm, ok, K, sxm, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def gemv_rows(
-    x, w, M, N, K, sxm, swn, BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """This program's BN rows of w times x's rows: (fp32 `[BLOCK_M, BN]`, x's row offsets, w's
-    row offsets). With PDL the first K tile is peeled off the loop: its weights are loaded
-    before waiting for the previous kernel (that load overlaps the previous kernel's tail; no
-    kernel writes weights). Without PDL the loop is plain."""
+def _gemv_kernel(
+    x,
+    w,
+    y,
+    M,
+    N,
+    K,
+    sxm,
+    swn,
+    sym,
+    BLOCK_M: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """With SILU_MUL, x is `[gate | up]` (`2K` columns) and the product's input is SwiGLU's
+    `silu(gate) * up`, rounded as `kernels.norm.silu_and_mul` rounds it.
+
+    With PDL the first K tile is peeled off the loop: its weights are loaded before waiting
+    for the previous kernel (that load overlaps the previous kernel's tail; no kernel writes
+    weights). Without PDL the kernel is the plain loop."""
     on = tl.program_id(0) * BN + tl.arange(0, BN)
     om = tl.arange(0, BLOCK_M)
     mn = on < N
@@ -63,34 +77,8 @@ def gemv_rows(
         ok = k0 + tl.arange(0, BK)
         wt = tl.load(w_rows + ok[None, :], mask=mn[:, None] & (ok < K)[None, :], other=0.0)
         acc += _gemv_tile(x, wt, om, mm, ok, K, sxm, SILU_MUL)
-    return tl.sum(acc, axis=2), om, on
-
-
-@triton.jit
-def _gemv_kernel(
-    x,
-    w,
-    y,
-    M,
-    N,
-    K,
-    sxm,
-    swn,
-    sym,
-    BLOCK_M: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """With SILU_MUL, x is `[gate | up]` (`2K` columns) and the product's input is SwiGLU's
-    `silu(gate) * up`, rounded as `kernels.norm.silu_and_mul` rounds it."""
-    out, om, on = gemv_rows(x, w, M, N, K, sxm, swn, BLOCK_M, BN, BK, SILU_MUL, PDL)
-    tl.store(
-        y + om[:, None] * sym + on[None, :],
-        out.to(y.dtype.element_ty),
-        mask=(om < M)[:, None] & (on < N)[None, :],
-    )
+    out = tl.sum(acc, axis=2)
+    tl.store(y + om[:, None] * sym + on[None, :], out.to(y.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
 
 def gemv_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:

@@ -11,7 +11,6 @@ A shared expert fused into the experts' stack (`layers.common.fuse_shared_expert
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.router.reference import sigmoid_topk_ref, softmax_topk_ref, with_shared
@@ -35,23 +34,6 @@ def softmax_topk(
         e = logits.shape[1] - 1
         ids, weights = with_shared(*softmax_topk_ref(logits[:, :e], k, renormalize), e, logits[:, e])
     return ids, weights.to(dtype)
-
-
-def softmax_topk_shared(
-    x: torch.Tensor, gate: nn.Linear, columns: int, k: int, renormalize: bool, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`softmax_topk(gate(x)[:, :columns], k, renormalize, True, dtype)`: routing hidden states x
-    `[T, H]` by the router projection `gate`, whose output column `columns - 1` is the shared
-    expert's gate (the columns past it pad). Where the Triton GEMV takes the router's weight
-    (decode's one or two rows), one launch: the GEMV's last program to finish routes the tokens.
-    Elsewhere `gate` runs as a module (off the fast path its fused rows stay separate matmuls)."""
-    from deltaserve.kernels.linear import use_gemv
-
-    if use_gemv(x, gate.weight, gate.bias):
-        from deltaserve.kernels.router.triton import gemv_route_launch
-
-        return gemv_route_launch(x, gate.weight, columns, k, renormalize, dtype)
-    return softmax_topk(gate(x)[:, :columns], k, renormalize, True, dtype)
 
 
 def sigmoid_topk(

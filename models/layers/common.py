@@ -13,7 +13,7 @@ from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.kernels.linear import linear, silu_mul_linear
 from deltaserve.kernels.moe import fused_moe
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
-from deltaserve.kernels.router import softmax_topk, softmax_topk_shared
+from deltaserve.kernels.router import softmax_topk
 from deltaserve.models.forward import ForwardContext, ModelCapabilities
 from deltaserve.models.parallel import NOTHING, SINGLE, Narrow, ShardSpec, TensorParallel
 
@@ -375,8 +375,8 @@ class SparseMoeBlock(nn.Module):
     def fuse_shared_expert(self) -> bool:
         """The shared expert appended to the routed experts' stack as expert E and its gate to the
         router's rows (zero rows after them to a multiple of `ROUTER_ROWS_MULTIPLE`), so that for up
-        to `fused_max_tokens` tokens one routed-MoE call computes both; False, nothing changed,
-        where their forms differ (expert parallelism, sizes, FP8 against unquantized)."""
+        to `fused_max_tokens` tokens one routed-MoE call computes both; False, nothing changed, where their forms differ (expert parallelism, sizes, FP8
+        against unquantized)."""
         if self.shared_expert is None or self.shared_expert_gate is None or self.tp.experts_whole:
             return False
         gate, shared_gate = dense_weight(self.gate), dense_weight(self.shared_expert_gate)
@@ -397,16 +397,13 @@ class SparseMoeBlock(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        columns = self.router_columns  # set with fused_max_tokens: the shared gate's logit is last
-        if self.fused_max_tokens is not None and columns is not None and x.shape[0] <= self.fused_max_tokens:
-            ids, weights = softmax_topk_shared(
-                x, self.gate, columns, self.top_k, self.norm_topk_prob, x.dtype
-            )
-            return self.tp.all_reduce(self.experts(x, ids, weights))
         logits = self.gate(x)
-        fused = columns is not None
+        fused = self.router_columns is not None  # the shared gate's logit is the router's last
         if fused:
-            logits = logits[:, :columns]  # without the padding rows' zeros
+            logits = logits[:, : self.router_columns]  # without the padding rows' zeros
+        if self.fused_max_tokens is not None and x.shape[0] <= self.fused_max_tokens:
+            ids, weights = softmax_topk(logits, self.top_k, self.norm_topk_prob, True, x.dtype)
+            return self.tp.all_reduce(self.experts(x, ids, weights))
         routed = logits[:, :-1] if fused else logits
         ids, weights = softmax_topk(routed, self.top_k, self.norm_topk_prob, dtype=x.dtype)
         out = self.experts(x, ids, weights)

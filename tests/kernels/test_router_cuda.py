@@ -90,32 +90,3 @@ def test_weights_rounded_to_the_model_dtype_in_fp32():
     ref_ids, ref_w = topk_route_launch(logits, None, 8, True, 1.0, False, 1)
     assert w.dtype == torch.float32 and torch.equal(ids, ref_ids)
     assert torch.equal(w, ref_w.to(torch.bfloat16).float())
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 2])
-@pytest.mark.parametrize("e,k,pad", [(512, 10, 15), (256, 8, 15), (64, 4, 0)])
-def test_router_gemv_and_routing_in_one_launch(e, k, pad, m, dtype):
-    """The router's GEMV whose last program routes the tokens (Qwen's softmax top-k and the fused
-    shared expert) gives the GEMV's logits routed by the router kernel, bit for bit, and leaves
-    its arrival count at zero; then again from a CUDA graph."""
-    from deltaserve.kernels.common import arrival
-    from deltaserve.kernels.linear.triton import gemv
-    from deltaserve.kernels.router.triton import gemv_route_launch, topk_route_launch
-
-    g = torch.Generator(device="cuda").manual_seed(e + m)
-    h = 2048
-    w = (torch.randn(e + 1 + pad, h, device="cuda", generator=g) / h**0.5).to(dtype)
-    w[e + 1 :] = 0
-    x = torch.randn(m, h, device="cuda", generator=g).to(dtype)
-    ids, weights = gemv_route_launch(x, w, e + 1, k, True, dtype)
-    want = topk_route_launch(gemv(x, w)[:, : e + 1], None, k, True, 1.0, False, 1, dtype)
-    assert torch.equal(ids, want[0]) and torch.equal(weights, want[1])
-    assert (ids[:, k] == e).all() and not arrival._counters[x.device].any()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = gemv_route_launch(x, w, e + 1, k, True, dtype)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out[0], ids) and torch.equal(out[1], weights)
