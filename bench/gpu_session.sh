@@ -359,14 +359,11 @@ case "${1:-all}" in
     run 150 skinny-moe-35b python3 -m bench.ops.fp8_gemv --moe configs/qwen3.5-35b-a3b-fp8 --tokens 1 8 16 \
       --skinny-moe-tiles 1:3:64:4 2:3:64:4 4:3:64:4 8:3:64:4 4:4:64:4 8:4:64:4 4:3:32:4 4:3:128:4
     ;;
-  router-bisect)  # GPU end-to-end tests of the fused quantization; 80B FP8 b1 against REV; 80B's skinny MoE tiles
-    run 200 e2e-tests python3 -m pytest -q -rfE -m gpu tests/models/test_fp8_checkpoints.py \
-      tests/models/test_shared_expert_fusion.py tests/kernels/test_router_cuda.py
+  moe-ab)  # 80B FP8 batch 1 and 35B FP8 batch 1 / 8 against REV (prepare REV)
     run 120 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-sizes 1 --prompt-len 1024 --new-tokens 64 --prefill-len 0
-    run 200 skinny-moe-80b python3 -m bench.ops.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 1 8 \
-      --skinny-moe-tiles 1:3:64:4 2:3:64:4 4:3:64:4 8:3:64:4 16:3:64:4 4:4:64:4 8:2:64:4 8:4:64:4 \
-      4:3:32:4 4:3:128:4 4:3:64:2 4:3:128:3
+    run 110 ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
+      --batch-sizes 1 8 --new-tokens 64 --prefill-len 0
     ;;
   *)
     echo "usage: $0 all|fused-quant|skinny-moe|fp8|fp8-ab|fp8-moe|fp8-decode|fp8-decode-2|shared-fusion|shared-fusion-2|shared-fusion-bf16|pairs-router|pairs-2|pairs-3|pairs-4|next-80b|qwen|more|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|sampler-graphs|prefill-ab|prefill-host|prefill-final|ab|ab-pdl" >&2
