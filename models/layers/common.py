@@ -375,8 +375,8 @@ class SparseMoeBlock(nn.Module):
     def fuse_shared_expert(self) -> bool:
         """The shared expert appended to the routed experts' stack as expert E and its gate to the
         router's rows (zero rows after them to a multiple of `ROUTER_ROWS_MULTIPLE`), so that for up
-        to `fused_max_tokens` tokens one routed-MoE call computes both; False, nothing changed, where their forms differ (expert parallelism, sizes, FP8
-        against unquantized)."""
+        to `fused_max_tokens` tokens one routed-MoE call computes both; False, nothing changed,
+        where their forms differ (expert parallelism, sizes, FP8 against unquantized)."""
         if self.shared_expert is None or self.shared_expert_gate is None or self.tp.experts_whole:
             return False
         gate, shared_gate = dense_weight(self.gate), dense_weight(self.shared_expert_gate)
