@@ -398,28 +398,23 @@ def _fp8_moe_skinny_down_kernel(
     """Program (n, a): BLOCK_N rows of assignment a's down projection times its quantized
     intermediate, scaled by its routing weight (zero for another rank's expert); the last of a
     token's TOP_K assignments to finish a tile adds theirs in assignment order (deterministic) and
-    writes the token's output, so no kernel sums over the experts afterwards."""
+    writes the token's output, so no kernel sums over the experts afterwards. With PDL the expert's
+    first weight tile is loaded before the wait: the expert ids come from the router, two launches
+    back, which finished before the gate/up kernel's programs passed their waits and let this one
+    launch."""
     pid_n = tl.program_id(0)
     a = tl.program_id(1)
-    wait_inputs(PDL)
-    expert = tl.load(ids + a).to(tl.int64)
+    expert = tl.load(ids + a, cache_modifier=".cg").to(tl.int64)
     valid = (expert >= 0) & (expert < E)
     expert = tl.where(valid, expert, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
-    cols = tl.arange(0, 16)[None, :]
-    h_row = h + a.to(tl.int64) * stride_ht
-    w_rows = w + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-    s_rows = w_s + expert * stride_se + (offs_n // SCALE_ROWS) * stride_sn
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for i in range(0, tl.where(valid, tl.cdiv(INTER, BLOCK), 0)):
-        offs_k = i * BLOCK + tl.arange(0, BLOCK)
-        k_ok = offs_k < INTER
-        xt = tl.load(h_row + offs_k[:, None] + cols * 0, mask=(cols == 0) & k_ok[:, None], other=0.0)
-        sx = tl.load(h_s + a.to(tl.int64) * stride_hst + i)
-        wt = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        sw = tl.load(s_rows + i, mask=n_ok, other=0.0)
-        acc += tl.dot(wt, xt) * sx * sw[:, None]
+    rows = tl.arange(0, 16)  # the assignment's row is the MMA's first column
+    acc, offs_n, n_ok = _skinny_fp8_tile(
+        h + a.to(tl.int64) * stride_ht, h_s + a.to(tl.int64) * stride_hst, w + expert * stride_we,
+        w_s + expert * stride_se, pid_n, rows, rows < 1, H, INTER, 0, tl.cdiv(INTER, BLOCK), 0, 0, stride_wn,
+        stride_sn, SCALE_ROWS, BLOCK_N, BLOCK, PDL,
+    )  # fmt: skip
+    # another rank's expert adds zero; its intermediate row was never written (where, not a product)
+    acc = tl.where(valid, acc, 0.0)
     y = tl.sum(acc, axis=1) * tl.load(weights + a)
     token = a // TOP_K
     tl.store(part + a.to(tl.int64) * H + offs_n, y, mask=n_ok)
