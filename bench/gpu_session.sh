@@ -181,6 +181,9 @@ case "${1:-all}" in
       --skinny-moe-tiles 1:3:64:4 2:3:64:4 4:3:64:4 8:3:64:4 4:4:64:4 8:4:64:4 4:3:32:4 4:3:128:4
     ;;
   moe-ab)  # 80B FP8 batch 1 and 35B FP8 batch 1 / 8 against REV (prepare REV)
+    if [ -n "${WITH_TESTS:-}" ]; then
+      run 170 fp8-tests python3 -m pytest -q -x tests/kernels/test_fp8_cuda.py -k "moe_matches or skinny"
+    fi
     run 120 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-sizes 1 --prompt-len 1024 --new-tokens 64 --prefill-len 0
     run 110 ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \

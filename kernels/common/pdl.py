@@ -9,7 +9,10 @@ writes are visible. Right after the wait it lets the next kernel launch in turn.
 The rule every kernel here keeps: `wait_inputs(PDL)` comes before any load of data another
 kernel writes and before any store, in every program, unconditionally. Then "this kernel has
 passed its wait" implies "every earlier kernel has finished", so the ordering of the whole
-stream holds transitively. Kernels we do not own (cuBLAS, FLA, torch) launch normally and wait
+stream holds transitively. One exception follows from it: a kernel may load before its wait
+what was written two or more launches back (the skinny MoE's down kernel reads the router's
+ids and its expert's first weight tile), since it starts only once the kernel just before it has
+passed its own wait. Kernels we do not own (cuBLAS, FLA, torch) launch normally and wait
 as always. Whether to launch with PDL is `launch.pdl_enabled` (`DELTASERVE_PDL`).
 """
 
