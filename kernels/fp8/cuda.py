@@ -111,14 +111,28 @@ def cublas_fits(m: int, n: int, k: int) -> bool:
     return m >= CUBLAS_MIN_ROWS and n % 16 == 0 and k % (4 * BLOCK) == 0
 
 
+def _aligned_rows(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
 def fp8_gemm_cublas(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_rows: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """w8a8 through `torch._scaled_mm`'s block scaling: the rows quantized (padded to a multiple of
-    4, so that each K block's scales start 16-byte aligned), the weight read as K x N column-major."""
+    4, so that each K block's scales start 16-byte aligned), the weight read as K x N column-major.
+    `out` (rows of unit stride, a slice of a wider output) is cuBLAS's own output where no rows
+    were padded and its rows start 16-byte aligned (cuBLAS refuses others), so that a wider
+    projection's parts need no copy."""
     q, s = act_quant_cuda(x, rows_multiple=4, group_major=True)
     w_s = scale.t() if scale_rows == BLOCK else scale.t().contiguous()
-    return torch._scaled_mm(q, weight.t(), s, w_s, out_dtype=x.dtype)[: x.shape[0]]
+    if out is not None and q.shape[0] == x.shape[0] and _aligned_rows(out):
+        return torch._scaled_mm(q, weight.t(), s, w_s, out_dtype=x.dtype, out=out)
+    y = torch._scaled_mm(q, weight.t(), s, w_s, out_dtype=x.dtype)[: x.shape[0]]
+    return y if out is None else out.copy_(y)
 
 
 def fp8_gemm_cuda(
@@ -128,11 +142,13 @@ def fp8_gemm_cuda(
     scale_rows: int,
     tiles: tuple[int, int, int] | None = None,
     cublas: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """w8a8 on the FP8 tensor cores: x `[M, K]` quantized per token group, then cuBLAS's GEMM where
     it fits (`cublas`: None, by `cublas_fits` unless `tiles` are given), else the Triton GEMM (and
     with a K split, the parts' sum). `tiles`: the Triton GEMM's (BLOCK_N, stages, split),
-    `gemm_tiles` unless given (`bench/ops/fp8_gemv.py` sweeps them)."""
+    `gemm_tiles` unless given (`bench/ops/fp8_gemv.py` sweeps them). `out`: `[M, N]` with rows of
+    unit stride, written in place."""
     import triton
 
     from deltaserve.kernels.common.launch import sm_count
@@ -143,7 +159,9 @@ def fp8_gemm_cuda(
     if cublas is None:
         cublas = tiles is None and cublas_fits(m, n, k)
     if m and cublas:
-        return fp8_gemm_cublas(x, weight, scale, scale_rows)
+        return fp8_gemm_cublas(x, weight, scale, scale_rows, out)
+    if out is not None:
+        return out.copy_(fp8_gemm_cuda(x, weight, scale, scale_rows, tiles, cublas=False))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -398,9 +416,7 @@ def fp8_linear_cuda(
     elif skinny:
         y = fp8_skinny_cuda(x2, weight, scale, scale_rows, out=out2)
     else:
-        y = fp8_gemm_cuda(x2, weight, scale, scale_rows)
-        if out2 is not None:
-            y = out2.copy_(y)
+        y = fp8_gemm_cuda(x2, weight, scale, scale_rows, out=out2)
     return y.view(*x.shape[:-1], width)
 
 

@@ -252,8 +252,6 @@ def _compact(row_scales: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 # -- the FP8 holders ------------------------------------------------------------------------
 
-DECODE_ROWS = 16  # up to this many rows a mixed FP8 + unquantized projection writes one output
-
 
 class Fp8Linear(nn.Module):
     """A linear layer whose weight is block-FP8 (`weight` e4m3 `[N, K]`, `weight_scale_inv` fp32
@@ -339,9 +337,9 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is None:
             y = self._dense(x, self.weight)
-        elif self.dense_weight is not None and use_fast_path(x) and x.numel() <= DECODE_ROWS * x.shape[-1]:
-            # decode: both parts in one output (no concatenation launch), from one launch where
-            # the skinny GEMM runs
+        elif self.dense_weight is not None and use_fast_path(x):
+            # both parts in one output, no concatenation (at decode from one launch where the
+            # skinny GEMM runs; past it cuBLAS writes its part in place)
             y = fp8_linear(x, self.weight, self.weight_scale_inv, self.scale_rows, dense=self.dense_weight)
         else:
             y = self._fp8(x)

@@ -129,7 +129,7 @@ def test_fp8_gemm_k_split_matches_one_part(m, n, k, scale_rows, tiles):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tiles", [None, (64, 4, 3)])
 @pytest.mark.parametrize("nd", [64, 10, 200])  # 80B's and 9B's GDN gate rows, a partial tile, several
-@pytest.mark.parametrize("m", [1, 3, 16, 40])  # 40: past the skinny GEMM, both matmuls apart
+@pytest.mark.parametrize("m", [1, 3, 16, 40, 42])  # past the skinny GEMM: cuBLAS in place, or (42) padded
 def test_fp8_linear_with_unquantized_rows(m, nd, tiles, dtype):
     """A projection of FP8 rows followed by unquantized ones (a GDN in_proj's gate rows) writes
     both into one output; through the skinny GEMM from one launch, whose FP8 columns are the plain
@@ -148,6 +148,7 @@ def test_fp8_linear_with_unquantized_rows(m, nd, tiles, dtype):
     else:
         got = fp8_cuda.fp8_linear_cuda(x, w, s, 128, dense=dense)
         _close(got[:, :n], fp8_linear_ref(x.float(), w, s, 128), 2e-2)
+        assert torch.equal(got[:, :n], fp8_cuda.fp8_linear_cuda(x, w, s, 128))
     assert got.shape == (m, n + nd)
     want = x.float() @ dense.float().T
     _close(got[:, n:], want, 1e-5 if dtype == torch.float32 else 1e-2)
