@@ -12,7 +12,6 @@
 #   bash bench/gpu_session.sh moe-prefill-ab # padded router + MoE prefill tiles: tests, 80B/35B 8k prefill vs REV, 80B serving
 #   bash bench/gpu_session.sh fused-quant # FP8 rows from norms/SwiGLU, one-launch in_proj: tests, FP8 decode vs REV
 #   bash bench/gpu_session.sh skinny-moe # the skinny MoE's tilings on 80B's and 35B's experts
-#   bash bench/gpu_session.sh moe-fuse # gate/up quantizing for down, in_proj in place: tests, MoE 8k tiles, 35B profile
 #   bash bench/gpu_session.sh moe-ab  # 80B FP8 batch 1 and 35B FP8 batch 1 / 8 against REV (prepare REV)
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
@@ -180,17 +179,6 @@ case "${1:-all}" in
       4:3:32:4 4:3:128:4 4:3:64:2 4:3:128:3
     run 150 skinny-moe-35b python3 -m bench.ops.fp8_gemv --moe configs/qwen3.5-35b-a3b-fp8 --tokens 1 8 16 \
       --skinny-moe-tiles 1:3:64:4 2:3:64:4 4:3:64:4 8:3:64:4 4:4:64:4 8:4:64:4 4:3:32:4 4:3:128:4
-    ;;
-  moe-fuse)  # gate/up writing the down GEMM's FP8 rows, in_proj's parts in place: tests; the MoE's 8k tiles; 35B 8k profile
-    run 150 fp8-tests python3 -m pytest -q tests/kernels/test_fp8_cuda.py -k "moe_matches or quantizes_as or unquantized_rows or cublas or skips_masked"
-    tiles=(64:128:128:4:4/128:128:4:3 64:128:128:8:3/128:128:4:3 64:128:128:4:3/256:128:8:3
-      128:128:128:8:3/128:128:4:3 128:128:128:8:3/256:128:8:3 128:128:128:8:4/256:128:8:3 64:64:128:4:4/256:128:8:3
-      64:64:128:4:4/128:128:8:4 128:64:128:8:4/256:128:8:3 64:128:128:4:4/64:128:4:4 64:128:128:4:4/256:128:8:2)
-    run 150 moe-tiles-35b python3 -m bench.ops.fp8_gemm --moe configs/qwen3.5-35b-a3b-fp8 --tokens 8192 --moe-tiles "${tiles[@]}"
-    run 150 moe-tiles-80b python3 -m bench.ops.fp8_gemm --moe configs/qwen3-next-80b-a3b-fp8 --tokens 8192 --moe-tiles "${tiles[@]}"
-    run 90 moe-unfused-35b python3 -m bench.ops.fp8_gemm --moe configs/qwen3.5-35b-a3b-fp8 --tokens 8192 --unfused \
-      --moe-tiles 64:128:128:4:4/128:128:4:3 128:128:128:8:3/256:128:8:3
-    run 100 prefill-35b python3 -m bench.engine.profile_prefill --model configs/qwen3.5-35b-a3b-fp8 --tokens 8192 --rows 30
     ;;
   moe-ab)  # 80B FP8 batch 1 and 35B FP8 batch 1 / 8 against REV (prepare REV)
     if [ -n "${WITH_TESTS:-}" ]; then

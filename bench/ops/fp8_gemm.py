@@ -14,8 +14,7 @@ TFLOP/s of:
 With --moe, one layer's routed experts through `fp8_moe_cuda`'s grouped GEMMs (past its GEMV's
 assignments), at its default tiles and at each of --moe-tiles (BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES,
 the FP8 down GEMM's own BLOCK_N:STEP_K:WARPS:STAGES after a slash); with --bf16 as well, through
-the bf16 experts' `fused_moe_cuda` (the third number is its BLOCK_K); with --unfused each tiling
-again with the intermediate quantized by its own launch (`fuse_quant=False`).
+the bf16 experts' `fused_moe_cuda` (the third number is its BLOCK_K).
 Each FP8 path's largest error against `fp8_linear_ref` (fp32), relative to the reference's
 largest magnitude, is printed beside its time.
 """
@@ -77,7 +76,7 @@ def tiles_name(t: tuple[tuple[int, ...], tuple[int, ...] | None]) -> str:
     return name if t[1] is None else name + "_down_{}_k{}_w{}_s{}".format(*t[1])
 
 
-def bench_moe(model: str, tokens: int, tiles: list[Any], bf16: bool, unfused: bool = False) -> dict:
+def bench_moe(model: str, tokens: int, tiles: list[Any], bf16: bool) -> dict:
     from bench.ops.fp8_gemv import moe_layer
     from deltaserve.kernels.fp8.blocks import dequantize_blocks
     from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
@@ -97,26 +96,23 @@ def bench_moe(model: str, tokens: int, tiles: list[Any], bf16: bool, unfused: bo
         gu_b, dn_b = dequantize_blocks(gu, gu_s).bfloat16(), dequantize_blocks(dn, dn_s).bfloat16()
         ref = moe_ref(x.float(), gu_b.float(), dn_b.float(), routes[0][1], routes[0][0].float())
 
-        def run(r: Any, t: Any, fuse: bool = True) -> torch.Tensor:
+        def run(r: Any, t: Any) -> torch.Tensor:
             return fused_moe_cuda(x, gu_b, dn_b, r[1], r[0], t[0] if t is not None else None)
     else:
         ref = fp8_moe_ref(x.float(), gu, gu_s, dn, dn_s, 128, routes[0][1], routes[0][0].float())
 
-        def run(r: Any, t: Any, fuse: bool = True) -> torch.Tensor:
+        def run(r: Any, t: Any) -> torch.Tensor:
             gate_up, down = t if t is not None else (None, None)
-            return fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0], gate_up, down, fuse)
+            return fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0], gate_up, down)
 
     peak = ref.abs().max().item()
     row: dict = {"experts": e, "hidden": h, "inter": inter, "top_k": top_k, "tokens": tokens, "bf16": bf16}
     flops = 2 * tokens * top_k * 3 * h * inter
-    variants = [(t, True) for t in [None, *tiles]]
-    if unfused and not bf16:
-        variants += [(t, False) for t in [None, *tiles]]
-    for t, fuse in variants:
-        name = ("default" if t is None else tiles_name(t)) + ("" if fuse else "_unfused")
+    for t in [None, *tiles]:
+        name = "default" if t is None else tiles_name(t)
         try:
-            err = (run(routes[0], t, fuse).float() - ref).abs().max().item() / peak
-            us = time_us(partial(run, t=t, fuse=fuse), routes)
+            err = (run(routes[0], t).float() - ref).abs().max().item() / peak
+            us = time_us(partial(run, t=t), routes)
         except Exception as exc:  # a tiling that does not compile or fit: say why and go on
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             continue
@@ -137,14 +133,13 @@ def main() -> None:
         help="BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES, optionally /BLOCK_N:STEP_K:WARPS:STAGES for the down GEMM (FP8)",
     )
     p.add_argument("--bf16", action="store_true", help="with --moe: the bf16 experts' kernels")
-    p.add_argument("--unfused", action="store_true", help="with --moe: each tiling with fuse_quant=False too")
     p.add_argument("--rows", type=int, nargs="+", default=[512, 2048, 8192])
     args = p.parse_args()
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda}), flush=True)
     if args.moe:
         moe_tiles = [parse_moe_tiles(t) for t in args.moe_tiles]
         for t in args.tokens:
-            print(json.dumps(bench_moe(args.moe, t, moe_tiles, args.bf16, args.unfused)), flush=True)
+            print(json.dumps(bench_moe(args.moe, t, moe_tiles, args.bf16)), flush=True)
         return
     for (n, k), count in sorted(linear_shapes(args.model).items()):
         for m in args.rows:

@@ -449,15 +449,12 @@ def fp8_moe_cuda(
     topk_weights: torch.Tensor,
     tiles: tuple[int, int, int, int, int] | None = None,
     down_tiles: tuple[int, int, int, int] | None = None,
-    fuse_quant: bool = True,
 ) -> torch.Tensor:
     """`moe.cuda.fused_moe_cuda` with e4m3 experts: w8a8 grouped GEMMs, or for a few tokens the
     per-assignment GEMV, which quantizes its rows in registers (as `fp8_linear_cuda` splits rows).
     `tiles`: the gate/up GEMM's (BLOCK_M, BLOCK_N, STEP_K, warps, stages), `moe_tiles` unless given;
     `down_tiles`: the down GEMM's (BLOCK_N, STEP_K, warps, stages), `moe_down_tiles` unless given
-    (`bench/ops/fp8_gemm.py --moe` sweeps both). Where gate/up's tiles are one 128-column group wide
-    it writes the down GEMM's e4m3 rows itself (as `act_quant_cuda` would make them from its
-    output in the model's dtype), unless `fuse_quant` is False."""
+    (`bench/ops/fp8_gemm.py --moe` sweeps both)."""
     import triton
 
     from deltaserve.kernels.fp8.triton import _fp8_moe_down_kernel, _fp8_moe_gate_up_kernel
@@ -478,22 +475,16 @@ def fp8_moe_cuda(
     x = x.contiguous()
     rows, block_expert = _align(topk_ids, e, block_m)
     xq, xs = act_quant_cuda(x)
-    quant = fuse_quant and block_n == BLOCK and x.dtype in (torch.bfloat16, torch.float32)
-    if quant:
-        inter = torch.empty(n, inter_size, dtype=FP8_DTYPE, device=x.device)
-        inter_s = torch.empty(n, num_blocks(inter_size), dtype=torch.float32, device=x.device)
-    else:
-        inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
-        inter_s = xs  # not read
+    inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
     grid1 = (block_expert.numel(), triton.cdiv(inter_size, block_n))
     _fp8_moe_gate_up_kernel[grid1](
-        xq, xs, gate_up, gate_up_scale, rows, block_expert, inter, inter_s, n, h, inter_size, top_k, e,
+        xq, xs, gate_up, gate_up_scale, rows, block_expert, inter, n, h, inter_size, top_k, e,
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
-        gate_up_scale.stride(1), inter.stride(0), inter_s.stride(0),
+        gate_up_scale.stride(1), inter.stride(0),
         SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k,
-        QUANT=quant, ROUND_BF16=x.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    iq, is_ = (inter, inter_s) if quant else act_quant_cuda(inter)
+    iq, is_ = act_quant_cuda(inter)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     block_n, step_k, warps, stages = down_tiles or moe_down_tiles(n)

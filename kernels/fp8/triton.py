@@ -501,8 +501,7 @@ def _fp8_moe_gate_up_kernel(
     w_s,  # [E, ceil(2I/SCALE_ROWS), ceil(H/128)]
     rows,
     block_expert,
-    inter,  # [num_assign, I]: the model's dtype, or e4m3 with QUANT
-    inter_s,  # [num_assign, ceil(I/128)] fp32, with QUANT
+    inter,  # [num_assign, I]
     num_assign,
     H,
     INTER,
@@ -515,14 +514,11 @@ def _fp8_moe_gate_up_kernel(
     stride_se,
     stride_sn,
     stride_it,
-    stride_ist,
     SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
     STEP_K: tl.constexpr,
-    QUANT: tl.constexpr,  # write the down GEMM's e4m3 rows (BLOCK_N == BLOCK: a tile is a group)
-    ROUND_BF16: tl.constexpr,  # with QUANT: quantize the bf16-rounded value, as act_quant of a bf16 h
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -556,14 +552,7 @@ def _fp8_moe_gate_up_kernel(
         acc_u += tl.dot(a, wu) * sa[:, None] * su[None, :]
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     dst = inter + assign.to(tl.int64)[:, None] * stride_it + offs_n[None, :]
-    if QUANT:
-        if ROUND_BF16:
-            h = h.to(tl.bfloat16).to(tl.float32)
-        codes, scale = _e4m3_codes(h, 1)
-        tl.store(dst, codes.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
-        tl.store(inter_s + assign.to(tl.int64) * stride_ist + pid_n, scale, mask=valid)
-    else:
-        tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
