@@ -9,7 +9,7 @@
 #   bash bench/gpu_session.sh fp8-decode # FP8 GPU tests, 80B FP8 decode against REV (prepare REV)
 #   bash bench/gpu_session.sh fp8-decode-2 # 35B FP8 decode against REV, 80B with DELTASERVE_FP8_DECODE=gemm, 80B profile
 #   bash bench/gpu_session.sh moe-prefill # 80B 8k prefill's host syncs, MoE prefill tiles (80B, 35B), 80B decode at 8k context
-#   bash bench/gpu_session.sh moe-prefill-ab # padded router + MoE prefill tiles: tests, 80B/35B 8k prefill vs REV, 80B serving
+#   bash bench/gpu_session.sh moe-prefill-ab # MoE + FP8 prefill GPU tests, 80B/35B 8k prefill vs REV, 80B serving with SERVE=1
 #   bash bench/gpu_session.sh fused-quant # FP8 rows from norms/SwiGLU, one-launch in_proj: tests, FP8 decode vs REV
 #   bash bench/gpu_session.sh skinny-moe # the skinny MoE's tilings on 80B's and 35B's experts
 #   bash bench/gpu_session.sh moe-ab  # 80B FP8 batch 1 and 35B FP8 batch 1 / 8 against REV (prepare REV)
@@ -150,14 +150,17 @@ case "${1:-all}" in
     run 150 decode-8k-80b python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-size 32 --prompt-len 8192 --rows 30
     ;;
-  moe-prefill-ab)  # the padded router and the MoE's prefill tiles: their GPU tests; 80B / 35B FP8 8k prefill against REV; 80B serving
-    run 150 moe-tests python3 -m pytest -q -m gpu tests/kernels/test_fp8_cuda.py -k fp8_moe tests/models/test_shared_expert_fusion.py
+  moe-prefill-ab)  # the MoE's and the FP8 prefill's GPU tests; 80B / 35B FP8 8k prefill against REV; 80B serving ($SERVE)
+    run 150 moe-tests python3 -m pytest -q -m gpu tests/kernels/test_moe_align.py tests/kernels/test_moe_cuda.py \
+      tests/kernels/test_fp8_cuda.py -k "align or fused_moe or fp8_moe_matches or skips_masked or unquantized_rows or cublas"
     run 150 prefill-ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-sizes 1 --new-tokens 8 --prefill-len 8192
     run 130 prefill-ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
       --batch-sizes 1 --new-tokens 8 --prefill-len 8192
-    bash bench/serve_session.sh 80b-fp8 > /dev/null 2>&1
-    tail -16 "$out/serve.log"
+    if [ -n "${SERVE:-}" ]; then
+      bash bench/serve_session.sh 80b-fp8 > /dev/null 2>&1
+      tail -16 "$out/serve.log"
+    fi
     ;;
   fused-quant)  # FP8 rows from the norms/SwiGLU, one-launch in_proj: tests; 9B / 80B / 35B FP8 decode vs REV
     run 150 quant-tests python3 -m pytest -q -rfE -s -m gpu tests/kernels/test_fused_quant.py \

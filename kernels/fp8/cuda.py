@@ -458,7 +458,8 @@ def fp8_moe_cuda(
     import triton
 
     from deltaserve.kernels.fp8.triton import _fp8_moe_down_kernel, _fp8_moe_gate_up_kernel
-    from deltaserve.kernels.moe.cuda import GEMV_ASSIGNMENTS, _align, moe_gemv_cuda
+    from deltaserve.kernels.moe.align import align_cuda
+    from deltaserve.kernels.moe.cuda import GEMV_ASSIGNMENTS, moe_gemv_cuda
 
     t, h = x.shape
     e, two_i, _ = gate_up.shape
@@ -473,7 +474,7 @@ def fp8_moe_cuda(
         return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights, gate_up_scale, down_scale, scale_rows)
     block_m, block_n, step_k, warps, stages = tiles or moe_tiles(n)
     x = x.contiguous()
-    rows, block_expert = _align(topk_ids, e, block_m)
+    rows, block_expert = align_cuda(topk_ids, e, block_m)
     xq, xs = act_quant_cuda(x)
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
     grid1 = (block_expert.numel(), triton.cdiv(inter_size, block_n))

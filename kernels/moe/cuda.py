@@ -1,4 +1,4 @@
-"""Fused MoE on CUDA: assignments sorted by expert with tensor ops only, then two grouped GEMMs;
+"""Fused MoE on CUDA: assignments grouped by expert (`moe/align.py`), then two grouped GEMMs;
 for a few tokens, one GEMV per assignment instead (`moe/triton_gemv.py`)."""
 
 from __future__ import annotations
@@ -7,38 +7,6 @@ import torch
 
 GEMV_ASSIGNMENTS = 128  # up to this many (token, expert) pairs the experts' rows are streamed per pair
 _GEMV_ACC = 4096  # fp32 products a program keeps, BN x S x 128: more spill at sm_90's 255 registers
-
-
-def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows grouped by expert, each group padded to block_m, in buffers of a fixed worst-case size.
-
-    Returns (rows [R], block_expert [R // block_m]); padding rows hold num_assign. Assignments
-    whose id is outside [0, num_experts) (skipped: another rank's expert) form one last group
-    whose blocks hold num_experts, as empty blocks do (num_experts or num_experts + 1): the
-    GEMMs pass over every block of an expert >= num_experts, the down kernel writes zeros for
-    the skipped rows. No host synchronisation, so CUDA graphs can capture it.
-    """
-    flat = topk_ids.reshape(-1).long()
-    flat = flat.masked_fill((flat < 0) | (flat >= num_experts), num_experts)
-    n = flat.numel()
-    device = flat.device
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    padded_start = padded_end - padded
-    count_start = counts.cumsum(0) - counts
-    order = torch.sort(flat, stable=True).indices
-    sorted_expert = flat[order]
-    rank = torch.arange(n, device=device) - count_start[sorted_expert]
-    max_rows = n + (num_experts + 1) * (block_m - 1)
-    max_rows = (max_rows + block_m - 1) // block_m * block_m
-    rows = torch.full((max_rows,), n, dtype=torch.int32, device=device)
-    rows.scatter_(0, padded_start[sorted_expert] + rank, order.to(torch.int32))
-    block_start = torch.arange(0, max_rows, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
-    return rows, block_expert
 
 
 def grouped_tiles(assignments: int, element_size: int) -> tuple[int, int, int, int, int]:
@@ -65,6 +33,7 @@ def fused_moe_cuda(
     import triton
 
     from deltaserve.kernels.common.pdl import pdl_args
+    from deltaserve.kernels.moe.align import align_cuda
     from deltaserve.kernels.moe.triton import _moe_down_kernel, _moe_gate_up_kernel
 
     t, h = x.shape
@@ -76,7 +45,7 @@ def fused_moe_cuda(
         return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights)
     block_m, block_n, block_k, warps, stages = tiles or grouped_tiles(n, x.element_size())
     x = x.contiguous()
-    rows, block_expert = _align(topk_ids, e, block_m)
+    rows, block_expert = align_cuda(topk_ids, e, block_m)
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
     # fp32 serving asks for fp32 results: no tf32 rounding inside the dots
     precision = "ieee" if x.dtype == torch.float32 else "tf32"

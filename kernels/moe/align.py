@@ -1,0 +1,151 @@
+"""The grouped GEMMs' rows: (token, k) assignments grouped by expert, each group padded to BLOCK_M.
+
+`align_ref` builds them with tensor ops (a stable sort by expert and a dozen small launches, each
+with the host's cost of a torch op: at prefill their host time a MoE layer outweighs their GPU
+time); `align_cuda` with four Triton launches over chunks of 128 assignments and over experts:
+each chunk's count of each expert, those counts' prefix over the chunks, each expert's group
+(its start after the padded groups before it, its padding and blocks), then each chunk's rows,
+each after its group's rows from earlier chunks and earlier in its chunk (the sort's stable
+order). The work is linear in the assignments. Both give the same rows bit for bit, with no host
+synchronisation, so CUDA graphs can capture either.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.kernels.common.fast_launch import fast_launch_module
+
+
+def max_rows(assignments: int, num_experts: int, block_m: int) -> int:
+    """The rows' fixed worst-case size: every group (the skipped one too) padded by up to block_m - 1."""
+    rows = assignments + (num_experts + 1) * (block_m - 1)
+    return (rows + block_m - 1) // block_m * block_m
+
+
+def align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows grouped by expert, each group padded to block_m, in buffers of a fixed worst-case size.
+
+    Returns (rows [R], block_expert [R // block_m]); padding rows hold num_assign. Assignments
+    whose id is outside [0, num_experts) (skipped: another rank's expert) form one last group
+    whose blocks hold num_experts, as empty blocks do (num_experts or num_experts + 1): the
+    GEMMs pass over every block of an expert >= num_experts, the down kernel writes zeros for
+    the skipped rows.
+    """
+    flat = topk_ids.reshape(-1).long()
+    flat = flat.masked_fill((flat < 0) | (flat >= num_experts), num_experts)
+    n = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    count_start = counts.cumsum(0) - counts
+    order = torch.sort(flat, stable=True).indices
+    sorted_expert = flat[order]
+    rank = torch.arange(n, device=device) - count_start[sorted_expert]
+    total = max_rows(n, num_experts, block_m)
+    rows = torch.full((total,), n, dtype=torch.int32, device=device)
+    rows.scatter_(0, padded_start[sorted_expert] + rank, order.to(torch.int32))
+    block_start = torch.arange(0, total, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    return rows, block_expert
+
+
+@triton.jit
+def _experts_of(ids, c, N, E, CHUNK: tl.constexpr):
+    """Chunk c's assignments: their offsets, experts (skipped ones, outside [0, E), as E; past N
+    as E + 1, a bin nothing reads) and which are live."""
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    live = offs < N
+    v = tl.load(ids + offs, mask=live, other=0).to(tl.int32)
+    return offs, tl.where(live, tl.where((v < 0) | (v >= E), E, v), E + 1), live
+
+
+@triton.jit
+def _chunk_count_kernel(ids, counts, N, E, EB: tl.constexpr, CHUNK: tl.constexpr):
+    c = tl.program_id(0)
+    _, v, _ = _experts_of(ids, c, N, E, CHUNK)
+    tl.store(counts + c * EB + tl.arange(0, EB), tl.histogram(v, EB))
+
+
+@triton.jit
+def _chunk_prefix_kernel(counts, totals, C, EB: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr):
+    """Each expert's count in the chunks before each chunk (in place of the chunk's own), and its total."""
+    oe = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    carry = tl.zeros([COLS], tl.int32)
+    for c0 in range(0, C, ROWS):
+        oc = c0 + tl.arange(0, ROWS)
+        ptrs = counts + oc[:, None] * EB + oe[None, :]
+        tile = tl.load(ptrs, mask=(oc < C)[:, None], other=0)
+        tl.store(ptrs, tl.cumsum(tile, 0) - tile + carry[None, :], mask=(oc < C)[:, None])
+        carry += tl.sum(tile, 0)
+    tl.store(totals + oe, carry)
+
+
+@triton.jit
+def _groups_kernel(totals, starts, rows, block_expert, N, E, R, BLOCK_M: tl.constexpr, EB: tl.constexpr):
+    """Expert e's group: where it starts (after the padded groups before it), its padding rows and
+    its blocks; the last group's program also empties the buffers' tail."""
+    e = tl.program_id(0)
+    oe = tl.arange(0, EB)
+    padded_all = (tl.load(totals + oe, mask=oe <= E, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(oe < e, padded_all, 0), 0)
+    count = tl.load(totals + e)
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(starts + e, start)
+    om = tl.arange(0, BLOCK_M)
+    tl.store(rows + start + count + om, tl.zeros([BLOCK_M], tl.int32) + N, mask=count + om < padded)
+    ob = tl.arange(0, 1024)
+    for j0 in range(0, padded // BLOCK_M, 1024):
+        keep = j0 + ob < padded // BLOCK_M
+        tl.store(block_expert + start // BLOCK_M + j0 + ob, tl.zeros([1024], tl.int32) + e, mask=keep)
+    if e == E:
+        end = start + padded
+        for j0 in range(end, R, 1024):
+            tl.store(rows + j0 + ob, tl.zeros([1024], tl.int32) + N, mask=j0 + ob < R)
+        for j0 in range(end // BLOCK_M, R // BLOCK_M, 1024):
+            tl.store(block_expert + j0 + ob, tl.zeros([1024], tl.int32) + E + 1, mask=j0 + ob < R // BLOCK_M)
+
+
+@triton.jit
+def _place_kernel(ids, counts, starts, rows, N, E, EB: tl.constexpr, CHUNK: tl.constexpr):
+    """Chunk c's assignments at their group's start, after the group's rows from earlier chunks
+    and those before them in this chunk: the assignment order within each group."""
+    c = tl.program_id(0)
+    offs, v, live = _experts_of(ids, c, N, E, CHUNK)
+    o = tl.arange(0, CHUNK)
+    earlier = tl.sum(((v[:, None] == v[None, :]) & (o[None, :] < o[:, None])).to(tl.int32), 1)
+    pos = tl.load(starts + v, mask=live, other=0) + tl.load(counts + c * EB + v, mask=live, other=0) + earlier
+    tl.store(rows + pos, offs.to(tl.int32), mask=live)
+
+
+def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_ref`'s rows and block experts from four launches: each chunk's count of each expert,
+    their prefix over chunks, each group's start, padding and blocks, then each chunk's rows."""
+    flat = topk_ids.reshape(-1)
+    n = flat.numel()
+    total = max_rows(n, num_experts, block_m)
+    chunk, cols = 128, 16
+    chunks = max(triton.cdiv(n, chunk), 1)
+    eb = max(triton.next_power_of_2(num_experts + 2), cols)  # E + 1 holds the last chunk's dead lanes
+    device = flat.device
+    counts = torch.empty(chunks, eb, dtype=torch.int32, device=device)
+    totals = torch.empty(eb, dtype=torch.int32, device=device)
+    starts = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    rows = torch.empty(total, dtype=torch.int32, device=device)
+    block_expert = torch.empty(total // block_m, dtype=torch.int32, device=device)
+    _chunk_count_kernel[(chunks,)](flat, counts, n, num_experts, EB=eb, CHUNK=chunk, num_warps=4)
+    _chunk_prefix_kernel[(eb // cols,)](counts, totals, chunks, EB=eb, COLS=cols, ROWS=64, num_warps=4)
+    _groups_kernel[(num_experts + 1,)](
+        totals, starts, rows, block_expert, n, num_experts, total, BLOCK_M=block_m, EB=eb, num_warps=4
+    )
+    _place_kernel[(chunks,)](flat, counts, starts, rows, n, num_experts, EB=eb, CHUNK=chunk, num_warps=4)
+    return rows, block_expert
+
+
+fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)
