@@ -249,6 +249,30 @@ def hf_reference():
     return hf_greedy
 
 
+def interpreted(test_file: str, call: str) -> str:
+    """`call` (an expression on the test module of `test_file`, as `t`) under Triton's CPU
+    interpreter, in a process of its own (the interpreter is chosen when Triton is imported): the
+    last word it prints."""
+    import subprocess
+
+    folder, name = os.path.split(os.path.abspath(test_file))
+    code = f"import sys; sys.path.insert(0, sys.argv[1]); import {name[:-3]} as t; print({call})"
+    done = subprocess.run(
+        [sys.executable, "-c", code, folder],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()[-1]
+
+
+@pytest.fixture(scope="session")
+def run_interpreted():
+    return interpreted
+
+
 def read_config(path: str) -> dict:
     with open(os.path.join(path, "config.json")) as f:
         return json.load(f)

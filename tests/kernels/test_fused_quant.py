@@ -5,10 +5,6 @@ interpreter in a process of its own (the interpreter is chosen when Triton is im
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -97,15 +93,5 @@ def test_fused_quantization_on_cuda():
 
 
 @pytest.mark.slow
-def test_fused_quantization_interpreted():
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import test_fused_quant as t; "
-        "print(t.check_fused_quantization('cpu'))"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    done = subprocess.run(
-        [sys.executable, "-c", code, here], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) > 20
+def test_fused_quantization_interpreted(run_interpreted):
+    assert int(run_interpreted(__file__, "t.check_fused_quantization('cpu')")) > 20

@@ -6,10 +6,6 @@ chosen when Triton is imported)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -64,14 +60,5 @@ def test_align_on_cuda():
 
 
 @pytest.mark.slow
-def test_align_interpreted():
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import test_moe_align as t; print(t.check_align('cpu'))"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    done = subprocess.run(
-        [sys.executable, "-c", code, here], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) == 4 * len(CASES)
+def test_align_interpreted(run_interpreted):
+    assert int(run_interpreted(__file__, "t.check_align('cpu')")) == 4 * len(CASES)
