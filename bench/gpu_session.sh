@@ -153,7 +153,7 @@ case "${1:-all}" in
   moe-prefill-ab)  # the MoE's and the FP8 prefill's GPU tests; 80B / 35B FP8 8k prefill against REV; 80B serving ($SERVE)
     run 150 moe-tests python3 -m pytest -q -m gpu tests/kernels/test_moe_align.py tests/kernels/test_moe_cuda.py \
       tests/kernels/test_fp8_cuda.py -k "align or fused_moe or fp8_moe_matches or skips_masked or unquantized_rows or cublas"
-    run 150 prefill-ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+    run 200 prefill-ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-sizes 1 --new-tokens 8 --prefill-len 8192
     run 130 prefill-ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
       --batch-sizes 1 --new-tokens 8 --prefill-len 8192
