@@ -337,21 +337,19 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is None:
             y = self._dense(x, self.weight)
-        elif self.dense_weight is not None and use_fast_path(x):
-            # both parts in one output, no concatenation (at decode from one launch where the
-            # skinny GEMM runs; past it cuBLAS writes its part in place)
+        elif self.dense_weight is not None:
+            # both parts in one output (on CUDA at decode from one launch where the skinny GEMM
+            # runs; past it cuBLAS writes its part in place)
             y = fp8_linear(x, self.weight, self.weight_scale_inv, self.scale_rows, dense=self.dense_weight)
         else:
             y = self._fp8(x)
-            if self.dense_weight is not None:
-                y = torch.cat([y, linear(x, self.dense_weight)], dim=-1)
         if self.tp.enabled:  # row-parallel: the ranks' partial sums, before the bias
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def _fp8(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight_scale_inv is not None
-        if self.shard_sizes is not None and not use_fast_path(x) and self.dense_weight is None:
+        if self.shard_sizes is not None and not use_fast_path(x):
             w = dequantize_blocks(self.weight, self.weight_scale_inv, self.scale_rows)
             from deltaserve.kernels.fp8.reference import fake_quantize_activations
 

@@ -1,4 +1,4 @@
-"""The grouped GEMMs' rows from the two Triton launches (`align_cuda`) are the tensor ops'
+"""The grouped GEMMs' rows from the Triton launches (`align_cuda`) are the tensor ops'
 (`align_ref`, a stable sort by expert) bit for bit: every group in assignment order, padded to
 BLOCK_M, skipped assignments (another rank's experts, ids -1 or E) last, the buffers' tail
 empty. On CUDA; on CPU through Triton's interpreter in a process of its own (the interpreter is
