@@ -98,7 +98,6 @@ def moe_layer(model: str) -> MoeLayer:
 
 
 def bench_moe(model: str, tokens: list[int], skinny_tiles: list[tuple[int, ...]]) -> list[dict]:
-    from deltaserve.kernels.common.launch import sm_count
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
     from deltaserve.kernels.moe import cuda as moe_cuda
 
@@ -127,11 +126,6 @@ def bench_moe(model: str, tokens: list[int], skinny_tiles: list[tuple[int, ...]]
             "skinny": lambda r, x=x: fp8_cuda.fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]),
             "grouped": lambda r, x=x: fp8_cuda.fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]),
         }
-        # the skinny MoE reading an expert once for each token that chose it (groups of one)
-        ungrouped = fp8_cuda.skinny_moe_tiles(t * top_k, -(-inter // 128), -(-h // 128), sm_count(x.device))
-        paths["skinny_ungrouped"] = lambda r, x=x, spec=ungrouped[:4] + (1,): fp8_cuda.fp8_moe_skinny_cuda(
-            x, gu, gu_s, dn, dn_s, 128, r[1], r[0], tiles=spec
-        )
         for spec in skinny_tiles:  # SPLIT:GATE_UP_STAGES:DOWN_BLOCK_N:DOWN_STAGES
 
             def tiled(r: Any, x: torch.Tensor = x, spec: Any = spec) -> torch.Tensor:
@@ -179,7 +173,7 @@ def main() -> None:
         "--skinny-moe-tiles",
         nargs="*",
         default=[],
-        metavar="SPLIT:STAGES:DOWN_BLOCK_N:DOWN_STAGES:GROUP",
+        metavar="SPLIT:STAGES:DOWN_BLOCK_N:DOWN_STAGES",
         help="with --moe: also time the skinny MoE at these tilings (the default: kernels/fp8/cuda.py's skinny_moe_tiles)",
     )
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32])

@@ -257,16 +257,15 @@ def fp8_skinny_cuda(
 
 def skinny_moe_tiles(
     pairs: int, inter_blocks: int, hidden_blocks: int, sms: int
-) -> tuple[int, int, int, int, int]:
-    """(split, gate/up stages, down BLOCK_N, down stages, group) of the skinny MoE: gate/up's H
-    split in two while its programs number under twice the SMs and each part keeps eight
-    128-column blocks or more; the down projection in 64-row tiles; up to 16 assignments to one
-    expert in a program, the MMA's narrow side (`bench/ops/fp8_gemv.py --skinny-moe-tiles`
+) -> tuple[int, int, int, int]:
+    """(split, gate/up stages, down BLOCK_N, down stages) of the skinny MoE: gate/up's H split in
+    two while its programs number under twice the SMs and each part keeps eight 128-column blocks
+    or more; the down projection in 64-row tiles (`bench/ops/fp8_gemv.py --skinny-moe-tiles`
     sweeps the alternatives)."""
     split = 1
     while pairs * inter_blocks * split < 2 * sms and hidden_blocks >= 8 * split:
         split *= 2
-    return split, 3, 64, 4, 16
+    return split, 3, 64, 4
 
 
 def fp8_moe_skinny_cuda(
@@ -278,15 +277,13 @@ def fp8_moe_skinny_cuda(
     scale_rows: int,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    tiles: tuple[int, int, int, int, int] | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """The FP8 MoE for a few tokens on the skinny GEMM: each expert's 128-row blocks of gate and up
-    rows on wgmma's wide side, the tokens that chose it (up to `group` at a time) on the narrow one
-    (H split while that leaves too few programs), the intermediate quantized by whoever finishes
-    its block, then the down projection the same way, whose per-token sum over the experts the
-    last of them adds: three launches with the rows' quantization. `tiles`: (split, gate/up stages,
-    down BLOCK_N, down stages, group), `skinny_moe_tiles` unless given; group 1 reads an expert
-    once for each token that chose it."""
+    """The FP8 MoE for a few tokens on the skinny GEMM: each assignment's 128-row blocks of gate
+    and up rows on wgmma's wide side (H split while that leaves too few programs), the intermediate
+    quantized by whoever finishes its block, then the down projection, whose per-token sum over the
+    experts the last of them adds: three launches with the rows' quantization. `tiles`: (split,
+    gate/up stages, down BLOCK_N, down stages), `skinny_moe_tiles` unless given."""
     import triton
 
     from deltaserve.kernels.common.arrival import arrival_counters
@@ -306,10 +303,7 @@ def fp8_moe_skinny_cuda(
     xq, xs = act_quant_cuda(x)
     ids = topk_ids.reshape(-1).contiguous()
     tiles_i, kb = num_blocks(inter_size), num_blocks(h)
-    split, gu_stages, down_n, down_stages, group = tiles or skinny_moe_tiles(
-        n, tiles_i, kb, sm_count(x.device)
-    )
-    np2 = max(triton.next_power_of_2(n), 16)
+    split, gu_stages, down_n, down_stages = tiles or skinny_moe_tiles(n, tiles_i, kb, sm_count(x.device))
     tiles_h = triton.cdiv(h, down_n)
     hq = torch.empty(n, inter_size, dtype=FP8_DTYPE, device=x.device)
     hs = torch.empty(n, tiles_i, dtype=torch.float32, device=x.device)
@@ -320,16 +314,16 @@ def fp8_moe_skinny_cuda(
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
         gate_up_scale.stride(1), hq.stride(0), hs.stride(0),
         TOP_K=top_k, E=e, SCALE_ROWS=scale_rows, BLOCK=BLOCK, ROUND=rounding_dtype(x.dtype), SPLIT=split,
-        NP=np2, GROUP=group, num_warps=4, num_stages=gu_stages, **pdl,
+        num_warps=4, num_stages=gu_stages, **pdl,
     )  # fmt: skip
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     down_part = torch.empty(n, h, dtype=torch.float32, device=x.device)
     _fp8_moe_skinny_down_kernel[(tiles_h, n)](
-        hq, hs, down, down_scale, ids, weights, out, down_part, counters, n, h, inter_size,
+        hq, hs, down, down_scale, ids, weights, out, down_part, counters, h, inter_size,
         hq.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         out.stride(0),
-        TOP_K=top_k, E=e, SCALE_ROWS=scale_rows, BLOCK_N=down_n, BLOCK=BLOCK, NP=np2, GROUP=group,
-        num_warps=4, num_stages=down_stages, **pdl,
+        TOP_K=top_k, E=e, SCALE_ROWS=scale_rows, BLOCK_N=down_n, BLOCK=BLOCK, num_warps=4,
+        num_stages=down_stages, **pdl,
     )  # fmt: skip
     return out
 

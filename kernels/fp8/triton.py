@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltaserve.kernels.common.arrival import arrivals, last_to_arrive
+from deltaserve.kernels.common.arrival import last_to_arrive
 from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import wait_inputs
 
@@ -279,22 +279,6 @@ def _fp8_skinny_kernel(
 
 
 @triton.jit
-def _expert_group(ids, a, NUM_ASSIGN, NP: tl.constexpr, GROUP: tl.constexpr):
-    """Assignment a's group: the assignments to its expert, in order, GROUP at a time. Returns
-    whether a leads its group (the group's first), the group's assignments in 16 slots and which
-    slots hold one. Every program finds it from the ids alone, so the groups need no launch."""
-    offs = tl.arange(0, NP)
-    v = tl.load(ids + offs, mask=offs < NUM_ASSIGN, other=0, cache_modifier=".cg")
-    same = (offs < NUM_ASSIGN) & (v == tl.load(ids + a, cache_modifier=".cg"))
-    rank = tl.cumsum(same.to(tl.int32), 0) - 1
-    r = tl.sum(tl.where(offs == a, rank, 0), 0)
-    slot = tl.where(same & (rank // GROUP == r // GROUP), rank % GROUP, -1)
-    match = slot[:, None] == tl.arange(0, 16)[None, :]
-    members = tl.sum(tl.where(match, offs[:, None], 0), 0)
-    return r % GROUP == 0, members, tl.sum(match.to(tl.int32), 0) > 0
-
-
-@triton.jit
 def _fp8_moe_skinny_gate_up_kernel(
     x,  # [T, H] e4m3, per token and 128 channels
     x_s,  # [T, ceil(H/128)] fp32
@@ -323,27 +307,24 @@ def _fp8_moe_skinny_gate_up_kernel(
     BLOCK: tl.constexpr,
     ROUND: tl.constexpr,  # the model dtype the intermediate is rounded to before its quantization
     SPLIT: tl.constexpr,
-    NP: tl.constexpr,  # NUM_ASSIGN's next power of two
-    GROUP: tl.constexpr,  # assignments an expert's group holds, up to the MMA's 16 columns
     PDL: tl.constexpr,
 ):
-    """The skinny GEMM for the routed experts of a few tokens: program (n, a, s), if assignment a
-    leads its expert's group (`_expert_group`), takes 128 gate and 128 up rows of that expert
-    (the 128 intermediate channels that form one block of the down projection's input) over the
-    s-th range of H's blocks, on wgmma's wide side; the group's tokens are the narrow side, so an
-    expert that several tokens chose is read once. Whoever completes a tile computes
-    silu(gate) * up and quantizes it, so the down projection needs no quantization launch."""
+    """The skinny GEMM for the routed experts of a few tokens: program (n, a, s) takes 128 gate
+    and 128 up rows of assignment a's expert (the 128 intermediate channels that form one block of
+    the down projection's input) over the s-th range of H's blocks, on wgmma's wide side; the
+    token's row is the narrow side. Whoever completes a tile computes silu(gate) * up and
+    quantizes it, so the down projection needs no quantization launch."""
     pid_n = tl.program_id(0)
     a = tl.program_id(1)
     wait_inputs(PDL)
-    lead, members, valid = _expert_group(ids, a, NUM_ASSIGN, NP, GROUP)
     expert = tl.load(ids + a).to(tl.int64)
-    # another rank's expert: the down kernel adds zero for it
-    if (lead == 0) | (expert < 0) | (expert >= E):
+    if (expert < 0) | (expert >= E):  # another rank's expert: the down kernel adds zero for it
         return
     offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
     n_ok = offs_n < INTER
-    tokens = (members // TOP_K).to(tl.int64)
+    cols = tl.arange(0, 16)[None, :]  # the token's row is the MMA's first column
+    x_row = x + (a // TOP_K).to(tl.int64) * stride_xt
+    sx_row = x_s + (a // TOP_K).to(tl.int64) * stride_xst
     g_rows = w + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
     u_rows = g_rows + INTER * stride_wn
     sg_rows = w_s + expert * stride_se + (offs_n // SCALE_ROWS) * stride_sn
@@ -354,39 +335,37 @@ def _fp8_moe_skinny_gate_up_kernel(
     for i in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(H, BLOCK))):
         offs_k = i * BLOCK + tl.arange(0, BLOCK)
         k_ok = offs_k < H
-        xt = tl.load(
-            x + tokens[None, :] * stride_xt + offs_k[:, None], mask=valid[None, :] & k_ok[:, None], other=0.0
-        )
-        sx = tl.load(x_s + tokens * stride_xst + i, mask=valid, other=0.0)
+        xt = tl.load(x_row + offs_k[:, None] + cols * 0, mask=(cols == 0) & k_ok[:, None], other=0.0)
+        sx = tl.load(sx_row + i)
         wmask = n_ok[:, None] & k_ok[None, :]
         wg = tl.load(g_rows + offs_k[None, :], mask=wmask, other=0.0)
         wu = tl.load(u_rows + offs_k[None, :], mask=wmask, other=0.0)
         sg = tl.load(sg_rows + i, mask=n_ok, other=0.0)
         su = tl.load(su_rows + i, mask=n_ok, other=0.0)
-        acc_g += tl.dot(wg, xt) * sx[None, :] * sg[:, None]
-        acc_u += tl.dot(wu, xt) * sx[None, :] * su[:, None]
-    keep = n_ok[:, None] & valid[None, :]
+        acc_g += tl.dot(wg, xt) * sx * sg[:, None]
+        acc_u += tl.dot(wu, xt) * sx * su[:, None]
+    g = tl.sum(acc_g, axis=1)  # the other columns are zeros
+    u = tl.sum(acc_u, axis=1)
     finish = True
     if SPLIT > 1:
-        parts = part + members[None, :].to(tl.int64) * 2 * INTER + offs_n[:, None]
+        parts = part + (a * 2) * INTER + offs_n
         step = NUM_ASSIGN * 2 * INTER
-        tl.store(parts + tl.program_id(2) * step, acc_g, mask=keep)
-        tl.store(parts + tl.program_id(2) * step + INTER, acc_u, mask=keep)
+        tl.store(parts + tl.program_id(2) * step, g, mask=n_ok)
+        tl.store(parts + tl.program_id(2) * step + INTER, u, mask=n_ok)
         tile = a * tl.num_programs(0) + pid_n
         finish = last_to_arrive(counters, tile, SPLIT)
         if finish:
-            acc_g = tl.zeros((BLOCK, 16), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK, 16), dtype=tl.float32)
+            g = tl.zeros((BLOCK,), dtype=tl.float32)
+            u = tl.zeros((BLOCK,), dtype=tl.float32)
             for s in range(SPLIT):
-                acc_g += tl.load(parts + s * step, mask=keep, other=0.0, cache_modifier=".cg")
-                acc_u += tl.load(parts + s * step + INTER, mask=keep, other=0.0, cache_modifier=".cg")
+                g += tl.load(parts + s * step, mask=n_ok, other=0.0, cache_modifier=".cg")
+                u += tl.load(parts + s * step + INTER, mask=n_ok, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(counters + tile, 0)
     if finish:
-        v = (acc_g * tl.sigmoid(acc_g) * acc_u).to(ROUND).to(tl.float32)
-        q, scale = _e4m3_codes(tl.where(n_ok[:, None], v, 0.0), 0)
-        rows = members.to(tl.int64)
-        tl.store(h + rows[None, :] * stride_ht + offs_n[:, None], q.to(h.dtype.element_ty), mask=keep)
-        tl.store(h_s + rows * stride_hst + pid_n, scale, mask=valid)
+        v = (g * tl.sigmoid(g) * u).to(ROUND).to(tl.float32)
+        q, scale = _e4m3_codes(tl.where(n_ok, v, 0.0), 0)
+        tl.store(h + a.to(tl.int64) * stride_ht + offs_n, q.to(h.dtype.element_ty), mask=n_ok)
+        tl.store(h_s + a.to(tl.int64) * stride_hst + pid_n, scale)
 
 
 @triton.jit
@@ -400,7 +379,6 @@ def _fp8_moe_skinny_down_kernel(
     out,  # [T, H]
     part,  # [T * TOP_K, H] fp32
     counters,  # [T * ceil(H/BLOCK_N)] int32, zero between launches
-    NUM_ASSIGN,
     H,
     INTER,
     stride_ht,
@@ -415,45 +393,43 @@ def _fp8_moe_skinny_down_kernel(
     SCALE_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
-    NP: tl.constexpr,
-    GROUP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (n, a), if assignment a leads its expert's group: BLOCK_N rows of the expert's
-    down projection times the group's quantized intermediates, each scaled by its routing weight
-    (zero for another rank's expert); the last of a token's TOP_K assignments to finish a tile
-    adds theirs in assignment order (deterministic) and writes the token's output, so no kernel
-    sums over the experts afterwards. With PDL the group and the expert's first weight tile are
-    loaded before the wait: the expert ids come from the router, two launches back, which
-    finished before the gate/up kernel's programs passed their waits and let this one launch."""
+    """Program (n, a): BLOCK_N rows of assignment a's down projection times its quantized
+    intermediate, scaled by its routing weight (zero for another rank's expert); the last of a
+    token's TOP_K assignments to finish a tile adds theirs in assignment order (deterministic) and
+    writes the token's output, so no kernel sums over the experts afterwards. With PDL the expert's
+    first weight tile is loaded before the wait: the expert ids come from the router, two launches
+    back, which finished before the gate/up kernel's programs passed their waits and let this one
+    launch."""
     pid_n = tl.program_id(0)
     a = tl.program_id(1)
-    lead, members, valid = _expert_group(ids, a, NUM_ASSIGN, NP, GROUP)
-    if lead == 0:
-        return
     expert = tl.load(ids + a, cache_modifier=".cg").to(tl.int64)
-    ok = (expert >= 0) & (expert < E)
-    expert = tl.where(ok, expert, 0)
+    valid = (expert >= 0) & (expert < E)
+    expert = tl.where(valid, expert, 0)
+    rows = tl.arange(0, 16)  # the assignment's row is the MMA's first column
     acc, offs_n, n_ok = _skinny_fp8_tile(
-        h, h_s, w + expert * stride_we, w_s + expert * stride_se, pid_n, members, valid, H, INTER, 0,
-        tl.cdiv(INTER, BLOCK), stride_ht, stride_hst, stride_wn, stride_sn, SCALE_ROWS, BLOCK_N, BLOCK, PDL,
+        h + a.to(tl.int64) * stride_ht, h_s + a.to(tl.int64) * stride_hst, w + expert * stride_we,
+        w_s + expert * stride_se, pid_n, rows, rows < 1, H, INTER, 0, tl.cdiv(INTER, BLOCK), 0, 0, stride_wn,
+        stride_sn, SCALE_ROWS, BLOCK_N, BLOCK, PDL,
     )  # fmt: skip
-    # another rank's expert adds zero; its intermediate rows were never written (where, not a product)
-    acc = tl.where(ok, acc, 0.0)
-    rows = members.to(tl.int64)
-    y = acc * tl.load(weights + rows, mask=valid, other=0.0)[None, :]
-    keep = n_ok[:, None] & valid[None, :]
-    tl.store(part + rows[None, :] * H + offs_n[:, None], y, mask=keep)
-    tokens = rows // TOP_K
-    tiles = tokens * tl.num_programs(0) + pid_n
-    last = arrivals(counters, tiles, valid) == TOP_K - 1
-    done = n_ok[:, None] & last[None, :]
-    total = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for j in range(TOP_K):
-        src = part + (tokens * TOP_K + j)[None, :] * H + offs_n[:, None]
-        total += tl.load(src, mask=done, other=0.0, cache_modifier=".cg")
-    tl.store(out + tokens[None, :] * stride_ot + offs_n[:, None], total.to(out.dtype.element_ty), mask=done)
-    tl.atomic_xchg(counters + tiles, 0, mask=last)
+    # another rank's expert adds zero; its intermediate row was never written (where, not a product)
+    acc = tl.where(valid, acc, 0.0)
+    y = tl.sum(acc, axis=1) * tl.load(weights + a)
+    token = a // TOP_K
+    tl.store(part + a.to(tl.int64) * H + offs_n, y, mask=n_ok)
+    tile = token * tl.num_programs(0) + pid_n
+    if last_to_arrive(counters, tile, TOP_K):
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in range(TOP_K):
+            total += tl.load(
+                part + (token * TOP_K + j).to(tl.int64) * H + offs_n,
+                mask=n_ok,
+                other=0.0,
+                cache_modifier=".cg",
+            )
+        tl.store(out + token.to(tl.int64) * stride_ot + offs_n, total.to(out.dtype.element_ty), mask=n_ok)
+        tl.atomic_xchg(counters + tile, 0)
 
 
 @triton.jit
