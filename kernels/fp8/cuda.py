@@ -188,7 +188,7 @@ def fp8_gemm_cuda(
 SKINNY_MAX_ROWS = 16  # the narrow side of the skinny GEMM's MMA
 # up to this many (token, expert) pairs the skinny MoE reads each pair's expert rows, past it the
 # grouped GEMMs read each expert's once: where they crossed on 35B-A3B's and 80B-A3B's experts
-SKINNY_MOE_PAIRS = 384
+SKINNY_MOE_PAIRS = 192
 
 
 def skinny_tiles(n: int, k: int, sms: int) -> tuple[int, int, int]:
