@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe [C] | 80b-fp8 | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+# PART: 9b | 08b | moe [C] | 80b-fp8 | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
@@ -220,6 +220,13 @@ case "${1:-9b}" in
   80b-fp8)  # issue 24's serving row: Qwen3-Next-80B-A3B FP8, 8k in / 1k out, 32 clients
     serve_bench 80b-fp8 . "${PYTHONPATH:-}" "--model configs/qwen3-next-80b-a3b-fp8 $dummy" \
       --input-len 8192 --output-len 1024 --health-probe --concurrency 32 --num-prompts 64
+    ;;
+  80b-fp8-before)  # the same row on REV's server (bash bench/ab.sh prepare REV here; carry .base)
+    [ -d /tmp/ab-base ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base .base/base
+    mkdir -p /tmp/ab-cwd && cp -r .base/base/configs /tmp/ab-cwd/ && cp -r bench /tmp/ab-cwd/
+    serve_bench 80b-fp8-before /tmp/ab-cwd "/tmp/ab-base:${PYTHONPATH:-}" \
+      "--model configs/qwen3-next-80b-a3b-fp8 $dummy" --input-len 8192 --output-len 1024 --health-probe \
+      --concurrency 32 --num-prompts 64
     ;;
   kimi)  # kimi [C,...]: Kimi-Linear-48B-A3B (default C = 1,64,256; one level a call fits a call's limit)
     serve_bench kimi-new . "${PYTHONPATH:-}" "--model configs/kimi-linear-48b-a3b $dummy" \
