@@ -13,7 +13,6 @@
 #   bash bench/gpu_session.sh fused-quant # FP8 rows from norms/SwiGLU, one-launch in_proj: tests, FP8 decode vs REV
 #   bash bench/gpu_session.sh skinny-moe # the skinny MoE's tilings on 80B's and 35B's experts
 #   bash bench/gpu_session.sh moe-ab  # 80B FP8 batch 1 and 35B FP8 batch 1 / 8 against REV (prepare REV)
-#   bash bench/gpu_session.sh moe-blocks # the skinny MoE over experts' blocks: tests, a layer, decode vs --moe-blocks 0
 #   bash bench/gpu_session.sh moe-limit # FP8 decode with the MoE's per-pair limit at 384 and at its default
 #   bash bench/gpu_session.sh moe-crossover # FP8 MoE: skinny vs grouped GEMMs by layer and in decode, PAIRS="384 0"
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
@@ -206,18 +205,6 @@ case "${1:-all}" in
         --batch-sizes 8 16 32 64 --new-tokens 64 --prefill-len 0 --moe-pairs $pairs
     done
     ;;
-  moe-blocks)  # the skinny MoE over each expert's blocks: tests, one 80B layer, decode against --moe-blocks 0, 80B serving
-    run 150 fp8-tests python3 -m pytest -q -m "gpu and not slow" tests/kernels/test_fp8_moe_blocks.py \
-      tests/kernels/test_fp8_cuda.py -k "blocks or moe or skinny or pdl"
-    run 60 moe-layer python3 -m bench.ops.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 16 24 32 64
-    for limit in 0 default; do
-      flag=""; [ $limit = default ] || flag="--moe-blocks $limit"
-      run 100 blocks-80b-$limit python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
-        --batch-sizes 16 24 32 64 --prompt-len 1024 --new-tokens 64 --prefill-len 0 $flag
-      run 70 blocks-35b-$limit python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
-        --batch-sizes 24 32 64 --new-tokens 64 --prefill-len 0 $flag
-    done
-    ;;
   moe-limit)  # decode with the FP8 MoE's per-pair limit at 384 (before) and its default, in one call
     for pairs in 384 default; do
       flag=""; [ $pairs = default ] || flag="--moe-pairs $pairs"
@@ -228,7 +215,7 @@ case "${1:-all}" in
     done
     ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-limit|moe-blocks" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-limit" >&2
     exit 2
     ;;
 esac

@@ -205,20 +205,11 @@ def main() -> None:
         "(kernels.moe.cuda.GEMV_ASSIGNMENTS, kernels.fp8.cuda.SKINNY_MOE_PAIRS), to find where "
         "the two paths cross",
     )
-    ap.add_argument(
-        "--moe-blocks",
-        type=int,
-        default=None,
-        help="the most pairs the FP8 MoE takes the skinny MoE over each expert's blocks for, past "
-        "--moe-pairs (kernels.fp8.cuda.BLOCKS_MOE_PAIRS); past it the grouped GEMMs",
-    )
     ap.add_argument("--device", default="cuda", help="cpu only for a quick dry run of the script")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.moe_pairs is not None:
         moe_cuda.GEMV_ASSIGNMENTS = fp8_cuda.SKINNY_MOE_PAIRS = args.moe_pairs
-    if args.moe_blocks is not None:
-        fp8_cuda.BLOCKS_MOE_PAIRS = args.moe_blocks
 
     max_bs = max(args.batch_sizes, default=1)
     max_len = args.max_model_len or max(args.prompt_len + args.new_tokens, args.prefill_len) + 16

@@ -124,9 +124,6 @@ def bench_moe(model: str, tokens: list[int], skinny_tiles: list[tuple[int, ...]]
         paths = {
             "gemv": lambda r, x=x: moe_cuda.moe_gemv_cuda(x, gu, dn, r[1], r[0], gu_s, dn_s, 128),
             "skinny": lambda r, x=x: fp8_cuda.fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]),
-            "blocks": lambda r, x=x: fp8_cuda.fp8_moe_skinny_cuda(
-                x, gu, gu_s, dn, dn_s, 128, r[1], r[0], blocks=True
-            ),
             "grouped": lambda r, x=x: fp8_cuda.fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0]),
         }
         for spec in skinny_tiles:  # SPLIT:GATE_UP_STAGES:DOWN_BLOCK_N:DOWN_STAGES
@@ -135,13 +132,12 @@ def bench_moe(model: str, tokens: list[int], skinny_tiles: list[tuple[int, ...]]
                 return fp8_cuda.fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, 128, r[1], r[0], tiles=spec)
 
             paths["skinny_" + "_".join(map(str, spec))] = tiled
-        limits = moe_cuda.GEMV_ASSIGNMENTS, fp8_cuda.SKINNY_MOE_PAIRS, fp8_cuda.BLOCKS_MOE_PAIRS
-        # the grouped GEMMs at any count
-        moe_cuda.GEMV_ASSIGNMENTS = fp8_cuda.SKINNY_MOE_PAIRS = fp8_cuda.BLOCKS_MOE_PAIRS = 0
+        limits = moe_cuda.GEMV_ASSIGNMENTS, fp8_cuda.SKINNY_MOE_PAIRS
+        moe_cuda.GEMV_ASSIGNMENTS = fp8_cuda.SKINNY_MOE_PAIRS = 0  # the grouped GEMMs at any count
         for name, call in paths.items():
             row[f"{name}_us"] = time_us(call, routes)
             row[f"{name}_tb_s"] = touched * 3 * h * inter / 1e9 * 1e3 / row[f"{name}_us"]
-        moe_cuda.GEMV_ASSIGNMENTS, fp8_cuda.SKINNY_MOE_PAIRS, fp8_cuda.BLOCKS_MOE_PAIRS = limits
+        moe_cuda.GEMV_ASSIGNMENTS, fp8_cuda.SKINNY_MOE_PAIRS = limits
         out.append(row)
         print(json.dumps(row), flush=True)
     return out

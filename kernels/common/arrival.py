@@ -29,12 +29,3 @@ def last_to_arrive(counters, tile, parts):
     (that one completes the tile, then sets its count back to zero)."""
     tl.debug_barrier()  # every thread's part stored before the tile's count moves
     return tl.atomic_add(counters + tile, 1, sem="acq_rel") == parts - 1
-
-
-@triton.jit
-def arrivals(counters, tiles, mask):
-    """`last_to_arrive` for a vector of tiles (a tile named twice arrives twice): each masked
-    tile's count before this program's arrival, -1 elsewhere."""
-    tl.debug_barrier()  # every thread's part stored before the counts move
-    old = tl.atomic_add(counters + tiles, tl.where(mask, 1, 0), mask=mask, sem="acq_rel")
-    return tl.where(mask, old, -1)

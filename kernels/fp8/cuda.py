@@ -189,9 +189,6 @@ SKINNY_MAX_ROWS = 16  # the narrow side of the skinny GEMM's MMA
 # up to this many (token, expert) pairs the skinny MoE reads each pair's expert rows, past it the
 # grouped GEMMs read each expert's once: where they crossed on 35B-A3B's and 80B-A3B's experts
 SKINNY_MOE_PAIRS = 192
-# past the skinny MoE and up to this many pairs, its kernels over the grouped GEMMs' blocks of
-# each expert's assignments (`fp8_moe_skinny_cuda(blocks=True)`)
-BLOCKS_MOE_PAIRS = 1024
 
 
 def skinny_tiles(n: int, k: int, sms: int) -> tuple[int, int, int]:
@@ -281,23 +278,18 @@ def fp8_moe_skinny_cuda(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     tiles: tuple[int, int, int, int] | None = None,
-    blocks: bool = False,
 ) -> torch.Tensor:
     """The FP8 MoE for a few tokens on the skinny GEMM: each assignment's 128-row blocks of gate
     and up rows on wgmma's wide side (H split while that leaves too few programs), the intermediate
     quantized by whoever finishes its block, then the down projection, whose per-token sum over the
-    experts the last of them adds: three launches with the rows' quantization. `blocks`: the same
-    over the grouped GEMMs' blocks (`moe.align`: each expert's assignments, 16 a block) instead,
-    the block's tokens the narrow side, so that an expert several tokens chose is read once for
-    them (four more launches, the grouping's). `tiles`: (split, gate/up stages, down BLOCK_N, down
-    stages), `skinny_moe_tiles` unless given."""
+    experts the last of them adds: three launches with the rows' quantization. `tiles`: (split,
+    gate/up stages, down BLOCK_N, down stages), `skinny_moe_tiles` unless given."""
     import triton
 
     from deltaserve.kernels.common.arrival import arrival_counters
     from deltaserve.kernels.common.launch import rounding_dtype, sm_count
     from deltaserve.kernels.common.pdl import pdl_args
-    from deltaserve.kernels.fp8 import triton as kernels
-    from deltaserve.kernels.moe.align import align_cuda
+    from deltaserve.kernels.fp8.triton import _fp8_moe_skinny_down_kernel, _fp8_moe_skinny_gate_up_kernel
 
     t, h = x.shape
     e, two_i, _ = gate_up.shape
@@ -307,31 +299,18 @@ def fp8_moe_skinny_cuda(
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    if blocks:
-        rows, block_expert = align_cuda(topk_ids, e, SKINNY_MAX_ROWS)
-        groups: tuple[torch.Tensor, ...] = (rows, block_expert)
-        programs = block_expert.numel()
-        gate_up_kernel, down_kernel = (
-            kernels._fp8_moe_blocks_gate_up_kernel,
-            kernels._fp8_moe_blocks_down_kernel,
-        )
-    else:
-        groups, programs = (topk_ids.reshape(-1).contiguous(),), n
-        gate_up_kernel, down_kernel = (
-            kernels._fp8_moe_skinny_gate_up_kernel,
-            kernels._fp8_moe_skinny_down_kernel,
-        )
     pdl = pdl_args(x.device)
     xq, xs = act_quant_cuda(x)
+    ids = topk_ids.reshape(-1).contiguous()
     tiles_i, kb = num_blocks(inter_size), num_blocks(h)
     split, gu_stages, down_n, down_stages = tiles or skinny_moe_tiles(n, tiles_i, kb, sm_count(x.device))
     tiles_h = triton.cdiv(h, down_n)
     hq = torch.empty(n, inter_size, dtype=FP8_DTYPE, device=x.device)
     hs = torch.empty(n, tiles_i, dtype=torch.float32, device=x.device)
     part = torch.empty(split, n, 2, inter_size, dtype=torch.float32, device=x.device) if split > 1 else hs
-    counters = arrival_counters(x.device, max(programs * tiles_i, t * tiles_h))
-    gate_up_kernel[(tiles_i, programs, split)](
-        xq, xs, gate_up, gate_up_scale, *groups, hq, hs, part, counters, n, h, inter_size, -(-kb // split),
+    counters = arrival_counters(x.device, max(n * tiles_i, t * tiles_h))
+    _fp8_moe_skinny_gate_up_kernel[(tiles_i, n, split)](
+        xq, xs, gate_up, gate_up_scale, ids, hq, hs, part, counters, n, h, inter_size, -(-kb // split),
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
         gate_up_scale.stride(1), hq.stride(0), hs.stride(0),
         TOP_K=top_k, E=e, SCALE_ROWS=scale_rows, BLOCK=BLOCK, ROUND=rounding_dtype(x.dtype), SPLIT=split,
@@ -339,10 +318,10 @@ def fp8_moe_skinny_cuda(
     )  # fmt: skip
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     down_part = torch.empty(n, h, dtype=torch.float32, device=x.device)
-    down_kernel[(tiles_h, programs)](
-        hq, hs, down, down_scale, *groups, weights, out, down_part, counters, *((n,) if blocks else ()), h,
-        inter_size, hq.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
-        down_scale.stride(1), out.stride(0),
+    _fp8_moe_skinny_down_kernel[(tiles_h, n)](
+        hq, hs, down, down_scale, ids, weights, out, down_part, counters, h, inter_size,
+        hq.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
+        out.stride(0),
         TOP_K=top_k, E=e, SCALE_ROWS=scale_rows, BLOCK_N=down_n, BLOCK=BLOCK, num_warps=4,
         num_stages=down_stages, **pdl,
     )  # fmt: skip
@@ -487,11 +466,10 @@ def fp8_moe_cuda(
     inter_size = two_i // 2
     top_k = topk_ids.shape[1]
     n = t * top_k
-    if n <= BLOCKS_MOE_PAIRS and decode_mode() == "skinny":
+    if n <= SKINNY_MOE_PAIRS and decode_mode() == "skinny":
         return fp8_moe_skinny_cuda(
-            x, gate_up, gate_up_scale, down, down_scale, scale_rows, topk_ids, topk_weights,
-            blocks=n > SKINNY_MOE_PAIRS,
-        )  # fmt: skip
+            x, gate_up, gate_up_scale, down, down_scale, scale_rows, topk_ids, topk_weights
+        )
     if n <= GEMV_ASSIGNMENTS:
         return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights, gate_up_scale, down_scale, scale_rows)
     block_m, block_n, step_k, warps, stages = tiles or moe_tiles(n)

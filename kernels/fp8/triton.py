@@ -14,8 +14,6 @@
 - `_fp8_gemv_kernel`: one row (decode) against a narrow weight. It streams the e4m3 weight rows
   once, widening them in registers; the row is quantized in registers (`_fake_quant`), so decode
   does the format's w8a8 math as the GEMM does.
-- `_fp8_moe_blocks_*_kernel`: the skinny MoE's kernels over the grouped GEMMs' blocks (each
-  expert's assignments, 16 a block): an expert is read once for the tokens that chose it.
 - `_fp8_moe_*_kernel`: `triton_moe`'s grouped GEMMs, w8a8: e4m3 experts times rows quantized per
   token and 128 channels, on the FP8 tensor cores; both scales apply after each 128-column dot.
 Weight scales are per `SCALE_ROWS` x 128 block (SCALE_ROWS 128, or 1 for per-row scales).
@@ -26,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltaserve.kernels.common.arrival import arrivals, last_to_arrive
+from deltaserve.kernels.common.arrival import last_to_arrive
 from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import wait_inputs
 
@@ -432,164 +430,6 @@ def _fp8_moe_skinny_down_kernel(
             )
         tl.store(out + token.to(tl.int64) * stride_ot + offs_n, total.to(out.dtype.element_ty), mask=n_ok)
         tl.atomic_xchg(counters + tile, 0)
-
-
-@triton.jit
-def _fp8_moe_blocks_gate_up_kernel(
-    x,  # [T, H] e4m3, per token and 128 channels
-    x_s,  # [T, ceil(H/128)] fp32
-    w,  # [E, 2I, H] e4m3
-    w_s,  # [E, ceil(2I/SCALE_ROWS), ceil(H/128)] fp32
-    rows,  # [R] the assignments grouped by expert, 16 a block (`moe.align`); padding holds T * TOP_K
-    block_expert,  # [R // 16]
-    h,  # [T * TOP_K, I] e4m3: silu(gate) * up, rounded to the model dtype, quantized per 128
-    h_s,  # [T * TOP_K, ceil(I/128)] fp32
-    part,  # [SPLIT, T * TOP_K, 2, I] fp32 (SPLIT > 1)
-    counters,  # [R // 16 * ceil(I/128)] int32, zero between launches (SPLIT > 1)
-    NUM_ASSIGN,
-    H,
-    INTER,
-    blocks_per_split,
-    stride_xt,
-    stride_xst,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_ht,
-    stride_hst,
-    TOP_K: tl.constexpr,
-    E: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROUND: tl.constexpr,  # the model dtype the intermediate is rounded to before its quantization
-    SPLIT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """`_fp8_moe_skinny_gate_up_kernel` for each expert's block of up to 16 assignments rather
-    than each assignment: program (n, b, s) takes 128 gate and 128 up rows of block b's expert on
-    wgmma's wide side, the block's tokens on the narrow one, so an expert that several tokens
-    chose is read once for them."""
-    pid_n = tl.program_id(0)
-    b = tl.program_id(1)
-    wait_inputs(PDL)
-    expert = tl.load(block_expert + b).to(tl.int64)
-    if expert >= E:  # past the groups, or another rank's experts: the down kernel adds zero for them
-        return
-    members = tl.load(rows + b * 16 + tl.arange(0, 16))
-    valid = members < NUM_ASSIGN
-    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
-    n_ok = offs_n < INTER
-    tokens = (members // TOP_K).to(tl.int64)
-    g_rows = w + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-    u_rows = g_rows + INTER * stride_wn
-    sg_rows = w_s + expert * stride_se + (offs_n // SCALE_ROWS) * stride_sn
-    su_rows = w_s + expert * stride_se + ((offs_n + INTER) // SCALE_ROWS) * stride_sn
-    acc_g = tl.zeros((BLOCK, 16), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK, 16), dtype=tl.float32)
-    first = tl.program_id(2) * blocks_per_split
-    for i in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(H, BLOCK))):
-        offs_k = i * BLOCK + tl.arange(0, BLOCK)
-        k_ok = offs_k < H
-        xt = tl.load(
-            x + tokens[None, :] * stride_xt + offs_k[:, None], mask=valid[None, :] & k_ok[:, None], other=0.0
-        )
-        sx = tl.load(x_s + tokens * stride_xst + i, mask=valid, other=0.0)
-        wmask = n_ok[:, None] & k_ok[None, :]
-        wg = tl.load(g_rows + offs_k[None, :], mask=wmask, other=0.0)
-        wu = tl.load(u_rows + offs_k[None, :], mask=wmask, other=0.0)
-        sg = tl.load(sg_rows + i, mask=n_ok, other=0.0)
-        su = tl.load(su_rows + i, mask=n_ok, other=0.0)
-        acc_g += tl.dot(wg, xt) * sx[None, :] * sg[:, None]
-        acc_u += tl.dot(wu, xt) * sx[None, :] * su[:, None]
-    keep = n_ok[:, None] & valid[None, :]
-    finish = True
-    if SPLIT > 1:
-        parts = part + members[None, :].to(tl.int64) * 2 * INTER + offs_n[:, None]
-        step = NUM_ASSIGN * 2 * INTER
-        tl.store(parts + tl.program_id(2) * step, acc_g, mask=keep)
-        tl.store(parts + tl.program_id(2) * step + INTER, acc_u, mask=keep)
-        tile = b * tl.num_programs(0) + pid_n
-        finish = last_to_arrive(counters, tile, SPLIT)
-        if finish:
-            acc_g = tl.zeros((BLOCK, 16), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK, 16), dtype=tl.float32)
-            for s in range(SPLIT):
-                acc_g += tl.load(parts + s * step, mask=keep, other=0.0, cache_modifier=".cg")
-                acc_u += tl.load(parts + s * step + INTER, mask=keep, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(counters + tile, 0)
-    if finish:
-        v = (acc_g * tl.sigmoid(acc_g) * acc_u).to(ROUND).to(tl.float32)
-        q, scale = _e4m3_codes(tl.where(n_ok[:, None], v, 0.0), 0)
-        assign = members.to(tl.int64)
-        tl.store(h + assign[None, :] * stride_ht + offs_n[:, None], q.to(h.dtype.element_ty), mask=keep)
-        tl.store(h_s + assign * stride_hst + pid_n, scale, mask=valid)
-
-
-@triton.jit
-def _fp8_moe_blocks_down_kernel(
-    h,  # [T * TOP_K, I] e4m3
-    h_s,  # [T * TOP_K, ceil(I/128)] fp32
-    w,  # [E, H, I] e4m3
-    w_s,  # [E, ceil(H/SCALE_ROWS), ceil(I/128)] fp32
-    rows,  # [R] as the gate/up kernel's
-    block_expert,  # [R // 16]
-    weights,  # [T * TOP_K] fp32 routing weights
-    out,  # [T, H]
-    part,  # [T * TOP_K, H] fp32
-    counters,  # [T * ceil(H/BLOCK_N)] int32, zero between launches
-    NUM_ASSIGN,
-    H,
-    INTER,
-    stride_ht,
-    stride_hst,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_ot,
-    TOP_K: tl.constexpr,
-    E: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """`_fp8_moe_skinny_down_kernel` for each expert's block of up to 16 assignments: program
-    (n, b) takes BLOCK_N rows of block b's down projection times its assignments' quantized
-    intermediates (zero for another rank's expert), scaled by their routing weights; the last of
-    a token's TOP_K assignments to finish a tile adds theirs in assignment order and writes the
-    token's output. With PDL the block and its expert's first weight tile are loaded before the
-    wait: the grouping is written three launches back or more."""
-    pid_n = tl.program_id(0)
-    b = tl.program_id(1)
-    expert = tl.load(block_expert + b, cache_modifier=".cg").to(tl.int64)
-    if expert > E:  # past the groups
-        return
-    members = tl.load(rows + b * 16 + tl.arange(0, 16), cache_modifier=".cg")
-    valid = members < NUM_ASSIGN
-    ok = expert < E
-    expert = tl.where(ok, expert, 0)
-    acc, offs_n, n_ok = _skinny_fp8_tile(
-        h, h_s, w + expert * stride_we, w_s + expert * stride_se, pid_n, members, valid, H, INTER, 0,
-        tl.cdiv(INTER, BLOCK), stride_ht, stride_hst, stride_wn, stride_sn, SCALE_ROWS, BLOCK_N, BLOCK, PDL,
-    )  # fmt: skip
-    # another rank's expert adds zero; its intermediate rows were never written (where, not a product)
-    acc = tl.where(ok, acc, 0.0)
-    assign = members.to(tl.int64)
-    y = acc * tl.load(weights + assign, mask=valid, other=0.0)[None, :]
-    keep = n_ok[:, None] & valid[None, :]
-    tl.store(part + assign[None, :] * H + offs_n[:, None], y, mask=keep)
-    tokens = assign // TOP_K
-    tiles = tokens * tl.num_programs(0) + pid_n
-    last = arrivals(counters, tiles, valid) == TOP_K - 1
-    done = n_ok[:, None] & last[None, :]
-    total = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for j in range(TOP_K):
-        src = part + (tokens * TOP_K + j)[None, :] * H + offs_n[:, None]
-        total += tl.load(src, mask=done, other=0.0, cache_modifier=".cg")
-    tl.store(out + tokens[None, :] * stride_ot + offs_n[:, None], total.to(out.dtype.element_ty), mask=done)
-    tl.atomic_xchg(counters + tiles, 0, mask=last)
 
 
 @triton.jit
