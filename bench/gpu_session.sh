@@ -199,7 +199,7 @@ case "${1:-all}" in
       --json "$out/moe-layer-80b.json"
     run 60 moe-layer-35b python3 -m bench.ops.fp8_gemv --moe configs/qwen3.5-35b-a3b-fp8 --tokens 8 16 24 32 48 64
     for pairs in ${PAIRS:-384 0}; do
-      run 100 decode-80b-$pairs python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+      run 170 decode-80b-$pairs python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
         --batch-sizes 8 16 32 64 --prompt-len 1024 --new-tokens 64 --prefill-len 0 --moe-pairs $pairs
       run 90 decode-35b-$pairs python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
         --batch-sizes 8 16 32 64 --new-tokens 64 --prefill-len 0 --moe-pairs $pairs
