@@ -13,8 +13,7 @@
 #   bash bench/gpu_session.sh fused-quant # FP8 rows from norms/SwiGLU, one-launch in_proj: tests, FP8 decode vs REV
 #   bash bench/gpu_session.sh skinny-moe # the skinny MoE's tilings on 80B's and 35B's experts
 #   bash bench/gpu_session.sh moe-ab  # 80B FP8 batch 1 and 35B FP8 batch 1 / 8 against REV (prepare REV)
-#   bash bench/gpu_session.sh moe-limit # FP8 decode with the MoE's per-pair limit at 384 and at its default
-#   bash bench/gpu_session.sh moe-crossover # FP8 MoE: skinny vs grouped GEMMs by layer and in decode, PAIRS="384 0"
+#   bash bench/gpu_session.sh moe-crossover # FP8 MoE: skinny vs grouped GEMMs by layer, decode at PAIRS="384 default"
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -198,24 +197,16 @@ case "${1:-all}" in
     run 90 moe-layer python3 -m bench.ops.fp8_gemv --moe configs/qwen3-next-80b-a3b-fp8 --tokens 8 16 24 32 48 64 \
       --json "$out/moe-layer-80b.json"
     run 60 moe-layer-35b python3 -m bench.ops.fp8_gemv --moe configs/qwen3.5-35b-a3b-fp8 --tokens 8 16 24 32 48 64
-    for pairs in ${PAIRS:-384 0}; do
+    for pairs in ${PAIRS:-384 default}; do  # --moe-pairs N (0: the grouped GEMMs throughout), or the default
+      flag=""; [ "$pairs" = default ] || flag="--moe-pairs $pairs"
       run 170 decode-80b-$pairs python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
-        --batch-sizes 8 16 32 64 --prompt-len 1024 --new-tokens 64 --prefill-len 0 --moe-pairs $pairs
-      run 90 decode-35b-$pairs python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
-        --batch-sizes 8 16 32 64 --new-tokens 64 --prefill-len 0 --moe-pairs $pairs
-    done
-    ;;
-  moe-limit)  # decode with the FP8 MoE's per-pair limit at 384 (before) and its default, in one call
-    for pairs in 384 default; do
-      flag=""; [ $pairs = default ] || flag="--moe-pairs $pairs"
-      run 170 limit-80b-$pairs python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
         --batch-sizes 8 16 24 32 --prompt-len 1024 --new-tokens 64 --prefill-len 0 $flag
-      run 120 limit-35b-$pairs python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
+      run 120 decode-35b-$pairs python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
         --batch-sizes 8 16 24 32 --new-tokens 64 --prefill-len 0 $flag
     done
     ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-limit" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover" >&2
     exit 2
     ;;
 esac

@@ -18,6 +18,12 @@ export PYTHONUNBUFFERED=1
 log="$out/serve.log"
 port=8000
 WORKLOAD=(--input-len 1024 --output-len 256 --health-probe --client-processes 4)
+FP8_80B=(--input-len 8192 --output-len 1024 --health-probe --concurrency 32 --num-prompts 64)  # issue 24's row
+
+base_tree() {  # REV's package in /tmp/ab-base and its configs in /tmp/ab-cwd (bash bench/ab.sh prepare REV here)
+  [ -d /tmp/ab-base ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base .base/base
+  mkdir -p /tmp/ab-cwd && cp -r .base/base/configs /tmp/ab-cwd/ && cp -r bench /tmp/ab-cwd/
+}
 
 listen_drops() {  # the kernel's count of connections a full accept queue dropped, and its limits
   awk '/^TcpExt:/ { if (!h) { split($0, k); h = 1 } else { split($0, v)
@@ -111,8 +117,7 @@ case "${1:-9b}" in
     offline 9b-offline configs/qwen3.5-9b '{"load_format": "dummy"}' "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
     ;;
   before)  # before [CONFIG] [CONCURRENCY]: REV's server (default 9B at 64,256); BEFORE_PATH: its site-packages
-    [ -d /tmp/ab-base ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base .base/base
-    mkdir -p /tmp/ab-cwd && cp -r .base/base/configs /tmp/ab-cwd/ && cp -r bench /tmp/ab-cwd/
+    base_tree
     cfg=${2:-qwen3.5-9b}
     serve_bench "$cfg-before${TAG:-}" /tmp/ab-cwd "/tmp/ab-base:${BEFORE_PATH:-${PYTHONPATH:-}}" \
       "--model configs/$cfg $dummy ${SERVER_ARGS:-}" "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64 ${BENCH_ARGS:-}
@@ -218,15 +223,12 @@ case "${1:-9b}" in
     done
     ;;
   80b-fp8)  # issue 24's serving row: Qwen3-Next-80B-A3B FP8, 8k in / 1k out, 32 clients
-    serve_bench 80b-fp8 . "${PYTHONPATH:-}" "--model configs/qwen3-next-80b-a3b-fp8 $dummy" \
-      --input-len 8192 --output-len 1024 --health-probe --concurrency 32 --num-prompts 64
+    serve_bench 80b-fp8 . "${PYTHONPATH:-}" "--model configs/qwen3-next-80b-a3b-fp8 $dummy" "${FP8_80B[@]}"
     ;;
   80b-fp8-before)  # the same row on REV's server (bash bench/ab.sh prepare REV here; carry .base)
-    [ -d /tmp/ab-base ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base .base/base
-    mkdir -p /tmp/ab-cwd && cp -r .base/base/configs /tmp/ab-cwd/ && cp -r bench /tmp/ab-cwd/
+    base_tree
     serve_bench 80b-fp8-before /tmp/ab-cwd "/tmp/ab-base:${PYTHONPATH:-}" \
-      "--model configs/qwen3-next-80b-a3b-fp8 $dummy" --input-len 8192 --output-len 1024 --health-probe \
-      --concurrency 32 --num-prompts 64
+      "--model configs/qwen3-next-80b-a3b-fp8 $dummy" "${FP8_80B[@]}"
     ;;
   kimi)  # kimi [C,...]: Kimi-Linear-48B-A3B (default C = 1,64,256; one level a call fits a call's limit)
     serve_bench kimi-new . "${PYTHONPATH:-}" "--model configs/kimi-linear-48b-a3b $dummy" \
