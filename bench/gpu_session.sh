@@ -14,6 +14,7 @@
 #   bash bench/gpu_session.sh skinny-moe # the skinny MoE's tilings on 80B's and 35B's experts
 #   bash bench/gpu_session.sh moe-ab  # 80B FP8 batch 1 and 35B FP8 batch 1 / 8 against REV (prepare REV)
 #   bash bench/gpu_session.sh moe-crossover # FP8 MoE: skinny vs grouped GEMMs by layer, decode at PAIRS="384 default"
+#   bash bench/gpu_session.sh moe-decode # 80B FP8 batch-32 decode's kernels; the grouped MoE GEMMs' tiles at decode's 32 / 64 tokens
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -205,8 +206,18 @@ case "${1:-all}" in
         --batch-sizes 8 16 24 32 --new-tokens 64 --prefill-len 0 $flag
     done
     ;;
+  moe-decode)  # where 80B FP8's batch-32 decode step goes; the grouped GEMMs' gate/up, then down tiles at decode sizes
+    run 200 profile-80b-b32 python3 -m bench.engine.profile_decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-size 32 --prompt-len 1024 --rows 30
+    gu=(16:64:128:4:4 16:128:128:4:4 16:128:128:8:3 16:256:128:8:3 16:128:64:4:5 16:64:128:2:5 16:64:64:2:6)
+    dn=(64:128:4:4 64:128:2:4 256:128:8:3 256:128:4:2 128:64:4:5 32:128:2:4 128:128:8:3 128:128:4:4)
+    run 120 moe-tiles-80b python3 -m bench.ops.fp8_gemm --moe configs/qwen3-next-80b-a3b-fp8 --tokens 32 64 \
+      --moe-tiles "${gu[@]}" "${dn[@]/#/16:128:128:4:3/}"
+    run 100 moe-tiles-35b python3 -m bench.ops.fp8_gemm --moe configs/qwen3.5-35b-a3b-fp8 --tokens 32 64 \
+      --moe-tiles "${gu[@]}" "${dn[@]/#/16:128:128:4:3/}"
+    ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode" >&2
     exit 2
     ;;
 esac

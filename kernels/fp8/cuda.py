@@ -425,17 +425,14 @@ def moe_tiles(assignments: int) -> tuple[int, int, int, int, int]:
     scale block: 16-row tiles for decode's batches, 64-row ones for prefill (bench/ops/fp8_gemm.py --moe,
     docs/performance.md)."""
     if assignments <= 2048:
-        return 16, 128, 128, 4, 3
+        return 16, 64, 128, 4, 4
     return 64, 64, 128, 4, 4
 
 
-def moe_down_tiles(assignments: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, STEP_K, warps, stages) of the down GEMM, whose rows are the gate/up GEMM's
-    (`moe_tiles`' BLOCK_M): its K is the experts' intermediate width, a few scale blocks, so
-    past decode's batches wider tiles than gate/up's read each row's activations fewer times."""
-    if assignments <= 2048:
-        return moe_tiles(assignments)[1:]
-    return 128, 128, 4, 3
+# (BLOCK_N, STEP_K, warps, stages) of the down GEMM, whose rows are the gate/up GEMM's (`moe_tiles`'
+# BLOCK_M): its K is the experts' intermediate width, a few scale blocks, so tiles wider than
+# gate/up's read each row's activations fewer times
+MOE_DOWN_TILES = (128, 128, 4, 3)
 
 
 def fp8_moe_cuda(
@@ -453,7 +450,7 @@ def fp8_moe_cuda(
     """`moe.cuda.fused_moe_cuda` with e4m3 experts: w8a8 grouped GEMMs, or for a few tokens the
     per-assignment GEMV, which quantizes its rows in registers (as `fp8_linear_cuda` splits rows).
     `tiles`: the gate/up GEMM's (BLOCK_M, BLOCK_N, STEP_K, warps, stages), `moe_tiles` unless given;
-    `down_tiles`: the down GEMM's (BLOCK_N, STEP_K, warps, stages), `moe_down_tiles` unless given
+    `down_tiles`: the down GEMM's (BLOCK_N, STEP_K, warps, stages), `MOE_DOWN_TILES` unless given
     (`bench/ops/fp8_gemm.py --moe` sweeps both)."""
     import triton
 
@@ -488,7 +485,7 @@ def fp8_moe_cuda(
     iq, is_ = act_quant_cuda(inter)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    block_n, step_k, warps, stages = down_tiles or moe_down_tiles(n)
+    block_n, step_k, warps, stages = down_tiles or MOE_DOWN_TILES
     grid2 = (block_expert.numel(), triton.cdiv(h, block_n))
     _fp8_moe_down_kernel[grid2](
         iq, is_, down, down_scale, rows, block_expert, weights, out, n, h, inter_size, e,
