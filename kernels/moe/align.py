@@ -6,8 +6,9 @@ time); `align_cuda` with four Triton launches over chunks of 128 assignments and
 each chunk's count of each expert, those counts' prefix over the chunks, each expert's group
 (its start after the padded groups before it, its padding and blocks), then each chunk's rows,
 each after its group's rows from earlier chunks and earlier in its chunk (the sort's stable
-order). The work is linear in the assignments. Both give the same rows bit for bit, with no host
-synchronisation, so CUDA graphs can capture either.
+order). The work is linear in the assignments. Decode's few assignments take one launch of one
+program instead (`_align_one_kernel`) of four launches a MoE layer.
+All give the same rows bit for bit, with no host synchronisation, so CUDA graphs can capture any.
 """
 
 from __future__ import annotations
@@ -124,9 +125,56 @@ def _place_kernel(ids, counts, starts, rows, N, E, EB: tl.constexpr, CHUNK: tl.c
     tl.store(rows + pos, offs.to(tl.int32), mask=live)
 
 
+@triton.jit
+def _align_one_kernel(
+    ids, shift, marks, rows, block_expert, N, E, R,
+    BLOCK_M: tl.constexpr, EB: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr,
+):  # fmt: skip
+    """All of `align_cuda` in one program, for decode's few assignments: the assignments sorted by
+    (expert, index), each placed at its group's start plus its rank in the sorted order less the
+    group's first; each block's expert the last group starting at or before it (a running max of
+    the groups' first blocks). Global scratch carries per-expert and per-block values between
+    lanes, with a barrier after each write."""
+    o = tl.arange(0, NB)
+    live = o < N
+    v = tl.load(ids + o, mask=live, other=0).to(tl.int32)
+    v = tl.where(live, tl.where((v < 0) | (v >= E), E, v), E + 1)
+    oe = tl.arange(0, EB)
+    counts = tl.where(oe <= E, tl.histogram(v, EB), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, 0) - padded
+    # rank j in the sorted order lands at starts[v] + j - (assignments before v's group)
+    tl.store(shift + oe, starts - (tl.cumsum(counts, 0) - counts))
+    ob = tl.arange(0, BB)
+    tl.store(marks + ob, tl.zeros([BB], tl.int32))
+    for j0 in range(0, R, NB):
+        tl.store(rows + j0 + o, tl.zeros([NB], tl.int32) + N, mask=j0 + o < R)
+    tl.debug_barrier()
+    end = tl.sum(padded, 0)
+    tl.store(marks + starts // BLOCK_M, oe, mask=padded > 0)
+    tail = end // BLOCK_M + ob
+    tl.store(marks + tail, tl.zeros([BB], tl.int32) + E + 1, mask=(ob == 0) & (tail < R // BLOCK_M))
+    key = tl.sort(v * NB + o)
+    sv = key // NB
+    tl.store(rows + tl.load(shift + sv) + o, key % NB, mask=sv <= E)
+    tl.debug_barrier()
+    blocks = tl.associative_scan(tl.load(marks + ob), 0, _max_combine)
+    tl.store(block_expert + ob, blocks, mask=ob < R // BLOCK_M)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+ONE_PROGRAM_ASSIGNMENTS = 1024  # up to this many (decode's), one launch in one program
+ONE_PROGRAM_BINS = 1024  # experts (+ 2) and blocks that one program's lanes hold
+
+
 def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_ref`'s rows and block experts from four launches: each chunk's count of each expert,
-    their prefix over chunks, each group's start, padding and blocks, then each chunk's rows."""
+    their prefix over chunks, each group's start, padding and blocks, then each chunk's rows. Up to
+    `ONE_PROGRAM_ASSIGNMENTS`, from one launch of one program (`_align_one_kernel`)."""
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     total = max_rows(n, num_experts, block_m)
@@ -134,11 +182,21 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     chunks = max(triton.cdiv(n, chunk), 1)
     eb = max(triton.next_power_of_2(num_experts + 2), cols)  # E + 1 holds the last chunk's dead lanes
     device = flat.device
+    rows = torch.empty(total, dtype=torch.int32, device=device)
+    block_expert = torch.empty(total // block_m, dtype=torch.int32, device=device)
+    bb = triton.next_power_of_2(total // block_m)
+    if n <= ONE_PROGRAM_ASSIGNMENTS and max(eb, bb) <= ONE_PROGRAM_BINS:
+        nb = max(triton.next_power_of_2(n), 16)
+        shift = torch.empty(eb, dtype=torch.int32, device=device)
+        marks = torch.empty(bb, dtype=torch.int32, device=device)
+        _align_one_kernel[(1,)](
+            flat, shift, marks, rows, block_expert, n, num_experts, total, BLOCK_M=block_m, EB=eb, NB=nb, BB=bb,
+            num_warps=8,
+        )  # fmt: skip
+        return rows, block_expert
     counts = torch.empty(chunks, eb, dtype=torch.int32, device=device)
     totals = torch.empty(eb, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
-    rows = torch.empty(total, dtype=torch.int32, device=device)
-    block_expert = torch.empty(total // block_m, dtype=torch.int32, device=device)
     _chunk_count_kernel[(chunks,)](flat, counts, n, num_experts, EB=eb, CHUNK=chunk, num_warps=4)
     _chunk_prefix_kernel[(eb // cols,)](counts, totals, chunks, EB=eb, COLS=cols, ROWS=64, num_warps=4)
     _groups_kernel[(num_experts + 1,)](
