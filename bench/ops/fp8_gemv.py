@@ -56,7 +56,7 @@ def bench_dense(
                 row["fp8_gemm_n{}_s{}_k{}_us".format(*t)] = time_us(
                     lambda q, x=x, t=t: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128, t), qs
                 )
-            if m <= fp8_cuda.SKINNY_MAX_ROWS:
+            if m <= fp8_cuda.SKINNY_MMA_ROWS:
                 for t in [None, *skinny_tiles]:
                     name = "x".join(map(str, t)) if t else "default"
                     row[f"fp8_skinny_{name}_us"] = time_us(

@@ -33,9 +33,14 @@ def gemm_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
 
 ACT_QUANT_ROWS = 32  # tokens per program of the activation quantization
 
+SKINNY_MMA_ROWS = 64  # the most rows one skinny launch takes: the narrow side of its MMA
+# decode batches of up to this many rows take the skinny GEMM, larger ones cuBLAS, which past it wins
+# on wide weights while the skinny GEMM's lead on narrow ones shrinks (docs/performance.md)
+SKINNY_MAX_ROWS = 32
+
 # Up to this many rows (decode's, where the skinny GEMM and MoE quantize their input in a launch of
 # its own) the ops that write a matmul's input quantize it on their way out (`keep_quantized`).
-FUSED_QUANT_ROWS = 16
+FUSED_QUANT_ROWS = SKINNY_MAX_ROWS
 
 # (y, q, s): the last output that its op also quantized; holding y keeps its memory from being
 # handed to another tensor while the slot can match it
@@ -185,7 +190,6 @@ def fp8_gemm_cuda(
     return out
 
 
-SKINNY_MAX_ROWS = 16  # the narrow side of the skinny GEMM's MMA
 # up to this many (token, expert) pairs the skinny MoE reads each pair's expert rows, past it the
 # grouped GEMMs read each expert's once: where they crossed on 35B-A3B's and 80B-A3B's experts
 SKINNY_MOE_PAIRS = 192
@@ -217,7 +221,7 @@ def fp8_skinny_cuda(
     out: torch.Tensor | None = None,
     dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """w8a8 for up to `SKINNY_MAX_ROWS` rows on the FP8 tensor cores, the weight's rows as the MMA's
+    """w8a8 for up to `SKINNY_MMA_ROWS` rows on the FP8 tensor cores, the weight's rows as the MMA's
     wide side: the rows quantized, then one launch, a K split summed by its last part. `tiles`:
     (BLOCK_N, stages, split), `skinny_tiles` unless given (`bench/ops/fp8_gemv.py` sweeps them).
     `out`: `[M, N]` with a unit last stride, written in place of a new tensor. `dense`: unquantized
@@ -233,13 +237,14 @@ def fp8_skinny_cuda(
     m, k = x.shape
     n = weight.shape[0]
     nd = 0 if dense is None else dense.shape[0]
-    assert m <= SKINNY_MAX_ROWS, m
+    assert m <= SKINNY_MMA_ROWS, m
     assert dense is None or (dense.shape[1] == k and dense.stride(-1) == 1 and dense.dtype == x.dtype)
     out = _output(out, m, n + nd, x)
     if m == 0:
         return out
     xq, xs = act_quant_cuda(x)
     block_n, num_stages, split = tiles or skinny_tiles(n, k, sm_count(x.device))
+    block_m = max(16, triton.next_power_of_2(m))  # wgmma's narrow side: 16 rows or more
     grid = (triton.cdiv(n, block_n) + triton.cdiv(nd, block_n), split)
     part = torch.empty(split, m, n + nd, dtype=torch.float32, device=x.device) if split > 1 else out
     counters = arrival_counters(x.device, grid[0]) if split > 1 else out
@@ -248,7 +253,7 @@ def fp8_skinny_cuda(
         m, n, nd, k, -(-num_blocks(k) // split),
         xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), out.stride(0), x.stride(0),
         dense.stride(0) if dense is not None else 0,
-        SCALE_ROWS=scale_rows, BLOCK_N=block_n, BLOCK_M=SKINNY_MAX_ROWS, BLOCK=BLOCK, SPLIT=split,
+        SCALE_ROWS=scale_rows, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK=BLOCK, SPLIT=split,
         DENSE=dense is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=num_stages, **pdl_args(x.device),
     )  # fmt: skip

@@ -129,7 +129,7 @@ def test_fp8_gemm_k_split_matches_one_part(m, n, k, scale_rows, tiles):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tiles", [None, (64, 4, 3)])
 @pytest.mark.parametrize("nd", [64, 10, 200])  # 80B's and 9B's GDN gate rows, a partial tile, several
-@pytest.mark.parametrize("m", [1, 3, 16, 40, 42])  # past the skinny GEMM: cuBLAS in place, or (42) padded
+@pytest.mark.parametrize("m", [1, 3, 16, 24, 40, 42])  # past the skinny GEMM: cuBLAS in place, or (42) padded
 def test_fp8_linear_with_unquantized_rows(m, nd, tiles, dtype):
     """A projection of FP8 rows followed by unquantized ones (a GDN in_proj's gate rows) writes
     both into one output; through the skinny GEMM from one launch, whose FP8 columns are the plain
@@ -236,7 +236,7 @@ def test_fp8_moe_skips_masked_ids(t):
 @pytest.mark.parametrize("tiles", [None, (64, 4, 1), (64, 3, 3), (128, 4, 8)])
 @pytest.mark.parametrize("scale_rows", [128, 1])
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 24, 32, 64])  # 16-row MMAs up to 16, then 32 and 64
 def test_fp8_skinny_matches_gemm(m, n, k, scale_rows, tiles):
     """The skinny GEMM (weight rows as the MMA's wide side, a K split summed by its last part, at
     splits that leave some parts no blocks) is the reference's w8a8 math, and the Triton GEMM's

@@ -31,7 +31,7 @@ def check_fused_quantization(device: str) -> int:
         assert torch.equal(kept[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(kept[1], s)
 
     cases = 0
-    for rows, d in [(1, 256), (3, 640), (16, 2048), (2, 300)]:  # 300: a partial last group
+    for rows, d in [(1, 256), (3, 640), (16, 2048), (2, 300), (32, 512)]:  # 300: a partial last group
         x, r, w = randn(rows, d), randn(rows, d), randn(d, scale=0.2)
         for zc in (True, False):
             kept_equals_act_quant(
@@ -42,7 +42,7 @@ def check_fused_quantization(device: str) -> int:
                 N.add_rms_norm_launch(x, r, w, 1e-6, zc)[0],
             )
             cases += 2
-    for t, h, d in [(1, 4, 128), (5, 3, 256), (16, 2, 128)]:
+    for t, h, d in [(1, 4, 128), (5, 3, 256), (16, 2, 128), (24, 2, 128)]:
         x, w = randn(t, h, d), randn(d)
         z = randn(t, h, 2 * d)[..., :d]  # the gate inside the projection's output, as GDN's z
         for kind in ("silu", "sigmoid"):
@@ -57,7 +57,7 @@ def check_fused_quantization(device: str) -> int:
             N.sigmoid_gate_launch(x, qg[..., d:], quantize=True), N.sigmoid_gate_launch(x, qg[..., d:])
         )
         cases += 1
-    for t, i in [(1, 512), (3, 3000), (16, 128)]:
+    for t, i in [(1, 512), (3, 3000), (16, 128), (32, 256)]:
         x = randn(t, 2 * i, scale=3.0)
         kept_equals_act_quant(N.silu_and_mul_launch(x, quantize=True), N.silu_and_mul_launch(x))
         cases += 1
