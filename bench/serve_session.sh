@@ -18,7 +18,9 @@ export PYTHONUNBUFFERED=1
 log="$out/serve.log"
 port=8000
 WORKLOAD=(--input-len 1024 --output-len 256 --health-probe --client-processes 4)
-FP8_80B=(--input-len 8192 --output-len 1024 --health-probe --concurrency 32 --num-prompts 64)  # issue 24's row
+# issue 24's row, after one wave of warm-up requests: a fresh machine's first waves of 8k prefills
+# compile kernels, which slowed the first server of a pair (docs/performance.md)
+FP8_80B=(--input-len 8192 --output-len 1024 --health-probe --concurrency 32 --num-prompts 64 --warmup 32)
 
 base_tree() {  # REV's package in /tmp/ab-base and its configs in /tmp/ab-cwd (bash bench/ab.sh prepare REV here)
   [ -d /tmp/ab-base ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-base .base/base
