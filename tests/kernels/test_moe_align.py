@@ -18,7 +18,7 @@ CASES = [  # tokens, top k, experts, BLOCK_M
     (200, 10, 512, 64),  # 80B-A3B's experts
     (513, 3, 5, 128),  # groups of several blocks
     (0, 2, 8, 16),
-    (32, 11, 512, 16),  # 80B-A3B's decode at batch 32, the shared expert's group two blocks: one program
+    (32, 11, 512, 16),  # 80B-A3B's decode at batch 32 (top 10 and the shared expert): one program
     (93, 11, 64, 16),  # one program at its limit of assignments, groups of several blocks
 ]
 
