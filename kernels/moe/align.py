@@ -179,7 +179,6 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     n = flat.numel()
     total = max_rows(n, num_experts, block_m)
     chunk, cols = 128, 16
-    chunks = max(triton.cdiv(n, chunk), 1)
     eb = max(triton.next_power_of_2(num_experts + 2), cols)  # E + 1 holds the last chunk's dead lanes
     device = flat.device
     rows = torch.empty(total, dtype=torch.int32, device=device)
@@ -194,6 +193,7 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
             num_warps=8,
         )  # fmt: skip
         return rows, block_expert
+    chunks = max(triton.cdiv(n, chunk), 1)
     counts = torch.empty(chunks, eb, dtype=torch.int32, device=device)
     totals = torch.empty(eb, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
