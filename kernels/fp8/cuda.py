@@ -459,6 +459,7 @@ def fp8_moe_cuda(
     (`bench/ops/fp8_gemm.py --moe` sweeps both)."""
     import triton
 
+    from deltaserve.kernels.common.pdl import pdl_args
     from deltaserve.kernels.fp8.triton import _fp8_moe_down_kernel, _fp8_moe_gate_up_kernel
     from deltaserve.kernels.moe.align import align_cuda
     from deltaserve.kernels.moe.cuda import GEMV_ASSIGNMENTS, moe_gemv_cuda
@@ -475,6 +476,7 @@ def fp8_moe_cuda(
     if n <= GEMV_ASSIGNMENTS:
         return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights, gate_up_scale, down_scale, scale_rows)
     block_m, block_n, step_k, warps, stages = tiles or moe_tiles(n)
+    pdl = pdl_args(x.device)
     x = x.contiguous()
     rows, block_expert = align_cuda(topk_ids, e, block_m)
     xq, xs = act_quant_cuda(x)
@@ -485,7 +487,7 @@ def fp8_moe_cuda(
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
         gate_up_scale.stride(1), inter.stride(0),
         SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
     iq, is_ = act_quant_cuda(inter)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
@@ -497,6 +499,6 @@ def fp8_moe_cuda(
         iq.stride(0), is_.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         out.stride(0),
         SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
     return out.view(t, top_k, h).sum(dim=1)

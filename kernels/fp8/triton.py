@@ -519,7 +519,9 @@ def _fp8_moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
     STEP_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert + pid_m)
@@ -581,7 +583,9 @@ def _fp8_moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
     STEP_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert + pid_m)

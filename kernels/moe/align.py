@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.common.fast_launch import fast_launch_module
+from deltaserve.kernels.common.pdl import pdl_args, wait_inputs
 
 
 def max_rows(assignments: int, num_experts: int, block_m: int) -> int:
@@ -128,13 +129,14 @@ def _place_kernel(ids, counts, starts, rows, N, E, EB: tl.constexpr, CHUNK: tl.c
 @triton.jit
 def _align_one_kernel(
     ids, shift, marks, rows, block_expert, N, E, R,
-    BLOCK_M: tl.constexpr, EB: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr,
+    BLOCK_M: tl.constexpr, EB: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """All of `align_cuda` in one program, for decode's few assignments: the assignments sorted by
     (expert, index), each placed at its group's start plus its rank in the sorted order less the
     group's first; each block's expert the last group starting at or before it (a running max of
     the groups' first blocks). Global scratch carries per-expert and per-block values between
     lanes, with a barrier after each write."""
+    wait_inputs(PDL)
     o = tl.arange(0, NB)
     live = o < N
     v = tl.load(ids + o, mask=live, other=0).to(tl.int32)
@@ -190,7 +192,7 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
         marks = torch.empty(bb, dtype=torch.int32, device=device)
         _align_one_kernel[(1,)](
             flat, shift, marks, rows, block_expert, n, num_experts, total, BLOCK_M=block_m, EB=eb, NB=nb, BB=bb,
-            num_warps=8,
+            num_warps=8, **pdl_args(device),
         )  # fmt: skip
         return rows, block_expert
     chunks = max(triton.cdiv(n, chunk), 1)
