@@ -462,7 +462,7 @@ def fp8_moe_cuda(
     from deltaserve.kernels.common.pdl import pdl_args
     from deltaserve.kernels.fp8.triton import _fp8_moe_down_kernel, _fp8_moe_gate_up_kernel
     from deltaserve.kernels.moe.align import align_cuda
-    from deltaserve.kernels.moe.cuda import GEMV_ASSIGNMENTS, moe_gemv_cuda
+    from deltaserve.kernels.moe.cuda import GEMV_ASSIGNMENTS, moe_gemv_cuda, topk_sum_cuda
 
     t, h = x.shape
     e, two_i, _ = gate_up.shape
@@ -501,4 +501,4 @@ def fp8_moe_cuda(
         SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k,
         num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
-    return out.view(t, top_k, h).sum(dim=1)
+    return topk_sum_cuda(out, top_k)

@@ -20,6 +20,25 @@ def grouped_tiles(assignments: int, element_size: int) -> tuple[int, int, int, i
     return 64, 128, 64, 4, 4
 
 
+def topk_sum_cuda(parts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """`parts.view(T, top_k, H).sum(dim=1)` (`parts`: `[T * top_k, H]`, contiguous), summed in k
+    order in fp32, in one launch that can start before the GEMM writing `parts` ends (PDL)."""
+    import triton
+
+    from deltaserve.kernels.common.pdl import pdl_args
+    from deltaserve.kernels.moe.triton import _topk_sum_kernel
+
+    n, h = parts.shape
+    out = torch.empty(n // top_k, h, dtype=parts.dtype, device=parts.device)
+    if out.numel() == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(h))
+    _topk_sum_kernel[(n // top_k, triton.cdiv(h, block))](
+        parts, out, h, TOP_K=top_k, BLOCK=block, num_warps=4, **pdl_args(parts.device)
+    )
+    return out
+
+
 def fused_moe_cuda(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -67,7 +86,7 @@ def fused_moe_cuda(
         num_stages=stages,
         **pdl_args(inter.device),
     )  # fmt: skip
-    return out.view(t, top_k, h).sum(dim=1)
+    return topk_sum_cuda(out, top_k)
 
 
 def moe_gemv_tiles(n: int, k: int, assignments: int, acc: int, sms: int) -> tuple[int, int]:
@@ -130,4 +149,4 @@ def moe_gemv_cuda(
         ds.stride(0) if fp8 else 0, ds.stride(1) if fp8 else 0, out.stride(0),
         SCALE_ROWS=scale_rows, HAS_SCALE=fp8, BN=bn, S=s, BLOCK=128, num_warps=4, **pdl,
     )  # fmt: skip
-    return out.view(t, top_k, h).sum(dim=1)
+    return topk_sum_cuda(out, top_k)

@@ -136,4 +136,17 @@ def _moe_down_kernel(
     tl.store(dst, acc.to(out.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _topk_sum_kernel(parts, out, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Token t's output: its TOP_K rows of `parts` ([T * TOP_K, H]) summed in order in fp32."""
+    wait_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(parts + (t * TOP_K + k) * H + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + t * H + offs, acc.to(out.dtype.element_ty), mask=ok)
+
+
 fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)
