@@ -239,7 +239,8 @@ case "${1:-all}" in
     ;;
   moe-pdl)  # the grouped MoE's GPU tests; 80B and 35B FP8 decode at the grouped GEMMs' batches against REV (prepare REV)
     run 150 tests python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/test_moe_align.py tests/kernels/test_moe_topk_sum.py \
-      tests/kernels/test_moe_cuda.py tests/kernels/test_fp8_cuda.py -k "align or moe or pdl"
+      tests/kernels/test_moe_cuda.py tests/kernels/test_fp8_cuda.py tests/models/test_fp8_checkpoints.py \
+      -k "align or moe or pdl or topk_sum or engine_on_cuda"
     run 300 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-sizes 24 32 --prompt-len 1024 --new-tokens 64 --prefill-len 0
     run 150 ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \

@@ -296,7 +296,8 @@ def test_fp8_engine_on_cuda_matches_cpu(make_checkpoint, tmp_path):
 
     src = make_checkpoint("qwen3_next", **SHAPES)
     fp8 = write_fp8(src, tmp_path / "fp8")
-    prompts = [[1, 5, 9, 2, 7, 3], list(range(20, 90))]
+    # 20 prompts: decode batches of 17-32 rows take the skinny GEMM's 32-row MMAs on CUDA
+    prompts = [[1, 5, 9, 2, 7, 3], list(range(20, 90))] + [[3 + j, 40 + 2 * j, 7, 11 + j] for j in range(18)]
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=5)
 
     def run(path, device: str, dtype: str) -> list:
