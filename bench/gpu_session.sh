@@ -17,7 +17,8 @@
 #   bash bench/gpu_session.sh moe-decode # 80B FP8 batch-32 decode's kernels; the grouped MoE GEMMs' tiles at decode's 32 / 64 tokens
 #   bash bench/gpu_session.sh skinny-32 # skinny GEMM vs cuBLAS at 16-64 rows (80B, 9B); 80B FP8 decode vs REV
 #   bash bench/gpu_session.sh skinny-32-2 # their GPU tests; 35B and 9B FP8 decode vs REV
-#   bash bench/gpu_session.sh moe-pdl # the grouped MoE with PDL and a Triton top-k sum: GPU tests; 80B / 35B FP8 decode vs REV
+#   bash bench/gpu_session.sh moe-pdl # the grouped MoE with PDL and a Triton top-k sum: 80B / 35B FP8 decode vs REV
+#   bash bench/gpu_session.sh moe-pdl-tests # their GPU tests
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -237,14 +238,19 @@ case "${1:-all}" in
     run 120 ab-9b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b-fp8 \
       --batch-sizes 16 24 32 --new-tokens 64 --prefill-len 0
     ;;
-  moe-pdl)  # the grouped MoE's GPU tests; 80B and 35B FP8 decode at the grouped GEMMs' batches against REV (prepare REV)
-    run 150 tests python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/test_moe_align.py tests/kernels/test_moe_topk_sum.py \
-      tests/kernels/test_moe_cuda.py tests/kernels/test_fp8_cuda.py tests/models/test_fp8_checkpoints.py \
-      -k "align or moe or pdl or topk_sum or engine_on_cuda"
-    run 300 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+  moe-pdl)  # 80B and 35B FP8 decode at the grouped GEMMs' batches against REV (prepare REV)
+    run 330 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-sizes 24 32 --prompt-len 1024 --new-tokens 64 --prefill-len 0
-    run 150 ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
+    run 200 ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
       --batch-sizes 24 32 --new-tokens 64 --prefill-len 0
+    ;;
+  moe-pdl-tests)  # the grouped MoE's GPU tests, in three concurrent groups (compiling is the bound)
+    run 400 tests-moe python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/test_moe_align.py \
+      tests/kernels/test_moe_topk_sum.py tests/kernels/test_moe_cuda.py &
+    run 400 tests-fp8 python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/test_fp8_cuda.py -k "moe or pdl" &
+    run 400 tests-engine python3 -m pytest -q -rf -m "gpu and not slow" tests/models/test_fp8_checkpoints.py \
+      -k engine_on_cuda &
+    wait
     ;;
   *)
     echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-2|moe-pdl" >&2
