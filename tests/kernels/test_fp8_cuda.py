@@ -313,13 +313,16 @@ def test_fp8_decode_graph_with_pdl_equals_plain_launches(monkeypatch):
 
     def chain(x: torch.Tensor) -> torch.Tensor:
         for (up, up_s), (down, down_s), ((gu, gu_s), (dn, dn_s)) in layers:
+            # RMS-normalized as a model's layer input is: the MoE is quadratic in x, and six layers
+            # of it grew some random inputs past bf16's range (NaN, which never compares equal)
+            x = x * torch.rsqrt(x.float().square().mean() + 1e-6).to(x.dtype)
             h = fp8_skinny_cuda(x, up, up_s, 128, (64, 4, 4))  # K split in four
             x = fp8_gemv_cuda(h, down, down_s, 128) + fp8_skinny_cuda(h, down, down_s, 128)
             x = x + fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, 128, ids, weights)
             x = x + moe_gemv_cuda(x, gu, dn, ids, weights, gu_s, dn_s, 128)
         return x
 
-    inputs = [torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    inputs = [torch.randn(1, 1024, device="cuda", generator=g).bfloat16() for _ in range(4)]
     monkeypatch.setenv("DELTASERVE_PDL", "off")
     expected = [chain(x) for x in inputs]
     monkeypatch.setenv("DELTASERVE_PDL", "on")
@@ -335,5 +338,5 @@ def test_fp8_decode_graph_with_pdl_equals_plain_launches(monkeypatch):
     for x, want in zip(inputs, expected):
         x_in.copy_(x)
         graph.replay()
+        assert want.isfinite().all() and want.abs().max() > 0
         torch.testing.assert_close(out, want, rtol=0, atol=0)
-        assert want.abs().max() > 0
