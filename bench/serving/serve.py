@@ -27,7 +27,8 @@ for the next.
 
 Offline method: one `LLM` is built (weights loaded once) with max_running_requests = the
 largest level unless --offline-args gives one. For each level, `llm.engine` is driven
-directly: min(C, max_running_requests) requests are added, the engine steps, and each
+directly, after the same --warmup requests as the server gets (all at once): min(C,
+max_running_requests) requests are added, the engine steps, and each
 finished request is replaced by the next one, so at most C run at once as with C HTTP
 clients. Output tok/s is output tokens over the wall time from the first add to the last
 finish; its TTFT is each request's arrival to first token on the engine's clock, as the server's
@@ -634,9 +635,10 @@ def run_offline(args: argparse.Namespace, runs: list[Run]) -> list[dict[str, Any
     params = SamplingParams(
         temperature=0.0, max_tokens=args.output_len, ignore_eos=True, output_kind="final_only"
     )
-    if args.warmup:
-        warm = make_prompts(1, args.input_len, args.vocab_low, args.vocab_high, f"{args.seed}-warm")
-        _drive(engine, warm, params, 1, "warm")
+    warm: list[list[int]] = []
+    if args.warmup:  # the server's warm-up (run_all_http): the same requests, all at once
+        warm = make_prompts(args.warmup, args.input_len, args.vocab_low, args.vocab_high, f"{args.seed}-warm")
+        _drive(engine, warm, params, min(len(warm), cap), "warm")
     out = []
     for run in runs:
         concurrency = min(run.offline_concurrency, cap)
@@ -655,6 +657,7 @@ def run_offline(args: argparse.Namespace, runs: list[Run]) -> list[dict[str, Any
                 "total_tok_s": (tokens + sum(len(p) for p in run.prompts)) / dt,
                 # the engine's own clock, as the server's TTFT histogram is kept
                 "ttft_mean_ms": 1e3 * sum(ttfts) / len(ttfts) if ttfts else None,
+                "warmup_requests": len(warm),
             }
         )
         print(f"offline {run.label}: {tokens / dt:.1f} output tok/s", file=sys.stderr)

@@ -99,9 +99,10 @@ def test_split_run_deals_clients_prompts_and_arrivals() -> None:
 @pytest.mark.slow
 def test_offline_only(builtin_path: str) -> None:
     argv = ["--offline-only", "--offline-model", builtin_path, "--concurrency", "2", *SHAPE]
-    result = main([*argv, "--offline-args", json.dumps({"max_model_len": 64})])
+    result = main([*argv, "--offline-args", json.dumps({"max_model_len": 64}), "--warmup", "3"])
     assert result["runs"] == [] and len(result["offline"]) == 1
     assert result["offline"][0]["output_tokens"] == PROMPTS * OUTPUT_LEN
+    assert result["offline"][0]["warmup_requests"] == 3  # as many as the server's warm-up
 
 
 def test_connections_reuse_the_last_freed_client() -> None:
