@@ -121,7 +121,7 @@ case "${1:-all}" in
     done
     ;;
   fp8)  # FP8 GPU tests at once; each FP8 path and tiling on 9B's and 80B's dense shapes, 80B's experts
-    run 200 fp8-kernel-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py tests/kernels/test_moe_cuda.py &
+    run 200 fp8-kernel-tests python3 -m pytest -q -rfE -m gpu tests/kernels/fp8/test_fp8_cuda.py tests/kernels/moe/test_moe_cuda.py &
     run 200 fp8-model-tests python3 -m pytest -q -rfE -s -m gpu tests/models/test_fp8_checkpoints.py &
     wait
     run 150 fp8-gemv python3 -m bench.ops.fp8_gemv --model configs/qwen3.5-9b --rows 1 2 8 32 --gemm-tiles 64:4 32:6 \
@@ -130,7 +130,7 @@ case "${1:-all}" in
       --gemm-tiles 64:4 32:6 --gemv-tiles 4:4 8:4 2:8 16:2
     ;;
   fp8-decode)  # FP8 GPU tests; 80B-A3B FP8 decode against REV (prepare REV)
-    run 240 fp8-kernel-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py tests/kernels/test_moe_cuda.py &
+    run 240 fp8-kernel-tests python3 -m pytest -q -rfE -m gpu tests/kernels/fp8/test_fp8_cuda.py tests/kernels/moe/test_moe_cuda.py &
     run 240 fp8-model-tests python3 -m pytest -q -rfE -s -m gpu tests/models/test_fp8_checkpoints.py &
     wait
     run 300 ab-80b-fp8 bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
@@ -157,8 +157,8 @@ case "${1:-all}" in
       --batch-size 32 --prompt-len 8192 --rows 30
     ;;
   moe-prefill-ab)  # the MoE's and the FP8 prefill's GPU tests; 80B / 35B FP8 8k prefill against REV; 80B serving ($SERVE)
-    run 150 moe-tests python3 -m pytest -q -m gpu tests/kernels/test_moe_align.py tests/kernels/test_moe_cuda.py \
-      tests/kernels/test_fp8_cuda.py -k "align or fused_moe or fp8_moe_matches or skips_masked or unquantized_rows or cublas"
+    run 150 moe-tests python3 -m pytest -q -m gpu tests/kernels/moe/test_moe_align.py tests/kernels/moe/test_moe_cuda.py \
+      tests/kernels/fp8/test_fp8_cuda.py -k "align or fused_moe or fp8_moe_matches or skips_masked or unquantized_rows or cublas"
     run 200 prefill-ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-sizes 1 --new-tokens 8 --prefill-len 8192
     run 130 prefill-ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
@@ -169,10 +169,10 @@ case "${1:-all}" in
     fi
     ;;
   fused-quant)  # FP8 rows from the norms/SwiGLU, one-launch in_proj: tests; 9B / 80B / 35B FP8 decode vs REV
-    run 150 quant-tests python3 -m pytest -q -rfE -s -m gpu tests/kernels/test_fused_quant.py \
+    run 150 quant-tests python3 -m pytest -q -rfE -s -m gpu tests/kernels/fp8/test_fused_quant.py \
       tests/kernels/test_norm_kernels.py tests/kernels/test_router_cuda.py tests/models/test_fp8_checkpoints.py \
       tests/models/test_shared_expert_fusion.py &
-    run 150 fp8-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_fp8_cuda.py \
+    run 150 fp8-tests python3 -m pytest -q -rfE -m gpu tests/kernels/fp8/test_fp8_cuda.py \
       -k "moe_matches or skinny or unquantized_rows" &
     wait
     run 120 ab-9b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b-fp8 \
@@ -191,7 +191,7 @@ case "${1:-all}" in
     ;;
   moe-ab)  # 80B FP8 batch 1 and 35B FP8 batch 1 / 8 against REV (prepare REV)
     if [ -n "${WITH_TESTS:-}" ]; then
-      run 170 fp8-tests python3 -m pytest -q -x tests/kernels/test_fp8_cuda.py -k "moe_matches or skinny"
+      run 170 fp8-tests python3 -m pytest -q -x tests/kernels/fp8/test_fp8_cuda.py -k "moe_matches or skinny"
     fi
     run 120 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-sizes 1 --prompt-len 1024 --new-tokens 64 --prefill-len 0
@@ -228,9 +228,9 @@ case "${1:-all}" in
     ;;
   skinny-32-2)  # the GPU tests of skinny-32's kernels in three groups at once; 35B and 9B FP8 decode against REV
     t=(python3 -m pytest -q -rf -m "gpu and not slow")
-    run 240 tests-skinny "${t[@]}" tests/kernels/test_fp8_cuda.py -k skinny_matches_gemm &
-    run 240 tests-fp8 "${t[@]}" tests/kernels/test_fp8_cuda.py -k "not skinny_matches_gemm" &
-    run 240 tests-align "${t[@]}" tests/kernels/test_moe_align.py tests/kernels/test_fused_quant.py \
+    run 240 tests-skinny "${t[@]}" tests/kernels/fp8/test_fp8_cuda.py -k skinny_matches_gemm &
+    run 240 tests-fp8 "${t[@]}" tests/kernels/fp8/test_fp8_cuda.py -k "not skinny_matches_gemm" &
+    run 240 tests-align "${t[@]}" tests/kernels/moe/test_moe_align.py tests/kernels/fp8/test_fused_quant.py \
       tests/models/test_fp8_checkpoints.py &
     wait
     run 150 ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
@@ -245,9 +245,9 @@ case "${1:-all}" in
       --batch-sizes 24 32 --new-tokens 64 --prefill-len 0
     ;;
   moe-pdl-tests)  # the grouped MoE's GPU tests, in three concurrent groups (compiling is the bound)
-    run 400 tests-moe python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/test_moe_align.py \
-      tests/kernels/test_moe_topk_sum.py tests/kernels/test_moe_cuda.py &
-    run 400 tests-fp8 python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/test_fp8_cuda.py -k "moe or pdl" &
+    run 400 tests-moe python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/moe/test_moe_align.py \
+      tests/kernels/moe/test_moe_topk_sum.py tests/kernels/moe/test_moe_cuda.py &
+    run 400 tests-fp8 python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/fp8/test_fp8_cuda.py -k "moe or pdl" &
     run 400 tests-engine python3 -m pytest -q -rf -m "gpu and not slow" tests/models/test_fp8_checkpoints.py \
       -k engine_on_cuda &
     wait

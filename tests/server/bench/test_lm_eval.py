@@ -12,7 +12,7 @@ import pytest
 
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
-DATA = Path(__file__).parent.parent / "data" / "lm_eval"
+DATA = Path(__file__).resolve().parents[2] / "data" / "lm_eval"
 
 CHOICE = """task: deltaserve_tiny_choice
 dataset_path: json
