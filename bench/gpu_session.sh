@@ -16,7 +16,8 @@
 #   bash bench/gpu_session.sh moe-crossover # FP8 MoE: skinny vs grouped GEMMs by layer, decode at PAIRS="384 default"
 #   bash bench/gpu_session.sh moe-decode # 80B FP8 batch-32 decode's kernels; the grouped MoE GEMMs' tiles at decode's 32 / 64 tokens
 #   bash bench/gpu_session.sh skinny-32 # skinny GEMM vs cuBLAS at 16-64 rows (80B, 9B); 80B FP8 decode vs REV
-#   bash bench/gpu_session.sh skinny-32-2 # their GPU tests; 35B and 9B FP8 decode vs REV
+#   bash bench/gpu_session.sh skinny-32-tests # their GPU tests
+#   bash bench/gpu_session.sh skinny-32-2 # 35B and 9B FP8 decode vs REV
 #   bash bench/gpu_session.sh moe-pdl # the grouped MoE with PDL and a Triton top-k sum: 80B / 35B FP8 decode vs REV
 #   bash bench/gpu_session.sh moe-pdl-tests # their GPU tests
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
@@ -226,13 +227,15 @@ case "${1:-all}" in
     run 330 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-sizes 1 16 24 32 --prompt-len 1024 --new-tokens 64 --prefill-len 0
     ;;
-  skinny-32-2)  # the GPU tests of skinny-32's kernels in three groups at once; 35B and 9B FP8 decode against REV
+  skinny-32-tests)  # the GPU tests of skinny-32's kernels in three groups at once (compiling bounds them)
     t=(python3 -m pytest -q -rf -m "gpu and not slow")
-    run 240 tests-skinny "${t[@]}" tests/kernels/fp8/test_fp8_cuda.py -k skinny_matches_gemm &
-    run 240 tests-fp8 "${t[@]}" tests/kernels/fp8/test_fp8_cuda.py -k "not skinny_matches_gemm" &
-    run 240 tests-align "${t[@]}" tests/kernels/moe/test_moe_align.py tests/kernels/fp8/test_fused_quant.py \
+    run 540 tests-skinny "${t[@]}" tests/kernels/fp8/test_fp8_cuda.py -k skinny_matches_gemm &
+    run 540 tests-fp8 "${t[@]}" tests/kernels/fp8/test_fp8_cuda.py -k "not skinny_matches_gemm" &
+    run 540 tests-align "${t[@]}" tests/kernels/moe/test_moe_align.py tests/kernels/fp8/test_fused_quant.py \
       tests/models/test_fp8_checkpoints.py &
     wait
+    ;;
+  skinny-32-2)  # 35B and 9B FP8 decode against REV
     run 150 ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
       --batch-sizes 16 24 32 --new-tokens 64 --prefill-len 0
     run 120 ab-9b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b-fp8 \
@@ -253,7 +256,7 @@ case "${1:-all}" in
     wait
     ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-2|moe-pdl" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests" >&2
     exit 2
     ;;
 esac
