@@ -17,6 +17,7 @@
 #   bash bench/gpu_session.sh moe-decode # 80B FP8 batch-32 decode's kernels; the grouped MoE GEMMs' tiles at decode's 32 / 64 tokens
 #   bash bench/gpu_session.sh skinny-32 # skinny GEMM vs cuBLAS at 16-64 rows (80B, 9B); 80B FP8 decode vs REV
 #   bash bench/gpu_session.sh skinny-32-tests # their GPU tests
+#   bash bench/gpu_session.sh skinny-32-sweep # the skinny GEMM's tilings at 24 / 32 rows (80B, 9B)
 #   bash bench/gpu_session.sh skinny-32-2 # 35B and 9B FP8 decode vs REV
 #   bash bench/gpu_session.sh moe-pdl # the grouped MoE with PDL and a Triton top-k sum: 80B / 35B FP8 decode vs REV
 #   bash bench/gpu_session.sh moe-pdl-tests # their GPU tests
@@ -227,6 +228,11 @@ case "${1:-all}" in
     run 330 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
       --batch-sizes 1 16 24 32 --prompt-len 1024 --new-tokens 64 --prefill-len 0
     ;;
+  skinny-32-sweep)  # the skinny GEMM's tilings at 24 and 32 rows on 80B's and 9B's weights
+    sk=(--skinny-tiles 64:4:1 64:4:2 64:4:4 64:3:1 64:5:1 128:4:1 128:3:1 128:4:2)
+    run 150 sweep-80b python3 -m bench.ops.fp8_gemv --model configs/qwen3-next-80b-a3b-fp8 --rows 24 32 "${sk[@]}"
+    run 150 sweep-9b python3 -m bench.ops.fp8_gemv --model configs/qwen3.5-9b-fp8 --rows 24 32 "${sk[@]}"
+    ;;
   skinny-32-tests)  # the GPU tests of skinny-32's kernels in three groups at once (compiling bounds them)
     t=(python3 -m pytest -q -rf -m "gpu and not slow")
     run 540 tests-skinny "${t[@]}" tests/kernels/fp8/test_fp8_cuda.py -k skinny_matches_gemm &
@@ -256,7 +262,7 @@ case "${1:-all}" in
     wait
     ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests" >&2
     exit 2
     ;;
 esac
