@@ -296,8 +296,11 @@ def serve_engine(
     import zmq
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Ctrl-C reaches the whole process group: the server drains first, then stops this process.
+    # Ctrl-C, and a SIGTERM sent to the whole process group (systemd, `timeout`, `kill -- -PGID`),
+    # reach this process too: the server drains first, then stops it; it also ends when the server
+    # goes. The tensor-parallel ranks it starts inherit the ignored SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         from deltaserve.engine.engine import Engine
 

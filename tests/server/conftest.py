@@ -35,6 +35,7 @@ class ServerProcess:
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
+    new_session: bool = False  # a process group of its own, which a test may signal as a whole
     proc: subprocess.Popen[str] | None = None
     log_path: Path | None = None
 
@@ -47,7 +48,12 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "deltaserve", "serve", "--port", str(self.port), *self.args]
         env = {**os.environ, **self.env}
         self.proc = subprocess.Popen(
-            cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=env, text=True
+            cmd,
+            stdout=open(self.log_path, "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+            start_new_session=self.new_session,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -182,8 +188,10 @@ def spawn_server(tmp_path_factory: pytest.TempPathFactory, builtin_path: str, mo
     """Start extra servers with their own flags; each is stopped (SIGTERM) at the end of the session."""
     started: list[ServerProcess] = []
 
-    def spawn(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(list(args), env={"DELTASERVE_CACHE": model_cache, **(env or {})})
+    def spawn(*args: str, env: dict[str, str] | None = None, new_session: bool = False) -> ServerProcess:
+        server = ServerProcess(
+            list(args), env={"DELTASERVE_CACHE": model_cache, **(env or {})}, new_session=new_session
+        )
         started.append(server.start(tmp_path_factory.mktemp("logs")))
         return server
 

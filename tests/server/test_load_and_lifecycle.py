@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -160,8 +161,11 @@ def test_curl(server) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_drains_running_requests_and_exits_0(spawn_server) -> None:
-    server = spawn_server("--max-model-len", "512", "--shutdown-timeout", "60")
+@pytest.mark.parametrize("group", [False, True], ids=["server", "process-group"])
+def test_sigterm_drains_running_requests_and_exits_0(spawn_server, group: bool) -> None:
+    """SIGTERM to the server process, or to its whole process group as systemd and `timeout` send
+    it: the engine process is among the group's, and must not die before the drain ends."""
+    server = spawn_server("--max-model-len", "512", "--shutdown-timeout", "60", new_session=group)
     results: dict[str, object] = {}
 
     def stream() -> None:
@@ -176,7 +180,10 @@ def test_sigterm_drains_running_requests_and_exits_0(spawn_server) -> None:
         time.sleep(0.02)
     time.sleep(0.3)  # the request is streaming now
     assert server.proc is not None
-    server.proc.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(server.proc.pid, signal.SIGTERM)
+    else:
+        server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     try:  # no new connections while draining
         refused = httpx.get(f"{server.url}/health", timeout=2).status_code != 200
@@ -189,6 +196,7 @@ def test_sigterm_drains_running_requests_and_exits_0(spawn_server) -> None:
     assert isinstance(events, list) and events[-1] == "data: [DONE]"
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # it ran to completion
+    assert "engine process exited" not in server.log()
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """`deltaserve serve --tensor-parallel-size 2` on CPU (gloo): answers through the openai client as
-TP = 1 does, stops with its workers, spreads over two loopback "nodes" (one headless), and is a
-dead engine (503, requests in flight failed) once a worker is killed."""
+TP = 1 does, stops with its workers (a process group's SIGTERM drains them first), spreads over two
+loopback "nodes" (one headless), and is a dead engine (503, requests in flight failed) once a
+worker is killed."""
 
 from __future__ import annotations
 
@@ -97,6 +98,26 @@ def test_tp2_beside_two_http_processes(spawn_server, model_name, tp1_text):
     assert len(workers) == 1 and "2 HTTP processes share the port" in server.log()
     assert [complete(server.url, model_name) for _ in range(4)] == [tp1_text] * 4
     assert server.stop() == 0
+    assert not any(alive(p) for p in workers)
+
+
+def test_a_group_sigterm_drains_the_tp2_server(spawn_server, model_name):
+    """SIGTERM to the whole process group, as systemd and `timeout` send it, reaches the engine
+    process and the worker too: both run on until the drain ends, so the request in flight completes."""
+    server = spawn_server(*TP2, "--shutdown-timeout", "60", new_session=True)
+    assert server.proc is not None
+    workers = worker_pids(server.proc.pid)
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+        events = (line for line in r.iter_lines() if line.startswith("data: "))
+        first = next(events)  # the request is streaming now
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        rest = list(events)
+    assert json.loads(first[len("data: ") :])["choices"]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(120) == 0, server.log()[-3000:]
+    assert "exited with code" not in server.log()  # no rank died of the signal
     assert not any(alive(p) for p in workers)
 
 
