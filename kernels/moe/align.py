@@ -7,8 +7,8 @@ each chunk's count of each expert, those counts' prefix over the chunks, each ex
 (its start after the padded groups before it, its padding and blocks), then each chunk's rows,
 each after its group's rows from earlier chunks and earlier in its chunk (the sort's stable
 order). The work is linear in the assignments. Decode's few assignments take one launch of one
-program instead (`_align_one_kernel`) of four launches a MoE layer.
-All give the same rows bit for bit, with no host synchronisation, so CUDA graphs can capture any.
+program instead of the four (`_align_one_kernel`). All give the same rows bit for bit, with no
+host synchronisation, so CUDA graphs can capture any.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ def topk_sum_cuda(parts: torch.Tensor, top_k: int) -> torch.Tensor:
     from deltaserve.kernels.moe.triton import _topk_sum_kernel
 
     n, h = parts.shape
+    assert parts.is_contiguous() and n % top_k == 0, (parts.shape, parts.stride(), top_k)
     out = torch.empty(n // top_k, h, dtype=parts.dtype, device=parts.device)
     if out.numel() == 0:
         return out
