@@ -21,6 +21,8 @@
 #   bash bench/gpu_session.sh skinny-32-2 # 35B and 9B FP8 decode vs REV
 #   bash bench/gpu_session.sh moe-pdl # the grouped MoE with PDL and a Triton top-k sum: 80B / 35B FP8 decode vs REV
 #   bash bench/gpu_session.sh moe-pdl-tests # their GPU tests
+#   bash bench/gpu_session.sh moe-swap # decode's grouped MoE GEMMs swapped onto wgmma: tilings; 80B / 35B FP8 vs REV
+#   bash bench/gpu_session.sh moe-swap-tests # their GPU tests; the bf16 MoE models' engine tests
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -261,8 +263,27 @@ case "${1:-all}" in
       -k engine_on_cuda &
     wait
     ;;
+  moe-swap)  # the grouped MoE GEMMs' swapped tilings at decode's tokens; 80B and 35B FP8 decode against REV
+    sw=(16:64:128:4:4:0 16:64:128:4:3:1 16:128:128:4:3:1 16:128:128:8:4:1 16:256:128:8:3:1
+      16:64:128:4:4:1/64:128:4:4:1 16:64:128:4:4:1/256:128:8:3:1 16:64:128:4:4:1/128:128:4:4:1
+      16:64:128:4:4:1/128:128:4:3:0)
+    run 150 moe-swap-80b python3 -m bench.ops.fp8_gemm --moe configs/qwen3-next-80b-a3b-fp8 --tokens 24 32 64 \
+      --moe-tiles "${sw[@]}"
+    run 200 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-sizes 24 32 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    run 160 ab-35b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-35b-a3b-fp8 \
+      --batch-sizes 24 32 --new-tokens 64 --prefill-len 0
+    ;;
+  moe-swap-tests)  # the FP8 MoE's GPU tests; the bf16 MoE models' engine-level GPU tests (three groups at once)
+    t=(python3 -m pytest -q -rf -m "gpu and not slow")
+    run 300 tests-fp8-moe "${t[@]}" tests/kernels/fp8/test_fp8_cuda.py -k "moe" &
+    run 300 tests-fp8-engine "${t[@]}" tests/models/test_fp8_checkpoints.py -k engine_on_cuda &
+    run 300 tests-bf16-moe "${t[@]}" tests/engine/test_gpu_engine.py tests/models/test_shared_expert_fusion.py \
+      -k "qwen3_next or fused_shared" &
+    wait
+    ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests" >&2
     exit 2
     ;;
 esac

@@ -12,8 +12,9 @@ TFLOP/s of:
   and 128 columns (a `scale_rows` of 1);
 - `bf16`: `torch.mm` on bf16 weights of the same shape, for scale.
 With --moe, one layer's routed experts through `fp8_moe_cuda`'s grouped GEMMs (past its GEMV's
-assignments), at its default tiles and at each of --moe-tiles (BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES,
-the FP8 down GEMM's own BLOCK_N:STEP_K:WARPS:STAGES after a slash); with --bf16 as well, through
+assignments), at its default tiles and at each of --moe-tiles (BLOCK_M:BLOCK_N:STEP_K:WARPS:STAGES[:SWAP],
+the FP8 down GEMM's own BLOCK_N:STEP_K:WARPS:STAGES[:SWAP] after a slash; SWAP 1 puts the weight's
+rows on the MMA's wide side, and the down GEMM takes gate/up's unless given); with --bf16 as well, through
 the bf16 experts' `fused_moe_cuda` (the third number is its BLOCK_K).
 Each FP8 path's largest error against `fp8_linear_ref` (fp32), relative to the reference's
 largest magnitude, is printed beside its time.
@@ -66,14 +67,17 @@ def bench_shape(n: int, k: int, count: int, m: int) -> dict:
 
 
 def parse_moe_tiles(spec: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    """`BM:BN:K:W:S[/BN:K:W:S]`: the grouped GEMMs' tiles, the down GEMM's apart after a slash."""
+    """`BM:BN:K:W:S[:SWAP][/BN:K:W:S[:SWAP]]`: the grouped GEMMs' tiles, the down GEMM's apart after a
+    slash; SWAP 1 puts the weight's rows on the MMA's wide side."""
     gate_up, _, down = spec.partition("/")
     return tuple(int(v) for v in gate_up.split(":")), tuple(int(v) for v in down.split(":")) if down else None
 
 
 def tiles_name(t: tuple[tuple[int, ...], tuple[int, ...] | None]) -> str:
-    name = "tiles_{}x{}_k{}_w{}_s{}".format(*t[0])
-    return name if t[1] is None else name + "_down_{}_k{}_w{}_s{}".format(*t[1])
+    name = "tiles_{}x{}_k{}_w{}_s{}".format(*t[0]) + ("_swap" if t[0][5:6] == (1,) else "")
+    if t[1] is None:
+        return name
+    return name + "_down_{}_k{}_w{}_s{}".format(*t[1]) + ("_swap" if t[1][4:5] == (1,) else "")
 
 
 def bench_moe(model: str, tokens: int, tiles: list[Any], bf16: bool) -> dict:

@@ -425,13 +425,14 @@ def fp8_linear_cuda(
     return y.view(*x.shape[:-1], width)
 
 
-def moe_tiles(assignments: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, STEP_K, warps, stages) of the gate/up grouped GEMM, with a K step of a whole
-    scale block: 16-row tiles for decode's batches, 64-row ones for prefill (bench/ops/fp8_gemm.py --moe,
-    docs/performance.md)."""
+def moe_tiles(assignments: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, STEP_K, warps, stages, swap) of the grouped GEMMs (the down GEMM takes its
+    BLOCK_M and swap), with a K step of a whole scale block: for decode's batches 16-row tiles, swapped
+    (the weight's rows on wgmma's 64-row side, the few tokens on its narrow one; unswapped, 16 rows
+    take `mma.sync`); for prefill 64-row ones (bench/ops/fp8_gemm.py --moe, docs/performance.md)."""
     if assignments <= 2048:
-        return 16, 64, 128, 4, 4
-    return 64, 64, 128, 4, 4
+        return 16, 64, 128, 4, 4, 1
+    return 64, 64, 128, 4, 4, 0
 
 
 # (BLOCK_N, STEP_K, warps, stages) of the down GEMM, whose rows are the gate/up GEMM's (`moe_tiles`'
@@ -449,14 +450,14 @@ def fp8_moe_cuda(
     scale_rows: int,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    tiles: tuple[int, int, int, int, int] | None = None,
-    down_tiles: tuple[int, int, int, int] | None = None,
+    tiles: tuple[int, ...] | None = None,
+    down_tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """`moe.cuda.fused_moe_cuda` with e4m3 experts: w8a8 grouped GEMMs, or for a few tokens the
     per-assignment GEMV, which quantizes its rows in registers (as `fp8_linear_cuda` splits rows).
-    `tiles`: the gate/up GEMM's (BLOCK_M, BLOCK_N, STEP_K, warps, stages), `moe_tiles` unless given;
-    `down_tiles`: the down GEMM's (BLOCK_N, STEP_K, warps, stages), `MOE_DOWN_TILES` unless given
-    (`bench/ops/fp8_gemm.py --moe` sweeps both)."""
+    `tiles`: the gate/up GEMM's (BLOCK_M, BLOCK_N, STEP_K, warps, stages[, swap]), `moe_tiles` unless
+    given; `down_tiles`: the down GEMM's (BLOCK_N, STEP_K, warps, stages[, swap]), `MOE_DOWN_TILES`
+    unless given, its swap gate/up's unless given (`bench/ops/fp8_gemm.py --moe` sweeps both)."""
     import triton
 
     from deltaserve.kernels.common.pdl import pdl_args
@@ -475,7 +476,8 @@ def fp8_moe_cuda(
         )
     if n <= GEMV_ASSIGNMENTS:
         return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights, gate_up_scale, down_scale, scale_rows)
-    block_m, block_n, step_k, warps, stages = tiles or moe_tiles(n)
+    block_m, block_n, step_k, warps, stages, *rest = tiles or moe_tiles(n)
+    swap = bool(rest and rest[0])
     pdl = pdl_args(x.device)
     x = x.contiguous()
     rows, block_expert = align_cuda(topk_ids, e, block_m)
@@ -487,18 +489,19 @@ def fp8_moe_cuda(
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
         gate_up_scale.stride(1), inter.stride(0),
         SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k,
-        num_warps=warps, num_stages=stages, **pdl,
+        SWAP=swap, num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
     iq, is_ = act_quant_cuda(inter)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    block_n, step_k, warps, stages = down_tiles or MOE_DOWN_TILES
+    block_n, step_k, warps, stages, *rest = down_tiles or MOE_DOWN_TILES
+    swap = bool(rest[0]) if rest else swap
     grid2 = (block_expert.numel(), triton.cdiv(h, block_n))
     _fp8_moe_down_kernel[grid2](
         iq, is_, down, down_scale, rows, block_expert, weights, out, n, h, inter_size, e,
         iq.stride(0), is_.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         out.stride(0),
         SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=BLOCK, STEP_K=step_k,
-        num_warps=warps, num_stages=stages, **pdl,
+        SWAP=swap, num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
     return topk_sum_cuda(out, top_k)

@@ -494,6 +494,36 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
+def _moe_gate_up_swapped(
+    x, x_s, w_base, s_base, inter, assign, valid, token, offs_n, n_ok, H, INTER, stride_xt, stride_xst,
+    stride_wn, stride_sn, stride_it, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr, STEP_K: tl.constexpr,
+):  # fmt: skip
+    """`_fp8_moe_gate_up_kernel`'s tile transposed: `[BLOCK_N, BLOCK_M]` products of the gate and
+    up rows (K-major, as wgmma's FP8 operands must be) with the block's rows."""
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, H, STEP_K):  # STEP_K divides the 128-column scale block
+        i = k0 // BLOCK
+        offs_k = k0 + tl.arange(0, STEP_K)
+        k_ok = offs_k < H
+        a = tl.load(
+            x + token[None, :] * stride_xt + offs_k[:, None], mask=valid[None, :] & k_ok[:, None], other=0.0
+        )
+        wmask = n_ok[:, None] & k_ok[None, :]
+        wg = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+        wu = tl.load(w_base + (offs_n[:, None] + INTER) * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+        sg = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
+        su = tl.load(s_base + ((offs_n + INTER) // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
+        sa = tl.load(x_s + token * stride_xst + i, mask=valid, other=0.0)
+        acc_g += tl.dot(wg, a) * sg[:, None] * sa[None, :]
+        acc_u += tl.dot(wu, a) * su[:, None] * sa[None, :]
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    dst = inter + assign.to(tl.int64)[None, :] * stride_it + offs_n[:, None]
+    tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[None, :] & n_ok[:, None])
+
+
+@triton.jit
 def _fp8_moe_gate_up_kernel(
     x,  # [T, H] e4m3, per token and 128 channels
     x_s,  # [T, ceil(H/128)] fp32
@@ -519,8 +549,11 @@ def _fp8_moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
     STEP_K: tl.constexpr,
+    SWAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """SWAP: the weight's BLOCK_N rows on the MMA's wide side and the block's BLOCK_M rows its
+    narrow one (wgmma from 64 weight rows; otherwise 16-row tiles take `mma.sync`)."""
     wait_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -535,6 +568,12 @@ def _fp8_moe_gate_up_kernel(
     n_ok = offs_n < INTER
     w_base = w + expert.to(tl.int64) * stride_we
     s_base = w_s + expert.to(tl.int64) * stride_se
+    if SWAP:
+        _moe_gate_up_swapped(
+            x, x_s, w_base, s_base, inter, assign, valid, token, offs_n, n_ok, H, INTER, stride_xt, stride_xst,
+            stride_wn, stride_sn, stride_it, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK, STEP_K,
+        )  # fmt: skip
+        return
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, STEP_K):  # STEP_K divides the 128-column scale block
@@ -583,8 +622,10 @@ def _fp8_moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
     STEP_K: tl.constexpr,
+    SWAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """SWAP: as the gate/up kernel's, the weight's rows on the MMA's wide side."""
     wait_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -603,6 +644,29 @@ def _fp8_moe_down_kernel(
         return
     w_base = w + expert.to(tl.int64) * stride_we
     s_base = w_s + expert.to(tl.int64) * stride_se
+    if SWAP:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, INTER, STEP_K):
+            i = k0 // BLOCK
+            offs_k = k0 + tl.arange(0, STEP_K)
+            k_ok = offs_k < INTER
+            a_t = tl.load(
+                inter + a_row[None, :] * stride_it + offs_k[:, None],
+                mask=valid[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            b_t = tl.load(
+                w_base + offs_n[:, None] * stride_wn + offs_k[None, :],
+                mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            sb = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
+            sa = tl.load(inter_s + a_row * stride_ist + i, mask=valid, other=0.0)
+            acc_t += tl.dot(b_t, a_t) * sb[:, None] * sa[None, :]
+        rw_t = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
+        dst_t = out + a_row[None, :] * stride_ot + offs_n[:, None]
+        tl.store(dst_t, (acc_t * rw_t[None, :]).to(out.dtype.element_ty), mask=valid[None, :] & n_ok[:, None])
+        return
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, STEP_K):
         i = k0 // BLOCK

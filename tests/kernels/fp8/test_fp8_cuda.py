@@ -189,10 +189,38 @@ def test_fp8_moe_matches_reference(t, e, h, inter, top_k, scale_rows, dtype):
     # bf16 rounding moves about one e4m3 code in 32 by a step (6%); Hopper's wgmma (the skinny MoE,
     # the grouped GEMMs' 64-row tiles) keeps fewer bits in its FP8 sums than fp32, which moves codes
     # the same way in fp32; the 16-row tiles' mma.sync sums in fp32 (docs/performance.md)
-    wgmma = t * top_k <= SKINNY_MOE_PAIRS or moe_tiles(t * top_k)[0] >= 64
+    tiles = moe_tiles(t * top_k)
+    wgmma = t * top_k <= SKINNY_MOE_PAIRS or tiles[0] >= 64 or bool(tiles[5])
     exact = 4e-2 if dtype == torch.bfloat16 or wgmma else 1e-4
     _close(out, ref, exact + 1e-2)  # + rounding ties of the activations' quantization
     _close(out, deq, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "tiles,down_tiles",
+    [
+        ((16, 64, 128, 4, 4, 0), (128, 128, 4, 3)),  # mma.sync's 16 rows
+        ((16, 64, 128, 4, 4, 1), (128, 128, 4, 3)),  # swapped: the weight's rows on wgmma's wide side
+        ((16, 128, 128, 8, 3, 1), (64, 128, 4, 4, 0)),  # swapped gate/up, unswapped down
+    ],
+)
+def test_fp8_moe_grouped_tiles_match_reference(tiles, down_tiles, dtype):
+    """The grouped GEMMs at decode's tilings, swapped or not (320 pairs, past the skinny MoE's; an
+    intermediate of 560 columns, so its last tile and scale block are part-filled): w8a8 as the
+    reference."""
+    from deltaserve.kernels.fp8.cuda import fp8_moe_cuda
+
+    t, e, h, inter, top_k = 40, 64, 2048, 560, 8
+    g = torch.Generator(device="cuda").manual_seed(7)
+    gu, gu_s = quantize_blocks(torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5)
+    dn, dn_s = quantize_blocks(torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5)
+    x = torch.randn(t, h, device="cuda", generator=g).to(dtype)
+    weights, ids = torch.softmax(torch.randn(t, e, device="cuda", generator=g), -1).topk(top_k, dim=-1)
+    out = fp8_moe_cuda(x, gu, gu_s, dn, dn_s, 128, ids, weights.to(dtype), tiles, down_tiles)
+    ref = fp8_moe_ref(x.float(), gu, gu_s, dn, dn_s, 128, ids, weights)
+    exact = 4e-2 if dtype == torch.bfloat16 or tiles[5] or down_tiles[4:] == (1,) else 1e-4
+    _close(out, ref, exact + 1e-2)
 
 
 def test_fp8_linear_is_graph_capturable():
