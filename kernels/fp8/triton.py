@@ -597,6 +597,37 @@ def _fp8_moe_gate_up_kernel(
 
 
 @triton.jit
+def _moe_down_swapped(
+    inter, inter_s, w_base, s_base, weights, out, a_row, valid, offs_n, n_ok, INTER, stride_it, stride_ist,
+    stride_wn, stride_sn, stride_ot, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr, STEP_K: tl.constexpr,
+):  # fmt: skip
+    """`_fp8_moe_down_kernel`'s tile transposed: `[BLOCK_N, BLOCK_M]` products of the down rows
+    with the block's intermediate rows, scaled by their routing weights."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, INTER, STEP_K):
+        i = k0 // BLOCK
+        offs_k = k0 + tl.arange(0, STEP_K)
+        k_ok = offs_k < INTER
+        a = tl.load(
+            inter + a_row[None, :] * stride_it + offs_k[:, None],
+            mask=valid[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        b = tl.load(
+            w_base + offs_n[:, None] * stride_wn + offs_k[None, :],
+            mask=n_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        sb = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
+        sa = tl.load(inter_s + a_row * stride_ist + i, mask=valid, other=0.0)
+        acc += tl.dot(b, a) * sb[:, None] * sa[None, :]
+    rw = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
+    dst = out + a_row[None, :] * stride_ot + offs_n[:, None]
+    tl.store(dst, (acc * rw[None, :]).to(out.dtype.element_ty), mask=valid[None, :] & n_ok[:, None])
+
+
+@triton.jit
 def _fp8_moe_down_kernel(
     inter,  # [num_assign, I] e4m3, per row and 128 channels
     inter_s,  # [num_assign, ceil(I/128)] fp32
@@ -645,27 +676,10 @@ def _fp8_moe_down_kernel(
     w_base = w + expert.to(tl.int64) * stride_we
     s_base = w_s + expert.to(tl.int64) * stride_se
     if SWAP:
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, INTER, STEP_K):
-            i = k0 // BLOCK
-            offs_k = k0 + tl.arange(0, STEP_K)
-            k_ok = offs_k < INTER
-            a_t = tl.load(
-                inter + a_row[None, :] * stride_it + offs_k[:, None],
-                mask=valid[None, :] & k_ok[:, None],
-                other=0.0,
-            )
-            b_t = tl.load(
-                w_base + offs_n[:, None] * stride_wn + offs_k[None, :],
-                mask=n_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            sb = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
-            sa = tl.load(inter_s + a_row * stride_ist + i, mask=valid, other=0.0)
-            acc_t += tl.dot(b_t, a_t) * sb[:, None] * sa[None, :]
-        rw_t = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
-        dst_t = out + a_row[None, :] * stride_ot + offs_n[:, None]
-        tl.store(dst_t, (acc_t * rw_t[None, :]).to(out.dtype.element_ty), mask=valid[None, :] & n_ok[:, None])
+        _moe_down_swapped(
+            inter, inter_s, w_base, s_base, weights, out, a_row, valid, offs_n, n_ok, INTER, stride_it,
+            stride_ist, stride_wn, stride_sn, stride_ot, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK, STEP_K,
+        )  # fmt: skip
         return
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, STEP_K):
