@@ -23,6 +23,7 @@
 #   bash bench/gpu_session.sh moe-pdl-tests # their GPU tests
 #   bash bench/gpu_session.sh moe-swap # decode's grouped MoE GEMMs swapped onto wgmma: tilings; 80B / 35B FP8 vs REV
 #   bash bench/gpu_session.sh moe-swap-tests # their GPU tests; the bf16 MoE models' engine tests
+#   bash bench/gpu_session.sh moe-swap-bf16 # the bf16 grouped MoE's swapped tilings (35B-A3B, Kimi-Linear); their tests
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -282,8 +283,16 @@ case "${1:-all}" in
       -k "qwen3_next or fused_shared" &
     wait
     ;;
+  moe-swap-bf16)  # the bf16 grouped MoE GEMMs' tilings, swapped onto wgmma or not, at decode's tokens; their tests
+    sw=(16:64:128:4:3:1 16:64:64:4:3:1 16:64:64:4:4:1 16:128:64:4:3:1 16:128:64:8:3:1 16:64:128:4:2:1)
+    run 150 moe-bf16-35b python3 -m bench.ops.fp8_gemm --moe configs/qwen3.5-35b-a3b --bf16 --tokens 24 32 64 \
+      --moe-tiles "${sw[@]}"
+    run 150 moe-bf16-kimi python3 -m bench.ops.fp8_gemm --moe configs/kimi-linear-48b-a3b --bf16 \
+      --tokens 24 32 64 --moe-tiles "${sw[@]}"
+    run 200 tests-moe python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/moe/test_moe_cuda.py
+    ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16" >&2
     exit 2
     ;;
 esac

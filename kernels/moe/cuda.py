@@ -46,10 +46,11 @@ def fused_moe_cuda(
     down: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    tiles: tuple[int, int, int, int, int] | None = None,
+    tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """`tiles`: the grouped GEMMs' (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), `grouped_tiles`
-    unless given (`bench/ops/fp8_gemm.py --moe --bf16` sweeps them)."""
+    """`tiles`: the grouped GEMMs' (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, swap]), `grouped_tiles`
+    unless given (`bench/ops/fp8_gemm.py --moe --bf16` sweeps them); swap 1 puts the weight's rows
+    on the MMA's wide side (off unless given)."""
     import triton
 
     from deltaserve.kernels.common.pdl import pdl_args
@@ -63,7 +64,8 @@ def fused_moe_cuda(
     n = t * top_k
     if n <= GEMV_ASSIGNMENTS:
         return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights)
-    block_m, block_n, block_k, warps, stages = tiles or grouped_tiles(n, x.element_size())
+    block_m, block_n, block_k, warps, stages, *rest = tiles or grouped_tiles(n, x.element_size())
+    swap = bool(rest and rest[0])
     x = x.contiguous()
     rows, block_expert = align_cuda(topk_ids, e, block_m)
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
@@ -73,7 +75,7 @@ def fused_moe_cuda(
     _moe_gate_up_kernel[grid1](
         x, gate_up, rows, block_expert, inter, n, h, inter_size, top_k, e,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, SWAP=swap, num_warps=warps,
         num_stages=stages,
         **pdl_args(x.device),
     )  # fmt: skip
@@ -83,7 +85,7 @@ def fused_moe_cuda(
     _moe_down_kernel[grid2](
         inter, down, rows, block_expert, weights, out, n, h, inter_size, e,
         inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, SWAP=swap, num_warps=warps,
         num_stages=stages,
         **pdl_args(inter.device),
     )  # fmt: skip

@@ -18,6 +18,58 @@ from deltaserve.kernels.common.pdl import wait_inputs
 
 
 @triton.jit
+def _gate_up_swapped(
+    x, w_base, inter, assign, valid, token, offs_n, n_ok, H, INTER, stride_xt, stride_wn, stride_it,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """`_moe_gate_up_kernel`'s tile transposed: `[BLOCK_N, BLOCK_M]` products of the gate and up
+    rows with the block's rows."""
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        a = tl.load(
+            x + token[None, :] * stride_xt + offs_k[:, None], mask=valid[None, :] & k_ok[:, None], other=0.0
+        )
+        wmask = n_ok[:, None] & k_ok[None, :]
+        wg = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+        wu = tl.load(w_base + (offs_n[:, None] + INTER) * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+        acc_g = tl.dot(wg, a, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(wu, a, acc_u, input_precision=PRECISION)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    dst = inter + assign.to(tl.int64)[None, :] * stride_it + offs_n[:, None]
+    tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def _down_swapped(
+    inter, w_base, weights, out, a_row, valid, offs_n, n_ok, INTER, stride_it, stride_wn, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """`_moe_down_kernel`'s tile transposed: `[BLOCK_N, BLOCK_M]` products of the down rows with
+    the block's intermediate rows, scaled by their routing weights."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < INTER
+        a = tl.load(
+            inter + a_row[None, :] * stride_it + offs_k[:, None],
+            mask=valid[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        b = tl.load(
+            w_base + offs_n[:, None] * stride_wn + offs_k[None, :],
+            mask=n_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(b, a, acc, input_precision=PRECISION)
+    rw = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
+    dst = out + a_row[None, :] * stride_ot + offs_n[:, None]
+    tl.store(dst, (acc * rw[None, :]).to(out.dtype.element_ty), mask=valid[None, :] & n_ok[:, None])
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x,  # [T, H]
     w,  # [E, 2I, H]
@@ -37,8 +89,11 @@ def _moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    SWAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """SWAP: the weight's BLOCK_N rows on the MMA's wide side and the block's BLOCK_M rows its
+    narrow one (wgmma from 64 weight rows; otherwise 16-row tiles take `mma.sync`)."""
     wait_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -52,6 +107,12 @@ def _moe_gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < INTER
     w_base = w + expert.to(tl.int64) * stride_we
+    if SWAP:
+        _gate_up_swapped(
+            x, w_base, inter, assign, valid, token, offs_n, n_ok, H, INTER, stride_xt, stride_wn, stride_it,
+            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+        )  # fmt: skip
+        return
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -97,8 +158,10 @@ def _moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    SWAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """SWAP: as the gate/up kernel's, the weight's rows on the MMA's wide side."""
     wait_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -116,6 +179,12 @@ def _moe_down_kernel(
         tl.store(dst, zero, mask=valid[:, None] & n_ok[None, :])
         return
     w_base = w + expert.to(tl.int64) * stride_we
+    if SWAP:
+        _down_swapped(
+            inter, w_base, weights, out, a_row, valid, offs_n, n_ok, INTER, stride_it, stride_wn, stride_ot,
+            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+        )  # fmt: skip
+        return
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)

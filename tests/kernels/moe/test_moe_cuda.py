@@ -37,6 +37,20 @@ def test_fused_moe_matches_reference(t, e, k, h, i, dtype):
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("tiles", [(16, 64, 128, 4, 3, 1), (16, 128, 64, 4, 3, 1), (16, 64, 64, 4, 3, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_swapped_tiles_match_reference(tiles, dtype):
+    """The grouped GEMMs with the weight's rows on the MMA's wide side (swap 1) or not, at decode's
+    16-row tiles, past the per-pair GEMV (320 pairs; an intermediate of 160 part-fills its last tile)."""
+    from deltaserve.kernels.moe.cuda import fused_moe_cuda
+
+    x, w1, w2, ids, wts = inputs(40, 64, 8, 256, 160, dtype, seed=3)
+    ref = moe_ref(x.float(), w1.float(), w2.float(), ids, wts.float())
+    out = fused_moe_cuda(x, w1, w2, ids, wts, tiles)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
 def test_fused_moe_replays_in_a_cuda_graph():
     from deltaserve.kernels.moe.cuda import fused_moe_cuda
 
