@@ -27,6 +27,7 @@ import triton.language as tl
 from deltaserve.kernels.common.arrival import last_to_arrive
 from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import wait_inputs
+from deltaserve.kernels.moe.triton import col_tile, row_tile
 
 BLOCK_K = 128  # the format's block: one scale per K step
 
@@ -507,12 +508,9 @@ def _moe_gate_up_swapped(
         i = k0 // BLOCK
         offs_k = k0 + tl.arange(0, STEP_K)
         k_ok = offs_k < H
-        a = tl.load(
-            x + token[None, :] * stride_xt + offs_k[:, None], mask=valid[None, :] & k_ok[:, None], other=0.0
-        )
-        wmask = n_ok[:, None] & k_ok[None, :]
-        wg = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
-        wu = tl.load(w_base + (offs_n[:, None] + INTER) * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+        a = col_tile(x, token, valid, stride_xt, offs_k, k_ok)
+        wg = row_tile(w_base, offs_n, n_ok, stride_wn, offs_k, k_ok)
+        wu = row_tile(w_base, offs_n + INTER, n_ok, stride_wn, offs_k, k_ok)
         sg = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
         su = tl.load(s_base + ((offs_n + INTER) // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
         sa = tl.load(x_s + token * stride_xst + i, mask=valid, other=0.0)
@@ -609,16 +607,8 @@ def _moe_down_swapped(
         i = k0 // BLOCK
         offs_k = k0 + tl.arange(0, STEP_K)
         k_ok = offs_k < INTER
-        a = tl.load(
-            inter + a_row[None, :] * stride_it + offs_k[:, None],
-            mask=valid[None, :] & k_ok[:, None],
-            other=0.0,
-        )
-        b = tl.load(
-            w_base + offs_n[:, None] * stride_wn + offs_k[None, :],
-            mask=n_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        a = col_tile(inter, a_row, valid, stride_it, offs_k, k_ok)
+        b = row_tile(w_base, offs_n, n_ok, stride_wn, offs_k, k_ok)
         sb = tl.load(s_base + (offs_n // SCALE_ROWS) * stride_sn + i, mask=n_ok, other=0.0)
         sa = tl.load(inter_s + a_row * stride_ist + i, mask=valid, other=0.0)
         acc += tl.dot(b, a) * sb[:, None] * sa[None, :]

@@ -18,6 +18,22 @@ from deltaserve.kernels.common.pdl import wait_inputs
 
 
 @triton.jit
+def row_tile(base, rows, row_ok, stride, offs_k, k_ok):
+    """`[len(rows), K]`: columns offs_k of each of `rows` (K contiguous in a row), zeros where masked."""
+    return tl.load(
+        base + rows[:, None] * stride + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+    )
+
+
+@triton.jit
+def col_tile(base, rows, row_ok, stride, offs_k, k_ok):
+    """`row_tile` transposed, `[K, len(rows)]`: a swapped tile's narrow operand."""
+    return tl.load(
+        base + rows[None, :] * stride + offs_k[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0
+    )
+
+
+@triton.jit
 def _gate_up_swapped(
     x, w_base, inter, assign, valid, token, offs_n, n_ok, H, INTER, stride_xt, stride_wn, stride_it,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -29,12 +45,9 @@ def _gate_up_swapped(
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < H
-        a = tl.load(
-            x + token[None, :] * stride_xt + offs_k[:, None], mask=valid[None, :] & k_ok[:, None], other=0.0
-        )
-        wmask = n_ok[:, None] & k_ok[None, :]
-        wg = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
-        wu = tl.load(w_base + (offs_n[:, None] + INTER) * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+        a = col_tile(x, token, valid, stride_xt, offs_k, k_ok)
+        wg = row_tile(w_base, offs_n, n_ok, stride_wn, offs_k, k_ok)
+        wu = row_tile(w_base, offs_n + INTER, n_ok, stride_wn, offs_k, k_ok)
         acc_g = tl.dot(wg, a, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(wu, a, acc_u, input_precision=PRECISION)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -53,16 +66,8 @@ def _down_swapped(
     for k0 in range(0, INTER, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < INTER
-        a = tl.load(
-            inter + a_row[None, :] * stride_it + offs_k[:, None],
-            mask=valid[None, :] & k_ok[:, None],
-            other=0.0,
-        )
-        b = tl.load(
-            w_base + offs_n[:, None] * stride_wn + offs_k[None, :],
-            mask=n_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        a = col_tile(inter, a_row, valid, stride_it, offs_k, k_ok)
+        b = row_tile(w_base, offs_n, n_ok, stride_wn, offs_k, k_ok)
         acc = tl.dot(b, a, acc, input_precision=PRECISION)
     rw = tl.load(weights + a_row, mask=valid, other=0.0).to(tl.float32)
     dst = out + a_row[None, :] * stride_ot + offs_n[:, None]
