@@ -122,6 +122,7 @@ class ToolDefinition(OpenAIModel):
 class ContentPart(OpenAIModel):
     type: str = "text"
     text: str | None = None
+    refusal: str | None = None  # a "refusal" part of an earlier assistant turn
 
 
 class ChatMessage(OpenAIModel):

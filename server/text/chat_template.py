@@ -16,10 +16,26 @@ def load_chat_template(path: str | None) -> str | None:
     return Path(path).read_text(encoding="utf-8") if path else None
 
 
-def message_to_dict(message: ChatMessage) -> dict[str, Any]:
+# the content parts a text model reads (a part's text is in the field named as its type); an
+# image, audio or file part is refused, not dropped
+TEXT_PARTS = ("text", "refusal")
+
+
+def message_to_dict(message: ChatMessage, index: int = 0) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
-        content = "\n".join(part.text for part in content if part.type == "text" and part.text is not None)
+        texts = []
+        for j, part in enumerate(content):
+            if part.type not in TEXT_PARTS:
+                raise bad_request(
+                    f"messages[{index}].content[{j}]: content parts of type {part.type!r} are not supported: "
+                    "this server reads text only",
+                    f"messages.{index}.content.{j}.type",
+                )
+            value = getattr(part, part.type)
+            if value is not None:
+                texts.append(value)
+        content = "\n".join(texts)
     # Templates test content with `in` and `startswith`, which fail on None.
     out: dict[str, Any] = {
         "role": "system" if message.role == "developer" else message.role,
@@ -70,7 +86,7 @@ def render_chat(
     kwargs = dict(template_kwargs or {})
     try:
         return tokenizer.apply_chat_template(
-            [message_to_dict(m) for m in messages],
+            [message_to_dict(m, i) for i, m in enumerate(messages)],
             tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
             chat_template=template,
             add_generation_prompt=add_generation_prompt,

@@ -126,6 +126,43 @@ def test_bad_token_ids_and_empty_prompt_are_400(server) -> None:
     assert_error(post(server, "/detokenize", json={"tokens": [-1]}), 400)
 
 
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "file-1"}},
+    ],
+)
+def test_non_text_content_parts_are_400_not_dropped(server, part: dict) -> None:
+    """A text model cannot read an image, audio or a file: answering as if it were not there would
+    answer another question."""
+    content = [{"type": "text", "text": "What is in this?"}, part]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        body = {**GOOD, "messages": messages} if path != "/tokenize" else {"messages": messages}
+        err = assert_error(post(server, path, json=body), 400, "messages.1.content.1.type")
+        assert repr(part["type"]) in err["message"]
+    assert post(server, "/v1/chat/completions", json=GOOD).status_code == 200
+
+
+def test_text_and_refusal_parts_reach_the_prompt(server) -> None:
+    """A replayed conversation's parts: text parts and an assistant's refusal part are read."""
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Tell me a secret."}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot share secrets."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Fine."}, {"type": "text", "text": "Then a joke."}],
+        },
+    ]
+    r = post(server, "/tokenize", json={"messages": messages})
+    assert r.status_code == 200, r.text
+    text = post(server, "/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+    for piece in ("Tell me a secret.", "I cannot share secrets.", "Fine.\nThen a joke."):
+        assert piece in text, text
+
+
 def test_unknown_fields_are_ignored(server) -> None:
     r = post(server, "/v1/chat/completions", json={**GOOD, "frobnicate": True, "metadata": {"a": 1}})
     assert r.status_code == 200
