@@ -169,12 +169,14 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
     tools = None
     if req.tools:
         tools = []
-        for t in req.tools:
-            if t.get("type") != "function" or not t.get("name"):
+        for i, t in enumerate(req.tools):
+            if t.get("type") != "function":
                 raise bad_request(
                     f"only function tools ({{'type': 'function', 'name': ...}}) are supported, got {t.get('type')!r}",
                     "tools",
                 )
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise bad_request(f"tools[{i}]: a function tool needs a name", "tools")
             tools.append(
                 ToolDefinition(
                     function=FunctionDefinition(

@@ -283,6 +283,18 @@ def test_bad_requests_are_400s(base_url: str, body: dict, param: str | None) -> 
         assert "max_output_tokens" in err["message"]
 
 
+def test_a_function_tool_without_a_name_is_400_saying_so(base_url: str) -> None:
+    body = {
+        "model": MODEL_NAME,
+        "input": "hi",
+        "tools": [{"type": "function", "parameters": {"type": "object"}}],
+    }
+    r = httpx.post(f"{base_url}/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and "tools[0]: a function tool needs a name" in err["message"], err
+
+
 def test_a_bad_request_admits_nothing(client, base_url: str, read_metrics) -> None:
     url = base_url.removesuffix("/v1")
 
