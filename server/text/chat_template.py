@@ -16,8 +16,7 @@ def load_chat_template(path: str | None) -> str | None:
     return Path(path).read_text(encoding="utf-8") if path else None
 
 
-# the content parts a text model reads (a part's text is in the field named as its type); an
-# image, audio or file part is refused, not dropped
+# the content parts a text model reads; an image, audio or file part is refused, not dropped
 TEXT_PARTS = ("text", "refusal")
 
 
@@ -32,7 +31,7 @@ def message_to_dict(message: ChatMessage, index: int = 0) -> dict[str, Any]:
                     "this server reads text only",
                     f"messages.{index}.content.{j}.type",
                 )
-            value = getattr(part, part.type)
+            value = part.text if part.type == "text" else part.refusal
             if value is not None:
                 texts.append(value)
         content = "\n".join(texts)
