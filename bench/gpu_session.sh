@@ -24,6 +24,7 @@
 #   bash bench/gpu_session.sh moe-swap # decode's grouped MoE GEMMs swapped onto wgmma: tilings; 80B / 35B FP8 vs REV
 #   bash bench/gpu_session.sh moe-swap-tests # their GPU tests; the bf16 MoE models' engine tests
 #   bash bench/gpu_session.sh moe-swap-bf16 # the bf16 grouped MoE's swapped tilings (35B-A3B, Kimi-Linear); their tests
+#   bash bench/gpu_session.sh moe-swap-bf16-2 # their tests and Kimi's fused shared expert on CUDA; bf16 sweeps; 80B b32 8k kernels, no PDL
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -291,8 +292,20 @@ case "${1:-all}" in
       --tokens 24 32 64 --moe-tiles "${sw[@]}"
     run 200 tests-moe python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/moe/test_moe_cuda.py
     ;;
+  moe-swap-bf16-2)  # the GPU tests not run yet (bf16 swapped tiles; Kimi's fused shared expert on CUDA), at once; the bf16 sweeps; 80B FP8's batch-32 8k-context kernels without PDL
+    run 300 tests-moe python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/moe/test_moe_cuda.py &
+    run 300 tests-kimi-shared python3 -m pytest -q -rf -m gpu tests/models/test_shared_expert_fusion.py -k "cuda and kimi" &
+    wait
+    sw=(16:64:128:4:3:1 16:64:64:4:3:1 16:64:64:4:4:1 16:128:64:4:3:1 16:64:128:4:2:1)
+    run 100 moe-bf16-35b python3 -m bench.ops.fp8_gemm --moe configs/qwen3.5-35b-a3b --bf16 --tokens 24 32 64 \
+      --moe-tiles "${sw[@]}"
+    run 100 moe-bf16-kimi python3 -m bench.ops.fp8_gemm --moe configs/kimi-linear-48b-a3b --bf16 \
+      --tokens 24 32 64 --moe-tiles "${sw[@]}"
+    run 120 profile-80b-b32-8k env DELTASERVE_PDL=off python3 -m bench.engine.profile_decode \
+      --model configs/qwen3-next-80b-a3b-fp8 --batch-size 32 --prompt-len 8192 --rows 30
+    ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2" >&2
     exit 2
     ;;
 esac
