@@ -24,7 +24,8 @@
 #   bash bench/gpu_session.sh moe-swap # decode's grouped MoE GEMMs swapped onto wgmma: tilings; 80B / 35B FP8 vs REV
 #   bash bench/gpu_session.sh moe-swap-tests # their GPU tests; the bf16 MoE models' engine tests
 #   bash bench/gpu_session.sh moe-swap-bf16 # the bf16 grouped MoE's swapped tilings (35B-A3B, Kimi-Linear); their tests
-#   bash bench/gpu_session.sh moe-swap-bf16-2 # their tests and Kimi's fused shared expert on CUDA; bf16 sweeps; 80B b32 8k kernels, no PDL
+#   bash bench/gpu_session.sh moe-swap-bf16-2 # their tests and Kimi's fused shared expert on CUDA; bf16 sweeps
+#   bash bench/gpu_session.sh profiles-fp8 # each kernel's own time (no PDL): 9B / 80B FP8 batch 1, 80B FP8 batch 32
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -292,7 +293,7 @@ case "${1:-all}" in
       --tokens 24 32 64 --moe-tiles "${sw[@]}"
     run 200 tests-moe python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/moe/test_moe_cuda.py
     ;;
-  moe-swap-bf16-2)  # the GPU tests not run yet (bf16 swapped tiles; Kimi's fused shared expert on CUDA), at once; the bf16 sweeps; 80B FP8's batch-32 8k-context kernels without PDL
+  moe-swap-bf16-2)  # the GPU tests not run yet (bf16 swapped tiles; Kimi's fused shared expert on CUDA), at once; the bf16 sweeps
     run 300 tests-moe python3 -m pytest -q -rf -m "gpu and not slow" tests/kernels/moe/test_moe_cuda.py &
     run 300 tests-kimi-shared python3 -m pytest -q -rf -m gpu tests/models/test_shared_expert_fusion.py -k "cuda and kimi" &
     wait
@@ -301,11 +302,17 @@ case "${1:-all}" in
       --moe-tiles "${sw[@]}"
     run 100 moe-bf16-kimi python3 -m bench.ops.fp8_gemm --moe configs/kimi-linear-48b-a3b --bf16 \
       --tokens 24 32 64 --moe-tiles "${sw[@]}"
-    run 120 profile-80b-b32-8k env DELTASERVE_PDL=off python3 -m bench.engine.profile_decode \
-      --model configs/qwen3-next-80b-a3b-fp8 --batch-size 32 --prompt-len 8192 --rows 30
+    ;;
+  profiles-fp8)  # without PDL (each kernel's own time): 9B FP8 and 80B FP8 batch 1, 80B FP8 batch 32
+    run 150 profile-9b-fp8-b1 env DELTASERVE_PDL=off python3 -m bench.engine.profile_decode \
+      --model configs/qwen3.5-9b-fp8 --batch-size 1 --rows 40
+    run 150 profile-80b-fp8-b1 env DELTASERVE_PDL=off python3 -m bench.engine.profile_decode \
+      --model configs/qwen3-next-80b-a3b-fp8 --batch-size 1 --prompt-len 1024 --rows 40
+    run 150 profile-80b-fp8-b32 env DELTASERVE_PDL=off python3 -m bench.engine.profile_decode \
+      --model configs/qwen3-next-80b-a3b-fp8 --batch-size 32 --prompt-len 1024 --rows 40
     ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2|profiles-fp8" >&2
     exit 2
     ;;
 esac
