@@ -50,7 +50,8 @@ def fused_moe_cuda(
 ) -> torch.Tensor:
     """`tiles`: the grouped GEMMs' (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, swap]), `grouped_tiles`
     unless given (`bench/ops/fp8_gemm.py --moe --bf16` sweeps them); swap 1 puts the weight's rows
-    on the MMA's wide side (off unless given)."""
+    on the MMA's wide side (off unless given: within 2% of `mma.sync` at decode's sizes, whose
+    bf16 expert reads are near the bandwidth already)."""
     import triton
 
     from deltaserve.kernels.common.pdl import pdl_args
