@@ -26,6 +26,7 @@
 #   bash bench/gpu_session.sh moe-swap-bf16 # the bf16 grouped MoE's swapped tilings (35B-A3B, Kimi-Linear); their tests
 #   bash bench/gpu_session.sh moe-swap-bf16-2 # their tests and Kimi's fused shared expert on CUDA; bf16 sweeps
 #   bash bench/gpu_session.sh profiles-fp8 # each kernel's own time (no PDL): 9B / 80B FP8 batch 1, 80B FP8 batch 32
+#   bash bench/gpu_session.sh norm-ab # the whole-row RMSNorm: its tests; 80B / 9B FP8 and 9B bf16 decode against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -311,8 +312,17 @@ case "${1:-all}" in
     run 150 profile-80b-fp8-b32 env DELTASERVE_PDL=off python3 -m bench.engine.profile_decode \
       --model configs/qwen3-next-80b-a3b-fp8 --batch-size 32 --prompt-len 1024 --rows 40
     ;;
+  norm-ab)  # the whole-row RMSNorm's GPU tests; 80B FP8 batch 1 / 32, 9B FP8 and bf16 batch 1 / 8 against REV (prepare REV)
+    run 150 norm-tests python3 -m pytest -q -rfE -m gpu tests/kernels/test_norm_kernels.py tests/kernels/fp8/test_fused_quant.py
+    run 170 ab-80b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 \
+      --batch-sizes 1 32 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    run 120 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b-fp8 \
+      --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
+    run 120 ab-9b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b \
+      --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
+    ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2|profiles-fp8" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2|profiles-fp8|norm-ab" >&2
     exit 2
     ;;
 esac

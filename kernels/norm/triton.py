@@ -35,6 +35,12 @@ def _warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8
 
 
+def _row_warps(block: int) -> int:
+    """A whole-row norm's warps: 8 columns a thread, the vector width of its loads and stores,
+    so that its outputs are stored in the layout they were loaded in (no shared-memory shuffle)."""
+    return max(1, min(16, block // 256))
+
+
 @triton.jit
 def _rms_norm_kernel(
     x,
@@ -57,27 +63,34 @@ def _rms_norm_kernel(
     QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # the row as [BLOCK // C, C] groups of C = 128 columns: a group's max (the FP8 scale) stays
+    # within a warp, where a flat row would be reshaped through shared memory first
+    C: tl.constexpr = 128 if BLOCK > 128 else BLOCK
+    o = tl.arange(0, BLOCK // C)[:, None] * C + tl.arange(0, C)[None, :]
+    m = o < D
+    wv = tl.load(w + o, mask=m, other=0.0).to(tl.float32)  # weights: no kernel writes them
     wait_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     t = r // H
     h = r % H
-    o = tl.arange(0, BLOCK)
-    m = o < D
     xv = tl.load(x + t * sx0 + h * sx1 + o, mask=m, other=0.0).to(tl.float32)
     if HAS_RES:
         rv = tl.load(res + t * sr0 + h * sr1 + o, mask=m, other=0.0).to(tl.float32)
         s = (xv + rv).to(res_out.dtype.element_ty)  # the unfused model's add, rounded alike
         tl.store(res_out + r * D + o, s, mask=m)
         xv = s.to(tl.float32)
-    n = xv * tl.rsqrt(tl.sum(xv * xv, 0) / D + eps)
-    wv = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
+    n = xv * tl.rsqrt(tl.sum(tl.sum(xv * xv, 1), 0) / D + eps)
     if ZERO_CENTERED:
         out = n * (1.0 + wv)
     else:
         out = n.to(y.dtype.element_ty).to(tl.float32) * wv
-    tl.store(y + r * D + o, out.to(y.dtype.element_ty), mask=m)
-    if QUANT:
-        _store_quantized_row(out.to(y.dtype.element_ty), q, qs, r, 0, D, BLOCK)
+    out = out.to(y.dtype.element_ty)
+    tl.store(y + r * D + o, out, mask=m)
+    if QUANT:  # whole groups (C = 128): `_quantized_out` asks BLOCK % 128 == 0
+        codes, scale = e4m3_groups(out.to(tl.float32), BLOCK // C, C)
+        tl.store(q + r * D + o, codes, mask=m)
+        g = tl.arange(0, BLOCK // C)[:, None]
+        tl.store(qs + r * tl.cdiv(D, C) + g, scale, mask=g * C < D)
 
 
 @triton.jit
@@ -154,7 +167,7 @@ def _norm(
             HAS_RES=residual is not None,
             BLOCK=block,
             QUANT=quant is not None,
-            num_warps=_warps(block),
+            num_warps=_row_warps(block),
             **pdl_args(xr.device),
         )
     _keep(y, quant)
