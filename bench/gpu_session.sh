@@ -27,6 +27,7 @@
 #   bash bench/gpu_session.sh moe-swap-bf16-2 # their tests and Kimi's fused shared expert on CUDA; bf16 sweeps
 #   bash bench/gpu_session.sh profiles-fp8 # each kernel's own time (no PDL): 9B / 80B FP8 batch 1, 80B FP8 batch 32
 #   bash bench/gpu_session.sh norm-ab # the whole-row RMSNorm: its tests; 80B / 9B FP8 and 9B bf16 decode against REV
+#   bash bench/gpu_session.sh align-warps # decode's MoE grouping at 1-16 warps; 9B 8k prefill against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -321,8 +322,16 @@ case "${1:-all}" in
     run 120 ab-9b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b \
       --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
     ;;
+  align-warps)  # decode's MoE grouping at 1-16 warps (80B's and 35B's experts); 9B bf16 8k prefill against REV (prepare REV)
+    for w in "513 11" "257 9"; do
+      set -- $w
+      run 90 "align-$1" python3 -m bench.ops.moe_align --experts "$1" --top-k "$2" --warps 1 2 4 8 16
+    done
+    run 150 ab-9b-prefill bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b \
+      --batch-sizes 1 --new-tokens 8 --prefill-len 8192
+    ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2|profiles-fp8|norm-ab" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2|profiles-fp8|norm-ab|align-warps" >&2
     exit 2
     ;;
 esac

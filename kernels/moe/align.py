@@ -171,6 +171,7 @@ def _max_combine(a, b):
 
 ONE_PROGRAM_ASSIGNMENTS = 1024  # up to this many (decode's), one launch in one program
 ONE_PROGRAM_BINS = 1024  # experts (+ 2) and blocks that one program's lanes hold
+ONE_PROGRAM_WARPS = 8  # `bench/ops/moe_align.py --warps` times the others
 
 
 def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +193,7 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
         marks = torch.empty(bb, dtype=torch.int32, device=device)
         _align_one_kernel[(1,)](
             flat, shift, marks, rows, block_expert, n, num_experts, total, BLOCK_M=block_m, EB=eb, NB=nb, BB=bb,
-            num_warps=8, **pdl_args(device),
+            num_warps=ONE_PROGRAM_WARPS, **pdl_args(device),
         )  # fmt: skip
         return rows, block_expert
     chunks = max(triton.cdiv(n, chunk), 1)
