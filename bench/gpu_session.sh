@@ -28,6 +28,7 @@
 #   bash bench/gpu_session.sh profiles-fp8 # each kernel's own time (no PDL): 9B / 80B FP8 batch 1, 80B FP8 batch 32
 #   bash bench/gpu_session.sh norm-ab # the whole-row RMSNorm: its tests; 80B / 9B FP8 and 9B bf16 decode against REV
 #   bash bench/gpu_session.sh align-warps # decode's MoE grouping at 1-16 warps; 9B 8k prefill against REV
+#   bash bench/gpu_session.sh align-ab # the grouping's warps on 80B's experts, 80B FP8 decode at the fastest; 9B 8k prefill against REV
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -330,8 +331,21 @@ case "${1:-all}" in
     run 150 ab-9b-prefill bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b \
       --batch-sizes 1 --new-tokens 8 --prefill-len 8192
     ;;
+  align-ab)  # decode's MoE grouping at 1-16 warps on 80B's experts; 80B FP8 batch 32 at 8 warps and at the fastest; 9B 8k prefill against REV
+    run 80 align-513 python3 -m bench.ops.moe_align --experts 513 --top-k 11 --tokens 24 32 64 --warps 1 2 4 8 16
+    best=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.startswith('{\"experts')]
+t=[x for x in r if x['tokens']==32][0]; print(min((v,k) for k,v in t.items() if k.endswith('_us'))[1].split('_')[1])" "$out/align-513.log")
+    echo "fastest at 32 tokens: $best warps"
+    for w in 8 "$best"; do
+      run 110 "decode-80b-w$w" python3 -c "import runpy, sys; import deltaserve.kernels.moe.align as a
+a.ONE_PROGRAM_WARPS = $w; sys.argv[0] = 'decode'; runpy.run_module('bench.engine.decode', run_name='__main__')" \
+        --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 24 32 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    done
+    run 120 ab-9b-prefill bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b \
+      --batch-sizes 1 --new-tokens 8 --prefill-len 8192
+    ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2|profiles-fp8|norm-ab|align-warps" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2|profiles-fp8|norm-ab|align-warps|align-ab" >&2
     exit 2
     ;;
 esac
