@@ -171,7 +171,7 @@ def _max_combine(a, b):
 
 ONE_PROGRAM_ASSIGNMENTS = 1024  # up to this many (decode's), one launch in one program
 ONE_PROGRAM_BINS = 1024  # experts (+ 2) and blocks that one program's lanes hold
-ONE_PROGRAM_WARPS = 8  # `bench/ops/moe_align.py --warps` times the others
+ONE_PROGRAM_WARPS = 4  # the fastest of 1-16 at 24-64 tokens of 80B's experts (`bench/ops/moe_align.py`)
 
 
 def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
