@@ -162,6 +162,7 @@ def build_app(
                 body.messages,
                 template=ctx.chat_template,
                 add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
                 template_kwargs=body.chat_template_kwargs,
             )
             return ctx.encode(text)

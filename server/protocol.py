@@ -200,6 +200,7 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True  # with tool_choice "required": more than one call allowed
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the prompt ends inside the last message
 
 
 class CompletionRequest(SamplingRequest):
@@ -219,6 +220,7 @@ class TokenizeRequest(RequestBody):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 

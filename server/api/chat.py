@@ -60,6 +60,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
             template=ctx.chat_template,
             tools=tools,
             add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
         )
         return text, ctx.encode(text)

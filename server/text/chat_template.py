@@ -73,12 +73,21 @@ def render_chat(
     template: str | None = None,
     tools: list[ToolDefinition] | None = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The prompt text; template errors (e.g. a role the template refuses) are 400s."""
+    """The prompt text; template errors (e.g. a role the template refuses) are 400s.
+    `continue_final_message`: the text ends with the last message's content, its turn left open
+    (no end-of-turn marker), so the model goes on writing that message (vLLM's field)."""
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise bad_request(
             "this model has no chat template; start the server with --chat-template", "messages"
+        )
+    if continue_final_message and add_generation_prompt:
+        raise bad_request(
+            "continue_final_message continues the last message, which a generation prompt would "
+            "close: set add_generation_prompt to false",
+            "continue_final_message",
         )
     from jinja2 import TemplateError
 
@@ -89,6 +98,7 @@ def render_chat(
             tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=False,
             **kwargs,
         )

@@ -270,6 +270,28 @@ def test_chat_template_kwargs_reach_the_template(server) -> None:
     assert "<think>" in detok and "</think>" in detok
 
 
+def test_continue_final_message_leaves_the_last_turn_open(client, server) -> None:
+    partial = "Red, green and"
+    messages = [*MESSAGES, {"role": "assistant", "content": partial}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **fields}).json()["tokens"]
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"].endswith(partial)
+    closed = httpx.post(
+        f"{server.url}/tokenize", json={"messages": messages, "add_generation_prompt": False}
+    ).json()["tokens"]
+    assert closed[: len(ids)] == ids and len(closed) > len(ids)  # the closed turn's end-of-turn follows
+    # the chat goes on from that very prompt: greedy, the tokens the completions endpoint makes from its ids
+    r = chat(client, messages=messages, max_tokens=8, temperature=0, logprobs=True, extra_body=fields)
+    assert r.usage.prompt_tokens == len(ids)
+    c = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0, logprobs=0)
+    assert [t.token for t in r.choices[0].logprobs.content] == c.choices[0].logprobs.tokens
+    both = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 2, "continue_final_message": True},
+    )
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
 def test_tools_render_and_content_parts(client, server) -> None:
     tools = [
         {
