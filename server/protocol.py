@@ -138,6 +138,13 @@ class SamplingRequest(RequestBody):
     """Fields shared by chat and completions; their values are checked by the engine's
     `SamplingParams` (`request_params.py` translates them and names the field in a 400)."""
 
+    # vLLM's sampling fields that this server does not implement
+    unsupported = {
+        "allowed_token_ids": unsupported_if_set("not supported: ban the other tokens with logit_bias -100"),
+        "bad_words": unsupported_if_set("not supported: ban their tokens with logit_bias -100"),
+        "truncate_prompt_tokens": unsupported_if_set("not supported: shorten the prompt before sending it"),
+        "use_beam_search": unsupported_if_set("not supported: this server samples, it does not search beams"),
+    }
     model: str | None = None
     max_tokens: int | None = None
     # vLLM's: the prompt tokens' log-probabilities with this many alternatives each, in the reply
@@ -185,6 +192,8 @@ def _best_of(value: Any, data: dict[str, Any]) -> str | None:
 
 class ChatCompletionRequest(SamplingRequest):
     unsupported = {
+        **SamplingRequest.unsupported,
+        "echo": unsupported_if_set("not supported on chat: the reply holds the new message only"),
         "audio": unsupported_if_set("not supported: this server writes text only"),
         "modalities": _modalities,
         "web_search_options": unsupported_if_set("not supported: this server does not search the web"),
@@ -205,6 +214,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     unsupported = {
+        **SamplingRequest.unsupported,
         "suffix": unsupported_if_set("not supported: this server does not fill in the middle"),
         "best_of": _best_of,
     }
