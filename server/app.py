@@ -161,6 +161,7 @@ def build_app(
                 ctx.need_tokenizer(),
                 body.messages,
                 template=ctx.chat_template,
+                tools=body.tools,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 template_kwargs=body.chat_template_kwargs,

@@ -232,6 +232,7 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered into the prompt as chat renders them
 
 
 class DetokenizeRequest(RequestBody):

@@ -321,6 +321,8 @@ def test_tools_render_and_content_parts(client, server) -> None:
     assert r.choices[0].finish_reason in ("stop", "length")
     plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4)
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens  # the tool schemas are in the prompt
+    counted = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "tools": tools}).json()
+    assert counted["count"] == r.usage.prompt_tokens  # /tokenize renders the tools as chat does
 
 
 def test_cached_tokens_match_the_prefix_cache_counter(client, server, read_metrics) -> None:
