@@ -27,8 +27,8 @@
 #   bash bench/gpu_session.sh moe-swap-bf16-2 # their tests and Kimi's fused shared expert on CUDA; bf16 sweeps
 #   bash bench/gpu_session.sh profiles-fp8 # each kernel's own time (no PDL): 9B / 80B FP8 batch 1, 80B FP8 batch 32
 #   bash bench/gpu_session.sh norm-ab # the whole-row RMSNorm: its tests; 80B / 9B FP8 and 9B bf16 decode against REV
-#   bash bench/gpu_session.sh align-warps # decode's MoE grouping at 1-16 warps; 9B 8k prefill against REV
 #   bash bench/gpu_session.sh align-ab # the grouping's warps on 80B's experts, 80B FP8 decode at the fastest; 9B 8k prefill against REV
+#   bash bench/gpu_session.sh align-4 # the grouping in 4 warps: its test, 35B's experts, 80B FP8 decode at 8 and 4 warps
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -48,6 +48,9 @@ run() {  # run SECONDS NAME CMD...: a hard time limit each, so one stuck step le
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $? ($(tail -1 "$out/$name.log"))"
 }
+# python3 -c "$AT_WARPS" W ARGS...: bench.engine.decode with the MoE grouping's one program in W warps
+AT_WARPS='import runpy, sys; import deltaserve.kernels.moe.align as a
+a.ONE_PROGRAM_WARPS = int(sys.argv.pop(1)); sys.argv[0] = "decode"; runpy.run_module("bench.engine.decode", run_name="__main__")'
 case "${1:-all}" in
   all)  # one pytest per group at once: the suite is bound by Triton/FLA compiling on the CPU, not the GPU
     run 560 engine-hf-tests python3 -m pytest -q -rA -m gpu tests/engine/test_gpu_engine.py &
@@ -323,29 +326,28 @@ case "${1:-all}" in
     run 120 ab-9b bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b \
       --batch-sizes 1 8 --prompt-len 512 --new-tokens 128 --prefill-len 0
     ;;
-  align-warps)  # decode's MoE grouping at 1-16 warps (80B's and 35B's experts); 9B bf16 8k prefill against REV (prepare REV)
-    for w in "513 11" "257 9"; do
-      set -- $w
-      run 90 "align-$1" python3 -m bench.ops.moe_align --experts "$1" --top-k "$2" --warps 1 2 4 8 16
-    done
-    run 150 ab-9b-prefill bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b \
-      --batch-sizes 1 --new-tokens 8 --prefill-len 8192
-    ;;
   align-ab)  # decode's MoE grouping at 1-16 warps on 80B's experts; 80B FP8 batch 32 at 8 warps and at the fastest; 9B 8k prefill against REV
     run 80 align-513 python3 -m bench.ops.moe_align --experts 513 --top-k 11 --tokens 24 32 64 --warps 1 2 4 8 16
     best=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.startswith('{\"experts')]
 t=[x for x in r if x['tokens']==32][0]; print(min((v,k) for k,v in t.items() if k.endswith('_us'))[1].split('_')[1])" "$out/align-513.log")
     echo "fastest at 32 tokens: $best warps"
     for w in 8 "$best"; do
-      run 110 "decode-80b-w$w" python3 -c "import runpy, sys; import deltaserve.kernels.moe.align as a
-a.ONE_PROGRAM_WARPS = $w; sys.argv[0] = 'decode'; runpy.run_module('bench.engine.decode', run_name='__main__')" \
-        --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 24 32 --prompt-len 1024 --new-tokens 64 --prefill-len 0
+      run 110 "decode-80b-w$w" python3 -c "$AT_WARPS" "$w" --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 24 32 \
+        --prompt-len 1024 --new-tokens 64 --prefill-len 0
     done
     run 120 ab-9b-prefill bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b \
       --batch-sizes 1 --new-tokens 8 --prefill-len 8192
     ;;
+  align-4)  # the grouping in 4 warps: its GPU test, 35B's experts at 4 and 8 warps, 80B FP8 decode at 8 then 4 (the first compiles)
+    run 120 align-tests python3 -m pytest -q -rfE -m gpu tests/kernels/moe/test_moe_align.py
+    run 80 align-257 python3 -m bench.ops.moe_align --experts 257 --top-k 9 --tokens 24 32 64 --warps 4 8
+    for w in 8 4; do
+      run 200 "decode-80b-w$w" python3 -c "$AT_WARPS" "$w" --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 24 32 \
+        --prompt-len 1024 --new-tokens 64 --prefill-len 0
+    done
+    ;;
   *)
-    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2|profiles-fp8|norm-ab|align-warps|align-ab" >&2
+    echo "usage: $0 all|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2|profiles-fp8|norm-ab|align-ab|align-4" >&2
     exit 2
     ;;
 esac
