@@ -142,13 +142,14 @@ class SamplingRequest(RequestBody):
     unsupported = {
         "allowed_token_ids": unsupported_if_set("not supported: ban the other tokens with logit_bias -100"),
         "bad_words": unsupported_if_set("not supported: ban their tokens with logit_bias -100"),
-        "truncate_prompt_tokens": unsupported_if_set("not supported: shorten the prompt before sending it"),
         "use_beam_search": unsupported_if_set("not supported: this server samples, it does not search beams"),
     }
     model: str | None = None
     max_tokens: int | None = None
     # vLLM's: the prompt tokens' log-probabilities with this many alternatives each, in the reply
     prompt_logprobs: int | None = None
+    # vLLM's: keep the prompt's last this many tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

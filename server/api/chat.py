@@ -27,7 +27,7 @@ from ..text.tool_calls import KIMI
 from .context import ServerContext
 from .generation import Generation
 from .logprobs import chat_logprobs, vllm_prompt_logprobs
-from .request_params import tool_choice_constraint
+from .request_params import tool_choice_constraint, truncate_prompt
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput
@@ -66,6 +66,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
         return text, ctx.encode(text)
 
     prompt, prompt_ids = await ctx.off_loop(prepare)
+    prompt_ids = truncate_prompt(req, prompt_ids, ctx.client.max_model_len)  # the text's end stays
     params = ctx.sampling_params(req, len(prompt_ids))
     forced = tool_choice_constraint(
         req.tool_choice,

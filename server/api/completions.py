@@ -19,6 +19,7 @@ from ..protocol import (
 from .context import ServerContext
 from .generation import Generation
 from .logprobs import completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs
+from .request_params import truncate_prompt
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
@@ -98,7 +99,10 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     model = ctx.resolve_model(req.model)
     prompts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo)
     generation = CompletionGeneration(ctx, req, model)
-    for j, (text, ids) in enumerate(prompts):
+    for j, (text, whole) in enumerate(prompts):
+        ids = truncate_prompt(req, whole, ctx.client.max_model_len)
+        if len(ids) < len(whole) and req.echo:  # the echo is the prompt the model read
+            text = await ctx.off_loop(ctx.decode, ids) if ctx.tokenizer is not None else ""
         params = ctx.sampling_params(req, len(ids))
         if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt
             await ctx.compile_structured(params.structured_outputs)

@@ -88,6 +88,27 @@ def build_sampling_params(
     return params
 
 
+def truncate_prompt(req: SamplingRequest, ids: list[int], max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the context's length);
+    a 400 for other values and for k past the context."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == -1:
+        k = max_model_len
+    elif k < 1:
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 (the context length) or positive, got {k}",
+            "truncate_prompt_tokens",
+        )
+    elif k > max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens ({k}) exceeds this model's maximum context length ({max_model_len})",
+            "truncate_prompt_tokens",
+        )
+    return ids[-k:] if len(ids) > k else ids
+
+
 def _room(
     req: ChatCompletionRequest | CompletionRequest,
     prompt_len: int,

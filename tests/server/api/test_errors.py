@@ -193,7 +193,6 @@ RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
         # vLLM's sampling fields that are not implemented
         ("/v1/completions", {**COMPLETION, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         ("/v1/chat/completions", {**GOOD, "bad_words": ["colour"]}, "bad_words"),
-        ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
         ("/v1/chat/completions", {**GOOD, "use_beam_search": True}, "use_beam_search"),
         ("/v1/chat/completions", {**GOOD, "echo": True}, "echo"),
         # values that change nothing are served

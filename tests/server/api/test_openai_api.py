@@ -292,6 +292,34 @@ def test_continue_final_message_leaves_the_last_turn_open(client, server) -> Non
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, server, max_model_len) -> None:
+    def detok(ids: list[int]) -> str:
+        return httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "The quick brown fox jumps. " * 3}).json()[
+        "tokens"
+    ]
+    greedy = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0}
+    cut = client.completions.create(prompt=ids, echo=True, extra_body={"truncate_prompt_tokens": 5}, **greedy)
+    short = client.completions.create(prompt=ids[-5:], **greedy)
+    assert cut.usage.prompt_tokens == 5
+    assert cut.choices[0].text == detok(ids[-5:]) + short.choices[0].text  # the echo is the prompt kept
+    # chat: the rendered prompt's last tokens
+    rendered = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    r = chat(client, max_tokens=6, temperature=0, logprobs=True, extra_body={"truncate_prompt_tokens": 7})
+    c = client.completions.create(prompt=rendered[-7:], logprobs=0, **greedy)
+    assert r.usage.prompt_tokens == 7
+    assert [t.token for t in r.choices[0].logprobs.content] == c.choices[0].logprobs.tokens
+    # -1 keeps what the context holds: all of a short prompt
+    whole = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": -1}, **greedy)
+    assert whole.usage.prompt_tokens == len(ids)
+    for bad in (0, -2, max_model_len + 1):
+        r = httpx.post(
+            f"{server.url}/v1/completions", json={**greedy, "prompt": ids, "truncate_prompt_tokens": bad}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", bad
+
+
 def test_tools_render_and_content_parts(client, server) -> None:
     tools = [
         {
