@@ -140,7 +140,6 @@ class SamplingRequest(RequestBody):
 
     # vLLM's sampling fields that this server does not implement
     unsupported = {
-        "allowed_token_ids": unsupported_if_set("not supported: ban the other tokens with logit_bias -100"),
         "bad_words": unsupported_if_set("not supported: ban their tokens with logit_bias -100"),
         "use_beam_search": unsupported_if_set("not supported: this server samples, it does not search beams"),
     }
@@ -166,6 +165,7 @@ class SamplingRequest(RequestBody):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema
     # vLLM's constrained decoding: {"json" | "json_object" | "regex" | "choice" | "grammar": ...},
     # and its older per-kind fields

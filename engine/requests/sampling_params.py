@@ -108,6 +108,8 @@ class SamplingParams:
     # token id -> added to its logit before sampling (OpenAI's logit_bias, within [-100, 100]:
     # -100 bans a token, +100 all but forces it); logprobs stay those of the unbiased logits
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled (the others' logits -inf); logprobs as above
+    allowed_token_ids: list[int] | None = None
     # "cumulative": an output every step while the request runs, each with everything so far;
     # "delta": an output every step that adds tokens, each with only what is new (streamed HTTP
     # requests: the cost of a step's outputs does not grow with their length);
@@ -172,6 +174,12 @@ class SamplingParams:
             raise InvalidParamError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
             )
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not allowed or any(type(t) is not int or t < 0 for t in allowed)):
+            shown = allowed if len(allowed) <= 8 else [*allowed[:8], "..."]
+            raise InvalidParamError(
+                f"allowed_token_ids must be a non-empty list of token ids, got {shown!r}", "allowed_token_ids"
+            )
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 raise InvalidParamError(f"logit_bias keys must be token ids, got {token!r}", "logit_bias")
@@ -181,10 +189,12 @@ class SamplingParams:
                 )
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidParamError for a stop token id or a logit_bias key outside [0, vocab_size)."""
+        """Raise InvalidParamError for a stop token id, logit_bias key or allowed token id outside
+        [0, vocab_size)."""
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", self.allowed_token_ids or []),
         ):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:

@@ -56,7 +56,7 @@ class Sampler:
     def sample_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The sampled token of each row, left on the logits' device (no host sync)."""
         logits = logits.float()
-        if all(r.params.greedy and not self.needs_processing(r) and not r.params.logit_bias for r in reqs):
+        if all(r.params.greedy and not self.needs_processing(r) and not self._restricted(r) for r in reqs):
             return logits.argmax(dim=-1)
         if 0 < len(reqs) <= self.graph_max_bs:
             if self.graphs is None:
@@ -103,6 +103,11 @@ class Sampler:
         return self._penalised(r) or r.matcher is not None
 
     @staticmethod
+    def _restricted(r: Request) -> bool:
+        """Whether the request's logits are biased or masked (from its parameters alone)."""
+        return bool(r.params.logit_bias) or r.params.allowed_token_ids is not None
+
+    @staticmethod
     def _penalised(r: Request) -> bool:
         p = r.params
         return (
@@ -137,9 +142,9 @@ class Sampler:
         return out
 
     def _process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Logit biases, penalties, min_tokens bans and grammar masks, in place. (Biases need no
-        host data of earlier steps, so unlike the others they do not keep a step from
-        overlapping.)"""
+        """Logit biases, allowed tokens, penalties, min_tokens bans and grammar masks, in place.
+        (Biases and allowed tokens need no host data of earlier steps, so unlike the others they
+        do not keep a step from overlapping.)"""
         dev = logits.device
         biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
@@ -150,6 +155,16 @@ class Sampler:
                 [(rows, torch.long), (ids, torch.long), (vals, torch.float32)], dev
             )
             logits.index_put_((rows_t, ids_t), vals_t.to(logits.dtype), accumulate=True)
+        allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(reqs) if r.params.allowed_token_ids]
+        if allowed:
+            owners = [j for j, (_, kept) in enumerate(allowed) for _ in kept]
+            kept_ids = [t for _, kept in allowed for t in kept]
+            rows_a, owners_t, kept_t = to_device_packed(
+                [([i for i, _ in allowed], torch.long), (owners, torch.long), (kept_ids, torch.long)], dev
+            )
+            outside = torch.ones((len(allowed), logits.shape[-1]), dtype=torch.bool, device=dev)
+            outside[owners_t, kept_t] = False
+            logits[rows_a] = logits[rows_a].masked_fill(outside, float("-inf"))
         penalised = [i for i, r in enumerate(reqs) if self._penalised(r)]
         if penalised:
             apply_penalties_batch(logits, [reqs[i] for i in penalised], penalised)

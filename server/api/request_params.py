@@ -72,6 +72,7 @@ def build_sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=_logit_bias(req.logit_bias),
+            allowed_token_ids=req.allowed_token_ids,
             # a stream sends what each step adds; a non-streamed response is built from the final output
             output_kind="delta" if req.stream else "final_only",
             structured_outputs=_structured_outputs(req),

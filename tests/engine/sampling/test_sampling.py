@@ -255,6 +255,37 @@ def test_logit_bias_forces_and_bans_tokens(llm):
     assert out.token_ids == [42, 42] and all(lp.logprob < -0.5 for lp in out.logprobs)
 
 
+def test_allowed_token_ids_restrict_sampling_to_them(llm):
+    """Only the allowed ids are sampled, greedy or not; greedy, they give what a +100 bias on them
+    gives (it keeps their order and outweighs every other logit of this model); logprobs stay the
+    model's own."""
+    allowed = [7, 42, 99, 123]
+    greedy = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    masked = tokens(llm.generate(PROMPTS, SamplingParams(allowed_token_ids=allowed, **greedy)))
+    biased = tokens(llm.generate(PROMPTS, SamplingParams(logit_bias=dict.fromkeys(allowed, 100.0), **greedy)))
+    assert masked == biased
+    sampled = llm.generate(
+        PROMPTS,
+        SamplingParams(
+            temperature=1.5, seed=3, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed, n=3
+        ),
+    )
+    assert {t for o in sampled for c in o.outputs for t in c.token_ids} <= set(allowed)
+    out = llm.generate(PROMPTS[:1], SamplingParams(allowed_token_ids=[42], logprobs=0, **greedy))[0].outputs[
+        0
+    ]
+    assert out.token_ids == [42] * 6 and all(lp.logprob < -0.5 for lp in out.logprobs)
+
+
+def test_allowed_token_ids_are_checked(llm):
+    for bad in ([], [-1], [1, "2"]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match="allowed_token_ids: token id"):
+        llm.engine.add_request("x", [1, 2, 3], SamplingParams(allowed_token_ids=[3, 10**7]))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_logit_bias_is_checked():
     for bad in ({-1: 1.0}, {5: 101.0}, {5: -100.5}):
         with pytest.raises(ValueError, match="logit_bias"):

@@ -322,6 +322,38 @@ def test_logprobs_and_penalties_through_windows(make_checkpoint):
             assert x.top.keys() == y.top.keys()
 
 
+class DraftsOutside(ForcedDrafter):
+    """Proposes the true continuation for `right` tokens, then a token outside `allowed`."""
+
+    def __init__(self, sequences: list[list[int]], right: int, allowed: list[int]) -> None:
+        super().__init__(sequences, right)
+        self.outside = next(t for t in range(self.vocab) if t not in allowed)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        drafts = super().propose(tokens, k)
+        if len(drafts) > self.right:
+            drafts[-1] = self.outside
+        return drafts
+
+
+def test_allowed_token_ids_through_windows(make_checkpoint):
+    """Drafts of a token outside the allowed set are rejected: the tokens are plain decoding's."""
+    path = make_checkpoint("qwen3_5")
+    prompts = prompts_of([7, 9], seed=11, repeat=4)
+    free = make_llm(path).generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    allowed = sorted({t for o in free for t in o.outputs[0].token_ids})[::2]  # half of what it chose
+    params = greedy(allowed_token_ids=allowed)
+    plain = make_llm(path).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = make_llm(path, NGRAM)
+    seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, plain)]
+    llm.engine.spec.drafter = DraftsOutside(seqs, right=1, allowed=allowed)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for a, b in zip(outs, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert set(a.outputs[0].token_ids) <= set(allowed)
+        assert a.num_accepted_tokens > 0
+
+
 def test_uniform_windows_for_verification_graphs(model_path, pools_held):
     """`cuda_graph`: every decoding request verifies exactly k drafts (padded where the n-gram
     lookup finds fewer or none), so that verification batches have one shape; greedy output is

@@ -191,7 +191,6 @@ RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
         ("/v1/responses", {**RESPONSE, "prompt": {"id": "pmpt_1"}}, "prompt"),
         ("/v1/responses", {**RESPONSE, "conversation": "conv_1"}, "conversation"),
         # vLLM's sampling fields that are not implemented
-        ("/v1/completions", {**COMPLETION, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         ("/v1/chat/completions", {**GOOD, "bad_words": ["colour"]}, "bad_words"),
         ("/v1/chat/completions", {**GOOD, "use_beam_search": True}, "use_beam_search"),
         ("/v1/chat/completions", {**GOOD, "echo": True}, "echo"),

@@ -477,6 +477,27 @@ def test_logit_bias_over_http(client, server) -> None:
     assert r.usage.completion_tokens == 4 and set(ids) == {token}
 
 
+def test_allowed_token_ids_over_http(client, server) -> None:
+    """vLLM's allowed_token_ids: sampled tokens come from the set alone, and greedy ones are those a
+    +100 bias on the set gives; an id outside the vocabulary is a 400 naming the field."""
+    allowed = httpx.post(f"{server.url}/tokenize", json={"prompt": " red green blue"}).json()["tokens"]
+    extra = {"ignore_eos": True, "allowed_token_ids": allowed}
+    r = chat(client, max_tokens=8, temperature=1.0, seed=5, extra_body=extra)
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": r.choices[0].message.content}).json()["tokens"]
+    assert r.usage.completion_tokens == 8 and set(ids) <= set(allowed)
+    masked = chat(client, max_tokens=8, temperature=0, extra_body=extra)
+    biased = chat(
+        client, max_tokens=8, temperature=0, logit_bias=dict.fromkeys(map(str, allowed), 100),
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert masked.choices[0].message.content == biased.choices[0].message.content
+    bad = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 2, "allowed_token_ids": [10**9]},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"
+
+
 def test_continuous_usage_stats(client) -> None:
     """vLLM's stream option: every chunk carries the usage so far, growing to the final one."""
     options = {"include_usage": True, "continuous_usage_stats": True}
