@@ -166,6 +166,7 @@ class SamplingRequest(RequestBody):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema
     # vLLM's constrained decoding: {"json" | "json_object" | "regex" | "choice" | "grammar": ...},
     # and its older per-kind fields

@@ -26,7 +26,7 @@ from ..text.reasoning import prompt_opens_reasoning
 from ..text.tool_calls import KIMI
 from .context import ServerContext
 from .generation import Generation
-from .logprobs import chat_logprobs, vllm_prompt_logprobs
+from .logprobs import chat_logprobs, token_text_for, vllm_prompt_logprobs
 from .request_params import tool_choice_constraint, truncate_prompt
 
 if TYPE_CHECKING:
@@ -114,6 +114,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         super().__init__(ctx, random_id("chatcmpl"), model, req.stream_options)
         self.req, self.parser = req, prepared.parser
         self.logprobs = prepared.params.logprobs
+        self.token_text = token_text_for(req, ctx.token_text)
         self.states: dict[str, ChatStreamState] = {}
 
     def opening_choices(self) -> list[ChatChunkChoice]:
@@ -147,7 +148,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         reasoning, content, calls = state.feed(completion.text, completion.finished, cut)
         new_logprobs = None
         if self.logprobs is not None and completion.logprobs:
-            new_logprobs = chat_logprobs(completion.logprobs, self.logprobs, self.ctx.token_text)
+            new_logprobs = chat_logprobs(completion.logprobs, self.logprobs, self.token_text)
         return (
             reasoning,
             content,
@@ -187,7 +188,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         )
         logprobs = None
         if self.logprobs is not None:
-            logprobs = chat_logprobs(completion.logprobs or [], self.logprobs, self.ctx.token_text)
+            logprobs = chat_logprobs(completion.logprobs or [], self.logprobs, self.token_text)
         reason = finish_reason(completion.finish_reason, bool(calls))
         return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason)
 
@@ -197,7 +198,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             self.req.prompt_logprobs is not None
         ):  # vLLM's: the rendered prompt's tokens, scored in its prefill
             first = final[next(iter(self.index))].prompt_logprobs
-            prompt_logprobs = vllm_prompt_logprobs(first, self.req.prompt_logprobs, self.ctx.token_text)
+            prompt_logprobs = vllm_prompt_logprobs(first, self.req.prompt_logprobs, self.token_text)
         response = ChatCompletionResponse(
             id=self.request_id,
             model=self.model,

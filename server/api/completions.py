@@ -18,7 +18,13 @@ from ..protocol import (
 )
 from .context import ServerContext
 from .generation import Generation
-from .logprobs import completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs
+from .logprobs import (
+    TokenText,
+    completion_logprobs,
+    prompt_completion_logprobs,
+    token_text_for,
+    vllm_prompt_logprobs,
+)
 from .request_params import truncate_prompt
 
 if TYPE_CHECKING:
@@ -61,10 +67,16 @@ class _Choice:
     """One choice's text and logprobs, echo included, from the engine's output."""
 
     def __init__(
-        self, ctx: ServerContext, prompt: tuple[str, list[int]], echo: bool, logprobs: int | None
+        self,
+        ctx: ServerContext,
+        prompt: tuple[str, list[int]],
+        echo: bool,
+        logprobs: int | None,
+        token_text: TokenText,
     ) -> None:
         self.ctx, self.echo, self.logprobs = ctx, echo, logprobs
         self.prompt_text, self.prompt_ids = prompt
+        self.token_text = token_text
 
     def text(self, completion: CompletionOutput) -> str:
         return (self.prompt_text if self.echo else "") + completion.text
@@ -82,13 +94,11 @@ class _Choice:
         completion = out.outputs[0]
         if text_start is None:
             text_start = len(self.prompt_text) if self.echo else 0
-        generated = completion_logprobs(
-            completion.logprobs or [], self.logprobs, self.ctx.token_text, text_start
-        )
+        generated = completion_logprobs(completion.logprobs or [], self.logprobs, self.token_text, text_start)
         if not echo_prompt:
             return generated
         echoed = prompt_completion_logprobs(
-            self.prompt_ids, self.ctx.token_text, out.prompt_logprobs, self.logprobs
+            self.prompt_ids, self.token_text, out.prompt_logprobs, self.logprobs
         )
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(echoed, name).extend(getattr(generated, name))
@@ -107,7 +117,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt
             await ctx.compile_structured(params.structured_outputs)
         generation.add(f"{generation.request_id}-{j}", ids, params)
-        generation.choices += [_Choice(ctx, (text, ids), req.echo, params.logprobs)] * req.n
+        generation.choices += [
+            _Choice(ctx, (text, ids), req.echo, params.logprobs, generation.token_text)
+        ] * req.n
     return await generation.respond(raw, req.stream)
 
 
@@ -119,6 +131,7 @@ class CompletionGeneration(Generation[CompletionChoice]):
     def __init__(self, ctx: ServerContext, req: CompletionRequest, model: str) -> None:
         super().__init__(ctx, random_id("cmpl"), model, req.stream_options)
         self.req = req
+        self.token_text = token_text_for(req, ctx.token_text)
         self.choices: list[_Choice] = []  # by choice index
         self.offsets: dict[str, int] = {}  # where the next token's text starts (logprobs' text_offset)
 
@@ -167,7 +180,7 @@ class CompletionGeneration(Generation[CompletionChoice]):
         prompt_logprobs = None
         if self.req.prompt_logprobs is not None:
             prompt_logprobs = vllm_prompt_logprobs(
-                out.prompt_logprobs, self.req.prompt_logprobs, self.ctx.token_text
+                out.prompt_logprobs, self.req.prompt_logprobs, self.token_text
             )
         choice = self.choices[index]
         return CompletionChoice(

@@ -5,7 +5,14 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
+from ..protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    SamplingRequest,
+    TokenLogprob,
+    TopLogprob,
+)
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import Logprob
@@ -52,6 +59,22 @@ class TokenText:
             raw = bytes(decoder[ch] for ch in piece)
             return raw.decode("utf-8", errors="replace"), list(raw)
         return piece, list(piece.encode("utf-8"))
+
+
+class TokenIds(TokenText):
+    """vLLM's `return_tokens_as_token_ids`: each token as `token_id:N`, whatever it decodes to."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        text = f"token_id:{token_id}"
+        return text, list(text.encode())
+
+
+def token_text_for(req: SamplingRequest, token_text: TokenText) -> TokenText:
+    """How a request's logprobs name tokens: their text, or their ids where it asks."""
+    return TokenIds() if req.return_tokens_as_token_ids else token_text
 
 
 def _top(lp: Logprob, k: int) -> list[tuple[int, float]]:

@@ -498,6 +498,27 @@ def test_allowed_token_ids_over_http(client, server) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"
 
 
+def test_return_tokens_as_token_ids(client, server) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs name each token `token_id:N`, N the id whose text
+    the same request without it names, prompt tokens and alternatives too."""
+    ids = {"return_tokens_as_token_ids": True}
+    named = chat(client, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    as_ids = chat(client, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2, extra_body=ids)
+    token_ids = []
+    for a, b in zip(named.choices[0].logprobs.content, as_ids.choices[0].logprobs.content, strict=True):
+        assert b.token.startswith("token_id:") and b.bytes == list(b.token.encode())
+        assert all(t.token.startswith("token_id:") for t in b.top_logprobs) and b.logprob == a.logprob
+        token_ids.append(int(b.token.removeprefix("token_id:")))
+    texts = [httpx.post(f"{server.url}/detokenize", json={"tokens": [t]}).json()["prompt"] for t in token_ids]
+    assert "".join(texts) == named.choices[0].message.content == as_ids.choices[0].message.content
+    prompt = [5, 9, 17]
+    c = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True, extra_body=ids
+    )
+    assert c.choices[0].logprobs.tokens[:3] == [f"token_id:{t}" for t in prompt]
+    assert all(k.startswith("token_id:") for top in c.choices[0].logprobs.top_logprobs[1:] for k in top)
+
+
 def test_continuous_usage_stats(client) -> None:
     """vLLM's stream option: every chunk carries the usage so far, growing to the final one."""
     options = {"include_usage": True, "continuous_usage_stats": True}
