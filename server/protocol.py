@@ -140,7 +140,6 @@ class SamplingRequest(RequestBody):
 
     # vLLM's sampling fields that this server does not implement
     unsupported = {
-        "bad_words": unsupported_if_set("not supported: ban their tokens with logit_bias -100"),
         "use_beam_search": unsupported_if_set("not supported: this server samples, it does not search beams"),
     }
     model: str | None = None
@@ -167,6 +166,7 @@ class SamplingRequest(RequestBody):
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`
+    bad_words: list[str] | None = None  # vLLM's: words never generated
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema
     # vLLM's constrained decoding: {"json" | "json_object" | "regex" | "choice" | "grammar": ...},
     # and its older per-kind fields

@@ -110,6 +110,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these token ids may be sampled (the others' logits -inf); logprobs as above
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad words as token sequences: a sequence's last token is never sampled right after
+    # the others (a one-token sequence: never); the server tokenizes a request's `bad_words`
+    bad_words_token_ids: list[list[int]] | None = None
     # "cumulative": an output every step while the request runs, each with everything so far;
     # "delta": an output every step that adds tokens, each with only what is new (streamed HTTP
     # requests: the cost of a step's outputs does not grow with their length);
@@ -180,6 +183,12 @@ class SamplingParams:
             raise InvalidParamError(
                 f"allowed_token_ids must be a non-empty list of token ids, got {shown!r}", "allowed_token_ids"
             )
+        for seq in self.bad_words_token_ids or []:
+            if not seq or any(type(t) is not int or t < 0 for t in seq):
+                raise InvalidParamError(
+                    f"bad_words_token_ids must be non-empty token id sequences, got {seq!r}"[:200],
+                    "bad_words",
+                )
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 raise InvalidParamError(f"logit_bias keys must be token ids, got {token!r}", "logit_bias")

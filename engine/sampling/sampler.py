@@ -20,6 +20,17 @@ logger = logging.getLogger(__name__)
 SAMPLER_GRAPH_MAX_BS = 32
 
 
+def _bad_word_ends(r: Request) -> list[int]:
+    """The tokens r may not sample next: each bad word's last token where its generated tokens
+    end with the word's others (vLLM's rule: generated tokens only, not the prompt)."""
+    out = r.output_token_ids
+    return [
+        seq[-1]
+        for seq in r.params.bad_words_token_ids or []
+        if len(seq) == 1 or (len(out) >= len(seq) - 1 and list(out[len(out) - len(seq) + 1 :]) == seq[:-1])
+    ]
+
+
 class Sampler:
     """Samples a whole batch at once; only seeded rows draw their noise one by one.
 
@@ -99,8 +110,8 @@ class Sampler:
 
     def needs_processing(self, r: Request) -> bool:
         """Whether the request's logits need processing that reads its tokens so far (so its
-        step cannot overlap the previous one): penalties, min_tokens, a grammar."""
-        return self._penalised(r) or r.matcher is not None
+        step cannot overlap the previous one): penalties, min_tokens, bad words, a grammar."""
+        return self._penalised(r) or bool(r.params.bad_words_token_ids) or r.matcher is not None
 
     @staticmethod
     def _restricted(r: Request) -> bool:
@@ -165,6 +176,12 @@ class Sampler:
             outside = torch.ones((len(allowed), logits.shape[-1]), dtype=torch.bool, device=dev)
             outside[owners_t, kept_t] = False
             logits[rows_a] = logits[rows_a].masked_fill(outside, float("-inf"))
+        bad_ends = [(i, t) for i, r in enumerate(reqs) for t in _bad_word_ends(r)]
+        if bad_ends:
+            rows_b, ids_b = to_device_packed(
+                [([i for i, _ in bad_ends], torch.long), ([t for _, t in bad_ends], torch.long)], dev
+            )
+            logits[rows_b, ids_b] = float("-inf")
         penalised = [i for i, r in enumerate(reqs) if self._penalised(r)]
         if penalised:
             apply_penalties_batch(logits, [reqs[i] for i in penalised], penalised)

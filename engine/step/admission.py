@@ -68,6 +68,9 @@ class Admission:
         bad = [t for t in params.logit_bias or {} if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for seq in params.bad_words_token_ids or [] for t in seq if t >= vocab]
+        if bad:
+            raise ValueError(f"bad_words_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         bad = [t for t in params.allowed_token_ids or [] if t >= vocab]
         if bad:
             raise ValueError(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")

@@ -7,7 +7,7 @@ import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
@@ -20,7 +20,7 @@ from ..errors import APIError, RequestFailedError, bad_request, failure_of, rais
 from ..metrics import Metrics
 from ..text.tool_calls import tool_call_format
 from .logprobs import TokenText
-from .request_params import build_sampling_params
+from .request_params import bad_words_token_ids, build_sampling_params
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput
@@ -98,13 +98,16 @@ class ServerContext:
     ) -> SamplingParams:
         """The request's engine parameters under this server's context length, generation defaults
         and vocabulary (`request_params.build_sampling_params`: 400s for bad values)."""
-        return build_sampling_params(
+        params = build_sampling_params(
             req,
             prompt_len=prompt_len,
             max_model_len=self.client.max_model_len,
             defaults=self.sampling_defaults,
             vocab_size=self.vocab_size,
         )
+        if req.bad_words:
+            params = replace(params, bad_words_token_ids=bad_words_token_ids(req.bad_words, self.encode))
+        return params
 
     async def compile_structured(self, spec: StructuredOutputs) -> None:
         """Compile a request's grammar in the prompt worker, before it is submitted: a new JSON

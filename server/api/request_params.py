@@ -3,6 +3,7 @@ this module translates fields and names them in the 400s as the request spells t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +88,21 @@ def build_sampling_params(
     except InvalidParamError as exc:
         raise refused(exc).renamed(names) from exc
     return params
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """vLLM's bad words as token sequences: each word as tokenized alone, and after a space where
+    that starts with another token but is as long (the same word inside a sentence)."""
+    out = []
+    for word in words:
+        if not word.strip():
+            raise bad_request("bad_words must not be empty or blank", "bad_words")
+        alone = encode(word.lstrip())
+        spaced = encode(" " + word.lstrip())
+        out.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return out
 
 
 def truncate_prompt(req: SamplingRequest, ids: list[int], max_model_len: int) -> list[int]:

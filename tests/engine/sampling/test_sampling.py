@@ -286,6 +286,28 @@ def test_allowed_token_ids_are_checked(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_bad_words_are_never_generated(llm):
+    """A bad word's last token is never sampled right after its others (vLLM's rule): greedy
+    decoding follows the free run up to the pair's first token, then leaves it; a one-token bad
+    word is banned outright, as a -100 bias bans it."""
+    greedy = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+    free = tokens(llm.generate(PROMPTS, SamplingParams(**greedy)))
+    row = free[0]
+    pair = row[2:4]
+    first = next(i for i in range(len(row) - 1) if row[i : i + 2] == pair)
+    out = tokens(llm.generate(PROMPTS[:1], SamplingParams(bad_words_token_ids=[pair], **greedy)))[0]
+    assert out[: first + 1] == row[: first + 1] and out[first + 1] != pair[1]
+    assert all(out[i : i + 2] != pair for i in range(len(out) - 1))
+    single = free[1][1]
+    banned = tokens(llm.generate(PROMPTS[1:], SamplingParams(bad_words_token_ids=[[single]], **greedy)))[0]
+    biased = tokens(llm.generate(PROMPTS[1:], SamplingParams(logit_bias={single: -100.0}, **greedy)))[0]
+    assert single not in banned and banned == biased
+    with pytest.raises(ValueError, match="bad_words_token_ids: token id"):
+        llm.engine.add_request("x", [1, 2, 3], SamplingParams(bad_words_token_ids=[[1, 10**7]]))
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words_token_ids=[[]])
+
+
 def test_logit_bias_is_checked():
     for bad in ({-1: 1.0}, {5: 101.0}, {5: -100.5}):
         with pytest.raises(ValueError, match="logit_bias"):

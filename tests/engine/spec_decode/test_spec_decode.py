@@ -354,6 +354,25 @@ def test_allowed_token_ids_through_windows(make_checkpoint):
         assert a.num_accepted_tokens > 0
 
 
+def test_bad_words_through_windows(make_checkpoint):
+    """Drafts that complete a bad word are rejected: the tokens are plain decoding's."""
+    path = make_checkpoint("qwen3_5")
+    prompts = prompts_of([7, 9], seed=12, repeat=4)
+    free = make_llm(path).generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    bad = [o.outputs[0].token_ids[1:3] for o in free]  # a pair each free run writes
+    params = greedy(bad_words_token_ids=bad)
+    plain = make_llm(path).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = make_llm(path, NGRAM)
+    # drafts follow the free runs while they can, so they propose each pair's last token; then plain's
+    runs = [p + o.outputs[0].token_ids for outs in (free, plain) for p, o in zip(prompts, outs)]
+    llm.engine.spec.drafter = ForcedDrafter(runs, right=K)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for a, b in zip(outs, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        seq = a.outputs[0].token_ids
+        assert not any(seq[i : i + 2] in bad for i in range(len(seq) - 1))
+
+
 def test_uniform_windows_for_verification_graphs(model_path, pools_held):
     """`cuda_graph`: every decoding request verifies exactly k drafts (padded where the n-gram
     lookup finds fewer or none), so that verification batches have one shape; greedy output is

@@ -498,6 +498,29 @@ def test_allowed_token_ids_over_http(client, server) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"
 
 
+def test_bad_words_over_http(client, server) -> None:
+    """vLLM's bad_words: a word the model writes when free is never written with it."""
+    greedy = {"model": MODEL_NAME, "prompt": [5, 9, 17, 3, 88], "max_tokens": 8, "temperature": 0}
+    free = client.completions.create(**greedy, logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    ids = [int(t.removeprefix("token_id:")) for t in free.choices[0].logprobs.tokens]
+
+    def tokenize(text: str) -> list[int]:
+        return httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()["tokens"]
+
+    def one_token_word(token: int) -> str | None:  # its text, where that alone tokenizes back to it
+        word = httpx.post(f"{server.url}/detokenize", json={"tokens": [token]}).json()["prompt"]
+        return word if word.strip() == word != "" and tokenize(word) == [token] else None
+
+    j, word = next((j, w) for j in range(1, len(ids)) if (w := one_token_word(ids[j])) is not None)
+    banned = client.completions.create(
+        **greedy, logprobs=0, extra_body={"bad_words": [word], "return_tokens_as_token_ids": True}
+    )
+    out = [int(t.removeprefix("token_id:")) for t in banned.choices[0].logprobs.tokens]
+    assert out[:j] == ids[:j] and ids[j] not in out
+    blank = httpx.post(f"{server.url}/v1/completions", json={**greedy, "bad_words": [" "]})
+    assert blank.status_code == 400 and blank.json()["error"]["param"] == "bad_words"
+
+
 def test_return_tokens_as_token_ids(client, server) -> None:
     """vLLM's return_tokens_as_token_ids: logprobs name each token `token_id:N`, N the id whose text
     the same request without it names, prompt tokens and alternatives too."""
