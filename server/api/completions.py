@@ -131,9 +131,12 @@ class CompletionGeneration(Generation[CompletionChoice]):
     def __init__(self, ctx: ServerContext, req: CompletionRequest, model: str) -> None:
         super().__init__(ctx, random_id("cmpl"), model, req.stream_options)
         self.req = req
-        self.token_text = token_text_for(req, ctx.token_text)
         self.choices: list[_Choice] = []  # by choice index
         self.offsets: dict[str, int] = {}  # where the next token's text starts (logprobs' text_offset)
+
+    @property
+    def token_text(self) -> TokenText:
+        return token_text_for(self.req, self.ctx.token_text)
 
     def delta_event(self, out: RequestOutput) -> str | None:
         rid, completion = out.request_id, out.outputs[0]

@@ -72,9 +72,12 @@ class TokenIds(TokenText):
         return text, list(text.encode())
 
 
+_TOKEN_IDS = TokenIds()
+
+
 def token_text_for(req: SamplingRequest, token_text: TokenText) -> TokenText:
     """How a request's logprobs name tokens: their text, or their ids where it asks."""
-    return TokenIds() if req.return_tokens_as_token_ids else token_text
+    return _TOKEN_IDS if req.return_tokens_as_token_ids else token_text
 
 
 def _top(lp: Logprob, k: int) -> list[tuple[int, float]]:
