@@ -67,7 +67,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
 
     prompt, prompt_ids = await ctx.off_loop(prepare)
     prompt_ids = truncate_prompt(req, prompt_ids, ctx.client.max_model_len)  # the text's end stays
-    params = ctx.sampling_params(req, len(prompt_ids))
+    params = ctx.sampling_params(req, len(prompt_ids), await ctx.bad_words_ids(req))
     forced = tool_choice_constraint(
         req.tool_choice,
         tools,

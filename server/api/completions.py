@@ -109,11 +109,12 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     model = ctx.resolve_model(req.model)
     prompts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo)
     generation = CompletionGeneration(ctx, req, model)
+    bad_words = await ctx.bad_words_ids(req)
     for j, (text, whole) in enumerate(prompts):
         ids = truncate_prompt(req, whole, ctx.client.max_model_len)
         if len(ids) < len(whole) and req.echo:  # the echo is the prompt the model read
             text = await ctx.off_loop(ctx.decode, ids) if ctx.tokenizer is not None else ""
-        params = ctx.sampling_params(req, len(ids))
+        params = ctx.sampling_params(req, len(ids), bad_words)
         if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt
             await ctx.compile_structured(params.structured_outputs)
         generation.add(f"{generation.request_id}-{j}", ids, params)

@@ -94,10 +94,14 @@ class ServerContext:
         return self.need_tokenizer().decode(token_ids, skip_special_tokens=False)
 
     def sampling_params(
-        self, req: ChatCompletionRequest | CompletionRequest, prompt_len: int
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompt_len: int,
+        bad_words: list[list[int]] | None = None,
     ) -> SamplingParams:
         """The request's engine parameters under this server's context length, generation defaults
-        and vocabulary (`request_params.build_sampling_params`: 400s for bad values)."""
+        and vocabulary (`request_params.build_sampling_params`: 400s for bad values); `bad_words`
+        as `bad_words_ids` tokenized them."""
         params = build_sampling_params(
             req,
             prompt_len=prompt_len,
@@ -105,9 +109,13 @@ class ServerContext:
             defaults=self.sampling_defaults,
             vocab_size=self.vocab_size,
         )
-        if req.bad_words:
-            params = replace(params, bad_words_token_ids=bad_words_token_ids(req.bad_words, self.encode))
-        return params
+        return replace(params, bad_words_token_ids=bad_words) if bad_words else params
+
+    async def bad_words_ids(self, req: ChatCompletionRequest | CompletionRequest) -> list[list[int]] | None:
+        """The request's `bad_words` as token sequences, tokenized in the prompt worker."""
+        if not req.bad_words:
+            return None
+        return await self.off_loop(bad_words_token_ids, req.bad_words, self.encode)
 
     async def compile_structured(self, spec: StructuredOutputs) -> None:
         """Compile a request's grammar in the prompt worker, before it is submitted: a new JSON
