@@ -198,12 +198,13 @@ class SamplingParams:
                 )
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidParamError for a stop token id, logit_bias key or allowed token id outside
-        [0, vocab_size)."""
+        """Raise InvalidParamError for a token id outside [0, vocab_size): a stop token id, logit_bias
+        key, allowed token id or bad word's token."""
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias or {})),
             ("allowed_token_ids", self.allowed_token_ids or []),
+            ("bad_words_token_ids", [t for seq in self.bad_words_token_ids or [] for t in seq]),
         ):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:

@@ -65,18 +65,7 @@ class Admission:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         params = copy.copy(params)  # max_tokens may be filled in below; the caller's stays as given
         params.validate()
-        bad = [t for t in params.logit_bias or {} if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        bad = [t for seq in params.bad_words_token_ids or [] for t in seq if t >= vocab]
-        if bad:
-            raise ValueError(f"bad_words_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.allowed_token_ids or [] if t >= vocab]
-        if bad:
-            raise ValueError(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        params.check_vocab(vocab)
         n_prompt = len(prompt_token_ids)
         if params.max_tokens is None:
             if n_prompt >= max_len:

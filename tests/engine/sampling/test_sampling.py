@@ -315,7 +315,7 @@ def test_logit_bias_is_checked():
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(llm):
-    with pytest.raises(ValueError, match="logit_bias token id"):
+    with pytest.raises(ValueError, match="logit_bias: token id"):
         llm.engine.add_request("x", [1, 2, 3], SamplingParams(logit_bias={10**7: 5.0}))
     assert not llm.engine.has_unfinished_requests()
 
