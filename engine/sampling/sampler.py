@@ -176,7 +176,9 @@ class Sampler:
             outside = torch.ones((len(allowed), logits.shape[-1]), dtype=torch.bool, device=dev)
             outside[owners_t, kept_t] = False
             logits[rows_a] = logits[rows_a].masked_fill(outside, float("-inf"))
-        bad_ends = [(i, t) for i, r in enumerate(reqs) for t in _bad_word_ends(r)]
+        bad_ends = [
+            (i, t) for i, r in enumerate(reqs) if r.params.bad_words_token_ids for t in _bad_word_ends(r)
+        ]
         if bad_ends:
             rows_b, ids_b = to_device_packed(
                 [([i for i, _ in bad_ends], torch.long), ([t for _, t in bad_ends], torch.long)], dev
