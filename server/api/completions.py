@@ -67,14 +67,9 @@ class _Choice:
     """One choice's text and logprobs, echo included, from the engine's output."""
 
     def __init__(
-        self,
-        ctx: ServerContext,
-        prompt: tuple[str, list[int]],
-        echo: bool,
-        logprobs: int | None,
-        token_text: TokenText,
+        self, prompt: tuple[str, list[int]], echo: bool, logprobs: int | None, token_text: TokenText
     ) -> None:
-        self.ctx, self.echo, self.logprobs = ctx, echo, logprobs
+        self.echo, self.logprobs = echo, logprobs
         self.prompt_text, self.prompt_ids = prompt
         self.token_text = token_text
 
@@ -118,9 +113,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt
             await ctx.compile_structured(params.structured_outputs)
         generation.add(f"{generation.request_id}-{j}", ids, params)
-        generation.choices += [
-            _Choice(ctx, (text, ids), req.echo, params.logprobs, generation.token_text)
-        ] * req.n
+        generation.choices += [_Choice((text, ids), req.echo, params.logprobs, generation.token_text)] * req.n
     return await generation.respond(raw, req.stream)
 
 
