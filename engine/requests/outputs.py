@@ -62,6 +62,8 @@ class RequestOutput:
         cumulative output supersedes what came before it."""
         if not newer.delta:
             return newer
+        if newer.prompt_logprobs is None:  # a delta stream carries them once, in its first output
+            newer.prompt_logprobs = self.prompt_logprobs
         for old, new in zip(self.outputs, newer.outputs):
             new.token_ids = old.token_ids + new.token_ids
             new.text = old.text + new.text
