@@ -17,7 +17,17 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str, revision: str | None = None, download_dir: str | None = None, **kwargs: Any
+    ) -> None:
+        """`model`: a checkpoint folder or a Hugging Face repo id (fetched into the Hub's cache, at
+        `revision` under `download_dir`, or found there offline); `kwargs`: `EngineConfig`'s fields."""
+        from deltaserve.models.checkpoints.hub import resolve_checkpoint
+
+        dummy = kwargs.get("load_format") == "dummy"
+        model = resolve_checkpoint(model, revision, download_dir, weights=not dummy)
+        if kwargs.get("tokenizer") is not None:
+            kwargs["tokenizer"] = resolve_checkpoint(kwargs["tokenizer"], None, download_dir, weights=False)
         self.engine = Engine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0

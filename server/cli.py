@@ -76,6 +76,17 @@ def _existing_path(text: str) -> str:
     return text
 
 
+def _checkpoint(text: str) -> str:
+    """A folder, or a Hugging Face repo id (`org/name`), fetched at start-up (`models.checkpoints.hub`)."""
+    from deltaserve.models.checkpoints.hub import is_repo_id
+
+    if not os.path.exists(text) and not is_repo_id(text):
+        raise argparse.ArgumentTypeError(
+            f"no such file or directory, nor a Hugging Face repo id (org/name): {text!r}"
+        )
+    return text
+
+
 def _speculative_config(text: str) -> dict:
     """A JSON object, checked as the engine checks it, so that a typo is a one-line error."""
     try:
@@ -124,13 +135,33 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...).",
         formatter_class=_HelpFormatter,
     )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        type=_checkpoint,
+        default=None,
+        metavar="MODEL",
+        help="the model, as with --model (`deltaserve serve Qwen/Qwen3.5-9B`, as vLLM takes it)",
+    )
     model = serve.add_argument_group("model")
     model.add_argument(
         "--model",
-        type=_existing_path,
+        "--model-path",
+        type=_checkpoint,
         default=None,
-        help="checkpoint folder (config.json, safetensors, tokenizer); without it the built-in tiny "
-        "random-weight Qwen3-Next model is built on first use and served",
+        help="checkpoint folder (config.json, safetensors, tokenizer) or Hugging Face repo id "
+        "(org/name: fetched into the Hub's cache at start-up, or found there offline); without it the "
+        "built-in tiny random-weight Qwen3-Next model is built on first use and served",
+    )
+    model.add_argument(
+        "--revision",
+        default=None,
+        help="a repo id's branch, tag or commit; default: main",
+    )
+    model.add_argument(
+        "--download-dir",
+        default=None,
+        help="where a repo id's files are kept; default: the Hugging Face cache ($HF_HOME)",
     )
     model.add_argument(
         "--served-model-name",
@@ -140,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="name(s) clients use in the 'model' field; default: the --model path, or the built-in model's name",
     )
     model.add_argument(
-        "--tokenizer", type=_existing_path, default=None, help="tokenizer folder if not the model's"
+        "--tokenizer", type=_checkpoint, default=None, help="tokenizer folder or repo id, if not the model's"
     )
     model.add_argument(
         "--dtype",
@@ -178,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine = serve.add_argument_group("engine")
     engine.add_argument(
         "--max-running-requests",
+        "--max-num-seqs",
         type=_int_at_least(1),
         default=None,
         help="most requests decoded together; default 256 on CUDA, 64 on CPU, lowered at start-up "
@@ -191,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--max-model-len",
+        "--context-length",
         type=_int_at_least(1),
         default=None,
         help="longest prompt plus completion in tokens; default: the model's max_position_embeddings",
@@ -232,7 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
         "experimental: measured on a GPU without a clear gain",
     )
     engine.add_argument(
-        "--page-size", type=_power_of_two, default=16, help="tokens per KV-cache page (a power of two)"
+        "--page-size",
+        "--block-size",
+        type=_power_of_two,
+        default=16,
+        help="tokens per KV-cache page (a power of two)",
     )
     engine.add_argument(
         "--cache-type",
@@ -250,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--mem-fraction-static",
+        "--gpu-memory-utilization",
         type=float,
         default=0.85,
         help="fraction of GPU memory for weights, KV pages and state slots (the pools get what the "
@@ -269,7 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest decode batch run by CUDA-graph replay",
     )
     engine.add_argument(
-        "--disable-cuda-graph", action="store_true", help="run decode eagerly (no CUDA-graph capture)"
+        "--disable-cuda-graph",
+        "--enforce-eager",
+        action="store_true",
+        help="run decode eagerly (no CUDA-graph capture)",
     )
     overlap = engine.add_mutually_exclusive_group()
     overlap.add_argument(
@@ -307,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument(
         "--tensor-parallel-size",
         "-tp",
+        "--tp-size",
+        "--tp",
         type=_int_at_least(1),
         default=1,
         help="ranks the model is split over, one process (one GPU) each; rank 0 schedules and samples",
@@ -403,12 +446,94 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument(
         "--disable-log-stats", action="store_true", help="no stats line (vLLM's flag; --log-stats-interval 0)"
     )
+    _add_compatible_flags(serve.add_argument_group("vLLM's and SGLang's flags"))
     return parser
 
 
+# vLLM's and SGLang's names for what deltaserve does anyway, so that their command lines (a model
+# card's `vllm serve ... --trust-remote-code --enable-auto-tool-choice --tool-call-parser hermes`)
+# run unchanged; a value deltaserve does not do (an fp8 KV cache) stays an error
+TOOL_CALL_PARSERS = ["hermes", "qwen", "qwen25", "qwen3_xml", "qwen3_coder", "kimi_k2"]
+REASONING_PARSERS = ["qwen3", "qwen3-thinking", "deepseek_r1", "deepseek-r1", "kimi", "kimi_k2"]
+
+
+def _kv_cache_dtype(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(
+            f"only auto: the KV cache is kept in the model's dtype (a {text} KV cache is not implemented)"
+        )
+    return text
+
+
+def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--enable-prefix-caching",
+        dest="cache_type",
+        action="store_const",
+        const="radix",
+        default=None,
+        help="vLLM's: --cache-type radix (the default)",
+    )
+    group.add_argument(
+        "--no-enable-prefix-caching",
+        "--disable-radix-cache",
+        dest="cache_type",
+        action="store_const",
+        const="naive",
+        default=None,
+        help="vLLM's and SGLang's: --cache-type naive",
+    )
+    group.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted, no effect: deltaserve runs its own code for these architectures and "
+        "tokenizers, never a checkpoint's",
+    )
+    group.add_argument(
+        "--enable-chunked-prefill", action="store_true", help="accepted, no effect: prefill is always chunked"
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='accepted, no effect: tool_choice "auto" is always served',
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="accepted, no effect: deltaserve reads the tool-call form the model writes (Qwen's "
+        "<tool_call> JSON or XML, Kimi's sections)",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="accepted, no effect: reasoning between <think> tags always goes to reasoning_content",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        type=_kv_cache_dtype,
+        default="auto",
+        help="the KV cache is kept in the model's dtype (auto); an fp8 KV cache is not implemented",
+    )
+    group.add_argument(
+        "--enable-metrics", action="store_true", help="accepted, no effect: /metrics is always served"
+    )
+    group.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted, no effect: requests' contents are never logged",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "serve":
+        if args.model_tag is not None:
+            if args.model is not None and args.model != args.model_tag:
+                parser.error(f"two models: MODEL {args.model_tag!r} and --model {args.model!r}")
+            args.model = args.model_tag
         from .launch import serve
 
         return serve(args)

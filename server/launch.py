@@ -206,20 +206,37 @@ def _warn_if_accept_queue_capped(backlog: int, somaxconn: str = "/proc/sys/net/c
 
 def _served_names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The names listed by /v1/models, and the names also accepted: by default the model folder's
-    base name (as SGLang serves it) is listed, and the path given to --model stays accepted."""
+    base name (as SGLang serves it) is listed, and the path given to --model stays accepted; a repo
+    id is listed as given."""
     if args.served_model_name:
         return list(args.served_model_name), []
     if args.model is None:
         from deltaserve.models.checkpoints.builtin import BUILTIN_NAME
 
         return [BUILTIN_NAME], []
+    from deltaserve.models.checkpoints.hub import is_repo_id
+
+    if is_repo_id(args.model):  # listed as given (vLLM's and SGLang's name for it), its last part accepted
+        return [args.model], [args.model.rsplit("/", 1)[-1]]
     path = str(args.model).rstrip("/") or str(args.model)
     base = os.path.basename(path) or path
     return [base], [path] if path != base else []
 
 
 def _engine_config(args: argparse.Namespace) -> Any:
-    model = args.model
+    from deltaserve.models.checkpoints.hub import CheckpointNotFound, resolve_checkpoint
+
+    model, tokenizer = args.model, args.tokenizer
+    try:  # a repo id's files: from the Hub's cache, fetched first where they are not there
+        if model is not None:
+            model = resolve_checkpoint(
+                model, args.revision, args.download_dir, weights=args.load_format != "dummy"
+            )
+        if tokenizer is not None:
+            tokenizer = resolve_checkpoint(tokenizer, None, args.download_dir, weights=False)
+    except CheckpointNotFound as exc:
+        print(f"deltaserve serve: error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     if model is None:
         from deltaserve.models.checkpoints.builtin import builtin_model_path
 
@@ -253,7 +270,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
             max_waiting_requests=args.max_waiting_requests,
             load_format=args.load_format,
             quantization=args.quantization,
-            tokenizer=args.tokenizer,
+            tokenizer=tokenizer,
             speculative_config=args.speculative_config,
             tensor_parallel_size=args.tensor_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,

@@ -59,6 +59,10 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         ["--log-level", "loud"],
         ["--model", "/no/such/model/dir"],
         ["--chat-template", "/no/such/template.jinja"],
+        ["--kv-cache-dtype", "fp8"],
+        ["--tool-call-parser", "mistral"],
+        ["--reasoning-parser", "granite"],
+        ["--gpu-memory-utilization", "most"],
         ["--no-such-flag"],
     ],
 )
@@ -198,3 +202,93 @@ def test_adaptive_prefill_delay_defaults_to_the_device_and_can_be_turned_off() -
     assert parser.parse_args(["serve"]).adaptive_prefill_delay is None  # the engine picks by device
     assert parser.parse_args(["serve", "--no-adaptive-prefill-delay"]).adaptive_prefill_delay is False
     assert parser.parse_args(["serve", "--adaptive-prefill-delay"]).adaptive_prefill_delay is True
+
+
+@pytest.mark.parametrize(
+    "theirs,ours",
+    [
+        (["--max-num-seqs", "8"], ["--max-running-requests", "8"]),
+        (["--gpu-memory-utilization", "0.7"], ["--mem-fraction-static", "0.7"]),
+        (["--context-length", "4096"], ["--max-model-len", "4096"]),
+        (["--tp-size", "2"], ["--tensor-parallel-size", "2"]),
+        (["--tp", "2"], ["--tensor-parallel-size", "2"]),
+        (["--enforce-eager"], ["--disable-cuda-graph"]),
+        (["--block-size", "32"], ["--page-size", "32"]),
+        (["--model-path", "."], ["--model", "."]),
+        (["--no-enable-prefix-caching"], ["--cache-type", "naive"]),
+        (["--disable-radix-cache"], ["--cache-type", "naive"]),
+        (["--enable-prefix-caching"], ["--cache-type", "radix"]),
+        # the last one wins
+        (["--cache-type", "naive", "--enable-prefix-caching"], ["--cache-type", "radix"]),
+    ],
+)
+def test_vllm_and_sglang_names_set_what_ours_set(theirs: list[str], ours: list[str]) -> None:
+    parser = build_parser()
+    assert vars(parser.parse_args(["serve", *theirs])) == vars(parser.parse_args(["serve", *ours]))
+
+
+def test_flags_for_what_deltaserve_does_anyway_change_nothing() -> None:
+    """A model card's vLLM line, as Qwen's and Moonshot's cards give it, parses to the defaults."""
+    parser = build_parser()
+    card = [
+        "--trust-remote-code", "--enable-chunked-prefill", "--enable-auto-tool-choice",
+        "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3", "--kv-cache-dtype", "auto",
+        "--enable-metrics", "--disable-log-requests",
+    ]  # fmt: skip
+    parsed, plain = vars(parser.parse_args(["serve", *card])), vars(parser.parse_args(["serve"]))
+    compat = {"trust_remote_code", "enable_chunked_prefill", "enable_auto_tool_choice", "tool_call_parser",
+              "reasoning_parser", "enable_metrics", "disable_log_requests"}  # fmt: skip
+    assert {k: v for k, v in parsed.items() if k not in compat} == {
+        k: v for k, v in plain.items() if k not in compat
+    }
+
+
+def test_the_model_may_come_first_as_vllm_takes_it() -> None:
+    from deltaserve.server.launch import _served_names
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "Qwen/Qwen3.5-9B", "--port", "9000"])
+    assert args.model_tag == "Qwen/Qwen3.5-9B" and args.port == 9000
+    args.model = args.model_tag
+    assert _served_names(args) == (["Qwen/Qwen3.5-9B"], ["Qwen3.5-9B"])  # vLLM's name, and its last part
+    result = run_cli("serve", "acme/one", "--model", "acme/two")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "acme/one" in result.stderr and "acme/two" in result.stderr
+
+
+def test_a_repo_id_the_hub_cannot_give_stops_start_up_with_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "deltaserve", "serve", "acme/absent", "--port", "0"]
+    cmd += ["--download-dir", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "'acme/absent'" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_server_of_a_repo_id_serves_it_under_that_name(
+    spawn_server, builtin_path: str, tmp_path: Path
+) -> None:
+    """The built-in model as the Hub's cache holds a repo: the server finds it offline, lists the
+    repo id as vLLM does, and answers the official client under it and under its last part."""
+    import shutil
+
+    from openai import OpenAI
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny-next" / "snapshots" / ("e" * 40)
+    shutil.copytree(builtin_path, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("e" * 40)
+    server = spawn_server(
+        "acme/tiny-next", "--download-dir", str(tmp_path / "hub"), "--max-model-len", "256",
+        "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        env={"HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == ["acme/tiny-next"]
+    for name in ("acme/tiny-next", "tiny-next"):
+        out = client.completions.create(model=name, prompt="Hello", max_tokens=4, temperature=0)
+        assert out.model == "acme/tiny-next" and out.usage.completion_tokens == 4
+    assert str(snapshot) in server.log()
