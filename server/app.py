@@ -113,22 +113,38 @@ def build_app(
             raise APIError(404, f"no response {response_id!r} is stored", "response_id", "not_found")
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
+    def card(name: str) -> ModelCard:
+        root = str(engine_client.model_info.get("model", model_names[0]))
+        return ModelCard(id=name, root=root, max_model_len=engine_client.max_model_len)
+
     @v1.get("/models")
     async def models() -> ModelList:
-        root = str(engine_client.model_info.get("model", model_names[0]))
-        cards = [
-            ModelCard(id=name, root=root, max_model_len=engine_client.max_model_len) for name in model_names
-        ]
-        return ModelList(data=cards)
+        return ModelList(data=[card(name) for name in model_names])
+
+    @v1.get("/models/{model_id:path}")  # a repo id's name has a slash in it
+    async def model(model_id: str) -> ModelCard:
+        if model_id not in model_names and model_id not in (model_aliases or []):
+            raise APIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return card(model_id)
 
     app.include_router(v1)
 
     @app.get("/health")
+    @app.get("/ping")  # SageMaker's name for it, which vLLM serves too
     async def health() -> Response:
         healthy, why = engine_client.health()
         if healthy:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+
+    @app.post("/reset_prefix_cache")  # vLLM's name
+    @app.post("/flush_cache")  # SGLang's
+    async def reset_prefix_cache() -> Response:
+        try:
+            await engine_client.call("flush_cache")  # what no running request holds: safe under load
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), None, "engine_unavailable") from exc
+        return JSONResponse({"status": "ok"})
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the default limit on a request's body
 # what the key guards besides /v1 (/health, /metrics and /version stay open)
-_KEYED = ("/tokenize", "/detokenize")
+_KEYED = ("/tokenize", "/detokenize", "/reset_prefix_cache", "/flush_cache")
 
 
 class BodyTooLarge(HTTPException):

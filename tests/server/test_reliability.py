@@ -201,7 +201,13 @@ def test_api_key_is_checked_before_the_body(keyed) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "path,body", [("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [1, 2, 3]})]
+    "path,body",
+    [
+        ("/tokenize", {"prompt": "hello"}),
+        ("/detokenize", {"tokens": [1, 2, 3]}),
+        ("/reset_prefix_cache", {}),  # dropping everyone's cache is the key holder's to ask
+        ("/flush_cache", {}),
+    ],
 )
 def test_tokenize_and_detokenize_need_the_key(keyed, path: str, body: dict) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -209,7 +215,7 @@ def test_tokenize_and_detokenize_need_the_key(keyed, path: str, body: dict) -> N
         assert error_of(r.status_code, r.content)["type"] == "authentication_error"
     r = httpx.post(f"{keyed.url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert r.status_code == 200, r.text
-    for open_path in ("/health", "/metrics", "/version"):
+    for open_path in ("/health", "/ping", "/metrics", "/version"):
         assert httpx.get(f"{keyed.url}{open_path}", timeout=30).status_code == 200
 
 

@@ -25,9 +25,16 @@ def chat(client, **kwargs):
 
 
 def test_models_health_version(client, server) -> None:
+    import openai
+
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME  # OpenAI's GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found"
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/ping").json() == {"status": "ok"}  # SageMaker's, vLLM's too
     import deltaserve
 
     assert httpx.get(f"{server.url}/version").json()["version"] == deltaserve.__version__
@@ -370,6 +377,20 @@ def test_cached_tokens_match_the_prefix_cache_counter(client, server, read_metri
     metrics = read_metrics(server.url)
     assert metrics["deltaserve_prefix_cache_snapshots"] > 0
     assert 0 < metrics["deltaserve_prefix_cache_hit_rate"] <= 1
+
+
+def test_reset_prefix_cache_drops_what_no_request_holds(client, server) -> None:
+    """vLLM's POST /reset_prefix_cache and SGLang's /flush_cache: the next identical request finds
+    nothing cached, and gets the same greedy answer."""
+    messages = [{"role": "user", "content": "Resetting caches, again and again. " * 20}]
+    first = chat(client, messages=messages, max_tokens=4, temperature=0)
+    repeat = chat(client, messages=messages, max_tokens=4, temperature=0)
+    assert repeat.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        assert httpx.post(f"{server.url}{path}", timeout=30).json() == {"status": "ok"}
+        after = chat(client, messages=messages, max_tokens=4, temperature=0)
+        assert after.usage.prompt_tokens_details.cached_tokens == 0, path
+        assert after.choices[0].message.content == first.choices[0].message.content
 
 
 def test_prefill_counter_counts_what_the_cache_did_not_serve(client, server, read_metrics) -> None:
