@@ -8,9 +8,11 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -39,6 +41,16 @@ from .text.chat_template import render_chat
 logger = logging.getLogger("deltaserve.server")
 
 
+@dataclass(frozen=True)
+class Cors:
+    """Which browser origins may call the API, with which methods and headers (vLLM's flags)."""
+
+    origins: list[str] = field(default_factory=lambda: ["*"])
+    methods: list[str] = field(default_factory=lambda: ["*"])
+    headers: list[str] = field(default_factory=lambda: ["*"])
+    credentials: bool = False
+
+
 def build_app(
     engine_client: EngineClient,
     *,
@@ -49,11 +61,13 @@ def build_app(
     sampling_defaults: SamplingDefaults | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     shared_metrics: SharedMetrics | None = None,
+    cors: Cors | None = None,
 ) -> FastAPI:
     """The app for one engine client; the client's engine thread runs for the app's lifespan.
     `api_key` guards /v1, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413.
     `model_aliases` are accepted in requests like `model_names` but not listed by /v1/models.
-    `shared_metrics`: one of several HTTP processes, whose /metrics adds up all of theirs."""
+    `shared_metrics`: one of several HTTP processes, whose /metrics adds up all of theirs.
+    `cors`: which browser origins may call the API; None or no origins, no CORS headers."""
     metrics = engine_client.metrics or Metrics(model_names[0])
     engine_client.metrics = metrics
     ctx = ServerContext(
@@ -83,6 +97,14 @@ def build_app(
     app.state.ctx = ctx
     _install_error_handlers(app, metrics)
     app.add_middleware(EdgeGuard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    if cors is not None and cors.origins:  # outside the guard: a preflight has no key; a 401 wants CORS too
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cors.origins,
+            allow_methods=cors.methods,
+            allow_headers=cors.headers,
+            allow_credentials=cors.credentials,
+        )
 
     v1 = APIRouter(prefix="/v1")
 

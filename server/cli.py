@@ -117,6 +117,16 @@ def _generation_config(text: str) -> str:
     return text
 
 
+def _json_strings(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings, e.g. ["*"], got {text!r}')
+    return value
+
+
 def _existing_file(text: str) -> str:
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"no such file: {text!r}")
@@ -408,6 +418,33 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=32.0,
         help="largest request body in MiB; a larger one gets HTTP 413 before it is read",
+    )
+    http.add_argument(
+        "--allowed-origins",
+        type=_json_strings,
+        default=None,
+        metavar="JSON",
+        help='origins a browser may call the API from (CORS), as a JSON list; default ["*"], any '
+        "origin, as vLLM and SGLang allow; [] sends no CORS headers",
+    )
+    http.add_argument(
+        "--allowed-methods",
+        type=_json_strings,
+        default=None,
+        metavar="JSON",
+        help='methods such calls may use (CORS), as a JSON list; default ["*"]',
+    )
+    http.add_argument(
+        "--allowed-headers",
+        type=_json_strings,
+        default=None,
+        metavar="JSON",
+        help='request headers such calls may send (CORS), as a JSON list; default ["*"]',
+    )
+    http.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="let such calls carry the browser's cookies and credentials (CORS)",
     )
     http.add_argument(
         "--chat-template",

@@ -100,7 +100,7 @@ def http_server(
     from deltaserve.engine.gc_heap import freeze_startup_heap
     from deltaserve.models.checkpoints.loader import load_tokenizer
 
-    from .app import build_app
+    from .app import Cors, build_app
     from .draining import DrainingServer
     from .engine_client import EngineClient
     from .metrics import Metrics
@@ -118,6 +118,12 @@ def http_server(
         sampling_defaults=sampling_defaults,
         max_body_bytes=int(args.max_request_body_mb * 2**20),
         shared_metrics=shared,
+        cors=Cors(
+            args.allowed_origins if args.allowed_origins is not None else ["*"],
+            args.allowed_methods if args.allowed_methods is not None else ["*"],
+            args.allowed_headers if args.allowed_headers is not None else ["*"],
+            args.allow_credentials,
+        ),
     )
     server = DrainingServer(config, client, float(args.shutdown_timeout), peers, ignore_sigint)
     freeze_startup_heap("HTTP process")
