@@ -502,38 +502,33 @@ def _kv_cache_dtype(text: str) -> str:
     return text
 
 
-def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--enable-prefix-caching",
-        dest="cache_type",
-        action="store_const",
-        const="radix",
-        default=None,
-        help="vLLM's: --cache-type radix (the default)",
-    )
-    group.add_argument(
-        "--no-enable-prefix-caching",
-        "--disable-radix-cache",
-        dest="cache_type",
-        action="store_const",
-        const="naive",
-        default=None,
-        help="vLLM's and SGLang's: --cache-type naive",
-    )
-    group.add_argument(
+# switches for what deltaserve always does: (flag, why they change nothing)
+_ALWAYS = (
+    (
         "--trust-remote-code",
-        action="store_true",
-        help="accepted, no effect: deltaserve runs its own code for these architectures and "
-        "tokenizers, never a checkpoint's",
-    )
-    group.add_argument(
-        "--enable-chunked-prefill", action="store_true", help="accepted, no effect: prefill is always chunked"
-    )
-    group.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='accepted, no effect: tool_choice "auto" is always served',
-    )
+        "deltaserve runs its own code for these architectures and tokenizers, never a checkpoint's",
+    ),
+    ("--enable-chunked-prefill", "prefill is always chunked"),
+    ("--enable-auto-tool-choice", 'tool_choice "auto" is always served'),
+    ("--enable-metrics", "/metrics is always served"),
+    ("--disable-log-requests", "requests' contents are never logged"),
+)
+
+
+def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
+    for flags, cache, help in (
+        (["--enable-prefix-caching"], "radix", "vLLM's: --cache-type radix (the default)"),
+        (
+            ["--no-enable-prefix-caching", "--disable-radix-cache"],
+            "naive",
+            "vLLM's and SGLang's: --cache-type naive",
+        ),
+    ):
+        group.add_argument(
+            *flags, dest="cache_type", action="store_const", const=cache, default=None, help=help
+        )
+    for flag, why in _ALWAYS:
+        group.add_argument(flag, action="store_true", help=f"accepted, no effect: {why}")
     group.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
@@ -552,14 +547,6 @@ def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
         type=_kv_cache_dtype,
         default="auto",
         help="the KV cache is kept in the model's dtype (auto); an fp8 KV cache is not implemented",
-    )
-    group.add_argument(
-        "--enable-metrics", action="store_true", help="accepted, no effect: /metrics is always served"
-    )
-    group.add_argument(
-        "--disable-log-requests",
-        action="store_true",
-        help="accepted, no effect: requests' contents are never logged",
     )
 
 
