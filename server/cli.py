@@ -467,6 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds SIGTERM waits for running requests to finish before aborting them",
     )
     http.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no access line for each request (vLLM's flag; at thousands of requests a second the lines cost "
+        "the HTTP processes' CPU)",
+    )
+    http.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error", "critical"],
         default="info",

@@ -147,6 +147,7 @@ def _uvicorn_config(args: argparse.Namespace) -> Any:
         log_config=None,  # keep our one log format
         timeout_graceful_shutdown=FLUSH_S,  # the drain itself is DrainingServer's
         timeout_keep_alive=_KEEP_ALIVE_S,
+        access_log=not getattr(args, "disable_uvicorn_access_log", False),
     )
 
 

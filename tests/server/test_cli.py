@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 from deltaserve.server.cli import build_parser
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
@@ -292,3 +294,14 @@ def test_a_server_of_a_repo_id_serves_it_under_that_name(
         out = client.completions.create(model=name, prompt="Hello", max_tokens=4, temperature=0)
         assert out.model == "acme/tiny-next" and out.usage.completion_tokens == 4
     assert str(snapshot) in server.log()
+
+
+@pytest.mark.slow
+def test_access_lines_can_be_turned_off(spawn_server, server) -> None:
+    quiet = spawn_server("--disable-uvicorn-access-log", "--max-model-len", "256")
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    for s in (quiet, server):
+        assert httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert '"POST /v1/completions HTTP/1.1" 200' in server.log()
+    log = quiet.log()
+    assert "uvicorn.access" not in log and "serving" in log  # the rest of the log stays
