@@ -50,7 +50,8 @@ def resolve_checkpoint(
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
         why = str(exc).strip().splitlines()  # the Hub's messages end with what to do
         raise CheckpointNotFound(
-            f"cannot get {name!r} from the Hugging Face Hub, nor from its cache: {why[-1] if why else exc}"
+            f"{name!r} is no folder here, and the Hugging Face Hub cannot give it, nor its cache: "
+            f"{why[-1] if why else exc}"
         ) from None
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointNotFound(f"{name!r} at {path} has no config.json: is it a model repo?")
