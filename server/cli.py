@@ -70,12 +70,6 @@ def _device(text: str) -> str:
     return text
 
 
-def _existing_path(text: str) -> str:
-    if not os.path.exists(text):
-        raise argparse.ArgumentTypeError(f"no such file or directory: {text!r}")
-    return text
-
-
 def _checkpoint(text: str) -> str:
     """A folder, or a Hugging Face repo id (`org/name`), fetched at start-up (`models.checkpoints.hub`)."""
     from deltaserve.models.checkpoints.hub import is_repo_id
@@ -178,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="NAME",
-        help="name(s) clients use in the 'model' field; default: the --model path, or the built-in model's name",
+        help="name(s) clients use in the 'model' field; default: the --model folder's name (a repo id "
+        "as given), or the built-in model's name",
     )
     model.add_argument(
         "--tokenizer", type=_checkpoint, default=None, help="tokenizer folder or repo id, if not the model's"
