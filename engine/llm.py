@@ -9,6 +9,7 @@ from typing import Any
 from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
+from deltaserve.engine.requests.chat_prompt import render_prompt
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults, read_sampling_defaults
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.requests.sampling_params import SamplingParams
@@ -154,6 +155,51 @@ class LLM:
                 )
             )
         return results
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of OpenAI-shaped message dicts) or several,
+        rendered with the checkpoint's chat template (or `chat_template`), then `generate`d; the
+        outputs' `prompt` is the rendered text. A ValueError for what the template cannot render."""
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer to render a chat with")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [
+            render_prompt(
+                self.tokenizer,
+                list(conversation),  # type: ignore[arg-type]
+                template=chat_template,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        # the template writes the special tokens itself: none are added again
+        prompts = [
+            {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
+            for text in texts
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (None for a checkpoint without one)."""
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached KV page and state snapshot (vLLM's): later prompts are computed anew."""
+        self.engine.flush_cache()
+        return True
 
 
 def _progress(total: int) -> Any:

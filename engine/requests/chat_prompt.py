@@ -1,0 +1,87 @@
+"""A chat's prompt text: messages in OpenAI's shape (plain dicts) through the checkpoint's chat
+template, with tools and template keywords (`enable_thinking`) passed on. The server's chat
+endpoints and the offline `LLM.chat` render alike."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class ChatTemplateError(ValueError):
+    """Messages the template cannot render; `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates read it: `developer` as `system`, text parts joined by newlines,
+    content never None (templates test it with `in`), tool calls' JSON arguments as mappings."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [part.get("text") if part.get("type") == "text" else part.get("refusal") for part in content]
+        content = "\n".join(t for t in texts if t is not None)
+    out: dict[str, Any] = {
+        "role": "system" if message["role"] == "developer" else message["role"],
+        "content": content or "",
+    }
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if message.get(key) is not None:
+            out[key] = message[key]
+    if message.get("tool_calls"):
+        out["tool_calls"] = [_tool_call_for_template(call) for call in message["tool_calls"]]
+    return out
+
+
+def _tool_call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    # OpenAI sends arguments as a JSON string; Qwen3.5's template iterates them as a mapping, and
+    # a string that is not JSON is passed through as it came
+    call = dict(call)
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    call["function"] = function
+    return call
+
+
+def render_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text of `messages`. `continue_final_message`: the text ends with the last
+    message's content, its turn left open (no end-of-turn marker), so the model goes on writing that
+    message (vLLM's field). A ChatTemplateError for what cannot render."""
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError("this model has no chat template; give one (--chat-template)")
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError(
+            "continue_final_message continues the last message, which a generation prompt would "
+            "close: set add_generation_prompt to false",
+            "continue_final_message",
+        )
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(
+            [template_message(m) for m in messages],
+            tools=tools or None,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+    except (TemplateError, TypeError, ValueError, KeyError) as exc:
+        raise ChatTemplateError(f"the chat template could not render these messages: {exc}") from exc

@@ -1,0 +1,70 @@
+"""The offline API's `LLM.chat` (vLLM's): conversations rendered with the checkpoint's chat template
+(the real Qwen3 tokenizer's), then generated as their token ids would be, and held to transformers."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+CHAT = [
+    {"role": "developer", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a colour."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tokenized_checkpoint: str) -> LLM:
+    return LLM(tokenized_checkpoint, dtype="float32", device="cpu")
+
+
+def rendered_ids(llm: LLM, messages: list[dict], **kwargs) -> list[int]:
+    """What transformers' own template call gives for the messages as OpenAI's clients send them
+    (developer read as system, text parts joined by newlines)."""
+    plain = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name\na colour."},
+    ][: len(messages)]
+    text = llm.get_tokenizer().apply_chat_template(plain, tokenize=False, **kwargs)
+    return llm.get_tokenizer().encode(text, add_special_tokens=False)
+
+
+def test_chat_is_generate_on_the_rendered_prompt(llm: LLM, tokenized_checkpoint: str, hf_reference) -> None:
+    (out,) = llm.chat(CHAT, GREEDY)
+    ids = rendered_ids(llm, CHAT, add_generation_prompt=True)
+    assert out.prompt_token_ids == ids and out.prompt.endswith("<|im_start|>assistant\n")
+    assert list(out.outputs[0].token_ids) == hf_reference(tokenized_checkpoint, [ids], 6)[0]
+
+
+def test_several_conversations_come_back_in_order(llm: LLM) -> None:
+    one, two = CHAT[:1] + [{"role": "user", "content": "Hi"}], CHAT
+    outs = llm.chat([one, two], GREEDY)
+    alone = [llm.chat(c, GREEDY)[0] for c in (one, two)]
+    assert [o.prompt for o in outs] == [a.prompt for a in alone]
+    assert [o.outputs[0].token_ids for o in outs] == [a.outputs[0].token_ids for a in alone]
+
+
+def test_continuing_the_last_message_leaves_its_turn_open(llm: LLM) -> None:
+    opened = CHAT + [{"role": "assistant", "content": "The colour is"}]
+    (out,) = llm.chat(opened, GREEDY, add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt.endswith("The colour is")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(opened, GREEDY, continue_final_message=True)  # a generation prompt would close it
+
+
+def test_template_keywords_and_a_template_of_ones_own(llm: LLM) -> None:
+    (own,) = llm.chat(
+        CHAT, GREEDY, chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    )
+    assert own.prompt == "[system] Be brief.\n[user] Name\na colour.\n"
+    with pytest.raises(ValueError, match="could not render"):
+        llm.chat(CHAT, GREEDY, chat_template="{{ raise_exception('no') }}")
+
+
+def test_reset_prefix_cache_drops_the_cached_prompt(llm: LLM) -> None:
+    first = llm.chat(CHAT, GREEDY)[0]
+    assert llm.chat(CHAT, GREEDY)[0].num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    again = llm.chat(CHAT, GREEDY)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
