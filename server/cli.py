@@ -121,9 +121,10 @@ def _json_strings(text: str) -> list[str]:
     return value
 
 
-def _existing_file(text: str) -> str:
-    if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+def _chat_template(text: str) -> str:
+    """A template file, or the template itself on one line (vLLM takes either)."""
+    if not os.path.isfile(text) and "{{" not in text and "{%" not in text:
+        raise argparse.ArgumentTypeError(f"no such file, nor a Jinja template: {text!r}")
     return text
 
 
@@ -443,9 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     http.add_argument(
         "--chat-template",
-        type=_existing_file,
+        type=_chat_template,
         default=None,
-        help="Jinja chat template file to use instead of the tokenizer's",
+        help="Jinja chat template to use instead of the tokenizer's: a file, or the template itself",
     )
     http.add_argument(
         "--api-server-count",

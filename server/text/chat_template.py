@@ -12,9 +12,12 @@ from ..errors import bad_request
 from ..protocol import ChatMessage, ToolDefinition
 
 
-def load_chat_template(path: str | None) -> str | None:
-    """Read a `--chat-template` file; None keeps the tokenizer's own template."""
-    return Path(path).read_text(encoding="utf-8") if path else None
+def load_chat_template(source: str | None) -> str | None:
+    """`--chat-template`: a file's template, or the template given itself; None keeps the
+    tokenizer's own."""
+    if source is None:
+        return None
+    return Path(source).read_text(encoding="utf-8") if Path(source).is_file() else source
 
 
 # the content parts a text model reads; an image, audio or file part is refused, not dropped

@@ -305,3 +305,32 @@ def test_access_lines_can_be_turned_off(spawn_server, server) -> None:
     assert '"POST /v1/completions HTTP/1.1" 200' in server.log()
     log = quiet.log()
     assert "uvicorn.access" not in log and "serving" in log  # the rest of the log stays
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    from deltaserve.server.text.chat_template import load_chat_template
+
+    inline = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(inline)
+    parser = build_parser()
+    for given in (str(path), inline):
+        assert (
+            load_chat_template(parser.parse_args(["serve", "--chat-template", given]).chat_template) == inline
+        )
+    assert load_chat_template(None) is None
+
+
+@pytest.mark.slow
+def test_a_server_renders_with_a_template_given_inline(spawn_server) -> None:
+    server = spawn_server(
+        "--max-model-len",
+        "256",
+        "--chat-template",
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}",
+    )
+    rendered = httpx.post(
+        f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30
+    ).json()["tokens"]
+    want = httpx.post(f"{server.url}/tokenize", json={"prompt": "[user] hi"}, timeout=30).json()["tokens"]
+    assert rendered == want
