@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | moe [C] | 80b-fp8 | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+# PART: 9b | 08b | 08b-outputs | moe [C] | 80b-fp8 | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
@@ -164,6 +164,12 @@ case "${1:-9b}" in
     serve_bench 08b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-0.8b $dummy" \
       "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
     offline 08b-offline configs/qwen3.5-0.8b '{"load_format": "dummy"}' "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
+    ;;
+  08b-outputs)  # the offline 0.8B engine asking for final outputs, then for streams' per-step outputs, twice each
+    for kind in final streams final streams; do
+      offline "08b-offline-$kind" configs/qwen3.5-0.8b '{"load_format": "dummy"}' "${WORKLOAD[@]}" \
+        --concurrency 64,256 --warmup 64 --offline-outputs "$kind"
+    done
     ;;
   moe)  # moe [C,...]: Qwen3.5-35B-A3B (default C = 1,64,256)
     serve_bench 35b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-35b-a3b $dummy" \

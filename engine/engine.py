@@ -95,7 +95,7 @@ class Engine:
         self.model_info = model.model_info
         self._model_parts = model
         self.requests: dict[str, Request] = {}
-        self._finished_outputs: list[RequestOutput] = []  # aborts, sent with the next step's outputs
+        self._finished_outputs: list[Any] = []  # aborts, sent with the next step's outputs
         self._new_loop_parts()
         if config.warmup:
             self._warm_up()
@@ -144,6 +144,12 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.counters["prompt_tokens_total"] += len(req.prompt_token_ids)
+
+    def emit_packed_outputs(self) -> None:
+        """From now on, hand back each step's outputs packed (`requests.outputs.pack_outputs`'
+        tuples, without the prompts' ids), as the engine process sends them to its HTTP processes:
+        no RequestOutput objects built only to be taken apart again."""
+        self.sink.packed = True
 
     def abort_request(self, request_id: str) -> None:
         out = self.sink.abort(request_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import time
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.gc_heap import freeze_startup_heap
+from deltaserve.engine.requests.outputs import pack_outputs
 from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
@@ -43,6 +45,14 @@ def main() -> None:
         help="the engine makes no text (a server's streams: their HTTP process detokenizes)",
     )
     ap.add_argument("--profile", action="store_true", help="print the functions that take the most host time")
+    ap.add_argument(
+        "--send",
+        choices=["none", "packed", "objects"],
+        default="none",
+        help="what the server's engine process does with a step's outputs, timed with the step: "
+        "packed: the step builds them as the tuples it sends, then they are pickled (engine/core.py); "
+        "objects: RequestOutputs, then pack_outputs, then pickled (how it did before)",
+    )
     ap.add_argument(
         "--overlap",
         action="store_true",
@@ -102,9 +112,21 @@ def main() -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
+    if args.send == "packed":  # as under engine/core.py
+        engine.emit_packed_outputs()
+
+    def send(outs: list) -> None:
+        if args.send == "objects":
+            for out in outs:
+                out.prompt_token_ids = []
+            outs = pack_outputs(outs)
+        pickle.dumps(("step", outs, [], None), protocol=pickle.HIGHEST_PROTOCOL)
+
     t = time.perf_counter()
     for _ in range(args.steps):
-        engine.step()
+        outs = engine.step()
+        if args.send != "none":
+            send(outs)
     per_step = (time.perf_counter() - t) / args.steps
     if profiler is not None:
         import pstats
@@ -122,6 +144,7 @@ def main() -> None:
                 "detokenize": not args.no_detokenize,
                 "steps": args.steps,
                 "host_ms_per_decode_step": host_ms,
+                "send": args.send,
             }
         )
     )

@@ -632,19 +632,24 @@ def run_offline(args: argparse.Namespace, runs: list[Run]) -> list[dict[str, Any
     kwargs.setdefault("max_running_requests", max(r.offline_concurrency for r in runs))
     engine = LLM(args.offline_model, **kwargs).engine
     cap = engine.config.max_running_requests
+    streams = args.offline_outputs == "streams"
     params = SamplingParams(
-        temperature=0.0, max_tokens=args.output_len, ignore_eos=True, output_kind="final_only"
+        temperature=0.0,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        output_kind="delta" if streams else "final_only",
+        detokenize=not streams,  # a server's streams are detokenized by the HTTP process
     )
     warm: list[list[int]] = []
     if args.warmup:  # the server's warm-up (run_all_http): the same requests, all at once
         warm = make_prompts(args.warmup, args.input_len, args.vocab_low, args.vocab_high, f"{args.seed}-warm")
-        _drive(engine, warm, params, min(len(warm), cap), "warm")
+        _drive(engine, warm, params, min(len(warm), cap), "warm", streams)
     out = []
     for run in runs:
         concurrency = min(run.offline_concurrency, cap)
         print(f"offline {run.label}: started", file=sys.stderr)  # marks where its steps begin in a log
         t = time.perf_counter()
-        tokens, ttfts = _drive(engine, run.prompts, params, concurrency, run.label)
+        tokens, ttfts = _drive(engine, run.prompts, params, concurrency, run.label, streams)
         dt = time.perf_counter() - t
         out.append(
             {
@@ -658,6 +663,7 @@ def run_offline(args: argparse.Namespace, runs: list[Run]) -> list[dict[str, Any
                 # the engine's own clock, as the server's TTFT histogram is kept
                 "ttft_mean_ms": 1e3 * sum(ttfts) / len(ttfts) if ttfts else None,
                 "warmup_requests": len(warm),
+                "outputs": args.offline_outputs,
             }
         )
         print(f"offline {run.label}: {tokens / dt:.1f} output tok/s", file=sys.stderr)
@@ -665,10 +671,18 @@ def run_offline(args: argparse.Namespace, runs: list[Run]) -> list[dict[str, Any
 
 
 def _drive(
-    engine: Any, prompts: list[list[int]], params: Any, concurrency: int, tag: str
+    engine: Any, prompts: list[list[int]], params: Any, concurrency: int, tag: str, streams: bool = False
 ) -> tuple[int, list[float]]:
     """Run `prompts` with at most `concurrency` in the engine: the output tokens they made, and
-    each request's time from its arrival to its first token."""
+    each request's time from its arrival to its first token. `streams`: each step's outputs are
+    packed and pickled as the engine process sends them to its HTTP processes."""
+    import pickle
+
+    from deltaserve.engine.requests.outputs import packed_head, unpack_outputs
+
+    if streams:  # the step builds its outputs packed, as under engine/core.py
+        engine.emit_packed_outputs()
+
     pending = deque(enumerate(prompts))
     tokens = 0
     ttfts: list[float] = []
@@ -680,9 +694,13 @@ def _drive(
     for _ in range(min(concurrency, len(prompts))):
         submit()
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        outs = engine.step()
+        if streams:  # as engine/core.py sends them
+            pickle.dumps(("step", outs, [], None), protocol=pickle.HIGHEST_PROTOCOL)
+            outs = unpack_outputs([out for out in outs if packed_head(out)[1]])
+        for out in outs:
             if out.finished:
-                tokens += len(out.outputs[0].token_ids)
+                tokens += out.outputs[0].num_tokens
                 if out.first_token_time is not None:
                     ttfts.append(out.first_token_time - out.arrival_time)
                 if pending:
@@ -834,6 +852,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help='LLM keyword arguments as JSON, e.g. \'{"load_format": "dummy"}\'',
     )
     ap.add_argument("--offline-only", action="store_true", help="no HTTP runs, the offline one alone")
+    ap.add_argument(
+        "--offline-outputs",
+        choices=["final", "streams"],
+        default="final",
+        help="final: each request's last output only, as LLM.generate asks; streams: a delta output "
+        "for every running request every step, packed and pickled as the server's engine process "
+        "sends them (what streams cost the engine, without HTTP)",
+    )
     ap.add_argument("--save-detailed", action="store_true", help="per-request results in the JSON too")
     ap.add_argument(
         "--log-level", default=None, help="the offline engine's logging (debug: a line per engine step)"

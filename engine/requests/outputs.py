@@ -87,6 +87,15 @@ def pack_outputs(outputs: list[RequestOutput]) -> list[PackedOutput]:
     return [(req_get(out), [comp_get(c) for c in out.outputs]) for out in outputs]
 
 
+_ID_AT, _FINISHED_AT = _REQUEST_FIELDS.index("request_id"), _REQUEST_FIELDS.index("finished")
+
+
+def packed_head(packed: PackedOutput) -> tuple[str, bool]:
+    """A packed output's request id and whether it is the request's last."""
+    head = packed[0]
+    return head[_ID_AT], head[_FINISHED_AT]
+
+
 def unpack_outputs(packed: list[PackedOutput]) -> list[RequestOutput]:
     """`pack_outputs`' outputs back as RequestOutput objects."""
     at = _OUTPUTS_AT

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.requests.outputs import PackedOutput, RequestOutput, unpack_outputs
 from deltaserve.engine.requests.request import Request
 from deltaserve.engine.requests.stop_checks import check_stop, visible_length, visible_text
 from deltaserve.engine.step.scheduler import Scheduler
@@ -46,6 +46,9 @@ class TokenSink:
         self.counters = counters
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        # outputs as `pack_outputs` packs them, prompt ids left out (`Engine.emit_packed_outputs`): the
+        # engine process sends them so, with no RequestOutput to build and then take apart
+        self.packed = False
 
     def append(self, req: Request, tok: int, lp: Any, now: float) -> None:
         self.record(req, tok, lp, now)
@@ -94,18 +97,18 @@ class TokenSink:
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """End a live request as "abort": its last output, or None for an unknown id."""
+    def abort(self, request_id: str) -> RequestOutput | PackedOutput | None:
+        """End a live request as "abort": its last output (packed as `packed` says), or None for an
+        unknown id."""
         req = self.requests.pop(request_id, None)
         if req is None or req.finished:
             return None
         self.scheduler.finish(req)
         req.num_placeholders = 0  # a token in flight for it is dropped when read back
         req.finish_reason = "abort"
-        return build_output(req)
+        return output_fields(req, []) if self.packed else build_output(req)
 
-    @staticmethod
-    def emit(outputs: list[RequestOutput], req: Request) -> None:
+    def emit(self, outputs: list[Any], req: Request) -> None:
         """A step's output for the request (`output_kind`): every step, every step that added
         tokens, or only the last."""
         kind = req.params.output_kind
@@ -114,11 +117,17 @@ class TokenSink:
             or kind == "cumulative"
             or (kind == "delta" and len(req.output_token_ids) > req.num_sent_tokens)
         ):
-            outputs.append(build_output(req))
+            outputs.append(output_fields(req, []) if self.packed else build_output(req))
 
 
 def build_output(req: Request) -> RequestOutput:
     """The request's output now; a delta output marks what it carries as sent."""
+    return unpack_outputs([output_fields(req, req.prompt_token_ids)])[0]
+
+
+def output_fields(req: Request, prompt_token_ids: list[int]) -> PackedOutput:
+    """`build_output`'s output as `pack_outputs` packs it (its fields in order, its completion's
+    after), with `prompt_token_ids` for the prompt's; a delta output marks what it carries as sent."""
     delta = req.params.output_kind == "delta"
     n_tokens = len(req.output_token_ids)
     if delta:  # only what is new: the cost does not grow with the output
@@ -131,31 +140,19 @@ def build_output(req: Request) -> RequestOutput:
         token_ids = list(req.output_token_ids)
         text = visible_text(req)
         logprobs = list(req.logprobs) if req.logprobs is not None else None
-    comp = CompletionOutput(
-        index=0,
-        token_ids=token_ids,
-        text=text,
-        finish_reason=req.finish_reason,
-        stop_reason=req.stop_reason,
-        logprobs=logprobs,
-        cumulative_logprob=req.cumulative_logprob,
-        num_tokens=n_tokens,
-        error=req.error,
-    )
     prompt_logprobs = None
     whole = req.prompt_logprobs is not None and len(req.prompt_logprobs) == len(req.prompt_token_ids)
     if whole and not (delta and req.prompt_logprobs_sent):
         prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
-    return RequestOutput(
-        request_id=req.request_id,
-        prompt_token_ids=req.prompt_token_ids,
-        outputs=[comp],
-        finished=req.finish_reason is not None,
-        num_cached_tokens=req.num_cached_tokens,
-        arrival_time=req.arrival_time,
-        first_token_time=req.first_token_time,
-        num_draft_tokens=req.num_draft_tokens,
-        num_accepted_tokens=req.num_accepted_tokens,
-        delta=delta,
-        prompt_logprobs=prompt_logprobs,
-    )
+    # RequestOutput's fields but its completions, then CompletionOutput's (tests hold the order to
+    # pack_outputs'): no prompt text, the one completion at index 0
+    finished = req.finish_reason is not None
+    head = (
+        req.request_id, prompt_token_ids, finished, None, req.num_cached_tokens, req.arrival_time,
+        req.first_token_time, req.num_draft_tokens, req.num_accepted_tokens, delta, prompt_logprobs,
+    )  # fmt: skip
+    completion = (
+        0, token_ids, text, req.finish_reason, req.stop_reason, logprobs, req.cumulative_logprob,
+        n_tokens, req.error,
+    )  # fmt: skip
+    return head, [completion]

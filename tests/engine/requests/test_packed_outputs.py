@@ -54,3 +54,78 @@ def test_packed_outputs_are_plain_tuples() -> None:
     head, comps = packed[0]
     assert type(head) is tuple and type(comps[0]) is tuple
     assert not any(isinstance(v, (RequestOutput, CompletionOutput)) for v in (*head, *comps[0]))
+
+
+def test_an_engine_that_emits_packed_outputs_emits_what_it_would_have_packed(make_checkpoint) -> None:
+    """The engine process's steps build their outputs packed (`Engine.emit_packed_outputs`): step
+    by step they are `pack_outputs` of what an engine building RequestOutputs gives, the prompts'
+    ids left out, for every output kind, with logprobs and prompt logprobs, and an abort."""
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.engine import Engine
+    from deltaserve.engine.requests.outputs import packed_head
+    from deltaserve.engine.requests.sampling_params import SamplingParams
+
+    path = make_checkpoint("qwen3_next")
+    engines = [Engine(EngineConfig(model=path, device="cpu", dtype="float32")) for _ in range(2)]
+    engines[1].emit_packed_outputs()
+    kinds = ["delta", "cumulative", "final_only"]
+    for engine in engines:
+        for i, kind in enumerate(kinds):
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=5 + i,
+                ignore_eos=True,
+                output_kind=kind,
+                logprobs=2,
+                prompt_logprobs=1,
+            )
+            engine.add_request(f"r{i}", [3 + i, 17, 42, 5, 99], params)
+        engine.add_request("gone", [8, 9, 10], SamplingParams(max_tokens=50, output_kind="delta"))
+    steps = 0
+    while engines[0].has_unfinished_requests():
+        if steps == 2:
+            for engine in engines:
+                engine.abort_request("gone")
+        plain, packed = engines[0].step(), engines[1].step()
+        assert all(type(p) is tuple for p in packed)
+        assert [packed_head(p) for p in packed] == [(o.request_id, o.finished) for o in plain]
+        back = unpack_outputs(packed)
+        for out, twin in zip(plain, back):  # the two engines' clocks differ
+            out.prompt_token_ids = []
+            out.arrival_time = twin.arrival_time = 0.0
+            out.first_token_time = twin.first_token_time = None
+        assert back == plain, steps
+        steps += 1
+    assert not engines[1].has_unfinished_requests() and steps > 5
+
+
+def test_a_requests_output_names_each_of_its_fields() -> None:
+    """`build_output` (and the packed outputs, which share its field list) takes each field from
+    the request's own: a request whose every such field differs shows any field in a wrong place."""
+    from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
+    from deltaserve.engine.requests.request import Request
+    from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.engine.step.token_sink import build_output
+
+    lp = [Logprob(5, -0.25, {5: -0.25}), Logprob(6, -0.5, {6: -0.5})]
+    req = Request(
+        "cmpl-7", [1, 2], SamplingParams(output_kind="cumulative", logprobs=1), IncrementalDetokenizer(None)
+    )
+    req.output_token_ids, req.logprobs, req.cumulative_logprob = [5, 6], lp, -0.75
+    req.finish_reason, req.stop_reason, req.error = "stop", 6, "why"
+    req.num_cached_tokens, req.arrival_time, req.first_token_time = 16, 1.5, 2.5
+    req.num_draft_tokens, req.num_accepted_tokens = 4, 3
+    req.prompt_logprobs = [None, Logprob(2, -3.0, {2: -3.0}, rank=7)]
+    out = build_output(req)
+    assert (out.request_id, out.prompt_token_ids, out.finished, out.prompt, out.delta) == (
+        "cmpl-7",
+        [1, 2],
+        True,
+        None,
+        False,
+    )
+    assert (out.num_cached_tokens, out.arrival_time, out.first_token_time) == (16, 1.5, 2.5)
+    assert (out.num_draft_tokens, out.num_accepted_tokens, out.prompt_logprobs) == (4, 3, req.prompt_logprobs)
+    (comp,) = out.outputs
+    assert (comp.index, comp.token_ids, comp.finish_reason, comp.stop_reason) == (0, [5, 6], "stop", 6)
+    assert (comp.logprobs, comp.cumulative_logprob, comp.num_tokens, comp.error) == (lp, -0.75, 2, "why")

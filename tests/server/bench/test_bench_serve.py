@@ -97,12 +97,17 @@ def test_split_run_deals_clients_prompts_and_arrivals() -> None:
 
 
 @pytest.mark.slow
-def test_offline_only(builtin_path: str) -> None:
+@pytest.mark.parametrize("outputs", ["final", "streams"])
+def test_offline_only(builtin_path: str, outputs: str) -> None:
+    """The offline engine alone, asking for final outputs (LLM.generate's) or for a stream's delta
+    output every step, packed as the engine process sends them: the same tokens either way."""
     argv = ["--offline-only", "--offline-model", builtin_path, "--concurrency", "2", *SHAPE]
+    argv += ["--offline-outputs", outputs]
     result = main([*argv, "--offline-args", json.dumps({"max_model_len": 64}), "--warmup", "3"])
     assert result["runs"] == [] and len(result["offline"]) == 1
     assert result["offline"][0]["output_tokens"] == PROMPTS * OUTPUT_LEN
     assert result["offline"][0]["warmup_requests"] == 3  # as many as the server's warm-up
+    assert result["offline"][0]["outputs"] == outputs
 
 
 def test_connections_reuse_the_last_freed_client() -> None:
