@@ -26,7 +26,7 @@ from ..text.reasoning import prompt_opens_reasoning
 from ..text.tool_calls import KIMI
 from .context import ServerContext
 from .generation import Generation
-from .logprobs import TokenText, chat_logprobs, token_text_for, vllm_prompt_logprobs
+from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .request_params import tool_choice_constraint, truncate_prompt
 
 if TYPE_CHECKING:
@@ -111,14 +111,11 @@ class ChatGeneration(Generation[ChatChunkChoice]):
     def __init__(
         self, ctx: ServerContext, req: ChatCompletionRequest, model: str, prepared: PreparedChat
     ) -> None:
-        super().__init__(ctx, random_id("chatcmpl"), model, req.stream_options)
-        self.req, self.parser = req, prepared.parser
+        super().__init__(ctx, random_id("chatcmpl"), model, req)
+        self.req: ChatCompletionRequest = req
+        self.parser = prepared.parser
         self.logprobs = prepared.params.logprobs
         self.states: dict[str, ChatStreamState] = {}
-
-    @property
-    def token_text(self) -> TokenText:
-        return token_text_for(self.req, self.ctx.token_text)
 
     def opening_choices(self) -> list[ChatChunkChoice]:
         return [

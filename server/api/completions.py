@@ -18,13 +18,7 @@ from ..protocol import (
 )
 from .context import ServerContext
 from .generation import Generation
-from .logprobs import (
-    TokenText,
-    completion_logprobs,
-    prompt_completion_logprobs,
-    token_text_for,
-    vllm_prompt_logprobs,
-)
+from .logprobs import TokenText, completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs
 from .request_params import truncate_prompt
 
 if TYPE_CHECKING:
@@ -123,14 +117,10 @@ class CompletionGeneration(Generation[CompletionChoice]):
     chunk_type = CompletionResponse
 
     def __init__(self, ctx: ServerContext, req: CompletionRequest, model: str) -> None:
-        super().__init__(ctx, random_id("cmpl"), model, req.stream_options)
-        self.req = req
+        super().__init__(ctx, random_id("cmpl"), model, req)
+        self.req: CompletionRequest = req
         self.choices: list[_Choice] = []  # by choice index
         self.offsets: dict[str, int] = {}  # where the next token's text starts (logprobs' text_offset)
-
-    @property
-    def token_text(self) -> TokenText:
-        return token_text_for(self.req, self.ctx.token_text)
 
     def delta_event(self, out: RequestOutput) -> str | None:
         rid, completion = out.request_id, out.outputs[0]

@@ -22,8 +22,9 @@ from pydantic_core import to_json
 
 from ..engine_client import RequestGroup
 from ..errors import error_body, failure_of, raise_if_failed
-from ..protocol import PromptTokensDetails, StreamOptions, Usage
+from ..protocol import PromptTokensDetails, SamplingRequest, Usage
 from .context import ClientDisconnected, ServerContext
+from .logprobs import TokenText, token_text_for
 from .request_params import fan_out
 
 if TYPE_CHECKING:
@@ -63,11 +64,9 @@ class Generation(ABC, Generic[ChunkChoice]):
 
     chunk_type: ClassVar[type[BaseModel]]  # a stream chunk: id, created, model, choices, usage
 
-    def __init__(
-        self, ctx: ServerContext, request_id: str, model: str, stream_options: StreamOptions | None
-    ) -> None:
-        self.ctx, self.request_id, self.model = ctx, request_id, model
-        self.stream_options = stream_options
+    def __init__(self, ctx: ServerContext, request_id: str, model: str, req: SamplingRequest) -> None:
+        self.ctx, self.request_id, self.model, self.req = ctx, request_id, model, req
+        self.stream_options = stream_options = req.stream_options
         self.created = int(time.time())
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.index: dict[str, int] = {}  # engine request id -> its choice's index
@@ -84,6 +83,11 @@ class Generation(ABC, Generic[ChunkChoice]):
         for request in fan_out(prompt_id, prompt_ids, params):
             self.index[request[0]] = len(self.requests)
             self.requests.append(request)
+
+    @property
+    def token_text(self) -> TokenText:
+        """How this request's logprobs name tokens: their text, or `token_id:N` where it asks."""
+        return token_text_for(self.req, self.ctx.token_text)
 
     @property
     def prompt_tokens(self) -> int:

@@ -11,6 +11,7 @@ from deltaserve.server.api.chat import ChatGeneration
 from deltaserve.server.api.completions import CompletionGeneration
 from deltaserve.server.protocol import (
     ChatChunkChoice,
+    ChatCompletionRequest,
     ChatDelta,
     CompletionChoice,
     CompletionRequest,
@@ -41,7 +42,8 @@ def test_completion_text_event_is_the_models_event(index: int) -> None:
 
 def test_chat_text_event_is_the_models_event() -> None:
     gen = ChatGeneration.__new__(ChatGeneration)  # the chunk's fields only: no request to prepare
-    super(ChatGeneration, gen).__init__(None, "chatcmpl-1", "m", None)  # type: ignore[arg-type]
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    super(ChatGeneration, gen).__init__(None, "chatcmpl-1", "m", req)  # type: ignore[arg-type]
 
     def choice(text: str) -> ChatChunkChoice:
         return ChatChunkChoice(index=0, delta=ChatDelta(content=text))
