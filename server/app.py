@@ -8,7 +8,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,12 +43,13 @@ logger = logging.getLogger("deltaserve.server")
 
 @dataclass(frozen=True)
 class Cors:
-    """Which browser origins may call the API, with which methods and headers (vLLM's flags)."""
+    """Which browser origins may call the API, with which methods and headers (vLLM's flags;
+    `["*"]`: any)."""
 
-    origins: list[str] = field(default_factory=lambda: ["*"])
-    methods: list[str] = field(default_factory=lambda: ["*"])
-    headers: list[str] = field(default_factory=lambda: ["*"])
-    credentials: bool = False
+    origins: list[str]
+    methods: list[str]
+    headers: list[str]
+    credentials: bool
 
 
 def build_app(

@@ -118,10 +118,10 @@ def http_server(
         sampling_defaults=sampling_defaults,
         max_body_bytes=int(args.max_request_body_mb * 2**20),
         shared_metrics=shared,
-        cors=Cors(
-            args.allowed_origins if args.allowed_origins is not None else ["*"],
-            args.allowed_methods if args.allowed_methods is not None else ["*"],
-            args.allowed_headers if args.allowed_headers is not None else ["*"],
+        cors=Cors(  # unset: any, as vLLM and SGLang allow ([] turns CORS off)
+            _any_if_unset(args.allowed_origins),
+            _any_if_unset(args.allowed_methods),
+            _any_if_unset(args.allowed_headers),
             args.allow_credentials,
         ),
     )
@@ -132,6 +132,10 @@ def http_server(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     return server
+
+
+def _any_if_unset(given: list[str] | None) -> list[str]:
+    return ["*"] if given is None else given
 
 
 def _uvicorn_config(args: argparse.Namespace) -> Any:
