@@ -633,6 +633,8 @@ def run_offline(args: argparse.Namespace, runs: list[Run]) -> list[dict[str, Any
     engine = LLM(args.offline_model, **kwargs).engine
     cap = engine.config.max_running_requests
     streams = args.offline_outputs == "streams"
+    if streams:  # the steps build their outputs packed, as under engine/core.py
+        engine.emit_packed_outputs()
     params = SamplingParams(
         temperature=0.0,
         max_tokens=args.output_len,
@@ -674,14 +676,11 @@ def _drive(
     engine: Any, prompts: list[list[int]], params: Any, concurrency: int, tag: str, streams: bool = False
 ) -> tuple[int, list[float]]:
     """Run `prompts` with at most `concurrency` in the engine: the output tokens they made, and
-    each request's time from its arrival to its first token. `streams`: each step's outputs are
-    packed and pickled as the engine process sends them to its HTTP processes."""
+    each request's time from its arrival to its first token. `streams`: the engine's outputs come
+    packed, and each step's are pickled as the engine process sends them to its HTTP processes."""
     import pickle
 
     from deltaserve.engine.requests.outputs import packed_head, unpack_outputs
-
-    if streams:  # the step builds its outputs packed, as under engine/core.py
-        engine.emit_packed_outputs()
 
     pending = deque(enumerate(prompts))
     tokens = 0
