@@ -45,6 +45,8 @@ def failure_of(exc: BaseException) -> tuple[int, str]:
     server drains or the engine is gone (retry elsewhere or later), else 500 with no internals."""
     from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
 
+    if isinstance(exc, APIError):
+        return exc.status, exc.message
     if isinstance(exc, (QueueFullError, EngineDeadError)):
         return 503, str(exc)
     if isinstance(exc, EngineFaultError):
@@ -58,6 +60,13 @@ class RequestFailedError(Exception):
 
 
 def raise_if_failed(out: RequestOutput) -> None:
+    """A 400 with the engine's message where the request's own parameters failed it (they left no
+    token to sample), else RequestFailedError."""
+    for c in out.outputs:
+        if c.finish_reason == "error" and c.bad_input:
+            raise bad_request(
+                c.error or "the request's parameters left no token to sample", None, "invalid_request"
+            )
     if any(c.finish_reason == "error" for c in out.outputs):
         raise RequestFailedError(f"request {out.request_id} failed in the engine")
 

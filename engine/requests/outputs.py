@@ -31,6 +31,7 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     num_tokens: int = -1  # tokens generated so far, in every kind of output (-1: len(token_ids))
     error: str | None = None  # with finish_reason "error": what failed (for logs, not for clients)
+    bad_input: bool = False  # ... unless its own parameters failed it: then its client reads `error`
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:

@@ -70,6 +70,7 @@ class Request:
     grammar_broken: bool = False  # a token the grammar refused (the request ends there)
     # a fault of this request alone (its logit processing raised): it finishes with "error"
     error: str | None = None
+    bad_input: bool = False  # the error is its own parameters' (they left no token): its client is told
 
     @property
     def all_token_ids(self) -> list[int]:

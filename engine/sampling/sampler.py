@@ -31,6 +31,21 @@ def _bad_word_ends(r: Request) -> list[int]:
     ]
 
 
+def _masks(r: Request) -> list[str]:
+    """What forbids tokens at r's next position, as its client would name it."""
+    p = r.params
+    names = []
+    if p.allowed_token_ids is not None:
+        names.append("allowed_token_ids")
+    if p.bad_words_token_ids:
+        names.append("bad_words")
+    if len(r.output_token_ids) < p.min_tokens and (p.stop_token_ids or not p.ignore_eos):
+        names.append(f"min_tokens ({p.min_tokens}, which holds off stop tokens)")
+    if r.matcher is not None and r.matcher.active:
+        names.append("a structured output's grammar")
+    return names
+
+
 class Sampler:
     """Samples a whole batch at once; only seeded rows draw their noise one by one.
 
@@ -138,19 +153,41 @@ class Sampler:
         finish_reason "error") and it keeps its raw logits, so the other rows sample as before."""
         out = logits.clone() if out is None else out.copy_(logits)
         try:
-            return self._process(out, reqs)
+            self._process(out, reqs)
         except Exception:
             if len(reqs) > 1:
                 logger.warning("logit processing failed for a batch; processing it row by row")
-        out.copy_(logits)
-        for i, r in enumerate(reqs):
-            try:
-                self._process(out[i : i + 1], [r])
-            except Exception as exc:
-                logger.exception("logit processing failed for request %s (it alone ends)", r.request_id)
-                r.error = f"logit processing failed ({type(exc).__name__})"
-                out[i].copy_(logits[i])
+            out.copy_(logits)
+            for i, r in enumerate(reqs):
+                try:
+                    self._process(out[i : i + 1], [r])
+                except Exception as exc:
+                    logger.exception("logit processing failed for request %s (it alone ends)", r.request_id)
+                    r.error = f"logit processing failed ({type(exc).__name__})"
+                    out[i].copy_(logits[i])
+        self._fail_emptied_rows(logits, out, reqs)
         return out
+
+    @staticmethod
+    def _fail_emptied_rows(logits: torch.Tensor, out: torch.Tensor, reqs: list[Request]) -> None:
+        """A row whose masks together forbid every token has nothing to sample: its request fails
+        with a message for its client (`Request.bad_input`) and the row keeps its raw logits, so
+        that the batch samples finite numbers. Only rows under a grammar or two masks can empty,
+        and those steps wait for the previous one anyway, so reading their rows back costs no overlap."""
+        named = {i: _masks(r) for i, r in enumerate(reqs) if r.error is None}
+        rows = [i for i, names in named.items() if len(names) > 1 or "a structured output's grammar" in names]
+        if not rows:
+            return
+        emptied = torch.isneginf(out[rows]).all(dim=-1).tolist()
+        for i, empty in zip(rows, emptied):
+            if empty:
+                r = reqs[i]
+                r.error = (
+                    f"the request leaves no token to sample at output token {len(r.output_token_ids) + 1}: "
+                    f"{' and '.join(named[i])} together forbid every token"
+                )
+                r.bad_input = True
+                out[i].copy_(logits[i])
 
     def _process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Logit biases, allowed tokens, penalties, min_tokens bans and grammar masks, in place.

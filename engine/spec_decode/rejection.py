@@ -70,6 +70,9 @@ def verify_windows(
             tokens = _rejection_sample(sampler, logits[lo : starts[i + 1]], views[lo : starts[i + 1]], d)
             n = len(tokens) - 1
         rows_used = list(range(lo, lo + n + 1))
+        emptied = next((views[j] for j in rows_used if views[j].error is not None), None)
+        if emptied is not None and emptied is not req:  # a row it reached had no token to sample
+            req.error, req.bad_input = emptied.error, emptied.bad_input
         lps = sampler.logprobs_of(logits[rows_used], tokens, [views[j] for j in rows_used])
         verdicts.append(Verdict(tokens, lps, n))
     return verdicts

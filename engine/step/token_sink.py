@@ -153,6 +153,6 @@ def output_fields(req: Request, prompt_token_ids: list[int]) -> PackedOutput:
     )  # fmt: skip
     completion = (
         0, token_ids, text, req.finish_reason, req.stop_reason, logprobs, req.cumulative_logprob,
-        n_tokens, req.error,
+        n_tokens, req.error, req.bad_input,
     )  # fmt: skip
     return head, [completion]

@@ -37,14 +37,16 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, 160, (n,), generator=g).tolist() for n in lengths]
 
 
-def run(engine: Engine, bad: dict | None = None) -> dict:
+def run(engine: Engine, bad: dict | None = None, params: SamplingParams | None = None) -> dict:
     """The ten good requests (and, with `bad`, an eleventh whose params are corrupted after
-    add_request's checks, as a bug past validation would): each one's final output."""
+    add_request's checks, as a bug past validation would; with `params`, an eleventh with
+    those): each one's final output."""
     for i, p in enumerate(prompts()):
         engine.add_request(f"good-{i}", p, GOOD)
-    if bad is not None:
-        engine.add_request("bad", [7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=5))
-        for name, value in bad.items():
+    if bad is not None or params is not None:
+        params = params or SamplingParams(temperature=0.0, max_tokens=12, min_tokens=5)
+        engine.add_request("bad", [7, 8, 9, 10], params)
+        for name, value in (bad or {}).items():
             setattr(engine.requests["bad"].params, name, value)
     done = {}
     while engine.has_unfinished_requests():
@@ -101,4 +103,51 @@ def test_engine_refuses_stop_ids_outside_the_vocabulary(checkpoint) -> None:
         setattr(params, name, float("nan"))
         with pytest.raises(ValueError, match=name):
             engine.add_request("x", [1, 2, 3], params)
+    assert_idle(engine)
+
+
+# parameters that together forbid every token at some output position (valid one by one)
+EMPTYING = {
+    "allowed-vs-min_tokens": ({"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 3}, 1),
+    "allowed-vs-bad_words": ({"allowed_token_ids": [5, 6], "bad_words_token_ids": [[5], [6]]}, 1),
+    # 9 first (5 stops, before min_tokens), then "9 9" is a bad word: nothing at the second
+    "all-three": (
+        {
+            "allowed_token_ids": [9, 5],
+            "bad_words_token_ids": [[9, 9]],
+            "stop_token_ids": [5],
+            "min_tokens": 4,
+        },
+        2,
+    ),
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("case", sorted(EMPTYING))
+def test_masks_that_forbid_every_token_fail_that_request_alone(
+    checkpoint, case: str, overlap: bool, temperature: float
+) -> None:
+    """Masks that leave no token (allowed_token_ids, bad words, min_tokens' ban on stop tokens)
+    end their request with an error its client may read, naming them and the position, instead
+    of sampling a token they forbid; the others in its steps sample as they would have."""
+    masks, position = EMPTYING[case]
+    engine = make_engine(checkpoint, overlap)
+    reference = run(engine)
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=12, **masks)
+    done = run(engine, params=params)
+    failed = done.pop("bad").outputs[0]
+    assert failed.finish_reason == "error" and failed.bad_input, failed
+    assert f"at output token {position}:" in failed.error
+    named = {
+        "allowed_token_ids": "allowed_token_ids",
+        "bad_words_token_ids": "bad_words",
+        "min_tokens": "min_tokens",
+    }
+    assert all(named[name] in failed.error for name in masks if name in named), failed.error
+    assert failed.token_ids == [9] * (position - 1)  # what the masks allowed before, and nothing forbidden
+    assert {rid: out.outputs[0].token_ids for rid, out in done.items()} == {
+        rid: out.outputs[0].token_ids for rid, out in reference.items()
+    }
     assert_idle(engine)

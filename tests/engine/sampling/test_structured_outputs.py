@@ -147,6 +147,21 @@ def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(llm):
     assert c.finish_reason == "stop" and len(c.token_ids) < 64
 
 
+def test_a_grammar_complete_before_min_tokens_fails_its_request_alone(llm):
+    """A choice is complete after a few tokens; min_tokens then holds off the stop token, the one
+    token the grammar allows: the request ends with an error for its client that names both, with
+    no token past the choice, and a free request beside it is untouched."""
+    choice = StructuredOutputs(choice=["yes", "no"])
+    tight = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=12, structured_outputs=choice)
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate(["Hi"], free)[0].outputs[0].token_ids
+    failed, other = (o.outputs[0] for o in llm.generate(["Hello", "Hi"], [tight, free]))
+    assert failed.finish_reason == "error" and failed.bad_input
+    assert "min_tokens (12" in failed.error and "grammar" in failed.error
+    assert failed.text in ("yes", "no")
+    assert other.token_ids == alone
+
+
 def test_without_xgrammar_or_a_tokenizer_the_error_says_so(llm, monkeypatch):
     import sys
 

@@ -226,6 +226,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     class View:
         generator = None
         matcher = None
+        error = None
         output_token_ids: list[int] = []
         all_token_ids: list[int] = []
         params = SamplingParams(temperature=1.0)
@@ -371,6 +372,39 @@ def test_bad_words_through_windows(make_checkpoint):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         seq = a.outputs[0].token_ids
         assert not any(seq[i : i + 2] in bad for i in range(len(seq) - 1))
+
+
+class Repeats:
+    """Proposes k copies of one token."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return [self.token] * k
+
+
+def test_masks_that_empty_a_drafts_row_fail_the_request(make_checkpoint):
+    """When the masks leave no token at a row the window reaches (after accepted drafts), the
+    request fails there as plain decoding does, with no token sampled from that row."""
+    path = make_checkpoint("qwen3_5")
+    # 9 twice (5 stops, before min_tokens), then "9 9 9" is a bad word: nothing at the third
+    params = greedy(
+        allowed_token_ids=[9, 5], bad_words_token_ids=[[9, 9, 9]], stop_token_ids=[5], min_tokens=6
+    )
+    params.ignore_eos = False
+    prompts = prompts_of([7, 9], seed=13, repeat=2)
+    plain = make_llm(path).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = make_llm(path, NGRAM)
+    llm.engine.spec.drafter = Repeats(9)  # the first draft is right, the second reaches the empty row
+    spec = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for outs in (plain, spec):
+        for out in outs:
+            c = out.outputs[0]
+            assert c.finish_reason == "error" and c.bad_input and "at output token 3:" in c.error, c
+            assert set(c.token_ids) <= {9}
+    assert sum(o.num_accepted_tokens for o in spec) > 0
+    assert llm.engine.stats()["state_slots_used"] == 0
 
 
 def test_uniform_windows_for_verification_graphs(model_path, pools_held):

@@ -519,6 +519,29 @@ def test_allowed_token_ids_over_http(client, server) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"
 
 
+def test_masks_that_forbid_every_token_are_a_400(client, server, until_idle) -> None:
+    """allowed_token_ids whose one token is a stop token that min_tokens holds off leave nothing
+    to sample: a 400 that says so (an error event once a stream has begun), nothing held after
+    it, and the server serves on."""
+    import openai
+
+    token = httpx.post(f"{server.url}/tokenize", json={"prompt": " hello"}).json()["tokens"][0]
+    masks = {"allowed_token_ids": [token], "stop_token_ids": [token], "min_tokens": 2}
+    body = {"model": MODEL_NAME, "prompt": [5, 9, 17], "max_tokens": 4, **masks}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**{k: body[k] for k in ("model", "prompt", "max_tokens")}, extra_body=masks)
+    message = refused.value.body["message"]
+    assert "allowed_token_ids" in message and "min_tokens" in message and "output token 1" in message
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] == message
+    idle = until_idle(server.url)
+    assert idle["deltaserve_state_slots_used"] == 0 and idle["deltaserve_kv_pages_used"] == 0
+    assert chat(client, max_tokens=3, extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+
+
 def test_bad_words_over_http(client, server) -> None:
     """vLLM's bad_words: a word the model writes when free is never written with it."""
     greedy = {"model": MODEL_NAME, "prompt": [5, 9, 17, 3, 88], "max_tokens": 8, "temperature": 0}
