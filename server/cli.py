@@ -121,6 +121,12 @@ def _json_strings(text: str) -> list[str]:
     return value
 
 
+def _readable_file(text: str) -> str:
+    if not os.path.isfile(text) or not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a readable file")
+    return text
+
+
 def _chat_template(text: str) -> str:
     """A template file, or the template itself on one line (vLLM takes either)."""
     if not os.path.isfile(text) and "{{" not in text and "{%" not in text:
@@ -443,6 +449,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="let such calls carry the browser's cookies and credentials (CORS)",
     )
     http.add_argument(
+        "--ssl-keyfile",
+        type=_readable_file,
+        default=None,
+        metavar="PATH",
+        help="serve HTTPS: the server's private key (PEM), with --ssl-certfile",
+    )
+    http.add_argument(
+        "--ssl-certfile",
+        type=_readable_file,
+        default=None,
+        metavar="PATH",
+        help="serve HTTPS: the server's certificate chain (PEM), with --ssl-keyfile",
+    )
+    http.add_argument(
+        "--ssl-ca-certs",
+        type=_readable_file,
+        default=None,
+        metavar="PATH",
+        help="CA certificates (PEM) that clients' certificates are verified against (--ssl-cert-reqs)",
+    )
+    http.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=[0, 1, 2],
+        default=0,
+        help="clients' certificates: 0 not asked for, 1 verified when sent, 2 required (mutual TLS); "
+        "Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED",
+    )
+    http.add_argument(
+        "--root-path",
+        default="",
+        metavar="PATH",
+        help="the path under which a reverse proxy serves the API (ASGI root_path, for /docs' links); "
+        "the routes themselves stay where they are, as the proxy strips the prefix",
+    )
+    http.add_argument(
         "--chat-template",
         type=_chat_template,
         default=None,
@@ -560,6 +602,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.model is not None and args.model != args.model_tag:
                 parser.error(f"two models: MODEL {args.model_tag!r} and --model {args.model!r}")
             args.model = args.model_tag
+        if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+            parser.error("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        if args.ssl_cert_reqs and args.ssl_ca_certs is None:
+            parser.error("--ssl-cert-reqs verifies clients' certificates against --ssl-ca-certs: give it")
+        if args.ssl_ca_certs is not None and args.ssl_keyfile is None:
+            parser.error("--ssl-ca-certs is for HTTPS: give --ssl-keyfile and --ssl-certfile")
         from .launch import serve
 
         return serve(args)

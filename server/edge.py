@@ -51,7 +51,7 @@ class EdgeGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])  # lower-case names (ASGI)
-        if self.api_key is not None and _keyed(scope["path"]) and not self._authorized(headers):
+        if self.api_key is not None and _keyed_scope(scope) and not self._authorized(headers):
             message = "missing or invalid API key; send 'Authorization: Bearer <key>'"
             await self._refuse(send, 401, message, "invalid_api_key")
             return
@@ -103,3 +103,10 @@ class EdgeGuard:
 
 def _keyed(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in _KEYED
+
+
+def _keyed_scope(scope: Scope) -> bool:
+    """Whether the key guards the request, by its path as sent and as the routes see it: with
+    --root-path uvicorn puts the proxy's prefix in front of `path`, and routing takes it off."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return _keyed(path) or (bool(root) and path.startswith(root + "/") and _keyed(path[len(root) :]))

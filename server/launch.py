@@ -25,7 +25,8 @@ def serve(args: argparse.Namespace) -> int:
     from .draining import FLUSH_S
 
     config = _uvicorn_config(args)
-    sock = _bind(config)  # a taken port fails now, not after minutes of loading
+    _check_tls(args)  # as a taken port below: a bad key fails now, not after minutes of loading
+    sock = _bind(config)
     _raise_open_files_limit()
     _warn_if_accept_queue_capped(config.backlog)
     engine_config = _engine_config(args)
@@ -62,10 +63,12 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("engine process pid %s", handle.process.pid if handle.process is not None else "?")
     names, aliases = _served_names(args)
     logger.info(
-        "serving %s on http://%s:%d (API key %s)",
+        "serving %s on %s://%s:%d%s (API key %s)",
         ", ".join(names + [f"{a} (alias)" for a in aliases]),
+        "https" if args.ssl_certfile else "http",
         args.host,
         args.port,
+        args.root_path,
         "required" if args.api_key else "not required",
     )
     try:
@@ -152,7 +155,28 @@ def _uvicorn_config(args: argparse.Namespace) -> Any:
         timeout_graceful_shutdown=FLUSH_S,  # the drain itself is DrainingServer's
         timeout_keep_alive=_KEEP_ALIVE_S,
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
+        root_path=getattr(args, "root_path", ""),
+        ssl_keyfile=getattr(args, "ssl_keyfile", None),
+        ssl_certfile=getattr(args, "ssl_certfile", None),
+        ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
+        ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0),
     )
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """Load the HTTPS key and certificates as uvicorn will, so that a wrong pair is one line now."""
+    if not getattr(args, "ssl_certfile", None):
+        return
+    import ssl
+
+    try:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (ssl.SSLError, OSError) as exc:
+        print(f"deltaserve serve: error: cannot serve HTTPS with these files: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _shared_metrics(handle: Any, index: int, count: int) -> Any:

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -38,10 +39,11 @@ class ServerProcess:
     new_session: bool = False  # a process group of its own, which a test may signal as a whole
     proc: subprocess.Popen[str] | None = None
     log_path: Path | None = None
+    tls: ssl.SSLContext | None = None  # an HTTPS server: how clients (the start-up poll) verify it
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self, log_dir: Path, timeout: float = 180.0) -> ServerProcess:
         self.log_path = log_dir / f"server-{self.port}.log"
@@ -60,7 +62,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=1.0, verify=self.tls or True).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -188,9 +190,14 @@ def spawn_server(tmp_path_factory: pytest.TempPathFactory, builtin_path: str, mo
     """Start extra servers with their own flags; each is stopped (SIGTERM) at the end of the session."""
     started: list[ServerProcess] = []
 
-    def spawn(*args: str, env: dict[str, str] | None = None, new_session: bool = False) -> ServerProcess:
+    def spawn(
+        *args: str,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+        tls: ssl.SSLContext | None = None,
+    ) -> ServerProcess:
         server = ServerProcess(
-            list(args), env={"DELTASERVE_CACHE": model_cache, **(env or {})}, new_session=new_session
+            list(args), env={"DELTASERVE_CACHE": model_cache, **(env or {})}, new_session=new_session, tls=tls
         )
         started.append(server.start(tmp_path_factory.mktemp("logs")))
         return server

@@ -14,6 +14,8 @@ import pytest
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 from deltaserve.server.cli import build_parser
 
+TLS = Path(__file__).parent / "tls"
+
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 
@@ -66,6 +68,17 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         ["--reasoning-parser", "granite"],
         ["--gpu-memory-utilization", "most"],
         ["--no-such-flag"],
+        ["--ssl-keyfile", "/no/such/key.pem", "--ssl-certfile", str(TLS / "server.pem")],
+        ["--ssl-keyfile", str(TLS / "server-key.pem")],  # HTTPS needs the certificate too
+        [
+            "--ssl-cert-reqs",
+            "2",
+            "--ssl-keyfile",
+            str(TLS / "server-key.pem"),
+            "--ssl-certfile",
+            str(TLS / "server.pem"),
+        ],
+        ["--ssl-ca-certs", str(TLS / "ca.pem")],  # a CA for clients, with no HTTPS
     ],
 )
 def test_wrong_value_is_one_line_and_exit_2(args: list[str]) -> None:
