@@ -766,7 +766,7 @@ def print_report(result: dict[str, Any]) -> None:
                 f"p99 {_f(lat.get('p99'), 2)} ms, non-200 {h['non_200']}"
             )
         loop = r.get("engine_loop") or {}
-        if loop:
+        if {"step", "gpu_wait", "idle"} <= loop.keys():  # a stand-in engine reports only some
             print(
                 f"{r['label']}: the engine loop in steps {100 * loop['step']:.0f}% of the run "
                 f"(waiting for the GPU {100 * loop['gpu_wait']:.0f}%), idle {100 * loop['idle']:.0f}%"
