@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | 08b-outputs | moe [C] | 80b-fp8 | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+# PART: 9b | 08b | 08b-outputs | interval | moe [C] | 80b-fp8 | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
@@ -169,6 +169,12 @@ case "${1:-9b}" in
     for kind in final streams final streams; do
       offline "08b-offline-$kind" configs/qwen3.5-0.8b '{"load_format": "dummy"}' "${WORKLOAD[@]}" \
         --concurrency 64,256 --warmup 64 --offline-outputs "$kind"
+    done
+    ;;
+  interval)  # the 0.8B server at C = 64 and 256 with --stream-interval 1 then 4, twice
+    for n in 1 4 1 4; do
+      serve_bench "08b-interval-$n" . "${PYTHONPATH:-}" "--model configs/qwen3.5-0.8b $dummy --stream-interval $n" \
+        "${WORKLOAD[@]}" --concurrency 64,256 --warmup 64
     done
     ;;
   moe)  # moe [C,...]: Qwen3.5-35B-A3B (default C = 1,64,256)

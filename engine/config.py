@@ -59,6 +59,9 @@ class EngineConfig:
     # None: on for CUDA devices (where the GPU runs asynchronously), off on CPU
     enable_overlap_schedule: bool | None = None
     cuda_graph_max_bs: int = 256
+    # streamed ("delta") requests get an output once this many new tokens are in, besides their
+    # first token and their end (vLLM's and SGLang's stream interval): fewer, larger chunks
+    stream_interval: int = 1
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m, ...}: see
     # engine/spec_decode/config.py
     speculative_config: dict[str, Any] | None = None
@@ -120,6 +123,8 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size and max_num_batched_tokens must be at least 1")
         if self.max_prefill_delay_steps < 0:
             raise ValueError("max_prefill_delay_steps must be at least 0")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be at least 1")
         if self.pool_memory_gb is not None and self.pool_memory_gb <= 0:
             raise ValueError("pool_memory_gb must be positive")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

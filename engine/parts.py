@@ -131,7 +131,9 @@ def build_loop_parts(config: EngineConfig, model: ModelParts, requests: dict[str
         max_verify=max_verify,
     )
     counters = new_counters()
-    sink = TokenSink(scheduler, requests, counters, model.eos_token_ids, model.max_model_len)
+    sink = TokenSink(
+        scheduler, requests, counters, model.eos_token_ids, model.max_model_len, config.stream_interval
+    )
     return LoopParts(prefix_cache, spec, scheduler, counters, sink)
 
 

@@ -297,6 +297,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
             mem_fraction_static=args.mem_fraction_static,
             pool_memory_gb=args.pool_memory_gb,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
+            stream_interval=args.stream_interval,
             disable_cuda_graph=args.disable_cuda_graph,
             enable_overlap_schedule=args.enable_overlap_schedule,
             state_dtype=args.state_dtype,

@@ -44,6 +44,9 @@ def main() -> None:
         action="store_true",
         help="the engine makes no text (a server's streams: their HTTP process detokenizes)",
     )
+    ap.add_argument(
+        "--stream-interval", type=int, default=1, help="the engine's stream_interval (delta outputs)"
+    )
     ap.add_argument("--profile", action="store_true", help="print the functions that take the most host time")
     ap.add_argument(
         "--send",
@@ -72,6 +75,7 @@ def main() -> None:
             chunked_prefill_size=8192,
             max_model_len=args.prompt_len + args.steps + 64,
             enable_overlap_schedule=args.overlap,
+            stream_interval=args.stream_interval,
         )
     )
     vocab = engine.vocab_size
@@ -145,6 +149,7 @@ def main() -> None:
                 "steps": args.steps,
                 "host_ms_per_decode_step": host_ms,
                 "send": args.send,
+                "stream_interval": args.stream_interval,
             }
         )
     )

@@ -29,10 +29,12 @@ STAND_IN = "stand-in"  # the model name the stand-in server serves
 
 
 class StandInEngine:
-    """The Engine's interface: each step sleeps `step_s` and gives every request one random token."""
+    """The Engine's interface: each step sleeps `step_s` and gives every request one random token,
+    sent as the engine sends them under `stream_interval` (the first at once, then that many at a time)."""
 
-    def __init__(self, step_s: float) -> None:
+    def __init__(self, step_s: float, stream_interval: int = 1) -> None:
         self.step_s = step_s
+        self.stream_interval = stream_interval
         self.tokenizer = None
         self.max_model_len = 1 << 20
         self.vocab_size = 151936
@@ -42,7 +44,7 @@ class StandInEngine:
         self.rng = random.Random(0)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
-        self.requests[request_id] = [params, 0, time.time()]
+        self.requests[request_id] = [params, 0, time.time(), []]
 
     def abort_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -59,11 +61,14 @@ class StandInEngine:
         time.sleep(self.step_s)
         outputs = []
         for request_id, state in list(self.requests.items()):
-            params, count, arrival = state
+            params, count, arrival, pending = state
             state[1] = count = count + 1
             done = count >= params.max_tokens
-            token = self.rng.randrange(1000, 30000)
-            completion = CompletionOutput(0, [token], "", "length" if done else None, num_tokens=count)
+            pending.append(self.rng.randrange(1000, 30000))
+            if not (done or count == 1 or len(pending) >= self.stream_interval):
+                continue
+            completion = CompletionOutput(0, pending[:], "", "length" if done else None, num_tokens=count)
+            pending.clear()
             outputs.append(
                 RequestOutput(
                     request_id,
@@ -80,10 +85,10 @@ class StandInEngine:
         return outputs
 
 
-def _run_core(in_addrs: list[str], out_addrs: list[str], step_s: float) -> None:
+def _run_core(in_addrs: list[str], out_addrs: list[str], step_s: float, stream_interval: int) -> None:
     from deltaserve.engine.core import EngineCore, engine_info
 
-    engine = StandInEngine(step_s)
+    engine = StandInEngine(step_s, stream_interval)
     core = EngineCore(engine, in_addrs, out_addrs, parent_pid=os.getppid())  # ends with the server
     core.send(("ready", engine_info(engine)))
     core.run()
@@ -95,6 +100,7 @@ def serve(
     gc_thresholds: tuple[int, ...] | None = None,
     api_servers: int = 1,
     pid_file: str = "",
+    stream_interval: int = 1,
 ) -> None:
     """The server: the stand-in engine in a process of its own, the app as `deltaserve serve` builds
     it (its garbage-collector settings included), uvicorn on loopback; with `api_servers` HTTP
@@ -109,7 +115,7 @@ def serve(
     ins = [handle.address("in", i) for i in range(api_servers)]
     outs = [handle.address("out", i) for i in range(api_servers)]
     context = multiprocessing.get_context("spawn")
-    process = context.Process(target=_run_core, args=(ins, outs, step_s), daemon=True)
+    process = context.Process(target=_run_core, args=(ins, outs, step_s, stream_interval), daemon=True)
     process.start()
     handle.process = process
     handle._await_ready(60.0)
@@ -203,13 +209,21 @@ def main() -> None:
         "--gc-thresholds", default=None, help="the HTTP process's gc thresholds, e.g. 700,10,10 (Python's)"
     )
     ap.add_argument("--api-server-count", type=int, default=1, help="HTTP processes, as the server's flag")
+    ap.add_argument("--stream-interval", type=int, default=1, help="tokens a chunk, as the server's flag")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--serve-port", type=int, default=None, help=argparse.SUPPRESS)  # the server process
     ap.add_argument("--pid-file", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     gc_thresholds = tuple(int(t) for t in args.gc_thresholds.split(",")) if args.gc_thresholds else None
     if args.serve_port is not None:
-        serve(args.serve_port, args.step_ms / 1e3, gc_thresholds, args.api_server_count, args.pid_file)
+        serve(
+            args.serve_port,
+            args.step_ms / 1e3,
+            gc_thresholds,
+            args.api_server_count,
+            args.pid_file,
+            args.stream_interval,
+        )
         return
 
     pid_file = tempfile.NamedTemporaryFile(suffix=".pids")
@@ -227,6 +241,8 @@ def main() -> None:
         str(args.api_server_count),
         "--pid-file",
         pid_file.name,
+        "--stream-interval",
+        str(args.stream_interval),
     ]
     if args.gc_thresholds:
         cmd += ["--gc-thresholds", args.gc_thresholds]

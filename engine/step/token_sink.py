@@ -40,12 +40,14 @@ class TokenSink:
         counters: dict[str, int],
         eos_token_ids: list[int],
         max_model_len: int,
+        stream_interval: int = 1,
     ) -> None:
         self.scheduler = scheduler
         self.requests = requests
         self.counters = counters
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.stream_interval = stream_interval
         # outputs as `pack_outputs` packs them, prompt ids left out (`Engine.emit_packed_outputs`): the
         # engine process sends them so, with no RequestOutput to build and then take apart
         self.packed = False
@@ -110,14 +112,16 @@ class TokenSink:
 
     def emit(self, outputs: list[Any], req: Request) -> None:
         """A step's output for the request (`output_kind`): every step, every step that added
-        tokens, or only the last."""
+        tokens (the first token at once, then at least `stream_interval` at a time), or only
+        the last."""
         kind = req.params.output_kind
-        if (
-            req.finish_reason is not None
-            or kind == "cumulative"
-            or (kind == "delta" and len(req.output_token_ids) > req.num_sent_tokens)
-        ):
+        if req.finish_reason is not None or kind == "cumulative" or (kind == "delta" and self._due(req)):
             outputs.append(output_fields(req, []) if self.packed else build_output(req))
+
+    def _due(self, req: Request) -> bool:
+        sent = req.num_sent_tokens
+        new = len(req.output_token_ids) - sent
+        return new > 0 and (sent == 0 or new >= self.stream_interval)
 
 
 def build_output(req: Request) -> RequestOutput:

@@ -145,6 +145,31 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
             assert sent == c.text
 
 
+def test_a_stream_interval_sends_the_first_token_then_groups(tokenized_checkpoint, llm):
+    """`stream_interval=3`: a delta request's first output carries its first token, each later
+    one three tokens, the last what is left; joined they are the cumulative request's tokens and
+    text (with a stop string too), and non-streamed outputs are unchanged."""
+    grouped = LLM(
+        tokenized_checkpoint, dtype="float32", device="cpu", chunked_prefill_size=64, stream_interval=3
+    )
+    prompt = llm.tokenizer.encode("Hello, my name is")
+    base = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    free = llm.generate("Hello, my name is", SamplingParams(**base))[0].outputs[0]
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    for extra in ({}, {"stop": [stop]}):
+        whole = llm.generate("Hello, my name is", SamplingParams(**base, **extra))[0].outputs[0]
+        assert grouped.generate("Hello, my name is", SamplingParams(**base, **extra))[0].outputs[0] == whole
+        grouped.engine.add_request("d", prompt, SamplingParams(output_kind="delta", **base, **extra))
+        deltas = []
+        while grouped.engine.has_unfinished_requests():
+            deltas += [out.outputs[0] for out in grouped.engine.step()]
+        sizes = [len(d.token_ids) for d in deltas]
+        assert sizes[0] == 1 and set(sizes[1:-1]) <= {3} and 1 <= sizes[-1] <= 3, sizes
+        assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+        assert "".join(d.text for d in deltas) == whole.text
+        assert deltas[-1].finish_reason == whole.finish_reason
+
+
 def test_deferred_detokenizer_gives_the_incremental_text(llm):
     """A final-only request without stop strings decodes its text once, at the end: the same text
     as token-by-token decoding, multi-byte characters and special tokens included."""

@@ -904,3 +904,42 @@ def test_forced_call_with_a_response_format_answers_the_call(client) -> None:
         (call,) = r.choices[0].message.tool_calls
         args = json.loads(call.function.arguments)
         assert call.function.name in ("get_weather", "get_time") and "ok" not in args
+
+
+def test_stream_interval_sends_the_first_token_then_groups(spawn_server, server) -> None:
+    """--stream-interval 4: a stream's first chunk carries one token, later ones four (the last
+    what is left), with every token's log-probability; the text is the unstreamed request's, and
+    a chat stream joins to the same message as without the flag."""
+    grouped = spawn_server("--max-model-len", "256", "--stream-interval", "4")
+    body = {"model": MODEL_NAME, "prompt": [5, 9, 17], "max_tokens": 11, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 0}, timeout=60).json()
+    with httpx.stream(
+        "POST", f"{grouped.url}/v1/completions", json={**body, "logprobs": 0, "stream": True}, timeout=60
+    ) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    sizes = [len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"] and c["logprobs"]["tokens"]]
+    assert sizes == [1, 4, 4, 2]
+    assert "".join(c["text"] for c in chunks) == whole["choices"][0]["text"]
+    tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert tokens == whole["choices"][0]["logprobs"]["tokens"]
+    import openai
+
+    with openai.OpenAI(base_url=f"{grouped.url}/v1", api_key="unused", max_retries=0) as c:
+        stream = c.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=9, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    plain = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={
+            "model": MODEL_NAME,
+            "messages": MESSAGES,
+            "max_tokens": 9,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=60,
+    ).json()
+    assert streamed == plain["choices"][0]["message"]["content"]
