@@ -98,8 +98,10 @@ class EngineCore:
         self._parent_pid = parent_pid
         self._live: set[str] = set()  # ids added and not yet finished or aborted
         self._owner: dict[str, int] = {}  # live id -> the HTTP process (socket pair) that added it
-        self._replies: list[list[tuple[int, tuple[str, str] | None, Any]]] = [[] for _ in self._outs]
-        self._done_off_loop: queue.SimpleQueue[tuple[int, int, tuple[str, str] | None, Any]] = (
+        self._replies: list[list[tuple[int, tuple[str, str, str | None] | None, Any]]] = [
+            [] for _ in self._outs
+        ]
+        self._done_off_loop: queue.SimpleQueue[tuple[int, int, tuple[str, str, str | None] | None, Any]] = (
             queue.SimpleQueue()
         )
         self._off_loop_pending = 0
@@ -189,7 +191,7 @@ class EngineCore:
         elif kind == "call":
             _, call_id, name, args = command
             if name not in _CALLS:
-                self._replies[client].append((call_id, ("internal", f"unknown call {name!r}"), None))
+                self._replies[client].append((call_id, ("internal", f"unknown call {name!r}", None), None))
             elif name in _OFF_LOOP:
                 self._off_loop_pending += 1
                 self._worker.submit(self._call_off_loop, client, call_id, name, args)
@@ -199,7 +201,7 @@ class EngineCore:
 
     def _add(
         self, requests: list[tuple[str, list[int], Any]], client: int = 0
-    ) -> tuple[tuple[str, str] | None, None]:
+    ) -> tuple[tuple[str, str, str | None] | None, None]:
         added: list[str] = []
         try:
             for request_id, token_ids, params in requests:
@@ -217,7 +219,7 @@ class EngineCore:
         """The engine's stats, and the loop's idle time beside its step time."""
         return {**self.engine.stats(), "idle_seconds_total": self._idle_s}
 
-    def _call(self, name: str, args: tuple[Any, ...]) -> tuple[tuple[str, str] | None, Any]:
+    def _call(self, name: str, args: tuple[Any, ...]) -> tuple[tuple[str, str, str | None] | None, Any]:
         # stats are the core's own (the engine's and the loop's); the other calls are the engine's
         fn = self.stats if name == "stats" else getattr(self.engine, name, None)
         if fn is None:  # a stand-in engine without it: nothing to do

@@ -27,18 +27,27 @@ class InvalidParamError(ValueError):
         return type(self), (str(self), self.param)  # pickled with its field, not the message alone
 
 
-# the error types a reply from the engine process carries by kind, so the client raises the same type
-_REPLY_KINDS: dict[str, type[Exception]] = {"queue_full": QueueFullError, "value": ValueError}
+# the error types a reply from the engine process carries by kind, so the client raises the same
+# type (the first that matches: InvalidParamError before the ValueError it is)
+_REPLY_KINDS: dict[str, type[Exception]] = {
+    "queue_full": QueueFullError,
+    "invalid_param": InvalidParamError,
+    "value": ValueError,
+}
 
 
-def error_reply(exc: BaseException) -> tuple[str, str]:
-    """An exception as the engine process's (kind, message); `reply_error` turns it back."""
+def error_reply(exc: BaseException) -> tuple[str, str, str | None]:
+    """An exception as the engine process's (kind, message, the field it names); `reply_error`
+    turns it back."""
     for kind, exc_type in _REPLY_KINDS.items():
         if isinstance(exc, exc_type):
-            return kind, str(exc)
-    return "internal", f"{type(exc).__name__}: {exc}"
+            return kind, str(exc), getattr(exc, "param", None)
+    return "internal", f"{type(exc).__name__}: {exc}", None
 
 
-def reply_error(kind: str, message: str) -> Exception:
-    """The exception of a reply's (kind, message): the engine's own type, RuntimeError for the rest."""
+def reply_error(kind: str, message: str, param: str | None = None) -> Exception:
+    """The exception of a reply's (kind, message, param): the engine's own type, RuntimeError for
+    the rest."""
+    if kind == "invalid_param":
+        return InvalidParamError(message, param)
     return _REPLY_KINDS.get(kind, RuntimeError)(message)

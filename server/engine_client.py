@@ -465,7 +465,7 @@ class EngineClient:
                 future.set_exception(error)
         self.fail_all(error)
 
-    def _resolve(self, call_id: int, error: tuple[str, str] | None, value: Any) -> None:
+    def _resolve(self, call_id: int, error: tuple[str, str, str | None] | None, value: Any) -> None:
         future = self._calls.get(call_id)
         if future is None or future.done():  # the awaiting request was cancelled meanwhile
             return

@@ -7,16 +7,24 @@ import pathlib
 
 import pytest
 
-from deltaserve.engine.errors import QueueFullError, error_reply, reply_error
+from deltaserve.engine.errors import InvalidParamError, QueueFullError, error_reply, reply_error
 from deltaserve.server.errors import failure_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("exc", [QueueFullError("the waiting queue is full"), ValueError("prompt too long")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        QueueFullError("the waiting queue is full"),
+        ValueError("prompt too long"),
+        InvalidParamError("priority 1 needs priority scheduling", "priority"),
+    ],
+)
 def test_an_error_crosses_the_process_boundary_as_its_type(exc):
     back = reply_error(*error_reply(exc))
     assert type(back) is type(exc) and str(back) == str(exc)
+    assert getattr(back, "param", None) == getattr(exc, "param", None)  # the field a 400 names
 
 
 def test_other_errors_cross_as_runtime_errors_naming_their_type():
