@@ -25,6 +25,9 @@ class EngineConfig:
     device: str | None = None  # None: cuda when available
     max_running_requests: int | None = None  # None: 256 on CUDA, 64 on CPU (clamped to what memory holds)
     max_waiting_requests: int = 1024
+    # "fcfs": requests are admitted in arrival order and memory pressure preempts the newest;
+    # "priority": by their `priority` (lower first, then arrival) and it preempts the lowest (vLLM's)
+    scheduling_policy: str = "fcfs"
     max_model_len: int | None = None
     # a step's token budget (decode rows count too) and the largest prefill chunk of one request;
     # None: 8192 on CUDA, 512 on CPU, and the chunk as large as the budget
@@ -123,6 +126,10 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size and max_num_batched_tokens must be at least 1")
         if self.max_prefill_delay_steps < 0:
             raise ValueError("max_prefill_delay_steps must be at least 0")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be at least 1")
         if self.pool_memory_gb is not None and self.pool_memory_gb <= 0:

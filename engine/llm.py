@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,8 +78,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of the prompts; `n > 1` gives n completions per prompt."""
+        """Outputs in the order of the prompts; `n > 1` gives n completions per prompt.
+        `priority`: one a prompt, with `scheduling_policy="priority"` (lower values run first)."""
         batch: list[PromptType]
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -95,6 +98,10 @@ class LLM:
         )
         if len(params_list) != len(batch):
             raise ValueError("give one SamplingParams, or one per prompt")
+        if priority is not None:
+            if len(priority) != len(batch):
+                raise ValueError("give one priority per prompt")
+            params_list = [dataclasses.replace(p, priority=v) for p, v in zip(params_list, priority)]
         encoded = [self._prompt_ids(p) for p in batch]  # all validated before any is queued
         self._warm_prefixes([ids for (ids, _), params in zip(encoded, params_list) if params.n > 1])
         groups: list[tuple[str, list[str], list[int], str | None]] = []

@@ -313,6 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
         "memory available at start-up (CUDA sizes its pools with --mem-fraction-static)",
     )
     engine.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="fcfs: requests run in arrival order; priority: by each request's `priority` field, lower "
+        "values first, and memory pressure preempts the lowest (vLLM's flag)",
+    )
+    engine.add_argument(
         "--cuda-graph-max-bs",
         type=_int_at_least(1),
         default=256,

@@ -298,6 +298,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
             pool_memory_gb=args.pool_memory_gb,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             stream_interval=args.stream_interval,
+            scheduling_policy=args.scheduling_policy,
             disable_cuda_graph=args.disable_cuda_graph,
             enable_overlap_schedule=args.enable_overlap_schedule,
             state_dtype=args.state_dtype,

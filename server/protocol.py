@@ -160,6 +160,7 @@ class SamplingRequest(RequestBody):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values run first
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -119,6 +119,9 @@ class SamplingParams:
     # "final_only": one output when it finishes (LLM.generate, non-streamed HTTP requests)
     output_kind: str = "cumulative"
     structured_outputs: StructuredOutputs | None = None
+    # with scheduling_policy "priority": lower values are admitted first, and preempted last
+    # (vLLM's request priority; under "fcfs" only 0 is accepted)
+    priority: int = 0
     # False: outputs carry token ids and no text, the caller decodes them (the server does, in
     # its HTTP process, for streams without stop strings: the engine's step then skips it)
     detokenize: bool = True
@@ -143,6 +146,12 @@ class SamplingParams:
                 "output_kind",
             )
         _in_range("n", self.n, 1, MAX_N)
+        if (
+            isinstance(self.priority, bool)
+            or not isinstance(self.priority, int)
+            or not -(2**63) <= self.priority < 2**63
+        ):
+            raise InvalidParamError(f"priority must be a 64-bit integer, got {self.priority!r}", "priority")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):  # the ranges below let inf through, some NaN
                 raise InvalidParamError(f"{name} must be a finite number, got {getattr(self, name)}", name)

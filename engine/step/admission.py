@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.errors import QueueFullError
+from deltaserve.engine.errors import InvalidParamError, QueueFullError
 from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.requests.request import Request
 from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputs
@@ -65,6 +65,12 @@ class Admission:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         params = copy.copy(params)  # max_tokens may be filled in below; the caller's stays as given
         params.validate()
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidParamError(
+                f"priority {params.priority} needs priority scheduling, which this engine does not run "
+                "(--scheduling-policy priority)",
+                "priority",
+            )
         params.check_vocab(vocab)
         n_prompt = len(prompt_token_ids)
         if params.max_tokens is None:

@@ -6,7 +6,9 @@ rows count), no request's chunk longer than `chunked_prefill_size`: prefill chun
 with the decodes, as in vLLM and SARATHI, so that a step's time stays bounded. A
 request is admitted only when a state slot and the pages for its first chunk are free;
 otherwise it waits. A decode that finds no free page preempts the newest running request
-(its pages and slot are freed and it is recomputed later).
+(its pages and slot are freed and it is recomputed later). Under priority scheduling
+(`scheduling_policy`) requests are admitted by priority and the lowest is preempted instead
+(`waiting_queue.py`).
 
 While the running requests only decode, a step runs by CUDA-graph replay; one with a prefill
 chunk runs eagerly, which costs the host far more. So new prompts that arrive one by one
@@ -28,7 +30,6 @@ chunk ends where the prompt leaves the cache's tree, so that a snapshot can be s
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ from deltaserve.engine.cache.state_pool import StatePool
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.requests.request import Request, Status
 from deltaserve.engine.step.step_costs import ArrivalRate, MixedStepCost, worth_holding
+from deltaserve.engine.step.waiting_queue import WaitingQueue, priority_key
 
 ADAPTIVE_MAX_STEPS = 16  # the adaptive delay's cap in steps when max_prefill_delay_steps is 0
 
@@ -92,7 +94,7 @@ class Scheduler:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.prefix_cache = prefix_cache
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy == "priority")
         self.running: list[Request] = []
         self.propose = propose
         self.max_verify = max_verify
@@ -103,7 +105,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         req.arrival_step = self.num_steps
         self.arrivals.add(time.monotonic())
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -140,11 +142,16 @@ class Scheduler:
                     budget -= 1 + len(drafts)
                     continue
                 while not self._ensure_pages(req, req.num_tokens):
-                    victim = self.running[-1]
+                    victim = self._victim()
                     self.preempt(victim)
                     preempted.append(victim)
                     if victim is req:
                         break
+                    # under priority scheduling the victim may already have its chunk in this step
+                    for chunks in (decodes, verifies, prefills):
+                        for c in [c for c in chunks if c.req is victim]:
+                            chunks.remove(c)
+                            budget += c.num_tokens
                 if req.status is Status.RUNNING:
                     decodes.append(ScheduledChunk(req, 1, True))
                     budget -= 1
@@ -157,7 +164,7 @@ class Scheduler:
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
         hold = hold_all or (not prefills and self._hold_prefills(len(decodes) + len(verifies), [], budget))
         while not hold and self.waiting and budget > 0 and len(self.running) < self.config.num_running:
-            req = self.waiting[0]
+            req = self.waiting.first()
             if req.num_placeholders:  # preempted with a token in flight: wait for its value
                 break
             slot = self.state_pool.alloc()
@@ -172,19 +179,17 @@ class Scheduler:
                 req.slot = None
                 break
             self.prefix_cache.commit(req)
-            self.waiting.popleft()
+            self.waiting.pop_first()
             req.status = Status.RUNNING
             self.running.append(req)
             admitted.append(req)
             budget -= chunk
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
-        # a later decode's preemption may have taken an earlier verifying request
-        verifies = [c for c in verifies if c.req.status is Status.RUNNING]
         if not decodes and not verifies and not prefills:
             if starved and len(self.running) > 1:
                 # Prefills hold the pages each other waits for, and no decode would preempt:
                 # the newest is recomputed later.
-                victim = self.running[-1]
+                victim = self._victim()
                 self.preempt(victim)
                 plan = self.schedule()
                 if plan is not None:
@@ -204,7 +209,7 @@ class Scheduler:
         its arrival, a running prompt's chunk from the end of its last one."""
         adaptive = self.config.adaptive_prefill_delay
         delay = self.config.max_prefill_delay_steps or (ADAPTIVE_MAX_STEPS if adaptive else 0)
-        first = self.waiting[0] if self.waiting else None
+        first = self.waiting.first() if self.waiting else None
         if not delay or not decoding or (first is None and not chunks):
             return False
         oldest_step = min([r.ready_step for r in chunks] + ([first.arrival_step] if first else []))
@@ -269,6 +274,13 @@ class Scheduler:
             self.state_pool.free(req.slot)
             req.slot = None
 
+    def _victim(self) -> Request:
+        """Whom memory pressure preempts: the newest running request, or under priority
+        scheduling the lowest (the largest priority value, then the latest arrival)."""
+        if self.waiting.by_priority:
+            return max(self.running, key=priority_key)
+        return self.running[-1]
+
     def preempt(self, req: Request) -> None:
         """Free everything the request holds; it is recomputed from its tokens later."""
         self.running.remove(req)
@@ -277,7 +289,7 @@ class Scheduler:
         req.has_initial_state = False
         req.num_preemptions += 1
         req.status = Status.WAITING
-        self.waiting.appendleft(req)
+        self.waiting.add_preempted(req)
 
     def finish(self, req: Request) -> None:
         if req in self.running:

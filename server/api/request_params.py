@@ -77,6 +77,7 @@ def build_sampling_params(
             # a stream sends what each step adds; a non-streamed response is built from the final output
             output_kind="delta" if req.stream else "final_only",
             structured_outputs=_structured_outputs(req),
+            priority=req.priority,
         )
         if vocab_size:
             params.check_vocab(vocab_size)

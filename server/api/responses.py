@@ -57,6 +57,7 @@ class ResponsesRequest(RequestBody):
     top_p: float | None = None
     top_k: int | None = None  # beyond OpenAI's fields, as vLLM accepts them
     seed: int | None = None
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values run first
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -213,6 +214,7 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
         chat_template_kwargs=req.chat_template_kwargs,
         parallel_tool_calls=req.parallel_tool_calls,
         stream=req.stream,  # a stream's engine outputs are each step's delta
+        priority=req.priority,
     )
 
 

@@ -943,3 +943,32 @@ def test_stream_interval_sends_the_first_token_then_groups(spawn_server, server)
         timeout=60,
     ).json()
     assert streamed == plain["choices"][0]["message"]["content"]
+
+
+def test_priority_needs_the_priority_policy(client, spawn_server, server) -> None:
+    """vLLM's `priority`: under the default fcfs policy anything but 0 is a 400 naming it; a server
+    started with --scheduling-policy priority serves it, on chat, completions and responses."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, max_tokens=2, extra_body={"priority": 1})
+    assert (
+        refused.value.body["param"] == "priority"
+        and "--scheduling-policy priority" in refused.value.body["message"]
+    )
+    assert (
+        chat(client, max_tokens=2, extra_body={"priority": 0, "ignore_eos": True}).usage.completion_tokens
+        == 2
+    )
+    ranked = spawn_server("--max-model-len", "256", "--scheduling-policy", "priority")
+    with openai.OpenAI(base_url=f"{ranked.url}/v1", api_key="unused", max_retries=0) as c:
+        r = c.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=3, extra_body={"priority": -7, "ignore_eos": True}
+        )
+        assert r.usage.completion_tokens == 3
+        done = c.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body={"priority": 4})
+        assert done.choices[0].finish_reason in ("length", "stop")
+        resp = c.responses.create(
+            model=MODEL_NAME, input="Hi", max_output_tokens=2, extra_body={"priority": 2}
+        )
+        assert resp.status in ("completed", "incomplete")
