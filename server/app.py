@@ -23,6 +23,7 @@ from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 from .api.chat import create_chat_completion
 from .api.completions import create_completion
 from .api.context import ServerContext
+from .api.generate import GenerateRequest, create_generation
 from .api.responses import ResponsesRequest, ResponseStore, create_response
 from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient
@@ -181,6 +182,10 @@ def build_app(
             stats = {"engine_faults_total": engine_client.faults}
         total = metrics if shared_metrics is None else metrics.merged(shared_metrics.peers())
         return PlainTextResponse(total.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.post("/generate")  # SGLang's native endpoint
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        return await create_generation(ctx, body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

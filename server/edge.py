@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the default limit on a request's body
 # what the key guards besides /v1 (/health, /metrics and /version stay open)
-_KEYED = ("/tokenize", "/detokenize", "/reset_prefix_cache", "/flush_cache")
+_KEYED = ("/generate", "/tokenize", "/detokenize", "/reset_prefix_cache", "/flush_cache")
 
 
 class BodyTooLarge(HTTPException):
@@ -36,7 +36,7 @@ def too_large(limit: int) -> str:
 
 
 class EdgeGuard:
-    """401 for a /v1, /tokenize or /detokenize request without the key (when one is set) and 413
+    """401 for a /v1, /generate, /tokenize or /detokenize request without the key (when one is set) and 413
     for a body over `max_body_bytes`: by its Content-Length before anything is read, and for a
     chunked body as soon as the bytes received pass the limit."""
 

@@ -1,0 +1,285 @@
+"""POST /generate: SGLang's native endpoint, so that SGLang users' scripts and its load generator
+(`sglang.bench_serving --backend sglang`) run unchanged.
+
+A request holds one prompt or a batch (`text`, or `input_ids`) and SGLang's `sampling_params`
+(one dict, or one a prompt). Each prompt's parameters become a completion request's
+(`max_new_tokens` its `max_tokens`, `min_new_tokens` its `min_tokens`, `json_schema` / `regex` /
+`ebnf` its structured outputs, ...), so the values, their ranges and the generation defaults are
+the completions endpoint's. The reply is SGLang's: `{"text", "output_ids", "meta_info": {"id",
+"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", ...}}` for one prompt and
+one sample, else a list of them (prompt by prompt, each prompt's `n` samples together); a stream
+sends the same objects, text and token ids so far, as server-sent events ending in `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ..errors import APIError, bad_request, error_body, failure_of, raise_if_failed, validation_message
+from ..protocol import CompletionRequest, RequestBody, unsupported_if_set
+from .context import ClientDisconnected, ServerContext
+from .generation import DONE, sse
+from .request_params import fan_out
+
+if TYPE_CHECKING:
+    from deltaserve.engine.requests.outputs import Logprob, RequestOutput
+    from deltaserve.engine.requests.sampling_params import SamplingParams
+
+# SGLang's sampling parameter -> the completion request's field
+_RENAMED = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "sampling_seed": "seed",
+    "no_stop_trim": "include_stop_str_in_output",
+}
+_SAME = {
+    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+    "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "logit_bias",
+}  # fmt: skip
+_STRUCTURED = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
+_IGNORED = {"spaces_between_special_tokens"}  # deltaserve's detokenizer joins special tokens as decode does
+_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
+
+
+def _unsupported(why: str) -> Any:
+    return unsupported_if_set(f"not supported: {why}")
+
+
+class GenerateRequest(RequestBody):
+    unsupported = {
+        "input_embeds": _unsupported("send text or input_ids"),
+        "image_data": _unsupported("this server reads text only"),
+        "audio_data": _unsupported("this server reads text only"),
+        "video_data": _unsupported("this server reads text only"),
+        "lora_path": _unsupported("this server serves no LoRA adapters"),
+        "custom_logit_processor": _unsupported("this server runs no custom logit processors"),
+        "return_hidden_states": _unsupported("this server returns no hidden states"),
+        "token_ids_logprob": _unsupported("ask for the top log-probabilities (top_logprobs_num)"),
+    }
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise bad_request(f"{name} has {len(value)} entries for {count} prompts", name)
+    return value
+
+
+def _completion_request(
+    sampling: dict[str, Any], stream: bool, logprobs: int | None, start: int
+) -> CompletionRequest:
+    """SGLang's sampling parameters as a completion request's fields (400s name SGLang's field)."""
+    fields: dict[str, Any] = {"prompt": [0], "max_tokens": _DEFAULT_MAX_NEW_TOKENS, "stream": stream}
+    structured: dict[str, Any] = {}
+    for key, value in sampling.items():
+        if key in _RENAMED:
+            fields[_RENAMED[key]] = value
+        elif key in _SAME:
+            fields[key] = value
+        elif key in _STRUCTURED:
+            if value is not None:
+                structured[_STRUCTURED[key]] = value
+        elif key not in _IGNORED:
+            raise bad_request(
+                f"sampling_params: {key!r} is not a sampling parameter this server takes",
+                f"sampling_params.{key}",
+            )
+    if len(structured) > 1:
+        raise bad_request("sampling_params: give one of json_schema, regex and ebnf", "sampling_params")
+    if structured:
+        fields["structured_outputs"] = structured
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
+    if start >= 0:
+        fields["prompt_logprobs"] = logprobs or 0
+    try:
+        return CompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())  # type: ignore[arg-type]
+        raise bad_request(message, param) from exc
+
+
+_NAMES = {ours: f"sampling_params.{theirs}" for theirs, ours in _RENAMED.items()}
+
+
+class _Prompt:
+    """One prompt of the request: its ids, what it asks for, and its samples' engine requests."""
+
+    def __init__(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool, start: int) -> None:
+        self.rid, self.ids, self.params = rid, ids, params
+        self.logprobs, self.start = logprobs, start
+
+
+class NativeGeneration:
+    def __init__(self, ctx: ServerContext, body: GenerateRequest) -> None:
+        self.ctx, self.body = ctx, body
+        self.created = time.time()
+        self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.owner: dict[str, _Prompt] = {}  # engine request id -> its prompt
+        self.order: list[str] = []  # engine request ids, in the reply's order
+        self.single = False
+
+    async def prepare(self) -> None:
+        body, ctx = self.body, self.ctx
+        if (body.text is None) == (body.input_ids is None):
+            raise bad_request("give one of text and input_ids", "text")
+        batch: list[list[int]]
+        if body.text is not None:
+            texts = [body.text] if isinstance(body.text, str) else body.text
+            batch = [await ctx.off_loop(ctx.encode, t) for t in texts]
+            self.single = isinstance(body.text, str)
+        else:
+            ids = body.input_ids or []
+            self.single = not ids or isinstance(ids[0], int)
+            batch = [ids] if self.single else ids  # type: ignore[list-item,assignment]
+        if not batch or any(not ids for ids in batch):
+            raise bad_request("the prompt is empty", "text" if body.text is not None else "input_ids")
+        for ids in batch:
+            bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+            if bad:
+                raise bad_request(
+                    f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "input_ids"
+                )
+        count = len(batch)
+        samplings = _per_prompt(body.sampling_params or {}, count, "sampling_params")
+        rids = _per_prompt(body.rid, count, "rid") if body.rid is not None else [None] * count
+        wants = _per_prompt(body.return_logprob, count, "return_logprob")
+        starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
+        tops = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
+        for ids, sampling, rid, want, start, top in zip(batch, samplings, rids, wants, starts, tops):
+            if not isinstance(sampling, dict):
+                raise bad_request("sampling_params must be an object, or a list of them", "sampling_params")
+            start = start if want else -1
+            creq = _completion_request(sampling, self.body.stream, top if want else None, start)
+            try:
+                params = ctx.sampling_params(creq, len(ids))
+            except APIError as exc:
+                raise exc.renamed(_NAMES) from exc
+            prompt = _Prompt(rid or uuid.uuid4().hex, ids, params, bool(want), start)
+            if params.structured_outputs is not None:
+                await ctx.compile_structured(params.structured_outputs)
+            for request in fan_out(f"generate-{uuid.uuid4().hex}", ids, params):
+                self.requests.append(request)
+                self.owner[request[0]] = prompt
+                self.order.append(request[0])
+        self.single = self.single and len(self.order) == 1
+
+    async def respond(self, raw: Request) -> Response:
+        group = await self.ctx.submit(self.requests)
+        if self.body.stream:
+            return StreamingResponse(
+                self.ctx.guarded(group, self._events(group)), media_type="text/event-stream"
+            )
+        try:
+            final = await self.ctx.collect(group, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        results = [self._result(final[rid], final[rid].outputs[0].text, final[rid].outputs[0].token_ids,
+                                final[rid].outputs[0].logprobs, final[rid].prompt_logprobs)
+                   for rid in self.order]  # fmt: skip
+        return JSONResponse(results[0] if self.single else results)
+
+    async def _events(self, group: Any) -> Any:
+        texts = dict.fromkeys(self.order, "")
+        ids: dict[str, list[int]] = {rid: [] for rid in self.order}
+        lps: dict[str, list[Logprob]] = {rid: [] for rid in self.order}
+        prompt_lps: dict[str, Any] = {}
+        try:
+            async for outputs in group:
+                for out in outputs:
+                    raise_if_failed(out)
+                    rid, c = out.request_id, out.outputs[0]
+                    texts[rid] += c.text
+                    ids[rid] += c.token_ids
+                    lps[rid] += c.logprobs or []
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[rid] = out.prompt_logprobs
+                    event = self._result(out, texts[rid], ids[rid], lps[rid], prompt_lps.get(rid))
+                    if not self.single:
+                        event["index"] = self.order.index(rid)
+                    yield sse(event)
+        except Exception as exc:  # the engine failed or the server is draining: say so in-band
+            yield sse(error_body(*failure_of(exc)))
+        yield DONE
+
+    def _result(
+        self,
+        out: RequestOutput,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[Logprob] | None,
+        prompt_logprobs: list[Logprob | None] | None,
+    ) -> dict[str, Any]:
+        prompt = self.owner[out.request_id]
+        c = out.outputs[0]
+        meta: dict[str, Any] = {
+            "id": prompt.rid
+            if self.single or prompt.params.n == 1
+            else f"{prompt.rid}-{out.request_id.rsplit('-', 1)[1]}",
+            "finish_reason": _finish_reason(c.finish_reason, c.stop_reason, c.num_tokens),
+            "prompt_tokens": len(prompt.ids),
+            "completion_tokens": c.num_tokens,
+            "cached_tokens": out.num_cached_tokens,
+        }
+        if c.finish_reason is not None:
+            meta["e2e_latency"] = time.time() - self.created
+        if prompt.logprobs:
+            with_text = self.body.return_text_in_logprobs
+            meta["output_token_logprobs"] = [
+                self._entry(lp.logprob, lp.token_id, with_text) for lp in logprobs or []
+            ]
+            if prompt.params.logprobs:
+                meta["output_top_logprobs"] = [self._top(lp.top, with_text) for lp in logprobs or []]
+            if prompt.start >= 0:
+                rows = list(prompt_logprobs or [])[prompt.start :]
+                tokens = prompt.ids[prompt.start :]
+                meta["input_token_logprobs"] = [
+                    self._entry(None if lp is None else lp.logprob, t, with_text)
+                    for lp, t in zip(rows, tokens)
+                ]
+                if prompt.params.logprobs:
+                    meta["input_top_logprobs"] = [
+                        None if lp is None else self._top(lp.top, with_text) for lp in rows
+                    ]
+        return {"text": text, "output_ids": list(token_ids), "meta_info": meta}
+
+    def _entry(self, logprob: float | None, token_id: int, with_text: bool) -> list[Any]:
+        return [logprob, token_id, self.ctx.token_text(token_id)[0] if with_text else None]
+
+    def _top(self, top: dict[int, float], with_text: bool) -> list[list[Any]]:
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])
+        return [self._entry(lp, t, with_text) for t, lp in ranked]
+
+
+def _finish_reason(reason: str | None, stop_reason: int | str | None, tokens: int) -> dict[str, Any] | None:
+    """SGLang's shape: {"type": "stop", "matched": token id or string}, {"type": "length",
+    "length": n} or {"type": "abort"}."""
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": tokens}
+    if reason == "stop":
+        return {"type": "stop", "matched": stop_reason}
+    return {"type": "abort", "message": "the request was aborted"}
+
+
+async def create_generation(ctx: ServerContext, body: GenerateRequest, raw: Request) -> Response:
+    generation = NativeGeneration(ctx, body)
+    await generation.prepare()
+    return await generation.respond(raw)

@@ -1,0 +1,128 @@
+"""SGLang's native /generate on a real server (built-in model): its request and reply shapes, the
+same tokens as /v1/completions for the same parameters, batches and n, streams, log-probabilities,
+stop reasons and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+def generate(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/generate", json=body, timeout=60)
+
+
+def completion(server, prompt, **fields) -> dict:
+    body = {"model": MODEL_NAME, "prompt": prompt, "temperature": 0, "ignore_eos": True, **fields}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+
+
+def test_one_prompt_matches_the_completions_endpoint(server) -> None:
+    r = generate(server, text="The capital of France is", sampling_params=GREEDY, rid="mine")
+    assert r.status_code == 200, r.text
+    out = completion(
+        server, "The capital of France is", max_tokens=8, logprobs=0, return_tokens_as_token_ids=True
+    )
+    ids = [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]
+    body = r.json()
+    assert body["text"] == out["choices"][0]["text"] and body["output_ids"] == ids
+    meta = body["meta_info"]
+    assert meta["id"] == "mine" and meta["finish_reason"] == {"type": "length", "length": 8}
+    assert meta["prompt_tokens"] == out["usage"]["prompt_tokens"] and meta["completion_tokens"] == 8
+    assert 0 <= meta["cached_tokens"] <= meta["prompt_tokens"] and meta["e2e_latency"] > 0
+
+
+def test_a_batch_with_n_comes_back_prompt_by_prompt(server) -> None:
+    prompts = [[5, 9, 17], [40, 2, 8, 8]]
+    r = generate(
+        server, input_ids=prompts, sampling_params=[{**GREEDY, "n": 2}, {**GREEDY, "max_new_tokens": 3}]
+    )
+    results = r.json()
+    assert r.status_code == 200 and [len(x["output_ids"]) for x in results] == [8, 8, 3]
+    assert results[0]["output_ids"] == results[1]["output_ids"]  # greedy samples of one prompt
+    for got, prompt, n in zip(results, [prompts[0], prompts[0], prompts[1]], [8, 8, 3]):
+        alone = completion(server, prompt, max_tokens=n)
+        assert got["text"] == alone["choices"][0]["text"] and got["meta_info"]["prompt_tokens"] == len(prompt)
+    assert len({x["meta_info"]["id"] for x in results}) == 3
+
+
+def test_a_stream_sends_the_text_so_far_and_ends_as_the_whole(server) -> None:
+    whole = generate(server, input_ids=[5, 9, 17], sampling_params=GREEDY).json()
+    with httpx.stream(
+        "POST",
+        f"{server.url}/generate",
+        json={"input_ids": [5, 9, 17], "sampling_params": GREEDY, "stream": True},
+    ) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # each the text so far
+    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+
+
+def test_log_probabilities_of_the_output_and_the_prompt(server) -> None:
+    prompt = [5, 9, 17, 3, 88]
+    r = generate(
+        server, input_ids=prompt, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=2,
+        logprob_start_len=1, return_text_in_logprobs=True,
+    ).json()  # fmt: skip
+    meta = r["meta_info"]
+    out = completion(server, prompt, max_tokens=8, logprobs=2, echo=True, return_tokens_as_token_ids=True)
+    lp = out["choices"][0]["logprobs"]
+    given = lp["token_logprobs"][len(prompt) :]
+    assert [e[1] for e in meta["output_token_logprobs"]] == r["output_ids"]
+    assert [e[0] for e in meta["output_token_logprobs"]] == pytest.approx(given, abs=1e-4)
+    assert all(isinstance(e[2], str) for e in meta["output_token_logprobs"])
+    assert all(len(top) == 2 and top[0][0] >= top[1][0] for top in meta["output_top_logprobs"])
+    # the prompt from position 1: its log-probabilities as the completions endpoint echoes them
+    assert [e[1] for e in meta["input_token_logprobs"]] == prompt[1:]
+    assert [e[0] for e in meta["input_token_logprobs"]] == pytest.approx(
+        lp["token_logprobs"][1 : len(prompt)], abs=1e-4
+    )
+
+
+def test_a_stop_string_is_the_matched_reason(server) -> None:
+    free = generate(server, input_ids=[5, 9, 17], sampling_params={**GREEDY, "max_new_tokens": 12}).json()[
+        "text"
+    ]
+    stop = free[4:7]
+    r = generate(
+        server, input_ids=[5, 9, 17], sampling_params={**GREEDY, "max_new_tokens": 12, "stop": [stop]}
+    ).json()
+    assert r["text"] == free[: free.index(stop)]
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"text": "hi", "input_ids": [1, 2]}, "text"),
+        ({"text": "hi", "sampling_params": {"max_new_tokens": -3}}, "sampling_params.max_new_tokens"),
+        ({"text": "hi", "sampling_params": {"temperature": 9}}, "temperature"),
+        ({"text": "hi", "sampling_params": {"frobnicate": 1}}, "sampling_params.frobnicate"),
+        ({"text": "hi", "sampling_params": {"regex": "a+", "json_schema": "{}"}}, "sampling_params"),
+        ({"text": "hi", "image_data": "cat.png"}, "image_data"),
+        ({"input_ids": [10**9]}, "input_ids"),
+        ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+    ],
+)
+def test_refusals_are_400s_naming_the_field(server, body: dict, param: str) -> None:
+    r = generate(server, **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_regex_constrains_the_text(server) -> None:
+    r = generate(
+        server, text="Answer:", sampling_params={"temperature": 1.0, "max_new_tokens": 8, "regex": "(yes|no)"}
+    )
+    assert r.status_code == 200 and r.json()["text"] in ("yes", "no")
