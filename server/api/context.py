@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 
 from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults
@@ -181,6 +182,31 @@ class ServerContext:
             watcher.cancel()
             self.client.abort(group)
         return final
+
+    async def run(
+        self,
+        requests: list[tuple[str, list[int], SamplingParams]],
+        raw: Request,
+        stream: bool,
+        events: Callable[[RequestGroup], AsyncIterator[str]],
+        answer: Callable[[dict[str, RequestOutput]], Response],
+        prompts: list[list[int]],
+        n: int,
+    ) -> Response:
+        """Prefill a prompt shared by n > 1 samples once, submit every request, then stream
+        `events` of the group or `answer` with the final outputs; a client that hangs up gets 499."""
+        try:
+            await self.warm_prefix(prompts, n, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        group = await self.submit(requests)
+        if stream:
+            return StreamingResponse(self.guarded(group, events(group)), media_type="text/event-stream")
+        try:
+            final = await self.collect(group, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return answer(final)
 
     async def guarded(self, group: RequestGroup, events: AsyncIterator[str]) -> AsyncIterator[str]:
         """Stream events; however the stream ends (done, client gone, server draining), free the group."""

@@ -18,12 +18,12 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from ..errors import APIError, bad_request, error_body, failure_of, raise_if_failed, validation_message
 from ..protocol import CompletionRequest, RequestBody, unsupported_if_set
-from .context import ClientDisconnected, ServerContext
+from .context import ServerContext
 from .generation import DONE, sse
 from .request_params import fan_out
 
@@ -181,18 +181,18 @@ class NativeGeneration:
         self.single = self.single and len(self.order) == 1
 
     async def respond(self, raw: Request) -> Response:
-        group = await self.ctx.submit(self.requests)
-        if self.body.stream:
-            return StreamingResponse(
-                self.ctx.guarded(group, self._events(group)), media_type="text/event-stream"
-            )
-        try:
-            final = await self.ctx.collect(group, raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        results = [self._result(final[rid], final[rid].outputs[0].text, final[rid].outputs[0].token_ids,
-                                final[rid].outputs[0].logprobs, final[rid].prompt_logprobs)
-                   for rid in self.order]  # fmt: skip
+        n = max(p.params.n for p in self.owner.values())
+        prompts = [p.ids for p in {id(p): p for p in self.owner.values()}.values()]
+        return await self.ctx.run(
+            self.requests, raw, self.body.stream, self._events, self._answer, prompts, n
+        )
+
+    def _answer(self, final: dict[str, RequestOutput]) -> Response:
+        results = []
+        for rid in self.order:
+            out = final[rid]
+            c = out.outputs[0]
+            results.append(self._result(out, c.text, c.token_ids, c.logprobs, out.prompt_logprobs))
         return JSONResponse(results[0] if self.single else results)
 
     async def _events(self, group: Any) -> Any:

@@ -16,14 +16,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from pydantic_core import to_json
 
 from ..engine_client import RequestGroup
 from ..errors import error_body, failure_of, raise_if_failed
 from ..protocol import PromptTokensDetails, SamplingRequest, Usage
-from .context import ClientDisconnected, ServerContext
+from .context import ServerContext
 from .logprobs import TokenText, token_text_for
 from .request_params import fan_out
 
@@ -98,20 +98,9 @@ class Generation(ABC, Generic[ChunkChoice]):
 
     async def respond(self, raw: Request, stream: bool) -> Response:
         """Submit every request, then stream the chunks or answer with the whole response."""
-        try:
-            await self.ctx.warm_prefix(self.prompts, self.n, raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        group = await self.ctx.submit(self.requests)
-        if stream:
-            return StreamingResponse(
-                self.ctx.guarded(group, self._events(group)), media_type="text/event-stream"
-            )
-        try:
-            final = await self.ctx.collect(group, raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        return self.response(final)
+        return await self.ctx.run(
+            self.requests, raw, stream, self._events, self.response, self.prompts, self.n
+        )
 
     def event(self, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
         """A chunk as a server-sent event, with the usage so far where the client asked for it."""
