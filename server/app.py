@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,7 +23,7 @@ from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 
 from .api.chat import create_chat_completion
 from .api.completions import create_completion
-from .api.context import ServerContext
+from .api.context import ClientDisconnected, ServerContext
 from .api.generate import GenerateRequest, create_generation
 from .api.responses import ResponsesRequest, ResponseStore, create_response
 from .edge import MAX_BODY_BYTES, EdgeGuard
@@ -161,6 +162,29 @@ def build_app(
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
 
+    @app.get("/health_generate")  # SGLang's: healthy once a one-token generation comes back
+    async def health_generate(request: Request) -> Response:
+        healthy, reason = engine_client.health()
+        why = await _generates_one_token(ctx, request) if healthy else reason
+        if why is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+
+    @app.get("/get_model_info")  # SGLang's
+    async def get_model_info() -> dict[str, Any]:
+        info = engine_client.model_info
+        return {
+            "model_path": str(info.get("model", model_names[0])),
+            "tokenizer_path": getattr(ctx.tokenizer, "name_or_path", None),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "architectures": [info.get("architecture")],
+            "served_model_names": model_names,
+            "max_model_len": engine_client.max_model_len,
+        }
+
     @app.post("/reset_prefix_cache")  # vLLM's name
     @app.post("/flush_cache")  # SGLang's
     async def reset_prefix_cache() -> Response:
@@ -223,6 +247,29 @@ def build_app(
         return {"prompt": await ctx.off_loop(ctx.decode, body.tokens)}
 
     return app
+
+
+HEALTH_GENERATE_S = 20.0  # how long /health_generate waits for its token (SGLang's default)
+
+
+async def _generates_one_token(ctx: ServerContext, request: Request) -> str | None:
+    """None once a one-token request (not counted in the metrics) comes back from the engine,
+    else why not: the engine failed it, refused it, or did not answer within HEALTH_GENERATE_S."""
+    import uuid
+
+    from deltaserve.engine.requests.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
+    try:
+        group = await ctx.submit([(f"health-{uuid.uuid4().hex}", [0], params)], track=False)
+        await asyncio.wait_for(ctx.collect(group, request), HEALTH_GENERATE_S)
+    except asyncio.TimeoutError:
+        return f"the engine gave no token within {HEALTH_GENERATE_S:g} s"
+    except APIError as exc:
+        return exc.message
+    except ClientDisconnected:
+        return "the client went away"
+    return None
 
 
 def _join_ids(ids: list[int], piece: int = 1 << 15) -> str:

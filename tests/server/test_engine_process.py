@@ -154,6 +154,8 @@ def test_killed_engine_fails_requests_in_flight_and_health(spawn_server) -> None
     assert whole["status"] == 503 and whole["body"]["error"]["code"] == "engine_unavailable"
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and "engine" in health.json()["reason"]
+    deep = httpx.get(f"{server.url}/health_generate", timeout=30)  # SGLang's
+    assert deep.status_code == 503 and "engine" in deep.json()["reason"]
     late = httpx.post(f"{server.url}/v1/completions", json={**long, "max_tokens": 2}, timeout=10)
     assert late.status_code == 503
     assert httpx.get(f"{server.url}/metrics").status_code == 200

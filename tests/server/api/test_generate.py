@@ -126,3 +126,19 @@ def test_regex_constrains_the_text(server) -> None:
         server, text="Answer:", sampling_params={"temperature": 1.0, "max_new_tokens": 8, "regex": "(yes|no)"}
     )
     assert r.status_code == 200 and r.json()["text"] in ("yes", "no")
+
+
+def test_sglang_health_generate_and_model_info(server, read_metrics, until_idle) -> None:
+    """/health_generate runs a one-token request through the engine, left out of the request
+    metrics; /get_model_info names the checkpoint as /v1/models does."""
+    until_idle(server.url)
+    before = read_metrics(server.url)
+    r = httpx.get(f"{server.url}/health_generate", timeout=60)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    after = until_idle(server.url)
+    counted = [k for k in before if k.startswith("deltaserve_time_to_first_token_seconds_count")]
+    assert counted and all(after[k] == before[k] for k in counted)
+    info = httpx.get(f"{server.url}/get_model_info").json()
+    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    assert info["model_path"] == card["root"] and info["is_generation"] is True
+    assert info["served_model_names"] == [MODEL_NAME] and info["architectures"][0]
