@@ -571,7 +571,52 @@ _ALWAYS = (
     ("--enable-auto-tool-choice", 'tool_choice "auto" is always served'),
     ("--enable-metrics", "/metrics is always served"),
     ("--disable-log-requests", "requests' contents are never logged"),
+    ("--language-model-only", "a checkpoint's vision tower is never loaded"),
 )
+
+
+def _no_media(text: str) -> dict:
+    try:
+        limits = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(limits, dict) or any(v != 0 for v in limits.values()):
+        raise argparse.ArgumentTypeError(f"{text!r}: this server reads text only; give every count as 0")
+    return limits
+
+
+def _one_replica(text: str) -> int:
+    if text != "1":
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: data parallelism is not implemented; run one server per GPU behind a load balancer"
+        )
+    return 1
+
+
+def _state_dtype(text: str) -> str:
+    value = "float32" if text == "auto" else text
+    if value not in ("float32", "bfloat16", "float16"):
+        raise argparse.ArgumentTypeError(f"{text!r}: one of auto, float32, bfloat16, float16")
+    return value
+
+
+def _speculative_from_sglang(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """SGLang's NEXTN / EAGLE flags as deltaserve's speculative_config (mtp, a chain of drafts)."""
+    given = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    if args.speculative_algorithm is None:
+        if any(v is not None for v in given):
+            parser.error("--speculative-num-steps and the like go with --speculative-algorithm NEXTN")
+        return
+    if args.speculative_config is not None:
+        parser.error("give --speculative-config or --speculative-algorithm, not both")
+    steps, _, drafts = given
+    if steps is None:
+        steps = drafts - 1 if drafts is not None else 1
+    if drafts is not None and drafts != steps + 1:
+        parser.error(
+            f"--speculative-num-draft-tokens {drafts} with topk 1 must be --speculative-num-steps + 1 ({steps + 1})"
+        )
+    args.speculative_config = {"method": "mtp", "num_speculative_tokens": steps}
 
 
 def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
@@ -602,6 +647,59 @@ def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
         help="accepted, no effect: reasoning between <think> tags always goes to reasoning_content",
     )
     group.add_argument(
+        "--mm-encoder-tp-mode",
+        choices=["weights", "data"],
+        default=None,
+        help="accepted, no effect: no vision encoder is loaded",
+    )
+    group.add_argument(
+        "--limit-mm-per-prompt",
+        type=_no_media,
+        default=None,
+        metavar="JSON",
+        help="accepted with every count 0 ('{\"image\": 0}'): this server reads text only",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_one_replica,
+        default=1,
+        help="1 only: run one server per GPU (or per tensor-parallel group) behind a load balancer",
+    )
+    for flag in ("--mamba-ssm-dtype", "--mamba-ssm-cache-dtype"):  # SGLang's, vLLM's
+        group.add_argument(
+            flag,
+            dest="state_dtype",
+            type=_state_dtype,
+            default=None,  # --state-dtype's default stands: the first flag of a dest sets it
+            help="--state-dtype (auto: its default, float32)",
+        )
+    group.add_argument(
+        "--speculative-algorithm",
+        choices=["NEXTN", "EAGLE"],
+        default=None,
+        help="SGLang's: the checkpoint's MTP layer drafts (--speculative-config method mtp)",
+    )
+    group.add_argument(
+        "--speculative-num-steps",
+        type=_int_at_least(1),
+        default=None,
+        help="SGLang's: drafts a step (num_speculative_tokens)",
+    )
+    group.add_argument(
+        "--speculative-eagle-topk",
+        type=int,
+        choices=[1],
+        default=None,
+        help="SGLang's: 1 only (a chain of drafts, no tree)",
+    )
+    group.add_argument(
+        "--speculative-num-draft-tokens",
+        type=_int_at_least(1),
+        default=None,
+        help="SGLang's: with topk 1, --speculative-num-steps + 1 (each step's drafts and the verified token)",
+    )
+    group.add_argument(
         "--kv-cache-dtype",
         type=_kv_cache_dtype,
         default="auto",
@@ -609,7 +707,8 @@ def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with the checks that span flags (exit 2 with one line on a bad one)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
@@ -623,6 +722,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--ssl-cert-reqs verifies clients' certificates against --ssl-ca-certs: give it")
         if args.ssl_ca_certs is not None and args.ssl_keyfile is None:
             parser.error("--ssl-ca-certs is for HTTPS: give --ssl-keyfile and --ssl-certfile")
+        _speculative_from_sglang(parser, args)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "serve":
         from .launch import serve
 
         return serve(args)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "mtp")
+# vLLM's names for a checkpoint's own MTP layer, as Qwen's model cards give them
+METHOD_ALIASES = {"qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class SpecConfig:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
         if "method" not in raw or "num_speculative_tokens" not in raw:
             raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
-        cfg = cls(**raw)
+        cfg = cls(**{**raw, "method": METHOD_ALIASES.get(raw["method"], raw["method"])})
         if cfg.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {cfg.method!r}")
         if cfg.num_speculative_tokens < 1:

@@ -79,6 +79,10 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
             str(TLS / "server.pem"),
         ],
         ["--ssl-ca-certs", str(TLS / "ca.pem")],  # a CA for clients, with no HTTPS
+        ["-dp", "2"],  # data parallelism
+        ["--limit-mm-per-prompt", '{"image": 1}'],  # images
+        ["--speculative-eagle-topk", "4", "--speculative-algorithm", "NEXTN"],  # tree drafts
+        ["--speculative-num-steps", "2"],  # without its algorithm
     ],
 )
 def test_wrong_value_is_one_line_and_exit_2(args: list[str]) -> None:
@@ -233,6 +237,8 @@ def test_adaptive_prefill_delay_defaults_to_the_device_and_can_be_turned_off() -
         (["--no-enable-prefix-caching"], ["--cache-type", "naive"]),
         (["--disable-radix-cache"], ["--cache-type", "naive"]),
         (["--enable-prefix-caching"], ["--cache-type", "radix"]),
+        (["--mamba-ssm-dtype", "bfloat16"], ["--state-dtype", "bfloat16"]),  # SGLang's
+        (["--mamba-ssm-cache-dtype", "auto"], ["--state-dtype", "float32"]),  # vLLM's
         # the last one wins
         (["--cache-type", "naive", "--enable-prefix-caching"], ["--cache-type", "radix"]),
     ],
@@ -248,11 +254,13 @@ def test_flags_for_what_deltaserve_does_anyway_change_nothing() -> None:
     card = [
         "--trust-remote-code", "--enable-chunked-prefill", "--enable-auto-tool-choice",
         "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3", "--kv-cache-dtype", "auto",
-        "--enable-metrics", "--disable-log-requests",
+        "--enable-metrics", "--disable-log-requests", "--language-model-only", "--mm-encoder-tp-mode", "data",
+        "--limit-mm-per-prompt", '{"image": 0, "video": 0}', "-dp", "1",
     ]  # fmt: skip
     parsed, plain = vars(parser.parse_args(["serve", *card])), vars(parser.parse_args(["serve"]))
     compat = {"trust_remote_code", "enable_chunked_prefill", "enable_auto_tool_choice", "tool_call_parser",
-              "reasoning_parser", "enable_metrics", "disable_log_requests"}  # fmt: skip
+              "reasoning_parser", "enable_metrics", "disable_log_requests", "language_model_only",
+              "mm_encoder_tp_mode", "limit_mm_per_prompt"}  # fmt: skip
     assert {k: v for k, v in parsed.items() if k not in compat} == {
         k: v for k, v in plain.items() if k not in compat
     }
@@ -347,3 +355,24 @@ def test_a_server_renders_with_a_template_given_inline(spawn_server) -> None:
     ).json()["tokens"]
     want = httpx.post(f"{server.url}/tokenize", json={"prompt": "[user] hi"}, timeout=30).json()["tokens"]
     assert rendered == want
+
+
+def test_model_cards_speculative_lines_give_the_mtp_drafter() -> None:
+    """Qwen's card (vLLM's method name) and SGLang's NEXTN flags both mean the checkpoint's MTP
+    layer with that many drafts a step."""
+    from deltaserve.engine.spec_decode.config import SpecConfig
+    from deltaserve.server.cli import parse_args
+
+    vllm = parse_args(
+        ["serve", "--speculative-config", '{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}']
+    )
+    assert SpecConfig.from_dict(vllm.speculative_config) == SpecConfig("mtp", 2)
+    sglang = parse_args(
+        ["serve", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk",
+         "1", "--speculative-num-draft-tokens", "4"]
+    )  # fmt: skip
+    assert sglang.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+    assert (
+        parse_args(["serve", "--speculative-algorithm", "EAGLE"]).speculative_config["num_speculative_tokens"]
+        == 1
+    )
