@@ -25,6 +25,7 @@ from .api.chat import create_chat_completion
 from .api.completions import create_completion
 from .api.context import ClientDisconnected, ServerContext
 from .api.generate import GenerateRequest, create_generation
+from .api.messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
 from .api.responses import ResponsesRequest, ResponseStore, create_response
 from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient
@@ -118,6 +119,14 @@ def build_app(
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
+
+    @v1.post("/messages")  # Anthropic's Messages API
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await create_message(ctx, body, request)
+
+    @v1.post("/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest) -> Response:
+        return await count_tokens(ctx, body)
 
     stored = ResponseStore()
 

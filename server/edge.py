@@ -87,7 +87,10 @@ class EdgeGuard:
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         assert self.api_key is not None
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+            return True
+        # Anthropic's SDKs send the key as x-api-key
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
 
     async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
         self.metrics.request_error(status)

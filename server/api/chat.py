@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from ..errors import raise_if_failed
 from ..protocol import (
     AssistantMessage,
     ChatChoice,
@@ -210,3 +212,18 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         if payload["prompt_logprobs"] is None:  # vLLM's field, there only when asked for
             del payload["prompt_logprobs"]
         return payload
+
+
+async def parsed_steps(
+    group: Any, parser: ChatOutputParser
+) -> AsyncIterator[tuple[RequestOutput, str | None, list[str | DeltaToolCall]]]:
+    """A one-choice chat request's step outputs, each with what it adds as `ChatStreamState` reads
+    it (the reasoning, then content and calls in the order written); an output that failed in the
+    engine raises (`raise_if_failed`). Shared by the Responses and Messages streams."""
+    state = ChatStreamState(parser)
+    async for outputs in group:
+        for out in outputs:
+            raise_if_failed(out)
+            completion = out.outputs[0]
+            cut = completion.finish_reason == "length"
+            yield (out, *state.feed_in_order(completion.text, completion.finished, cut))

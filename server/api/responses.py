@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import APIError, bad_request, error_body, failure_of, raise_if_failed
+from ..errors import APIError, bad_request, error_body, failure_of
 from ..protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -36,7 +36,7 @@ from ..protocol import (
     unsupported_if_set,
 )
 from ..text.chat_output import ChatStreamState, tool_call_id
-from .chat import PreparedChat, prepare_chat
+from .chat import PreparedChat, parsed_steps, prepare_chat
 from .context import ClientDisconnected, ServerContext
 
 # chat fields named otherwise here, for error messages that name the field the client sent
@@ -457,18 +457,14 @@ async def _stream(
     events = _Events()
     yield events.emit("response.created", response=shell.body("in_progress", [], None))
     yield events.emit("response.in_progress", response=shell.body("in_progress", [], None))
-    state = ChatStreamState(prepared.parser)
     reason, tokens, cached = None, 0, 0
-    try:
-        async for outputs in group:
-            for out in outputs:
-                raise_if_failed(out)  # failed in the engine: the stream ends with an error event
-                completion = out.outputs[0]
-                tokens, cached = completion.num_tokens, out.num_cached_tokens
-                cut = completion.finish_reason == "length"
-                for e in events.feed(*state.feed_in_order(completion.text, completion.finished, cut)):
-                    yield e
-                reason = completion.finish_reason or reason
+    try:  # an output that failed in the engine ends the stream with an error event
+        async for out, reasoning, ordered in parsed_steps(group, prepared.parser):
+            completion = out.outputs[0]
+            tokens, cached = completion.num_tokens, out.num_cached_tokens
+            for e in events.feed(reasoning, ordered):
+                yield e
+            reason = completion.finish_reason or reason
     except Exception as exc:  # the engine failed or the server is draining: say so in-band
         body = error_body(*failure_of(exc))["error"]
         yield events.emit("error", code=body["type"], message=body["message"], param=None)

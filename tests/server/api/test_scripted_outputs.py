@@ -416,3 +416,47 @@ def test_streamed_text_chunks_are_what_pydantic_renders(serve_script) -> None:
     content = "".join(json.loads(line)["choices"][0]["delta"].get("content") or "" for line in chat)
     assert content == TRICKY
     assert "".join(json.loads(line)["choices"][0]["text"] for line in text) == TRICKY
+
+
+def test_anthropic_messages_give_thinking_and_tool_use_blocks(serve_script) -> None:
+    """Anthropic's Messages API over the scripted Qwen3 output, through Anthropic's own SDK: a
+    thinking block, then a tool_use block with the parsed input, stop_reason tool_use; streamed,
+    the events come in Anthropic's order and build the same message."""
+    import anthropic
+    import httpx
+
+    base = str(serve_script(QWEN3_OUTPUT).base_url).removesuffix("/").removesuffix("/v1")
+    client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Current weather",
+            "input_schema": TOOLS[0]["function"]["parameters"],
+        }
+    ]
+    ask = {
+        "model": "scripted",
+        "max_tokens": 500,
+        "tools": tools,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+    }
+    m = client.messages.create(**ask)
+    assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.stop_reason == "tool_use"
+    assert "weather in Paris" in m.content[0].thinking
+    call = m.content[1]
+    assert (
+        call.name == "get_weather"
+        and call.input == {"city": "Paris", "days": 2}
+        and call.id.startswith("toolu_")
+    )
+    with client.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "tool_use"] and final.stop_reason == "tool_use"
+    assert final.content[0].thinking == m.content[0].thinking and final.content[1].input == call.input
+    with httpx.stream("POST", f"{base}/v1/messages", json={**ask, "stream": True}, timeout=30) as r:
+        kinds = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+    opening = ["message_start", "content_block_start"]
+    closing = ["content_block_stop", "content_block_start", "content_block_delta", "content_block_stop",
+               "message_delta", "message_stop"]  # fmt: skip
+    assert kinds[:2] == opening and kinds[-6:] == closing
+    assert set(kinds[2:-6]) == {"content_block_delta"}  # the thinking block's deltas

@@ -1,0 +1,416 @@
+"""POST /v1/messages: Anthropic's Messages API over the chat path, as vLLM and SGLang serve it, so
+that Anthropic's SDKs and tools built on them (Claude Code with ANTHROPIC_BASE_URL) can use the
+served model.
+
+A request's `system` and `messages` (text, `tool_use`, `tool_result` and `thinking` blocks) become
+chat messages, its `tools` (`input_schema`) and `tool_choice` (`auto`, `any`, `tool`, `none`) the
+chat request's, `thinking` the chat template's `enable_thinking`; it then runs as a chat completion
+(`chat.prepare_chat`) and its output comes back as Anthropic content blocks, in the order they were
+written: `thinking`, `text`, `tool_use`. Streams send Anthropic's events (`message_start`,
+`content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`).
+`/v1/messages/count_tokens` counts the rendered prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ConfigDict, ValidationError
+
+from ..errors import APIError, bad_request, error_body, failure_of, validation_message
+from ..protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    DeltaToolCall,
+    FunctionDefinition,
+    RequestBody,
+    SamplingRequest,
+    ToolDefinition,
+    unsupported_if_set,
+)
+from ..text.chat_output import ChatStreamState
+from .chat import PreparedChat, parsed_steps, prepare_chat
+from .context import ServerContext
+
+# chat fields named otherwise here, for error messages that name the field the client sent
+_PARAMS = {"stop": "stop_sequences", "messages": "messages", "max_tokens": "max_tokens"}
+# Anthropic's error types by status
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+
+
+class MessagesRequest(RequestBody):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())  # the chat endpoint's extra fields
+    unsupported = {
+        "mcp_servers": unsupported_if_set("not supported: this server calls no MCP servers"),
+        "container": unsupported_if_set("not supported: this server runs no code containers"),
+    }
+    model: str | None = None
+    max_tokens: int
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(RequestBody):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
+        raise bad_request(f"{where}.content must be a string or a list of content blocks", "messages")
+    return content
+
+
+def _text(blocks: list[dict[str, Any]], where: str) -> str:
+    """The text of text blocks (a tool result's or the system prompt's)."""
+    texts = []
+    for block in blocks:
+        if block.get("type") != "text":
+            raise bad_request(
+                f"{where}: blocks of type {block.get('type')!r} are not supported (text only)", "messages"
+            )
+        texts.append(str(block.get("text") or ""))
+    return "".join(texts)
+
+
+def to_messages(
+    system: str | list[dict[str, Any]] | None, messages: list[dict[str, Any]]
+) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
+    if system:
+        out.append(
+            ChatMessage(role="system", content=system if isinstance(system, str) else _text(system, "system"))
+        )
+    for i, message in enumerate(messages):
+        where, role = f"messages[{i}]", message.get("role")
+        if role not in ("user", "assistant"):
+            raise bad_request(f"{where}.role must be user or assistant", "messages")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        thought = None
+        for j, block in enumerate(_blocks(message.get("content"), where)):
+            kind = block.get("type")
+            if kind == "text":
+                texts.append(str(block.get("text") or ""))
+            elif kind == "tool_result" and role == "user":
+                result = block.get("content")
+                text = (
+                    result
+                    if isinstance(result, str) or result is None
+                    else _text(_blocks(result, where), where)
+                )
+                out.append(
+                    ChatMessage(role="tool", tool_call_id=block.get("tool_use_id"), content=text or "")
+                )
+            elif kind == "tool_use" and role == "assistant":
+                arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
+                call = {"name": block.get("name"), "arguments": arguments}
+                calls.append({"id": block.get("id") or _tool_use_id(), "type": "function", "function": call})
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                thought = block.get("thinking") or thought
+            else:
+                raise bad_request(
+                    f"{where}.content[{j}]: blocks of type {kind!r} are not supported here", "messages"
+                )
+        if texts or calls or thought is not None or role == "user" and not out:
+            content = "".join(texts) if texts or role == "user" else None
+            out.append(
+                ChatMessage(role=role, content=content, tool_calls=calls or None, reasoning_content=thought)
+            )
+    if not out:
+        raise bad_request("messages is empty", "messages")
+    return out
+
+
+def _tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[ToolDefinition] | None, Any, bool]:
+    """The chat request's tools, tool choice and whether several calls may come in one turn."""
+    tools = None
+    if req.tools:
+        tools = []
+        for i, tool in enumerate(req.tools):
+            if tool.get("type") not in (None, "custom") or not isinstance(tool.get("name"), str):
+                raise bad_request(
+                    f"tools[{i}]: only client tools ({{'name', 'description', 'input_schema'}}) are supported",
+                    "tools",
+                )
+            definition = FunctionDefinition(
+                name=tool["name"], description=tool.get("description"), parameters=tool.get("input_schema")
+            )
+            tools.append(ToolDefinition(function=definition))
+    choice: Any = None
+    parallel = True
+    if req.tool_choice is not None:
+        kind = req.tool_choice.get("type")
+        parallel = not req.tool_choice.get("disable_parallel_tool_use", False)
+        if kind == "tool":
+            choice = {"type": "function", "function": {"name": req.tool_choice.get("name")}}
+        elif kind in ("auto", "any", "none"):
+            choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        else:
+            raise bad_request("tool_choice.type must be auto, any, tool or none", "tool_choice")
+    return tools, choice, parallel
+
+
+def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`thinking` as the chat template's switch (Qwen's enable_thinking); None: the template's default."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise bad_request("thinking.type must be enabled, adaptive or disabled", "thinking")
+    return {"enable_thinking": kind != "disabled"}
+
+
+# the chat request's sampling fields a Messages request may add beside Anthropic's (ignore_eos,
+# min_tokens, seed, penalties, ...), as vLLM takes them; not those Anthropic's own fields set
+_EXTRA = set(SamplingRequest.model_fields) - {"model", "max_tokens", "stop", "stream", "n", "stream_options"}
+
+
+def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
+    tools, choice, parallel = _tools(req)
+    fields = {k: v for k, v in (req.model_extra or {}).items() if k in _EXTRA}
+    fields.update(
+        model=req.model,
+        messages=to_messages(req.system, req.messages),
+        max_tokens=req.max_tokens,
+        stop=req.stop_sequences,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        chat_template_kwargs=_thinking(req.thinking),
+        stream=req.stream,
+        **{k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None},
+    )
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())  # type: ignore[arg-type]
+        raise bad_request(message, param) from exc
+
+
+def _tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def anthropic_error(status: int, message: str) -> JSONResponse:
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+
+
+class _Blocks:
+    """The reply's content blocks as its text is read, and the stream events that build them."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self.open: str | None = None  # the kind of the last block while text may still join it
+
+    def feed(self, reasoning: str | None, ordered: list[str | DeltaToolCall]) -> list[str]:
+        events = self._text("thinking", reasoning) if reasoning else []
+        for part in ordered:
+            if isinstance(part, str):
+                events += self._text("text", part)
+            else:
+                events += self._call(part.function.name or "", part.function.arguments or "{}")
+        return events
+
+    def _text(self, kind: str, piece: str) -> list[str]:
+        events = []
+        if self.open != kind:
+            events += self.close()
+            block = (
+                {"type": "thinking", "thinking": "", "signature": ""}
+                if kind == "thinking"
+                else {"type": "text", "text": ""}
+            )
+            self.blocks.append(block)
+            self.open = kind
+            events.append(
+                _event("content_block_start", index=len(self.blocks) - 1, content_block=dict(block))
+            )
+        self.blocks[-1][kind] += piece
+        delta = (
+            {"type": "thinking_delta", "thinking": piece}
+            if kind == "thinking"
+            else {"type": "text_delta", "text": piece}
+        )
+        events.append(_event("content_block_delta", index=len(self.blocks) - 1, delta=delta))
+        return events
+
+    def _call(self, name: str, arguments: str) -> list[str]:
+        events = self.close()
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError:
+            value = {}
+        block = {"type": "tool_use", "id": _tool_use_id(), "name": name, "input": value}
+        self.blocks.append(block)
+        index = len(self.blocks) - 1
+        return events + [
+            _event("content_block_start", index=index, content_block={**block, "input": {}}),
+            _event(
+                "content_block_delta",
+                index=index,
+                delta={"type": "input_json_delta", "partial_json": arguments},
+            ),
+            _event("content_block_stop", index=index),
+        ]
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", index=len(self.blocks) - 1)]
+
+    def finish(self) -> list[str]:
+        """Close the open block; a reply of nothing gets one empty text block."""
+        events = self.close()
+        if not any(b["type"] in ("text", "tool_use") for b in self.blocks):
+            events += self._text("text", "") + self.close()
+        return events
+
+
+def _event(kind: str, **fields: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _stop(reason: str | None, stop_reason: Any, blocks: list[dict[str, Any]]) -> tuple[str, str | None]:
+    if any(b["type"] == "tool_use" for b in blocks):
+        return "tool_use", None
+    if reason == "length":
+        return "max_tokens", None
+    if isinstance(stop_reason, str):
+        return "stop_sequence", stop_reason
+    return "end_turn", None
+
+
+def _usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict[str, int]:
+    cached = min(cached, prompt_tokens)
+    return {
+        "input_tokens": prompt_tokens - cached,  # Anthropic's: the prompt less what the cache served
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": output_tokens,
+    }
+
+
+def _message(
+    message_id: str,
+    model: str,
+    blocks: list[dict[str, Any]],
+    stop: tuple[str | None, str | None],
+    usage: dict[str, int],
+) -> dict[str, Any]:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": stop[0],
+        "stop_sequence": stop[1],
+        "usage": usage,
+    }
+
+
+async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request) -> Response:
+    try:
+        model = ctx.resolve_model(req.model)
+        try:
+            prepared = await prepare_chat(ctx, to_chat_request(req))
+        except APIError as exc:  # name the field as this API calls it
+            raise exc.renamed(_PARAMS) from exc
+        message_id = f"msg_{uuid.uuid4().hex}"
+        return await ctx.run(
+            [(message_id, prepared.prompt_ids, prepared.params)],
+            raw,
+            req.stream,
+            lambda group: _stream(group, prepared, message_id, model),
+            lambda final: _answer(final[message_id], prepared, message_id, model),
+            [prepared.prompt_ids],
+            1,
+        )
+    except APIError as exc:
+        return anthropic_error(exc.status, exc.message)
+
+
+def _answer(final: Any, prepared: PreparedChat, message_id: str, model: str) -> Response:
+    completion = final.outputs[0]
+    blocks = _Blocks()
+    blocks.feed(
+        *ChatStreamState(prepared.parser).feed_in_order(
+            completion.text, True, completion.finish_reason == "length"
+        )
+    )
+    blocks.finish()
+    stop = _stop(completion.finish_reason, completion.stop_reason, blocks.blocks)
+    usage = _usage(len(prepared.prompt_ids), completion.num_tokens, final.num_cached_tokens)
+    return JSONResponse(_message(message_id, model, blocks.blocks, stop, usage))
+
+
+async def _stream(group: Any, prepared: PreparedChat, message_id: str, model: str) -> AsyncIterator[str]:
+    start = _message(message_id, model, [], (None, None), _usage(len(prepared.prompt_ids), 0, 0))
+    yield _event("message_start", message=start)
+    blocks = _Blocks()
+    reason, stop_reason, tokens, cached = None, None, 0, 0
+    try:  # an output that failed in the engine ends the stream with an error event
+        async for out, reasoning, ordered in parsed_steps(group, prepared.parser):
+            completion = out.outputs[0]
+            tokens, cached = completion.num_tokens, out.num_cached_tokens
+            for event in blocks.feed(reasoning, ordered):
+                yield event
+            reason = completion.finish_reason or reason
+            stop_reason = completion.stop_reason if completion.finished else stop_reason
+    except Exception as exc:  # the engine failed or the server is draining: say so in-band
+        status, message = failure_of(exc)
+        kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        yield _event(
+            "error", error={"type": kind, "message": error_body(status, message)["error"]["message"]}
+        )
+        return
+    for event in blocks.finish():
+        yield event
+    stop = _stop(reason, stop_reason, blocks.blocks)
+    usage = _usage(len(prepared.prompt_ids), tokens, cached)
+    yield _event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=usage)
+    yield _event("message_stop")
+
+
+async def count_tokens(ctx: ServerContext, req: CountTokensRequest) -> Response:
+    """The rendered prompt's tokens, as /v1/messages would send them to the engine."""
+    try:
+        ctx.resolve_model(req.model)
+        tools, choice, parallel = _tools(req)
+        chat = ChatCompletionRequest(
+            model=req.model,
+            messages=to_messages(req.system, req.messages),
+            max_tokens=1,
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=parallel,
+            chat_template_kwargs=_thinking(req.thinking),
+        )
+        prepared = await prepare_chat(ctx, chat)
+    except APIError as exc:
+        return anthropic_error(exc.status, exc.message)
+    return JSONResponse({"input_tokens": len(prepared.prompt_ids)})

@@ -1,0 +1,131 @@
+"""Anthropic's Messages API (/v1/messages) on a real server (built-in model), through Anthropic's
+SDK: the same reply as the chat endpoint for the same request, usage and token counts, stop
+sequences, a tool_result turn, Anthropic-shaped errors and the key sent as x-api-key."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import pytest
+
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
+
+GREEDY = {"temperature": 0, "ignore_eos": True}  # extra fields, as vLLM takes them
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture
+def claude(server):
+    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def chat(server, messages, **fields) -> dict:
+    body = {"model": MODEL_NAME, "messages": messages, "temperature": 0, "ignore_eos": True, **fields}
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+
+
+def test_a_message_is_the_chat_reply(server, claude) -> None:
+    m = claude.messages.create(
+        model=MODEL_NAME, max_tokens=9, system="You are terse.", messages=MESSAGES, extra_body=GREEDY
+    )
+    reply = chat(server, [{"role": "system", "content": "You are terse."}, *MESSAGES], max_tokens=9)
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_") and m.model == MODEL_NAME
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == reply["choices"][0]["message"][
+        "content"
+    ]
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 9
+    usage = reply["usage"]
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == usage["prompt_tokens"]
+    counted = claude.messages.count_tokens(model=MODEL_NAME, system="You are terse.", messages=MESSAGES)
+    assert counted.input_tokens == usage["prompt_tokens"]
+    with claude.messages.stream(
+        model=MODEL_NAME, max_tokens=9, system="You are terse.", messages=MESSAGES, extra_body=GREEDY
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == m.content[0].text and final.stop_reason == "max_tokens" and final.usage.output_tokens == 9
+
+
+def test_a_stop_sequence_ends_it(claude) -> None:
+    free = claude.messages.create(model=MODEL_NAME, max_tokens=12, messages=MESSAGES, extra_body=GREEDY)
+    stop = free.content[0].text[4:7]
+    m = claude.messages.create(
+        model=MODEL_NAME, max_tokens=12, messages=MESSAGES, stop_sequences=[stop], extra_body=GREEDY
+    )
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == free.content[0].text[: free.content[0].text.index(stop)]
+
+
+def test_a_tool_result_turn_renders_as_the_chat_tool_message(server, claude) -> None:
+    """An assistant tool_use and the user's tool_result are the chat template's tool call and tool
+    message: the same prompt tokens as the equivalent chat request."""
+    tools = [{"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}}]
+    turns = [
+        *MESSAGES,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 21 C"}]},
+    ]  # fmt: skip
+    counted = claude.messages.count_tokens(model=MODEL_NAME, messages=turns, tools=tools).input_tokens
+    chat_messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny, 21 C"},
+    ]  # fmt: skip
+    chat_tools = [
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "description": "Weather", "parameters": {"type": "object"}},
+        }
+    ]
+    tokens = httpx.post(
+        f"{server.url}/tokenize", json={"messages": chat_messages, "tools": chat_tools}
+    ).json()
+    assert counted == tokens["count"]
+    m = claude.messages.create(model=MODEL_NAME, max_tokens=4, messages=turns, tools=tools, extra_body=GREEDY)
+    assert m.usage.output_tokens == 4
+
+
+def test_errors_are_anthropic_shaped(server, claude) -> None:
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model=MODEL_NAME, max_tokens=-1, messages=MESSAGES)
+    assert (
+        refused.value.body["type"] == "error"
+        and refused.value.body["error"]["type"] == "invalid_request_error"
+    )
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="no-such-model", max_tokens=2, messages=MESSAGES)
+    bad = httpx.post(
+        f"{server.url}/v1/messages",
+        json={"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+    )  # fmt: skip
+    assert bad.status_code == 400 and "image" in bad.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_the_key_may_come_as_x_api_key(spawn_server) -> None:
+    keyed = spawn_server("--max-model-len", "256", "--api-key", "sk-claude")
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0).messages.create(
+            model=MODEL_NAME, max_tokens=2, messages=MESSAGES
+        )
+    good = anthropic.Anthropic(base_url=keyed.url, api_key="sk-claude", max_retries=0)
+    assert good.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES).usage.output_tokens >= 1
+
+
+def test_the_chat_endpoints_extra_fields_come_along(claude) -> None:
+    """vLLM's extra sampling fields beside Anthropic's: a seed repeats a sample, a bad value is a
+    400 naming the field."""
+
+    def sample(**extra) -> str:
+        return (
+            claude.messages.create(model=MODEL_NAME, max_tokens=8, messages=MESSAGES, extra_body=extra)
+            .content[0]
+            .text
+        )
+
+    assert sample(seed=3, temperature=1.0) == sample(seed=3, temperature=1.0)
+    with pytest.raises(anthropic.BadRequestError, match="min_tokens"):
+        sample(min_tokens=-1)
