@@ -71,6 +71,7 @@ class GenerateRequest(RequestBody):
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    priority: int = 0  # SGLang's and vLLM's: with --scheduling-policy priority, lower values run first
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
@@ -82,10 +83,12 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
 
 
 def _completion_request(
-    sampling: dict[str, Any], stream: bool, logprobs: int | None, start: int
+    sampling: dict[str, Any], stream: bool, logprobs: int | None, start: int, priority: int
 ) -> CompletionRequest:
     """SGLang's sampling parameters as a completion request's fields (400s name SGLang's field)."""
-    fields: dict[str, Any] = {"prompt": [0], "max_tokens": _DEFAULT_MAX_NEW_TOKENS, "stream": stream}
+    fields: dict[str, Any] = {
+        "prompt": [0], "max_tokens": _DEFAULT_MAX_NEW_TOKENS, "stream": stream, "priority": priority,
+    }  # fmt: skip
     structured: dict[str, Any] = {}
     for key, value in sampling.items():
         if key in _RENAMED:
@@ -166,7 +169,9 @@ class NativeGeneration:
             if not isinstance(sampling, dict):
                 raise bad_request("sampling_params must be an object, or a list of them", "sampling_params")
             start = start if want else -1
-            creq = _completion_request(sampling, self.body.stream, top if want else None, start)
+            creq = _completion_request(
+                sampling, self.body.stream, top if want else None, start, body.priority
+            )
             try:
                 params = ctx.sampling_params(creq, len(ids))
             except APIError as exc:

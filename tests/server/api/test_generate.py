@@ -113,6 +113,7 @@ def test_a_stop_string_is_the_matched_reason(server) -> None:
         ({"text": "hi", "image_data": "cat.png"}, "image_data"),
         ({"input_ids": [10**9]}, "input_ids"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+        ({"text": "hi", "priority": 3}, "priority"),  # the server runs fcfs
     ],
 )
 def test_refusals_are_400s_naming_the_field(server, body: dict, param: str) -> None:
