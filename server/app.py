@@ -66,6 +66,8 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     shared_metrics: SharedMetrics | None = None,
     cors: Cors | None = None,
+    log_requests: bool = False,
+    max_log_len: int | None = None,
 ) -> FastAPI:
     """The app for one engine client; the client's engine thread runs for the app's lifespan.
     `api_key` guards /v1, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413.
@@ -82,6 +84,8 @@ def build_app(
         sampling_defaults or SamplingDefaults(),
         api_key,
         list(model_aliases or []),
+        log_requests,
+        max_log_len,
     )
 
     @asynccontextmanager

@@ -540,6 +540,20 @@ def build_parser() -> argparse.ArgumentParser:
         "running and waiting, KV pages and state slots in use, prefix cache hits; 0: never",
     )
     http.add_argument(
+        "--enable-log-requests",
+        "--log-requests",
+        action="store_true",
+        help="log each request as it is submitted: its id, its prompt's token ids and the parameters it "
+        "sets (vLLM's flag; SGLang's --log-requests)",
+    )
+    http.add_argument(
+        "--max-log-len",
+        type=_int_at_least(0),
+        default=None,
+        metavar="N",
+        help="with --enable-log-requests, show at most N of a prompt's token ids (default: all)",
+    )
+    http.add_argument(
         "--disable-log-stats", action="store_true", help="no stats line (vLLM's flag; --log-stats-interval 0)"
     )
     _add_compatible_flags(serve.add_argument_group("vLLM's and SGLang's flags"))
@@ -570,7 +584,7 @@ _ALWAYS = (
     ("--enable-chunked-prefill", "prefill is always chunked"),
     ("--enable-auto-tool-choice", 'tool_choice "auto" is always served'),
     ("--enable-metrics", "/metrics is always served"),
-    ("--disable-log-requests", "requests' contents are never logged"),
+    ("--disable-log-requests", "requests are not logged unless --enable-log-requests asks"),
     ("--language-model-only", "a checkpoint's vision tower is never loaded"),
 )
 

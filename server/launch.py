@@ -127,6 +127,8 @@ def http_server(
             _any_if_unset(args.allowed_headers),
             args.allow_credentials,
         ),
+        log_requests=getattr(args, "enable_log_requests", False),
+        max_log_len=getattr(args, "max_log_len", None),
     )
     server = DrainingServer(config, client, float(args.shutdown_timeout), peers, ignore_sigint)
     freeze_startup_heap("HTTP process")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
@@ -31,6 +32,23 @@ if TYPE_CHECKING:
 
 
 T = TypeVar("T")
+logger = logging.getLogger("deltaserve.requests")
+
+
+def request_line(request_id: str, prompt_ids: list[int], params: SamplingParams, max_ids: int | None) -> str:
+    """One request as --enable-log-requests logs it: its prompt's ids (the first `max_ids`) and the
+    parameters it sets beside their defaults."""
+    from deltaserve.engine.requests.sampling_params import SamplingParams
+
+    shown = prompt_ids if max_ids is None else prompt_ids[:max_ids]
+    more = f" ... ({len(prompt_ids) - len(shown)} more)" if len(shown) < len(prompt_ids) else ""
+    default = SamplingParams()
+    changed = {
+        f.name: getattr(params, f.name)
+        for f in fields(params)
+        if getattr(params, f.name) != getattr(default, f.name) and f.name != "bad_words_token_ids"
+    }
+    return f"request {request_id}: {len(prompt_ids)} prompt tokens {shown}{more}, params {changed}"
 
 
 class ClientDisconnected(Exception):
@@ -46,6 +64,8 @@ class ServerContext:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     api_key: str | None = None
     model_aliases: list[str] = field(default_factory=list)  # accepted, not listed by /v1/models
+    log_requests: bool = False  # a log line for each engine request: its prompt's ids and parameters
+    max_log_len: int | None = None  # ... showing at most this many of the prompt's ids
 
     def __post_init__(self) -> None:
         self.tokenizer: Any = self.client.tokenizer
@@ -130,6 +150,9 @@ class ServerContext:
     async def submit(
         self, requests: list[tuple[str, list[int], SamplingParams]], track: bool = True
     ) -> RequestGroup:
+        if self.log_requests and track:
+            for request_id, prompt_ids, params in requests:
+                logger.info("%s", request_line(request_id, prompt_ids, params, self.max_log_len))
         try:
             return await self.client.add(requests, track)
         except QueueFullError as exc:

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -376,3 +377,18 @@ def test_model_cards_speculative_lines_give_the_mtp_drafter() -> None:
         parse_args(["serve", "--speculative-algorithm", "EAGLE"]).speculative_config["num_speculative_tokens"]
         == 1
     )
+
+
+def test_requests_are_logged_only_when_asked(spawn_server, server) -> None:
+    """--enable-log-requests: one line a request with its prompt's first ids (--max-log-len) and the
+    parameters it sets; without the flag, no such line."""
+    logged = spawn_server("--max-model-len", "256", "--enable-log-requests", "--max-log-len", "3")
+    body = {"model": MODEL_NAME, "prompt": [5, 9, 17, 3, 88], "max_tokens": 3, "temperature": 0}
+    for target in (logged, server):
+        assert httpx.post(f"{target.url}/v1/completions", json=body, timeout=60).status_code == 200
+    time.sleep(0.5)
+    lines = [line for line in logged.log().splitlines() if "prompt tokens" in line]
+    assert len(lines) == 1, lines
+    assert "5 prompt tokens [5, 9, 17] ... (2 more)" in lines[0] and "'max_tokens': 3" in lines[0]
+    assert "'temperature': 0.0" in lines[0]
+    assert not [line for line in server.log().splitlines() if "prompt tokens [" in line]
