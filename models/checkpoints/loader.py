@@ -229,6 +229,10 @@ def build_and_load(
             weights = iter_safetensors(path, progress=progress, narrow=read)
             weights = q.fp8_weights(weights, headers, fp8, dtype, device, quantize, narrow)  # type: ignore[arg-type]
         model.load_weights(weights)  # type: ignore[operator]
+    for module in model.modules():  # what a layer derives from its loaded weights (YaRN's norms)
+        after = getattr(module, "after_loading", None)
+        if after is not None:
+            after()
     if device.type in SHARED_EXPERT_FUSION:
         from deltaserve.models.layers.common import fuse_shared_experts
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,13 +18,57 @@ from deltaserve.models.layers.common import (
 )
 from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 
+ROPE_TYPES = ("default", "linear", "yarn")
 
-def rope_settings(config: Any) -> tuple[float, float]:
-    """(theta, partial_rotary_factor) from either config spelling."""
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    return float(theta), float(factor)
+
+def rope_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """The checkpoint's RoPE as (inv_freq over its rotary channels, attention factor), by
+    transformers' formulas for each type: plain, position interpolation ("linear") or YaRN (its
+    ramp between interpolated and extrapolated frequencies, and the factor that scales cos and
+    sin). Any other scaling is refused at load rather than run as plain RoPE. (With text alone,
+    Qwen3.5's multimodal sections all see the same position: one-dimensional RoPE.)"""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    dim = int(head_dim * partial)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    if kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    if kind == "linear":
+        return 1.0 / (pos_freqs * float(params["factor"])), 1.0
+    if kind != "yarn":
+        raise ValueError(
+            f"the checkpoint's RoPE scaling {kind!r} is not supported (only {', '.join(ROPE_TYPES)} are); "
+            "remove rope_scaling from its config to run it without"
+        )
+    original = int(params.get("original_max_position_embeddings") or config.max_position_embeddings)
+    factor = params.get("factor") or config.max_position_embeddings / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            if mscale and mscale_all_dim
+            else _yarn_mscale(factor)
+        )
+    fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolated = 1 - ramp  # the share of the original frequency each channel keeps
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+    return inv_freq, float(attention)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 class GatedAttention(nn.Module):
@@ -56,10 +101,22 @@ class GatedAttention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias, tp)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        theta, factor = rope_settings(config)
-        self.rotary = PartialRotaryEmbedding(self.head_dim, int(self.head_dim * factor), theta)
+        inv_freq, self.rope_attention_factor = rope_frequencies(config, self.head_dim)
+        self.rotary = PartialRotaryEmbedding(inv_freq)
         self.scale = self.head_dim**-0.5
         self.quantize = False  # an FP8 o_proj reads the gated output (`kernels.norm.sigmoid_gate`)
+
+    def after_loading(self) -> None:
+        """YaRN scales the rotated channels' cos and sin, so q's and k's: folded into the q and k
+        norms' weights for those channels (zero-centered: the scale is 1 + w), where the fused
+        norm-and-RoPE op reads them."""
+        factor = self.rope_attention_factor
+        if factor == 1.0:
+            return
+        rotary = 2 * self.rotary.inv_freq.shape[0]
+        for norm in (self.q_norm, self.k_norm):
+            w = norm.weight.data
+            w[:rotary] = (factor * (1.0 + w[:rotary].float()) - 1.0).to(w.dtype)
 
     def checkpoint_shards(self) -> dict[str, tuple[str, int, int]]:
         q, kv = self.q_size, self.kv_size

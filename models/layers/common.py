@@ -143,10 +143,9 @@ class GatedRMSNorm(nn.Module):
 class PartialRotaryEmbedding(nn.Module):
     """RoPE on the first `rotary_dim` channels of each head (rotate-half layout)."""
 
-    def __init__(self, head_dim: int, rotary_dim: int, theta: float) -> None:
+    def __init__(self, inv_freq: torch.Tensor) -> None:
         super().__init__()
-        self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        self.rotary_dim = 2 * inv_freq.shape[0]
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 

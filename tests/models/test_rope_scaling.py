@@ -1,0 +1,73 @@
+"""A checkpoint whose config scales RoPE (YaRN, as Qwen's cards give it for contexts past the
+native length, or position interpolation) runs as transformers runs it: greedy tokens identical
+on CPU in fp32, at positions well past the original length; a scaling deltaserve does not
+implement is refused at load instead of run as plain RoPE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+
+TEXT = dict(
+    vocab_size=160, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_conv_kernel_dim=4, intermediate_size=48, max_position_embeddings=1024,
+)  # fmt: skip
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+LINEAR = {"rope_type": "linear", "factor": 3.0}
+NEW = 8
+
+
+def build(tmp_path, kind: str, scaling: dict, partial: float) -> str:
+    import transformers as T
+
+    torch.manual_seed(1)
+    rope = {"rope_theta": 10000.0, "partial_rotary_factor": partial, **scaling}
+    if kind == "qwen3_5":
+        model = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**TEXT, rope_parameters=rope))
+    else:
+        model = T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**TEXT, **MOE, rope_parameters=rope))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.normal_(0.0, 0.2)
+    path = str(tmp_path / kind)
+    model.save_pretrained(path)
+    return path
+
+
+def prompts(lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 160, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize(
+    "kind, scaling, partial",
+    [("qwen3_5", YARN, 1.0), ("qwen3_next", YARN, 0.5), ("qwen3_5", LINEAR, 0.5)],
+)
+def test_scaled_rope_matches_transformers(
+    tmp_path, hf_reference, kind: str, scaling: dict, partial: float
+) -> None:
+    path = build(tmp_path, kind, scaling, partial)
+    ps = prompts([5, 63, 64, 65, 150, 300])  # past the original 64 positions
+    llm = LLM(path, dtype="float32", device="cpu", chunked_prefill_size=64)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in ps],
+        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True),
+    )
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference(path, ps, NEW)
+    plain = build(tmp_path / "plain", kind, {}, partial)
+    unscaled = LLM(plain, dtype="float32", device="cpu", chunked_prefill_size=64).generate(
+        [{"prompt_token_ids": p} for p in ps],
+        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True),
+    )
+    assert [o.outputs[0].token_ids for o in unscaled] != [o.outputs[0].token_ids for o in outs]  # it mattered
+
+
+def test_a_scaling_deltaserve_does_not_implement_is_refused(tmp_path) -> None:
+    path = build(tmp_path, "qwen3_5", {"rope_type": "dynamic", "factor": 2.0}, 1.0)
+    with pytest.raises(ValueError, match="RoPE scaling 'dynamic' is not supported"):
+        LLM(path, dtype="float32", device="cpu")
