@@ -53,6 +53,9 @@ class EngineConfig:
     # "fp8": quantize an unquantized checkpoint to block FP8 at load (models/checkpoints/quantization.py);
     # block-FP8 checkpoints are recognised from their config either way
     quantization: str | None = None
+    # values set on the checkpoint's config before the model is built (vLLM's --hf-overrides), e.g.
+    # {"text_config": {"rope_parameters": {... "rope_type": "yarn" ...}}} for contexts past the native length
+    hf_overrides: dict[str, Any] | None = None
     mem_fraction_static: float = 0.85
     pool_memory_gb: float | None = None  # CPU: KV and state pools' memory; None: a quarter of what is free
     num_kv_pages: int | None = None  # overrides the memory-based sizing

@@ -69,6 +69,7 @@ def load_engine_model(config: EngineConfig, device: torch.device, tp: TensorPara
         config.seed,
         quantization=config.quantization,
         tp=tp,
+        hf_overrides=config.hf_overrides,
     )
 
 

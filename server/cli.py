@@ -121,6 +121,16 @@ def _json_strings(text: str) -> list[str]:
     return value
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _readable_file(text: str) -> str:
     if not os.path.isfile(text) or not os.access(text, os.R_OK):
         raise argparse.ArgumentTypeError(f"{text!r} is not a readable file")
@@ -311,6 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="CPU device: memory for KV pages and state slots in GiB; default a quarter of the "
         "memory available at start-up (CUDA sizes its pools with --mem-fraction-static)",
+    )
+    engine.add_argument(
+        "--hf-overrides",
+        "--json-model-override-args",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="values set on the checkpoint's config before the model is built (vLLM's flag; SGLang's "
+        "--json-model-override-args), e.g. a YaRN rope_parameters for contexts past the native length",
     )
     engine.add_argument(
         "--scheduling-policy",

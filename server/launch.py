@@ -301,6 +301,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             stream_interval=args.stream_interval,
             scheduling_policy=args.scheduling_policy,
+            hf_overrides=args.hf_overrides,
             disable_cuda_graph=args.disable_cuda_graph,
             enable_overlap_schedule=args.enable_overlap_schedule,
             state_dtype=args.state_dtype,

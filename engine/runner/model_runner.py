@@ -22,6 +22,7 @@ from deltaserve.engine.spec_decode.state_window import StateWindow
 from deltaserve.kernels.delta_rule.fla import configure_fla
 from deltaserve.models.checkpoints.loader import LoadedModel
 from deltaserve.models.forward import ForwardContext
+from deltaserve.models.layers.attention import rope_max_positions
 
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.group import RankGroups
@@ -78,7 +79,7 @@ class ModelRunner:
         bytes_per_slot = len(linear_layers) * sum(
             int(torch.Size(s).numel()) * state_dtypes[n].itemsize for n, s in state_shapes.items()
         )
-        max_pos = int(getattr(loaded.config, "max_position_embeddings", 32768))
+        max_pos = rope_max_positions(loaded.config)
         self.sizes = plan_pools(config, bytes_per_page, bytes_per_slot, max_pos, device)
         self.channel: StepChannel | None = None
         if groups is not None:

@@ -31,8 +31,9 @@ class LoadedModel:
     tp: TensorParallel = SINGLE
 
 
-def read_config(path: str) -> tuple[Any, str]:
-    """(HF config object, architecture) of a checkpoint folder."""
+def read_config(path: str, overrides: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """(HF config object, architecture) of a checkpoint folder, with `overrides` (vLLM's
+    --hf-overrides) set on it."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"no config.json in {path!r}: is it a Hugging Face checkpoint folder?")
@@ -45,7 +46,21 @@ def read_config(path: str) -> tuple[Any, str]:
     from transformers import AutoConfig
 
     # never remote code (and no interactive "run the custom code?" prompt in a server)
-    return AutoConfig.from_pretrained(path, trust_remote_code=False), archs[0]
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    override_config(config, overrides or {})
+    return config, archs[0]
+
+
+def override_config(config: Any, overrides: dict[str, Any], where: str = "") -> None:
+    """Set each value on the config; a dict given for a nested config (Qwen3.5's text_config)
+    sets its keys there, any other value (rope_parameters included) replaces the old one whole."""
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):
+            override_config(current, value, f"{where}{key}.")
+        else:
+            setattr(config, key, value)
+            logger.info("config %s%s overridden: %r", where, key, value)
 
 
 def refuse_quantized(path: str, raw_config: dict[str, Any]) -> Fp8Config | None:
@@ -167,10 +182,11 @@ def load_model(
     *,
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """The model of a checkpoint folder; with `tp`, this rank's shard of it, read from the
-    files slice by slice."""
-    config, arch = read_config(path)
+    files slice by slice; `hf_overrides` set on its config first."""
+    config, arch = read_config(path, hf_overrides)
     cls, nested = resolve(arch)
     tcfg = text_config(config, nested)
     if nested and getattr(config, "tie_word_embeddings", None) is not None:

@@ -67,6 +67,19 @@ def rope_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention)
 
 
+def rope_max_positions(config: Any) -> int:
+    """The longest sequence the checkpoint's RoPE serves: its max_position_embeddings, or as far as
+    its scaling reaches (YaRN: original length x factor; linear: that length x factor)."""
+    native = int(getattr(config, "max_position_embeddings", 32768))
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    kind, factor = params.get("rope_type") or params.get("type"), params.get("factor")
+    if kind == "yarn" and factor:
+        return max(native, int(int(params.get("original_max_position_embeddings") or native) * factor))
+    if kind == "linear" and factor:
+        return int(native * factor)
+    return native
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 

@@ -21,6 +21,9 @@ LINEAR = {"rope_type": "linear", "factor": 3.0}
 NEW = 8
 
 
+VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32)
+
+
 def build(tmp_path, kind: str, scaling: dict, partial: float) -> str:
     import transformers as T
 
@@ -28,6 +31,9 @@ def build(tmp_path, kind: str, scaling: dict, partial: float) -> str:
     rope = {"rope_theta": 10000.0, "partial_rotary_factor": partial, **scaling}
     if kind == "qwen3_5":
         model = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**TEXT, rope_parameters=rope))
+    elif kind == "qwen3_5_vl":
+        text = {**TEXT, "rope_parameters": rope}
+        model = T.Qwen3_5ForConditionalGeneration(T.Qwen3_5Config(text_config=text, vision_config=VISION))
     else:
         model = T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**TEXT, **MOE, rope_parameters=rope))
     with torch.no_grad():
@@ -71,3 +77,29 @@ def test_a_scaling_deltaserve_does_not_implement_is_refused(tmp_path) -> None:
     path = build(tmp_path, "qwen3_5", {"rope_type": "dynamic", "factor": 2.0}, 1.0)
     with pytest.raises(ValueError, match="RoPE scaling 'dynamic' is not supported"):
         LLM(path, dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_vl"])
+def test_hf_overrides_give_a_plain_checkpoint_the_scaling(tmp_path, hf_reference, kind: str) -> None:
+    """vLLM's --hf-overrides: YaRN set on a plain checkpoint's config (inside text_config for the
+    vision-language layout) gives transformers' tokens for the same weights saved with YaRN, and
+    stretches the longest sequence the model takes to original length x factor."""
+    rope = {"rope_theta": 10000.0, "partial_rotary_factor": 1.0, **YARN}
+    scaled = build(tmp_path / "scaled", kind, YARN, 1.0)
+    plain = build(tmp_path / "plain", kind, {}, 1.0)
+    overrides = {"rope_parameters": rope}
+    if kind == "qwen3_5_vl":
+        overrides = {"text_config": overrides}
+    ps = prompts([65, 200])
+    llm = LLM(plain, dtype="float32", device="cpu", chunked_prefill_size=64, hf_overrides=overrides)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in ps],
+        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True),
+    )
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference(scaled, ps, NEW)
+    longer = {**rope, "original_max_position_embeddings": 1024, "factor": 4.0}
+    wide = {"rope_parameters": longer} if kind == "qwen3_5" else {"text_config": {"rope_parameters": longer}}
+    stretched = LLM(
+        plain, dtype="float32", device="cpu", hf_overrides=wide, max_model_len=3000, num_kv_pages=200
+    )
+    assert stretched.engine.max_model_len == 3000  # past max_position_embeddings (1024)
