@@ -103,3 +103,5 @@ def test_hf_overrides_give_a_plain_checkpoint_the_scaling(tmp_path, hf_reference
         plain, dtype="float32", device="cpu", hf_overrides=wide, max_model_len=3000, num_kv_pages=200
     )
     assert stretched.engine.max_model_len == 3000  # past max_position_embeddings (1024)
+    with pytest.raises(ValueError, match="longer than the model's 1024 positions"):
+        LLM(plain, dtype="float32", device="cpu", max_model_len=3000, num_kv_pages=200)
