@@ -237,7 +237,7 @@ class NativeGeneration:
             "id": prompt.rid
             if self.single or prompt.params.n == 1
             else f"{prompt.rid}-{out.request_id.rsplit('-', 1)[1]}",
-            "finish_reason": _finish_reason(c.finish_reason, c.stop_reason, c.num_tokens),
+            "finish_reason": _finish_reason(c.finish_reason, c.stop_reason, c.num_tokens, token_ids),
             "prompt_tokens": len(prompt.ids),
             "completion_tokens": c.num_tokens,
             "cached_tokens": out.num_cached_tokens,
@@ -272,15 +272,21 @@ class NativeGeneration:
         return [self._entry(lp, t, with_text) for t, lp in ranked]
 
 
-def _finish_reason(reason: str | None, stop_reason: int | str | None, tokens: int) -> dict[str, Any] | None:
+def _finish_reason(
+    reason: str | None, stop_reason: int | str | None, tokens: int, token_ids: list[int]
+) -> dict[str, Any] | None:
     """SGLang's shape: {"type": "stop", "matched": token id or string}, {"type": "length",
-    "length": n} or {"type": "abort"}."""
+    "length": n} or {"type": "abort"}. A stop with no reason recorded (a grammar that ended on its
+    stop token) matched the last token."""
     if reason is None:
         return None
     if reason == "length":
         return {"type": "length", "length": tokens}
     if reason == "stop":
-        return {"type": "stop", "matched": stop_reason}
+        return {
+            "type": "stop",
+            "matched": stop_reason if stop_reason is not None or not token_ids else token_ids[-1],
+        }
     return {"type": "abort", "message": "the request was aborted"}
 
 

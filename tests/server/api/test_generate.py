@@ -143,3 +143,10 @@ def test_sglang_health_generate_and_model_info(server, read_metrics, until_idle)
     card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
     assert info["model_path"] == card["root"] and info["is_generation"] is True
     assert info["served_model_names"] == [MODEL_NAME] and info["architectures"][0]
+
+
+def test_a_grammar_that_ends_matches_its_stop_token(server) -> None:
+    """An EBNF grammar complete after "a" ends on the stop token it allows: SGLang's matched id."""
+    r = generate(server, text="Say:", sampling_params={"max_new_tokens": 6, "ebnf": 'root ::= "a"'}).json()
+    assert r["text"] == "a"
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": r["output_ids"][-1]}
