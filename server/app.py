@@ -25,7 +25,13 @@ from .api.chat import create_chat_completion
 from .api.completions import create_completion
 from .api.context import ClientDisconnected, ServerContext
 from .api.generate import GenerateRequest, create_generation
-from .api.messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
+from .api.messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    anthropic_error_body,
+    count_tokens,
+    create_message,
+)
 from .api.responses import ResponsesRequest, ResponseStore, create_response
 from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient
@@ -292,30 +298,37 @@ def _join_ids(ids: list[int], piece: int = 1 << 15) -> str:
 
 
 def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
-    def reply(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    def reply(
+        request: Request, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> JSONResponse:
         metrics.request_error(status)
         headers = {"Retry-After": "1"} if status == 503 else None  # full or draining: try again soon
-        return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+        # Anthropic's SDKs read their own shape; everything else reads OpenAI's
+        anthropic = request.url.path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens"))
+        body = (
+            anthropic_error_body(status, message) if anthropic else error_body(status, message, param, code)
+        )
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return reply(exc.status, exc.message, exc.param, exc.code)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return reply(request, exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(InvalidParamError)
-    async def invalid_param(_: Request, exc: InvalidParamError) -> JSONResponse:
+    async def invalid_param(request: Request, exc: InvalidParamError) -> JSONResponse:
         error = refused(exc)
-        return reply(error.status, error.message, error.param, error.code)
+        return reply(request, error.status, error.message, error.param, error.code)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
-        return reply(400, message, param, "invalid_request")
+        return reply(request, 400, message, param, "invalid_request")
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return reply(exc.status_code, str(exc.detail), None, None)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return reply(request, exc.status_code, str(exc.detail), None, None)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")  # the detail is for the log: a client learns nothing inside
-        return reply(500, "internal error", None, "internal_error")
+        return reply(request, 500, "internal error", None, "internal_error")

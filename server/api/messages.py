@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, ValidationError
 
-from ..errors import APIError, bad_request, error_body, failure_of, validation_message
+from ..errors import APIError, bad_request, failure_of, validation_message
 from ..protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -213,9 +213,10 @@ def _tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
 
-def anthropic_error(status: int, message: str) -> JSONResponse:
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """An error in Anthropic's shape (the app's handlers send it for these routes)."""
     kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class _Blocks:
@@ -334,24 +335,21 @@ def _message(
 
 
 async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request) -> Response:
+    model = ctx.resolve_model(req.model)
     try:
-        model = ctx.resolve_model(req.model)
-        try:
-            prepared = await prepare_chat(ctx, to_chat_request(req))
-        except APIError as exc:  # name the field as this API calls it
-            raise exc.renamed(_PARAMS) from exc
-        message_id = f"msg_{uuid.uuid4().hex}"
-        return await ctx.run(
-            [(message_id, prepared.prompt_ids, prepared.params)],
-            raw,
-            req.stream,
-            lambda group: _stream(group, prepared, message_id, model),
-            lambda final: _answer(final[message_id], prepared, message_id, model),
-            [prepared.prompt_ids],
-            1,
-        )
-    except APIError as exc:
-        return anthropic_error(exc.status, exc.message)
+        prepared = await prepare_chat(ctx, to_chat_request(req))
+    except APIError as exc:  # name the field as this API calls it
+        raise exc.renamed(_PARAMS) from exc
+    message_id = f"msg_{uuid.uuid4().hex}"
+    return await ctx.run(
+        [(message_id, prepared.prompt_ids, prepared.params)],
+        raw,
+        req.stream,
+        lambda group: _stream(group, prepared, message_id, model),
+        lambda final: _answer(final[message_id], prepared, message_id, model),
+        [prepared.prompt_ids],
+        1,
+    )
 
 
 def _answer(final: Any, prepared: PreparedChat, message_id: str, model: str) -> Response:
@@ -382,11 +380,7 @@ async def _stream(group: Any, prepared: PreparedChat, message_id: str, model: st
             reason = completion.finish_reason or reason
             stop_reason = completion.stop_reason if completion.finished else stop_reason
     except Exception as exc:  # the engine failed or the server is draining: say so in-band
-        status, message = failure_of(exc)
-        kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-        yield _event(
-            "error", error={"type": kind, "message": error_body(status, message)["error"]["message"]}
-        )
+        yield _event("error", error=anthropic_error_body(*failure_of(exc))["error"])
         return
     for event in blocks.finish():
         yield event
@@ -398,19 +392,16 @@ async def _stream(group: Any, prepared: PreparedChat, message_id: str, model: st
 
 async def count_tokens(ctx: ServerContext, req: CountTokensRequest) -> Response:
     """The rendered prompt's tokens, as /v1/messages would send them to the engine."""
-    try:
-        ctx.resolve_model(req.model)
-        tools, choice, parallel = _tools(req)
-        chat = ChatCompletionRequest(
-            model=req.model,
-            messages=to_messages(req.system, req.messages),
-            max_tokens=1,
-            tools=tools,
-            tool_choice=choice,
-            parallel_tool_calls=parallel,
-            chat_template_kwargs=_thinking(req.thinking),
-        )
-        prepared = await prepare_chat(ctx, chat)
-    except APIError as exc:
-        return anthropic_error(exc.status, exc.message)
+    ctx.resolve_model(req.model)
+    tools, choice, parallel = _tools(req)
+    chat = ChatCompletionRequest(
+        model=req.model,
+        messages=to_messages(req.system, req.messages),
+        max_tokens=1,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        chat_template_kwargs=_thinking(req.thinking),
+    )
+    prepared = await prepare_chat(ctx, chat)
     return JSONResponse({"input_tokens": len(prepared.prompt_ids)})

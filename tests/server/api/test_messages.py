@@ -102,6 +102,9 @@ def test_errors_are_anthropic_shaped(server, claude) -> None:
         json={"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
     )  # fmt: skip
     assert bad.status_code == 400 and "image" in bad.json()["error"]["message"]
+    missing = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL_NAME, "messages": MESSAGES})
+    assert missing.status_code == 400 and missing.json()["type"] == "error"  # pydantic's refusal too
+    assert "max_tokens" in missing.json()["error"]["message"]
 
 
 @pytest.mark.slow
