@@ -437,6 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     http.add_argument("--port", type=_port, default=8000, help="port to listen on")
     http.add_argument(
+        "--uds",
+        default=None,
+        metavar="PATH",
+        help="listen on this Unix domain socket instead of --host and --port (vLLM's flag)",
+    )
+    http.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on every /v1 route; default: $DELTASERVE_API_KEY",

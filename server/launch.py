@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
+import stat
 import sys
 from typing import Any
 
@@ -63,11 +65,11 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("engine process pid %s", handle.process.pid if handle.process is not None else "?")
     names, aliases = _served_names(args)
     logger.info(
-        "serving %s on %s://%s:%d%s (API key %s)",
+        "serving %s on %s%s (API key %s)",
         ", ".join(names + [f"{a} (alias)" for a in aliases]),
-        "https" if args.ssl_certfile else "http",
-        args.host,
-        args.port,
+        f"unix:{args.uds}"
+        if args.uds
+        else f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}",
         args.root_path,
         "required" if args.api_key else "not required",
     )
@@ -78,6 +80,9 @@ def serve(args: argparse.Namespace) -> int:
             others.stop(float(args.shutdown_timeout) + FLUSH_S + 5)
         if handle.alive():  # the app's shutdown normally stops it; not when start-up failed
             handle.stop()
+        if args.uds:
+            with contextlib.suppress(OSError):
+                os.unlink(args.uds)
     if not server.started:
         raise SystemExit(1)
     if others is not None and others.lost is not None:
@@ -162,6 +167,7 @@ def _uvicorn_config(args: argparse.Namespace) -> Any:
         ssl_certfile=getattr(args, "ssl_certfile", None),
         ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
         ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0),
+        uds=getattr(args, "uds", None),
     )
 
 
@@ -195,6 +201,9 @@ _KEEP_ALIVE_S = 60  # idle keep-alive connections: longer than clients' pools ke
 def _bind(config: Any) -> Any:
     import socket
 
+    uds = getattr(config, "uds", None)
+    if uds:
+        return _bind_unix(uds)
     try:
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         # IPPROTO_TCP named, or asyncio leaves Nagle on for the connections it accepts: a response
@@ -223,6 +232,22 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         except (ValueError, OSError):
             logger.warning("open files limited to %d: very many connections at once will fail", soft)
+
+
+def _bind_unix(path: str) -> Any:
+    """A Unix socket at `path` (vLLM's --uds), in place of any stale one a previous run left."""
+    import socket
+
+    try:
+        if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+    except OSError as exc:
+        print(f"deltaserve serve: error: cannot listen on {path}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _warn_if_accept_queue_capped(backlog: int, somaxconn: str = "/proc/sys/net/core/somaxconn") -> None:

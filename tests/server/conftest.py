@@ -40,6 +40,7 @@ class ServerProcess:
     proc: subprocess.Popen[str] | None = None
     log_path: Path | None = None
     tls: ssl.SSLContext | None = None  # an HTTPS server: how clients (the start-up poll) verify it
+    uds: str | None = None  # a server on a Unix socket (--uds), polled there
 
     @property
     def url(self) -> str:
@@ -62,7 +63,10 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0, verify=self.tls or True).status_code == 200:
+                transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
+                with httpx.Client(transport=transport, verify=self.tls or True, timeout=1.0) as http:
+                    healthy = http.get(f"{self.url}/health").status_code == 200
+                if healthy:
                     return self
             except httpx.HTTPError:
                 pass
@@ -195,9 +199,14 @@ def spawn_server(tmp_path_factory: pytest.TempPathFactory, builtin_path: str, mo
         env: dict[str, str] | None = None,
         new_session: bool = False,
         tls: ssl.SSLContext | None = None,
+        uds: str | None = None,
     ) -> ServerProcess:
         server = ServerProcess(
-            list(args), env={"DELTASERVE_CACHE": model_cache, **(env or {})}, new_session=new_session, tls=tls
+            [*args, *(["--uds", uds] if uds else [])],
+            env={"DELTASERVE_CACHE": model_cache, **(env or {})},
+            new_session=new_session,
+            tls=tls,
+            uds=uds,
         )
         started.append(server.start(tmp_path_factory.mktemp("logs")))
         return server

@@ -392,3 +392,21 @@ def test_requests_are_logged_only_when_asked(spawn_server, server) -> None:
     assert "5 prompt tokens [5, 9, 17] ... (2 more)" in lines[0] and "'max_tokens': 3" in lines[0]
     assert "'temperature': 0.0" in lines[0]
     assert not [line for line in server.log().splitlines() if "prompt tokens [" in line]
+
+
+def test_a_server_on_a_unix_socket(spawn_server, tmp_path: Path) -> None:
+    """--uds: the API on a Unix socket (through the openai client), nothing on the TCP port, and
+    the socket file gone once the server stops."""
+    import openai
+
+    path = str(tmp_path / "deltaserve.sock")
+    server = spawn_server("--max-model-len", "256", uds=path)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=path)) as http:
+        client = openai.OpenAI(base_url="http://localhost/v1", api_key="x", http_client=http, max_retries=0)
+        r = client.completions.create(
+            model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body={"ignore_eos": True}
+        )
+        assert r.usage.completion_tokens == 2
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health", timeout=2)
+    assert server.stop() == 0 and not os.path.exists(path)
