@@ -34,16 +34,28 @@ def _bad_word_ends(r: Request) -> list[int]:
 def _masks(r: Request) -> list[str]:
     """What forbids tokens at r's next position, as its client would name it."""
     p = r.params
-    names = []
-    if p.allowed_token_ids is not None:
-        names.append("allowed_token_ids")
-    if p.bad_words_token_ids:
-        names.append("bad_words")
-    if len(r.output_token_ids) < p.min_tokens and (p.stop_token_ids or not p.ignore_eos):
-        names.append(f"min_tokens ({p.min_tokens}, which holds off stop tokens)")
-    if r.matcher is not None and r.matcher.active:
-        names.append("a structured output's grammar")
-    return names
+    flags = _mask_flags(r)
+    names = [
+        "allowed_token_ids",
+        "bad_words",
+        f"min_tokens ({p.min_tokens}, which holds off stop tokens)",
+        GRAMMAR,
+    ]
+    return [name for name, on in zip(names, flags) if on]
+
+
+GRAMMAR = "a structured output's grammar"
+
+
+def _mask_flags(r: Request) -> tuple[bool, bool, bool, bool]:
+    """Which of allowed_token_ids, bad words, min_tokens' ban and a grammar mask r's next token."""
+    p = r.params
+    return (
+        p.allowed_token_ids is not None,
+        bool(p.bad_words_token_ids),
+        len(r.output_token_ids) < p.min_tokens and bool(p.stop_token_ids or not p.ignore_eos),
+        r.matcher is not None and r.matcher.active,
+    )
 
 
 class Sampler:
@@ -174,8 +186,12 @@ class Sampler:
         with a message for its client (`Request.bad_input`) and the row keeps its raw logits, so
         that the batch samples finite numbers. Only rows under a grammar or two masks can empty,
         and those steps wait for the previous one anyway, so reading their rows back costs no overlap."""
-        named = {i: _masks(r) for i, r in enumerate(reqs) if r.error is None}
-        rows = [i for i, names in named.items() if len(names) > 1 or "a structured output's grammar" in names]
+        rows = []
+        for i, r in enumerate(reqs):
+            if r.error is None:
+                flags = _mask_flags(r)
+                if flags[3] or sum(flags) > 1:
+                    rows.append(i)
         if not rows:
             return
         emptied = torch.isneginf(out[rows]).all(dim=-1).tolist()
@@ -184,7 +200,7 @@ class Sampler:
                 r = reqs[i]
                 r.error = (
                     f"the request leaves no token to sample at output token {len(r.output_token_ids) + 1}: "
-                    f"{' and '.join(named[i])} together forbid every token"
+                    f"{' and '.join(_masks(r))} together forbid every token"
                 )
                 r.bad_input = True
                 out[i].copy_(logits[i])
