@@ -72,9 +72,17 @@ class EdgeGuard:
                     raise BodyTooLarge(limit)
             return message
 
+        request_id = headers.get(b"x-request-id")
+
         async def send_started(message: Message) -> None:
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                if request_id is not None:  # echoed, as vLLM's --enable-request-id-headers does
+                    message = {
+                        **message,
+                        "headers": [*message.get("headers", []), (b"x-request-id", request_id)],
+                    }
             await send(message)
 
         try:

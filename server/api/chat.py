@@ -27,7 +27,7 @@ from ..text.chat_template import render_chat
 from ..text.reasoning import prompt_opens_reasoning
 from ..text.tool_calls import KIMI
 from .context import ServerContext
-from .generation import Generation
+from .generation import Generation, client_request_id
 from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .request_params import tool_choice_constraint, truncate_prompt
 
@@ -100,6 +100,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     model = ctx.resolve_model(req.model)
     prepared = await prepare_chat(ctx, req)
     generation = ChatGeneration(ctx, req, model, prepared)
+    generation.response_id = client_request_id(raw, req, "chatcmpl") or generation.response_id
     generation.add(generation.request_id, prepared.prompt_ids, prepared.params)
     return await generation.respond(raw, req.stream)
 
@@ -202,7 +203,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             first = final[next(iter(self.index))].prompt_logprobs
             prompt_logprobs = vllm_prompt_logprobs(first, self.req.prompt_logprobs, self.token_text)
         response = ChatCompletionResponse(
-            id=self.request_id,
+            id=self.response_id,
             model=self.model,
             choices=choices,
             usage=self.usage(list(final.values())),

@@ -17,7 +17,7 @@ from ..protocol import (
     random_id,
 )
 from .context import ServerContext
-from .generation import Generation
+from .generation import Generation, client_request_id
 from .logprobs import TokenText, completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs
 from .request_params import truncate_prompt
 
@@ -98,6 +98,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     model = ctx.resolve_model(req.model)
     prompts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo)
     generation = CompletionGeneration(ctx, req, model)
+    generation.response_id = client_request_id(raw, req, "cmpl") or generation.response_id
     bad_words = await ctx.bad_words_ids(req)
     for j, (text, whole) in enumerate(prompts):
         ids = truncate_prompt(req, whole, ctx.client.max_model_len)
@@ -181,5 +182,5 @@ class CompletionGeneration(Generation[CompletionChoice]):
     def response_json(self, choices: list[Any], final: dict[str, RequestOutput]) -> dict[str, Any]:
         usage = self.usage(list(final.values()))
         return without_unasked(
-            CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
+            CompletionResponse(id=self.response_id, model=self.model, choices=choices, usage=usage)
         )

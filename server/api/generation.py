@@ -42,6 +42,13 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def client_request_id(raw: Request, req: SamplingRequest, prefix: str) -> str | None:
+    """The reply's id as vLLM gives it when the client names the request: its X-Request-Id
+    header, else its body's `request_id`, after the endpoint's prefix."""
+    given = raw.headers.get("x-request-id") or req.request_id
+    return f"{prefix}-{given}" if given else None
+
+
 def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> Usage:
     """Usage over a request's outputs. The n choices of a prompt share its tokens, so each
     prompt's cache hits count once (an engine request's id is its prompt's id, `-`, its choice)."""
@@ -66,6 +73,7 @@ class Generation(ABC, Generic[ChunkChoice]):
 
     def __init__(self, ctx: ServerContext, request_id: str, model: str, req: SamplingRequest) -> None:
         self.ctx, self.request_id, self.model, self.req = ctx, request_id, model, req
+        self.response_id = request_id  # the reply's id; the engine's stay `request_id`'s (unique)
         self.stream_options = stream_options = req.stream_options
         self.created = int(time.time())
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
@@ -107,7 +115,7 @@ class Generation(ABC, Generic[ChunkChoice]):
         if usage is None and self.usage_in_every_chunk:
             usage = self.usage(list(self.latest.values()))
         chunk = self.chunk_type(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+            id=self.response_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
         return f"data: {self.chunk_json(chunk)}\n\n"
 

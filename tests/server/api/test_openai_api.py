@@ -972,3 +972,38 @@ def test_priority_needs_the_priority_policy(client, spawn_server, server) -> Non
             model=MODEL_NAME, input="Hi", max_output_tokens=2, extra_body={"priority": 2}
         )
         assert resp.status in ("completed", "incomplete")
+
+
+def test_the_client_may_name_its_request(server) -> None:
+    """vLLM's X-Request-Id: the reply's id is the endpoint's prefix and the header's value (or the
+    body's request_id), on every streamed chunk too, and the header comes back; two requests of
+    one name run side by side."""
+    import concurrent.futures
+
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2}
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-7"}, timeout=60
+    )
+    assert r.json()["id"] == "chatcmpl-trace-7" and r.headers["x-request-id"] == "trace-7"
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        json={**body, "stream": True},
+        headers={"X-Request-Id": "s-1"},
+    ) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert {c["id"] for c in chunks} == {"chatcmpl-s-1"}
+    named = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "request_id": "job-3"},
+        timeout=60,
+    )
+    assert named.json()["id"] == "cmpl-job-3" and "x-request-id" not in named.headers
+
+    def same_name(_: int) -> int:
+        return httpx.post(
+            f"{server.url}/v1/chat/completions", json=body, headers={"X-Request-Id": "twin"}, timeout=60
+        ).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(same_name, range(2))) == [200, 200]
