@@ -189,12 +189,15 @@ def until_idle():
     return wait_idle
 
 
-@pytest.fixture(scope="session")
-def spawn_server(tmp_path_factory: pytest.TempPathFactory, builtin_path: str, model_cache: str):
-    """Start extra servers with their own flags; each is stopped (SIGTERM) at the end of the session."""
-    started: list[ServerProcess] = []
+class Spawner:
+    """Starts extra servers with their own flags, and stops (SIGTERM) every one it started."""
 
-    def spawn(
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, model_cache: str) -> None:
+        self.tmp_path_factory, self.model_cache = tmp_path_factory, model_cache
+        self.started: list[ServerProcess] = []
+
+    def __call__(
+        self,
         *args: str,
         env: dict[str, str] | None = None,
         new_session: bool = False,
@@ -203,14 +206,32 @@ def spawn_server(tmp_path_factory: pytest.TempPathFactory, builtin_path: str, mo
     ) -> ServerProcess:
         server = ServerProcess(
             [*args, *(["--uds", uds] if uds else [])],
-            env={"DELTASERVE_CACHE": model_cache, **(env or {})},
+            env={"DELTASERVE_CACHE": self.model_cache, **(env or {})},
             new_session=new_session,
             tls=tls,
             uds=uds,
         )
-        started.append(server.start(tmp_path_factory.mktemp("logs")))
+        self.started.append(server.start(self.tmp_path_factory.mktemp("logs")))
         return server
 
-    yield spawn
-    for server in started:
-        server.stop()
+    def stop_all(self) -> None:
+        for server in self.started:
+            server.stop()
+
+
+# Each server holds an engine and its HTTP processes (about a GB on CPU): they stop with the test,
+# or the module, that started them, not all at the session's end, which filled CI's memory.
+@pytest.fixture
+def spawn_server(tmp_path_factory: pytest.TempPathFactory, builtin_path: str, model_cache: str):
+    """`spawn_server(*flags)`: a server for this test, stopped when it ends."""
+    spawner = Spawner(tmp_path_factory, model_cache)
+    yield spawner
+    spawner.stop_all()
+
+
+@pytest.fixture(scope="module")
+def spawn_module_server(tmp_path_factory: pytest.TempPathFactory, builtin_path: str, model_cache: str):
+    """As `spawn_server`, for a module's fixture: stopped when the module's tests end."""
+    spawner = Spawner(tmp_path_factory, model_cache)
+    yield spawner
+    spawner.stop_all()

@@ -180,9 +180,9 @@ def test_chunked_body_over_the_limit_is_413(server) -> None:
 
 
 @pytest.fixture(scope="module")
-def keyed(spawn_server):
+def keyed(spawn_module_server):
     """A server with an API key and a small running batch and waiting queue."""
-    return spawn_server(
+    return spawn_module_server(
         "--max-model-len", "2048", "--max-running-requests", "16", "--max-waiting-requests", "8",
         "--api-key", KEY,
     )  # fmt: skip

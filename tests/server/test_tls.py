@@ -27,8 +27,8 @@ def context(client_cert: bool) -> ssl.SSLContext:
 
 
 @pytest.fixture(scope="module")
-def https_server(spawn_server):
-    return spawn_server(
+def https_server(spawn_module_server):
+    return spawn_module_server(
         "--max-model-len", "256",
         "--api-server-count", "2",  # each HTTP process serves TLS on the shared port
         "--ssl-keyfile", str(TLS / "server-key.pem"),

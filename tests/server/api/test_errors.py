@@ -231,10 +231,10 @@ def test_server_still_answers_after_errors(server) -> None:
 
 
 @pytest.fixture(scope="module")
-def keyed_server(spawn_server, builtin_path):
+def keyed_server(spawn_module_server, builtin_path):
     # An explicit --model with two served names; the key comes from the environment, as a container
     # would pass it.
-    return spawn_server(
+    return spawn_module_server(
         "--model",
         builtin_path,
         "--served-model-name",
