@@ -83,12 +83,7 @@ def _checkpoint(text: str) -> str:
 
 def _speculative_config(text: str) -> dict:
     """A JSON object, checked as the engine checks it, so that a typo is a one-line error."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    value = _json_object(text)
     from deltaserve.engine.spec_decode.config import SpecConfig
 
     try:
@@ -713,31 +708,23 @@ def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
             default=None,  # --state-dtype's default stands: the first flag of a dest sets it
             help="--state-dtype (auto: its default, float32)",
         )
-    group.add_argument(
-        "--speculative-algorithm",
-        choices=["NEXTN", "EAGLE"],
-        default=None,
-        help="SGLang's: the checkpoint's MTP layer drafts (--speculative-config method mtp)",
-    )
-    group.add_argument(
-        "--speculative-num-steps",
-        type=_int_at_least(1),
-        default=None,
-        help="SGLang's: drafts a step (num_speculative_tokens)",
-    )
-    group.add_argument(
-        "--speculative-eagle-topk",
-        type=int,
-        choices=[1],
-        default=None,
-        help="SGLang's: 1 only (a chain of drafts, no tree)",
-    )
-    group.add_argument(
-        "--speculative-num-draft-tokens",
-        type=_int_at_least(1),
-        default=None,
-        help="SGLang's: with topk 1, --speculative-num-steps + 1 (each step's drafts and the verified token)",
-    )
+    for flag, kind, choices, help in (  # SGLang's NEXTN flags: the MTP drafter, a chain of drafts
+        (
+            "--speculative-algorithm",
+            str,
+            ["NEXTN", "EAGLE"],
+            "the checkpoint's MTP layer drafts (method mtp)",
+        ),
+        ("--speculative-num-steps", _int_at_least(1), None, "drafts a step (num_speculative_tokens)"),
+        ("--speculative-eagle-topk", int, [1], "1 only (a chain of drafts, no tree)"),
+        (
+            "--speculative-num-draft-tokens",
+            _int_at_least(1),
+            None,
+            "with topk 1, --speculative-num-steps + 1",
+        ),
+    ):
+        group.add_argument(flag, type=kind, choices=choices, default=None, help=f"SGLang's: {help}")
     group.add_argument(
         "--kv-cache-dtype",
         type=_kv_cache_dtype,
