@@ -39,12 +39,9 @@ def _masks(r: Request) -> list[str]:
         "allowed_token_ids",
         "bad_words",
         f"min_tokens ({p.min_tokens}, which holds off stop tokens)",
-        GRAMMAR,
+        "a structured output's grammar",
     ]
     return [name for name, on in zip(names, flags) if on]
-
-
-GRAMMAR = "a structured output's grammar"
 
 
 def _mask_flags(r: Request) -> tuple[bool, bool, bool, bool]:

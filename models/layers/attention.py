@@ -27,10 +27,9 @@ def rope_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     ramp between interpolated and extrapolated frequencies, and the factor that scales cos and
     sin). Any other scaling is refused at load rather than run as plain RoPE. (With text alone,
     Qwen3.5's multimodal sections all see the same position: one-dimensional RoPE.)"""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params, kind = _rope_scaling(config)
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
-    kind = params.get("rope_type") or params.get("type") or "default"
     dim = int(head_dim * partial)
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
     if kind == "default":
@@ -71,13 +70,19 @@ def rope_max_positions(config: Any) -> int:
     """The longest sequence the checkpoint's RoPE serves: its max_position_embeddings, or as far as
     its scaling reaches (YaRN: original length x factor; linear: that length x factor)."""
     native = int(getattr(config, "max_position_embeddings", 32768))
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    kind, factor = params.get("rope_type") or params.get("type"), params.get("factor")
+    params, kind = _rope_scaling(config)
+    factor = params.get("factor")
     if kind == "yarn" and factor:
         return max(native, int(int(params.get("original_max_position_embeddings") or native) * factor))
     if kind == "linear" and factor:
         return int(native * factor)
     return native
+
+
+def _rope_scaling(config: Any) -> tuple[dict[str, Any], str]:
+    """The config's RoPE parameters (either spelling) and their type ("default" when unnamed)."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    return params, params.get("rope_type") or params.get("type") or "default"
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
