@@ -9,13 +9,14 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationError,
     model_serializer,
     model_validator,
 )
@@ -94,6 +95,21 @@ class RequestBody(OpenAIModel):
                 if why is not None:
                     raise PydanticCustomError("unsupported", "{reason}", {"param": name, "reason": why})
         return data
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validated(model: type[M], fields: dict[str, Any]) -> M:
+    """`model` built from `fields` another API's request was translated into, its refusal a 400
+    as the app's own validation gives it."""
+    from .errors import bad_request, validation_message
+
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        message, param = validation_message(list(exc.errors()))  # type: ignore[arg-type]
+        raise bad_request(message, param) from exc
 
 
 def random_id(prefix: str) -> str:

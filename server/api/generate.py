@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
-from ..errors import APIError, bad_request, error_body, failure_of, raise_if_failed, validation_message
-from ..protocol import CompletionRequest, RequestBody, unsupported_if_set
+from ..errors import APIError, bad_request, error_body, failure_of, raise_if_failed
+from ..protocol import CompletionRequest, RequestBody, unsupported_if_set, validated
 from .context import ServerContext
 from .generation import DONE, sse
 from .request_params import fan_out
@@ -111,11 +110,7 @@ def _completion_request(
         fields["logprobs"] = logprobs
     if start >= 0:
         fields["prompt_logprobs"] = logprobs or 0
-    try:
-        return CompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors())  # type: ignore[arg-type]
-        raise bad_request(message, param) from exc
+    return validated(CompletionRequest, fields)
 
 
 _NAMES = {ours: f"sampling_params.{theirs}" for theirs, ours in _RENAMED.items()}
@@ -136,6 +131,7 @@ class NativeGeneration:
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.owner: dict[str, _Prompt] = {}  # engine request id -> its prompt
         self.order: list[str] = []  # engine request ids, in the reply's order
+        self.index: dict[str, int] = {}  # ... and each one's place there
         self.single = False
 
     async def prepare(self) -> None:
@@ -182,6 +178,7 @@ class NativeGeneration:
             for request in fan_out(f"generate-{uuid.uuid4().hex}", ids, params):
                 self.requests.append(request)
                 self.owner[request[0]] = prompt
+                self.index[request[0]] = len(self.order)
                 self.order.append(request[0])
         self.single = self.single and len(self.order) == 1
 
@@ -217,7 +214,7 @@ class NativeGeneration:
                         prompt_lps[rid] = out.prompt_logprobs
                     event = self._result(out, texts[rid], ids[rid], lps[rid], prompt_lps.get(rid))
                     if not self.single:
-                        event["index"] = self.order.index(rid)
+                        event["index"] = self.index[rid]
                     yield sse(event)
         except Exception as exc:  # the engine failed or the server is draining: say so in-band
             yield sse(error_body(*failure_of(exc)))

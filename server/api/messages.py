@@ -20,9 +20,9 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ConfigDict, ValidationError
+from pydantic import ConfigDict
 
-from ..errors import APIError, bad_request, failure_of, validation_message
+from ..errors import APIError, bad_request, failure_of
 from ..protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -32,6 +32,7 @@ from ..protocol import (
     SamplingRequest,
     ToolDefinition,
     unsupported_if_set,
+    validated,
 )
 from ..text.chat_output import ChatStreamState
 from .chat import PreparedChat, parsed_steps, prepare_chat
@@ -187,26 +188,30 @@ def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
 _EXTRA = set(SamplingRequest.model_fields) - {"model", "max_tokens", "stop", "stream", "n", "stream_options"}
 
 
-def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
+def _chat_fields(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    """The chat request's prompt fields (messages, tools, tool choice, template switches), which
+    /v1/messages and its count_tokens render alike."""
     tools, choice, parallel = _tools(req)
-    fields = {k: v for k, v in (req.model_extra or {}).items() if k in _EXTRA}
-    fields.update(
+    return dict(
         model=req.model,
         messages=to_messages(req.system, req.messages),
-        max_tokens=req.max_tokens,
-        stop=req.stop_sequences,
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=parallel,
         chat_template_kwargs=_thinking(req.thinking),
+    )
+
+
+def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
+    fields = {k: v for k, v in (req.model_extra or {}).items() if k in _EXTRA}
+    fields.update(
+        _chat_fields(req),
+        max_tokens=req.max_tokens,
+        stop=req.stop_sequences,
         stream=req.stream,
         **{k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None},
     )
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors())  # type: ignore[arg-type]
-        raise bad_request(message, param) from exc
+    return validated(ChatCompletionRequest, fields)
 
 
 def _tool_use_id() -> str:
@@ -393,15 +398,6 @@ async def _stream(group: Any, prepared: PreparedChat, message_id: str, model: st
 async def count_tokens(ctx: ServerContext, req: CountTokensRequest) -> Response:
     """The rendered prompt's tokens, as /v1/messages would send them to the engine."""
     ctx.resolve_model(req.model)
-    tools, choice, parallel = _tools(req)
-    chat = ChatCompletionRequest(
-        model=req.model,
-        messages=to_messages(req.system, req.messages),
-        max_tokens=1,
-        tools=tools,
-        tool_choice=choice,
-        parallel_tool_calls=parallel,
-        chat_template_kwargs=_thinking(req.thinking),
-    )
+    chat = validated(ChatCompletionRequest, {**_chat_fields(req), "max_tokens": 1})
     prepared = await prepare_chat(ctx, chat)
     return JSONResponse({"input_tokens": len(prepared.prompt_ids)})
