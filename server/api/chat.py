@@ -228,3 +228,35 @@ async def parsed_steps(
             completion = out.outputs[0]
             cut = completion.finish_reason == "length"
             yield (out, *state.feed_in_order(completion.text, completion.finished, cut))
+
+
+class PartsWriter:
+    """A reply written from a chat stream's parsed parts (the Responses and Messages APIs' event
+    builders): `feed` sends a step's reasoning, then its content and calls in written order, to
+    `text` (with the API's name for each kind of text) and `call`."""
+
+    reasoning_kind: str  # the API's name for reasoning text
+    content_kind: str  # ... and for the answer's text
+    last: RequestOutput | None = None  # after `write`: the request's final output
+
+    async def write(self, group: Any, parser: ChatOutputParser) -> AsyncIterator[str]:
+        """The events of each step's parts (`parsed_steps`; a failed output raises)."""
+        async for out, reasoning, ordered in parsed_steps(group, parser):
+            self.last = out
+            for event in self.feed(reasoning, ordered):
+                yield event
+
+    def feed(self, reasoning: str | None, ordered: list[str | DeltaToolCall]) -> list[str]:
+        events = self.text(self.reasoning_kind, reasoning) if reasoning else []
+        for part in ordered:
+            if isinstance(part, str):
+                events += self.text(self.content_kind, part)
+            else:
+                events += self.call(part.function.name or "", part.function.arguments or "{}")
+        return events
+
+    def text(self, kind: str, piece: str) -> list[str]:
+        raise NotImplementedError
+
+    def call(self, name: str, arguments: str) -> list[str]:
+        raise NotImplementedError

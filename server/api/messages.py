@@ -26,7 +26,6 @@ from ..errors import APIError, bad_request, failure_of
 from ..protocol import (
     ChatCompletionRequest,
     ChatMessage,
-    DeltaToolCall,
     FunctionDefinition,
     RequestBody,
     SamplingRequest,
@@ -35,7 +34,7 @@ from ..protocol import (
     validated,
 )
 from ..text.chat_output import ChatStreamState
-from .chat import PreparedChat, parsed_steps, prepare_chat
+from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ServerContext
 
 # chat fields named otherwise here, for error messages that name the field the client sent
@@ -224,23 +223,16 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-class _Blocks:
+class _Blocks(PartsWriter):
     """The reply's content blocks as its text is read, and the stream events that build them."""
+
+    reasoning_kind, content_kind = "thinking", "text"
 
     def __init__(self) -> None:
         self.blocks: list[dict[str, Any]] = []
         self.open: str | None = None  # the kind of the last block while text may still join it
 
-    def feed(self, reasoning: str | None, ordered: list[str | DeltaToolCall]) -> list[str]:
-        events = self._text("thinking", reasoning) if reasoning else []
-        for part in ordered:
-            if isinstance(part, str):
-                events += self._text("text", part)
-            else:
-                events += self._call(part.function.name or "", part.function.arguments or "{}")
-        return events
-
-    def _text(self, kind: str, piece: str) -> list[str]:
+    def text(self, kind: str, piece: str) -> list[str]:
         events = []
         if self.open != kind:
             events += self.close()
@@ -263,7 +255,7 @@ class _Blocks:
         events.append(_event("content_block_delta", index=len(self.blocks) - 1, delta=delta))
         return events
 
-    def _call(self, name: str, arguments: str) -> list[str]:
+    def call(self, name: str, arguments: str) -> list[str]:
         events = self.close()
         try:
             value = json.loads(arguments)
@@ -292,7 +284,7 @@ class _Blocks:
         """Close the open block; a reply of nothing gets one empty text block."""
         events = self.close()
         if not any(b["type"] in ("text", "tool_use") for b in self.blocks):
-            events += self._text("text", "") + self.close()
+            events += self.text("text", "") + self.close()
         return events
 
 
@@ -375,22 +367,18 @@ async def _stream(group: Any, prepared: PreparedChat, message_id: str, model: st
     start = _message(message_id, model, [], (None, None), _usage(len(prepared.prompt_ids), 0, 0))
     yield _event("message_start", message=start)
     blocks = _Blocks()
-    reason, stop_reason, tokens, cached = None, None, 0, 0
     try:  # an output that failed in the engine ends the stream with an error event
-        async for out, reasoning, ordered in parsed_steps(group, prepared.parser):
-            completion = out.outputs[0]
-            tokens, cached = completion.num_tokens, out.num_cached_tokens
-            for event in blocks.feed(reasoning, ordered):
-                yield event
-            reason = completion.finish_reason or reason
-            stop_reason = completion.stop_reason if completion.finished else stop_reason
+        async for event in blocks.write(group, prepared.parser):
+            yield event
     except Exception as exc:  # the engine failed or the server is draining: say so in-band
         yield _event("error", error=anthropic_error_body(*failure_of(exc))["error"])
         return
     for event in blocks.finish():
         yield event
-    stop = _stop(reason, stop_reason, blocks.blocks)
-    usage = _usage(len(prepared.prompt_ids), tokens, cached)
+    assert blocks.last is not None
+    completion = blocks.last.outputs[0]
+    stop = _stop(completion.finish_reason, completion.stop_reason, blocks.blocks)
+    usage = _usage(len(prepared.prompt_ids), completion.num_tokens, blocks.last.num_cached_tokens)
     yield _event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=usage)
     yield _event("message_stop")
 

@@ -29,14 +29,13 @@ from ..errors import APIError, bad_request, error_body, failure_of
 from ..protocol import (
     ChatCompletionRequest,
     ChatMessage,
-    DeltaToolCall,
     FunctionDefinition,
     RequestBody,
     ToolDefinition,
     unsupported_if_set,
 )
 from ..text.chat_output import ChatStreamState, tool_call_id
-from .chat import PreparedChat, parsed_steps, prepare_chat
+from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ClientDisconnected, ServerContext
 
 # chat fields named otherwise here, for error messages that name the field the client sent
@@ -347,8 +346,10 @@ def _event(kind: str, seq: int, **fields: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-class _Events:
+class _Events(PartsWriter):
     """Numbered Responses events and the output items they build, opened as their text arrives."""
+
+    reasoning_kind, content_kind = "reasoning", "message"
 
     def __init__(self) -> None:
         self.seq = 0
@@ -408,16 +409,6 @@ class _Events:
             self.emit("response.output_item.done", output_index=index, item=item),
         ]
 
-    def feed(self, reasoning: str | None, ordered: list[str | DeltaToolCall]) -> list[str]:
-        """The events of what a step added: its reasoning, then its content and calls in order."""
-        events = self.text("reasoning", reasoning) if reasoning else []
-        for part in ordered:
-            if isinstance(part, str):
-                events += self.text("message", part)
-            else:
-                events += self.call(part.function.name or "", part.function.arguments or "{}")
-        return events
-
     def finish(self) -> list[str]:
         """Close the open items; a reply of no text and no call gets an empty message."""
         events = self.close("reasoning") + self.close("message")
@@ -457,23 +448,23 @@ async def _stream(
     events = _Events()
     yield events.emit("response.created", response=shell.body("in_progress", [], None))
     yield events.emit("response.in_progress", response=shell.body("in_progress", [], None))
-    reason, tokens, cached = None, 0, 0
     try:  # an output that failed in the engine ends the stream with an error event
-        async for out, reasoning, ordered in parsed_steps(group, prepared.parser):
-            completion = out.outputs[0]
-            tokens, cached = completion.num_tokens, out.num_cached_tokens
-            for e in events.feed(reasoning, ordered):
-                yield e
-            reason = completion.finish_reason or reason
+        async for e in events.write(group, prepared.parser):
+            yield e
     except Exception as exc:  # the engine failed or the server is draining: say so in-band
         body = error_body(*failure_of(exc))["error"]
         yield events.emit("error", code=body["type"], message=body["message"], param=None)
         return
     for e in events.finish():
         yield e
-    status = "incomplete" if reason == "length" else "completed"
+    assert events.last is not None
+    completion = events.last.outputs[0]
+    status = "incomplete" if completion.finish_reason == "length" else "completed"
     thought = events.reasoning_text()
-    usage = _usage(len(prepared.prompt_ids), tokens, cached, len(ctx.encode(thought)) if thought else 0)
+    reasoning_tokens = len(ctx.encode(thought)) if thought else 0
+    usage = _usage(
+        len(prepared.prompt_ids), completion.num_tokens, events.last.num_cached_tokens, reasoning_tokens
+    )
     done = "response.incomplete" if status == "incomplete" else "response.completed"
     body = shell.body(status, events.output, usage)
     keep(body)
