@@ -20,14 +20,13 @@ from ..protocol import (
     ChatDelta,
     ChatLogprobs,
     DeltaToolCall,
-    random_id,
 )
 from ..text.chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
 from ..text.chat_template import render_chat
 from ..text.reasoning import prompt_opens_reasoning
 from ..text.tool_calls import KIMI
 from .context import ServerContext
-from .generation import Generation, client_request_id
+from .generation import Generation
 from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .request_params import tool_choice_constraint, truncate_prompt
 
@@ -100,7 +99,6 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     model = ctx.resolve_model(req.model)
     prepared = await prepare_chat(ctx, req)
     generation = ChatGeneration(ctx, req, model, prepared)
-    generation.response_id = client_request_id(raw, req, "chatcmpl") or generation.response_id
     generation.add(generation.request_id, prepared.prompt_ids, prepared.params)
     return await generation.respond(raw, req.stream)
 
@@ -110,11 +108,12 @@ class ChatGeneration(Generation[ChatChunkChoice]):
     tool calls."""
 
     chunk_type = ChatCompletionChunk
+    id_prefix = "chatcmpl"
 
     def __init__(
         self, ctx: ServerContext, req: ChatCompletionRequest, model: str, prepared: PreparedChat
     ) -> None:
-        super().__init__(ctx, random_id("chatcmpl"), model, req)
+        super().__init__(ctx, model, req)
         self.req: ChatCompletionRequest = req
         self.parser = prepared.parser
         self.logprobs = prepared.params.logprobs

@@ -14,10 +14,9 @@ from ..protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    random_id,
 )
 from .context import ServerContext
-from .generation import Generation, client_request_id
+from .generation import Generation
 from .logprobs import TokenText, completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs
 from .request_params import truncate_prompt
 
@@ -98,7 +97,6 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     model = ctx.resolve_model(req.model)
     prompts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo)
     generation = CompletionGeneration(ctx, req, model)
-    generation.response_id = client_request_id(raw, req, "cmpl") or generation.response_id
     bad_words = await ctx.bad_words_ids(req)
     for j, (text, whole) in enumerate(prompts):
         ids = truncate_prompt(req, whole, ctx.client.max_model_len)
@@ -116,9 +114,10 @@ class CompletionGeneration(Generation[CompletionChoice]):
     """A text completion's chunks and response: the text, echo and logprobs of each choice."""
 
     chunk_type = CompletionResponse
+    id_prefix = "cmpl"
 
     def __init__(self, ctx: ServerContext, req: CompletionRequest, model: str) -> None:
-        super().__init__(ctx, random_id("cmpl"), model, req)
+        super().__init__(ctx, model, req)
         self.req: CompletionRequest = req
         self.choices: list[_Choice] = []  # by choice index
         self.offsets: dict[str, int] = {}  # where the next token's text starts (logprobs' text_offset)

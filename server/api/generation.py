@@ -22,7 +22,7 @@ from pydantic_core import to_json
 
 from ..engine_client import RequestGroup
 from ..errors import error_body, failure_of, raise_if_failed
-from ..protocol import PromptTokensDetails, SamplingRequest, Usage
+from ..protocol import PromptTokensDetails, SamplingRequest, Usage, random_id
 from .context import ServerContext
 from .logprobs import TokenText, token_text_for
 from .request_params import fan_out
@@ -40,13 +40,6 @@ ChunkChoice = TypeVar("ChunkChoice")
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def client_request_id(raw: Request, req: SamplingRequest, prefix: str) -> str | None:
-    """The reply's id as vLLM gives it when the client names the request: its X-Request-Id
-    header, else its body's `request_id`, after the endpoint's prefix."""
-    given = raw.headers.get("x-request-id") or req.request_id
-    return f"{prefix}-{given}" if given else None
 
 
 def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> Usage:
@@ -70,10 +63,12 @@ class Generation(ABC, Generic[ChunkChoice]):
     stream chunk's choice."""
 
     chunk_type: ClassVar[type[BaseModel]]  # a stream chunk: id, created, model, choices, usage
+    id_prefix: ClassVar[str]  # the reply's id's: chatcmpl, cmpl
 
-    def __init__(self, ctx: ServerContext, request_id: str, model: str, req: SamplingRequest) -> None:
-        self.ctx, self.request_id, self.model, self.req = ctx, request_id, model, req
-        self.response_id = request_id  # the reply's id; the engine's stay `request_id`'s (unique)
+    def __init__(self, ctx: ServerContext, model: str, req: SamplingRequest) -> None:
+        self.ctx, self.model, self.req = ctx, model, req
+        self.request_id = random_id(self.id_prefix)  # the engine requests' ids start with it (unique)
+        self.response_id = self.request_id  # the reply's id (`respond`: the client's name, if it gives one)
         self.stream_options = stream_options = req.stream_options
         self.created = int(time.time())
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
@@ -105,7 +100,12 @@ class Generation(ABC, Generic[ChunkChoice]):
         return usage_of(self.prompt_tokens, outputs)
 
     async def respond(self, raw: Request, stream: bool) -> Response:
-        """Submit every request, then stream the chunks or answer with the whole response."""
+        """Submit every request, then stream the chunks or answer with the whole response. A
+        client that names the request (vLLM's X-Request-Id header, or the body's request_id) gets
+        that name in the reply's id."""
+        given = raw.headers.get("x-request-id") or self.req.request_id
+        if given:
+            self.response_id = f"{self.id_prefix}-{given}"
         return await self.ctx.run(
             self.requests, raw, stream, self._events, self.response, self.prompts, self.n
         )

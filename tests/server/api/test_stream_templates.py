@@ -43,7 +43,7 @@ def test_completion_text_event_is_the_models_event(index: int) -> None:
 def test_chat_text_event_is_the_models_event() -> None:
     gen = ChatGeneration.__new__(ChatGeneration)  # the chunk's fields only: no request to prepare
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
-    super(ChatGeneration, gen).__init__(None, "chatcmpl-1", "m", req)  # type: ignore[arg-type]
+    super(ChatGeneration, gen).__init__(None, "m", req)  # type: ignore[arg-type]
 
     def choice(text: str) -> ChatChunkChoice:
         return ChatChunkChoice(index=0, delta=ChatDelta(content=text))
