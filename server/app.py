@@ -76,7 +76,7 @@ def build_app(
     max_log_len: int | None = None,
 ) -> FastAPI:
     """The app for one engine client; the client's engine thread runs for the app's lifespan.
-    `api_key` guards /v1, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413.
+    `api_key` guards /v1, /generate, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413.
     `model_aliases` are accepted in requests like `model_names` but not listed by /v1/models.
     `shared_metrics`: one of several HTTP processes, whose /metrics adds up all of theirs.
     `cors`: which browser origins may call the API; None or no origins, no CORS headers."""

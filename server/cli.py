@@ -610,11 +610,8 @@ _ALWAYS = (
 
 
 def _no_media(text: str) -> dict:
-    try:
-        limits = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(limits, dict) or any(v != 0 for v in limits.values()):
+    limits = _json_object(text)
+    if any(v != 0 for v in limits.values()):
         raise argparse.ArgumentTypeError(f"{text!r}: this server reads text only; give every count as 0")
     return limits
 
