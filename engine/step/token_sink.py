@@ -108,7 +108,7 @@ class TokenSink:
         self.scheduler.finish(req)
         req.num_placeholders = 0  # a token in flight for it is dropped when read back
         req.finish_reason = "abort"
-        return output_fields(req, []) if self.packed else build_output(req)
+        return self._output(req)
 
     def emit(self, outputs: list[Any], req: Request) -> None:
         """A step's output for the request (`output_kind`): every step, every step that added
@@ -116,7 +116,11 @@ class TokenSink:
         the last."""
         kind = req.params.output_kind
         if req.finish_reason is not None or kind == "cumulative" or (kind == "delta" and self._due(req)):
-            outputs.append(output_fields(req, []) if self.packed else build_output(req))
+            outputs.append(self._output(req))
+
+    def _output(self, req: Request) -> RequestOutput | PackedOutput:
+        """The request's output now, packed as `packed` says (prompt ids left out when packed)."""
+        return output_fields(req, []) if self.packed else build_output(req)
 
     def _due(self, req: Request) -> bool:
         sent = req.num_sent_tokens
