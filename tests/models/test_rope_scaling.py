@@ -24,18 +24,20 @@ NEW = 8
 VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32)
 
 
-def build(tmp_path, kind: str, scaling: dict, partial: float) -> str:
+def build(tmp_path, kind: str, scaling: dict, partial: float, **sizes: int) -> str:
+    """A random checkpoint of `kind`; `sizes` replace TEXT's (the CUDA kernels' head sizes)."""
     import transformers as T
 
     torch.manual_seed(1)
     rope = {"rope_theta": 10000.0, "partial_rotary_factor": partial, **scaling}
+    text = {**TEXT, **sizes}
     if kind == "qwen3_5":
-        model = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**TEXT, rope_parameters=rope))
+        model = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**text, rope_parameters=rope))
     elif kind == "qwen3_5_vl":
-        text = {**TEXT, "rope_parameters": rope}
-        model = T.Qwen3_5ForConditionalGeneration(T.Qwen3_5Config(text_config=text, vision_config=VISION))
+        config = T.Qwen3_5Config(text_config={**text, "rope_parameters": rope}, vision_config=VISION)
+        model = T.Qwen3_5ForConditionalGeneration(config)
     else:
-        model = T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**TEXT, **MOE, rope_parameters=rope))
+        model = T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**text, **MOE, rope_parameters=rope))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
@@ -105,3 +107,24 @@ def test_hf_overrides_give_a_plain_checkpoint_the_scaling(tmp_path, hf_reference
     assert stretched.engine.max_model_len == 3000  # past max_position_embeddings (1024)
     with pytest.raises(ValueError, match="longer than the model's 1024 positions"):
         LLM(plain, dtype="float32", device="cpu", max_model_len=3000, num_kv_pages=200)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind, partial", [("qwen3_5", 1.0), ("qwen3_next", 0.5)])
+def test_yarn_on_cuda_matches_transformers(tmp_path, hf_reference, kind: str, partial: float) -> None:
+    """YaRN through the CUDA path (the fused q/k norm and RoPE kernel given YaRN's frequencies,
+    prefill and decode graphs), fp32: transformers' tokens past the original length."""
+    sizes = dict(hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
+    path = build(tmp_path, kind, YARN, partial, **sizes)
+    ps = prompts([5, 63, 65, 150, 300])
+    llm = LLM(path, dtype="float32", device="cuda", chunked_prefill_size=64, max_running_requests=8)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in ps],
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+    )
+    ours = [o.outputs[0].token_ids for o in outs]
+    ref = hf_reference(path, ps, 16)
+    same = sum(x == y for x, y in zip(ours, ref))
+    print(f"YaRN fp32 on CUDA ({kind}): {same}/{len(ps)} prompts identical to transformers over 16 tokens")
+    assert same >= len(ps) - 1
