@@ -56,6 +56,8 @@ class EngineConfig:
     # values set on the checkpoint's config before the model is built (vLLM's --hf-overrides), e.g.
     # {"text_config": {"rope_parameters": {... "rope_type": "yarn" ...}}} for contexts past the native length
     hf_overrides: dict[str, Any] | None = None
+    # a vision-language checkpoint served as text alone: its vision tower is not loaded
+    language_model_only: bool = False
     mem_fraction_static: float = 0.85
     pool_memory_gb: float | None = None  # CPU: KV and state pools' memory; None: a quarter of what is free
     num_kv_pages: int | None = None  # overrides the memory-based sizing

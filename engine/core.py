@@ -200,12 +200,12 @@ class EngineCore:
         return True
 
     def _add(
-        self, requests: list[tuple[str, list[int], Any]], client: int = 0
+        self, requests: list[tuple[Any, ...]], client: int = 0
     ) -> tuple[tuple[str, str, str | None] | None, None]:
         added: list[str] = []
         try:
-            for request_id, token_ids, params in requests:
-                self.engine.add_request(request_id, token_ids, params)
+            for request_id, token_ids, params, *images in requests:  # images: a fourth field, when any
+                self.engine.add_request(request_id, token_ids, params, *images)
                 added.append(request_id)
         except Exception as exc:
             for request_id in added:

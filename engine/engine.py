@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.errors import EngineDeadError
+from deltaserve.engine.errors import EngineDeadError, InvalidParamError
 from deltaserve.engine.parts import build_loop_parts, build_model_parts
 from deltaserve.engine.requests.outputs import RequestOutput
 from deltaserve.engine.requests.request import Request, Status
@@ -31,6 +31,7 @@ from deltaserve.engine.step.overlap import Overlap, can_overlap
 from deltaserve.engine.step.prompt_logprobs import record_prompt_logprobs
 from deltaserve.engine.step.scheduler import SchedulerOutput
 from deltaserve.engine.step.step_batch import build_step_batch
+from deltaserve.models.vision.positions import ImageInputs, expand_image_tokens
 
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.ranks import Ranks
@@ -93,6 +94,7 @@ class Engine:
         self.admission = model.admission
         self.overlap = model.overlap
         self.model_info = model.model_info
+        self.image_processor = model.image_processor
         self._model_parts = model
         self.requests: dict[str, Request] = {}
         self._finished_outputs: list[Any] = []  # aborts, sent with the next step's outputs
@@ -135,15 +137,41 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; a ValueError (bad input) or QueueFullError leaves nothing behind."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: ImageInputs | None = None,
+    ) -> None:
+        """Queue a request; a ValueError (bad input) or QueueFullError leaves nothing behind.
+        `images`: the prompt's (`models/vision/processor.py`), their tokens in the prompt already;
+        the vision tower runs on them here, once."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
-        req = self.admission.build(request_id, prompt_token_ids, params, running, waiting)
+        req = self.admission.build(request_id, prompt_token_ids, params, running, waiting, images)
+        if req.images is not None:
+            req.images.embeds = self.runner.encode_images(req.images.inputs)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.counters["prompt_tokens_total"] += len(req.prompt_token_ids)
+
+    def process_images(self, images: list[Any]) -> ImageInputs:
+        """PIL images as the vision tower reads them; an InvalidParamError where the model reads
+        text only, a ValueError for an image it cannot take."""
+        if self.image_processor is None:
+            raise InvalidParamError(f"the prompt has images, but {self.admission.images.refusal}", "messages")
+        return self.image_processor(images)
+
+    def expand_image_tokens(self, prompt_token_ids: list[int], images: ImageInputs) -> list[int]:
+        """The prompt with each image's one placeholder token repeated to the image's tokens
+        (kept as given when they are already)."""
+        assert self.image_processor is not None and self.admission.images.image_token_id is not None
+        sizes = self.image_processor.num_tokens(images)
+        if prompt_token_ids.count(self.admission.images.image_token_id) == sum(sizes):
+            return prompt_token_ids
+        return expand_image_tokens(prompt_token_ids, self.admission.images.image_token_id, sizes)
 
     def emit_packed_outputs(self) -> None:
         """From now on, hand back each step's outputs packed (`requests.outputs.pack_outputs`'

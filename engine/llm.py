@@ -10,10 +10,12 @@ from typing import Any
 from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.requests.chat_prompt import render_prompt
+from deltaserve.engine.requests.chat_prompt import image_urls, render_prompt
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults, read_sampling_defaults
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.requests.sampling_params import SamplingParams
+from deltaserve.models.vision.positions import ImageInputs
+from deltaserve.models.vision.processor import load_image
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -44,6 +46,19 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    def _encode(self, prompt: PromptType) -> tuple[list[int], str | None, ImageInputs | None]:
+        """The prompt's ids and text, and its images (vLLM's `multi_modal_data={"image": ...}`,
+        PIL images) with their tokens expanded in the ids."""
+        ids, text = self._prompt_ids(prompt)
+        media = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not media:
+            return ids, text, None
+        if set(media) - {"image"}:
+            raise ValueError(f"multi_modal_data takes images only, not {sorted(set(media) - {'image'})}")
+        images = list(media["image"]) if isinstance(media["image"], (list, tuple)) else [media["image"]]
+        inputs = self.engine.process_images(images)
+        return self.engine.expand_image_tokens(ids, inputs), text, inputs
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
@@ -102,12 +117,14 @@ class LLM:
             if len(priority) != len(batch):
                 raise ValueError("give one priority per prompt")
             params_list = [dataclasses.replace(p, priority=v) for p, v in zip(params_list, priority)]
-        encoded = [self._prompt_ids(p) for p in batch]  # all validated before any is queued
-        self._warm_prefixes([ids for (ids, _), params in zip(encoded, params_list) if params.n > 1])
+        encoded = [self._encode(p) for p in batch]  # all validated before any is queued
+        self._warm_prefixes(
+            [ids for (ids, _, images), params in zip(encoded, params_list) if params.n > 1 and images is None]
+        )
         groups: list[tuple[str, list[str], list[int], str | None]] = []
         added: list[str] = []
         try:
-            for (ids, text), params in zip(encoded, params_list):
+            for (ids, text, images), params in zip(encoded, params_list):
                 base = f"llm-{self._next_id}"
                 self._next_id += 1
                 subs = []
@@ -118,7 +135,7 @@ class LLM:
                     if params.seed is not None:
                         sub.seed = params.seed + i
                     rid = f"{base}-{i}"
-                    self.engine.add_request(rid, ids, sub)
+                    self.engine.add_request(rid, ids, sub, images)
                     added.append(rid)
                     subs.append(rid)
                 groups.append((base, subs, ids, text))
@@ -193,10 +210,14 @@ class LLM:
             for conversation in conversations
         ]
         # the template writes the special tokens itself: none are added again
-        prompts = [
+        prompts: list[dict[str, Any]] = [
             {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
             for text in texts
         ]
+        for prompt, conversation in zip(prompts, conversations):
+            urls = image_urls(conversation)  # type: ignore[arg-type]
+            if urls:
+                prompt["multi_modal_data"] = {"image": [load_image(url) for url in urls]}
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_tokenizer(self) -> Any:

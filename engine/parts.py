@@ -8,6 +8,7 @@ a warm-up builds anew so that the engine starts as new.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,12 +23,13 @@ from deltaserve.engine.requests.request import Request
 from deltaserve.engine.runner.model_runner import ModelRunner
 from deltaserve.engine.sampling.sampler import SAMPLER_GRAPH_MAX_BS, Sampler
 from deltaserve.engine.spec_decode import MtpDrafter, SpecDecoder
-from deltaserve.engine.step.admission import Admission, LazyGrammars
+from deltaserve.engine.step.admission import Admission, ImageInput, LazyGrammars
 from deltaserve.engine.step.overlap import Overlap
 from deltaserve.engine.step.scheduler import Scheduler, reserve_pages
 from deltaserve.engine.step.token_sink import TokenSink, new_counters
 from deltaserve.models.checkpoints.loader import LoadedModel, load_model, load_tokenizer
 from deltaserve.models.parallel import SINGLE, TensorParallel
+from deltaserve.models.vision.processor import ImageProcessor
 
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.group import RankGroups
@@ -47,6 +49,7 @@ class ModelParts:
     admission: Admission
     overlap: Overlap | None  # with `enable_overlap_schedule`
     model_info: dict[str, Any]
+    image_processor: ImageProcessor | None  # a vision tower's: images in prompts
 
 
 @dataclass
@@ -70,6 +73,7 @@ def load_engine_model(config: EngineConfig, device: torch.device, tp: TensorPara
         quantization=config.quantization,
         tp=tp,
         hf_overrides=config.hf_overrides,
+        vision=not config.language_model_only,
     )
 
 
@@ -92,6 +96,10 @@ def build_model_parts(config: EngineConfig, device: torch.device, groups: RankGr
         graph_max_bs=min(SAMPLER_GRAPH_MAX_BS, config.cuda_graph_max_bs) if graphs else 0,
     )
     grammars = LazyGrammars(tokenizer, vocab_size, eos_token_ids)
+    images = image_input_of(loaded, config)
+    processor = None
+    if loaded.vision is not None:
+        processor = ImageProcessor.from_checkpoint(config.model, loaded.vision_config)
     return ModelParts(
         model_config=loaded.config,
         vocab_size=vocab_size,
@@ -102,10 +110,34 @@ def build_model_parts(config: EngineConfig, device: torch.device, groups: RankGr
         prefill_cost=cost,
         sampler=sampler,
         grammars=grammars,
-        admission=Admission(config, vocab_size, max_model_len, tokenizer, sampler, grammars),
+        admission=Admission(config, vocab_size, max_model_len, tokenizer, sampler, grammars, images),
         overlap=Overlap(sampler, device, config.num_running) if config.enable_overlap_schedule else None,
-        model_info=_model_info(config, loaded, device, runner),
+        model_info={**_model_info(config, loaded, device, runner), "images": _images_info(images, processor)},
+        image_processor=processor,
     )
+
+
+def image_input_of(loaded: LoadedModel, config: EngineConfig) -> ImageInput:
+    """What the engine does with a prompt's images: read them (a vision tower is loaded), or
+    refuse them saying why."""
+    if loaded.vision is not None:
+        assert loaded.image_token_id is not None
+        return ImageInput(loaded.image_token_id, int(loaded.vision_config.spatial_merge_size))
+    arch = loaded.architecture
+    if not arch.endswith("ConditionalGeneration"):
+        why = f"the model ({arch}) reads text only"
+    elif config.language_model_only:
+        why = "this server was started with --language-model-only: it reads text only"
+    else:
+        why = "images are not read under tensor parallelism yet"
+    return ImageInput(refusal=why)
+
+
+def _images_info(images: ImageInput, processor: ImageProcessor | None) -> dict[str, Any]:
+    """How the HTTP processes read a prompt's images (`server/api/images.py`), or why they refuse them."""
+    if processor is None:
+        return {"refusal": images.refusal}
+    return {"processor": dataclasses.asdict(processor), "image_token_id": images.image_token_id}
 
 
 def build_loop_parts(config: EngineConfig, model: ModelParts, requests: dict[str, Request]) -> LoopParts:

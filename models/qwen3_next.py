@@ -100,8 +100,14 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, t, tp) for i, t in enumerate(self.layer_types))
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return run_decoder(self.embed_tokens, self.layers, self.norm, input_ids, positions, ctx)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        return run_decoder(self.embed_tokens, self.layers, self.norm, input_ids, positions, ctx, image_embeds)
 
 
 class Qwen3NextForCausalLM(HybridCausalLM):

@@ -392,3 +392,77 @@ def fuse_on_cpu(monkeypatch):
         return counts
 
     return enable
+
+
+# a tiny Qwen3.5 vision-language checkpoint (models/vision/): ids 150-155 are its special tokens
+VISION_TEXT = dict(
+    vocab_size=160, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_conv_kernel_dim=4, intermediate_size=48, max_position_embeddings=1024,
+    rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 0],
+                     "mrope_interleaved": True, "rope_type": "default"},
+)  # fmt: skip
+VISION_TOWER = dict(
+    depth=2, hidden_size=16, num_heads=2, intermediate_size=24, out_hidden_size=32, patch_size=4,
+    temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
+)  # fmt: skip
+VISION_PROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 64,
+                    "max_pixels": 1024, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # fmt: skip
+VISION_SPECIALS = [
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|im_start|>",
+    "<|im_end|>",
+]
+# Qwen3.5's template writes an image part as its three tokens, as this one does
+VISION_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p.type == 'text' %} {{ p.text }} {% endif %}{% endfor %}{% endif %}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def vision_checkpoint(tmp_path_factory) -> str:
+    return build_vision_checkpoint(str(tmp_path_factory.mktemp("qwen3_5_vl")))
+
+
+@pytest.fixture(scope="session")
+def vision_builder():
+    return build_vision_checkpoint
+
+
+def build_vision_checkpoint(path: str, **sizes: int) -> str:
+    """Qwen3_5ForConditionalGeneration with a 2-block vision tower, its image processor's sizes
+    (preprocessor_config.json) and a word-level tokenizer ("w0" .. "w149") with the chat template
+    above; `sizes` replace the text model's (the CUDA kernels' head sizes)."""
+    import transformers as T
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(3)
+    text = {**VISION_TEXT, **sizes}
+    config = T.Qwen3_5Config(
+        text_config=text, vision_config={**VISION_TOWER, "out_hidden_size": text["hidden_size"]},
+        image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153,
+    )  # fmt: skip
+    model = T.Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.normal_(0.0, 0.2)
+            elif "visual" in name:
+                p.normal_(0.0, 0.3)  # a tower that moves the tokens: outputs depend on the image
+    model.save_pretrained(path)
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump(VISION_PROCESSOR, f)
+    vocab = {f"w{i}": i for i in range(150)} | {s: 150 + i for i, s in enumerate(VISION_SPECIALS)}
+    tok = Tokenizer(models.WordLevel({**vocab, "[UNK]": 156}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(VISION_SPECIALS)
+    fast = T.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>")
+    fast.chat_template = VISION_TEMPLATE
+    fast.save_pretrained(path)
+    return path

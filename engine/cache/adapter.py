@@ -160,7 +160,7 @@ class RadixPrefixCache(PrefixCache):
 
     def attach(self, req: Request) -> None:
         assert req.prefix is None and not req.pages and req.num_computed_tokens == 0
-        tokens = req.all_token_ids  # after a preemption: prompt and output, all recomputed
+        tokens = req.cache_key_ids  # after a preemption: prompt and output, all recomputed
         # Peek only: admission may still fail for want of pages and be retried every step.
         m = self.cache.match_prefix(_matchable(req), record=False)
         self.cache.lock(m.node)
@@ -210,7 +210,7 @@ class RadixPrefixCache(PrefixCache):
             return
         assert req.slot is not None
         # While prefilling, the tokens are exactly the sequence being prefilled.
-        kind = self.cache.prefill_snapshot(req.all_token_ids, n) if prefill else None
+        kind = self.cache.prefill_snapshot(req.cache_key_ids, n) if prefill else None
         if kind is not None:
             if hold.rolling_slot is not None:  # older than the state kept now
                 self.state_pool.free_snapshot(hold.rolling_slot)
@@ -234,9 +234,9 @@ class RadixPrefixCache(PrefixCache):
         hold = req.prefix
         assert hold is not None
         k, tentative = n // self.page_size, kind == "tentative"
-        prompt_end = n == len(req.all_token_ids) // self.page_size * self.page_size
+        prompt_end = n == len(req.cache_key_ids) // self.page_size * self.page_size
         r = self.cache.insert(
-            req.all_token_ids[:n],
+            req.cache_key_ids[:n],
             req.pages[:k],
             {n: slot},
             (n,) if tentative else (),
@@ -261,7 +261,7 @@ class RadixPrefixCache(PrefixCache):
             return
         ps = self.page_size
         n_pages = req.num_computed_tokens // ps
-        tokens = req.all_token_ids[: n_pages * ps]
+        tokens = req.cache_key_ids[: n_pages * ps]
         snaps = {}
         end, pos = hold.rolling_slot, hold.rolling_pos
         if end is not None:
@@ -304,7 +304,7 @@ class RadixPrefixCache(PrefixCache):
 def _matchable(req: Request) -> list[int]:
     """What of a request may come from the cache: nothing when it asks for its prompt's
     log-probabilities, which only a forward pass over the whole prompt gives."""
-    return req.all_token_ids[:1] if req.params.prompt_logprobs is not None else req.all_token_ids
+    return req.cache_key_ids[:1] if req.params.prompt_logprobs is not None else req.cache_key_ids
 
 
 def warmup_prompts(prompts: Sequence[list[int]], cache_type: str, page_size: int) -> list[list[int]]:

@@ -16,12 +16,38 @@ class ChatTemplateError(ValueError):
         self.param = param
 
 
+IMAGE_PARTS = ("image_url", "image")
+
+
+def image_urls(messages: list[dict[str, Any]]) -> list[str]:
+    """The URLs of OpenAI-shaped messages' `image_url` parts, in order."""
+    return [
+        part["image_url"]["url"]
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if part.get("type") == "image_url"
+    ]
+
+
+def _part_text(part: dict[str, Any]) -> str | None:
+    return part.get("text") if part.get("type") == "text" else part.get("refusal")
+
+
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message as chat templates read it: `developer` as `system`, text parts joined by newlines,
     content never None (templates test it with `in`), tool calls' JSON arguments as mappings."""
     content = message.get("content")
-    if isinstance(content, list):
-        texts = [part.get("text") if part.get("type") == "text" else part.get("refusal") for part in content]
+    if isinstance(content, list) and any(part.get("type") in IMAGE_PARTS for part in content):
+        # parts in order, as templates that write images read them (Qwen3.5's: {"type": "image"})
+        content = [
+            {"type": "image"}
+            if part.get("type") in IMAGE_PARTS
+            else {"type": "text", "text": _part_text(part)}
+            for part in content
+        ]
+    elif isinstance(content, list):
+        texts = [_part_text(part) for part in content]
         content = "\n".join(t for t in texts if t is not None)
     out: dict[str, Any] = {
         "role": "system" if message["role"] == "developer" else message["role"],

@@ -14,6 +14,7 @@ from deltaserve.engine.cache.radix_node import CacheHold
 from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.requests.outputs import Logprob
 from deltaserve.engine.requests.sampling_params import SamplingParams
+from deltaserve.models.vision.positions import ImagePrompt
 
 
 class Status(enum.Enum):
@@ -71,10 +72,19 @@ class Request:
     # a fault of this request alone (its logit processing raised): it finishes with "error"
     error: str | None = None
     bad_input: bool = False  # the error is its own parameters' (they left no token): its client is told
+    # a prompt with images: their inputs, the M-RoPE positions and the tower's embeddings
+    images: ImagePrompt | None = field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def cache_key_ids(self) -> list[int]:
+        """The prefix cache's key: the tokens, with each image's tokens named by the image."""
+        if self.images is None:
+            return self.all_token_ids
+        return self.images.cache_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without building the whole list (a decode step needs one)."""

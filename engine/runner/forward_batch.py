@@ -25,7 +25,7 @@ FLA_CHUNK = 64  # the chunk length of FLA's chunked delta-rule kernels
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T], or [3, T] with image tokens in the step (models/vision/positions.py)
     num_decodes: int
     max_seqlen_q: int
     cu_seqlens_q: torch.Tensor  # [N+1] int32
@@ -47,6 +47,8 @@ class ForwardBatch:
     # input ids filled on the device from the previous step's samples (overlap scheduling):
     # tensor-parallel workers receive them by broadcast
     inputs_on_device: bool = False
+    # image tokens: (their rows in the batch, the vision tower's embeddings for them)
+    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -70,12 +72,16 @@ def build_forward_batch(
     num_verify: int = 0,
     page_table: bool = True,
     prompt_rows: list[int] | None = None,
+    rope_positions: list[np.ndarray | None] | None = None,
 ) -> ForwardBatch:
     """token_lists[i] are request i's new tokens, at positions starts[i]...; pages its KV pages.
     `prompt_rows[i]`: logits of request i's first so many new positions too, after all sampled
     rows (prompt log-probabilities).
     `page_table=False` leaves the page table out (a decode batch, whose table the attention
-    backend keeps on the device, `engine/cache/page_table.py`)."""
+    backend keeps on the device, `engine/cache/page_table.py`).
+    `rope_positions[i]`: request i's M-RoPE positions `[3, n]` of its new tokens (a prompt with
+    images), where the token's index is not its position; the batch's positions are 3-D only
+    where they differ along the three axes."""
     source = dict(
         token_lists=token_lists,
         starts=starts,
@@ -88,6 +94,7 @@ def build_forward_batch(
         num_verify=num_verify,
         page_table=page_table,
         prompt_rows=prompt_rows,
+        rope_positions=rope_positions,
     )
     input_ids: list[int] = []
     positions: list[int] = []
@@ -128,12 +135,15 @@ def build_forward_batch(
     max_pages = max(len(p) for p in pages)
     table = [p + [0] * (max_pages - len(p)) for p in pages] if page_table else []
     first_prefill = num_decodes + num_verify
+    pos_rows: list[int] | np.ndarray = positions
+    if rope_positions is not None and any(r is not None for r in rope_positions):
+        pos_rows = rope_grid(positions, cu, rope_positions)
     chunks = fla_chunk_indices([len(t) for t in token_lists[first_prefill:]], FLA_CHUNK)
 
     (ids, pos_t, cu_t, lens, table_t, slot_map, slots_t, initial, logits_idx, chunks_t) = to_device_packed(
         [
             (input_ids, torch.long),
-            (positions, torch.long),
+            (pos_rows, torch.long),
             (cu, torch.int32),
             ([s + len(x) for s, x in zip(starts, token_lists)], torch.int32),
             (table, torch.int32),
@@ -147,7 +157,7 @@ def build_forward_batch(
     )
     return ForwardBatch(
         input_ids=ids,
-        positions=pos_t,
+        positions=pos_t.view(3, -1) if pos_t.shape[0] > len(positions) else pos_t,
         num_decodes=num_decodes,
         max_seqlen_q=max(len(x) for x in token_lists),
         cu_seqlens_q=cu_t,
@@ -175,3 +185,16 @@ def fla_chunk_indices(lengths: list[int], chunk: int) -> list[int]:
     starts = np.repeat(np.cumsum(counts) - counts, counts)
     within = np.arange(seq.shape[0], dtype=np.int64) - starts
     return np.stack([seq, within], 1).reshape(-1).tolist()
+
+
+def rope_grid(positions: list[int], cu: list[int], rope_positions: list[np.ndarray | None]) -> np.ndarray:
+    """The batch's positions with each request's own M-RoPE rows in place: `[T]` when all three
+    axes agree (text, and decode past an image: one-dimensional, graphs replay), else `[3, T]`
+    flattened."""
+    grid = np.tile(np.asarray(positions, dtype=np.int64), (3, 1))
+    for i, rows in enumerate(rope_positions):
+        if rows is not None:
+            grid[:, cu[i] : cu[i + 1]] = rows
+    if (grid[0] == grid[1]).all() and (grid[0] == grid[2]).all():
+        return grid[0]
+    return grid.reshape(-1)

@@ -23,6 +23,7 @@ from deltaserve.kernels.delta_rule.fla import configure_fla
 from deltaserve.models.checkpoints.loader import LoadedModel
 from deltaserve.models.forward import ForwardContext
 from deltaserve.models.layers.attention import rope_max_positions
+from deltaserve.models.vision.positions import ImageInputs
 
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.group import RankGroups
@@ -59,6 +60,7 @@ class ModelRunner:
         self.groups = groups
         self.loaded = loaded
         self.model = loaded.model
+        self.vision = loaded.vision
         self.device = device
         types = self.model.layer_types
         attn_layers = [i for i, t in enumerate(types) if t != "linear_attention"]
@@ -210,6 +212,12 @@ class ModelRunner:
         return self.attn.slot_pages
 
     @torch.inference_mode()
+    def encode_images(self, inputs: ImageInputs) -> torch.Tensor:
+        """The vision tower's embeddings of a prompt's images, one row per image token."""
+        assert self.vision is not None
+        return self.vision(inputs.pixel_values.to(self.device), inputs.grids)
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[M, vocab]` (fp32) at the batch's sampled positions.
 
@@ -285,14 +293,14 @@ class ModelRunner:
         return digests
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.graph_runner is not None:
+        if self.graph_runner is not None and batch.positions.dim() == 1 and batch.image_embeds is None:
             if self.graph_runner.can_run(batch):
                 return self.graph_runner.run(batch)
             if self.graph_runner.can_run_verify(batch):
                 return self.graph_runner.run_verify(batch)
         self.attn.prepare(batch)
         self.linear.prepare(batch)
-        hidden = self.model(batch.input_ids, batch.positions, self.ctx)
+        hidden = self.model(batch.input_ids, batch.positions, self.ctx, batch.image_embeds)
         if self.mtp is not None:
             self.last_hidden = hidden
         return self.model.compute_logits(hidden[batch.logits_indices]).float()

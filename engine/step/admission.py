@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.engine.config import EngineConfig
@@ -13,6 +14,7 @@ from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.requests.request import Request
 from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputs
 from deltaserve.engine.sampling.sampler import Sampler
+from deltaserve.models.vision.positions import ImageInputs, ImagePrompt, image_prompt
 
 
 class LazyGrammars:
@@ -35,6 +37,15 @@ class LazyGrammars:
             return self.grammars
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """How the engine takes a prompt's images: its image token and the tower's merge, or why not."""
+
+    image_token_id: int | None = None
+    merge: int = 2
+    refusal: str | None = None
+
+
 class Admission:
     def __init__(
         self,
@@ -44,7 +55,9 @@ class Admission:
         tokenizer: Any,
         sampler: Sampler,
         grammars: LazyGrammars,
+        images: ImageInput = ImageInput(refusal="the model reads text only"),
     ) -> None:
+        self.images = images
         self.config = config
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -53,10 +66,17 @@ class Admission:
         self.grammars = grammars
 
     def build(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, running: int, waiting: int
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        running: int,
+        waiting: int,
+        images: ImageInputs | None = None,
     ) -> Request:
         """The request, or a ValueError (bad input) / QueueFullError (`waiting` requests wait
-        already, beside `running` ones)."""
+        already, beside `running` ones). `images`: the prompt's, whose tokens it already holds
+        (`models.vision.positions.expand_image_tokens`)."""
         vocab, max_len = self.vocab_size, self.max_model_len
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -88,10 +108,12 @@ class Admission:
             raise QueueFullError(
                 f"the waiting queue is full ({self.config.max_waiting_requests} requests beyond the running batch)"
             )
+        image_prompt = self._image_prompt(prompt_token_ids, images) if images is not None else None
         matcher = None
         if params.structured_outputs is not None:  # compiled here: a bad schema is the caller's 400
             matcher = self.grammars.get().matcher(params.structured_outputs)
         return Request(
+            images=image_prompt,
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
@@ -106,6 +128,12 @@ class Admission:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             matcher=matcher,
         )
+
+    def _image_prompt(self, prompt: list[int], images: ImageInputs) -> ImagePrompt:
+        if self.images.refusal is not None:
+            raise InvalidParamError(f"the prompt has images, but {self.images.refusal}", "messages")
+        assert self.images.image_token_id is not None
+        return image_prompt(prompt, images, self.images.image_token_id, self.images.merge)
 
     def compile_structured(self, spec: StructuredOutputs) -> None:
         """Compile `spec`'s grammar into the cache now (ValueError for a bad schema or a missing

@@ -18,6 +18,7 @@ from deltaserve.models.registry import resolve, text_config
 if TYPE_CHECKING:
     from deltaserve.models.checkpoints.quantization import Fp8Config
     from deltaserve.models.layers.common import HybridCausalLM
+    from deltaserve.models.vision.tower import VisionTower
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ class LoadedModel:
     architecture: str
     num_params: int  # the whole model's, also under tensor parallelism
     tp: TensorParallel = SINGLE
+    vision: VisionTower | None = None  # a vision-language checkpoint's tower (images in prompts)
+    vision_config: Any = None
+    image_token_id: int | None = None
 
 
 def read_config(path: str, overrides: dict[str, Any] | None = None) -> tuple[Any, str]:
@@ -183,9 +187,11 @@ def load_model(
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
     hf_overrides: dict[str, Any] | None = None,
+    vision: bool = True,
 ) -> LoadedModel:
     """The model of a checkpoint folder; with `tp`, this rank's shard of it, read from the
-    files slice by slice; `hf_overrides` set on its config first."""
+    files slice by slice; `hf_overrides` set on its config first. A vision-language checkpoint's
+    vision tower is loaded too, on one device (tensor parallelism: rank 0's), unless `vision` is False."""
     config, arch = read_config(path, hf_overrides)
     cls, nested = resolve(arch)
     tcfg = text_config(config, nested)
@@ -200,7 +206,47 @@ def load_model(
     if tp.enabled:  # a rank holds a shard: count the whole model on the meta device instead
         with torch.device("meta"):
             num_params = sum(p.numel() for p in cls(tcfg).parameters())
-    return LoadedModel(model, tcfg, arch, num_params, tp)
+    loaded = LoadedModel(model, tcfg, arch, num_params, tp)
+    vcfg = getattr(config, "vision_config", None) if nested else None
+    if vision and vcfg is not None and not tp.enabled:
+        loaded.vision = load_vision_tower(path, vcfg, dtype, device, load_format, seed)
+        loaded.vision_config, loaded.image_token_id = vcfg, int(config.image_token_id)
+    return loaded
+
+
+def load_vision_tower(
+    path: str, vcfg: Any, dtype: torch.dtype, device: torch.device, load_format: str, seed: int
+) -> VisionTower:
+    """The checkpoint's `model.visual.*` (or `visual.*`) weights in a `VisionTower`; FP8 ones
+    (a quantized release that did not leave the tower out) dequantized by their block scales."""
+    from deltaserve.models.vision.tower import VisionTower
+
+    tower = build_on(device, dtype, lambda: VisionTower(vcfg))
+    if load_format == "dummy":
+        init_dummy_weights(tower, seed + 1)
+        return tower.eval()
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                for prefix in ("model.visual.", "visual."):
+                    if key.startswith(prefix):
+                        tensors[key[len(prefix) :]] = f.get_tensor(key)
+    for key in [k for k in tensors if k.endswith(".weight_scale_inv")]:
+        scale, weight = tensors.pop(key), key[: -len("_scale_inv")]
+        w = tensors[weight].float()
+        rows, cols = w.shape[0], w.shape[-1]
+        full = scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        tensors[weight] = (w.view(rows, -1) * full).view(w.shape)
+    missing, unexpected = tower.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"the checkpoint's vision tower does not match its config (missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]}); run it with --language-model-only to serve text alone"
+        )
+    return tower.eval()
 
 
 def build_and_load(

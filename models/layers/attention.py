@@ -17,6 +17,7 @@ from deltaserve.models.layers.common import (
     ZeroCenteredRMSNorm,
 )
 from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
+from deltaserve.models.vision.positions import mrope_channels, rotate_3d
 
 ROPE_TYPES = ("default", "linear", "yarn")
 
@@ -121,6 +122,8 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         inv_freq, self.rope_attention_factor = rope_frequencies(config, self.head_dim)
         self.rotary = PartialRotaryEmbedding(inv_freq)
+        # which of the 3-D positions each rotated channel pair reads (a prompt with images)
+        self.mrope_channels = mrope_channels(config, inv_freq.shape[0])
         self.scale = self.head_dim**-0.5
         self.quantize = False  # an FP8 o_proj reads the gated output (`kernels.norm.sigmoid_gate`)
 
@@ -135,6 +138,17 @@ class GatedAttention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             w = norm.weight.data
             w[:rotary] = (factor * (1.0 + w[:rotary].float()) - 1.0).to(w.dtype)
+
+    def _norm_rope(self, x: torch.Tensor, norm: ZeroCenteredRMSNorm, positions: torch.Tensor) -> torch.Tensor:
+        """The per-head norm and partial RoPE, one fused op. By 3-D positions `[3, T]` (image
+        tokens in the step, models/vision/positions.py) the fused op only normalizes (at position
+        0) and the rotation follows in torch."""
+        inv_freq = self.rotary.inv_freq
+        if positions.dim() == 1:
+            return rms_norm_rope(x, norm.weight, norm.eps, positions, inv_freq)
+        assert self.mrope_channels is not None, "3-D positions for a model without M-RoPE"
+        normed = rms_norm_rope(x, norm.weight, norm.eps, torch.zeros_like(positions[0]), inv_freq)
+        return rotate_3d(normed, positions, inv_freq, self.mrope_channels)
 
     def checkpoint_shards(self) -> dict[str, tuple[str, int, int]]:
         q, kv = self.q_size, self.kv_size
@@ -157,9 +171,7 @@ class GatedAttention(nn.Module):
         q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        # per-head q/k norm and partial RoPE, one fused op each
-        inv_freq = self.rotary.inv_freq
-        q = rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, positions, inv_freq)
-        k = rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, positions, inv_freq)
+        q = self._norm_rope(q, self.q_norm, positions)
+        k = self._norm_rope(k, self.k_norm, positions)
         o = ctx.attn.attention(self.layer_id, q, k, v, self.scale)
         return self.o_proj(sigmoid_gate(o, gate, self.quantize).reshape(t, -1))

@@ -420,10 +420,15 @@ def run_decoder(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     ctx: ForwardContext,
+    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Embed, the decoder layers, the final norm. Each layer returns `(output, residual
-    stream)`; the residual adds happen inside the next norm (`_RMSNorm.forward_add`)."""
+    stream)`; the residual adds happen inside the next norm (`_RMSNorm.forward_add`).
+    `image_embeds` (rows, values): the vision tower's output in place of those tokens' embeddings."""
     x = embed(input_ids)
+    if image_embeds is not None:
+        rows, values = image_embeds
+        x[rows] = values.to(x.dtype)
     residual = None
     for layer in layers:
         x, residual = layer(x, positions, ctx, residual)
@@ -487,8 +492,16 @@ class HybridCausalLM(nn.Module):
         """Per-slot state of one linear-attention layer, by name (`conv`, `recurrent`)."""
         raise NotImplementedError
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if image_embeds is None:
+            return self.model(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx, image_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
