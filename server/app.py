@@ -74,6 +74,7 @@ def build_app(
     cors: Cors | None = None,
     log_requests: bool = False,
     max_log_len: int | None = None,
+    image_limit: int | None = None,
 ) -> FastAPI:
     """The app for one engine client; the client's engine thread runs for the app's lifespan.
     `api_key` guards /v1, /generate, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413.
@@ -92,6 +93,7 @@ def build_app(
         list(model_aliases or []),
         log_requests,
         max_log_len,
+        image_limit,
     )
 
     @asynccontextmanager
@@ -197,7 +199,7 @@ def build_app(
             "tokenizer_path": getattr(ctx.tokenizer, "name_or_path", None),
             "is_generation": True,
             "preferred_sampling_params": None,
-            "has_image_understanding": False,
+            "has_image_understanding": ctx.images.processor is not None,
             "has_audio_understanding": False,
             "architectures": [info.get("architecture")],
             "served_model_names": model_names,

@@ -327,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--json-model-override-args), e.g. a YaRN rope_parameters for contexts past the native length",
     )
     engine.add_argument(
+        "--language-model-only",
+        action="store_true",
+        help="a vision-language checkpoint (Qwen3.5) served as text alone: its vision tower is not loaded",
+    )
+    engine.add_argument(
         "--scheduling-policy",
         choices=["fcfs", "priority"],
         default="fcfs",
@@ -605,14 +610,14 @@ _ALWAYS = (
     ("--enable-auto-tool-choice", 'tool_choice "auto" is always served'),
     ("--enable-metrics", "/metrics is always served"),
     ("--disable-log-requests", "requests are not logged unless --enable-log-requests asks"),
-    ("--language-model-only", "a checkpoint's vision tower is never loaded"),
 )
 
 
-def _no_media(text: str) -> dict:
+def _media_limits(text: str) -> dict:
     limits = _json_object(text)
-    if any(v != 0 for v in limits.values()):
-        raise argparse.ArgumentTypeError(f"{text!r}: this server reads text only; give every count as 0")
+    bad = {k: v for k, v in limits.items() if not isinstance(v, int) or v < 0}
+    if bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: each count must be a whole number, 0 or more")
     return limits
 
 
@@ -681,14 +686,14 @@ def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
         "--mm-encoder-tp-mode",
         choices=["weights", "data"],
         default=None,
-        help="accepted, no effect: no vision encoder is loaded",
+        help="accepted, no effect: the vision tower runs whole on one GPU",
     )
     group.add_argument(
         "--limit-mm-per-prompt",
-        type=_no_media,
+        type=_media_limits,
         default=None,
         metavar="JSON",
-        help="accepted with every count 0 ('{\"image\": 0}'): this server reads text only",
+        help="the most images a prompt may carry ('{\"image\": 4}'; 0 refuses them); videos are never read",
     )
     group.add_argument(
         "--data-parallel-size",

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +34,12 @@ if TYPE_CHECKING:
 
     from deltaserve.engine.requests.outputs import RequestOutput
     from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.models.vision.positions import ImageInputs
 
     from .metrics import Metrics
+
+    # (request id, prompt ids, sampling parameters), and the prompt's images when it has any
+    EngineRequest = tuple[str, list[int], SamplingParams] | tuple[str, list[int], SamplingParams, ImageInputs]
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -333,18 +337,16 @@ class EngineClient:
 
     # ------------------------------------------------------------------------------- requests
 
-    async def add(
-        self, requests: list[tuple[str, list[int], SamplingParams]], track: bool = True
-    ) -> RequestGroup:
+    async def add(self, requests: Sequence[EngineRequest], track: bool = True) -> RequestGroup:
         """Admit the requests together (all or none); raises ValueError or QueueFullError.
         `track=False`: not a client's request (a prefix warm-up): left out of the metrics."""
         if not self.accepting:
             raise ShuttingDownError("the server is shutting down")
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        group = RequestGroup([rid for rid, _, _ in requests])
-        requests = [(rid, prompt, self._detokenize_here(rid, params)) for rid, prompt, params in requests]
-        for request_id, prompt, _ in requests:
+        group = RequestGroup([r[0] for r in requests])
+        requests = [(r[0], r[1], self._detokenize_here(r[0], r[2]), *r[3:]) for r in requests]  # type: ignore[misc]
+        for request_id, prompt, *_ in requests:
             self._groups[request_id] = group
             self._prompts[request_id] = prompt
             if self.metrics is not None and track:

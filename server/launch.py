@@ -134,6 +134,7 @@ def http_server(
         ),
         log_requests=getattr(args, "enable_log_requests", False),
         max_log_len=getattr(args, "max_log_len", None),
+        image_limit=(getattr(args, "limit_mm_per_prompt", None) or {}).get("image"),
     )
     server = DrainingServer(config, client, float(args.shutdown_timeout), peers, ignore_sigint)
     freeze_startup_heap("HTTP process")
@@ -327,6 +328,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
             stream_interval=args.stream_interval,
             scheduling_policy=args.scheduling_policy,
             hf_overrides=args.hf_overrides,
+            language_model_only=args.language_model_only,
             disable_cuda_graph=args.disable_cuda_graph,
             enable_overlap_schedule=args.enable_overlap_schedule,
             state_dtype=args.state_dtype,

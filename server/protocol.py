@@ -135,10 +135,16 @@ class ToolDefinition(OpenAIModel):
     function: FunctionDefinition
 
 
+class ImageURL(OpenAIModel):
+    url: str
+    detail: str | None = None  # OpenAI's; the vision tower reads every image at its own resolution
+
+
 class ContentPart(OpenAIModel):
     type: str = "text"
     text: str | None = None
     refusal: str | None = None  # a "refusal" part of an earlier assistant turn
+    image_url: ImageURL | None = None  # an "image_url" part: a data: or http(s): URL
 
 
 class ChatMessage(OpenAIModel):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..errors import raise_if_failed
+from ..errors import bad_request, raise_if_failed
 from ..protocol import (
     AssistantMessage,
     ChatChoice,
@@ -22,7 +22,7 @@ from ..protocol import (
     DeltaToolCall,
 )
 from ..text.chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
-from ..text.chat_template import render_chat
+from ..text.chat_template import image_urls, render_chat
 from ..text.reasoning import prompt_opens_reasoning
 from ..text.tool_calls import KIMI
 from .context import ServerContext
@@ -33,6 +33,7 @@ from .request_params import tool_choice_constraint, truncate_prompt
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput
     from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.models.vision.positions import ImageInputs
 
 
 def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
@@ -47,6 +48,7 @@ class PreparedChat:
     prompt_ids: list[int]
     params: SamplingParams
     parser: ChatOutputParser
+    images: ImageInputs | None = None  # the prompt's, their tokens expanded in prompt_ids
 
 
 async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> PreparedChat:
@@ -66,7 +68,17 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
         )
         return text, ctx.encode(text)
 
+    urls = image_urls(req.messages)
+    ctx.images.check(len(urls), "messages")
     prompt, prompt_ids = await ctx.off_loop(prepare)
+    images = None
+    if urls:
+        if req.truncate_prompt_tokens is not None:
+            raise bad_request(
+                "truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens"
+            )
+        images = await ctx.images.read(urls)
+        prompt_ids = ctx.images.expand(prompt_ids, images)
     prompt_ids = truncate_prompt(req, prompt_ids, ctx.client.max_model_len)  # the text's end stays
     params = ctx.sampling_params(req, len(prompt_ids), await ctx.bad_words_ids(req))
     forced = tool_choice_constraint(
@@ -92,14 +104,14 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
         tools={t.function.name: t.function.parameters or {} for t in tools} if tools else None,
         tool_format=ctx.tool_format,
     )
-    return PreparedChat(prompt_ids, params, parser)
+    return PreparedChat(prompt_ids, params, parser, images)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
     prepared = await prepare_chat(ctx, req)
     generation = ChatGeneration(ctx, req, model, prepared)
-    generation.add(generation.request_id, prepared.prompt_ids, prepared.params)
+    generation.add(generation.request_id, prepared.prompt_ids, prepared.params, prepared.images)
     return await generation.respond(raw, req.stream)
 
 

@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -21,6 +21,7 @@ from ..engine_client import EngineClient, RequestGroup, ShuttingDownError
 from ..errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed, refused
 from ..metrics import Metrics
 from ..text.tool_calls import tool_call_format
+from .images import ImageReader
 from .logprobs import TokenText
 from .request_params import bad_words_token_ids, build_sampling_params
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput
     from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputs
 
+    from ..engine_client import EngineRequest
     from ..protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -66,6 +68,7 @@ class ServerContext:
     model_aliases: list[str] = field(default_factory=list)  # accepted, not listed by /v1/models
     log_requests: bool = False  # a log line for each engine request: its prompt's ids and parameters
     max_log_len: int | None = None  # ... showing at most this many of the prompt's ids
+    image_limit: int | None = None  # --limit-mm-per-prompt's "image"
 
     def __post_init__(self) -> None:
         self.tokenizer: Any = self.client.tokenizer
@@ -78,6 +81,7 @@ class ServerContext:
         self.tool_format = tool_call_format(vocab)  # Qwen's <tool_call> or Kimi's markers
         self._prompt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-prompt")
         self.vocab_size = int(self.client.vocab_size or (len(self.tokenizer) if self.tokenizer else 0))
+        self.images = ImageReader.from_model_info(self.client.model_info, self.image_limit)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run template rendering and tokenization beside the event loop, so a long prompt does not
@@ -147,11 +151,9 @@ class ServerContext:
         except ValueError as exc:
             raise refused(exc) from exc
 
-    async def submit(
-        self, requests: list[tuple[str, list[int], SamplingParams]], track: bool = True
-    ) -> RequestGroup:
+    async def submit(self, requests: Sequence[EngineRequest], track: bool = True) -> RequestGroup:
         if self.log_requests and track:
-            for request_id, prompt_ids, params in requests:
+            for request_id, prompt_ids, params, *_ in requests:
                 logger.info("%s", request_line(request_id, prompt_ids, params, self.max_log_len))
         try:
             return await self.client.add(requests, track)
@@ -208,7 +210,7 @@ class ServerContext:
 
     async def run(
         self,
-        requests: list[tuple[str, list[int], SamplingParams]],
+        requests: Sequence[EngineRequest],
         raw: Request,
         stream: bool,
         events: Callable[[RequestGroup], AsyncIterator[str]],

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import Logprob, RequestOutput
     from deltaserve.engine.requests.sampling_params import SamplingParams
 
+    from ..engine_client import EngineRequest
+
 # SGLang's sampling parameter -> the completion request's field
 _RENAMED = {
     "max_new_tokens": "max_tokens",
@@ -128,7 +130,7 @@ class NativeGeneration:
     def __init__(self, ctx: ServerContext, body: GenerateRequest) -> None:
         self.ctx, self.body = ctx, body
         self.created = time.time()
-        self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.requests: list[EngineRequest] = []
         self.owner: dict[str, _Prompt] = {}  # engine request id -> its prompt
         self.order: list[str] = []  # engine request ids, in the reply's order
         self.index: dict[str, int] = {}  # ... and each one's place there

@@ -30,6 +30,9 @@ from .request_params import fan_out
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput
     from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.models.vision.positions import ImageInputs
+
+    from ..engine_client import EngineRequest
 
 DONE = "data: [DONE]\n\n"
 _PLACEHOLDER = "\x00deltaserve-text\x00"  # no text the detokenizer makes holds a NUL pair around this
@@ -71,7 +74,7 @@ class Generation(ABC, Generic[ChunkChoice]):
         self.response_id = self.request_id  # the reply's id (`respond`: the client's name, if it gives one)
         self.stream_options = stream_options = req.stream_options
         self.created = int(time.time())
-        self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.requests: list[EngineRequest] = []
         self.index: dict[str, int] = {}  # engine request id -> its choice's index
         self.prompts: list[list[int]] = []
         self.n = 1  # choices per prompt
@@ -79,11 +82,13 @@ class Generation(ABC, Generic[ChunkChoice]):
         self._templates: dict[int, tuple[str, str]] = {}  # text_event's, by choice index
         self.usage_in_every_chunk = bool(stream_options and stream_options.continuous_usage_stats)
 
-    def add(self, prompt_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add(
+        self, prompt_id: str, prompt_ids: list[int], params: SamplingParams, images: ImageInputs | None = None
+    ) -> None:
         """A prompt and its `params.n` choices, indexed after those added before."""
         self.prompts.append(prompt_ids)
         self.n = params.n
-        for request in fan_out(prompt_id, prompt_ids, params):
+        for request in fan_out(prompt_id, prompt_ids, params, images):
             self.index[request[0]] = len(self.requests)
             self.requests.append(request)
 

@@ -13,6 +13,9 @@ from ..protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 if TYPE_CHECKING:
     from deltaserve.engine.requests.generation_defaults import SamplingDefaults
     from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputs
+    from deltaserve.models.vision.positions import ImageInputs
+
+    from ..engine_client import EngineRequest
 
 
 def build_sampling_params(
@@ -296,14 +299,16 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def fan_out(
-    base_id: str, prompt_ids: list[int], params: SamplingParams
-) -> list[tuple[str, list[int], SamplingParams]]:
-    """One engine request per choice (`params.n`); distinct seeds keep seeded choices distinct."""
-    return [
-        (
-            f"{base_id}-{i}",
-            prompt_ids,
-            replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+    base_id: str, prompt_ids: list[int], params: SamplingParams, images: ImageInputs | None = None
+) -> list[EngineRequest]:
+    """One engine request per choice (`params.n`); distinct seeds keep seeded choices distinct.
+    A prompt's images ride along as a fourth field."""
+    requests: list[EngineRequest] = []
+    for i in range(params.n):
+        choice = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        requests.append(
+            (f"{base_id}-{i}", prompt_ids, choice)
+            if images is None
+            else (f"{base_id}-{i}", prompt_ids, choice, images)
         )
-        for i in range(params.n)
-    ]
+    return requests

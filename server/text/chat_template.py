@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.engine.requests.chat_prompt import ChatTemplateError, render_prompt, template_message
+from deltaserve.engine.requests.chat_prompt import image_urls as chat_image_urls
 
 from ..errors import bad_request
 from ..protocol import ChatMessage, ToolDefinition
@@ -20,22 +21,28 @@ def load_chat_template(source: str | None) -> str | None:
     return Path(source).read_text(encoding="utf-8") if Path(source).is_file() else source
 
 
-# the content parts a text model reads; an image, audio or file part is refused, not dropped
-TEXT_PARTS = ("text", "refusal")
+# the content parts the server reads; audio or a file is refused, not dropped
+READ_PARTS = ("text", "refusal", "image_url")
 
 
 def message_to_dict(message: ChatMessage, index: int = 0) -> dict[str, Any]:
-    """The message as its chat template reads it (`template_message`); a content part a text model
-    cannot read (an image, audio, a file) is a 400 naming it, not dropped."""
+    """The message as its chat template reads it (`template_message`, an image part as the
+    template's `{"type": "image"}`); a content part the server cannot read (audio, a file) is a
+    400 naming it, not dropped."""
     if isinstance(message.content, list):
         for j, part in enumerate(message.content):
-            if part.type not in TEXT_PARTS:
+            if part.type not in READ_PARTS or (part.type == "image_url" and part.image_url is None):
+                why = "an image_url part needs its image_url" if part.type == "image_url" else "not supported"
                 raise bad_request(
-                    f"messages[{index}].content[{j}]: content parts of type {part.type!r} are not supported: "
-                    "this server reads text only",
+                    f"messages[{index}].content[{j}]: content parts of type {part.type!r}: {why}",
                     f"messages.{index}.content.{j}.type",
                 )
     return template_message(message.model_dump(exclude_none=True))
+
+
+def image_urls(messages: list[ChatMessage]) -> list[str]:
+    """The messages' image URLs, in the order the template writes their placeholders."""
+    return chat_image_urls([m.model_dump(exclude_none=True) for m in messages])
 
 
 def render_chat(

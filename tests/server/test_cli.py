@@ -81,7 +81,7 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         ],
         ["--ssl-ca-certs", str(TLS / "ca.pem")],  # a CA for clients, with no HTTPS
         ["-dp", "2"],  # data parallelism
-        ["--limit-mm-per-prompt", '{"image": 1}'],  # images
+        ["--limit-mm-per-prompt", '{"image": -1}'],  # a count below 0
         ["--speculative-eagle-topk", "4", "--speculative-algorithm", "NEXTN"],  # tree drafts
         ["--speculative-num-steps", "2"],  # without its algorithm
     ],

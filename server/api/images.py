@@ -1,0 +1,93 @@
+"""Images in chat messages (OpenAI's `image_url` parts): read from a data URL or fetched over
+HTTP(S), processed for the vision tower off the event loop, and their tokens expanded in the
+prompt where the chat template wrote one placeholder per image."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from deltaserve.models.vision.positions import ImageInputs, expand_image_tokens
+from deltaserve.models.vision.processor import ImageProcessor, decode_image, image_from_data_url
+
+from ..errors import bad_request
+
+FETCH_TIMEOUT_S = 10.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT is 5 s
+MAX_IMAGE_BYTES = 32 << 20
+
+
+@dataclass
+class ImageReader:
+    """What the HTTP process does with a prompt's images: `refusal` says why it cannot (a text
+    model, or a tower not loaded), else its processor reads them."""
+
+    processor: ImageProcessor | None = None
+    image_token_id: int | None = None
+    limit: int | None = None  # --limit-mm-per-prompt's "image": the most a prompt may carry
+    refusal: str = "this server reads text only"
+
+    @classmethod
+    def from_model_info(cls, info: dict[str, Any], limit: int | None) -> ImageReader:
+        images = info.get("images") or {}
+        if "processor" not in images:
+            return cls(refusal=images.get("refusal", "this server reads text only"))
+        sizes = {k: tuple(v) if isinstance(v, list) else v for k, v in images["processor"].items()}
+        return cls(ImageProcessor(**sizes), int(images["image_token_id"]), limit)  # type: ignore[arg-type]
+
+    def check(self, count: int, where: str) -> None:
+        """A 400 when the prompt carries images this server cannot read, or more than its limit."""
+        if count and self.processor is None:
+            raise bad_request(f"{where}: image content parts are not supported: {self.refusal}", where)
+        if self.limit is not None and count > self.limit:
+            raise bad_request(
+                f"the prompt has {count} images; this server takes at most {self.limit} a prompt "
+                "(--limit-mm-per-prompt)",
+                where,
+            )
+
+    async def read(self, urls: list[str]) -> ImageInputs:
+        """The images at `urls` (data: or http(s):), processed; a 400 naming one that fails."""
+        images = await asyncio.gather(*(self._load(i, url) for i, url in enumerate(urls)))
+        assert self.processor is not None
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, self.processor, list(images))
+        except ValueError as exc:
+            raise bad_request(f"an image could not be used: {exc}", "messages") from exc
+
+    async def _load(self, index: int, url: str) -> Any:
+        try:
+            if url.startswith("data:"):
+                return image_from_data_url(url)
+            if url.startswith(("http://", "https://")):
+                return decode_image(await fetch(url))
+            raise ValueError("an image URL must be a data: URL or an http(s): URL")
+        except ValueError as exc:
+            raise bad_request(f"image {index}: {exc}", "messages") from exc
+
+    def expand(self, prompt_ids: list[int], inputs: ImageInputs) -> list[int]:
+        """The prompt with each image's placeholder repeated to its tokens; a 400 where the chat
+        template did not write one placeholder per image."""
+        assert self.processor is not None and self.image_token_id is not None
+        try:
+            return expand_image_tokens(prompt_ids, self.image_token_id, self.processor.num_tokens(inputs))
+        except ValueError as exc:
+            raise bad_request(f"{exc}: does the chat template write images?", "messages") from exc
+
+
+async def fetch(url: str) -> bytes:
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=True) as client:
+            async with client.stream("GET", url) as reply:
+                if reply.status_code != 200:
+                    raise ValueError(f"fetching {url} gave HTTP {reply.status_code}")
+                data = bytearray()
+                async for piece in reply.aiter_bytes():
+                    data += piece
+                    if len(data) > MAX_IMAGE_BYTES:
+                        raise ValueError(f"{url} is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+                return bytes(data)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"fetching {url} failed ({type(exc).__name__}: {exc})") from exc

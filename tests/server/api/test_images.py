@@ -1,0 +1,181 @@
+"""Images in chat messages (OpenAI's image_url parts) on a real server over a tiny Qwen3.5
+vision-language checkpoint, through the openai client: the reply is the offline engine's for the
+same prompt and image, whether the image comes as a data URL or over HTTP, streamed or not; images
+the server cannot read are 400s that leave it serving."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import io
+import threading
+
+import numpy as np
+import openai
+import pytest
+
+from deltaserve import LLM, SamplingParams
+
+PIL = pytest.importorskip("PIL.Image")
+
+
+def png(value: int, size: tuple[int, int] = (24, 16)) -> bytes:
+    rng = np.random.default_rng(value)
+    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8) // 2 + value // 2
+    buf = io.BytesIO()
+    PIL.fromarray(pixels.astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def solid_png(value: int) -> bytes:
+    buf = io.BytesIO()
+    PIL.fromarray(np.full((32, 32, 3), value, dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def conversation(*urls: str) -> list[dict]:
+    parts: list[dict] = [{"type": "text", "text": "w1 w2 w3"}]
+    for url in urls:
+        parts += [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "w4"}]
+    return [{"role": "user", "content": parts}]
+
+
+@pytest.fixture(scope="module")
+def vision_server(spawn_module_server, vision_checkpoint):
+    return spawn_module_server(
+        "--model", vision_checkpoint, "--max-model-len", "256", "--served-model-name", "vl"
+    )
+
+
+@pytest.fixture(scope="module")
+def vl(vision_server):
+    with openai.OpenAI(base_url=f"{vision_server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A loopback HTTP server handing out PNGs by their seed: /7.png."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            name = self.path.strip("/")
+            if not name.endswith(".png"):
+                self.send_error(404)
+                return
+            body = png(int(name[:-4]))
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@functools.cache
+def offline(path: str) -> LLM:
+    return LLM(path, dtype="float32", device="cpu", max_model_len=256)
+
+
+def offline_reply(path: str, messages: list[dict], images: list[bytes], n: int) -> tuple[str, int]:
+    """The offline engine's text and prompt length for the chat, rendered by the same template."""
+    llm = offline(path)
+    ids = llm.tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": [_template_part(p) for p in m["content"]]} for m in messages],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    ids = list(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else list(ids)
+    pil = [PIL.open(io.BytesIO(b)) for b in images]
+    out = llm.generate(
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": pil}},
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+    )[0]
+    return out.outputs[0].text, len(out.prompt_token_ids)
+
+
+def _template_part(part: dict) -> dict:
+    return {"type": "image"} if part["type"] == "image_url" else part
+
+
+GREEDY = {"temperature": 0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+
+
+def test_an_image_reply_is_the_offline_engines(vision_server, vl, vision_checkpoint, image_host) -> None:
+    one, two = png(1), png(200, (40, 32))
+    messages = conversation(data_url(one), data_url(two))
+    reply = vl.chat.completions.create(model="vl", messages=messages, **GREEDY)
+    text, prompt_len = offline_reply(vision_checkpoint, messages, [one, two], 6)
+    assert reply.choices[0].message.content == text
+    assert reply.usage.prompt_tokens == prompt_len  # each image's tokens counted
+    stream = vl.chat.completions.create(model="vl", messages=messages, stream=True, **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    by_data = vl.chat.completions.create(
+        model="vl", messages=conversation(data_url(png(1)), data_url(png(7))), **GREEDY
+    )
+    fetched = vl.chat.completions.create(
+        model="vl", messages=conversation(f"{image_host}/1.png", f"{image_host}/7.png"), **GREEDY
+    )
+    assert fetched.choices[0].message.content == by_data.choices[0].message.content
+    assert fetched.usage.prompt_tokens == by_data.usage.prompt_tokens
+
+
+def test_images_change_the_reply(vl) -> None:
+    replies = {
+        vl.chat.completions.create(model="vl", messages=conversation(data_url(solid_png(v))), **GREEDY)
+        .choices[0]
+        .message.content
+        for v in (0, 255)
+    }
+    assert len(replies) == 2
+
+
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("data:image/png;base64,not-base64!", "base64"),
+        (data_url(b"not an image"), "could not be read"),
+        ("ftp://example.com/a.png", "must be a data: URL"),
+        ("http://127.0.0.1:9/absent.png", "fetching"),
+    ],
+)
+def test_a_bad_image_is_a_400_and_the_server_serves_on(vl, url: str, words: str) -> None:
+    with pytest.raises(openai.BadRequestError, match=words):
+        vl.chat.completions.create(model="vl", messages=conversation(url), **GREEDY)
+    ok = vl.chat.completions.create(model="vl", messages=conversation(data_url(png(3))), **GREEDY)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_a_text_model_refuses_images(client) -> None:
+    with pytest.raises(openai.BadRequestError, match="reads text only") as err:
+        client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=conversation(data_url(png(1))), **GREEDY
+        )
+    assert err.value.body["param"] == "messages"
+
+
+def test_the_image_limit_and_a_template_without_images_are_400s() -> None:
+    from deltaserve.models.vision.processor import ImageProcessor
+    from deltaserve.server.api.images import ImageReader
+    from deltaserve.server.errors import APIError
+
+    reader = ImageReader(ImageProcessor(), 150, limit=1)
+    reader.check(1, "messages")
+    with pytest.raises(APIError, match="at most 1 a prompt"):
+        reader.check(2, "messages")
+    with pytest.raises(APIError, match="does the chat template write images"):
+        reader.expand([1, 2, 3], ImageProcessor()([PIL.new("RGB", (64, 64))]))
+    with pytest.raises(APIError, match="reads text only"):
+        ImageReader().check(1, "messages")
