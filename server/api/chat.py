@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from deltaserve.engine.requests.sampling_params import SamplingParams
     from deltaserve.models.vision.positions import ImageInputs
 
+    from ..engine_client import EngineRequest
+
 
 def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
     return "tool_calls" if has_tool_calls and reason == "stop" else reason
@@ -49,6 +51,12 @@ class PreparedChat:
     params: SamplingParams
     parser: ChatOutputParser
     images: ImageInputs | None = None  # the prompt's, their tokens expanded in prompt_ids
+
+    def request(self, request_id: str) -> EngineRequest:
+        """The engine request of one choice."""
+        if self.images is None:
+            return (request_id, self.prompt_ids, self.params)
+        return (request_id, self.prompt_ids, self.params, self.images)
 
 
 async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> PreparedChat:

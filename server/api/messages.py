@@ -26,7 +26,9 @@ from ..errors import APIError, bad_request, failure_of
 from ..protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ContentPart,
     FunctionDefinition,
+    ImageURL,
     RequestBody,
     SamplingRequest,
     ToolDefinition,
@@ -107,12 +109,20 @@ def to_messages(
         if role not in ("user", "assistant"):
             raise bad_request(f"{where}.role must be user or assistant", "messages")
         texts: list[str] = []
+        parts: list[ContentPart] = []  # text and images in order, when the message has images
         calls: list[dict[str, Any]] = []
         thought = None
         for j, block in enumerate(_blocks(message.get("content"), where)):
             kind = block.get("type")
             if kind == "text":
                 texts.append(str(block.get("text") or ""))
+                parts.append(ContentPart(type="text", text=texts[-1]))
+            elif kind == "image" and role == "user":
+                parts.append(
+                    ContentPart(
+                        type="image_url", image_url=ImageURL(url=_image_url(block, f"{where}.content[{j}]"))
+                    )
+                )
             elif kind == "tool_result" and role == "user":
                 result = block.get("content")
                 text = (
@@ -133,7 +143,9 @@ def to_messages(
                 raise bad_request(
                     f"{where}.content[{j}]: blocks of type {kind!r} are not supported here", "messages"
                 )
-        if texts or calls or thought is not None or role == "user" and not out:
+        if len(parts) > len(texts):  # images among the text: the parts as they came
+            out.append(ChatMessage(role=role, content=parts))
+        elif texts or calls or thought is not None or role == "user" and not out:
             content = "".join(texts) if texts or role == "user" else None
             out.append(
                 ChatMessage(role=role, content=content, tool_calls=calls or None, reasoning_content=thought)
@@ -141,6 +153,16 @@ def to_messages(
     if not out:
         raise bad_request("messages is empty", "messages")
     return out
+
+
+def _image_url(block: dict[str, Any], where: str) -> str:
+    """An image block's source as a URL: base64 data as a data: URL, or the URL given."""
+    source = block.get("source") or {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return str(source["url"])
+    raise bad_request(f"{where}: an image's source must be base64 data or a url", "messages")
 
 
 def _tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[ToolDefinition] | None, Any, bool]:
@@ -339,7 +361,7 @@ async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request)
         raise exc.renamed(_PARAMS) from exc
     message_id = f"msg_{uuid.uuid4().hex}"
     return await ctx.run(
-        [(message_id, prepared.prompt_ids, prepared.params)],
+        [prepared.request(message_id)],
         raw,
         req.stream,
         lambda group: _stream(group, prepared, message_id, model),

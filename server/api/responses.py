@@ -29,7 +29,9 @@ from ..errors import APIError, bad_request, error_body, failure_of
 from ..protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ContentPart,
     FunctionDefinition,
+    ImageURL,
     RequestBody,
     ToolDefinition,
     unsupported_if_set,
@@ -73,21 +75,28 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message's content: a string, or parts of which only text ones are supported."""
+def _content_of(content: Any, where: str) -> str | list[ContentPart]:
+    """A message's content: a string, or text parts joined, or, with images among them, the parts
+    in order (an `input_image`'s `image_url`, a data: or http(s): URL)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of content parts", "input")
-    texts = []
+    parts: list[ContentPart] = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise bad_request(
-                f"{where}: content parts of type {kind!r} are not supported (text only)", "input"
+        if kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append(ContentPart(type="image_url", image_url=ImageURL(url=part["image_url"])))
+        elif kind in ("input_text", "output_text", "text"):
+            parts.append(ContentPart(type="text", text=str(part.get("text") or "")))
+        else:
+            why = (
+                "give its image_url (file_id is not supported)" if kind == "input_image" else "not supported"
             )
-        texts.append(str(part.get("text") or ""))
-    return "".join(texts)
+            raise bad_request(f"{where}: content parts of type {kind!r}: {why}", "input")
+    if any(p.type == "image_url" for p in parts):
+        return parts
+    return "".join(p.text or "" for p in parts)
 
 
 STORE_SIZE = 1024  # responses kept for previous_response_id and GET
@@ -139,7 +148,7 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{where}.role must be user, system, developer or assistant", "input")
-            messages.append(ChatMessage(role=role, content=_text_of(item.get("content"), where)))
+            messages.append(ChatMessage(role=role, content=_content_of(item.get("content"), where)))
         elif kind == "function_call":
             call = {
                 "id": item.get("call_id") or tool_call_id(),
@@ -312,7 +321,7 @@ async def create_response(
         exc.renamed(_PARAMS)
         raise
     shell = _Shell(req, model)
-    group = await ctx.submit([(shell.id, prepared.prompt_ids, prepared.params)])
+    group = await ctx.submit([prepared.request(shell.id)])
 
     def keep(body: dict[str, Any]) -> None:
         if req.store:

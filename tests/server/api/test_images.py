@@ -179,3 +179,36 @@ def test_the_image_limit_and_a_template_without_images_are_400s() -> None:
         reader.expand([1, 2, 3], ImageProcessor()([PIL.new("RGB", (64, 64))]))
     with pytest.raises(APIError, match="reads text only"):
         ImageReader().check(1, "messages")
+
+
+def test_responses_and_messages_read_images_as_chat_does(vision_server, vl) -> None:
+    import httpx
+
+    image = png(5)
+    chat = vl.chat.completions.create(model="vl", messages=conversation(data_url(image)), **GREEDY)
+    response = vl.responses.create(
+        model="vl",
+        input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "w1 w2 w3"},
+            {"type": "input_image", "image_url": data_url(image)},
+            {"type": "input_text", "text": "w4"},
+        ]}],
+        max_output_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    source = {"type": "base64", "media_type": "image/png", "data": data_url(image).split(",", 1)[1]}
+    body = {"model": "vl", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "w1 w2 w3"}, {"type": "image", "source": source}, {"type": "text", "text": "w4"},
+        ]}]}  # fmt: skip
+    message = httpx.post(f"{vision_server.url}/v1/messages", json=body, timeout=60).json()
+    assert message["content"][0]["text"] == chat.choices[0].message.content
+    assert (
+        message["usage"]["input_tokens"] + message["usage"].get("cache_read_input_tokens", 0)
+        == chat.usage.prompt_tokens
+    )
+    with pytest.raises(openai.BadRequestError, match="file_id is not supported"):
+        vl.responses.create(
+            model="vl", input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]
+        )
