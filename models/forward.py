@@ -105,6 +105,10 @@ class ForwardContext(Protocol):
     def linear(self) -> LinearOps: ...
 
 
+# image tokens in a step: their rows in the batch, and the vision tower's embeddings for them
+ImageEmbeds = tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class ModelCapabilities:
     """What a model family offers beyond the forward and logits every model has; the engine

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from deltaserve.models.checkpoints.weights import WeightLoader
-from deltaserve.models.forward import ForwardContext, ModelCapabilities
+from deltaserve.models.forward import ForwardContext, ImageEmbeds, ModelCapabilities
 from deltaserve.models.layers.attention import GatedAttention
 from deltaserve.models.layers.common import (
     GatedMLP,
@@ -105,7 +105,7 @@ class HybridModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         ctx: ForwardContext,
-        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image_embeds: ImageEmbeds | None = None,
     ) -> torch.Tensor:
         return run_decoder(self.embed_tokens, self.layers, self.norm, input_ids, positions, ctx, image_embeds)
 

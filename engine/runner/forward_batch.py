@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from deltaserve.engine.runner.h2d import to_device_packed
+from deltaserve.models.forward import ImageEmbeds
 
 # chunks longer than this compute their KV slots with numpy: a per-token Python loop over a
 # long prefill is a visible share of the host's step
@@ -48,7 +49,7 @@ class ForwardBatch:
     # tensor-parallel workers receive them by broadcast
     inputs_on_device: bool = False
     # image tokens: (their rows in the batch, the vision tower's embeddings for them)
-    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    image_embeds: ImageEmbeds | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from deltaserve.engine.runner.forward_batch import ForwardBatch, build_forward_b
 from deltaserve.engine.runner.model_runner import ModelRunner
 from deltaserve.engine.step.prompt_logprobs import prompt_rows
 from deltaserve.engine.step.scheduler import ScheduledChunk, SchedulerOutput
+from deltaserve.models.forward import ImageEmbeds
 
 
 def _tokens(c: ScheduledChunk) -> list[int]:
@@ -59,9 +60,7 @@ def _rope_positions(c: ScheduledChunk) -> np.ndarray | None:
     return c.req.images.positions_of(start, start + c.num_tokens)
 
 
-def _image_embeds(
-    chunks: list[ScheduledChunk], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _image_embeds(chunks: list[ScheduledChunk], device: torch.device) -> ImageEmbeds | None:
     """The batch rows of the image tokens its chunks carry, and the tower's embeddings for them."""
     rows: list[np.ndarray] = []
     embeds: list[torch.Tensor] = []

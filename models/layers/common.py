@@ -14,7 +14,7 @@ from deltaserve.kernels.linear import linear, silu_mul_linear
 from deltaserve.kernels.moe import fused_moe
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 from deltaserve.kernels.router import softmax_topk
-from deltaserve.models.forward import ForwardContext, ModelCapabilities
+from deltaserve.models.forward import ForwardContext, ImageEmbeds, ModelCapabilities
 from deltaserve.models.parallel import NOTHING, SINGLE, Narrow, ShardSpec, TensorParallel
 
 
@@ -420,7 +420,7 @@ def run_decoder(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     ctx: ForwardContext,
-    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    image_embeds: ImageEmbeds | None = None,
 ) -> torch.Tensor:
     """Embed, the decoder layers, the final norm. Each layer returns `(output, residual
     stream)`; the residual adds happen inside the next norm (`_RMSNorm.forward_add`).
@@ -497,7 +497,7 @@ class HybridCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         ctx: ForwardContext,
-        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image_embeds: ImageEmbeds | None = None,
     ) -> torch.Tensor:
         if image_embeds is None:
             return self.model(input_ids, positions, ctx)
