@@ -45,7 +45,7 @@ from .protocol import (
     ModelList,
     TokenizeRequest,
 )
-from .text.chat_template import render_chat
+from .text.chat_template import first_image_part, image_urls, render_chat
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -238,8 +238,13 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
 
+        urls = image_urls(body.messages) if body.messages is not None else []
+        if urls:
+            ctx.images.check(len(urls), first_image_part(body.messages or []))
+        images = await ctx.images.read(urls) if urls else None
+
         def encode() -> bytes:  # the reply too is made off the loop: a long prompt's ids are megabytes
-            ids = ids_of()
+            ids = ids_of() if images is None else ctx.images.expand(ids_of(), images)
             tail = json.dumps({"count": len(ids), "max_model_len": engine_client.max_model_len})
             return f'{{"tokens":[{_join_ids(ids)}],{tail[1:]}'.encode()
 

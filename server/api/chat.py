@@ -22,7 +22,7 @@ from ..protocol import (
     DeltaToolCall,
 )
 from ..text.chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
-from ..text.chat_template import image_urls, render_chat
+from ..text.chat_template import first_image_part, image_urls, render_chat
 from ..text.reasoning import prompt_opens_reasoning
 from ..text.tool_calls import KIMI
 from .context import ServerContext
@@ -77,7 +77,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
         return text, ctx.encode(text)
 
     urls = image_urls(req.messages)
-    ctx.images.check(len(urls), "messages")
+    if urls:
+        ctx.images.check(len(urls), first_image_part(req.messages))
     prompt, prompt_ids = await ctx.off_loop(prepare)
     images = None
     if urls:

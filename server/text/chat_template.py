@@ -45,6 +45,15 @@ def image_urls(messages: list[ChatMessage]) -> list[str]:
     return chat_image_urls([m.model_dump(exclude_none=True) for m in messages])
 
 
+def first_image_part(messages: list[ChatMessage]) -> str:
+    """Where the messages' first image part is, as a 400's `param` names it."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.image_url is not None or part.type == "image_url":
+                return f"messages.{i}.content.{j}.type"
+    return "messages"
+
+
 def render_chat(
     tokenizer: Any,
     messages: list[ChatMessage],

@@ -132,6 +132,19 @@ def test_an_image_reply_is_the_offline_engines(vision_server, vl, vision_checkpo
     assert fetched.usage.prompt_tokens == by_data.usage.prompt_tokens
 
 
+def test_tokenize_counts_each_images_tokens(vision_server, vl) -> None:
+    """/tokenize with messages gives the prompt the chat endpoint runs: each image's placeholder
+    expanded to its tokens, so a client can measure the prompt against the context."""
+    import httpx
+
+    messages = conversation(data_url(png(1)), data_url(png(200, (40, 32))))
+    reply = vl.chat.completions.create(model="vl", messages=messages, **GREEDY)
+    ids = httpx.post(f"{vision_server.url}/tokenize", json={"messages": messages}, timeout=60).json()
+    assert ids["count"] == len(ids["tokens"]) == reply.usage.prompt_tokens
+    bare = httpx.post(f"{vision_server.url}/tokenize", json={"messages": conversation()}, timeout=60).json()
+    assert ids["count"] > bare["count"] + 2  # more than a placeholder an image
+
+
 def test_images_change_the_reply(vl) -> None:
     replies = {
         vl.chat.completions.create(model="vl", messages=conversation(data_url(solid_png(v))), **GREEDY)
@@ -163,7 +176,7 @@ def test_a_text_model_refuses_images(client) -> None:
         client.chat.completions.create(
             model=client.models.list().data[0].id, messages=conversation(data_url(png(1))), **GREEDY
         )
-    assert err.value.body["param"] == "messages"
+    assert err.value.body["param"] == "messages.0.content.1.type"  # the image part
 
 
 def test_the_image_limit_and_a_template_without_images_are_400s() -> None:
