@@ -59,9 +59,12 @@ class PreparedChat:
         return (request_id, self.prompt_ids, self.params, self.images)
 
 
-async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> PreparedChat:
+async def prepare_chat(
+    ctx: ServerContext, req: ChatCompletionRequest, images_at: str | None = None
+) -> PreparedChat:
     """Render and tokenize the prompt, and build what the engine and the parser need (400s for bad
-    fields). Shared by chat completions and the Responses API."""
+    fields). Shared by chat completions, the Responses API and Anthropic's Messages API, whose
+    bodies name their images elsewhere (`images_at`, a refusal's `param`)."""
     tools = req.tools if req.tools and req.tool_choice != "none" else None
 
     def prepare() -> tuple[str, list[int]]:
@@ -78,7 +81,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> Prepar
 
     urls = image_urls(req.messages)
     if urls:
-        ctx.images.check(len(urls), first_image_part(req.messages))
+        ctx.images.check(len(urls), images_at or first_image_part(req.messages))
     prompt, prompt_ids = await ctx.off_loop(prepare)
     images = None
     if urls:

@@ -356,7 +356,7 @@ def _message(
 async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
     try:
-        prepared = await prepare_chat(ctx, to_chat_request(req))
+        prepared = await prepare_chat(ctx, to_chat_request(req), images_at="messages")
     except APIError as exc:  # name the field as this API calls it
         raise exc.renamed(_PARAMS) from exc
     message_id = f"msg_{uuid.uuid4().hex}"
@@ -409,5 +409,5 @@ async def count_tokens(ctx: ServerContext, req: CountTokensRequest) -> Response:
     """The rendered prompt's tokens, as /v1/messages would send them to the engine."""
     ctx.resolve_model(req.model)
     chat = validated(ChatCompletionRequest, {**_chat_fields(req), "max_tokens": 1})
-    prepared = await prepare_chat(ctx, chat)
+    prepared = await prepare_chat(ctx, chat, images_at="messages")
     return JSONResponse({"input_tokens": len(prepared.prompt_ids)})
