@@ -38,8 +38,35 @@ def solid(value: int, size: tuple[int, int]):
     return PIL.fromarray(np.full((size[1], size[0], 3), value, dtype=np.uint8))
 
 
+_HF_IN_SUBPROCESS = """
+import json, sys
+import numpy as np
+sys.modules["fla"] = None  # transformers' torch paths, as on a machine without CUDA
+sys.path.insert(0, sys.argv[1])
+import test_image_input as t
+path, ids, images, new = json.load(sys.stdin)
+pil = [t.PIL.fromarray(np.array(i, dtype=np.uint8)) for i in images]
+print(json.dumps(t.hf_generate(path, ids, pil, new)))
+"""
+
+
 def hf_generate(path: str, ids: list[int], images: list, new: int) -> list[int]:
-    """transformers' greedy tokens, its own image processor's pixels."""
+    """transformers' greedy tokens, its own image processor's pixels, fp32 on CPU. On a CUDA
+    machine transformers binds FLA's CUDA-only kernels at import, so it runs in a subprocess
+    that hides FLA."""
+    if torch.cuda.is_available():
+        import subprocess
+        import sys
+
+        done = subprocess.run(
+            [sys.executable, "-c", _HF_IN_SUBPROCESS, os.path.dirname(os.path.abspath(__file__))],
+            input=json.dumps([path, ids, [np.asarray(i.convert("RGB")).tolist() for i in images], new]),
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        )
+        return json.loads(done.stdout.strip().splitlines()[-1])
     import transformers as T
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
