@@ -129,7 +129,7 @@ def image_input_of(loaded: LoadedModel, config: EngineConfig) -> ImageInput:
     elif config.language_model_only:
         why = "this server was started with --language-model-only: it reads text only"
     else:
-        why = "images are not read under tensor parallelism yet"
+        why = f"the checkpoint ({arch}) has no vision tower"
     return ImageInput(refusal=why)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from deltaserve.engine.errors import EngineDeadError
 from deltaserve.engine.parallel.group import RankGroups
+from deltaserve.models.forward import ImageEmbeds
 
 Op = tuple[str, str, tuple[Any, ...]]
 
@@ -42,6 +43,8 @@ class StepMessage:
     ops: list[Op] = field(default_factory=list)
     batch: dict[str, Any] | None = None  # build_forward_batch's arguments, less the device
     inputs_on_device: bool = False  # input ids follow by tensor broadcast
+    # image tokens' rows and embeddings follow by tensor broadcast: (their count, width, dtype)
+    images: tuple[int, int, torch.dtype] | None = None
 
 
 STOP = StepMessage("stop")
@@ -72,6 +75,24 @@ class StepChannel:
         import torch.distributed as dist
 
         dist.broadcast(input_ids, src=0, group=self.groups.tp.group)
+
+    def broadcast_images(self, images: ImageEmbeds) -> None:
+        """Rank 0's image rows and the vision tower's embeddings for them (the tower runs there)."""
+        import torch.distributed as dist
+
+        for t in images:
+            dist.broadcast(t.contiguous(), src=0, group=self.groups.tp.group)
+
+    def recv_images(self, shape: tuple[int, int, torch.dtype], device: torch.device) -> ImageEmbeds:
+        """A worker's copy of rank 0's `broadcast_images`."""
+        import torch.distributed as dist
+
+        count, width, dtype = shape
+        rows = torch.empty(count, dtype=torch.int64, device=device)
+        values = torch.empty(count, width, dtype=dtype, device=device)
+        for t in (rows, values):
+            dist.broadcast(t, src=0, group=self.groups.tp.group)
+        return rows, values
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj` on rank 0 (None elsewhere)."""

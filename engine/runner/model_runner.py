@@ -231,10 +231,16 @@ class ModelRunner:
         from deltaserve.engine.parallel.step_sync import StepMessage
 
         assert self.channel is not None and batch.source is not None
-        self.channel.send(StepMessage("step", self.step_log.take(), batch.source, batch.inputs_on_device))
+        images = batch.image_embeds
+        shape = None if images is None else (len(images[0]), images[1].shape[1], images[1].dtype)
+        self.channel.send(
+            StepMessage("step", self.step_log.take(), batch.source, batch.inputs_on_device, shape)
+        )
         try:
             if batch.inputs_on_device:
                 self.channel.broadcast_inputs(batch.input_ids)
+            if images is not None:
+                self.channel.broadcast_images(images)
             return self._forward(batch)
         except Exception as exc:
             raise EngineDeadError(f"a tensor-parallel step failed ({type(exc).__name__}: {exc})") from exc
@@ -253,6 +259,8 @@ class ModelRunner:
         batch = build_forward_batch(**message.batch, device=self.device)
         if message.inputs_on_device:
             self.channel.broadcast_inputs(batch.input_ids)
+        if message.images is not None:
+            batch.image_embeds = self.channel.recv_images(message.images, self.device)
         self._forward(batch)
 
     def apply(self, ops: list[Op]) -> None:

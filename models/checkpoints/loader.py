@@ -208,7 +208,7 @@ def load_model(
             num_params = sum(p.numel() for p in cls(tcfg).parameters())
     loaded = LoadedModel(model, tcfg, arch, num_params, tp)
     vcfg = getattr(config, "vision_config", None) if nested else None
-    if vision and vcfg is not None and not tp.enabled:
+    if vision and vcfg is not None and tp.rank == 0:  # rank 0 alone: its embeddings go to the others
         loaded.vision = load_vision_tower(path, vcfg, dtype, device, load_format, seed)
         loaded.vision_config, loaded.image_token_id = vcfg, int(config.image_token_id)
     return loaded

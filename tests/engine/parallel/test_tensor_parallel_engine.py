@@ -226,6 +226,59 @@ def test_shutdown_ends_the_workers_and_a_lost_worker_kills_the_engine(qwen):
         llm.shutdown()
 
 
+def image_prompts() -> list[dict]:
+    """Prompts with one and two images of different sizes (placeholders the engine expands), and
+    a third that repeats the first's image under another text tail."""
+    import numpy as np
+    from PIL import Image
+
+    def image(seed: int, size: tuple[int, int]) -> Image.Image:
+        rng = np.random.default_rng(seed)
+        return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+    image_id, start, end = 150, 152, 153  # tests/conftest.py's vision checkpoint
+    text = prompts_of([9, 4, 6, 5], seed=7)
+    one, two, three = image(1, (24, 16)), image(2, (40, 32)), image(3, (16, 16))
+    return [
+        {
+            "prompt_token_ids": text[0] + [start, image_id, end] + text[1],
+            "multi_modal_data": {"image": [one]},
+        },
+        {
+            "prompt_token_ids": text[2] + [start, image_id, end, 7, start, image_id, end] + text[3],
+            "multi_modal_data": {"image": [two, three]},
+        },
+        {
+            "prompt_token_ids": text[0] + [start, image_id, end] + text[3],
+            "multi_modal_data": {"image": [one]},
+        },
+    ]
+
+
+@pytest.mark.slow
+def test_images_at_tp2_equal_tp1(vision_checkpoint, pools_held):
+    """Rank 0's vision tower embeds the images and its embeddings reach every rank with the step:
+    the tokens of TP = 1 (held to transformers' in tests/models/test_image_input.py), through
+    prefill chunks that cut an image and a prefix-cache hit on the same image."""
+    prompts = image_prompts()
+
+    def tokens(llm: LLM) -> tuple[list[list[int]], int]:
+        first = llm.generate(prompts[:2], greedy(8), use_tqdm=False)
+        hit = llm.generate(prompts[2:], greedy(8), use_tqdm=False)[0]
+        return [o.outputs[0].token_ids for o in [*first, hit]], hit.num_cached_tokens
+
+    kw = dict(max_num_batched_tokens=16, chunked_prefill_size=16)
+    with make_llm(vision_checkpoint, 1, **kw) as llm:
+        ref, _ = tokens(llm)
+    with make_llm(vision_checkpoint, 2, **kw) as llm:
+        assert llm.engine.model_info["images"].get("processor")  # not refused
+        got, cached = tokens(llm)
+        assert got == ref
+        assert cached >= 16  # the first prompt's image, served from the cache on every rank
+        assert_ranks_agree(llm)
+        assert not pools_held(llm)
+
+
 def test_a_missing_rank_is_a_clear_error_not_a_hang(qwen):
     from deltaserve.engine.parallel.group import free_port
 
