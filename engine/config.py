@@ -141,8 +141,8 @@ class EngineConfig:
             raise ValueError("pool_memory_gb must be positive")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        spec = self.spec  # validates speculative_config
-        self._check_parallel(spec)
+        _ = self.spec  # validates speculative_config
+        self._check_parallel()
         from deltaserve.kernels.common.fast_launch import fast_launch_enabled
         from deltaserve.kernels.common.launch import pdl_mode
         from deltaserve.kernels.linear import gemv_mode
@@ -153,7 +153,7 @@ class EngineConfig:
         mla_prefill_mode()  # DELTASERVE_MLA_PREFILL
         fast_launch_enabled()  # DELTASERVE_FAST_LAUNCH
 
-    def _check_parallel(self, spec: SpecConfig | None) -> None:
+    def _check_parallel(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes
         if tp < 1 or nnodes < 1:
             raise ValueError("tensor_parallel_size and nnodes must be at least 1")
@@ -165,9 +165,6 @@ class EngineConfig:
             raise ValueError("more than one node needs master_port (and master_addr: node 0's address)")
         if self.distributed_timeout_s <= 0:
             raise ValueError("distributed_timeout_s must be positive")
-        if tp > 1 and spec is not None and spec.method == "mtp":
-            # the MTP head's own forward and KV would need broadcasting too
-            raise ValueError("MTP speculative decoding does not run with tensor_parallel_size > 1; use ngram")
 
     @property
     def ranks_per_node(self) -> int:

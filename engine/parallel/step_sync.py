@@ -39,12 +39,16 @@ class OpLog:
 
 @dataclass
 class StepMessage:
-    kind: str  # "step": apply ops, then run the batch; "digest": report state; "stop"
+    kind: (
+        str  # "step": apply ops, then run the batch; "mtp": the same through the MTP layer; "digest"; "stop"
+    )
     ops: list[Op] = field(default_factory=list)
     batch: dict[str, Any] | None = None  # build_forward_batch's arguments, less the device
     inputs_on_device: bool = False  # input ids follow by tensor broadcast
     # image tokens' rows and embeddings follow by tensor broadcast: (their count, width, dtype)
     images: tuple[int, int, torch.dtype] | None = None
+    # an MTP forward's feed (ModelRunner.mtp_forward's base, rows and logits rows)
+    mtp: tuple[str, list[int], list[int] | None] | None = None
 
 
 STOP = StepMessage("stop")

@@ -17,6 +17,7 @@ from deltaserve.engine.errors import EngineDeadError
 from deltaserve.engine.runner.attention_backend import AttentionBackend
 from deltaserve.engine.runner.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.runner.forward_batch import ForwardBatch, build_forward_batch
+from deltaserve.engine.runner.h2d import to_device
 from deltaserve.engine.runner.linear_backend import LinearAttentionBackend
 from deltaserve.engine.spec_decode.state_window import StateWindow
 from deltaserve.kernels.delta_rule.fla import configure_fla
@@ -131,6 +132,7 @@ class ModelRunner:
         if device.type == "cuda" and not config.disable_cuda_graph and self.mtp is None:
             self.capture_cuda_graphs()
         self.last_hidden: torch.Tensor | None = None  # the last eager forward's, for MTP
+        self.last_mtp: torch.Tensor | None = None  # the MTP layer's last output, for its chained drafts
 
     def memory_info(self) -> dict[str, int]:
         """Bytes of what was allocated (weights, KV pool, working state slots with the padding
@@ -245,6 +247,39 @@ class ModelRunner:
         except Exception as exc:
             raise EngineDeadError(f"a tensor-parallel step failed ({type(exc).__name__}: {exc})") from exc
 
+    @torch.inference_mode()
+    def mtp_forward(
+        self, batch: ForwardBatch, base: str, rows: list[int], logits_rows: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MTP layer over `batch` (its input ids: the next tokens), fed `rows` of the last
+        forward's hidden states (`base` "step") or of the MTP's own last output ("mtp"): its output
+        `[T, H]` and the logits at `logits_rows`. Workers replay it as they replay a step."""
+        if self.step_log is None:
+            return self._mtp(batch, base, rows, logits_rows)
+        from deltaserve.engine.parallel.step_sync import StepMessage
+
+        assert self.channel is not None and batch.source is not None
+        feed = (base, rows, logits_rows)
+        self.channel.send(StepMessage("mtp", self.step_log.take(), batch.source, mtp=feed))
+        try:
+            return self._mtp(batch, base, rows, logits_rows)
+        except Exception as exc:
+            raise EngineDeadError(f"a tensor-parallel MTP step failed ({type(exc).__name__}: {exc})") from exc
+
+    def _mtp(
+        self, batch: ForwardBatch, base: str, rows: list[int], logits_rows: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert self.mtp is not None
+        source = self.last_hidden if base == "step" else self.last_mtp
+        assert source is not None
+        self.attn.prepare(batch)
+        embeds = self.model.model.embed_tokens(batch.input_ids)
+        index = to_device(rows, torch.long, self.device)
+        out = self.last_mtp = self.mtp(embeds, source[index], batch.positions, self.ctx)
+        if logits_rows is None:
+            return out, None
+        return out, self.model.compute_logits(out[to_device(logits_rows, torch.long, self.device)])
+
     # -- tensor parallelism: a worker's side ------------------------------------------------
 
     @torch.inference_mode()
@@ -257,6 +292,9 @@ class ModelRunner:
             return
         assert message.batch is not None
         batch = build_forward_batch(**message.batch, device=self.device)
+        if message.mtp is not None:
+            self._mtp(batch, *message.mtp)
+            return
         if message.inputs_on_device:
             self.channel.broadcast_inputs(batch.input_ids)
         if message.images is not None:

@@ -17,6 +17,7 @@ fill) costs acceptance, never correctness.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,6 @@ import torch
 
 from deltaserve.engine.requests.request import Request
 from deltaserve.engine.runner.forward_batch import build_forward_batch
-from deltaserve.engine.runner.h2d import to_device
 
 if TYPE_CHECKING:
     from deltaserve.engine.runner.forward_batch import ForwardBatch
@@ -65,9 +65,9 @@ class MtpDrafter:
         if hidden is None or not rows:
             return
         dev = hidden.device
-        model = self.runner.model
+        tokens = [r.req.all_token_ids[r.start + 1 : r.start + r.count + 1] for r in rows]
         batch = build_forward_batch(
-            token_lists=[r.req.all_token_ids[r.start + 1 : r.start + r.count + 1] for r in rows],
+            token_lists=tokens,
             starts=[r.start for r in rows],
             pages=[r.req.pages for r in rows],
             slots=[0] * len(rows),
@@ -77,16 +77,16 @@ class MtpDrafter:
             page_size=self.page_size,
             device=dev,
         )
-        index = to_device([r.start_row + j for r in rows for j in range(r.count)], torch.long, dev)
-        out = self._run(batch, hidden[index])
-        sampled = [r.req for r in rows if r.sampled]  # the rows of logits_indices
-        keep = [i for i, req in enumerate(sampled) if room.get(id(req), 0) > 0]
-        if not keep:
+        index = [r.start_row + j for r in rows for j in range(r.count)]
+        ends = itertools.accumulate(len(t) for t in tokens)
+        last = [(r.req, end - 1) for r, end in zip(rows, ends) if r.sampled]  # the sampled rows' last
+        drafting = [req for req, _ in last if room.get(id(req), 0) > 0]
+        at = [row for req, row in last if room.get(id(req), 0) > 0]  # each drafting request's row
+        _, logits = self._run(batch, "step", index, at if drafting else None)
+        if logits is None:
             return
-        drafting = [sampled[i] for i in keep]
-        h = out[batch.logits_indices[keep]]
-        tokens = model.compute_logits(h).argmax(dim=-1)
-        drafts: dict[Request, list[int]] = {req: [int(t)] for req, t in zip(drafting, tokens.tolist())}
+        first = logits.argmax(dim=-1).tolist()
+        drafts: dict[Request, list[int]] = {req: [int(t)] for req, t in zip(drafting, first)}
         for step in range(1, self.k):
             live = [
                 req
@@ -110,16 +110,18 @@ class MtpDrafter:
                 page_size=self.page_size,
                 device=dev,
             )
-            h = self._run(batch, h[keep])
-            drafting = live
-            for req, t in zip(live, model.compute_logits(h).argmax(dim=-1).tolist()):
+            _, logits = self._run(batch, "mtp", [at[i] for i in keep], list(range(len(live))))
+            assert logits is not None
+            drafting, at = live, list(range(len(live)))  # the chained output's rows, in order
+            for req, t in zip(live, logits.argmax(dim=-1).tolist()):
                 drafts[req].append(int(t))
         for req, d in drafts.items():
             self._drafts[req] = d
 
-    def _run(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP layer over a batch whose `input_ids` are the next tokens; out `[T, H]`."""
-        assert self.runner.mtp is not None
-        self.runner.attn.prepare(batch)
-        embeds = self.runner.model.model.embed_tokens(batch.input_ids)
-        return self.runner.mtp(embeds, hidden, batch.positions, self.runner.ctx)
+    def _run(
+        self, batch: ForwardBatch, base: str, rows: list[int], logits_rows: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MTP layer over a batch whose `input_ids` are the next tokens, fed `rows` of the
+        step's hidden states (`base` "step") or of its own last output ("mtp"); out `[T, H]`,
+        and the logits at `logits_rows` of it."""
+        return self.runner.mtp_forward(batch, base, rows, logits_rows)

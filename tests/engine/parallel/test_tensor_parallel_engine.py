@@ -288,9 +288,38 @@ def test_a_missing_rank_is_a_clear_error_not_a_hang(qwen):
     assert time.monotonic() - t0 < 30
 
 
-def test_mtp_with_tp2_is_refused(qwen):
-    with pytest.raises(ValueError, match="MTP"):
-        make_llm(qwen, 2, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+@pytest.mark.slow
+def test_mtp_speculation_at_tp2(qwen, tmp_path, pools_held):
+    """Each rank holds its shard of the MTP layer and replays rank 0's MTP forwards (the fill and
+    the chained drafts, with their logits' all-gather): TP = 2 proposes TP = 1's drafts, the
+    tokens stay those without speculation, and the MTP layer's KV agrees across ranks."""
+    from ..spec_decode.test_spec_mtp import with_mtp
+
+    path = with_mtp(qwen, str(tmp_path / "mtp"))
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    prompts = prompts_of([5, 70, 33], seed=3)
+    plain = tp1(qwen, prompts, 16)
+
+    def drafted(llm: LLM) -> tuple[list[list[int]], list[tuple[tuple[int, ...], list[int]]]]:
+        assert llm.engine.spec is not None and llm.engine.spec.mtp is not None
+        take, proposed = llm.engine.spec.mtp.take, []
+
+        def spy(req):
+            drafts = take(req)
+            proposed.append((tuple(req.all_token_ids), drafts))
+            return drafts
+
+        llm.engine.spec.mtp.take = spy  # type: ignore[method-assign]
+        return run(llm, prompts, 16), proposed
+
+    with make_llm(path, 1, speculative_config=spec) as llm:
+        ref_tokens, ref_drafts = drafted(llm)
+    with make_llm(path, 2, speculative_config=spec) as llm:
+        tokens, drafts = drafted(llm)
+        assert tokens == ref_tokens == plain
+        assert sum(len(d) for _, d in drafts) > 0 and sorted(drafts) == sorted(ref_drafts)
+        assert_ranks_agree(llm)
+        assert not pools_held(llm)
 
 
 @pytest.fixture(scope="module")

@@ -105,10 +105,10 @@ def test_mtp_greedy_identical_and_drafts_match_one_shot(mtp_path, pools_held):
         outs = []
         run_mtp = ref_llm.engine.spec.mtp._run
 
-        def record(batch, hidden, run_mtp=run_mtp, outs=outs):
-            h = run_mtp(batch, hidden)
+        def record(*feed, run_mtp=run_mtp, outs=outs):
+            h, logits = run_mtp(*feed)
             outs.append(h)
-            return h
+            return h, logits
 
         ref_llm.engine.spec.mtp._run = record  # type: ignore[method-assign]
         run(ref_llm, [seq], max_tokens=2)  # still running after the prefill: its fill runs
