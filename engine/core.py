@@ -7,7 +7,9 @@ are pickled tuples:
 
   in:  ("add", call_id, [(request_id, prompt_token_ids, params), ...])   all or none
        ("abort", [request_id, ...])
-       ("call", call_id, name, args)     stats / compile_structured / flush_cache
+       ("call", call_id, name, args)     stats / compile_structured / flush_cache /
+                                         update_weights_from_disk (once the running requests
+                                         finish; requests added meanwhile wait for it)
        ("stop",)
   out: ("ready", info) | ("failed", message)          once, at start-up
        ("step", outputs, replies, fault)              outputs: pack_outputs' tuples;
@@ -45,8 +47,9 @@ logger = logging.getLogger("deltaserve.engine")
 
 IDLE_POLL_MS = 100  # how long an idle loop waits for a command (and how often it sends a beat)
 BEAT_S = 0.5  # the longest an idle loop stays silent
-_CALLS = ("stats", "compile_structured", "flush_cache")
+_CALLS = ("stats", "compile_structured", "flush_cache", "update_weights_from_disk")
 _OFF_LOOP = ("compile_structured",)  # slow calls that run beside the loop, not inside a step
+_WHEN_IDLE = ("update_weights_from_disk",)  # calls for an idle engine: new requests wait for them
 
 
 def engine_info(engine: Any) -> dict[str, Any]:
@@ -105,6 +108,8 @@ class EngineCore:
             queue.SimpleQueue()
         )
         self._off_loop_pending = 0
+        self._when_idle: list[tuple[int, int, str, tuple[Any, ...]]] = []  # (client, call_id, name, args)
+        self._held: list[tuple[int, tuple[Any, ...]]] = []  # "add" commands that wait for them
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-engine-calls")
         self._last_sent = time.monotonic()
 
@@ -132,6 +137,8 @@ class EngineCore:
                 reason = getattr(self.engine, "dead_reason", None)
                 if reason is not None:
                     raise EngineDeadError(reason)
+                if self._when_idle and not self.engine.has_unfinished_requests():
+                    self._run_when_idle()
                 self._step()
                 if self._stats_log is not None:
                     self._stats_log.tick()
@@ -179,7 +186,10 @@ class EngineCore:
         kind = command[0]
         if kind == "stop":
             return False
-        if kind == "abort":
+        if kind == "add" and self._when_idle:
+            self._held.append((client, command))
+        elif kind == "abort":
+            self._drop_held(set(command[1]))
             for request_id in command[1]:
                 if request_id in self._live:
                     self._live.discard(request_id)
@@ -192,6 +202,8 @@ class EngineCore:
             _, call_id, name, args = command
             if name not in _CALLS:
                 self._replies[client].append((call_id, ("internal", f"unknown call {name!r}", None), None))
+            elif name in _WHEN_IDLE:
+                self._when_idle.append((client, call_id, name, args))
             elif name in _OFF_LOOP:
                 self._off_loop_pending += 1
                 self._worker.submit(self._call_off_loop, client, call_id, name, args)
@@ -214,6 +226,20 @@ class EngineCore:
         self._live.update(added)
         self._owner.update((request_id, client) for request_id in added)
         return None, None
+
+    def _run_when_idle(self) -> None:
+        """The calls that waited for the running requests to finish, then the requests held meanwhile."""
+        for client, call_id, name, args in self._when_idle:
+            self._replies[client].append((call_id, *self._call(name, args)))
+        self._when_idle = []
+        held, self._held = self._held, []
+        for client, command in held:
+            self._apply(command, client)
+
+    def _drop_held(self, request_ids: set[str]) -> None:
+        """Aborts of requests still held: they are never added."""
+        for i, (client, (kind, call_id, requests)) in enumerate(self._held):
+            self._held[i] = (client, (kind, call_id, [r for r in requests if r[0] not in request_ids]))
 
     def stats(self) -> dict[str, Any]:
         """The engine's stats, and the loop's idle time beside its step time."""

@@ -388,6 +388,19 @@ class Engine:
         """Drop every cached page and snapshot that no running request uses."""
         self.prefix_cache.flush()
 
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto") -> None:
+        """Serve the weights of another checkpoint of the same model from now on (SGLang's
+        update_weights_from_disk), and drop the prefix cache, which the old weights computed.
+        It needs the engine idle (the server holds new requests and lets the running finish);
+        ValueError, with nothing changed, for a checkpoint of another model."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("the weights change only between requests: requests are running")
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"unknown load format {load_format!r}; use 'auto' or 'dummy'")
+        self.runner.update_weights(model_path, load_format)
+        self.flush_cache()
+        logger.info("now serving the weights of %s", model_path)
+
     def stats(self) -> dict[str, Any]:
         kv, st = self.runner.kv_pool, self.runner.state_pool
         return {

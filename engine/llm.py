@@ -229,6 +229,12 @@ class LLM:
         self.engine.flush_cache()
         return True
 
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto") -> None:
+        """Generate with the weights of another checkpoint of the same model from now on (as
+        SGLang's Engine does): loaded in host memory, checked, then copied over the served ones;
+        the prefix cache is dropped. ValueError, with nothing changed, for another model's."""
+        self.engine.update_weights_from_disk(model_path, load_format)
+
 
 def _progress(total: int) -> Any:
     from tqdm import tqdm

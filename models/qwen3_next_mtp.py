@@ -90,8 +90,12 @@ def load_mtp(
     dummy: bool,
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
+    structure_device: torch.device | None = None,
 ) -> MultiTokenPredictor:
     from deltaserve.models.checkpoints.loader import build_and_load
 
     make = lambda: MultiTokenPredictor(config, tp)  # noqa: E731
-    return build_and_load(path, make, dtype, device, "dummy" if dummy else "auto", 0, quantization, tp)
+    load_format = "dummy" if dummy else "auto"
+    return build_and_load(
+        path, make, dtype, device, load_format, 0, quantization, tp, structure_device=structure_device
+    )

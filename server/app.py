@@ -44,6 +44,7 @@ from .protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UpdateWeightsFromDiskRequest,
 )
 from .text.chat_template import first_image_part, image_urls, render_chat
 
@@ -214,6 +215,24 @@ def build_app(
         except EngineDeadError as exc:
             raise APIError(503, str(exc), None, "engine_unavailable") from exc
         return JSONResponse({"status": "ok"})
+
+    @app.post("/update_weights_from_disk")  # SGLang's
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> Response:
+        """Other weights of the served model: new requests wait while the running ones finish
+        and the checkpoint loads; one of another model is a 400 that changes nothing."""
+        try:
+            await engine_client.call("update_weights_from_disk", body.model_path, body.load_format or "auto")
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), None, "engine_unavailable") from exc
+        except ValueError as exc:  # SGLang's reply, with the OpenAI error beside it
+            error = {
+                "message": str(exc),
+                "type": "invalid_request_error",
+                "param": "model_path",
+                "code": None,
+            }
+            return JSONResponse({"success": False, "message": str(exc), "error": error}, status_code=400)
+        return JSONResponse({"success": True, "message": f"now serving the weights of {body.model_path}"})
 
     @app.get("/version")
     async def version() -> dict[str, str]:

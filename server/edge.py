@@ -21,7 +21,14 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the default limit on a request's body
 # what the key guards besides /v1 (/health, /metrics and /version stay open)
-_KEYED = ("/generate", "/tokenize", "/detokenize", "/reset_prefix_cache", "/flush_cache")
+_KEYED = (
+    "/generate",
+    "/tokenize",
+    "/detokenize",
+    "/reset_prefix_cache",
+    "/flush_cache",
+    "/update_weights_from_disk",
+)
 
 
 class BodyTooLarge(HTTPException):

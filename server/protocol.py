@@ -266,6 +266,18 @@ class DetokenizeRequest(RequestBody):
     tokens: list[int]
 
 
+class UpdateWeightsFromDiskRequest(RequestBody):
+    """SGLang's /update_weights_from_disk body."""
+
+    unsupported = {
+        "abort_all_requests": unsupported_if_set("not supported: the update waits for the running requests"),
+    }
+    model_path: str
+    load_format: Literal["auto", "dummy"] | None = None
+    flush_cache: bool = True  # the cache always goes: the old weights computed it
+    weight_version: str | None = None
+
+
 # ---------------------------------------------------------------------------------------- responses
 
 

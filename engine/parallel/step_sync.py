@@ -39,9 +39,9 @@ class OpLog:
 
 @dataclass
 class StepMessage:
-    kind: (
-        str  # "step": apply ops, then run the batch; "mtp": the same through the MTP layer; "digest"; "stop"
-    )
+    # "step": apply ops, then run the batch; "mtp": the same through the MTP layer; "digest";
+    # "stage" (new weights: load them, report), then "commit" or "discard"; "stop"
+    kind: str
     ops: list[Op] = field(default_factory=list)
     batch: dict[str, Any] | None = None  # build_forward_batch's arguments, less the device
     inputs_on_device: bool = False  # input ids follow by tensor broadcast
@@ -49,6 +49,7 @@ class StepMessage:
     images: tuple[int, int, torch.dtype] | None = None
     # an MTP forward's feed (ModelRunner.mtp_forward's base, rows and logits rows)
     mtp: tuple[str, list[int], list[int] | None] | None = None
+    reload: tuple[str, str] | None = None  # "stage": the checkpoint's path and load format
 
 
 STOP = StepMessage("stop")

@@ -29,6 +29,7 @@ from deltaserve.models.vision.positions import ImageInputs
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.group import RankGroups
     from deltaserve.engine.parallel.step_sync import Op, StepChannel, StepMessage
+    from deltaserve.engine.runner.weight_update import StagedWeights
     from deltaserve.models.qwen3_next_mtp import MultiTokenPredictor
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class ModelRunner:
             self.capture_cuda_graphs()
         self.last_hidden: torch.Tensor | None = None  # the last eager forward's, for MTP
         self.last_mtp: torch.Tensor | None = None  # the MTP layer's last output, for its chained drafts
+        self._staged: StagedWeights | None = None  # a worker's new weights, until rank 0 says commit
 
     def memory_info(self) -> dict[str, int]:
         """Bytes of what was allocated (weights, KV pool, working state slots with the padding
@@ -280,6 +282,38 @@ class ModelRunner:
             return out, None
         return out, self.model.compute_logits(out[to_device(logits_rows, torch.long, self.device)])
 
+    def update_weights(self, path: str, load_format: str = "auto") -> None:
+        """The checkpoint at `path`'s weights in place of the served ones (`weight_update.py`);
+        ValueError, with nothing changed on any rank, when it is not a checkpoint of this model.
+        Every rank stages its slice and reports before any copies."""
+        from deltaserve.engine.runner.weight_update import commit_weights, stage_weights
+
+        if self.step_log is None:
+            commit_weights(stage_weights(self, path, load_format))
+            return
+        from deltaserve.engine.parallel.step_sync import StepMessage
+
+        assert self.channel is not None
+        self.channel.send(StepMessage("stage", self.step_log.take(), reload=(path, load_format)))
+        staged, error = self._stage(path, load_format)
+        errors = [e for e in self.channel.gather(error) or [] if e is not None]
+        self.channel.send(StepMessage("discard" if errors else "commit"))
+        if errors:
+            raise ValueError(errors[0])
+        assert staged is not None
+        commit_weights(staged)
+
+    def _stage(self, path: str, load_format: str) -> tuple[StagedWeights | None, str | None]:
+        from deltaserve.engine.runner.weight_update import stage_weights
+
+        try:
+            return stage_weights(self, path, load_format), None
+        except Exception as exc:  # reported to rank 0, which refuses the update on every rank
+            if isinstance(exc, ValueError):
+                return None, str(exc)
+            rank = self.groups.tp.rank if self.groups is not None else 0
+            return None, f"rank {rank}: {type(exc).__name__}: {exc}"
+
     # -- tensor parallelism: a worker's side ------------------------------------------------
 
     @torch.inference_mode()
@@ -289,6 +323,18 @@ class ModelRunner:
         self.apply(message.ops)
         if message.kind == "digest":
             self.channel.gather(self.state_digest())
+            return
+        if message.kind == "stage":
+            assert message.reload is not None
+            self._staged, error = self._stage(*message.reload)
+            self.channel.gather(error)
+            return
+        if message.kind in ("commit", "discard"):
+            from deltaserve.engine.runner.weight_update import commit_weights
+
+            if message.kind == "commit" and self._staged is not None:
+                commit_weights(self._staged)
+            self._staged = None
             return
         assert message.batch is not None
         batch = build_forward_batch(**message.batch, device=self.device)

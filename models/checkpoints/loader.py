@@ -188,10 +188,13 @@ def load_model(
     tp: TensorParallel = SINGLE,
     hf_overrides: dict[str, Any] | None = None,
     vision: bool = True,
+    structure_device: torch.device | None = None,
 ) -> LoadedModel:
     """The model of a checkpoint folder; with `tp`, this rank's shard of it, read from the
     files slice by slice; `hf_overrides` set on its config first. A vision-language checkpoint's
-    vision tower is loaded too, on one device (tensor parallelism: rank 0's), unless `vision` is False."""
+    vision tower is loaded too, on one device (tensor parallelism: rank 0's), unless `vision` is False.
+    `structure_device`: the device whose layout the model takes (default `device`), for a copy
+    staged in host memory for a model on another device."""
     config, arch = read_config(path, hf_overrides)
     cls, nested = resolve(arch)
     tcfg = text_config(config, nested)
@@ -201,7 +204,9 @@ def load_model(
         raise ValueError(f"unknown load format {load_format!r}; use 'auto' or 'dummy'")
     logger.info("loading the weights of %s (%s) onto %s", path, arch, device)
     make = lambda: cls(tcfg, tp)  # noqa: E731
-    model = build_and_load(path, make, dtype, device, load_format, seed, quantization, tp, tp.rank == 0)
+    model = build_and_load(
+        path, make, dtype, device, load_format, seed, quantization, tp, tp.rank == 0, structure_device
+    )
     num_params = sum(p.numel() for p in model.parameters())
     if tp.enabled:  # a rank holds a shard: count the whole model on the meta device instead
         with torch.device("meta"):
@@ -259,6 +264,7 @@ def build_and_load(
     quantization: str | None,
     tp: TensorParallel = SINGLE,
     progress: bool = False,
+    structure_device: torch.device | None = None,
 ) -> M:
     """`make()` on `device` with the checkpoint's weights (or random ones: load_format 'dummy');
     FP8 when the checkpoint is block-FP8 or `quantization` is 'fp8' (quantized as it loads);
@@ -295,7 +301,7 @@ def build_and_load(
         after = getattr(module, "after_loading", None)
         if after is not None:
             after()
-    if device.type in SHARED_EXPERT_FUSION:
+    if (structure_device or device).type in SHARED_EXPERT_FUSION:
         from deltaserve.models.layers.common import fuse_shared_experts
 
         if fused := fuse_shared_experts(model):

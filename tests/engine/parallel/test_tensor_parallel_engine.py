@@ -279,6 +279,22 @@ def test_images_at_tp2_equal_tp1(vision_checkpoint, pools_held):
         assert not pools_held(llm)
 
 
+@pytest.mark.slow
+def test_weights_update_on_every_rank(qwen, make_checkpoint):
+    """update_weights_from_disk at TP = 2: every rank stages its slice, then all copy, giving TP =
+    1's tokens for the new checkpoint; another model's checkpoint is refused on every rank alike."""
+    second = make_checkpoint("qwen3_5", seed=1)
+    prompts = prompts_of([5, 40, 17], seed=4)
+    with make_llm(qwen, 2) as llm:
+        before = run(llm, prompts)
+        with pytest.raises(ValueError, match="intermediate_size"):
+            llm.update_weights_from_disk(make_checkpoint("qwen3_5", intermediate_size=40))
+        assert run(llm, prompts) == before
+        llm.update_weights_from_disk(second)
+        assert run(llm, prompts) == tp1(second, prompts)
+        assert_ranks_agree(llm)
+
+
 def test_a_missing_rank_is_a_clear_error_not_a_hang(qwen):
     from deltaserve.engine.parallel.group import free_port
 

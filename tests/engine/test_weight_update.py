@@ -1,0 +1,102 @@
+"""Weights updated from disk (SGLang's update_weights_from_disk) in the offline engine, fp32 on
+CPU: after the update the engine gives transformers' tokens for the new checkpoint, the prefix
+cache the old weights filled is gone, and updating back gives the first tokens again; a
+checkpoint of another model, or none, is a ValueError that changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+
+NEW = 8
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 160, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def make_llm(path: str) -> LLM:
+    return LLM(
+        path, dtype="float32", device="cpu", chunked_prefill_size=32, max_model_len=512, num_kv_pages=120
+    )
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_the_new_checkpoint_is_served_and_the_cache_is_dropped(
+    kind, make_checkpoint, hf_reference, pools_held
+):
+    first, second = make_checkpoint(kind), make_checkpoint(kind, seed=1)
+    prompts = prompts_of([5, 40, 70], seed=1)
+    llm = make_llm(first)
+    before = run(llm, prompts)
+    assert before == hf_reference(first, prompts, NEW)
+    llm.update_weights_from_disk(second)
+    after = run(llm, prompts)
+    assert after == hf_reference(second, prompts, NEW) and after != before
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    again = llm.generate([{"prompt_token_ids": prompts[2]}], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0  # the cache serves the new weights' prefixes ...
+    llm.update_weights_from_disk(first)
+    back = llm.generate([{"prompt_token_ids": prompts[2]}], params, use_tqdm=False)[0]
+    assert back.num_cached_tokens == 0  # ... and is dropped with them
+    assert run(llm, prompts) == before
+    assert not pools_held(llm)
+
+
+def test_another_models_checkpoint_or_none_changes_nothing(make_checkpoint, tmp_path, pools_held):
+    path = make_checkpoint("qwen3_5")
+    prompts = prompts_of([5, 40], seed=2)
+    llm = make_llm(path)
+    before = run(llm, prompts)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        llm.update_weights_from_disk(make_checkpoint("qwen3_5", intermediate_size=40))
+    with pytest.raises(ValueError, match="no checkpoint"):
+        llm.update_weights_from_disk(str(tmp_path / "absent"))
+    with pytest.raises(ValueError, match="load format"):
+        llm.update_weights_from_disk(path, load_format="gguf")
+    assert run(llm, prompts) == before
+    assert not pools_held(llm)
+
+
+def test_a_vision_towers_weights_update_too(vision_checkpoint, tmp_path) -> None:
+    """A new tower changes what an image means: the updated engine's tokens for a prompt with an
+    image are those of an engine started on the new checkpoint."""
+    import os
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+    from safetensors.torch import load_file, save_file
+
+    other = shutil.copytree(vision_checkpoint, tmp_path / "other")
+    g = torch.Generator().manual_seed(5)
+    for name in os.listdir(other):
+        if name.endswith(".safetensors"):
+            sd = load_file(other / name)
+            sd = {
+                k: t + 0.3 * torch.randn(t.shape, generator=g) if "visual" in k else t for k, t in sd.items()
+            }
+            save_file(sd, other / name, metadata={"format": "pt"})
+    pixels = np.random.default_rng(1).integers(0, 256, (16, 24, 3), dtype=np.uint8)
+    prompt = {
+        "prompt_token_ids": [5, 6, 152, 150, 153, 7, 8],
+        "multi_modal_data": {"image": [Image.fromarray(pixels)]},
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+    def tokens(llm: LLM) -> list[int]:
+        return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    llm = make_llm(vision_checkpoint)
+    before = tokens(llm)
+    llm.update_weights_from_disk(str(other))
+    assert tokens(llm) == tokens(make_llm(str(other))) != before

@@ -1,0 +1,126 @@
+"""POST /update_weights_from_disk (SGLang's) on a real server over the built-in model: the reply
+after it is the offline engine's with the new checkpoint; a stream running when it arrives ends
+with the old weights' tokens, and a request sent meanwhile waits and gets the new ones; a
+checkpoint of another model or none is a 400 that leaves the server serving the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+
+PROMPT = "The quick brown fox"
+GREEDY = {"temperature": 0, "ignore_eos": True}
+LONG = 200  # tokens: a stream still running when the update and the next request arrive
+
+
+def perturbed_copy(src: str, dst: str, seed: int) -> str:
+    """The checkpoint with noise on every floating-point weight: the same model, other weights."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    for name in os.listdir(dst):
+        if name.endswith(".safetensors"):
+            file = os.path.join(dst, name)
+            sd = load_file(file)
+            for k, t in sd.items():
+                if t.is_floating_point():
+                    sd[k] = t + 0.05 * torch.randn(t.shape, generator=g).to(t.dtype)
+            save_file(sd, file, metadata={"format": "pt"})
+    return dst
+
+
+def offline_text(path: str, max_tokens: int) -> str:
+    llm = LLM(path, device="cpu", max_model_len=256)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return out[0].outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def checkpoints(builtin_path, tmp_path_factory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("weights")
+    first = shutil.copytree(builtin_path, root / "first")
+    return str(first), perturbed_copy(builtin_path, str(root / "second"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(spawn_module_server, checkpoints):
+    return spawn_module_server(
+        "--model", checkpoints[0], "--max-model-len", "256", "--served-model-name", "m"
+    )
+
+
+def complete(url: str, max_tokens: int) -> str:
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": max_tokens, **GREEDY}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["text"]
+
+
+def update(url: str, path: str) -> httpx.Response:
+    return httpx.post(f"{url}/update_weights_from_disk", json={"model_path": path}, timeout=300)
+
+
+def test_an_update_waits_for_the_running_and_serves_the_new_weights(server, checkpoints) -> None:
+    first, second = checkpoints
+    old_long, new_short = offline_text(first, LONG), offline_text(second, 8)
+    assert offline_text(first, 8) != new_short
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": LONG, "stream": True, **GREEDY}
+    results: dict[str, object] = {}
+
+    def send_meanwhile() -> None:
+        results["sent"] = time.monotonic()
+        results["waited"] = complete(server.url, 8)
+
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        chunks = [next(line for line in lines if line.startswith("data: "))]  # it is running
+        updater = threading.Thread(target=lambda: results.update(update=update(server.url, second)))
+        updater.start()
+        time.sleep(0.2)  # the update reaches the engine and holds what comes next
+        waiter = threading.Thread(target=send_meanwhile)
+        waiter.start()
+        chunks += [line for line in lines if line.startswith("data: ")]
+        done = time.monotonic()
+    updater.join(300)
+    waiter.join(300)
+    assert results["sent"] < done  # sent while the stream ran (else this test tested nothing)
+    streamed = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks if c != "data: [DONE]")
+    assert streamed == old_long  # the old weights to its end
+    reply = results["update"]
+    assert isinstance(reply, httpx.Response) and reply.status_code == 200 and reply.json()["success"] is True
+    assert results["waited"] == new_short  # held until the update, then the new weights
+    assert complete(server.url, 8) == new_short
+    update(server.url, first)
+    assert complete(server.url, 8) == offline_text(first, 8)
+
+
+def test_a_checkpoint_of_another_model_or_none_is_a_400(server, checkpoints, tmp_path) -> None:
+    first, _ = checkpoints
+    before = complete(server.url, 8)
+    other = shutil.copytree(first, tmp_path / "other")
+    with open(other / "config.json") as f:
+        config = json.load(f)
+    config["intermediate_size"] = config["intermediate_size"] * 2
+    with open(other / "config.json", "w") as f:
+        json.dump(config, f)
+    for path, words in ((str(other), "intermediate_size"), (str(tmp_path / "absent"), "no checkpoint")):
+        reply = update(server.url, path)
+        assert reply.status_code == 400
+        body = reply.json()
+        assert body["success"] is False and words in body["message"]
+        assert body["error"]["type"] == "invalid_request_error" and words in body["error"]["message"]
+    bad = httpx.post(
+        f"{server.url}/update_weights_from_disk", json={"model_path": first, "abort_all_requests": True}
+    )
+    assert bad.status_code == 400 and "abort_all_requests" in bad.text
+    assert complete(server.url, 8) == before
