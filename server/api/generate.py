@@ -55,9 +55,8 @@ def _unsupported(why: str) -> Any:
 class GenerateRequest(RequestBody):
     unsupported = {
         "input_embeds": _unsupported("send text or input_ids"),
-        "image_data": _unsupported("this server reads text only"),
-        "audio_data": _unsupported("this server reads text only"),
-        "video_data": _unsupported("this server reads text only"),
+        "audio_data": _unsupported("this server reads no audio"),
+        "video_data": _unsupported("this server reads no videos"),
         "lora_path": _unsupported("this server serves no LoRA adapters"),
         "custom_logit_processor": _unsupported("this server runs no custom logit processors"),
         "return_hidden_states": _unsupported("this server returns no hidden states"),
@@ -65,6 +64,9 @@ class GenerateRequest(RequestBody):
     }
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
+    # a prompt's images (a data: URL, an http(s): URL or base64 data), one list a prompt in a batch;
+    # the prompt holds one placeholder an image, as the chat template writes them
+    image_data: str | list[str | list[str] | None] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
@@ -118,6 +120,23 @@ def _completion_request(
 _NAMES = {ours: f"sampling_params.{theirs}" for theirs, ours in _RENAMED.items()}
 
 
+def _image_urls(data: str | list[Any] | None, count: int, single: bool) -> list[list[str]]:
+    """Each prompt's images: one prompt takes a string or a list of them, a batch one entry a
+    prompt (a string, a list of them, or null)."""
+    if data is None:
+        return [[] for _ in range(count)]
+    if isinstance(data, str):
+        data = [data]
+    if single and all(isinstance(d, str) for d in data):
+        data = [data]  # one prompt's images
+    urls = [
+        [] if p is None else [p] if isinstance(p, str) else p for p in _per_prompt(data, count, "image_data")
+    ]
+    if any(not isinstance(u, str) for p in urls for u in p):
+        raise bad_request("image_data holds a string an image, a list of them a prompt", "image_data")
+    return urls
+
+
 class _Prompt:
     """One prompt of the request: its ids, what it asks for, and its samples' engine requests."""
 
@@ -163,9 +182,17 @@ class NativeGeneration:
         wants = _per_prompt(body.return_logprob, count, "return_logprob")
         starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
         tops = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
-        for ids, sampling, rid, want, start, top in zip(batch, samplings, rids, wants, starts, tops):
+        images = _image_urls(body.image_data, count, self.single)
+        for ids, sampling, rid, want, start, top, urls in zip(
+            batch, samplings, rids, wants, starts, tops, images
+        ):
             if not isinstance(sampling, dict):
                 raise bad_request("sampling_params must be an object, or a list of them", "sampling_params")
+            read = None
+            if urls:
+                ctx.images.check(len(urls), "image_data")
+                read = await ctx.images.read(urls, "image_data")
+                ids = ctx.images.expand(ids, read, "image_data")
             start = start if want else -1
             creq = _completion_request(
                 sampling, self.body.stream, top if want else None, start, body.priority
@@ -177,7 +204,7 @@ class NativeGeneration:
             prompt = _Prompt(rid or uuid.uuid4().hex, ids, params, bool(want), start)
             if params.structured_outputs is not None:
                 await ctx.compile_structured(params.structured_outputs)
-            for request in fan_out(f"generate-{uuid.uuid4().hex}", ids, params):
+            for request in fan_out(f"generate-{uuid.uuid4().hex}", ids, params, read):
                 self.requests.append(request)
                 self.owner[request[0]] = prompt
                 self.index[request[0]] = len(self.order)

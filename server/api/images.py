@@ -48,33 +48,46 @@ class ImageReader:
                 where,
             )
 
-    async def read(self, urls: list[str]) -> ImageInputs:
-        """The images at `urls` (data: or http(s):), processed; a 400 naming one that fails."""
-        images = await asyncio.gather(*(self._load(i, url) for i, url in enumerate(urls)))
+    async def read(self, urls: list[str], where: str = "messages") -> ImageInputs:
+        """The images at `urls` (data: or http(s):; SGLang's `image_data` also bare base64),
+        processed; a 400 naming one that fails."""
+        images = await asyncio.gather(*(self._load(i, url, where) for i, url in enumerate(urls)))
         assert self.processor is not None
         try:
             return await asyncio.get_running_loop().run_in_executor(None, self.processor, list(images))
         except ValueError as exc:
-            raise bad_request(f"an image could not be used: {exc}", "messages") from exc
+            raise bad_request(f"an image could not be used: {exc}", where) from exc
 
-    async def _load(self, index: int, url: str) -> Any:
+    async def _load(self, index: int, url: str, where: str) -> Any:
         try:
             if url.startswith("data:"):
                 return image_from_data_url(url)
             if url.startswith(("http://", "https://")):
                 return decode_image(await fetch(url))
+            if where == "image_data" and "://" not in url:
+                return decode_image(_base64(url))
             raise ValueError("an image URL must be a data: URL or an http(s): URL")
         except ValueError as exc:
-            raise bad_request(f"image {index}: {exc}", "messages") from exc
+            raise bad_request(f"image {index}: {exc}", where) from exc
 
-    def expand(self, prompt_ids: list[int], inputs: ImageInputs) -> list[int]:
+    def expand(self, prompt_ids: list[int], inputs: ImageInputs, where: str = "messages") -> list[int]:
         """The prompt with each image's placeholder repeated to its tokens; a 400 where the chat
         template did not write one placeholder per image."""
         assert self.processor is not None and self.image_token_id is not None
         try:
             return expand_image_tokens(prompt_ids, self.image_token_id, self.processor.num_tokens(inputs))
         except ValueError as exc:
-            raise bad_request(f"{exc}: does the chat template write images?", "messages") from exc
+            raise bad_request(f"{exc}: does the chat template write images?", where) from exc
+
+
+def _base64(data: str) -> bytes:
+    import base64
+    import binascii
+
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error as exc:
+        raise ValueError("image_data must be a data: URL, an http(s): URL or base64 data") from exc
 
 
 async def fetch(url: str) -> bytes:

@@ -225,3 +225,34 @@ def test_responses_and_messages_read_images_as_chat_does(vision_server, vl) -> N
         vl.responses.create(
             model="vl", input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]
         )
+
+
+def test_sglang_generate_reads_image_data(vision_server, vision_checkpoint) -> None:
+    """SGLang's /generate with image_data (a data URL, or bare base64) and a prompt holding one
+    placeholder an image: the offline engine's tokens, each image's tokens counted; a batch takes a
+    list a prompt."""
+    import httpx
+
+    messages = conversation(data_url(png(1)))
+    text, prompt_len = offline_reply(vision_checkpoint, messages, [png(1)], 6)
+    llm = offline(vision_checkpoint)
+    ids = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [_template_part(p) for p in messages[0]["content"]]}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+    sampling = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    raw = base64.b64encode(png(1)).decode()
+    for image in (data_url(png(1)), raw):
+        body = {"input_ids": ids, "image_data": image, "sampling_params": sampling}
+        reply = httpx.post(f"{vision_server.url}/generate", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["text"] == text and reply.json()["meta_info"]["prompt_tokens"] == prompt_len
+    other, _ = offline_reply(vision_checkpoint, conversation(data_url(png(9))), [png(9)], 6)
+    batch = {"input_ids": [ids, ids], "image_data": [[raw], data_url(png(9))], "sampling_params": sampling}
+    replies = httpx.post(f"{vision_server.url}/generate", json=batch, timeout=60).json()
+    assert [r["text"] for r in replies] == [text, other]
+    bad = {"input_ids": ids, "image_data": "not base64!", "sampling_params": sampling}
+    reply = httpx.post(f"{vision_server.url}/generate", json=bad, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "image_data"
