@@ -38,9 +38,10 @@ if os.path.isfile(os.path.join(_ROOT, "pyproject.toml")) and not any(
 
 if TYPE_CHECKING:
     from deltaserve.engine.llm import LLM
+    from deltaserve.engine.requests.beam_search import BeamSearchParams
     from deltaserve.engine.requests.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -53,4 +54,8 @@ def __getattr__(name: str) -> Any:
         from deltaserve.engine.requests.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "BeamSearchParams":  # vLLM's `from vllm.sampling_params import BeamSearchParams`
+        from deltaserve.engine.requests.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     raise AttributeError(name)

@@ -10,6 +10,7 @@ from typing import Any
 from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
+from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.chat_prompt import image_urls, render_prompt
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults, read_sampling_defaults
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
@@ -228,6 +229,24 @@ class LLM:
         """Drop every cached KV page and state snapshot (vLLM's): later prompts are computed anew."""
         self.engine.flush_cache()
         return True
+
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search (`engine/requests/beam_search.py`): a prompt's best `beam_width`
+        beams, best first, each with its tokens, text, cumulative log-probability and the
+        candidates of every step."""
+        search = BeamSearch([self._prompt_ids(p)[0] for p in prompts], params, self.engine.eos_token_ids)
+        step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
+        while not search.finished:
+            outs = self.generate([{"prompt_token_ids": t} for t in search.expanding()], step, use_tqdm=False)
+            search.advance([o.outputs[0].logprobs[0].top for o in outs])  # type: ignore[index]
+        results = search.outputs()
+        for out in results:
+            for beam in out.sequences:
+                ids = beam.output_ids
+                if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+                    ids = ids[:-1]
+                beam.text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+        return results
 
     def update_weights_from_disk(self, model_path: str, load_format: str = "auto") -> None:
         """Generate with the weights of another checkpoint of the same model from now on (as

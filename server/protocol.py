@@ -160,10 +160,6 @@ class SamplingRequest(RequestBody):
     """Fields shared by chat and completions; their values are checked by the engine's
     `SamplingParams` (`request_params.py` translates them and names the field in a 400)."""
 
-    # vLLM's sampling fields that this server does not implement
-    unsupported = {
-        "use_beam_search": unsupported_if_set("not supported: this server samples, it does not search beams"),
-    }
     model: str | None = None
     max_tokens: int | None = None
     # vLLM's: the prompt tokens' log-probabilities with this many alternatives each, in the reply
@@ -219,6 +215,7 @@ def _best_of(value: Any, data: dict[str, Any]) -> str | None:
 class ChatCompletionRequest(SamplingRequest):
     unsupported = {
         **SamplingRequest.unsupported,
+        "use_beam_search": unsupported_if_set("not supported on chat: send it to /v1/completions"),
         "echo": unsupported_if_set("not supported on chat: the reply holds the new message only"),
         "audio": unsupported_if_set("not supported: this server writes text only"),
         "modalities": _modalities,
@@ -248,6 +245,8 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for the legacy completions endpoint
     logprobs: int | None = None
     echo: bool = False
+    use_beam_search: bool = False  # vLLM's: the n best beams (server/api/beam_search.py)
+    length_penalty: float = 1.0  # vLLM's: beams score their log-probability over length ** this
 
 
 class TokenizeRequest(RequestBody):

@@ -96,6 +96,10 @@ class _Choice:
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
     prompts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo)
+    if req.use_beam_search:
+        from .beam_search import beam_search_completion
+
+        return await beam_search_completion(ctx, req, raw, model, prompts)
     generation = CompletionGeneration(ctx, req, model)
     bad_words = await ctx.bad_words_ids(req)
     for j, (text, whole) in enumerate(prompts):

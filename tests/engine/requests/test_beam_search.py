@@ -1,0 +1,130 @@
+"""Beam search (`LLM.beam_search`, vLLM's algorithm) held to the same search run on
+transformers' log-probabilities, fp32 on CPU: the same beams in the same order, the same
+cumulative log-probabilities; width 1 is greedy decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deltaserve import LLM, BeamSearchParams, SamplingParams
+
+_IN_SUBPROCESS = """
+import json, sys
+sys.modules["fla"] = None  # transformers' torch paths, as on a machine without CUDA
+sys.path.insert(0, sys.argv[1])
+import test_beam_search as t
+print(json.dumps(t.hf_beams(*json.load(sys.stdin))))
+"""
+
+
+def hf_beams(
+    path: str, prompts: list[list[int]], width: int, steps: int, stop: list[int], penalty: float
+) -> list[list[tuple[list[int], float]]]:
+    """The search written out on transformers' next-token log-probabilities: every live beam
+    grows by its 2 x width likeliest tokens, a stop token ends a beam, the best `width` by
+    cumulative log-probability over length ** penalty live on."""
+    if torch.cuda.is_available():  # transformers binds FLA's CUDA-only kernels where it can import them
+        done = subprocess.run(
+            [sys.executable, "-c", _IN_SUBPROCESS, os.path.dirname(os.path.abspath(__file__))],
+            input=json.dumps([path, prompts, width, steps, stop, penalty]),
+            capture_output=True, text=True, check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        )  # fmt: skip
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def score(beam: tuple[list[int], float]) -> float:
+        return beam[1] / (len(beam[0]) - (beam[0][-1] in stop)) ** penalty
+
+    results = []
+    for prompt in prompts:
+        live, ended = [(prompt, 0.0)], []
+        for _ in range(steps):
+            grown = []
+            for tokens, total in live:
+                with torch.no_grad():
+                    logprobs = model(torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1)
+                values, ids = logprobs.topk(2 * width)
+                for t, v in zip(ids.tolist(), values.tolist()):
+                    (ended if t in stop else grown).append((tokens + [t], total + v))
+            live = sorted(grown, key=score, reverse=True)[:width]
+            if not live:
+                break
+        best = sorted(ended + live, key=score, reverse=True)[:width]
+        results.append([(tokens[len(prompt) :], total) for tokens, total in best])
+    return results
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 160, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def path(make_checkpoint) -> str:
+    return make_checkpoint("qwen3_5")
+
+
+@pytest.mark.parametrize(("width", "penalty"), [(3, 1.0), (4, 0.0)])
+def test_beams_equal_the_search_on_transformers(path, width: int, penalty: float, pools_held) -> None:
+    prompts = prompts_of([6, 40], seed=1)
+    llm = LLM(path, dtype="float32", device="cpu", chunked_prefill_size=32, max_model_len=256)
+    params = BeamSearchParams(beam_width=width, max_tokens=5, length_penalty=penalty)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    ref = hf_beams(path, prompts, width, 5, list(llm.engine.eos_token_ids), penalty)
+    for out, want in zip(outs, ref):
+        assert [b.output_ids for b in out.sequences] == [tokens for tokens, _ in want]
+        assert [b.cum_logprob for b in out.sequences] == pytest.approx([total for _, total in want], abs=1e-4)
+        assert all(len(b.logprobs) == len(b.output_ids) for b in out.sequences)
+    assert len({tuple(b.output_ids) for b in outs[0].sequences}) == width  # distinct beams
+    assert not pools_held(llm)
+
+
+def test_beams_that_reach_a_stop_token_end_there(path, monkeypatch) -> None:
+    """With the likeliest second tokens as stop tokens, some beams end early, ranked by their
+    length less the stop token, as on transformers."""
+    prompts = prompts_of([9], seed=3)
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256)
+    first = llm.generate(
+        [{"prompt_token_ids": prompts[0]}],
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+        use_tqdm=False,
+    )
+    stop = [first[0].outputs[0].token_ids[1], *llm.engine.eos_token_ids]
+    monkeypatch.setattr(llm.engine, "eos_token_ids", stop)
+    out = llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(beam_width=3, max_tokens=5))[0]
+    want = hf_beams(path, prompts, 3, 5, stop, 1.0)[0]
+    assert [b.output_ids for b in out.sequences] == [tokens for tokens, _ in want]
+    reasons = [b.finish_reason for b in out.sequences]
+    assert "stop" in reasons and all(
+        (r == "stop") == (b.output_ids[-1] in stop) for r, b in zip(reasons, out.sequences)
+    )
+
+
+def test_width_one_is_greedy_decoding(path) -> None:
+    prompts = prompts_of([7, 30], seed=2)
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256)
+    beams = llm.beam_search(
+        [{"prompt_token_ids": p} for p in prompts],
+        BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True),
+    )
+    greedy = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [b.sequences[0].output_ids for b in beams] == [g.outputs[0].token_ids for g in greedy]
+
+
+def test_bad_parameters_are_refused() -> None:
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
+    with pytest.raises(ValueError, match="temperature"):
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)

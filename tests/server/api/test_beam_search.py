@@ -1,0 +1,59 @@
+"""vLLM's use_beam_search on /v1/completions, through the openai client on a real server: the
+offline engine's beams (LLM.beam_search, itself held to transformers in
+tests/engine/requests/test_beam_search.py), best first, one choice a beam; what it cannot do is a
+400 naming the field."""
+
+from __future__ import annotations
+
+import functools
+
+import openai
+import pytest
+
+from deltaserve import LLM, BeamSearchParams
+
+from ..conftest import MAX_MODEL_LEN, MODEL_NAME
+
+PROMPTS = ["The capital of France is", "Once upon a time"]
+
+
+@functools.cache
+def offline(path: str) -> LLM:
+    return LLM(path, device="cpu", max_model_len=MAX_MODEL_LEN)
+
+
+def test_choices_are_the_offline_beams(client, builtin_path) -> None:
+    reply = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS,
+        n=3,
+        max_tokens=6,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5},
+    )
+    params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5)
+    want = offline(builtin_path).beam_search([{"prompt": p} for p in PROMPTS], params)
+    beams = [b for out in want for b in out.sequences]
+    assert [c.text for c in reply.choices] == [b.text for b in beams]
+    assert [c.index for c in reply.choices] == list(range(6))
+    assert [c.finish_reason for c in reply.choices] == [b.finish_reason for b in beams]
+    assert reply.usage.completion_tokens == sum(len(b.output_ids) for b in beams)
+    assert len({c.text for c in reply.choices[:3]}) == 3
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"stream": True}, "stream"),
+        ({"n": 11}, "n"),
+        ({"temperature": 0.8}, "temperature"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ],
+)
+def test_what_beam_search_cannot_do_is_a_400(client, fields: dict, param: str) -> None:
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 4, **fields}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**body, extra_body={"use_beam_search": True})
+    assert err.value.body["param"] == param
+    ok = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
