@@ -111,4 +111,12 @@ def check_same_tensors(what: str, live: nn.Module, staged: nn.Module) -> None:
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    """Parameters, buffers, and the tensors modules keep as plain attributes (FP8 block scales,
+    a projection's unquantized rows): a cache derived at run time would show here as a tensor the
+    staged copy lacks, and refuse the update rather than go stale."""
+    out = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    for prefix, m in module.named_modules():
+        for name, value in vars(m).items():
+            if isinstance(value, torch.Tensor):
+                out[f"{prefix}.{name}" if prefix else name] = value
+    return out

@@ -100,3 +100,38 @@ def test_a_vision_towers_weights_update_too(vision_checkpoint, tmp_path) -> None
     before = tokens(llm)
     llm.update_weights_from_disk(str(other))
     assert tokens(llm) == tokens(make_llm(str(other))) != before
+
+
+def _fresh(path: str, prompts: list[list[int]], **kw) -> list[list[int]]:
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=512, **kw)
+    return run(llm, prompts)
+
+
+def test_fused_shared_experts_take_the_new_weights(make_checkpoint, fuse_on_cpu) -> None:
+    """Where the loader fuses each shared expert into the routed ones (CUDA; here CPU made to), the
+    staged copy is fused alike before it is checked and copied."""
+    first, second = make_checkpoint("qwen3_next"), make_checkpoint("qwen3_next", seed=1)
+    prompts = prompts_of([6, 33], seed=5)
+    counts = fuse_on_cpu()
+    llm = make_llm(first)
+    llm.update_weights_from_disk(second)
+    assert counts == [4, 4]  # the live model and the staged copy, every MoE block
+    assert run(llm, prompts) == _fresh(second, prompts)
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["fp8-checkpoint", "quantized-at-load"])
+def test_fp8_weights_update(online: bool, make_checkpoint, tmp_path) -> None:
+    """An FP8 checkpoint's new weights and block scales, or a bf16 one quantized as it loads
+    (--quantization fp8): what an engine started on the new checkpoint computes."""
+    from ..models.test_fp8_checkpoints import SHAPES, write_fp8
+
+    first, second = make_checkpoint("qwen3_5", **SHAPES), make_checkpoint("qwen3_5", seed=1, **SHAPES)
+    if not online:
+        first, second = str(write_fp8(first, tmp_path / "a")), str(write_fp8(second, tmp_path / "b"))
+    kw = {"quantization": "fp8"} if online else {}
+    prompts = prompts_of([6, 33], seed=6)
+    llm = LLM(first, dtype="float32", device="cpu", max_model_len=512, **kw)
+    before = run(llm, prompts)
+    llm.update_weights_from_disk(second)
+    after = run(llm, prompts)
+    assert after == _fresh(second, prompts, **kw) and after != before
