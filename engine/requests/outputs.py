@@ -15,6 +15,7 @@ class Logprob:
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
     rank: int | None = None  # among the whole vocabulary, 1 the likeliest (prompt log-probabilities)
+    asked: dict[int, float] = field(default_factory=dict)  # SamplingParams.logprob_token_ids'
 
 
 @dataclass

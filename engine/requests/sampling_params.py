@@ -125,12 +125,21 @@ class SamplingParams:
     # False: outputs carry token ids and no text, the caller decodes them (the server does, in
     # its HTTP process, for streams without stop strings: the engine's step then skips it)
     detokenize: bool = True
+    # SGLang's token_ids_logprob: these tokens' log-probabilities at every position scored
+    # (`Logprob.asked`), beside the chosen token's and the top ones; needs logprobs (or
+    # prompt_logprobs, for the prompt's positions)
+    logprob_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logprob_token_ids is not None and self.logprobs is None and self.prompt_logprobs is None:
+            raise InvalidParamError(
+                "logprob_token_ids needs logprobs or prompt_logprobs: they are where they are reported",
+                "logprob_token_ids",
+            )
         if self.top_k is not None and self.top_k < -1:
             raise InvalidParamError(f"top_k must be -1 (off) or positive, got {self.top_k}", "top_k")
         if self.top_k is None or self.top_k < 0:
@@ -214,6 +223,7 @@ class SamplingParams:
             ("logit_bias", list(self.logit_bias or {})),
             ("allowed_token_ids", self.allowed_token_ids or []),
             ("bad_words_token_ids", [t for seq in self.bad_words_token_ids or [] for t in seq]),
+            ("logprob_token_ids", self.logprob_token_ids or []),
         ):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:

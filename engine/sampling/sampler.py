@@ -129,7 +129,9 @@ class Sampler:
             if r.params.logprobs > 0:
                 vals, ids = torch.topk(row, r.params.logprobs)
                 top = dict(zip(ids.tolist(), vals.tolist()))
-            lps.append(Logprob(tok, float(row[tok]), top))
+            asked = r.params.logprob_token_ids
+            values = row[asked].tolist() if asked else []
+            lps.append(Logprob(tok, float(row[tok]), top, asked=dict(zip(asked or [], values))))
         return lps
 
     def needs_processing(self, r: Request) -> bool:

@@ -13,6 +13,7 @@ sends the same objects, text and token ids so far, as server-sent events ending 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -60,7 +61,6 @@ class GenerateRequest(RequestBody):
         "lora_path": _unsupported("this server serves no LoRA adapters"),
         "custom_logit_processor": _unsupported("this server runs no custom logit processors"),
         "return_hidden_states": _unsupported("this server returns no hidden states"),
-        "token_ids_logprob": _unsupported("ask for the top log-probabilities (top_logprobs_num)"),
     }
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -72,6 +72,8 @@ class GenerateRequest(RequestBody):
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
+    # these tokens' log-probabilities at every position scored (one list, or one a prompt)
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: int = 0  # SGLang's and vLLM's: with --scheduling-policy priority, lower values run first
@@ -183,8 +185,18 @@ class NativeGeneration:
         starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
         tops = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
         images = _image_urls(body.image_data, count, self.single)
-        for ids, sampling, rid, want, start, top, urls in zip(
-            batch, samplings, rids, wants, starts, tops, images
+        asked = body.token_ids_logprob
+        if asked and isinstance(asked[0], int):
+            asked = [asked] * count  # type: ignore[list-item]
+        asks = _per_prompt(asked, count, "token_ids_logprob") if asked is not None else [None] * count
+        for ask in asks:
+            bad = [t for t in ask or [] if not 0 <= t < ctx.vocab_size]
+            if bad:
+                raise bad_request(
+                    f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "token_ids_logprob"
+                )
+        for ids, sampling, rid, want, start, top, urls, ask in zip(
+            batch, samplings, rids, wants, starts, tops, images, asks
         ):
             if not isinstance(sampling, dict):
                 raise bad_request("sampling_params must be an object, or a list of them", "sampling_params")
@@ -201,6 +213,10 @@ class NativeGeneration:
                 params = ctx.sampling_params(creq, len(ids))
             except APIError as exc:
                 raise exc.renamed(_NAMES) from exc
+            if ask:
+                if not want:
+                    raise bad_request("token_ids_logprob needs return_logprob", "token_ids_logprob")
+                params = dataclasses.replace(params, logprob_token_ids=list(ask))
             prompt = _Prompt(rid or uuid.uuid4().hex, ids, params, bool(want), start)
             if params.structured_outputs is not None:
                 await ctx.compile_structured(params.structured_outputs)
@@ -277,6 +293,10 @@ class NativeGeneration:
             ]
             if prompt.params.logprobs:
                 meta["output_top_logprobs"] = [self._top(lp.top, with_text) for lp in logprobs or []]
+            if prompt.params.logprob_token_ids:
+                meta["output_token_ids_logprobs"] = [
+                    self._asked(lp.asked, with_text) for lp in logprobs or []
+                ]
             if prompt.start >= 0:
                 rows = list(prompt_logprobs or [])[prompt.start :]
                 tokens = prompt.ids[prompt.start :]
@@ -288,10 +308,17 @@ class NativeGeneration:
                     meta["input_top_logprobs"] = [
                         None if lp is None else self._top(lp.top, with_text) for lp in rows
                     ]
+                if prompt.params.logprob_token_ids:
+                    meta["input_token_ids_logprobs"] = [
+                        None if lp is None else self._asked(lp.asked, with_text) for lp in rows
+                    ]
         return {"text": text, "output_ids": list(token_ids), "meta_info": meta}
 
     def _entry(self, logprob: float | None, token_id: int, with_text: bool) -> list[Any]:
         return [logprob, token_id, self.ctx.token_text(token_id)[0] if with_text else None]
+
+    def _asked(self, asked: dict[int, float], with_text: bool) -> list[list[Any]]:
+        return [self._entry(lp, t, with_text) for t, lp in asked.items()]
 
     def _top(self, top: dict[int, float], with_text: bool) -> list[list[Any]]:
         ranked = sorted(top.items(), key=lambda kv: -kv[1])

@@ -90,6 +90,35 @@ def test_log_probabilities_of_the_output_and_the_prompt(server) -> None:
     )
 
 
+def test_token_ids_logprob_at_the_output_and_the_prompt(server, builtin_path) -> None:
+    """SGLang's token_ids_logprob: each position's log-probabilities of the asked ids, in their
+    order, as the offline engine computes them; the output's own token, asked, is its logprob."""
+    from deltaserve import LLM, SamplingParams
+
+    prompt, asked = [5, 9, 17, 3, 88], [11, 42, 7]
+    r = generate(
+        server, input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0,
+        token_ids_logprob=asked,
+    ).json()  # fmt: skip
+    meta = r["meta_info"]
+    llm = LLM(builtin_path, device="cpu", max_model_len=512)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0, logprob_token_ids=asked
+    )
+    want = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    got = meta["output_token_ids_logprobs"]
+    assert [[e[1] for e in row] for row in got] == [asked] * 8
+    assert [[e[0] for e in row] for row in got] == [
+        pytest.approx(list(lp.asked.values()), abs=1e-4) for lp in want.outputs[0].logprobs
+    ]
+    assert meta["input_token_ids_logprobs"][0] is None  # nothing before the first token
+    assert [[e[0] for e in row] for row in meta["input_token_ids_logprobs"][1:]] == [
+        pytest.approx(list(lp.asked.values()), abs=1e-4) for lp in want.prompt_logprobs[1:]
+    ]
+    bad = generate(server, input_ids=prompt, sampling_params=GREEDY, token_ids_logprob=asked)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "token_ids_logprob"
+
+
 def test_a_stop_string_is_the_matched_reason(server) -> None:
     free = generate(server, input_ids=[5, 9, 17], sampling_params={**GREEDY, "max_new_tokens": 12}).json()[
         "text"
