@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from deltaserve.engine.cache.kv_pool import KVPool
 from deltaserve.engine.cache.page_table import SlotPageTable
@@ -289,7 +290,9 @@ class ModelRunner:
         from deltaserve.engine.runner.weight_update import commit_weights, stage_weights
 
         if self.step_log is None:
-            commit_weights(stage_weights(self, path, load_format))
+            commit_weights(
+                stage_weights(self.config, self.loaded, self._live_modules(), self.device, path, load_format)
+            )
             return
         from deltaserve.engine.parallel.step_sync import StepMessage
 
@@ -307,12 +310,22 @@ class ModelRunner:
         from deltaserve.engine.runner.weight_update import stage_weights
 
         try:
-            return stage_weights(self, path, load_format), None
+            return stage_weights(
+                self.config, self.loaded, self._live_modules(), self.device, path, load_format
+            ), None
         except Exception as exc:  # reported to rank 0, which refuses the update on every rank
             if isinstance(exc, ValueError):
                 return None, str(exc)
             rank = self.groups.tp.rank if self.groups is not None else 0
             return None, f"rank {rank}: {type(exc).__name__}: {exc}"
+
+    def _live_modules(self) -> dict[str, nn.Module]:
+        live: dict[str, nn.Module] = {"model": self.model}
+        if self.vision is not None:
+            live["vision tower"] = self.vision
+        if self.mtp is not None:
+            live["MTP layer"] = self.mtp
+        return live
 
     # -- tensor parallelism: a worker's side ------------------------------------------------
 

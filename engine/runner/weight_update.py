@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from deltaserve.engine.runner.model_runner import ModelRunner
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.models.checkpoints.loader import LoadedModel
 
 # config keys that name or date a checkpoint, not the model it holds
 _NOT_THE_MODEL = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash"})
@@ -31,12 +32,20 @@ class StagedWeights:
     modules: list[tuple[str, nn.Module, nn.Module]]
 
 
-def stage_weights(runner: ModelRunner, path: str, load_format: str = "auto") -> StagedWeights:
-    """The checkpoint at `path` as the live model's modules hold it; ValueError when it is not a
-    checkpoint of the served model (another config, or tensors of other names or shapes)."""
+def stage_weights(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    live: dict[str, nn.Module],
+    device: torch.device,
+    path: str,
+    load_format: str = "auto",
+) -> StagedWeights:
+    """The checkpoint at `path` as the `live` modules ("model", and "vision tower" and "MTP layer"
+    where served) on `device` hold it; ValueError when it is not a checkpoint of the served model
+    (another config, or tensors of other names or shapes)."""
     from deltaserve.models.checkpoints.loader import load_model
 
-    config, cpu = runner.config, torch.device("cpu")
+    cpu = torch.device("cpu")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"no checkpoint at {path!r}: it has no config.json")
     torch.manual_seed(config.seed)  # dummy weights: the same seed, the same weights
@@ -47,23 +56,23 @@ def stage_weights(runner: ModelRunner, path: str, load_format: str = "auto") -> 
         load_format,
         config.seed,
         quantization=config.quantization,
-        tp=runner.loaded.tp,
+        tp=loaded.tp,
         hf_overrides=config.hf_overrides,
-        vision=runner.vision is not None,
-        structure_device=runner.device,
+        vision="vision tower" in live,
+        structure_device=device,
     )
-    differ = config_differences(runner.loaded.config, new.config)
+    differ = config_differences(loaded.config, new.config)
     if differ:
         raise ValueError(
             f"the checkpoint at {path} is not a checkpoint of the served model: its config differs "
             f"in {', '.join(differ[:6])}"
         )
-    modules: list[tuple[str, nn.Module, nn.Module]] = [("model", runner.model, new.model)]
-    if runner.vision is not None:
+    modules: list[tuple[str, nn.Module, nn.Module]] = [("model", live["model"], new.model)]
+    if "vision tower" in live:
         if new.vision is None:
             raise ValueError(f"the checkpoint at {path} has no vision tower")
-        modules.append(("vision tower", runner.vision, new.vision))
-    if runner.mtp is not None:
+        modules.append(("vision tower", live["vision tower"], new.vision))
+    if "MTP layer" in live:
         from deltaserve.models.qwen3_next_mtp import load_mtp
 
         mtp = load_mtp(
@@ -73,12 +82,12 @@ def stage_weights(runner: ModelRunner, path: str, load_format: str = "auto") -> 
             cpu,
             load_format == "dummy",
             config.quantization,
-            runner.loaded.tp,
-            structure_device=runner.device,
+            loaded.tp,
+            structure_device=device,
         )
-        modules.append(("MTP layer", runner.mtp, mtp))
-    for what, live, staged in modules:
-        check_same_tensors(what, live, staged)
+        modules.append(("MTP layer", live["MTP layer"], mtp))
+    for what, ours, staged in modules:
+        check_same_tensors(what, ours, staged)
     return StagedWeights(modules)
 
 
