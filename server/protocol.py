@@ -215,7 +215,6 @@ def _best_of(value: Any, data: dict[str, Any]) -> str | None:
 class ChatCompletionRequest(SamplingRequest):
     unsupported = {
         **SamplingRequest.unsupported,
-        "use_beam_search": unsupported_if_set("not supported on chat: send it to /v1/completions"),
         "echo": unsupported_if_set("not supported on chat: the reply holds the new message only"),
         "audio": unsupported_if_set("not supported: this server writes text only"),
         "modalities": _modalities,
@@ -233,6 +232,8 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the last message
+    use_beam_search: bool = False  # vLLM's: the n best beams (server/api/beam_search.py)
+    length_penalty: float = 1.0  # vLLM's: beams score their log-probability over length ** this
 
 
 class CompletionRequest(SamplingRequest):
@@ -246,7 +247,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     use_beam_search: bool = False  # vLLM's: the n best beams (server/api/beam_search.py)
-    length_penalty: float = 1.0  # vLLM's: beams score their log-probability over length ** this
+    length_penalty: float = 1.0
 
 
 class TokenizeRequest(RequestBody):

@@ -1,43 +1,55 @@
-"""vLLM's `use_beam_search` on /v1/completions: the n best beams of each prompt
-(`engine/requests/beam_search.py`), each step's beams sent to the engine as one-token requests
-that ask for 2n log-probabilities, so that the prefix cache serves what the beams share."""
+"""vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions: the n best beams of each
+prompt (`engine/requests/beam_search.py`), each step's beams sent to the engine as one-token
+requests that ask for 2n log-probabilities, so that the prefix cache serves what the beams share."""
 
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchParams
+from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.sampling_params import SamplingParams
 
 from ..errors import bad_request
-from ..protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from ..protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+from ..text.chat_output import ChatOutputParser
 from .context import ClientDisconnected, ServerContext
 
+if TYPE_CHECKING:
+    from deltaserve.engine.requests.beam_search import BeamSequence
+
+# what changes which tokens a sampler may pick, or asks for what a search does not give
 _UNSCORED = (
-    "logprobs",
-    "stop",
-    "stop_token_ids",
-    "bad_words",
-    "logit_bias",
-    "allowed_token_ids",
-    "min_tokens",
-)
+    "stop", "stop_token_ids", "bad_words", "logit_bias", "allowed_token_ids", "min_tokens", "response_format",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
+)  # fmt: skip
 
 
-async def beam_search_completion(
-    ctx: ServerContext, req: CompletionRequest, raw: Request, model: str, prompts: list[tuple[str, list[int]]]
-) -> Response:
+def beam_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> BeamSearchParams:
+    """The request's search, or a 400 naming what a search cannot honour."""
     if req.stream:
         raise bad_request("use_beam_search answers once the search ends: send stream false", "stream")
+    if (req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs) or getattr(
+        req, "top_logprobs", None
+    ) is not None:
+        raise bad_request("logprobs is not supported with use_beam_search", "logprobs")
     for name in _UNSCORED:
-        if getattr(req, name):
+        if getattr(req, name, None):
             raise bad_request(f"{name} is not supported with use_beam_search", name)
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
     try:
-        params = BeamSearchParams(
+        return BeamSearchParams(
             beam_width=req.n,
             max_tokens=max_tokens,
             ignore_eos=req.ignore_eos,
@@ -50,58 +62,99 @@ async def beam_search_completion(
             "n" if "beam_width" in str(exc) else "temperature" if "temperature" in str(exc) else "max_tokens"
         )
         raise bad_request(str(exc).replace("beam_width", "n (the beam width)"), param) from exc
+
+
+async def search(
+    ctx: ServerContext, raw: Request, prompts: list[list[int]], params: BeamSearchParams
+) -> list[BeamSearchOutput]:
+    """Every prompt's best beams; ClientDisconnected when the client hangs up between steps."""
     limit = ctx.client.max_model_len
-    for _, ids in prompts:
-        if len(ids) + max_tokens > limit:
+    for ids in prompts:
+        if len(ids) + params.max_tokens > limit:
             raise bad_request(
-                f"the prompt's {len(ids)} tokens and max_tokens {max_tokens} exceed the context of {limit}",
+                f"the prompt's {len(ids)} tokens and max_tokens {params.max_tokens} exceed the context of {limit}",
                 "max_tokens",
                 code="context_length_exceeded",
             )
-    search = BeamSearch([ids for _, ids in prompts], params, ctx.client.eos_token_ids)
+    beams = BeamSearch(prompts, params, ctx.client.eos_token_ids)
     step = SamplingParams(
-        temperature=0.0, max_tokens=1, logprobs=2 * req.n, ignore_eos=True, detokenize=False
+        temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False
     )
     base = f"beam-{uuid.uuid4().hex}"
-    while not search.finished:
-        requests = [
-            (f"{base}-{search.steps}-{i}", tokens, step) for i, tokens in enumerate(search.expanding())
-        ]
-        group = await ctx.submit(requests)
-        try:
-            final = await ctx.collect(group, raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        search.advance([final[r[0]].outputs[0].logprobs[0].top for r in requests])  # type: ignore[index]
+    while not beams.finished:
+        requests = [(f"{base}-{beams.steps}-{i}", tokens, step) for i, tokens in enumerate(beams.expanding())]
+        final = await ctx.collect(await ctx.submit(requests), raw)
+        beams.advance([final[r[0]].outputs[0].logprobs[0].top for r in requests])  # type: ignore[index]
+    return beams.outputs()
+
+
+def beam_text(ctx: ServerContext, beam: BeamSequence, params: BeamSearchParams, skip_special: bool) -> str:
+    ids = beam.output_ids
+    if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+        ids = ids[:-1]
+    return ctx.need_tokenizer().decode(ids, skip_special_tokens=skip_special) if ctx.tokenizer else ""
+
+
+def _usage(prompts: list[list[int]], outs: list[BeamSearchOutput]) -> Usage:
+    prompt = sum(len(ids) for ids in prompts)
+    completion = sum(len(b.output_ids) for out in outs for b in out.sequences)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def beam_search_completion(
+    ctx: ServerContext, req: CompletionRequest, raw: Request, model: str, prompts: list[tuple[str, list[int]]]
+) -> Response:
+    params = beam_params(req, 16 if req.max_tokens is None else req.max_tokens)
+    ids = [p for _, p in prompts]
+    try:
+        outs = await search(ctx, raw, ids, params)
+    except ClientDisconnected:
+        return Response(status_code=499)
     choices: list[CompletionChoice] = []
-    completion_tokens = 0
-    for (text, _), out in zip(prompts, search.outputs()):
+    for (text, _), out in zip(prompts, outs):
         for beam in out.sequences:
-            ids = beam.output_ids
-            completion_tokens += len(ids)
-            if beam.finish_reason == "stop" and not req.include_stop_str_in_output:
-                ids = ids[:-1]
-            decoded = (
-                ctx.need_tokenizer().decode(ids, skip_special_tokens=req.skip_special_tokens)
-                if ctx.tokenizer
-                else ""
-            )
+            decoded = beam_text(ctx, beam, params, req.skip_special_tokens)
             choices.append(
                 CompletionChoice(
                     index=len(choices),
                     text=(text if req.echo else "") + decoded,
-                    logprobs=None,
                     finish_reason=beam.finish_reason,
                 )
             )
-    prompt_tokens = sum(len(ids) for _, ids in prompts)
-    usage = Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
+    response = CompletionResponse(
+        id=f"cmpl-{uuid.uuid4().hex}", model=model, choices=choices, usage=_usage(ids, outs)
     )
-    response = CompletionResponse(id=f"cmpl-{base}", model=model, choices=choices, usage=usage)
     payload = response.model_dump(mode="json")
     for choice in payload["choices"]:
         del choice["prompt_logprobs"]  # vLLM's field, for requests that ask for it
     return JSONResponse(payload)
+
+
+async def beam_search_chat(
+    ctx: ServerContext,
+    req: ChatCompletionRequest,
+    raw: Request,
+    model: str,
+    prompt_ids: list[int],
+    parser: ChatOutputParser,
+    max_tokens: int,
+) -> Response:
+    """The chat's best beams as choices, each read for reasoning as a sampled reply is."""
+    params = beam_params(req, max_tokens)
+    try:
+        (out,) = await search(ctx, raw, [prompt_ids], params)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = []
+    for i, beam in enumerate(out.sequences):
+        parsed = parser.parse(beam_text(ctx, beam, params, req.skip_special_tokens), final=True)
+        message = AssistantMessage(
+            content=parsed.content if parsed.content or not parsed.reasoning else None,
+            reasoning_content=parsed.reasoning or None,
+            reasoning=parsed.reasoning or None,
+        )
+        choices.append(ChatChoice(index=i, message=message, finish_reason=beam.finish_reason))
+    response = ChatCompletionResponse(
+        id=f"chatcmpl-{uuid.uuid4().hex}", model=model, choices=choices, usage=_usage([prompt_ids], [out])
+    )
+    return JSONResponse(response.model_dump(mode="json", exclude={"prompt_logprobs"}))

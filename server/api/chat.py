@@ -121,6 +121,17 @@ async def prepare_chat(
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
+    if req.use_beam_search:
+        from .beam_search import beam_params, beam_search_chat
+
+        beam_params(req, 1)  # its refusals before the prompt is rendered
+        prepared = await prepare_chat(ctx, req)
+        if prepared.images is not None:
+            raise bad_request("use_beam_search does not take images", "messages")
+        assert prepared.params.max_tokens is not None
+        return await beam_search_chat(
+            ctx, req, raw, model, prepared.prompt_ids, prepared.parser, prepared.params.max_tokens
+        )
     prepared = await prepare_chat(ctx, req)
     generation = ChatGeneration(ctx, req, model, prepared)
     generation.add(generation.request_id, prepared.prompt_ids, prepared.params, prepared.images)

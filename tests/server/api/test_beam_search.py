@@ -1,5 +1,5 @@
-"""vLLM's use_beam_search on /v1/completions, through the openai client on a real server: the
-offline engine's beams (LLM.beam_search, itself held to transformers in
+"""vLLM's use_beam_search on /v1/completions and /v1/chat/completions, through the openai client
+on a real server: the offline engine's beams (LLM.beam_search, itself held to transformers in
 tests/engine/requests/test_beam_search.py), best first, one choice a beam; what it cannot do is a
 400 naming the field."""
 
@@ -40,6 +40,20 @@ def test_choices_are_the_offline_beams(client, builtin_path) -> None:
     assert len({c.text for c in reply.choices[:3]}) == 3
 
 
+def test_chat_choices_are_the_offline_beams_of_the_rendered_prompt(client, builtin_path) -> None:
+    messages = [{"role": "user", "content": "Say something."}]
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, n=2, max_tokens=6, extra_body={"use_beam_search": True}
+    )
+    llm = offline(builtin_path)
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    (want,) = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=2, max_tokens=6))
+    got = [(c.message.reasoning_content or "") + (c.message.content or "") for c in reply.choices]
+    assert got == [b.text.replace("<think>", "").replace("</think>", "") for b in want.sequences]
+    assert reply.usage.prompt_tokens == len(ids)
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -51,6 +65,11 @@ def test_choices_are_the_offline_beams(client, builtin_path) -> None:
     ],
 )
 def test_what_beam_search_cannot_do_is_a_400(client, fields: dict, param: str) -> None:
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+    chat["logprobs"] = "logprobs" in fields
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**chat, extra_body={"use_beam_search": True})
+    assert err.value.body["param"] == param
     body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 4, **fields}
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(**body, extra_body={"use_beam_search": True})

@@ -191,7 +191,6 @@ RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
         ("/v1/responses", {**RESPONSE, "prompt": {"id": "pmpt_1"}}, "prompt"),
         ("/v1/responses", {**RESPONSE, "conversation": "conv_1"}, "conversation"),
         # vLLM's sampling fields that are not implemented
-        ("/v1/chat/completions", {**GOOD, "use_beam_search": True}, "use_beam_search"),
         ("/v1/chat/completions", {**GOOD, "echo": True}, "echo"),
         # values that change nothing are served
         ("/v1/completions", {**COMPLETION, "suffix": None, "best_of": 1}, None),
