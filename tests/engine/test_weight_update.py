@@ -135,3 +135,27 @@ def test_fp8_weights_update(online: bool, make_checkpoint, tmp_path) -> None:
     llm.update_weights_from_disk(second)
     after = run(llm, prompts)
     assert after == _fresh(second, prompts, **kw) and after != before
+
+
+def _update_matches_a_fresh_engine(first: str, second: str, device: str) -> None:
+    prompts = prompts_of([6, 40, 90], seed=7)
+    kw = dict(dtype="float32", device=device, max_model_len=512)
+    llm = LLM(first, **kw)
+    before = run(llm, prompts)
+    llm.update_weights_from_disk(second)
+    after = run(llm, prompts)
+    assert after == run(LLM(second, **kw), prompts) and after != before
+    graphs = llm.engine.runner.graph_runner
+    assert device == "cpu" or (graphs is not None and graphs.decode.replays > 0)  # graphs replay new weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_weights_update_on_cuda(kind, make_checkpoint) -> None:
+    """On CUDA (decode graphs captured over the old weights; Qwen3-Next's shared experts fused into
+    the routed ones), the updated engine computes what one started on the new checkpoint does."""
+    sizes = dict(hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
+    _update_matches_a_fresh_engine(
+        make_checkpoint(kind, **sizes), make_checkpoint(kind, seed=1, **sizes), "cuda"
+    )
