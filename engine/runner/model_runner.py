@@ -285,22 +285,21 @@ class ModelRunner:
 
     def update_weights(self, path: str, load_format: str = "auto") -> None:
         """The checkpoint at `path`'s weights in place of the served ones (`weight_update.py`);
-        ValueError, with nothing changed on any rank, when it is not a checkpoint of this model.
-        Every rank stages its slice and reports before any copies."""
-        from deltaserve.engine.runner.weight_update import commit_weights, stage_weights
+        ValueError, with nothing changed on any rank, when it is not a checkpoint of this model or
+        cannot be read. Every rank stages its slice and reports before any copies."""
+        from deltaserve.engine.runner.weight_update import commit_weights
 
-        if self.step_log is None:
-            commit_weights(
-                stage_weights(self.config, self.loaded, self._live_modules(), self.device, path, load_format)
-            )
-            return
-        from deltaserve.engine.parallel.step_sync import StepMessage
+        if self.step_log is not None:
+            from deltaserve.engine.parallel.step_sync import StepMessage
 
-        assert self.channel is not None
-        self.channel.send(StepMessage("stage", self.step_log.take(), reload=(path, load_format)))
+            assert self.channel is not None
+            self.channel.send(StepMessage("stage", self.step_log.take(), reload=(path, load_format)))
         staged, error = self._stage(path, load_format)
-        errors = [e for e in self.channel.gather(error) or [] if e is not None]
-        self.channel.send(StepMessage("discard" if errors else "commit"))
+        errors = [error] if error is not None else []
+        if self.step_log is not None:
+            assert self.channel is not None
+            errors = [e for e in self.channel.gather(error) or [] if e is not None]
+            self.channel.send(StepMessage("discard" if errors else "commit"))
         if errors:
             raise ValueError(errors[0])
         assert staged is not None
@@ -316,8 +315,8 @@ class ModelRunner:
         except Exception as exc:  # reported to rank 0, which refuses the update on every rank
             if isinstance(exc, ValueError):
                 return None, str(exc)
-            rank = self.groups.tp.rank if self.groups is not None else 0
-            return None, f"rank {rank}: {type(exc).__name__}: {exc}"
+            where = f" on rank {self.groups.tp.rank}" if self.groups is not None else ""
+            return None, f"the checkpoint at {path} could not be loaded{where} ({type(exc).__name__}: {exc})"
 
     def _live_modules(self) -> dict[str, nn.Module]:
         live: dict[str, nn.Module] = {"model": self.model}

@@ -5,6 +5,9 @@ checkpoint of another model, or none, is a ValueError that changes nothing."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -61,6 +64,12 @@ def test_another_models_checkpoint_or_none_changes_nothing(make_checkpoint, tmp_
         llm.update_weights_from_disk(make_checkpoint("qwen3_5", intermediate_size=40))
     with pytest.raises(ValueError, match="no checkpoint"):
         llm.update_weights_from_disk(str(tmp_path / "absent"))
+    broken = shutil.copytree(path, tmp_path / "broken")
+    for name in os.listdir(broken):
+        if name.endswith(".safetensors"):
+            (broken / name).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="could not be loaded"):
+        llm.update_weights_from_disk(str(broken))
     with pytest.raises(ValueError, match="load format"):
         llm.update_weights_from_disk(path, load_format="gguf")
     assert run(llm, prompts) == before
@@ -70,9 +79,6 @@ def test_another_models_checkpoint_or_none_changes_nothing(make_checkpoint, tmp_
 def test_a_vision_towers_weights_update_too(vision_checkpoint, tmp_path) -> None:
     """A new tower changes what an image means: the updated engine's tokens for a prompt with an
     image are those of an engine started on the new checkpoint."""
-    import os
-    import shutil
-
     import numpy as np
     from PIL import Image
     from safetensors.torch import load_file, save_file
