@@ -242,9 +242,7 @@ class LLM:
         results = search.outputs()
         for out in results:
             for beam in out.sequences:
-                ids = beam.output_ids
-                if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
-                    ids = ids[:-1]
+                ids = beam.text_ids(params.include_stop_str_in_output)
                 beam.text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
         return results
 

@@ -53,6 +53,11 @@ class BeamSequence:
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt_tokens :]
 
+    def text_ids(self, include_stop: bool) -> list[int]:
+        """The output's ids to decode: the stop token that ended it left out unless asked for."""
+        ids = self.output_ids
+        return ids[:-1] if self.finish_reason == "stop" and not include_stop else ids
+
 
 @dataclass
 class BeamSearchOutput:
@@ -84,10 +89,12 @@ class BeamSearch:
         """The token ids of every live beam, prompt by prompt: the next step's prompts."""
         return [beam.tokens for beams in self.live for beam in beams]
 
+    def _score(self, beam: BeamSequence) -> float:
+        return beam_score(beam, self.stop_ids, self.params.length_penalty)
+
     def advance(self, candidates: Sequence[dict[int, float]]) -> None:
         """One step: `candidates[i]`, the next token's log-probabilities for `expanding()[i]`."""
         it = iter(candidates)
-        key = lambda b: beam_score(b, self.stop_ids, self.params.length_penalty)  # noqa: E731
         for i, beams in enumerate(self.live):
             grown: list[BeamSequence] = []
             for beam in beams:
@@ -104,15 +111,14 @@ class BeamSearch:
                         self.ended[i].append(new)
                     else:
                         grown.append(new)
-            self.live[i] = sorted(grown, key=key, reverse=True)[: self.params.beam_width]
+            self.live[i] = sorted(grown, key=self._score, reverse=True)[: self.params.beam_width]
         self.steps += 1
 
     def outputs(self) -> list[BeamSearchOutput]:
-        key = lambda b: beam_score(b, self.stop_ids, self.params.length_penalty)  # noqa: E731
         outs = []
         for live, ended in zip(self.live, self.ended):
             for beam in live:
                 beam.finish_reason = "length"
-            best = sorted(ended + live, key=key, reverse=True)[: self.params.beam_width]
+            best = sorted(ended + live, key=self._score, reverse=True)[: self.params.beam_width]
             outs.append(BeamSearchOutput(best))
         return outs

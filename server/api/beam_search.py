@@ -89,9 +89,7 @@ async def search(
 
 
 def beam_text(ctx: ServerContext, beam: BeamSequence, params: BeamSearchParams, skip_special: bool) -> str:
-    ids = beam.output_ids
-    if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
-        ids = ids[:-1]
+    ids = beam.text_ids(params.include_stop_str_in_output)
     return ctx.need_tokenizer().decode(ids, skip_special_tokens=skip_special) if ctx.tokenizer else ""
 
 
@@ -137,10 +135,9 @@ async def beam_search_chat(
     model: str,
     prompt_ids: list[int],
     parser: ChatOutputParser,
-    max_tokens: int,
+    params: BeamSearchParams,
 ) -> Response:
     """The chat's best beams as choices, each read for reasoning as a sampled reply is."""
-    params = beam_params(req, max_tokens)
     try:
         (out,) = await search(ctx, raw, [prompt_ids], params)
     except ClientDisconnected:

@@ -79,17 +79,13 @@ async def prepare_chat(
         )
         return text, ctx.encode(text)
 
-    urls = image_urls(req.messages)
-    if urls:
-        ctx.images.check(len(urls), images_at or first_image_part(req.messages))
+    images = await ctx.images.read(
+        image_urls(req.messages), named=images_at or first_image_part(req.messages)
+    )
+    if images is not None and req.truncate_prompt_tokens is not None:
+        raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
     prompt, prompt_ids = await ctx.off_loop(prepare)
-    images = None
-    if urls:
-        if req.truncate_prompt_tokens is not None:
-            raise bad_request(
-                "truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens"
-            )
-        images = await ctx.images.read(urls)
+    if images is not None:
         prompt_ids = ctx.images.expand(prompt_ids, images)
     prompt_ids = truncate_prompt(req, prompt_ids, ctx.client.max_model_len)  # the text's end stays
     params = ctx.sampling_params(req, len(prompt_ids), await ctx.bad_words_ids(req))
@@ -124,14 +120,13 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if req.use_beam_search:
         from .beam_search import beam_params, beam_search_chat
 
-        beam_params(req, 1)  # its refusals before the prompt is rendered
+        params = beam_params(req, 1)  # its refusals before the prompt is rendered
         prepared = await prepare_chat(ctx, req)
         if prepared.images is not None:
             raise bad_request("use_beam_search does not take images", "messages")
         assert prepared.params.max_tokens is not None
-        return await beam_search_chat(
-            ctx, req, raw, model, prepared.prompt_ids, prepared.parser, prepared.params.max_tokens
-        )
+        params.max_tokens = prepared.params.max_tokens  # the context's room, as chat computes it
+        return await beam_search_chat(ctx, req, raw, model, prepared.prompt_ids, prepared.parser, params)
     prepared = await prepare_chat(ctx, req)
     generation = ChatGeneration(ctx, req, model, prepared)
     generation.add(generation.request_id, prepared.prompt_ids, prepared.params, prepared.images)
