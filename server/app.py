@@ -257,10 +257,8 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
 
-        urls = image_urls(body.messages) if body.messages is not None else []
-        if urls:
-            ctx.images.check(len(urls), first_image_part(body.messages or []))
-        images = await ctx.images.read(urls) if urls else None
+        messages = body.messages or []
+        images = await ctx.images.read(image_urls(messages), named=first_image_part(messages))
 
         def encode() -> bytes:  # the reply too is made off the loop: a long prompt's ids are megabytes
             ids = ids_of() if images is None else ctx.images.expand(ids_of(), images)

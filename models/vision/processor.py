@@ -111,10 +111,16 @@ def image_from_data_url(url: str) -> Any:
     head, _, body = url.partition(",")
     if not head.startswith("data:") or not head.endswith(";base64"):
         raise ValueError("an image data URL must be data:<type>;base64,<data>")
+    return image_from_base64(body, "the image data URL's base64")
+
+
+def image_from_base64(data: str, what: str = "the image's base64") -> Any:
+    """Base64-encoded image file bytes as a PIL image; a ValueError naming `what` when invalid."""
     try:
-        return decode_image(base64.b64decode(body, validate=True))
+        raw = base64.b64decode(data, validate=True)
     except binascii.Error as exc:
-        raise ValueError(f"the image data URL's base64 is invalid ({exc})") from exc
+        raise ValueError(f"{what} is invalid ({exc})") from exc
+    return decode_image(raw)
 
 
 def load_image(url: str) -> Any:

@@ -200,10 +200,8 @@ class NativeGeneration:
         ):
             if not isinstance(sampling, dict):
                 raise bad_request("sampling_params must be an object, or a list of them", "sampling_params")
-            read = None
-            if urls:
-                ctx.images.check(len(urls), "image_data")
-                read = await ctx.images.read(urls, "image_data")
+            read = await ctx.images.read(urls, "image_data")
+            if read is not None:
                 ids = ctx.images.expand(ids, read, "image_data")
             start = start if want else -1
             creq = _completion_request(

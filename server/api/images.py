@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.models.vision.positions import ImageInputs, expand_image_tokens
-from deltaserve.models.vision.processor import ImageProcessor, decode_image, image_from_data_url
+from deltaserve.models.vision.processor import (
+    ImageProcessor,
+    decode_image,
+    image_from_base64,
+    image_from_data_url,
+)
 
 from ..errors import bad_request
 
@@ -48,9 +53,15 @@ class ImageReader:
                 where,
             )
 
-    async def read(self, urls: list[str], where: str = "messages") -> ImageInputs:
+    async def read(
+        self, urls: list[str], where: str = "messages", named: str | None = None
+    ) -> ImageInputs | None:
         """The images at `urls` (data: or http(s):; SGLang's `image_data` also bare base64),
-        processed; a 400 naming one that fails."""
+        processed (None for none); a 400 at `named` (else `where`) when this server reads no images
+        or fewer, and at `where` naming one that fails."""
+        if not urls:
+            return None
+        self.check(len(urls), named or where)
         images = await asyncio.gather(*(self._load(i, url, where) for i, url in enumerate(urls)))
         assert self.processor is not None
         try:
@@ -64,8 +75,8 @@ class ImageReader:
                 return image_from_data_url(url)
             if url.startswith(("http://", "https://")):
                 return decode_image(await fetch(url))
-            if where == "image_data" and "://" not in url:
-                return decode_image(_base64(url))
+            if where == "image_data" and "://" not in url:  # SGLang's: bare base64
+                return image_from_base64(url, "image_data's base64 (a data: URL, an http(s): URL or base64)")
             raise ValueError("an image URL must be a data: URL or an http(s): URL")
         except ValueError as exc:
             raise bad_request(f"image {index}: {exc}", where) from exc
@@ -78,16 +89,6 @@ class ImageReader:
             return expand_image_tokens(prompt_ids, self.image_token_id, self.processor.num_tokens(inputs))
         except ValueError as exc:
             raise bad_request(f"{exc}: does the chat template write images?", where) from exc
-
-
-def _base64(data: str) -> bytes:
-    import base64
-    import binascii
-
-    try:
-        return base64.b64decode(data, validate=True)
-    except binascii.Error as exc:
-        raise ValueError("image_data must be a data: URL, an http(s): URL or base64 data") from exc
 
 
 async def fetch(url: str) -> bytes:
