@@ -287,21 +287,20 @@ class ModelRunner:
         """The checkpoint at `path`'s weights in place of the served ones (`weight_update.py`);
         ValueError, with nothing changed on any rank, when it is not a checkpoint of this model or
         cannot be read. Every rank stages its slice and reports before any copies."""
+        from deltaserve.engine.parallel.step_sync import StepMessage
         from deltaserve.engine.runner.weight_update import commit_weights
 
-        if self.step_log is not None:
-            from deltaserve.engine.parallel.step_sync import StepMessage
-
-            assert self.channel is not None
-            self.channel.send(StepMessage("stage", self.step_log.take(), reload=(path, load_format)))
+        channel, log = self.channel, self.step_log
+        if log is not None:
+            assert channel is not None
+            channel.send(StepMessage("stage", log.take(), reload=(path, load_format)))
         staged, error = self._stage(path, load_format)
-        errors = [error] if error is not None else []
-        if self.step_log is not None:
-            assert self.channel is not None
-            errors = [e for e in self.channel.gather(error) or [] if e is not None]
-            self.channel.send(StepMessage("discard" if errors else "commit"))
-        if errors:
-            raise ValueError(errors[0])
+        if log is not None:  # every rank's verdict: all commit, or none
+            assert channel is not None
+            error = next((e for e in channel.gather(error) or [] if e is not None), None)
+            channel.send(StepMessage("discard" if error else "commit"))
+        if error is not None:
+            raise ValueError(error)
         assert staged is not None
         commit_weights(staged)
 
