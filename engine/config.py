@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -88,6 +88,10 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     distributed_timeout_s: float = 300.0  # how long the ranks wait for each other to join
+    # data parallelism (server/launch.py starts the replicas): this engine is replica `data_parallel_rank` of
+    # `data_parallel_size`, each on its own GPUs (tensor_parallel_size of them), fed its own requests
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     # a process group the caller already runs, one engine per rank fed the same requests (the
     # ranks stay in step without the engine's own step sync); never pickled
     tensor_parallel: TensorParallel | None = field(default=None, repr=False, compare=False)
@@ -165,6 +169,22 @@ class EngineConfig:
             raise ValueError("more than one node needs master_port (and master_addr: node 0's address)")
         if self.distributed_timeout_s <= 0:
             raise ValueError("distributed_timeout_s must be positive")
+        if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank must be in [0, data_parallel_size), got {self.data_parallel_rank} "
+                f"of {self.data_parallel_size}"
+            )
+        if self.data_parallel_size > 1 and nnodes > 1:
+            raise ValueError("data parallelism over more than one node is not implemented")
+
+    def data_parallel_replica(self, rank: int) -> EngineConfig:
+        """The config of replica `rank`: on CUDA the GPUs after those of the replicas before it
+        (`tensor_parallel_size` each, from the device given), its own rendezvous port."""
+        device = torch.device(self.device or "cpu")
+        if device.type == "cuda":
+            device = torch.device("cuda", (device.index or 0) + rank * self.tensor_parallel_size)
+        port = None if self.master_port is None else self.master_port + rank
+        return replace(self, device=str(device), master_port=port, data_parallel_rank=rank)
 
     @property
     def ranks_per_node(self) -> int:

@@ -328,7 +328,11 @@ def serve_engine(
     run the loop for all of them (with a stats line every `stats_interval_s` while it works; 0: none)."""
     import zmq
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rank = getattr(config, "data_parallel_rank", 0) if getattr(config, "data_parallel_size", 1) > 1 else None
+    where = "" if rank is None else f"[dp{rank}]"  # whose line it is, with data-parallel replicas
+    logging.basicConfig(
+        level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s"
+    )
     # Ctrl-C, and a SIGTERM sent to the whole process group (systemd, `timeout`, `kill -- -PGID`),
     # reach this process too: the server drains first, then stops it; it also ends when the server
     # goes. The tensor-parallel ranks it starts inherit the ignored SIGTERM.
@@ -349,7 +353,8 @@ def serve_engine(
         out.close()
         ctx.term()
         raise SystemExit(1) from None
-    _leave_cores_for_http(str(engine.device), 1 if isinstance(in_addrs, str) else len(in_addrs))
+    http = 1 if isinstance(in_addrs, str) else len(in_addrs)
+    _leave_cores_for_http(str(engine.device), http, getattr(config, "data_parallel_size", 1))
     core = EngineCore(engine, in_addrs, out_addrs, parent_pid, stats_interval_s)
     freeze_startup_heap("engine process")
     if engine.tokenizer is not None:
@@ -374,11 +379,12 @@ def _exit_unless_gone(why: str, after_s: float) -> None:
     threading.Thread(target=run, name="deltaserve-exit", daemon=True).start()
 
 
-def _leave_cores_for_http(device: str, processes: int) -> None:
+def _leave_cores_for_http(device: str, processes: int, replicas: int = 1) -> None:
     # On CPU, torch's intra-op threads busy-wait on every core; the HTTP processes (tokenizing,
-    # streaming) then fight them and all slow down severalfold. A core for each is cheaper.
+    # streaming) then fight them and all slow down severalfold. A core for each is cheaper, and
+    # data-parallel replicas share what is left.
     import torch
 
     cores = os.cpu_count() or 1
     if device.startswith("cpu") and cores > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - processes)))
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (cores - processes) // replicas)))

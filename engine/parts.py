@@ -91,7 +91,7 @@ def build_model_parts(config: EngineConfig, device: torch.device, groups: RankGr
     graphs = device.type == "cuda" and not config.disable_cuda_graph
     sampler = Sampler(
         device,
-        config.seed,
+        config.seed + config.data_parallel_rank,  # replicas draw unseeded requests' noise apart
         eos_token_ids,
         graph_max_bs=min(SAMPLER_GRAPH_MAX_BS, config.cuda_graph_max_bs) if graphs else 0,
     )
@@ -181,6 +181,7 @@ def _model_info(
         "device": str(device),
         "tensor_parallel_size": config.tensor_parallel_size,
         "expert_parallel": loaded.tp.experts_whole,
+        "data_parallel_size": config.data_parallel_size,
         "num_params": loaded.num_params,
         "kv_capacity_tokens": runner.kv_pool.capacity * config.page_size,
         "state_slots": runner.state_pool.num_working,

@@ -117,7 +117,9 @@ def _pool_budget(config: EngineConfig, device: torch.device) -> int:
         return int(free - total * (1.0 - config.mem_fraction_static))
     if config.pool_memory_gb is not None:
         return int(config.pool_memory_gb * 2**30)
-    return max(_CPU_POOL_MIN, int(_available_bytes() * _CPU_POOL_SHARE))
+    # data-parallel replicas start together and see the same memory: each takes its part of the share
+    share = _CPU_POOL_SHARE / config.data_parallel_size
+    return max(_CPU_POOL_MIN, int(_available_bytes() * share))
 
 
 def free_memory_bytes(device: torch.device) -> int:

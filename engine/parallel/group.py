@@ -43,14 +43,12 @@ def free_port() -> int:
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """A rank's device: on CUDA the GPU of its place on its node (rank 0 keeps a cuda:N given)."""
+    """A rank's device: on CUDA the GPU of its place on its node, counted from the cuda:N given
+    (a data-parallel replica's first GPU; cuda:0 when none is)."""
     device = torch.device(config.device or "cpu")
     if device.type != "cuda":
         return device
-    local = rank % config.ranks_per_node
-    if rank == 0 and device.index is not None:
-        return device
-    return torch.device("cuda", local)
+    return torch.device("cuda", (device.index or 0) + rank % config.ranks_per_node)
 
 
 def init_rank(
