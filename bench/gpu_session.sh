@@ -29,7 +29,7 @@
 #   bash bench/gpu_session.sh norm-ab # the whole-row RMSNorm: its tests; 80B / 9B FP8 and 9B bf16 decode against REV
 #   bash bench/gpu_session.sh align-ab # the grouping's warps on 80B's experts, 80B FP8 decode at the fastest; 9B 8k prefill against REV
 #   bash bench/gpu_session.sh align-4 # the grouping in 4 warps: its test, 35B's experts, 80B FP8 decode at 8 and 4 warps
-#   bash bench/gpu_session.sh features # GPU tests of features built on CPU: images, YaRN, weights updated in place (two GPUs: images and MTP at TP = 2); 80B FP8 decode
+#   bash bench/gpu_session.sh features # GPU tests of features built on CPU: images, YaRN, weights updated in place (two GPUs: images and MTP at TP = 2, data parallelism); 80B FP8 decode
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -63,7 +63,8 @@ case "${1:-all}" in
     ;;
   features)  # the GPU tests of what CPU sessions built (each skips what the machine lacks: two GPUs), then 80B FP8 decode
     run 330 feature-tests python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/models/test_image_input.py \
-      tests/models/test_rope_scaling.py tests/engine/test_weight_update.py tests/engine/parallel/test_tensor_parallel_gpu.py
+      tests/models/test_rope_scaling.py tests/engine/test_weight_update.py tests/engine/parallel/test_tensor_parallel_gpu.py \
+      tests/server/test_data_parallel_gpu.py
     run 240 decode-80b-fp8 python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
       --prompt-len 1024 --new-tokens 128 --prefill-len 0
     ;;

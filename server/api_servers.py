@@ -4,9 +4,9 @@ One HTTP process (tokenizing, detokenizing, SSE, JSON) streams only so many chun
 core; past that a small model's engine waits on it. Process 0 (`deltaserve serve` itself) binds
 the port and starts the engine; it then spawns processes 1..N-1, which inherit the listening
 socket (the kernel hands each new connection to one of the processes accepting on it) and each
-talk to the engine over their own pair of pyzmq sockets (engine/core.py routes every request's
-outputs to the process that added it). Each has its own /health; /metrics adds up all of theirs
-(`metrics.SharedMetrics`).
+talk to the engine (each data-parallel engine) over their own pair of pyzmq sockets
+(engine/core.py routes every request's outputs to the process that added it). Each has its own
+/health; /metrics adds up all of theirs (`metrics.SharedMetrics`).
 
 Process 0 passes SIGTERM on, so all drain together; each ends with its parent (PR_SET_PDEATHSIG).
 One that dies stops the others: the server exits rather than serve on a part of its processes.
@@ -58,11 +58,12 @@ class ApiServers:
 
     @classmethod
     def start(
-        cls, args: argparse.Namespace, sock: socket.socket, handle: Any, model_dir: str, tokenizer: str
+        cls, args: argparse.Namespace, sock: socket.socket, handles: list[Any], model_dir: str, tokenizer: str
     ) -> ApiServers:
         import multiprocessing
 
-        assert handle.process is not None and handle.process.pid is not None
+        # each engine (one per data-parallel replica): its sockets' folder, what it said, its pid
+        engines = [(h.ipc_dir, h.info, h.process.pid) for h in handles]
         context = multiprocessing.get_context("spawn")
         processes: list[BaseProcess] = []
         ready = [context.Event() for _ in range(1, args.api_server_count)]
@@ -73,9 +74,7 @@ class ApiServers:
                     args,
                     index,
                     sock,
-                    handle.ipc_dir,
-                    handle.info,
-                    handle.process.pid,
+                    engines,
                     model_dir,
                     tokenizer,
                 ),
@@ -146,9 +145,7 @@ def run_api_server(
     args: argparse.Namespace,
     index: int,
     sock: socket.socket,
-    ipc_dir: str,
-    info: dict[str, Any],
-    engine_pid: int,
+    engines: list[tuple[str, dict[str, Any], int]],
     model_dir: str,
     tokenizer: str,
     parent_pid: int,
@@ -165,13 +162,13 @@ def run_api_server(
     from .launch import _sampling_defaults, http_server
     from .metrics import SharedMetrics
 
-    handle = EngineHandle.attach(ipc_dir, index, info, engine_pid)
+    handles = [EngineHandle.attach(ipc_dir, index, info, pid) for ipc_dir, info, pid in engines]
     server = http_server(
         args,
-        handle,
+        handles,
         _sampling_defaults(args, model_dir, log=False),
         tokenizer,
-        shared=SharedMetrics(ipc_dir, index, args.api_server_count),
+        shared=SharedMetrics(engines[0][0], index, args.api_server_count),
         ignore_sigint=True,
     )
     ready.set()

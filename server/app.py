@@ -296,18 +296,26 @@ HEALTH_GENERATE_S = 20.0  # how long /health_generate waits for its token (SGLan
 
 
 async def _generates_one_token(ctx: ServerContext, request: Request) -> str | None:
-    """None once a one-token request (not counted in the metrics) comes back from the engine,
-    else why not: the engine failed it, refused it, or did not answer within HEALTH_GENERATE_S."""
+    """None once a one-token request (not counted in the metrics) comes back from the engine
+    (from each data-parallel engine), else why not: an engine failed it, refused it, or did not
+    answer within HEALTH_GENERATE_S."""
+    engines = len(ctx.client.handles)
+    reasons = await asyncio.gather(*(_one_token_from(ctx, request, e, engines) for e in range(engines)))
+    return next((r for r in reasons if r is not None), None)
+
+
+async def _one_token_from(ctx: ServerContext, request: Request, engine: int, engines: int) -> str | None:
     import uuid
 
     from deltaserve.engine.requests.sampling_params import SamplingParams
 
+    which = "the engine" if engines == 1 else f"engine {engine}"
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
     try:
-        group = await ctx.submit([(f"health-{uuid.uuid4().hex}", [0], params)], track=False)
+        group = await ctx.submit([(f"health-{uuid.uuid4().hex}", [0], params)], track=False, engine=engine)
         await asyncio.wait_for(ctx.collect(group, request), HEALTH_GENERATE_S)
     except asyncio.TimeoutError:
-        return f"the engine gave no token within {HEALTH_GENERATE_S:g} s"
+        return f"{which} gave no token within {HEALTH_GENERATE_S:g} s"
     except APIError as exc:
         return exc.message
     except ClientDisconnected:

@@ -393,6 +393,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranks the model is split over, one process (one GPU) each; rank 0 schedules and samples",
     )
     parallel.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        "--dp-size",
+        "--dp",
+        type=_int_at_least(1),
+        default=1,
+        help="engine replicas, each with its own GPUs (--tensor-parallel-size of them) and requests; "
+        "the HTTP processes route each request to one, by shared prompt prefix and load",
+    )
+    parallel.add_argument(
+        "--load-balance-method",
+        choices=["cache_aware", "shortest_queue", "round_robin"],
+        default="cache_aware",
+        help="with --data-parallel-size: which engine takes a request (cache_aware: the one holding the "
+        "longest part of its prompt unless it is busier; shortest_queue: the least busy; round_robin)",
+    )
+    parallel.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="MoE models: each rank holds whole experts (num_experts / tensor-parallel size of them) "
@@ -621,14 +638,6 @@ def _media_limits(text: str) -> dict:
     return limits
 
 
-def _one_replica(text: str) -> int:
-    if text != "1":
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: data parallelism is not implemented; run one server per GPU behind a load balancer"
-        )
-    return 1
-
-
 def _state_dtype(text: str) -> str:
     value = "float32" if text == "auto" else text
     if value not in ("float32", "bfloat16", "float16"):
@@ -694,13 +703,6 @@ def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="JSON",
         help="the most images a prompt may carry ('{\"image\": 4}'; 0 refuses them); videos are never read",
-    )
-    group.add_argument(
-        "--data-parallel-size",
-        "-dp",
-        type=_one_replica,
-        default=1,
-        help="1 only: run one server per GPU (or per tensor-parallel group) behind a load balancer",
     )
     for flag in ("--mamba-ssm-dtype", "--mamba-ssm-cache-dtype"):  # SGLang's, vLLM's
         group.add_argument(

@@ -7,6 +7,11 @@ interface (`EngineHandle.in_thread`). Either way the client speaks to it over py
 calls await the reply that comes back with the next step's message, aborts are fire and forget,
 and each step's outputs fan out to one asyncio queue per request. A dead engine process fails
 every request in flight at once and turns /health to 503; so does a loop silent for too long.
+
+With data parallelism (`--data-parallel-size`) the client speaks to several engine processes, one
+pair of sockets each: `engine_router.EngineRouter` picks the engine of each added request, aborts
+follow their requests, and the calls go to every engine (their stats added up). One engine that
+dies fails its own requests and turns /health to 503; the others' requests finish.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError, reply_error
 from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.requests.outputs import unpack_outputs
+
+from .engine_router import EngineRouter
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -58,8 +65,9 @@ class RequestGroup:
     output in place of older ones).
     """
 
-    def __init__(self, request_ids: list[str]) -> None:
+    def __init__(self, request_ids: list[str], engine: int = 0) -> None:
         self.request_ids = request_ids
+        self.engine = engine  # the (data-parallel) engine that holds them
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.unfinished = set(request_ids)
         self.failed = False
@@ -112,6 +120,16 @@ class EngineHandle:
         raises RuntimeError with the engine's own message. `stats_interval_s`: the engine's
         periodic stats line (engine/stats_log.py); 0: none. `api_servers`: HTTP processes it
         serves, this one first; the others `attach` to it."""
+        handle = cls.start(config, log_level, stats_interval_s, api_servers)
+        handle.await_ready(timeout)
+        return handle
+
+    @classmethod
+    def start(
+        cls, config: Any, log_level: str = "info", stats_interval_s: float = 0.0, api_servers: int = 1
+    ) -> EngineHandle:
+        """`spawn` without the wait: the process is started and loads its model meanwhile
+        (data-parallel replicas load together); `await_ready` then waits for it."""
         import multiprocessing
 
         from deltaserve.engine.core import serve_engine
@@ -119,16 +137,16 @@ class EngineHandle:
         handle = cls._bind()
         ins = [handle.address("in", i) for i in range(api_servers)]
         outs = [handle.address("out", i) for i in range(api_servers)]
+        rank = getattr(config, "data_parallel_rank", 0)
         # spawn, not fork: the child initialises CUDA, which a forked copy of this process may not
         process = multiprocessing.get_context("spawn").Process(
             target=serve_engine,
             args=(config, ins, outs, os.getpid(), log_level, stats_interval_s),
-            name="deltaserve-engine",
+            name=f"deltaserve-engine-{rank}" if rank else "deltaserve-engine",
             daemon=True,
         )
         process.start()
         handle.process = process
-        handle._await_ready(timeout)
         return handle
 
     @classmethod
@@ -153,7 +171,7 @@ class EngineHandle:
 
         handle.thread = threading.Thread(target=run, name="deltaserve-engine", daemon=True)
         handle.thread.start()
-        handle._await_ready(60.0)
+        handle.await_ready(60.0)
         return handle
 
     @classmethod
@@ -173,7 +191,7 @@ class EngineHandle:
         """The engine's `kind` ("in": commands, "out": steps) socket of HTTP process `index`."""
         return f"ipc://{self.ipc_dir}/{kind}" + (f"-{index}" if index else "")
 
-    def _await_ready(self, timeout: float | None) -> None:
+    def await_ready(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.pull.poll(200):
@@ -253,11 +271,18 @@ def pid_running(pid: int) -> bool:
 
 
 class EngineClient:
-    """The event loop's handle on the engine: admit, abort, call, and read per-request outputs."""
+    """The event loop's handle on the engine (or the data-parallel engines): admit, abort, call,
+    and read per-request outputs."""
 
-    def __init__(self, handle: EngineHandle, tokenizer: Any = None, metrics: Metrics | None = None) -> None:
-        info = handle.info
-        self.handle = handle
+    def __init__(
+        self,
+        handles: EngineHandle | Sequence[EngineHandle],
+        tokenizer: Any = None,
+        metrics: Metrics | None = None,
+        load_balance_method: str = "cache_aware",
+    ) -> None:
+        self.handles = [handles] if isinstance(handles, EngineHandle) else list(handles)
+        info = self.handles[0].info
         self.tokenizer = tokenizer
         self.max_model_len: int = info["max_model_len"]
         self.model_info: dict[str, Any] = dict(info["model_info"])
@@ -267,19 +292,25 @@ class EngineClient:
         self.accepting = True
         self.faults = 0  # steps that failed with no request to blame
         self.fault: str | None = None  # the last one: /health reports the engine unhealthy
-        self.dead: str | None = None  # why the engine is gone, once it is
+        self.dead: str | None = None  # why an engine is gone, once one is
         self.wedged_after_s = WEDGED_AFTER_S
+        self.router = EngineRouter(len(self.handles), load_balance_method)
         self._groups: dict[str, RequestGroup] = {}  # engine request id -> its group
+        self._engine_of: dict[str, int] = {}  # engine request id -> the engine that holds it
         self._prompts: dict[str, list[int]] = {}  # engine request id -> its prompt (outputs omit it)
         # streams without stop strings are detokenized here, beside the engine's step, not in it
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._calls: dict[int, tuple[asyncio.Future[Any], int]] = {}  # call id -> (its reply, engine)
         self._call_ids = itertools.count()
-        self._last_heard = time.monotonic()
-        self._reader: asyncio.Task[None] | None = None
-        self._watcher: asyncio.Task[None] | None = None
-        self._push: Any = None
-        self._pull: Any = None
+        self._gone: set[int] = set()  # engines that died
+        self._last_heard = [time.monotonic()] * len(self.handles)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pushes: list[Any] = []
+
+    @property
+    def handle(self) -> EngineHandle:
+        """The first engine's handle (the only one without data parallelism)."""
+        return self.handles[0]
 
     @classmethod
     def in_thread(cls, engine: Any, metrics: Metrics | None = None) -> EngineClient:
@@ -291,24 +322,23 @@ class EngineClient:
     async def start(self) -> None:
         import zmq.asyncio
 
-        self._push = zmq.asyncio.Socket.from_socket(self.handle.push)
-        self._pull = zmq.asyncio.Socket.from_socket(self.handle.pull)
-        self._last_heard = time.monotonic()
-        self._reader = asyncio.create_task(self._read())
-        self._watcher = asyncio.create_task(self._watch())
-
-    def is_alive(self) -> bool:
-        if self.dead is not None or not self.handle.alive():
-            return False
-        return time.monotonic() - self._last_heard < self.wedged_after_s
+        self._pushes = [zmq.asyncio.Socket.from_socket(h.push) for h in self.handles]
+        self._last_heard = [time.monotonic()] * len(self.handles)
+        for engine, handle in enumerate(self.handles):
+            pull = zmq.asyncio.Socket.from_socket(handle.pull)
+            self._tasks.append(asyncio.create_task(self._read(engine, pull)))
+            self._tasks.append(asyncio.create_task(self._watch(engine)))
 
     def health(self) -> tuple[bool, str]:
         """(healthy, why not) for /health."""
         if not self.accepting:
             return False, "the server is shutting down"
-        if self.dead is not None or not self.handle.alive():
-            return False, self.dead or "the engine process is not running"
-        silent = time.monotonic() - self._last_heard
+        if self.dead is not None:
+            return False, self.dead
+        for engine, handle in enumerate(self.handles):
+            if not handle.alive():
+                return False, f"{self._name(engine)} process is not running"
+        silent = time.monotonic() - min(self._last_heard)
         if silent >= self.wedged_after_s:
             return False, f"the engine has not answered for {silent:.0f} s"
         if self.fault is not None:  # the detail is in the log, not for every caller of /health
@@ -319,40 +349,49 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._groups)
 
-    def fail_all(self, exc: BaseException) -> None:
-        """Every group still open gets `exc` (its reader's cleanup aborts what is left)."""
-        for group in {id(g): g for g in self._groups.values()}.values():
+    def fail_all(self, exc: BaseException, engine: int | None = None) -> None:
+        """Every group still open (with `engine`: that engine's) gets `exc`; its reader's cleanup
+        aborts what is left."""
+        ids = [rid for rid in self._groups if engine is None or self._engine_of.get(rid) == engine]
+        for group in {id(g): g for rid in ids if (g := self._groups.get(rid)) is not None}.values():
             group.queue.put_nowait(exc)
-        self._abort_ids(list(self._groups))
-        self._forget(list(self._groups))
+        self._abort_ids(ids)
+        self._forget(ids)
 
     async def shutdown(self) -> None:
-        """Fail whatever still runs and stop the engine."""
+        """Fail whatever still runs and stop the engines."""
         self.accepting = False
         self.fail_all(ShuttingDownError("the server shut down before the request finished"))
-        for task in (self._reader, self._watcher):
-            if task is not None:
-                task.cancel()
-        await asyncio.get_running_loop().run_in_executor(None, self.handle.stop)
+        for task in self._tasks:
+            task.cancel()
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, h.stop) for h in self.handles))
 
     # ------------------------------------------------------------------------------- requests
 
-    async def add(self, requests: Sequence[EngineRequest], track: bool = True) -> RequestGroup:
-        """Admit the requests together (all or none); raises ValueError or QueueFullError.
-        `track=False`: not a client's request (a prefix warm-up): left out of the metrics."""
+    async def add(
+        self, requests: Sequence[EngineRequest], track: bool = True, engine: int | None = None
+    ) -> RequestGroup:
+        """Admit the requests together (all or none, on one engine: `engine`, or the router's
+        pick); raises ValueError or QueueFullError. `track=False`: not a client's request (a
+        prefix warm-up, a health check): left out of the metrics."""
         if not self.accepting:
             raise ShuttingDownError("the server is shutting down")
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        group = RequestGroup([r[0] for r in requests])
+        if engine is None:
+            engine = self.router.pick([r[1] for r in requests])
+        group = RequestGroup([r[0] for r in requests], engine)
         requests = [(r[0], r[1], self._detokenize_here(r[0], r[2]), *r[3:]) for r in requests]  # type: ignore[misc]
         for request_id, prompt, *_ in requests:
             self._groups[request_id] = group
+            self._engine_of[request_id] = engine
             self._prompts[request_id] = prompt
             if self.metrics is not None and track:
                 self.metrics.request_started(request_id)
+        self.router.load[engine] += len(requests)
         try:
-            await self._call(("add", None, requests))
+            await self._call(("add", None, requests), engine)
         except BaseException:
             # Also reached when the client goes away while the add is in flight: the abort sent
             # after the add undoes it, and is a no-op if the add failed.
@@ -381,34 +420,50 @@ class EngineClient:
         return stats
 
     async def call(self, name: str, *args: Any) -> Any:
-        """One of the engine's calls (engine/core.py), answered with the next step's message."""
-        return await self._call(("call", None, name, args))
+        """One of the engine's calls (engine/core.py), answered with the next step's message; with
+        data parallelism every engine's, together: the first error raises, stats are added up
+        (`merge_stats`), and any other call gives the first engine's value."""
+        values = await asyncio.gather(
+            *(self._call(("call", None, name, args), e) for e in range(len(self.handles)))
+        )
+        if len(values) > 1 and name == "stats":
+            return merge_stats(values)
+        return values[0]
 
-    async def _call(self, command: tuple[Any, ...]) -> Any:
+    async def _call(self, command: tuple[Any, ...], engine: int = 0) -> Any:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
-        await self._send((command[0], call_id, *command[2:]))
+        self._calls[call_id] = (future, engine)
+        await self._send((command[0], call_id, *command[2:]), engine)
         try:
             return await future
         finally:
             self._calls.pop(call_id, None)
 
-    async def _send(self, command: tuple[Any, ...]) -> None:
-        await self._push.send(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+    async def _send(self, command: tuple[Any, ...], engine: int) -> None:
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        await self._pushes[engine].send(data, copy=False)
 
     def _abort_ids(self, ids: list[str]) -> None:
-        if not ids or self.dead is not None or self._push is None:
+        if not ids or not self._pushes:
             return
-        asyncio.ensure_future(self._send(("abort", ids)))
+        by_engine: dict[int, list[str]] = {}
+        for request_id in ids:
+            by_engine.setdefault(self._engine_of.get(request_id, 0), []).append(request_id)
+        for engine, mine in by_engine.items():
+            if engine not in self._gone:
+                asyncio.ensure_future(self._send(("abort", mine), engine))
 
     def _forget(self, ids: list[str]) -> None:
         for request_id in ids:
             self._groups.pop(request_id, None)
             self._prompts.pop(request_id, None)
             self._detokenizers.pop(request_id, None)
+            engine = self._engine_of.pop(request_id, None)
+            if engine is not None:
+                self.router.load[engine] -= 1
 
     def _detokenize_here(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """A stream's text is decoded in this process when nothing in the engine needs it (no
@@ -428,12 +483,15 @@ class EngineClient:
             detok.flush()
         completion.text = detok.slice(start, detok.length)
 
+    def _name(self, engine: int) -> str:
+        return "the engine" if len(self.handles) == 1 else f"engine {engine}"
+
     # --------------------------------------------------------------------------- engine's side
 
-    async def _read(self) -> None:
+    async def _read(self, engine: int, pull: Any) -> None:
         while True:
-            raw = await self._pull.recv(copy=False)
-            self._last_heard = time.monotonic()
+            raw = await pull.recv(copy=False)
+            self._last_heard[engine] = time.monotonic()
             message = pickle.loads(raw.buffer)
             if message[0] == "step":
                 _, packed, replies, fault = message
@@ -444,31 +502,38 @@ class EngineClient:
                 if fault is not None:
                     self._on_fault(*fault)
             elif message[0] == "dead":
-                self._on_dead(message[1])
+                self._on_dead(message[1], engine)
             # a queued message is received without yielding: a backlog would starve the loop
             await asyncio.sleep(0)
 
-    async def _watch(self) -> None:
-        """Notice an engine that died: every request in flight fails at once instead of hanging."""
-        while self.handle.alive():
+    async def _watch(self, engine: int) -> None:
+        """Notice an engine that died: its requests in flight fail at once instead of hanging."""
+        handle = self.handles[engine]
+        while handle.alive():
             await asyncio.sleep(0.2)
-        code = self.handle.process.exitcode if self.handle.process is not None else None
-        self._on_dead(f"the engine process exited (code {code})")
+        code = handle.process.exitcode if handle.process is not None else None
+        self._on_dead(f"{self._name(engine)} process exited (code {code})", engine)
 
-    def _on_dead(self, reason: str) -> None:
-        """The engine is gone (it said why first, or its process exited): fail everything."""
-        if self.dead is not None:
+    def _on_dead(self, reason: str, engine: int = 0) -> None:
+        """An engine is gone (it said why first, or its process exited): fail what it held. New
+        requests are refused from then on, and /health turns 503."""
+        if engine in self._gone:
             return
-        self.dead = reason
-        logger.error("%s; failing %d requests in flight", self.dead, len(self._groups))
-        error = EngineDeadError(self.dead)
-        for future in self._calls.values():
-            if not future.done():
+        self._gone.add(engine)
+        if self.dead is None:
+            self.dead = reason
+        ids = [rid for rid, e in self._engine_of.items() if e == engine]
+        logger.error("%s; failing %d requests in flight", reason, len(ids))
+        error = EngineDeadError(reason)
+        for future, on in self._calls.values():
+            if not future.done() and on == engine:
                 future.set_exception(error)
-        self.fail_all(error)
+        for group in {id(g): g for rid in ids if (g := self._groups.get(rid)) is not None}.values():
+            group.queue.put_nowait(error)
+        self._forget(ids)
 
     def _resolve(self, call_id: int, error: tuple[str, str, str | None] | None, value: Any) -> None:
-        future = self._calls.get(call_id)
+        future, _ = self._calls.get(call_id, (None, 0))
         if future is None or future.done():  # the awaiting request was cancelled meanwhile
             return
         if error is None:
@@ -500,3 +565,25 @@ class EngineClient:
         for group in groups.values():
             group.queue.put_nowait(error)
         self._forget(request_ids)
+
+
+# Of the engines' stats, these are each engine's own estimates: averaged, not added up.
+_AVERAGED = ("prefill_step_fixed_ms", "prefill_step_us_per_token")
+
+
+def merge_stats(per_engine: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Data-parallel engines' stats as one engine's: counts and gauges added up (pages, slots and
+    requests of all of them), estimates averaged; each engine's own under "engines"."""
+    merged: dict[str, Any] = {}
+    for stats in per_engine:
+        for key, value in stats.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                merged[key] = merged.get(key, 0) + value
+    for key in _AVERAGED:
+        if key in merged:
+            merged[key] /= len(per_engine)
+    if "prefix_cache_hit_rate" in merged:  # of all the engines' lookups, not a sum of rates
+        query = merged.get("prefix_cache_query_tokens", 0)
+        merged["prefix_cache_hit_rate"] = merged.get("prefix_cache_hit_tokens", 0) / query if query else 0.0
+    merged["engines"] = list(per_engine)
+    return merged

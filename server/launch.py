@@ -38,7 +38,7 @@ def serve(args: argparse.Namespace) -> int:
 
         args.api_server_count = default_api_server_count(str(engine_config.device), usable_cores())
     count = args.api_server_count
-    handle = _start_engine(
+    handles = _start_engines(
         engine_config, args.log_level, 0.0 if args.disable_log_stats else args.log_stats_interval, count
     )
     model_dir, tokenizer = str(engine_config.model), str(engine_config.tokenizer or engine_config.model)
@@ -46,13 +46,13 @@ def serve(args: argparse.Namespace) -> int:
     if count > 1:
         from .api_servers import ApiServers
 
-        others = ApiServers.start(args, sock, handle, model_dir, tokenizer)
+        others = ApiServers.start(args, sock, handles, model_dir, tokenizer)
     server = http_server(
         args,
-        handle,
+        handles,
         sampling_defaults,
         tokenizer,
-        shared=_shared_metrics(handle, 0, count),
+        shared=_shared_metrics(handles[0], 0, count),
         peers=others,
     )
     _log_engine(server.client)
@@ -62,7 +62,8 @@ def serve(args: argparse.Namespace) -> int:
         logger.info(
             "%d HTTP processes share the port (pids %s)", count, ", ".join(map(str, others.pids(os.getpid())))
         )
-    logger.info("engine process pid %s", handle.process.pid if handle.process is not None else "?")
+    pids = ", ".join(str(h.process.pid if h.process is not None else "?") for h in handles)
+    logger.info("engine process%s pid %s", "es (data parallel)" if len(handles) > 1 else "", pids)
     names, aliases = _served_names(args)
     logger.info(
         "serving %s on %s%s (API key %s)",
@@ -78,8 +79,9 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         if others is not None:
             others.stop(float(args.shutdown_timeout) + FLUSH_S + 5)
-        if handle.alive():  # the app's shutdown normally stops it; not when start-up failed
-            handle.stop()
+        for handle in handles:
+            if handle.alive():  # the app's shutdown normally stops it; not when start-up failed
+                handle.stop()
         if args.uds:
             with contextlib.suppress(OSError):
                 os.unlink(args.uds)
@@ -94,7 +96,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def http_server(
     args: argparse.Namespace,
-    handle: Any,
+    handles: Any,
     sampling_defaults: Any,
     tokenizer: str,
     *,
@@ -102,8 +104,9 @@ def http_server(
     peers: Any = None,
     ignore_sigint: bool = False,
 ) -> Any:
-    """One HTTP process's uvicorn server over `handle`'s engine (a DrainingServer, not yet run):
-    the app, its EngineClient and Metrics. Its signal handlers make a SIGTERM'd server exit 0
+    """One HTTP process's uvicorn server (a DrainingServer, not yet run) over the engine of
+    `handles` (an EngineHandle, or one for each data-parallel engine): the app, its EngineClient
+    and Metrics. Its signal handlers make a SIGTERM'd server exit 0
     after its drain."""
     from deltaserve.engine.gc_heap import freeze_startup_heap
     from deltaserve.models.checkpoints.loader import load_tokenizer
@@ -116,7 +119,12 @@ def http_server(
 
     config = _uvicorn_config(args)
     names, aliases = _served_names(args)
-    client = EngineClient(handle, load_tokenizer(tokenizer), Metrics(names[0]))
+    client = EngineClient(
+        handles,
+        load_tokenizer(tokenizer),
+        Metrics(names[0]),
+        getattr(args, "load_balance_method", "cache_aware"),
+    )
     config.app = build_app(
         client,
         model_names=names,
@@ -308,7 +316,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
     from deltaserve.engine.config import EngineConfig
 
     try:
-        return EngineConfig(
+        config = EngineConfig(
             model=model,
             served_model_name=_served_names(args)[0][0],
             dtype=None if args.dtype == "auto" else args.dtype,
@@ -340,6 +348,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
             tokenizer=tokenizer,
             speculative_config=args.speculative_config,
             tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
             nnodes=args.nnodes,
             node_rank=args.node_rank,
@@ -350,6 +359,27 @@ def _engine_config(args: argparse.Namespace) -> Any:
     except ValueError as exc:  # settings that only the engine's config checks (environment)
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    _check_gpus(config)
+    return config
+
+
+def _check_gpus(config: Any) -> None:
+    """Every data-parallel replica's tensor-parallel ranks on a GPU of their own, or one line now."""
+    import torch
+
+    if not str(config.device).startswith("cuda") or config.nnodes > 1:
+        return
+    first = torch.device(config.device).index or 0
+    want = first + config.data_parallel_size * config.tensor_parallel_size
+    have = torch.cuda.device_count()
+    if want > have:
+        print(
+            f"deltaserve serve: error: --data-parallel-size {config.data_parallel_size} x "
+            f"--tensor-parallel-size {config.tensor_parallel_size} from {config.device} needs GPUs up to "
+            f"cuda:{want - 1}; {have} are visible",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
 
 def _serve_headless(args: argparse.Namespace) -> int:
@@ -393,17 +423,23 @@ def _serve_headless(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_engine(config: Any, log_level: str, stats_interval_s: float, api_servers: int = 1) -> Any:
-    """The engine in its own process; its load errors end the server with the engine's message."""
+def _start_engines(config: Any, log_level: str, stats_interval_s: float, api_servers: int = 1) -> list[Any]:
+    """The engine in its own process, or `data_parallel_size` of them, loading together; a load
+    error ends the server with the engine's message (and stops the replicas already started)."""
     from .engine_client import EngineHandle
 
-    try:
-        return EngineHandle.spawn(
-            config, log_level, stats_interval_s=stats_interval_s, api_servers=api_servers
-        )
-    except RuntimeError as exc:
-        print(f"deltaserve serve: error: could not load {config.model}: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+    replicas = [config.data_parallel_replica(rank) for rank in range(config.data_parallel_size)]
+    handles = [EngineHandle.start(c, log_level, stats_interval_s, api_servers) for c in replicas]
+    for rank, handle in enumerate(handles):
+        try:
+            handle.await_ready(None)
+        except RuntimeError as exc:
+            for other in handles:
+                other.close()
+            which = f" (data-parallel replica {rank})" if len(handles) > 1 else ""
+            print(f"deltaserve serve: error: could not load {config.model}{which}: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+    return handles
 
 
 def _log_engine(client: Any) -> None:  # process 0 alone: the others would repeat it
@@ -411,6 +447,9 @@ def _log_engine(client: Any) -> None:  # process 0 alone: the others would repea
     logger.info("model: %s (%s)", info.get("model"), info.get("architecture", "?"))
     logger.info("dtype: %s, device: %s (engine process)", info.get("dtype", "?"), info.get("device", "?"))
     logger.info("parameters: %s", _human(info.get("num_params")))
+    replicas = info.get("data_parallel_size", 1)
+    if replicas > 1:
+        logger.info("data parallel: %d engines, each with the pools below", replicas)
     logger.info(
         "KV capacity: %s tokens, state slots: %s, max model len: %d",
         info.get("kv_capacity_tokens", "?"),

@@ -279,6 +279,12 @@ class Metrics:
         for name, help_text, value in _spec_gauges(stats):
             header(name, "gauge", help_text)
             lines.append(f"{p}{name}{{{lab}}} {value}")
+        engines = stats.get("engines") or []  # data-parallel engines: each one's own beside the sums
+        for key, name, kind, help_text in _STATS if len(engines) > 1 else ():
+            if key in engines[0]:
+                header(f"dp_{name}", kind, f"{help_text} By data-parallel engine.")
+                for i, one in enumerate(engines):
+                    lines.append(f'{p}dp_{name}{{{lab},engine="{i}"}} {one[key]}')
         histograms = (
             ("time_to_first_token_seconds", self.ttft, "Time from admission to the first generated token."),
             ("inter_token_latency_seconds", self.itl, "Time between consecutive generated tokens."),

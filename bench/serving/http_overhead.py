@@ -118,7 +118,7 @@ def serve(
     process = context.Process(target=_run_core, args=(ins, outs, step_s, stream_interval), daemon=True)
     process.start()
     handle.process = process
-    handle._await_ready(60.0)
+    handle.await_ready(60.0)
     sock = _bind(argparse.Namespace(host="127.0.0.1", port=port))
     pids = [os.getpid()]
     for index in range(1, api_servers):

@@ -379,6 +379,8 @@ async def server_latency_totals(base_url: str) -> dict[str, float]:
         for key in ENGINE_LOOP:
             if line.startswith(f"deltaserve_engine_{key}_seconds_total"):
                 totals[f"loop_{key}"] = float(line.rsplit(" ", 1)[1])
+        if line.startswith("deltaserve_dp_engine_step_seconds_total"):  # one line per data-parallel engine
+            totals["engines"] = totals.get("engines", 0.0) + 1
     return totals
 
 
@@ -388,9 +390,10 @@ ENGINE_LOOP = ("step", "gpu_wait", "idle")
 
 def engine_loop_shares(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
     """Each part of the engine loop's time between two scrapes, as a share of the `wall` time
-    between them."""
+    between them (the mean over data-parallel engines, whose seconds /metrics adds up)."""
+    engines = after.get("engines", 1.0)
     return {
-        key: (after[f"loop_{key}"] - before[f"loop_{key}"]) / wall
+        key: (after[f"loop_{key}"] - before[f"loop_{key}"]) / wall / engines
         for key in ENGINE_LOOP
         if f"loop_{key}" in after and f"loop_{key}" in before
     }

@@ -151,12 +151,14 @@ class ServerContext:
         except ValueError as exc:
             raise refused(exc) from exc
 
-    async def submit(self, requests: Sequence[EngineRequest], track: bool = True) -> RequestGroup:
+    async def submit(
+        self, requests: Sequence[EngineRequest], track: bool = True, engine: int | None = None
+    ) -> RequestGroup:
         if self.log_requests and track:
             for request_id, prompt_ids, params, *_ in requests:
                 logger.info("%s", request_line(request_id, prompt_ids, params, self.max_log_len))
         try:
-            return await self.client.add(requests, track)
+            return await self.client.add(requests, track, engine)
         except QueueFullError as exc:
             reason = "shutting_down" if isinstance(exc, ShuttingDownError) else "queue_full"
             self.metrics.request_rejected(reason)
@@ -166,9 +168,10 @@ class ServerContext:
         except ValueError as exc:
             raise refused(exc) from exc
 
-    async def warm_prefix(self, prompts: list[list[int]], n: int, request: Request) -> None:
-        """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`). A client that
-        hangs up meanwhile gets ClientDisconnected, as from `collect`."""
+    async def warm_prefix(self, prompts: list[list[int]], n: int, request: Request) -> int | None:
+        """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`), and give the
+        engine that did (the copies' engine, with data parallelism). A client that hangs up
+        meanwhile gets ClientDisconnected, as from `collect`."""
         from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
 
         info = self.client.model_info
@@ -180,6 +183,8 @@ class ServerContext:
                 [(f"warm-{uuid.uuid4().hex}", p, warmup_params()) for p in warm], track=False
             )
             await self.collect(group, request)
+            return group.engine
+        return None
 
     async def collect(self, group: RequestGroup, request: Request) -> dict[str, RequestOutput]:
         """Wait for a whole group; a client that hangs up meanwhile aborts it (ClientDisconnected)."""
@@ -221,10 +226,10 @@ class ServerContext:
         """Prefill a prompt shared by n > 1 samples once, submit every request, then stream
         `events` of the group or `answer` with the final outputs; a client that hangs up gets 499."""
         try:
-            await self.warm_prefix(prompts, n, raw)
+            engine = await self.warm_prefix(prompts, n, raw)
         except ClientDisconnected:
             return Response(status_code=499)
-        group = await self.submit(requests)
+        group = await self.submit(requests, engine=engine)
         if stream:
             return StreamingResponse(self.guarded(group, events(group)), media_type="text/event-stream")
         try:

@@ -239,7 +239,7 @@ def test_each_http_process_gets_its_own_outputs_and_faults() -> None:
 
     first.thread = second.thread = threading.Thread(target=loop, daemon=True)
     first.thread.start()
-    first._await_ready(30)
+    first.await_ready(30)
     second.info = first.info
     params = SamplingParams(max_tokens=50, output_kind="delta")
 

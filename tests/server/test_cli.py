@@ -80,7 +80,7 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
             str(TLS / "server.pem"),
         ],
         ["--ssl-ca-certs", str(TLS / "ca.pem")],  # a CA for clients, with no HTTPS
-        ["-dp", "2"],  # data parallelism
+        ["-dp", "0"],  # data parallelism needs a replica
         ["--limit-mm-per-prompt", '{"image": -1}'],  # a count below 0
         ["--speculative-eagle-topk", "4", "--speculative-algorithm", "NEXTN"],  # tree drafts
         ["--speculative-num-steps", "2"],  # without its algorithm
@@ -189,6 +189,20 @@ def test_unknown_gemv_mode_stops_serve_with_one_line() -> None:
     assert "Traceback" not in result.stderr and "DELTASERVE_GEMV" in lines[-1], result.stderr
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["-dp", "64", "--tp", "2", "--device", "cuda"], "needs GPUs up to cuda:127"),
+        (["-dp", "2", "--tp", "2", "--nnodes", "2", "--master-port", "29555"], "more than one node"),
+    ],
+)
+def test_replicas_that_cannot_run_stop_serve_with_one_line(args: list[str], says: str) -> None:
+    result = run_cli("serve", "--port", "0", *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and says in lines[-1], result.stderr
+
+
 @pytest.mark.slow
 def test_start_up_says_what_it_does(spawn_server, server, tmp_path: Path) -> None:
     """A first start builds the built-in model and says so once; loading shows a bar over the
@@ -239,6 +253,8 @@ def test_adaptive_prefill_delay_defaults_to_the_device_and_can_be_turned_off() -
         (["--disable-radix-cache"], ["--cache-type", "naive"]),
         (["--enable-prefix-caching"], ["--cache-type", "radix"]),
         (["--mamba-ssm-dtype", "bfloat16"], ["--state-dtype", "bfloat16"]),  # SGLang's
+        (["--dp-size", "2"], ["--data-parallel-size", "2"]),  # SGLang's
+        (["-dp", "2"], ["--data-parallel-size", "2"]),  # vLLM's
         (["--mamba-ssm-cache-dtype", "auto"], ["--state-dtype", "float32"]),  # vLLM's
         # the last one wins
         (["--cache-type", "naive", "--enable-prefix-caching"], ["--cache-type", "radix"]),

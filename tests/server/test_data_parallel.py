@@ -1,0 +1,192 @@
+"""`--data-parallel-size 2`: two engine processes behind the HTTP processes. Both serve requests
+and give the tokens one engine gives; a chat's next turn goes where its history is cached; /metrics
+adds the engines up and shows each; disconnects and cache resets reach the engine that holds the
+request; one engine's death fails its own requests, not the other's, and turns /health to 503."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
+
+from .test_api_servers import gone
+from .test_engine_process import children_of, stream_events, wait_for
+
+DP = ("--data-parallel-size", "2", "--max-model-len", "512")
+
+
+def engine_pids(server) -> list[int]:
+    match = re.search(r"engine processes \(data parallel\) pid ([\d, ]+)", server.log())
+    assert match, server.log()[-2000:]
+    return [int(p) for p in match.group(1).split(", ")]
+
+
+def per_engine(url: str, name: str) -> list[float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.findall(rf'^deltaserve_dp_{name}{{[^}}]*engine="(\d)"}} (\S+)$', text, re.M)
+    return [float(v) for _, v in sorted(found)]
+
+
+@pytest.fixture(scope="module")
+def dp_server(spawn_module_server):
+    return spawn_module_server(*DP, "--api-server-count", "2")
+
+
+def completions(url: str, prompts: list[str], max_tokens: int = 8) -> list[str]:
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as http:
+
+            async def one(prompt: str) -> str:
+                body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+                r = await http.post(f"{url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(run())
+
+
+def test_both_engines_serve_and_give_one_engines_tokens(dp_server, server) -> None:
+    first, second = engine_pids(dp_server)
+    assert {first, second} <= set(children_of(dp_server.proc.pid))
+    prompts = [f"prompt number {i} says" + " word" * (i % 7) for i in range(24)]
+    got = completions(dp_server.url, prompts)
+    assert got == completions(server.url, prompts)  # a server of one engine: the same greedy tokens
+    prompt_tokens = per_engine(dp_server.url, "prompt_tokens_total")
+    assert len(prompt_tokens) == 2 and min(prompt_tokens) > 0, prompt_tokens
+    total = httpx.get(f"{dp_server.url}/metrics").text
+    summed = float(re.search(r"^deltaserve_prompt_tokens_total{[^}]*} (\S+)$", total, re.M).group(1))
+    assert summed == sum(prompt_tokens)
+    assert httpx.get(f"{dp_server.url}/get_model_info").status_code == 200
+
+
+def test_a_chats_next_turns_hit_the_cache_of_the_engine_that_served_it(dp_server) -> None:
+    """Five chats of three turns, interleaved: each turn after the first finds its history cached,
+    which only the engine that served the turn before holds (an odd count, so that taking the
+    engines in turn would not send a chat back to the same one by chance)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{dp_server.url}/v1", api_key="unused", max_retries=0)
+    chats: list[list[dict[str, str]]] = [
+        [{"role": "user", "content": f"chat {i}: " + "tell me about the sea and the sky " * 12}]
+        for i in range(5)
+    ]
+    for turn in range(3):
+        for i, messages in enumerate(chats):
+            reply = client.chat.completions.create(
+                model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0
+            )
+            cached = reply.usage.prompt_tokens_details.cached_tokens
+            if turn:
+                # the history up to its last page before the new message at least
+                assert cached >= 64, (turn, i, reply.usage)
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": f"and then {turn}, chat {i}?"},
+            ]
+
+
+def test_disconnected_streams_free_their_engines_slots(dp_server, until_idle) -> None:
+    body = {"model": MODEL_NAME, "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+
+            async def leave_early(i: int) -> None:
+                async with http.stream(
+                    "POST", f"{dp_server.url}/v1/completions", json={**body, "prompt": f"leaving {i}"}
+                ) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            return  # the first chunk, then away
+
+            await asyncio.gather(*(leave_early(i) for i in range(8)))
+
+    asyncio.run(run())
+    metrics = until_idle(dp_server.url)
+    assert metrics["deltaserve_num_requests_running"] == 0 and metrics["deltaserve_state_slots_used"] == 0
+    assert per_engine(dp_server.url, "state_slots_used") == [0, 0]
+
+
+def test_a_cache_reset_reaches_every_engine(dp_server) -> None:
+    prompts = [f"{i}: a prompt long enough to fill some pages" * 8 for i in range(6)]  # nothing shared
+    completions(dp_server.url, prompts, max_tokens=2)
+    assert min(per_engine(dp_server.url, "prefix_cache_query_tokens_total")) > 0
+    assert httpx.post(f"{dp_server.url}/reset_prefix_cache").status_code == 200
+    hits = per_engine(dp_server.url, "prefix_cache_hit_tokens_total")
+    completions(dp_server.url, prompts, max_tokens=2)
+    assert per_engine(dp_server.url, "prefix_cache_hit_tokens_total") == hits  # nothing left to hit
+
+
+def test_health_generate_asks_every_engine_for_a_token(dp_server) -> None:
+    before = per_engine(dp_server.url, "prompt_tokens_total")
+    assert httpx.get(f"{dp_server.url}/health_generate", timeout=60).json() == {"status": "ok"}
+    assert per_engine(dp_server.url, "prompt_tokens_total") == [b + 1 for b in before]
+
+
+def test_the_load_generator_reports_the_engines_mean_loop_shares(dp_server) -> None:
+    from bench.serving.serve import main
+
+    shape = ["--input-len", "16", "--output-len", "8", "--num-prompts", "16", "--concurrency", "8"]
+    run = main(["--base-url", dp_server.url, *shape])["runs"][0]
+    assert run["failed"] == 0 and run["completed"] == 16
+    loop = run["engine_loop"]  # each engine's loop is busy or idle: their mean share is at most 1
+    assert 0 < loop["step"] and 0 <= loop["idle"] and loop["step"] + loop["idle"] <= 1, loop
+
+
+@pytest.mark.slow
+def test_one_engines_death_fails_its_own_requests_and_health(spawn_server) -> None:
+    server = spawn_server(*DP)
+    pids = engine_pids(server)
+    body = {"model": MODEL_NAME, "max_tokens": 480, "ignore_eos": True}
+    results: list[dict[str, Any]] = [{} for _ in range(4)]
+    threads = [
+        threading.Thread(
+            target=stream_events,
+            args=(f"{server.url}/v1/completions", {**body, "prompt": f"stream {i}"}, results[i]),
+        )
+        for i in range(4)
+    ]
+    for t in threads:
+        t.start()
+    wait_for(lambda: sorted(per_engine(server.url, "num_requests_running")) == [2, 2])
+    os.kill(pids[1], signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    failed = [r for r in results if any('"error"' in e for e in r["events"])]
+    whole = [r for r in results if any('"finish_reason":"length"' in e for e in r["events"])]
+    assert len(failed) == 2 and len(whole) == 2, [r["events"][-2:] for r in results]
+    assert all(r["events"][-1] == "[DONE]" for r in results)
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 503 and "engine 1" in health.json()["reason"]
+    refused = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "x", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+
+
+@pytest.mark.slow
+def test_replicas_of_two_tensor_parallel_ranks_each(spawn_server, server) -> None:
+    """-dp 2 -tp 2 on CPU: two engines, each with its own worker rank and rendezvous (gloo)."""
+    dp_tp = spawn_server(*DP, "--tensor-parallel-size", "2", "--device", "cpu")
+    prompts = [f"split {i} ways" + " and more" * i for i in range(8)]
+    assert completions(dp_tp.url, prompts) == completions(server.url, prompts)
+    assert min(per_engine(dp_tp.url, "prompt_tokens_total")) > 0
+    joined = re.findall(r"tensor-parallel rank (\d) of 2 joined", dp_tp.log())
+    assert sorted(joined) == ["0", "0", "1", "1"], dp_tp.log()[-3000:]  # two groups of two ranks
+
+
+def test_sigterm_drains_and_stops_every_engine(spawn_server) -> None:
+    server = spawn_server(*DP)
+    pids = engine_pids(server)
+    assert completions(server.url, ["before the end"])
+    assert server.stop() == 0
+    wait_for(lambda: all(gone(pid) for pid in pids), timeout=30)

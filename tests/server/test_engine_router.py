@@ -1,0 +1,163 @@
+"""How requests are spread over data-parallel engines (server/engine_router.py), how their stats
+add up, and what each replica's engine config holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.parallel.group import rank_device
+from deltaserve.server.engine_client import merge_stats
+from deltaserve.server.engine_router import EngineRouter, prefix_keys
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(0, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prefix_keys_are_chained_per_stride() -> None:
+    a, b = prompt(0, 200), prompt(1, 200)
+    keys = prefix_keys(a, 64)
+    assert len(keys) == 3 and len(set(keys)) == 3
+    assert prefix_keys(a[:130] + b[130:], 64)[:2] == keys[:2]  # the same first 128 tokens
+    assert prefix_keys(b[:10] + a[10:], 64)[0] != keys[0]  # a change early changes every later key
+    assert prefix_keys(b[:10] + a[10:], 64)[2] != keys[2]
+    assert prefix_keys(a[:63], 64) == []
+
+
+def test_unrelated_prompts_go_to_the_least_busy_engine_in_turn() -> None:
+    router = EngineRouter(3)
+    picks = [router.pick([prompt(i, 100)]) for i in range(6)]
+    assert picks == [0, 1, 2, 0, 1, 2]  # no load: taken in turn
+    router.load = [5, 1, 3]
+    assert router.pick([prompt(10, 100)]) == 1
+
+
+def test_a_longer_prompt_of_the_same_history_goes_back_to_its_engine() -> None:
+    router = EngineRouter(2)
+    first = prompt(0, 300)
+    engine = router.pick([first])
+    router.load[engine] += 1
+    other = router.pick([prompt(1, 300)])
+    assert other != engine
+    router.load[engine] += 2  # busier, within the slack
+    assert router.pick([first + prompt(2, 50)]) == engine
+    assert router.pick([first[:128] + prompt(3, 200)]) == engine  # a shorter shared part still counts
+
+
+def test_the_deepest_match_wins_over_a_shared_start() -> None:
+    router = EngineRouter(2)
+    system = prompt(0, 128)
+    a, b, c = (system + prompt(i, 200) for i in (1, 2, 3))
+    assert router.pick([a]) == 0
+    router.load[0] += 1
+    assert router.pick([b]) == 0  # the shared start is cached there, and 0 is not much busier
+    router.load = [6, 0]
+    assert router.pick([c]) == 1  # too busy: the least busy takes it (and the shared start's keys)
+    router.load = [1, 1]
+    assert router.pick([a + prompt(4, 64)]) == 0  # each chat's own history, not the shared start
+    assert router.pick([b + prompt(5, 64)]) == 0
+    assert router.pick([c + prompt(6, 64)]) == 1
+
+
+def test_a_busy_engine_loses_its_prefixes_to_the_least_busy() -> None:
+    router = EngineRouter(2)
+    history = prompt(0, 256)
+    assert router.pick([history]) == 0
+    router.load = [4, 0]
+    assert router.pick([history + prompt(1, 64)]) == 0  # within the least busy's load + SLACK
+    router.load = [5, 0]
+    assert router.pick([history + prompt(1, 64)]) == 1
+    router.load = [0, 0]
+    assert router.pick([history + prompt(2, 64)]) == 1  # its history is recorded there now
+    router.load = [20, 29]  # within the relative slack: 20 x 1.5
+    assert router.pick([history + prompt(3, 64)]) == 1
+    router.load = [20, 31]
+    assert router.pick([history + prompt(3, 64)]) == 0
+
+
+@pytest.mark.parametrize("max_keys, back_to_0", [(8, False), (64, True)])
+def test_prefixes_are_forgotten_oldest_first(max_keys: int, back_to_0: bool) -> None:
+    router = EngineRouter(2, max_keys=max_keys)
+    old = prompt(0, 256)  # 4 keys
+    assert [router.pick([p]) for p in (old, prompt(1, 256), prompt(2, 256))] == [0, 1, 0]
+    assert len(router._owner) == min(max_keys, 12)
+    # remembered, it goes back to 0; forgotten, it is taken in turn (1)
+    assert (router.pick([old]) == 0) is back_to_0
+
+
+def test_one_engine_takes_everything() -> None:
+    router = EngineRouter(1)
+    assert {router.pick([prompt(i, 100)]) for i in range(5)} == {0}
+
+
+def test_merged_stats_add_counts_and_recompute_rates() -> None:
+    one = {
+        "running": 3,
+        "kv_pages_used": 10,
+        "prompt_tokens_total": 100,
+        "prefix_cache_hit_tokens": 30,
+        "prefix_cache_query_tokens": 100,
+        "prefix_cache_hit_rate": 0.3,
+        "prefill_step_fixed_ms": 4.0,
+    }
+    two = {
+        "running": 1,
+        "kv_pages_used": 2,
+        "prompt_tokens_total": 300,
+        "prefix_cache_hit_tokens": 0,
+        "prefix_cache_query_tokens": 300,
+        "prefix_cache_hit_rate": 0.0,
+        "prefill_step_fixed_ms": 6.0,
+    }
+    merged = merge_stats([one, two])
+    assert merged["running"] == 4 and merged["kv_pages_used"] == 12 and merged["prompt_tokens_total"] == 400
+    assert merged["prefix_cache_hit_rate"] == pytest.approx(30 / 400)
+    assert merged["prefill_step_fixed_ms"] == pytest.approx(5.0)
+    assert merged["engines"] == [one, two]
+
+
+def config(**kwargs) -> EngineConfig:
+    return EngineConfig(model="unused", **kwargs)
+
+
+def test_each_replica_takes_the_gpus_after_the_ones_before() -> None:
+    base = config(device="cuda", tensor_parallel_size=2, data_parallel_size=3)
+    replicas = [base.data_parallel_replica(r) for r in range(3)]
+    assert [r.device for r in replicas] == ["cuda:0", "cuda:2", "cuda:4"]
+    assert [r.data_parallel_rank for r in replicas] == [0, 1, 2]
+    assert [str(rank_device(replicas[1], rank)) for rank in (0, 1)] == ["cuda:2", "cuda:3"]
+    shifted = config(device="cuda:4", data_parallel_size=2).data_parallel_replica(1)
+    assert shifted.device == "cuda:5"
+    ports = config(device="cpu", data_parallel_size=2, master_port=29500)
+    assert [ports.data_parallel_replica(r).master_port for r in (0, 1)] == [29500, 29501]
+    assert config(device="cpu", data_parallel_size=2).data_parallel_replica(1).device == "cpu"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"data_parallel_size": 0},
+        {"data_parallel_size": 2, "data_parallel_rank": 2},
+        {"data_parallel_size": 2, "nnodes": 2, "tensor_parallel_size": 2, "master_port": 29500},
+    ],
+)
+def test_impossible_replicas_are_refused(kwargs) -> None:
+    with pytest.raises(ValueError, match="data"):
+        config(device="cpu", **kwargs)
+
+
+def test_other_methods_ignore_the_prompt() -> None:
+    history = prompt(0, 256)
+    shortest = EngineRouter(2, "shortest_queue")
+    assert shortest.pick([history]) == 0
+    shortest.load = [0, 0]
+    assert shortest.pick([history]) == 1  # in turn among the least busy, not back to its history
+    shortest.load = [3, 1]
+    assert shortest.pick([history]) == 1
+    turns = EngineRouter(3, "round_robin")
+    turns.load = [9, 0, 0]
+    assert [turns.pick([history]) for _ in range(4)] == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match="cache_aware"):
+        EngineRouter(2, "random")
