@@ -6,7 +6,9 @@ sends that step's outputs together with the replies to the commands as one messa
 are pickled tuples:
 
   in:  ("add", call_id, [(request_id, prompt_token_ids, params), ...])   all or none
-       ("abort", [request_id, ...])
+       ("abort", [request_id, ...])                    the client no longer waits: no output
+       ("abort_where", prefix | None)    end the live requests whose ids start with prefix (all:
+                                         None) as "abort", each with its last output
        ("call", call_id, name, args)     stats / compile_structured / flush_cache /
                                          update_weights_from_disk (once the running requests
                                          finish; requests added meanwhile wait for it)
@@ -111,6 +113,7 @@ class EngineCore:
         self._when_idle: list[tuple[int, int, str, tuple[Any, ...]]] = []  # (client, call_id, name, args)
         self._held: list[tuple[int, tuple[Any, ...]]] = []  # "add" commands that wait for them
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-engine-calls")
+        self._flush = False  # aborts' last outputs wait for a step, which an idle engine must still run
         self._last_sent = time.monotonic()
 
     def send(self, message: tuple[Any, ...], client: int | None = 0) -> None:
@@ -195,6 +198,11 @@ class EngineCore:
                     self._live.discard(request_id)
                     self._owner.pop(request_id, None)
                     self.engine.abort_request(request_id)
+        elif kind == "abort_where":
+            prefix = command[1]
+            for request_id in [r for r in self._live if prefix is None or r.startswith(prefix)]:
+                self.engine.abort_request(request_id)  # its owner keeps it until that output goes
+            self._flush = True
         elif kind == "add":
             _, call_id, requests = command
             self._replies[client].append((call_id, *self._add(requests, client)))
@@ -266,7 +274,8 @@ class EngineCore:
         outputs: list[Any] = []
         fault: tuple[str, list[str]] | None = None
         fault_owners: dict[str, int] = {}
-        if self.engine.has_unfinished_requests():
+        if self.engine.has_unfinished_requests() or self._flush:
+            self._flush = False
             try:
                 outputs = self.engine.step()
             except EngineDeadError:

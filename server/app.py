@@ -24,7 +24,7 @@ from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 from .api.chat import create_chat_completion
 from .api.completions import create_completion
 from .api.context import ClientDisconnected, ServerContext
-from .api.generate import GenerateRequest, create_generation
+from .api.generate import GenerateRequest, create_generation, rid_prefix
 from .api.messages import (
     CountTokensRequest,
     MessagesRequest,
@@ -38,6 +38,7 @@ from .engine_client import EngineClient
 from .errors import APIError, bad_request, error_body, refused, validation_message
 from .metrics import Metrics, SharedMetrics
 from .protocol import (
+    AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -221,6 +222,8 @@ def build_app(
         """Other weights of the served model: new requests wait while the running ones finish
         and the checkpoint loads; one of another model is a 400 that changes nothing."""
         try:
+            if body.abort_all_requests:  # the running requests end now, as "abort", and the update follows
+                await engine_client.abort_where(None)
             await engine_client.call("update_weights_from_disk", body.model_path, body.load_format or "auto")
         except EngineDeadError as exc:
             raise APIError(503, str(exc), None, "engine_unavailable") from exc
@@ -233,6 +236,19 @@ def build_app(
             }
             return JSONResponse({"success": False, "message": str(exc), "error": error}, status_code=400)
         return JSONResponse({"success": True, "message": f"now serving the weights of {body.model_path}"})
+
+    @app.post("/abort_request")  # SGLang's
+    async def abort_request(body: AbortRequest) -> Response:
+        """End a /generate request by its `rid` (every prompt of it), or every request with
+        `abort_all`: each ends with finish reason "abort" and what it had generated. A rid that
+        runs nowhere changes nothing."""
+        if not body.abort_all and not body.rid:
+            raise bad_request("give the rid of a /generate request, or abort_all true", "rid")
+        try:
+            await engine_client.abort_where(None if body.abort_all else rid_prefix(body.rid))
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), None, "engine_unavailable") from exc
+        return Response(status_code=200)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -28,6 +28,7 @@ _KEYED = (
     "/reset_prefix_cache",
     "/flush_cache",
     "/update_weights_from_disk",
+    "/abort_request",
 )
 
 

@@ -414,6 +414,15 @@ class EngineClient:
                 self.metrics.request_aborted(request_id)
         group.unfinished.clear()
 
+    async def abort_where(self, prefix: str | None) -> None:
+        """End every request (of any HTTP process) whose engine id starts with `prefix`, or every
+        request (None): each ends with finish reason "abort" and what it had generated."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        for engine in range(len(self.handles)):
+            if engine not in self._gone:
+                await self._send(("abort_where", prefix), engine)
+
     async def stats(self) -> dict[str, Any]:
         stats = await self.call("stats")
         stats["engine_faults_total"] = self.faults

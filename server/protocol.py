@@ -269,13 +269,19 @@ class DetokenizeRequest(RequestBody):
 class UpdateWeightsFromDiskRequest(RequestBody):
     """SGLang's /update_weights_from_disk body."""
 
-    unsupported = {
-        "abort_all_requests": unsupported_if_set("not supported: the update waits for the running requests"),
-    }
     model_path: str
     load_format: Literal["auto", "dummy"] | None = None
     flush_cache: bool = True  # the cache always goes: the old weights computed it
     weight_version: str | None = None
+    # end the running requests (finish reason "abort") instead of waiting for them to finish
+    abort_all_requests: bool = False
+
+
+class AbortRequest(RequestBody):
+    """SGLang's /abort_request body: one /generate request by its `rid`, or every request."""
+
+    rid: str = ""
+    abort_all: bool = False
 
 
 # ---------------------------------------------------------------------------------------- responses

@@ -79,6 +79,12 @@ class GenerateRequest(RequestBody):
     priority: int = 0  # SGLang's and vLLM's: with --scheduling-policy priority, lower values run first
 
 
+def rid_prefix(rid: str) -> str:
+    """How the engine ids of a prompt with SGLang's `rid` start, so that /abort_request finds them
+    in the engine (the length first: no rid's prefix is another rid's)."""
+    return f"rid{len(rid)}:{rid}:"
+
+
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
     if not isinstance(value, list):
         return [value] * count
@@ -218,7 +224,8 @@ class NativeGeneration:
             prompt = _Prompt(rid or uuid.uuid4().hex, ids, params, bool(want), start)
             if params.structured_outputs is not None:
                 await ctx.compile_structured(params.structured_outputs)
-            for request in fan_out(f"generate-{uuid.uuid4().hex}", ids, params, read):
+            base = f"{rid_prefix(rid) if rid else 'generate-'}{uuid.uuid4().hex}"
+            for request in fan_out(base, ids, params, read):
                 self.requests.append(request)
                 self.owner[request[0]] = prompt
                 self.index[request[0]] = len(self.order)

@@ -119,8 +119,26 @@ def test_a_checkpoint_of_another_model_or_none_is_a_400(server, checkpoints, tmp
         body = reply.json()
         assert body["success"] is False and words in body["message"]
         assert body["error"]["type"] == "invalid_request_error" and words in body["error"]["message"]
-    bad = httpx.post(
-        f"{server.url}/update_weights_from_disk", json={"model_path": first, "abort_all_requests": True}
-    )
-    assert bad.status_code == 400 and "abort_all_requests" in bad.text
     assert complete(server.url, 8) == before
+
+
+def test_abort_all_requests_ends_the_running_and_updates_at_once(server, checkpoints) -> None:
+    first, second = checkpoints
+    old_long = offline_text(first, 240)
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 240, "stream": True, **GREEDY}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        chunks = [next(line for line in lines if line.startswith("data: "))]  # it is running
+        reply = httpx.post(
+            f"{server.url}/update_weights_from_disk",
+            json={"model_path": second, "abort_all_requests": True},
+            timeout=300,
+        )
+        chunks += [line for line in lines if line.startswith("data: ")]
+    assert reply.status_code == 200 and reply.json()["success"] is True
+    events = [json.loads(c[6:]) for c in chunks if c != "data: [DONE]"]
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    streamed = "".join(e["choices"][0]["text"] for e in events)
+    assert old_long.startswith(streamed) and len(streamed) < len(old_long)  # cut short, old weights
+    assert complete(server.url, 8) == offline_text(second, 8)
+    update(server.url, first)

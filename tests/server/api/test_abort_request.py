@@ -1,0 +1,86 @@
+"""SGLang's POST /abort_request on a real server (built-in model): a /generate request ended by its
+`rid`, beside one whose rid it starts, and every request with `abort_all`; each ends with finish
+reason "abort" and what it had generated, frees its slot, and the server serves on."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
+
+LONG = {"temperature": 0, "max_new_tokens": 480, "ignore_eos": True}
+
+
+def stream_generate(url: str, body: dict[str, Any], out: dict[str, Any], started: threading.Event) -> None:
+    with httpx.stream("POST", f"{url}/generate", json={**body, "stream": True}, timeout=120) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+    out["last"] = json.loads(events[-2])  # the one before [DONE]
+
+
+def running(url: str, bodies: list[dict[str, Any]]) -> tuple[list[threading.Thread], list[dict[str, Any]]]:
+    outs: list[dict[str, Any]] = [{} for _ in bodies]
+    threads = []
+    for body, out in zip(bodies, outs):
+        started = threading.Event()
+        thread = threading.Thread(target=stream_generate, args=(url, body, out, started))
+        thread.start()
+        assert started.wait(60)  # its first chunk came: it runs
+        threads.append(thread)
+    return threads, outs
+
+
+def test_a_rid_ends_that_request_and_no_other(server, until_idle) -> None:
+    threads, outs = running(
+        server.url,
+        [
+            {"input_ids": [5, 9, 17], "sampling_params": LONG, "rid": "job-1"},
+            {"input_ids": [5, 9, 17], "sampling_params": LONG, "rid": "job-1-b"},  # job-1's rid starts it
+        ],
+    )
+    assert httpx.post(f"{server.url}/abort_request", json={"rid": "job-1"}).status_code == 200
+    for t in threads:
+        t.join(120)
+    aborted, whole = (o["last"]["meta_info"] for o in outs)
+    assert aborted["id"] == "job-1" and aborted["finish_reason"]["type"] == "abort"
+    assert 0 < aborted["completion_tokens"] < 480
+    assert whole["finish_reason"] == {"type": "length", "length": 480}
+    assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
+
+
+def test_abort_all_ends_every_request_and_the_server_serves_on(server, until_idle) -> None:
+    threads, outs = running(server.url, [{"input_ids": [7, 8], "sampling_params": LONG}])
+    completion: dict[str, Any] = {}
+
+    def complete() -> None:
+        body = {"model": MODEL_NAME, "prompt": "go on", "max_tokens": 480, "ignore_eos": True}
+        completion.update(httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json())
+
+    other = threading.Thread(target=complete)
+    other.start()
+    until = threading.Event()
+    until.wait(0.5)  # the completion runs too
+    assert httpx.post(f"{server.url}/abort_request", json={"abort_all": True}).status_code == 200
+    for t in [*threads, other]:
+        t.join(120)
+    assert outs[0]["last"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert completion["choices"][0]["finish_reason"] == "abort"
+    assert completion["usage"]["completion_tokens"] < 480
+    assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
+    after = httpx.post(
+        f"{server.url}/generate", json={"input_ids": [7, 8], "sampling_params": {**LONG, "max_new_tokens": 4}}
+    )
+    assert after.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+def test_a_rid_that_runs_nowhere_changes_nothing_and_no_rid_is_a_400(server) -> None:
+    assert httpx.post(f"{server.url}/abort_request", json={"rid": "never-sent"}).status_code == 200
+    bad = httpx.post(f"{server.url}/abort_request", json={})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
