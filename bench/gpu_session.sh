@@ -30,6 +30,7 @@
 #   bash bench/gpu_session.sh align-ab # the grouping's warps on 80B's experts, 80B FP8 decode at the fastest; 9B 8k prefill against REV
 #   bash bench/gpu_session.sh align-4 # the grouping in 4 warps: its test, 35B's experts, 80B FP8 decode at 8 and 4 warps
 #   bash bench/gpu_session.sh features # GPU tests of features built on CPU: images, YaRN, weights updated in place (two GPUs: images and MTP at TP = 2, data parallelism); 80B FP8 decode
+#   bash bench/gpu_session.sh budget  # two 8k prompts in one 16k step against two 8k steps (80B FP8, 35B FP8, 9B)
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
 #   bash bench/gpu_session.sh defaults # cuBLAS + sync steps against the CUDA defaults; verify graphs in fp32
 #   bash bench/gpu_session.sh diagnose # verification graphs in fp32, where batch-256 host time goes (9B, 0.8B)
@@ -67,6 +68,14 @@ case "${1:-all}" in
       tests/server/test_data_parallel_gpu.py
     run 240 decode-80b-fp8 python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
       --prompt-len 1024 --new-tokens 128 --prefill-len 0
+    ;;
+  budget)  # two 8k prompts prefilled in steps of 8,192 then 16,384 tokens: 80B FP8, 35B FP8, 9B (is a larger step budget faster?)
+    for model in qwen3-next-80b-a3b-fp8 qwen3.5-35b-a3b-fp8 qwen3.5-9b; do
+      for budget in 8192 16384; do
+        run 150 "prefill-$model-$budget" python3 -m bench.engine.decode --model "configs/$model" --batch-sizes \
+          --prefill-len 8192 --prefill-prompts 2 --step-budget "$budget"
+      done
+    done
     ;;
   qwen)
     run 170 bench-0.8b python3 -m bench.engine.decode --model configs/qwen3.5-0.8b --batch-sizes 1 8 64 256 \
@@ -355,7 +364,7 @@ t=[x for x in r if x['tokens']==32][0]; print(min((v,k) for k,v in t.items() if 
     done
     ;;
   *)
-    echo "usage: $0 all|features|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2|profiles-fp8|norm-ab|align-ab|align-4" >&2
+    echo "usage: $0 all|features|budget|qwen|defaults|diagnose|profiles|kimi-prefill|ttft|spec|sampling|ab|fp8|fp8-decode|fp8-decode-2|moe-prefill|moe-prefill-ab|fused-quant|skinny-moe|moe-ab|moe-crossover|moe-decode|skinny-32|skinny-32-sweep|skinny-32-tests|skinny-32-2|moe-pdl|moe-pdl-tests|moe-swap|moe-swap-tests|moe-swap-bf16|moe-swap-bf16-2|profiles-fp8|norm-ab|align-ab|align-4" >&2
     exit 2
     ;;
 esac

@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+# PART: 9b | 08b | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
@@ -251,6 +251,19 @@ case "${1:-9b}" in
     ;;
   80b-fp8)  # issue 24's serving row: Qwen3-Next-80B-A3B FP8, 8k in / 1k out, 32 clients
     serve_bench 80b-fp8 . "${PYTHONPATH:-}" "--model configs/qwen3-next-80b-a3b-fp8 $dummy" "${FP8_80B[@]}"
+    ;;
+  80b-fp8-budget)  # issue 24's row at step budgets of 8,192 (the default) and 16,384 tokens (SGLang's on H200-class GPUs)
+    for budget in 8192 16384; do
+      serve_bench "80b-fp8-budget$budget" . "${PYTHONPATH:-}" \
+        "--model configs/qwen3-next-80b-a3b-fp8 $dummy --max-num-batched-tokens $budget" "${FP8_80B[@]}"
+    done
+    ;;
+  budget)  # budget [CONFIG]: issue 18's workload at C = 64, 256 with step budgets of 8,192 and 16,384 tokens (default 9B)
+    for budget in 8192 16384; do
+      serve_bench "budget$budget-${2:-qwen3.5-9b}" . "${PYTHONPATH:-}" \
+        "--model configs/${2:-qwen3.5-9b} $dummy --max-num-batched-tokens $budget" \
+        "${WORKLOAD[@]}" --concurrency 64,256 --warmup 64
+    done
     ;;
   80b-fp8-offline)  # the same requests through the offline engine, for the server/offline ratio
     offline 80b-fp8-offline configs/qwen3-next-80b-a3b-fp8 '{"load_format": "dummy"}' "${FP8_80B[@]}"

@@ -113,17 +113,20 @@ def bench_decode(
     }
 
 
-def bench_prefill(engine: Engine, tokens: int, vocab: int, repeats: int = 3) -> dict:
-    """The fastest of `repeats` runs of one prompt (no prefix reuse: the engine's cache is naive)."""
+def bench_prefill(engine: Engine, tokens: int, vocab: int, repeats: int = 3, prompts: int = 1) -> dict:
+    """The fastest of `repeats` runs of `prompts` prompts of `tokens` each, admitted together, to
+    their first tokens (no prefix reuse: the engine's cache is naive)."""
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
+    batch = [torch.randint(0, vocab, (tokens,), generator=gen).tolist() for _ in range(prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    engine.add_request("warm", prompt, params)  # compiles the prefill kernels at this length
+    for j, prompt in enumerate(batch):  # compiles the prefill kernels at this length
+        engine.add_request(f"warm-{j}", prompt, params)
     while engine.has_unfinished_requests():
         engine.step()
     times = []
     for i in range(repeats):
-        engine.add_request(f"p{i}", prompt, params)
+        for j, prompt in enumerate(batch):
+            engine.add_request(f"p{i}-{j}", prompt, params)
         _sync()
         t = time.perf_counter()
         while engine.has_unfinished_requests():
@@ -131,7 +134,8 @@ def bench_prefill(engine: Engine, tokens: int, vocab: int, repeats: int = 3) -> 
         _sync()
         times.append(time.perf_counter() - t)
     dt = min(times)
-    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "all_seconds": times}
+    total = tokens * prompts
+    return {"tokens": total, "prompts": prompts, "seconds": dt, "tok_s": total / dt, "all_seconds": times}
 
 
 def bench_hf(path: str, batch_sizes: list[int], prompt_len: int, new_tokens: int) -> dict:
@@ -168,6 +172,15 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prefill-len", type=int, default=8192)
+    ap.add_argument(
+        "--prefill-prompts", type=int, default=1, help="prompts of --prefill-len prefilled together"
+    )
+    ap.add_argument(
+        "--step-budget",
+        type=int,
+        default=None,
+        help="the step's token budget (max_num_batched_tokens); default: the prefill length, at least 8,192",
+    )
     ap.add_argument(
         "--max-model-len",
         type=int,
@@ -211,7 +224,7 @@ def main() -> None:
     if args.moe_pairs is not None:
         moe_cuda.GEMV_ASSIGNMENTS = fp8_cuda.SKINNY_MOE_PAIRS = args.moe_pairs
 
-    max_bs = max(args.batch_sizes, default=1)
+    max_bs = max(max(args.batch_sizes, default=1), args.prefill_prompts)
     max_len = args.max_model_len or max(args.prompt_len + args.new_tokens, args.prefill_len) + 16
     engine = Engine(
         EngineConfig(
@@ -223,7 +236,8 @@ def main() -> None:
             cache_type="naive",
             max_running_requests=max_bs,
             max_model_len=max_len,
-            chunked_prefill_size=max(args.prefill_len, 8192),
+            chunked_prefill_size=args.step_budget or max(args.prefill_len, 8192),
+            max_num_batched_tokens=args.step_budget or max(args.prefill_len, 8192),
             disable_cuda_graph=args.disable_cuda_graph,
             enable_overlap_schedule=False if args.disable_overlap_schedule else None,
         )
@@ -245,8 +259,8 @@ def main() -> None:
         print(json.dumps(r), flush=True)
     result["decode"] = rows
     if args.prefill_len:
-        p = bench_prefill(engine, args.prefill_len, cfg.vocab_size)
-        p["roofline_s"] = prefill_flops(cost, args.prefill_len) / MATMUL_FLOPS
+        p = bench_prefill(engine, args.prefill_len, cfg.vocab_size, prompts=args.prefill_prompts)
+        p["roofline_s"] = args.prefill_prompts * prefill_flops(cost, args.prefill_len) / MATMUL_FLOPS
         p["x_roofline"] = p["seconds"] / p["roofline_s"]
         result["prefill"] = p
         print(json.dumps(p), flush=True)
