@@ -29,6 +29,11 @@ class LLM:
         `revision` under `download_dir`, or found there offline); `kwargs`: `EngineConfig`'s fields."""
         from deltaserve.models.checkpoints.hub import resolve_checkpoint
 
+        if kwargs.get("data_parallel_size", 1) != 1:
+            raise ValueError(
+                "data_parallel_size: the offline LLM is one engine; data parallelism is the server's "
+                "(deltaserve serve --data-parallel-size N), or run one LLM per GPU"
+            )
         dummy = kwargs.get("load_format") == "dummy"
         model = resolve_checkpoint(model, revision, download_dir, weights=not dummy)
         if kwargs.get("tokenizer") is not None:

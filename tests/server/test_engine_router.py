@@ -161,3 +161,10 @@ def test_other_methods_ignore_the_prompt() -> None:
     assert [turns.pick([history]) for _ in range(4)] == [0, 1, 2, 0]
     with pytest.raises(ValueError, match="cache_aware"):
         EngineRouter(2, "random")
+
+
+def test_the_offline_llm_refuses_data_parallelism(builtin_path: str) -> None:
+    from deltaserve import LLM
+
+    with pytest.raises(ValueError, match="deltaserve serve --data-parallel-size"):
+        LLM(builtin_path, data_parallel_size=2)
