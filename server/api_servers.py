@@ -33,10 +33,14 @@ logger = logging.getLogger("deltaserve.server")
 MIN_CORES_FOR_TWO = 8  # two HTTP processes and the engine's busy thread each want a core of their own
 
 
-def default_api_server_count(device: str, cores: int) -> int:
-    """`--api-server-count` left unset: two HTTP processes beside a CUDA engine on a host with
-    the cores for them (a GPU's small model at hundreds of streams outruns one), else one."""
-    return 2 if device.startswith("cuda") and cores >= MIN_CORES_FOR_TWO else 1
+def default_api_server_count(device: str, cores: int, engines: int = 1) -> int:
+    """`--api-server-count` left unset: beside CUDA engines on a host with the cores for them (a
+    GPU's small model at hundreds of streams outruns one HTTP process), two HTTP processes, or one
+    per data-parallel engine where there are more engines and each process can have a core beside
+    its engine's; else one."""
+    if not device.startswith("cuda") or cores < MIN_CORES_FOR_TWO:
+        return 1
+    return max(2, min(engines, cores // 2 - engines))
 
 
 def usable_cores() -> int:

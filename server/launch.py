@@ -36,7 +36,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.api_server_count is None:
         from .api_servers import default_api_server_count, usable_cores
 
-        args.api_server_count = default_api_server_count(str(engine_config.device), usable_cores())
+        args.api_server_count = default_api_server_count(
+            str(engine_config.device), usable_cores(), engine_config.data_parallel_size
+        )
     count = args.api_server_count
     handles = _start_engines(
         engine_config, args.log_level, 0.0 if args.disable_log_stats else args.log_stats_interval, count

@@ -291,3 +291,8 @@ def test_default_count_is_two_beside_a_cuda_engine_with_cores_for_them() -> None
     assert default_api_server_count("cuda:1", 8) == 2
     assert default_api_server_count("cuda", 4) == 1  # the engine and two HTTP processes would share cores
     assert default_api_server_count("cpu", 64) == 1
+    # data-parallel engines: one HTTP process each, while each keeps a core beside its engine's
+    assert default_api_server_count("cuda", 128, engines=8) == 8
+    assert default_api_server_count("cuda", 16, engines=8) == 2  # 8 engines leave no core for 8 more
+    assert default_api_server_count("cuda", 16, engines=4) == 4
+    assert default_api_server_count("cpu", 64, engines=4) == 1
