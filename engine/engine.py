@@ -291,6 +291,7 @@ class Engine:
     def _count_plan(self, plan: SchedulerOutput) -> None:
         """The step's part of the counters; at debug level, a log line of the step (what it runs,
         and the time since the step before: a timeline of the engine)."""
+        self.counters["preemptions_total"] += len(plan.preempted)
         for req in plan.admitted:
             if req.num_preemptions == 0:
                 self.counters["cached_tokens_total"] += req.num_cached_tokens

@@ -1,7 +1,7 @@
 """Prometheus metrics in the text exposition format, written by hand to keep dependencies at zero.
 
 Every metric is `deltaserve_...`; the few that vLLM's dashboards chart are also given under vLLM's
-names (`vllm:...`, `_VLLM_STATS` and the latency histograms), with the same `model_name` label.
+names (`vllm:...`, `_VLLM_STATS` and the request histograms), with the same `model_name` label.
 Latencies are measured on the engine thread's clock right after each step, so they include the
 model's time but not the HTTP event loop's. With several HTTP processes (`--api-server-count`)
 each counts its own requests and `SharedMetrics` adds the others' to what /metrics shows.
@@ -38,6 +38,10 @@ _LATENCY_BUCKETS = (
     30.0,
     60.0,
 )
+# a request's phases (queue, prefill, decode, the whole inference) run longer than its tokens' gaps
+_PHASE_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0, 1800.0)
+# token counts a request: 1, 2, 5, 10, 20, 50, ... 5,000,000 (vLLM's 1-2-5 buckets)
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 
 # Engine stats rendered as (metric name, type, help); absent keys are skipped.
 _STATS = (
@@ -106,6 +110,12 @@ _STATS = (
     ("spec_draft_tokens_total", "spec_decode_draft_tokens_total", "counter", "Draft tokens verified."),
     ("spec_accepted_tokens_total", "spec_decode_accepted_tokens_total", "counter", "Draft tokens accepted."),
     ("spec_windows_total", "spec_decode_verify_steps_total", "counter", "Verification windows run."),
+    (
+        "preemptions_total",
+        "num_preemptions_total",
+        "counter",
+        "Running requests preempted for want of KV pages (freed, recomputed later).",
+    ),
 )
 
 
@@ -117,6 +127,7 @@ _VLLM_NAMES = {
     "generation_tokens_total": "generation_tokens_total",
     "prefix_cache_query_tokens": "prefix_cache_queries_total",
     "prefix_cache_hit_tokens": "prefix_cache_hits_total",
+    "preemptions_total": "num_preemptions_total",
 }
 _VLLM_STATS = tuple(
     (_VLLM_NAMES[key], key, kind, help_text) for key, _, kind, help_text in _STATS if key in _VLLM_NAMES
@@ -182,6 +193,13 @@ class Metrics:
         self.ttft = Histogram()
         self.itl = Histogram()
         self.e2e = Histogram(_LATENCY_BUCKETS + (120.0, 300.0))
+        # each finished request's phases on the engine's clock, and its token counts
+        self.queue = Histogram(_PHASE_BUCKETS)
+        self.prefill = Histogram(_PHASE_BUCKETS)
+        self.decode = Histogram(_PHASE_BUCKETS)
+        self.inference = Histogram(_PHASE_BUCKETS)
+        self.prompt_tokens = Histogram(_TOKEN_BUCKETS)
+        self.generation_tokens = Histogram(_TOKEN_BUCKETS)
         # request id -> [arrival, time of the last new token, tokens so far]
         self._timing: dict[str, list[float]] = {}
 
@@ -208,6 +226,23 @@ class Metrics:
         if out.finished:
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
             self._finish(out.request_id, reason, now)
+            self._phases(out, count)
+
+    def _phases(self, out: RequestOutput, generated: int) -> None:
+        """A finished request's time waiting, prefilling (to its first token), decoding and in all
+        since it was first scheduled, as the engine timed them (wall clock), and its token counts."""
+        now = time.time()
+        arrival, scheduled, first = out.arrival_time, out.scheduled_time, out.first_token_time
+        if scheduled is not None:
+            if arrival:
+                self.queue.observe(max(0.0, scheduled - arrival))
+            self.inference.observe(max(0.0, now - scheduled))
+            if first is not None:
+                self.prefill.observe(max(0.0, first - scheduled))
+        if first is not None:
+            self.decode.observe(max(0.0, now - first))
+        self.prompt_tokens.observe(len(out.prompt_token_ids))
+        self.generation_tokens.observe(generated)
 
     def request_aborted(self, request_id: str) -> None:
         if request_id in self._timing:
@@ -248,7 +283,17 @@ class Metrics:
         return total
 
     def _histograms(self) -> dict[str, Histogram]:
-        return {"ttft": self.ttft, "itl": self.itl, "e2e": self.e2e}
+        return {
+            "ttft": self.ttft,
+            "itl": self.itl,
+            "e2e": self.e2e,
+            "queue": self.queue,
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "inference": self.inference,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+        }
 
     def _finish(self, request_id: str, reason: str, now: float) -> None:
         arrival = self._timing.pop(request_id)[0]
@@ -289,6 +334,20 @@ class Metrics:
             ("time_to_first_token_seconds", self.ttft, "Time from admission to the first generated token."),
             ("inter_token_latency_seconds", self.itl, "Time between consecutive generated tokens."),
             ("e2e_request_latency_seconds", self.e2e, "Time from admission to finish."),
+            (
+                "request_queue_time_seconds",
+                self.queue,
+                "Time a request waited before it was first scheduled.",
+            ),
+            ("request_prefill_time_seconds", self.prefill, "Time from first scheduled to the first token."),
+            ("request_decode_time_seconds", self.decode, "Time from the first token to the last."),
+            ("request_inference_time_seconds", self.inference, "Time from first scheduled to finish."),
+            ("request_prompt_tokens", self.prompt_tokens, "Prompt tokens of each finished request."),
+            (
+                "request_generation_tokens",
+                self.generation_tokens,
+                "Tokens generated by each finished request.",
+            ),
         )
         for name, hist, help_text in histograms:
             header(name, "histogram", help_text)
@@ -298,6 +357,10 @@ class Metrics:
             if key in stats:
                 header(name, kind, help_text)
                 lines.append(f"{p}{name}{{{lab}}} {stats[key]}")
+        header("request_success_total", "counter", "Finished requests by finish reason.")
+        for reason in sorted(set(self.finished) | {"stop", "length", "abort"}):
+            count = self.finished.get(reason, 0)
+            lines.append(f'{p}request_success_total{{{lab},finished_reason="{reason}"}} {count}')
         used, total = stats.get("kv_pages_used"), stats.get("kv_pages_total")
         if used is not None and total:
             header("kv_cache_usage_perc", "gauge", "Share of KV-cache pages in use (0 to 1).")

@@ -58,6 +58,7 @@ class RequestOutput:
     delta: bool = False  # the completions carry only what is new since the previous output
     # the prompt's tokens' log-probabilities (the first None), once the whole prompt has run
     prompt_logprobs: list[Logprob | None] | None = None
+    scheduled_time: float | None = None  # when it first entered the running batch (queue time's end)
 
     def merge(self, newer: RequestOutput) -> RequestOutput:
         """This output and the same request's next one as one output: deltas are joined, a

@@ -53,6 +53,7 @@ class Request:
     # prefill delay with `hold_prefill_tails`)
     ready_step: int = 0
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # when it first entered the running batch (time.time())
     # set when the request's state slot starts from a copied snapshot (prefix-cache hit)
     has_initial_state: bool = False
     # speculative decoding, cumulative: drafts verified, and how many of them were accepted

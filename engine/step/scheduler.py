@@ -180,6 +180,8 @@ class Scheduler:
                 break
             self.prefix_cache.commit(req)
             self.waiting.pop_first()
+            if req.scheduled_time is None:  # its queue time ends (not again after a preemption)
+                req.scheduled_time = time.time()
             req.status = Status.RUNNING
             self.running.append(req)
             admitted.append(req)

@@ -21,6 +21,7 @@ COUNTERS = (
     "spec_draft_tokens_total",
     "spec_accepted_tokens_total",
     "spec_windows_total",
+    "preemptions_total",  # running requests preempted (their pages and slot freed, recomputed later)
 )
 
 
@@ -158,6 +159,7 @@ def output_fields(req: Request, prompt_token_ids: list[int]) -> PackedOutput:
     head = (
         req.request_id, prompt_token_ids, finished, None, req.num_cached_tokens, req.arrival_time,
         req.first_token_time, req.num_draft_tokens, req.num_accepted_tokens, delta, prompt_logprobs,
+        req.scheduled_time,
     )  # fmt: skip
     completion = (
         0, token_ids, text, req.finish_reason, req.stop_reason, logprobs, req.cumulative_logprob,

@@ -26,6 +26,14 @@ VLLM = (
     "vllm:generation_tokens_total",
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_bucket",
+    "vllm:request_prefill_time_seconds_bucket",
+    "vllm:request_decode_time_seconds_bucket",
+    "vllm:request_inference_time_seconds_bucket",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
 )
 
 
@@ -82,3 +90,34 @@ def test_vllm_names_carry_deltaserve_values(client, server, read_metrics, until_
     assert m["vllm:generation_tokens_total"] >= 4 and m["vllm:e2e_request_latency_seconds_count"] >= 1
     assert m["vllm:kv_cache_usage_perc"] == m["deltaserve_kv_pages_used"] / m["deltaserve_kv_pages_total"]
     assert 0.0 <= m["vllm:kv_cache_usage_perc"] <= 1.0
+
+
+def test_each_finished_request_is_timed_by_phase_and_counted_by_tokens(
+    server, read_metrics, until_idle
+) -> None:
+    """Three requests of known lengths: the request histograms gain three observations each, whose
+    token sums are theirs, and whose phases fit inside one another."""
+    until_idle(server.url)
+    before = read_metrics(server.url)
+    prompts = [[5, 9, 17], list(range(40, 60)), [7] * 33]
+    for ids in prompts:
+        body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 6, "ignore_eos": True}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    until_idle(server.url)
+    after = read_metrics(server.url)
+
+    def gained(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert gained(f"vllm:request_{phase}_time_seconds_count") == 3, phase
+        assert gained(f"vllm:request_{phase}_time_seconds_sum") >= 0, phase
+    assert gained("vllm:request_prompt_tokens_sum") == sum(len(p) for p in prompts)
+    assert gained("vllm:request_generation_tokens_sum") == 3 * 6
+    assert gained('vllm:request_success_total{finished_reason="length"}') == 3
+    # from first scheduled to finish holds the prefill (to the first token) and the decode after it
+    inference = gained("vllm:request_inference_time_seconds_sum")
+    assert gained("vllm:request_prefill_time_seconds_sum") <= inference
+    assert gained("vllm:request_decode_time_seconds_sum") <= inference
+    assert gained("deltaserve_request_prompt_tokens_sum") == sum(len(p) for p in prompts)
+    assert after["vllm:num_preemptions_total"] == after["deltaserve_num_preemptions_total"] == 0

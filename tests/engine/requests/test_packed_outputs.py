@@ -34,6 +34,7 @@ def _every_field_set() -> RequestOutput:
         num_accepted_tokens=3,
         delta=True,
         prompt_logprobs=[None, Logprob(2, -3.0, {2: -3.0}, rank=7)],
+        scheduled_time=2.25,
     )
 
 
@@ -94,6 +95,7 @@ def test_an_engine_that_emits_packed_outputs_emits_what_it_would_have_packed(mak
             out.prompt_token_ids = []
             out.arrival_time = twin.arrival_time = 0.0
             out.first_token_time = twin.first_token_time = None
+            out.scheduled_time = twin.scheduled_time = None
         assert back == plain, steps
         steps += 1
     assert not engines[1].has_unfinished_requests() and steps > 5
@@ -114,6 +116,7 @@ def test_a_requests_output_names_each_of_its_fields() -> None:
     req.output_token_ids, req.logprobs, req.cumulative_logprob = [5, 6], lp, -0.75
     req.finish_reason, req.stop_reason, req.error = "stop", 6, "why"
     req.num_cached_tokens, req.arrival_time, req.first_token_time = 16, 1.5, 2.5
+    req.scheduled_time = 2.25
     req.num_draft_tokens, req.num_accepted_tokens = 4, 3
     req.prompt_logprobs = [None, Logprob(2, -3.0, {2: -3.0}, rank=7)]
     out = build_output(req)
@@ -125,6 +128,7 @@ def test_a_requests_output_names_each_of_its_fields() -> None:
         False,
     )
     assert (out.num_cached_tokens, out.arrival_time, out.first_token_time) == (16, 1.5, 2.5)
+    assert out.scheduled_time == 2.25
     assert (out.num_draft_tokens, out.num_accepted_tokens, out.prompt_logprobs) == (4, 3, req.prompt_logprobs)
     (comp,) = out.outputs
     assert (comp.index, comp.token_ids, comp.finish_reason, comp.stop_reason) == (0, [5, 6], "stop", 6)

@@ -93,6 +93,7 @@ def test_memory_pressure_preempts_the_lowest_priority(checkpoint, monkeypatch) -
     assert "high" not in {rid for rid, _, _ in victims}
     assert tokens == expected
     stats = engine.stats()
+    assert stats["preemptions_total"] == len(victims)  # /metrics' num_preemptions_total
     assert (stats["running"], stats["waiting"], stats["kv_pages_used"], stats["state_slots_used"]) == (
         0,
         0,
