@@ -9,7 +9,7 @@ are pickled tuples:
        ("abort", [request_id, ...])                    the client no longer waits: no output
        ("abort_where", prefix | None)    end the live requests whose ids start with prefix (all:
                                          None) as "abort", each with its last output
-       ("call", call_id, name, args)     stats / compile_structured / flush_cache /
+       ("call", call_id, name, args)     stats / model_info / compile_structured / flush_cache /
                                          update_weights_from_disk (once the running requests
                                          finish; requests added meanwhile wait for it)
        ("stop",)
@@ -49,7 +49,7 @@ logger = logging.getLogger("deltaserve.engine")
 
 IDLE_POLL_MS = 100  # how long an idle loop waits for a command (and how often it sends a beat)
 BEAT_S = 0.5  # the longest an idle loop stays silent
-_CALLS = ("stats", "compile_structured", "flush_cache", "update_weights_from_disk")
+_CALLS = ("stats", "model_info", "compile_structured", "flush_cache", "update_weights_from_disk")
 _OFF_LOOP = ("compile_structured",)  # slow calls that run beside the loop, not inside a step
 _WHEN_IDLE = ("update_weights_from_disk",)  # calls for an idle engine: new requests wait for them
 
@@ -249,13 +249,18 @@ class EngineCore:
         for i, (client, (kind, call_id, requests)) in enumerate(self._held):
             self._held[i] = (client, (kind, call_id, [r for r in requests if r[0] not in request_ids]))
 
+    def model_info(self) -> dict[str, Any]:
+        """What the engine says of its model now (the checkpoint's path changes with an update)."""
+        return dict(getattr(self.engine, "model_info", {}))
+
     def stats(self) -> dict[str, Any]:
         """The engine's stats, and the loop's idle time beside its step time."""
         return {**self.engine.stats(), "idle_seconds_total": self._idle_s}
 
     def _call(self, name: str, args: tuple[Any, ...]) -> tuple[tuple[str, str, str | None] | None, Any]:
-        # stats are the core's own (the engine's and the loop's); the other calls are the engine's
-        fn = self.stats if name == "stats" else getattr(self.engine, name, None)
+        # stats and model_info are the core's own; the other calls are the engine's
+        own = {"stats": self.stats, "model_info": self.model_info}
+        fn = own.get(name) or getattr(self.engine, name, None)
         if fn is None:  # a stand-in engine without it: nothing to do
             return None, None
         try:

@@ -400,6 +400,7 @@ class Engine:
             raise ValueError(f"unknown load format {load_format!r}; use 'auto' or 'dummy'")
         self.runner.update_weights(model_path, load_format)
         self.flush_cache()
+        self.model_info["model"] = str(model_path)  # what /get_model_info reports, as SGLang does
         logger.info("now serving the weights of %s", model_path)
 
     def stats(self) -> dict[str, Any]:

@@ -195,7 +195,10 @@ def build_app(
 
     @app.get("/get_model_info")  # SGLang's
     async def get_model_info() -> dict[str, Any]:
-        info = engine_client.model_info
+        try:  # the engine's own: the checkpoint a weight update loaded, from any HTTP process
+            info = await engine_client.call("model_info")
+        except EngineDeadError:
+            info = engine_client.model_info
         return {
             "model_path": str(info.get("model", model_names[0])),
             "tokenizer_path": getattr(ctx.tokenizer, "name_or_path", None),

@@ -100,8 +100,10 @@ def test_an_update_waits_for_the_running_and_serves_the_new_weights(server, chec
     assert isinstance(reply, httpx.Response) and reply.status_code == 200 and reply.json()["success"] is True
     assert results["waited"] == new_short  # held until the update, then the new weights
     assert complete(server.url, 8) == new_short
+    assert httpx.get(f"{server.url}/get_model_info").json()["model_path"] == second  # as SGLang says
     update(server.url, first)
     assert complete(server.url, 8) == offline_text(first, 8)
+    assert httpx.get(f"{server.url}/get_model_info").json()["model_path"] == first
 
 
 def test_a_checkpoint_of_another_model_or_none_is_a_400(server, checkpoints, tmp_path) -> None:
