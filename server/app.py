@@ -24,7 +24,7 @@ from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 from .api.chat import create_chat_completion
 from .api.completions import create_completion
 from .api.context import ClientDisconnected, ServerContext
-from .api.generate import GenerateRequest, create_generation, rid_prefix
+from .api.generate import GenerateRequest, create_generation
 from .api.messages import (
     CountTokensRequest,
     MessagesRequest,
@@ -32,6 +32,7 @@ from .api.messages import (
     count_tokens,
     create_message,
 )
+from .api.request_params import rid_prefix
 from .api.responses import ResponsesRequest, ResponseStore, create_response
 from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient

@@ -180,6 +180,7 @@ class SamplingRequest(RequestBody):
     ignore_eos: bool = False
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values run first
     request_id: str | None = None  # vLLM's: the reply's id after its prefix (an X-Request-Id header wins)
+    rid: str | None = None  # SGLang's name for it
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

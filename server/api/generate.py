@@ -25,7 +25,7 @@ from ..errors import APIError, bad_request, error_body, failure_of, raise_if_fai
 from ..protocol import CompletionRequest, RequestBody, unsupported_if_set, validated
 from .context import ServerContext
 from .generation import DONE, sse
-from .request_params import fan_out
+from .request_params import fan_out, rid_prefix
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import Logprob, RequestOutput
@@ -77,12 +77,6 @@ class GenerateRequest(RequestBody):
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: int = 0  # SGLang's and vLLM's: with --scheduling-policy priority, lower values run first
-
-
-def rid_prefix(rid: str) -> str:
-    """How the engine ids of a prompt with SGLang's `rid` start, so that /abort_request finds them
-    in the engine (the length first: no rid's prefix is another rid's)."""
-    return f"rid{len(rid)}:{rid}:"
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:

@@ -25,7 +25,7 @@ from ..errors import error_body, failure_of, raise_if_failed
 from ..protocol import PromptTokensDetails, SamplingRequest, Usage, random_id
 from .context import ServerContext
 from .logprobs import TokenText, token_text_for
-from .request_params import fan_out
+from .request_params import fan_out, rid_prefix
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput
@@ -108,12 +108,19 @@ class Generation(ABC, Generic[ChunkChoice]):
         """Submit every request, then stream the chunks or answer with the whole response. A
         client that names the request (vLLM's X-Request-Id header, or the body's request_id) gets
         that name in the reply's id."""
-        given = raw.headers.get("x-request-id") or self.req.request_id
+        given = raw.headers.get("x-request-id") or self.req.request_id or self.req.rid
         if given:
             self.response_id = f"{self.id_prefix}-{given}"
+            self._name_requests(rid_prefix(given))
         return await self.ctx.run(
             self.requests, raw, stream, self._events, self.response, self.prompts, self.n
         )
+
+    def _name_requests(self, prefix: str) -> None:
+        """Engine ids that start with the client's name for the request: /abort_request ends
+        them by it."""
+        self.requests = [(prefix + r[0], *r[1:]) for r in self.requests]  # type: ignore[misc]
+        self.index = {prefix + rid: i for rid, i in self.index.items()}
 
     def event(self, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
         """A chunk as a server-sent event, with the usage so far where the client asked for it."""

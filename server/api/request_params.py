@@ -298,6 +298,13 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
+def rid_prefix(rid: str) -> str:
+    """How the engine ids of a request the client named start (SGLang's `rid`, vLLM's
+    `request_id` or X-Request-Id), so that /abort_request finds them by that name (its length
+    first: no name's prefix is another name's)."""
+    return f"rid{len(rid)}:{rid}:"
+
+
 def fan_out(
     base_id: str, prompt_ids: list[int], params: SamplingParams, images: ImageInputs | None = None
 ) -> list[EngineRequest]:

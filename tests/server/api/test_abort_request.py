@@ -84,3 +84,50 @@ def test_a_rid_that_runs_nowhere_changes_nothing_and_no_rid_is_a_400(server) -> 
     assert httpx.post(f"{server.url}/abort_request", json={"rid": "never-sent"}).status_code == 200
     bad = httpx.post(f"{server.url}/abort_request", json={})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
+
+
+def test_an_openai_request_named_by_the_client_is_aborted_by_that_name(server, until_idle) -> None:
+    """vLLM's request_id (or X-Request-Id) and SGLang's rid on the OpenAI endpoints name the request
+    for /abort_request too; the reply's id carries the name."""
+    results: dict[str, Any] = {}
+    started = {name: threading.Event() for name in ("body", "header", "sglang", "other")}
+
+    def chat(name: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        payload = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 480,
+            "ignore_eos": True,
+            "stream": True,
+            **body,
+        }
+        with httpx.stream(
+            "POST", f"{server.url}/v1/chat/completions", json=payload, headers=headers, timeout=120
+        ) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    started[name].set()
+        results[name] = events
+
+    threads = [
+        threading.Thread(target=chat, args=("body", {"request_id": "chat-7"}, {})),
+        threading.Thread(target=chat, args=("header", {}, {"X-Request-Id": "hdr-9"})),
+        threading.Thread(target=chat, args=("sglang", {"rid": "sg-3"}, {})),
+        threading.Thread(target=chat, args=("other", {"request_id": "chat-70"}, {})),
+    ]
+    for t in threads:
+        t.start()
+    assert all(event.wait(60) for event in started.values())  # all four stream
+    for name in ("chat-7", "hdr-9", "sg-3"):
+        assert httpx.post(f"{server.url}/abort_request", json={"rid": name}).status_code == 200
+    for t in threads:
+        t.join(120)
+    finish = {
+        k: [c["finish_reason"] for e in v for c in e["choices"] if c["finish_reason"]]
+        for k, v in results.items()
+    }
+    assert finish == {"body": ["abort"], "header": ["abort"], "sglang": ["abort"], "other": ["length"]}
+    assert results["body"][0]["id"] == "chatcmpl-chat-7" and results["header"][0]["id"] == "chatcmpl-hdr-9"
+    assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
