@@ -372,29 +372,38 @@ class EngineClient:
     async def add(
         self, requests: Sequence[EngineRequest], track: bool = True, engine: int | None = None
     ) -> RequestGroup:
-        """Admit the requests together (all or none, on one engine: `engine`, or the router's
-        pick); raises ValueError or QueueFullError. `track=False`: not a client's request (a
-        prefix warm-up, a health check): left out of the metrics."""
+        """Admit the requests together, all or none; raises ValueError or QueueFullError. They go
+        to `engine`, or with data parallelism each distinct prompt (with its n samples) where the
+        router picks. `track=False`: not a client's request (a prefix warm-up, a health check):
+        left out of the metrics."""
         if not self.accepting:
             raise ShuttingDownError("the server is shutting down")
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        if engine is None:
-            engine = self.router.pick([r[1] for r in requests])
-        group = RequestGroup([r[0] for r in requests], engine)
+        placed = self._place(requests, engine)
+        group = RequestGroup([r[0] for r in requests], placed[requests[0][0]] if requests else 0)
         requests = [(r[0], r[1], self._detokenize_here(r[0], r[2]), *r[3:]) for r in requests]  # type: ignore[misc]
-        for request_id, prompt, *_ in requests:
+        by_engine: dict[int, list[EngineRequest]] = {}
+        for request in requests:
+            request_id, prompt = request[0], request[1]
             self._groups[request_id] = group
-            self._engine_of[request_id] = engine
+            self._engine_of[request_id] = placed[request_id]
             self._prompts[request_id] = prompt
+            by_engine.setdefault(placed[request_id], []).append(request)
             if self.metrics is not None and track:
                 self.metrics.request_started(request_id)
-        self.router.load[engine] += len(requests)
+        calls: list[int] = []
         try:
-            await self._call(("add", None, requests), engine)
+            for e, mine in by_engine.items():  # every add sent before any reply is awaited
+                calls.append(await self._request(("add", None, mine), e))
+            replies = await asyncio.gather(*(self._calls[c][0] for c in calls), return_exceptions=True)
+            failed = next((r for r in replies if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
         except BaseException:
-            # Also reached when the client goes away while the add is in flight: the abort sent
-            # after the add undoes it, and is a no-op if the add failed.
+            # Also reached when the client goes away while the adds are in flight, or when one
+            # engine refuses its part: the aborts sent after the adds undo them (no-ops where an
+            # add failed).
             ids = group.request_ids
             self._abort_ids([rid for rid in ids if rid in self._groups])
             self._forget(ids)
@@ -402,7 +411,27 @@ class EngineClient:
                 for request_id in ids:
                     self.metrics.forget(request_id)
             raise
+        finally:
+            for call_id in calls:
+                self._calls.pop(call_id, None)
         return group
+
+    def _place(self, requests: Sequence[EngineRequest], engine: int | None) -> dict[str, int]:
+        """Each request's engine (counted in the router's load): `engine` for all, else the
+        router's pick for each distinct prompt, its copies (n samples) beside it."""
+        placed: dict[str, int] = {}
+        chosen: dict[tuple[int, ...], int] = {}
+        for request_id, prompt, *_ in requests:
+            if engine is not None or len(self.handles) == 1:
+                e = engine or 0
+            else:
+                key = tuple(prompt)
+                if key not in chosen:
+                    chosen[key] = self.router.pick([prompt])
+                e = chosen[key]
+            placed[request_id] = e
+            self.router.load[e] += 1
+        return placed
 
     def abort(self, group: RequestGroup) -> None:
         """Abort what is left of a group whose client no longer waits; never blocks."""
@@ -440,16 +469,25 @@ class EngineClient:
         return values[0]
 
     async def _call(self, command: tuple[Any, ...], engine: int = 0) -> Any:
+        call_id = await self._request(command, engine)
+        try:
+            return await self._calls[call_id][0]
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def _request(self, command: tuple[Any, ...], engine: int) -> int:
+        """Send a command that the engine answers; its reply's future is `_calls[call id]`."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = (future, engine)
-        await self._send((command[0], call_id, *command[2:]), engine)
         try:
-            return await future
-        finally:
+            await self._send((command[0], call_id, *command[2:]), engine)
+        except BaseException:
             self._calls.pop(call_id, None)
+            raise
+        return call_id
 
     async def _send(self, command: tuple[Any, ...], engine: int) -> None:
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)

@@ -81,11 +81,11 @@ async def search(
         temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False
     )
     base = f"beam-{uuid.uuid4().hex}"
-    engine: int | None = None  # every step on the first step's engine, whose cache holds the beams
+    engine: int | None = None  # one prompt's steps on its first step's engine, whose cache holds them
     while not beams.finished:
         requests = [(f"{base}-{beams.steps}-{i}", tokens, step) for i, tokens in enumerate(beams.expanding())]
         group = await ctx.submit(requests, engine=engine)
-        engine = group.engine
+        engine = group.engine if len(prompts) == 1 else None  # several prompts: each where it went
         final = await ctx.collect(group, raw)
         beams.advance([final[r[0]].outputs[0].logprobs[0].top for r in requests])  # type: ignore[index]
     return beams.outputs()

@@ -117,6 +117,21 @@ def test_disconnected_streams_free_their_engines_slots(dp_server, until_idle) ->
     assert per_engine(dp_server.url, "state_slots_used") == [0, 0]
 
 
+def test_a_batch_of_prompts_spreads_over_the_engines(dp_server, server) -> None:
+    prompts = [f"batch prompt {i}" for i in range(8)]
+    body = {"model": MODEL_NAME, "prompt": prompts, "max_tokens": 6, "n": 2, "temperature": 0}
+    before = per_engine(dp_server.url, "prompt_tokens_total")
+
+    def texts(url: str) -> list[str]:
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return [c["text"] for c in sorted(reply.json()["choices"], key=lambda c: c["index"])]
+
+    assert texts(dp_server.url) == texts(server.url)  # each prompt's choices in their places
+    gained = [a - b for a, b in zip(per_engine(dp_server.url, "prompt_tokens_total"), before)]
+    assert min(gained) > 0, gained  # both engines took some of the batch
+
+
 def test_a_cache_reset_reaches_every_engine(dp_server) -> None:
     prompts = [f"{i}: a prompt long enough to fill some pages" * 8 for i in range(6)]  # nothing shared
     completions(dp_server.url, prompts, max_tokens=2)
@@ -141,6 +156,24 @@ def test_the_load_generator_reports_the_engines_mean_loop_shares(dp_server) -> N
     assert run["failed"] == 0 and run["completed"] == 16
     loop = run["engine_loop"]  # each engine's loop is busy or idle: their mean share is at most 1
     assert 0 < loop["step"] and 0 <= loop["idle"] and loop["step"] + loop["idle"] <= 1, loop
+
+
+def test_a_batch_that_one_engine_refuses_is_refused_whole(spawn_server, until_idle) -> None:
+    """Two places an engine (one running, one waiting): five prompts split three and two, the
+    engine given three refuses them, and the two the other took are undone."""
+    small = spawn_server(*DP, "--max-running-requests", "1", "--max-waiting-requests", "1")
+    body = {"model": MODEL_NAME, "prompt": [f"p{i}" for i in range(5)], "max_tokens": 4}
+    refused = httpx.post(f"{small.url}/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
+    metrics = until_idle(small.url)
+    assert metrics["deltaserve_num_requests_running"] == metrics["deltaserve_state_slots_used"] == 0
+    assert metrics['deltaserve_requests_total{outcome="length"}'] == 0  # nothing of it ran to the end
+    # each engine admitted prompts (counted as they are added) before the refusal undid them:
+    # the batch was split, not sent whole to one engine
+    taken = per_engine(small.url, "prompt_tokens_total")
+    assert min(taken) > 0, taken
+    fits = httpx.post(f"{small.url}/v1/completions", json={**body, "prompt": ["a", "b", "c"]}, timeout=60)
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 3
 
 
 @pytest.mark.slow
