@@ -10,6 +10,7 @@ are pickled tuples:
        ("abort_where", prefix | None)    end the live requests whose ids start with prefix (all:
                                          None) as "abort", each with its last output
        ("call", call_id, name, args)     stats / model_info / compile_structured / flush_cache /
+                                         set_weight_version /
                                          update_weights_from_disk (once the running requests
                                          finish; requests added meanwhile wait for it)
        ("stop",)
@@ -49,7 +50,14 @@ logger = logging.getLogger("deltaserve.engine")
 
 IDLE_POLL_MS = 100  # how long an idle loop waits for a command (and how often it sends a beat)
 BEAT_S = 0.5  # the longest an idle loop stays silent
-_CALLS = ("stats", "model_info", "compile_structured", "flush_cache", "update_weights_from_disk")
+_CALLS = (
+    "stats",
+    "model_info",
+    "compile_structured",
+    "flush_cache",
+    "update_weights_from_disk",
+    "set_weight_version",
+)
 _OFF_LOOP = ("compile_structured",)  # slow calls that run beside the loop, not inside a step
 _WHEN_IDLE = ("update_weights_from_disk",)  # calls for an idle engine: new requests wait for them
 

@@ -94,6 +94,7 @@ class Engine:
         self.admission = model.admission
         self.overlap = model.overlap
         self.model_info = model.model_info
+        self.model_info["weight_version"] = "default"  # SGLang's label of the weights served
         self.image_processor = model.image_processor
         self._model_parts = model
         self.requests: dict[str, Request] = {}
@@ -389,11 +390,14 @@ class Engine:
         """Drop every cached page and snapshot that no running request uses."""
         self.prefix_cache.flush()
 
-    def update_weights_from_disk(self, model_path: str, load_format: str = "auto") -> None:
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str = "auto", weight_version: str | None = None
+    ) -> None:
         """Serve the weights of another checkpoint of the same model from now on (SGLang's
-        update_weights_from_disk), and drop the prefix cache, which the old weights computed.
-        It needs the engine idle (the server holds new requests and lets the running finish);
-        ValueError, with nothing changed, for a checkpoint of another model."""
+        update_weights_from_disk), labelled `weight_version` where given, and drop the prefix
+        cache, which the old weights computed. It needs the engine idle (the server holds new
+        requests and lets the running finish); ValueError, with nothing changed, for a checkpoint
+        of another model."""
         if self.has_unfinished_requests():
             raise RuntimeError("the weights change only between requests: requests are running")
         if load_format not in ("auto", "dummy"):
@@ -401,7 +405,13 @@ class Engine:
         self.runner.update_weights(model_path, load_format)
         self.flush_cache()
         self.model_info["model"] = str(model_path)  # what /get_model_info reports, as SGLang does
+        if weight_version is not None:
+            self.set_weight_version(weight_version)
         logger.info("now serving the weights of %s", model_path)
+
+    def set_weight_version(self, version: str) -> None:
+        """Label the weights served (SGLang's weight_version), as /get_model_info reports it."""
+        self.model_info["weight_version"] = str(version)
 
     def stats(self) -> dict[str, Any]:
         kv, st = self.runner.kv_pool, self.runner.state_pool

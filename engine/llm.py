@@ -251,11 +251,13 @@ class LLM:
                 beam.text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
         return results
 
-    def update_weights_from_disk(self, model_path: str, load_format: str = "auto") -> None:
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str = "auto", weight_version: str | None = None
+    ) -> None:
         """Generate with the weights of another checkpoint of the same model from now on (as
         SGLang's Engine does): loaded in host memory, checked, then copied over the served ones;
         the prefix cache is dropped. ValueError, with nothing changed, for another model's."""
-        self.engine.update_weights_from_disk(model_path, load_format)
+        self.engine.update_weights_from_disk(model_path, load_format, weight_version)
 
 
 def _progress(total: int) -> Any:

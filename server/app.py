@@ -47,6 +47,7 @@ from .protocol import (
     ModelList,
     TokenizeRequest,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightVersionRequest,
 )
 from .text.chat_template import first_image_part, image_urls, render_chat
 
@@ -210,7 +211,28 @@ def build_app(
             "architectures": [info.get("architecture")],
             "served_model_names": model_names,
             "max_model_len": engine_client.max_model_len,
+            "weight_version": info.get("weight_version", "default"),
         }
+
+    @app.get("/get_weight_version")  # SGLang's
+    async def get_weight_version() -> dict[str, Any]:
+        try:
+            info = await engine_client.call("model_info")
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), None, "engine_unavailable") from exc
+        return {"weight_version": info.get("weight_version", "default")}
+
+    @app.post("/update_weight_version")  # SGLang's: a new label, the same weights
+    async def update_weight_version(body: UpdateWeightVersionRequest) -> Response:
+        try:
+            if body.abort_all_requests:
+                await engine_client.abort_where(None)
+            await engine_client.call("set_weight_version", body.new_version)
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), None, "engine_unavailable") from exc
+        return JSONResponse(
+            {"success": True, "message": "the weight version is set", "new_version": body.new_version}
+        )
 
     @app.post("/reset_prefix_cache")  # vLLM's name
     @app.post("/flush_cache")  # SGLang's
@@ -228,7 +250,9 @@ def build_app(
         try:
             if body.abort_all_requests:  # the running requests end now, as "abort", and the update follows
                 await engine_client.abort_where(None)
-            await engine_client.call("update_weights_from_disk", body.model_path, body.load_format or "auto")
+            await engine_client.call(
+                "update_weights_from_disk", body.model_path, body.load_format or "auto", body.weight_version
+            )
         except EngineDeadError as exc:
             raise APIError(503, str(exc), None, "engine_unavailable") from exc
         except ValueError as exc:  # SGLang's reply, with the OpenAI error beside it

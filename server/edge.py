@@ -29,6 +29,7 @@ _KEYED = (
     "/flush_cache",
     "/update_weights_from_disk",
     "/abort_request",
+    "/update_weight_version",
 )
 
 

@@ -273,8 +273,15 @@ class UpdateWeightsFromDiskRequest(RequestBody):
     model_path: str
     load_format: Literal["auto", "dummy"] | None = None
     flush_cache: bool = True  # the cache always goes: the old weights computed it
-    weight_version: str | None = None
+    weight_version: str | None = None  # the new weights' label (/get_model_info, /get_weight_version)
     # end the running requests (finish reason "abort") instead of waiting for them to finish
+    abort_all_requests: bool = False
+
+
+class UpdateWeightVersionRequest(RequestBody):
+    """SGLang's /update_weight_version body: a new label for the weights served."""
+
+    new_version: str
     abort_all_requests: bool = False
 
 

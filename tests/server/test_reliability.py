@@ -208,6 +208,7 @@ def test_api_key_is_checked_before_the_body(keyed) -> None:
         ("/reset_prefix_cache", {}),  # dropping everyone's cache is the key holder's to ask
         ("/flush_cache", {}),
         ("/abort_request", {"abort_all": True}),  # ending everyone's requests, likewise
+        ("/update_weight_version", {"new_version": "v1"}),
         ("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}),  # SGLang's
     ],
 )

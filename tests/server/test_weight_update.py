@@ -144,3 +144,24 @@ def test_abort_all_requests_ends_the_running_and_updates_at_once(server, checkpo
     assert old_long.startswith(streamed) and len(streamed) < len(old_long)  # cut short, old weights
     assert complete(server.url, 8) == offline_text(second, 8)
     update(server.url, first)
+
+
+def test_weight_versions_label_the_weights_served(server, checkpoints) -> None:
+    first, second = checkpoints
+
+    def version() -> str:
+        label = httpx.get(f"{server.url}/get_weight_version").json()["weight_version"]
+        assert httpx.get(f"{server.url}/get_model_info").json()["weight_version"] == label
+        return label
+
+    start = version()
+    body = {"model_path": second, "weight_version": "step-2"}
+    assert httpx.post(f"{server.url}/update_weights_from_disk", json=body, timeout=300).status_code == 200
+    assert version() == "step-2"
+    assert complete(server.url, 8) == offline_text(second, 8)
+    relabel = httpx.post(f"{server.url}/update_weight_version", json={"new_version": "step-2b"})
+    assert relabel.status_code == 200 and relabel.json()["success"] is True
+    assert version() == "step-2b" and complete(server.url, 8) == offline_text(second, 8)  # same weights
+    update(server.url, first)  # no version given: the label stays
+    assert version() == "step-2b"
+    httpx.post(f"{server.url}/update_weight_version", json={"new_version": start})
