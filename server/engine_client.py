@@ -280,6 +280,7 @@ class EngineClient:
         tokenizer: Any = None,
         metrics: Metrics | None = None,
         load_balance_method: str = "cache_aware",
+        routes: Any = None,
     ) -> None:
         self.handles = [handles] if isinstance(handles, EngineHandle) else list(handles)
         info = self.handles[0].info
@@ -294,7 +295,8 @@ class EngineClient:
         self.fault: str | None = None  # the last one: /health reports the engine unhealthy
         self.dead: str | None = None  # why an engine is gone, once one is
         self.wedged_after_s = WEDGED_AFTER_S
-        self.router = EngineRouter(len(self.handles), load_balance_method)
+        # `routes`: the prefixes' engines shared with the other HTTP processes (SharedRoutes)
+        self.router = EngineRouter(len(self.handles), load_balance_method, routes=routes)
         self._groups: dict[str, RequestGroup] = {}  # engine request id -> its group
         self._engine_of: dict[str, int] = {}  # engine request id -> the engine that holds it
         self._prompts: dict[str, list[int]] = {}  # engine request id -> its prompt (outputs omit it)

@@ -5,15 +5,17 @@ unless that one is busier than the others by more than a little; else the least 
 
 Each engine has its own prefix cache, so a chat's next turn (its history, then a new message) or
 a retry only hits the cache on the engine that served the turn before. The router keeps a hash of
-every prompt's first 64, 128, 192, ... tokens (the last `MAX_KEYS` of them), each with the engine
-it went to, and looks a new prompt's hashes up from its longest prefix down. Load is the number of
-engine requests this HTTP process has in flight on each engine (each HTTP process routes its own).
+every prompt's first 64, 128, 192, ... tokens, each with the engine it went to, and looks a new
+prompt's hashes up from its longest prefix down; the HTTP processes share that table
+(`SharedRoutes`). Load is the number of engine requests this HTTP process has in flight on each
+engine (each HTTP process balances its own).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any, Literal
 
 STRIDE = 64  # tokens between the prefixes recorded: a multiple of every page size in use
 MAX_KEYS = 1 << 16  # prefixes remembered, the oldest forgotten first
@@ -35,17 +37,92 @@ def prefix_keys(prompt: Sequence[int], stride: int = STRIDE) -> list[int]:
 METHODS = ("cache_aware", "shortest_queue", "round_robin")  # `--load-balance-method`, as SGLang names them
 
 
+class LocalRoutes:
+    """Prefix hash -> engine in this process, the oldest forgotten first past `max_keys`."""
+
+    def __init__(self, max_keys: int = MAX_KEYS) -> None:
+        self.max_keys = max_keys
+        self._owner: dict[int, int] = {}  # insertion order: oldest first
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def deepest(self, keys: list[int]) -> int | None:
+        """The engine of the longest of these prefixes recorded, if any."""
+        for key in reversed(keys):
+            engine = self._owner.get(key)
+            if engine is not None:
+                return engine
+        return None
+
+    def record(self, keys: list[int], engine: int) -> None:
+        for key in keys:
+            self._owner.pop(key, None)  # to the end: the newest
+            self._owner[key] = engine
+        while len(self._owner) > self.max_keys:
+            del self._owner[next(iter(self._owner))]
+
+
+def routes_path(ipc_dir: str) -> str:
+    """Where the HTTP processes' shared table lives: beside the engine's sockets."""
+    import os
+
+    return os.path.join(ipc_dir, "routes")
+
+
+class SharedRoutes:
+    """Prefix hash -> engine shared by every HTTP process (`--api-server-count`): a table of
+    `slots` entries in a file each process maps, a key's slot picked by its hash, a newer key
+    taking an older one's slot. A chat's next turn that reaches another HTTP process still finds
+    the engine of the turn before. Writes are not locked: a read racing a write may miss or name
+    a stale engine, which costs a cache hit, never a wrong answer."""
+
+    SLOTS = 1 << 20
+
+    def __init__(self, path: str, create: bool = False, slots: int = SLOTS) -> None:
+        import numpy as np
+
+        mode: Literal["w+", "r+"] = "w+" if create else "r+"
+        self.keys = np.memmap(path, dtype=np.int64, mode=mode, shape=(slots,))
+        self.engines = np.memmap(path + ".engines", dtype=np.int8, mode=mode, shape=(slots,))
+        self.slots = slots
+
+    def _slots(self, keys: list[int]) -> tuple[Any, Any]:
+        import numpy as np
+
+        stored = np.array(keys, dtype=np.int64)
+        stored[stored == 0] = 1  # 0 marks an empty slot
+        return stored, stored % self.slots
+
+    def deepest(self, keys: list[int]) -> int | None:
+        if not keys:
+            return None
+        stored, where = self._slots(keys)
+        found = (self.keys[where] == stored).nonzero()[0]
+        return int(self.engines[where[found[-1]]]) if len(found) else None
+
+    def record(self, keys: list[int], engine: int) -> None:
+        if keys:
+            stored, where = self._slots(keys)
+            self.engines[where] = engine  # the engine first: a reader that sees the key sees it
+            self.keys[where] = stored
+
+
 class EngineRouter:
     def __init__(
-        self, engines: int, method: str = "cache_aware", stride: int = STRIDE, max_keys: int = MAX_KEYS
+        self,
+        engines: int,
+        method: str = "cache_aware",
+        stride: int = STRIDE,
+        max_keys: int = MAX_KEYS,
+        routes: LocalRoutes | SharedRoutes | None = None,
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"load balance method must be one of {', '.join(METHODS)}, got {method!r}")
         self.method = method
         self.load = [0] * engines
         self.stride = stride
-        self.max_keys = max_keys
-        self._owner: dict[int, int] = {}  # prefix hash -> engine, oldest first (insertion order)
+        self.routes = routes if routes is not None else LocalRoutes(max_keys)
         self._turn = itertools.cycle(range(engines))  # ties among the least busy, taken in turn
 
     def pick(self, prompts: Sequence[Sequence[int]]) -> int:
@@ -58,20 +135,8 @@ class EngineRouter:
         keys = prefix_keys(prompts[0], self.stride) if prompts and self.method == "cache_aware" else []
         least = min(self.load)
         bound = max(least + SLACK, least * (1 + SLACK_SHARE))
-        engine = self._holder(keys, bound)
-        if engine is None:
+        engine = self.routes.deepest(keys)
+        if engine is None or engine >= len(self.load) or self.load[engine] > bound:
             engine = next(e for e in self._turn if self.load[e] == least)
-        for key in keys:
-            self._owner.pop(key, None)  # to the end: the newest
-            self._owner[key] = engine
-        while len(self._owner) > self.max_keys:
-            del self._owner[next(iter(self._owner))]
+        self.routes.record(keys, engine)
         return engine
-
-    def _holder(self, keys: list[int], bound: float) -> int | None:
-        """The engine that took the longest of these prefixes, if it holds at most `bound` requests."""
-        for key in reversed(keys):
-            engine = self._owner.get(key)
-            if engine is not None:
-                return engine if self.load[engine] <= bound else None
-        return None

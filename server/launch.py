@@ -44,6 +44,10 @@ def serve(args: argparse.Namespace) -> int:
         engine_config, args.log_level, 0.0 if args.disable_log_stats else args.log_stats_interval, count
     )
     model_dir, tokenizer = str(engine_config.model), str(engine_config.tokenizer or engine_config.model)
+    if len(handles) > 1:  # the routing table every HTTP process maps, made before any opens it
+        from .engine_router import SharedRoutes, routes_path
+
+        SharedRoutes(routes_path(handles[0].ipc_dir), create=True)
     others = None
     if count > 1:
         from .api_servers import ApiServers
@@ -121,11 +125,18 @@ def http_server(
 
     config = _uvicorn_config(args)
     names, aliases = _served_names(args)
+    engines = handles if isinstance(handles, list) else [handles]
+    routes = None
+    if len(engines) > 1:
+        from .engine_router import SharedRoutes, routes_path
+
+        routes = SharedRoutes(routes_path(engines[0].ipc_dir))
     client = EngineClient(
         handles,
         load_tokenizer(tokenizer),
         Metrics(names[0]),
         getattr(args, "load_balance_method", "cache_aware"),
+        routes,
     )
     config.app = build_app(
         client,

@@ -95,6 +95,31 @@ def test_a_chats_next_turns_hit_the_cache_of_the_engine_that_served_it(dp_server
             ]
 
 
+def test_a_chats_turns_on_new_connections_find_their_engine_from_any_http_process(dp_server) -> None:
+    """Each turn on a connection of its own, which either HTTP process may take: the routing
+    table they share still sends it to the engine that holds its history."""
+    chats = [
+        [{"role": "user", "content": f"fresh {i}: " + "a long question about rivers " * 14}] for i in range(5)
+    ]
+    for turn in range(3):
+        for i, messages in enumerate(chats):
+            body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 6, "temperature": 0}
+            with httpx.Client(timeout=60, headers={"Connection": "close"}) as http:
+                reply = http.post(f"{dp_server.url}/v1/chat/completions", json=body).json()
+            if turn:
+                assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64, (
+                    turn,
+                    i,
+                    reply["usage"],
+                )
+            messages += [
+                {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                {"role": "user", "content": f"and {turn}?"},
+            ]
+    served = {line.split()[3] for line in dp_server.log().splitlines() if "POST /v1/chat/completions" in line}
+    assert len(served) == 2, served  # both HTTP processes took turns ("uvicorn.access[1]:" the second)
+
+
 def test_disconnected_streams_free_their_engines_slots(dp_server, until_idle) -> None:
     body = {"model": MODEL_NAME, "max_tokens": 400, "ignore_eos": True, "stream": True}
 

@@ -9,7 +9,7 @@ import torch
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.parallel.group import rank_device
 from deltaserve.server.engine_client import merge_stats
-from deltaserve.server.engine_router import EngineRouter, prefix_keys
+from deltaserve.server.engine_router import EngineRouter, SharedRoutes, prefix_keys
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -82,7 +82,7 @@ def test_prefixes_are_forgotten_oldest_first(max_keys: int, back_to_0: bool) -> 
     router = EngineRouter(2, max_keys=max_keys)
     old = prompt(0, 256)  # 4 keys
     assert [router.pick([p]) for p in (old, prompt(1, 256), prompt(2, 256))] == [0, 1, 0]
-    assert len(router._owner) == min(max_keys, 12)
+    assert len(router.routes) == min(max_keys, 12)
     # remembered, it goes back to 0; forgotten, it is taken in turn (1)
     assert (router.pick([old]) == 0) is back_to_0
 
@@ -168,3 +168,24 @@ def test_the_offline_llm_refuses_data_parallelism(builtin_path: str) -> None:
 
     with pytest.raises(ValueError, match="deltaserve serve --data-parallel-size"):
         LLM(builtin_path, data_parallel_size=2)
+
+
+def test_http_processes_share_where_each_prefix_went(tmp_path) -> None:
+    """Two routers over one table file, as two HTTP processes: a chat's next turn that reaches
+    the other process goes back to its engine; a table of few slots forgets, never misroutes."""
+    path = str(tmp_path / "routes")
+    SharedRoutes(path, create=True, slots=4096)
+    first, second = (EngineRouter(2, routes=SharedRoutes(path, slots=4096)) for _ in range(2))
+    history = prompt(0, 256)
+    assert first.pick([history]) == 0
+    first.load = [3, 0]  # busier, within the slack
+    second.load = [0, 0]  # the second knows nothing of the first's load...
+    assert second.pick([history + prompt(1, 64)]) == 0  # ... but where the history went
+    other = prompt(2, 256)
+    second.load = [1, 0]
+    assert second.pick([other]) == 1  # unrelated: the least busy
+    assert first.pick([other + prompt(3, 64)]) == 1
+    tiny = SharedRoutes(str(tmp_path / "tiny"), create=True, slots=1)
+    router = EngineRouter(2, routes=tiny)
+    picks = [router.pick([prompt(i, 128)]) for i in range(4)]  # each overwrites the one slot
+    assert picks == [0, 1, 0, 1] and router.pick([prompt(3, 128) + [1] * 64]) == 1
