@@ -10,7 +10,8 @@ are pickled tuples:
        ("abort_where", prefix | None)    end the live requests whose ids start with prefix (all:
                                          None) as "abort", each with its last output
        ("call", call_id, name, args)     stats / model_info / compile_structured / flush_cache /
-                                         set_weight_version /
+                                         set_weight_version / stage_weights (as update_weights_
+                                         from_disk; requests wait on until finish_weights) /
                                          update_weights_from_disk (once the running requests
                                          finish; requests added meanwhile wait for it)
        ("stop",)
@@ -56,10 +57,13 @@ _CALLS = (
     "compile_structured",
     "flush_cache",
     "update_weights_from_disk",
+    "stage_weights",
+    "finish_weights",
     "set_weight_version",
 )
 _OFF_LOOP = ("compile_structured",)  # slow calls that run beside the loop, not inside a step
-_WHEN_IDLE = ("update_weights_from_disk",)  # calls for an idle engine: new requests wait for them
+# calls for an idle engine: new requests wait for them (after stage_weights, until finish_weights)
+_WHEN_IDLE = ("update_weights_from_disk", "stage_weights")
 
 
 def engine_info(engine: Any) -> dict[str, Any]:
@@ -120,6 +124,7 @@ class EngineCore:
         self._off_loop_pending = 0
         self._when_idle: list[tuple[int, int, str, tuple[Any, ...]]] = []  # (client, call_id, name, args)
         self._held: list[tuple[int, tuple[Any, ...]]] = []  # "add" commands that wait for them
+        self._staged = False  # weights staged (stage_weights), not yet served or dropped
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-engine-calls")
         self._flush = False  # aborts' last outputs wait for a step, which an idle engine must still run
         self._last_sent = time.monotonic()
@@ -197,7 +202,7 @@ class EngineCore:
         kind = command[0]
         if kind == "stop":
             return False
-        if kind == "add" and self._when_idle:
+        if kind == "add" and (self._when_idle or self._staged):
             self._held.append((client, command))
         elif kind == "abort":
             self._drop_held(set(command[1]))
@@ -220,6 +225,10 @@ class EngineCore:
                 self._replies[client].append((call_id, ("internal", f"unknown call {name!r}", None), None))
             elif name in _WHEN_IDLE:
                 self._when_idle.append((client, call_id, name, args))
+            elif name == "finish_weights":  # the staged weights served or dropped: the held go on
+                self._replies[client].append((call_id, *self._call(name, args)))
+                self._staged = False
+                self._release_held()
             elif name in _OFF_LOOP:
                 self._off_loop_pending += 1
                 self._worker.submit(self._call_off_loop, client, call_id, name, args)
@@ -247,7 +256,12 @@ class EngineCore:
         """The calls that waited for the running requests to finish, then the requests held meanwhile."""
         for client, call_id, name, args in self._when_idle:
             self._replies[client].append((call_id, *self._call(name, args)))
+            self._staged |= name == "stage_weights"
         self._when_idle = []
+        if not self._staged:  # staged weights: requests wait on for finish_weights
+            self._release_held()
+
+    def _release_held(self) -> None:
         held, self._held = self._held, []
         for client, command in held:
             self._apply(command, client)

@@ -95,6 +95,7 @@ class Engine:
         self.overlap = model.overlap
         self.model_info = model.model_info
         self.model_info["weight_version"] = "default"  # SGLang's label of the weights served
+        self._staged_path: str | None = None  # a checkpoint staged, until finish_weights
         self.image_processor = model.image_processor
         self._model_parts = model
         self.requests: dict[str, Request] = {}
@@ -398,16 +399,37 @@ class Engine:
         cache, which the old weights computed. It needs the engine idle (the server holds new
         requests and lets the running finish); ValueError, with nothing changed, for a checkpoint
         of another model."""
+        error = self.stage_weights(model_path, load_format)
+        self.finish_weights(error is None, weight_version)
+        if error is not None:
+            raise ValueError(error)
+
+    def stage_weights(self, model_path: str, load_format: str = "auto") -> str | None:
+        """`update_weights_from_disk`'s first half, on every tensor-parallel rank: the checkpoint
+        loaded and checked, nothing changed yet; why it cannot be served, or None. Data-parallel
+        replicas all stage before any commits (the server's update). `finish_weights` must
+        follow before anything else runs."""
         if self.has_unfinished_requests():
             raise RuntimeError("the weights change only between requests: requests are running")
         if load_format not in ("auto", "dummy"):
-            raise ValueError(f"unknown load format {load_format!r}; use 'auto' or 'dummy'")
-        self.runner.update_weights(model_path, load_format)
+            return f"unknown load format {load_format!r}; use 'auto' or 'dummy'"
+        error = self.runner.stage_weights(model_path, load_format)
+        self._staged_path = None if error is not None else str(model_path)
+        return error
+
+    def finish_weights(self, commit: bool, weight_version: str | None = None) -> None:
+        """Serve the staged weights (and drop the prefix cache, which the old ones computed), or
+        drop them."""
+        path, self._staged_path = self._staged_path, None
+        if self.runner.step_log is not None or path is not None:
+            self.runner.finish_weights(commit and path is not None)
+        if not commit or path is None:
+            return
         self.flush_cache()
-        self.model_info["model"] = str(model_path)  # what /get_model_info reports, as SGLang does
+        self.model_info["model"] = path  # what /get_model_info reports, as SGLang does
         if weight_version is not None:
             self.set_weight_version(weight_version)
-        logger.info("now serving the weights of %s", model_path)
+        logger.info("now serving the weights of %s", path)
 
     def set_weight_version(self, version: str) -> None:
         """Label the weights served (SGLang's weight_version), as /get_model_info reports it."""

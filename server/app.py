@@ -250,8 +250,8 @@ def build_app(
         try:
             if body.abort_all_requests:  # the running requests end now, as "abort", and the update follows
                 await engine_client.abort_where(None)
-            await engine_client.call(
-                "update_weights_from_disk", body.model_path, body.load_format or "auto", body.weight_version
+            await engine_client.update_weights(
+                body.model_path, body.load_format or "auto", body.weight_version
             )
         except EngineDeadError as exc:
             raise APIError(503, str(exc), None, "engine_unavailable") from exc

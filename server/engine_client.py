@@ -463,12 +463,39 @@ class EngineClient:
         """One of the engine's calls (engine/core.py), answered with the next step's message; with
         data parallelism every engine's, together: the first error raises, stats are added up
         (`merge_stats`), and any other call gives the first engine's value."""
-        values = await asyncio.gather(
-            *(self._call(("call", None, name, args), e) for e in range(len(self.handles)))
-        )
+        values = await self.call_each(name, *args)
         if len(values) > 1 and name == "stats":
             return merge_stats(values)
         return values[0]
+
+    async def call_each(self, name: str, *args: Any) -> list[Any]:
+        """One of the engine's calls on every (data-parallel) engine at once: their values."""
+        return await asyncio.gather(
+            *(self._call(("call", None, name, args), e) for e in range(len(self.handles)))
+        )
+
+    async def update_weights(self, path: str, load_format: str, version: str | None) -> None:
+        """Every engine stages the checkpoint (each once its running requests finish, holding new
+        ones), then all serve it, or, if one cannot, none does: ValueError with its reason. The
+        two steps run to their end even if the caller goes away, or the engines would hold
+        their requests for good."""
+
+        async def both() -> None:
+            staged = await asyncio.gather(
+                *(
+                    self._call(("call", None, "stage_weights", (path, load_format)), e)
+                    for e in range(len(self.handles))
+                ),
+                return_exceptions=True,
+            )
+            failed = next((r for r in staged if r), None)  # a reason, or an exception raised
+            await self.call_each("finish_weights", failed is None, version)
+            if isinstance(failed, BaseException):
+                raise failed
+            if failed is not None:
+                raise ValueError(failed)
+
+        await asyncio.shield(both())
 
     async def _call(self, command: tuple[Any, ...], engine: int = 0) -> Any:
         call_id = await self._request(command, engine)

@@ -287,22 +287,38 @@ class ModelRunner:
         """The checkpoint at `path`'s weights in place of the served ones (`weight_update.py`);
         ValueError, with nothing changed on any rank, when it is not a checkpoint of this model or
         cannot be read. Every rank stages its slice and reports before any copies."""
+        error = self.stage_weights(path, load_format)
+        self.finish_weights(commit=error is None)
+        if error is not None:
+            raise ValueError(error)
+
+    def stage_weights(self, path: str, load_format: str = "auto") -> str | None:
+        """Every rank loads and checks its slice of `path` (`update_weights`' first half); the
+        first rank's error, or None. `finish_weights` must follow: the other ranks wait for it."""
         from deltaserve.engine.parallel.step_sync import StepMessage
-        from deltaserve.engine.runner.weight_update import commit_weights
 
         channel, log = self.channel, self.step_log
         if log is not None:
             assert channel is not None
             channel.send(StepMessage("stage", log.take(), reload=(path, load_format)))
-        staged, error = self._stage(path, load_format)
-        if log is not None:  # every rank's verdict: all commit, or none
+        self._staged, error = self._stage(path, load_format)
+        if log is not None:  # every rank's verdict
             assert channel is not None
             error = next((e for e in channel.gather(error) or [] if e is not None), None)
-            channel.send(StepMessage("discard" if error else "commit"))
-        if error is not None:
-            raise ValueError(error)
-        assert staged is not None
-        commit_weights(staged)
+        return error
+
+    def finish_weights(self, commit: bool) -> None:
+        """Copy the staged weights in on every rank, or drop them (a replica elsewhere refused)."""
+        from deltaserve.engine.parallel.step_sync import StepMessage
+        from deltaserve.engine.runner.weight_update import commit_weights
+
+        if self.step_log is not None:
+            assert self.channel is not None
+            self.channel.send(StepMessage("commit" if commit else "discard"))
+        staged, self._staged = self._staged, None
+        if commit:
+            assert staged is not None, "no weights staged"
+            commit_weights(staged)
 
     def _stage(self, path: str, load_format: str) -> tuple[StagedWeights | None, str | None]:
         from deltaserve.engine.runner.weight_update import stage_weights

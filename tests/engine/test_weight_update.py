@@ -55,6 +55,25 @@ def test_the_new_checkpoint_is_served_and_the_cache_is_dropped(
     assert not pools_held(llm)
 
 
+def test_staged_weights_dropped_change_nothing_and_committed_serve(make_checkpoint, hf_reference) -> None:
+    """The two halves a data-parallel server runs on each replica: weights staged then dropped
+    (another replica refused) leave the engine as it was, cache included; staged then committed,
+    they are served."""
+    first, second = make_checkpoint("qwen3_5"), make_checkpoint("qwen3_5", seed=1)
+    prompts = prompts_of([5, 40, 70], seed=3)
+    llm = make_llm(first)
+    before = run(llm, prompts)
+    assert llm.engine.stage_weights(second) is None
+    llm.engine.finish_weights(commit=False)
+    assert run(llm, prompts) == before and llm.engine.model_info["model"] == first
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    assert llm.generate([{"prompt_token_ids": prompts[2]}], params, use_tqdm=False)[0].num_cached_tokens > 0
+    assert llm.engine.stage_weights(second) is None
+    llm.engine.finish_weights(commit=True, weight_version="two")
+    assert run(llm, prompts) == hf_reference(second, prompts, NEW)
+    assert llm.engine.model_info["model"] == second and llm.engine.model_info["weight_version"] == "two"
+
+
 def test_another_models_checkpoint_or_none_changes_nothing(make_checkpoint, tmp_path, pools_held):
     path = make_checkpoint("qwen3_5")
     prompts = prompts_of([5, 40], seed=2)

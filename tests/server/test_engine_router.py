@@ -189,3 +189,51 @@ def test_http_processes_share_where_each_prefix_went(tmp_path) -> None:
     router = EngineRouter(2, routes=tiny)
     picks = [router.pick([prompt(i, 128)]) for i in range(4)]  # each overwrites the one slot
     assert picks == [0, 1, 0, 1] and router.pick([prompt(3, 128) + [1] * 64]) == 1
+
+
+class Replica:
+    """A stand-in engine that stages new weights, or refuses them, and records the verdict."""
+
+    model_info = {"model": "m"}
+    max_model_len, eos_token_ids, vocab_size = 64, [0], 16
+
+    def __init__(self, refuse: str | None) -> None:
+        self.refuse, self.served = refuse, None
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def step(self) -> list:
+        return []
+
+    def stage_weights(self, path: str, load_format: str) -> str | None:
+        return self.refuse
+
+    def finish_weights(self, commit: bool, version: str | None = None) -> None:
+        self.served = commit
+
+
+@pytest.mark.parametrize("refusals", [(None, None), (None, "the checkpoint at x is another model")])
+def test_replicas_serve_new_weights_together_or_not_at_all(refusals) -> None:
+    import asyncio
+
+    from deltaserve.server.engine_client import EngineClient, EngineHandle
+
+    replicas = [Replica(r) for r in refusals]
+    handles = [EngineHandle.in_thread(r) for r in replicas]
+    client = EngineClient(handles)
+
+    async def run() -> None:
+        await client.start()
+        try:
+            if refusals[1] is None:
+                await client.update_weights("x", "auto", None)
+            else:
+                with pytest.raises(ValueError, match="another model"):
+                    await client.update_weights("x", "auto", None)
+        finally:
+            await client.shutdown()
+
+    asyncio.run(run())
+    # one replica's refusal: neither serves the new weights (the other staged them, then dropped them)
+    assert [r.served for r in replicas] == [refusals[1] is None] * 2

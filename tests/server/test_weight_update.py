@@ -165,3 +165,34 @@ def test_weight_versions_label_the_weights_served(server, checkpoints) -> None:
     update(server.url, first)  # no version given: the label stays
     assert version() == "step-2b"
     httpx.post(f"{server.url}/update_weight_version", json={"new_version": start})
+
+
+def test_data_parallel_engines_all_take_the_new_weights(spawn_server, checkpoints) -> None:
+    """Both engines stage the checkpoint, then both serve it: a batch spread over them gives the
+    new weights' tokens for every prompt; another model's checkpoint changes neither."""
+    first, second = checkpoints
+    dp = spawn_server("--model", first, "--max-model-len", "256", "--served-model-name", "m", "-dp", "2")
+    prompts = [f"{PROMPT} number {i}" for i in range(6)]
+
+    def texts(url: str) -> list[str]:
+        body = {"model": "m", "prompt": prompts, "max_tokens": 8, **GREEDY}
+        choices = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
+        return [c["text"] for c in sorted(choices, key=lambda c: c["index"])]
+
+    def offline(path: str) -> list[str]:
+        llm = LLM(path, device="cpu", max_model_len=256)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        return [o.outputs[0].text for o in outs]
+
+    before = texts(dp.url)
+    assert before == offline(first)
+    other = shutil.copytree(first, os.path.join(os.path.dirname(second), "other-dp"))
+    with open(os.path.join(other, "config.json")) as f:
+        config = json.load(f)
+    config["intermediate_size"] *= 2
+    with open(os.path.join(other, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert update(dp.url, other).status_code == 400
+    assert texts(dp.url) == before
+    assert update(dp.url, second).status_code == 200
+    assert texts(dp.url) == offline(second)

@@ -290,6 +290,9 @@ def test_weights_update_on_every_rank(qwen, make_checkpoint):
         with pytest.raises(ValueError, match="intermediate_size"):
             llm.update_weights_from_disk(make_checkpoint("qwen3_5", intermediate_size=40))
         assert run(llm, prompts) == before
+        assert llm.engine.stage_weights(second) is None  # staged on both ranks, then dropped on both
+        llm.engine.finish_weights(commit=False)
+        assert run(llm, prompts) == before
         llm.update_weights_from_disk(second)
         assert run(llm, prompts) == tp1(second, prompts)
         assert_ranks_agree(llm)
