@@ -10,10 +10,9 @@ are pickled tuples:
        ("abort_where", prefix | None)    end the live requests whose ids start with prefix (all:
                                          None) as "abort", each with its last output
        ("call", call_id, name, args)     stats / model_info / compile_structured / flush_cache /
-                                         set_weight_version / stage_weights (as update_weights_
-                                         from_disk; requests wait on until finish_weights) /
-                                         update_weights_from_disk (once the running requests
-                                         finish; requests added meanwhile wait for it)
+                                         set_weight_version / stage_weights (once the running
+                                         requests finish; requests added meanwhile wait on until
+                                         finish_weights) / finish_weights
        ("stop",)
   out: ("ready", info) | ("failed", message)          once, at start-up
        ("step", outputs, replies, fault)              outputs: pack_outputs' tuples;
@@ -56,14 +55,13 @@ _CALLS = (
     "model_info",
     "compile_structured",
     "flush_cache",
-    "update_weights_from_disk",
     "stage_weights",
     "finish_weights",
     "set_weight_version",
 )
 _OFF_LOOP = ("compile_structured",)  # slow calls that run beside the loop, not inside a step
 # calls for an idle engine: new requests wait for them (after stage_weights, until finish_weights)
-_WHEN_IDLE = ("update_weights_from_disk", "stage_weights")
+_WHEN_IDLE = ("stage_weights",)
 
 
 def engine_info(engine: Any) -> dict[str, Any]:
