@@ -56,6 +56,10 @@ class Engine:
 
             self.ranks = Ranks(config, self._worker_lost)
             self.device = self.ranks.device
+        elif self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches and graph captures take the current device: it must be ours (a
+            # data-parallel replica on cuda:1, --device cuda:N)
+            torch.cuda.set_device(self.device)
         try:
             self._build(config)
         except BaseException as exc:
