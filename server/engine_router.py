@@ -5,7 +5,7 @@ unless that one is busier than the others by more than a little; else the least 
 
 Each engine has its own prefix cache, so a chat's next turn (its history, then a new message) or
 a retry only hits the cache on the engine that served the turn before. The router keeps a hash of
-every prompt's first 64, 128, 192, ... tokens, each with the engine it went to, and looks a new
+every prompt's first 64, 128, 192, ... tokens (every 1,024 past 8,192), each with the engine it went to, and looks a new
 prompt's hashes up from its longest prefix down; the HTTP processes share that table
 (`SharedRoutes`). Load is the number of engine requests this HTTP process has in flight on each
 engine (each HTTP process balances its own).
@@ -18,20 +18,25 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 STRIDE = 64  # tokens between the prefixes recorded: a multiple of every page size in use
+FINE_TOKENS = 8192  # past this many tokens, a prefix every 16 strides
 MAX_KEYS = 1 << 16  # prefixes remembered, the oldest forgotten first
 SLACK = 4  # a prefix's engine may hold this many more requests than the least busy one...
 SLACK_SHARE = 0.5  # ... or this share more, whichever is larger
 
 
-def prefix_keys(prompt: Sequence[int], stride: int = STRIDE) -> list[int]:
-    """The hashes of `prompt`'s first stride, 2 x stride, ... tokens, shortest first; each chains
-    the one before, so that the whole list costs one pass over the prompt."""
+def prefix_keys(prompt: Sequence[int], stride: int = STRIDE, fine: int = FINE_TOKENS) -> list[int]:
+    """The hashes of `prompt`'s first stride, 2 x stride, ... tokens up to `fine` tokens, then of
+    every 16 strides further, shortest first; each chains the one before, so that the whole list
+    costs one pass over the prompt (a long context's list stays short)."""
     keys: list[int] = []
-    key = 0
-    for end in range(stride, len(prompt) + 1, stride):
-        key = hash((key, tuple(prompt[end - stride : end])))
+    key, start = 0, 0
+    while True:
+        end = start + (stride if start < fine else 16 * stride)
+        if end > len(prompt):
+            return keys
+        key = hash((key, tuple(prompt[start:end])))
         keys.append(key)
-    return keys
+        start = end
 
 
 METHODS = ("cache_aware", "shortest_queue", "round_robin")  # `--load-balance-method`, as SGLang names them

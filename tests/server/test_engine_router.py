@@ -24,6 +24,10 @@ def test_prefix_keys_are_chained_per_stride() -> None:
     assert prefix_keys(b[:10] + a[10:], 64)[0] != keys[0]  # a change early changes every later key
     assert prefix_keys(b[:10] + a[10:], 64)[2] != keys[2]
     assert prefix_keys(a[:63], 64) == []
+    long = prompt(4, 8192 + 3000)  # 128 keys to 8,192 tokens, then one a 1,024: 130
+    keys = prefix_keys(long)
+    assert len(keys) == 130 and prefix_keys(long[: 8192 + 2048]) == keys
+    assert prefix_keys(long[: 8192 + 2047]) == keys[:129]
 
 
 def test_unrelated_prompts_go_to_the_least_busy_engine_in_turn() -> None:
