@@ -362,8 +362,8 @@ def serve_engine(
     run the loop for all of them (with a stats line every `stats_interval_s` while it works; 0: none)."""
     import zmq
 
-    rank = getattr(config, "data_parallel_rank", 0) if getattr(config, "data_parallel_size", 1) > 1 else None
-    where = "" if rank is None else f"[dp{rank}]"  # whose line it is, with data-parallel replicas
+    # whose line it is, with data-parallel replicas
+    where = f"[dp{config.data_parallel_rank}]" if config.data_parallel_size > 1 else ""
     logging.basicConfig(
         level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s"
     )
@@ -388,7 +388,7 @@ def serve_engine(
         ctx.term()
         raise SystemExit(1) from None
     http = 1 if isinstance(in_addrs, str) else len(in_addrs)
-    _leave_cores_for_http(str(engine.device), http, getattr(config, "data_parallel_size", 1))
+    _leave_cores_for_http(str(engine.device), http, config.data_parallel_size)
     core = EngineCore(engine, in_addrs, out_addrs, parent_pid, stats_interval_s)
     freeze_startup_heap("engine process")
     if engine.tokenizer is not None:

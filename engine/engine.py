@@ -98,7 +98,6 @@ class Engine:
         self.admission = model.admission
         self.overlap = model.overlap
         self.model_info = model.model_info
-        self.model_info["weight_version"] = "default"  # SGLang's label of the weights served
         self._staged_path: str | None = None  # a checkpoint staged, until finish_weights
         self.image_processor = model.image_processor
         self._model_parts = model
@@ -425,8 +424,7 @@ class Engine:
         """Serve the staged weights (and drop the prefix cache, which the old ones computed), or
         drop them."""
         path, self._staged_path = self._staged_path, None
-        if self.runner.step_log is not None or path is not None:
-            self.runner.finish_weights(commit and path is not None)
+        self.runner.finish_weights(commit and path is not None)
         if not commit or path is None:
             return
         self.flush_cache()

@@ -182,6 +182,7 @@ def _model_info(
         "tensor_parallel_size": config.tensor_parallel_size,
         "expert_parallel": loaded.tp.experts_whole,
         "data_parallel_size": config.data_parallel_size,
+        "weight_version": "default",  # SGLang's label of the weights served (set by updates)
         "num_params": loaded.num_params,
         "kv_capacity_tokens": runner.kv_pool.capacity * config.page_size,
         "state_slots": runner.state_pool.num_working,

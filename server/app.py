@@ -267,11 +267,11 @@ def build_app(
 
     @app.post("/abort_request")  # SGLang's
     async def abort_request(body: AbortRequest) -> Response:
-        """End a /generate request by its `rid` (every prompt of it), or every request with
-        `abort_all`: each ends with finish reason "abort" and what it had generated. A rid that
-        runs nowhere changes nothing."""
+        """End the request its client named `rid` (every prompt and sample of it), or every
+        request with `abort_all`: each ends with finish reason "abort" and what it had generated.
+        A rid that runs nowhere changes nothing."""
         if not body.abort_all and not body.rid:
-            raise bad_request("give the rid of a /generate request, or abort_all true", "rid")
+            raise bad_request("give the rid a request was sent with, or abort_all true", "rid")
         try:
             await engine_client.abort_where(None if body.abort_all else rid_prefix(body.rid))
         except EngineDeadError as exc:

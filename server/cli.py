@@ -12,6 +12,7 @@ from typing import NoReturn, TypeVar
 
 from deltaserve import __version__
 from deltaserve.engine.stats_log import STATS_INTERVAL_S
+from deltaserve.server.engine_router import METHODS
 
 _Number = TypeVar("_Number", int, float)
 
@@ -404,8 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parallel.add_argument(
         "--load-balance-method",
-        choices=["cache_aware", "shortest_queue", "round_robin"],
-        default="cache_aware",
+        choices=METHODS,
+        default=METHODS[0],
         help="with --data-parallel-size: which engine takes a request (cache_aware: the one holding the "
         "longest part of its prompt unless it is busier; shortest_queue: the least busy; round_robin)",
     )

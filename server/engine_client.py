@@ -468,11 +468,11 @@ class EngineClient:
             return merge_stats(values)
         return values[0]
 
-    async def call_each(self, name: str, *args: Any) -> list[Any]:
-        """One of the engine's calls on every (data-parallel) engine at once: their values."""
-        return await asyncio.gather(
-            *(self._call(("call", None, name, args), e) for e in range(len(self.handles)))
-        )
+    async def call_each(self, name: str, *args: Any, return_exceptions: bool = False) -> list[Any]:
+        """One of the engine's calls on every (data-parallel) engine at once: their values (with
+        `return_exceptions`, an engine's exception in place of its value)."""
+        calls = (self._call(("call", None, name, args), e) for e in range(len(self.handles)))
+        return await asyncio.gather(*calls, return_exceptions=return_exceptions)
 
     async def update_weights(self, path: str, load_format: str, version: str | None) -> None:
         """Every engine stages the checkpoint (each once its running requests finish, holding new
@@ -481,13 +481,7 @@ class EngineClient:
         their requests for good."""
 
         async def both() -> None:
-            staged = await asyncio.gather(
-                *(
-                    self._call(("call", None, "stage_weights", (path, load_format)), e)
-                    for e in range(len(self.handles))
-                ),
-                return_exceptions=True,
-            )
+            staged = await self.call_each("stage_weights", path, load_format, return_exceptions=True)
             failed = next((r for r in staged if r), None)  # a reason, or an exception raised
             await self.call_each("finish_weights", failed is None, version)
             if isinstance(failed, BaseException):

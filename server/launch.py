@@ -102,7 +102,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def http_server(
     args: argparse.Namespace,
-    handles: Any,
+    handles: list[Any],
     sampling_defaults: Any,
     tokenizer: str,
     *,
@@ -111,8 +111,8 @@ def http_server(
     ignore_sigint: bool = False,
 ) -> Any:
     """One HTTP process's uvicorn server (a DrainingServer, not yet run) over the engine of
-    `handles` (an EngineHandle, or one for each data-parallel engine): the app, its EngineClient
-    and Metrics. Its signal handlers make a SIGTERM'd server exit 0
+    `handles` (one EngineHandle for each data-parallel engine): the app, its EngineClient and
+    Metrics. Its signal handlers make a SIGTERM'd server exit 0
     after its drain."""
     from deltaserve.engine.gc_heap import freeze_startup_heap
     from deltaserve.models.checkpoints.loader import load_tokenizer
@@ -125,12 +125,11 @@ def http_server(
 
     config = _uvicorn_config(args)
     names, aliases = _served_names(args)
-    engines = handles if isinstance(handles, list) else [handles]
     routes = None
-    if len(engines) > 1:
+    if len(handles) > 1:
         from .engine_router import SharedRoutes, routes_path
 
-        routes = SharedRoutes(routes_path(engines[0].ipc_dir))
+        routes = SharedRoutes(routes_path(handles[0].ipc_dir))
     client = EngineClient(
         handles,
         load_tokenizer(tokenizer),

@@ -308,7 +308,8 @@ class ModelRunner:
         return error
 
     def finish_weights(self, commit: bool) -> None:
-        """Copy the staged weights in on every rank, or drop them (a replica elsewhere refused)."""
+        """Copy the staged weights in on every rank, or drop them (a replica elsewhere refused, or
+        nothing was staged)."""
         from deltaserve.engine.parallel.step_sync import StepMessage
         from deltaserve.engine.runner.weight_update import commit_weights
 
