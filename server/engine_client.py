@@ -281,6 +281,7 @@ class EngineClient:
         metrics: Metrics | None = None,
         load_balance_method: str = "cache_aware",
         routes: Any = None,
+        shared_load: Any = None,
     ) -> None:
         self.handles = [handles] if isinstance(handles, EngineHandle) else list(handles)
         info = self.handles[0].info
@@ -295,8 +296,11 @@ class EngineClient:
         self.fault: str | None = None  # the last one: /health reports the engine unhealthy
         self.dead: str | None = None  # why an engine is gone, once one is
         self.wedged_after_s = WEDGED_AFTER_S
-        # `routes`: the prefixes' engines shared with the other HTTP processes (SharedRoutes)
-        self.router = EngineRouter(len(self.handles), load_balance_method, routes=routes)
+        # shared with the other HTTP processes: the prefixes' engines (SharedRoutes) and the
+        # requests in flight on each engine (SharedLoad)
+        self.router = EngineRouter(
+            len(self.handles), load_balance_method, routes=routes, shared_load=shared_load
+        )
         self._groups: dict[str, RequestGroup] = {}  # engine request id -> its group
         self._engine_of: dict[str, int] = {}  # engine request id -> the engine that holds it
         self._prompts: dict[str, list[int]] = {}  # engine request id -> its prompt (outputs omit it)
@@ -432,7 +436,7 @@ class EngineClient:
                     chosen[key] = self.router.pick([prompt])
                 e = chosen[key]
             placed[request_id] = e
-            self.router.load[e] += 1
+            self.router.count(e, 1)
         return placed
 
     def abort(self, group: RequestGroup) -> None:
@@ -533,7 +537,7 @@ class EngineClient:
             self._detokenizers.pop(request_id, None)
             engine = self._engine_of.pop(request_id, None)
             if engine is not None:
-                self.router.load[engine] -= 1
+                self.router.count(engine, -1)
 
     def _detokenize_here(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """A stream's text is decoded in this process when nothing in the engine needs it (no

@@ -7,8 +7,9 @@ Each engine has its own prefix cache, so a chat's next turn (its history, then a
 a retry only hits the cache on the engine that served the turn before. The router keeps a hash of
 every prompt's first 64, 128, 192, ... tokens (every 1,024 past 8,192), each with the engine it went to, and looks a new
 prompt's hashes up from its longest prefix down; the HTTP processes share that table
-(`SharedRoutes`). Load is the number of engine requests this HTTP process has in flight on each
-engine (each HTTP process balances its own).
+(`SharedRoutes`). Load is the number of engine requests in flight on each engine, counted by
+every HTTP process together (`SharedLoad`): one that took more streams than another still
+spreads the whole server's load.
 """
 
 from __future__ import annotations
@@ -113,6 +114,29 @@ class SharedRoutes:
             self.keys[where] = stored
 
 
+def load_path(ipc_dir: str) -> str:
+    """Where the HTTP processes' in-flight counts live: beside the routing table."""
+    return routes_path(ipc_dir) + ".load"
+
+
+class SharedLoad:
+    """Each HTTP process's requests in flight on each engine, `[processes, engines]` in a file every
+    process maps: a process writes its own row only (no lock), and balances by the columns' sums."""
+
+    def __init__(self, path: str, index: int, processes: int, engines: int, create: bool = False) -> None:
+        import numpy as np
+
+        mode: Literal["w+", "r+"] = "w+" if create else "r+"
+        self.table = np.memmap(path, dtype=np.int32, mode=mode, shape=(processes, engines))
+        self.index = index
+
+    def add(self, engine: int, delta: int) -> None:
+        self.table[self.index, engine] += delta
+
+    def totals(self) -> list[int]:
+        return [int(n) for n in self.table.sum(axis=0)]
+
+
 class EngineRouter:
     def __init__(
         self,
@@ -121,14 +145,22 @@ class EngineRouter:
         stride: int = STRIDE,
         max_keys: int = MAX_KEYS,
         routes: LocalRoutes | SharedRoutes | None = None,
+        shared_load: SharedLoad | None = None,
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"load balance method must be one of {', '.join(METHODS)}, got {method!r}")
         self.method = method
-        self.load = [0] * engines
+        self.load = [0] * engines  # this process's own requests in flight on each engine
+        self.shared_load = shared_load  # every HTTP process's, where there are several
         self.stride = stride
         self.routes = routes if routes is not None else LocalRoutes(max_keys)
         self._turn = itertools.cycle(range(engines))  # ties among the least busy, taken in turn
+
+    def count(self, engine: int, delta: int) -> None:
+        """A request placed on `engine` (+1) or gone from it (-1)."""
+        self.load[engine] += delta
+        if self.shared_load is not None:
+            self.shared_load.add(engine, delta)
 
     def pick(self, prompts: Sequence[Sequence[int]]) -> int:
         """The engine for requests that go together (an HTTP request's n choices, all or none), by
@@ -138,10 +170,11 @@ class EngineRouter:
         if self.method == "round_robin":
             return next(self._turn)
         keys = prefix_keys(prompts[0], self.stride) if prompts and self.method == "cache_aware" else []
-        least = min(self.load)
+        load = self.shared_load.totals() if self.shared_load is not None else self.load
+        least = min(load)
         bound = max(least + SLACK, least * (1 + SLACK_SHARE))
         engine = self.routes.deepest(keys)
-        if engine is None or engine >= len(self.load) or self.load[engine] > bound:
-            engine = next(e for e in self._turn if self.load[e] == least)
+        if engine is None or engine >= len(load) or load[engine] > bound:
+            engine = next(e for e in self._turn if load[e] == least)
         self.routes.record(keys, engine)
         return engine

@@ -44,10 +44,11 @@ def serve(args: argparse.Namespace) -> int:
         engine_config, args.log_level, 0.0 if args.disable_log_stats else args.log_stats_interval, count
     )
     model_dir, tokenizer = str(engine_config.model), str(engine_config.tokenizer or engine_config.model)
-    if len(handles) > 1:  # the routing table every HTTP process maps, made before any opens it
-        from .engine_router import SharedRoutes, routes_path
+    if len(handles) > 1:  # the routing table and load every HTTP process maps, made before any opens them
+        from .engine_router import SharedLoad, SharedRoutes, load_path, routes_path
 
         SharedRoutes(routes_path(handles[0].ipc_dir), create=True)
+        SharedLoad(load_path(handles[0].ipc_dir), 0, count, len(handles), create=True)
     others = None
     if count > 1:
         from .api_servers import ApiServers
@@ -125,17 +126,20 @@ def http_server(
 
     config = _uvicorn_config(args)
     names, aliases = _served_names(args)
-    routes = None
+    routes = load = None
     if len(handles) > 1:
-        from .engine_router import SharedRoutes, routes_path
+        from .engine_router import SharedLoad, SharedRoutes, load_path, routes_path
 
         routes = SharedRoutes(routes_path(handles[0].ipc_dir))
+        if shared is not None:  # several HTTP processes: each counts its requests in its own row
+            load = SharedLoad(load_path(handles[0].ipc_dir), shared.index, shared.count, len(handles))
     client = EngineClient(
         handles,
         load_tokenizer(tokenizer),
         Metrics(names[0]),
         getattr(args, "load_balance_method", "cache_aware"),
         routes,
+        load,
     )
     config.app = build_app(
         client,

@@ -9,7 +9,7 @@ import torch
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.parallel.group import rank_device
 from deltaserve.server.engine_client import merge_stats
-from deltaserve.server.engine_router import EngineRouter, SharedRoutes, prefix_keys
+from deltaserve.server.engine_router import EngineRouter, SharedLoad, SharedRoutes, prefix_keys
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -193,6 +193,30 @@ def test_http_processes_share_where_each_prefix_went(tmp_path) -> None:
     router = EngineRouter(2, routes=tiny)
     picks = [router.pick([prompt(i, 128)]) for i in range(4)]  # each overwrites the one slot
     assert picks == [0, 1, 0, 1] and router.pick([prompt(3, 128) + [1] * 64]) == 1
+
+
+def test_http_processes_balance_the_whole_servers_load(tmp_path) -> None:
+    """Two HTTP processes' routers over one load file: each sees what the other has in flight, so
+    one stream on each process lands on each engine, not both on engine 0 (each process's own
+    count says both are idle), and a gone request frees its engine for both."""
+    path = str(tmp_path / "load")
+    SharedLoad(path, 0, 2, 2, create=True)
+    first, second = (EngineRouter(2, "shortest_queue", shared_load=SharedLoad(path, i, 2, 2)) for i in (0, 1))
+    a = first.pick([prompt(0, 100)])
+    first.count(a, 1)
+    b = second.pick([prompt(1, 100)])
+    second.count(b, 1)
+    assert (a, b) == (0, 1)
+    assert first.load == [1, 0] and second.load == [0, 1]  # each its own, for what it frees
+    second.count(b, 1)  # engine 1 busier now, by the second's count
+    assert first.pick([prompt(2, 100)]) == 0
+    first.count(0, 1)
+    first.count(0, 1)  # engine 0 busier: 3 against 2
+    assert second.pick([prompt(3, 100)]) == 1
+    second.count(1, -1)
+    second.count(1, -1)
+    assert SharedLoad(path, 0, 2, 2).totals() == [3, 0]
+    assert second.pick([prompt(4, 100)]) == 1
 
 
 class Replica:
