@@ -6,6 +6,7 @@ request; one engine's death fails its own requests, not the other's, and turns /
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -140,6 +141,45 @@ def test_disconnected_streams_free_their_engines_slots(dp_server, until_idle) ->
     metrics = until_idle(dp_server.url)
     assert metrics["deltaserve_num_requests_running"] == 0 and metrics["deltaserve_state_slots_used"] == 0
     assert per_engine(dp_server.url, "state_slots_used") == [0, 0]
+
+
+def test_streams_taken_by_different_http_processes_spread_over_the_engines(dp_server, until_idle) -> None:
+    """Two streams at once, each on a connection of its own: whichever HTTP process takes each,
+    they run on different engines (every process counts the others' requests in flight; alone,
+    two processes each holding one stream would both pick engine 0). Rounds go on until one
+    round's streams met different processes."""
+    body = {"model": MODEL_NAME, "max_tokens": 480, "ignore_eos": True, "stream": True}
+
+    async def round_(i: int) -> tuple[list[int], list[float]]:
+        async with contextlib.AsyncExitStack() as stack:
+            ports: list[int] = []
+            held = []
+            for j in range(2):
+                http = await stack.enter_async_context(httpx.AsyncClient(timeout=60))
+                r = await stack.enter_async_context(
+                    http.stream(
+                        "POST", f"{dp_server.url}/v1/completions", json={**body, "prompt": f"spread {i} {j}"}
+                    )
+                )
+                ports.append(r.extensions["network_stream"].get_extra_info("client_addr")[1])
+                lines = r.aiter_lines()  # held: an iterator dropped would close the stream
+                held.append(lines)
+                async for line in lines:
+                    if line.startswith("data: "):
+                        break  # running: counted where it went
+            return ports, per_engine(dp_server.url, "num_requests_running")
+
+    apart = 0
+    for i in range(40):
+        ports, running = asyncio.run(round_(i))
+        until_idle(dp_server.url)
+        log = dp_server.log()
+        takers = {re.search(rf"(uvicorn\.access(?:\[\d\])?): 127\.0\.0\.1:{p} ", log).group(1) for p in ports}
+        assert running == [1, 1], (i, takers, running)
+        apart += len(takers) == 2
+        if apart:
+            break
+    assert apart, "every round's two streams met the same HTTP process"
 
 
 def test_a_batch_of_prompts_spreads_over_the_engines(dp_server, server) -> None:
