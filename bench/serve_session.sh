@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+# PART: 9b | 08b | piecewise [CONFIG] | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
@@ -164,6 +164,15 @@ case "${1:-9b}" in
     serve_bench 08b-new . "${PYTHONPATH:-}" "--model configs/qwen3.5-0.8b $dummy" \
       "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
     offline 08b-offline configs/qwen3.5-0.8b '{"load_format": "dummy"}' "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
+    ;;
+  piecewise)  # piecewise [CONFIG]: steps with prefill eager, then in pieces replayed (default 0.8B; $MODES: the order)
+    cfg=${2:-qwen3.5-0.8b}
+    for mode in ${MODES:-eager pieces}; do
+      flag=""
+      [ "${mode%2}" = pieces ] && flag="--enable-piecewise-cuda-graph"
+      serve_bench "$cfg-$mode" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy $flag" \
+        "${WORKLOAD[@]}" --concurrency 1,64,256 --warmup 64
+    done
     ;;
   08b-outputs)  # the offline 0.8B engine asking for final outputs, then for streams' per-step outputs, twice each
     for kind in final streams final streams; do

@@ -67,6 +67,9 @@ class EngineConfig:
     # None: on for CUDA devices (where the GPU runs asynchronously), off on CPU
     enable_overlap_schedule: bool | None = None
     cuda_graph_max_bs: int = 256
+    # mixed steps of up to this many tokens replay CUDA graphs of the forward's pieces between
+    # the attention and linear-attention ops (engine/runner/piecewise_graphs.py); 0: eagerly
+    piecewise_cuda_graph_max_tokens: int = 0
     # streamed ("delta") requests get an output once this many new tokens are in, besides their
     # first token and their end (vLLM's and SGLang's stream interval): fewer, larger chunks
     stream_interval: int = 1

@@ -346,6 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest decode batch run by CUDA-graph replay",
     )
     engine.add_argument(
+        "--enable-piecewise-cuda-graph",
+        action="store_true",
+        help="run steps with prefill chunks of up to --piecewise-cuda-graph-max-tokens tokens by "
+        "replaying CUDA graphs of the forward between its attention and linear-attention ops (SGLang's flag)",
+    )
+    engine.add_argument(
+        "--piecewise-cuda-graph-max-tokens",
+        type=_int_at_least(16),
+        default=512,
+        help="the most tokens a step replayed in pieces holds",
+    )
+    engine.add_argument(
         "--disable-cuda-graph",
         "--enforce-eager",
         action="store_true",

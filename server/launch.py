@@ -349,6 +349,9 @@ def _engine_config(args: argparse.Namespace) -> Any:
             mem_fraction_static=args.mem_fraction_static,
             pool_memory_gb=args.pool_memory_gb,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
+            piecewise_cuda_graph_max_tokens=(
+                args.piecewise_cuda_graph_max_tokens if args.enable_piecewise_cuda_graph else 0
+            ),
             stream_interval=args.stream_interval,
             scheduling_policy=args.scheduling_policy,
             hf_overrides=args.hf_overrides,

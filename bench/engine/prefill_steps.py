@@ -3,6 +3,9 @@ a lone request's time to first token goes (how many steps its prefill takes, and
 with the radix prefix cache and without; then one prompt's steps under Python's profiler.
 
     python -m bench.engine.prefill_steps --model configs/qwen3.5-0.8b --tokens 1024
+    python -m bench.engine.prefill_steps --model configs/qwen3.5-0.8b --cache-types radix --piecewise 0 512
+
+`--piecewise N ...`: each run again with piecewise CUDA graphs of up to N tokens (0: eager steps).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--prompts", type=int, default=4, help="timed prompts per cache type")
     ap.add_argument("--cache-types", default="radix,naive")
+    ap.add_argument("--piecewise", type=int, nargs="+", default=[0], metavar="N")
     ap.add_argument(
         "--cprofile",
         type=int,
@@ -65,14 +69,19 @@ def main() -> None:
     def prompt() -> list[int]:
         return [rng.randrange(100, 100_000) for _ in range(args.tokens)]
 
-    for cache in args.cache_types.split(","):
-        llm = LLM(args.model, load_format="dummy", cache_type=cache, max_model_len=args.tokens + 16)
+    for cache, pieces in [(c, n) for c in args.cache_types.split(",") for n in args.piecewise]:
+        llm = LLM(
+            args.model,
+            load_format="dummy",
+            cache_type=cache,
+            max_model_len=args.tokens + 16,
+            piecewise_cuda_graph_max_tokens=pieces,
+        )
+        name = f"{cache}, pieces of up to {pieces}" if pieces else cache
         for _ in range(3):  # compile and autotune at these shapes
             run_prompt(llm.engine, prompt(), params)
         for steps in timed_prompts(llm.engine, [prompt() for _ in range(args.prompts)], params):
-            print(
-                f"{cache}: first token after {sum(steps):.1f} ms, steps (ms) {[round(s, 1) for s in steps]}"
-            )
+            print(f"{name}: first token after {sum(steps):.1f} ms, steps (ms) {[round(s, 1) for s in steps]}")
         if args.cprofile:
             prof = cProfile.Profile()
             run_prompt(llm.engine, prompt(), params, prof)

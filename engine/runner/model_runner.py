@@ -20,6 +20,7 @@ from deltaserve.engine.runner.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.runner.forward_batch import ForwardBatch, build_forward_batch
 from deltaserve.engine.runner.h2d import to_device
 from deltaserve.engine.runner.linear_backend import LinearAttentionBackend
+from deltaserve.engine.runner.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from deltaserve.engine.spec_decode.state_window import StateWindow
 from deltaserve.kernels.delta_rule.fla import configure_fla
 from deltaserve.models.checkpoints.loader import LoadedModel
@@ -130,6 +131,7 @@ class ModelRunner:
             if self.window is not None:
                 self.window.log = self.step_log
         self.graph_runner: CudaGraphRunner | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         # MTP drafting reads every forward's hidden states, which decode graphs do not keep
         if device.type == "cuda" and not config.disable_cuda_graph and self.mtp is None:
             self.capture_cuda_graphs()
@@ -187,6 +189,20 @@ class ModelRunner:
             spec = self.config.spec
             if spec is not None and spec.cuda_graph and self.window is not None:
                 self._capture_verify_graphs(spec.num_speculative_tokens + 1)
+            if self.config.piecewise_cuda_graph_max_tokens:
+                self._capture_piecewise(self.config.piecewise_cuda_graph_max_tokens)
+
+    def _capture_piecewise(self, max_tokens: int) -> None:
+        assert self.graph_runner is not None
+        sizes = piecewise_sizes(min(max_tokens, self.config.max_num_batched_tokens or max_tokens))
+        try:
+            self.piecewise = PiecewiseGraphs(self.model, self.ctx, sizes, self.graph_runner.pool, self.device)
+        except Exception as e:  # asked for by a flag: a clear start-up error, not a slower server
+            raise RuntimeError(
+                f"piecewise CUDA graph capture failed ({type(e).__name__}: {e}); "
+                "start without --enable-piecewise-cuda-graph"
+            ) from e
+        logger.info("captured piecewise CUDA graphs for steps of up to %s tokens", sizes)
 
     def _capture_verify_graphs(self, width: int) -> None:
         assert self.graph_runner is not None and self.window is not None
@@ -420,6 +436,9 @@ class ModelRunner:
                 return self.graph_runner.run_verify(batch)
         self.attn.prepare(batch)
         self.linear.prepare(batch)
+        if self.piecewise is not None and self.piecewise.can_run(batch):
+            hidden = self.piecewise.run(batch)
+            return self.model.compute_logits(hidden[batch.logits_indices]).float()
         hidden = self.model(batch.input_ids, batch.positions, self.ctx, batch.image_embeds)
         if self.mtp is not None:
             self.last_hidden = hidden
