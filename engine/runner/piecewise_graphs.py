@@ -50,7 +50,7 @@ class _Split:
 @dataclass
 class _Pieces:
     tokens: int
-    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    graphs: list[Any] = field(default_factory=list)  # torch.cuda.CUDAGraph
     splits: list[_Split] = field(default_factory=list)
     hidden: torch.Tensor | None = None
 
@@ -60,9 +60,12 @@ class _Recorder:
     captured, returns a zeroed buffer of the op's output shape, and starts the next piece. In
     `warmup` (no capture), it only returns the buffers, so that kernels compile before capture."""
 
-    def __init__(self, pieces: _Pieces, owned: set[int], pool: Any, capture: bool) -> None:
+    def __init__(
+        self, pieces: _Pieces, owned: set[int], pool: Any, capture: bool, new_graph: Any = None
+    ) -> None:
         self.pieces, self.owned, self.pool, self.capture = pieces, owned, pool, capture
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.new_graph = new_graph or torch.cuda.CUDAGraph
+        self.graph: Any = None
 
     @property
     def attn(self) -> Any:
@@ -74,7 +77,7 @@ class _Recorder:
 
     def begin(self) -> None:
         if self.capture:
-            self.graph = torch.cuda.CUDAGraph()
+            self.graph = self.new_graph()
             self.graph.capture_begin(pool=self.pool)
 
     def end(self) -> None:
@@ -124,6 +127,11 @@ class _Recorder:
         return self._split("linear", "kda", (layer_id, q, k, v, g, beta), tuple(v.shape), v)
 
 
+def model_tensors(model: nn.Module) -> set[int]:
+    """The model's own tensors, by address: passed to the ops whole, never cut to a step's rows."""
+    return {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
+
+
 class PiecewiseGraphs:
     def __init__(
         self, model: nn.Module, ctx: ForwardContext, sizes: list[int], pool: Any, device: torch.device
@@ -131,8 +139,7 @@ class PiecewiseGraphs:
         self.model, self.ctx, self.sizes = model, ctx, sizes
         self.input_ids = torch.zeros(sizes[-1], dtype=torch.long, device=device)
         self.positions = torch.zeros(sizes[-1], dtype=torch.long, device=device)
-        # the model's own tensors are passed to the ops whole, never cut to the step's rows
-        owned = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
+        owned = model_tensors(model)
         self.pieces: dict[int, _Pieces] = {}
         self.replays = 0
         for tokens in reversed(sizes):  # largest first, so that smaller sets reuse its memory

@@ -109,3 +109,51 @@ def test_the_recorder_stands_in_for_each_op_with_its_outputs_shape(
     for name, args, out in calls:
         stand_in = getattr(recorder, name)(*args)
         assert (stand_in.shape, stand_in.dtype) == (out.shape, out.dtype), name
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: captures nothing, counts its pieces."""
+
+    def capture_begin(self, pool=None) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "kimi"])
+def test_a_capture_cuts_the_forward_at_every_op_and_slices_only_its_activations(
+    kind, make_checkpoint, tmp_path_factory, kimi_builder, kimi_config
+):
+    """One piece more than ops, a mixer's op or two a layer; the arguments cut to a step's rows are
+    the forward's own tensors of the captured token count, never the model's weights, even one
+    with as many rows as the capture has tokens (GDN's A_log, MLA's kv_b_proj)."""
+    from deltaserve.engine.runner.piecewise_graphs import _Pieces, _Recorder, model_tensors
+
+    if kind == "kimi":
+        path = str(tmp_path_factory.mktemp("kimi"))
+        kimi_builder(path, kimi_config)
+    else:
+        path = make_checkpoint(kind)
+    model = LLM(path, device="cpu", dtype="float32").engine.runner.model
+    weight = "kv_b_proj.weight" if kind == "kimi" else "linear_attn.A_log"
+    tokens = next(p.shape[0] for n, p in model.named_parameters() if n.endswith(weight))
+    owned = model_tensors(model)
+    pieces = _Pieces(tokens)
+    recorder = _Recorder(pieces, owned, None, capture=True, new_graph=FakeGraph)
+    recorder.begin()
+    with torch.inference_mode():
+        hidden = model(torch.arange(tokens), torch.arange(tokens), recorder)
+    recorder.end()
+    assert hidden.shape[0] == tokens and len(pieces.graphs) == len(pieces.splits) + 1
+    assert len(model.model.layers) <= len(pieces.splits) <= 2 * len(model.model.layers)
+    kept_whole = 0
+    for split in pieces.splits:
+        for arg, cut in zip(split.args, split.sliced):
+            if isinstance(arg, torch.Tensor):
+                assert cut == (arg.data_ptr() not in owned and arg.shape[0] == tokens), (
+                    split.name,
+                    arg.shape,
+                )
+                kept_whole += not cut and arg.shape[0] == tokens
+    assert kept_whole  # the weight of as many rows as tokens reached an op, whole
