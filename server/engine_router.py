@@ -150,7 +150,7 @@ class EngineRouter:
         if method not in METHODS:
             raise ValueError(f"load balance method must be one of {', '.join(METHODS)}, got {method!r}")
         self.method = method
-        self.load = [0] * engines  # this process's own requests in flight on each engine
+        self.load = [0] * engines  # requests in flight on each engine, where this process is alone
         self.shared_load = shared_load  # every HTTP process's, where there are several
         self.stride = stride
         self.routes = routes if routes is not None else LocalRoutes(max_keys)
@@ -158,9 +158,10 @@ class EngineRouter:
 
     def count(self, engine: int, delta: int) -> None:
         """A request placed on `engine` (+1) or gone from it (-1)."""
-        self.load[engine] += delta
         if self.shared_load is not None:
             self.shared_load.add(engine, delta)
+        else:
+            self.load[engine] += delta
 
     def pick(self, prompts: Sequence[Sequence[int]]) -> int:
         """The engine for requests that go together (an HTTP request's n choices, all or none), by

@@ -15,7 +15,8 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,31 +38,44 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+@contextmanager
+def on_side_stream() -> Iterator[None]:
+    """Run on a fresh stream that waits for the current one, and that the current one waits for
+    after: warm-ups and captures stay off the default stream, which a capture may not use."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's garbage collector paused for a capture. A collection there can free another CUDA
+    graph (one of an engine dropped earlier, kept alive by a reference cycle), and destroying a
+    graph while a stream captures is an error that invalidates this capture, and a failed capture
+    leaves CUDA's random generator unusable for the rest of the process. (No collection first: a
+    full one per captured graph costs start-up time.)"""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def capture(
     fn: Callable[[], torch.Tensor], pool: Any, warmups: int = 1
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Run `fn` `warmups` times on a side stream (Triton compiles, autotuning and lazy
-    workspaces stay outside the capture), then capture it: the graph and its static output.
-
-    Python's garbage collector is paused during the capture. A collection there can free
-    another CUDA graph (one of an engine dropped earlier, kept alive by a reference cycle), and
-    destroying a graph while a stream captures is an error that invalidates this capture, and a
-    failed capture leaves CUDA's random generator unusable for the rest of the process."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    workspaces stay outside the capture), then capture it: the graph and its static output."""
+    with on_side_stream():
         for _ in range(warmups):
             fn()
-    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    enabled = gc.isenabled()
-    gc.disable()  # (no collection first: a full one per captured graph costs start-up time)
-    try:
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
-    finally:
-        if enabled:
-            gc.enable()
+    with gc_paused(), torch.cuda.graph(graph, pool=pool):
+        out = fn()
     return graph, out
 
 

@@ -15,13 +15,13 @@ copied into the buffer the next piece reads.
 from __future__ import annotations
 
 import bisect
-import gc
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from deltaserve.engine.runner.cuda_graphs import gc_paused, on_side_stream
 from deltaserve.engine.runner.forward_batch import ForwardBatch
 from deltaserve.models.forward import ForwardContext
 
@@ -45,6 +45,7 @@ class _Split:
     args: tuple[Any, ...]
     sliced: tuple[bool, ...]
     out: torch.Tensor
+    op: Any = None  # the backend's bound method, once captured
 
 
 @dataclass
@@ -149,27 +150,23 @@ class PiecewiseGraphs:
     def _capture(self, tokens: int, owned: set[int], pool: Any) -> _Pieces:
         pieces = _Pieces(tokens)
         ids, pos = self.input_ids[:tokens], self.positions[:tokens]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with on_side_stream():
             for _ in range(2):  # Triton compiles and autotunes, cuBLAS sets up, outside the capture
                 self.model(ids, pos, _Recorder(pieces, owned, pool, capture=False))
             recorder = _Recorder(pieces, owned, pool, capture=True)
-            enabled = gc.isenabled()
-            gc.disable()  # see cuda_graphs.capture
-            try:
-                recorder.begin()
-                pieces.hidden = self.model(ids, pos, recorder)
-                recorder.end()
-            finally:
-                if recorder.graph is not None:  # a failed capture: end it before anything else runs
-                    try:
-                        recorder.graph.capture_end()
-                    except RuntimeError:
-                        pass
-                if enabled:
-                    gc.enable()
-        torch.cuda.current_stream().wait_stream(stream)
+            with gc_paused():
+                try:
+                    recorder.begin()
+                    pieces.hidden = self.model(ids, pos, recorder)
+                    recorder.end()
+                finally:
+                    if recorder.graph is not None:  # a failed capture: end it before anything else runs
+                        try:
+                            recorder.graph.capture_end()
+                        except RuntimeError:
+                            pass
+        for split in pieces.splits:  # the backends' methods, found once
+            split.op = getattr(getattr(self.ctx, split.backend), split.name)
         return pieces
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -189,7 +186,7 @@ class PiecewiseGraphs:
             graph.replay()
             if split is not None:
                 args = (a[:t] if cut else a for a, cut in zip(split.args, split.sliced))
-                split.out[:t].copy_(getattr(getattr(self.ctx, split.backend), split.name)(*args))
+                split.out[:t].copy_(split.op(*args))
         self.replays += 1
         assert pieces.hidden is not None
         return pieces.hidden[:t]
