@@ -145,19 +145,21 @@ class VictimQueue(Generic[Ranked]):
     def take(self, n: int) -> list[Ranked]:
         """Up to `n` victims, each still a candidate now."""
         out: list[Ranked] = []
+        taken: set[int] = set()  # a new ranking lists again the victims taken from the last one
         fresh = False
         while len(out) < n:
             if not self._queue:
                 if fresh:  # a new ranking gave no more: nothing else is a candidate
                     break
-                self._queue.extend(
-                    (c, c.snapshot_access, c.num_children >= 2) for c in self._rank(n - len(out))
-                )
+                self._queue.extend((c, c.snapshot_access, c.num_children >= 2) for c in self._rank(n))
                 fresh = True
                 continue
             node, access, shared = self._queue.popleft()
+            if id(node) in taken:
+                continue
             if self._still(node) and node.snapshot_access == access and (node.num_children >= 2) == shared:
                 out.append(node)
+                taken.add(id(node))
         return out
 
 

@@ -661,3 +661,19 @@ def test_a_snapshot_hit_after_its_ranking_is_passed_over() -> None:
     hit = cache.match_prefix(oldest_left + [9], record=False)
     assert hit.snapshot_slot is not None, "the snapshot hit since the ranking was kept"
     assert cache.match_prefix(prompts[2] + [9], record=False).snapshot_slot is None
+
+
+@pytest.mark.parametrize("policy", ["marconi", "branch_lru"])
+def test_flush_after_an_eviction_drops_each_snapshot_once(policy: str) -> None:
+    """An eviction ranks more victims than it takes (a sixteenth of the candidates); a later
+    eviction of more than are left ranks again, and must not take a victim from both rankings
+    (`/reset_prefix_cache` after a busy stretch failed on a snapshot dropped twice)."""
+    cache = make_cache(policy, pages=200, snaps=48)
+    sp: FakeStatePool = cache.state_pool  # type: ignore[assignment]
+    for i in range(40):
+        insert_fresh(cache, seq(1000 * (i + 1), 4), snaps=(4,))
+    assert cache.num_snapshots == 40
+    assert cache.evict_snapshots(1) == 1
+    cache.flush()
+    assert cache.num_snapshots == 0 and not sp.used
+    assert cache.stats.snapshots_evicted == 40
