@@ -286,7 +286,10 @@ class EngineCore:
         try:
             return None, fn(*args)
         except Exception as exc:
-            return error_reply(exc), None
+            reply = error_reply(exc)
+            if reply[0] == "internal":  # not the caller's mistake: its traceback is ours to see
+                logger.exception("engine call %s failed", name)
+            return reply, None
 
     def _call_off_loop(self, client: int, call_id: int, name: str, args: tuple[Any, ...]) -> None:
         self._done_off_loop.put((client, call_id, *self._call(name, args)))

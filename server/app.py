@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,6 +50,9 @@ from .protocol import (
     UpdateWeightVersionRequest,
 )
 from .text.chat_template import first_image_part, image_urls, render_chat
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -404,7 +407,33 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return reply(request, exc.status_code, str(exc.detail), None, None)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")  # the detail is for the log: a client learns nothing inside
-        return reply(request, 500, "internal error", None, "internal_error")
+    app.add_middleware(_InternalErrors, reply=reply)
+
+
+class _InternalErrors:
+    """An exception no handler took becomes a 500 in the API's error shape, logged once, on a
+    connection that stays open. (Starlette's handler for Exception raises again after answering,
+    and uvicorn then closes the connection, often before the answer has left.)"""
+
+    def __init__(self, app: ASGIApp, reply: Callable[..., JSONResponse]) -> None:
+        self.app, self.reply = app, reply
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_started(message: Message) -> None:
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except Exception:
+            if started:  # part of an answer has gone: only closing the connection can tell
+                raise
+            logger.exception("unhandled error")  # the detail is for the log: a client learns nothing inside
+            response = self.reply(Request(scope), 500, "internal error", None, "internal_error")
+            await response(scope, receive, send)

@@ -360,6 +360,9 @@ class FailingEngine:
                 del self.requests[request_id]
         return outputs
 
+    def flush_cache(self) -> None:
+        raise AssertionError("secret internals")  # a bug of the engine's, not the caller's
+
 
 @pytest.fixture(scope="module")
 def failing_url(builtin_path: str) -> Iterator[str]:
@@ -423,3 +426,22 @@ def test_response_failed_by_the_engine_is_an_error_event(failing_url: str) -> No
     assert events[-1]["type"] == "error" and "secret" not in events[-1]["message"]
     r = httpx.post(f"{failing_url}/v1/responses", json={**body, "stream": False}, timeout=30)
     assert r.status_code == 500 and "secret" not in r.text
+
+
+def test_internal_error_is_a_500_that_keeps_the_connection(failing_url: str, caplog) -> None:
+    """An engine bug behind an endpoint is a 500 in OpenAI's shape, logged once with its
+    traceback, and the client's keep-alive connection goes on serving."""
+    host, port = failing_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        with caplog.at_level("ERROR"):
+            status, reply = send(conn, "POST", "/reset_prefix_cache")
+        err = error_of(status, reply)
+        assert status == 500 and err["type"] == "server_error" and "secret" not in err["message"]
+        sock = conn.sock
+        status, reply = send(conn, "GET", "/v1/models")
+        assert status == 200 and conn.sock is sock, "the connection was closed after the 500"
+    finally:
+        conn.close()
+    logged = [r for r in caplog.records if r.exc_info and "secret internals" in str(r.exc_info[1])]
+    assert len(logged) == 2, [r.getMessage() for r in caplog.records]  # the engine's call, the server's
