@@ -18,10 +18,9 @@ def check_stop(
     p = req.params
     n_out = len(req.output_token_ids)
     if n_out >= p.min_tokens:
-        if not p.ignore_eos and token in eos_token_ids:
-            return "stop", None
-        if token in p.stop_token_ids:
-            return "stop", token
+        by_token = stop_token_verdict(req, token, eos_token_ids)
+        if by_token is not None:
+            return by_token
         if p.stop:
             found = _find_stop_string(req, checked)
             if found is not None:
@@ -30,6 +29,19 @@ def check_stop(
         return "length", None
     if len(req.prompt_token_ids) + n_out >= max_model_len:  # tokens known: no placeholders
         return "length", None
+    return None
+
+
+def stop_token_verdict(req: Request, token: int, eos_token_ids: list[int]) -> Verdict | None:
+    """("stop", reason) when `token`, just appended, is an end of sequence or one of the request's
+    stop tokens and `min_tokens` are out; else None."""
+    p = req.params
+    if len(req.output_token_ids) < p.min_tokens:
+        return None
+    if not p.ignore_eos and token in eos_token_ids:
+        return "stop", None
+    if token in p.stop_token_ids:
+        return "stop", token
     return None
 
 

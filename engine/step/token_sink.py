@@ -8,7 +8,12 @@ from typing import Any
 
 from deltaserve.engine.requests.outputs import PackedOutput, RequestOutput, unpack_outputs
 from deltaserve.engine.requests.request import Request
-from deltaserve.engine.requests.stop_checks import check_stop, visible_length, visible_text
+from deltaserve.engine.requests.stop_checks import (
+    check_stop,
+    stop_token_verdict,
+    visible_length,
+    visible_text,
+)
 from deltaserve.engine.step.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -78,7 +83,10 @@ class TokenSink:
         if req.error is None:
             try:
                 checked = req.detokenizer.length
-                req.detokenizer.append(tok)
+                # the token that stops a request is not in its text unless asked for, as in vLLM
+                ends = stop_token_verdict(req, tok, self.eos_token_ids) is not None
+                if not ends or req.params.include_stop_str_in_output:
+                    req.detokenizer.append(tok)
                 verdict = check_stop(req, tok, self.eos_token_ids, self.max_model_len, checked)
             except Exception as exc:
                 logger.exception("detokenizing or stop checks failed for request %s", req.request_id)

@@ -42,6 +42,24 @@ def test_text_prompt_and_stop_string_trimmed(llm):
     assert kept[0].outputs[0].text == free.text[: cut + len(stop)]
 
 
+def test_stop_token_text_is_left_out_unless_asked_for(llm):
+    """A request that a stop token ends keeps the token's id but not its text, as vLLM's does;
+    with include_stop_str_in_output the text has it too."""
+    tok = llm.tokenizer
+    params = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    free = llm.generate("Hello, my name is", SamplingParams(**params))[0].outputs[0]
+    ids = list(free.token_ids)
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and tok.decode([ids[i]]).strip())
+    for include in (False, True):
+        out = llm.generate(
+            "Hello, my name is",
+            SamplingParams(stop_token_ids=[ids[k]], include_stop_str_in_output=include, **params),
+        )[0].outputs[0]
+        assert list(out.token_ids) == ids[: k + 1]
+        assert out.finish_reason == "stop" and out.stop_reason == ids[k]
+        assert out.text == tok.decode(ids[: k + 1] if include else ids[:k], skip_special_tokens=True)
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_streamed_text_equals_one_decode(llm, fast):
     """Both detokenizer paths (DecodeStream, window re-decode) agree with a whole decode."""
