@@ -44,6 +44,8 @@ def build_sampling_params(
         max_name, max_tokens, logprobs = "max_tokens", req.max_tokens, req.logprobs
         names = {}
     prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is not None and req.stream:  # a stream's chunks have no place for them (vLLM's 400)
+        raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
     echo = isinstance(req, CompletionRequest) and req.echo
     # the echoed prompt's log-probabilities (a negative count is left for the check to refuse)
     if echo and (logprobs is not None or max_tokens == 0) and (prompt_logprobs or 0) >= 0:

@@ -53,6 +53,8 @@ def refusal(req: ChatCompletionRequest | CompletionRequest) -> APIError:
         (completion(logprobs=21), "logprobs", "21"),
         (chat(logprobs=True, top_logprobs=21), "top_logprobs", "21"),
         (chat(prompt_logprobs=-1), "prompt_logprobs", "-1"),
+        (chat(prompt_logprobs=0, stream=True), "prompt_logprobs", "stream"),
+        (completion(prompt_logprobs=2, stream=True), "prompt_logprobs", "stream"),
         (chat(max_tokens=0), "max_tokens", "0"),
         (chat(max_completion_tokens=-2), "max_completion_tokens", "-2"),
         (completion(max_tokens=4, min_tokens=9), "min_tokens", "9"),
