@@ -222,6 +222,10 @@ class ChatCompletionRequest(SamplingRequest):
         "web_search_options": unsupported_if_set("not supported: this server does not search the web"),
         "functions": unsupported_if_set("not supported (legacy function calling): send tools"),
         "function_call": unsupported_if_set("not supported (legacy function calling): send tool_choice"),
+        # a template from the request would run a stranger's Jinja in the server (vLLM's needs a flag)
+        "chat_template": unsupported_if_set(
+            "not supported in a request: start the server with --chat-template"
+        ),
     }
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None

@@ -187,6 +187,7 @@ RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
         ),
         ("/v1/chat/completions", {**GOOD, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ("/v1/chat/completions", {**GOOD, "function_call": "auto"}, "function_call"),
+        ("/v1/chat/completions", {**GOOD, "chat_template": "{{ messages }}"}, "chat_template"),
         ("/v1/responses", {**RESPONSE, "background": True}, "background"),
         ("/v1/responses", {**RESPONSE, "prompt": {"id": "pmpt_1"}}, "prompt"),
         ("/v1/responses", {**RESPONSE, "conversation": "conv_1"}, "conversation"),
