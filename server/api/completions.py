@@ -17,7 +17,13 @@ from ..protocol import (
 )
 from .context import ServerContext
 from .generation import Generation
-from .logprobs import TokenText, completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs
+from .logprobs import (
+    TextOffsets,
+    TokenText,
+    completion_logprobs,
+    prompt_completion_logprobs,
+    vllm_prompt_logprobs,
+)
 from .request_params import truncate_prompt
 
 if TYPE_CHECKING:
@@ -70,24 +76,22 @@ class _Choice:
         return (self.prompt_text if self.echo else "") + completion.text
 
     def logprobs_of(
-        self,
-        out: RequestOutput,
-        echo_prompt: bool = False,
-        text_start: int | None = None,
+        self, out: RequestOutput, echo_prompt: bool = False, offsets: TextOffsets | None = None
     ) -> CompletionLogprobs | None:
-        """The completion's logprobs (the prompt's before them with `echo_prompt`); `text_start`
-        is the text offset of its first token (by default where the generated text starts)."""
+        """The completion's logprobs (the prompt's before them with `echo_prompt`); `offsets`: the
+        choice's text offsets so far (a stream's), by default from the text's start."""
         if self.logprobs is None:
             return None
         completion = out.outputs[0]
-        if text_start is None:
-            text_start = len(self.prompt_text) if self.echo else 0
-        generated = completion_logprobs(completion.logprobs or [], self.logprobs, self.token_text, text_start)
-        if not echo_prompt:
+        offsets = offsets if offsets is not None else TextOffsets()
+        echoed = None
+        if echo_prompt:
+            echoed = prompt_completion_logprobs(
+                self.prompt_ids, self.token_text, out.prompt_logprobs, self.logprobs, offsets
+            )
+        generated = completion_logprobs(completion.logprobs or [], self.logprobs, self.token_text, offsets)
+        if echoed is None:
             return generated
-        echoed = prompt_completion_logprobs(
-            self.prompt_ids, self.token_text, out.prompt_logprobs, self.logprobs
-        )
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(echoed, name).extend(getattr(generated, name))
         return echoed
@@ -124,7 +128,7 @@ class CompletionGeneration(Generation[CompletionChoice]):
         super().__init__(ctx, model, req)
         self.req: CompletionRequest = req
         self.choices: list[_Choice] = []  # by choice index
-        self.offsets: dict[str, int] = {}  # where the next token's text starts (logprobs' text_offset)
+        self.offsets: dict[str, TextOffsets] = {}  # each stream's logprobs' text offsets so far
 
     def delta_event(self, out: RequestOutput) -> str | None:
         rid, completion = out.request_id, out.outputs[0]
@@ -150,13 +154,8 @@ class CompletionGeneration(Generation[CompletionChoice]):
         choice = self.choices[self.index[rid]]
         first = rid not in self.offsets
         delta = choice.text(completion) if first else completion.text
-        logprobs = choice.logprobs_of(
-            out, echo_prompt=choice.echo and first, text_start=self.offsets.get(rid)
-        )
-        if logprobs is not None and logprobs.tokens:
-            self.offsets[rid] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        else:
-            self.offsets.setdefault(rid, len(choice.prompt_text) if choice.echo else 0)
+        offsets = self.offsets.setdefault(rid, TextOffsets())
+        logprobs = choice.logprobs_of(out, echo_prompt=choice.echo and first, offsets=offsets)
         if not (delta or completion.finish_reason or (logprobs and logprobs.tokens)):
             return None
         return CompletionChoice(

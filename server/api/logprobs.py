@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -96,36 +97,54 @@ def chat_logprobs(logprobs: list[Logprob], top_k: int, token_text: TokenText) ->
     return ChatLogprobs(content=content)
 
 
+class TextOffsets:
+    """The legacy logprobs' `text_offset`: where each token's text starts in a choice's text, the
+    characters that the tokens before it have completed. A token holding part of a character
+    starts where that character does, so offsets never go back and stay within the text (a sum
+    of the tokens' own strings counts a U+FFFD for each such part)."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.length = 0
+
+    def take(self, raw: list[int]) -> int:
+        """The offset of the token whose bytes are `raw`, then past it."""
+        start = self.length
+        self.length += len(self._decoder.decode(bytes(raw)))
+        return start
+
+
 def completion_logprobs(
-    logprobs: list[Logprob], top_k: int, token_text: TokenText, text_start: int = 0
+    logprobs: list[Logprob], top_k: int, token_text: TokenText, offsets: TextOffsets
 ) -> CompletionLogprobs:
+    """Generated tokens' logprobs; `offsets` is the choice's, past any text before them."""
     out = CompletionLogprobs()
-    offset = text_start
     for lp in logprobs:
-        text, _ = token_text(lp.token_id)
+        text, raw = token_text(lp.token_id)
         out.tokens.append(text)
         out.token_logprobs.append(lp.logprob)
         out.top_logprobs.append({token_text(t)[0]: v for t, v in _top(lp, top_k)})
-        out.text_offset.append(offset)
-        offset += len(text)
+        out.text_offset.append(offsets.take(raw))
     return out
 
 
 def prompt_completion_logprobs(
-    prompt_ids: list[int], token_text: TokenText, scored: list[Logprob | None] | None, top_k: int
+    prompt_ids: list[int],
+    token_text: TokenText,
+    scored: list[Logprob | None] | None,
+    top_k: int,
+    offsets: TextOffsets,
 ) -> CompletionLogprobs:
     """Echoed prompt tokens with the log-probability of each given those before it (`scored`, from
     the engine's prefill); the first token's is null, as OpenAI's and vLLM's are."""
     out = CompletionLogprobs()
-    offset = 0
     for i, token_id in enumerate(prompt_ids):
-        text, _ = token_text(token_id)
+        text, raw = token_text(token_id)
         lp = scored[i] if scored is not None and i < len(scored) else None
         out.tokens.append(text)
         out.token_logprobs.append(lp.logprob if lp is not None else None)
         out.top_logprobs.append({token_text(t)[0]: v for t, v in _top(lp, top_k)} if lp is not None else None)
-        out.text_offset.append(offset)
-        offset += len(text)
+        out.text_offset.append(offsets.take(raw))
     return out
 
 

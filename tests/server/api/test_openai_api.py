@@ -259,6 +259,27 @@ def test_completions_batch_prompts_token_ids_echo_logprobs(client, server) -> No
     assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
 
 
+@pytest.mark.parametrize("prompt", ["a\U0001d518\U0001d52b\U0001d526b", "hi \U0001fae0 there"])
+def test_text_offsets_stay_in_the_text_when_tokens_split_characters(client, server, prompt: str) -> None:
+    """Byte-level tokens that each hold part of a character start where the character does: the
+    offsets never go back, and every whole token's text is found at its offset."""
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    request = dict(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    choice = client.completions.create(**request, extra_body={"ignore_eos": True}).choices[0]
+    lp, text = choice.logprobs, choice.text
+    assert len(lp.tokens) == len(ids) + 4 and any("\ufffd" in t for t in lp.tokens[: len(ids)])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    prompt_tokens = zip(lp.tokens[: len(ids)], lp.text_offset)  # the model's own tokens may be any bytes
+    whole = [(t, o) for t, o in prompt_tokens if "\ufffd" not in t]
+    assert len(whole) >= 2 and all(text[o : o + len(t)] == t for t, o in whole), list(
+        zip(lp.tokens, lp.text_offset)
+    )
+    streamed = client.completions.create(**request, stream=True, extra_body={"ignore_eos": True})
+    assert [
+        o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ] == lp.text_offset
+
+
 def test_tokenize_detokenize_roundtrip(server, max_model_len) -> None:
     text = "Hello, wörld! 你好"
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()
