@@ -213,13 +213,19 @@ def _chat_fields(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     """The chat request's prompt fields (messages, tools, tool choice, template switches), which
     /v1/messages and its count_tokens render alike."""
     tools, choice, parallel = _tools(req)
+    messages = to_messages(req.system, req.messages)
+    last = messages[-1]
+    # Anthropic's prefill: a last assistant message of text is the reply's start, which goes on
+    prefill = last.role == "assistant" and isinstance(last.content, str) and not last.tool_calls
     return dict(
         model=req.model,
-        messages=to_messages(req.system, req.messages),
+        messages=messages,
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=parallel,
         chat_template_kwargs=_thinking(req.thinking),
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
     )
 
 

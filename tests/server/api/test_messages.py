@@ -132,3 +132,17 @@ def test_the_chat_endpoints_extra_fields_come_along(claude) -> None:
     assert sample(seed=3, temperature=1.0) == sample(seed=3, temperature=1.0)
     with pytest.raises(anthropic.BadRequestError, match="min_tokens"):
         sample(min_tokens=-1)
+
+
+def test_a_last_assistant_message_is_continued(server, claude) -> None:
+    """Anthropic's prefill: the reply goes on from a last assistant message's text, as a chat
+    request with vLLM's continue_final_message does, and no new assistant turn opens."""
+    turns = [*MESSAGES, {"role": "assistant", "content": "Red, green and"}]
+    m = claude.messages.create(model=MODEL_NAME, max_tokens=6, messages=turns, extra_body=GREEDY)
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    reply = chat(server, turns, max_tokens=6, **cont)
+    assert m.content[0].text == reply["choices"][0]["message"]["content"]
+    counted = claude.messages.count_tokens(model=MODEL_NAME, messages=turns).input_tokens
+    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": turns, **cont}).json()
+    opened = httpx.post(f"{server.url}/tokenize", json={"messages": turns}).json()
+    assert counted == tokens["count"] < opened["count"]
