@@ -88,12 +88,22 @@ def error_body(
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+def _union_tag(part: Any) -> bool:
+    """A pydantic location part that names a union's form (`str`, `list[ContentPart]`), not a field:
+    the API's fields are snake_case."""
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper()
+    )
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """Summarise pydantic's errors into one message and the offending field's dotted path."""
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # a value one of a union's forms fails is named by the form it went furthest into (a list of
+    # content parts, not "should be a string"), without pydantic's tags for the forms
+    first = max(errors, key=lambda e: len([p for p in e.get("loc", ()) if not _union_tag(p)]))
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_tag(p)]
     # a check of the whole body (protocol.RequestBody) names the field in its context
     param = ".".join(loc) or (first.get("ctx") or {}).get("param") or None
     message = first.get("msg", "invalid value")

@@ -141,7 +141,7 @@ class ImageURL(OpenAIModel):
 
 
 class ContentPart(OpenAIModel):
-    type: str = "text"
+    type: str
     text: str | None = None
     refusal: str | None = None  # a "refusal" part of an earlier assistant turn
     image_url: ImageURL | None = None  # an "image_url" part: a data: or http(s): URL

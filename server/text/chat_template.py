@@ -31,11 +31,16 @@ def message_to_dict(message: ChatMessage, index: int = 0) -> dict[str, Any]:
     400 naming it, not dropped."""
     if isinstance(message.content, list):
         for j, part in enumerate(message.content):
+            where = f"messages.{index}.content.{j}"
+            if part.type == "text" and part.text is None:
+                raise bad_request(
+                    f"messages[{index}].content[{j}]: a text part needs its text", f"{where}.text"
+                )
             if part.type not in READ_PARTS or (part.type == "image_url" and part.image_url is None):
                 why = "an image_url part needs its image_url" if part.type == "image_url" else "not supported"
                 raise bad_request(
                     f"messages[{index}].content[{j}]: content parts of type {part.type!r}: {why}",
-                    f"messages.{index}.content.{j}.type",
+                    f"{where}.type",
                 )
     return template_message(message.model_dump(exclude_none=True))
 

@@ -146,6 +146,22 @@ def test_non_text_content_parts_are_400_not_dropped(server, part: dict) -> None:
     assert post(server, "/v1/chat/completions", json=GOOD).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "part,param",
+    [({"type": "text"}, "messages.0.content.1.text"), ({"text": "no type"}, "messages.0.content.1.type")],
+)
+def test_a_content_part_without_its_text_or_type_is_400(server, part: dict, param: str) -> None:
+    content = [{"type": "text", "text": "Hi"}, part]
+    err = assert_error(
+        post(
+            server, "/v1/chat/completions", json={**GOOD, "messages": [{"role": "user", "content": content}]}
+        ),
+        400,
+        param,
+    )
+    assert err["message"]
+
+
 def test_text_and_refusal_parts_reach_the_prompt(server) -> None:
     """A replayed conversation's parts: text parts and an assistant's refusal part are read."""
     messages = [
