@@ -143,6 +143,7 @@ def test_a_stop_string_is_the_matched_reason(server) -> None:
         ({"input_ids": [10**9]}, "input_ids"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
         ({"text": "hi", "priority": 3}, "priority"),  # the server runs fcfs
+        ({"text": "hi", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
     ],
 )
 def test_refusals_are_400s_naming_the_field(server, body: dict, param: str) -> None:
