@@ -204,6 +204,11 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
         if not isinstance(fmt, dict):
             raise bad_request("text.format must be an object", "text.format")
         if fmt.get("type") == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                raise bad_request(
+                    "text.format json_schema needs {'type': 'json_schema', 'name': ..., 'schema': {...}}",
+                    "text.format",
+                )
             spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
             response_format = {"type": "json_schema", "json_schema": spec}
         else:
