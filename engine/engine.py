@@ -160,7 +160,8 @@ class Engine:
             req.images.embeds = self.runner.encode_images(req.images.inputs)
         self.requests[request_id] = req
         self.scheduler.add(req)
-        self.counters["prompt_tokens_total"] += len(req.prompt_token_ids)
+        if not params.internal:
+            self.counters["prompt_tokens_total"] += len(req.prompt_token_ids)
 
     def process_images(self, images: list[Any]) -> ImageInputs:
         """PIL images as the vision tower reads them; an InvalidParamError where the model reads
@@ -298,6 +299,8 @@ class Engine:
         and the time since the step before: a timeline of the engine)."""
         self.counters["preemptions_total"] += len(plan.preempted)
         for req in plan.admitted:
+            if req.params.internal:
+                continue
             if req.num_preemptions == 0:
                 self.counters["cached_tokens_total"] += req.num_cached_tokens
             # counted as it is admitted: what the cache left to prefill (a prompt's last token may

@@ -354,10 +354,10 @@ async def _generates_one_token(ctx: ServerContext, request: Request) -> str | No
 async def _one_token_from(ctx: ServerContext, request: Request, engine: int, engines: int) -> str | None:
     import uuid
 
-    from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.engine.cache.adapter import warmup_params
 
     which = "the engine" if engines == 1 else f"engine {engine}"
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
+    params = warmup_params()  # one greedy token, left out of the engine's counters
     try:
         group = await ctx.submit([(f"health-{uuid.uuid4().hex}", [0], params)], track=False, engine=engine)
         await asyncio.wait_for(ctx.collect(group, request), HEALTH_GENERATE_S)

@@ -176,7 +176,7 @@ class RadixPrefixCache(PrefixCache):
         hold = req.prefix
         assert hold is not None
         # The matched path is locked, so recording now finds the same node.
-        m = self.cache.match_prefix(_matchable(req))
+        m = self.cache.match_prefix(_matchable(req), count=not req.params.internal)
         assert m.node is hold.node and m.length == req.num_computed_tokens
         if hold.snapshot_slot is not None:
             assert req.slot is not None
@@ -320,7 +320,9 @@ def warmup_prompts(prompts: Sequence[list[int]], cache_type: str, page_size: int
 
 
 def warmup_params() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
+    return SamplingParams(
+        temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only", internal=True
+    )
 
 
 def prefill_cost(model_config: Any, layer_types: Sequence[str], num_params: int) -> HybridPrefillCost:

@@ -108,9 +108,10 @@ class RadixCache:
 
     # ---- lookups -----------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], record: bool = True) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], record: bool = True, count: bool = True) -> MatchResult:
         """The deepest node with a snapshot strictly inside `token_ids` (the last token is always
-        recomputed, for its logits). `record=False` peeks without touching stats or recency."""
+        recomputed, for its logits). `record=False` peeks without touching stats or recency;
+        `count=False` records recency but leaves the hit statistics alone (a server's own request)."""
         path, _ = self._walk(tuple(token_ids[: len(token_ids) - 1]))
         hits = [i for i, n in enumerate(path) if n.snapshot is not None]
         used = path[: hits[-1] + 1] if hits else []
@@ -120,11 +121,13 @@ class RadixCache:
             for n in used:
                 n.last_access = self._clock
             hit.snapshot_access = self._clock
-            self.stats.query_tokens += len(token_ids)
-            self.stats.hit_tokens += hit.depth
+            if count:
+                self.stats.query_tokens += len(token_ids)
+                self.stats.hit_tokens += hit.depth
+                if hit.tentative:
+                    self.stats.tentative_hit_tokens += hit.depth
             self._learn(path, hit.depth)
             if hit.tentative:
-                self.stats.tentative_hit_tokens += hit.depth
                 self._promote(hit)
         pages = [p for n in used for p in n.pages]
         return MatchResult(hit.depth, pages, hit.snapshot, hit)

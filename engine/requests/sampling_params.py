@@ -129,6 +129,9 @@ class SamplingParams:
     # (`Logprob.asked`), beside the chosen token's and the top ones; needs logprobs (or
     # prompt_logprobs, for the prompt's positions)
     logprob_token_ids: list[int] | None = None
+    # a request of the server's own (a health probe, a prefix warm-up): left out of the engine's
+    # token counters and the prefix cache's hit rate, which count clients' requests
+    internal: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

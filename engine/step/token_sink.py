@@ -68,7 +68,7 @@ class TokenSink:
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_token_ids.append(tok)
-        self.counters["generation_tokens_total"] += 1
+        self.counters["generation_tokens_total"] += not req.params.internal
         if req.matcher is not None and not req.matcher.accept(tok):
             req.matcher = None  # cannot happen under the mask; never feed a broken state again
             req.grammar_broken = True

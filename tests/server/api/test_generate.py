@@ -161,14 +161,20 @@ def test_regex_constrains_the_text(server) -> None:
 
 def test_sglang_health_generate_and_model_info(server, read_metrics, until_idle) -> None:
     """/health_generate runs a one-token request through the engine, left out of the request
-    metrics; /get_model_info names the checkpoint as /v1/models does."""
+    metrics and the token counters; /get_model_info names the checkpoint as /v1/models does."""
     until_idle(server.url)
     before = read_metrics(server.url)
-    r = httpx.get(f"{server.url}/health_generate", timeout=60)
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    for _ in range(3):
+        r = httpx.get(f"{server.url}/health_generate", timeout=60)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
     after = until_idle(server.url)
+    tokens = [
+        f"deltaserve_{k}_tokens_total" for k in ("prompt", "prefill", "generation", "prefix_cache_query")
+    ]
     counted = [k for k in before if k.startswith("deltaserve_time_to_first_token_seconds_count")]
-    assert counted and all(after[k] == before[k] for k in counted)
+    assert counted and all(after[k] == before[k] for k in counted + tokens), {
+        k: (before[k], after[k]) for k in counted + tokens
+    }
     info = httpx.get(f"{server.url}/get_model_info").json()
     card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
     assert info["model_path"] == card["root"] and info["is_generation"] is True
