@@ -32,7 +32,13 @@ from deltaserve.models.parallel import SINGLE, TensorParallel
 def layer_types_of(config: Any) -> list[str]:
     types = getattr(config, "layer_types", None)
     if types:
-        return list(types)
+        # the first num_hidden_layers (fewer where --hf-overrides lowers it, as vLLM builds them)
+        if config.num_hidden_layers > len(types):
+            raise ValueError(
+                f"num_hidden_layers is {config.num_hidden_layers} but layer_types names {len(types)} "
+                "layers; give layer_types for every layer"
+            )
+        return list(types)[: config.num_hidden_layers]
     interval = getattr(config, "full_attention_interval", 4)
     return [
         "full_attention" if (i + 1) % interval == 0 else "linear_attention"
@@ -165,10 +171,13 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         if name.startswith(("mtp.", "model.visual.", "visual.", "model.mtp.")):
             return None
         if name.startswith("model.language_model."):
-            return "model." + name[len("model.language_model.") :]
+            name = "model." + name[len("model.language_model.") :]
         if name.startswith("language_model."):
             name = name[len("language_model.") :]
-            return name if name.startswith(("model.", "lm_head.")) else "model." + name
+            name = name if name.startswith(("model.", "lm_head.")) else "model." + name
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= len(self.layer_types):  # past a num_hidden_layers lowered by overrides
+            return None
         return name
 
     def _maybe_fuse_in_proj(

@@ -128,3 +128,27 @@ def test_yarn_on_cuda_matches_transformers(tmp_path, hf_reference, kind: str, pa
     same = sum(x == y for x, y in zip(ours, ref))
     print(f"YaRN fp32 on CUDA ({kind}): {same}/{len(ps)} prompts identical to transformers over 16 tokens")
     assert same >= len(ps) - 1
+
+
+def test_hf_overrides_can_lower_the_layer_count(tmp_path, hf_reference) -> None:
+    """`--hf-overrides '{"num_hidden_layers": 2}'` builds the checkpoint's first two layers, as
+    transformers does with that config (a Qwen3-Next config also lists each layer's type); more
+    layers than the types name is refused."""
+    import transformers as T
+
+    path = build(tmp_path, "qwen3_next", {}, 0.5, full_attention_interval=2)  # both kinds in two layers
+    types = T.AutoConfig.from_pretrained(path).layer_types
+    short = T.AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=2, layer_types=types[:2])
+    short.save_pretrained(tmp_path / "short")
+    ps = prompts([5, 40])
+    llm = LLM(
+        path, dtype="float32", device="cpu", chunked_prefill_size=64, hf_overrides={"num_hidden_layers": 2}
+    )
+    assert len(llm.engine.runner.model.model.layers) == 2
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in ps],
+        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True),
+    )
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference(str(tmp_path / "short"), ps, NEW)
+    with pytest.raises(ValueError, match="layer_types names 4 layers"):
+        LLM(path, dtype="float32", device="cpu", hf_overrides={"num_hidden_layers": 6})
