@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -36,11 +37,33 @@ def _at_least(low: _Number, kind: Callable[[str], _Number]) -> Callable[[str], _
         except ValueError:
             what = "an integer" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
         return value
 
     return parse
+
+
+def _positive_float(text: str) -> float:
+    value = _float_at_least(0.0)(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {value}")
+    return value
+
+
+def _name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a name cannot be empty")
+    return text
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:
@@ -183,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--served-model-name",
         nargs="+",
+        type=_name,
         default=None,
         metavar="NAME",
         help="name(s) clients use in the 'model' field; default: the --model folder's name (a repo id "
@@ -306,14 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--mem-fraction-static",
         "--gpu-memory-utilization",
-        type=float,
+        type=_fraction,
         default=0.85,
         help="fraction of GPU memory for weights, KV pages and state slots (the pools get what the "
         "weights leave)",
     )
     engine.add_argument(
         "--pool-memory-gb",
-        type=float,
+        type=_positive_float,
         default=None,
         help="CPU device: memory for KV pages and state slots in GiB; default a quarter of the "
         "memory available at start-up (CUDA sizes its pools with --mem-fraction-static)",

@@ -68,6 +68,13 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         ["--tool-call-parser", "mistral"],
         ["--reasoning-parser", "granite"],
         ["--gpu-memory-utilization", "most"],
+        ["--mem-fraction-static", "1.5"],
+        ["--mem-fraction-static", "0"],
+        ["--gpu-memory-utilization", "nan"],
+        ["--pool-memory-gb", "inf"],
+        ["--pool-memory-gb", "0"],
+        ["--log-stats-interval", "nan"],
+        ["--served-model-name", ""],
         ["--no-such-flag"],
         ["--ssl-keyfile", "/no/such/key.pem", "--ssl-certfile", str(TLS / "server.pem")],
         ["--ssl-keyfile", str(TLS / "server-key.pem")],  # HTTPS needs the certificate too
