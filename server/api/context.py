@@ -162,7 +162,7 @@ class ServerContext:
         except QueueFullError as exc:
             reason = "shutting_down" if isinstance(exc, ShuttingDownError) else "queue_full"
             self.metrics.request_rejected(reason)
-            raise APIError(503, str(exc), None, "queue_full") from exc
+            raise APIError(503, str(exc), None, reason) from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), None, "engine_unavailable") from exc
         except ValueError as exc:

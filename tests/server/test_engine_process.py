@@ -172,6 +172,7 @@ def test_shutdown_deadline_ends_every_request_with_an_error_and_drains_with_503(
     # draining: new requests are answered, with 503 and Retry-After, not refused
     refused = httpx.post(f"{server.url}/v1/completions", json={**long, "max_tokens": 2}, timeout=10)
     assert refused.status_code == 503 and refused.headers.get("retry-after")
+    assert refused.json()["error"]["code"] == "shutting_down"  # not queue_full: another server may take it
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
     for t in threads:
         t.join(60)
