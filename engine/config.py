@@ -150,7 +150,7 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         _ = self.spec  # validates speculative_config
         self._check_parallel()
-        from deltaserve.kernels.common.fast_launch import fast_launch_enabled
+        from deltaserve.kernels.common.fast_launch import fast_launch_mode
         from deltaserve.kernels.common.launch import pdl_mode
         from deltaserve.kernels.linear import gemv_mode
         from deltaserve.kernels.mla import mla_prefill_mode
@@ -158,7 +158,7 @@ class EngineConfig:
         gemv_mode()  # DELTASERVE_GEMV: a typo fails at start-up, not as a silent default
         pdl_mode()  # DELTASERVE_PDL, likewise
         mla_prefill_mode()  # DELTASERVE_MLA_PREFILL
-        fast_launch_enabled()  # DELTASERVE_FAST_LAUNCH
+        fast_launch_mode()  # DELTASERVE_FAST_LAUNCH (Triton itself is imported where kernels run)
 
     def _check_parallel(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes

@@ -200,6 +200,8 @@ class EngineHandle:
                     self.info = message[1]
                     return
                 if message[0] == "failed":
+                    if self.process is not None:  # it exits on its own: let it clean up (no leak warnings)
+                        self.process.join(10.0)
                     self.close()
                     raise RuntimeError(message[1])
                 continue

@@ -47,9 +47,14 @@ _I32 = (-(2**31), 2**31)
 _TRITON_CHECKED = ((3, 6), (3, 9))
 
 
+def fast_launch_mode() -> str:
+    """`DELTASERVE_FAST_LAUNCH` as set (a typo is a ValueError), without importing Triton."""
+    return env_mode("DELTASERVE_FAST_LAUNCH", ("auto", "0", "1"), "auto")
+
+
 def fast_launch_enabled() -> bool:
     """`DELTASERVE_FAST_LAUNCH`: 1 on, 0 off, auto (default) on for the Triton versions checked."""
-    mode = env_mode("DELTASERVE_FAST_LAUNCH", ("auto", "0", "1"), "auto")
+    mode = fast_launch_mode()
     if mode != "auto":
         return mode == "1"
     try:

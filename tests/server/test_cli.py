@@ -433,3 +433,27 @@ def test_a_server_on_a_unix_socket(spawn_server, tmp_path: Path) -> None:
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health", timeout=2)
     assert server.stop() == 0 and not os.path.exists(path)
+
+
+def test_a_model_that_cannot_load_stops_start_up_with_its_error_last(builtin_path: str) -> None:
+    """The engine process's load failure is the last line; no warning of what the engine process
+    left behind follows it (the server waits for that process to clean up)."""
+    result = run_cli("serve", "--model", builtin_path, "--port", "0", "--max-model-len", "100000000")
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "error" in last and "max_model_len 100000000" in last, result.stderr
+    assert "leaked" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_engine_on_cpu_does_not_import_triton(builtin_path: str) -> None:
+    """Triton is for CUDA kernels: a CPU engine neither pays for its import nor prints its
+    bindings' leak report at exit."""
+    code = (
+        "import sys\nfrom deltaserve import LLM, SamplingParams\n"
+        f"llm = LLM({builtin_path!r}, device='cpu')\n"
+        "llm.generate('hi', SamplingParams(max_tokens=2))\n"
+        "print('triton' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("False") and "nanobind" not in result.stderr, result.stderr
