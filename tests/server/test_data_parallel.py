@@ -208,9 +208,14 @@ def test_a_cache_reset_reaches_every_engine(dp_server) -> None:
 
 
 def test_health_generate_asks_every_engine_for_a_token(dp_server) -> None:
-    before = per_engine(dp_server.url, "prompt_tokens_total")
+    """Every engine runs a step for the probe; its token stays out of the token counters."""
+    steps, tokens = (
+        per_engine(dp_server.url, k) for k in ("engine_step_seconds_total", "prompt_tokens_total")
+    )
     assert httpx.get(f"{dp_server.url}/health_generate", timeout=60).json() == {"status": "ok"}
-    assert per_engine(dp_server.url, "prompt_tokens_total") == [b + 1 for b in before]
+    after = per_engine(dp_server.url, "engine_step_seconds_total")
+    assert len(after) == 2 and all(a > b for a, b in zip(after, steps)), (steps, after)
+    assert per_engine(dp_server.url, "prompt_tokens_total") == tokens
 
 
 def test_the_load_generator_reports_the_engines_mean_loop_shares(dp_server) -> None:
