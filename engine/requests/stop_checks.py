@@ -7,20 +7,18 @@ from deltaserve.engine.requests.request import Request
 Verdict = tuple[str, int | str | None]  # (finish_reason, stop_reason)
 
 
-def check_stop(
-    req: Request, token: int, eos_token_ids: list[int], max_model_len: int, checked: int
-) -> Verdict | None:
-    """The finish reason after `token` was appended, or None to go on.
+def check_stop(req: Request, by_token: Verdict | None, max_model_len: int, checked: int) -> Verdict | None:
+    """The finish reason after a token was appended, or None to go on; `by_token` is
+    `stop_token_verdict`'s for that token (the caller needs it first, to keep its text out).
 
     `checked` is how much of the text was already searched for stop strings; a stop string
     found is trimmed from the text (kept with include_stop_str_in_output).
     """
     p = req.params
     n_out = len(req.output_token_ids)
+    if by_token is not None:
+        return by_token
     if n_out >= p.min_tokens:
-        by_token = stop_token_verdict(req, token, eos_token_ids)
-        if by_token is not None:
-            return by_token
         if p.stop:
             found = _find_stop_string(req, checked)
             if found is not None:

@@ -84,10 +84,10 @@ class TokenSink:
             try:
                 checked = req.detokenizer.length
                 # the token that stops a request is not in its text unless asked for, as in vLLM
-                ends = stop_token_verdict(req, tok, self.eos_token_ids) is not None
-                if not ends or req.params.include_stop_str_in_output:
+                by_token = stop_token_verdict(req, tok, self.eos_token_ids)
+                if by_token is None or req.params.include_stop_str_in_output:
                     req.detokenizer.append(tok)
-                verdict = check_stop(req, tok, self.eos_token_ids, self.max_model_len, checked)
+                verdict = check_stop(req, by_token, self.max_model_len, checked)
             except Exception as exc:
                 logger.exception("detokenizing or stop checks failed for request %s", req.request_id)
                 req.error = f"stop checks failed ({type(exc).__name__})"
