@@ -75,6 +75,19 @@ def test_piecewise_steps_at_real_head_sizes(real_heads_checkpoint, pools_held):
     assert not pools_held(llm)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_piecewise_steps_with_fp8_weights(kind, make_checkpoint, pools_held):
+    """FP8 linears and experts (quantized at load, 160 wide: a partial 128-block) inside the pieces."""
+    path = make_checkpoint(kind, hidden_size=160, intermediate_size=144)
+    eager, _ = run(path, 0, 160, quantization="fp8")
+    pieces, llm = run(path, 64, 160, quantization="fp8")
+    assert llm.engine.runner.piecewise.replays > 0
+    assert pieces == eager
+    assert not pools_held(llm)
+
+
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe", "kimi"])
 def test_the_recorder_stands_in_for_each_op_with_its_outputs_shape(
     kind, make_checkpoint, tmp_path_factory, kimi_builder, kimi_config
