@@ -82,12 +82,14 @@ def build_app(
     log_requests: bool = False,
     max_log_len: int | None = None,
     image_limit: int | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The app for one engine client; the client's engine thread runs for the app's lifespan.
     `api_key` guards /v1, /generate, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413.
     `model_aliases` are accepted in requests like `model_names` but not listed by /v1/models.
     `shared_metrics`: one of several HTTP processes, whose /metrics adds up all of theirs.
-    `cors`: which browser origins may call the API; None or no origins, no CORS headers."""
+    `cors`: which browser origins may call the API; None or no origins, no CORS headers.
+    `trust_request_chat_template`: a chat request's own `chat_template` is rendered, not a 400."""
     metrics = engine_client.metrics or Metrics(model_names[0])
     engine_client.metrics = metrics
     ctx = ServerContext(
@@ -101,6 +103,7 @@ def build_app(
         log_requests,
         max_log_len,
         image_limit,
+        trust_request_chat_template,
     )
 
     @asynccontextmanager
@@ -305,6 +308,7 @@ def build_app(
             raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
 
         messages = body.messages or []
+        template = ctx.template_for(body.chat_template)
         images = await ctx.images.read(image_urls(messages), named=first_image_part(messages))
 
         def encode() -> bytes:  # the reply too is made off the loop: a long prompt's ids are megabytes
@@ -318,7 +322,7 @@ def build_app(
             text = render_chat(
                 ctx.need_tokenizer(),
                 body.messages,
-                template=ctx.chat_template,
+                template=template,
                 tools=body.tools,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,

@@ -577,6 +577,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Jinja chat template to use instead of the tokenizer's: a file, or the template itself",
     )
     http.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat request's own chat_template (Jinja, sandboxed) instead of refusing it "
+        "with a 400: only for clients you trust",
+    )
+    http.add_argument(
         "--api-server-count",
         type=_int_at_least(1),
         default=None,

@@ -159,6 +159,7 @@ def http_server(
         log_requests=getattr(args, "enable_log_requests", False),
         max_log_len=getattr(args, "max_log_len", None),
         image_limit=(getattr(args, "limit_mm_per_prompt", None) or {}).get("image"),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
     )
     server = DrainingServer(config, client, float(args.shutdown_timeout), peers, ignore_sigint)
     freeze_startup_heap("HTTP process")

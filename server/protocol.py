@@ -222,10 +222,6 @@ class ChatCompletionRequest(SamplingRequest):
         "web_search_options": unsupported_if_set("not supported: this server does not search the web"),
         "functions": unsupported_if_set("not supported (legacy function calling): send tools"),
         "function_call": unsupported_if_set("not supported (legacy function calling): send tool_choice"),
-        # a template from the request would run a stranger's Jinja in the server (vLLM's needs a flag)
-        "chat_template": unsupported_if_set(
-            "not supported in a request: start the server with --chat-template"
-        ),
     }
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -235,6 +231,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # with tool_choice "required": more than one call allowed
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # only with --trust-request-chat-template, as vLLM's
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the last message
     use_beam_search: bool = False  # vLLM's: the n best beams (server/api/beam_search.py)
@@ -263,6 +260,7 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # only with --trust-request-chat-template
     tools: list[ToolDefinition] | None = None  # rendered into the prompt as chat renders them
 
 

@@ -66,12 +66,13 @@ async def prepare_chat(
     fields). Shared by chat completions, the Responses API and Anthropic's Messages API, whose
     bodies name their images elsewhere (`images_at`, a refusal's `param`)."""
     tools = req.tools if req.tools and req.tool_choice != "none" else None
+    template = ctx.template_for(req.chat_template)
 
     def prepare() -> tuple[str, list[int]]:
         text = render_chat(
             ctx.need_tokenizer(),
             req.messages,
-            template=ctx.chat_template,
+            template=template,
             tools=tools,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,

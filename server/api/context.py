@@ -69,6 +69,7 @@ class ServerContext:
     log_requests: bool = False  # a log line for each engine request: its prompt's ids and parameters
     max_log_len: int | None = None  # ... showing at most this many of the prompt's ids
     image_limit: int | None = None  # --limit-mm-per-prompt's "image"
+    trust_request_chat_template: bool = False  # a request's own chat_template is rendered
 
     def __post_init__(self) -> None:
         self.tokenizer: Any = self.client.tokenizer
@@ -82,6 +83,20 @@ class ServerContext:
         self._prompt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-prompt")
         self.vocab_size = int(self.client.vocab_size or (len(self.tokenizer) if self.tokenizer else 0))
         self.images = ImageReader.from_model_info(self.client.model_info, self.image_limit)
+
+    def template_for(self, requested: str | None) -> str | None:
+        """The template a request renders with: its own (a 400 unless the server trusts them) or
+        the server's."""
+        if requested is None:
+            return self.chat_template
+        if not self.trust_request_chat_template:
+            # a template from the request runs a stranger's Jinja in the server (sandboxed, still)
+            raise bad_request(
+                "chat_template: not supported in a request unless the server is started with "
+                "--trust-request-chat-template (or give the server one: --chat-template)",
+                "chat_template",
+            )
+        return requested
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run template rendering and tokenization beside the event loop, so a long prompt does not

@@ -110,7 +110,7 @@ def serve_script(tokenizer) -> Iterator:
 
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def serve(script: str, chat_template: str | None = None, tok=None) -> openai.OpenAI:
+    def serve(script: str, chat_template: str | None = None, tok=None, **app_kw) -> openai.OpenAI:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -118,6 +118,7 @@ def serve_script(tokenizer) -> Iterator:
             EngineClient.in_thread(ScriptedEngine(tok or tokenizer, script)),
             model_names=["scripted"],
             chat_template=chat_template,
+            **app_kw,
         )
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
@@ -460,3 +461,30 @@ def test_anthropic_messages_give_thinking_and_tool_use_blocks(serve_script) -> N
                "message_delta", "message_stop"]  # fmt: skip
     assert kinds[:2] == opening and kinds[-6:] == closing
     assert set(kinds[2:-6]) == {"content_block_delta"}  # the thinking block's deltas
+
+
+REQUEST_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+
+
+def test_a_requests_chat_template_renders_only_where_the_server_trusts_it(serve_script, tokenizer) -> None:
+    import httpx
+
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    want = tokenizer.encode("[user] Weather in Paris?\n")
+    trusting = serve_script(QWEN3_OUTPUT, trust_request_chat_template=True)
+    r = trusting.chat.completions.create(**body, max_tokens=3, extra_body={"chat_template": REQUEST_TEMPLATE})
+    assert r.usage.prompt_tokens == len(want)
+    root = str(trusting.base_url).removesuffix("/v1/")
+    tokens = httpx.post(f"{root}/tokenize", json={**body, "chat_template": REQUEST_TEMPLATE}).json()
+    assert tokens["tokens"] == want
+    # the server's own template is used where the request gives none: a different prompt
+    assert trusting.chat.completions.create(**body, max_tokens=3).usage.prompt_tokens != len(want)
+
+    wary = serve_script(QWEN3_OUTPUT)
+    with pytest.raises(openai.BadRequestError) as refused:
+        wary.chat.completions.create(**body, max_tokens=3, extra_body={"chat_template": REQUEST_TEMPLATE})
+    assert refused.value.body["param"] == "chat_template"
+    assert "--trust-request-chat-template" in refused.value.body["message"]
+    root = str(wary.base_url).removesuffix("/v1/")
+    r2 = httpx.post(f"{root}/tokenize", json={**body, "chat_template": REQUEST_TEMPLATE})
+    assert r2.status_code == 400 and r2.json()["error"]["param"] == "chat_template"
