@@ -27,6 +27,7 @@ from deltaserve.models.layers.common import (
     HybridCausalLM,
     RMSNorm,
     VocabParallelEmbedding,
+    first_layers,
     fused_shared_max_tokens,
     run_decoder,
     stack_shared_expert,
@@ -39,7 +40,7 @@ from deltaserve.models.parallel import SINGLE, TensorParallel
 def layer_types_of(config: Any) -> list[str]:
     """transformers' config fills `layer_types`; the release spells it as 1-based lists."""
     if getattr(config, "layer_types", None):
-        return list(config.layer_types)
+        return first_layers(config.layer_types, config)
     lac = getattr(config, "linear_attn_config", None) or {}
     full = set(lac.get("full_attn_layers", []))
     return [
@@ -49,7 +50,7 @@ def layer_types_of(config: Any) -> list[str]:
 
 def mlp_types_of(config: Any) -> list[str]:
     if getattr(config, "mlp_layer_types", None):
-        return list(config.mlp_layer_types)
+        return first_layers(config.mlp_layer_types, config, "mlp_layer_types")
     dense = getattr(config, "first_k_dense_replace", 1)
     return ["dense" if i < dense else "sparse" for i in range(config.num_hidden_layers)]
 
@@ -200,10 +201,10 @@ class KimiLinearForCausalLM(HybridCausalLM):
     def __init__(self, config: Any, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, KimiLinearModel(config, tp), tp)
 
-    def checkpoint_name(self, name: str) -> str:
+    def checkpoint_name(self, name: str) -> str | None:
         for pattern, repl in _RENAMES:
             name = pattern.sub(repl, name)
-        return name
+        return name if self.builds(name) else None
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-slot state of one KDA layer (every KDA layer has the same)."""
@@ -223,6 +224,8 @@ class KimiLinearForCausalLM(HybridCausalLM):
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for raw_name, tensor in weights:
             name = self.checkpoint_name(raw_name)
+            if name is None:
+                continue
             m = _KDA_TENSOR.match(name)
             if m and isinstance(self.model.layers[int(m.group(1))].self_attn, KimiDeltaAttention):
                 self._load_kda_tensor(loader, pending, name, m.group(2), tensor)

@@ -23,6 +23,7 @@ from deltaserve.models.layers.common import (
     SparseMoeBlock,
     VocabParallelEmbedding,
     ZeroCenteredRMSNorm,
+    first_layers,
     run_decoder,
 )
 from deltaserve.models.layers.gated_deltanet import GatedDeltaNet
@@ -32,13 +33,7 @@ from deltaserve.models.parallel import SINGLE, TensorParallel
 def layer_types_of(config: Any) -> list[str]:
     types = getattr(config, "layer_types", None)
     if types:
-        # the first num_hidden_layers (fewer where --hf-overrides lowers it, as vLLM builds them)
-        if config.num_hidden_layers > len(types):
-            raise ValueError(
-                f"num_hidden_layers is {config.num_hidden_layers} but layer_types names {len(types)} "
-                "layers; give layer_types for every layer"
-            )
-        return list(types)[: config.num_hidden_layers]
+        return first_layers(types, config)
     interval = getattr(config, "full_attention_interval", 4)
     return [
         "full_attention" if (i + 1) % interval == 0 else "linear_attention"
@@ -175,10 +170,7 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         if name.startswith("language_model."):
             name = name[len("language_model.") :]
             name = name if name.startswith(("model.", "lm_head.")) else "model." + name
-        m = re.match(r"model\.layers\.(\d+)\.", name)
-        if m and int(m.group(1)) >= len(self.layer_types):  # past a num_hidden_layers lowered by overrides
-            return None
-        return name
+        return name if self.builds(name) else None
 
     def _maybe_fuse_in_proj(
         self, loader: WeightLoader, layer_id: int, parts: dict[str, torch.Tensor]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, ClassVar
 
 import torch
@@ -435,6 +436,20 @@ def run_decoder(
     return norm.forward_add(x, residual)[0] if residual is not None else norm(x)
 
 
+def first_layers(types: list[str], config: Any, field: str = "layer_types") -> list[str]:
+    """A config's per-layer list cut to its first num_hidden_layers (fewer where --hf-overrides
+    lowers it, as transformers and vLLM build them)."""
+    if config.num_hidden_layers > len(types):
+        raise ValueError(
+            f"num_hidden_layers is {config.num_hidden_layers} but {field} names {len(types)} "
+            f"layers; give {field} for every layer"
+        )
+    return list(types)[: config.num_hidden_layers]
+
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
 class HybridCausalLM(nn.Module):
     """The causal-LM shell shared by the model families: a decoder `model` (with
     `embed_tokens` and `layer_types`) and the vocabulary projection, tied or not.
@@ -464,6 +479,12 @@ class HybridCausalLM(nn.Module):
         """A checkpoint tensor's name in this model's module tree (before fusing), or None for
         tensors it does not serve; families with other spellings override it."""
         return name
+
+    def builds(self, name: str) -> bool:
+        """Whether the model has a layer for this (renamed) tensor: not one past a lowered
+        num_hidden_layers."""
+        m = _LAYER_INDEX.match(name)
+        return m is None or int(m.group(1)) < len(self.layer_types)
 
     def checkpoint_narrow(self, name: str, shape: tuple[int, ...]) -> Narrow | None:
         """This rank's part of the checkpoint tensor `name` of `shape` (None: all of it), from

@@ -187,3 +187,34 @@ def test_misshapen_tensor_is_named(checkpoints, tmp_path):
     path = _rewrite(checkpoints["saved"], str(tmp_path / "m"), edit)
     with pytest.raises(ValueError, match="e_score_correction_bias"):
         LLM(path, dtype="float32", device="cpu", max_model_len=512)
+
+
+@pytest.mark.parametrize("spelling", ["saved", "release"])
+def test_hf_overrides_can_lower_the_layer_count(spelling, checkpoints, kimi_config, tmp_path) -> None:
+    """`--hf-overrides '{"num_hidden_layers": 2}'` builds the checkpoint's first two layers (a KDA
+    and an MLA layer, the dense MLP then experts), as transformers does with that config; the
+    other layers' tensors in the files are skipped."""
+    from transformers import AutoModelForCausalLM
+
+    short = AutoModelForCausalLM.from_pretrained(
+        checkpoints["saved"],
+        dtype=torch.float32,
+        num_hidden_layers=2,
+        layer_types=kimi_config["layer_types"][:2],
+        mlp_layer_types=["dense", "sparse"],
+    ).eval()
+    prompts = random_prompts(kimi_config["vocab_size"], [5, 40], seed=9)
+    want = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = short.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+            pad_token_id=kimi_config["vocab_size"] - 1,
+        )  # fmt: skip
+        want.append(gen[0, len(p) :].tolist())
+    got, llm = generate(checkpoints[spelling], prompts, hf_overrides={"num_hidden_layers": 2})
+    assert len(llm.engine.runner.model.model.layers) == 2
+    assert got == want
+    if spelling == "saved":  # layer_types is given, and shorter than the layers asked for
+        with pytest.raises(ValueError, match="layer_types names 4 layers"):
+            LLM(checkpoints[spelling], dtype="float32", device="cpu", hf_overrides={"num_hidden_layers": 6})
