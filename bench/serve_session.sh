@@ -261,10 +261,10 @@ case "${1:-9b}" in
   80b-fp8)  # issue 24's serving row: Qwen3-Next-80B-A3B FP8, 8k in / 1k out, 32 clients
     serve_bench 80b-fp8 . "${PYTHONPATH:-}" "--model configs/qwen3-next-80b-a3b-fp8 $dummy" "${FP8_80B[@]}"
     ;;
-  80b-fp8-budget)  # issue 24's row at step budgets of 8,192 (the default) and 16,384 tokens (SGLang's on H200-class GPUs; $BUDGETS: which)
+  80b-fp8-budget)  # issue 24's row at step budgets of 8,192 (the default) and 16,384 tokens (SGLang's on H200-class GPUs; $BUDGETS: which; $SERVER_ARGS, $TAG as for after)
     for budget in ${BUDGETS:-8192 16384}; do
-      serve_bench "80b-fp8-budget$budget" . "${PYTHONPATH:-}" \
-        "--model configs/qwen3-next-80b-a3b-fp8 $dummy --max-num-batched-tokens $budget" "${FP8_80B[@]}"
+      serve_bench "80b-fp8-budget$budget${TAG:-}" . "${PYTHONPATH:-}" \
+        "--model configs/qwen3-next-80b-a3b-fp8 $dummy --max-num-batched-tokens $budget ${SERVER_ARGS:-}" "${FP8_80B[@]}"
     done
     ;;
   budget)  # budget [CONFIG]: issue 18's workload at C = 64, 256 with step budgets of 8,192 and 16,384 tokens (default 9B)
