@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError, reply_error
 from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.requests.outputs import unpack_outputs
+from deltaserve.engine.requests.outputs import CompletionOutput, unpack_outputs
 
 from .engine_router import EngineRouter
 
@@ -307,7 +307,8 @@ class EngineClient:
         self._engine_of: dict[str, int] = {}  # engine request id -> the engine that holds it
         self._prompts: dict[str, list[int]] = {}  # engine request id -> its prompt (outputs omit it)
         # streams without stop strings are detokenized here, beside the engine's step, not in it
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # a stream decoded here, and whether a stop token's text is shown (include_stop_str_in_output)
+        self._detokenizers: dict[str, tuple[IncrementalDetokenizer, bool]] = {}
         self._calls: dict[int, tuple[asyncio.Future[Any], int]] = {}  # call id -> (its reply, engine)
         self._call_ids = itertools.count()
         self._gone: set[int] = set()  # engines that died
@@ -546,18 +547,32 @@ class EngineClient:
         stop strings): the engine's step, which every stream waits for, then does not."""
         if self.tokenizer is None or params.output_kind != "delta" or params.stop or not params.detokenize:
             return params
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        self._detokenizers[request_id] = (detok, params.include_stop_str_in_output)
         return dataclasses.replace(params, detokenize=False)
 
-    def _decode(self, out: RequestOutput, detok: IncrementalDetokenizer) -> None:
-        """Fill in the text of an output the engine sent without (a delta: what its tokens add)."""
+    def _decode(self, out: RequestOutput, detok: IncrementalDetokenizer, keep_stop: bool) -> None:
+        """Fill in the text of an output the engine sent without (a delta: what its tokens add);
+        the stop token that ended it adds its id but no text, unless `keep_stop`, as the engine's
+        own text leaves it out."""
         completion = out.outputs[0]
         start = detok.length
-        for token in completion.token_ids:
+        tokens = completion.token_ids
+        if tokens and not keep_stop and self._ends_on_stop_token(completion):
+            tokens = tokens[:-1]
+        for token in tokens:
             detok.append(token)
         if out.finished and completion.finish_reason != "error":
             detok.flush()
         completion.text = detok.slice(start, detok.length)
+
+    def _ends_on_stop_token(self, completion: CompletionOutput) -> bool:
+        if completion.finish_reason != "stop":
+            return False
+        last, reason = completion.token_ids[-1], completion.stop_reason
+        if reason is None:  # an end of sequence (a stop string would have been searched in the engine)
+            return last in self.eos_token_ids
+        return isinstance(reason, int) and last == reason
 
     def _name(self, engine: int) -> str:
         return "the engine" if len(self.handles) == 1 else f"engine {engine}"
@@ -620,9 +635,9 @@ class EngineClient:
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
             out.prompt_token_ids = self._prompts.get(out.request_id, out.prompt_token_ids)
-            detok = self._detokenizers.get(out.request_id)
-            if detok is not None:
-                self._decode(out, detok)
+            decoding = self._detokenizers.get(out.request_id)
+            if decoding is not None:
+                self._decode(out, *decoding)
             if self.metrics is not None:
                 self.metrics.request_progress(out, now)
             group = self._groups.get(out.request_id)
