@@ -46,6 +46,7 @@ class StructuredOutputs:
     after_token: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         given = [self.json is not None, self.json_object, self.tool_calls is not None]
         given += [self.regex is not None, self.choice is not None, self.grammar is not None]
         if sum(given) != 1:
@@ -53,7 +54,9 @@ class StructuredOutputs:
                 "give exactly one of json (a schema), json_object, regex, choice, grammar and tool_calls"
             )
         if self.choice is not None and (
-            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise _structured("choice needs a list of non-empty strings")
         if self.tool_calls is not None and not self.tool_calls:
@@ -71,6 +74,20 @@ class StructuredOutputs:
             raise _structured("a JSON schema must be an object")
         if self.after_token is not None and self.after_token < 0:
             raise _structured(f"after_token must be a token id, got {self.after_token}")
+
+    def _check_types(self) -> None:
+        """What a JSON body can hold that the fields cannot (a number for a regex, a string for
+        the choices): named, not read some other way."""
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _structured(f"{name} needs a non-empty string")
+        if not isinstance(self.json_object, bool):
+            raise _structured(f"json_object is true or false, got {type(self.json_object).__name__}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise _structured(
+                f"json needs a JSON schema (an object or its text), got {type(self.json).__name__}"
+            )
 
     def key(self) -> str:
         """The grammar's cache key (the schema's text: its key order is the output's)."""

@@ -28,7 +28,7 @@ from ..text.tool_calls import KIMI
 from .context import ServerContext
 from .generation import Generation
 from .logprobs import chat_logprobs, vllm_prompt_logprobs
-from .request_params import tool_choice_constraint, truncate_prompt
+from .request_params import structured_field, tool_choice_constraint, truncate_prompt
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput
@@ -106,7 +106,7 @@ async def prepare_chat(
             params, structured_outputs=replace(params.structured_outputs, after_token=ctx.think_end_id)
         )
     if params.structured_outputs is not None:
-        await ctx.compile_structured(params.structured_outputs)
+        await ctx.compile_structured(params.structured_outputs, "tools" if forced else structured_field(req))
     parser = ChatOutputParser(
         starts_in_reasoning=thinking,
         parse_reasoning=ctx.parse_reasoning,

@@ -157,14 +157,14 @@ class ServerContext:
             return None
         return await self.off_loop(bad_words_token_ids, req.bad_words, self.encode)
 
-    async def compile_structured(self, spec: StructuredOutputs) -> None:
+    async def compile_structured(self, spec: StructuredOutputs, param: str) -> None:
         """Compile a request's grammar in the prompt worker, before it is submitted: a new JSON
         schema can take xgrammar a while, which the engine's thread would otherwise spend while
-        every stream waits. A bad schema is a 400 here."""
+        every stream waits. A bad schema is a 400 here, naming `param`, the field it came from."""
         try:
             await self.client.call("compile_structured", spec)
         except ValueError as exc:
-            raise refused(exc) from exc
+            raise bad_request(str(exc), getattr(exc, "param", None) or param) from exc
 
     async def submit(
         self, requests: Sequence[EngineRequest], track: bool = True, engine: int | None = None

@@ -218,7 +218,7 @@ class NativeGeneration:
                 params = dataclasses.replace(params, logprob_token_ids=list(ask))
             prompt = _Prompt(rid or uuid.uuid4().hex, ids, params, bool(want), start)
             if params.structured_outputs is not None:
-                await ctx.compile_structured(params.structured_outputs)
+                await ctx.compile_structured(params.structured_outputs, "sampling_params")
             base = f"{rid_prefix(rid) if rid else 'generate-'}{uuid.uuid4().hex}"
             for request in fan_out(base, ids, params, read):
                 self.requests.append(request)

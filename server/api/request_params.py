@@ -156,6 +156,16 @@ def _room(
     return room
 
 
+def structured_field(req: SamplingRequest) -> str:
+    """The request's field its grammar came from, for a 400 that the grammar cannot compile."""
+    if (req.response_format or {}).get("type", "text") != "text":
+        return "response_format"
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name) is not None:
+            return name
+    return "structured_outputs"
+
+
 def _structured_outputs(req: SamplingRequest) -> StructuredOutputs | None:
     """The grammar of OpenAI's response_format or of vLLM's fields; a 400 for both at once."""
     structured = _response_format(req.response_format)

@@ -758,7 +758,10 @@ def test_vllm_style_constraints_over_http(client, base_url) -> None:
         ),
         ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "structured_outputs"),
         ({"structured_outputs": {"pattern": "a"}}, "structured_outputs"),
-        ({"guided_regex": "(unclosed"}, None),
+        # a grammar that does not compile names the field it came from
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
     ):
         err = httpx.post(
             f"{base_url}/chat/completions",

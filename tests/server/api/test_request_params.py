@@ -59,6 +59,13 @@ def refusal(req: ChatCompletionRequest | CompletionRequest) -> APIError:
         (chat(max_completion_tokens=-2), "max_completion_tokens", "-2"),
         (completion(max_tokens=4, min_tokens=9), "min_tokens", "9"),
         (chat(structured_outputs={"choice": []}), "structured_outputs", "choice"),
+        # a JSON value of the wrong type is named, not read as something else
+        (chat(structured_outputs={"choice": "abc"}), "structured_outputs", "choice"),
+        (chat(structured_outputs={"choice": {"a": 1}}), "structured_outputs", "choice"),
+        (completion(structured_outputs={"regex": 123}), "structured_outputs", "regex"),
+        (chat(structured_outputs={"grammar": ['root ::= "a"']}), "structured_outputs", "grammar"),
+        (chat(structured_outputs={"json_object": "yes"}), "structured_outputs", "json_object"),
+        (chat(structured_outputs={"json": 5}), "structured_outputs", "json"),
     ],
 )
 def test_a_bad_value_is_a_400_naming_the_field_as_sent(req: Any, param: str, value: str) -> None:
