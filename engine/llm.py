@@ -14,7 +14,7 @@ from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput,
 from deltaserve.engine.requests.chat_prompt import image_urls, render_prompt
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults, read_sampling_defaults
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
-from deltaserve.engine.requests.sampling_params import SamplingParams
+from deltaserve.engine.requests.sampling_params import SamplingParams, choice_seed
 from deltaserve.models.vision.positions import ImageInputs
 from deltaserve.models.vision.processor import load_image
 
@@ -138,8 +138,7 @@ class LLM:
                     sub = copy.deepcopy(params)
                     sub.n = 1
                     sub.output_kind = "final_only"  # generate() returns finished outputs only
-                    if params.seed is not None:
-                        sub.seed = params.seed + i
+                    sub.seed = choice_seed(params.seed, i)
                     rid = f"{base}-{i}"
                     self.engine.add_request(rid, ids, sub, images)
                     added.append(rid)

@@ -102,6 +102,12 @@ class StructuredOutputs:
         return "json_object" if self.json_object else json.dumps(self.json)
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a request's choice `index` (vLLM's `seed + index`), wrapped within 64 bits: a
+    seed at the top of the range stays a valid seed for every choice."""
+    return None if seed is None else (seed + index + 2**63) % 2**64 - 2**63
+
+
 @dataclass
 class SamplingParams:
     n: int = 1

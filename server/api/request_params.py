@@ -322,9 +322,11 @@ def fan_out(
 ) -> list[EngineRequest]:
     """One engine request per choice (`params.n`); distinct seeds keep seeded choices distinct.
     A prompt's images ride along as a fourth field."""
+    from deltaserve.engine.requests.sampling_params import choice_seed
+
     requests: list[EngineRequest] = []
     for i in range(params.n):
-        choice = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        choice = replace(params, n=1, seed=choice_seed(params.seed, i))
         requests.append(
             (f"{base_id}-{i}", prompt_ids, choice)
             if images is None

@@ -116,6 +116,10 @@ def test_fan_out_makes_one_single_choice_request_per_choice_with_distinct_seeds(
     requests = fan_out("chatcmpl-x", [1, 2, 3, 4], params)
     assert [rid for rid, _, _ in requests] == ["chatcmpl-x-0", "chatcmpl-x-1", "chatcmpl-x-2"]
     assert [(p.n, p.seed) for _, _, p in requests] == [(1, 7), (1, 8), (1, 9)]
+    # the largest seed a client may send: its choices' seeds wrap within 64 bits, not a 400
+    top = build_sampling_params(chat(n=3, seed=2**63 - 1), prompt_len=4, max_model_len=1000)
+    seeds = [p.seed for _, _, p in fan_out("chatcmpl-y", [1], top)]
+    assert seeds == [2**63 - 1, -(2**63), -(2**63) + 1]
 
 
 def output(request_id: str, tokens: int, cached: int) -> RequestOutput:
