@@ -80,7 +80,10 @@ class Generation(ABC, Generic[ChunkChoice]):
         self.n = 1  # choices per prompt
         self.latest: dict[str, RequestOutput] = {}  # each engine request's latest output, streaming
         self._templates: dict[int, tuple[str, str]] = {}  # text_event's, by choice index
-        self.usage_in_every_chunk = bool(stream_options and stream_options.continuous_usage_stats)
+        # vLLM's: only beside include_usage, which turns usage off when false
+        self.usage_in_every_chunk = bool(
+            stream_options and stream_options.include_usage and stream_options.continuous_usage_stats
+        )
 
     def add(
         self, prompt_id: str, prompt_ids: list[int], params: SamplingParams, images: ImageInputs | None = None

@@ -647,6 +647,10 @@ def test_continuous_usage_stats(client) -> None:
         assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0 for c in chunks)
         assert counts == sorted(counts) and counts[-1] == 6 * (2 if chunks is chat_chunks else 1)
         assert chunks[-1].choices == [] and any(0 < n < counts[-1] for n in counts)
+    # without include_usage, no usage at all (vLLM's rule)
+    alone = {"continuous_usage_stats": True}
+    quiet = list(chat(client, max_tokens=4, stream=True, stream_options=alone, extra_body=extra))
+    assert quiet and all(c.usage is None for c in quiet)
 
 
 def test_n_copies_find_their_prompt_cached(client, server, read_metrics) -> None:
