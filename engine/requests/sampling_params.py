@@ -202,7 +202,7 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise InvalidParamError(f"seed must be a 64-bit integer, got {self.seed}", "seed")
         if any(not s for s in self.stop):
-            raise InvalidParamError("stop sequences must not be empty", "stop")
+            raise InvalidParamError("stop must not hold an empty string", "stop")
         if self.stop and not self.detokenize:
             raise InvalidParamError("stop strings need the text: detokenize must be on", "detokenize")
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]

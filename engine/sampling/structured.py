@@ -70,7 +70,7 @@ class Grammars:
                     grammar = self.compiler.compile_grammar(spec.grammar)
                 else:
                     # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar);
-                    # compact separators, no free whitespace between tokens
+                    # json.dumps' separators (", " and ": "), no other whitespace between tokens
                     schema = '{"type": "object"}' if spec.json_object else key
                     grammar = self.compiler.compile_json_schema(schema, any_whitespace=False)
             except Exception as e:  # xgrammar's own message: an unsupported or broken schema

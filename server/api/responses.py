@@ -440,7 +440,11 @@ class _Events(PartsWriter):
         index = len(self.output) - 1
         ref = {"item_id": item["id"], "output_index": index}
         return events + [
-            self.emit("response.output_item.added", output_index=index, item={**item, "arguments": ""}),
+            self.emit(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            ),
             self.emit("response.function_call_arguments.delta", **ref, delta=arguments),
             self.emit("response.function_call_arguments.done", **ref, arguments=arguments),
             self.emit("response.output_item.done", output_index=index, item=item),

@@ -236,6 +236,10 @@ def test_responses_api_gives_reasoning_and_call_items(serve_script) -> None:
     # the reasoning item closes before the call item opens
     order = [(e.type, getattr(e, "output_index", None)) for e in events]
     assert order.index(("response.output_item.done", 0)) < order.index(("response.output_item.added", 1))
+    # the call item opens in progress and is done when its arguments are, as OpenAI's stream goes
+    opened, closed = (next(e.item for e in events if e.type == t and e.output_index == 1) for t in
+                      ("response.output_item.added", "response.output_item.done"))  # fmt: skip
+    assert (opened.status, closed.status) == ("in_progress", "completed")
 
 
 def test_kimi_tool_calls_over_http(serve_script, kimi_tokenizer_folder) -> None:
