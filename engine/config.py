@@ -136,6 +136,9 @@ class EngineConfig:
             self.chunked_prefill_size = self.max_num_batched_tokens
         if self.chunked_prefill_size < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("chunked_prefill_size and max_num_batched_tokens must be at least 1")
+        # a chunk is never more than its step holds; a larger one rounded a small budget's chunks
+        # down to nothing, and the waiting queue stalled
+        self.chunked_prefill_size = min(self.chunked_prefill_size, self.max_num_batched_tokens)
         if self.max_prefill_delay_steps < 0:
             raise ValueError("max_prefill_delay_steps must be at least 0")
         if self.scheduling_policy not in ("fcfs", "priority"):

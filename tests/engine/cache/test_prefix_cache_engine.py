@@ -291,3 +291,16 @@ def test_first_branch_off_a_shared_system_prompt_hits(path, spec):
     assert s["snapshots_total"] == 8 and s["snapshots_used"] <= 8  # two per running request
     check_spec_ran(llm, spec)
     assert_idle_after_flush(llm.engine)
+
+
+@pytest.mark.parametrize("budget,chunk,page", [(15, 16, 16), (8, 100, 16), (16, 64, 32)])
+def test_a_chunk_larger_than_the_step_budget_is_cut_to_it(path, budget, chunk, page) -> None:
+    """A step budget below the chunk size, the chunks' alignment and the page size: prompts longer
+    than the budget are prefilled in budget-sized chunks (they waited forever) and give the
+    tokens of one-chunk prefills."""
+    prompts = [rand(70, 7), rand(33, 8), rand(5, 9)]
+    want = tokens(run(make_llm(path, "naive", chunk=128), [prompts]))
+    llm = make_llm(path, chunk=chunk, max_num_batched_tokens=budget, page_size=page)
+    assert llm.engine.config.chunk_size == budget
+    assert tokens(run(llm, [prompts])) == want
+    assert_idle_after_flush(llm.engine)
