@@ -35,6 +35,11 @@ class WorkerArgs:
     log_level: int
 
 
+class LoadError(Exception):
+    """A rank could not load its shard: one line, as rank 0 reports a model that fails to load
+    (the traceback at debug level)."""
+
+
 def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
     from deltaserve.engine.gc_heap import freeze_startup_heap
     from deltaserve.engine.parallel.group import destroy, init_rank, rank_device
@@ -47,8 +52,11 @@ def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.ranks_per_node))
     groups = init_rank(config, rank, master_port, device)
     try:
-        loaded = load_engine_model(config, device, groups.tp)
-        runner = ModelRunner(config, loaded, device, groups)
+        try:
+            loaded = load_engine_model(config, device, groups.tp)
+            runner = ModelRunner(config, loaded, device, groups)
+        except Exception as exc:
+            raise LoadError(f"{type(exc).__name__}: {exc}") from exc
         assert runner.channel is not None
         freeze_startup_heap(f"tensor-parallel rank {rank}")
         logger.info("tensor-parallel rank %d ready", rank)
@@ -82,6 +90,10 @@ def main() -> None:
     _exit_with(args.parent_pid)
     try:
         run_worker(args.config, args.rank, args.master_port)
+    except LoadError as exc:
+        logger.error("tensor-parallel rank %d could not load the model: %s", args.rank, exc)
+        logger.debug("where it failed", exc_info=exc.__cause__)
+        sys.exit(1)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", args.rank)
         sys.exit(1)

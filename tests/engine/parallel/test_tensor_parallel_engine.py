@@ -373,3 +373,38 @@ def test_expert_parallel_at_one_rank_is_a_no_op(qwen_moe):
         experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
         assert experts and all(m.down_proj.shape[0] == 4 for m in experts)
         assert run(llm, prompts) == tp1(qwen_moe, prompts)
+
+
+def test_a_rank_that_cannot_load_logs_one_line(monkeypatch, caplog, tmp_path) -> None:
+    """A worker rank whose shard fails to load says why in one line (rank 0 reports the model's
+    error as its one-line start-up failure too); the traceback is for debug logs."""
+    import io
+    import logging
+    import pickle
+    import sys
+    from types import SimpleNamespace
+
+    from deltaserve.engine import parts
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.parallel import group, worker
+
+    def refuse(*_):
+        raise ValueError("linear_num_key_heads (2) is not divisible by the tensor-parallel size 3")
+
+    monkeypatch.setattr(group, "rank_device", lambda *_: torch.device("cpu"))
+    monkeypatch.setattr(group, "init_rank", lambda *_: SimpleNamespace(tp=None))
+    monkeypatch.setattr(group, "destroy", lambda *_: None)
+    monkeypatch.setattr(parts, "load_engine_model", refuse)
+    monkeypatch.setattr(worker, "_exit_with", lambda *_: None)
+    monkeypatch.setattr(worker.signal, "signal", lambda *_: None)  # the test's own Ctrl-C stays
+    monkeypatch.setattr(logging, "basicConfig", lambda **_: None)
+    args = worker.WorkerArgs(EngineConfig(model=str(tmp_path), device="cpu"), 1, 0, os.getpid(), logging.INFO)
+    monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=io.BytesIO(pickle.dumps(args))))
+    with caplog.at_level(logging.INFO, logger="deltaserve"), pytest.raises(SystemExit):
+        worker.main()
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.getMessage() == (
+        "tensor-parallel rank 1 could not load the model: ValueError: linear_num_key_heads (2) is not "
+        "divisible by the tensor-parallel size 3"
+    )
+    assert record.exc_info is None
