@@ -79,10 +79,11 @@ def plan_pools(
             held = (base - bytes_per_page) // max(per_slot_set, 1)  # with the padding page
             slots = min(slots, int(fit // (1 + per_request)), int(held))
             if slots < 1:
+                flag = "--mem-fraction-static" if device.type == "cuda" else "--pool-memory-gb"
                 raise ValueError(
-                    f"not enough memory for one request: a state slot takes {bytes_per_slot / 2**20:.1f} MiB "
-                    f"and {one_request / 2**30:.2f} GiB of KV pages hold {want_len} tokens; free memory, "
-                    "lower --max-model-len or raise --mem-fraction-static"
+                    f"not enough memory for one request: the pools have {_size(budget)}, a state slot "
+                    f"takes {_size(bytes_per_slot)} and KV pages for {want_len} tokens {_size(one_request)}; "
+                    f"free memory, lower --max-model-len or raise {flag}"
                 )
             kv = max(one_request, slots * kv_each + bytes_per_page)
             left = base - kv - (1 + per_request) * slots * bytes_per_slot
@@ -106,6 +107,14 @@ def plan_pools(
     if config.max_model_len is not None and config.max_model_len > capacity:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV capacity of {capacity} tokens")
     return PoolSizes(pages, slots, snapshots, min(want_len, capacity))
+
+
+def _size(num_bytes: float) -> str:
+    """Bytes in the unit that shows them: a tiny model's slot is kilobytes, a large one's gigabytes."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{int(num_bytes)} bytes"
 
 
 def _pool_budget(config: EngineConfig, device: torch.device) -> int:

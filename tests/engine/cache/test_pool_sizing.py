@@ -64,10 +64,18 @@ def test_naive_cache_needs_no_snapshot_slots() -> None:
 
 def test_refused_only_when_not_one_request_fits() -> None:
     cfg = config(max_running_requests=4, pool_memory_gb=3 / 1024)
-    with pytest.raises(ValueError, match="not enough memory for one request"):
+    with pytest.raises(ValueError, match="not enough memory for one request") as refused:
         plan_pools(
             cfg, bytes_per_page=64 * 1024, bytes_per_slot=MIB, max_position_embeddings=4096, device=CPU
         )
+    # on CPU the pools' flag is --pool-memory-gb; a tiny model's sizes are not rounded to zero
+    assert "raise --pool-memory-gb" in str(refused.value) and "3.0 MiB" in str(refused.value)
+    tiny = config(max_running_requests=4, pool_memory_gb=2 / 2**20)
+    with pytest.raises(ValueError) as small:
+        plan_pools(
+            tiny, bytes_per_page=512, bytes_per_slot=3 * 1024, max_position_embeddings=4096, device=CPU
+        )
+    assert "a state slot takes 3.0 KiB" in str(small.value)
 
 
 def test_cpu_default_follows_available_memory(monkeypatch) -> None:
