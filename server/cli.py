@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--max-model-len",
         "--context-length",
-        type=_int_at_least(1),
+        type=_int_at_least(2),
         default=None,
         help="longest prompt plus completion in tokens; default: the model's max_position_embeddings",
     )

@@ -59,6 +59,7 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         ["--state-dtype", "int8"],
         ["--max-running-requests", "0"],
         ["--max-model-len", "-5"],
+        ["--max-model-len", "1"],  # a one-token prompt and its first token need two
         ["--chunked-prefill-size", "x"],
         ["--load-format", "pickle"],
         ["--log-level", "loud"],
