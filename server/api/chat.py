@@ -282,11 +282,12 @@ class PartsWriter:
             if isinstance(part, str):
                 events += self.text(self.content_kind, part)
             else:
-                events += self.call(part.function.name or "", part.function.arguments or "{}")
+                events += self.call(part.function.name or "", part.function.arguments or "{}", part.id)
         return events
 
     def text(self, kind: str, piece: str) -> list[str]:
         raise NotImplementedError
 
-    def call(self, name: str, arguments: str) -> list[str]:
+    def call(self, name: str, arguments: str, call_id: str | None = None) -> list[str]:
+        """`call_id`: the call's id in the chat reply (the model's own where it writes one)."""
         raise NotImplementedError

@@ -36,6 +36,7 @@ from ..protocol import (
     validated,
 )
 from ..text.chat_output import ChatStreamState
+from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ServerContext
 
@@ -283,13 +284,14 @@ class _Blocks(PartsWriter):
         events.append(_event("content_block_delta", index=len(self.blocks) - 1, delta=delta))
         return events
 
-    def call(self, name: str, arguments: str) -> list[str]:
+    def call(self, name: str, arguments: str, call_id: str | None = None) -> list[str]:
         events = self.close()
         try:
             value = json.loads(arguments)
         except json.JSONDecodeError:
             value = {}
-        block = {"type": "tool_use", "id": _tool_use_id(), "name": name, "input": value}
+        tool_id = call_id if is_model_call_id(call_id) else _tool_use_id()
+        block = {"type": "tool_use", "id": tool_id, "name": name, "input": value}
         self.blocks.append(block)
         index = len(self.blocks) - 1
         return events + [

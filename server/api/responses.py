@@ -37,6 +37,7 @@ from ..protocol import (
     unsupported_if_set,
 )
 from ..text.chat_output import ChatStreamState, tool_call_id
+from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ClientDisconnected, ServerContext
 
@@ -433,9 +434,9 @@ class _Events(PartsWriter):
     def reasoning_text(self) -> str:
         return "".join(i["content"][0]["text"] for i in self.output if i["type"] == "reasoning")
 
-    def call(self, name: str, arguments: str) -> list[str]:
+    def call(self, name: str, arguments: str, call_id: str | None = None) -> list[str]:
         events = self.close("reasoning") + self.close("message")
-        item = _call_item(name, arguments)
+        item = _call_item(name, arguments, call_id if is_model_call_id(call_id) else None)
         self.output.append(item)
         index = len(self.output) - 1
         ref = {"item_id": item["id"], "output_index": index}

@@ -45,7 +45,9 @@ def tool_call_id() -> str:
 
 def to_openai_tool_calls(calls: list[ParsedToolCall]) -> list[ToolCall]:
     return [
-        ToolCall(id=tool_call_id(), function=ToolCallFunction(name=c.name, arguments=c.arguments))
+        ToolCall(
+            id=c.call_id or tool_call_id(), function=ToolCallFunction(name=c.name, arguments=c.arguments)
+        )
         for c in calls
     ]
 
@@ -81,6 +83,7 @@ class ChatStreamState:
                 ordered.append(part)
                 continue
             function = ToolCallFunction(name=part.name, arguments=part.arguments)
-            ordered.append(DeltaToolCall(index=self.calls_sent, id=tool_call_id(), function=function))
+            call_id = part.call_id or tool_call_id()
+            ordered.append(DeltaToolCall(index=self.calls_sent, id=call_id, function=function))
             self.calls_sent += 1
         return reasoning or None, ordered

@@ -33,6 +33,9 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<paramete
 class ParsedToolCall:
     name: str
     arguments: str  # a JSON object, as OpenAI sends it
+    # the call's id as the model wrote it (Kimi's `functions.NAME:IDX`, which its chat template
+    # writes back as the only record of the function called); None: the server makes one up
+    call_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -220,8 +223,8 @@ def parse_kimi_call_body(body: str, tools: dict[str, dict[str, Any]]) -> ParsedT
     head, sep, args = body.partition("<|tool_call_argument_begin|>")
     if not sep:
         return None
-    name = head.strip()
-    name = name.removeprefix("functions.")
+    head = head.strip()
+    name = head.removeprefix("functions.")
     stem, colon, index = name.rpartition(":")
     if colon and index.isdigit():
         name = stem
@@ -231,7 +234,16 @@ def parse_kimi_call_body(body: str, tools: dict[str, dict[str, Any]]) -> ParsedT
         return None
     if not name or not isinstance(obj, dict):
         return None
-    return ParsedToolCall(name, json.dumps(obj, ensure_ascii=False))
+    call_id = head if is_model_call_id(head) else None  # as vLLM's and SGLang's Kimi parsers keep it
+    return ParsedToolCall(name, json.dumps(obj, ensure_ascii=False), call_id)
+
+
+def is_model_call_id(call_id: str | None) -> bool:
+    """Kimi's call ids, `functions.NAME:IDX`: kept as the model wrote them, in every API's reply."""
+    if call_id is None or not call_id.startswith("functions."):
+        return False
+    stem, colon, index = call_id.rpartition(":")
+    return bool(colon and index.isdigit() and len(stem) > len("functions."))
 
 
 QWEN = ToolCallFormat(TOOL_START, TOOL_END, parse_tool_call_body)

@@ -262,6 +262,36 @@ def test_kimi_tool_calls() -> None:
     assert extract_tool_calls(QWEN3_TWO_TOOLS, WEATHER_TOOLS, final=True, fmt=KIMI)[1] == []
 
 
+def test_kimi_call_ids_are_the_models_own() -> None:
+    """A Kimi call's id is `functions.NAME:IDX` as the model wrote it (its template writes the id
+    back as the call's only record of its function, as vLLM's and SGLang's parsers keep it), in
+    whole replies and streams; Qwen's calls, which carry no id, get the server's."""
+    from deltaserve.server.text.chat_output import to_openai_tool_calls
+
+    _, calls = extract_tool_calls(KIMI_TWO_TOOLS, WEATHER_TOOLS, final=True, fmt=KIMI)
+    want = ["functions.get_weather:0", "functions.get_weather:1"]
+    assert [c.id for c in to_openai_tool_calls(calls)] == want
+    state = ChatStreamState(ChatOutputParser(False, False, WEATHER_TOOLS, KIMI))
+    _, _, deltas = state.feed(KIMI_TWO_TOOLS, True)
+    assert [d.id for d in deltas] == want
+    _, qwen = extract_tool_calls(QWEN3_TWO_TOOLS, WEATHER_TOOLS, final=True)
+    ids = [c.id for c in to_openai_tool_calls(qwen)]
+    assert all(i.startswith("call_") for i in ids) and len(set(ids)) == 2
+    # the Messages and Responses APIs keep it too (tool_use id, call_id); others get their own form
+    from deltaserve.server.api.messages import _Blocks
+    from deltaserve.server.api.responses import _Events
+
+    blocks, events = _Blocks(), _Events()
+    blocks.feed(None, deltas + [d.model_copy(update={"id": "call_x"}) for d in deltas[:1]])
+    events.feed(None, deltas)
+    assert [b["id"] for b in blocks.blocks][:2] == want and blocks.blocks[2]["id"].startswith("toolu_")
+    assert [item["call_id"] for item in events.output] == want
+    # a call id that is not Kimi's form is not kept
+    odd = '<|tool_call_begin|>get_weather<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
+    (call,) = extract_tool_calls(odd, WEATHER_TOOLS, final=True, fmt=KIMI)[1]
+    assert call.name == "get_weather" and call.call_id is None
+
+
 def test_tool_call_format_follows_the_vocabulary() -> None:
     assert tool_call_format({"<tool_call>": 1}) is QWEN
     assert tool_call_format({"<|tool_call_begin|>": 5, "<|tool_call_argument_begin|>": 6}) is KIMI
