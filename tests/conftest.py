@@ -438,7 +438,7 @@ def vision_builder():
 def build_vision_checkpoint(path: str, **sizes: int) -> str:
     """Qwen3_5ForConditionalGeneration with a 2-block vision tower, its image processor's sizes
     (preprocessor_config.json) and a word-level tokenizer ("w0" .. "w149") with the chat template
-    above; `sizes` replace the text model's (the CUDA kernels' head sizes)."""
+    above in its `tokenizer/` folder; `sizes` replace the text model's (the CUDA kernels' head sizes)."""
     import transformers as T
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -464,5 +464,7 @@ def build_vision_checkpoint(path: str, **sizes: int) -> str:
     tok.add_special_tokens(VISION_SPECIALS)
     fast = T.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>")
     fast.chat_template = VISION_TEMPLATE
-    fast.save_pretrained(path)
+    # apart from config.json: transformers picks a tokenizer class by the model's type, and Qwen3.5's
+    # (byte-level BPE) would read this word-level vocabulary as nothing; `--tokenizer PATH/tokenizer`
+    fast.save_pretrained(os.path.join(path, "tokenizer"))
     return path

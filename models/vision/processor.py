@@ -66,7 +66,7 @@ class ImageProcessor:
     def patches(self, image: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
         from PIL import Image
 
-        image = image.convert("RGB")
+        image = to_rgb(image)
         factor = self.patch_size * self.merge_size
         height, width = self.resized(image.height, image.width, factor)
         image = image.resize((width, height), Image.Resampling.BICUBIC)
@@ -94,14 +94,26 @@ class ImageProcessor:
         return h, w
 
 
+def to_rgb(image: Any) -> Any:
+    """The image in RGB, transparency laid over white (as transformers' `convert_to_rgb` and vLLM
+    read it; PIL's own conversion would drop the alpha and show what is under it, often black)."""
+    from PIL import Image
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
 def decode_image(data: bytes) -> Any:
-    """Image file bytes (PNG, JPEG, WebP, ...) as a PIL image; a ValueError for anything else."""
+    """Image file bytes (PNG, JPEG, WebP, ...) as a PIL image; a ValueError for anything else,
+    an image past PIL's pixel limit (a decompression bomb) included."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(data))
         image.load()
-    except (UnidentifiedImageError, OSError) as exc:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
         raise ValueError(f"the image could not be read ({exc})") from exc
     return image
 

@@ -105,6 +105,11 @@ def test_processor_matches_transformers(checkpoint) -> None:
 
     ours = ImageProcessor.from_checkpoint(checkpoint, None)
     imgs = [image(1, (37, 21)), image(2, (8, 8)), image(3, (200, 90))]  # rounded, grown, shrunk
+    # transparency is laid over white, as transformers reads it: RGBA, grey with alpha, a palette
+    rng = np.random.default_rng(4)
+    rgba = PIL.fromarray(rng.integers(0, 256, (20, 30, 4), dtype=np.uint8), "RGBA")
+    imgs += [rgba, rgba.convert("LA"), rgba.convert("RGB").convert("P", palette=PIL.Palette.ADAPTIVE)]
+    imgs[-1].info["transparency"] = 0
     got = ours(imgs)
     want = Qwen2VLImageProcessorPil(**processor_config(checkpoint))(imgs, return_tensors="pt")
     assert got.grids == [tuple(g) for g in want["image_grid_thw"].tolist()]
@@ -174,7 +179,7 @@ def test_chat_reads_image_url_parts(checkpoint) -> None:
     import base64
     import io
 
-    llm = LLM(checkpoint, dtype="float32", device="cpu")
+    llm = LLM(checkpoint, dtype="float32", device="cpu", tokenizer=f"{checkpoint}/tokenizer")
     img = solid(255, (24, 24))
     buf = io.BytesIO()
     img.save(buf, format="PNG")

@@ -34,6 +34,18 @@ def solid_png(value: int) -> bytes:
     return buf.getvalue()
 
 
+def huge_png(width: int = 20_000, height: int = 10_000) -> bytes:
+    """A PNG whose header claims more pixels than PIL will decode (a decompression bomb)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
 def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
@@ -48,7 +60,14 @@ def conversation(*urls: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def vision_server(spawn_module_server, vision_checkpoint):
     return spawn_module_server(
-        "--model", vision_checkpoint, "--max-model-len", "256", "--served-model-name", "vl"
+        "--model",
+        vision_checkpoint,
+        "--tokenizer",
+        f"{vision_checkpoint}/tokenizer",
+        "--max-model-len",
+        "256",
+        "--served-model-name",
+        "vl",
     )
 
 
@@ -86,7 +105,7 @@ def image_host():
 
 @functools.cache
 def offline(path: str) -> LLM:
-    return LLM(path, dtype="float32", device="cpu", max_model_len=256)
+    return LLM(path, dtype="float32", device="cpu", max_model_len=256, tokenizer=f"{path}/tokenizer")
 
 
 def offline_reply(path: str, messages: list[dict], images: list[bytes], n: int) -> tuple[str, int]:
@@ -160,6 +179,7 @@ def test_images_change_the_reply(vl) -> None:
     [
         ("data:image/png;base64,not-base64!", "base64"),
         (data_url(b"not an image"), "could not be read"),
+        (data_url(huge_png()), "decompression bomb"),
         ("ftp://example.com/a.png", "must be a data: URL"),
         ("http://127.0.0.1:9/absent.png", "fetching"),
     ],
