@@ -92,6 +92,15 @@ class ImageReader:
 
 
 async def fetch(url: str) -> bytes:
+    """The URL's bytes within FETCH_TIMEOUT_S in all (httpx's timeout bounds each read alone: a
+    host that trickles bytes would hold the request open for good)."""
+    try:
+        return await asyncio.wait_for(_fetch(url), FETCH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ValueError(f"fetching {url} took over {FETCH_TIMEOUT_S:g} s") from None
+
+
+async def _fetch(url: str) -> bytes:
     import httpx
 
     try:

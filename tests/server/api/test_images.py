@@ -10,6 +10,7 @@ import functools
 import http.server
 import io
 import threading
+import time
 
 import numpy as np
 import openai
@@ -87,12 +88,18 @@ def image_host():
             if not name.endswith(".png"):
                 self.send_error(404)
                 return
-            body = png(int(name[:-4]))
+            slow = name.startswith("slow-")  # a byte each 0.2 s: no read waits long, the whole does
+            body = png(int(name.removeprefix("slow-")[:-4]))
             self.send_response(200)
             self.send_header("Content-Type", "image/png")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            for i in range(len(body)) if slow else []:
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+                time.sleep(0.2)
+            if not slow:
+                self.wfile.write(body)
 
         def log_message(self, *args) -> None:
             pass
@@ -276,3 +283,17 @@ def test_sglang_generate_reads_image_data(vision_server, vision_checkpoint) -> N
     bad = {"input_ids": ids, "image_data": "not base64!", "sampling_params": sampling}
     reply = httpx.post(f"{vision_server.url}/generate", json=bad, timeout=60)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "image_data"
+
+
+def test_a_fetch_that_trickles_past_the_deadline_is_refused(image_host, monkeypatch) -> None:
+    """The fetch's time limit bounds the whole download, not each read."""
+    import asyncio
+
+    from deltaserve.server.api import images
+
+    monkeypatch.setattr(images, "FETCH_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="took over 1 s"):
+        asyncio.run(images.fetch(f"{image_host}/slow-3.png"))
+    assert time.monotonic() - start < 3
+    assert asyncio.run(images.fetch(f"{image_host}/3.png")) == png(3)
