@@ -674,8 +674,10 @@ _ALWAYS = (
 
 
 def _media_limits(text: str) -> dict:
-    limits = _json_object(text)
-    bad = {k: v for k, v in limits.items() if not isinstance(v, int) or v < 0}
+    """`{"image": N}`, or vLLM's newer `{"image": {"count": N, "width": ..., "height": ...}}`,
+    whose sizes only shape vLLM's memory profiling: the count is the limit."""
+    limits = {k: v.get("count") if isinstance(v, dict) else v for k, v in _json_object(text).items()}
+    bad = {k: v for k, v in limits.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0}
     if bad:
         raise argparse.ArgumentTypeError(f"{text!r}: each count must be a whole number, 0 or more")
     return limits

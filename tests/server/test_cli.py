@@ -90,6 +90,7 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         ["--ssl-ca-certs", str(TLS / "ca.pem")],  # a CA for clients, with no HTTPS
         ["-dp", "0"],  # data parallelism needs a replica
         ["--limit-mm-per-prompt", '{"image": -1}'],  # a count below 0
+        ["--limit-mm-per-prompt", '{"image": {"width": 512}}'],  # vLLM's object form without its count
         ["--speculative-eagle-topk", "4", "--speculative-algorithm", "NEXTN"],  # tree drafts
         ["--speculative-num-steps", "2"],  # without its algorithm
     ],
@@ -288,6 +289,12 @@ def test_flags_for_what_deltaserve_does_anyway_change_nothing() -> None:
               "mm_encoder_tp_mode", "limit_mm_per_prompt"}  # fmt: skip
     assert {k: v for k, v in parsed.items() if k not in compat} == {
         k: v for k, v in plain.items() if k not in compat
+    }
+    # vLLM's newer object form of the media limits reads as its count
+    newer = parser.parse_args(["serve", "--limit-mm-per-prompt", '{"image": {"count": 2, "width": 512}}'])
+    assert newer.limit_mm_per_prompt == {"image": 2} and parsed["limit_mm_per_prompt"] == {
+        "image": 0,
+        "video": 0,
     }
 
 
