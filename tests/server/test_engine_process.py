@@ -196,9 +196,6 @@ class FailingEngine:
         self.requests: dict[str, int] = {}
         self.steps = 0
 
-    def check_group(self, size: int) -> None:
-        pass  # any number of sequences is held
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
         self.requests[request_id] = 0
 

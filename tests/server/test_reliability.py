@@ -328,9 +328,6 @@ class FailingEngine:
         self.script = tokenizer.encode("ab cd ef", add_special_tokens=False)
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
 
-    def check_group(self, size: int) -> None:
-        pass  # any number of sequences is held
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.requests[request_id] = (prompt_token_ids, params, [])
 

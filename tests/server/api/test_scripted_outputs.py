@@ -55,9 +55,6 @@ class ScriptedEngine:
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.sent: dict[str, tuple[int, int]] = {}  # delta outputs: tokens and characters sent
 
-    def check_group(self, size: int) -> None:
-        pass  # any number of sequences is held
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.requests[request_id] = (prompt_token_ids, params, [])
 
