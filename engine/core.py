@@ -239,7 +239,6 @@ class EngineCore:
     ) -> tuple[tuple[str, str, str | None] | None, None]:
         added: list[str] = []
         try:
-            self.engine.check_group(len(requests))
             for request_id, token_ids, params, *images in requests:  # images: a fourth field, when any
                 self.engine.add_request(request_id, token_ids, params, *images)
                 added.append(request_id)

@@ -142,19 +142,6 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------
 
-    def check_group(self, size: int) -> None:
-        """A client's request of `size` sequences (its choices, prompts, beams), added together:
-        one that the running batch and the waiting queue cannot hold even when empty is a 400,
-        not the 503 a busy engine gives (a retry would never succeed)."""
-        most = self.config.num_running + self.config.max_waiting_requests
-        if size > most:
-            raise InvalidParamError(
-                f"n: this request makes {size} sequences (its choices times its prompts), more than "
-                f"the engine holds at once ({self.config.num_running} running and "
-                f"{self.config.max_waiting_requests} waiting)",
-                "n",
-            )
-
     def add_request(
         self,
         request_id: str,
