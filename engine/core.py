@@ -71,7 +71,16 @@ def engine_info(engine: Any) -> dict[str, Any]:
         "max_model_len": int(engine.max_model_len),
         "eos_token_ids": list(engine.eos_token_ids),
         "vocab_size": getattr(engine, "vocab_size", None),
+        # the most requests it holds at once, running and waiting (None: no bound it can say)
+        "max_requests": _max_requests(engine),
     }
+
+
+def _max_requests(engine: Any) -> int | None:
+    config = getattr(engine, "config", None)
+    if config is None:
+        return None
+    return int(config.num_running + config.max_waiting_requests)
 
 
 class EngineCore:

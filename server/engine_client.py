@@ -26,11 +26,18 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError, reply_error
+from deltaserve.engine.errors import (
+    EngineDeadError,
+    EngineFaultError,
+    InvalidParamError,
+    QueueFullError,
+    reply_error,
+)
 from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.requests.outputs import CompletionOutput, unpack_outputs
 
@@ -292,6 +299,7 @@ class EngineClient:
         self.model_info: dict[str, Any] = dict(info["model_info"])
         self.eos_token_ids: list[int] = list(info["eos_token_ids"])
         self.vocab_size: int | None = info.get("vocab_size") or self.model_info.get("vocab_size")
+        self.max_requests: int | None = info.get("max_requests")  # each engine's, running and waiting
         self.metrics = metrics
         self.accepting = True
         self.faults = 0  # steps that failed with no request to blame
@@ -389,6 +397,7 @@ class EngineClient:
             raise ShuttingDownError("the server is shutting down")
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        self._check_copies(requests)
         placed = self._place(requests, engine)
         group = RequestGroup([r[0] for r in requests], placed[requests[0][0]] if requests else 0)
         requests = [(r[0], r[1], self._detokenize_here(r[0], r[2]), *r[3:]) for r in requests]  # type: ignore[misc]
@@ -424,6 +433,20 @@ class EngineClient:
             for call_id in calls:
                 self._calls.pop(call_id, None)
         return group
+
+    def _check_copies(self, requests: Sequence[EngineRequest]) -> None:
+        """A prompt's copies (its n samples) run on one engine: more of them than an idle engine
+        holds is a 400 naming n, not the 503 of a busy one, which no retry would get past."""
+        if self.max_requests is None:
+            return
+        copies = Counter(tuple(r[1]) for r in requests)
+        most = max(copies.values(), default=0)
+        if most > self.max_requests:
+            raise InvalidParamError(
+                f"n: {most} samples of one prompt run together on one engine, which holds at most "
+                f"{self.max_requests} requests (running and waiting)",
+                "n",
+            )
 
     def _place(self, requests: Sequence[EngineRequest], engine: int | None) -> dict[str, int]:
         """Each request's engine (counted in the router's load): `engine` for all, else the

@@ -307,7 +307,9 @@ class Metrics:
         def header(name: str, kind: str, help_text: str) -> None:
             lines.extend((f"# HELP {p}{name} {help_text}", f"# TYPE {p}{name} {kind}"))
 
-        header("requests_total", "counter", "Finished engine requests by outcome (stop, length, abort, error).")
+        header(
+            "requests_total", "counter", "Finished engine requests by outcome (stop, length, abort, error)."
+        )
         for reason in sorted(set(self.finished) | {"stop", "length", "abort", "error"}):
             lines.append(f'{p}requests_total{{{lab},outcome="{reason}"}} {self.finished.get(reason, 0)}')
         header("request_errors_total", "counter", "Requests refused with an error, by HTTP status.")

@@ -357,6 +357,12 @@ def test_full_waiting_queue_is_503(spawn_server, until_idle) -> None:
     until_idle(server.url)
     ok = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+    # more samples of a prompt than the engine holds even when idle: never servable, so a 400
+    many = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2, "n": 3}, timeout=60)
+    err = assert_error(many, 400, "n")
+    assert "3 samples" in err["message"]
+    two = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2, "n": 2}, timeout=60)
+    assert two.status_code == 200 and len(two.json()["choices"]) == 2
 
 
 @pytest.mark.parametrize(
