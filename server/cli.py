@@ -784,8 +784,12 @@ def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line, with the checks that span flags (exit 2 with one line on a bad one)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    top = build_parser()
+    args, extras = top.parse_known_args(argv)
+    # a serve flag's error points at `deltaserve serve --help`, where the flags are
+    parser = _command_parser(top, args.command)
+    if extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command == "serve":
         if args.model_tag is not None:
             if args.model is not None and args.model != args.model_tag:
@@ -799,6 +803,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error("--ssl-ca-certs is for HTTPS: give --ssl-keyfile and --ssl-certfile")
         _speculative_from_sglang(parser, args)
     return args
+
+
+def _command_parser(top: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in top._subparsers._group_actions if top._subparsers else []:  # argparse keeps them here
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -103,6 +103,7 @@ def test_wrong_value_is_one_line_and_exit_2(args: list[str]) -> None:
     flag = args[0]
     if flag != "--no-such-flag":
         assert flag in lines[0]
+    assert lines[0].endswith("(see deltaserve serve --help)")  # where the serve flags are listed
 
 
 def test_no_command_is_an_error() -> None:
