@@ -131,6 +131,7 @@ class EngineCore:
         self._off_loop_pending = 0
         self._when_idle: list[tuple[int, int, str, tuple[Any, ...]]] = []  # (client, call_id, name, args)
         self._held: list[tuple[int, tuple[Any, ...]]] = []  # "add" commands that wait for them
+        self._abort_when_added: set[str] = set()  # held requests an abort_where named: ended once added
         self._staged = False  # weights staged (stage_weights), not yet served or dropped
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-engine-calls")
         self._flush = False  # aborts' last outputs wait for a step, which an idle engine must still run
@@ -222,6 +223,14 @@ class EngineCore:
             prefix = command[1]
             for request_id in [r for r in self._live if prefix is None or r.startswith(prefix)]:
                 self.engine.abort_request(request_id)  # its owner keeps it until that output goes
+            # held ones (a weight update is under way) end as "abort" too, once added: their owners
+            # wait for an output
+            self._abort_when_added.update(
+                r[0]
+                for _, (_, _, requests) in self._held
+                for r in requests
+                if prefix is None or r[0].startswith(prefix)
+            )
             self._flush = True
         elif kind == "add":
             _, call_id, requests = command
@@ -272,6 +281,10 @@ class EngineCore:
         held, self._held = self._held, []
         for client, command in held:
             self._apply(command, client)
+        for request_id in self._abort_when_added & self._live:
+            self.engine.abort_request(request_id)
+            self._flush = True
+        self._abort_when_added.clear()
 
     def _drop_held(self, request_ids: set[str]) -> None:
         """Aborts of requests still held: they are never added."""

@@ -10,6 +10,7 @@ import os
 import shutil
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -196,3 +197,33 @@ def test_data_parallel_engines_all_take_the_new_weights(spawn_server, checkpoint
     assert texts(dp.url) == before
     assert update(dp.url, second).status_code == 200
     assert texts(dp.url) == offline(second)
+
+
+def test_a_request_held_by_an_update_is_aborted_by_its_name(server, checkpoints) -> None:
+    """/abort_request names a request that waits for an update (held, not yet in the engine): it
+    ends as "abort" once the update lets it in, not after all its tokens."""
+    first = checkpoints[0]
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": LONG, "stream": True, **GREEDY}
+    results: dict[str, Any] = {}
+
+    def held() -> None:
+        payload = {"model": "m", "prompt": PROMPT, "max_tokens": 200, "request_id": "held-1", **GREEDY}
+        results["held"] = httpx.post(f"{server.url}/v1/completions", json=payload, timeout=300).json()
+
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # it is running
+        updater = threading.Thread(target=lambda: results.update(update=update(server.url, first)))
+        updater.start()
+        time.sleep(0.2)  # the update reaches the engine and holds what comes next
+        waiter = threading.Thread(target=held)
+        waiter.start()
+        time.sleep(0.3)
+        assert httpx.post(f"{server.url}/abort_request", json={"rid": "held-1"}).status_code == 200
+        for _ in lines:
+            pass
+    updater.join(300)
+    waiter.join(300)
+    assert results["update"].status_code == 200
+    choice = results["held"]["choices"][0]
+    assert choice["finish_reason"] == "abort" and results["held"]["usage"]["completion_tokens"] < 200
