@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("deltaserve.server")
 
 WEDGED_AFTER_S = 120.0  # a loop silent this long (no step, no beat) counts as wedged on /health
+ABORT_MEMORY_S = 3600.0  # how long an abort by name still stops a beam search begun before it
 
 
 class ShuttingDownError(QueueFullError):
@@ -300,6 +301,7 @@ class EngineClient:
         self.eos_token_ids: list[int] = list(info["eos_token_ids"])
         self.vocab_size: int | None = info.get("vocab_size") or self.model_info.get("vocab_size")
         self.max_requests: int | None = info.get("max_requests")  # each engine's, running and waiting
+        self._aborted_at: dict[str | None, float] = {}  # abort_where's prefixes (None: all), when last
         self.metrics = metrics
         self.accepting = True
         self.faults = 0  # steps that failed with no request to blame
@@ -480,9 +482,23 @@ class EngineClient:
         request (None): each ends with finish reason "abort" and what it had generated."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        now = time.monotonic()
+        self._aborted_at = {p: at for p, at in self._aborted_at.items() if now - at < ABORT_MEMORY_S}
+        self._aborted_at[prefix] = now
         for engine in range(len(self.handles)):
             if engine not in self._gone:
                 await self._send(("abort_where", prefix), engine)
+        # answered once each engine has applied it (a call's reply follows the commands sent before
+        # it): a request sent after this returns, through another HTTP process, is not caught by it
+        await self.call_each("model_info", return_exceptions=True)
+
+    def aborted_since(self, request_id: str, since: float) -> bool:
+        """Whether this process has aborted (abort_where) ids like `request_id` since `since`: a
+        request of several engine requests in turn (a beam search's steps) stops between them."""
+        return any(
+            at >= since and (prefix is None or request_id.startswith(prefix))
+            for prefix, at in self._aborted_at.items()
+        )
 
     async def stats(self) -> dict[str, Any]:
         stats = await self.call("stats")

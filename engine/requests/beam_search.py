@@ -40,7 +40,7 @@ class BeamSearchParams:
 @dataclass
 class BeamSequence:
     """A beam: the prompt and its tokens, each generated token's candidates and their
-    log-probabilities, their sum; `finish_reason` "stop" (a stop token ended it) or "length"."""
+    log-probabilities, their sum; `finish_reason` "stop" (a stop token ended it), "length" or "abort"."""
 
     tokens: list[int]
     num_prompt_tokens: int
@@ -80,10 +80,11 @@ class BeamSearch:
         self.live = [[BeamSequence(list(p), len(p))] for p in prompts]
         self.ended: list[list[BeamSequence]] = [[] for _ in prompts]
         self.steps = 0
+        self.aborted = False  # a step was aborted (/abort_request): the live beams end as they are
 
     @property
     def finished(self) -> bool:
-        return self.steps >= self.params.max_tokens or not any(self.live)
+        return self.aborted or self.steps >= self.params.max_tokens or not any(self.live)
 
     def expanding(self) -> list[list[int]]:
         """The token ids of every live beam, prompt by prompt: the next step's prompts."""
@@ -118,7 +119,7 @@ class BeamSearch:
         outs = []
         for live, ended in zip(self.live, self.ended):
             for beam in live:
-                beam.finish_reason = "length"
+                beam.finish_reason = "abort" if self.aborted else "length"
             best = sorted(ended + live, key=self._score, reverse=True)[: self.params.beam_width]
             outs.append(BeamSearchOutput(best))
         return outs

@@ -4,6 +4,7 @@ requests that ask for 2n log-probabilities, so that the prefix cache serves what
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from ..protocol import (
 )
 from ..text.chat_output import ChatOutputParser
 from .context import ClientDisconnected, ServerContext
+from .request_params import client_name, rid_prefix
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.beam_search import BeamSequence
@@ -65,9 +67,14 @@ def beam_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int)
 
 
 async def search(
-    ctx: ServerContext, raw: Request, prompts: list[list[int]], params: BeamSearchParams
+    ctx: ServerContext,
+    raw: Request,
+    prompts: list[list[int]],
+    params: BeamSearchParams,
+    name: str | None = None,
 ) -> list[BeamSearchOutput]:
-    """Every prompt's best beams; ClientDisconnected when the client hangs up between steps."""
+    """Every prompt's best beams; ClientDisconnected when the client hangs up between steps.
+    `name`: the client's for the request, which its steps' engine ids start with (/abort_request)."""
     limit = ctx.client.max_model_len
     for ids in prompts:
         if len(ids) + params.max_tokens > limit:
@@ -80,14 +87,22 @@ async def search(
     step = SamplingParams(
         temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False
     )
-    base = f"beam-{uuid.uuid4().hex}"
+    base = (rid_prefix(name) if name else "") + f"beam-{uuid.uuid4().hex}"
     engine: int | None = None  # one prompt's steps on its first step's engine, whose cache holds them
+    started = time.monotonic()
     while not beams.finished:
+        if ctx.client.aborted_since(base, started):  # /abort_request between two steps
+            beams.aborted = True
+            break
         requests = [(f"{base}-{beams.steps}-{i}", tokens, step) for i, tokens in enumerate(beams.expanding())]
         group = await ctx.submit(requests, engine=engine)
         engine = group.engine if len(prompts) == 1 else None  # several prompts: each where it went
         final = await ctx.collect(group, raw)
-        beams.advance([final[r[0]].outputs[0].logprobs[0].top for r in requests])  # type: ignore[index]
+        steps = [final[r[0]].outputs[0] for r in requests]
+        if any(s.finish_reason == "abort" for s in steps):  # /abort_request: the beams end as they are
+            beams.aborted = True
+            break
+        beams.advance([s.logprobs[0].top for s in steps])  # type: ignore[index]
     return beams.outputs()
 
 
@@ -107,8 +122,9 @@ async def beam_search_completion(
 ) -> Response:
     params = beam_params(req, 16 if req.max_tokens is None else req.max_tokens)
     ids = [p for _, p in prompts]
+    name = client_name(raw, req)
     try:
-        outs = await search(ctx, raw, ids, params)
+        outs = await search(ctx, raw, ids, params, name)
     except ClientDisconnected:
         return Response(status_code=499)
     choices: list[CompletionChoice] = []
@@ -123,7 +139,7 @@ async def beam_search_completion(
                 )
             )
     response = CompletionResponse(
-        id=f"cmpl-{uuid.uuid4().hex}", model=model, choices=choices, usage=_usage(ids, outs)
+        id=f"cmpl-{name or uuid.uuid4().hex}", model=model, choices=choices, usage=_usage(ids, outs)
     )
     payload = response.model_dump(mode="json")
     for choice in payload["choices"]:
@@ -141,8 +157,9 @@ async def beam_search_chat(
     params: BeamSearchParams,
 ) -> Response:
     """The chat's best beams as choices, each read for reasoning as a sampled reply is."""
+    name = client_name(raw, req)
     try:
-        (out,) = await search(ctx, raw, [prompt_ids], params)
+        (out,) = await search(ctx, raw, [prompt_ids], params, name)
     except ClientDisconnected:
         return Response(status_code=499)
     choices = []
@@ -155,6 +172,9 @@ async def beam_search_chat(
         )
         choices.append(ChatChoice(index=i, message=message, finish_reason=beam.finish_reason))
     response = ChatCompletionResponse(
-        id=f"chatcmpl-{uuid.uuid4().hex}", model=model, choices=choices, usage=_usage([prompt_ids], [out])
+        id=f"chatcmpl-{name or uuid.uuid4().hex}",
+        model=model,
+        choices=choices,
+        usage=_usage([prompt_ids], [out]),
     )
     return JSONResponse(response.model_dump(mode="json", exclude={"prompt_logprobs"}))

@@ -25,7 +25,7 @@ from ..errors import error_body, failure_of, raise_if_failed
 from ..protocol import PromptTokensDetails, SamplingRequest, Usage, random_id
 from .context import ServerContext
 from .logprobs import TokenText, token_text_for
-from .request_params import fan_out, rid_prefix
+from .request_params import client_name, fan_out, rid_prefix
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput
@@ -111,7 +111,7 @@ class Generation(ABC, Generic[ChunkChoice]):
         """Submit every request, then stream the chunks or answer with the whole response. A
         client that names the request (vLLM's X-Request-Id header, or the body's request_id) gets
         that name in the reply's id."""
-        given = raw.headers.get("x-request-id") or self.req.request_id or self.req.rid
+        given = client_name(raw, self.req)
         if given:
             self.response_id = f"{self.id_prefix}-{given}"
             self._name_requests(rid_prefix(given))

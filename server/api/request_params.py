@@ -310,6 +310,12 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
+def client_name(raw: Any, req: SamplingRequest) -> str | None:
+    """The name a client gave its request: vLLM's X-Request-Id header (which wins) or body
+    `request_id`, or SGLang's `rid`."""
+    return raw.headers.get("x-request-id") or req.request_id or req.rid
+
+
 def rid_prefix(rid: str) -> str:
     """How the engine ids of a request the client named start (SGLang's `rid`, vLLM's
     `request_id` or X-Request-Id), so that /abort_request finds them by that name (its length

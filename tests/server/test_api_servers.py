@@ -296,3 +296,33 @@ def test_default_count_is_two_beside_a_cuda_engine_with_cores_for_them() -> None
     assert default_api_server_count("cuda", 16, engines=8) == 2  # 8 engines leave no core for 8 more
     assert default_api_server_count("cuda", 16, engines=4) == 4
     assert default_api_server_count("cpu", 64, engines=4) == 1
+
+
+@pytest.mark.slow
+def test_a_request_sent_after_abort_all_returns_is_not_aborted(spawn_server) -> None:
+    """abort_all answers once the engine has applied it: a request sent after the answer, on
+    another connection (often the other HTTP process's), runs to its end; it could be read first
+    and caught by the abort."""
+    server = spawn_server(*TWO)
+
+    async def trials() -> list[str]:
+        endings = []
+        for trial in range(30):
+            async with httpx.AsyncClient(timeout=60) as one, httpx.AsyncClient(timeout=60) as two:
+                busy = [
+                    asyncio.ensure_future(
+                        one.post(f"{server.url}/v1/completions", json={"prompt": f"bg {i}", "max_tokens": 30})
+                    )
+                    for i in range(4)
+                ]
+                await asyncio.sleep(0.01 * (trial % 5))
+                assert (
+                    await one.post(f"{server.url}/abort_request", json={"abort_all": True})
+                ).status_code == 200
+                body = {"prompt": "after", "max_tokens": 5, "ignore_eos": True}
+                reply = await two.post(f"{server.url}/v1/completions", json=body)
+                endings.append(reply.json()["choices"][0]["finish_reason"])
+                await asyncio.gather(*busy)
+        return endings
+
+    assert asyncio.run(trials()) == ["length"] * 30

@@ -131,3 +131,26 @@ def test_an_openai_request_named_by_the_client_is_aborted_by_that_name(server, u
     assert finish == {"body": ["abort"], "header": ["abort"], "sglang": ["abort"], "other": ["length"]}
     assert results["body"][0]["id"] == "chatcmpl-chat-7" and results["header"][0]["id"] == "chatcmpl-hdr-9"
     assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
+
+
+def test_a_beam_search_is_aborted_by_its_name(server, until_idle) -> None:
+    """A beam search named by the client: its steps run under that name, so /abort_request ends
+    it; the reply (not a 500) holds the beams as they were, finish reason "abort"."""
+    reply: dict[str, Any] = {}
+    body = {"model": MODEL_NAME, "prompt": "go", "n": 2, "use_beam_search": True, "max_tokens": 400,
+            "ignore_eos": True, "request_id": "beams-1"}  # fmt: skip
+
+    def search() -> None:
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        reply.update(status=r.status_code, body=r.json())
+
+    thread = threading.Thread(target=search)
+    thread.start()
+    threading.Event().wait(1.0)  # some steps run
+    assert httpx.post(f"{server.url}/abort_request", json={"rid": "beams-1"}).status_code == 200
+    thread.join(120)
+    assert reply["status"] == 200, reply
+    assert reply["body"]["id"] == "cmpl-beams-1"
+    assert [c["finish_reason"] for c in reply["body"]["choices"]] == ["abort", "abort"]
+    assert reply["body"]["usage"]["completion_tokens"] < 2 * 400
+    assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
