@@ -41,7 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from deltaserve.engine.errors import EngineDeadError, error_reply
+from deltaserve.engine.errors import EngineDeadError, UpdateBusyError, error_reply
 from deltaserve.engine.gc_heap import freeze_startup_heap
 from deltaserve.engine.requests.outputs import pack_outputs, packed_head
 from deltaserve.engine.stats_log import StatsLog
@@ -239,6 +239,9 @@ class EngineCore:
             _, call_id, name, args = command
             if name not in _CALLS:
                 self._replies[client].append((call_id, ("internal", f"unknown call {name!r}", None), None))
+            elif name == "stage_weights" and (self._staged or any(w[2] == name for w in self._when_idle)):
+                busy = UpdateBusyError("another weight update is under way: send one at a time")
+                self._replies[client].append((call_id, error_reply(busy), None))
             elif name in _WHEN_IDLE:
                 self._when_idle.append((client, call_id, name, args))
             elif name == "finish_weights":  # the staged weights served or dropped: the held go on

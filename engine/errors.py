@@ -27,11 +27,17 @@ class InvalidParamError(ValueError):
         return type(self), (str(self), self.param)  # pickled with its field, not the message alone
 
 
+class UpdateBusyError(ValueError):
+    """A weight update arrived while another one is staged or waiting to be: one at a time, or
+    the label, the path and the weights served could come from different updates."""
+
+
 # the error types a reply from the engine process carries by kind, so the client raises the same
 # type (the first that matches: InvalidParamError before the ValueError it is)
 _REPLY_KINDS: dict[str, type[Exception]] = {
     "queue_full": QueueFullError,
     "invalid_param": InvalidParamError,
+    "update_busy": UpdateBusyError,
     "value": ValueError,
 }
 

@@ -36,6 +36,7 @@ from deltaserve.engine.errors import (
     EngineFaultError,
     InvalidParamError,
     QueueFullError,
+    UpdateBusyError,
     reply_error,
 )
 from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
@@ -301,6 +302,7 @@ class EngineClient:
         self.eos_token_ids: list[int] = list(info["eos_token_ids"])
         self.vocab_size: int | None = info.get("vocab_size") or self.model_info.get("vocab_size")
         self.max_requests: int | None = info.get("max_requests")  # each engine's, running and waiting
+        self._updating = asyncio.Lock()
         self._aborted_at: dict[str | None, float] = {}  # abort_where's prefixes (None: all), when last
         self.metrics = metrics
         self.accepting = True
@@ -527,9 +529,17 @@ class EngineClient:
         their requests for good."""
 
         async def both() -> None:
-            staged = await self.call_each("stage_weights", path, load_format, return_exceptions=True)
-            failed = next((r for r in staged if r), None)  # a reason, or an exception raised
-            await self.call_each("finish_weights", failed is None, version)
+            async with self._updating:  # this process's updates one after another
+                staged = await self.call_each("stage_weights", path, load_format, return_exceptions=True)
+                failed = next((r for r in staged if r), None)  # a reason, or an exception raised
+                # an engine busy with another process's update staged nothing of this one
+                mine = [e for e, r in enumerate(staged) if not isinstance(r, UpdateBusyError)]
+                await asyncio.gather(
+                    *(
+                        self._call(("call", None, "finish_weights", (failed is None, version)), e)
+                        for e in mine
+                    )
+                )
             if isinstance(failed, BaseException):
                 raise failed
             if failed is not None:

@@ -227,3 +227,37 @@ def test_a_request_held_by_an_update_is_aborted_by_its_name(server, checkpoints)
     assert results["update"].status_code == 200
     choice = results["held"]["choices"][0]
     assert choice["finish_reason"] == "abort" and results["held"]["usage"]["completion_tokens"] < 200
+
+
+def test_concurrent_updates_leave_the_label_path_and_weights_of_one(server, checkpoints) -> None:
+    """Two updates at once, while a request runs: each answers, and what the server then serves,
+    its path and its label all come from the same update (they mixed: one's label on the
+    other's weights)."""
+    first, second = checkpoints
+    texts = {first: offline_text(first, 8), second: offline_text(second, 8)}
+    labels = {first: "w-first", second: "w-second"}
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": LONG, "stream": True, **GREEDY}
+    replies: dict[str, httpx.Response] = {}
+
+    def send(path: str) -> None:
+        payload = {"model_path": path, "weight_version": labels[path]}
+        replies[path] = httpx.post(f"{server.url}/update_weights_from_disk", json=payload, timeout=300)
+
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # it is running
+        senders = [threading.Thread(target=send, args=(p,)) for p in (second, first)]
+        for t in senders:
+            t.start()
+            time.sleep(0.05)
+        for _ in lines:
+            pass
+    for t in senders:
+        t.join(300)
+    assert all(r.status_code in (200, 400) for r in replies.values())
+    assert any(r.status_code == 200 for r in replies.values())
+    info = httpx.get(f"{server.url}/get_model_info").json()
+    path = info["model_path"]
+    assert info["weight_version"] == labels[path] and complete(server.url, 8) == texts[path]
+    assert replies[path].status_code == 200
+    update(server.url, first)
