@@ -39,6 +39,7 @@ from ..text.chat_output import ChatStreamState
 from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ServerContext
+from .request_params import named
 
 # chat fields named otherwise here, for error messages that name the field the client sent
 _PARAMS = {"stop": "stop_sequences", "messages": "messages", "max_tokens": "max_tokens"}
@@ -368,12 +369,13 @@ async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request)
     except APIError as exc:  # name the field as this API calls it
         raise exc.renamed(_PARAMS) from exc
     message_id = f"msg_{uuid.uuid4().hex}"
+    engine_id = named(raw, message_id)
     return await ctx.run(
-        [prepared.request(message_id)],
+        [prepared.request(engine_id)],
         raw,
         req.stream,
         lambda group: _stream(group, prepared, message_id, model),
-        lambda final: _answer(final[message_id], prepared, message_id, model),
+        lambda final: _answer(final[engine_id], prepared, message_id, model),
         [prepared.prompt_ids],
         1,
     )

@@ -316,6 +316,13 @@ def client_name(raw: Any, req: SamplingRequest) -> str | None:
     return raw.headers.get("x-request-id") or req.request_id or req.rid
 
 
+def named(raw: Any, request_id: str) -> str:
+    """The engine id of a request whose API has no name field of its own (Responses, Messages):
+    after the X-Request-Id header's name, when given, so that /abort_request finds it by it."""
+    name = raw.headers.get("x-request-id")
+    return rid_prefix(name) + request_id if name else request_id
+
+
 def rid_prefix(rid: str) -> str:
     """How the engine ids of a request the client named start (SGLang's `rid`, vLLM's
     `request_id` or X-Request-Id), so that /abort_request finds them by that name (its length

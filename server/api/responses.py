@@ -40,6 +40,7 @@ from ..text.chat_output import ChatStreamState, tool_call_id
 from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ClientDisconnected, ServerContext
+from .request_params import named
 
 # chat fields named otherwise here, for error messages that name the field the client sent
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
@@ -327,7 +328,8 @@ async def create_response(
         exc.renamed(_PARAMS)
         raise
     shell = _Shell(req, model)
-    group = await ctx.submit([prepared.request(shell.id)])
+    engine_id = named(raw, shell.id)
+    group = await ctx.submit([prepared.request(engine_id)])
 
     def keep(body: dict[str, Any]) -> None:
         if req.store:
@@ -338,7 +340,7 @@ async def create_response(
             ctx.guarded(group, _stream(ctx, group, prepared, shell, keep)), media_type="text/event-stream"
         )
     try:
-        final = (await ctx.collect(group, raw))[shell.id]
+        final = (await ctx.collect(group, raw))[engine_id]
     except ClientDisconnected:
         return Response(status_code=499)
     completion = final.outputs[0]

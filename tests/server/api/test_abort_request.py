@@ -154,3 +154,35 @@ def test_a_beam_search_is_aborted_by_its_name(server, until_idle) -> None:
     assert [c["finish_reason"] for c in reply["body"]["choices"]] == ["abort", "abort"]
     assert reply["body"]["usage"]["completion_tokens"] < 2 * 400
     assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
+
+
+def test_responses_and_messages_named_by_x_request_id_are_aborted_by_it(server, until_idle) -> None:
+    """The Responses and Messages APIs have no name field; their X-Request-Id header names the
+    request for /abort_request, as on chat."""
+    results: dict[str, Any] = {}
+    bodies = {
+        "/v1/responses": {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 480},
+        "/v1/messages": {
+            "model": MODEL_NAME,
+            "max_tokens": 480,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    }
+
+    def send(path: str) -> None:
+        headers = {"X-Request-Id": f"named{path.replace('/', '-')}"}
+        body = {**bodies[path], "ignore_eos": True}
+        results[path] = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=120).json()
+
+    threads = [threading.Thread(target=send, args=(path,)) for path in bodies]
+    for t in threads:
+        t.start()
+    threading.Event().wait(1.0)  # both run
+    for path in bodies:
+        rid = f"named{path.replace('/', '-')}"
+        assert httpx.post(f"{server.url}/abort_request", json={"rid": rid}).status_code == 200
+    for t in threads:
+        t.join(120)
+    assert results["/v1/responses"]["usage"]["output_tokens"] < 480
+    assert results["/v1/messages"]["usage"]["output_tokens"] < 480
+    assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
