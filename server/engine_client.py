@@ -441,8 +441,8 @@ class EngineClient:
     def _check_copies(self, requests: Sequence[EngineRequest]) -> None:
         """A prompt's copies (its n samples) run on one engine: more of them than an idle engine
         holds is a 400 naming n, not the 503 of a busy one, which no retry would get past."""
-        if self.max_requests is None:
-            return
+        if self.max_requests is None or len(requests) <= self.max_requests:
+            return  # the common case: no prompt's copies can be too many
         copies = Counter(tuple(r[1]) for r in requests)
         most = max(copies.values(), default=0)
         if most > self.max_requests:
@@ -516,10 +516,13 @@ class EngineClient:
             return merge_stats(values)
         return values[0]
 
-    async def call_each(self, name: str, *args: Any, return_exceptions: bool = False) -> list[Any]:
-        """One of the engine's calls on every (data-parallel) engine at once: their values (with
-        `return_exceptions`, an engine's exception in place of its value)."""
-        calls = (self._call(("call", None, name, args), e) for e in range(len(self.handles)))
+    async def call_each(
+        self, name: str, *args: Any, return_exceptions: bool = False, engines: Sequence[int] | None = None
+    ) -> list[Any]:
+        """One of the engine's calls on every (data-parallel) engine, or on `engines`, at once:
+        their values (with `return_exceptions`, an engine's exception in place of its value)."""
+        which = range(len(self.handles)) if engines is None else engines
+        calls = (self._call(("call", None, name, args), e) for e in which)
         return await asyncio.gather(*calls, return_exceptions=return_exceptions)
 
     async def update_weights(self, path: str, load_format: str, version: str | None) -> None:
@@ -534,12 +537,7 @@ class EngineClient:
                 failed = next((r for r in staged if r), None)  # a reason, or an exception raised
                 # an engine busy with another process's update staged nothing of this one
                 mine = [e for e, r in enumerate(staged) if not isinstance(r, UpdateBusyError)]
-                await asyncio.gather(
-                    *(
-                        self._call(("call", None, "finish_weights", (failed is None, version)), e)
-                        for e in mine
-                    )
-                )
+                await self.call_each("finish_weights", failed is None, version, engines=mine)
             if isinstance(failed, BaseException):
                 raise failed
             if failed is not None:

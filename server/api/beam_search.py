@@ -27,7 +27,7 @@ from ..protocol import (
 )
 from ..text.chat_output import ChatOutputParser
 from .context import ClientDisconnected, ServerContext
-from .request_params import client_name, rid_prefix
+from .request_params import client_name, named_id
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.beam_search import BeamSequence
@@ -87,7 +87,7 @@ async def search(
     step = SamplingParams(
         temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False
     )
-    base = (rid_prefix(name) if name else "") + f"beam-{uuid.uuid4().hex}"
+    base = named_id(name, f"beam-{uuid.uuid4().hex}")
     engine: int | None = None  # one prompt's steps on its first step's engine, whose cache holds them
     started = time.monotonic()
     while not beams.finished:

@@ -39,7 +39,7 @@ from ..text.chat_output import ChatStreamState
 from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ServerContext
-from .request_params import named
+from .request_params import named_id
 
 # chat fields named otherwise here, for error messages that name the field the client sent
 _PARAMS = {"stop": "stop_sequences", "messages": "messages", "max_tokens": "max_tokens"}
@@ -369,7 +369,7 @@ async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request)
     except APIError as exc:  # name the field as this API calls it
         raise exc.renamed(_PARAMS) from exc
     message_id = f"msg_{uuid.uuid4().hex}"
-    engine_id = named(raw, message_id)
+    engine_id = named_id(raw.headers.get("x-request-id"), message_id)  # this API has no name field
     return await ctx.run(
         [prepared.request(engine_id)],
         raw,

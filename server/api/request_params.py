@@ -316,10 +316,9 @@ def client_name(raw: Any, req: SamplingRequest) -> str | None:
     return raw.headers.get("x-request-id") or req.request_id or req.rid
 
 
-def named(raw: Any, request_id: str) -> str:
-    """The engine id of a request whose API has no name field of its own (Responses, Messages):
-    after the X-Request-Id header's name, when given, so that /abort_request finds it by it."""
-    name = raw.headers.get("x-request-id")
+def named_id(name: str | None, request_id: str) -> str:
+    """An engine id under the client's name for the request, when it gave one, so that
+    /abort_request finds it by that name."""
     return rid_prefix(name) + request_id if name else request_id
 
 

@@ -40,7 +40,7 @@ from ..text.chat_output import ChatStreamState, tool_call_id
 from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ClientDisconnected, ServerContext
-from .request_params import named
+from .request_params import named_id
 
 # chat fields named otherwise here, for error messages that name the field the client sent
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
@@ -328,7 +328,7 @@ async def create_response(
         exc.renamed(_PARAMS)
         raise
     shell = _Shell(req, model)
-    engine_id = named(raw, shell.id)
+    engine_id = named_id(raw.headers.get("x-request-id"), shell.id)  # this API has no name field
     group = await ctx.submit([prepared.request(engine_id)])
 
     def keep(body: dict[str, Any]) -> None:
