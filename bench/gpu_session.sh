@@ -25,7 +25,6 @@
 #   bash bench/gpu_session.sh moe-swap-tests # their GPU tests; the bf16 MoE models' engine tests
 #   bash bench/gpu_session.sh moe-swap-bf16 # the bf16 grouped MoE's swapped tilings (35B-A3B, Kimi-Linear); their tests
 #   bash bench/gpu_session.sh moe-swap-bf16-2 # their tests and Kimi's fused shared expert on CUDA; bf16 sweeps
-#   bash bench/gpu_session.sh prefetch # 9B FP8 batch 1 at each weight-prefetch depth, 9B bf16; prefetch-80b: 80B FP8
 #   bash bench/gpu_session.sh profiles-fp8 # each kernel's own time (no PDL): 9B / 80B FP8 batch 1, 80B FP8 batch 32
 #   bash bench/gpu_session.sh norm-ab # the whole-row RMSNorm: its tests; 80B / 9B FP8 and 9B bf16 decode against REV
 #   bash bench/gpu_session.sh align-ab # the grouping's warps on 80B's experts, 80B FP8 decode at the fastest; 9B 8k prefill against REV
@@ -326,22 +325,6 @@ case "${1:-all}" in
       --moe-tiles "${sw[@]}"
     run 100 moe-bf16-kimi python3 -m bench.ops.fp8_gemm --moe configs/kimi-linear-48b-a3b --bf16 \
       --tokens 24 32 64 --moe-tiles "${sw[@]}"
-    ;;
-  prefetch)  # weights asked of L2 before the PDL wait: the FP8 PDL tests, 9B FP8 batch 1 at each depth (alternated), 9B bf16
-    run 200 fp8-pdl-tests python3 -m pytest -q -rfE -m gpu tests/kernels/fp8/test_fp8_cuda.py tests/kernels/common/test_pdl.py
-    for b in 0 4 16 64 0 4 16 64; do
-      DELTASERVE_PREFETCH_BLOCKS=$b run 120 decode-9b-fp8-p$b python3 -m bench.engine.decode --model configs/qwen3.5-9b-fp8 \
-        --batch-sizes 1 --prompt-len 512 --new-tokens 128 --prefill-len 0
-    done
-    run 120 decode-9b-bf16 python3 -m bench.engine.decode --model configs/qwen3.5-9b --batch-sizes 1 --prompt-len 512 \
-      --new-tokens 128 --prefill-len 0
-    ;;
-  prefetch-80b)  # 80B FP8 batch 1 and 32 without and with the prefetch ($BLOCKS), alternated
-    for b in 0 ${BLOCKS:-16} 0 ${BLOCKS:-16}; do
-      DELTASERVE_PREFETCH_BLOCKS=$b run 200 decode-80b-fp8-p$b python3 -m bench.engine.decode \
-        --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 --prompt-len 1024 --new-tokens 128 --prefill-len 0
-      grep '^{' "$out/decode-80b-fp8-p$b.log" | cut -c1-200
-    done
     ;;
   profiles-fp8)  # without PDL (each kernel's own time): 9B FP8 and 80B FP8 batch 1, 80B FP8 batch 32
     run 150 profile-9b-fp8-b1 env DELTASERVE_PDL=off python3 -m bench.engine.profile_decode \

@@ -18,8 +18,6 @@ as always. Whether to launch with PDL is `launch.pdl_enabled` (`DELTASERVE_PDL`)
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Any
 
 import torch
@@ -37,35 +35,8 @@ def wait_inputs(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines holding ptrs; nothing waits for them. Issued before a PDL
-    wait, a kernel's weights stream in while the kernel before it finishes."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-        "=r,l",
-        [ptrs.to(tl.int64)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-PREFETCH_CHOICES = (0, 1, 2, 4, 8, 16, 32, 64)
-
-
-@functools.cache
-def _prefetch_blocks() -> int:
-    value = os.environ.get("DELTASERVE_PREFETCH_BLOCKS", "") or "8"
-    if not value.isdigit() or int(value) not in PREFETCH_CHOICES:
-        raise ValueError(f"DELTASERVE_PREFETCH_BLOCKS={value!r}: expected one of {PREFETCH_CHOICES}")
-    return int(value)
-
-
-def pdl_args(device: torch.device, prefetch: bool = False) -> dict[str, Any]:
-    """Launch keyword arguments: the kernel's `PDL` constexpr and Triton's `launch_pdl`; with
-    `prefetch`, its `PREFETCH` constexpr too: how many 128-column blocks of each weight row a
-    program asks L2 for before its wait (`DELTASERVE_PREFETCH_BLOCKS`; 0 without PDL)."""
+def pdl_args(device: torch.device) -> dict[str, Any]:
+    """Launch keyword arguments: the kernel's `PDL` constexpr and Triton's `launch_pdl`."""
     if pdl_enabled(device):
-        return {"PDL": True, "launch_pdl": True} | ({"PREFETCH": _prefetch_blocks()} if prefetch else {})
-    return {"PDL": False} | ({"PREFETCH": 0} if prefetch else {})
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}

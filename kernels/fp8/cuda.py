@@ -255,7 +255,7 @@ def fp8_skinny_cuda(
         dense.stride(0) if dense is not None else 0,
         SCALE_ROWS=scale_rows, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK=BLOCK, SPLIT=split,
         DENSE=dense is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=num_stages, **pdl_args(x.device, prefetch=True),
+        num_warps=4, num_stages=num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return out
 
@@ -328,7 +328,7 @@ def fp8_moe_skinny_cuda(
         hq.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         out.stride(0),
         TOP_K=top_k, E=e, SCALE_ROWS=scale_rows, BLOCK_N=down_n, BLOCK=BLOCK, num_warps=4,
-        num_stages=down_stages, **pdl_args(x.device, prefetch=True),
+        num_stages=down_stages, **pdl,
     )  # fmt: skip
     return out
 
@@ -374,8 +374,7 @@ def fp8_gemv_cuda(
     bn, s = tiles or gemv_tiles(block_m, n, k, sm_count(x.device))
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, S=s, BLOCK=BLOCK, num_warps=4,
-        **pdl_args(x.device, prefetch=True),
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BN=bn, S=s, BLOCK=BLOCK, num_warps=4, **pdl_args(x.device),
     )  # fmt: skip
     return out
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from deltaserve.kernels.common.arrival import last_to_arrive
 from deltaserve.kernels.common.fast_launch import fast_launch_module
-from deltaserve.kernels.common.pdl import prefetch_l2, wait_inputs
+from deltaserve.kernels.common.pdl import wait_inputs
 from deltaserve.kernels.moe.triton import col_tile, row_tile
 
 BLOCK_K = 128  # the format's block: one scale per K step
@@ -154,11 +154,9 @@ def _skinny_block(x, x_s, wt, sw, i, K, offs_m, m_ok, stride_xm, stride_xsm, BLO
 def _skinny_fp8_tile(
     x, x_s, w, w_s, pid_n, offs_m, m_ok, N, K, first, last, stride_xm, stride_xsm, stride_wn, stride_wsn,
     SCALE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """(acc `[BLOCK_N, BLOCK_M]`, output columns, their mask) of weight tile pid_n over K blocks
-    [first, last). With PDL its first weight tile is loaded before waiting for the previous kernel,
-    and the PREFETCH blocks after it are asked of L2."""
+    [first, last). With PDL its first weight tile is loaded before waiting for the previous kernel."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_rows = w + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -169,9 +167,6 @@ def _skinny_fp8_tile(
         w_rows + first * BLOCK + tl.arange(0, BLOCK)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
     )
     sw = tl.load(s_rows + first, mask=n_ok & (first * BLOCK + 0 * offs_n < K), other=0.0)
-    if PREFETCH > 0:  # clamped to the part's blocks and the weight's rows: a prefetch must not leave them
-        blk = tl.minimum(first + 1 + tl.arange(0, PREFETCH), tl.minimum(last, tl.cdiv(K, BLOCK)) - 1)
-        prefetch_l2(w + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn + blk[None, :] * BLOCK)
     wait_inputs(PDL)
     acc = _skinny_block(x, x_s, wt, sw, first, K, offs_m, m_ok, stride_xm, stride_xsm, BLOCK)
     for i in range(first + 1, last):
@@ -237,7 +232,6 @@ def _fp8_skinny_kernel(
     DENSE: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """Decode's few rows (M <= BLOCK_M) as the MMA's narrow side: weight tiles of BLOCK_N rows are
     the left operand, so the tensor cores take them as loaded (wgmma's 64-row side).
@@ -262,12 +256,12 @@ def _fp8_skinny_kernel(
         else:
             acc, offs_n, n_ok = _skinny_fp8_tile(
                 x, x_s, w, w_s, pid_n - dense_tiles, offs_m, m_ok, N, K, first, last, stride_xm, stride_xsm,
-                stride_wn, stride_wsn, SCALE_ROWS, BLOCK_N, BLOCK, PDL, PREFETCH,
+                stride_wn, stride_wsn, SCALE_ROWS, BLOCK_N, BLOCK, PDL,
             )  # fmt: skip
     else:
         acc, offs_n, n_ok = _skinny_fp8_tile(
             x, x_s, w, w_s, pid_n, offs_m, m_ok, N, K, first, last, stride_xm, stride_xsm, stride_wn,
-            stride_wsn, SCALE_ROWS, BLOCK_N, BLOCK, PDL, PREFETCH,
+            stride_wsn, SCALE_ROWS, BLOCK_N, BLOCK, PDL,
         )  # fmt: skip
     width = N + ND
     mask = n_ok[:, None] & m_ok[None, :]
@@ -401,7 +395,6 @@ def _fp8_moe_skinny_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """Program (n, a): BLOCK_N rows of assignment a's down projection times its quantized
     intermediate, scaled by its routing weight (zero for another rank's expert); the last of a
@@ -419,7 +412,7 @@ def _fp8_moe_skinny_down_kernel(
     acc, offs_n, n_ok = _skinny_fp8_tile(
         h + a.to(tl.int64) * stride_ht, h_s + a.to(tl.int64) * stride_hst, w + expert * stride_we,
         w_s + expert * stride_se, pid_n, rows, rows < 1, H, INTER, 0, tl.cdiv(INTER, BLOCK), 0, 0, stride_wn,
-        stride_sn, SCALE_ROWS, BLOCK_N, BLOCK, PDL, PREFETCH,
+        stride_sn, SCALE_ROWS, BLOCK_N, BLOCK, PDL,
     )  # fmt: skip
     # another rank's expert adds zero; its intermediate row was never written (where, not a product)
     acc = tl.where(valid, acc, 0.0)
@@ -471,16 +464,11 @@ def _fp8_gemv_kernel(
     S: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """Each iteration reads S whole 128-column blocks of BN rows, so that enough bytes are in
-    flight: the scale then broadcasts along the block's own axis. With PDL the first PREFETCH
-    blocks of its rows are asked of L2 before the wait."""
-    on = tl.program_id(0) * BN + tl.arange(0, BN)
-    if PREFETCH > 0:  # clamped to the weight: a prefetch must not leave it
-        blk = tl.minimum(tl.arange(0, PREFETCH), tl.cdiv(K, BLOCK) - 1)
-        prefetch_l2(w + tl.minimum(on, N - 1).to(tl.int64)[:, None] * stride_wn + blk[None, :] * BLOCK)
+    flight: the scale then broadcasts along the block's own axis."""
     wait_inputs(PDL)
+    on = tl.program_id(0) * BN + tl.arange(0, BN)
     om = tl.arange(0, BLOCK_M)
     ob = tl.arange(0, S)
     oc = tl.arange(0, BLOCK)
