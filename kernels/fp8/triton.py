@@ -495,6 +495,97 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
+def _row_gemv_weights(w_rows, n_ok, blk, K, BLOCK: tl.constexpr):
+    """The weights `[BN, S, BLOCK]` of 128-column blocks blk of a program's rows."""
+    cols = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return tl.load(w_rows + cols[None, :, :], mask=n_ok[:, None, None] & (cols < K)[None, :, :], other=0.0)
+
+
+@triton.jit
+def _row_gemv_row(x, xs, ws, blk, K, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    """The row's values `[S, BLOCK]` at blocks blk in fp32: its e4m3 codes times its scales and the
+    weight's block scales (one block for all of a program's rows), or as stored."""
+    cols = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    xv = tl.load(x + cols, mask=cols < K, other=0.0).to(tl.float32)
+    if QUANT:
+        b_ok = blk < tl.cdiv(K, BLOCK)
+        xv = xv * (tl.load(xs + blk, mask=b_ok, other=0.0) * tl.load(ws + blk, mask=b_ok, other=0.0))[:, None]
+    return xv
+
+
+@triton.jit
+def _row_gemv_sums(
+    x, xs, w_rows, ws, n_ok, K, QUANT: tl.constexpr, BN: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr,
+    AHEAD: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """`[BN]`: the row times a program's BN weight rows, S blocks an iteration. The products
+    accumulate elementwise and are reduced at the end, as in linear/triton.py's GEMV. AHEAD: the
+    next iteration's weights are loaded before this one's products, two tiles in flight. With PDL
+    the first tile is loaded before the wait."""
+    blk = tl.arange(0, S)
+    wt = _row_gemv_weights(w_rows, n_ok, blk, K, BLOCK)
+    wait_inputs(PDL)
+    acc = tl.zeros((BN, S, BLOCK), dtype=tl.float32)
+    for k0 in range(0, K, S * BLOCK):
+        blk = k0 // BLOCK + tl.arange(0, S)
+        if AHEAD:
+            ahead = _row_gemv_weights(w_rows, n_ok, blk + S, K, BLOCK)  # past K: masked, nothing read
+            acc += wt.to(tl.float32) * _row_gemv_row(x, xs, ws, blk, K, QUANT, BLOCK)[None, :, :]
+            wt = ahead
+        else:
+            if k0 > 0:
+                wt = _row_gemv_weights(w_rows, n_ok, blk, K, BLOCK)
+            acc += wt.to(tl.float32) * _row_gemv_row(x, xs, ws, blk, K, QUANT, BLOCK)[None, :, :]
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def _fp8_row_gemv_kernel(
+    xq,  # [K] e4m3: the row, per 128 channels
+    xs,  # [ceil(K/128)] fp32
+    w,  # [N, K] e4m3
+    w_s,  # [ceil(N/SCALE_ROWS), ceil(K/128)] fp32
+    y,  # [N + ND]
+    xd,  # [K] the unquantized row (DENSE)
+    wd,  # [ND, K] the unquantized weight rows after w's (DENSE)
+    N,
+    ND,
+    K,
+    stride_wn,
+    stride_wsn,
+    stride_wdn,
+    SCALE_ROWS: tl.constexpr,
+    BN: tl.constexpr,
+    S: tl.constexpr,
+    BLOCK: tl.constexpr,
+    AHEAD: tl.constexpr,
+    DENSE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One quantized row times BN weight rows a program, all in one scale block (BN divides
+    SCALE_ROWS): both scales are folded into the row once a block, so each weight byte costs a
+    conversion and an FMA. DENSE: the first programs take the ND unquantized rows that follow
+    w's in the output (a GDN in_proj's gate rows) times the unquantized row."""
+    pid = tl.program_id(0)
+    if DENSE:  # the unquantized tiles first: twice an FP8 tile's bytes, they start in the first wave
+        dense_tiles = tl.cdiv(ND, BN)
+        if pid < dense_tiles:
+            rows = pid * BN + tl.arange(0, BN)
+            ok = rows < ND
+            wd_rows = wd + rows.to(tl.int64)[:, None, None] * stride_wdn
+            total = _row_gemv_sums(xd, xd, wd_rows, wd, ok, K, False, BN, S, BLOCK, AHEAD, PDL)
+            tl.store(y + N + rows, total.to(y.dtype.element_ty), mask=ok)
+            return
+        pid = pid - dense_tiles
+    on = pid * BN + tl.arange(0, BN)
+    n_ok = on < N
+    w_rows = w + on.to(tl.int64)[:, None, None] * stride_wn
+    ws = w_s + (pid * BN // SCALE_ROWS).to(tl.int64) * stride_wsn
+    total = _row_gemv_sums(xq, xs, w_rows, ws, n_ok, K, True, BN, S, BLOCK, AHEAD, PDL)
+    tl.store(y + on, total.to(y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _moe_gate_up_swapped(
     x, x_s, w_base, s_base, inter, assign, valid, token, offs_n, n_ok, H, INTER, stride_xt, stride_xst,
     stride_wn, stride_sn, stride_it, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
