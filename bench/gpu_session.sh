@@ -25,7 +25,6 @@
 #   bash bench/gpu_session.sh moe-swap-tests # their GPU tests; the bf16 MoE models' engine tests
 #   bash bench/gpu_session.sh moe-swap-bf16 # the bf16 grouped MoE's swapped tilings (35B-A3B, Kimi-Linear); their tests
 #   bash bench/gpu_session.sh moe-swap-bf16-2 # their tests and Kimi's fused shared expert on CUDA; bf16 sweeps
-#   bash bench/gpu_session.sh row-gemv # the one-row FP8 GEMV: tests, tilings, 9B FP8 batch 1 against REV (prepare REV)
 #   bash bench/gpu_session.sh profiles-fp8 # each kernel's own time (no PDL): 9B / 80B FP8 batch 1, 80B FP8 batch 32
 #   bash bench/gpu_session.sh norm-ab # the whole-row RMSNorm: its tests; 80B / 9B FP8 and 9B bf16 decode against REV
 #   bash bench/gpu_session.sh align-ab # the grouping's warps on 80B's experts, 80B FP8 decode at the fastest; 9B 8k prefill against REV
@@ -54,9 +53,6 @@ run() {  # run SECONDS NAME CMD...: a hard time limit each, so one stuck step le
 # python3 -c "$AT_WARPS" W ARGS...: bench.engine.decode with the MoE grouping's one program in W warps
 AT_WARPS='import runpy, sys; import deltaserve.kernels.moe.align as a
 a.ONE_PROGRAM_WARPS = int(sys.argv.pop(1)); sys.argv[0] = "decode"; runpy.run_module("bench.engine.decode", run_name="__main__")'
-# python3 -c "$ROW_TILES" BN:S:WARPS:AHEAD ARGS...: bench.engine.decode with the one-row FP8 GEMV at that tiling
-ROW_TILES='import runpy, sys; import deltaserve.kernels.fp8.cuda as c
-c.ROW_GEMV_TILES = tuple(int(v) for v in sys.argv.pop(1).split(":")); sys.argv[0] = "decode"; runpy.run_module("bench.engine.decode", run_name="__main__")'
 case "${1:-all}" in
   all)  # one pytest per group at once: the suite is bound by Triton/FLA compiling on the CPU, not the GPU
     run 560 engine-hf-tests python3 -m pytest -q -rA -m gpu tests/engine/test_gpu_engine.py &
@@ -329,26 +325,6 @@ case "${1:-all}" in
       --moe-tiles "${sw[@]}"
     run 100 moe-bf16-kimi python3 -m bench.ops.fp8_gemm --moe configs/kimi-linear-48b-a3b --bf16 \
       --tokens 24 32 64 --moe-tiles "${sw[@]}"
-    ;;
-  row-gemv)  # the one-row FP8 GEMV: its GPU tests, its tilings on 9B's and 80B's weights, 9B FP8 batch 1 against REV (prepare REV)
-    run 240 row-gemv-tests python3 -m pytest -q -rfE -m gpu tests/kernels/fp8/test_fp8_cuda.py \
-      -k "row_gemv or pdl_equals or fp8_linear_matches_reference"
-    tiles="8:4:4:1 4:8:4:1 8:4:4:0 8:8:4:0 16:8:8:0 8:8:8:1 16:4:4:1 4:4:4:1 16:4:8:1 2:8:4:1"
-    run 150 row-gemv-9b python3 -m bench.ops.fp8_gemv --model configs/qwen3.5-9b --rows 1 --row-gemv-tiles $tiles \
-      --json "$out/row-gemv-9b.json"
-    run 100 row-gemv-80b python3 -m bench.ops.fp8_gemv --model configs/qwen3-next-80b-a3b-fp8 --rows 1 \
-      --row-gemv-tiles $tiles --json "$out/row-gemv-80b.json"
-    best=$(python3 -c "import json, sys; rows = json.load(open(sys.argv[1]))
-keys = [k for k in rows[0] if k.startswith('fp8_row_gemv_') and k.endswith('_us')]
-print(min(keys, key=lambda k: sum(r[k] * r['layers'] for r in rows))[13:-3].replace('x', ':'))" "$out/row-gemv-9b.json")
-    echo "the fastest tiling on 9B's weights: $best"
-    run 200 ab-9b-fp8 bash bench/ab.sh run python3 -m bench.engine.decode --model configs/qwen3.5-9b-fp8 \
-      --batch-sizes 1 --prompt-len 512 --new-tokens 128 --prefill-len 0
-    grep '^{\|===' "$out/ab-9b-fp8.log" | cut -c1-120
-    if [ "$best" != default ]; then
-      run 100 decode-9b-fp8-$best python3 -c "$ROW_TILES" "$best" --model configs/qwen3.5-9b-fp8 --batch-sizes 1 \
-        --prompt-len 512 --new-tokens 128 --prefill-len 0
-    fi
     ;;
   profiles-fp8)  # without PDL (each kernel's own time): 9B FP8 and 80B FP8 batch 1, 80B FP8 batch 32
     run 150 profile-9b-fp8-b1 env DELTASERVE_PDL=off python3 -m bench.engine.profile_decode \

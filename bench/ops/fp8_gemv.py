@@ -7,7 +7,7 @@
 
 Dense: every distinct linear weight of the model, quantized to e4m3 with 128 x 128 block scales,
 timed through the GEMV (products in registers, the row quantized inside it; up to 8 rows), the
-one-row GEMV (the row quantized first; one row), the w8a8 GEMM and the skinny GEMM (up to 16 rows), against the bf16 Triton GEMV on the same shape; MoE: one layer's routed experts,
+w8a8 GEMM and the skinny GEMM (up to 16 rows), against the bf16 Triton GEMV on the same shape; MoE: one layer's routed experts,
 through the per-assignment GEMV, the skinny MoE and the grouped GEMMs. Each is timed as `bench.ops.gemv` times it (CUDA graphs, copies that
 exceed the L2 cache). Reported: microseconds per call and the bandwidth of the bytes read once.
 """
@@ -30,7 +30,6 @@ def bench_dense(
     gemm_tiles: list[tuple[int, ...]],
     gemv_tiles: list[tuple[int, ...]],
     skinny_tiles: list[tuple[int, ...]],
-    row_gemv_tiles: list[tuple[int, ...]],
 ) -> list[dict]:
     from deltaserve.kernels.fp8 import cuda as fp8_cuda
     from deltaserve.kernels.fp8.blocks import quantize_blocks
@@ -50,11 +49,6 @@ def bench_dense(
             for bn, blocks in gemv_tiles if m == 1 else []:
                 row[f"fp8_gemv_bn{bn}_s{blocks}_us"] = time_us(
                     lambda q, x=x, t=(bn, blocks): fp8_cuda.fp8_gemv_cuda(x, q[0], q[1], 128, tiles=t), qs
-                )
-            for t in [None, *row_gemv_tiles] if m == 1 else []:
-                name = "x".join(map(str, t)) if t else "default"
-                row[f"fp8_row_gemv_{name}_us"] = time_us(
-                    lambda q, x=x, t=t: fp8_cuda.fp8_row_gemv_cuda(x, q[0], q[1], 128, t), qs
                 )
             row["fp8_gemm_us"] = time_us(lambda q, x=x: fp8_cuda.fp8_gemm_cuda(x, q[0], q[1], 128), qs)
             for bn, stages, *split in gemm_tiles:
@@ -174,13 +168,6 @@ def main() -> None:
         metavar="BLOCK_N:STAGES:SPLIT",
         help="also time the skinny GEMM (up to 16 rows, weight rows as the MMA's wide side) at these tilings",
     )
-    ap.add_argument(
-        "--row-gemv-tiles",
-        nargs="*",
-        default=[],
-        metavar="BN:S:WARPS:AHEAD",
-        help="also time the one-row GEMV on the CUDA cores (the row quantized first) at these tilings",
-    )
     ap.add_argument("--moe", help="routed experts of this config")
     ap.add_argument(
         "--skinny-moe-tiles",
@@ -199,12 +186,7 @@ def main() -> None:
             return [tuple(int(v) for v in t.split(":")) for t in specs]
 
         rows += bench_dense(
-            args.model,
-            args.rows,
-            pairs(args.gemm_tiles),
-            pairs(args.gemv_tiles),
-            pairs(args.skinny_tiles),
-            pairs(args.row_gemv_tiles),
+            args.model, args.rows, pairs(args.gemm_tiles), pairs(args.gemv_tiles), pairs(args.skinny_tiles)
         )
     if args.moe:
         rows += bench_moe(

@@ -379,46 +379,6 @@ def fp8_gemv_cuda(
     return out
 
 
-# (BN weight rows, S 128-column blocks, warps, the next tile loaded ahead) of the one-row GEMV
-ROW_GEMV_TILES = (8, 4, 4, 1)
-
-
-def fp8_row_gemv_cuda(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    scale_rows: int,
-    tiles: tuple[int, int, int, int] | None = None,
-    out: torch.Tensor | None = None,
-    dense: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One row (`[1, K]`) times the e4m3 weight on the CUDA cores, the row quantized first (by the
-    op that wrote it, `keep_quantized`, else a launch of its own): each weight byte is read once,
-    converted and multiplied. `tiles`: (BN, S, warps, ahead), `ROW_GEMV_TILES` unless given, BN
-    dividing `scale_rows` (`bench/ops/fp8_gemv.py --row-gemv-tiles` sweeps them). `out` and
-    `dense` as in `fp8_skinny_cuda`."""
-    import triton
-
-    from deltaserve.kernels.common.pdl import pdl_args
-    from deltaserve.kernels.fp8.triton import _fp8_row_gemv_kernel
-
-    m, k = x.shape
-    n = weight.shape[0]
-    nd = 0 if dense is None else dense.shape[0]
-    bn, blocks, warps, ahead = tiles or ROW_GEMV_TILES
-    assert m == 1 and scale_rows % bn == 0 and x.stride(-1) == 1, (m, scale_rows, bn)
-    assert dense is None or (dense.shape[1] == k and dense.stride(-1) == 1 and dense.dtype == x.dtype)
-    out = _output(out, m, n + nd, x)
-    xq, xs = act_quant_cuda(x)
-    _fp8_row_gemv_kernel[(triton.cdiv(n, bn) + triton.cdiv(nd, bn),)](
-        xq, xs, weight, scale, out, x, dense if dense is not None else x, n, nd, k,
-        weight.stride(0), scale.stride(0), dense.stride(0) if dense is not None else 0,
-        SCALE_ROWS=scale_rows, BN=bn, S=blocks, BLOCK=BLOCK, AHEAD=bool(ahead), DENSE=dense is not None,
-        num_warps=warps, **pdl_args(x.device),
-    )  # fmt: skip
-    return out
-
-
 @functools.cache
 def decode_mode() -> str:
     """`DELTASERVE_FP8_DECODE`: 2-16 rows, and one row of a weight too large for the GEMV, through
@@ -450,10 +410,7 @@ def fp8_linear_cuda(
     width = n + (0 if dense is None else dense.shape[0])
     out2 = out.view(-1, width) if out is not None else None
     skinny = x2.shape[0] <= SKINNY_MAX_ROWS and decode_mode() == "skinny"
-    one_row = x2.shape[0] == 1 and skinny and scale_rows % ROW_GEMV_TILES[0] == 0
-    if one_row and (dense is not None or n >= GEMV_MAX_N or weight.numel() >= GEMV_MAX_NUMEL):
-        y = fp8_row_gemv_cuda(x2, weight, scale, scale_rows, out=out2, dense=dense)
-    elif dense is not None and skinny:
+    if dense is not None and skinny:
         y = fp8_skinny_cuda(x2, weight, scale, scale_rows, out=out2, dense=dense)
     elif dense is not None:  # both parts into one output
         y = out2 if out2 is not None else x2.new_empty(x2.shape[0], width)

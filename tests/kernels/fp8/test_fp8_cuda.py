@@ -286,49 +286,6 @@ def test_fp8_skinny_matches_gemm(m, n, k, scale_rows, tiles):
     assert counters is None or not counters.any()
 
 
-@pytest.mark.parametrize("tiles", [None, (16, 8, 8, 1), (8, 8, 4, 0), (2, 1, 4, 1)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_fp8_row_gemv_is_the_w8a8_product_of_the_quantized_row(n, k, dtype, tiles):
-    """The one-row GEMV (partial row and column blocks, tiles of 1-8 blocks, with and without the
-    next tile loaded ahead) computes the product of the row's e4m3 codes and the weight's, both
-    dequantized by their scales, to fp32's rounding; an all-zero group adds nothing."""
-    from deltaserve.kernels.fp8.cuda import act_quant_cuda, fp8_row_gemv_cuda
-
-    w, s = _weight(n, k, 128, n + k)
-    x = (torch.randn(1, k, device="cuda") * 3).to(dtype)
-    x[0, : min(k, 128)] = 0
-    xq, xs = act_quant_cuda(x)
-    codes = xq.double() * xs.double().repeat_interleave(128, dim=-1)[:, :k]
-    got = fp8_row_gemv_cuda(x, w, s, 128, tiles)
-    assert got.dtype == dtype and got.shape == (1, n)
-    _close(got, codes @ dequantize_blocks(w, s, 128).double().T, 1e-2 if dtype == torch.bfloat16 else 1e-5)
-    _close(got, fp8_linear_ref(x.float(), w, s, 128), 2e-2)  # + rounding ties of the quantization
-
-
-@pytest.mark.parametrize("tiles", [None, (2, 1, 4, 0)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("nd", [64, 10, 200])
-def test_fp8_row_gemv_with_unquantized_rows(nd, dtype, tiles):
-    """One row through a projection of FP8 rows followed by unquantized ones (a GDN in_proj's gate
-    rows) in one launch: the FP8 columns are the plain one-row GEMV's bits, the unquantized ones the
-    matmul in the inputs' dtype; `fp8_linear_cuda` takes this path for one row, every column
-    written in place."""
-    from deltaserve.kernels.fp8 import cuda as fp8_cuda
-
-    n, k = 1024, 2050
-    w, s = _weight(n, k, 128, nd)
-    dense = (torch.randn(nd, k, device="cuda") / k**0.5).to(dtype)
-    x = (torch.randn(1, k, device="cuda") * 3).to(dtype)
-    got = fp8_cuda.fp8_row_gemv_cuda(x, w, s, 128, tiles, dense=dense)
-    assert got.shape == (1, n + nd)
-    assert torch.equal(got[:, :n], fp8_cuda.fp8_row_gemv_cuda(x, w, s, 128, tiles))
-    _close(got[:, n:], x.float() @ dense.float().T, 1e-5 if dtype == torch.float32 else 1e-2)
-    out = torch.full((1, n + nd), float("nan"), device="cuda", dtype=dtype)
-    fp8_cuda.fp8_linear_cuda(x, w, s, 128, out=out, dense=dense)
-    assert torch.equal(out, fp8_cuda.fp8_row_gemv_cuda(x, w, s, 128, dense=dense))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t", [1, 3, 6])
 @pytest.mark.parametrize(
@@ -364,14 +321,9 @@ def test_fp8_moe_skinny_matches_gemv(t, e, h, inter, top_k, scale_rows, dtype):
 
 def test_fp8_decode_graph_with_pdl_equals_plain_launches(monkeypatch):
     """A chain of batch-1 decode's FP8 kernels (the skinny GEMM with and without a K split, the
-    GEMVs, the skinny MoE and the per-assignment MoE GEMVs) replayed from a graph with programmatic
+    GEMV, the skinny MoE and the per-assignment MoE GEMVs) replayed from a graph with programmatic
     dependent launch: bit for bit what plain launches compute."""
-    from deltaserve.kernels.fp8.cuda import (
-        fp8_gemv_cuda,
-        fp8_moe_skinny_cuda,
-        fp8_row_gemv_cuda,
-        fp8_skinny_cuda,
-    )
+    from deltaserve.kernels.fp8.cuda import fp8_gemv_cuda, fp8_moe_skinny_cuda, fp8_skinny_cuda
     from deltaserve.kernels.moe.cuda import moe_gemv_cuda
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -394,7 +346,6 @@ def test_fp8_decode_graph_with_pdl_equals_plain_launches(monkeypatch):
             x = x * torch.rsqrt(x.float().square().mean() + 1e-6).to(x.dtype)
             h = fp8_skinny_cuda(x, up, up_s, 128, (64, 4, 4))  # K split in four
             x = fp8_gemv_cuda(h, down, down_s, 128) + fp8_skinny_cuda(h, down, down_s, 128)
-            x = x + fp8_row_gemv_cuda(h, down, down_s, 128)
             x = x + fp8_moe_skinny_cuda(x, gu, gu_s, dn, dn_s, 128, ids, weights)
             x = x + moe_gemv_cuda(x, gu, dn, ids, weights, gu_s, dn_s, 128)
         return x
