@@ -424,13 +424,32 @@ class CompletionResponse(OpenAIModel):
     usage: Usage | None = None
 
 
+class ModelPermission(OpenAIModel):
+    """The permission entry of a model card, as vLLM (and OpenAI's older API) lists it."""
+
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(OpenAIModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "deltaserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model in vLLM; none are served here
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(OpenAIModel):

@@ -106,7 +106,11 @@ class ServerContext:
         )
 
     def resolve_model(self, name: str | None) -> str:
-        if name is None or name in self.model_names or name in self.model_aliases:
+        """The name a reply reports: the request's own where it is one of the served names (as vLLM
+        and SGLang echo it), else the first."""
+        if name is not None and name in self.model_names:
+            return name
+        if name is None or name in self.model_aliases:
             return self.model_names[0]
         raise APIError(
             404,

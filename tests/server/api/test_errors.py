@@ -287,7 +287,11 @@ def test_api_key_and_served_names_with_openai_client(keyed_server) -> None:
     good = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="sekrit", max_retries=0)
     assert [m.id for m in good.models.list().data] == ["tiny", "tiny-alias"]
     r = good.completions.create(model="tiny-alias", prompt="hi", max_tokens=2)
-    assert r.model == "tiny" and r.usage.completion_tokens >= 1
+    assert r.model == "tiny-alias" and r.usage.completion_tokens >= 1  # the name asked for, as vLLM echoes it
+    chat = good.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert chat.model == "tiny"
     with pytest.raises(openai.NotFoundError):
         good.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
 

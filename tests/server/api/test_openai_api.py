@@ -30,6 +30,11 @@ def test_models_health_version(client, server) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME  # OpenAI's GET /v1/models/{id}
+    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]  # vLLM's card: no parent, one permission
+    assert card["parent"] is None and card["max_model_len"] > 0
+    assert [p["object"] for p in card["permission"]] == ["model_permission"] and card["permission"][0][
+        "allow_sampling"
+    ]
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("no-such-model")
     assert missing.value.body["code"] == "model_not_found"
