@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from typing import TYPE_CHECKING
 
 from fastapi import HTTPException
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
     from .metrics import Metrics
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the default limit on a request's body
+# the scope's key for when a request reached the server (time.monotonic): an /abort_request that
+# named it while its prompt was prepared still ends it (`ServerContext.submit`)
+ARRIVED = "deltaserve.arrived"
 # what the key guards besides /v1 (/health, /metrics and /version stay open)
 _KEYED = (
     "/generate",
@@ -59,6 +63,7 @@ class EdgeGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[ARRIVED] = time.monotonic()
         headers = dict(scope["headers"])  # lower-case names (ASGI)
         if self.api_key is not None and _keyed_scope(scope) and not self._authorized(headers):
             message = "missing or invalid API key; send 'Authorization: Bearer <key>'"

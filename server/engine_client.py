@@ -494,6 +494,16 @@ class EngineClient:
         # it): a request sent after this returns, through another HTTP process, is not caught by it
         await self.call_each("model_info", return_exceptions=True)
 
+    async def abort_late(self, request_ids: Sequence[str], since: float) -> None:
+        """Abort those of `request_ids` (just added) that an abort_where of this process named
+        since `since`, while their prompts were prepared: they end with finish reason "abort", as
+        they would have had they been running."""
+        for request_id in request_ids:
+            if self.aborted_since(request_id, since):
+                for engine in range(len(self.handles)):
+                    if engine not in self._gone:
+                        await self._send(("abort_where", request_id), engine)
+
     def aborted_since(self, request_id: str, since: float) -> bool:
         """Whether this process has aborted (abort_where) ids like `request_id` since `since`: a
         request of several engine requests in turn (a beam search's steps) stops between them."""

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.sampling_params import SamplingParams
 
+from ..edge import ARRIVED
 from ..errors import bad_request
 from ..protocol import (
     AssistantMessage,
@@ -89,7 +90,7 @@ async def search(
     )
     base = named_id(name, f"beam-{uuid.uuid4().hex}")
     engine: int | None = None  # one prompt's steps on its first step's engine, whose cache holds them
-    started = time.monotonic()
+    started = raw.scope.get(ARRIVED, time.monotonic())  # an abort while the prompt was prepared counts
     while not beams.finished:
         if ctx.client.aborted_since(base, started):  # /abort_request between two steps
             beams.aborted = True

@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 
+from ..edge import ARRIVED
 from ..engine_client import EngineClient, RequestGroup, ShuttingDownError
 from ..errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed, refused
 from ..metrics import Metrics
@@ -171,13 +172,24 @@ class ServerContext:
             raise bad_request(str(exc), getattr(exc, "param", None) or param) from exc
 
     async def submit(
-        self, requests: Sequence[EngineRequest], track: bool = True, engine: int | None = None
+        self,
+        requests: Sequence[EngineRequest],
+        track: bool = True,
+        engine: int | None = None,
+        raw: Request | None = None,
     ) -> RequestGroup:
+        """Add the requests to the engine. `raw`: the HTTP request they answer, whose requests an
+        /abort_request of this process named after it arrived (while its prompt was prepared) are
+        aborted once added."""
         if self.log_requests and track:
             for request_id, prompt_ids, params, *_ in requests:
                 logger.info("%s", request_line(request_id, prompt_ids, params, self.max_log_len))
         try:
-            return await self.client.add(requests, track, engine)
+            group = await self.client.add(requests, track, engine)
+            arrived = raw.scope.get(ARRIVED) if raw is not None else None
+            if arrived is not None:
+                await self.client.abort_late([r[0] for r in requests], arrived)
+            return group
         except QueueFullError as exc:
             reason = "shutting_down" if isinstance(exc, ShuttingDownError) else "queue_full"
             self.metrics.request_rejected(reason)
@@ -248,7 +260,7 @@ class ServerContext:
             engine = await self.warm_prefix(prompts, n, raw)
         except ClientDisconnected:
             return Response(status_code=499)
-        group = await self.submit(requests, engine=engine)
+        group = await self.submit(requests, engine=engine, raw=raw)
         if stream:
             return StreamingResponse(self.guarded(group, events(group)), media_type="text/event-stream")
         try:

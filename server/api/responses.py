@@ -329,7 +329,7 @@ async def create_response(
         raise
     shell = _Shell(req, model)
     engine_id = named_id(raw.headers.get("x-request-id"), shell.id)  # this API has no name field
-    group = await ctx.submit([prepared.request(engine_id)])
+    group = await ctx.submit([prepared.request(engine_id)], raw=raw)
 
     def keep(body: dict[str, Any]) -> None:
         if req.store:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import httpx
+import pytest
 
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
@@ -185,4 +187,37 @@ def test_responses_and_messages_named_by_x_request_id_are_aborted_by_it(server, 
         t.join(120)
     assert results["/v1/responses"]["usage"]["output_tokens"] < 480
     assert results["/v1/messages"]["usage"]["output_tokens"] < 480
+    assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
+
+
+@pytest.mark.slow  # a few seconds of tokenization
+def test_a_request_named_while_its_prompt_waits_is_aborted_once_added(server, until_idle) -> None:
+    """An /abort_request that names a request while its prompt waits to be tokenized (behind a long
+    prompt in the one tokenizing worker) ends it once it reaches the engine, with finish reason
+    "abort", as a running request would end: it does not run to its length."""
+    replies: dict[str, Any] = {}
+
+    def complete(name: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        r = httpx.post(
+            f"{server.url}/v1/completions", json={"model": MODEL_NAME, **body}, headers=headers, timeout=300
+        )
+        replies[name] = (time.monotonic(), r.status_code, r.json())
+
+    long_prompt = {"prompt": "hello world, this is some text. " * 150_000, "max_tokens": 1}  # 4.8 MB
+    named = {"prompt": "go on", "max_tokens": 480, "ignore_eos": True}
+    blocker = threading.Thread(target=complete, args=("long", long_prompt, {}))
+    waiting = threading.Thread(target=complete, args=("named", named, {"X-Request-Id": "late-1"}))
+    blocker.start()
+    time.sleep(0.5)  # its prompt is being tokenized
+    waiting.start()
+    time.sleep(0.3)  # its prompt waits behind it
+    assert httpx.post(f"{server.url}/abort_request", json={"rid": "late-1"}).status_code == 200
+    aborted_at = time.monotonic()
+    blocker.join(300)
+    waiting.join(300)
+    done_at, status, body = replies["long"]
+    assert status == 400 and done_at > aborted_at  # too long; still tokenizing when the abort came
+    _, status, body = replies["named"]
+    assert status == 200 and body["id"] == "cmpl-late-1"
+    assert body["choices"][0]["finish_reason"] == "abort" and body["usage"]["completion_tokens"] < 480
     assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
