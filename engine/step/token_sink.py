@@ -83,9 +83,11 @@ class TokenSink:
         if req.error is None:
             try:
                 checked = req.detokenizer.length
-                # the token that stops a request is not in its text unless asked for, as in vLLM
+                # the token that stops a request is not in its text unless asked for, as in vLLM;
+                # nor the end of sequence that completed a grammar (ignore_eos lets no other stop it)
                 by_token = stop_token_verdict(req, tok, self.eos_token_ids)
-                if by_token is None or req.params.include_stop_str_in_output:
+                ends_grammar = req.matcher is not None and req.matcher.terminated
+                if (by_token is None and not ends_grammar) or req.params.include_stop_str_in_output:
                     req.detokenizer.append(tok)
                 verdict = check_stop(req, by_token, self.max_model_len, checked)
             except Exception as exc:

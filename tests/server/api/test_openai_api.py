@@ -165,21 +165,26 @@ def test_stop_token_ids(client, server) -> None:
 @pytest.mark.parametrize("include", [False, True])
 def test_a_stop_tokens_text_is_the_same_streamed_or_not(client, server, include) -> None:
     """A stream's text (decoded in the HTTP process) leaves the stop token out as the engine's
-    does, unless include_stop_str_in_output; an end of sequence with special tokens shown too."""
+    does, unless include_stop_str_in_output; an end of sequence with special tokens shown too,
+    and the one that completes a grammar under ignore_eos."""
     body = {"model": MODEL_NAME, "prompt": [5, 9, 17, 3], "max_tokens": 8, "temperature": 0}
     free = client.completions.create(**body, logprobs=0, extra_body={"return_tokens_as_token_ids": True})
     ids = [int(t.removeprefix("token_id:")) for t in free.choices[0].logprobs.tokens]
     eos = httpx.post(f"{server.url}/tokenize", json={"prompt": "<|im_end|>", "add_special_tokens": False})
+    shown = {"skip_special_tokens": False}
     for extra in (
         {"stop_token_ids": [ids[2]]},
-        {"logit_bias": {str(eos.json()["tokens"][0]): 100}, "min_tokens": 2, "skip_special_tokens": False},
+        {"logit_bias": {str(eos.json()["tokens"][0]): 100}, "min_tokens": 2, **shown},
+        # a grammar's end of sequence, with ignore_eos: the grammar, not the token, ends it
+        {"structured_outputs": {"regex": "abc"}, "ignore_eos": True, **shown},
     ):
         extra = {**extra, "include_stop_str_in_output": include}
         whole = client.completions.create(**body, extra_body=extra).choices[0]
         chunks = list(client.completions.create(**body, stream=True, extra_body=extra))
         assert whole.finish_reason == "stop" and chunks[-1].choices[0].finish_reason == "stop"
         assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
-        assert whole.text.endswith("<|im_end|>") == (include and "logit_bias" in extra)
+        assert whole.text.endswith("<|im_end|>") == (include and "skip_special_tokens" in extra)
+        assert "structured_outputs" not in extra or whole.text.removesuffix("<|im_end|>") == "abc"
 
 
 def test_chat_logprobs(client) -> None:
