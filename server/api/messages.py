@@ -290,7 +290,9 @@ class _Blocks(PartsWriter):
         try:
             value = json.loads(arguments)
         except json.JSONDecodeError:
-            value = {}
+            value = None
+        if not isinstance(value, dict):  # Anthropic's inputs are objects, streamed as JSON
+            value, arguments = {}, "{}"
         tool_id = call_id if is_model_call_id(call_id) else _tool_use_id()
         block = {"type": "tool_use", "id": tool_id, "name": name, "input": value}
         self.blocks.append(block)

@@ -467,6 +467,30 @@ def test_anthropic_messages_give_thinking_and_tool_use_blocks(serve_script) -> N
     assert set(kinds[2:-6]) == {"content_block_delta"}  # the thinking block's deltas
 
 
+@pytest.mark.parametrize("arguments", ['"not json"', "[1, 2]", '"{oops"'])
+def test_a_tool_calls_input_is_an_object_streamed_or_not(serve_script, arguments: str) -> None:
+    """Arguments that are no JSON object (a string, an array) give a tool_use input of {} in the
+    reply and in the stream alike: Anthropic's format has objects only, and its SDK's stream
+    parses each input_json_delta as JSON."""
+    import anthropic
+
+    script = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    base = str(serve_script(script).base_url).removesuffix("/").removesuffix("/v1")
+    client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    tools = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    ask = {
+        "model": "scripted",
+        "max_tokens": 500,
+        "tools": tools,
+        "messages": [{"role": "user", "content": "?"}],
+    }
+    m = client.messages.create(**ask)
+    with client.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    for reply in (m, final):
+        assert [(b.type, b.name, b.input) for b in reply.content] == [("tool_use", "get_weather", {})]
+
+
 REQUEST_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
 
 
