@@ -85,6 +85,14 @@ def _top(lp: Logprob, k: int) -> list[tuple[int, float]]:
     return sorted(lp.top.items(), key=lambda kv: -kv[1])[:k]
 
 
+def _legacy_top(lp: Logprob, top_k: int, token_text: TokenText) -> dict[str, float]:
+    """A legacy completion's `top_logprobs` entry: the top `top_k` and the chosen token, which
+    OpenAI's and vLLM's always add (up to `top_k + 1` entries)."""
+    top = {token_text(t)[0]: v for t, v in _top(lp, top_k)}
+    top.setdefault(token_text(lp.token_id)[0], lp.logprob)
+    return top
+
+
 def chat_logprobs(logprobs: list[Logprob], top_k: int, token_text: TokenText) -> ChatLogprobs:
     content = []
     for lp in logprobs:
@@ -123,7 +131,7 @@ def completion_logprobs(
         text, raw = token_text(lp.token_id)
         out.tokens.append(text)
         out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({token_text(t)[0]: v for t, v in _top(lp, top_k)})
+        out.top_logprobs.append(_legacy_top(lp, top_k, token_text))
         out.text_offset.append(offsets.take(raw))
     return out
 
@@ -143,7 +151,7 @@ def prompt_completion_logprobs(
         lp = scored[i] if scored is not None and i < len(scored) else None
         out.tokens.append(text)
         out.token_logprobs.append(lp.logprob if lp is not None else None)
-        out.top_logprobs.append({token_text(t)[0]: v for t, v in _top(lp, top_k)} if lp is not None else None)
+        out.top_logprobs.append(_legacy_top(lp, top_k, token_text) if lp is not None else None)
         out.text_offset.append(offsets.take(raw))
     return out
 

@@ -187,6 +187,24 @@ def test_a_stop_tokens_text_is_the_same_streamed_or_not(client, server, include)
         assert "structured_outputs" not in extra or whole.text.removesuffix("<|im_end|>") == "abc"
 
 
+def test_legacy_top_logprobs_hold_the_chosen_token(client) -> None:
+    """OpenAI's legacy completions (and vLLM's) always give the chosen token's logprob among the
+    top_logprobs: up to logprobs + 1 entries, streamed as not."""
+    body = dict(model=MODEL_NAME, prompt="alpha beta", max_tokens=12, temperature=1.5, seed=3, logprobs=1)
+    lp = client.completions.create(**body, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # sampled tokens outside the top 1
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == value and 1 <= len(top) <= 2
+    chunks = client.completions.create(**body, stream=True, extra_body={"ignore_eos": True})
+    streamed = [
+        top
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for top in c.choices[0].logprobs.top_logprobs
+    ]
+    assert streamed == lp.top_logprobs
+
+
 def test_chat_logprobs(client) -> None:
     r = chat(
         client, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True}
