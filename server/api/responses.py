@@ -348,7 +348,7 @@ async def create_response(
     items_of = _Events()
     cut = completion.finish_reason == "length"
     items_of.feed(*ChatStreamState(prepared.parser).feed_in_order(completion.text, True, cut))
-    items_of.finish()
+    items_of.finish(cut)
     status = "incomplete" if cut else "completed"
     thought = items_of.reasoning_text()
     reasoning_tokens = len(ctx.encode(thought)) if thought else 0
@@ -406,14 +406,14 @@ class _Events(PartsWriter):
         events.append(self.emit(delta, item_id=item["id"], output_index=index, content_index=0, delta=piece))
         return events
 
-    def close(self, kind: str) -> list[str]:
+    def close(self, kind: str, status: str = "completed") -> list[str]:
         index = self.open.pop(kind, None)
         if index is None:
             return []
         item = self.output[index]
         part = item["content"][0]
         done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
-        item["status"] = "completed"
+        item["status"] = status
         return [
             self.emit(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"]),
             self.emit(
@@ -426,11 +426,13 @@ class _Events(PartsWriter):
             self.emit("response.output_item.done", output_index=index, item=item),
         ]
 
-    def finish(self) -> list[str]:
-        """Close the open items; a reply of no text and no call gets an empty message."""
-        events = self.close("reasoning") + self.close("message")
+    def finish(self, cut: bool) -> list[str]:
+        """Close the open items, "incomplete" where max_output_tokens `cut` them (as OpenAI marks
+        the item it stopped); a reply of no text and no call gets an empty message."""
+        status = "incomplete" if cut else "completed"
+        events = self.close("reasoning", status) + self.close("message", status)
         if not any(item["type"] in ("message", "function_call") for item in self.output):
-            events += self.text("message", "") + self.close("message")
+            events += self.text("message", "") + self.close("message", status)
         return events
 
     def reasoning_text(self) -> str:
@@ -476,10 +478,10 @@ async def _stream(
         body = error_body(*failure_of(exc))["error"]
         yield events.emit("error", code=body["type"], message=body["message"], param=None)
         return
-    for e in events.finish():
-        yield e
     assert events.last is not None
     completion = events.last.outputs[0]
+    for e in events.finish(completion.finish_reason == "length"):
+        yield e
     status = "incomplete" if completion.finish_reason == "length" else "completed"
     thought = events.reasoning_text()
     reasoning_tokens = len(ctx.encode(thought)) if thought else 0

@@ -46,6 +46,7 @@ def test_text_response_matches_the_chat_endpoint(client) -> None:
         assert r.incomplete_details.reason == "max_output_tokens"
     (message,) = [item for item in r.output if item.type == "message"]
     assert message.role == "assistant" and message.content[0].type == "output_text"
+    assert message.status == r.status  # the item max_output_tokens cut is incomplete too, as OpenAI marks it
 
 
 def test_chat_template_kwargs_reach_the_template(client) -> None:
@@ -168,6 +169,10 @@ def test_stream_events_add_up_to_the_response(client) -> None:
     assert deltas == whole.output_text
     final = events[-1].response
     assert final.output_text == whole.output_text and final.status == whole.status
+    assert [i.status for i in final.output] == [i.status for i in whole.output]
+    assert final.output[-1].status == final.status  # the item being written when it ended
+    done_items = [e.item.status for e in events if e.type == "response.output_item.done"]
+    assert done_items == [i.status for i in whole.output]
     assert final.usage.output_tokens == whole.usage.output_tokens
     done = [e for e in events if e.type == "response.output_text.done"]
     assert [e.text for e in done] == [whole.output_text]
