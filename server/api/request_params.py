@@ -43,6 +43,8 @@ def build_sampling_params(
     else:
         max_name, max_tokens, logprobs = "max_tokens", req.max_tokens, req.logprobs
         names = {}
+    if req.stream_options is not None and not req.stream:  # OpenAI's and vLLM's 400
+        raise bad_request("stream_options are only for a streamed request (stream true)", "stream_options")
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is not None and req.stream:  # a stream's chunks have no place for them (vLLM's 400)
         raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")

@@ -55,6 +55,8 @@ def refusal(req: ChatCompletionRequest | CompletionRequest) -> APIError:
         (chat(prompt_logprobs=-1), "prompt_logprobs", "-1"),
         (chat(prompt_logprobs=0, stream=True), "prompt_logprobs", "stream"),
         (completion(prompt_logprobs=2, stream=True), "prompt_logprobs", "stream"),
+        (chat(stream_options={"include_usage": True}), "stream_options", "stream"),
+        (completion(stream=False, stream_options={"include_usage": False}), "stream_options", "stream"),
         (chat(max_tokens=0), "max_tokens", "0"),
         (chat(max_completion_tokens=-2), "max_completion_tokens", "-2"),
         (completion(max_tokens=4, min_tokens=9), "min_tokens", "9"),
