@@ -13,6 +13,8 @@ are pickled tuples:
                                          set_weight_version / stage_weights (once the running
                                          requests finish; requests added meanwhile wait on until
                                          finish_weights) / finish_weights
+       ("hello", pid)                    the HTTP process's pid, sent first: a process that is
+                                         gone gets nothing more, and its requests are aborted
        ("stop",)
   out: ("ready", info) | ("failed", message)          once, at start-up
        ("step", outputs, replies, fault)              outputs: pack_outputs' tuples;
@@ -50,6 +52,7 @@ logger = logging.getLogger("deltaserve.engine")
 
 IDLE_POLL_MS = 100  # how long an idle loop waits for a command (and how often it sends a beat)
 BEAT_S = 0.5  # the longest an idle loop stays silent
+CLIENT_CHECK_S = 1.0  # how often the loop looks for HTTP processes that are gone
 _CALLS = (
     "stats",
     "model_info",
@@ -62,6 +65,23 @@ _CALLS = (
 _OFF_LOOP = ("compile_structured",)  # slow calls that run beside the loop, not inside a step
 # calls for an idle engine: new requests wait for them (after stage_weights, until finish_weights)
 _WHEN_IDLE = ("stage_weights",)
+
+
+def pid_running(pid: int) -> bool:
+    """A process that exists and has not exited (a zombie, not yet reaped by its parent, has)."""
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+    try:  # no /proc: ask the kernel whether the pid exists
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def engine_info(engine: Any) -> dict[str, Any]:
@@ -136,20 +156,45 @@ class EngineCore:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-engine-calls")
         self._flush = False  # aborts' last outputs wait for a step, which an idle engine must still run
         self._last_sent = time.monotonic()
+        self._client_pids: dict[int, int] = {}  # HTTP process (socket pair) -> its pid ("hello")
+        self._lost: set[int] = set()  # HTTP processes that are gone: nothing more is sent to them
+        self._clients_checked = time.monotonic()
 
     def send(self, message: tuple[Any, ...], client: int | None = 0) -> None:
         """To one HTTP process's socket; `client=None`: to all."""
         import zmq
 
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for out in self._outs if client is None else [self._outs[client]]:
-            while True:
+        for index in range(len(self._outs)) if client is None else [client]:
+            while index not in self._lost:
                 try:
-                    out.send(data, copy=False)
+                    self._outs[index].send(data, copy=False)
                     break
                 except zmq.Again:  # nobody reads: fine while the server lives, the end when it is gone
                     self._check_parent()
+                    self._check_clients(now=True)
         self._last_sent = time.monotonic()
+
+    def _check_clients(self, now: bool = False) -> None:
+        """Abort the requests of HTTP processes that are gone (killed, crashed), once a second or
+        `now`: their clients wait no more, and their sockets would block every send."""
+        if not now and time.monotonic() - self._clients_checked < CLIENT_CHECK_S:
+            return
+        self._clients_checked = time.monotonic()
+        for client, pid in self._client_pids.items():
+            if client not in self._lost and not pid_running(pid):
+                self._lose_client(client, pid)
+
+    def _lose_client(self, client: int, pid: int) -> None:
+        mine = [rid for rid, owner in self._owner.items() if owner == client]
+        logger.warning("HTTP process %d is gone: aborting its %d requests", pid, len(mine))
+        self._lost.add(client)
+        for request_id in mine:  # their last outputs go nowhere (the routing skips a lost owner)
+            self.engine.abort_request(request_id)
+        self._flush = bool(mine)
+        self._replies[client] = []
+        self._held = [(c, command) for c, command in self._held if c != client]
+        self._when_idle = [call for call in self._when_idle if call[0] != client]
 
     def _check_parent(self) -> None:
         if self._parent_pid is not None and os.getppid() != self._parent_pid:
@@ -183,6 +228,7 @@ class EngineCore:
         """Apply every command waiting (waiting a little when there is nothing to do); False on stop."""
         import zmq
 
+        self._check_clients()
         busy = self.engine.has_unfinished_requests()
         if busy:
             ready = self._poller.poll(0)
@@ -210,6 +256,9 @@ class EngineCore:
         kind = command[0]
         if kind == "stop":
             return False
+        if kind == "hello":
+            self._client_pids[client] = command[1]
+            return True
         if kind == "add" and (self._when_idle or self._staged):
             self._held.append((client, command))
         elif kind == "abort":
@@ -344,11 +393,15 @@ class EngineCore:
                 out.prompt_token_ids = []
                 out = pack_outputs([out])[0]
             request_id, finished = packed_head(out)
-            routed[self._owner.get(request_id, 0)].append(out)
+            owner = self._owner.get(request_id, 0)
+            if owner not in self._lost:
+                routed[owner].append(out)
             if finished:
                 self._live.discard(request_id)
                 self._owner.pop(request_id, None)
         for client, (mine, replies) in enumerate(zip(routed, self._replies)):
+            if client in self._lost:
+                continue
             own_fault = None
             if fault is not None:
                 own_fault = (fault[0], [rid for rid in fault[1] if fault_owners.get(rid, 0) == client])

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from deltaserve.engine.core import pid_running
 from deltaserve.engine.errors import (
     EngineDeadError,
     EngineFaultError,
@@ -264,23 +265,6 @@ class EngineHandle:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def pid_running(pid: int) -> bool:
-    """A process that exists and has not exited (a zombie, not yet reaped by its parent, has)."""
-    if os.path.isdir("/proc/self"):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except OSError:
-            return False
-    try:  # no /proc: ask the kernel whether the pid exists
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 class EngineClient:
     """The event loop's handle on the engine (or the data-parallel engines): admit, abort, call,
     and read per-request outputs."""
@@ -344,6 +328,8 @@ class EngineClient:
         import zmq.asyncio
 
         self._pushes = [zmq.asyncio.Socket.from_socket(h.push) for h in self.handles]
+        for engine in range(len(self.handles)):  # first: once this process is gone, its requests end
+            await self._send(("hello", os.getpid()), engine)
         self._last_heard = [time.monotonic()] * len(self.handles)
         for engine, handle in enumerate(self.handles):
             pull = zmq.asyncio.Socket.from_socket(handle.pull)

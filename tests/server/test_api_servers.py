@@ -274,6 +274,73 @@ def test_each_http_process_gets_its_own_outputs_and_faults() -> None:
     assert not engine.requests
 
 
+class EndlessEngine(FailingEngine):
+    """A token a step for each request, until it is aborted."""
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.01)
+        return [
+            RequestOutput(rid, [], [CompletionOutput(0, [7], "x", None)], False, delta=True)
+            for rid in self.requests
+        ]
+
+
+def test_a_gone_http_process_has_its_requests_aborted_and_the_other_is_served() -> None:
+    """An HTTP process that is gone (its pid no longer runs) gets its requests aborted within
+    about a second, and nothing more is sent to it (a full socket would block the loop), while
+    the other process's requests go on streaming."""
+    import subprocess
+    import sys
+
+    from deltaserve.engine.core import EngineCore, engine_info
+    from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.server.engine_client import EngineClient, EngineHandle
+
+    engine = EndlessEngine()
+    first = EngineHandle._bind()
+    second = EngineHandle._bind(first.ipc_dir, 1)
+    core = EngineCore(
+        engine, [first.address("in", i) for i in (0, 1)], [first.address("out", i) for i in (0, 1)]
+    )
+
+    def loop() -> None:
+        core.send(("ready", engine_info(engine)))
+        core.run()
+
+    first.thread = second.thread = threading.Thread(target=loop, daemon=True)
+    first.thread.start()
+    first.await_ready(30)
+    second.info = first.info
+    gone_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    params = SamplingParams(max_tokens=10_000, output_kind="delta")
+
+    async def run() -> tuple[bool, int]:
+        a, b = EngineClient(first), EngineClient(second)
+        await a.start()
+        await b.start()
+        await b._send(("hello", int(gone_pid.stdout)), 0)  # b's process as the engine will find it: exited
+        await b.add([("b1", [1], params)])
+        a_group = await a.add([("a1", [1], params)])
+        start = time.monotonic()
+        while "b1" in engine.requests and time.monotonic() - start < 10:
+            await asyncio.sleep(0.05)
+        aborted = "b1" not in engine.requests
+        served = 0
+        async for outs in a_group:  # a's request still streams after b's is gone
+            served += len(outs)
+            if served >= 20:
+                break
+        return aborted, served
+
+    try:
+        aborted, served = asyncio.run(run())
+    finally:
+        second.close()
+        first.stop(10)
+    assert aborted and served >= 20
+    assert core._lost == {1}
+
+
 @pytest.mark.slow
 def test_a_lost_http_process_stops_the_server_with_an_error(spawn_server) -> None:
     server = spawn_server(*TWO)
