@@ -387,7 +387,7 @@ class EngineClient:
             raise ShuttingDownError("the server is shutting down")
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        self._check_copies(requests)
+        self._check_fits(requests, engine)
         placed = self._place(requests, engine)
         group = RequestGroup([r[0] for r in requests], placed[requests[0][0]] if requests else 0)
         requests = [(r[0], r[1], self._detokenize_here(r[0], r[2]), *r[3:]) for r in requests]  # type: ignore[misc]
@@ -424,18 +424,29 @@ class EngineClient:
                 self._calls.pop(call_id, None)
         return group
 
-    def _check_copies(self, requests: Sequence[EngineRequest]) -> None:
-        """A prompt's copies (its n samples) run on one engine: more of them than an idle engine
-        holds is a 400 naming n, not the 503 of a busy one, which no retry would get past."""
-        if self.max_requests is None or len(requests) <= self.max_requests:
-            return  # the common case: no prompt's copies can be too many
+    def _check_fits(self, requests: Sequence[EngineRequest], engine: int | None) -> None:
+        """A request's sequences are admitted together, all or none: more than idle engines hold
+        (running and waiting) is a 400, not the 503 of a busy engine, which no retry would get
+        past. A prompt's copies (its n samples) run on one engine; `engine` given, all do."""
+        cap = self.max_requests
+        if cap is None or len(requests) <= cap:
+            return  # the common case: they fit one idle engine
         copies = Counter(tuple(r[1]) for r in requests)
         most = max(copies.values(), default=0)
-        if most > self.max_requests:
+        if most > cap:
             raise InvalidParamError(
                 f"n: {most} samples of one prompt run together on one engine, which holds at most "
-                f"{self.max_requests} requests (running and waiting)",
+                f"{cap} requests (running and waiting)",
                 "n",
+            )
+        engines = 1 if engine is not None else len(self.handles)
+        if len(requests) > cap * engines:
+            param = "prompt" if len(copies) > 1 else "n"
+            raise InvalidParamError(
+                f"{param}: this request's {len(requests)} sequences ({len(copies)} prompts, n each) are "
+                f"admitted together, more than the {cap * engines} requests the server holds at once "
+                "(running and waiting); send fewer at a time",
+                param,
             )
 
     def _place(self, requests: Sequence[EngineRequest], engine: int | None) -> dict[str, int]:

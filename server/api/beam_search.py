@@ -84,6 +84,13 @@ async def search(
                 "max_tokens",
                 code="context_length_exceeded",
             )
+    held = ctx.client.max_requests
+    if held is not None and params.beam_width > held:  # a step's beams run together on one engine
+        raise bad_request(
+            f"n: a beam search's {params.beam_width} beams run together on one engine, which holds at "
+            f"most {held} requests (running and waiting)",
+            "n",
+        )
     beams = BeamSearch(prompts, params, ctx.client.eos_token_ids)
     step = SamplingParams(
         temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False

@@ -367,6 +367,17 @@ def test_full_waiting_queue_is_503(spawn_server, until_idle) -> None:
     assert "3 samples" in err["message"]
     two = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2, "n": 2}, timeout=60)
     assert two.status_code == 200 and len(two.json()["choices"]) == 2
+    # so with more prompts than it holds, their samples admitted together, or a beam search's beams
+    batch = {**body, "prompt": ["one", "two", "three"], "max_tokens": 2}
+    assert (
+        "3 sequences"
+        in assert_error(httpx.post(f"{server.url}/v1/completions", json=batch), 400, "prompt")["message"]
+    )
+    pairs = {**body, "prompt": ["one", "two"], "max_tokens": 2, "n": 2}
+    assert_error(httpx.post(f"{server.url}/v1/completions", json=pairs, timeout=60), 400, "prompt")
+    beams = {**body, "max_tokens": 2, "n": 3, "use_beam_search": True}
+    assert_error(httpx.post(f"{server.url}/v1/completions", json=beams, timeout=60), 400, "n")
+    assert httpx.post(f"{server.url}/v1/completions", json={**batch, "prompt": ["a", "b"]}).status_code == 200
 
 
 @pytest.mark.parametrize(
