@@ -5,10 +5,12 @@ scheduler process do the same). Every loop applies all commands waiting, runs on
 sends that step's outputs together with the replies to the commands as one message. Messages
 are pickled tuples:
 
-  in:  ("add", call_id, [(request_id, prompt_token_ids, params), ...])   all or none
+  in:  ("add", call_id, [(request_id, prompt_token_ids, params), ...], arrived)   all or none;
+                                         arrived: when the HTTP request came (time.monotonic)
        ("abort", [request_id, ...])                    the client no longer waits: no output
        ("abort_where", prefix | None)    end the live requests whose ids start with prefix (all:
-                                         None) as "abort", each with its last output
+                                         None) as "abort", each with its last output; and those
+                                         added later that arrived before it
        ("call", call_id, name, args)     stats / model_info / compile_structured / flush_cache /
                                          set_weight_version / stage_weights (once the running
                                          requests finish; requests added meanwhile wait on until
@@ -53,6 +55,7 @@ logger = logging.getLogger("deltaserve.engine")
 IDLE_POLL_MS = 100  # how long an idle loop waits for a command (and how often it sends a beat)
 BEAT_S = 0.5  # the longest an idle loop stays silent
 CLIENT_CHECK_S = 1.0  # how often the loop looks for HTTP processes that are gone
+ABORT_MEMORY_S = 3600.0  # how long an abort_where still ends requests that arrived before it
 _CALLS = (
     "stats",
     "model_info",
@@ -152,6 +155,7 @@ class EngineCore:
         self._when_idle: list[tuple[int, int, str, tuple[Any, ...]]] = []  # (client, call_id, name, args)
         self._held: list[tuple[int, tuple[Any, ...]]] = []  # "add" commands that wait for them
         self._abort_when_added: set[str] = set()  # held requests an abort_where named: ended once added
+        self._aborted_at: dict[str | None, float] = {}  # abort_where's prefix -> when it came (monotonic)
         self._staged = False  # weights staged (stage_weights), not yet served or dropped
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-engine-calls")
         self._flush = False  # aborts' last outputs wait for a step, which an idle engine must still run
@@ -269,21 +273,24 @@ class EngineCore:
                     self._owner.pop(request_id, None)
                     self.engine.abort_request(request_id)
         elif kind == "abort_where":
-            prefix = command[1]
+            prefix, now = command[1], time.monotonic()
+            self._aborted_at = {p: at for p, at in self._aborted_at.items() if now - at < ABORT_MEMORY_S}
+            self._aborted_at[prefix] = now
             for request_id in [r for r in self._live if prefix is None or r.startswith(prefix)]:
                 self.engine.abort_request(request_id)  # its owner keeps it until that output goes
             # held ones (a weight update is under way) end as "abort" too, once added: their owners
             # wait for an output
             self._abort_when_added.update(
-                r[0]
-                for _, (_, _, requests) in self._held
-                for r in requests
-                if prefix is None or r[0].startswith(prefix)
+                r[0] for _, held in self._held for r in held[2] if prefix is None or r[0].startswith(prefix)
             )
             self._flush = True
         elif kind == "add":
-            _, call_id, requests = command
-            self._replies[client].append((call_id, *self._add(requests, client)))
+            call_id, requests = command[1], command[2]
+            reply = self._add(requests, client)
+            self._replies[client].append((call_id, *reply))
+            arrived = command[3] if len(command) > 3 else None
+            if reply[0] is None and arrived is not None:
+                self._abort_named_since(requests, arrived)
         elif kind == "call":
             _, call_id, name, args = command
             if name not in _CALLS:
@@ -340,8 +347,19 @@ class EngineCore:
 
     def _drop_held(self, request_ids: set[str]) -> None:
         """Aborts of requests still held: they are never added."""
-        for i, (client, (kind, call_id, requests)) in enumerate(self._held):
-            self._held[i] = (client, (kind, call_id, [r for r in requests if r[0] not in request_ids]))
+        for i, (client, held) in enumerate(self._held):
+            kept = [r for r in held[2] if r[0] not in request_ids]
+            self._held[i] = (client, (*held[:2], kept, *held[3:]))
+
+    def _abort_named_since(self, requests: list[tuple[Any, ...]], arrived: float) -> None:
+        """Requests just added that an abort_where named after their HTTP request arrived (while an
+        HTTP process prepared them: tokenizing, compiling a grammar, a warm-up prefill): they end
+        as "abort", as they would have had they been running, whichever process the abort came to."""
+        named = [(p, at) for p, at in self._aborted_at.items() if at >= arrived]
+        for request_id, *_ in requests if named else []:
+            if any(p is None or request_id.startswith(p) for p, _ in named):
+                self.engine.abort_request(request_id)
+                self._flush = True
 
     def model_info(self) -> dict[str, Any]:
         """What the engine says of its model now (the checkpoint's path changes with an update)."""

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.engine.core import pid_running
+from deltaserve.engine.core import ABORT_MEMORY_S, pid_running
 from deltaserve.engine.errors import (
     EngineDeadError,
     EngineFaultError,
@@ -60,7 +60,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("deltaserve.server")
 
 WEDGED_AFTER_S = 120.0  # a loop silent this long (no step, no beat) counts as wedged on /health
-ABORT_MEMORY_S = 3600.0  # how long an abort by name still stops a beam search begun before it
 
 
 class ShuttingDownError(QueueFullError):
@@ -377,12 +376,17 @@ class EngineClient:
     # ------------------------------------------------------------------------------- requests
 
     async def add(
-        self, requests: Sequence[EngineRequest], track: bool = True, engine: int | None = None
+        self,
+        requests: Sequence[EngineRequest],
+        track: bool = True,
+        engine: int | None = None,
+        arrived: float | None = None,
     ) -> RequestGroup:
         """Admit the requests together, all or none; raises ValueError or QueueFullError. They go
         to `engine`, or with data parallelism each distinct prompt (with its n samples) where the
         router picks. `track=False`: not a client's request (a prefix warm-up, a health check):
-        left out of the metrics."""
+        left out of the metrics. `arrived`: when their HTTP request came (time.monotonic): an
+        /abort_request that named them since, through any HTTP process, ends them once added."""
         if not self.accepting:
             raise ShuttingDownError("the server is shutting down")
         if self.dead is not None:
@@ -403,7 +407,7 @@ class EngineClient:
         calls: list[int] = []
         try:
             for e, mine in by_engine.items():  # every add sent before any reply is awaited
-                calls.append(await self._request(("add", None, mine), e))
+                calls.append(await self._request(("add", None, mine, arrived), e))
             replies = await asyncio.gather(*(self._calls[c][0] for c in calls), return_exceptions=True)
             failed = next((r for r in replies if isinstance(r, BaseException)), None)
             if failed is not None:
@@ -490,16 +494,6 @@ class EngineClient:
         # answered once each engine has applied it (a call's reply follows the commands sent before
         # it): a request sent after this returns, through another HTTP process, is not caught by it
         await self.call_each("model_info", return_exceptions=True)
-
-    async def abort_late(self, request_ids: Sequence[str], since: float) -> None:
-        """Abort those of `request_ids` (just added) that an abort_where of this process named
-        since `since`, while their prompts were prepared: they end with finish reason "abort", as
-        they would have had they been running."""
-        for request_id in request_ids:
-            if self.aborted_since(request_id, since):
-                for engine in range(len(self.handles)):
-                    if engine not in self._gone:
-                        await self._send(("abort_where", request_id), engine)
 
     def aborted_since(self, request_id: str, since: float) -> bool:
         """Whether this process has aborted (abort_where) ids like `request_id` since `since`: a

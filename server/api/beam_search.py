@@ -103,7 +103,7 @@ async def search(
             beams.aborted = True
             break
         requests = [(f"{base}-{beams.steps}-{i}", tokens, step) for i, tokens in enumerate(beams.expanding())]
-        group = await ctx.submit(requests, engine=engine)
+        group = await ctx.submit(requests, engine=engine, raw=raw)  # an abort since it arrived ends it
         engine = group.engine if len(prompts) == 1 else None  # several prompts: each where it went
         final = await ctx.collect(group, raw)
         steps = [final[r[0]].outputs[0] for r in requests]

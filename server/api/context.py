@@ -178,18 +178,14 @@ class ServerContext:
         engine: int | None = None,
         raw: Request | None = None,
     ) -> RequestGroup:
-        """Add the requests to the engine. `raw`: the HTTP request they answer, whose requests an
-        /abort_request of this process named after it arrived (while its prompt was prepared) are
-        aborted once added."""
+        """Add the requests to the engine. `raw`: the HTTP request they answer; an /abort_request
+        that named them after it arrived (while its prompt was prepared) ends them once added."""
         if self.log_requests and track:
             for request_id, prompt_ids, params, *_ in requests:
                 logger.info("%s", request_line(request_id, prompt_ids, params, self.max_log_len))
         try:
-            group = await self.client.add(requests, track, engine)
             arrived = raw.scope.get(ARRIVED) if raw is not None else None
-            if arrived is not None:
-                await self.client.abort_late([r[0] for r in requests], arrived)
-            return group
+            return await self.client.add(requests, track, engine, arrived)
         except QueueFullError as exc:
             reason = "shutting_down" if isinstance(exc, ShuttingDownError) else "queue_full"
             self.metrics.request_rejected(reason)

@@ -341,6 +341,51 @@ def test_a_gone_http_process_has_its_requests_aborted_and_the_other_is_served() 
     assert core._lost == {1}
 
 
+def test_an_abort_through_one_process_ends_what_the_other_still_prepared() -> None:
+    """An abort_where through one HTTP process while the other still prepares a request it names
+    (tokenizing, a grammar, a warm-up prefill): the engine ends that request once it is added, as
+    it arrived before the abort; one that arrived after the abort runs."""
+    from deltaserve.engine.core import EngineCore, engine_info
+    from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.server.engine_client import EngineClient, EngineHandle
+
+    engine = EndlessEngine()
+    first = EngineHandle._bind()
+    second = EngineHandle._bind(first.ipc_dir, 1)
+    core = EngineCore(
+        engine, [first.address("in", i) for i in (0, 1)], [first.address("out", i) for i in (0, 1)]
+    )
+
+    def loop() -> None:
+        core.send(("ready", engine_info(engine)))
+        core.run()
+
+    first.thread = second.thread = threading.Thread(target=loop, daemon=True)
+    first.thread.start()
+    first.await_ready(30)
+    second.info = first.info
+    params = SamplingParams(max_tokens=10_000, output_kind="delta")
+
+    async def run() -> set[str]:
+        a, b = EngineClient(first), EngineClient(second)
+        await a.start()
+        await b.start()
+        arrived = time.monotonic()  # job-1's HTTP request comes to a, which prepares it
+        await b.abort_where("job-")  # meanwhile an /abort_request comes to b
+        await a.add([("job-1", [1], params)], arrived=arrived)
+        await a.add([("job-2", [1], params)], arrived=time.monotonic())  # sent after the abort
+        await a.add([("other-1", [1], params)], arrived=arrived)  # not named by it
+        await asyncio.sleep(0.5)
+        return set(engine.requests)
+
+    try:
+        running = asyncio.run(run())
+    finally:
+        second.close()
+        first.stop(10)
+    assert running == {"job-2", "other-1"}
+
+
 @pytest.mark.slow
 def test_a_lost_http_process_stops_the_server_with_an_error(spawn_server) -> None:
     server = spawn_server(*TWO)
