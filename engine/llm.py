@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
@@ -17,6 +18,8 @@ from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.requests.sampling_params import SamplingParams, choice_seed
 from deltaserve.models.vision.positions import ImageInputs
 from deltaserve.models.vision.processor import load_image
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -91,8 +94,26 @@ class LLM:
         for ids in warmup_prompts(prompts, config.cache_type, config.page_size):
             self.engine.add_request(f"llm-warm-{self._next_id}", ids, warmup_params())
             self._next_id += 1
+        for _ in self._steps():
+            pass
+
+    def _steps(self) -> Iterator[list[RequestOutput]]:
+        """The engine's steps until no request is left. A step that raises leaves no request's
+        state to trust: every request still in the engine is aborted before the error goes on,
+        so the next call starts clean (as the server's engine loop does)."""
         while self.engine.has_unfinished_requests():
-            self.engine.step()
+            try:
+                outputs = self.engine.step()
+            except BaseException:
+                for request_id in list(self.engine.requests):
+                    self.engine.abort_request(request_id)
+                if self.engine.has_unfinished_requests() and self.engine.dead_reason is None:
+                    try:  # a step in flight (overlap) is read back and dropped
+                        self.engine.step()
+                    except Exception:
+                        logger.exception("clean-up step after a failed step failed too")
+                raise
+            yield outputs
 
     def generate(
         self,
@@ -151,8 +172,8 @@ class LLM:
             raise
         final: dict[str, RequestOutput] = {}
         bar = _progress(len(added)) if use_tqdm and len(added) >= 16 else None
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+        for outputs in self._steps():
+            for out in outputs:
                 if out.finished:
                     final[out.request_id] = out
                     if bar is not None:

@@ -151,3 +151,40 @@ def test_masks_that_forbid_every_token_fail_that_request_alone(
         rid: out.outputs[0].token_ids for rid, out in reference.items()
     }
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_offline_llm_serves_on_after_a_step_that_raised(checkpoint, monkeypatch, overlap: bool) -> None:
+    """A step that raises (here the logprobs of one) fails that generate call; the requests it
+    held are aborted, so the next call runs, with the tokens a fresh engine gives, and frees all."""
+    import threading
+
+    from deltaserve import LLM
+    from deltaserve.engine.sampling import sampler
+
+    llm = LLM(
+        model=checkpoint, dtype="float32", device="cpu", max_model_len=256, enable_overlap_schedule=overlap
+    )
+    want = llm.generate([[5, 9, 17]], GOOD, use_tqdm=False)[0].outputs[0].token_ids
+    real = sampler.Sampler.logprobs_of
+    calls = {"n": 0}
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second step's
+            raise RuntimeError("logprobs failed")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(sampler.Sampler, "logprobs_of", failing)
+    with pytest.raises(RuntimeError, match="logprobs failed"):
+        llm.generate([[5, 9, 17], [7, 8]], SamplingParams(max_tokens=8, logprobs=2), use_tqdm=False)
+    monkeypatch.setattr(sampler.Sampler, "logprobs_of", real)
+    again: dict = {}
+    thread = threading.Thread(
+        target=lambda: again.update(out=llm.generate([[5, 9, 17]], GOOD, use_tqdm=False)), daemon=True
+    )
+    thread.start()
+    thread.join(120)  # a request left behind would keep the loop waiting for ever
+    assert "out" in again and again["out"][0].outputs[0].token_ids == want
+    stats = llm.engine.stats()
+    assert stats["state_slots_used"] == 0 and not llm.engine.requests
