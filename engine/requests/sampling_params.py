@@ -157,6 +157,10 @@ class SamplingParams:
     internal: bool = False
 
     def __post_init__(self) -> None:
+        for name in _INTEGERS:  # before any comparison: 2.5 or True would pass it, "2" fail it oddly
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise InvalidParamError(f"{name} must be an integer, got {value!r}", name)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -260,6 +264,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+
+# the fields that take whole numbers only (a float or a bool there is a mistake, not a count)
+_INTEGERS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "priority")
 
 
 def _in_range(name: str, value: float | None, low: float, high: float, low_open: bool = False) -> None:

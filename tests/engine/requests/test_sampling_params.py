@@ -1,0 +1,37 @@
+"""SamplingParams built in Python (the offline LLM's way, without the server's JSON validation):
+a count given as a float, a bool or a string is refused at once, naming the field, instead of
+being used as a number (2.5 tokens) or failing deep inside a step."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.engine.errors import InvalidParamError
+from deltaserve.engine.requests.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logprobs", True),
+        ("logprobs", 2.0),
+        ("prompt_logprobs", 1.5),
+        ("max_tokens", 2.5),
+        ("min_tokens", 1.0),
+        ("n", "2"),
+        ("top_k", 0.5),
+        ("seed", 1.5),
+        ("priority", False),
+    ],
+)
+def test_a_count_that_is_not_an_integer_is_refused(field: str, value: object) -> None:
+    with pytest.raises(InvalidParamError, match=f"{field} must be an integer") as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_whole_numbers_and_none_pass() -> None:
+    params = SamplingParams(
+        n=2, top_k=-1, seed=7, max_tokens=None, min_tokens=1, logprobs=0, prompt_logprobs=3
+    )
+    assert (params.n, params.top_k, params.max_tokens, params.logprobs) == (2, 0, None, 0)
