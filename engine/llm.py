@@ -13,7 +13,7 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.chat_prompt import image_urls, render_prompt
-from deltaserve.engine.requests.generation_defaults import SamplingDefaults, read_sampling_defaults
+from deltaserve.engine.requests.generation_defaults import SamplingDefaults, load_sampling_defaults
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.requests.sampling_params import SamplingParams, choice_seed
 from deltaserve.models.vision.positions import ImageInputs
@@ -23,14 +23,47 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
 
+# vLLM's LLM keyword arguments under their EngineConfig names (the command line takes the same)
+_RENAMED = {
+    "gpu_memory_utilization": "mem_fraction_static",
+    "max_num_seqs": "max_running_requests",
+    "block_size": "page_size",
+    "enforce_eager": "disable_cuda_graph",
+}
+# vLLM's that ask for what deltaserve always does: accepted, changing nothing
+_ALWAYS = ("trust_remote_code", "enable_chunked_prefill", "disable_log_stats")
+
+
+def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """`LLM`'s keyword arguments as EngineConfig's fields, vLLM's names taken too; and its
+    `generation_config` ("auto": the checkpoint's defaults, "vllm" or "none": OpenAI's, or a
+    folder holding a generation_config.json)."""
+    out = {k: v for k, v in kwargs.items() if k not in _ALWAYS}
+    for vllm_name, name in _RENAMED.items():
+        if vllm_name in out:
+            if name in out:
+                raise ValueError(f"give {vllm_name} or {name}, not both")
+            out[name] = out.pop(vllm_name)
+    if "enable_prefix_caching" in out:
+        out.setdefault("cache_type", "radix" if out.pop("enable_prefix_caching") else "naive")
+    kv_cache_dtype = out.pop("kv_cache_dtype", "auto")
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: only 'auto' (the model's dtype) is implemented")
+    return out, str(out.pop("generation_config", "auto"))
+
 
 class LLM:
     def __init__(
         self, model: str, revision: str | None = None, download_dir: str | None = None, **kwargs: Any
     ) -> None:
         """`model`: a checkpoint folder or a Hugging Face repo id (fetched into the Hub's cache, at
-        `revision` under `download_dir`, or found there offline); `kwargs`: `EngineConfig`'s fields."""
+        `revision` under `download_dir`, or found there offline); `kwargs`: `EngineConfig`'s fields,
+        or vLLM's names for them (`gpu_memory_utilization`, `max_num_seqs`, `block_size`,
+        `enforce_eager`, `enable_prefix_caching`, `kv_cache_dtype`; `trust_remote_code` changes
+        nothing), and `generation_config` as vLLM's: where default sampling values come from."""
         from deltaserve.models.checkpoints.hub import resolve_checkpoint
+
+        kwargs, self._generation_config = engine_kwargs(kwargs)
 
         if kwargs.get("data_parallel_size", 1) != 1:
             raise ValueError(
@@ -82,10 +115,11 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json sampling values (temperature, top_p, top_k,
-        min_p, repetition_penalty, max_new_tokens), else SamplingParams' defaults; what
-        `generate` uses when given no sampling parameters, as vLLM's LLM does."""
+        min_p, repetition_penalty, max_new_tokens; another folder's, or none, as the LLM's
+        `generation_config` says), else SamplingParams' defaults; what `generate` uses when given
+        no sampling parameters, as vLLM's LLM does."""
         if self._defaults is None:
-            self._defaults = read_sampling_defaults(self.engine.config.model)
+            self._defaults = load_sampling_defaults(self._generation_config, self.engine.config.model)
         return self._defaults.sampling_params()
 
     def _warm_prefixes(self, prompts: list[list[int]]) -> None:
