@@ -178,8 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "model_tag",
         nargs="?",
-        type=_checkpoint,
-        default=None,
+        default=None,  # checked once every flag is known (parse_args): a stray flag's value lands here
         metavar="MODEL",
         help="the model, as with --model (`deltaserve serve Qwen/Qwen3.5-9B`, as vLLM takes it)",
     )
@@ -617,6 +616,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="log verbosity",
     )
     http.add_argument(
+        "--uvicorn-log-level",
+        choices=["trace", "debug", "info", "warning", "error", "critical"],
+        default=None,
+        help="uvicorn's own loggers' verbosity (vLLM's flag; its access lines are info); default: --log-level",
+    )
+    http.add_argument(
         "--log-stats-interval",
         type=_float_at_least(0.0),
         default=STATS_INTERVAL_S,
@@ -789,9 +794,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # a serve flag's error points at `deltaserve serve --help`, where the flags are
     parser = _command_parser(top, args.command)
     if extras:
+        words = list(sys.argv[1:] if argv is None else argv)
+        tag = getattr(args, "model_tag", None)
+        # an unknown flag's value is taken for MODEL: name it with its flag, not as a missing model
+        if (
+            tag is not None
+            and tag in words
+            and words.index(tag) > 0
+            and words[words.index(tag) - 1] in extras
+        ):
+            extras.insert(extras.index(words[words.index(tag) - 1]) + 1, tag)
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command == "serve":
         if args.model_tag is not None:
+            try:
+                _checkpoint(args.model_tag)
+            except argparse.ArgumentTypeError as exc:
+                parser.error(f"argument MODEL: {exc}")
             if args.model is not None and args.model != args.model_tag:
                 parser.error(f"two models: MODEL {args.model_tag!r} and --model {args.model!r}")
             args.model = args.model_tag

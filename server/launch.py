@@ -183,7 +183,7 @@ def _uvicorn_config(args: argparse.Namespace) -> Any:
         "deltaserve:unused",  # the app comes with the run below
         host=args.host,
         port=args.port,
-        log_level=args.log_level,
+        log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,
         log_config=None,  # keep our one log format
         timeout_graceful_shutdown=FLUSH_S,  # the drain itself is DrainingServer's
         timeout_keep_alive=_KEEP_ALIVE_S,

@@ -106,6 +106,33 @@ def test_wrong_value_is_one_line_and_exit_2(args: list[str]) -> None:
     assert lines[0].endswith("(see deltaserve serve --help)")  # where the serve flags are listed
 
 
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--model", "MODEL", "--swap-space", "16"], "--swap-space 16"),  # its value is no MODEL
+        (["MODEL", "--swap-space", "16"], "--swap-space 16"),
+        (["--model", "MODEL", "--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
+        (["no-such-model-folder"], "argument MODEL"),
+    ],
+)
+def test_an_unknown_flag_with_its_value_is_named_as_such(
+    args: list[str], named: str, builtin_path: str
+) -> None:
+    """An unknown flag's value is not taken for the model: the error names the flag and its value."""
+    result = run_cli("serve", *[builtin_path if a == "MODEL" else a for a in args])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and named in lines[0], result.stderr
+
+
+def test_vllms_uvicorn_log_level_sets_uvicorns_loggers() -> None:
+    from deltaserve.server.cli import parse_args
+    from deltaserve.server.launch import _uvicorn_config
+
+    args = parse_args(["serve", "--uvicorn-log-level", "warning", "--log-level", "debug"])
+    assert _uvicorn_config(args).log_level == "warning"
+    assert _uvicorn_config(parse_args(["serve"])).log_level == "info"  # --log-level's, by default
+
+
 def test_no_command_is_an_error() -> None:
     result = run_cli()
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
