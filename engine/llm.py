@@ -16,6 +16,7 @@ from deltaserve.engine.requests.chat_prompt import image_urls, render_prompt
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults, load_sampling_defaults
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.requests.sampling_params import SamplingParams, choice_seed
+from deltaserve.engine.step.admission import check_length
 from deltaserve.models.vision.positions import ImageInputs
 from deltaserve.models.vision.processor import load_image
 
@@ -179,6 +180,8 @@ class LLM:
                 raise ValueError("give one priority per prompt")
             params_list = [dataclasses.replace(p, priority=v) for p, v in zip(params_list, priority)]
         encoded = [self._encode(p) for p in batch]  # all validated before any is queued
+        for (ids, _, _), params in zip(encoded, params_list):  # before a warm-up prefill runs
+            check_length(len(ids), params.max_tokens, self.engine.max_model_len)
         self._warm_prefixes(
             [ids for (ids, _, images), params in zip(encoded, params_list) if params.n > 1 and images is None]
         )

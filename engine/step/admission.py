@@ -17,6 +17,19 @@ from deltaserve.engine.sampling.sampler import Sampler
 from deltaserve.models.vision.positions import ImageInputs, ImagePrompt, image_prompt
 
 
+def check_length(n_prompt: int, max_tokens: int | None, max_len: int) -> None:
+    """ValueError where a prompt of `n_prompt` tokens and its `max_tokens` (None: the rest of the
+    context) do not fit the maximum model length."""
+    if max_tokens is None:
+        if n_prompt >= max_len:
+            raise ValueError(f"the prompt has {n_prompt} tokens; the maximum model length is {max_len}")
+    elif n_prompt + max_tokens > max_len:
+        raise ValueError(
+            f"the prompt has {n_prompt} tokens and max_tokens is {max_tokens}: together "
+            f"{n_prompt + max_tokens}, over the maximum model length of {max_len}"
+        )
+
+
 class LazyGrammars:
     """Structured outputs' compiled grammars (`engine/sampling/structured.py`), built at first
     use: building them reads the whole vocabulary, and most servers never need them."""
@@ -93,15 +106,9 @@ class Admission:
             )
         params.check_vocab(vocab)
         n_prompt = len(prompt_token_ids)
+        check_length(n_prompt, params.max_tokens, max_len)
         if params.max_tokens is None:
-            if n_prompt >= max_len:
-                raise ValueError(f"the prompt has {n_prompt} tokens; the maximum model length is {max_len}")
             params.max_tokens = max_len - n_prompt
-        if n_prompt + params.max_tokens > max_len:
-            raise ValueError(
-                f"the prompt has {n_prompt} tokens and max_tokens is {params.max_tokens}: together "
-                f"{n_prompt + params.max_tokens}, over the maximum model length of {max_len}"
-            )
         # requests not yet scheduled into free running places do not count against the bound
         free = max(0, self.config.num_running - running)
         if waiting >= self.config.max_waiting_requests + free:

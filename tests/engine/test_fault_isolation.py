@@ -188,3 +188,16 @@ def test_the_offline_llm_serves_on_after_a_step_that_raised(checkpoint, monkeypa
     assert "out" in again and again["out"][0].outputs[0].token_ids == want
     stats = llm.engine.stats()
     assert stats["state_slots_used"] == 0 and not llm.engine.requests
+
+
+def test_a_prompt_too_long_for_its_samples_is_refused_before_any_warm_up(checkpoint, monkeypatch) -> None:
+    """n > 1 samples of a prompt that, with max_tokens, overflows the context: the error names the
+    request's own numbers, and no warm-up prefill of the prompt runs first."""
+    from deltaserve import LLM
+
+    llm = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=256)
+    warmed: list = []
+    monkeypatch.setattr(llm, "_warm_prefixes", warmed.extend)
+    with pytest.raises(ValueError, match="250 tokens and max_tokens is 10: together 260"):
+        llm.generate([[5] * 250], SamplingParams(n=2, max_tokens=10), use_tqdm=False)
+    assert warmed == []
