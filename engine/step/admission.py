@@ -101,10 +101,14 @@ class Admission:
         if params.priority != 0 and self.config.scheduling_policy != "priority":
             raise InvalidParamError(
                 f"priority {params.priority} needs priority scheduling, which this engine does not run "
-                "(--scheduling-policy priority)",
+                "(--scheduling-policy priority; offline, LLM(..., scheduling_policy='priority'))",
                 "priority",
             )
         params.check_vocab(vocab)
+        if params.stop and self.tokenizer is None:  # no text to find them in: they would never match
+            raise InvalidParamError(
+                "stop strings need the text, and this model has no tokenizer: give stop_token_ids", "stop"
+            )
         n_prompt = len(prompt_token_ids)
         check_length(n_prompt, params.max_tokens, max_len)
         if params.max_tokens is None:

@@ -158,6 +158,8 @@ class ServerContext:
 
     async def bad_words_ids(self, req: ChatCompletionRequest | CompletionRequest) -> list[list[int]] | None:
         """The request's `bad_words` as token sequences, tokenized in the prompt worker."""
+        if req.bad_words and self.tokenizer is None:
+            raise bad_request("bad_words need a tokenizer, which this server was started without", "bad_words")
         if not req.bad_words:
             return None
         return await self.off_loop(bad_words_token_ids, req.bad_words, self.encode)

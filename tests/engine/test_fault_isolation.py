@@ -3,6 +3,8 @@ as they would have without it, and every page and slot is freed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -201,3 +203,21 @@ def test_a_prompt_too_long_for_its_samples_is_refused_before_any_warm_up(checkpo
     with pytest.raises(ValueError, match="250 tokens and max_tokens is 10: together 260"):
         llm.generate([[5] * 250], SamplingParams(n=2, max_tokens=10), use_tqdm=False)
     assert warmed == []
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(checkpoint) -> None:
+    """A checkpoint without tokenizer files has no text to find stop strings in: they are refused,
+    naming stop, rather than never matching; stop token ids work."""
+    from deltaserve import LLM
+    from deltaserve.engine.errors import InvalidParamError
+
+    llm = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=256)
+    assert llm.tokenizer is None
+    with pytest.raises(InvalidParamError, match="stop strings need the text") as info:
+        llm.generate([[5, 9, 17]], SamplingParams(max_tokens=4, stop=["a"]), use_tqdm=False)
+    assert info.value.param == "stop"
+    out = llm.generate([[5, 9, 17]], GOOD, use_tqdm=False)[0].outputs[0]
+    stopped = llm.generate(
+        [[5, 9, 17]], dataclasses.replace(GOOD, stop_token_ids=[out.token_ids[2]]), use_tqdm=False
+    )[0].outputs[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 3
