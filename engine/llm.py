@@ -107,6 +107,10 @@ class LLM:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return [int(t) for t in prompt["prompt_token_ids"]], prompt.get("prompt")
+            if "prompt" not in prompt:
+                raise ValueError(
+                    f"a prompt dict holds 'prompt' or 'prompt_token_ids', not only {sorted(prompt)}"
+                )
             return self._prompt_ids(prompt["prompt"])
         if isinstance(prompt, str):
             if self.tokenizer is None:

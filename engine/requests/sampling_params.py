@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from deltaserve.engine.errors import InvalidParamError
@@ -161,6 +161,14 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise InvalidParamError(f"{name} must be an integer, got {value!r}", name)
+        if isinstance(self.structured_outputs, dict):  # vLLM's fields as a dict: the dataclass
+            known = {f.name for f in fields(StructuredOutputs)}
+            unknown = sorted(set(self.structured_outputs) - known)
+            if unknown:
+                raise InvalidParamError(
+                    f"structured_outputs has no field {unknown[0]!r}", "structured_outputs"
+                )
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -221,3 +221,5 @@ def test_stop_strings_without_a_tokenizer_are_refused(checkpoint) -> None:
         [[5, 9, 17]], dataclasses.replace(GOOD, stop_token_ids=[out.token_ids[2]]), use_tqdm=False
     )[0].outputs[0]
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 3
+    with pytest.raises(ValueError, match="'prompt' or 'prompt_token_ids'"):  # a dict of neither
+        llm.generate({"text": "hi"}, GOOD, use_tqdm=False)

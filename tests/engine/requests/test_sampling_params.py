@@ -35,3 +35,12 @@ def test_whole_numbers_and_none_pass() -> None:
         n=2, top_k=-1, seed=7, max_tokens=None, min_tokens=1, logprobs=0, prompt_logprobs=3
     )
     assert (params.n, params.top_k, params.max_tokens, params.logprobs) == (2, 0, None, 0)
+
+
+def test_structured_outputs_may_come_as_a_dict_of_their_fields() -> None:
+    from deltaserve.engine.requests.sampling_params import StructuredOutputs
+
+    params = SamplingParams(structured_outputs={"regex": "a+", "after_token": 5})
+    assert params.structured_outputs == StructuredOutputs(regex="a+", after_token=5)
+    with pytest.raises(InvalidParamError, match="no field 'jsn'"):
+        SamplingParams(structured_outputs={"jsn": {}})
