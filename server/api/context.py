@@ -159,7 +159,9 @@ class ServerContext:
     async def bad_words_ids(self, req: ChatCompletionRequest | CompletionRequest) -> list[list[int]] | None:
         """The request's `bad_words` as token sequences, tokenized in the prompt worker."""
         if req.bad_words and self.tokenizer is None:
-            raise bad_request("bad_words need a tokenizer, which this server was started without", "bad_words")
+            raise bad_request(
+                "bad_words need a tokenizer, which this server was started without", "bad_words"
+            )
         if not req.bad_words:
             return None
         return await self.off_loop(bad_words_token_ids, req.bad_words, self.encode)
@@ -234,9 +236,10 @@ class ServerContext:
             raise APIError(500, "internal error", None, "internal_error") from exc
         except (QueueFullError, EngineDeadError, EngineFaultError) as exc:
             status, message = failure_of(exc)
-            raise APIError(
-                status, message, None, "engine_unavailable" if status == 503 else "engine_error"
-            ) from exc
+            code = "engine_unavailable" if status == 503 else "engine_error"
+            if isinstance(exc, ShuttingDownError):  # the drain's time ran out: as its refusals say
+                code = "shutting_down"
+            raise APIError(status, message, None, code) from exc
         finally:
             watcher.cancel()
             self.client.abort(group)

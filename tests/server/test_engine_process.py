@@ -180,7 +180,7 @@ def test_shutdown_deadline_ends_every_request_with_an_error_and_drains_with_503(
     events = streamed["events"]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["type"] == "service_unavailable_error"
-    assert whole["status"] == 503
+    assert whole["status"] == 503 and whole["body"]["error"]["code"] == "shutting_down"  # as the refusals'
 
 
 class FailingEngine:
