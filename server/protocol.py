@@ -350,6 +350,7 @@ class ChatChoice(OpenAIModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
 
 
 class PromptLogprob(OpenAIModel):
@@ -389,6 +390,7 @@ class ChatChunkChoice(OpenAIModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(OpenAIModel):
@@ -412,6 +414,7 @@ class CompletionChoice(OpenAIModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked
 
 

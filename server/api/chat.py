@@ -158,7 +158,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
 
     def delta_event(self, out: RequestOutput) -> str | None:
         parts = self._delta_parts(out)
-        reasoning, content, calls, new_logprobs, reason = parts
+        reasoning, content, calls, new_logprobs, reason, _ = parts
         index = self.index[out.request_id]
         if content and reasoning is None and not calls and new_logprobs is None and reason is None:
             if not self.usage_in_every_chunk:  # content alone: the common token
@@ -173,8 +173,10 @@ class ChatGeneration(Generation[ChatChunkChoice]):
 
     def _delta_parts(
         self, out: RequestOutput
-    ) -> tuple[str | None, str | None, list[DeltaToolCall], ChatLogprobs | None, str | None]:
-        """What `out` adds: reasoning, content, tool calls, logprobs and the finish reason."""
+    ) -> tuple[
+        str | None, str | None, list[DeltaToolCall], ChatLogprobs | None, str | None, int | str | None
+    ]:
+        """What `out` adds: reasoning, content, tool calls, logprobs, the finish and stop reasons."""
         state = self.states.setdefault(out.request_id, ChatStreamState(self.parser))
         completion = out.outputs[0]
         cut = completion.finish_reason == "length"
@@ -188,6 +190,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             calls,
             new_logprobs,
             finish_reason(completion.finish_reason, state.calls_sent > 0),
+            completion.stop_reason if completion.finished else None,
         )
 
     @staticmethod
@@ -198,13 +201,16 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         calls: list[DeltaToolCall],
         new_logprobs: ChatLogprobs | None,
         reason: str | None,
+        stop_reason: int | str | None,
     ) -> ChatChunkChoice | None:
         if not (reasoning or content or calls or new_logprobs or reason):
             return None
         delta = ChatDelta(
             reasoning_content=reasoning, reasoning=reasoning, content=content, tool_calls=calls or None
         )
-        return ChatChunkChoice(index=index, delta=delta, logprobs=new_logprobs, finish_reason=reason)
+        return ChatChunkChoice(
+            index=index, delta=delta, logprobs=new_logprobs, finish_reason=reason, stop_reason=stop_reason
+        )
 
     def final_choice(self, index: int, out: RequestOutput) -> ChatChoice:
         completion = out.outputs[0]
@@ -223,7 +229,13 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         if self.logprobs is not None:
             logprobs = chat_logprobs(completion.logprobs or [], self.logprobs, self.token_text)
         reason = finish_reason(completion.finish_reason, bool(calls))
-        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason)
+        return ChatChoice(
+            index=index,
+            message=message,
+            logprobs=logprobs,
+            finish_reason=reason,
+            stop_reason=completion.stop_reason,
+        )
 
     def response_json(self, choices: list[Any], final: dict[str, RequestOutput]) -> dict[str, Any]:
         prompt_logprobs = None

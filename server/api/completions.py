@@ -159,7 +159,11 @@ class CompletionGeneration(Generation[CompletionChoice]):
         if not (delta or completion.finish_reason or (logprobs and logprobs.tokens)):
             return None
         return CompletionChoice(
-            index=self.index[rid], text=delta, logprobs=logprobs, finish_reason=completion.finish_reason
+            index=self.index[rid],
+            text=delta,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason if completion.finished else None,
         )
 
     def chunk_json(self, chunk: BaseModel, exclude: dict[str, Any] | None = None) -> str:
@@ -178,6 +182,7 @@ class CompletionGeneration(Generation[CompletionChoice]):
             text=choice.text(out.outputs[0]),
             logprobs=choice.logprobs_of(out, echo_prompt=self.req.echo),
             finish_reason=out.outputs[0].finish_reason,
+            stop_reason=out.outputs[0].stop_reason,
             prompt_logprobs=prompt_logprobs,
         )
 

@@ -132,12 +132,13 @@ def test_stop_string(client) -> None:
     stop = base[len(base) // 2 : len(base) // 2 + 2]
     assert stop.strip(), base
     cut = chat(client, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
-    assert cut.finish_reason == "stop"
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop  # vLLM's: the string that matched
     assert cut.message.content == base[: base.index(stop)]
-    streamed = chat(
-        client, max_tokens=24, temperature=0, stop=stop, stream=True, extra_body={"ignore_eos": True}
+    streamed = list(
+        chat(client, max_tokens=24, temperature=0, stop=stop, stream=True, extra_body={"ignore_eos": True})
     )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut.message.content
+    assert [c.choices[0].stop_reason for c in streamed if c.choices and c.choices[0].finish_reason] == [stop]
 
 
 def test_stop_token_ids(client, server) -> None:
@@ -183,6 +184,9 @@ def test_a_stop_tokens_text_is_the_same_streamed_or_not(client, server, include)
         chunks = list(client.completions.create(**body, stream=True, extra_body=extra))
         assert whole.finish_reason == "stop" and chunks[-1].choices[0].finish_reason == "stop"
         assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
+        # vLLM's stop_reason: the stop token's id, none for an end of sequence or a grammar's end
+        want = ids[2] if "stop_token_ids" in extra else None
+        assert whole.stop_reason == want and chunks[-1].choices[0].stop_reason == want
         assert whole.text.endswith("<|im_end|>") == (include and "skip_special_tokens" in extra)
         assert "structured_outputs" not in extra or whole.text.removesuffix("<|im_end|>") == "abc"
 

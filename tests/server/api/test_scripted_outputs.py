@@ -372,7 +372,7 @@ def test_stream_chunks_on_the_wire(serve_script) -> None:
     for chunk in deltas:
         assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk
         (choice,) = chunk["choices"]
-        assert set(choice) == {"index", "delta", "logprobs", "finish_reason"}
+        assert set(choice) == {"index", "delta", "logprobs", "finish_reason", "stop_reason"}  # as vLLM's
         assert choice["delta"] and None not in choice["delta"].values()
     assert deltas[-1]["choices"][0]["finish_reason"] == "stop"
     assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
@@ -385,7 +385,13 @@ def test_stream_chunks_on_the_wire(serve_script) -> None:
     for chunk in text:
         assert chunk["object"] == "text_completion" and "usage" not in chunk
         (choice,) = chunk["choices"]
-        assert set(choice) == {"index", "text", "logprobs", "finish_reason"}  # no vLLM prompt_logprobs
+        assert set(choice) == {
+            "index",
+            "text",
+            "logprobs",
+            "finish_reason",
+            "stop_reason",
+        }  # no prompt_logprobs
     assert [c["choices"][0]["finish_reason"] for c in text] == [None] * (len(text) - 1) + ["length"]
 
 
