@@ -8,7 +8,8 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
@@ -107,6 +108,20 @@ def validated(model: type[M], fields: dict[str, Any]) -> M:
 
     try:
         return model.model_validate(fields)
+    except ValidationError as exc:
+        message, param = validation_message(list(exc.errors()))  # type: ignore[arg-type]
+        raise bad_request(message, param) from exc
+
+
+@contextmanager
+def translating() -> Iterator[None]:
+    """Models built from another API's request (the Responses and Messages APIs' items and tools
+    as chat messages and tools): a field of the wrong type is a 400 naming it, as `validated`
+    gives it, not an internal error."""
+    from .errors import bad_request, validation_message
+
+    try:
+        yield
     except ValidationError as exc:
         message, param = validation_message(list(exc.errors()))  # type: ignore[arg-type]
         raise bad_request(message, param) from exc

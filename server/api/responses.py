@@ -24,17 +24,19 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ConfigDict
 
 from ..errors import APIError, bad_request, error_body, failure_of
 from ..protocol import (
     ChatCompletionRequest,
     ChatMessage,
     ContentPart,
-    FunctionDefinition,
     ImageURL,
     RequestBody,
-    ToolDefinition,
+    SamplingRequest,
+    translating,
     unsupported_if_set,
+    validated,
 )
 from ..text.chat_output import ChatStreamState, tool_call_id
 from ..text.tool_calls import is_model_call_id
@@ -46,11 +48,31 @@ from .request_params import named_id
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
 
+def _include(value: Any, _: dict[str, Any]) -> str | None:
+    if isinstance(value, list) and "message.output_text.logprobs" in value:
+        return "message.output_text.logprobs is not supported here: chat completions give logprobs"
+    return None
+
+
+# reasoning.effort's values (OpenAI's); "none" turns the chat template's thinking off, as in vLLM
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# the chat request's sampling fields a Responses request may add beside OpenAI's (stop, penalties,
+# logit_bias, ignore_eos, structured_outputs, ...), as vLLM's Responses API takes them
+_EXTRA = set(SamplingRequest.model_fields) - {
+    "model", "max_tokens", "n", "priority", "response_format", "seed", "stream", "stream_options",
+    "temperature", "top_k", "top_p", "user", "request_id", "rid", "prompt_logprobs",
+}  # fmt: skip
+
+
 class ResponsesRequest(RequestBody):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())  # the chat endpoint's extra fields
     unsupported = {
         "background": unsupported_if_set("not supported: responses are answered in the request"),
         "conversation": unsupported_if_set("not supported: continue with previous_response_id"),
         "prompt": unsupported_if_set("not supported: this server stores no prompt templates"),
+        "top_logprobs": unsupported_if_set("not supported here: chat completions give logprobs"),
+        "include": _include,
+        "prompt_logprobs": unsupported_if_set("not supported here: chat completions give them"),
     }
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -71,6 +93,8 @@ class ResponsesRequest(RequestBody):
     store: bool = True  # kept for previous_response_id and GET (OpenAI's default)
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    reasoning: dict[str, Any] | None = None  # effort "none": the template's thinking off
+    truncation: str | None = None  # echoed; input over the context is a 400 either way
 
 
 def _item_id(prefix: str) -> str:
@@ -175,6 +199,7 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
     return messages
 
 
+@translating()
 def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request of a response whose conversation is `items` (earlier turns included)."""
     tools = None
@@ -188,13 +213,12 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
                 )
             if not isinstance(t.get("name"), str) or not t["name"]:
                 raise bad_request(f"tools[{i}]: a function tool needs a name", "tools")
-            tools.append(
-                ToolDefinition(
-                    function=FunctionDefinition(
-                        name=t["name"], description=t.get("description"), parameters=t.get("parameters")
-                    )
-                )
-            )
+            function = {
+                "name": t["name"],
+                "description": t.get("description"),
+                "parameters": t.get("parameters"),
+            }
+            tools.append({"type": "function", "function": function})
     choice: str | dict[str, Any] | None = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not choice.get("name"):
@@ -215,7 +239,17 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
             response_format = {"type": "json_schema", "json_schema": spec}
         else:
             response_format = fmt
-    return ChatCompletionRequest(
+    template_kwargs = req.chat_template_kwargs
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(
+                f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                "reasoning.effort",
+            )
+        template_kwargs = {"enable_thinking": effort != "none", **(template_kwargs or {})}
+    fields = {k: v for k, v in (req.model_extra or {}).items() if k in _EXTRA}
+    fields.update(
         model=req.model,
         messages=to_messages(req.instructions, items),
         max_tokens=req.max_output_tokens,
@@ -226,11 +260,12 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
         tools=tools,
         tool_choice=choice,
         response_format=response_format,
-        chat_template_kwargs=req.chat_template_kwargs,
+        chat_template_kwargs=template_kwargs,
         parallel_tool_calls=req.parallel_tool_calls,
         stream=req.stream,  # a stream's engine outputs are each step's delta
         priority=req.priority,
     )
+    return validated(ChatCompletionRequest, fields)
 
 
 def _usage(prompt_tokens: int, output_tokens: int, cached: int, reasoning_tokens: int) -> dict[str, Any]:
@@ -268,14 +303,17 @@ class _Shell:
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {
+                "effort": (req.reasoning or {}).get("effort"),
+                "summary": (req.reasoning or {}).get("summary"),
+            },
             "store": req.store,
             "temperature": req.temperature,
             "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice or "auto",
             "tools": req.tools or [],
             "top_p": req.top_p,
-            "truncation": "disabled",
+            "truncation": req.truncation or "disabled",
             "usage": usage,
             "user": req.user,
             "metadata": req.metadata or {},

@@ -49,6 +49,35 @@ def test_text_response_matches_the_chat_endpoint(client) -> None:
     assert message.status == r.status  # the item max_output_tokens cut is incomplete too, as OpenAI marks it
 
 
+def test_the_chat_endpoints_sampling_fields_and_reasoning_effort_apply(client) -> None:
+    """vLLM's Responses API takes the chat endpoint's sampling fields (stop, structured_outputs,
+    penalties, ignore_eos, ...), and reasoning.effort "none" turns the template's thinking off."""
+    regex = client.responses.create(
+        model=MODEL_NAME,
+        input="Hi",
+        max_output_tokens=10,
+        extra_body={"structured_outputs": {"regex": "abc"}},
+    )
+    assert regex.output_text == "abc" and regex.status == "completed"
+    kw = dict(model=MODEL_NAME, input="Hello there", max_output_tokens=16, temperature=0)
+    free = client.responses.create(**kw, extra_body={"ignore_eos": True}).output_text
+    stop = free[len(free) // 2 : len(free) // 2 + 2]
+    cut = client.responses.create(**kw, extra_body={"ignore_eos": True, "stop": [stop]})
+    assert stop.strip() and cut.output_text == free[: free.index(stop)]
+    off = client.responses.create(
+        model=MODEL_NAME, input="Hi", max_output_tokens=1, reasoning={"effort": "none"}
+    )
+    template_off = client.responses.create(
+        model=MODEL_NAME,
+        input="Hi",
+        max_output_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    plain = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=1)
+    assert off.usage.input_tokens == template_off.usage.input_tokens > plain.usage.input_tokens
+    assert off.reasoning.effort == "none"
+
+
 def test_chat_template_kwargs_reach_the_template(client) -> None:
     """vLLM's extension: `chat_template_kwargs` as in chat (Qwen3's template closes the think
     section when thinking is off, so the prompt grows)."""
@@ -275,6 +304,14 @@ def test_the_store_keeps_the_last_responses() -> None:
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "v"}}}, "text.format"),
         ({"input": [{"type": "computer_call"}]}, "input"),
         ({"input": []}, "input"),
+        # a field of the wrong type inside a tool or an item: a 400, not an internal error
+        ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}, None),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f", "description": 5}]}, None),
+        ({"input": [{"type": "function_call_output", "call_id": 5, "output": "x"}]}, None),
+        ({"input": "hi", "reasoning": {"effort": "bogus"}}, "reasoning.effort"),
+        # fields that would change the output and are not implemented here: refused, not ignored
+        ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
     ],
 )
 def test_bad_requests_are_400s(base_url: str, body: dict, param: str | None) -> None:
