@@ -32,6 +32,7 @@ from ..protocol import (
     RequestBody,
     SamplingRequest,
     ToolDefinition,
+    translating,
     unsupported_if_set,
     validated,
 )
@@ -211,6 +212,7 @@ def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
 _EXTRA = set(SamplingRequest.model_fields) - {"model", "max_tokens", "stop", "stream", "n", "stream_options"}
 
 
+@translating()
 def _chat_fields(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     """The chat request's prompt fields (messages, tools, tool choice, template switches), which
     /v1/messages and its count_tokens render alike."""
@@ -326,10 +328,10 @@ def _event(kind: str, **fields: Any) -> str:
 
 
 def _stop(reason: str | None, stop_reason: Any, blocks: list[dict[str, Any]]) -> tuple[str, str | None]:
+    if reason == "length":  # cut, calls or not: as chat's finish reason length (a later call was dropped)
+        return "max_tokens", None
     if any(b["type"] == "tool_use" for b in blocks):
         return "tool_use", None
-    if reason == "length":
-        return "max_tokens", None
     if isinstance(stop_reason, str):
         return "stop_sequence", stop_reason
     return "end_turn", None

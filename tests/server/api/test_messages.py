@@ -105,6 +105,27 @@ def test_errors_are_anthropic_shaped(server, claude) -> None:
     missing = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL_NAME, "messages": MESSAGES})
     assert missing.status_code == 400 and missing.json()["type"] == "error"  # pydantic's refusal too
     assert "max_tokens" in missing.json()["error"]["message"]
+    # a field of the wrong type inside a tool or a block: a 400 of this shape, not an internal error
+    for body in (
+        {"messages": MESSAGES, "tools": [{"name": "f", "input_schema": "x"}]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": 5, "content": "x"}]}
+            ]
+        },
+        {
+            "messages": [
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": ["a"]}]},
+                *MESSAGES,
+            ]
+        },
+    ):
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = httpx.post(f"{server.url}{path}", json={"model": MODEL_NAME, "max_tokens": 2, **body})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (
+                path,
+                r.text,
+            )
 
 
 @pytest.mark.slow

@@ -497,6 +497,34 @@ def test_a_tool_calls_input_is_an_object_streamed_or_not(serve_script, arguments
         assert [(b.type, b.name, b.input) for b in reply.content] == [("tool_use", "get_weather", {})]
 
 
+def test_a_reply_cut_after_a_tool_call_stops_for_max_tokens(serve_script) -> None:
+    """max_tokens cuts a reply after one whole call (a second one is dropped): the stop reason is
+    max_tokens, as chat's finish reason is length, not tool_use."""
+    import anthropic
+
+    script = (
+        QWEN3_OUTPUT + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
+    )
+    client = serve_script(script)
+    chat = client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "?"}], tools=TOOLS, max_tokens=45
+    )
+    assert chat.choices[0].finish_reason == "length" and len(chat.choices[0].message.tool_calls) == 1
+    base = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    tools = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    ask = {
+        "model": "scripted",
+        "max_tokens": 45,
+        "tools": tools,
+        "messages": [{"role": "user", "content": "?"}],
+    }
+    m = claude.messages.create(**ask)
+    assert m.stop_reason == "max_tokens" and [b.type for b in m.content][-1] == "tool_use"
+    with claude.messages.stream(**ask) as stream:
+        assert stream.get_final_message().stop_reason == "max_tokens"
+
+
 REQUEST_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
 
 
