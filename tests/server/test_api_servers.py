@@ -203,6 +203,29 @@ def test_sigterm_drains_every_http_process(spawn_server) -> None:
     wait_for(lambda: all(gone(p) for p in [*pids, engine]), timeout=30)
 
 
+def two_socket_pairs(engine: Any) -> tuple[Any, Any, Any]:
+    """(first, second, core): `engine`'s loop in a thread with two HTTP processes' socket pairs,
+    ready; stop with `second.close()` then `first.stop(10)`."""
+    from deltaserve.engine.core import EngineCore, engine_info
+    from deltaserve.server.engine_client import EngineHandle
+
+    first = EngineHandle._bind()
+    second = EngineHandle._bind(first.ipc_dir, 1)
+    core = EngineCore(
+        engine, [first.address("in", i) for i in (0, 1)], [first.address("out", i) for i in (0, 1)]
+    )
+
+    def loop() -> None:
+        core.send(("ready", engine_info(engine)))
+        core.run()
+
+    first.thread = second.thread = threading.Thread(target=loop, daemon=True)
+    first.thread.start()
+    first.await_ready(30)
+    second.info = first.info
+    return first, second, core
+
+
 class FailsOnceAllAreIn(FailingEngine):
     """Four steps with all three requests, then a step that fails for a reason no request explains."""
 
@@ -221,26 +244,12 @@ class FailsOnceAllAreIn(FailingEngine):
 def test_each_http_process_gets_its_own_outputs_and_faults() -> None:
     """The engine loop with two socket pairs: each client sees only its own requests' outputs,
     and a failed step fails each client's own requests (both count the fault)."""
-    from deltaserve.engine.core import EngineCore, engine_info
     from deltaserve.engine.errors import EngineFaultError
     from deltaserve.engine.requests.sampling_params import SamplingParams
-    from deltaserve.server.engine_client import EngineClient, EngineHandle
+    from deltaserve.server.engine_client import EngineClient
 
     engine = FailsOnceAllAreIn()
-    first = EngineHandle._bind()
-    second = EngineHandle._bind(first.ipc_dir, 1)
-    core = EngineCore(
-        engine, [first.address("in", i) for i in (0, 1)], [first.address("out", i) for i in (0, 1)]
-    )
-
-    def loop() -> None:
-        core.send(("ready", engine_info(engine)))
-        core.run()
-
-    first.thread = second.thread = threading.Thread(target=loop, daemon=True)
-    first.thread.start()
-    first.await_ready(30)
-    second.info = first.info
+    first, second, core = two_socket_pairs(engine)
     params = SamplingParams(max_tokens=50, output_kind="delta")
 
     async def run() -> tuple[dict[str, set[str]], dict[str, BaseException], list[int]]:
@@ -292,25 +301,11 @@ def test_a_gone_http_process_has_its_requests_aborted_and_the_other_is_served() 
     import subprocess
     import sys
 
-    from deltaserve.engine.core import EngineCore, engine_info
     from deltaserve.engine.requests.sampling_params import SamplingParams
-    from deltaserve.server.engine_client import EngineClient, EngineHandle
+    from deltaserve.server.engine_client import EngineClient
 
     engine = EndlessEngine()
-    first = EngineHandle._bind()
-    second = EngineHandle._bind(first.ipc_dir, 1)
-    core = EngineCore(
-        engine, [first.address("in", i) for i in (0, 1)], [first.address("out", i) for i in (0, 1)]
-    )
-
-    def loop() -> None:
-        core.send(("ready", engine_info(engine)))
-        core.run()
-
-    first.thread = second.thread = threading.Thread(target=loop, daemon=True)
-    first.thread.start()
-    first.await_ready(30)
-    second.info = first.info
+    first, second, core = two_socket_pairs(engine)
     gone_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
     params = SamplingParams(max_tokens=10_000, output_kind="delta")
 
@@ -345,25 +340,11 @@ def test_an_abort_through_one_process_ends_what_the_other_still_prepared() -> No
     """An abort_where through one HTTP process while the other still prepares a request it names
     (tokenizing, a grammar, a warm-up prefill): the engine ends that request once it is added, as
     it arrived before the abort; one that arrived after the abort runs."""
-    from deltaserve.engine.core import EngineCore, engine_info
     from deltaserve.engine.requests.sampling_params import SamplingParams
-    from deltaserve.server.engine_client import EngineClient, EngineHandle
+    from deltaserve.server.engine_client import EngineClient
 
     engine = EndlessEngine()
-    first = EngineHandle._bind()
-    second = EngineHandle._bind(first.ipc_dir, 1)
-    core = EngineCore(
-        engine, [first.address("in", i) for i in (0, 1)], [first.address("out", i) for i in (0, 1)]
-    )
-
-    def loop() -> None:
-        core.send(("ready", engine_info(engine)))
-        core.run()
-
-    first.thread = second.thread = threading.Thread(target=loop, daemon=True)
-    first.thread.start()
-    first.await_ready(30)
-    second.info = first.info
+    first, second, core = two_socket_pairs(engine)
     params = SamplingParams(max_tokens=10_000, output_kind="delta")
 
     async def run() -> set[str]:

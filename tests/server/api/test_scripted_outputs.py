@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -473,23 +474,30 @@ def test_anthropic_messages_give_thinking_and_tool_use_blocks(serve_script) -> N
     assert set(kinds[2:-6]) == {"content_block_delta"}  # the thinking block's deltas
 
 
+# a Messages request with the get_weather tool (Anthropic's shape), for the scripted outputs
+WEATHER_ASK = {
+    "model": "scripted",
+    "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
+    "messages": [{"role": "user", "content": "?"}],
+}
+
+
+def claude_for(client: openai.OpenAI) -> Any:
+    """Anthropic's client for the server an OpenAI client of `serve_script` talks to."""
+    import anthropic
+
+    base = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    return anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+
+
 @pytest.mark.parametrize("arguments", ['"not json"', "[1, 2]", '"{oops"'])
 def test_a_tool_calls_input_is_an_object_streamed_or_not(serve_script, arguments: str) -> None:
     """Arguments that are no JSON object (a string, an array) give a tool_use input of {} in the
     reply and in the stream alike: Anthropic's format has objects only, and its SDK's stream
     parses each input_json_delta as JSON."""
-    import anthropic
-
     script = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
-    base = str(serve_script(script).base_url).removesuffix("/").removesuffix("/v1")
-    client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
-    tools = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
-    ask = {
-        "model": "scripted",
-        "max_tokens": 500,
-        "tools": tools,
-        "messages": [{"role": "user", "content": "?"}],
-    }
+    client = claude_for(serve_script(script))
+    ask = {**WEATHER_ASK, "max_tokens": 500}
     m = client.messages.create(**ask)
     with client.messages.stream(**ask) as stream:
         final = stream.get_final_message()
@@ -500,8 +508,6 @@ def test_a_tool_calls_input_is_an_object_streamed_or_not(serve_script, arguments
 def test_a_reply_cut_after_a_tool_call_stops_for_max_tokens(serve_script) -> None:
     """max_tokens cuts a reply after one whole call (a second one is dropped): the stop reason is
     max_tokens, as chat's finish reason is length, not tool_use."""
-    import anthropic
-
     script = (
         QWEN3_OUTPUT + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
     )
@@ -510,15 +516,8 @@ def test_a_reply_cut_after_a_tool_call_stops_for_max_tokens(serve_script) -> Non
         model="scripted", messages=[{"role": "user", "content": "?"}], tools=TOOLS, max_tokens=45
     )
     assert chat.choices[0].finish_reason == "length" and len(chat.choices[0].message.tool_calls) == 1
-    base = str(client.base_url).removesuffix("/").removesuffix("/v1")
-    claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
-    tools = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
-    ask = {
-        "model": "scripted",
-        "max_tokens": 45,
-        "tools": tools,
-        "messages": [{"role": "user", "content": "?"}],
-    }
+    claude = claude_for(client)
+    ask = {**WEATHER_ASK, "max_tokens": 45}
     m = claude.messages.create(**ask)
     assert m.stop_reason == "max_tokens" and [b.type for b in m.content][-1] == "tool_use"
     with claude.messages.stream(**ask) as stream:
