@@ -24,6 +24,7 @@ from ..protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     Usage,
 )
 from ..text.chat_output import ChatOutputParser
@@ -73,9 +74,10 @@ async def search(
     prompts: list[list[int]],
     params: BeamSearchParams,
     name: str | None = None,
-) -> list[BeamSearchOutput]:
-    """Every prompt's best beams; ClientDisconnected when the client hangs up between steps.
-    `name`: the client's for the request, which its steps' engine ids start with (/abort_request)."""
+) -> tuple[list[BeamSearchOutput], int]:
+    """Every prompt's best beams, and the prompt tokens the prefix cache served (the first step's:
+    the prompts themselves); ClientDisconnected when the client hangs up between steps. `name`:
+    the client's for the request, which its steps' engine ids start with (/abort_request)."""
     limit = ctx.client.max_model_len
     for ids in prompts:
         if len(ids) + params.max_tokens > limit:
@@ -97,6 +99,7 @@ async def search(
     )
     base = named_id(name, f"beam-{uuid.uuid4().hex}")
     engine: int | None = None  # one prompt's steps on its first step's engine, whose cache holds them
+    cached = 0
     started = raw.scope.get(ARRIVED, time.monotonic())  # an abort while the prompt was prepared counts
     while not beams.finished:
         if ctx.client.aborted_since(base, started):  # /abort_request between two steps
@@ -106,12 +109,14 @@ async def search(
         group = await ctx.submit(requests, engine=engine, raw=raw)  # an abort since it arrived ends it
         engine = group.engine if len(prompts) == 1 else None  # several prompts: each where it went
         final = await ctx.collect(group, raw)
+        if beams.steps == 0:
+            cached = sum(final[r[0]].num_cached_tokens for r in requests)
         steps = [final[r[0]].outputs[0] for r in requests]
         if any(s.finish_reason == "abort" for s in steps):  # /abort_request: the beams end as they are
             beams.aborted = True
             break
         beams.advance([s.logprobs[0].top for s in steps])  # type: ignore[index]
-    return beams.outputs()
+    return beams.outputs(), cached
 
 
 def beam_text(ctx: ServerContext, beam: BeamSequence, params: BeamSearchParams, skip_special: bool) -> str:
@@ -119,10 +124,15 @@ def beam_text(ctx: ServerContext, beam: BeamSequence, params: BeamSearchParams, 
     return ctx.need_tokenizer().decode(ids, skip_special_tokens=skip_special) if ctx.tokenizer else ""
 
 
-def _usage(prompts: list[list[int]], outs: list[BeamSearchOutput]) -> Usage:
+def _usage(prompts: list[list[int]], outs: list[BeamSearchOutput], cached: int) -> Usage:
     prompt = sum(len(ids) for ids in prompts)
     completion = sum(len(b.output_ids) for out in outs for b in out.sequences)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=min(cached, prompt)),
+    )
 
 
 async def beam_search_completion(
@@ -132,7 +142,7 @@ async def beam_search_completion(
     ids = [p for _, p in prompts]
     name = client_name(raw, req)
     try:
-        outs = await search(ctx, raw, ids, params, name)
+        outs, cached = await search(ctx, raw, ids, params, name)
     except ClientDisconnected:
         return Response(status_code=499)
     choices: list[CompletionChoice] = []
@@ -147,7 +157,7 @@ async def beam_search_completion(
                 )
             )
     response = CompletionResponse(
-        id=f"cmpl-{name or uuid.uuid4().hex}", model=model, choices=choices, usage=_usage(ids, outs)
+        id=f"cmpl-{name or uuid.uuid4().hex}", model=model, choices=choices, usage=_usage(ids, outs, cached)
     )
     payload = response.model_dump(mode="json")
     for choice in payload["choices"]:
@@ -167,7 +177,7 @@ async def beam_search_chat(
     """The chat's best beams as choices, each read for reasoning as a sampled reply is."""
     name = client_name(raw, req)
     try:
-        (out,) = await search(ctx, raw, [prompt_ids], params, name)
+        (out,), cached = await search(ctx, raw, [prompt_ids], params, name)
     except ClientDisconnected:
         return Response(status_code=499)
     choices = []
@@ -183,6 +193,6 @@ async def beam_search_chat(
         id=f"chatcmpl-{name or uuid.uuid4().hex}",
         model=model,
         choices=choices,
-        usage=_usage([prompt_ids], [out]),
+        usage=_usage([prompt_ids], [out], cached),
     )
     return JSONResponse(response.model_dump(mode="json", exclude={"prompt_logprobs"}))

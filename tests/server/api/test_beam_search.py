@@ -40,6 +40,19 @@ def test_choices_are_the_offline_beams(client, builtin_path) -> None:
     assert len({c.text for c in reply.choices[:3]}) == 3
 
 
+def test_a_resent_beam_search_reports_the_prompt_the_cache_served(client) -> None:
+    """usage.prompt_tokens_details.cached_tokens counts the prompt tokens the prefix cache served
+    its first step, as a sampled request's does (it was always 0)."""
+    prompt = list(range(100, 400))  # 300 tokens: the second time, every whole page but the last token's
+    ask = dict(model=MODEL_NAME, prompt=prompt, n=2, max_tokens=4, extra_body={"use_beam_search": True})
+    client.completions.create(**ask)
+    again = client.completions.create(**ask)
+    sampled = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1)
+    assert again.usage.prompt_tokens == 300
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == sampled.usage.prompt_tokens_details.cached_tokens and 256 <= cached < 300
+
+
 def test_chat_choices_are_the_offline_beams_of_the_rendered_prompt(client, builtin_path) -> None:
     messages = [{"role": "user", "content": "Say something."}]
     reply = client.chat.completions.create(
