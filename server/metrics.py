@@ -51,6 +51,8 @@ _STATS = (
     ("kv_pages_total", "kv_pages_total", "gauge", "KV-cache pages in the pool."),
     ("state_slots_used", "state_slots_used", "gauge", "Recurrent-state slots in use."),
     ("state_slots_total", "state_slots_total", "gauge", "Recurrent-state slots in the pool."),
+    ("snapshots_used", "state_snapshots_used", "gauge", "State snapshot slots the prefix cache holds."),
+    ("snapshots_total", "state_snapshots_total", "gauge", "State snapshot slots in the pool."),
     ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed."),
     (
         "prefill_tokens_total",

@@ -523,6 +523,10 @@ def test_metrics_exposition(client, server, read_metrics) -> None:
         == m["deltaserve_time_to_first_token_seconds_count"]
     )
     assert m["deltaserve_kv_pages_total"] > 0 and m["deltaserve_state_slots_total"] > 0
+    # the radix cache keeps the prompt's end: a snapshot slot held, until the cache is flushed
+    assert m["deltaserve_state_snapshots_total"] > 0 and m["deltaserve_state_snapshots_used"] >= 1
+    assert httpx.post(f"{server.url}/flush_cache", timeout=30).status_code == 200
+    assert read_metrics(server.url)["deltaserve_state_snapshots_used"] == 0
 
 
 def test_metrics_say_where_the_engine_loops_time_goes(client, server, read_metrics) -> None:
