@@ -36,6 +36,23 @@ def per_engine(url: str, name: str) -> list[float]:
     return [float(v) for _, v in sorted(found)]
 
 
+def long_streams(url: str, n: int) -> tuple[list[threading.Thread], list[dict[str, Any]]]:
+    """n streamed completions of 480 tokens, each in a thread (started), and where each one's
+    events go (`stream_events`)."""
+    body = {"model": MODEL_NAME, "max_tokens": 480, "ignore_eos": True}
+    results: list[dict[str, Any]] = [{} for _ in range(n)]
+    threads = [
+        threading.Thread(
+            target=stream_events,
+            args=(f"{url}/v1/completions", {**body, "prompt": f"stream {i}"}, results[i]),
+        )
+        for i in range(n)
+    ]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
 @pytest.fixture(scope="module")
 def dp_server(spawn_module_server):
     return spawn_module_server(*DP, "--api-server-count", "2")
@@ -245,17 +262,7 @@ def test_a_batch_that_one_engine_refuses_is_refused_whole(spawn_server, until_id
     body = {"model": MODEL_NAME, "prompt": [f"p{i}" for i in range(5)], "max_tokens": 4}
     too_many = httpx.post(f"{small.url}/v1/completions", json=body, timeout=60)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
-    long = {"model": MODEL_NAME, "max_tokens": 480, "ignore_eos": True}
-    results: list[dict[str, Any]] = [{}, {}]
-    threads = [
-        threading.Thread(
-            target=stream_events,
-            args=(f"{small.url}/v1/completions", {**long, "prompt": f"long {i}"}, results[i]),
-        )
-        for i in range(2)
-    ]
-    for t in threads:
-        t.start()
+    threads, _ = long_streams(small.url, 2)
     wait_for(lambda: sorted(per_engine(small.url, "num_requests_running")) == [1, 1])
     before = per_engine(small.url, "prompt_tokens_total")
     three = {**body, "prompt": ["a", "b", "c"]}
@@ -278,17 +285,7 @@ def test_a_batch_that_one_engine_refuses_is_refused_whole(spawn_server, until_id
 def test_one_engines_death_fails_its_own_requests_and_health(spawn_server) -> None:
     server = spawn_server(*DP)
     pids = engine_pids(server)
-    body = {"model": MODEL_NAME, "max_tokens": 480, "ignore_eos": True}
-    results: list[dict[str, Any]] = [{} for _ in range(4)]
-    threads = [
-        threading.Thread(
-            target=stream_events,
-            args=(f"{server.url}/v1/completions", {**body, "prompt": f"stream {i}"}, results[i]),
-        )
-        for i in range(4)
-    ]
-    for t in threads:
-        t.start()
+    threads, results = long_streams(server.url, 4)
     wait_for(lambda: sorted(per_engine(server.url, "num_requests_running")) == [2, 2])
     os.kill(pids[1], signal.SIGKILL)
     for t in threads:
@@ -300,7 +297,9 @@ def test_one_engines_death_fails_its_own_requests_and_health(spawn_server) -> No
     assert all(r["events"][-1] == "[DONE]" for r in results)
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and "engine 1" in health.json()["reason"]
-    refused = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "x", "max_tokens": 2})
+    refused = httpx.post(
+        f"{server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
+    )
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
 
 
