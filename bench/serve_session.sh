@@ -33,6 +33,12 @@ listen_drops() {  # the kernel's count of connections a full accept queue droppe
   echo "somaxconn $(cat /proc/sys/net/core/somaxconn) syn_backlog $(cat /proc/sys/net/ipv4/tcp_max_syn_backlog)"
 }
 
+cpu_throttle() {  # the container's CPU quota and how often it has throttled us (cgroup v2): a cause of runs that give less
+  local f=/sys/fs/cgroup
+  [ -r $f/cpu.stat ] || return 0
+  echo "cpu.max $(cat $f/cpu.max 2> /dev/null) $(awk '/throttled/ { printf "%s %s ", $1, $2 }' $f/cpu.stat)"
+}
+
 engine_sched() {  # where the engine process ran: its context switches and last CPU, beside the host's layout
   local pid
   pid=$(grep -ho "engine process pid [0-9]*" "$out/runs/$1.server.log" | tail -1 | awk '{ print $4 }')
@@ -59,10 +65,10 @@ serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS... (
     fi
     sleep 1
   done
-  echo "$name: up in $((SECONDS - t0)) s; before: $(listen_drops)" | tee -a "$log"
+  echo "$name: up in $((SECONDS - t0)) s; before: $(listen_drops) $(cpu_throttle)" | tee -a "$log"
   timeout 500 python3 -m "${BENCH:-bench.serving.serve}" --base-url "http://127.0.0.1:$port" "$@" \
     --output-json "$out/runs/$name.json" 2>&1 | tee -a "$log"
-  echo "$name: after: $(listen_drops)" | tee -a "$log"
+  echo "$name: after: $(listen_drops) $(cpu_throttle)" | tee -a "$log"
   engine_sched "$name" | tee -a "$log"
   kill -TERM $pid
   wait $pid
@@ -75,6 +81,7 @@ offline() {  # offline NAME CONFIG ARGS_JSON BENCH ARGS...
   echo "=== $name: offline $model $args | $*" | tee -a "$log"
   timeout 500 python3 -m bench.serving.serve --offline-only --offline-model "$model" --offline-args "$args" "$@" \
     --output-json "$out/runs/$name.json" 2>&1 | grep -v "it/s\]" | tee -a "$log"
+  echo "$name: after: $(cpu_throttle)" | tee -a "$log"
 }
 
 # the built-in model's Qwen3 tokenizer: streams then carry text, detokenized as users' would be
