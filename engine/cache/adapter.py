@@ -39,6 +39,7 @@ from deltaserve.engine.cache.radix_cache import (
     TENTATIVE_PER_PREFILL,
     RadixCache,
     SnapshotKind,
+    prompt_end_point,
     resend_point,
     tentative_cap,
 )
@@ -201,7 +202,8 @@ class RadixPrefixCache(PrefixCache):
             return None
         # Stopping at the resend point costs a step (a short last chunk), not a token.
         resend = resend_point(req.num_tokens, self.page_size)
-        ahead = [p for p in (hold.branch_point, resend) if p > req.num_computed_tokens]
+        stops = (hold.branch_point, resend, self._prompt_end(req))
+        ahead = [p for p in stops if p > req.num_computed_tokens]
         return min(ahead, default=None)
 
     def on_computed(self, req: Request, prefill: bool) -> None:
@@ -210,7 +212,7 @@ class RadixPrefixCache(PrefixCache):
             return
         assert req.slot is not None
         # While prefilling, the tokens are exactly the sequence being prefilled.
-        kind = self.cache.prefill_snapshot(req.cache_key_ids, n) if prefill else None
+        kind = self.cache.prefill_snapshot(req.cache_key_ids, n, self._prompt_end(req)) if prefill else None
         if kind is not None:
             if hold.rolling_slot is not None:  # older than the state kept now
                 self.state_pool.free_snapshot(hold.rolling_slot)
@@ -229,12 +231,18 @@ class RadixPrefixCache(PrefixCache):
         self.state_pool.copy_slot(req.slot, slot)
         hold.rolling_slot = slot
 
+    def _prompt_end(self, req: Request) -> int:
+        """Where the prompt end's snapshot goes: the last page boundary of what the next chat
+        turn repeats (`SamplingParams.next_turn_len`; the generation prompt's `<think>` is not
+        repeated), by default of the whole sequence prefilled."""
+        return prompt_end_point(len(req.cache_key_ids), self.page_size, req.params.next_turn_len)
+
     def _insert_prefix(self, req: Request, n: int, slot: int, kind: SnapshotKind) -> None:
         """Hand the first `n` tokens' pages and the state at `n` to the tree while `req` runs."""
         hold = req.prefix
         assert hold is not None
         k, tentative = n // self.page_size, kind == "tentative"
-        prompt_end = n == len(req.cache_key_ids) // self.page_size * self.page_size
+        prompt_end = n == self._prompt_end(req)
         r = self.cache.insert(
             req.cache_key_ids[:n],
             req.pages[:k],

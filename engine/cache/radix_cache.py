@@ -68,6 +68,13 @@ def tentative_cap(num_snapshot_slots: int) -> int:
     return num_snapshot_slots // 2
 
 
+def prompt_end_point(num_tokens: int, page_size: int, next_turn_len: int | None = None) -> int:
+    """Where a prompt's end state is kept: the last page boundary within its first
+    `next_turn_len` tokens (what the next chat turn repeats), by default within all of them."""
+    n = num_tokens if next_turn_len is None else max(0, min(num_tokens, next_turn_len))
+    return n // page_size * page_size
+
+
 def resend_point(num_tokens: int, page_size: int) -> int:
     """The last page boundary before a sequence's last token: the deepest state that a resend
     of the same sequence can start from (its last token is always recomputed)."""
@@ -155,16 +162,20 @@ class RadixCache:
         tree_goes_on = partial > 0 or bool(end.children)
         return tree_goes_on and end.depth + partial * self.page_size == length < len(tokens)
 
-    def prefill_snapshot(self, token_ids: Sequence[int], length: int) -> SnapshotKind | None:
+    def prefill_snapshot(
+        self, token_ids: Sequence[int], length: int, prompt_end: int | None = None
+    ) -> SnapshotKind | None:
         """How to keep the state after a prefill chunk that ends at `length`, `token_ids` being
-        the whole sequence prefilled: a regular snapshot at the prompt's end (its last page
-        boundary: the next chat turn and a resend start there) and wherever `should_snapshot`
-        admits one; a tentative one at any other page-aligned chunk end while `max_tentative`
-        allows them; else none."""
+        the whole sequence prefilled: a regular snapshot at the prompt's end (`prompt_end`, by
+        default the last page boundary of `token_ids`: the next chat turn and a resend start
+        there) and wherever `should_snapshot` admits one; a tentative one at any other
+        page-aligned chunk end while `max_tentative` allows them; else none."""
         tokens = tuple(token_ids)
         if not self._offerable(tokens, length):
             return None
-        if length == len(tokens) // self.page_size * self.page_size or self.should_snapshot(tokens, length):
+        if prompt_end is None:
+            prompt_end = len(tokens) // self.page_size * self.page_size
+        if length == prompt_end or self.should_snapshot(tokens, length):
             return "regular"
         return "tentative" if self.max_tentative > 0 else None
 

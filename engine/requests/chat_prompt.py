@@ -111,3 +111,62 @@ def render_prompt(
         )
     except (TemplateError, TypeError, ValueError, KeyError) as exc:
         raise ChatTemplateError(f"the chat template could not render these messages: {exc}") from exc
+
+
+# what follows a chat's answer in its next request: the answer as an assistant message, then a user
+# message (so that the template renders the answer as history, as it will be)
+_NEXT_TURN = [{"role": "assistant", "content": ""}, {"role": "user", "content": ""}]
+
+
+def unrepeated_tail(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    prompt: str,
+    *,
+    template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> int:
+    """Where in `prompt` (`messages` rendered with the generation prompt) the conversation's next
+    request stops repeating it: the part of the generation prompt that the template does not
+    write again once the answer comes back as an assistant message (Qwen3.5's `<think>\\n`, the
+    empty reasoning block that `enable_thinking` false adds). `len(prompt)` where it repeats it
+    all, or where the next turn does not render."""
+    try:
+        after = render_prompt(
+            tokenizer,
+            [*messages, *_NEXT_TURN],
+            template=template,
+            tools=tools,
+            add_generation_prompt=False,
+            template_kwargs=template_kwargs,
+        )
+    except ChatTemplateError:
+        return len(prompt)
+    return _common_prefix(prompt, after)
+
+
+def tail_tokens(prompt_ids: list[int], prompt: str, start: int, encode: Any, search: int = 32) -> int:
+    """How many of the last `prompt_ids` encode `prompt[start:]`, the start moved back (up to
+    `search` characters) to where the text's tokens split; 0 for none."""
+    if start >= len(prompt):
+        return 0
+    for at in range(start, max(-1, start - search), -1):
+        ids = encode(prompt[at:])
+        if ids and len(ids) < len(prompt_ids) and prompt_ids[len(prompt_ids) - len(ids) :] == ids:
+            return len(ids)
+    return 0
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

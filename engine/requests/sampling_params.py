@@ -155,6 +155,11 @@ class SamplingParams:
     # a request of the server's own (a health probe, a prefix warm-up): left out of the engine's
     # token counters and the prefix cache's hit rate, which count clients' requests
     internal: bool = False
+    # a chat prompt: how many of its first tokens the conversation's next request repeats (its
+    # messages, without the part of the generation prompt that the template does not render
+    # again for the answer, such as Qwen3.5's `<think>\n`); the prefix cache keeps the prompt
+    # end's state at the last page boundary within them. None: the whole prompt
+    next_turn_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in _INTEGERS:  # before any comparison: 2.5 or True would pass it, "2" fail it oddly
@@ -275,7 +280,17 @@ class SamplingParams:
 
 
 # the fields that take whole numbers only (a float or a bool there is a mistake, not a count)
-_INTEGERS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "priority")
+_INTEGERS = (
+    "n",
+    "top_k",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "priority",
+    "next_turn_len",
+)
 
 
 def _in_range(name: str, value: float | None, low: float, high: float, low_open: bool = False) -> None:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from deltaserve.engine.requests.chat_prompt import tail_tokens
+
 from ..errors import bad_request, raise_if_failed
 from ..protocol import (
     AssistantMessage,
@@ -22,7 +24,7 @@ from ..protocol import (
     DeltaToolCall,
 )
 from ..text.chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
-from ..text.chat_template import first_image_part, image_urls, render_chat
+from ..text.chat_template import first_image_part, image_urls, next_turn_start, render_chat
 from ..text.reasoning import prompt_opens_reasoning
 from ..text.tool_calls import KIMI
 from .context import ServerContext
@@ -68,7 +70,7 @@ async def prepare_chat(
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     template = ctx.template_for(req.chat_template)
 
-    def prepare() -> tuple[str, list[int]]:
+    def prepare() -> tuple[str, list[int], int]:
         text = render_chat(
             ctx.need_tokenizer(),
             req.messages,
@@ -78,18 +80,32 @@ async def prepare_chat(
             continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
         )
-        return text, ctx.encode(text)
+        ids = ctx.encode(text)
+        tail = 0  # the prompt's last tokens that the next turn does not repeat
+        if req.add_generation_prompt and not req.continue_final_message:
+            start = next_turn_start(
+                ctx.need_tokenizer(),
+                req.messages,
+                text,
+                template=template,
+                tools=tools,
+                template_kwargs=req.chat_template_kwargs,
+            )
+            tail = tail_tokens(ids, text, start, ctx.encode)
+        return text, ids, tail
 
     images = await ctx.images.read(
         image_urls(req.messages), named=images_at or first_image_part(req.messages)
     )
     if images is not None and req.truncate_prompt_tokens is not None:
         raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
-    prompt, prompt_ids = await ctx.off_loop(prepare)
+    prompt, prompt_ids, tail = await ctx.off_loop(prepare)
     if images is not None:
         prompt_ids = ctx.images.expand(prompt_ids, images)
     prompt_ids = truncate_prompt(req, prompt_ids, ctx.client.max_model_len)  # the text's end stays
     params = ctx.sampling_params(req, len(prompt_ids), await ctx.bad_words_ids(req))
+    if 0 < tail < len(prompt_ids):  # the prefix cache keeps the state the next turn starts from
+        params = replace(params, next_turn_len=len(prompt_ids) - tail)
     forced = tool_choice_constraint(
         req.tool_choice,
         tools,

@@ -6,7 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from deltaserve.engine.requests.chat_prompt import ChatTemplateError, render_prompt, template_message
+from deltaserve.engine.requests.chat_prompt import (
+    ChatTemplateError,
+    render_prompt,
+    template_message,
+    unrepeated_tail,
+)
 from deltaserve.engine.requests.chat_prompt import image_urls as chat_image_urls
 
 from ..errors import bad_request
@@ -83,3 +88,23 @@ def render_chat(
         )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), exc.param) from exc
+
+
+def next_turn_start(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    prompt: str,
+    *,
+    template: str | None = None,
+    tools: list[ToolDefinition] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> int:
+    """Where the conversation's next request stops repeating `prompt` (`unrepeated_tail`)."""
+    return unrepeated_tail(
+        tokenizer,
+        [message_to_dict(m, i) for i, m in enumerate(messages)],
+        prompt,
+        template=template,
+        tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+        template_kwargs=template_kwargs,
+    )

@@ -3,6 +3,8 @@ requests report cached tokens, and every page and slot comes back once the cache
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -270,6 +272,26 @@ def test_chat_turn_two_hits_the_whole_previous_prompt(path, spec):
     assert tokens(outs) == want
     assert [o.num_cached_tokens for o in outs] == [0, 0, 192, 208]
     check_spec_ran(llm, spec)
+    assert_idle_after_flush(llm.engine)
+
+
+def test_chat_turn_two_hits_where_its_history_leaves_the_generation_prompt(path):
+    """A chat prompt whose generation prompt ends in tokens that the next turn does not repeat
+    (Qwen3.5's `<think>\\n`; `enable_thinking` false: an empty reasoning block): the prompt end's
+    state is kept within what the next turn repeats (`next_turn_len`). 210 tokens, the last 4
+    not repeated: turn 2 starts at 192 (the page boundary at 208 is past where it leaves), where
+    nothing was kept without the hint; a resend still hits 208."""
+    first = repeating(210, 50)
+    params = [replace(LONGER, next_turn_len=206), LONGER]
+    batches = [[first], [first[:206] + rand(40, 51)], [first]]
+    want = tokens(run(make_llm(path, "naive", 512), batches, LONGER))
+    llm = make_llm(path, chunk=512)
+    outs = [
+        llm.generate([{"prompt_token_ids": b[0]}], params[i == 1], use_tqdm=False)[0]
+        for i, b in enumerate(batches)
+    ]
+    assert tokens(outs) == want
+    assert [o.num_cached_tokens for o in outs] == [0, 192, 208]
     assert_idle_after_flush(llm.engine)
 
 

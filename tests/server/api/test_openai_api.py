@@ -452,6 +452,34 @@ def test_cached_tokens_match_the_prefix_cache_counter(client, server, read_metri
     assert 0 < metrics["deltaserve_prefix_cache_hit_rate"] <= 1
 
 
+def test_next_turn_hits_when_the_generation_prompt_ends_past_a_page(client, server) -> None:
+    """enable_thinking false: the generation prompt ends in an empty reasoning block that the
+    next turn's history does not repeat (Qwen3.5's thinking prompt ends in `<think>\\n` alike).
+    With a page boundary inside it, the prompt end's state is kept at the page boundary before
+    it, where the next turn leaves the prompt: turn 2 starts there, not from scratch."""
+    import uuid
+
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+
+    def count(messages: list[dict]) -> list[int]:
+        return httpx.post(f"{server.url}/tokenize", json={"messages": messages, **off}).json()["tokens"]
+
+    words = f"{uuid.uuid4().hex} Answer in one line."
+    while len(count([{"role": "user", "content": words}])) % 16 != 2:
+        words += " y"
+    messages = [{"role": "user", "content": words}]
+    first = chat(client, messages=messages, max_tokens=6, temperature=0, extra_body=off)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And then?"},
+    ]
+    prompt, following = count(messages[:1]), count(messages)
+    kept = len(prompt) - 4  # the empty reasoning block's four tokens are not repeated
+    assert following[:kept] == prompt[:kept] and following[kept] != prompt[kept]
+    second = chat(client, messages=messages, max_tokens=2, temperature=0, extra_body=off)
+    assert second.usage.prompt_tokens_details.cached_tokens == kept // 16 * 16 > 0
+
+
 def test_reset_prefix_cache_drops_what_no_request_holds(client, server) -> None:
     """vLLM's POST /reset_prefix_cache and SGLang's /flush_cache: the next identical request finds
     nothing cached, and gets the same greedy answer."""
