@@ -300,9 +300,15 @@ class PartsWriter:
     async def write(self, group: Any, parser: ChatOutputParser) -> AsyncIterator[str]:
         """The events of each step's parts (`parsed_steps`; a failed output raises)."""
         async for out, reasoning, ordered in parsed_steps(group, parser):
+            opening = self.opening(out) if self.last is None else []
             self.last = out
-            for event in self.feed(reasoning, ordered):
+            for event in opening + self.feed(reasoning, ordered):
                 yield event
+
+    def opening(self, first: RequestOutput | None) -> list[str]:
+        """The events before the reply's first parts, once `first` (the request's first output,
+        None where it failed) is read: none unless the API's writer sends some."""
+        return []
 
     def feed(self, reasoning: str | None, ordered: list[str | DeltaToolCall]) -> list[str]:
         events = self.text(self.reasoning_kind, reasoning) if reasoning else []

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -41,6 +41,9 @@ from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ServerContext
 from .request_params import named_id
+
+if TYPE_CHECKING:
+    from deltaserve.engine.requests.outputs import RequestOutput
 
 # chat fields named otherwise here, for error messages that name the field the client sent
 _PARAMS = {"stop": "stop_sequences", "messages": "messages", "max_tokens": "max_tokens"}
@@ -260,9 +263,18 @@ class _Blocks(PartsWriter):
 
     reasoning_kind, content_kind = "thinking", "text"
 
-    def __init__(self) -> None:
+    def __init__(self, message: Callable[[int], dict[str, Any]] | None = None) -> None:
         self.blocks: list[dict[str, Any]] = []
         self.open: str | None = None  # the kind of the last block while text may still join it
+        # a stream's message_start message, given the prompt tokens the prefix cache served: sent
+        # at the first output, which carries that count (Anthropic's usage counts them there)
+        self.message, self.started = message, False
+
+    def opening(self, first: RequestOutput | None) -> list[str]:
+        if self.message is None or self.started:
+            return []
+        self.started = True
+        return [_event("message_start", message=self.message(first.num_cached_tokens if first else 0))]
 
     def text(self, kind: str, piece: str) -> list[str]:
         events = []
@@ -400,13 +412,16 @@ def _answer(final: Any, prepared: PreparedChat, message_id: str, model: str) -> 
 
 
 async def _stream(group: Any, prepared: PreparedChat, message_id: str, model: str) -> AsyncIterator[str]:
-    start = _message(message_id, model, [], (None, None), _usage(len(prepared.prompt_ids), 0, 0))
-    yield _event("message_start", message=start)
-    blocks = _Blocks()
+    prompt_tokens = len(prepared.prompt_ids)
+    blocks = _Blocks(
+        lambda cached: _message(message_id, model, [], (None, None), _usage(prompt_tokens, 0, cached))
+    )
     try:  # an output that failed in the engine ends the stream with an error event
         async for event in blocks.write(group, prepared.parser):
             yield event
     except Exception as exc:  # the engine failed or the server is draining: say so in-band
+        for event in blocks.opening(None):
+            yield event
         yield _event("error", error=anthropic_error_body(*failure_of(exc))["error"])
         return
     for event in blocks.finish():

@@ -47,6 +47,20 @@ def test_a_message_is_the_chat_reply(server, claude) -> None:
     assert text == m.content[0].text and final.stop_reason == "max_tokens" and final.usage.output_tokens == 9
 
 
+def test_a_streams_message_start_counts_what_the_prefix_cache_served(claude) -> None:
+    system = "You answer questions about colours, briefly and politely. " * 8  # pages of its own
+    ask = {"model": MODEL_NAME, "max_tokens": 4, "system": system, "messages": MESSAGES, "extra_body": GREEDY}
+    claude.messages.create(**ask)  # the prompt's state is now cached
+    with claude.messages.stream(**ask) as stream:
+        starts = [e.message.usage for e in stream if e.type == "message_start"]
+        final = stream.get_final_message().usage
+    assert len(starts) == 1
+    start = starts[0]
+    assert start.cache_read_input_tokens and start.cache_read_input_tokens > 0  # a resend hits
+    assert start.cache_read_input_tokens == final.cache_read_input_tokens
+    assert start.input_tokens == final.input_tokens
+
+
 def test_a_stop_sequence_ends_it(claude) -> None:
     free = claude.messages.create(model=MODEL_NAME, max_tokens=12, messages=MESSAGES, extra_body=GREEDY)
     stop = free.content[0].text[4:7]
