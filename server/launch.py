@@ -40,47 +40,29 @@ def serve(args: argparse.Namespace) -> int:
             str(engine_config.device), usable_cores(), engine_config.data_parallel_size
         )
     count = args.api_server_count
-    handles = _start_engines(
-        engine_config, args.log_level, 0.0 if args.disable_log_stats else args.log_stats_interval, count
-    )
-    model_dir, tokenizer = str(engine_config.model), str(engine_config.tokenizer or engine_config.model)
-    if len(handles) > 1:  # the routing table and load every HTTP process maps, made before any opens them
-        from .engine_router import SharedLoad, SharedRoutes, load_path, routes_path
-
-        SharedRoutes(routes_path(handles[0].ipc_dir), create=True)
-        SharedLoad(load_path(handles[0].ipc_dir), 0, count, len(handles), create=True)
+    # a SIGTERM or Ctrl-C while the engines load (minutes, for a large model) stops them and
+    # their tensor-parallel ranks, which ignore both signals and would otherwise load on
+    # orphaned (or, behind Python's exit joining them, forever)
+    starting = _Starting()
+    handles: list[Any] = []
     others = None
-    if count > 1:
-        from .api_servers import ApiServers
-
-        others = ApiServers.start(args, sock, handles, model_dir, tokenizer)
-    server = http_server(
-        args,
-        handles,
-        sampling_defaults,
-        tokenizer,
-        shared=_shared_metrics(handles[0], 0, count),
-        peers=others,
-    )
-    _log_engine(server.client)
-    if others is not None:
-        others.wait_ready()
-        others.watch(lambda: server.handle_exit(signal.SIGTERM, None))  # one gone: the server stops
-        logger.info(
-            "%d HTTP processes share the port (pids %s)", count, ", ".join(map(str, others.pids(os.getpid())))
+    try:
+        _start_engines(
+            engine_config,
+            args.log_level,
+            0.0 if args.disable_log_stats else args.log_stats_interval,
+            count,
+            started=handles,
         )
-    pids = ", ".join(str(h.process.pid if h.process is not None else "?") for h in handles)
-    logger.info("engine process%s pid %s", "es (data parallel)" if len(handles) > 1 else "", pids)
-    names, aliases = _served_names(args)
-    logger.info(
-        "serving %s on %s%s (API key %s)",
-        ", ".join(names + [f"{a} (alias)" for a in aliases]),
-        f"unix:{args.uds}"
-        if args.uds
-        else f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}",
-        args.root_path,
-        "required" if args.api_key else "not required",
-    )
+        server, others = _start_http(args, engine_config, sampling_defaults, handles, sock, count, starting)
+    except _Interrupted as stop:
+        logger.info("%s while starting: stopping", signal.Signals(stop.sig).name)
+        for handle in handles:
+            handle.close()  # kills the engine process; its ranks end with it
+        signal.signal(stop.sig, signal.SIG_DFL)
+        os.kill(os.getpid(), stop.sig)  # ended by the signal, as before the engines were started
+        raise SystemExit(128 + stop.sig) from None
+    starting.done()
     try:
         server.run(sockets=[sock])
     finally:
@@ -99,6 +81,93 @@ def serve(args: argparse.Namespace) -> int:
         return 1  # a supervisor restarts a server that lost a part of itself
     logger.info("shut down cleanly")
     return 0
+
+
+class _Interrupted(Exception):
+    def __init__(self, sig: int) -> None:
+        super().__init__(sig)
+        self.sig = sig
+
+
+class _Starting:
+    """SIGTERM and SIGINT raise `_Interrupted` until `done` (the server then runs, and drains on
+    them); `install` puts the handlers back over those `http_server` sets."""
+
+    def __init__(self) -> None:
+        self.active = True
+        self.install()
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, sig: int, _frame: Any) -> None:
+        if self.active:
+            raise _Interrupted(sig)
+        # uvicorn re-raises the signal that stopped it once it has drained: nothing more to do
+
+    def done(self) -> None:
+        self.active = False
+
+
+def _start_http(
+    args: argparse.Namespace,
+    engine_config: Any,
+    sampling_defaults: Any,
+    handles: list[Any],
+    sock: Any,
+    count: int,
+    starting: _Starting,
+) -> tuple[Any, Any]:
+    """Process 0's HTTP server and the other HTTP processes, ready (not yet serving); the
+    others are killed when `starting` is interrupted meanwhile."""
+    model_dir, tokenizer = str(engine_config.model), str(engine_config.tokenizer or engine_config.model)
+    if len(handles) > 1:  # the routing table and load every HTTP process maps, made before any opens them
+        from .engine_router import SharedLoad, SharedRoutes, load_path, routes_path
+
+        SharedRoutes(routes_path(handles[0].ipc_dir), create=True)
+        SharedLoad(load_path(handles[0].ipc_dir), 0, count, len(handles), create=True)
+    others = None
+    try:
+        if count > 1:
+            from .api_servers import ApiServers
+
+            others = ApiServers.start(args, sock, handles, model_dir, tokenizer)
+        server = http_server(
+            args,
+            handles,
+            sampling_defaults,
+            tokenizer,
+            shared=_shared_metrics(handles[0], 0, count),
+            peers=others,
+        )
+        starting.install()  # over the handlers http_server set, until the server runs
+        _log_engine(server.client)
+        if others is not None:
+            others.wait_ready()
+            others.watch(lambda: server.handle_exit(signal.SIGTERM, None))  # one gone: the server stops
+            logger.info(
+                "%d HTTP processes share the port (pids %s)",
+                count,
+                ", ".join(map(str, others.pids(os.getpid()))),
+            )
+    except _Interrupted:
+        for process in others.processes if others is not None else []:
+            process.kill()
+        raise
+    pids = ", ".join(str(h.process.pid if h.process is not None else "?") for h in handles)
+    logger.info("engine process%s pid %s", "es (data parallel)" if len(handles) > 1 else "", pids)
+    names, aliases = _served_names(args)
+    logger.info(
+        "serving %s on %s%s (API key %s)",
+        ", ".join(names + [f"{a} (alias)" for a in aliases]),
+        f"unix:{args.uds}"
+        if args.uds
+        else f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}",
+        args.root_path,
+        "required" if args.api_key else "not required",
+    )
+    return server, others
 
 
 def http_server(
@@ -443,13 +512,22 @@ def _serve_headless(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_engines(config: Any, log_level: str, stats_interval_s: float, api_servers: int = 1) -> list[Any]:
+def _start_engines(
+    config: Any,
+    log_level: str,
+    stats_interval_s: float,
+    api_servers: int = 1,
+    started: list[Any] | None = None,
+) -> list[Any]:
     """The engine in its own process, or `data_parallel_size` of them, loading together; a load
-    error ends the server with the engine's message (and stops the replicas already started)."""
+    error ends the server with the engine's message (and stops the replicas already started).
+    Each handle joins `started` (returned) as its process starts."""
     from .engine_client import EngineHandle
 
     replicas = [config.data_parallel_replica(rank) for rank in range(config.data_parallel_size)]
-    handles = [EngineHandle.start(c, log_level, stats_interval_s, api_servers) for c in replicas]
+    handles = started if started is not None else []
+    for c in replicas:
+        handles.append(EngineHandle.start(c, log_level, stats_interval_s, api_servers))
     for rank, handle in enumerate(handles):
         try:
             handle.await_ready(None)

@@ -1,7 +1,7 @@
 """`deltaserve serve --tensor-parallel-size 2` on CPU (gloo): answers through the openai client as
 TP = 1 does, stops with its workers (a process group's SIGTERM drains them first), spreads over two
-loopback "nodes" (one headless), and is a dead engine (503, requests in flight failed) once a
-worker is killed."""
+loopback "nodes" (one headless), is a dead engine (503, requests in flight failed) once a
+worker is killed, and a SIGTERM or Ctrl-C while it loads stops every process it started."""
 
 from __future__ import annotations
 
@@ -188,3 +188,37 @@ def test_a_killed_worker_is_a_dead_engine(spawn_server, model_name):
         assert time.monotonic() < deadline, "the engine process outlived its worker"
         time.sleep(0.1)
     assert server.stop() == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_loading_stops_every_rank(model_cache, tmp_path, sig):
+    """Ctrl-C (SIGINT to the terminal's process group) or a group SIGTERM while the engine loads:
+    the engine process and its worker ignore both (the server drains them once it runs), so the
+    server must stop them itself. Python's exit used to wait for the loading engine forever
+    (SIGINT), or the server died and left both loading, orphaned (SIGTERM)."""
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "deltaserve", "serve", "--port", str(free_port()), *TP2],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "DELTASERVE_CACHE": model_cache},
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's is
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not worker_pids(server.pid):  # the engine is past its signal set-up, loading
+            log_text = (tmp_path / "server.log").read_text()
+            assert server.poll() is None and time.monotonic() < deadline, log_text
+            time.sleep(0.05)
+        started = descendants(server.pid)
+        os.killpg(server.pid, sig)
+        server.wait(20)
+        deadline = time.monotonic() + 5
+        while any(alive(p) for p in started):
+            assert time.monotonic() < deadline, f"left behind: {[p for p in started if alive(p)]}"
+            time.sleep(0.05)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
