@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +55,17 @@ class Engine:
         if config.tensor_parallel_size > 1:
             from deltaserve.engine.parallel.ranks import Ranks
 
-            self.ranks = Ranks(config, self._worker_lost)
+            # the ranks (and the thread that watches them) hold this engine weakly, so that an
+            # engine dropped without `shutdown` (`del llm`) is collected and its workers stopped
+            this = weakref.ref(self)
+
+            def lost(why: str) -> None:
+                engine = this()
+                if engine is not None:
+                    engine._worker_lost(why)
+
+            self.ranks = Ranks(config, lost)
+            weakref.finalize(self, self.ranks.stop, None, False)
             self.device = self.ranks.device
         elif self.device.type == "cuda" and self.device.index is not None:
             # Triton launches and graph captures take the current device: it must be ours (a

@@ -226,6 +226,28 @@ def test_shutdown_ends_the_workers_and_a_lost_worker_kills_the_engine(qwen):
         llm.shutdown()
 
 
+@pytest.mark.slow
+def test_an_llm_dropped_without_shutdown_ends_its_workers(qwen):
+    """vLLM's `del llm; gc.collect()`: the workers stop and the process group goes, so that
+    another tensor-parallel LLM starts in this process (the thread that watches the workers held
+    the engine, which then stayed alive, its workers with it)."""
+    import gc
+
+    llm = make_llm(qwen, 2)
+    expected = run(llm, prompts_of([7], seed=3))
+    workers = llm.engine.ranks.workers
+    assert workers is not None
+    pids = workers.pids
+    del llm, workers
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, "the dropped engine's workers still run"
+        time.sleep(0.05)
+    with make_llm(qwen, 2) as llm:
+        assert run(llm, prompts_of([7], seed=3)) == expected
+
+
 def image_prompts() -> list[dict]:
     """Prompts with one and two images of different sizes (placeholders the engine expands), and
     a third that repeats the first's image under another text tail."""
