@@ -66,6 +66,7 @@ _CALLS = (
     "set_weight_version",
 )
 _OFF_LOOP = ("compile_structured",)  # slow calls that run beside the loop, not inside a step
+OFF_LOOP_WORKERS = 4  # how many of them run at once
 # calls for an idle engine: new requests wait for them (after stage_weights, until finish_weights)
 _WHEN_IDLE = ("stage_weights",)
 
@@ -157,7 +158,11 @@ class EngineCore:
         self._abort_when_added: set[str] = set()  # held requests an abort_where named: ended once added
         self._aborted_at: dict[str | None, float] = {}  # abort_where's prefix -> when it came (monotonic)
         self._staged = False  # weights staged (stage_weights), not yet served or dropped
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-engine-calls")
+        # several: a grammar that takes minutes (a choice of thousands of strings) holds up its own
+        # request, not every other request's grammar behind it
+        self._worker = ThreadPoolExecutor(
+            max_workers=OFF_LOOP_WORKERS, thread_name_prefix="deltaserve-engine-calls"
+        )
         self._flush = False  # aborts' last outputs wait for a step, which an idle engine must still run
         self._last_sent = time.monotonic()
         self._client_pids: dict[int, int] = {}  # HTTP process (socket pair) -> its pid ("hello")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -42,6 +44,10 @@ class Grammars:
         )
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=2)
         self.compiled: dict[str, Any] = {}
+        # grammars being compiled, by key: the engine compiles several at once (engine/core.py),
+        # and the same one asked for again meanwhile waits for that compile instead of running another
+        self.compiling: dict[str, Future[Any]] = {}
+        self.lock = threading.Lock()
 
     def matcher(self, spec: StructuredOutputs) -> RequestGrammar:
         """A fresh matcher for `spec` (its grammar compiled on first use); ValueError for a
@@ -55,31 +61,52 @@ class Grammars:
         in its worker thread before submitting it, so that the engine's thread finds it here)."""
         key = spec.key()
         grammar = self.compiled.get(key)
-        if grammar is None:
-            try:
-                if spec.tool_calls is not None:
-                    grammar = self.compiler.compile_grammar(
-                        tool_call_grammar(self.xgr, spec.tool_calls, spec.tool_call_form, spec.max_tool_calls)
-                    )
-                elif spec.regex is not None:
-                    grammar = self.compiler.compile_regex(spec.regex)
-                elif spec.choice is not None:
-                    alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
-                    grammar = self.compiler.compile_grammar(f"root ::= {alternatives}")
-                elif spec.grammar is not None:
-                    grammar = self.compiler.compile_grammar(spec.grammar)
-                else:
-                    # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar);
-                    # json.dumps' separators (", " and ": "), no other whitespace between tokens
-                    schema = '{"type": "object"}' if spec.json_object else key
-                    grammar = self.compiler.compile_json_schema(schema, any_whitespace=False)
-            except Exception as e:  # xgrammar's own message: an unsupported or broken schema
-                # (without its "[time] /path/file.cc:line: " prefix)
-                reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
-                free_form = spec.regex is not None or spec.choice is not None or spec.grammar is not None
-                what = "grammar" if free_form else "JSON schema"
-                raise ValueError(f"structured outputs: the {what} cannot be compiled ({reason})") from None
-            self.compiled[key] = grammar
+        if grammar is not None:
+            return grammar
+        with self.lock:
+            pending = self.compiling.get(key)
+            ours = pending is None
+            if pending is None:
+                pending = self.compiling[key] = Future()
+        if not ours:
+            return pending.result()  # its grammar, or its ValueError
+        try:
+            grammar = self._compile(spec, key)
+        except BaseException as exc:  # the ones waiting for it get the same
+            pending.set_exception(exc)
+            raise
+        finally:
+            with self.lock:
+                del self.compiling[key]
+        self.compiled[key] = grammar
+        pending.set_result(grammar)
+        return grammar
+
+    def _compile(self, spec: StructuredOutputs, key: str) -> Any:
+        """`spec`'s grammar compiled now, or a ValueError saying why it cannot be."""
+        try:
+            if spec.tool_calls is not None:
+                grammar = self.compiler.compile_grammar(
+                    tool_call_grammar(self.xgr, spec.tool_calls, spec.tool_call_form, spec.max_tool_calls)
+                )
+            elif spec.regex is not None:
+                grammar = self.compiler.compile_regex(spec.regex)
+            elif spec.choice is not None:
+                alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+                grammar = self.compiler.compile_grammar(f"root ::= {alternatives}")
+            elif spec.grammar is not None:
+                grammar = self.compiler.compile_grammar(spec.grammar)
+            else:
+                # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar);
+                # json.dumps' separators (", " and ": "), no other whitespace between tokens
+                schema = '{"type": "object"}' if spec.json_object else key
+                grammar = self.compiler.compile_json_schema(schema, any_whitespace=False)
+        except Exception as e:  # xgrammar's own message: an unsupported or broken schema
+            # (without its "[time] /path/file.cc:line: " prefix)
+            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
+            free_form = spec.regex is not None or spec.choice is not None or spec.grammar is not None
+            what = "grammar" if free_form else "JSON schema"
+            raise ValueError(f"structured outputs: the {what} cannot be compiled ({reason})") from None
         return grammar
 
 

