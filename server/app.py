@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve import __version__
-from deltaserve.engine.errors import EngineDeadError, InvalidParamError
+from deltaserve.engine.errors import EngineDeadError, InvalidParamError, QueueFullError
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 
 from .api.chat import create_chat_completion
@@ -35,7 +35,7 @@ from .api.messages import (
 from .api.request_params import rid_prefix
 from .api.responses import ResponsesRequest, ResponseStore, create_response
 from .edge import MAX_BODY_BYTES, EdgeGuard
-from .engine_client import EngineClient
+from .engine_client import EngineClient, ShuttingDownError
 from .errors import APIError, bad_request, error_body, refused, validation_message
 from .metrics import Metrics, SharedMetrics
 from .protocol import (
@@ -401,6 +401,15 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def invalid_param(request: Request, exc: InvalidParamError) -> JSONResponse:
         error = refused(exc)
         return reply(request, error.status, error.message, error.param, error.code)
+
+    @app.exception_handler(QueueFullError)  # a drain's end, or a full queue, reached outside a submit
+    async def engine_full(request: Request, exc: QueueFullError) -> JSONResponse:
+        code = "shutting_down" if isinstance(exc, ShuttingDownError) else "queue_full"
+        return reply(request, 503, str(exc), None, code)
+
+    @app.exception_handler(EngineDeadError)  # the engine died while a call waited for it
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return reply(request, 503, str(exc), None, "engine_unavailable")
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

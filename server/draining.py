@@ -75,6 +75,8 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         if self.client.num_in_flight:
             logger.info("aborting %d requests still running", self.client.num_in_flight)
+        # and those still being prepared, waiting for the engine's answer (a grammar's compile)
+        if self.client.num_in_flight or self.client.num_calls:
             self.client.fail_all(ShuttingDownError("the server shut down before the request finished"))
             await asyncio.sleep(0.2)  # their error events reach the sockets
         super().handle_exit(sig, None)

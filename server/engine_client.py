@@ -355,9 +355,17 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._groups)
 
+    @property
+    def num_calls(self) -> int:
+        """Calls sent to the engines and not yet answered."""
+        return len(self._calls)
+
     def fail_all(self, exc: BaseException, engine: int | None = None) -> None:
         """Every group still open (with `engine`: that engine's) gets `exc`; its reader's cleanup
-        aborts what is left."""
+        aborts what is left. So does every call still unanswered (a request's grammar compiling)."""
+        for future, on in self._calls.values():
+            if not future.done() and engine in (None, on):
+                future.set_exception(exc)
         ids = [rid for rid in self._groups if engine is None or self._engine_of.get(rid) == engine]
         for group in {id(g): g for rid in ids if (g := self._groups.get(rid)) is not None}.values():
             group.queue.put_nowait(exc)

@@ -296,6 +296,59 @@ def test_a_slow_grammar_does_not_hold_up_the_other_requests_grammars() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("end", ["drain", "engine_dies"])
+def test_a_request_whose_grammar_outlasts_the_server_or_engine_is_a_503(end: str) -> None:
+    """A request still waiting for its grammar's compile when the drain ends is a 503 coded
+    shutting_down, as a request still running is. (It was no request in flight to the drain,
+    which ended at once; uvicorn then cancelled it: a 500 and a traceback in the log.) One whose
+    engine dies meanwhile is a 503 coded engine_unavailable (it was a 500)."""
+    import socket
+
+    import uvicorn
+
+    from deltaserve.server.app import build_app
+    from deltaserve.server.draining import DrainingServer
+    from deltaserve.server.engine_client import EngineClient
+
+    engine = SlowGrammarEngine()
+    client = EngineClient.in_thread(engine)
+    app = build_app(client, model_names=["failing"])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1
+    )
+    server = DrainingServer(config, client, drain_s=0.5)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started)
+    out: dict[str, Any] = {}
+
+    def post() -> None:
+        body = {"prompt": [1, 2, 3], "max_tokens": 5, "structured_outputs": {"regex": "slow"}}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
+        out["status"], out["body"] = r.status_code, r.json()
+
+    poster = threading.Thread(target=post)
+    poster.start()
+    try:
+        time.sleep(0.5)  # its grammar compiling
+        if end == "drain":
+            server.handle_exit(signal.SIGTERM, None)
+        else:
+            assert server.loop is not None
+            server.loop.call_soon_threadsafe(client._on_dead, "the engine process exited")
+        poster.join(20)
+        code = "shutting_down" if end == "drain" else "engine_unavailable"
+        assert out["status"] == 503 and out["body"]["error"]["code"] == code
+    finally:
+        engine.release.set()
+        if end != "drain":
+            server.handle_exit(signal.SIGTERM, None)
+        thread.join(20)
+
+
 @pytest.mark.parametrize("flag", ["--max-num-batched-tokens", "--chunked-prefill-size"])
 def test_budget_flags_reach_the_engine(flag: str) -> None:
     from deltaserve.server.cli import build_parser
