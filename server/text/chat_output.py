@@ -27,6 +27,8 @@ class ChatOutputParser:
     parse_reasoning: bool = True
     tools: dict[str, dict[str, Any]] | None = None
     tool_format: ToolCallFormat | None = None  # the model family's call markup (Qwen's by default)
+    # parallel_tool_calls false: the reply's first call only, the later ones dropped (vLLM's filter)
+    max_calls: int | None = None
 
     def parse(self, text: str, final: bool, cut: bool = False) -> ParsedChat:
         """`cut`: the output ended at the length limit (an unfinished call at its end is dropped)."""
@@ -36,6 +38,7 @@ class ChatOutputParser:
         calls: list[ParsedToolCall] = []
         if self.tools is not None:
             content, calls = extract_tool_calls(content, self.tools, final, self.tool_format, cut)
+            calls = calls[: self.max_calls]
         return ParsedChat(reasoning, content, calls)
 
 
@@ -60,6 +63,7 @@ class ChatStreamState:
     def __init__(self, parser: ChatOutputParser) -> None:
         self.reasoning = ReasoningStream(parser.starts_in_reasoning, parser.parse_reasoning)
         self.tools = ToolCallStream(parser.tools, parser.tool_format) if parser.tools is not None else None
+        self.max_calls = parser.max_calls
         self.calls_sent = 0
 
     def feed(
@@ -81,6 +85,8 @@ class ChatStreamState:
         for part in self.tools.feed_in_order(content, final, cut):
             if isinstance(part, str):
                 ordered.append(part)
+                continue
+            if self.max_calls is not None and self.calls_sent >= self.max_calls:
                 continue
             function = ToolCallFunction(name=part.name, arguments=part.arguments)
             call_id = part.call_id or tool_call_id()

@@ -549,3 +549,23 @@ def test_a_requests_chat_template_renders_only_where_the_server_trusts_it(serve_
     root = str(wary.base_url).removesuffix("/v1/")
     r2 = httpx.post(f"{root}/tokenize", json={**body, "chat_template": REQUEST_TEMPLATE})
     assert r2.status_code == 400 and r2.json()["error"]["param"] == "chat_template"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(serve_script) -> None:
+    """parallel_tool_calls false under tool_choice "auto" (no grammar holds the model to one call):
+    the reply carries the first call only, whole and streamed, as vLLM filters it."""
+    calls = [{"city": "Paris"}, {"city": "Rome"}]
+    client = serve_script(
+        "\n".join(
+            f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(c)}}}\n</tool_call>'
+            for c in calls
+        )
+    )
+    both = ask(client, tools=TOOLS).choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments) for c in both] == calls
+    choice = ask(client, tools=TOOLS, parallel_tool_calls=False).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == calls[:1]
+    _, content, streamed, finishes = collect_stream(client, tools=TOOLS, parallel_tool_calls=False)
+    assert content == "" and finishes == ["tool_calls"]
+    assert [json.loads(c["arguments"]) for c in streamed] == calls[:1]
