@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
@@ -14,7 +15,7 @@ from deltaserve.engine.engine import Engine
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.chat_prompt import image_urls, render_prompt
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults, load_sampling_defaults
-from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.requests.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deltaserve.engine.requests.sampling_params import SamplingParams, choice_seed
 from deltaserve.engine.step.admission import check_length
 from deltaserve.models.vision.positions import ImageInputs
@@ -222,15 +223,25 @@ class LLM:
         if bar is not None:
             bar.close()
         results = []
-        for base, subs, ids, text in groups:
+        for (base, subs, ids, text), params in zip(groups, params_list):
+            decode = self._token_decoder() if params.detokenize else None
             comps: list[CompletionOutput] = []
             cached = 0
             for i, rid in enumerate(subs):
                 out = final[rid]
                 comp = out.outputs[0]
                 comp.index = i
+                if comp.logprobs is not None:  # vLLM's shape: a dict a position
+                    comp.logprobs = [PositionLogprobs(lp, decode) for lp in comp.logprobs]
+                if params.logprobs is None:  # vLLM's: no sum of log-probabilities not asked for
+                    comp.cumulative_logprob = None
                 comps.append(comp)
                 cached = max(cached, out.num_cached_tokens)
+            prompt_logprobs = final[subs[0]].prompt_logprobs
+            if prompt_logprobs is not None:
+                prompt_logprobs = [
+                    None if lp is None else PositionLogprobs(lp, decode) for lp in prompt_logprobs
+                ]
             results.append(
                 RequestOutput(
                     base,
@@ -242,10 +253,17 @@ class LLM:
                     arrival_time=final[subs[0]].arrival_time,
                     num_draft_tokens=sum(final[rid].num_draft_tokens for rid in subs),
                     num_accepted_tokens=sum(final[rid].num_accepted_tokens for rid in subs),
-                    prompt_logprobs=final[subs[0]].prompt_logprobs,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         return results
+
+    def _token_decoder(self) -> Callable[[int], str] | None:
+        """A token id's text, as vLLM's logprobs give it (`decoded_token`): the token decoded alone."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return None
+        return functools.lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
 
     def chat(
         self,

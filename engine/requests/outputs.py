@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any
@@ -14,8 +15,44 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
-    rank: int | None = None  # among the whole vocabulary, 1 the likeliest (prompt log-probabilities)
+    rank: int | None = None  # the token's among the whole vocabulary, 1 the likeliest
     asked: dict[int, float] = field(default_factory=dict)  # SamplingParams.logprob_token_ids'
+
+
+@dataclass
+class TokenLogprob:
+    """vLLM's `Logprob`: one token's log-probability at a position, its rank among the whole
+    vocabulary (1 the likeliest) and its text (None without detokenization)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class PositionLogprobs(dict[int, TokenLogprob], Logprob):
+    """One position's log-probabilities as vLLM's offline outputs hold them (`LLM.generate`'s
+    `logprobs` and `prompt_logprobs`): token id -> TokenLogprob, the chosen token first, then the
+    top ones best first, then `logprob_token_ids`' ones. It is the engine's Logprob too: its
+    fields (token_id, logprob, top, rank, asked) read as before."""
+
+    def __init__(self, lp: Logprob, decode: Callable[[int], str] | None = None) -> None:
+        dict.__init__(self)
+        Logprob.__init__(self, lp.token_id, lp.logprob, lp.top, lp.rank, lp.asked)
+
+        def entry(token_id: int, value: float, rank: int | None) -> TokenLogprob:
+            return TokenLogprob(value, rank, decode(token_id) if decode is not None else None)
+
+        self[lp.token_id] = entry(lp.token_id, lp.logprob, lp.rank)
+        for rank, (token_id, value) in enumerate(sorted(lp.top.items(), key=lambda kv: -kv[1]), 1):
+            if token_id not in self:
+                self[token_id] = entry(token_id, value, rank)
+        for token_id, value in lp.asked.items():
+            if token_id not in self:
+                self[token_id] = entry(token_id, value, None)
+
+    __eq__ = dict.__eq__  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]
+    __repr__ = dict.__repr__  # type: ignore[assignment]
 
 
 @dataclass
@@ -29,7 +66,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # None while running, then "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[Logprob] | None = None  # cumulative, when requested
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = 0.0  # LLM.generate: None where logprobs were not asked for
     num_tokens: int = -1  # tokens generated so far, in every kind of output (-1: len(token_ids))
     error: str | None = None  # with finish_reason "error": what failed (for logs, not for clients)
     bad_input: bool = False  # ... unless its own parameters failed it: then its client reads `error`

@@ -120,6 +120,12 @@ class Sampler:
         if logprobs is None and any(r.params.logprobs is not None for r in reqs):
             logprobs = torch.log_softmax(logits.float(), dim=-1)
         lps: list[Logprob | None] = []
+        chosen: list[float] = []
+        ranks: list[int] = []
+        if logprobs is not None:  # the chosen tokens' values and ranks (1 the likeliest), one read
+            picked = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))
+            chosen = picked.view(-1).tolist()
+            ranks = ((logprobs > picked).sum(dim=1) + 1).tolist()
         for i, (tok, r) in enumerate(zip(tokens, reqs)):
             if logprobs is None or r.params.logprobs is None:
                 lps.append(None)
@@ -131,7 +137,7 @@ class Sampler:
                 top = dict(zip(ids.tolist(), vals.tolist()))
             asked = r.params.logprob_token_ids
             values = row[asked].tolist() if asked else []
-            lps.append(Logprob(tok, float(row[tok]), top, asked=dict(zip(asked or [], values))))
+            lps.append(Logprob(tok, chosen[i], top, ranks[i], dict(zip(asked or [], values))))
         return lps
 
     def needs_processing(self, r: Request) -> bool:

@@ -369,3 +369,38 @@ def test_batched_penalties_equal_the_row_by_row_ones():
         apply_penalties_batch(got, batch, rows)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         assert not torch.equal(got, logits)  # the penalties did something
+
+
+def test_offline_logprobs_are_vllms_dicts(tokenized_checkpoint):
+    """LLM.generate's logprobs as vLLM's: per position a dict token id -> (logprob, rank,
+    decoded_token), the chosen token first, then the top ones best first; the chosen token's rank
+    is its own (as prompt_logprobs rank the same tokens), and no cumulative_logprob unasked."""
+    llm = LLM(tokenized_checkpoint, dtype="float32", device="cpu")
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(
+        temperature=1.0, seed=7, max_tokens=4, logprobs=2, prompt_logprobs=1, ignore_eos=True
+    )
+    (out,) = llm.generate("The sky is", params)
+    comp = out.outputs[0]
+    # the same tokens as a prompt: its log-probabilities, from the prompt's own path
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    (again,) = llm.generate({"prompt_token_ids": out.prompt_token_ids + comp.token_ids}, scored)
+    references = again.prompt_logprobs[len(out.prompt_token_ids) :]
+    for token_id, position, reference in zip(comp.token_ids, comp.logprobs, references, strict=True):
+        assert isinstance(position, dict) and list(position)[0] == token_id
+        chosen, ref = position[token_id], reference[token_id]
+        assert chosen.logprob == pytest.approx(ref.logprob, abs=1e-4)
+        assert abs(chosen.rank - ref.rank) <= 2 and chosen.decoded_token == tokenizer.decode([token_id])
+        top = [position[t] for t in list(position)[1:]]
+        assert [t.rank for t in top] == list(range(1, len(top) + 1)) and len(top) >= 1
+        assert all(t.logprob >= chosen.logprob for t in top)
+    assert comp.cumulative_logprob == pytest.approx(
+        sum(p[t].logprob for t, p in zip(comp.token_ids, comp.logprobs))
+    )
+    assert out.prompt_logprobs[0] is None
+    for token_id, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert list(position)[0] == token_id and position[token_id].decoded_token == tokenizer.decode(
+            [token_id]
+        )
+    (plain,) = llm.generate("The sky is", SamplingParams(max_tokens=2))
+    assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
