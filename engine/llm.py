@@ -12,11 +12,12 @@ from typing import Any
 from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
+from deltaserve.engine.errors import InvalidParamError
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.chat_prompt import image_urls, render_prompt
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults, load_sampling_defaults
 from deltaserve.engine.requests.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from deltaserve.engine.requests.sampling_params import SamplingParams, choice_seed
+from deltaserve.engine.requests.sampling_params import SamplingParams, bad_words_token_ids, choice_seed
 from deltaserve.engine.step.admission import check_length
 from deltaserve.models.vision.positions import ImageInputs
 from deltaserve.models.vision.processor import load_image
@@ -119,6 +120,38 @@ class LLM:
             return list(self.tokenizer.encode(prompt)), prompt
         return [int(t) for t in prompt], None
 
+    def _tokenized_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's `bad_words` (text) as the token sequences the sampler bans (`bad_words_token_ids`)."""
+        if not params.bad_words:
+            return params
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise InvalidParamError("bad_words need a tokenizer, and this checkpoint has none", "bad_words")
+        ids = bad_words_token_ids(params.bad_words, lambda w: tokenizer.encode(w, add_special_tokens=False))
+        return dataclasses.replace(
+            params, bad_words=None, bad_words_token_ids=[*(params.bad_words_token_ids or []), *ids]
+        )
+
+    def _truncated(
+        self, encoded: tuple[list[int], str | None, ImageInputs | None], k: int | None
+    ) -> tuple[list[int], str | None, ImageInputs | None]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the context's length)."""
+        ids, text, images = encoded
+        if k is None:
+            return encoded
+        if images is not None:
+            raise InvalidParamError(
+                "truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens"
+            )
+        limit = self.engine.max_model_len
+        if k > limit:
+            raise InvalidParamError(
+                f"truncate_prompt_tokens ({k}) exceeds this model's maximum context length ({limit})",
+                "truncate_prompt_tokens",
+            )
+        k = limit if k == -1 else k
+        return ids[-k:], text, images
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json sampling values (temperature, top_p, top_k,
         min_p, repetition_penalty, max_new_tokens; another folder's, or none, as the LLM's
@@ -184,7 +217,11 @@ class LLM:
             if len(priority) != len(batch):
                 raise ValueError("give one priority per prompt")
             params_list = [dataclasses.replace(p, priority=v) for p, v in zip(params_list, priority)]
-        encoded = [self._encode(p) for p in batch]  # all validated before any is queued
+        params_list = [self._tokenized_bad_words(p) for p in params_list]
+        encoded = [  # all validated before any is queued
+            self._truncated(self._encode(p), params.truncate_prompt_tokens)
+            for p, params in zip(batch, params_list)
+        ]
         for (ids, _, _), params in zip(encoded, params_list):  # before a warm-up prefill runs
             check_length(len(ids), params.max_tokens, self.engine.max_model_len)
         self._warm_prefixes(

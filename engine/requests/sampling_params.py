@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -102,6 +103,21 @@ class StructuredOutputs:
         return "json_object" if self.json_object else json.dumps(self.json)
 
 
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """vLLM's bad words as token sequences: each word as tokenized alone, and after a space where
+    that starts with another token but is as long (the same word inside a sentence)."""
+    out = []
+    for word in words:
+        if not word.strip():
+            raise InvalidParamError("bad_words must not be empty or blank", "bad_words")
+        alone = encode(word.lstrip())
+        spaced = encode(" " + word.lstrip())
+        out.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return out
+
+
 def choice_seed(seed: int | None, index: int) -> int | None:
     """The seed of a request's choice `index` (vLLM's `seed + index`), wrapped within 64 bits: a
     seed at the top of the range stays a valid seed for every choice."""
@@ -152,6 +168,13 @@ class SamplingParams:
     # (`Logprob.asked`), beside the chosen token's and the top ones; needs logprobs (or
     # prompt_logprobs, for the prompt's positions)
     logprob_token_ids: list[int] | None = None
+    # vLLM's bad words, as text: LLM.generate tokenizes them into bad_words_token_ids
+    # (`bad_words_token_ids` below; the server does the same with a request's `bad_words`)
+    bad_words: list[str] | None = None
+    # vLLM's: LLM.generate keeps the prompt's last k tokens only (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = None
+    # vLLM's; the fast tokenizers deltaserve loads put no spaces between special tokens either way
+    spaces_between_special_tokens: bool = True
     # a request of the server's own (a health probe, a prefix warm-up): left out of the engine's
     # token counters and the prefix cache's hit rate, which count clients' requests
     internal: bool = False
@@ -176,6 +199,8 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logprob_token_ids is not None and self.logprobs is None and self.prompt_logprobs is None:
@@ -222,6 +247,14 @@ class SamplingParams:
             raise InvalidParamError("stop must not hold an empty string", "stop")
         if self.stop and not self.detokenize:
             raise InvalidParamError("stop strings need the text: detokenize must be on", "detokenize")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words or []):
+            raise InvalidParamError("bad_words must be non-blank strings", "bad_words")
+        k = self.truncate_prompt_tokens
+        if k is not None and k != -1 and k < 1:
+            raise InvalidParamError(
+                f"truncate_prompt_tokens must be -1 (the context length) or positive, got {k}",
+                "truncate_prompt_tokens",
+            )
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise InvalidParamError(f"stop_token_ids must be token ids, got {bad[0]!r}", "stop_token_ids")
@@ -290,6 +323,7 @@ _INTEGERS = (
     "prompt_logprobs",
     "priority",
     "next_turn_len",
+    "truncate_prompt_tokens",
 )
 
 

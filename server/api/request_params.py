@@ -99,18 +99,15 @@ def build_sampling_params(
 
 
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
-    """vLLM's bad words as token sequences: each word as tokenized alone, and after a space where
-    that starts with another token but is as long (the same word inside a sentence)."""
-    out = []
-    for word in words:
-        if not word.strip():
-            raise bad_request("bad_words must not be empty or blank", "bad_words")
-        alone = encode(word.lstrip())
-        spaced = encode(" " + word.lstrip())
-        out.append(alone)
-        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
-            out.append(spaced)
-    return out
+    """vLLM's bad words as token sequences (`sampling_params.bad_words_token_ids`); a blank one
+    is a 400."""
+    from deltaserve.engine.errors import InvalidParamError
+    from deltaserve.engine.requests.sampling_params import bad_words_token_ids as tokenized
+
+    try:
+        return tokenized(words, encode)
+    except InvalidParamError as exc:
+        raise bad_request(str(exc), "bad_words") from exc
 
 
 def truncate_prompt(req: SamplingRequest, ids: list[int], max_model_len: int) -> list[int]:

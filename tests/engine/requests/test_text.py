@@ -225,3 +225,29 @@ def test_final_only_text_equals_the_streamed_text(llm):
     assert texts["final_only-done"] == texts["cumulative-done"] and texts["final_only-done"][0]
     text, ids = texts["final_only-aborted"]
     assert ids and text == llm.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_vllms_bad_words_and_prompt_truncation(llm):
+    """SamplingParams takes vLLM's bad_words (text: its tokens never generated),
+    truncate_prompt_tokens (the prompt's last k tokens) and spaces_between_special_tokens, as
+    vLLM scripts pass them."""
+    tok = llm.tokenizer
+    greedy = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    free = llm.generate("Hello, my name is", SamplingParams(**greedy))[0].outputs[0]
+    # a token that is a word of its own: the text it decodes to tokenizes back to it alone
+    word_id = next(t for t in free.token_ids if tok.encode(tok.decode([t]).lstrip()) == [t])
+    word = tok.decode([word_id])
+    banned = llm.generate("Hello, my name is", SamplingParams(bad_words=[word], **greedy))[0].outputs[0]
+    assert word_id not in banned.token_ids and len(banned.token_ids) == 12
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])
+
+    ids = tok.encode("one two three four five six")
+    (cut,) = llm.generate("one two three four five six", SamplingParams(truncate_prompt_tokens=3, **greedy))
+    (alone,) = llm.generate({"prompt_token_ids": ids[-3:]}, SamplingParams(**greedy))
+    assert cut.prompt_token_ids == ids[-3:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    whole = SamplingParams(truncate_prompt_tokens=-1, spaces_between_special_tokens=False, **greedy)
+    assert llm.generate("one two three four five six", whole)[0].prompt_token_ids == ids
+    for k in (0, llm.engine.max_model_len + 1):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            llm.generate("one two", SamplingParams(truncate_prompt_tokens=k, **greedy))
