@@ -144,6 +144,7 @@ def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "js
                     "properties": {"name": {"const": f["name"]}, "arguments": params},
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
+                    **_definitions(params),  # where the arguments' `#/$defs/...` refs point
                 }
                 calls.append(
                     xgr.Grammar.concat(
@@ -174,6 +175,27 @@ def _literal(xgr: Any, text: str) -> Any:
 _FREE_TEXT = 'root ::= ([^<] | "<" [^/])*'  # a parameter's text: anything but a closing tag
 
 
+def _definitions(params: dict[str, Any]) -> dict[str, Any]:
+    """A parameters schema's `$defs` / `definitions` (pydantic's, for enums and nested models),
+    for a piece of it compiled apart from its root, where its `#/$defs/...` refs must still land."""
+    return {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
+
+
+def _resolved(schema: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's schema with a `$ref` into the parameters' definitions replaced by what it
+    names (its sibling keywords kept), so that its type shows."""
+    for _ in range(8):  # a ref to a ref, not forever
+        ref = schema.get("$ref")
+        if not isinstance(ref, str):
+            break
+        section, _, name = ref.removeprefix("#/").partition("/")
+        target = _definitions(params).get(section, {}).get(name)
+        if not isinstance(target, dict):
+            break
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
+
+
 def _xml_value(xgr: Any, schema: dict[str, Any]) -> Any:
     kind = schema.get("type")
     if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
@@ -193,6 +215,9 @@ def _xml_call(xgr: Any, name: str, params: dict[str, Any]) -> Any:
     parts = [_literal(xgr, f"<tool_call>\n<function={name}>\n")]
     required = set(params.get("required") or [])
     for key, schema in (params.get("properties") or {}).items():
+        schema = _resolved(schema, params)
+        if schema.get("type") in ("object", "array"):  # compiled alone: its own refs need the definitions
+            schema = {**schema, **_definitions(params)}
         block = xgr.Grammar.concat(
             _literal(xgr, f"<parameter={key}>\n"), _xml_value(xgr, schema), _literal(xgr, "\n</parameter>\n")
         )

@@ -443,3 +443,43 @@ def test_the_same_grammar_asked_for_meanwhile_is_compiled_once():
             assert all(isinstance(g, ValueError) and "cannot be compiled" in str(g) for g in got)
         else:
             assert got[0] is got[1] is got[2]
+
+
+# pydantic's schema of a model with an enum and a nested model: both as `$ref`s into `$defs`
+REFS = {
+    "name": "order",
+    "parameters": {
+        "$defs": {
+            "Color": {"enum": ["red", "blue"], "title": "Color", "type": "string"},
+            "Addr": {
+                "properties": {"street": {"type": "string"}},
+                "required": ["street"],
+                "type": "object",
+                "additionalProperties": False,
+            },
+        },
+        "properties": {"color": {"$ref": "#/$defs/Color"}, "addr": {"$ref": "#/$defs/Addr"}},
+        "required": ["color", "addr"],
+        "type": "object",
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("form", ["json", "xml", "kimi"])
+def test_forced_tool_calls_follow_refs_into_the_parameters_defs(form):
+    """A tool's parameters with `$defs` (what pydantic and openai.pydantic_function_tool write)
+    compile in every form, and their referenced enum and object still hold the arguments."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import tool_call_grammar
+
+    grammar = tool_call_grammar(xgr, [REFS], form)
+    calls = {
+        "json": '<tool_call>\n{{"name": "order", "arguments": {{"color": "{c}", "addr": {{"street": "x"}}}}}}\n</tool_call>',
+        "xml": '<tool_call>\n<function=order>\n<parameter=color>\n{c}\n</parameter>\n<parameter=addr>\n{{"street": "x"}}\n</parameter>\n</function>\n</tool_call>',
+        "kimi": '<|tool_calls_section_begin|><|tool_call_begin|>functions.order:0<|tool_call_argument_begin|>{{"color": "{c}", "addr": {{"street": "x"}}}}<|tool_call_end|><|tool_calls_section_end|>',
+    }[form]
+    assert accepts(grammar, calls.format(c="red"))
+    assert not accepts(grammar, calls.format(c="green"))
