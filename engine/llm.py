@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
@@ -288,6 +288,8 @@ class LLM:
                     prompt=text,
                     num_cached_tokens=cached,
                     arrival_time=final[subs[0]].arrival_time,
+                    first_token_time=_earliest(final[rid].first_token_time for rid in subs),
+                    scheduled_time=_earliest(final[rid].scheduled_time for rid in subs),
                     num_draft_tokens=sum(final[rid].num_draft_tokens for rid in subs),
                     num_accepted_tokens=sum(final[rid].num_accepted_tokens for rid in subs),
                     prompt_logprobs=prompt_logprobs,
@@ -374,6 +376,11 @@ class LLM:
         SGLang's Engine does): loaded in host memory, checked, then copied over the served ones;
         the prefix cache is dropped. ValueError, with nothing changed, for another model's."""
         self.engine.update_weights_from_disk(model_path, load_format, weight_version)
+
+
+def _earliest(times: Iterable[float | None]) -> float | None:
+    """The first of a prompt's samples' times (None where none has it)."""
+    return min((t for t in times if t is not None), default=None)
 
 
 def _progress(total: int) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -404,3 +405,13 @@ def test_offline_logprobs_are_vllms_dicts(tokenized_checkpoint):
         )
     (plain,) = llm.generate("The sky is", SamplingParams(max_tokens=2))
     assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
+
+
+def test_generate_keeps_the_requests_times(llm):
+    """LLM.generate's outputs carry when each prompt was scheduled and gave its first token (the
+    engine's outputs hold them; the grouped output of a prompt's samples dropped them)."""
+    before = time.time()
+    outs = llm.generate(PROMPTS, SamplingParams(n=2, max_tokens=3, ignore_eos=True))
+    for out in outs:
+        assert out.scheduled_time is not None and out.first_token_time is not None
+        assert before <= out.arrival_time <= out.scheduled_time <= out.first_token_time <= time.time()
