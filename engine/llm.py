@@ -14,7 +14,7 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.errors import InvalidParamError
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from deltaserve.engine.requests.chat_prompt import image_urls, render_prompt
+from deltaserve.engine.requests.chat_prompt import image_urls, render_prompt, tail_tokens, unrepeated_tail
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults, load_sampling_defaults
 from deltaserve.engine.requests.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deltaserve.engine.requests.sampling_params import SamplingParams, bad_words_token_ids, choice_seed
@@ -81,6 +81,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
         self._defaults: SamplingDefaults | None = None  # generation_config.json, read once
+
+    @property
+    def llm_engine(self) -> Engine:
+        """vLLM's name for the engine the LLM drives."""
+        return self.engine
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks' processes (they also end with this process)."""
@@ -314,12 +319,21 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of OpenAI-shaped message dicts) or several,
         rendered with the checkpoint's chat template (or `chat_template`), then `generate`d; the
-        outputs' `prompt` is the rendered text. A ValueError for what the template cannot render."""
+        outputs' `prompt` is the rendered text. A ValueError for what the template cannot render.
+        Each prompt tells the prefix cache what the conversation's next turn repeats of it, so
+        that the next turn starts from the state there (as the server's chat endpoint does)."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer to render a chat with")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(
+                f"chat_template_content_format {chat_template_content_format!r}: a message's text parts "
+                "reach the template joined as one string (images as their own parts), vLLM's 'auto' "
+                "and 'string' for these models"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts = [
             render_prompt(
@@ -342,7 +356,49 @@ class LLM:
             urls = image_urls(conversation)  # type: ignore[arg-type]
             if urls:
                 prompt["multi_modal_data"] = {"image": [load_image(url) for url in urls]}
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if add_generation_prompt and not continue_final_message:
+            sampling_params = self._next_turn_hints(
+                prompts, conversations, sampling_params, chat_template, tools, chat_template_kwargs
+            )
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _next_turn_hints(
+        self,
+        prompts: list[dict[str, Any]],
+        conversations: Sequence[Any],
+        sampling_params: SamplingParams | Sequence[SamplingParams],
+        template: str | None,
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None,
+    ) -> SamplingParams | Sequence[SamplingParams]:
+        """Each prompt's params with `next_turn_len` where the next turn stops repeating it before
+        its end (`unrepeated_tail`: Qwen3.5's `<think>\n`); a text-only prompt's, as the server."""
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            return sampling_params  # generate names the mismatch
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        for i, (prompt, conversation) in enumerate(zip(prompts, conversations)):
+            if "multi_modal_data" in prompt or params[i].truncate_prompt_tokens is not None:
+                continue  # its ids grow by the images' tokens, or lose their head
+            text, ids = prompt["prompt"], prompt["prompt_token_ids"]
+            start = unrepeated_tail(
+                self.tokenizer,
+                list(conversation),
+                text,
+                template=template,
+                tools=tools,
+                template_kwargs=template_kwargs,
+            )
+            tail = tail_tokens(ids, text, start, encode)
+            if 0 < tail < len(ids):
+                params[i] = dataclasses.replace(params[i], next_turn_len=len(ids) - tail)
+        return params
 
     def get_tokenizer(self) -> Any:
         """The checkpoint's tokenizer (None for a checkpoint without one)."""

@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 from deltaserve.engine.errors import InvalidParamError
@@ -189,6 +190,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise InvalidParamError(f"{name} must be an integer, got {value!r}", name)
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
+        if isinstance(self.output_kind, Enum):  # vLLM's RequestOutputKind.FINAL_ONLY and the like
+            self.output_kind = self.output_kind.name.lower()
         if isinstance(self.structured_outputs, dict):  # vLLM's fields as a dict: the dataclass
             known = {f.name for f in fields(StructuredOutputs)}
             unknown = sorted(set(self.structured_outputs) - known)

@@ -68,3 +68,43 @@ def test_reset_prefix_cache_drops_the_cached_prompt(llm: LLM) -> None:
     assert llm.reset_prefix_cache() is True
     again = llm.chat(CHAT, GREEDY)[0]
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_the_next_turn_starts_where_the_history_leaves_the_generation_prompt(llm: LLM) -> None:
+    """enable_thinking false: the generation prompt ends in an empty reasoning block (four tokens)
+    that the next turn's history does not render. With a page boundary inside it, LLM.chat keeps
+    the prompt end's state at the page boundary before it, as the server does: turn 2 starts there."""
+    import uuid
+
+    off = {"enable_thinking": False}
+    page = llm.engine.config.page_size
+    tok = llm.get_tokenizer()
+
+    def count(messages: list[dict]) -> list[int]:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **off)
+        return tok.encode(text, add_special_tokens=False)
+
+    words = f"{uuid.uuid4().hex} Answer in one line."
+    while len(count([{"role": "user", "content": words}])) % page != 2:
+        words += " y"
+    messages = [{"role": "user", "content": words}]
+    (first,) = llm.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs=off)
+    messages += [
+        {"role": "assistant", "content": first.outputs[0].text},
+        {"role": "user", "content": "Then?"},
+    ]
+    kept = len(first.prompt_token_ids) - 4
+    assert count(messages)[:kept] == first.prompt_token_ids[:kept]
+    (second,) = llm.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs=off)
+    assert second.num_cached_tokens == kept // page * page > 0
+
+
+def test_vllms_chat_template_content_format(llm: LLM) -> None:
+    """'auto' and 'string' (what these templates read) are taken; 'openai' is refused, naming why."""
+    want = llm.chat(CHAT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for fmt in ("auto", "string"):
+        (out,) = llm.chat(CHAT, GREEDY, use_tqdm=False, chat_template_content_format=fmt)
+        assert out.outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="chat_template_content_format 'openai'"):
+        llm.chat(CHAT, GREEDY, use_tqdm=False, chat_template_content_format="openai")
+    assert llm.llm_engine is llm.engine  # vLLM's name for it

@@ -44,3 +44,17 @@ def test_structured_outputs_may_come_as_a_dict_of_their_fields() -> None:
     assert params.structured_outputs == StructuredOutputs(regex="a+", after_token=5)
     with pytest.raises(InvalidParamError, match="no field 'jsn'"):
         SamplingParams(structured_outputs={"jsn": {}})
+
+
+def test_vllms_no_seed_and_output_kind_enum() -> None:
+    """vLLM's seed -1 is no seed; its RequestOutputKind members name the output kinds."""
+    import enum
+
+    class RequestOutputKind(enum.Enum):  # vLLM's enum, as a script imports it from vllm.sampling_params
+        CUMULATIVE = 0
+        DELTA = 1
+        FINAL_ONLY = 2
+
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind == "final_only"
+    assert SamplingParams(output_kind=RequestOutputKind.DELTA).output_kind == "delta"
