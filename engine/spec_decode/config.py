@@ -39,6 +39,20 @@ class SpecConfig:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
         if "method" not in raw or "num_speculative_tokens" not in raw:
             raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        # before any comparison: 2.5 or True would pass it (2.5 then failed the model's load), "3"
+        # fail it with a message that names no key
+        if not isinstance(raw["method"], str):
+            raise ValueError(f"speculative_config's method must be a string, got {raw['method']!r}")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch"):
+            value = raw.get(key)
+            if key not in raw or (key == "max_batch" and value is None):  # its default (max_batch: none)
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"speculative_config's {key} must be an integer, got {value!r}")
+        if not isinstance(raw.get("cuda_graph", False), bool):
+            raise ValueError(
+                f"speculative_config's cuda_graph must be true or false, got {raw['cuda_graph']!r}"
+            )
         cfg = cls(**{**raw, "method": METHOD_ALIASES.get(raw["method"], raw["method"])})
         if cfg.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {cfg.method!r}")

@@ -4,6 +4,8 @@ inside a window and aborts; the state committed after each window is plain decod
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -249,6 +251,35 @@ def test_config_validation(make_checkpoint):
         make_llm(path, {"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(ValueError):
         make_llm(path, {"method": "ngram", "num_speculative_tokens": 0})
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("num_speculative_tokens", 2.5),
+        ("num_speculative_tokens", "3"),
+        ("num_speculative_tokens", None),
+        ("num_speculative_tokens", True),
+        ("prompt_lookup_max", "4"),
+        ("prompt_lookup_min", 1.0),
+        ("prompt_lookup_max", None),
+        ("max_batch", 1.5),
+        ("cuda_graph", "false"),
+        ("method", ["ngram"]),
+    ],
+)
+def test_config_of_the_wrong_type_is_refused_naming_its_key(key, value):
+    """A speculative_config value of the wrong type is a ValueError naming the key, from the CLI
+    too, before the model loads: 2.5 drafts passed the check and failed the load with torch's
+    TypeError, "3" failed with "'<' not supported between instances of 'str' and 'int'"."""
+    from deltaserve.engine.spec_decode.config import SpecConfig
+    from deltaserve.server.cli import build_parser
+
+    raw = {"method": "ngram", "num_speculative_tokens": 2, key: value}
+    with pytest.raises(ValueError, match=key):
+        SpecConfig.from_dict(raw)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", json.dumps(raw)])
 
 
 def test_cli_and_metrics(make_checkpoint):
