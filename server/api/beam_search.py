@@ -105,6 +105,10 @@ async def search(
         if ctx.client.aborted_since(base, started):  # /abort_request between two steps
             beams.aborted = True
             break
+        # a client gone between two steps: `collect`'s watcher may never have run in a step whose
+        # outputs were in before it was read, so it is asked here
+        if await raw.is_disconnected():
+            raise ClientDisconnected
         requests = [(f"{base}-{beams.steps}-{i}", tokens, step) for i, tokens in enumerate(beams.expanding())]
         group = await ctx.submit(requests, engine=engine, raw=raw)  # an abort since it arrived ends it
         engine = group.engine if len(prompts) == 1 else None  # several prompts: each where it went

@@ -6,6 +6,9 @@ tests/engine/requests/test_beam_search.py), best first, one choice a beam; what 
 from __future__ import annotations
 
 import functools
+import json
+import socket
+import time
 
 import openai
 import pytest
@@ -89,3 +92,41 @@ def test_what_beam_search_cannot_do_is_a_400(client, fields: dict, param: str) -
     assert err.value.body["param"] == param
     ok = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("path", "ask"),
+    [
+        ("/v1/completions", {"prompt": "go", "max_tokens": MAX_MODEL_LEN - 8}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "go"}], "max_tokens": MAX_MODEL_LEN - 32},
+        ),
+    ],
+)
+def test_a_client_that_hangs_up_ends_its_search_at_the_next_step(server, read_metrics, path, ask) -> None:
+    """A search is one short engine request a step: a client gone between two steps ends it (its
+    steps ran on to max_tokens, the client's disconnect seen by none of them)."""
+
+    def steps_done() -> float:
+        return sum(
+            v for k, v in read_metrics(server.url).items() if k.startswith("deltaserve_requests_total")
+        )
+
+    body = json.dumps(
+        {"model": MODEL_NAME, "n": 2, "use_beam_search": True, "ignore_eos": True, **ask}
+    ).encode()
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    before = steps_done()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(request)
+        deadline = time.monotonic() + 30
+        while steps_done() < before + 10 and time.monotonic() < deadline:  # a few steps in
+            time.sleep(0.05)
+    time.sleep(0.5)  # the step in flight ends
+    gone = steps_done()
+    time.sleep(1.0)
+    assert steps_done() == gone
