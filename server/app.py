@@ -411,6 +411,10 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return reply(request, 503, str(exc), None, "engine_unavailable")
 
+    @app.exception_handler(ClientDisconnected)  # gone while its request was prepared (a grammar's compile)
+    async def client_gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))

@@ -62,11 +62,12 @@ class PreparedChat:
 
 
 async def prepare_chat(
-    ctx: ServerContext, req: ChatCompletionRequest, images_at: str | None = None
+    ctx: ServerContext, req: ChatCompletionRequest, images_at: str | None = None, raw: Request | None = None
 ) -> PreparedChat:
     """Render and tokenize the prompt, and build what the engine and the parser need (400s for bad
     fields). Shared by chat completions, the Responses API and Anthropic's Messages API, whose
-    bodies name their images elsewhere (`images_at`, a refusal's `param`)."""
+    bodies name their images elsewhere (`images_at`, a refusal's `param`). `raw`: the HTTP request,
+    whose client's hanging up ends a wait for its grammar (ClientDisconnected)."""
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     template = ctx.template_for(req.chat_template)
 
@@ -122,7 +123,9 @@ async def prepare_chat(
             params, structured_outputs=replace(params.structured_outputs, after_token=ctx.think_end_id)
         )
     if params.structured_outputs is not None:
-        await ctx.compile_structured(params.structured_outputs, "tools" if forced else structured_field(req))
+        await ctx.compile_structured(
+            params.structured_outputs, "tools" if forced else structured_field(req), raw
+        )
     parser = ChatOutputParser(
         starts_in_reasoning=thinking,
         parse_reasoning=ctx.parse_reasoning,
@@ -139,13 +142,13 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         from .beam_search import beam_params, beam_search_chat
 
         params = beam_params(req, 1)  # its refusals before the prompt is rendered
-        prepared = await prepare_chat(ctx, req)
+        prepared = await prepare_chat(ctx, req, raw=raw)
         if prepared.images is not None:
             raise bad_request("use_beam_search does not take images", "messages")
         assert prepared.params.max_tokens is not None
         params.max_tokens = prepared.params.max_tokens  # the context's room, as chat computes it
         return await beam_search_chat(ctx, req, raw, model, prepared.prompt_ids, prepared.parser, params)
-    prepared = await prepare_chat(ctx, req)
+    prepared = await prepare_chat(ctx, req, raw=raw)
     generation = ChatGeneration(ctx, req, model, prepared)
     generation.add(generation.request_id, prepared.prompt_ids, prepared.params, prepared.images)
     return await generation.respond(raw, req.stream)

@@ -112,7 +112,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
             text = await ctx.off_loop(ctx.decode, ids) if ctx.tokenizer is not None else ""
         params = ctx.sampling_params(req, len(ids), bad_words)
         if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt
-            await ctx.compile_structured(params.structured_outputs, structured_field(req))
+            await ctx.compile_structured(params.structured_outputs, structured_field(req), raw)
         generation.add(f"{generation.request_id}-{j}", ids, params)
         generation.choices += [_Choice((text, ids), req.echo, params.logprobs, generation.token_text)] * req.n
     return await generation.respond(raw, req.stream)

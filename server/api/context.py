@@ -55,7 +55,13 @@ def request_line(request_id: str, prompt_ids: list[int], params: SamplingParams,
 
 
 class ClientDisconnected(Exception):
-    pass
+    """The client hung up before its answer: the handler answers 499 (which no one reads)."""
+
+
+async def hung_up(request: Request) -> None:
+    """Return once the client of `request` (whose body was read) has hung up."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @dataclass
@@ -166,14 +172,29 @@ class ServerContext:
             return None
         return await self.off_loop(bad_words_token_ids, req.bad_words, self.encode)
 
-    async def compile_structured(self, spec: StructuredOutputs, param: str) -> None:
+    async def compile_structured(
+        self, spec: StructuredOutputs, param: str, raw: Request | None = None
+    ) -> None:
         """Compile a request's grammar in the prompt worker, before it is submitted: a new JSON
         schema can take xgrammar a while, which the engine's thread would otherwise spend while
-        every stream waits. A bad schema is a 400 here, naming `param`, the field it came from."""
+        every stream waits. A bad schema is a 400 here, naming `param`, the field it came from.
+        `raw`: the HTTP request it is for; a client that hangs up meanwhile gets ClientDisconnected
+        at once (the engine compiles on, for the next request that asks the same grammar)."""
+        compiling = asyncio.ensure_future(self.client.call("compile_structured", spec))
+        watcher = asyncio.ensure_future(hung_up(raw)) if raw is not None else None
         try:
-            await self.client.call("compile_structured", spec)
+            await asyncio.wait(
+                [t for t in (compiling, watcher) if t is not None], return_when=asyncio.FIRST_COMPLETED
+            )
+            if not compiling.done():
+                raise ClientDisconnected
+            await compiling  # its error, if it failed
         except ValueError as exc:
             raise bad_request(str(exc), getattr(exc, "param", None) or param) from exc
+        finally:
+            compiling.cancel()  # a call no one waits for: its answer is dropped
+            if watcher is not None:
+                watcher.cancel()
 
     async def submit(
         self,
@@ -221,8 +242,7 @@ class ServerContext:
         """Wait for a whole group; a client that hangs up meanwhile aborts it (ClientDisconnected)."""
 
         async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
+            await hung_up(request)
             group.queue.put_nowait(ClientDisconnected())  # wakes the reader, whose `finally` aborts
 
         watcher = asyncio.ensure_future(watch())

@@ -158,7 +158,7 @@ class NativeGeneration:
         self.index: dict[str, int] = {}  # ... and each one's place there
         self.single = False
 
-    async def prepare(self) -> None:
+    async def prepare(self, raw: Request | None = None) -> None:
         body, ctx = self.body, self.ctx
         if (body.text is None) == (body.input_ids is None):
             raise bad_request("give one of text and input_ids", "text")
@@ -218,7 +218,7 @@ class NativeGeneration:
                 params = dataclasses.replace(params, logprob_token_ids=list(ask))
             prompt = _Prompt(rid or uuid.uuid4().hex, ids, params, bool(want), start)
             if params.structured_outputs is not None:
-                await ctx.compile_structured(params.structured_outputs, "sampling_params")
+                await ctx.compile_structured(params.structured_outputs, "sampling_params", raw)
             base = f"{rid_prefix(rid) if rid else 'generate-'}{uuid.uuid4().hex}"
             for request in fan_out(base, ids, params, read):
                 self.requests.append(request)
@@ -345,5 +345,5 @@ def _finish_reason(
 
 async def create_generation(ctx: ServerContext, body: GenerateRequest, raw: Request) -> Response:
     generation = NativeGeneration(ctx, body)
-    await generation.prepare()
+    await generation.prepare(raw)
     return await generation.respond(raw)

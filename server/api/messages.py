@@ -381,7 +381,7 @@ def _message(
 async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
     try:
-        prepared = await prepare_chat(ctx, to_chat_request(req), images_at="messages")
+        prepared = await prepare_chat(ctx, to_chat_request(req), images_at="messages", raw=raw)
     except APIError as exc:  # name the field as this API calls it
         raise exc.renamed(_PARAMS) from exc
     message_id = f"msg_{uuid.uuid4().hex}"

@@ -361,7 +361,7 @@ async def create_response(
             )
         items = previous.items + items
     try:
-        prepared = await prepare_chat(ctx, to_chat_request(req, items), images_at="input")
+        prepared = await prepare_chat(ctx, to_chat_request(req, items), images_at="input", raw=raw)
     except APIError as exc:  # name the field as this API calls it
         exc.renamed(_PARAMS)
         raise

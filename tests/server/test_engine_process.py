@@ -349,6 +349,59 @@ def test_a_request_whose_grammar_outlasts_the_server_or_engine_is_a_503(end: str
         thread.join(20)
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 5, "structured_outputs": {"regex": "slow"}}),
+        (
+            "/v1/completions",
+            {"prompt": [1, 2, 3], "max_tokens": 5, "structured_outputs": {"regex": "slow"}, "stream": True},
+        ),
+        ("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5, "regex": "slow"}}),
+    ],
+)
+def test_a_client_that_hangs_up_while_its_grammar_compiles_is_let_go(path: str, body: dict[str, Any]) -> None:
+    """A request waiting for its grammar's compile stops waiting once its client hangs up, and never
+    reaches the engine; the compile goes on. (The handler waited out the compile, minutes for a
+    large choice, and only then submitted the request, for the disconnect to abort it.)"""
+    import socket
+
+    import uvicorn
+
+    from deltaserve.server.app import build_app
+    from deltaserve.server.engine_client import EngineClient
+
+    engine = SlowGrammarEngine()
+    client = EngineClient.in_thread(engine)
+    app = build_app(client, model_names=["failing"])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started)
+    payload = json.dumps(body).encode()
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(request)
+            wait_for(lambda: client.num_calls == 1, timeout=10)  # its grammar compiling
+        wait_for(lambda: client.num_calls == 0, timeout=5)  # the client gone: no one waits for it
+        assert engine.compiled == []  # ... while the compile goes on
+        engine.release.set()
+        wait_for(lambda: engine.compiled == ["slow"], timeout=10)
+        time.sleep(0.3)
+        assert engine.steps == 0 and not engine.requests  # the request never reached the engine
+    finally:
+        engine.release.set()
+        server.should_exit = True
+        thread.join(20)
+
+
 @pytest.mark.parametrize("flag", ["--max-num-batched-tokens", "--chunked-prefill-size"])
 def test_budget_flags_reach_the_engine(flag: str) -> None:
     from deltaserve.server.cli import build_parser
