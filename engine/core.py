@@ -42,7 +42,7 @@ import queue
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 from deltaserve.engine.errors import EngineDeadError, UpdateBusyError, error_reply
@@ -69,6 +69,48 @@ _OFF_LOOP = ("compile_structured",)  # slow calls that run beside the loop, not 
 OFF_LOOP_WORKERS = 4  # how many of them run at once
 # calls for an idle engine: new requests wait for them (after stage_weights, until finish_weights)
 _WHEN_IDLE = ("stage_weights",)
+
+
+class DaemonWorkers:
+    """Up to `count` daemon threads that run the calls submitted, in turn. A process that ends does
+    not wait for them: a ThreadPoolExecutor's threads are joined at exit, so a grammar compiling
+    for minutes held a stopped engine's process (and the server's SIGTERM its 30 s, then a kill)."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self.count, self.name = count, name
+        self._tasks: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the workers are shut down")
+            self._tasks.put((fn, args))
+            if len(self._threads) < self.count:
+                thread = threading.Thread(
+                    target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
+
+    def shutdown(self) -> None:
+        """Stop taking calls; those not yet started are dropped, those running end on their own."""
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._tasks.put(None)
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None and not self._closed:
+            fn, args = task
+            try:
+                fn(*args)
+            except Exception:  # the thread serves on
+                logger.exception("an engine call beside the loop failed")
 
 
 def pid_running(pid: int) -> bool:
@@ -160,9 +202,7 @@ class EngineCore:
         self._staged = False  # weights staged (stage_weights), not yet served or dropped
         # several: a grammar that takes minutes (a choice of thousands of strings) holds up its own
         # request, not every other request's grammar behind it
-        self._worker = ThreadPoolExecutor(
-            max_workers=OFF_LOOP_WORKERS, thread_name_prefix="deltaserve-engine-calls"
-        )
+        self._worker = DaemonWorkers(OFF_LOOP_WORKERS, "deltaserve-engine-calls")
         self._flush = False  # aborts' last outputs wait for a step, which an idle engine must still run
         self._last_sent = time.monotonic()
         self._client_pids: dict[int, int] = {}  # HTTP process (socket pair) -> its pid ("hello")
@@ -226,7 +266,7 @@ class EngineCore:
             raise
         finally:
             self._abort_all()
-            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker.shutdown()
             for pull in self._ins:
                 pull.close(linger=0)
             for push in self._outs:

@@ -296,6 +296,57 @@ def test_a_slow_grammar_does_not_hold_up_the_other_requests_grammars() -> None:
     asyncio.run(run())
 
 
+_COMPILING_AT_EXIT = """
+import asyncio, time
+from deltaserve.engine.requests.sampling_params import StructuredOutputs
+from deltaserve.server.engine_client import EngineClient
+
+
+class Engine:
+    tokenizer = None
+    max_model_len = 256
+    vocab_size = 1000
+    eos_token_ids = []
+    model_info = {"model": "slow", "architecture": "Slow"}
+    def add_request(self, *args): pass
+    def abort_request(self, request_id): pass
+    def has_unfinished_requests(self): return False
+    def stats(self): return {"running": 0, "waiting": 0}
+    def step(self): return []
+    def compile_structured(self, spec):
+        print("compiling", flush=True)
+        time.sleep(60)
+
+
+async def main():
+    client = EngineClient.in_thread(Engine())
+    await client.start()
+    compiling = asyncio.ensure_future(client.call("compile_structured", StructuredOutputs(regex="slow")))
+    await asyncio.sleep(0.5)
+    compiling.cancel()
+    await client.shutdown()
+    print("stopped", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_an_engine_stopped_while_a_grammar_compiles_exits_at_once(tmp_path: Path) -> None:
+    """A stopped engine's process ends without waiting for a grammar still compiling (minutes, for a
+    large choice): its compile threads were joined at the process's exit, so a server's SIGTERM
+    waited out the engine's 30 s stop deadline and then killed it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "compiling_at_exit.py"
+    script.write_text(_COMPILING_AT_EXIT)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["compiling", "stopped"]
+    assert time.monotonic() - start < 20  # not the compile's 60 s
+
+
 @pytest.mark.parametrize("end", ["drain", "engine_dies"])
 def test_a_request_whose_grammar_outlasts_the_server_or_engine_is_a_503(end: str) -> None:
     """A request still waiting for its grammar's compile when the drain ends is a 503 coded
