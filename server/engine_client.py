@@ -443,7 +443,9 @@ class EngineClient:
         cap = self.max_requests
         if cap is None or len(requests) <= cap:
             return  # the common case: they fit one idle engine
-        copies = Counter(tuple(r[1]) for r in requests)
+        # a prompt's copies (n samples) share its token list (`fan_out`); a batch that gives the
+        # same prompt twice has two prompts, which may run on two engines
+        copies = Counter(id(r[1]) for r in requests)
         most = max(copies.values(), default=0)
         if most > cap:
             raise InvalidParamError(
@@ -463,14 +465,14 @@ class EngineClient:
 
     def _place(self, requests: Sequence[EngineRequest], engine: int | None) -> dict[str, int]:
         """Each request's engine (counted in the router's load): `engine` for all, else the
-        router's pick for each distinct prompt, its copies (n samples) beside it."""
+        router's pick for each prompt, its copies (n samples, sharing its token list) beside it."""
         placed: dict[str, int] = {}
-        chosen: dict[tuple[int, ...], int] = {}
+        chosen: dict[int, int] = {}
         for request_id, prompt, *_ in requests:
             if engine is not None or len(self.handles) == 1:
                 e = engine or 0
             else:
-                key = tuple(prompt)
+                key = id(prompt)
                 if key not in chosen:
                     chosen[key] = self.router.pick([prompt])
                 e = chosen[key]

@@ -279,6 +279,10 @@ def test_a_batch_that_one_engine_refuses_is_refused_whole(spawn_server, until_id
     assert metrics['deltaserve_requests_total{outcome="length"}'] == 0  # nothing of the batch ran to the end
     fits = httpx.post(f"{small.url}/v1/completions", json=three, timeout=60)
     assert fits.status_code == 200 and len(fits.json()["choices"]) == 3
+    # one prompt three times is three prompts, spread as three others are (it was one prompt's
+    # three samples, a 400 naming n: more than one engine holds)
+    same = httpx.post(f"{small.url}/v1/completions", json={**body, "prompt": ["a"] * 3}, timeout=60)
+    assert same.status_code == 200 and len(same.json()["choices"]) == 3
 
 
 @pytest.mark.slow

@@ -8,7 +8,9 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -451,6 +453,38 @@ def test_a_client_that_hangs_up_while_its_grammar_compiles_is_let_go(path: str, 
         engine.release.set()
         server.should_exit = True
         thread.join(20)
+
+
+class TwoPlacesEngine(FailingEngine):
+    """Holds two requests at once, one running and one waiting (what the HTTP process reads)."""
+
+    config = SimpleNamespace(num_running=1, max_waiting_requests=1)
+
+
+def test_a_batch_of_one_prompt_repeated_is_refused_naming_prompt_not_n() -> None:
+    """More sequences than an idle engine holds is a 400: a prompt's n samples name n, and a batch
+    that repeats a prompt names prompt (its copies were counted as one prompt's samples)."""
+    from deltaserve.engine.errors import InvalidParamError
+    from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.server.api.request_params import fan_out
+    from deltaserve.server.engine_client import EngineClient
+
+    client = EngineClient.in_thread(TwoPlacesEngine())
+    params = SamplingParams(max_tokens=1)
+
+    async def run() -> None:
+        await client.start()
+        try:
+            with pytest.raises(InvalidParamError) as batch:
+                await client.add([(f"p{i}", [1, 2, 3], params) for i in range(3)])
+            assert batch.value.param == "prompt" and "3 sequences" in str(batch.value)
+            with pytest.raises(InvalidParamError) as samples:
+                await client.add(fan_out("s", [1, 2, 3], replace(params, n=3)))
+            assert samples.value.param == "n" and "3 samples" in str(samples.value)
+        finally:
+            await client.shutdown()
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize("flag", ["--max-num-batched-tokens", "--chunked-prefill-size"])

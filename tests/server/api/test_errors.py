@@ -378,6 +378,11 @@ def test_full_waiting_queue_is_503(spawn_server, until_idle) -> None:
     beams = {**body, "max_tokens": 2, "n": 3, "use_beam_search": True}
     assert_error(httpx.post(f"{server.url}/v1/completions", json=beams, timeout=60), 400, "n")
     assert httpx.post(f"{server.url}/v1/completions", json={**batch, "prompt": ["a", "b"]}).status_code == 200
+    # the same prompt three times is three prompts, not a prompt's three samples (it named n)
+    same = assert_error(
+        httpx.post(f"{server.url}/v1/completions", json={**batch, "prompt": ["one"] * 3}), 400
+    )
+    assert same["param"] == "prompt" and "3 sequences" in same["message"]
 
 
 @pytest.mark.parametrize(
