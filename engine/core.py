@@ -258,6 +258,7 @@ class EngineCore:
                 if self._when_idle and not self.engine.has_unfinished_requests():
                     self._run_when_idle()
                 self._step()
+                self._heartbeat()
                 if self._stats_log is not None:
                     self._stats_log.tick()
         except EngineDeadError as exc:
@@ -472,6 +473,13 @@ class EngineCore:
                 self._replies[client] = []
                 self.send(("step", mine, replies, own_fault), client)
 
+    def _heartbeat(self) -> None:
+        """An idle tensor-parallel engine's heartbeat to its ranks (once a second; steps are one):
+        a rank that is gone ends the loop as a failed step does."""
+        beat = getattr(self.engine, "heartbeat", None)
+        if beat is not None and not self.engine.has_unfinished_requests():
+            beat()
+
     def _idle_tick(self) -> None:
         if time.monotonic() - self._last_sent >= BEAT_S:
             self.send(("beat",), client=None)
@@ -544,6 +552,11 @@ def serve_engine(
     core.send(("ready", engine_info(engine)))
     try:
         core.run()
+    except EngineDeadError as exc:
+        # leaving the process group waits for a rank that is hung rather than gone (a heartbeat
+        # it never took): the server has heard that the engine is dead, so do not wait long
+        _exit_unless_gone(str(exc), 10.0)
+        raise
     finally:
         engine.shutdown()
 

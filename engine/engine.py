@@ -14,7 +14,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -232,13 +232,28 @@ class Engine:
                 return self._step_overlapped(self.overlap)
             return self._step_sync()
         except EngineDeadError as exc:
-            if self.dead_reason is None:
-                # a local worker's death reaches the collectives first: name it when it is one
-                gone = self.ranks.exited(wait_s=1.0) if self.ranks is not None else None
-                self.dead_reason = f"the engine lost a worker: {gone}" if gone else str(exc)
-            raise EngineDeadError(self.dead_reason) from exc
+            self._died(exc)
         finally:
             self.step_s += time.perf_counter() - start
+
+    def heartbeat(self) -> None:
+        """With tensor parallelism, while idle (the engine process's loop calls it between steps):
+        a no-op message to the workers once a second, so that a rank that died while nothing ran
+        (on another node: no thread here watches it) ends the engine now, not at the next
+        request. EngineDeadError when one is gone; nothing to do on one device."""
+        if self.ranks is None or self.dead_reason is not None or self.runner.channel is None:
+            return
+        try:
+            self.runner.channel.beat()
+        except EngineDeadError as exc:
+            self._died(exc)
+
+    def _died(self, exc: EngineDeadError) -> NoReturn:
+        if self.dead_reason is None:
+            # a local worker's death reaches the collectives first: name it when it is one
+            gone = self.ranks.exited(wait_s=1.0) if self.ranks is not None else None
+            self.dead_reason = f"the engine lost a worker: {gone}" if gone else str(exc)
+        raise EngineDeadError(self.dead_reason) from exc
 
     def _step_sync(self) -> list[RequestOutput]:
         outputs = self._take_finished()

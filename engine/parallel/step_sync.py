@@ -7,10 +7,21 @@ forward's batch, so that a worker applies the same writes in the same order befo
 same forward. The batch travels as `build_forward_batch`'s host arguments and is rebuilt there;
 input ids that only exist on rank 0's device (overlap scheduling: the previous step's sampled
 tokens) follow as a tensor broadcast over the tensor group.
+
+The messages travel over a gloo group even where the tensors travel over NCCL (`group.py`), so
+that a peer that dies closes its TCP connection and the next message fails at once. An idle rank
+0 sends a heartbeat ("beat", which workers ignore) every `HEARTBEAT_S`, so that a rank that dies
+while nothing runs (on another node, where no local thread watches it) ends the engine within
+seconds rather than at the next request.
 """
 
 from __future__ import annotations
 
+import datetime
+import math
+import pickle
+import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +51,8 @@ class OpLog:
 @dataclass
 class StepMessage:
     # "step": apply ops, then run the batch; "mtp": the same through the MTP layer; "digest";
-    # "stage" (new weights: load them, report), then "commit" or "discard"; "stop"
+    # "stage" (new weights: load them, report), then "commit" or "discard"; "beat" (nothing: an
+    # idle rank 0's heartbeat); "stop"
     kind: str
     ops: list[Op] = field(default_factory=list)
     batch: dict[str, Any] | None = None  # build_forward_batch's arguments, less the device
@@ -53,28 +65,64 @@ class StepMessage:
 
 
 STOP = StepMessage("stop")
+BEAT = StepMessage("beat")
+HEARTBEAT_S = 1.0  # the longest an idle rank 0 leaves the workers without a message
+# a live worker takes a heartbeat at once (it waits for the next message); one that has not in
+# this long is hung, or its node unreachable (gloo waits until the receiver reads)
+HEARTBEAT_TIMEOUT_S = 30.0
 
 
 class StepChannel:
-    """Rank 0's broadcasts to every worker (and their receipt there)."""
+    """Rank 0's broadcasts to every worker (and their receipt there): each message pickled, its
+    length, then its bytes (as torch's broadcast_object_list sends them, which cannot bound its
+    wait)."""
 
     def __init__(self, groups: RankGroups) -> None:
         self.groups = groups
+        self.last_sent = time.monotonic()
 
-    def send(self, message: StepMessage) -> None:
+    def send(self, message: StepMessage, timeout_s: float | None = None) -> None:
+        """EngineDeadError when a rank is gone, or (`timeout_s`) does not take the message in time."""
         import torch.distributed as dist
 
+        self.last_sent = start = time.monotonic()
+        data = torch.frombuffer(bytearray(pickle.dumps(message, pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         try:
-            dist.broadcast_object_list([message], src=0, group=self.groups.cpu_group)
-        except RuntimeError as exc:  # a peer that died closed its connection
-            raise EngineDeadError(f"a tensor-parallel worker is gone ({exc})") from exc
+            for t in (torch.tensor([data.numel()], dtype=torch.long), data):
+                work = dist.broadcast(t, src=0, group=self.groups.cpu_group, async_op=True)
+                if timeout_s is None:
+                    work.wait()
+                else:
+                    left = max(0.0, timeout_s - (time.monotonic() - start))
+                    # whole milliseconds, rounded up: it ends past the deadline, which tells it
+                    work.wait(timeout=datetime.timedelta(milliseconds=math.ceil(left * 1000)))
+        except RuntimeError as exc:
+            if timeout_s is not None and time.monotonic() - start >= timeout_s:
+                raise EngineDeadError(
+                    f"a tensor-parallel rank did not take rank 0's heartbeat in {timeout_s:g} s "
+                    "(hung, or its node unreachable)"
+                ) from exc
+            # a peer that died closed its connection: gloo's words, less its source line and advice
+            why = re.sub(r"^\[[^\]]*\] ", "", str(exc)).split(". This is typically")[0]
+            raise EngineDeadError(f"a tensor-parallel worker is gone ({why})") from exc
+
+    def beat(self) -> None:
+        """Rank 0, idle: a heartbeat, which workers ignore, once `HEARTBEAT_S` has passed since
+        the last message, so that a rank that died while nothing ran ends the engine now rather
+        than at the next step. EngineDeadError when one is gone or does not take it in
+        `HEARTBEAT_TIMEOUT_S`."""
+        if time.monotonic() - self.last_sent >= HEARTBEAT_S:
+            self.send(BEAT, HEARTBEAT_TIMEOUT_S)
 
     def recv(self) -> StepMessage:
         import torch.distributed as dist
 
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.groups.cpu_group)
-        return box[0]
+        size = torch.empty(1, dtype=torch.long)
+        dist.broadcast(size, src=0, group=self.groups.cpu_group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.groups.cpu_group)
+        message: StepMessage = pickle.loads(data.numpy().tobytes())
+        return message
 
     def broadcast_inputs(self, input_ids: torch.Tensor) -> None:
         import torch.distributed as dist

@@ -362,8 +362,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_message(self, message: StepMessage) -> None:
-        """Replay rank 0's step: its device-state writes, then the same forward."""
+        """Replay rank 0's step: its device-state writes, then the same forward (a heartbeat:
+        nothing)."""
         assert self.channel is not None
+        if message.kind == "beat":
+            return
         self.apply(message.ops)
         if message.kind == "digest":
             self.channel.gather(self.state_digest())

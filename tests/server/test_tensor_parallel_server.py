@@ -1,7 +1,7 @@
 """`deltaserve serve --tensor-parallel-size 2` on CPU (gloo): answers through the openai client as
 TP = 1 does, stops with its workers (a process group's SIGTERM drains them first), spreads over two
 loopback "nodes" (one headless), is a dead engine (503, requests in flight failed) once a
-worker is killed, and a SIGTERM or Ctrl-C while it loads stops every process it started."""
+worker is killed (one on the other node too, while idle), and a SIGTERM or Ctrl-C while it loads stops every process it started."""
 
 from __future__ import annotations
 
@@ -138,6 +138,38 @@ def test_two_loopback_nodes_serve_through_node_0(spawn_server, model_cache, mode
         assert complete(server.url, model_name) == tp1_text
         assert server.stop() == 0
         assert node1.wait(60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def test_an_idle_node_0_notices_a_remote_rank_die(spawn_server, model_cache, model_name, tmp_path):
+    """No thread on node 0 watches node 1's rank: the heartbeat that idle rank 0 sends every second
+    finds it gone. /health stayed 200 until the next request failed."""
+    port = free_port()
+    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
+    log = open(tmp_path / "node1.log", "w")
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "deltaserve", "serve", *TP2, *nodes, "--node-rank", "1", "--headless"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "DELTASERVE_CACHE": model_cache},
+    )
+    try:
+        server = spawn_server(*TP2, *nodes, "--node-rank", "0")
+        assert server.proc is not None
+        (worker,) = worker_pids(node1.pid)
+        time.sleep(2)  # idle: heartbeats go out and change nothing
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        t0 = time.monotonic()
+        os.kill(worker, signal.SIGKILL)
+        while (health := httpx.get(f"{server.url}/health", timeout=5)).status_code == 200:
+            assert time.monotonic() - t0 < 5, "node 0 did not notice node 1's rank die"
+            time.sleep(0.1)
+        assert health.status_code == 503 and "gone" in health.json()["reason"], health.text
+        assert node1.wait(30) != 0
+        assert server.stop() == 0
     finally:
         if node1.poll() is None:
             node1.kill()

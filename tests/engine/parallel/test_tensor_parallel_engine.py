@@ -227,6 +227,50 @@ def test_shutdown_ends_the_workers_and_a_lost_worker_kills_the_engine(qwen):
 
 
 @pytest.mark.slow
+def test_heartbeats_change_nothing_and_a_rank_that_takes_none_is_a_dead_engine(qwen, monkeypatch):
+    """An idle rank 0 sends its workers a no-op message every second (the server's loop calls
+    `heartbeat`): between and after batches they leave the tokens and every rank's state as they
+    were. A rank that does not take one (stopped here, as a hung rank or an unreachable node would
+    be) ends the engine after the heartbeat's timeout instead of hanging rank 0."""
+    import signal
+
+    from deltaserve.engine.parallel import step_sync
+
+    prompts = prompts_of([5, 40], seed=9)
+    ref = tp1(qwen, prompts)
+    monkeypatch.setattr(step_sync, "HEARTBEAT_S", 0.0)  # every call sends one
+    llm = make_llm(qwen, 2)
+    try:
+        channel = llm.engine.runner.channel
+        sent = []
+        monkeypatch.setattr(
+            channel, "send", lambda m, *a: (sent.append(m.kind), type(channel).send(channel, m, *a))
+        )
+        for _ in range(3):
+            llm.engine.heartbeat()
+        assert run(llm, prompts) == ref
+        llm.engine.heartbeat()
+        assert run(llm, prompts) == ref
+        assert sent.count("beat") == 4
+        assert_ranks_agree(llm)
+        workers = llm.engine.ranks.workers
+        assert workers is not None
+        (worker,) = workers.pids
+        monkeypatch.setattr(step_sync, "HEARTBEAT_TIMEOUT_S", 1.0)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(EngineDeadError, match="did not take rank 0's heartbeat in 1 s"):
+                llm.engine.heartbeat()
+            assert time.monotonic() - t0 < 5
+            assert llm.engine.dead_reason is not None and "heartbeat" in llm.engine.dead_reason
+        finally:
+            os.kill(worker, signal.SIGKILL)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
 def test_an_llm_dropped_without_shutdown_ends_its_workers(qwen):
     """vLLM's `del llm; gc.collect()`: the workers stop and the process group goes, so that
     another tensor-parallel LLM starts in this process (the thread that watches the workers held
