@@ -73,6 +73,12 @@ def init_rank(
     limit = config.distributed_timeout_s
     where = f"tensor-parallel rendezvous at {addr}:{master_port}"
     hint = "start every node with the same --master-addr, --master-port, --nnodes and --tensor-parallel-size"
+    if rank != 0:
+        # torch's client logs a C++ stack trace before it raises when nothing listens there: wait
+        # here until rank 0's store does, and say so in one line if it never does
+        why = _unreachable(addr, master_port, time.monotonic() + limit)
+        if why is not None:
+            raise RuntimeError(f"{where}: rank {rank} could not reach rank 0 in {limit:g} s ({why}); {hint}")
     try:
         store = dist.TCPStore(
             addr,
@@ -110,6 +116,20 @@ def init_rank(
     logger.info("tensor-parallel rank %d of %d joined (%s on %s)", rank, world, backend, device)
     tp = TensorParallel(rank, world, dist.group.WORLD, expert_parallel=config.enable_expert_parallel)
     return RankGroups(tp, cpu_group or dist.group.WORLD)
+
+
+def _unreachable(addr: str, port: int, deadline: float) -> str | None:
+    """None once something accepts connections at `addr:port` (before `deadline`), else why not."""
+    while True:
+        try:
+            timeout = min(5.0, max(0.1, deadline - time.monotonic()))
+            with socket.create_connection((addr, port), timeout=timeout):
+                return None
+        except OSError as exc:
+            why = str(exc) or type(exc).__name__
+        if time.monotonic() >= deadline:
+            return why
+        time.sleep(0.2)
 
 
 def destroy(groups: RankGroups | None) -> None:

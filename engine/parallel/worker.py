@@ -40,6 +40,10 @@ class LoadError(Exception):
     (the traceback at debug level)."""
 
 
+class JoinError(Exception):
+    """A rank could not join the others (rank 0 unreachable, a rank missing): one line."""
+
+
 def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
     from deltaserve.engine.gc_heap import freeze_startup_heap
     from deltaserve.engine.parallel.group import destroy, init_rank, rank_device
@@ -50,7 +54,10 @@ def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # the node's ranks share its cores: threads that busy-wait on every core slow all of them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.ranks_per_node))
-    groups = init_rank(config, rank, master_port, device)
+    try:
+        groups = init_rank(config, rank, master_port, device)
+    except RuntimeError as exc:  # the rendezvous failed: its error says why, in one line
+        raise JoinError(str(exc)) from exc
     try:
         try:
             loaded = load_engine_model(config, device, groups.tp)
@@ -90,6 +97,10 @@ def main() -> None:
     _exit_with(args.parent_pid)
     try:
         run_worker(args.config, args.rank, args.master_port)
+    except JoinError as exc:
+        logger.error("%s", exc)
+        logger.debug("where it failed", exc_info=exc.__cause__)
+        sys.exit(1)
     except LoadError as exc:
         logger.error("tensor-parallel rank %d could not load the model: %s", args.rank, exc)
         logger.debug("where it failed", exc_info=exc.__cause__)

@@ -373,6 +373,32 @@ def test_a_missing_rank_is_a_clear_error_not_a_hang(qwen):
     assert time.monotonic() - t0 < 30
 
 
+def test_a_node_that_cannot_reach_rank_0_says_so_in_one_line():
+    """A headless node's rank with nothing listening at --master-addr:--master-port: one error
+    line, without the C++ stack trace torch's store client logged before it raised, nor a Python
+    traceback."""
+    import logging
+    import pickle
+    import subprocess
+    import sys
+
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.parallel.group import free_port
+    from deltaserve.engine.parallel.worker import WorkerArgs
+
+    port = free_port()
+    config = EngineConfig(
+        model="m", device="cpu", tensor_parallel_size=2, nnodes=2, master_port=port, distributed_timeout_s=1
+    )
+    args = WorkerArgs(config, 1, port, os.getpid(), logging.INFO)
+    worker = [sys.executable, "-m", "deltaserve.engine.parallel.worker"]
+    done = subprocess.run(worker, input=pickle.dumps(args), capture_output=True, timeout=120)
+    err = done.stderr.decode()
+    assert done.returncode == 1, err
+    assert "rank 1 could not reach rank 0 in 1 s" in err and "--master-addr" in err, err
+    assert "frame #" not in err and "Exception raised from" not in err and "Traceback" not in err, err
+
+
 @pytest.mark.slow
 def test_mtp_speculation_at_tp2(qwen, tmp_path, pools_held):
     """Each rank holds its shard of the MTP layer and replays rank 0's MTP forwards (the fill and
