@@ -3,6 +3,7 @@ built-in tiny model, and small helpers to read them (metrics, raw HTTP)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -10,10 +11,12 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -27,6 +30,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def app_in_thread(app: Any, join_s: float = 20) -> Iterator[int]:
+    """A real uvicorn server of `app` (a stand-in engine's) on a free loopback port, in a thread
+    of this process: yields the port once it serves, stops it after."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(join_s)
 
 
 @dataclass

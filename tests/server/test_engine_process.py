@@ -19,6 +19,8 @@ import pytest
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
+from .conftest import app_in_thread
+
 
 def children_of(pid: int) -> list[int]:
     kids: list[int] = []
@@ -223,24 +225,13 @@ class FailingEngine:
 
 
 def test_a_step_failure_fails_its_requests_marks_unhealthy_and_is_counted() -> None:
-    import socket
-
-    import uvicorn
-
     from deltaserve.server.app import build_app
     from deltaserve.server.engine_client import EngineClient
 
     engine = FailingEngine()
     app = build_app(EngineClient.in_thread(engine), model_names=["failing"])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with app_in_thread(app, join_s=10) as port:
+        url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health").status_code == 200
         out: dict[str, Any] = {}
         stream_events(f"{url}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 50}, out)
@@ -252,9 +243,6 @@ def test_a_step_failure_fails_its_requests_marks_unhealthy_and_is_counted() -> N
         metrics = httpx.get(f"{url}/metrics").text
         assert 'deltaserve_engine_faults_total{model_name="failing"} 1' in metrics
         assert not engine.requests  # the loop aborted what it held
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 class SlowGrammarEngine(FailingEngine):
@@ -419,40 +407,30 @@ def test_a_client_that_hangs_up_while_its_grammar_compiles_is_let_go(path: str, 
     large choice, and only then submitted the request, for the disconnect to abort it.)"""
     import socket
 
-    import uvicorn
-
     from deltaserve.server.app import build_app
     from deltaserve.server.engine_client import EngineClient
 
     engine = SlowGrammarEngine()
     client = EngineClient.in_thread(engine)
     app = build_app(client, model_names=["failing"])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started)
     payload = json.dumps(body).encode()
     request = (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(payload)}\r\n\r\n"
     ).encode() + payload
-    try:
-        with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(request)
-            wait_for(lambda: client.num_calls == 1, timeout=10)  # its grammar compiling
-        wait_for(lambda: client.num_calls == 0, timeout=5)  # the client gone: no one waits for it
-        assert engine.compiled == []  # ... while the compile goes on
-        engine.release.set()
-        wait_for(lambda: engine.compiled == ["slow"], timeout=10)
-        time.sleep(0.3)
-        assert engine.steps == 0 and not engine.requests  # the request never reached the engine
-    finally:
-        engine.release.set()
-        server.should_exit = True
-        thread.join(20)
+    with app_in_thread(app) as port:
+        try:
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(request)
+                wait_for(lambda: client.num_calls == 1, timeout=10)  # its grammar compiling
+            wait_for(lambda: client.num_calls == 0, timeout=5)  # the client gone: no one waits for it
+            assert engine.compiled == []  # ... while the compile goes on
+            engine.release.set()
+            wait_for(lambda: engine.compiled == ["slow"], timeout=10)
+            time.sleep(0.3)
+            assert engine.steps == 0 and not engine.requests  # the request never reached the engine
+        finally:
+            engine.release.set()
 
 
 class TwoPlacesEngine(FailingEngine):

@@ -10,7 +10,6 @@ import http.client
 import json
 import random
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
@@ -20,6 +19,8 @@ import pytest
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.requests.sampling_params import SamplingParams
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
+
+from .conftest import app_in_thread
 
 NAN, INF = float("nan"), float("inf")
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -366,7 +367,6 @@ class FailingEngine:
 
 @pytest.fixture(scope="module")
 def failing_url(builtin_path: str) -> Iterator[str]:
-    import uvicorn
     from transformers import AutoTokenizer
 
     from deltaserve.server.app import build_app
@@ -374,18 +374,8 @@ def failing_url(builtin_path: str) -> Iterator[str]:
 
     engine = FailingEngine(AutoTokenizer.from_pretrained(builtin_path))
     app = build_app(EngineClient.in_thread(engine), model_names=["failing"])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with app_in_thread(app, join_s=10) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def sse_data(lines: list[str]) -> list[str]:

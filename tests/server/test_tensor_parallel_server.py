@@ -5,6 +5,7 @@ worker is killed (one on the other node too, while idle), and a SIGTERM or Ctrl-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +123,10 @@ def test_a_group_sigterm_drains_the_tp2_server(spawn_server, model_name):
     assert not any(alive(p) for p in workers)
 
 
-def test_two_loopback_nodes_serve_through_node_0(spawn_server, model_cache, model_name, tp1_text, tmp_path):
-    port = free_port()
-    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
+@contextlib.contextmanager
+def node_1(model_cache: str, tmp_path: Path) -> Iterator[tuple[tuple[str, ...], subprocess.Popen]]:
+    """Node 1 of two loopback nodes (rank 1, headless): yields node 0's flags and its process."""
+    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
     log = open(tmp_path / "node1.log", "w")
     node1 = subprocess.Popen(
         [sys.executable, "-m", "deltaserve", "serve", *TP2, *nodes, "--node-rank", "1", "--headless"],
@@ -132,31 +135,27 @@ def test_two_loopback_nodes_serve_through_node_0(spawn_server, model_cache, mode
         env={**os.environ, "DELTASERVE_CACHE": model_cache},
     )
     try:
-        server = spawn_server(*TP2, *nodes, "--node-rank", "0")
-        assert server.proc is not None
-        assert worker_pids(server.proc.pid) == []  # node 0 holds rank 0 only
-        assert complete(server.url, model_name) == tp1_text
-        assert server.stop() == 0
-        assert node1.wait(60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+        yield nodes, node1
     finally:
         if node1.poll() is None:
             node1.kill()
             node1.wait()
 
 
+def test_two_loopback_nodes_serve_through_node_0(spawn_server, model_cache, model_name, tp1_text, tmp_path):
+    with node_1(model_cache, tmp_path) as (nodes, node1):
+        server = spawn_server(*TP2, *nodes, "--node-rank", "0")
+        assert server.proc is not None
+        assert worker_pids(server.proc.pid) == []  # node 0 holds rank 0 only
+        assert complete(server.url, model_name) == tp1_text
+        assert server.stop() == 0
+        assert node1.wait(60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+
+
 def test_an_idle_node_0_notices_a_remote_rank_die(spawn_server, model_cache, model_name, tmp_path):
     """No thread on node 0 watches node 1's rank: the heartbeat that idle rank 0 sends every second
     finds it gone. /health stayed 200 until the next request failed."""
-    port = free_port()
-    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
-    log = open(tmp_path / "node1.log", "w")
-    node1 = subprocess.Popen(
-        [sys.executable, "-m", "deltaserve", "serve", *TP2, *nodes, "--node-rank", "1", "--headless"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "DELTASERVE_CACHE": model_cache},
-    )
-    try:
+    with node_1(model_cache, tmp_path) as (nodes, node1):
         server = spawn_server(*TP2, *nodes, "--node-rank", "0")
         assert server.proc is not None
         (worker,) = worker_pids(node1.pid)
@@ -170,10 +169,6 @@ def test_an_idle_node_0_notices_a_remote_rank_die(spawn_server, model_cache, mod
         assert health.status_code == 503 and "gone" in health.json()["reason"], health.text
         assert node1.wait(30) != 0
         assert server.stop() == 0
-    finally:
-        if node1.poll() is None:
-            node1.kill()
-            node1.wait()
 
 
 def test_a_killed_worker_is_a_dead_engine(spawn_server, model_name):

@@ -4,8 +4,8 @@ token with the real Qwen3 tokenizer; everything from the request to the SSE byte
 
 from __future__ import annotations
 
+import contextlib
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +18,8 @@ from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.requests.sampling_params import SamplingParams
 from deltaserve.server.app import build_app
 from deltaserve.server.engine_client import EngineClient
+
+from ..conftest import app_in_thread
 
 TOOLS = [
     {
@@ -105,35 +107,19 @@ def tokenizer(builtin_path: str):
 @pytest.fixture
 def serve_script(tokenizer) -> Iterator:
     """Serve the app over a ScriptedEngine on a free port, in a thread; returns an openai client."""
-    import socket
+    with contextlib.ExitStack() as servers:
 
-    import uvicorn
+        def serve(script: str, chat_template: str | None = None, tok=None, **app_kw) -> openai.OpenAI:
+            app = build_app(
+                EngineClient.in_thread(ScriptedEngine(tok or tokenizer, script)),
+                model_names=["scripted"],
+                chat_template=chat_template,
+                **app_kw,
+            )
+            port = servers.enter_context(app_in_thread(app, join_s=10))
+            return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
 
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
-
-    def serve(script: str, chat_template: str | None = None, tok=None, **app_kw) -> openai.OpenAI:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        app = build_app(
-            EngineClient.in_thread(ScriptedEngine(tok or tokenizer, script)),
-            model_names=["scripted"],
-            chat_template=chat_template,
-            **app_kw,
-        )
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-
-    yield serve
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(10)
+        yield serve
 
 
 def ask(client: openai.OpenAI, **kwargs):
