@@ -54,6 +54,25 @@ def failure_of(exc: BaseException) -> tuple[int, str]:
     return 500, "internal error"
 
 
+def failure_body(exc: BaseException) -> dict[str, Any]:
+    """`failure_of`'s error as OpenAI's body, with the code the same failure gets as an HTTP
+    reply (a stream's error event says what a refusal says: `shutting_down`, `queue_full`,
+    `engine_unavailable`)."""
+    from deltaserve.engine.errors import EngineDeadError, QueueFullError
+
+    from .engine_client import ShuttingDownError
+
+    status, message = failure_of(exc)
+    if isinstance(exc, APIError):
+        return error_body(status, message, exc.param, exc.code)
+    code = None
+    if isinstance(exc, QueueFullError):
+        code = "shutting_down" if isinstance(exc, ShuttingDownError) else "queue_full"
+    elif isinstance(exc, EngineDeadError):
+        code = "engine_unavailable"
+    return error_body(status, message, None, code)
+
+
 class RequestFailedError(Exception):
     """The engine finished a request with finish_reason "error": a fault of that request alone,
     logged by the engine; its client learns only that it failed (500, no internals)."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import APIError, bad_request, error_body, failure_of, raise_if_failed
+from ..errors import APIError, bad_request, failure_body, raise_if_failed
 from ..protocol import CompletionRequest, RequestBody, unsupported_if_set, validated
 from .context import ServerContext
 from .generation import DONE, sse
@@ -262,7 +262,7 @@ class NativeGeneration:
                         event["index"] = self.index[rid]
                     yield sse(event)
         except Exception as exc:  # the engine failed or the server is draining: say so in-band
-            yield sse(error_body(*failure_of(exc)))
+            yield sse(failure_body(exc))
         yield DONE
 
     def _result(

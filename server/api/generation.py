@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 
 from ..engine_client import RequestGroup
-from ..errors import error_body, failure_of, raise_if_failed
+from ..errors import failure_body, raise_if_failed
 from ..protocol import PromptTokensDetails, SamplingRequest, Usage, random_id
 from .context import ServerContext
 from .logprobs import TokenText, token_text_for
@@ -148,7 +148,7 @@ class Generation(ABC, Generic[ChunkChoice]):
                     if event is not None:
                         yield event
         except Exception as exc:  # the engine failed or the server is draining: tell the client in-band
-            yield sse(error_body(*failure_of(exc)))
+            yield sse(failure_body(exc))
             yield DONE
             return
         if self.stream_options and self.stream_options.include_usage:

@@ -155,6 +155,7 @@ def test_killed_engine_fails_requests_in_flight_and_health(spawn_server) -> None
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["type"] == "service_unavailable_error" and "engine" in error["message"]
+    assert error["code"] == "engine_unavailable"  # as the non-streamed reply's (it was null)
     assert whole["status"] == 503 and whole["body"]["error"]["code"] == "engine_unavailable"
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and "engine" in health.json()["reason"]
@@ -183,7 +184,9 @@ def test_shutdown_deadline_ends_every_request_with_an_error_and_drains_with_503(
     assert server.proc.wait(60) == 0
     events = streamed["events"]
     assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["error"]["type"] == "service_unavailable_error"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable_error"
+    assert error["code"] == "shutting_down"  # the stream's error event is coded as the refusals are
     assert whole["status"] == 503 and whole["body"]["error"]["code"] == "shutting_down"  # as the refusals'
 
 
