@@ -131,6 +131,7 @@ def build_app(
             allow_headers=cors.headers,
             allow_credentials=cors.credentials,
         )
+    app.add_middleware(_HeadAsGet)  # outermost: the guard, CORS and the routes all see a GET
 
     v1 = APIRouter(prefix="/v1")
 
@@ -425,6 +426,26 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return reply(request, exc.status_code, str(exc.detail), None, None)
 
     app.add_middleware(_InternalErrors, reply=reply)
+
+
+class _HeadAsGet:
+    """HEAD answered as GET is, headers only (FastAPI's GET routes refuse HEAD with a 405, while
+    uptime checkers and some scrapers send it): a route without GET still refuses it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":  # the Content-Length of GET's body stays
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 class _InternalErrors:

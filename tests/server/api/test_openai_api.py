@@ -45,6 +45,20 @@ def test_models_health_version(client, server) -> None:
     assert httpx.get(f"{server.url}/version").json()["version"] == deltaserve.__version__
 
 
+def test_head_is_answered_wherever_get_is(server) -> None:
+    """Uptime checkers and some scrapers send HEAD: GET's status and headers, no body."""
+    paths = ["/health", "/ping", "/version", "/metrics", "/get_model_info", "/get_weight_version"]
+    for path in [*paths, "/v1/models", f"/v1/models/{MODEL_NAME}", "/health_generate"]:
+        head, get = httpx.head(f"{server.url}{path}"), httpx.get(f"{server.url}{path}")
+        assert (head.status_code, head.content) == (200, b""), path
+        assert head.headers["content-type"] == get.headers["content-type"], path
+    version = httpx.get(f"{server.url}/version")
+    assert httpx.head(f"{server.url}/version").headers["content-length"] == str(len(version.content))
+    missing = httpx.head(f"{server.url}/v1/models/no-such-model")
+    assert (missing.status_code, missing.content) == (404, b"")
+    assert httpx.head(f"{server.url}/generate").status_code == 405  # a POST route: as GET is refused
+
+
 def test_chat_shape_and_usage(client, server) -> None:
     tokens = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()
     r = chat(client, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
