@@ -170,19 +170,28 @@ def build_app(
             raise APIError(404, f"no response {response_id!r} is stored", "response_id", "not_found")
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
-    def card(name: str) -> ModelCard:
-        root = str(engine_client.model_info.get("model", model_names[0]))
+    async def served_info() -> dict[str, Any]:
+        """The engine's own model info: the checkpoint a weight update loaded, through any HTTP
+        process (this process's copy is the one it started with)."""
+        try:
+            return dict(await engine_client.call("model_info"))
+        except EngineDeadError:
+            return engine_client.model_info
+
+    def card(name: str, info: dict[str, Any]) -> ModelCard:
+        root = str(info.get("model", model_names[0]))
         return ModelCard(id=name, root=root, max_model_len=engine_client.max_model_len)
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[card(name) for name in model_names])
+        info = await served_info()
+        return ModelList(data=[card(name, info) for name in model_names])
 
     @v1.get("/models/{model_id:path}")  # a repo id's name has a slash in it
     async def model(model_id: str) -> ModelCard:
         if model_id not in model_names and model_id not in (model_aliases or []):
             raise APIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
-        return card(model_id)
+        return card(model_id, await served_info())
 
     app.include_router(v1)
 
@@ -204,10 +213,7 @@ def build_app(
 
     @app.get("/get_model_info")  # SGLang's
     async def get_model_info() -> dict[str, Any]:
-        try:  # the engine's own: the checkpoint a weight update loaded, from any HTTP process
-            info = await engine_client.call("model_info")
-        except EngineDeadError:
-            info = engine_client.model_info
+        info = await served_info()
         return {
             "model_path": str(info.get("model", model_names[0])),
             "tokenizer_path": getattr(ctx.tokenizer, "name_or_path", None),

@@ -107,6 +107,22 @@ def test_an_update_waits_for_the_running_and_serves_the_new_weights(server, chec
     assert httpx.get(f"{server.url}/get_model_info").json()["model_path"] == first
 
 
+def test_the_model_card_names_the_checkpoint_served(server, checkpoints) -> None:
+    """/v1/models' `root` is the checkpoint whose weights are served, as /get_model_info's
+    `model_path` (it stayed the start-up one); the `id` that clients send stays."""
+    first, second = checkpoints
+
+    def cards() -> list[dict[str, Any]]:
+        listed = httpx.get(f"{server.url}/v1/models").json()["data"]
+        return [*listed, httpx.get(f"{server.url}/v1/models/m").json()]
+
+    assert [(c["id"], c["root"]) for c in cards()] == [("m", first)] * 2
+    assert update(server.url, second).status_code == 200
+    assert [(c["id"], c["root"]) for c in cards()] == [("m", second)] * 2
+    assert update(server.url, first).status_code == 200
+    assert [(c["id"], c["root"]) for c in cards()] == [("m", first)] * 2
+
+
 def test_a_checkpoint_of_another_model_or_none_is_a_400(server, checkpoints, tmp_path) -> None:
     first, _ = checkpoints
     before = complete(server.url, 8)
