@@ -164,6 +164,9 @@ class LLM:
         no sampling parameters, as vLLM's LLM does."""
         if self._defaults is None:
             self._defaults = load_sampling_defaults(self._generation_config, self.engine.config.model)
+            warning = self._defaults.warning()
+            if warning:
+                logger.warning("%s", warning)
         return self._defaults.sampling_params()
 
     def _warm_prefixes(self, prompts: list[list[int]]) -> None:

@@ -580,6 +580,9 @@ def _sampling_defaults(args: argparse.Namespace, model_dir: Any, log: bool = Tru
         defaults = load_sampling_defaults(getattr(args, "generation_config", "auto"), model_dir)
     except ValueError as exc:  # the model's own file is out of range: say so rather than guess
         raise SystemExit(f"deltaserve: error: {exc} (--generation-config none ignores it)") from None
+    warning = defaults.warning()
+    if warning and log:
+        logger.warning("%s", warning)
     changed = defaults.changed()
     if changed and log:
         logger.info(

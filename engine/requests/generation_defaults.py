@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,14 +32,14 @@ class SamplingDefaults:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     max_tokens: int | None = None  # None: up to the context
+    # the file's fields left out for a value of the wrong type, each as "name = value (why)"
+    ignored: tuple[str, ...] = field(default=(), compare=False)
 
     def sampling_params(self) -> SamplingParams:
         """As engine parameters (max_tokens: SamplingParams' 16 when the file sets none)."""
         from deltaserve.engine.requests.sampling_params import SamplingParams
 
-        kwargs: dict[str, Any] = {
-            f.name: getattr(self, f.name) for f in fields(self) if f.name != "max_tokens"
-        }
+        kwargs: dict[str, Any] = {name: getattr(self, name) for name in _SAMPLED if name != "max_tokens"}
         if self.max_tokens:
             kwargs["max_tokens"] = self.max_tokens
         return SamplingParams(**kwargs)
@@ -47,18 +47,32 @@ class SamplingDefaults:
     def changed(self) -> dict[str, Any]:
         """The defaults that differ from OpenAI's (what the start-up log reports)."""
         base = SamplingDefaults()
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if getattr(self, f.name) != getattr(base, f.name)
-        }
+        return {name: getattr(self, name) for name in _SAMPLED if getattr(self, name) != getattr(base, name)}
+
+    def warning(self) -> str | None:
+        """What the start-up log warns of: the fields left out, or None."""
+        if not self.ignored:
+            return None
+        return (
+            f"generation_config.json: ignoring {'; '.join(self.ignored)}: requests that leave "
+            "these unset get the usual defaults"
+        )
+
+
+_SAMPLED = tuple(f.name for f in fields(SamplingDefaults) if f.name != "ignored")
 
 
 def _number(
-    config: dict[str, Any], key: str, low: float, high: float, low_open: bool = False
+    config: dict[str, Any], key: str, low: float, high: float, ignored: list[str], low_open: bool = False
 ) -> float | None:
     value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        ignored.append(f"{key} = {json.dumps(value)} (not a number)")
+        return None
+    if not math.isfinite(value):
+        ignored.append(f"{key} = {json.dumps(value)} (not finite)")
         return None
     if value < low or value > high or (low_open and value == low):
         raise ValueError(f"generation_config.json: {key} = {value} is outside [{low:g}, {high:g}]")
@@ -67,7 +81,8 @@ def _number(
 
 def read_sampling_defaults(folder: str | Path) -> SamplingDefaults:
     """The defaults of `folder`'s generation_config.json (OpenAI's where the file or a key is
-    missing); a present value out of range is an error."""
+    missing); a present value out of range is an error, one of the wrong type (a string, a list)
+    is left out and named in `ignored`."""
     path = Path(folder) / "generation_config.json"
     try:
         config = json.loads(path.read_text())
@@ -78,22 +93,27 @@ def read_sampling_defaults(folder: str | Path) -> SamplingDefaults:
     if not isinstance(config, dict):
         raise ValueError(f"{path} does not hold a JSON object")
     found: dict[str, Any] = {}
+    ignored: list[str] = []
     for key, low, high, low_open in (
         ("temperature", 0.0, 2.0, False),
         ("top_p", 0.0, 1.0, True),
         ("min_p", 0.0, 1.0, False),
         ("repetition_penalty", 0.0, math.inf, True),
     ):
-        value = _number(config, key, low, high, low_open)
+        value = _number(config, key, low, high, ignored, low_open)
         if value is not None:
             found[key] = value
     top_k = config.get("top_k")
     if isinstance(top_k, int) and not isinstance(top_k, bool):
         found["top_k"] = max(top_k, 0)  # transformers and vLLM: 0 / -1 mean off
+    elif top_k is not None:
+        ignored.append(f"top_k = {json.dumps(top_k)} (not an integer)")
     max_new = config.get("max_new_tokens")
     if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new > 0:
         found["max_tokens"] = max_new
-    return SamplingDefaults(**found)
+    elif max_new is not None:
+        ignored.append(f"max_new_tokens = {json.dumps(max_new)} (not a positive integer)")
+    return SamplingDefaults(**found, ignored=tuple(ignored))
 
 
 def load_sampling_defaults(source: str, model_dir: str | Path | None) -> SamplingDefaults:

@@ -63,6 +63,25 @@ def test_out_of_range_values_are_errors(tmp_path: Path) -> None:
         load_sampling_defaults("auto", tmp_path)
 
 
+def test_values_of_the_wrong_type_are_left_out_and_named(tmp_path: Path) -> None:
+    """A string, a list or a bool where a number belongs is not guessed at: left out (the usual
+    default stays) and named in the start-up warning; null is no value, and says nothing."""
+    config = {"temperature": "0.7", "top_p": 0.9, "top_k": [20], "min_p": None, "max_new_tokens": True}
+    config["repetition_penalty"] = float("nan")  # Python's json reads and writes NaN
+    defaults = load_sampling_defaults("auto", folder(tmp_path, config))
+    assert defaults.changed() == {"top_p": 0.9}
+    assert defaults.ignored == (
+        'temperature = "0.7" (not a number)',
+        "repetition_penalty = NaN (not finite)",
+        "top_k = [20] (not an integer)",
+        "max_new_tokens = true (not a positive integer)",
+    )
+    warning = defaults.warning()
+    assert warning is not None and all(name in warning for name in ("temperature", "top_k", "max_new_tokens"))
+    clean = load_sampling_defaults("auto", folder(tmp_path, {**QWEN35, "min_p": None}))
+    assert clean.ignored == () and clean.warning() is None
+
+
 def test_flag_checks_its_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "good").mkdir()
     (tmp_path / "bad").mkdir()
@@ -90,18 +109,20 @@ def test_a_request_still_gets_a_clear_error_for_its_own_values() -> None:
 def test_served_requests_take_the_folder_defaults(tmp_path: Path, spawn_server, model_name: str) -> None:
     """A real server with a generation config of temperature 0 and 5 new tokens: a request that sets
     neither is greedy (its n choices agree, and agree with an explicit temperature 0) and 5 long;
-    one that sets them gets what it asked for."""
+    one that sets them gets what it asked for. Fields of the wrong type are warned of, once."""
     import openai
 
     server = spawn_server(
         "--max-model-len",
         "256",
         "--generation-config",
-        str(folder(tmp_path, {"temperature": 0.0, "max_new_tokens": 5})),
+        str(folder(tmp_path, {"temperature": 0.0, "max_new_tokens": 5, "top_p": "0.9", "top_k": [20]})),
     )
     assert (
         "sampling defaults from generation_config.json" in server.log() and "temperature=0.0" in server.log()
     )
+    warned = [line for line in server.log().splitlines() if "WARNING" in line and "generation_config" in line]
+    assert len(warned) == 1 and 'top_p = "0.9"' in warned[0] and "top_k = [20]" in warned[0], warned
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "Count to ten."}]
     extra = {"ignore_eos": True}
