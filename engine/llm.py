@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -16,7 +17,12 @@ from deltaserve.engine.errors import InvalidParamError
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.chat_prompt import image_urls, render_prompt, tail_tokens, unrepeated_tail
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults, load_sampling_defaults
-from deltaserve.engine.requests.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from deltaserve.engine.requests.outputs import (
+    CompletionOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from deltaserve.engine.requests.sampling_params import SamplingParams, bad_words_token_ids, choice_seed
 from deltaserve.engine.step.admission import check_length
 from deltaserve.models.vision.positions import ImageInputs
@@ -258,11 +264,14 @@ class LLM:
             self.engine.step()
             raise
         final: dict[str, RequestOutput] = {}
+        finished_at: dict[str, float] = {}
         bar = _progress(len(added)) if use_tqdm and len(added) >= 16 else None
         for outputs in self._steps():
+            now = time.time()
             for out in outputs:
                 if out.finished:
                     final[out.request_id] = out
+                    finished_at[out.request_id] = now
                     if bar is not None:
                         bar.update(1)
         if bar is not None:
@@ -287,6 +296,10 @@ class LLM:
                 prompt_logprobs = [
                     None if lp is None else PositionLogprobs(lp, decode) for lp in prompt_logprobs
                 ]
+            arrival = final[subs[0]].arrival_time
+            first_token = _earliest(final[rid].first_token_time for rid in subs)
+            scheduled = _earliest(final[rid].scheduled_time for rid in subs)
+            finished = max(finished_at[rid] for rid in subs)
             results.append(
                 RequestOutput(
                     base,
@@ -295,12 +308,20 @@ class LLM:
                     True,
                     prompt=text,
                     num_cached_tokens=cached,
-                    arrival_time=final[subs[0]].arrival_time,
-                    first_token_time=_earliest(final[rid].first_token_time for rid in subs),
-                    scheduled_time=_earliest(final[rid].scheduled_time for rid in subs),
+                    arrival_time=arrival,
+                    first_token_time=first_token,
+                    scheduled_time=scheduled,
                     num_draft_tokens=sum(final[rid].num_draft_tokens for rid in subs),
                     num_accepted_tokens=sum(final[rid].num_accepted_tokens for rid in subs),
                     prompt_logprobs=prompt_logprobs,
+                    metrics=RequestMetrics(
+                        arrival_time=arrival,
+                        last_token_time=finished if first_token is not None else None,
+                        first_scheduled_time=scheduled,
+                        first_token_time=first_token,
+                        time_in_queue=None if scheduled is None else scheduled - arrival,
+                        finished_time=finished,
+                    ),
                 )
             )
         return results

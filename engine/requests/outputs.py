@@ -81,6 +81,19 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """vLLM's `RequestOutput.metrics`: a request's times, in time.time() seconds (None where a
+    time did not come: a prompt that never gave a token)."""
+
+    arrival_time: float
+    last_token_time: float | None
+    first_scheduled_time: float | None  # when it first entered the running batch
+    first_token_time: float | None
+    time_in_queue: float | None  # arrival to first scheduled
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -96,6 +109,8 @@ class RequestOutput:
     # the prompt's tokens' log-probabilities (the first None), once the whole prompt has run
     prompt_logprobs: list[Logprob | None] | None = None
     scheduled_time: float | None = None  # when it first entered the running batch (queue time's end)
+    # vLLM's: LLM.generate's outputs have their times here, None elsewhere; never packed, so last
+    metrics: RequestMetrics | None = None
 
     def merge(self, newer: RequestOutput) -> RequestOutput:
         """This output and the same request's next one as one output: deltas are joined, a
@@ -114,7 +129,7 @@ class RequestOutput:
 
 # A step's outputs cross to the HTTP process as plain tuples: pickling dataclasses goes through
 # each object's __reduce_ex__ and state dict, several times the cost of its fields as a tuple.
-_REQUEST_FIELDS = tuple(f.name for f in fields(RequestOutput) if f.name != "outputs")
+_REQUEST_FIELDS = tuple(f.name for f in fields(RequestOutput) if f.name not in ("outputs", "metrics"))
 _COMPLETION_FIELDS = tuple(f.name for f in fields(CompletionOutput))
 _OUTPUTS_AT = [f.name for f in fields(RequestOutput)].index("outputs")
 

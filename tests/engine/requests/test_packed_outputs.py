@@ -41,7 +41,8 @@ def _every_field_set() -> RequestOutput:
 def test_packed_outputs_come_back_equal_field_by_field() -> None:
     out = _every_field_set()
     for f in dataclasses.fields(RequestOutput):  # the fixture really sets every field
-        if f.default is not dataclasses.MISSING:
+        # but `metrics`, which LLM.generate sets on the outputs it builds from what crossed
+        if f.default is not dataclasses.MISSING and f.name != "metrics":
             assert getattr(out, f.name) != f.default, f.name
     running = RequestOutput("cmpl-2-0", [], [CompletionOutput(0, [8], "d")], False)
     back = unpack_outputs(pickle.loads(pickle.dumps(pack_outputs([out, running]))))

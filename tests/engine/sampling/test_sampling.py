@@ -415,3 +415,20 @@ def test_generate_keeps_the_requests_times(llm):
     for out in outs:
         assert out.scheduled_time is not None and out.first_token_time is not None
         assert before <= out.arrival_time <= out.scheduled_time <= out.first_token_time <= time.time()
+
+
+def test_generate_outputs_carry_vllms_metrics(llm):
+    """`out.metrics` as vLLM's offline outputs have it (reading it raised AttributeError): the
+    request's times in vLLM's names, up to when its last sample finished."""
+    before = time.time()
+    outs = llm.generate(PROMPTS, SamplingParams(n=2, max_tokens=3, ignore_eos=True))
+    after = time.time()
+    for out in outs:
+        m = out.metrics
+        assert (m.arrival_time, m.first_scheduled_time, m.first_token_time) == (
+            out.arrival_time,
+            out.scheduled_time,
+            out.first_token_time,
+        )
+        assert m.time_in_queue == pytest.approx(m.first_scheduled_time - m.arrival_time)
+        assert before <= m.first_token_time <= m.last_token_time <= m.finished_time <= after
