@@ -189,7 +189,8 @@ class SamplingParams:
         for name in _INTEGERS:  # before any comparison: 2.5 or True would pass it, "2" fail it oddly
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise InvalidParamError(f"{name} must be an integer, got {value!r}", name)
+                hint = _BOOL_HINTS.get(name, "") if isinstance(value, bool) else ""
+                raise InvalidParamError(f"{name} must be an integer, got {value!r}{hint}", name)
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         if isinstance(self.output_kind, Enum):  # vLLM's RequestOutputKind.FINAL_ONLY and the like
@@ -330,6 +331,15 @@ _INTEGERS = (
     "next_turn_len",
     "truncate_prompt_tokens",
 )
+
+
+# a bool where a count of log-probabilities belongs: True read as 1, False as 0 would turn them
+# on, so the refusal says which number to give (the chat API's `logprobs` is a bool)
+_BOOL_HINTS = {
+    name: f": the number of top log-probabilities per {where} besides the chosen token's (0: that one "
+    f"alone; None, the default: none)"
+    for name, where in (("logprobs", "generated token"), ("prompt_logprobs", "prompt token"))
+}
 
 
 def _in_range(name: str, value: float | None, low: float, high: float, low_open: bool = False) -> None:

@@ -30,6 +30,18 @@ def test_a_count_that_is_not_an_integer_is_refused(field: str, value: object) ->
     assert info.value.param == field
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+@pytest.mark.parametrize("value", [True, False])
+def test_a_bool_for_logprobs_is_refused_with_the_number_to_give(field: str, value: bool) -> None:
+    """True is not read as 1, nor False as 0 (which would turn them on): the message says what
+    the number means, for a user used to the chat API's boolean `logprobs`."""
+    with pytest.raises(InvalidParamError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+    assert f"got {value}: the number of top log-probabilities" in str(info.value)
+    assert "0: that one alone; None, the default: none" in str(info.value)
+
+
 def test_whole_numbers_and_none_pass() -> None:
     params = SamplingParams(
         n=2, top_k=-1, seed=7, max_tokens=None, min_tokens=1, logprobs=0, prompt_logprobs=3
