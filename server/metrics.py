@@ -204,6 +204,13 @@ class Metrics:
         self.generation_tokens = Histogram(_TOKEN_BUCKETS)
         # request id -> [arrival, time of the last new token, tokens so far]
         self._timing: dict[str, list[float]] = {}
+        # tokens that the engine's generation_tokens_total leaves out: a beam search's beams past
+        # its first step, whose engine requests are not counted (server/api/beam_search.py)
+        self.generated_here = 0
+
+    def tokens_generated(self, count: int) -> None:
+        """Tokens a client got that the engine's counter left out (see `generated_here`)."""
+        self.generated_here += max(0, count)
 
     def request_started(self, request_id: str) -> None:
         self._timing[request_id] = [time.monotonic(), 0.0, 0]
@@ -269,6 +276,7 @@ class Metrics:
             "finished": self.finished,
             "http_errors": self.http_errors,
             "rejected": self.rejected,
+            "generated_here": self.generated_here,
             **hists,
         }
 
@@ -282,6 +290,7 @@ class Metrics:
                     mine[k] = mine.get(k, 0) + v
             for name, hist in total._histograms().items():
                 hist.add(*snap[name])
+            total.generated_here += snap.get("generated_here", 0)
         return total
 
     def _histograms(self) -> dict[str, Histogram]:
@@ -304,6 +313,11 @@ class Metrics:
 
     def render(self, stats: dict[str, Any]) -> str:
         p, lab = "deltaserve_", self.labels
+        if "generation_tokens_total" in stats:
+            stats = {
+                **stats,
+                "generation_tokens_total": stats["generation_tokens_total"] + self.generated_here,
+            }
         lines: list[str] = []
 
         def header(name: str, kind: str, help_text: str) -> None:

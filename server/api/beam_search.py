@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.engine.requests.sampling_params import SamplingParams
 
 from ..edge import ARRIVED
@@ -94,33 +96,85 @@ async def search(
             "n",
         )
     beams = BeamSearch(prompts, params, ctx.client.eos_token_ids)
-    step = SamplingParams(
+    # the first step is the prompts' own engine requests, counted as any prompt is (its tokens,
+    # the cache's hits); the later ones repeat them with the beams' tokens and are left out of
+    # the counters, which count the search once (`_count_search`)
+    first_step = SamplingParams(
         temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False
     )
+    later_steps = replace(first_step, internal=True)
     base = named_id(name, f"beam-{uuid.uuid4().hex}")
     engine: int | None = None  # one prompt's steps on its first step's engine, whose cache holds them
     cached = 0
+    first: list[RequestOutput] = []  # each prompt's first step: the search's times and first token
+    admitted = False
     started = raw.scope.get(ARRIVED, time.monotonic())  # an abort while the prompt was prepared counts
-    while not beams.finished:
-        if ctx.client.aborted_since(base, started):  # /abort_request between two steps
-            beams.aborted = True
-            break
-        # a client gone between two steps: `collect`'s watcher may never have run in a step whose
-        # outputs were in before it was read, so it is asked here
-        if await raw.is_disconnected():
-            raise ClientDisconnected
-        requests = [(f"{base}-{beams.steps}-{i}", tokens, step) for i, tokens in enumerate(beams.expanding())]
-        group = await ctx.submit(requests, engine=engine, raw=raw)  # an abort since it arrived ends it
-        engine = group.engine if len(prompts) == 1 else None  # several prompts: each where it went
-        final = await ctx.collect(group, raw)
-        if beams.steps == 0:
-            cached = sum(final[r[0]].num_cached_tokens for r in requests)
-        steps = [final[r[0]].outputs[0] for r in requests]
-        if any(s.finish_reason == "abort" for s in steps):  # /abort_request: the beams end as they are
-            beams.aborted = True
-            break
-        beams.advance([s.logprobs[0].top for s in steps])  # type: ignore[index]
-    return beams.outputs(), cached
+    searches = [f"{base}-prompt-{i}" for i in range(len(prompts))]  # the metrics' request ids
+    for search_id in searches:
+        ctx.metrics.request_started(search_id)
+    try:
+        while not beams.finished:
+            if ctx.client.aborted_since(base, started):  # /abort_request between two steps
+                beams.aborted = True
+                break
+            # a client gone between two steps: `collect`'s watcher may never have run in a step whose
+            # outputs were in before it was read, so it is asked here
+            if await raw.is_disconnected():
+                raise ClientDisconnected
+            step = later_steps if first else first_step
+            requests = [
+                (f"{base}-{beams.steps}-{i}", tokens, step) for i, tokens in enumerate(beams.expanding())
+            ]
+            # an abort since it arrived ends it
+            group = await ctx.submit(requests, track=False, engine=engine, raw=raw, log=not first)
+            admitted = True
+            engine = group.engine if len(prompts) == 1 else None  # several prompts: each where it went
+            final = await ctx.collect(group, raw)
+            if not first:
+                first = [final[r[0]] for r in requests]
+                cached = sum(out.num_cached_tokens for out in first)
+            steps = [final[r[0]].outputs[0] for r in requests]
+            if any(s.finish_reason == "abort" for s in steps):  # /abort_request: the beams end as they are
+                beams.aborted = True
+                break
+            beams.advance([s.logprobs[0].top for s in steps])  # type: ignore[index]
+    except BaseException:
+        for search_id in searches:  # as a request refused, or whose client went or that failed, is
+            if admitted:
+                ctx.metrics.request_aborted(search_id)
+            else:
+                ctx.metrics.forget(search_id)
+        raise
+    outputs = beams.outputs()
+    _count_search(ctx, searches, prompts, outputs, first)
+    return outputs, cached
+
+
+def _count_search(
+    ctx: ServerContext,
+    searches: list[str],
+    prompts: list[list[int]],
+    outputs: list[BeamSearchOutput],
+    first: list[RequestOutput],
+) -> None:
+    """Each prompt's search in the metrics as one finished request: its prompt, the beams it
+    returns as its generated tokens, the best beam's finish reason, and the times of its first
+    step (its queue, its first token) to now. The engine counted the first step's tokens."""
+    now = time.monotonic()
+    for i, (search_id, prompt, out) in enumerate(zip(searches, prompts, outputs)):
+        step = first[i] if i < len(first) else None
+        done = RequestOutput(
+            search_id,
+            prompt,
+            [CompletionOutput(j, b.output_ids, "", b.finish_reason) for j, b in enumerate(out.sequences)],
+            True,
+            arrival_time=step.arrival_time if step is not None else 0.0,
+            first_token_time=step.first_token_time if step is not None else None,
+            scheduled_time=step.scheduled_time if step is not None else None,
+        )
+        counted = step.outputs[0].num_tokens if step is not None else 0
+        ctx.metrics.tokens_generated(sum(c.num_tokens for c in done.outputs) - counted)
+        ctx.metrics.request_progress(done, now)
 
 
 def beam_text(ctx: ServerContext, beam: BeamSequence, params: BeamSearchParams, skip_special: bool) -> str:

@@ -202,10 +202,12 @@ class ServerContext:
         track: bool = True,
         engine: int | None = None,
         raw: Request | None = None,
+        log: bool | None = None,
     ) -> RequestGroup:
         """Add the requests to the engine. `raw`: the HTTP request they answer; an /abort_request
-        that named them after it arrived (while its prompt was prepared) ends them once added."""
-        if self.log_requests and track:
+        that named them after it arrived (while its prompt was prepared) ends them once added.
+        `track=False`: left out of the metrics (and, unless `log`, of --log-requests' lines)."""
+        if self.log_requests and (track if log is None else log):
             for request_id, prompt_ids, params, *_ in requests:
                 logger.info("%s", request_line(request_id, prompt_ids, params, self.max_log_len))
         try:

@@ -105,14 +105,8 @@ def test_what_beam_search_cannot_do_is_a_400(client, fields: dict, param: str) -
     ],
 )
 def test_a_client_that_hangs_up_ends_its_search_at_the_next_step(server, read_metrics, path, ask) -> None:
-    """A search is one short engine request a step: a client gone between two steps ends it (its
-    steps ran on to max_tokens, the client's disconnect seen by none of them)."""
-
-    def steps_done() -> float:
-        return sum(
-            v for k, v in read_metrics(server.url).items() if k.startswith("deltaserve_requests_total")
-        )
-
+    """A search is one short engine request a step: a client gone between two steps ends it, as
+    an aborted request (its steps ran on to max_tokens, the client's disconnect seen by none)."""
     body = json.dumps(
         {"model": MODEL_NAME, "n": 2, "use_beam_search": True, "ignore_eos": True, **ask}
     ).encode()
@@ -120,13 +114,54 @@ def test_a_client_that_hangs_up_ends_its_search_at_the_next_step(server, read_me
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
-    before = steps_done()
+    before = read_metrics(server.url)
+    aborted = 'deltaserve_requests_total{outcome="abort"}'
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(request)
         deadline = time.monotonic() + 30
-        while steps_done() < before + 10 and time.monotonic() < deadline:  # a few steps in
+        while (  # its first step is in (it counts the prompt's tokens)
+            read_metrics(server.url)["deltaserve_prompt_tokens_total"]
+            == before["deltaserve_prompt_tokens_total"]
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
-    time.sleep(0.5)  # the step in flight ends
-    gone = steps_done()
+        time.sleep(0.3)  # a few steps in
+    deadline = time.monotonic() + 30
+    while read_metrics(server.url)[aborted] == before[aborted] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gone = read_metrics(server.url)
+    assert gone[aborted] == before[aborted] + 1  # ended by the hang-up, not at max_tokens
     time.sleep(1.0)
-    assert steps_done() == gone
+    after = read_metrics(server.url)
+    assert after["deltaserve_engine_step_seconds_total"] == gone["deltaserve_engine_step_seconds_total"]
+    assert after["deltaserve_num_requests_running"] == after["deltaserve_num_requests_waiting"] == 0
+
+
+def test_a_search_counts_once_with_the_tokens_it_returns(client, server, read_metrics, until_idle) -> None:
+    """The metrics count each prompt's search as one request, with its prompt's tokens and the
+    tokens of the beams it returns, under deltaserve's and vLLM's names alike (they counted each
+    step's engine requests: 7 requests and 33 prompt tokens for a 3-token prompt's 4 steps)."""
+    before = until_idle(server.url)
+    reply = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS,
+        n=2,
+        max_tokens=4,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )
+    after = until_idle(server.url)
+    prompt, generated = reply.usage.prompt_tokens, reply.usage.completion_tokens
+    assert len(reply.choices) == 4 and generated == 4 * 4
+
+    def grew(name: str) -> float:
+        return after[name] - before[name]
+
+    for p in ("deltaserve_", "vllm:"):
+        assert grew(f"{p}prompt_tokens_total") == prompt
+        assert grew(f"{p}generation_tokens_total") == generated
+        assert grew(f"{p}e2e_request_latency_seconds_count") == 2
+        assert grew(f"{p}time_to_first_token_seconds_count") == 2
+        assert grew(f"{p}request_prompt_tokens_sum") == prompt
+        assert grew(f"{p}request_generation_tokens_sum") == generated
+    assert grew('deltaserve_requests_total{outcome="length"}') == 2
+    assert grew('vllm:request_success_total{finished_reason="length"}') == 2
