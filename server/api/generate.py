@@ -88,12 +88,11 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
 
 
 def _completion_request(
-    sampling: dict[str, Any], stream: bool, logprobs: int | None, start: int, priority: int
+    sampling: dict[str, Any], logprobs: int | None, start: int, priority: int
 ) -> CompletionRequest:
-    """SGLang's sampling parameters as a completion request's fields (400s name SGLang's field)."""
-    fields: dict[str, Any] = {
-        "prompt": [0], "max_tokens": _DEFAULT_MAX_NEW_TOKENS, "stream": stream, "priority": priority,
-    }  # fmt: skip
+    """SGLang's sampling parameters as an unstreamed completion request's fields (400s name
+    SGLang's field); a stream's output kind is set on the engine parameters after."""
+    fields: dict[str, Any] = {"prompt": [0], "max_tokens": _DEFAULT_MAX_NEW_TOKENS, "priority": priority}
     structured: dict[str, Any] = {}
     for key, value in sampling.items():
         if key in _RENAMED:
@@ -205,13 +204,13 @@ class NativeGeneration:
             if read is not None:
                 ids = ctx.images.expand(ids, read, "image_data")
             start = start if want else -1
-            creq = _completion_request(
-                sampling, self.body.stream, top if want else None, start, body.priority
-            )
+            creq = _completion_request(sampling, top if want else None, start, body.priority)
             try:
                 params = ctx.sampling_params(creq, len(ids))
             except APIError as exc:
                 raise exc.renamed(_NAMES) from exc
+            if body.stream:  # each event is the whole result so far, the prompt's logprobs too
+                params = dataclasses.replace(params, output_kind="delta")
             if ask:
                 if not want:
                     raise bad_request("token_ids_logprob needs return_logprob", "token_ids_logprob")

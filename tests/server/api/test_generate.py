@@ -90,6 +90,36 @@ def test_log_probabilities_of_the_output_and_the_prompt(server) -> None:
     )
 
 
+def _floats_apart(value):
+    """(the floats of a nested list, the list with each float as "f"): to compare the rest exactly."""
+    if isinstance(value, float):
+        return [value], "f"
+    if isinstance(value, list):
+        parts = [_floats_apart(v) for v in value]
+        return [f for floats, _ in parts for f in floats], [shape for _, shape in parts]
+    return [], value
+
+
+def test_a_stream_carries_the_prompt_log_probabilities(server) -> None:
+    """logprob_start_len in a stream: its events carry the prompt's log-probabilities (and the
+    asked ids') as the unstreamed reply does, as SGLang streams them; it was a 400."""
+    body = {
+        "input_ids": [5, 9, 17, 3, 88], "sampling_params": GREEDY, "return_logprob": True,
+        "top_logprobs_num": 2, "logprob_start_len": 1, "token_ids_logprob": [11, 42],
+    }  # fmt: skip
+    whole = generate(server, **body).json()
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["output_ids"] == whole["output_ids"]
+    assert len(last["meta_info"]["input_token_logprobs"]) == 4
+    for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
+        got, want = _floats_apart(last["meta_info"][key]), _floats_apart(whole["meta_info"][key])
+        assert got[1] == want[1] and got[0] == pytest.approx(want[0], abs=1e-4), key
+
+
 def test_token_ids_logprob_at_the_output_and_the_prompt(server, builtin_path) -> None:
     """SGLang's token_ids_logprob: each position's log-probabilities of the asked ids, in their
     order, as the offline engine computes them; the output's own token, asked, is its logprob."""
