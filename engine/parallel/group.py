@@ -22,7 +22,8 @@ from deltaserve.models.parallel import TensorParallel
 logger = logging.getLogger(__name__)
 
 # collectives of a forward, and a worker's wait for the next step, which lasts as long as the
-# server idles: a peer that dies closes its sockets and ends the wait at once anyway
+# server idles: a peer that dies closes its sockets and ends the wait at once anyway, and one
+# that goes silent is found by `liveness.py`
 _COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
 
 

@@ -12,7 +12,8 @@ The messages travel over a gloo group even where the tensors travel over NCCL (`
 that a peer that dies closes its TCP connection and the next message fails at once. An idle rank
 0 sends a heartbeat ("beat", which workers ignore) every `HEARTBEAT_S`, so that a rank that dies
 while nothing runs (on another node, where no local thread watches it) ends the engine within
-seconds rather than at the next request.
+seconds rather than at the next request. Workers learn that rank 0 went silent from the rendezvous
+store instead (`liveness.py`): an idle offline `LLM` sends them nothing at all.
 """
 
 from __future__ import annotations
@@ -72,6 +73,17 @@ HEARTBEAT_S = 1.0  # the longest an idle rank 0 leaves the workers without a mes
 HEARTBEAT_TIMEOUT_S = 30.0
 
 
+def gloo_words(exc: BaseException) -> str:
+    """A collective's error as gloo words it (a peer that died closed its connection), less its
+    source line and advice."""
+    return re.sub(r"^\[[^\]]*\] ", "", str(exc)).split(". This is typically")[0]
+
+
+def peer_closed(exc: RuntimeError) -> bool:
+    """Whether a collective failed because a peer's connection closed (its process ended)."""
+    return re.search(r"Connection (closed|reset) by peer", str(exc)) is not None
+
+
 class StepChannel:
     """Rank 0's broadcasts to every worker (and their receipt there): each message pickled, its
     length, then its bytes (as torch's broadcast_object_list sends them, which cannot bound its
@@ -102,9 +114,7 @@ class StepChannel:
                     f"a tensor-parallel rank did not take rank 0's heartbeat in {timeout_s:g} s "
                     "(hung, or its node unreachable)"
                 ) from exc
-            # a peer that died closed its connection: gloo's words, less its source line and advice
-            why = re.sub(r"^\[[^\]]*\] ", "", str(exc)).split(". This is typically")[0]
-            raise EngineDeadError(f"a tensor-parallel worker is gone ({why})") from exc
+            raise EngineDeadError(f"a tensor-parallel worker is gone ({gloo_words(exc)})") from exc
 
     def beat(self) -> None:
         """Rank 0, idle: a heartbeat, which workers ignore, once `HEARTBEAT_S` has passed since

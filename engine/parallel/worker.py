@@ -2,7 +2,9 @@
 
 It loads its shard, builds a ModelRunner (pools the size rank 0 agreed, CUDA graphs of the same
 sizes) and then replays what rank 0 broadcasts until told to stop; it exits when rank 0's
-process goes (its connection closes) or, on rank 0's node, when its parent does.
+process goes (its connection closes), when rank 0 stops answering on the rendezvous store
+(stopped or hung, or its node unreachable: `liveness.py`) or, on rank 0's node, when its parent
+does.
 
 Run as `python -m deltaserve.engine.parallel.worker` with a pickled `WorkerArgs` on stdin
 (`launcher.py` does).
@@ -44,9 +46,15 @@ class JoinError(Exception):
     """A rank could not join the others (rank 0 unreachable, a rank missing): one line."""
 
 
+class PeerGone(Exception):
+    """Rank 0's connection (or, in a step, another rank's) closed: its process ended. One line."""
+
+
 def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
     from deltaserve.engine.gc_heap import freeze_startup_heap
     from deltaserve.engine.parallel.group import destroy, init_rank, rank_device
+    from deltaserve.engine.parallel.liveness import RankZeroWatch
+    from deltaserve.engine.parallel.step_sync import gloo_words, peer_closed
     from deltaserve.engine.parts import load_engine_model
     from deltaserve.engine.runner.model_runner import ModelRunner
 
@@ -58,6 +66,7 @@ def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
         groups = init_rank(config, rank, master_port, device)
     except RuntimeError as exc:  # the rendezvous failed: its error says why, in one line
         raise JoinError(str(exc)) from exc
+    watch = RankZeroWatch(config.master_addr, master_port, rank, lambda why: _exit_lost(rank, why))
     try:
         try:
             loaded = load_engine_model(config, device, groups.tp)
@@ -68,12 +77,28 @@ def run_worker(config: EngineConfig, rank: int, master_port: int) -> None:
         freeze_startup_heap(f"tensor-parallel rank {rank}")
         logger.info("tensor-parallel rank %d ready", rank)
         while True:
-            message = runner.channel.recv()
+            try:
+                message = runner.channel.recv()
+            except RuntimeError as exc:  # nothing but rank 0 sends here
+                raise PeerGone(f"rank 0 is gone ({gloo_words(exc)})") from exc
             if message.kind == "stop":
                 break
-            runner.run_message(message)
+            try:
+                runner.run_message(message)
+            except RuntimeError as exc:
+                if not peer_closed(exc):
+                    raise
+                raise PeerGone(f"a rank is gone in the middle of a step ({gloo_words(exc)})") from exc
     finally:
+        watch.stop()
         destroy(groups)
+
+
+def _exit_lost(rank: int, why: str) -> None:
+    """Rank 0 no longer answers: this rank's main thread may wait on it inside gloo for ever."""
+    logger.error("tensor-parallel rank %d is exiting: %s", rank, why)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _exit_with(parent_pid: int) -> None:
@@ -99,6 +124,10 @@ def main() -> None:
         run_worker(args.config, args.rank, args.master_port)
     except JoinError as exc:
         logger.error("%s", exc)
+        logger.debug("where it failed", exc_info=exc.__cause__)
+        sys.exit(1)
+    except PeerGone as exc:
+        logger.error("tensor-parallel rank %d is exiting: %s", args.rank, exc)
         logger.debug("where it failed", exc_info=exc.__cause__)
         sys.exit(1)
     except LoadError as exc:

@@ -478,7 +478,7 @@ def test_a_rank_that_cannot_load_logs_one_line(monkeypatch, caplog, tmp_path) ->
 
     from deltaserve.engine import parts
     from deltaserve.engine.config import EngineConfig
-    from deltaserve.engine.parallel import group, worker
+    from deltaserve.engine.parallel import group, liveness, worker
 
     def refuse(*_):
         raise ValueError("linear_num_key_heads (2) is not divisible by the tensor-parallel size 3")
@@ -488,6 +488,7 @@ def test_a_rank_that_cannot_load_logs_one_line(monkeypatch, caplog, tmp_path) ->
     monkeypatch.setattr(group, "destroy", lambda *_: None)
     monkeypatch.setattr(parts, "load_engine_model", refuse)
     monkeypatch.setattr(worker, "_exit_with", lambda *_: None)
+    monkeypatch.setattr(liveness, "RankZeroWatch", lambda *_: SimpleNamespace(stop=lambda: None))
     monkeypatch.setattr(worker.signal, "signal", lambda *_: None)  # the test's own Ctrl-C stays
     monkeypatch.setattr(logging, "basicConfig", lambda **_: None)
     args = worker.WorkerArgs(EngineConfig(model=str(tmp_path), device="cpu"), 1, 0, os.getpid(), logging.INFO)
@@ -500,3 +501,76 @@ def test_a_rank_that_cannot_load_logs_one_line(monkeypatch, caplog, tmp_path) ->
         "divisible by the tensor-parallel size 3"
     )
     assert record.exc_info is None
+
+
+# node 0 of two loopback nodes, rank 0 alone, as an offline LLM that sends its worker nothing once loaded
+RANK_0 = """
+import sys, time
+from deltaserve import LLM
+LLM(sys.argv[1], tensor_parallel_size=2, nnodes=2, master_port=int(sys.argv[2]), **eval(sys.argv[3]))
+print("ready", flush=True)
+time.sleep(600)
+"""
+# node 1's rank, as the launcher starts it, with a shorter liveness timeout
+WORKER = (
+    "from deltaserve.engine.parallel import liveness; liveness.TIMEOUT_S = {timeout}; "
+    "from deltaserve.engine.parallel.worker import main; main()"
+)
+NODE_KW = dict(
+    dtype="float32", device="cpu", page_size=16, max_num_batched_tokens=32, num_kv_pages=160,
+    max_model_len=512, max_running_requests=8,
+)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
+def test_a_worker_exits_in_one_line_once_rank_0_is_gone_or_silent(qwen, tmp_path, sig):
+    """Node 1's rank outlives an idle rank 0 that sends it nothing for longer than the liveness
+    timeout (rank 0's store answers it), and exits with one error line once rank 0 is killed (its
+    connection closes) or stopped, as a hung rank 0 or a node 0 that vanished is (its store stops
+    answering): it used to wait for rank 0's next message for ever, or die with a traceback."""
+    import logging
+    import pickle
+    import signal
+    import subprocess
+    import sys
+
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.parallel.group import free_port
+    from deltaserve.engine.parallel.worker import WorkerArgs
+
+    timeout, port = 3.0, free_port()
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", RANK_0, qwen, str(port), repr(NODE_KW)],
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "rank0.log", "w"),
+        text=True,
+    )
+    config = EngineConfig(
+        model=qwen, tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=port, **NODE_KW
+    )
+    err = open(tmp_path / "worker.log", "w+")
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER.format(timeout=timeout)], stdin=subprocess.PIPE, stderr=err
+    )
+    assert worker.stdin is not None and rank0.stdout is not None
+    worker.stdin.write(pickle.dumps(WorkerArgs(config, 1, port, os.getpid(), logging.INFO)))
+    worker.stdin.close()
+    try:
+        assert rank0.stdout.readline() == "ready\n", (tmp_path / "rank0.log").read_text()[-3000:]
+        time.sleep(timeout + 2)  # rank 0 idles, sending nothing: its worker waits on
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+        t0 = time.monotonic()
+        os.kill(rank0.pid, getattr(signal, sig))
+        assert worker.wait(timeout + 20) == 1
+        assert time.monotonic() - t0 < timeout + 10
+    finally:
+        for proc in (worker, rank0):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    log = (tmp_path / "worker.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+    (line,) = [x for x in log.splitlines() if " ERROR " in x]
+    why = "rank 0 is gone (Connection closed by peer" if sig == "SIGKILL" else "did not answer for 3 s"
+    assert "tensor-parallel rank 1 is exiting: " in line and why in line, line
