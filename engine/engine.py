@@ -83,6 +83,8 @@ class Engine:
             self.ranks.watch()
 
     def _worker_lost(self, why: str) -> None:
+        if self.dead_reason is not None:  # the first reason: a silent worker's kill follows it
+            return
         self.dead_reason = f"the engine lost a worker: {why}"
         logger.error("%s", self.dead_reason)
         if self._on_worker_lost is not None:

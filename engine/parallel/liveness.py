@@ -8,6 +8,11 @@ stopped or frozen, or its node unreachable, and the worker exits rather than wai
 (a rank 0 that exited closed its connections, which ends the worker's wait at once anyway). A
 rank 0 whose process runs but whose engine loop is wedged still answers: that is node 0's
 /health to report.
+
+Rank 0 reads the counters in turn: a worker whose counter stood still for `TIMEOUT_S` is stopped
+or frozen, or its node unreachable, which ends the engine even while a step waits for that
+worker inside a collective (which nothing else bounds: a step may take long, a worker's adds
+never stop while its process runs).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import datetime
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -83,3 +88,48 @@ class RankZeroWatch:
                     f"its process is stopped or frozen, or its node unreachable{self._why}"
                 )
                 return
+
+
+class WorkersWatch:
+    """Rank 0's side: `on_silent(rank, why)` (from a thread) once a worker's counter has stood still
+    for `TIMEOUT_S`."""
+
+    def __init__(
+        self, addr: str, port: int, ranks: Iterable[int], on_silent: Callable[[int, str], None]
+    ) -> None:
+        self._on_silent = on_silent
+        self._stopped = threading.Event()
+        threading.Thread(
+            target=self._run, args=(addr, port, list(ranks)), name="deltaserve-liveness", daemon=True
+        ).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self, addr: str, port: int, ranks: list[int]) -> None:
+        try:
+            store = _client(addr, port)
+        except Exception as exc:  # our own process's store: not expected to fail
+            logger.warning("cannot watch the tensor-parallel ranks' liveness: %s", _one_line(exc))
+            return
+        seen: dict[int, tuple[int, float]] = {}  # rank -> (its count, when it last changed)
+        while not self._stopped.wait(BEAT_S):
+            now = time.monotonic()
+            for rank in ranks:
+                try:
+                    count = store.add(_key(rank), 0)
+                except Exception as exc:  # the store went with the process group (a stop under way)
+                    if not self._stopped.is_set():
+                        logger.warning(
+                            "stopped watching the tensor-parallel ranks' liveness: %s", _one_line(exc)
+                        )
+                    return
+                if rank not in seen or seen[rank][0] != count:
+                    seen[rank] = (count, now)
+                elif now - seen[rank][1] >= TIMEOUT_S and not self._stopped.is_set():
+                    self._on_silent(
+                        rank,
+                        f"tensor-parallel rank {rank} was not heard from for {TIMEOUT_S:g} s: its process "
+                        "is stopped or frozen, or its node unreachable",
+                    )
+                    return

@@ -9,12 +9,13 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import EngineDeadError
 from deltaserve.engine.parallel.group import RankGroups, destroy, free_port, init_rank, rank_device
 from deltaserve.engine.parallel.launcher import WorkerProcesses
+from deltaserve.engine.parallel.liveness import WorkersWatch
 from deltaserve.engine.parallel.step_sync import STOP, StepChannel
 
 
 class Ranks:
     """Starts this node's workers and joins the groups as rank 0; `on_lost(why)` is called from a
-    watching thread once a worker exits while it should run (after `watch`)."""
+    watching thread once a worker exits while it should run, or goes silent (after `watch`)."""
 
     def __init__(self, config: EngineConfig, on_lost: Callable[[str], None]) -> None:
         if config.node_rank != 0:
@@ -22,6 +23,9 @@ class Ranks:
         self.device = rank_device(config, 0)
         self._on_lost = on_lost
         port = config.master_port or free_port()
+        self._store_at = (config.master_addr, port)
+        self._world = config.tensor_parallel_size
+        self._liveness: WorkersWatch | None = None
         local = [r for r in config.node_ranks if r != 0]
         self.workers: WorkerProcesses | None = WorkerProcesses(config, local, port) if local else None
         self.groups: RankGroups | None = None
@@ -36,6 +40,14 @@ class Ranks:
     def watch(self) -> None:
         if self.workers is not None:
             self.workers.watch(self._on_lost)
+        self._liveness = WorkersWatch(*self._store_at, range(1, self._world), self._silent)
+
+    def _silent(self, rank: int, why: str) -> None:
+        self._on_lost(why)
+        workers = self.workers
+        proc = workers.procs.get(rank) if workers is not None else None
+        if proc is not None:  # one of ours: killed, a step that waits on it fails now
+            proc.kill()
 
     def exited(self, wait_s: float = 0.0) -> str | None:
         """Which local worker exited, if one did (or does within `wait_s`)."""
@@ -46,6 +58,8 @@ class Ranks:
         leave the process group. Idempotent."""
         groups, workers = self.groups, self.workers
         self.groups = self.workers = None
+        if self._liveness is not None:
+            self._liveness.stop()
         if graceful and groups is not None and channel is not None:
             try:
                 channel.send(STOP)

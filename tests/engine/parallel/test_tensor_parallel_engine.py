@@ -574,3 +574,48 @@ def test_a_worker_exits_in_one_line_once_rank_0_is_gone_or_silent(qwen, tmp_path
     (line,) = [x for x in log.splitlines() if " ERROR " in x]
     why = "rank 0 is gone (Connection closed by peer" if sig == "SIGKILL" else "did not answer for 3 s"
     assert "tensor-parallel rank 1 is exiting: " in line and why in line, line
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_in_a_step_ends_the_engine(qwen, monkeypatch):
+    """A worker that stops (SIGSTOP, as a frozen process or an unreachable node) while rank 0's
+    step waits on it inside a collective: its counter on the rendezvous store stands still, so the
+    engine is dead after the liveness timeout, naming the rank, and the worker (one of this node's)
+    is killed so that the step fails. The step used to wait for ever. An idle worker, whose
+    counter runs on, changes nothing."""
+    import signal
+    import threading
+
+    from deltaserve.engine.parallel import liveness
+
+    monkeypatch.setattr(liveness, "TIMEOUT_S", 3.0)
+    llm = make_llm(qwen, 2)
+    workers = llm.engine.ranks.workers
+    assert workers is not None
+    (worker,) = workers.pids
+    try:
+        time.sleep(5)  # idle past the timeout: nothing is sent, the worker's counter runs on
+        assert llm.engine.dead_reason is None
+        os.kill(worker, signal.SIGSTOP)
+        failed: list[BaseException] = []
+
+        def step() -> None:
+            try:
+                run(llm, prompts_of([5], seed=2))
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=step, daemon=True)
+        t0 = time.monotonic()
+        thread.start()
+        thread.join(20)
+        assert not thread.is_alive(), "the step still waits on the stopped worker"
+        assert time.monotonic() - t0 < 15
+        (exc,) = failed
+        assert isinstance(exc, EngineDeadError), exc
+        assert "tensor-parallel rank 1 was not heard from for 3 s" in str(exc), exc
+        assert not _alive(worker)
+    finally:
+        if _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+        llm.shutdown()
