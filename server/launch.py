@@ -473,7 +473,8 @@ def _check_gpus(config: Any) -> None:
 
 def _serve_headless(args: argparse.Namespace) -> int:
     """A node other than 0: its tensor-parallel ranks, no HTTP. It ends when they do (node 0 stops
-    them, or its engine goes) or on SIGTERM / SIGINT, which stops them."""
+    them, or its engine goes), when one fails (the others are stopped), or on SIGTERM / SIGINT,
+    which stops them."""
     if not args.headless or args.node_rank == 0:
         print(
             "deltaserve serve: error: --headless runs the ranks of a node other than 0 "
@@ -503,13 +504,25 @@ def _serve_headless(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+    rank, first = workers.wait_first()
+    failed = bool(first) and not told
+    if failed:  # the others may wait on it (joining, or in a step) for long: the node stops
+        logger.error(
+            "tensor-parallel rank %d of this node exited with code %d; stopping the others", rank, first
+        )
+        workers.terminate()
+    workers.stop(timeout=_HEADLESS_STOP_S if failed else 30.0)  # then killed
     code = workers.wait()
-    workers.stop(timeout=0)
     if code and not told:
-        logger.error("a tensor-parallel rank of this node exited with code %d", code)
+        if not failed:
+            logger.error("a tensor-parallel rank of this node exited with code %d", code)
         return 1
     logger.info("the ranks of this node stopped")
     return 0
+
+
+# how long a failed node's other ranks get to end after SIGTERM before a kill (a stopped one never does)
+_HEADLESS_STOP_S = 10.0
 
 
 def _start_engines(

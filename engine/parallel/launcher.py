@@ -69,6 +69,15 @@ class WorkerProcesses:
 
         threading.Thread(target=run, name="deltaserve-tp-watch", daemon=True).start()
 
+    def wait_first(self) -> tuple[int, int]:
+        """Until a worker exits: its rank and exit code."""
+        while True:
+            for rank, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None:
+                    return rank, code
+            time.sleep(0.1)
+
     def wait(self) -> int:
         """Until every worker exits; the first non-zero exit code, or 0."""
         codes = [proc.wait() for proc in self.procs.values()]

@@ -1,6 +1,6 @@
 """`deltaserve serve --tensor-parallel-size 2` on CPU (gloo): answers through the openai client as
 TP = 1 does, stops with its workers (a process group's SIGTERM drains them first), spreads over two
-loopback "nodes" (one headless), is a dead engine (503, requests in flight failed) once a
+loopback "nodes" (one headless, which stops its other ranks and exits 1 once one fails), is a dead engine (503, requests in flight failed) once a
 worker is killed (one on the other node too, while idle), and a SIGTERM or Ctrl-C while it loads stops every process it started."""
 
 from __future__ import annotations
@@ -169,6 +169,35 @@ def test_an_idle_node_0_notices_a_remote_rank_die(spawn_server, model_cache, mod
         assert health.status_code == 503 and "gone" in health.json()["reason"], health.text
         assert node1.wait(30) != 0
         assert server.stop() == 0
+
+
+def test_a_headless_node_whose_rank_fails_stops_its_others_and_exits_1(model_cache, tmp_path):
+    """Node 1 of `--tensor-parallel-size 4 --nnodes 2` runs ranks 2 and 3; one dies while both wait
+    for rank 0 to join (as one that fails to load would): the node stops the other at once and exits
+    1, naming the rank. It used to wait for the other, here the whole --distributed-timeout."""
+    port = str(free_port())  # nothing listens: node 0 never comes
+    flags = ("--device", "cpu", "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1")
+    log = open(tmp_path / "node1.log", "w")
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "deltaserve", "serve", *flags, "--master-port", port, "--headless"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "DELTASERVE_CACHE": model_cache},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers := worker_pids(node1.pid)) < 2:
+            assert node1.poll() is None and time.monotonic() < deadline, (tmp_path / "node1.log").read_text()
+            time.sleep(0.05)
+        os.kill(workers[0], signal.SIGKILL)
+        assert node1.wait(30) == 1
+        text = (tmp_path / "node1.log").read_text()
+        assert "of this node exited with code -9; stopping the others" in text, text[-3000:]
+        assert not any(alive(p) for p in workers)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
 
 
 def test_a_killed_worker_is_a_dead_engine(spawn_server, model_name):
