@@ -177,6 +177,47 @@ def make_checkpoint(tmp_path_factory):
     return make
 
 
+def with_long_memory(src: str, dst: str, output_scale: float = 8.0) -> str:
+    """A copy of the checkpoint at `src` whose linear-attention layers remember: decay near 1
+    (A_log -5, dt_bias 0: about 0.995 a token) and, but for Kimi's, their output `output_scale`
+    times larger. The random checkpoints' layers forget within a token (a decay near e^-7), so a
+    wrong or missing recurrent state seldom changes their greedy tokens: tests of how the
+    engine keeps states (prefix-cache snapshots, preemption, speculative windows) use this."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for name in os.listdir(dst):
+        if name.endswith(".safetensors"):
+            file = os.path.join(dst, name)
+            sd = load_file(file)
+            for k in list(sd):
+                if k.endswith("A_log"):
+                    sd[k] = torch.full_like(sd[k], -5.0)
+                elif k.endswith("dt_bias"):
+                    sd[k] = torch.zeros_like(sd[k])
+                elif "linear_attn.out_proj" in k:
+                    sd[k] = sd[k] * output_scale
+            save_file(sd, file, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="session")
+def remembering_checkpoint(make_checkpoint, small_kimi_checkpoint, tmp_path_factory):
+    """`remembering_checkpoint(kind)`: the tiny checkpoint of `kind` ("kimi": the small Kimi-Linear)
+    with long-memory linear-attention layers (`with_long_memory`)."""
+    cache: dict[str, str] = {}
+
+    def make(kind: str) -> str:
+        if kind not in cache:
+            src = small_kimi_checkpoint if kind == "kimi" else make_checkpoint(kind)
+            cache[kind] = with_long_memory(src, str(tmp_path_factory.mktemp(f"{kind}_memory")))
+        return cache[kind]
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def pools_held():
     """`pools_held(llm_or_engine)`: with the prefix cache flushed, the counters that are not zero

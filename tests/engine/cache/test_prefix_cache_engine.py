@@ -23,8 +23,8 @@ def rand(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def path(make_checkpoint) -> str:
-    return make_checkpoint("qwen3_next")
+def path(remembering_checkpoint) -> str:
+    return remembering_checkpoint("qwen3_next")
 
 
 def make_llm(path: str, cache_type: str = "radix", chunk: int = 64, **kwargs) -> LLM:
