@@ -18,8 +18,30 @@ MAX_TEMPERATURE = 2.0
 MAX_LOGPROBS = 20
 
 
+# how deeply a JSON schema's objects and arrays may nest: a deeper one could not be pickled to the
+# engine process (Python's recursion limit), and xgrammar's compile time grows with the cube of it
+MAX_SCHEMA_DEPTH = 128
+
+
 def _structured(message: str) -> InvalidParamError:
     return InvalidParamError(f"structured outputs: {message}", "structured_outputs")
+
+
+def _too_deep_error() -> InvalidParamError:
+    return _structured(f"the JSON schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels")
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether `value`'s dicts and lists nest deeper than MAX_SCHEMA_DEPTH (walked without
+    recursion, as a deep one would overflow it)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > MAX_SCHEMA_DEPTH:
+                return True
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
 
 
 @dataclass
@@ -72,6 +94,10 @@ class StructuredOutputs:
                 self.json = json.loads(self.json)
             except json.JSONDecodeError as e:
                 raise _structured(f"the JSON schema is not valid JSON ({e})") from None
+            except RecursionError:  # nested past what the parser follows
+                raise _too_deep_error() from None
+        if any(v is not None and _too_deep(v) for v in (self.json, self.tool_calls)):
+            raise _too_deep_error()
         if self.json is not None and not isinstance(self.json, dict):
             raise _structured("a JSON schema must be an object")
         if self.after_token is not None and self.after_token < 0:

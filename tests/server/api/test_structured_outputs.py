@@ -1,0 +1,63 @@
+"""Structured outputs through the HTTP server: what a schema, regex or grammar promises holds for
+the built-in model's random weights (the grammar alone decides the text), and a request the
+grammar machinery cannot serve is a 400 naming its field while the server goes on serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
+
+
+def chat(base_url: str, **fields) -> httpx.Response:
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "JSON"}],
+        "max_tokens": 24,
+        **fields,
+    }
+    return httpx.post(f"{base_url}/chat/completions", json=body, timeout=60)
+
+
+def nested(depth: int) -> str:
+    """The text of a schema of arrays of arrays ... of integers, `depth` objects deep."""
+    return (
+        '{"type": "array", "maxItems": 1, "items": ' * (depth - 1) + '{"type": "integer"}' + "}" * (depth - 1)
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": json.loads(nested(600))},
+                }
+            },
+            "response_format",
+        ),
+        # as text, nested past what Python's JSON parser follows
+        ({"guided_json": nested(3000)}, "structured_outputs"),
+    ],
+    ids=["object", "text"],
+)
+def test_a_schema_nested_too_deeply_is_a_400(base_url, fields, param) -> None:
+    """A schema nested hundreds of levels deep could not be sent to the engine (or parsed): it was
+    a 500 'internal error'; now a 400 that says why, and the server answers the next request."""
+    r = chat(base_url, **fields)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "deeper than 128 levels" in err["message"]
+    ok = chat(
+        base_url,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "s", "schema": json.loads(nested(100))},
+        },
+    )
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
