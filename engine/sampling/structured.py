@@ -100,7 +100,7 @@ class Grammars:
                 # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar);
                 # json.dumps' separators (", " and ": "), no other whitespace between tokens
                 schema = '{"type": "object"}' if spec.json_object else key
-                grammar = self.compiler.compile_json_schema(schema, any_whitespace=False)
+                grammar = self.compiler.compile_grammar(json_grammar(self.xgr, schema))
         except Exception as e:  # xgrammar's own message: an unsupported or broken schema
             # (without its "[time] /path/file.cc:line: " prefix)
             reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
@@ -108,6 +108,21 @@ class Grammars:
             what = "grammar" if free_form else "JSON schema"
             raise ValueError(f"structured outputs: the {what} cannot be compiled ({reason})") from None
         return grammar
+
+
+# the characters xgrammar 0.2 lets a string with minLength / maxLength (or a key bounded by
+# propertyNames) hold, raw control characters among them, which JSON forbids (a tab must be "\t")
+_LOOSE_CHARS = r"[^\"\\\r\n]"
+_JSON_CHARS = r"[^\0-\x1f\"\\]"
+
+
+def json_grammar(xgr: Any, schema: str) -> Any:
+    """xgrammar's grammar of the JSON schema `schema` (its text), with json.dumps' separators and no
+    other whitespace; its bounded strings hold no raw control characters."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    text = str(grammar)
+    fixed = text.replace(_LOOSE_CHARS, _JSON_CHARS)
+    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
 
 
 def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "json", most: int = 1) -> Any:
@@ -134,7 +149,7 @@ def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "js
                             xgr,
                             f"<|tool_call_begin|>functions.{f['name']}:{index}<|tool_call_argument_begin|>",
                         ),
-                        xgr.Grammar.from_json_schema(json.dumps(params), any_whitespace=False),
+                        json_grammar(xgr, json.dumps(params)),
                         _literal(xgr, "<|tool_call_end|>"),
                     )
                 )
@@ -149,7 +164,7 @@ def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "js
                 calls.append(
                     xgr.Grammar.concat(
                         _literal(xgr, "<tool_call>\n"),
-                        xgr.Grammar.from_json_schema(json.dumps(body), any_whitespace=False),
+                        json_grammar(xgr, json.dumps(body)),
                         _literal(xgr, "\n</tool_call>"),
                     )
                 )
@@ -207,7 +222,7 @@ def _xml_value(xgr: Any, schema: dict[str, Any]) -> Any:
     if kind == "boolean":
         return xgr.Grammar.from_ebnf('root ::= "true" | "false"')
     if kind in ("object", "array"):
-        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        return json_grammar(xgr, json.dumps(schema))
     return xgr.Grammar.from_ebnf(_FREE_TEXT)
 
 

@@ -61,3 +61,42 @@ def test_a_schema_nested_too_deeply_is_a_400(base_url, fields, param) -> None:
         },
     )
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+TAB = 197  # the Qwen tokenizer's "\t"
+NOTE = {
+    "type": "object",
+    "properties": {"note": {"type": "string", "minLength": 2, "maxLength": 8}},
+    "required": ["note"],
+    "additionalProperties": False,
+}
+
+
+def test_a_length_bounded_string_holds_no_raw_control_characters(client) -> None:
+    """xgrammar lets a string with minLength / maxLength hold raw control characters, which JSON
+    forbids: pushed towards a tab, the reply was `{"note": "()\\t\\t..."}` with a raw tab (finish
+    reason stop, and json.loads failed), and a forced call's arguments so did not parse (its raw
+    markup came back as content). Now the JSON parses and satisfies the schema."""
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "JSON"}],
+        max_tokens=30,
+        temperature=0,
+        logit_bias={str(TAB): 100},
+        response_format={"type": "json_schema", "json_schema": {"name": "note", "schema": NOTE}},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    note = json.loads(r.choices[0].message.content)["note"]
+    assert 2 <= len(note) <= 8 and all(ord(ch) >= 0x20 for ch in note)
+    call = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Call it"}],
+        max_tokens=60,
+        temperature=0,
+        logit_bias={str(TAB): 100},
+        tools=[{"type": "function", "function": {"name": "remember", "parameters": NOTE}}],
+        tool_choice={"type": "function", "function": {"name": "remember"}},
+    ).choices[0]
+    assert call.finish_reason == "tool_calls" and call.message.tool_calls
+    note = json.loads(call.message.tool_calls[0].function.arguments)["note"]
+    assert 2 <= len(note) <= 8 and all(ord(ch) >= 0x20 for ch in note)
