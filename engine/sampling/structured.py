@@ -153,19 +153,13 @@ def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "js
                         _literal(xgr, "<|tool_call_end|>"),
                     )
                 )
-            else:
-                body = {
-                    "type": "object",
-                    "properties": {"name": {"const": f["name"]}, "arguments": params},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                    **_definitions(params),  # where the arguments' `#/$defs/...` refs point
-                }
+            else:  # the arguments compiled as a schema of their own: their refs to `#...` land in them
+                name = json.dumps(f["name"], ensure_ascii=False)
                 calls.append(
                     xgr.Grammar.concat(
-                        _literal(xgr, "<tool_call>\n"),
-                        json_grammar(xgr, json.dumps(body)),
-                        _literal(xgr, "\n</tool_call>"),
+                        _literal(xgr, f'<tool_call>\n{{"name": {name}, "arguments": '),
+                        json_grammar(xgr, json.dumps(params)),
+                        _literal(xgr, "}\n</tool_call>"),
                     )
                 )
         return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)

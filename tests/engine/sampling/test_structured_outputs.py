@@ -483,3 +483,37 @@ def test_forced_tool_calls_follow_refs_into_the_parameters_defs(form):
     }[form]
     assert accepts(grammar, calls.format(c="red"))
     assert not accepts(grammar, calls.format(c="green"))
+
+
+# a tree: each node's child is a node again, referred to by the parameters' root `#`
+TREE = {
+    "name": "tree",
+    "parameters": {
+        "type": "object",
+        "properties": {"label": {"enum": ["a", "b"]}, "child": {"$ref": "#"}},
+        "required": ["label"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("form", ["json", "kimi"])
+def test_forced_tool_calls_resolve_root_refs_in_the_parameters(form):
+    """A `$ref` to `#` in a tool's parameters is the parameters themselves. In Qwen3's JSON form it
+    pointed at the call's {"name", "arguments"} wrapper: a call whose arguments were the tree was
+    refused and one that nested a whole call inside them was allowed."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import tool_call_grammar
+
+    grammar = tool_call_grammar(xgr, [TREE], form)
+    call = {
+        "json": '<tool_call>\n{{"name": "tree", "arguments": {}}}\n</tool_call>',
+        "kimi": "<|tool_calls_section_begin|><|tool_call_begin|>functions.tree:0<|tool_call_argument_begin|>"
+        "{}<|tool_call_end|><|tool_calls_section_end|>",
+    }[form]
+    assert accepts(grammar, call.format('{"label": "a", "child": {"label": "b"}}'))
+    assert not accepts(
+        grammar, call.format('{"label": "a", "child": {"name": "tree", "arguments": {"label": "b"}}}')
+    )
