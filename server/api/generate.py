@@ -120,6 +120,8 @@ def _completion_request(
 
 _NAMES = {ours: f"sampling_params.{theirs}" for theirs, ours in _RENAMED.items()}
 _NAMES.update(logprobs="top_logprobs_num", prompt_logprobs="top_logprobs_num")  # the count of each kind
+# json_schema, regex or ebnf: named as when their grammar fails to compile
+_NAMES["structured_outputs"] = "sampling_params"
 
 
 def _image_urls(data: str | list[Any] | None, count: int, single: bool) -> list[list[str]]:

@@ -232,10 +232,11 @@ def _vllm_structured(req: SamplingRequest) -> StructuredOutputs | None:
             "structured_outputs",
         )
     fields = {k: v for k, v in fields.items() if v is not None and v is not False}
+    param = "structured_outputs" if given is not None else f"guided_{next(iter(legacy))}"
     try:
         return StructuredOutputs(**fields)
     except (TypeError, ValueError) as exc:
-        raise bad_request(str(exc), "structured_outputs") from exc
+        raise bad_request(str(exc), param) from exc
 
 
 def tool_choice_constraint(

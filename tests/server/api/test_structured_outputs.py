@@ -42,7 +42,7 @@ def nested(depth: int) -> str:
             "response_format",
         ),
         # as text, nested past what Python's JSON parser follows
-        ({"guided_json": nested(3000)}, "structured_outputs"),
+        ({"guided_json": nested(3000)}, "guided_json"),
     ],
     ids=["object", "text"],
 )
@@ -100,3 +100,35 @@ def test_a_length_bounded_string_holds_no_raw_control_characters(client) -> None
     assert call.finish_reason == "tool_calls" and call.message.tool_calls
     note = json.loads(call.message.tool_calls[0].function.arguments)["note"]
     assert 2 <= len(note) <= 8 and all(ord(ch) >= 0x20 for ch in note)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": "[1]"}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["yes", ""]}, "guided_choice"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"guided_grammar": ""}, "guided_grammar"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ],
+)
+def test_a_bad_vllm_constraint_names_the_field_it_came_in(base_url, fields, param) -> None:
+    """A guided_* value refused before compiling named `structured_outputs`, which the client did
+    not send (one refused by the compiler already named its guided_* field)."""
+    r = chat(base_url, **fields)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_a_bad_generate_constraint_names_sampling_params(server) -> None:
+    """/generate's json_schema, regex and ebnf are 400s naming sampling_params, whichever check refuses them."""
+    for sampling in (
+        {"json_schema": "{not json"},
+        {"json_schema": '{"type": "no-such-type"}'},
+        {"regex": ""},
+    ):
+        r = httpx.post(f"{server.url}/generate", json={"text": "hi", "sampling_params": sampling}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "sampling_params", sampling
