@@ -84,6 +84,13 @@ class Grammars:
 
     def _compile(self, spec: StructuredOutputs, key: str) -> Any:
         """`spec`'s grammar compiled now, or a ValueError saying why it cannot be."""
+        schemas = [f.get("parameters") for f in spec.tool_calls or []] if spec.json is None else [spec.json]
+        for schema in schemas:
+            problem = unenforced(schema)
+            if problem is not None:
+                raise ValueError(
+                    f"structured outputs: the JSON schema asks for what the grammar cannot enforce: {problem}"
+                )
         try:
             if spec.tool_calls is not None:
                 grammar = self.compiler.compile_grammar(
@@ -108,6 +115,90 @@ class Grammars:
             what = "grammar" if free_form else "JSON schema"
             raise ValueError(f"structured outputs: the {what} cannot be compiled ({reason})") from None
         return grammar
+
+
+# what may stand beside a $ref, anyOf, oneOf or allOf: xgrammar reads the combinator alone, so only
+# annotations (and what its strict mode implies anyway) keep their meaning there
+_ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
+    | {"$defs", "definitions", "$schema", "$id", "$anchor", "discriminator", "nullable"}
+)
+_COMBINATORS = ("$ref", "anyOf", "oneOf", "allOf")
+# keywords xgrammar 0.2 accepts without enforcing them
+_IGNORED = (
+    "not dependentRequired dependentSchemas dependencies contains minContains maxContains $dynamicRef $recursiveRef"
+).split()
+
+
+def unenforced(schema: Any) -> str | None:
+    """What in the JSON schema `schema` xgrammar would read without enforcing it, and where (a JSON
+    pointer), or None: a reply that finished could then break the schema."""
+    stack = [(schema, "#")]
+    while stack:
+        node, at = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        problem = _unenforced_here(node)
+        if problem is not None:
+            return f"{problem} (at {at})"
+        for key, value in node.items():
+            if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+                stack += [(v, f"{at}/{key}/{_pointer(k)}") for k, v in value.items()]
+            elif key in ("anyOf", "oneOf", "allOf", "prefixItems", "items") and isinstance(value, list):
+                stack += [(v, f"{at}/{key}/{i}") for i, v in enumerate(value)]
+            elif key in ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems"):
+                stack.append((value, f"{at}/{key}"))
+            elif key in ("propertyNames", "additionalItems", "then", "else"):
+                stack.append((value, f"{at}/{key}"))
+    return None
+
+
+def _pointer(key: str) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def _unenforced_here(node: dict[str, Any]) -> str | None:
+    """The first thing in this one schema object (not its subschemas) that xgrammar ignores."""
+    for key in _IGNORED:
+        if key in node:
+            return f"{key} is not supported"
+    if "if" in node and ("then" in node or "else" in node):
+        return "if / then / else is not supported"
+    if node.get("uniqueItems") is True:
+        return "uniqueItems is not supported"
+    if "multipleOf" in node:
+        kind = node.get("type")
+        types: list[Any] = kind if isinstance(kind, list) else [kind]
+        step = node["multipleOf"]
+        whole = isinstance(step, (int, float)) and not isinstance(step, bool) and float(step).is_integer()
+        if "integer" not in types or "number" in types or not whole:
+            return "multipleOf is supported only as a whole number, on an integer type"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        return f"$ref {ref!r} is not supported, only references within the schema (#/...)"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "allOf of more than one schema is not supported"
+    if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+        return "minLength / maxLength beside pattern or format are not supported"
+    if isinstance(node.get("required"), list):
+        declared = node.get("properties")
+        properties: dict[str, Any] = declared if isinstance(declared, dict) else {}
+        missing = [name for name in node["required"] if name not in properties]
+        if missing:
+            return f"required names {missing[0]!r}, which properties does not define"
+    combinators = [k for k in _COMBINATORS if k in node]
+    beside = [
+        k
+        for k, v in node.items()
+        if k not in _ANNOTATIONS
+        and k not in combinators
+        and not k.startswith("x-")
+        and not (k in ("additionalProperties", "unevaluatedProperties") and v is False)
+    ]
+    if combinators and (len(combinators) > 1 or beside):
+        other = (combinators[1:] + beside)[0]
+        return f"{combinators[0]} beside {other} is not supported (the grammar would read the {combinators[0]} alone)"
+    return None
 
 
 # the characters xgrammar 0.2 lets a string with minLength / maxLength (or a key bounded by

@@ -132,3 +132,92 @@ def test_a_bad_generate_constraint_names_sampling_params(server) -> None:
         r = httpx.post(f"{server.url}/generate", json={"text": "hi", "sampling_params": sampling}, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "sampling_params", sampling
+
+
+INT = {"type": "integer"}
+
+
+@pytest.mark.parametrize(
+    "schema, named",
+    [
+        ({"type": "array", "items": INT, "uniqueItems": True}, "uniqueItems is not supported (at #)"),
+        ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}, "at #/properties/n"),
+        (
+            {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}},
+            "not is not supported (at #/properties/n)",
+        ),
+        ({"if": {"type": "integer"}, "then": {"minimum": 1}}, "if"),
+        ({"allOf": [INT, {"maximum": 3}]}, "allOf"),
+        ({"type": "array", "items": INT, "contains": {"const": 5}}, "contains"),
+        (
+            {"type": "object", "properties": {"a": INT, "b": INT}, "dependentRequired": {"a": ["b"]}},
+            "dependentRequired",
+        ),
+        ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "maxLength"),
+        ({"type": "object", "properties": {"a": INT}, "required": ["a", "b"]}, "'b'"),
+        ({"$ref": "https://example.com/schema.json"}, "$ref"),
+        # xgrammar reads a $ref, anyOf or oneOf alone, dropping what stands beside it
+        ({"anyOf": [INT, {"type": "string", "maxLength": 2}], "type": "integer"}, "anyOf"),
+        (
+            {
+                "type": "object",
+                "properties": {"a": INT, "b": INT},
+                "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+            },
+            "anyOf",
+        ),
+        ({"$ref": "#/$defs/n", "$defs": {"n": INT}, "maximum": 3}, "$ref"),
+    ],
+)
+def test_a_schema_the_grammar_cannot_hold_to_is_a_400(base_url, schema, named) -> None:
+    """xgrammar reads some keywords without enforcing them: such a schema was served, and a reply
+    that finished 'stop' could break it (duplicate items, a number that is no multiple, a missing
+    required property, any value beside an anyOf). Now it is a 400 naming the keyword and where."""
+    r = chat(
+        base_url, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and named in err["message"], err["message"]
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": schema}}},
+    }
+    r = chat(base_url, tools=[tool], tool_choice="required")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_schemas_as_pydantic_and_zod_write_them_are_served(base_url) -> None:
+    """What the checks above leave alone: annotations beside a $ref or anyOf, a one-schema allOf,
+    an enum with its type, multiples of an integer, a discriminated oneOf, a nullable type."""
+    schema = {
+        "$defs": {
+            "Color": {"enum": ["red", "blue"], "title": "Color", "type": "string"},
+            "Cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
+            "Dog": {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]},
+        },
+        "type": "object",
+        "properties": {
+            "color": {"$ref": "#/$defs/Color", "description": "a color", "default": "red"},
+            "old": {"allOf": [{"$ref": "#/$defs/Color"}], "title": "Old"},
+            "maybe": {"anyOf": [{"type": "integer", "multipleOf": 5}, {"type": "null"}], "default": None},
+            "pet": {
+                "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                "discriminator": {"propertyName": "kind"},
+            },
+            "tag": {"type": ["string", "null"], "maxLength": 3},
+        },
+        "required": ["color", "old", "maybe", "pet", "tag"],
+        "additionalProperties": False,
+    }
+    r = chat(
+        base_url,
+        max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        value = json.loads(choice["message"]["content"])
+        assert value["color"] in ("red", "blue") and value["pet"]["kind"] in ("cat", "dog")
+        assert value["maybe"] is None or value["maybe"] % 5 == 0
