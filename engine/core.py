@@ -43,6 +43,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from deltaserve.engine.errors import EngineDeadError, UpdateBusyError, error_reply
@@ -430,7 +431,16 @@ class EngineCore:
             return reply, None
 
     def _call_off_loop(self, client: int, call_id: int, name: str, args: tuple[Any, ...]) -> None:
-        self._done_off_loop.put((client, call_id, *self._call(name, args)))
+        error, value = self._call(name, args)
+        if isinstance(value, Future):  # the same work under way for another call: answered with it,
+            # without holding this worker meanwhile (callers retrying a slow grammar held them all)
+            def answer(done: Future[Any]) -> None:
+                exc = done.exception()
+                self._done_off_loop.put((client, call_id, None if exc is None else error_reply(exc), None))
+
+            value.add_done_callback(answer)
+            return
+        self._done_off_loop.put((client, call_id, error, value))
 
     def _step(self) -> None:
         while not self._done_off_loop.empty():

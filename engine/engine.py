@@ -14,6 +14,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -203,10 +204,12 @@ class Engine:
         if out is not None:
             self._finished_outputs.append(out)
 
-    def compile_structured(self, spec: StructuredOutputs) -> None:
+    def compile_structured(self, spec: StructuredOutputs) -> Future[Any] | None:
         """Compile `spec`'s grammar into the cache now (ValueError for a bad schema or a missing
-        xgrammar), so that admitting the request does not compile it on the engine's thread."""
-        self.admission.compile_structured(spec)
+        xgrammar), so that admitting the request does not compile it on the engine's thread. When
+        another call is compiling the same grammar: that compile's Future (its caller waits on it
+        instead of holding a thread)."""
+        return self.admission.compile_structured(spec)
 
     def prepare_grammars(self) -> None:
         """Build structured outputs' view of the vocabulary now (xgrammar's TokenizerInfo, a

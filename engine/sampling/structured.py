@@ -63,9 +63,11 @@ class Grammars:
             self.xgr.GrammarMatcher(self.compile(spec)), self.info.vocab_size, spec.after_token
         )
 
-    def compile(self, spec: StructuredOutputs) -> Any:
+    def compile(self, spec: StructuredOutputs, wait: bool = True) -> Any:
         """`spec`'s compiled grammar, cached by its key (the server compiles a request's grammar
-        in its worker thread before submitting it, so that the engine's thread finds it here)."""
+        in its worker thread before submitting it, so that the engine's thread finds it here).
+        A grammar another thread is compiling is that compile's outcome; with `wait` False, its
+        Future at once (its grammar, or its ValueError)."""
         key = spec.key()
         with self.lock:
             grammar = self.compiled.get(key)
@@ -77,7 +79,7 @@ class Grammars:
             if pending is None:
                 pending = self.compiling[key] = Future()
         if not ours:
-            return pending.result()  # its grammar, or its ValueError
+            return pending.result() if wait else pending  # its grammar, or its ValueError
         try:
             grammar = self._compile(spec, key)
         except BaseException as exc:  # the ones waiting for it get the same

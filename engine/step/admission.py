@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +147,9 @@ class Admission:
         assert self.images.image_token_id is not None
         return image_prompt(prompt, images, self.images.image_token_id, self.images.merge)
 
-    def compile_structured(self, spec: StructuredOutputs) -> None:
+    def compile_structured(self, spec: StructuredOutputs) -> Future[Any] | None:
         """Compile `spec`'s grammar into the cache now (ValueError for a bad schema or a missing
-        xgrammar), so that admitting the request does not compile it on the engine's thread."""
-        self.grammars.get().compile(spec)
+        xgrammar), so that admitting the request does not compile it on the engine's thread; a
+        grammar another call is compiling: that compile's Future, not waited for here."""
+        compiled = self.grammars.get().compile(spec, wait=False)
+        return compiled if isinstance(compiled, Future) else None

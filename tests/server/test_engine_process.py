@@ -289,6 +289,60 @@ def test_a_slow_grammar_does_not_hold_up_the_other_requests_grammars() -> None:
     asyncio.run(run())
 
 
+def test_requests_for_a_grammar_being_compiled_wait_without_holding_the_compile_workers(
+    tokenized_checkpoint, monkeypatch
+) -> None:
+    """Requests that ask for a grammar another request is compiling wait for that compile, and
+    while they wait they hold none of the engine's compile workers: clients retrying a grammar
+    that takes xgrammar minutes (a large choice) each held one, waiting, and once they held all
+    four every other request's grammar waited too (a small regex, for 272 s here)."""
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.core import OFF_LOOP_WORKERS
+    from deltaserve.engine.engine import Engine
+    from deltaserve.engine.requests.sampling_params import StructuredOutputs
+    from deltaserve.engine.sampling import structured
+    from deltaserve.server.engine_client import EngineClient
+
+    release = threading.Event()
+    compile_now = structured.Grammars._compile
+
+    def held(self: Any, spec: Any, key: str) -> Any:
+        if spec.regex == "[a-z]+":  # the slow grammar: compiled once it is released
+            release.wait(30)
+        return compile_now(self, spec, key)
+
+    monkeypatch.setattr(structured.Grammars, "_compile", held)
+    engine = Engine(EngineConfig(model=tokenized_checkpoint, dtype="float32", device="cpu"))
+    client = EngineClient.in_thread(engine)
+
+    async def run() -> None:
+        await client.start()
+        try:
+            asked = [
+                asyncio.create_task(client.call("compile_structured", StructuredOutputs(regex="[a-z]+")))
+                for _ in range(OFF_LOOP_WORKERS + 2)
+            ]
+            await asyncio.sleep(0.5)
+            await asyncio.wait_for(client.call("compile_structured", StructuredOutputs(regex="[0-9]+")), 10)
+            assert not any(task.done() for task in asked)
+            release.set()
+            await asyncio.wait_for(asyncio.gather(*asked), 30)
+            with pytest.raises(
+                ValueError, match="cannot be compiled"
+            ):  # a waiter gets the compile's error too
+                await asyncio.gather(
+                    *(
+                        client.call("compile_structured", StructuredOutputs(regex="(unclosed"))
+                        for _ in range(3)
+                    )
+                )
+        finally:
+            release.set()
+            await client.shutdown()
+
+    asyncio.run(run())
+
+
 _COMPILING_AT_EXIT = """
 import asyncio, time
 from deltaserve.engine.requests.sampling_params import StructuredOutputs
