@@ -5,6 +5,10 @@ grammar machinery cannot serve is a 400 naming its field while the server goes o
 from __future__ import annotations
 
 import json
+import math
+import random
+import re
+from typing import Any
 
 import httpx
 import pytest
@@ -221,3 +225,167 @@ def test_schemas_as_pydantic_and_zod_write_them_are_served(base_url) -> None:
         value = json.loads(choice["message"]["content"])
         assert value["color"] in ("red", "blue") and value["pet"]["kind"] in ("cat", "dog")
         assert value["maybe"] is None or value["maybe"] % 5 == 0
+
+
+def _schema(rng: random.Random, depth: int = 0, defs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A random schema of the kinds clients send (pydantic's, zod's), with strings bounded so that
+    the random model completes its JSON within a few dozen tokens."""
+    if defs is None:  # the root: what its `$ref`s name goes in its `$defs`
+        defs = {}
+        root = _schema(rng, depth, defs)
+        return {"$defs": defs, **root} if defs else root
+    kinds = ["int", "num", "bool", "null", "str", "enum", "const", "pattern", "nullable"]
+    kinds += ["object", "object", "array", "tuple", "anyOf", "ref"] if depth < 3 else []
+    kind = rng.choice(kinds if depth else kinds[-6:])
+    if kind == "int":
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 99)}
+    if kind == "num":
+        return {"type": "number", "exclusiveMinimum": -2.5, "maximum": rng.choice([1, 7.25, 1000])}
+    if kind in ("bool", "null"):
+        return {"type": {"bool": "boolean", "null": "null"}[kind]}
+    if kind == "str":
+        low = rng.randint(0, 3)
+        return {"type": "string", "minLength": low, "maxLength": low + rng.randint(0, 5)}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "a b", 'q"x', "tab\t", 3, None, [1], {"k": False}], 3)}
+    if kind == "const":
+        return {"const": rng.choice(["k", 2.5, {"z": [None]}])}
+    if kind == "pattern":
+        return {"type": "string", "pattern": rng.choice(["^[a-z]{1,4}$", "^[0-9]{2}-[A-Z]$", "^(yes|no)$"])}
+    if kind == "nullable":
+        return {"type": [rng.choice(["integer", "boolean"]), "null"]}
+    if kind == "object":
+        names = rng.sample(["a", "b c", "ключ", 'q"', "n"], rng.randint(1, 3))
+        props = {name: _schema(rng, depth + 1, defs) for name in names}
+        out = {"type": "object", "properties": props, "required": [n for n in names if rng.random() < 0.6]}
+        return {**out, "additionalProperties": False} if rng.random() < 0.6 else out
+    if kind == "array":
+        low = rng.randint(0, 2)
+        return {"type": "array", "items": _schema(rng, depth + 1, defs), "minItems": low, "maxItems": low + 2}
+    if kind == "tuple":
+        return {
+            "type": "array",
+            "prefixItems": [_schema(rng, depth + 1, defs) for _ in range(2)],
+            "items": False,
+        }
+    if kind == "anyOf":
+        return {"anyOf": [_schema(rng, depth + 1, defs), {"type": "null"}], "description": "optional"}
+    name = f"d{len(defs)}"
+    defs[name] = {}  # taken before its own schema is drawn, which may add more
+    defs[name] = _schema(rng, depth + 1, defs)
+    return {"$ref": f"#/$defs/{name}", "title": "Ref"}
+
+
+RECURSIVE = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer", "minimum": 0, "maximum": 9},
+                "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]},
+            },
+            "required": ["v", "next"],
+            "additionalProperties": False,
+        }
+    },
+    "$ref": "#/$defs/node",
+}
+
+
+def _conforms(value: Any, schema: Any, root: dict[str, Any]) -> bool:
+    """Whether `value` satisfies `schema`, for the keywords `_schema` writes."""
+    if "$ref" in schema:
+        target: Any = root
+        for part in schema["$ref"].removeprefix("#").strip("/").split("/") if schema["$ref"] != "#" else []:
+            target = target[part]
+        return _conforms(value, target, root)
+    if "anyOf" in schema:
+        return any(_conforms(value, s, root) for s in schema["anyOf"])
+    if "enum" in schema or "const" in schema:
+        allowed = schema.get("enum", [schema.get("const")])
+        return any(json.dumps(value, sort_keys=True) == json.dumps(a, sort_keys=True) for a in allowed)
+    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    checks = {
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+        "null": lambda v: v is None,
+        "string": lambda v: isinstance(v, str),
+        "object": lambda v: isinstance(v, dict),
+        "array": lambda v: isinstance(v, list),
+    }
+    if not any(checks[k](value) for k in kinds):
+        return False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        low, high = schema.get("minimum", -math.inf), schema.get("maximum", math.inf)
+        return low <= value <= high and value > schema.get("exclusiveMinimum", -math.inf)
+    if isinstance(value, str):
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            return False
+        return schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", math.inf)
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        if not set(schema.get("required", [])) <= set(value) or not set(value) <= set(props):
+            return False  # xgrammar's strict mode: no property the schema does not name
+        return all(_conforms(v, props[k], root) for k, v in value.items())
+    if isinstance(value, list):
+        if "prefixItems" in schema:
+            prefix = schema["prefixItems"]
+            return len(value) <= len(prefix) and all(_conforms(v, s, root) for v, s in zip(value, prefix))
+        if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", math.inf):
+            return False
+        return all(_conforms(v, schema.get("items", {}), root) for v in value)
+    return True
+
+
+@pytest.mark.slow
+def test_replies_that_finish_satisfy_their_schema(client) -> None:
+    """A property over random schemas: greedy (pushed towards a raw tab, which JSON strings may not
+    hold), sampled with n = 2, and streamed, a reply that finishes 'stop' is JSON that satisfies its
+    schema, and one cut by max_tokens is a start the schema's grammar allows."""
+    import xgrammar as xgr
+    from xgrammar.testing import _get_matcher_from_grammar
+
+    from deltaserve.engine.sampling.structured import json_grammar
+
+    rng = random.Random(13)
+    schemas = [_schema(rng) for _ in range(14)] + [RECURSIVE, NOTE]
+    messages = [{"role": "user", "content": "JSON"}]
+    for i, schema in enumerate(schemas):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+        greedy = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=60,
+            temperature=0,
+            logit_bias={str(TAB): 100},
+            response_format=fmt,
+        )
+        sampled = client.completions.create(
+            model=MODEL_NAME,
+            prompt="JSON:",
+            max_tokens=60,
+            n=2,
+            temperature=1.0,
+            seed=i,
+            extra_body={"guided_json": schema},
+        )
+        stream = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=60,
+            temperature=0,
+            response_format=fmt,
+            stream=True,
+        )
+        chunks = [c.choices[0] for c in stream if c.choices]
+        replies = [(c.message.content, c.finish_reason) for c in greedy.choices]
+        replies += [(c.text, c.finish_reason) for c in sampled.choices]
+        replies.append(("".join(c.delta.content or "" for c in chunks), chunks[-1].finish_reason))
+        for text, finish in replies:
+            if finish == "stop":
+                assert _conforms(json.loads(text), schema, schema), (schema, text)
+            else:
+                assert finish == "length"
+                assert _get_matcher_from_grammar(json_grammar(xgr, json.dumps(schema))).accept_string(text)
