@@ -237,8 +237,8 @@ def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "js
     satisfy its parameters' schema, `</tool_call>`. "xml" (Qwen3.5): `<tool_call>`,
     `<function=NAME>`, one `<parameter=P>` block per parameter in the schema's order (the required
     ones always), `</function>`, `</tool_call>`; a value is typed where the schema types it (enum,
-    integer, number, boolean, or JSON for objects and arrays) and free text otherwise (with no
-    `</` in it). Qwen's calls are separated by a newline. "kimi" (Kimi-Linear): one section, and
+    integer or number within its bounds, boolean, or JSON for objects and arrays), a string is
+    held to its pattern or lengths (without `<`), and free text otherwise (with no `</` in it). Qwen's calls are separated by a newline. "kimi" (Kimi-Linear): one section, and
     in it per call `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>`, the
     arguments' JSON, `<|tool_call_end|>`."""
 
@@ -315,14 +315,15 @@ def _xml_value(xgr: Any, schema: dict[str, Any]) -> Any:
     kind = schema.get("type")
     if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(v) for v in schema["enum"]))
-    if kind == "integer":
-        return xgr.Grammar.from_ebnf('root ::= "-"? [0-9]+')
-    if kind == "number":
-        return xgr.Grammar.from_ebnf('root ::= "-"? [0-9]+ ("." [0-9]+)?')
+    if kind in ("integer", "number", "object", "array"):  # a number's text is its JSON: bounds held
+        return json_grammar(xgr, json.dumps(schema))
     if kind == "boolean":
         return xgr.Grammar.from_ebnf('root ::= "true" | "false"')
-    if kind in ("object", "array"):
-        return json_grammar(xgr, json.dumps(schema))
+    if kind == "string" and isinstance(schema.get("pattern"), str):
+        return xgr.Grammar.from_regex(schema["pattern"])
+    if kind == "string" and ("minLength" in schema or "maxLength" in schema):
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        return xgr.Grammar.from_ebnf(f"root ::= [^<]{{{low},{'' if high is None else int(high)}}}")
     return xgr.Grammar.from_ebnf(_FREE_TEXT)
 
 

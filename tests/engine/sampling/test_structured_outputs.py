@@ -549,3 +549,40 @@ def test_forced_tool_calls_resolve_root_refs_in_the_parameters(form):
     assert not accepts(
         grammar, call.format('{"label": "a", "child": {"name": "tree", "arguments": {"label": "b"}}}')
     )
+
+
+BOUNDED = {
+    "name": "book",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "maxLength": 4},
+            "guests": {"type": "integer", "minimum": 1, "maximum": 5},
+            "price": {"type": "number", "maximum": 2},
+            "room": {"type": "string", "pattern": "^[a-z]{2}$"},
+            "note": {"type": "string"},
+        },
+        "required": ["code", "guests", "price", "room", "note"],
+    },
+}
+
+
+def test_forced_xml_calls_hold_values_to_their_bounds_lengths_and_patterns():
+    """Qwen3.5's XML form writes values as text: a string's maxLength and pattern and a number's
+    bounds were not held (any digits, any text up to a closing tag), so a forced call finished
+    with arguments that broke the schema, or a random model's string ran to max_tokens."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import tool_call_grammar
+
+    grammar = tool_call_grammar(xgr, [BOUNDED], "xml")
+
+    def call(code: str = "ab", guests: str = "3", price: str = "1.5", room: str = "xy") -> str:
+        values = {"code": code, "guests": guests, "price": price, "room": room, "note": "any <b> text"}
+        blocks = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+        return f"<tool_call>\n<function=book>\n{blocks}</function>\n</tool_call>"
+
+    assert accepts(grammar, call())
+    for bad in (dict(code="abcde"), dict(guests="7"), dict(guests="0"), dict(price="2.5"), dict(room="abc")):
+        assert not accepts(grammar, call(**bad)), bad
