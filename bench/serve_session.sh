@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | piecewise [CONFIG] | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+# PART: 9b | 08b | piecewise [CONFIG] | pinned [CONFIG] [C] | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
@@ -48,6 +48,25 @@ engine_sched() {  # where the engine process ran: its context switches and last 
     "context switches: $(awk '/ctxt_switches/ { printf "%s %s ", $1, $2 }' "/proc/$pid/status")"
 }
 
+descendants() {  # a process and all its descendants' pids
+  echo "$1"
+  local c
+  for c in $(ps -o pid= --ppid "$1"); do descendants "$c"; done
+}
+
+pin_engine() {  # pin_engine NAME SERVER_PID: the engine process alone on the first $PIN physical cores
+  # (their hyperthreads too), the HTTP processes and the clients on the rest: is a host-bound engine
+  # loop slowed by the processes beside it?
+  local name=$1 server=$2 engine eng rest p
+  engine=$(grep -ho "engine process pid [0-9]*" "$out/runs/$name.server.log" | tail -1 | awk '{ print $4 }')
+  eng=$(lscpu -p=CPU,CORE | grep -v '^#' | awk -F, -v n="$PIN" '{ if (!($2 in k)) k[$2] = ++m; if (k[$2] <= n) print $1 }' | paste -sd,)
+  rest=$(lscpu -p=CPU | grep -v '^#' | grep -vxF -f <(tr , '\n' <<< "$eng") | paste -sd,)
+  echo "$rest" > "$out/rest_cpus"
+  for p in $(descendants "$server"); do taskset -a -p -c "$rest" "$p" > /dev/null; done
+  taskset -a -p -c "$eng" "$engine" > /dev/null
+  echo "$name: engine $engine on CPUs $eng; the server's other processes and the clients on $rest"
+}
+
 serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS... ($BENCH: the load's module)
   local name=$1 cwd=$2 pypath=$3 sargs=$4
   shift 4
@@ -66,7 +85,12 @@ serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS... (
     sleep 1
   done
   echo "$name: up in $((SECONDS - t0)) s; before: $(listen_drops) $(cpu_throttle)" | tee -a "$log"
-  timeout 500 python3 -m "${BENCH:-bench.serving.serve}" --base-url "http://127.0.0.1:$port" "$@" \
+  local clients=()
+  if [ -n "${PIN:-}" ]; then
+    pin_engine "$name" "$pid" | tee -a "$log"
+    clients=(taskset -c "$(cat "$out/rest_cpus")")
+  fi
+  timeout 500 "${clients[@]}" python3 -m "${BENCH:-bench.serving.serve}" --base-url "http://127.0.0.1:$port" "$@" \
     --output-json "$out/runs/$name.json" 2>&1 | tee -a "$log"
   echo "$name: after: $(listen_drops) $(cpu_throttle)" | tee -a "$log"
   engine_sched "$name" | tee -a "$log"
@@ -254,6 +278,16 @@ case "${1:-9b}" in
       echo "c=${cs[$k]}:" | tee -a "$log"
       python3 -m bench.serving.step_timeline "$out/runs/$cfg-timeline.server.log" "$out/runs/$cfg-timeline-offline.log" \
         --between 'GET /metrics|^offline c=' --run $((k + 1)) | tee -a "$log"
+    done
+    ;;
+  pinned)  # pinned [CONFIG] [C]: servers with the engine free and pinned alone to $PIN_CORES cores (default 2), alternated $ROUNDS times (default 2)
+    cfg=${2:-qwen3.5-0.8b}
+    { lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model name|NUMA node)"; nproc; } | tee -a "$log"
+    for round in $(seq "${ROUNDS:-2}"); do
+      serve_bench "$cfg-free$round" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy" "${WORKLOAD[@]}" \
+        --concurrency "${3:-64,256}" --warmup 64
+      PIN=${PIN_CORES:-2} serve_bench "$cfg-pinned$round" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy" \
+        "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64
     done
     ;;
   spread)  # spread [CONFIG]: server then offline, twice, at C = 64 and 256: how far one build moves within a call
