@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | piecewise [CONFIG] | pinned [CONFIG] [C] | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+# PART: 9b | 08b | piecewise [CONFIG] | pinned [CONFIG] [C] | c1 [CONFIG] | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
@@ -264,6 +264,40 @@ case "${1:-9b}" in
     python3 -m bench.serving.serve --offline-only --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy"}' \
       "${WORKLOAD[@]}" --concurrency 1 --num-prompts 4 --log-level debug > "$out/runs/$cfg-ttft-offline.log" 2>&1
     grep -E "step:|tok/s|TTFT" "$out/runs/$cfg-ttft-offline.log" | tail -40 | tee -a "$log"
+    ;;
+  c1)  # c1 [CONFIG]: C = 1, decode steps of the offline engine (final outputs, then streams' outputs) and the server, py-spy of each
+    cfg=${2:-qwen3.5-0.8b}
+    if ! command -v py-spy > /dev/null; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/py_spy*.whl
+      export PATH=/tmp/spy/bin:$PATH
+    fi
+    c1=(--input-len 1024 --output-len 256 --concurrency 1 --num-prompts 8 --log-level debug)
+    decode_ms() {  # the median of a log's decode-only steps of one request (ms since the step before)
+      grep "step: 1 decodes, 0 verifications, 0 prefill" "$1" | sed 's/.*; \([0-9.]*\) ms.*/\1/' | sort -n \
+        | awk '{ a[NR] = $1 } END { printf "decode step median %s ms, p90 %s ms over %d\n", a[int(NR / 2)], a[int(NR * 0.9)], NR }'
+    }
+    for kind in final streams; do
+      py-spy record --idle -r 200 -f raw -o "$out/runs/c1-offline-$kind.spy.txt" -- python3 -m bench.serving.serve --offline-only \
+        --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy", "max_running_requests": 256}' \
+        --offline-outputs "$kind" "${c1[@]}" > "$out/runs/c1-offline-$kind.log" 2>&1
+      echo "offline $kind: $(grep -h "^offline c=1: [0-9]" "$out/runs/c1-offline-$kind.log"); $(decode_ms "$out/runs/c1-offline-$kind.log")" | tee -a "$log"
+      python3 -m bench.pyspy_summary "$out/runs/c1-offline-$kind.spy.txt" --within _drive --rows 30 | tee -a "$log"
+    done
+    (exec python3 -m deltaserve serve --port $port --model "configs/$cfg" $dummy --log-level debug) > "$out/runs/c1.server.log" 2>&1 &
+    pid=$!
+    until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
+    python3 -m bench.serving.serve --base-url "http://127.0.0.1:$port" "${c1[@]}" --warmup 2 --num-prompts 16 \
+      --output-json "$out/runs/c1.json" > "$out/runs/c1.log" 2>&1 &
+    bench=$!
+    sleep 6
+    engine=$(grep -ho "engine process pid [0-9]*" "$out/runs/c1.server.log" | tail -1 | awk '{ print $4 }')
+    py-spy record --nonblocking --idle -r 200 -d 3 -f raw -p "$engine" -o "$out/runs/c1.engine.spy.txt" > /dev/null 2>&1
+    wait $bench
+    kill -TERM $pid
+    wait $pid
+    grep -E "out tok/s|^ *c=1 " "$out/runs/c1.log" | tee -a "$log"
+    echo "server: $(decode_ms "$out/runs/c1.server.log")" | tee -a "$log"
+    python3 -m bench.pyspy_summary "$out/runs/c1.engine.spy.txt" --within EngineCore.run --rows 30 | tee -a "$log"
     ;;
   timeline)  # timeline [CONFIG] [C,...]: the engine's steps (bench/serving/step_timeline.py), server against offline, per C
     cfg=${2:-qwen3.5-0.8b}
