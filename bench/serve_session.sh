@@ -277,7 +277,7 @@ case "${1:-9b}" in
         | awk '{ a[NR] = $1 } END { printf "decode step median %s ms, p90 %s ms over %d\n", a[int(NR / 2)], a[int(NR * 0.9)], NR }'
     }
     for kind in final streams; do
-      py-spy record --idle -r 200 -f raw -o "$out/runs/c1-offline-$kind.spy.txt" -- python3 -m bench.serving.serve --offline-only \
+      py-spy record --nonblocking --idle -r 200 -f raw -o "$out/runs/c1-offline-$kind.spy.txt" -- python3 -m bench.serving.serve --offline-only \
         --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy", "max_running_requests": 256}' \
         --offline-outputs "$kind" "${c1[@]}" > "$out/runs/c1-offline-$kind.log" 2>&1
       echo "offline $kind: $(grep -h "^offline c=1: [0-9]" "$out/runs/c1-offline-$kind.log"); $(decode_ms "$out/runs/c1-offline-$kind.log")" | tee -a "$log"
