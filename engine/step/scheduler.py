@@ -2,10 +2,11 @@
 
 Each step: running decodes first (one token each), then the next chunks of running
 prefills, then newly admitted requests, within `max_num_batched_tokens` tokens in all (decode
-rows count), no request's chunk longer than `chunked_prefill_size`: prefill chunks ride along
-with the decodes, as in vLLM and SARATHI, so that a step's time stays bounded. A
-request is admitted only when a state slot and the pages for its first chunk are free;
-otherwise it waits. A decode that finds no free page preempts the newest running request
+rows and verification windows count; every decode row's token is set aside first, whatever its
+place in the running batch), no request's chunk longer than `chunked_prefill_size`: prefill
+chunks ride along with the decodes, as in vLLM and SARATHI, so that a step's time stays
+bounded. A request is admitted only when a state slot and the pages for its first chunk are
+free; otherwise it waits. A decode that finds no free page preempts the newest running request
 (its pages and slot are freed and it is recomputed later). Under priority scheduling
 (`scheduling_policy`) requests are admitted by priority and the lowest is preempted instead
 (`waiting_queue.py`).
@@ -18,9 +19,9 @@ step's wait costs less than it is expected to save, as measured (`step_costs.py`
 `hold_prefill_tails` running prompts' remaining chunks wait with them.
 
 With speculative decoding a decoding request may bring drafts: its chunk is a verification
-window (the last token and the drafts), placed after the one-token decodes. Its pages cover
-the whole window, but it is not advanced with the plan: the engine advances it by the
-accepted length after sampling (`advance` skips it).
+window (the last token and the drafts, cut to what the decode rows leave of the budget), placed
+after the one-token decodes. Its pages cover the whole window, but it is not advanced with the
+plan: the engine advances it by the accepted length after sampling (`advance` skips it).
 
 Pages come from the prefix cache (`cache/adapter.py`), which evicts cached pages before it
 reports the pool dry; a newly admitted request starts from its cached prefix, and a prefill
@@ -121,19 +122,22 @@ class Scheduler:
         starved = False  # a running prefill found no pages for its chunk
         # with hold_prefill_tails, running prompts' chunks may wait with the arrivals
         tails = self.config.hold_prefill_tails and self.config.adaptive_prefill_delay
-        hold_all = bool(tails) and self._hold_prefills(*self._prefill_work(), budget)
+        rows, unfinished = self._prefill_work()  # rows: decode rows not yet scheduled
+        hold_all = bool(tails) and self._hold_prefills(rows, unfinished, budget)
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            decoding = req.num_pending == 1 and req.num_computed_tokens > 0
+            decoding = self._decodes(req)
             if hold_all and not decoding:
                 continue
             if decoding:
                 if req.ends_with_placeholder:  # overlap scheduling: finishes when read back
                     continue
+                rows -= 1  # the decode rows after this one
                 drafts: list[int] = []
                 if self.propose is not None and len(verifies) < self.max_verify:
-                    drafts = self.propose(req)
+                    # drafts take only what this and the later decode rows leave of the budget
+                    drafts = self.propose(req)[: max(0, budget - rows - 1)]
                     # drafts never preempt anyone: without pages for them, plain decode
                     if drafts and not self._ensure_pages(req, req.num_tokens + len(drafts)):
                         drafts = []
@@ -156,7 +160,7 @@ class Scheduler:
                     decodes.append(ScheduledChunk(req, 1, True))
                     budget -= 1
                 continue
-            chunk = self._chunk(req, budget)
+            chunk = self._chunk(req, budget - rows)  # the later decode rows' tokens are kept
             if chunk <= 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
                 starved |= chunk > 0
                 continue
@@ -237,11 +241,16 @@ class Scheduler:
         for r in self.running:
             if r.status is not Status.RUNNING:
                 continue
-            if not (r.num_pending == 1 and r.num_computed_tokens > 0):
+            if not self._decodes(r):
                 chunks.append(r)
             elif not r.ends_with_placeholder:
                 decoding += 1
         return decoding, chunks
+
+    @staticmethod
+    def _decodes(req: Request) -> bool:
+        """Its sequence is computed but for its last token: one token a step (or a window)."""
+        return req.num_pending == 1 and req.num_computed_tokens > 0
 
     def advance(self, plan: SchedulerOutput) -> None:
         """The plan's forward pass ran: its tokens are computed (verification windows: later)."""

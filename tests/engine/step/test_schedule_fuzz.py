@@ -4,8 +4,8 @@ speed. Random workloads (shared system prompts, retries, prompts that are prefix
 chat turns that resend earlier answers, lengths around page boundaries, arrivals between
 steps, aborts, cache flushes) run on tiny pools; every completed request's greedy tokens equal
 its run alone without the prefix cache (an aborted one's are a prefix of them), after every
-step each KV page, working slot and snapshot slot has exactly one owner, and a flush leaves
-nothing held."""
+step each KV page, working slot and snapshot slot has exactly one owner, no step holds more
+tokens than `max_num_batched_tokens`, and a flush leaves nothing held."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from deltaserve.engine.cache.cache_policy import POLICIES
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.requests.sampling_params import SamplingParams
+from deltaserve.engine.step.scheduler import SchedulerOutput
 
 VOCAB = 160  # the tiny checkpoints' (tests/conftest.py)
 MAX_LEN = 256  # the fuzzed engine's context; its KV pool holds one such request, or a few pages more
@@ -183,6 +184,15 @@ def fuzz(path: str, seed: int, num_requests: int, alone: Alone, **overrides: Any
     rng = random.Random(seed)
     cfg = {**pressure_config(rng, path), **overrides}
     engine = Engine(EngineConfig(**cfg))
+    schedule = engine.scheduler.schedule
+
+    def within_budget() -> SchedulerOutput | None:
+        plan = schedule()
+        if plan is not None:  # decode rows and verification windows count
+            assert sum(c.num_tokens for c in plan.chunks) <= engine.config.step_tokens, cfg
+        return plan
+
+    engine.scheduler.schedule = within_budget  # type: ignore[method-assign]
     work = Workload(rng, cfg["page_size"])
     live: dict[str, tuple[list[int], SamplingParams]] = {}
     done: dict[str, tuple[list[int], SamplingParams, list[int], str]] = {}
