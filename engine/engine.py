@@ -471,6 +471,11 @@ class Engine:
         """Label the weights served (SGLang's weight_version), as /get_model_info reports it."""
         self.model_info["weight_version"] = str(version)
 
+    def count_generated(self, count: int) -> None:
+        """Tokens a caller returned that no counted request generated (a beam search's beams
+        past its first step, whose requests run `internal`)."""
+        self.counters["generation_tokens_total"] += max(0, count)
+
     def stats(self) -> dict[str, Any]:
         kv, st = self.runner.kv_pool, self.runner.state_pool
         return {

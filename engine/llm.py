@@ -438,11 +438,20 @@ class LLM:
         beams, best first, each with its tokens, text, cumulative log-probability and the
         candidates of every step."""
         search = BeamSearch([self._prompt_ids(p)[0] for p in prompts], params, self.engine.eos_token_ids)
-        step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
+        # the engine counts the first step as it counts any prompt (its tokens, the cache's hits);
+        # the later ones repeat the prompts with the beams' tokens, so they run uncounted
+        first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
+        later = dataclasses.replace(first, internal=True)
+        counted = 0  # tokens generated that the engine counted: the first step's
         while not search.finished:
+            step = later if search.steps else first
             outs = self.generate([{"prompt_token_ids": t} for t in search.expanding()], step, use_tqdm=False)
+            if step is first:
+                counted = sum(o.outputs[0].num_tokens for o in outs)
             search.advance([o.outputs[0].logprobs[0].top for o in outs])  # type: ignore[index]
         results = search.outputs()
+        returned = sum(len(beam.output_ids) for out in results for beam in out.sequences)
+        self.engine.count_generated(returned - counted)  # the search's tokens, as the server's /metrics
         for out in results:
             for beam in out.sequences:
                 ids = beam.text_ids(params.include_stop_str_in_output)

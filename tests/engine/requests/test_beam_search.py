@@ -128,3 +128,25 @@ def test_bad_parameters_are_refused() -> None:
         BeamSearchParams(beam_width=11, max_tokens=4)
     with pytest.raises(ValueError, match="temperature"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)
+
+
+def test_a_search_counts_once_in_the_engine_stats(path) -> None:
+    """The engine's token counters count each prompt's search once, as the server's /metrics do:
+    its prompt's tokens (prompt, prefill, the cache's hits: its first step's) and the tokens of
+    the beams it returns; they counted every step's requests (3- and 5-token prompts, width 2,
+    4 tokens: 80 prompt tokens and 14 generated for 16 returned)."""
+    prompts = prompts_of([3, 5], seed=4)
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256)
+    before = llm.engine.stats()
+    outs = llm.beam_search(
+        [{"prompt_token_ids": p} for p in prompts],
+        BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True),
+    )
+    after = llm.engine.stats()
+
+    def grew(name: str) -> int:
+        return after[name] - before[name]
+
+    assert grew("prompt_tokens_total") == grew("prefill_tokens_total") == 3 + 5
+    assert grew("prefix_cache_query_tokens") == 3 + 5 and grew("cached_tokens_total") == 0
+    assert grew("generation_tokens_total") == sum(len(b.output_ids) for o in outs for b in o.sequences) == 16
