@@ -205,15 +205,18 @@ def with_long_memory(src: str, dst: str, output_scale: float = 8.0) -> str:
 
 @pytest.fixture(scope="session")
 def remembering_checkpoint(make_checkpoint, small_kimi_checkpoint, tmp_path_factory):
-    """`remembering_checkpoint(kind)`: the tiny checkpoint of `kind` ("kimi": the small Kimi-Linear)
-    with long-memory linear-attention layers (`with_long_memory`)."""
-    cache: dict[str, str] = {}
+    """`remembering_checkpoint(kind, **overrides)`: the tiny checkpoint of `kind` ("kimi": the
+    small Kimi-Linear, without overrides; else `make_checkpoint`'s) with long-memory
+    linear-attention layers (`with_long_memory`)."""
+    cache: dict[tuple, str] = {}
 
-    def make(kind: str) -> str:
-        if kind not in cache:
-            src = small_kimi_checkpoint if kind == "kimi" else make_checkpoint(kind)
-            cache[kind] = with_long_memory(src, str(tmp_path_factory.mktemp(f"{kind}_memory")))
-        return cache[kind]
+    def make(kind: str, **overrides) -> str:
+        key = (kind, tuple(sorted(overrides.items())))
+        if key not in cache:
+            assert kind != "kimi" or not overrides
+            src = small_kimi_checkpoint if kind == "kimi" else make_checkpoint(kind, **overrides)
+            cache[key] = with_long_memory(src, str(tmp_path_factory.mktemp(f"{kind}_memory")))
+        return cache[key]
 
     return make
 

@@ -17,8 +17,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3}
 
 
 @pytest.fixture(scope="module", params=["gdn", "kda"])
-def model_path(request, make_checkpoint, small_kimi_checkpoint) -> str:
-    return make_checkpoint("qwen3_5") if request.param == "gdn" else small_kimi_checkpoint
+def model_path(request, remembering_checkpoint) -> str:
+    # long-memory layers: a window's state committed a token off changes the greedy tokens
+    return remembering_checkpoint("qwen3_5" if request.param == "gdn" else "kimi")
 
 
 def prompts_of(lengths: list[int], seed: int, repeat: int = 1) -> list[list[int]]:
@@ -140,11 +141,6 @@ def test_committed_state_equals_plain_decoding(model_path):
                 torch.testing.assert_close(state, plain[n][name], rtol=1e-5, atol=1e-5, msg=f"{name} at {n}")
 
 
-@pytest.fixture(scope="module", params=["gdn", "kda"])
-def remembering_path(request, remembering_checkpoint) -> str:
-    return remembering_checkpoint("qwen3_5" if request.param == "gdn" else "kimi")
-
-
 @pytest.mark.parametrize(
     "page, k, right, at, window",
     [
@@ -158,7 +154,7 @@ def remembering_path(request, remembering_checkpoint) -> str:
     ],
 )
 def test_cache_hit_on_a_boundary_crossed_inside_a_window(
-    remembering_path, hf_reference, page, k, right, at, window
+    model_path, hf_reference, page, k, right, at, window
 ):
     """A page boundary reached at accepted position `at` of the request's `window`-th
     verification window: at release the prefix cache keeps the state there, and a later request
@@ -169,8 +165,8 @@ def test_cache_hit_on_a_boundary_crossed_inside_a_window(
     length = boundary - at - 1 - window * (right + 1)
     new = 1 + (window + 1) * (right + 1) + 1  # the windows, then one plain decode: ends before the next page
     first = prompts_of([length], seed=20 + page + k)[0]
-    ref = reference(remembering_path, [first], new)[0]
-    llm = make_llm(remembering_path, {**NGRAM, "num_speculative_tokens": k}, page_size=page)
+    ref = reference(model_path, [first], new)[0]
+    llm = make_llm(model_path, {**NGRAM, "num_speculative_tokens": k}, page_size=page)
     llm.engine.spec.drafter = ForcedDrafter([first + ref], right)
     windows: list[tuple[int, int]] = []  # (computed length before, accepted)
     verify = llm.engine.spec.verify  # type: ignore[union-attr]
@@ -185,8 +181,8 @@ def test_cache_hit_on_a_boundary_crossed_inside_a_window(
     assert windows[window] == (boundary - at - 1, right), windows
     assert all(start + accepted + 1 < boundary + page for start, accepted in windows)
     second = (first + ref)[:boundary] + prompts_of([7], seed=21)[0]
-    cold = run(make_llm(remembering_path, cache_type="naive"), [second], greedy())[0]
-    assert cold == hf_reference(remembering_path, [second], NEW)[0]
+    cold = run(make_llm(model_path, cache_type="naive"), [second], greedy())[0]
+    assert cold == hf_reference(model_path, [second], NEW)[0]
     llm.engine.spec.drafter = ForcedDrafter([second + cold], right)
     out = llm.generate([{"prompt_token_ids": second}], greedy(), use_tqdm=False)[0]
     assert out.num_cached_tokens == boundary  # the snapshot taken inside the window
@@ -207,10 +203,10 @@ def test_ngram_on_self_repeating_batch(model_path, pools_held):
     assert not pools_held(llm)
 
 
-def test_mixed_batches_and_multi_turn_cache_hits(make_checkpoint, pools_held):
+def test_mixed_batches_and_multi_turn_cache_hits(remembering_checkpoint, pools_held):
     """Requests verifying drafts beside others prefilling in the same forward; then a second
     turn that extends each sequence hits snapshots taken from committed states."""
-    path = make_checkpoint("qwen3_5")
+    path = remembering_checkpoint("qwen3_5")
     prompts = prompts_of([3, 5, 130, 90], seed=5, repeat=2)
     ref = reference(path, prompts)
     llm = make_llm(path, NGRAM, max_running_requests=4)
@@ -238,8 +234,8 @@ def test_mixed_batches_and_multi_turn_cache_hits(make_checkpoint, pools_held):
     assert not pools_held(llm)
 
 
-def test_stops_inside_a_window_and_aborts(make_checkpoint, pools_held):
-    path = make_checkpoint("qwen3_5")
+def test_stops_inside_a_window_and_aborts(remembering_checkpoint, pools_held):
+    path = remembering_checkpoint("qwen3_5")
     prompts = prompts_of([20, 40, 9], seed=6)
     ref = reference(path, prompts)
     llm = make_llm(path, NGRAM, max_running_requests=4)
@@ -356,11 +352,11 @@ def test_cli_and_metrics(make_checkpoint):
 
 
 @pytest.mark.parametrize("pressure", [False, True])
-def test_decodes_windows_and_prefills_in_one_batch(make_checkpoint, pressure, pools_held):
+def test_decodes_windows_and_prefills_in_one_batch(remembering_checkpoint, pressure, pools_held):
     """max_batch 2: the other decoding requests decode one token beside the windows and the
     prefills. Under KV pressure (few pages) drafts get pages only when free and decodes
     preempt; outputs stay exact either way."""
-    path = make_checkpoint("qwen3_5")
+    path = remembering_checkpoint("qwen3_5")
     lengths = [60, 61, 62, 63] if pressure else [60, 61, 12, 35, 8]
     prompts = prompts_of(lengths, seed=9)
     ref = reference(path, prompts)

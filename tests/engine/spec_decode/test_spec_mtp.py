@@ -75,8 +75,8 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int = NEW) -> list[list[
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
-def mtp_path(request, make_checkpoint, tmp_path_factory) -> tuple[str, str]:
-    base = make_checkpoint(request.param)
+def mtp_path(request, remembering_checkpoint, tmp_path_factory) -> tuple[str, str]:
+    base = remembering_checkpoint(request.param)  # long memory: a wrong committed state shows
     return base, with_mtp(base, str(tmp_path_factory.mktemp(f"{request.param}_mtp")))
 
 
@@ -124,8 +124,8 @@ def test_mtp_greedy_identical_and_drafts_match_one_shot(mtp_path, pools_held):
     assert not pools_held(llm)
 
 
-def test_copy_token_mtp_drafts_are_accepted(make_checkpoint, tmp_path_factory, pools_held):
-    base = make_checkpoint("qwen3_5", tie_word_embeddings=True)
+def test_copy_token_mtp_drafts_are_accepted(remembering_checkpoint, tmp_path_factory, pools_held):
+    base = remembering_checkpoint("qwen3_5", tie_word_embeddings=True)
     path = with_mtp(base, str(tmp_path_factory.mktemp("copy_mtp")), copy_token=True)
     prompts = prompts_of([3, 4, 50], seed=2, repeat=4)
     plain = run(make_llm(base), prompts)

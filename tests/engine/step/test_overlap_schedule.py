@@ -53,8 +53,8 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "kimi"])
 @pytest.mark.slow
-def test_greedy_with_stops_identical_to_sync(kind, make_checkpoint, small_kimi_checkpoint, pools_held):
-    path = small_kimi_checkpoint if kind == "kimi" else make_checkpoint(kind)
+def test_greedy_with_stops_identical_to_sync(kind, remembering_checkpoint, pools_held):
+    path = remembering_checkpoint(kind)
     ps = prompts()
     plain = [greedy(4 + 5 * i) for i in range(len(ps))]
     ref = run(engine(path, False), ps, plain)
@@ -84,33 +84,38 @@ def test_seeded_sampling_identical_to_sync(make_checkpoint):
     assert run(engine(path, True), ps, params) == run(engine(path, False), ps, params)
 
 
-def test_radix_cache_multi_turn_identical_and_hits(make_checkpoint, pools_held):
-    path = make_checkpoint("qwen3_5")
+def test_radix_cache_multi_turn_identical_and_hits(remembering_checkpoint, pools_held):
+    """Both turns give the tokens of a synchronous engine without the prefix cache."""
+    path = remembering_checkpoint("qwen3_5")
     ps = prompts(2)[:4]
     results = {}
-    for overlap in (False, True):
-        eng = engine(path, overlap, cache_type="radix")
+    for overlap, cache in ((False, "naive"), (False, "radix"), (True, "radix")):
+        eng = engine(path, overlap, cache_type=cache)
         first = run(eng, ps, [greedy(20)] * len(ps))
         follow = [p + list(first[str(i)][0]) + [3, 4, 5] for i, p in enumerate(ps)]
         cached_before = eng.counters["cached_tokens_total"]
         second = run(eng, follow, [greedy(10)] * len(follow))
-        results[overlap] = (first, second)
-        if overlap:
+        results[overlap, cache] = (first, second)
+        if cache == "radix":
             assert eng.counters["cached_tokens_total"] > cached_before  # later turns hit
         assert not pools_held(eng)
-    assert results[True] == results[False]
+    assert results[True, "radix"] == results[False, "radix"] == results[False, "naive"]
 
 
-def test_under_kv_pressure_identical_and_no_leak(make_checkpoint, pools_held):
-    path = make_checkpoint("qwen3_next")
+@pytest.mark.parametrize("cache", ["naive", "radix"])
+def test_under_kv_pressure_identical_and_no_leak(cache, remembering_checkpoint, pools_held):
+    """Preempted requests (with the radix cache: recomputed from their own released prefix)
+    give the tokens of a synchronous engine with pages to spare."""
+    path = remembering_checkpoint("qwen3_next")
     ps = prompts(3)
     params = [greedy(30) for _ in ps]
-    tight = dict(num_kv_pages=48, page_size=8, cache_type="naive")
+    tight = dict(num_kv_pages=48, page_size=8, cache_type=cache)
     over = engine(path, True, **tight)
     preempted = []
     preempt = over.scheduler.preempt
     over.scheduler.preempt = lambda req: (preempted.append(req), preempt(req))  # type: ignore[method-assign]
-    assert run(over, ps, params) == run(engine(path, False, **tight), ps, params)
+    ample = run(engine(path, False, page_size=8, cache_type="naive"), ps, params)
+    assert run(over, ps, params) == run(engine(path, False, **tight), ps, params) == ample
     assert preempted  # the pool was short: some decodes had to give way
     assert not pools_held(over)
 
@@ -129,8 +134,8 @@ def test_requests_needing_host_data_step_synchronously(make_checkpoint):
     assert run(engine(path, True), ps, params) == run(engine(path, False), ps, params)
 
 
-def test_abort_while_a_step_is_in_flight(make_checkpoint, pools_held):
-    path = make_checkpoint("qwen3_5")
+def test_abort_while_a_step_is_in_flight(remembering_checkpoint, pools_held):
+    path = remembering_checkpoint("qwen3_5")
     eng = engine(path, True)
     ps = prompts(5)[:4]
     for i, p in enumerate(ps):
@@ -152,8 +157,8 @@ def test_abort_while_a_step_is_in_flight(make_checkpoint, pools_held):
     assert not pools_held(eng)
 
 
-def test_with_speculative_decoding_steps_synchronously(make_checkpoint):
-    path = make_checkpoint("qwen3_5")
+def test_with_speculative_decoding_steps_synchronously(remembering_checkpoint):
+    path = remembering_checkpoint("qwen3_5")
     phrase = [7, 8, 9, 10, 11]
     ps = [phrase * 8, prompts(6)[3]]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
@@ -163,10 +168,10 @@ def test_with_speculative_decoding_steps_synchronously(make_checkpoint):
     assert over.overlap.in_flight is None and over.counters["spec_windows_total"] > 0
 
 
-def test_drain_finishes_the_step_in_flight(make_checkpoint, pools_held):
+def test_drain_finishes_the_step_in_flight(remembering_checkpoint, pools_held):
     """`drain` reads the step in flight back (its tokens counted, its outputs returned); stepping
     on afterwards gives the synchronous engine's tokens."""
-    path = make_checkpoint("qwen3_5")
+    path = remembering_checkpoint("qwen3_5")
     ps = prompts()[:3]
     ref = run(engine(path, False), ps, [greedy(6)] * 3)
     eng = engine(path, True)

@@ -17,8 +17,8 @@ from deltaserve.engine.step.waiting_queue import priority_key
 
 
 @pytest.fixture(scope="module")
-def checkpoint(make_checkpoint) -> str:
-    return make_checkpoint("qwen3_next")
+def checkpoint(remembering_checkpoint) -> str:
+    return remembering_checkpoint("qwen3_next")  # long memory: a preempted request's state matters
 
 
 def make_engine(path: str, policy: str, **kw) -> Engine:
