@@ -52,15 +52,9 @@ def with_mtp(src: str, dst: str, copy_token: bool = False, seed: int = 0) -> str
 
 def make_llm(path: str, spec: dict | None = None, **kw) -> LLM:
     kw.setdefault("chunked_prefill_size", 32)
-    return LLM(
-        path,
-        dtype="float32",
-        device="cpu",
-        num_kv_pages=160,
-        max_model_len=512,
-        speculative_config=spec,
-        **kw,
-    )
+    kw.setdefault("num_kv_pages", 160)
+    kw.setdefault("max_model_len", 512)
+    return LLM(path, dtype="float32", device="cpu", speculative_config=spec, **kw)
 
 
 def prompts_of(lengths: list[int], seed: int, repeat: int = 1) -> list[list[int]]:
@@ -151,6 +145,28 @@ def test_copy_token_mtp_drafts_are_accepted(remembering_checkpoint, tmp_path_fac
         assert drafts == want
     s = llm.engine.stats()
     assert s["spec_accepted_tokens_total"] > 0
+    assert not pools_held(llm)
+
+
+@pytest.mark.slow
+def test_mtp_under_kv_pressure_and_cache_hits(mtp_path, pools_held):
+    """Drafts beside preemptions (a few pages for four growing requests, recomputed from their
+    own released prefix), then next turns that hit snapshots of states committed from windows:
+    the tokens of a plain engine with room for all and no prefix cache."""
+    base, path = mtp_path
+    prompts = prompts_of([40, 45, 50, 55], seed=3)
+    plain = make_llm(base, max_running_requests=4, cache_type="naive")
+    ref = run(plain, prompts, max_tokens=40)
+    llm = make_llm(path, MTP, max_running_requests=4, page_size=8, num_kv_pages=30, max_model_len=128)
+    preempted = []
+    preempt = llm.engine.scheduler.preempt
+    llm.engine.scheduler.preempt = lambda req: (preempted.append(req), preempt(req))  # type: ignore[method-assign]
+    assert run(llm, prompts, max_tokens=40) == ref
+    assert preempted and llm.engine.stats()["spec_draft_tokens_total"] > 0
+    second = [p + r + [7, 8, 9] for p, r in zip(prompts, ref)]
+    before = llm.engine.stats()["cached_tokens_total"]
+    assert run(llm, second) == run(plain, second)
+    assert llm.engine.stats()["cached_tokens_total"] > before
     assert not pools_held(llm)
 
 
