@@ -102,6 +102,7 @@ def test_radix_cache_multi_turn_identical_and_hits(remembering_checkpoint, pools
     assert results[True, "radix"] == results[False, "radix"] == results[False, "naive"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["naive", "radix"])
 def test_under_kv_pressure_identical_and_no_leak(cache, remembering_checkpoint, pools_held):
     """Preempted requests (with the radix cache: recomputed from their own released prefix)
