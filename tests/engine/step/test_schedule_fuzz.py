@@ -178,9 +178,34 @@ def pressure_config(rng: random.Random, path: str) -> dict[str, Any]:
     return cfg
 
 
-def fuzz(path: str, seed: int, num_requests: int, alone: Alone, **overrides: Any) -> dict[str, int]:
+class OracleDrafter:
+    """Drafts a live request's true greedy continuation (its run alone) for a random number of
+    tokens, then a wrong token: windows accept any count, so page boundaries fall everywhere in
+    them (n-gram drafts on random prompts are seldom accepted)."""
+
+    def __init__(self, rng: random.Random, alone: Alone, live: dict[str, tuple[list[int], SamplingParams]]):
+        self.rng, self.alone, self.live = rng, alone, live
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        for p, params in self.live.values():
+            assert params.max_tokens is not None
+            if tokens[: len(p)] != p:
+                continue
+            seq = p + self.alone.tokens(p, params.max_tokens, params.repetition_penalty)
+            if seq[: len(tokens)] == tokens and len(seq) > len(tokens):
+                cont = seq[len(tokens) :]
+                drafts = cont[: self.rng.randint(0, k)]
+                if len(drafts) < k:
+                    drafts.append((cont[len(drafts)] + 1) % VOCAB if len(cont) > len(drafts) else 0)
+                return drafts
+        return []
+
+
+def fuzz(
+    path: str, seed: int, num_requests: int, alone: Alone, oracle: bool = False, **overrides: Any
+) -> dict[str, int]:
     """One random workload on `path`: asserts as the module says; the engine's counters, and
-    how many requests were aborted."""
+    how many requests were aborted. `oracle`: speculative decoding drafts with `OracleDrafter`."""
     rng = random.Random(seed)
     cfg = {**pressure_config(rng, path), **overrides}
     engine = Engine(EngineConfig(**cfg))
@@ -195,6 +220,9 @@ def fuzz(path: str, seed: int, num_requests: int, alone: Alone, **overrides: Any
     engine.scheduler.schedule = within_budget  # type: ignore[method-assign]
     work = Workload(rng, cfg["page_size"])
     live: dict[str, tuple[list[int], SamplingParams]] = {}
+    if oracle:
+        assert engine.spec is not None
+        engine.spec.drafter = OracleDrafter(random.Random(seed), alone, live)
     done: dict[str, tuple[list[int], SamplingParams, list[int], str]] = {}
     by_priority = cfg["scheduling_policy"] == "priority"
     added = steps = 0
@@ -264,8 +292,13 @@ PRESSURE = dict(page_size=16, num_kv_pages=18, max_running_requests=4, num_snaps
             ),
         ),
         (3, dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})),
+        pytest.param(
+            3,
+            dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}, oracle=True),
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["overlap", "ngram"],
+    ids=["overlap", "ngram", "oracle_drafts"],
 )
 def test_fuzzed_workload_under_pressure(qwen35, seed, features):
     """A small workload on pools that hold one full-length request and two pages more: requests
@@ -277,6 +310,8 @@ def test_fuzzed_workload_under_pressure(qwen35, seed, features):
     assert stats["aborted"] > 0, stats
     if features.get("speculative_config"):
         assert stats["spec_draft_tokens_total"] > 0, stats
+    if features.get("oracle"):
+        assert stats["spec_accepted_tokens_total"] > stats["spec_draft_tokens_total"] / 3, stats
 
 
 @pytest.mark.slow
