@@ -171,9 +171,25 @@ class ChatMessage(OpenAIModel):
     reasoning_content: str | None = None
 
 
+def _guided_decoding_backend(value: Any, _: dict[str, Any]) -> str | None:
+    if value in (None, "", "auto", "xgrammar"):
+        return None
+    return f"{value!r} is not supported: this server decodes structured outputs with xgrammar alone"
+
+
 class SamplingRequest(RequestBody):
     """Fields shared by chat and completions; their values are checked by the engine's
     `SamplingParams` (`request_params.py` translates them and names the field in a 400)."""
+
+    # vLLM's older fields that would change the output, and that xgrammar cannot honour
+    unsupported: ClassVar[dict[str, Unsupported]] = {
+        "guided_whitespace_pattern": unsupported_if_set(
+            "not supported: xgrammar writes JSON with fixed separators (`, ` and `: `), not whitespace "
+            "of a pattern; structured_outputs {'disable_any_whitespace': true} writes JSON with no whitespace"
+        ),
+        "guided_decoding_backend": _guided_decoding_backend,
+        "structural_tag": unsupported_if_set("not supported: send response_format or structured_outputs"),
+    }
 
     model: str | None = None
     max_tokens: int | None = None

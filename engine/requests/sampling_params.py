@@ -23,6 +23,12 @@ MAX_LOGPROBS = 20
 MAX_SCHEMA_DEPTH = 128
 
 
+WHITESPACE_PATTERN_REFUSED = (
+    "whitespace_pattern is not supported: xgrammar writes JSON with fixed separators (`, ` and `: `), "
+    "not whitespace of a pattern; disable_any_whitespace true writes JSON with no whitespace"
+)
+
+
 def _structured(message: str) -> InvalidParamError:
     return InvalidParamError(f"structured outputs: {message}", "structured_outputs")
 
@@ -68,9 +74,19 @@ class StructuredOutputs:
     # the grammar starts after this token: the output's first tokens are free up to and including
     # it (the end of a reasoning section, `</think>`, when the prompt opened one); None: at once
     after_token: int | None = None
+    # vLLM's: JSON (json, json_object) with no whitespace between its tokens, `{"a":1,"b":[2]}`;
+    # otherwise json.dumps' separators `, ` and `: ` (and no other whitespace either way)
+    disable_any_whitespace: bool = False
+    # vLLM's (its outlines backend's): a regex of the whitespace between JSON's tokens; xgrammar
+    # writes fixed separators, so a pattern is refused rather than ignored ("" is the default)
+    whitespace_pattern: str | None = None
+    # vLLM's: no other backend on a schema this one cannot serve; there is none to fall back to
+    disable_fallback: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.whitespace_pattern:
+            raise _structured(WHITESPACE_PATTERN_REFUSED)
         given = [self.json is not None, self.json_object, self.tool_calls is not None]
         given += [self.regex is not None, self.choice is not None, self.grammar is not None]
         if sum(given) != 1:
@@ -110,8 +126,14 @@ class StructuredOutputs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise _structured(f"{name} needs a non-empty string")
-        if not isinstance(self.json_object, bool):
-            raise _structured(f"json_object is true or false, got {type(self.json_object).__name__}")
+        for name in ("json_object", "disable_any_whitespace", "disable_fallback"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise _structured(f"{name} is true or false, got {type(value).__name__}")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise _structured(
+                f"whitespace_pattern needs a string, got {type(self.whitespace_pattern).__name__}"
+            )
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise _structured(
                 f"json needs a JSON schema (an object or its text), got {type(self.json).__name__}"
@@ -127,7 +149,8 @@ class StructuredOutputs:
             return "choice:" + json.dumps(self.choice)
         if self.grammar is not None:
             return "grammar:" + self.grammar
-        return "json_object" if self.json_object else json.dumps(self.json)
+        compact = "compact:" if self.disable_any_whitespace else ""
+        return compact + ("json_object" if self.json_object else json.dumps(self.json))
 
 
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:

@@ -119,10 +119,11 @@ class Grammars:
             elif spec.grammar is not None:
                 grammar = self.compiler.compile_grammar(spec.grammar)
             else:
-                # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar);
-                # json.dumps' separators (", " and ": "), no other whitespace between tokens
-                schema = '{"type": "object"}' if spec.json_object else key
-                grammar = self.compiler.compile_grammar(json_grammar(self.xgr, schema))
+                # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar)
+                schema = '{"type": "object"}' if spec.json_object else json.dumps(spec.json)
+                grammar = self.compiler.compile_grammar(
+                    json_grammar(self.xgr, schema, compact=spec.disable_any_whitespace)
+                )
         except Exception as e:  # xgrammar's own message: an unsupported or broken schema
             # (without its "[time] /path/file.cc:line: " prefix)
             reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
@@ -222,10 +223,12 @@ _LOOSE_CHARS = r"[^\"\\\r\n]"
 _JSON_CHARS = r"[^\0-\x1f\"\\]"
 
 
-def json_grammar(xgr: Any, schema: str) -> Any:
-    """xgrammar's grammar of the JSON schema `schema` (its text), with json.dumps' separators and no
-    other whitespace; its bounded strings hold no raw control characters."""
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+def json_grammar(xgr: Any, schema: str, compact: bool = False) -> Any:
+    """xgrammar's grammar of the JSON schema `schema` (its text), with json.dumps' separators (`, `
+    and `: `; with `compact`, `,` and `:`) and no other whitespace; its bounded strings hold no raw
+    control characters."""
+    separators = (",", ":") if compact else (", ", ": ")
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=separators)
     text = str(grammar)
     fixed = text.replace(_LOOSE_CHARS, _JSON_CHARS)
     return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)

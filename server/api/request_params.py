@@ -166,8 +166,15 @@ def structured_field(req: SamplingRequest) -> str:
 
 
 def _structured_outputs(req: SamplingRequest) -> StructuredOutputs | None:
-    """The grammar of OpenAI's response_format or of vLLM's fields; a 400 for both at once."""
+    """The grammar of OpenAI's response_format or of vLLM's fields; a 400 for both at once.
+    vLLM's options alone (disable_any_whitespace) apply to the response_format's, as in vLLM."""
     structured = _response_format(req.response_format)
+    given = req.structured_outputs
+    if structured is not None and given is not None and not set(given) & set(_VLLM_KINDS):
+        try:
+            return replace(structured, **_vllm_options(given))
+        except (TypeError, ValueError) as exc:
+            raise bad_request(str(exc), "structured_outputs") from exc
     vllm_style = _vllm_structured(req)
     if structured is not None and vllm_style is not None:
         raise bad_request(
@@ -205,6 +212,20 @@ def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
 FORCED_CALLS = 4  # tool_choice "required": at most this many calls in one reply
 
 _VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# how the kind's grammar is written (StructuredOutputs' fields of the same names)
+_VLLM_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_fallback")
+
+
+def _vllm_options(given: dict[str, Any]) -> dict[str, Any]:
+    """structured_outputs' options, with nothing else in it; a 400 naming a field it does not take."""
+    unknown = set(given) - set(_VLLM_OPTIONS)
+    if unknown:
+        raise bad_request(
+            f"structured_outputs takes one of {', '.join(_VLLM_KINDS)} and {', '.join(_VLLM_OPTIONS)}; "
+            f"not {', '.join(sorted(unknown))}",
+            "structured_outputs",
+        )
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _vllm_structured(req: SamplingRequest) -> StructuredOutputs | None:
@@ -225,13 +246,9 @@ def _vllm_structured(req: SamplingRequest) -> StructuredOutputs | None:
     if given is None and not legacy:
         return None
     fields = dict(given) if given is not None else legacy
-    unknown = set(fields) - set(_VLLM_KINDS)
-    if unknown:
-        raise bad_request(
-            f"structured_outputs takes one of {', '.join(_VLLM_KINDS)}; not {', '.join(sorted(unknown))}",
-            "structured_outputs",
-        )
-    fields = {k: v for k, v in fields.items() if v is not None and v is not False}
+    options = _vllm_options({k: v for k, v in fields.items() if k not in _VLLM_KINDS})
+    fields = {k: v for k, v in fields.items() if k in _VLLM_KINDS and v is not None and v is not False}
+    fields.update(options)
     param = "structured_outputs" if given is not None else f"guided_{next(iter(legacy))}"
     try:
         return StructuredOutputs(**fields)

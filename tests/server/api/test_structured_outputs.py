@@ -389,3 +389,118 @@ def test_replies_that_finish_satisfy_their_schema(client) -> None:
             else:
                 assert finish == "length"
                 assert _get_matcher_from_grammar(json_grammar(xgr, json.dumps(schema))).accept_string(text)
+
+
+SMALL = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 9},
+        "b": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2},
+        "c": {"enum": ["x", "y"]},
+    },
+    "required": ["a", "b", "c"],
+    "additionalProperties": False,
+}
+
+
+def _outside_strings(text: str) -> str:
+    """`text` (JSON, or the start of it) without its strings' contents: the whitespace between
+    tokens shows."""
+    out, inside, escaped = [], False, False
+    for ch in text:
+        if inside:
+            escaped, inside = (not escaped and ch == "\\"), (escaped or ch != '"')
+        else:
+            out.append(ch)
+            inside = ch == '"'
+    return "".join(out)
+
+
+def test_disable_any_whitespace_writes_json_without_whitespace(client) -> None:
+    """vLLM's structured_outputs `disable_any_whitespace` was a 400 ('structured_outputs takes one
+    of json, ...'). Now JSON is written with no whitespace between its tokens, for a schema, beside
+    a response_format (as vLLM merges them) and for json_object; without it, `, ` and `: `."""
+    compact = r'\{"a":\d,"b":\[(true|false),(true|false)\],"c":"[xy]"\}'
+    spaced = r'\{"a": \d, "b": \[(true|false), (true|false)\], "c": "[xy]"\}'
+    fmt = {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL}}
+    cases = [
+        ({"extra_body": {"structured_outputs": {"json": SMALL, "disable_any_whitespace": True}}}, compact),
+        (
+            {"response_format": fmt, "extra_body": {"structured_outputs": {"disable_any_whitespace": True}}},
+            compact,
+        ),
+        ({"extra_body": {"structured_outputs": {"json": SMALL, "disable_any_whitespace": False}}}, spaced),
+        ({"response_format": fmt}, spaced),
+    ]
+    for fields, shape in cases:
+        r = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "JSON"}],
+            max_tokens=40,
+            temperature=0,
+            **fields,
+        )
+        content = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop" and re.fullmatch(shape, content), (fields, content)
+    r = client.completions.create(
+        model=MODEL_NAME,
+        prompt="JSON:",
+        max_tokens=40,
+        n=2,
+        temperature=1.0,
+        seed=3,
+        extra_body={"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+    )
+    for choice in r.choices:
+        assert choice.text.startswith("{") and not re.search(r"\s", _outside_strings(choice.text)), (
+            choice.text
+        )
+
+
+@pytest.mark.parametrize(
+    "fields, param, named",
+    [
+        (
+            {"guided_json": SMALL, "guided_whitespace_pattern": r"[ ]?"},
+            "guided_whitespace_pattern",
+            "separators",
+        ),
+        (
+            {"structured_outputs": {"json": SMALL, "whitespace_pattern": r"[\n ]*"}},
+            "structured_outputs",
+            "whitespace_pattern is not supported",
+        ),
+        (
+            {"guided_json": SMALL, "guided_decoding_backend": "outlines"},
+            "guided_decoding_backend",
+            "xgrammar",
+        ),
+        ({"structural_tag": '{"structures": []}'}, "structural_tag", "not supported"),
+        (
+            {"structured_outputs": {"json": SMALL, "no_such_option": 1}},
+            "structured_outputs",
+            "no_such_option",
+        ),
+        ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "exactly one of"),
+    ],
+)
+def test_a_structured_output_field_xgrammar_cannot_honour_is_a_400(base_url, fields, param, named) -> None:
+    """vLLM's guided_whitespace_pattern, guided_decoding_backend and structural_tag were ignored
+    (the reply was JSON with deltaserve's own whitespace, or free text for a structural tag): now
+    a 400 naming the field, as structured_outputs' whitespace_pattern is."""
+    r = chat(base_url, **fields)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and named in err["message"], err
+
+
+def test_vllm_options_that_change_nothing_here_are_served(base_url) -> None:
+    """disable_fallback (there is no other backend), an empty whitespace pattern (the default) and
+    guided_decoding_backend xgrammar are what this server does anyway."""
+    for fields in (
+        {"structured_outputs": {"json": SMALL, "disable_fallback": True, "whitespace_pattern": None}},
+        {"guided_json": SMALL, "guided_whitespace_pattern": "", "guided_decoding_backend": "xgrammar"},
+    ):
+        r = chat(base_url, max_tokens=40, temperature=0, **fields)
+        assert r.status_code == 200, r.text
+        assert json.loads(r.json()["choices"][0]["message"]["content"])["c"] in ("x", "y")
