@@ -19,6 +19,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -149,14 +150,22 @@ _IGNORED = (
 def unenforced(schema: Any) -> str | None:
     """What in the JSON schema `schema` xgrammar would read without enforcing it, and where (a JSON
     pointer), or None: a reply that finished could then break the schema."""
+    for node, at in _subschemas(schema):
+        problem = _unenforced_here(node)
+        if problem is not None:
+            return f"{problem} (at {at})"
+    return None
+
+
+def _subschemas(schema: Any) -> Iterator[tuple[dict[str, Any], str]]:
+    """`schema` and the schemas in it (not the values of const, enum or default), each with its
+    JSON pointer."""
     stack = [(schema, "#")]
     while stack:
         node, at = stack.pop()
         if not isinstance(node, dict):
             continue
-        problem = _unenforced_here(node)
-        if problem is not None:
-            return f"{problem} (at {at})"
+        yield node, at
         for key, value in node.items():
             if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
                 stack += [(v, f"{at}/{key}/{_pointer(k)}") for k, v in value.items()]
@@ -166,7 +175,6 @@ def unenforced(schema: Any) -> str | None:
                 stack.append((value, f"{at}/{key}"))
             elif key in ("propertyNames", "additionalItems", "then", "else"):
                 stack.append((value, f"{at}/{key}"))
-    return None
 
 
 def _pointer(key: str) -> str:
@@ -228,10 +236,63 @@ def json_grammar(xgr: Any, schema: str, compact: bool = False) -> Any:
     and `: `; with `compact`, `,` and `:`) and no other whitespace; its bounded strings hold no raw
     control characters."""
     separators = (",", ":") if compact else (", ", ": ")
+    value = json.loads(schema)
+    if _json_string_patterns(xgr, value):
+        schema = json.dumps(value)
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=separators)
     text = str(grammar)
     fixed = text.replace(_LOOSE_CHARS, _JSON_CHARS)
     return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+
+
+def _json_string_patterns(xgr: Any, schema: Any) -> bool:
+    """Rewrite, in place, the patterns of `schema`'s strings and property names so that xgrammar
+    holds them to JSON's escapes; whether any changed. xgrammar matches a pattern that only
+    printable ASCII spells with the characters a JSON string may hold raw (none of '"', '\\' or
+    control characters), but matches any other by raw characters: `é.*` let a '"' end the string
+    early, `a\\nb` wrote a raw newline (invalid JSON, finish 'stop'). Other characters are spelled
+    as \\u escapes; a pattern that still needs raw ones is a ValueError."""
+    changed = False
+    for node, at in list(_subschemas(schema)):
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            node["pattern"] = _held_pattern(xgr, pattern, f"{at}/pattern")
+            changed |= node["pattern"] != pattern
+        named = node.get("patternProperties")
+        if isinstance(named, dict):
+            node["patternProperties"] = {
+                _held_pattern(xgr, k, f"{at}/patternProperties/{_pointer(k)}"): v for k, v in named.items()
+            }
+            changed |= list(node["patternProperties"]) != list(named)
+    return changed
+
+
+def _held_pattern(xgr: Any, pattern: str, at: str) -> str:
+    """`pattern` spelled in printable ASCII (its other characters as \\u escapes), or a ValueError
+    where xgrammar would still match it by raw characters."""
+    out: list[str] = []
+    escaped = False  # the last character was an escaping backslash
+    for ch in pattern:
+        if " " <= ch <= "~":
+            out.append(ch)
+            escaped = not escaped and ch == "\\"
+            continue
+        if escaped:  # a backslash before é means é itself
+            out.pop()
+        out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\u{{{ord(ch):x}}}")
+        escaped = False
+    spelled = "".join(out)
+    try:
+        probe = str(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": spelled})))
+    except Exception:  # not a regex xgrammar reads: the schema's own compile says why
+        return spelled
+    if "json_string=true" not in probe:
+        raise ValueError(
+            f"the pattern {pattern!r} (at {at}) is not supported: it needs a control character, '\"' or "
+            "'\\\\' in the string, or uses what xgrammar's regex automaton does not read, and the grammar "
+            "would write such characters raw, which JSON forbids"
+        )
+    return spelled
 
 
 def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "json", most: int = 1) -> Any:

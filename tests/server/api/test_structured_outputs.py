@@ -504,3 +504,46 @@ def test_vllm_options_that_change_nothing_here_are_served(base_url) -> None:
         r = chat(base_url, max_tokens=40, temperature=0, **fields)
         assert r.status_code == 200, r.text
         assert json.loads(r.json()["choices"][0]["message"]["content"])["c"] in ("x", "y")
+
+
+def test_a_pattern_beyond_ascii_holds_no_raw_control_characters(client) -> None:
+    """xgrammar matched a pattern with a character beyond printable ASCII by raw characters, its
+    `.` any at all: pushed towards a tab, the reply was `{"word": "é\\t\\t\\t"}` with raw tabs (finish
+    'stop', and json.loads failed). Now the JSON parses and its string matches the pattern."""
+    schema = {
+        "type": "object",
+        "properties": {"word": {"type": "string", "pattern": "^é.{1,3}$"}},
+        "required": ["word"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "JSON"}],
+        max_tokens=30,
+        temperature=0,
+        logit_bias={str(TAB): 100},
+        response_format={"type": "json_schema", "json_schema": {"name": "word", "schema": schema}},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    word = json.loads(r.choices[0].message.content)["word"]
+    assert re.fullmatch("é.{1,3}", word) and all(ord(ch) >= 0x20 for ch in word), word
+
+
+@pytest.mark.parametrize("pattern", ["^a\\nb$", "\\x01", 'say "hi"', "\u0001+"])
+def test_a_pattern_only_raw_control_characters_or_quotes_match_is_a_400(base_url, pattern) -> None:
+    """A pattern whose strings all hold a control character, '"' or '\\' was matched by the raw
+    character: `{"x": "a<newline>b"}` finished 'stop' and did not parse. Now a 400 naming the
+    pattern and where it is."""
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "string", "pattern": pattern}},
+        "required": ["x"],
+    }
+    r = chat(
+        base_url, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and "(at #/properties/x/pattern)" in err["message"], err
+    r = chat(base_url, guided_json=schema)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
