@@ -204,6 +204,8 @@ def _unenforced_here(node: dict[str, Any]) -> str | None:
         return "allOf of more than one schema is not supported"
     if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
         return "minLength / maxLength beside pattern or format are not supported"
+    if "pattern" in node and node.get("format") in _FORMATS:
+        return f"pattern beside format {node['format']} is not supported (the grammar would read the format alone)"
     if isinstance(node.get("required"), list):
         declared = node.get("properties")
         properties: dict[str, Any] = declared if isinstance(declared, dict) else {}
@@ -224,6 +226,16 @@ def _unenforced_here(node: dict[str, Any]) -> str | None:
         return f"{combinators[0]} beside {other} is not supported (the grammar would read the {combinators[0]} alone)"
     return None
 
+
+# the formats xgrammar 0.2 writes a regex of (it reads any other as a free string, and a pattern beside
+# it then holds), and ipv4's without the leading zeros its own allows ("01.2.3.4"), which JSON
+# Schema's ipv4 (RFC 2673's dotted quad) forbids
+_FORMATS = frozenset(
+    "email date time date-time duration ipv4 ipv6 hostname uuid uri uri-reference uri-template".split()
+    + ["json-pointer", "relative-json-pointer"]
+)
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_IPV4 = f"^{_OCTET}(\\.{_OCTET}){{3}}$"
 
 # the characters xgrammar 0.2 lets a string with minLength / maxLength (or a key bounded by
 # propertyNames) hold, raw control characters among them, which JSON forbids (a tab must be "\t")
@@ -247,13 +259,16 @@ def json_grammar(xgr: Any, schema: str, compact: bool = False) -> Any:
 
 def _json_string_patterns(xgr: Any, schema: Any) -> bool:
     """Rewrite, in place, the patterns of `schema`'s strings and property names so that xgrammar
-    holds them to JSON's escapes; whether any changed. xgrammar matches a pattern that only
+    holds them to JSON's escapes, and its ipv4 formats as patterns; whether any changed. xgrammar matches a pattern that only
     printable ASCII spells with the characters a JSON string may hold raw (none of '"', '\\' or
     control characters), but matches any other by raw characters: `é.*` let a '"' end the string
     early, `a\\nb` wrote a raw newline (invalid JSON, finish 'stop'). Other characters are spelled
     as \\u escapes; a pattern that still needs raw ones is a ValueError."""
     changed = False
     for node, at in list(_subschemas(schema)):
+        if node.get("format") == "ipv4":  # as the pattern it is, leading zeros left out
+            del node["format"]
+            node["pattern"], changed = _IPV4, True
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             node["pattern"] = _held_pattern(xgr, pattern, f"{at}/pattern")

@@ -158,6 +158,8 @@ INT = {"type": "integer"}
             "dependentRequired",
         ),
         ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "maxLength"),
+        # xgrammar writes the format's regex, and the pattern went unread
+        ({"type": "string", "format": "email", "pattern": "^a@b[.]cc$"}, "pattern beside format email"),
         ({"type": "object", "properties": {"a": INT}, "required": ["a", "b"]}, "'b'"),
         ({"$ref": "https://example.com/schema.json"}, "$ref"),
         # xgrammar reads a $ref, anyOf or oneOf alone, dropping what stands beside it
@@ -547,3 +549,31 @@ def test_a_pattern_only_raw_control_characters_or_quotes_match_is_a_400(base_url
     assert err["param"] == "response_format" and "(at #/properties/x/pattern)" in err["message"], err
     r = chat(base_url, guided_json=schema)
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
+
+
+ZERO = 15  # the Qwen tokenizer's "0"
+
+
+def test_an_ipv4_format_has_no_leading_zeros(client) -> None:
+    """xgrammar's ipv4 allows leading zeros (`01.2.3.4`, `000.000.000.000`), which JSON Schema's
+    ipv4 (a dotted quad) forbids: pushed towards "0", the reply finished 'stop' with an address
+    no validator (nor Python's ipaddress) takes. Now each part is written without them."""
+    import ipaddress
+
+    schema = {
+        "type": "object",
+        "properties": {"ip": {"type": "string", "format": "ipv4"}},
+        "required": ["ip"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "JSON"}],
+        max_tokens=30,
+        temperature=0,
+        logit_bias={str(ZERO): 100},
+        response_format={"type": "json_schema", "json_schema": {"name": "host", "schema": schema}},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    ip = json.loads(r.choices[0].message.content)["ip"]
+    assert str(ipaddress.IPv4Address(ip)) == ip
