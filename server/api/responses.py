@@ -57,8 +57,9 @@ def _include(value: Any, _: dict[str, Any]) -> str | None:
 # reasoning.effort's values (OpenAI's); "none" turns the chat template's thinking off, as in vLLM
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # the chat request's sampling fields a Responses request may add beside OpenAI's (stop, penalties,
-# logit_bias, ignore_eos, structured_outputs, ...), as vLLM's Responses API takes them
-_EXTRA = set(SamplingRequest.model_fields) - {
+# logit_bias, ignore_eos, structured_outputs, ...), as vLLM's Responses API takes them, and those
+# it refuses (guided_whitespace_pattern, ...): refused here too, not dropped
+_EXTRA = (set(SamplingRequest.model_fields) | set(SamplingRequest.unsupported)) - {
     "model", "max_tokens", "n", "priority", "response_format", "seed", "stream", "stream_options",
     "temperature", "top_k", "top_p", "user", "request_id", "rid", "prompt_logprobs",
 }  # fmt: skip

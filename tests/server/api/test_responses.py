@@ -348,3 +348,29 @@ def test_a_bad_request_admits_nothing(client, base_url: str, read_metrics) -> No
     assert r.status_code == 400 and finished() == before  # refused before reaching the engine
     assert client.responses.create(model=MODEL_NAME, input="still fine", max_output_tokens=2).usage
     assert finished() == before + 1
+
+
+def test_structured_output_options_apply_and_unsupported_ones_are_refused(client) -> None:
+    """Beside text.format, structured_outputs' disable_any_whitespace writes JSON without
+    whitespace, as on the chat endpoint; vLLM's guided_whitespace_pattern, which the chat endpoint
+    refuses, was dropped here (JSON with deltaserve's separators): now the same 400."""
+    import openai
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    kw = dict(
+        model=MODEL_NAME,
+        input="JSON",
+        max_output_tokens=30,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "s", "schema": schema}},
+    )
+    r = client.responses.create(**kw, extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    assert r.status == "completed" and " " not in r.output_text and json.loads(r.output_text)["b"] in "xy"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**kw, extra_body={"guided_whitespace_pattern": "[ ]?"})
+    assert refused.value.body["param"] == "guided_whitespace_pattern"
