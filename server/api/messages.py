@@ -71,6 +71,8 @@ class MessagesRequest(RequestBody):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its format: JSON outputs
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's name for that format
 
 
 class CountTokensRequest(RequestBody):
@@ -211,8 +213,30 @@ def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 # the chat request's sampling fields a Messages request may add beside Anthropic's (ignore_eos,
-# min_tokens, seed, penalties, ...), as vLLM takes them; not those Anthropic's own fields set
-_EXTRA = set(SamplingRequest.model_fields) - {"model", "max_tokens", "stop", "stream", "n", "stream_options"}
+# min_tokens, seed, penalties, ...), as vLLM takes them, and those the chat endpoint refuses
+# (guided_whitespace_pattern, ...): refused here too, not dropped; not those Anthropic's own fields set
+_EXTRA = (set(SamplingRequest.model_fields) | set(SamplingRequest.unsupported)) - {
+    "model", "max_tokens", "stop", "stream", "n", "stream_options",
+}  # fmt: skip
+
+
+def _response_format(req: MessagesRequest) -> dict[str, Any] | None:
+    """Anthropic's JSON outputs (`output_config.format`, or the beta's `output_format`:
+    `{"type": "json_schema", "schema": {...}}`) as the chat request's response_format."""
+    fmt = (req.output_config or {}).get("format", req.output_format)
+    if fmt is None:
+        return None
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise bad_request(
+            "output_config.format needs {'type': 'json_schema', 'schema': {...}}", "output_config.format"
+        )
+    if req.model_extra and req.model_extra.get("response_format") is not None:
+        raise bad_request("give one of output_config.format and response_format", "output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 @translating()
@@ -245,6 +269,9 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         stream=req.stream,
         **{k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None},
     )
+    response_format = _response_format(req)
+    if response_format is not None:
+        fields["response_format"] = response_format
     return validated(ChatCompletionRequest, fields)
 
 

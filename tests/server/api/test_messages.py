@@ -4,6 +4,8 @@ sequences, a tool_result turn, Anthropic-shaped errors and the key sent as x-api
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -181,3 +183,31 @@ def test_a_last_assistant_message_is_continued(server, claude) -> None:
     tokens = httpx.post(f"{server.url}/tokenize", json={"messages": turns, **cont}).json()
     opened = httpx.post(f"{server.url}/tokenize", json={"messages": turns}).json()
     assert counted == tokens["count"] < opened["count"]
+
+
+def test_json_outputs_hold_the_reply_to_the_schema(claude) -> None:
+    """Anthropic's JSON outputs (output_config.format, and the beta's output_format) were ignored:
+    the reply was free text. Now it is JSON satisfying the schema; vLLM's guided_whitespace_pattern,
+    which the chat endpoint refuses, was dropped here and is now the same 400."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "schema": schema}
+    kw = dict(model=MODEL_NAME, max_tokens=30, messages=MESSAGES)
+    for m in (
+        claude.messages.create(**kw, output_config={"format": fmt}, extra_body={"temperature": 0}),
+        claude.messages.create(**kw, extra_body={"temperature": 0, "output_format": fmt}),
+    ):
+        assert m.stop_reason == "end_turn", m
+        value = json.loads(m.content[0].text)
+        assert 0 <= value["a"] <= 9 and value["b"] in ("x", "y")
+    for extra in (
+        {"guided_whitespace_pattern": "[ ]?"},
+        {"output_format": {"type": "json_schema"}},
+        {"output_format": fmt, "response_format": {"type": "json_object"}},
+    ):
+        with pytest.raises(anthropic.BadRequestError):
+            claude.messages.create(**kw, extra_body=extra)
