@@ -193,7 +193,9 @@ def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
         return None
     try:
         if kind == "json_object":
-            return StructuredOutputs(json_object=True)
+            schema = fmt.get("schema") if fmt else None
+            # Together's and Fireworks' JSON mode takes a schema beside the type: held, not ignored
+            return StructuredOutputs(json_object=True) if schema is None else StructuredOutputs(json=schema)
         if kind == "json_schema":
             spec = fmt.get("json_schema") if fmt else None
             if not isinstance(spec, dict) or "schema" not in spec:

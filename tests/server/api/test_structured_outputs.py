@@ -577,3 +577,18 @@ def test_an_ipv4_format_has_no_leading_zeros(client) -> None:
     assert r.choices[0].finish_reason == "stop"
     ip = json.loads(r.choices[0].message.content)["ip"]
     assert str(ipaddress.IPv4Address(ip)) == ip
+
+
+def test_a_json_object_response_format_with_a_schema_holds_to_it(client) -> None:
+    """response_format json_object with a `schema` beside it (Together's and Fireworks' JSON mode)
+    was any JSON object, the schema ignored. Now the reply satisfies the schema."""
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "JSON"}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object", "schema": SMALL},
+    )
+    content = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", content
+    assert re.fullmatch(r'\{"a": \d, "b": \[(true|false), (true|false)\], "c": "[xy]"\}', content), content
