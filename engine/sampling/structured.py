@@ -204,6 +204,9 @@ def _unenforced_here(node: dict[str, Any]) -> str | None:
         return "allOf of more than one schema is not supported"
     if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
         return "minLength / maxLength beside pattern or format are not supported"
+    patterns = [node.get("pattern")] + list(node.get("patternProperties") or {})
+    if any(isinstance(p, str) and _lookahead(p) for p in patterns):
+        return "a lookahead ((?= or (?!) in a pattern is not supported (the grammar would ignore it)"
     if "pattern" in node and node.get("format") in _FORMATS:
         return f"pattern beside format {node['format']} is not supported (the grammar would read the format alone)"
     if isinstance(node.get("required"), list):
@@ -225,6 +228,23 @@ def _unenforced_here(node: dict[str, Any]) -> str | None:
         other = (combinators[1:] + beside)[0]
         return f"{combinators[0]} beside {other} is not supported (the grammar would read the {combinators[0]} alone)"
     return None
+
+
+def _lookahead(pattern: str) -> bool:
+    """Whether the regex `pattern` has a lookahead, `(?=` or `(?!`, outside a character class."""
+    escaped = in_class = False
+    for i, ch in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(" and pattern[i + 1 : i + 3] in ("?=", "?!"):
+            return True
+    return False
 
 
 # the formats xgrammar 0.2 writes a regex of (it reads any other as a free string, and a pattern beside

@@ -158,6 +158,9 @@ INT = {"type": "integer"}
             "dependentRequired",
         ),
         ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "maxLength"),
+        # xgrammar's regex automaton skips a lookahead (and matched "admin" here)
+        ({"type": "string", "pattern": "^(?!admin$)[a-z]+$"}, "lookahead"),
+        ({"type": "object", "patternProperties": {"^(?=x)": INT}}, "lookahead"),
         # xgrammar writes the format's regex, and the pattern went unread
         ({"type": "string", "format": "email", "pattern": "^a@b[.]cc$"}, "pattern beside format email"),
         ({"type": "object", "properties": {"a": INT}, "required": ["a", "b"]}, "'b'"),
