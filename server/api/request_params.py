@@ -170,9 +170,15 @@ def _structured_outputs(req: SamplingRequest) -> StructuredOutputs | None:
     vLLM's options alone (disable_any_whitespace) apply to the response_format's, as in vLLM."""
     structured = _response_format(req.response_format)
     given = req.structured_outputs
-    if structured is not None and given is not None and not set(given) & set(_VLLM_KINDS):
-        try:
-            return replace(structured, **_vllm_options(given))
+    if (
+        structured is not None
+        and isinstance(given, dict)
+        and all(given.get(k) in (None, False) for k in _VLLM_KINDS)
+    ):
+        try:  # the kinds' nulls too, as a client that sends every field writes them
+            return replace(
+                structured, **_vllm_options({k: v for k, v in given.items() if k not in _VLLM_KINDS})
+            )
         except (TypeError, ValueError) as exc:
             raise bad_request(str(exc), "structured_outputs") from exc
     vllm_style = _vllm_structured(req)

@@ -434,6 +434,21 @@ def test_disable_any_whitespace_writes_json_without_whitespace(client) -> None:
             {"response_format": fmt, "extra_body": {"structured_outputs": {"disable_any_whitespace": True}}},
             compact,
         ),
+        # every field written, as vLLM's StructuredOutputsParams serializes: the kinds null or false
+        (
+            {
+                "response_format": fmt,
+                "extra_body": {
+                    "structured_outputs": {
+                        **dict.fromkeys(("json", "regex", "choice", "grammar")),
+                        "json_object": False,
+                        "disable_any_whitespace": True,
+                        "whitespace_pattern": None,
+                    }
+                },
+            },
+            compact,
+        ),
         ({"extra_body": {"structured_outputs": {"json": SMALL, "disable_any_whitespace": False}}}, spaced),
         ({"response_format": fmt}, spaced),
     ]
