@@ -82,6 +82,10 @@ class StructuredOutputs:
     whitespace_pattern: str | None = None
     # vLLM's: no other backend on a schema this one cannot serve; there is none to fall back to
     disable_fallback: bool = False
+    # vLLM's: an object whose schema does not say whether it takes properties beyond those it
+    # names takes none (xgrammar already holds an object to the properties it names; this closes
+    # one that names none, `{"type": "object"}`, to `{}`)
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -126,7 +130,12 @@ class StructuredOutputs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise _structured(f"{name} needs a non-empty string")
-        for name in ("json_object", "disable_any_whitespace", "disable_fallback"):
+        for name in (
+            "json_object",
+            "disable_any_whitespace",
+            "disable_fallback",
+            "disable_additional_properties",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise _structured(f"{name} is true or false, got {type(value).__name__}")
@@ -150,7 +159,8 @@ class StructuredOutputs:
         if self.grammar is not None:
             return "grammar:" + self.grammar
         compact = "compact:" if self.disable_any_whitespace else ""
-        return compact + ("json_object" if self.json_object else json.dumps(self.json))
+        closed = "closed:" if self.disable_additional_properties else ""
+        return compact + closed + ("json_object" if self.json_object else json.dumps(self.json))
 
 
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:

@@ -122,6 +122,8 @@ class Grammars:
             else:
                 # json_object is any JSON object (OpenAI's JSON mode: not an array or a scalar)
                 schema = '{"type": "object"}' if spec.json_object else json.dumps(spec.json)
+                if spec.disable_additional_properties:
+                    schema = json.dumps(closed_objects(json.loads(schema)))
                 grammar = self.compiler.compile_grammar(
                     json_grammar(self.xgr, schema, compact=spec.disable_any_whitespace)
                 )
@@ -175,6 +177,17 @@ def _subschemas(schema: Any) -> Iterator[tuple[dict[str, Any], str]]:
                 stack.append((value, f"{at}/{key}"))
             elif key in ("propertyNames", "additionalItems", "then", "else"):
                 stack.append((value, f"{at}/{key}"))
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on each object schema that does not set it
+    (changed in place)."""
+    for node, _ in list(_subschemas(schema)):
+        kind = node.get("type")
+        kinds: list[Any] = kind if isinstance(kind, list) else [kind]
+        if ("object" in kinds or "properties" in node) and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+    return schema
 
 
 def _pointer(key: str) -> str:

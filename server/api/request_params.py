@@ -221,11 +221,19 @@ FORCED_CALLS = 4  # tool_choice "required": at most this many calls in one reply
 
 _VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # how the kind's grammar is written (StructuredOutputs' fields of the same names)
-_VLLM_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_fallback")
+_VLLM_OPTIONS = (
+    "disable_any_whitespace",
+    "whitespace_pattern",
+    "disable_fallback",
+    "disable_additional_properties",
+)
 
 
 def _vllm_options(given: dict[str, Any]) -> dict[str, Any]:
     """structured_outputs' options, with nothing else in it; a 400 naming a field it does not take."""
+    given = dict(given)
+    if given.pop("structural_tag", None) is not None:  # vLLM's, written null by clients that send every field
+        raise bad_request("structured_outputs structural_tag is not supported", "structured_outputs")
     unknown = set(given) - set(_VLLM_OPTIONS)
     if unknown:
         raise bad_request(

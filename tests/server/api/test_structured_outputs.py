@@ -502,6 +502,11 @@ def test_disable_any_whitespace_writes_json_without_whitespace(client) -> None:
             "no_such_option",
         ),
         ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "exactly one of"),
+        (
+            {"structured_outputs": {"json": SMALL, "structural_tag": '{"structures": []}'}},
+            "structured_outputs",
+            "structural_tag",
+        ),
     ],
 )
 def test_a_structured_output_field_xgrammar_cannot_honour_is_a_400(base_url, fields, param, named) -> None:
@@ -610,3 +615,24 @@ def test_a_json_object_response_format_with_a_schema_holds_to_it(client) -> None
     content = r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop", content
     assert re.fullmatch(r'\{"a": \d, "b": \[(true|false), (true|false)\], "c": "[xy]"\}', content), content
+
+
+def test_disable_additional_properties_closes_objects_the_schema_leaves_open(client) -> None:
+    """vLLM's structured_outputs `disable_additional_properties` was a 400 (an unknown field). Now an
+    object whose schema says nothing of other properties takes none: `{"type": "object"}` is
+    `{}`; structural_tag written null (as a client that sends every field does) is no 400."""
+    schema = {"type": "object", "properties": {"o": {"type": "object"}}, "required": ["o"]}
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "JSON"}],
+        max_tokens=20,
+        temperature=0,
+        extra_body={
+            "structured_outputs": {
+                "json": schema,
+                "disable_additional_properties": True,
+                "structural_tag": None,
+            }
+        },
+    )
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == '{"o": {}}'
