@@ -57,16 +57,27 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
         if message.get(key) is not None:
             out[key] = message[key]
     if message.get("tool_calls"):
-        out["tool_calls"] = [_tool_call_for_template(call) for call in message["tool_calls"]]
+        out["tool_calls"] = [_tool_call_for_template(call, j) for j, call in enumerate(message["tool_calls"])]
     return out
 
 
-def _tool_call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+def _tool_call_for_template(call: dict[str, Any], index: int) -> dict[str, Any]:
     # OpenAI sends arguments as a JSON string; Qwen3.5's template iterates them as a mapping, and
     # a string that is not JSON is passed through as it came
     call = dict(call)
-    function = dict(call.get("function") or {})
-    arguments = function.get("arguments")
+    function = call.get("function")
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ChatTemplateError(
+            f"tool_calls[{index}]: a tool call's function is an object with its name (a string)",
+            f"tool_calls.{index}.function",
+        )
+    if arguments is not None and not isinstance(arguments, (str, dict)):
+        raise ChatTemplateError(
+            f"tool_calls[{index}]: a tool call's arguments are a JSON string",
+            f"tool_calls.{index}.function.arguments",
+        )
+    function = dict(function)
     if isinstance(arguments, str):
         try:
             function["arguments"] = json.loads(arguments)
@@ -109,6 +120,8 @@ def render_prompt(
             tokenize=False,
             **(template_kwargs or {}),
         )
+    except ChatTemplateError:
+        raise
     except (TemplateError, TypeError, ValueError, KeyError) as exc:
         raise ChatTemplateError(f"the chat template could not render these messages: {exc}") from exc
 

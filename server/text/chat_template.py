@@ -47,7 +47,10 @@ def message_to_dict(message: ChatMessage, index: int = 0) -> dict[str, Any]:
                     f"messages[{index}].content[{j}]: content parts of type {part.type!r}: {why}",
                     f"{where}.type",
                 )
-    return template_message(message.model_dump(exclude_none=True))
+    try:
+        return template_message(message.model_dump(exclude_none=True))
+    except ChatTemplateError as exc:  # a malformed part of this message: named where it is
+        raise bad_request(f"messages[{index}].{exc}", f"messages.{index}.{exc.param}") from exc
 
 
 def image_urls(messages: list[ChatMessage]) -> list[str]:

@@ -9,6 +9,7 @@ import asyncio
 import http.client
 import json
 import random
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -435,3 +436,84 @@ def test_internal_error_is_a_500_that_keeps_the_connection(failing_url: str, cap
         conn.close()
     logged = [r for r in caplog.records if r.exc_info and "secret internals" in str(r.exc_info[1])]
     assert len(logged) == 2, [r.getMessage() for r in caplog.records]  # the engine's call, the server's
+
+
+MESSAGE = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+USER = {"role": "user", "content": "hi"}
+
+
+def _assistant_calls(*calls: object) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": list(calls)}
+
+
+# bad requests on the less travelled endpoints and fields: (path, body, the param its 400 names;
+# None on /v1/messages, whose errors have no param)
+BESIDE_STREAMS = [
+    # an earlier turn's tool call whose function is not an object with a string name
+    ("/v1/chat/completions", {**CHAT, "messages": [USER, _assistant_calls({"function": 5}), USER]},
+     "messages.1.tool_calls.0.function"),
+    ("/v1/chat/completions", {**CHAT, "messages": [USER, _assistant_calls({"function": "f"}), USER]},
+     "messages.1.tool_calls.0.function"),
+    ("/v1/chat/completions",
+     {**CHAT, "messages": [USER, _assistant_calls({"function": {"name": None, "arguments": "{}"}}), USER]},
+     "messages.1.tool_calls.0.function"),
+    ("/v1/chat/completions",
+     {**CHAT, "messages": [USER, _assistant_calls({"function": {"name": "f", "arguments": 5}}), USER]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ("/tokenize", {"messages": [USER, _assistant_calls({"function": 5})]}, "messages.1.tool_calls.0.function"),
+]  # fmt: skip
+
+
+JSON = {"content-type": "application/json"}
+
+
+async def _stream_text(http: httpx.AsyncClient, url: str, path: str, body: dict) -> str:
+    """A good stream's raw event payloads, less the parts that differ between runs (ids, times)."""
+    volatile = re.compile(
+        r'"(id|created|created_at|e2e_latency|sequence_number|item_id)":\s*("[^"]*"|[\d.]+)'
+    )
+    async with http.stream("POST", f"{url}{path}", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        return volatile.sub("", "".join([line async for line in r.aiter_lines() if line.startswith("data:")]))
+
+
+GOOD_STREAMS = [
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+                   "stream": True}),
+    ("/v1/messages", {**MESSAGE, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}),
+    ("/v1/responses", {**RESPONSE, "max_output_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_bad_requests_beside_good_streams_are_4xx_and_hurt_no_one(server, until_idle) -> None:
+    """Each bad request is a 4xx in its API's error shape naming the field, while greedy streams on
+    every endpoint run beside them and give what they give alone; the engine ends idle."""
+
+    async def run() -> tuple[list[str], list[str], list[httpx.Response]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            alone = [await _stream_text(http, server.url, p, b) for p, b in GOOD_STREAMS]
+            good = [asyncio.create_task(_stream_text(http, server.url, p, b)) for p, b in GOOD_STREAMS]
+            bad = await asyncio.gather(
+                *(
+                    http.post(f"{server.url}{p}", content=json.dumps(b).encode(), headers=JSON)
+                    for p, b, _ in BESIDE_STREAMS
+                )
+            )
+            return alone, list(await asyncio.gather(*good)), bad
+
+    alone, beside, replies = asyncio.run(run())
+    assert beside == alone
+    for (path, _, param), r in zip(BESIDE_STREAMS, replies):
+        assert 400 <= r.status_code < 500, (path, param, r.status_code, r.text)
+        if path.startswith("/v1/messages"):
+            body = r.json()
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        else:
+            assert error_of(r.status_code, r.content)["param"] == param, (path, r.text)
+    idle = until_idle(server.url)
+    assert all(
+        idle[f"deltaserve_{k}"] == 0 for k in ("num_requests_running", "kv_pages_used", "state_slots_used")
+    )
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
