@@ -100,8 +100,15 @@ def _text(blocks: list[dict[str, Any]], where: str) -> str:
             raise bad_request(
                 f"{where}: blocks of type {block.get('type')!r} are not supported (text only)", "messages"
             )
-        texts.append(str(block.get("text") or ""))
+        texts.append(_block_text(block, where))
     return "".join(texts)
+
+
+def _block_text(block: dict[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):  # not a number's or an object's Python repr in the prompt
+        raise bad_request(f"{where}: a text block's text is a string", "messages")
+    return text
 
 
 def to_messages(
@@ -123,7 +130,7 @@ def to_messages(
         for j, block in enumerate(_blocks(message.get("content"), where)):
             kind = block.get("type")
             if kind == "text":
-                texts.append(str(block.get("text") or ""))
+                texts.append(_block_text(block, f"{where}.content[{j}]"))
                 parts.append(ContentPart(type="text", text=texts[-1]))
             elif kind == "image" and role == "user":
                 parts.append(
@@ -142,6 +149,7 @@ def to_messages(
                     ChatMessage(role="tool", tool_call_id=block.get("tool_use_id"), content=text or "")
                 )
             elif kind == "tool_use" and role == "assistant":
+                _check_tool_use(block, f"{where}.content[{j}]")
                 arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
                 call = {"name": block.get("name"), "arguments": arguments}
                 calls.append({"id": block.get("id") or _tool_use_id(), "type": "function", "function": call})
@@ -161,6 +169,14 @@ def to_messages(
     if not out:
         raise bad_request("messages is empty", "messages")
     return out
+
+
+def _check_tool_use(block: dict[str, Any], where: str) -> None:
+    """A tool_use block as Anthropic's API takes it: a string name and id, an object input."""
+    if not isinstance(block.get("name"), str) or not isinstance(block.get("id", ""), str):
+        raise bad_request(f"{where}: a tool_use block's name and id are strings", "messages")
+    if not isinstance(block.get("input", {}), dict):
+        raise bad_request(f"{where}: a tool_use block's input is an object", "messages")
 
 
 def _image_url(block: dict[str, Any], where: str) -> str:

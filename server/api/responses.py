@@ -115,7 +115,11 @@ def _content_of(content: Any, where: str) -> str | list[ContentPart]:
         if kind == "input_image" and isinstance(part.get("image_url"), str):
             parts.append(ContentPart(type="image_url", image_url=ImageURL(url=part["image_url"])))
         elif kind in ("input_text", "output_text", "text"):
-            parts.append(ContentPart(type="text", text=str(part.get("text") or "")))
+            if not isinstance(part.get("text"), str):  # not a number's or an object's repr in the prompt
+                raise bad_request(
+                    f"{where}: a content part of type {kind!r} needs its text (a string)", "input"
+                )
+            parts.append(ContentPart(type="text", text=part["text"]))
         else:
             why = (
                 "give its image_url (file_id is not supported)" if kind == "input_image" else "not supported"
@@ -177,6 +181,12 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
                 raise bad_request(f"{where}.role must be user, system, developer or assistant", "input")
             messages.append(ChatMessage(role=role, content=_content_of(item.get("content"), where)))
         elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not all(
+                isinstance(item.get(k, ""), str) for k in ("call_id", "arguments")
+            ):
+                raise bad_request(
+                    f"{where}: a function_call item's name, call_id and arguments are strings", "input"
+                )
             call = {
                 "id": item.get("call_id") or tool_call_id(),
                 "type": "function",

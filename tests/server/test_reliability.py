@@ -461,6 +461,28 @@ BESIDE_STREAMS = [
      {**CHAT, "messages": [USER, _assistant_calls({"function": {"name": "f", "arguments": 5}}), USER]},
      "messages.1.tool_calls.0.function.arguments"),
     ("/tokenize", {"messages": [USER, _assistant_calls({"function": 5})]}, "messages.1.tool_calls.0.function"),
+    # a text block or part whose text is not a string, a tool_use block or function_call item of
+    # the wrong types: 400s, not a Python repr ("{'a': 1}", "None") in the prompt
+    ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]},
+     None),
+    ("/v1/messages", {**MESSAGE, "system": [{"type": "text", "text": 5}]}, None),
+    ("/v1/messages/count_tokens", {**MESSAGE, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     None),
+    ("/v1/messages", {**MESSAGE, "messages": [
+        USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": [1, 2]}]}, USER]},
+     None),
+    ("/v1/messages", {**MESSAGE, "messages": [
+        USER, {"role": "assistant", "content": [{"type": "tool_use", "id": 7, "name": "f", "input": {}}]}, USER]},
+     None),
+    ("/v1/responses", {**RESPONSE, "input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+     "input"),
+    ("/v1/responses", {**RESPONSE, "input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input"),
+    ("/v1/responses", {**RESPONSE, "input": [USER, {"type": "function_call", "call_id": "c", "arguments": "{}"}]},
+     "input"),
+    ("/v1/responses", {**RESPONSE, "input": [
+        USER, {"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"}]}, "input"),
+    ("/v1/responses", {**RESPONSE, "input": [
+        USER, {"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]}, "input"),
 ]  # fmt: skip
 
 
