@@ -36,7 +36,7 @@ from .api.request_params import rid_prefix
 from .api.responses import ResponsesRequest, ResponseStore, create_response
 from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient, ShuttingDownError
-from .errors import APIError, bad_request, error_body, refused, validation_message
+from .errors import APIError, anthropic_path, bad_request, error_body, refused, validation_message
 from .metrics import Metrics, SharedMetrics
 from .protocol import (
     AbortRequest,
@@ -393,10 +393,10 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     ) -> JSONResponse:
         metrics.request_error(status)
         headers = {"Retry-After": "1"} if status == 503 else None  # full or draining: try again soon
-        # Anthropic's SDKs read their own shape; everything else reads OpenAI's
-        anthropic = request.url.path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens"))
         body = (
-            anthropic_error_body(status, message) if anthropic else error_body(status, message, param, code)
+            anthropic_error_body(status, message)
+            if anthropic_path(request.url.path)
+            else error_body(status, message, param, code)
         )
         return JSONResponse(body, status_code=status, headers=headers)
 

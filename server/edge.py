@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import HTTPException
 
-from .errors import error_body
+from .errors import anthropic_path, error_body
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -67,12 +67,12 @@ class EdgeGuard:
         headers = dict(scope["headers"])  # lower-case names (ASGI)
         if self.api_key is not None and _keyed_scope(scope) and not self._authorized(headers):
             message = "missing or invalid API key; send 'Authorization: Bearer <key>'"
-            await self._refuse(send, 401, message, "invalid_api_key")
+            await self._refuse(send, 401, message, "invalid_api_key", scope["path"])
             return
         limit = self.max_body_bytes
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > limit:
-            await self._refuse(send, 413, too_large(limit), "request_too_large")
+            await self._refuse(send, 413, too_large(limit), "request_too_large", scope["path"])
             return
         received = 0
         started = False
@@ -104,7 +104,7 @@ class EdgeGuard:
         except BodyTooLarge:
             if started:
                 raise
-            await self._refuse(send, 413, too_large(limit), "request_too_large")
+            await self._refuse(send, 413, too_large(limit), "request_too_large", scope["path"])
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         assert self.api_key is not None
@@ -114,9 +114,16 @@ class EdgeGuard:
         # Anthropic's SDKs send the key as x-api-key
         return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
 
-    async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
+    async def _refuse(self, send: Send, status: int, message: str, code: str, path: str) -> None:
+        from .api.messages import anthropic_error_body
+
         self.metrics.request_error(status)
-        body = json.dumps(error_body(status, message, None, code)).encode()
+        shaped = (
+            anthropic_error_body(status, message)
+            if anthropic_path(path)
+            else error_body(status, message, None, code)
+        )
+        body = json.dumps(shaped).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -90,6 +90,12 @@ def raise_if_failed(out: RequestOutput) -> None:
         raise RequestFailedError(f"request {out.request_id} failed in the engine")
 
 
+def anthropic_path(path: str) -> bool:
+    """A route of Anthropic's Messages API, whose SDKs read Anthropic's error shape (every other
+    route's clients read OpenAI's)."""
+    return path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens"))
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 

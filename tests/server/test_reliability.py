@@ -539,3 +539,24 @@ def test_bad_requests_beside_good_streams_are_4xx_and_hurt_no_one(server, until_
         idle[f"deltaserve_{k}"] == 0 for k in ("num_requests_running", "kv_pages_used", "state_slots_used")
     )
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def anthropic_error_of(status: int, body: bytes) -> dict:
+    """The Anthropic error object of an error reply (asserting its shape)."""
+    assert status >= 400, (status, body[:500])
+    payload = json.loads(body)
+    assert payload["type"] == "error" and set(payload["error"]) == {"type", "message"}, payload
+    return payload["error"]
+
+
+@pytest.mark.slow
+def test_messages_refused_before_the_body_get_anthropics_error_shape(server, keyed) -> None:
+    """The key and size checks, made before a body is read, answer /v1/messages in Anthropic's
+    shape as its other errors are (its SDKs read `error.type`), and every other route in OpenAI's."""
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        status, body, _ = raw_request(server.port, post_head(path, 10**9), b"{")
+        assert status == 413 and anthropic_error_of(status, body)["type"] == "request_too_large"
+        status, body, _ = raw_request(keyed.port, post_head(path, 10), b"{")
+        assert status == 401 and anthropic_error_of(status, body)["type"] == "authentication_error"
+    status, body, _ = raw_request(server.port, post_head("/v1/responses", 10**9), b"{")
+    assert error_of(status, body)["code"] == "request_too_large"
