@@ -3,6 +3,7 @@ this module translates fields and names them in the 400s as the request spells t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -328,6 +329,9 @@ def tool_choice_constraint(
         raise bad_request(str(exc), "tool_choice") from exc
 
 
+_TOKEN_KEY = re.compile(r"-?(0|[1-9][0-9]*)")
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias, token ids as JSON object keys, as token ids (their range is checked
     with the other values)."""
@@ -335,8 +339,11 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out: dict[int, float] = {}
     for key, value in bias.items():
+        # digits alone, no leading zero: int() also reads " 5", "+5", "05", "5_0" (token 50), "٥"
         try:
-            token = int(key)
+            if not _TOKEN_KEY.fullmatch(key):
+                raise ValueError(key)
+            token = int(key)  # a ValueError past Python's 4,300 digits too
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
         out[token] = float(value)

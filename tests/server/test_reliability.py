@@ -49,6 +49,12 @@ HOSTILE = [
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"-1": 1}}, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {str(2**70): 1}}, "logit_bias"),
+    # keys Python's int() reads but that are not token ids ("5_0" would bias token 50)
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5_0": 1}}, "logit_bias"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {" 5": 1}}, "logit_bias"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 1, "05": -1}}, "logit_bias"),
+    ("/v1/responses", {**RESPONSE, "logit_bias": {"+5": 1}}, "logit_bias"),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"\u0665": 1}}}, "logit_bias"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {"5": NAN}}, "logit_bias.5"),
     ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**9]}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], [2**70]]}, "prompt"),
