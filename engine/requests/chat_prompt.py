@@ -26,7 +26,7 @@ def image_urls(messages: list[dict[str, Any]]) -> list[str]:
         for m in messages
         if isinstance(m.get("content"), list)
         for part in m["content"]
-        if part.get("type") == "image_url"
+        if part.get("type") == "image_url" and part.get("image_url")  # one without: refused as it renders
     ]
 
 

@@ -114,5 +114,5 @@ async def _fetch(url: str) -> bytes:
                     if len(data) > MAX_IMAGE_BYTES:
                         raise ValueError(f"{url} is larger than {MAX_IMAGE_BYTES >> 20} MiB")
                 return bytes(data)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL is no HTTPError: "http://[::1"
         raise ValueError(f"fetching {url} failed ({type(exc).__name__}: {exc})") from exc

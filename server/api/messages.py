@@ -181,7 +181,9 @@ def _check_tool_use(block: dict[str, Any], where: str) -> None:
 
 def _image_url(block: dict[str, Any], where: str) -> str:
     """An image block's source as a URL: base64 data as a data: URL, or the URL given."""
-    source = block.get("source") or {}
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise bad_request(f"{where}: an image's source must be base64 data or a url", "messages")
     if source.get("type") == "base64" and isinstance(source.get("data"), str):
         return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
     if source.get("type") == "url" and isinstance(source.get("url"), str):

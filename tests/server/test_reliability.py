@@ -489,6 +489,12 @@ BESIDE_STREAMS = [
         USER, {"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"}]}, "input"),
     ("/v1/responses", {**RESPONSE, "input": [
         USER, {"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]}, "input"),
+    # an image_url part without its image_url, an Anthropic image block whose source is no object
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content.0.type"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content.0.type"),
+    ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": [{"type": "image", "source": "x"}]}]},
+     None),
 ]  # fmt: skip
 
 

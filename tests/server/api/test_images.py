@@ -189,6 +189,7 @@ def test_images_change_the_reply(vl) -> None:
         (data_url(huge_png()), "decompression bomb"),
         ("ftp://example.com/a.png", "must be a data: URL"),
         ("http://127.0.0.1:9/absent.png", "fetching"),
+        ("http://[::1/a.png", "fetching"),  # a URL httpx cannot parse: InvalidURL, no HTTPError
     ],
 )
 def test_a_bad_image_is_a_400_and_the_server_serves_on(vl, url: str, words: str) -> None:
