@@ -21,6 +21,12 @@ MAX_LOGPROBS = 20
 # how deeply a JSON schema's objects and arrays may nest: a deeper one could not be pickled to the
 # engine process (Python's recursion limit), and xgrammar's compile time grows with the cube of it
 MAX_SCHEMA_DEPTH = 128
+# every running copy of a request searches each of these at every step: bounded, so that one
+# request cannot slow every other request's steps (100,000 stop strings made them 20x slower)
+MAX_STOP = 64
+MAX_STOP_LENGTH = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 64
 
 
 WHITESPACE_PATTERN_REFUSED = (
@@ -166,6 +172,8 @@ class StructuredOutputs:
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
     """vLLM's bad words as token sequences: each word as tokenized alone, and after a space where
     that starts with another token but is as long (the same word inside a sentence)."""
+    if len(words) > MAX_BAD_WORDS:  # refused before thousands are tokenized
+        raise InvalidParamError(f"bad_words holds at most {MAX_BAD_WORDS} words", "bad_words")
     out = []
     for word in words:
         if not word.strip():
@@ -310,6 +318,19 @@ class SamplingParams:
             raise InvalidParamError(f"seed must be a 64-bit integer, got {self.seed}", "seed")
         if any(not s for s in self.stop):
             raise InvalidParamError("stop must not hold an empty string", "stop")
+        if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise InvalidParamError(
+                f"stop holds at most {MAX_STOP} strings of at most {MAX_STOP_LENGTH} characters each", "stop"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParamError(
+                f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids"
+            )
+        if (
+            len(self.bad_words or []) > MAX_BAD_WORDS
+            or len(self.bad_words_token_ids or []) > 2 * MAX_BAD_WORDS
+        ):
+            raise InvalidParamError(f"bad_words holds at most {MAX_BAD_WORDS} words", "bad_words")
         if self.stop and not self.detokenize:
             raise InvalidParamError("stop strings need the text: detokenize must be on", "detokenize")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words or []):

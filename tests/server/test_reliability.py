@@ -63,6 +63,12 @@ HOSTILE = [
     ("/v1/completions", {**COMPLETION, "seed": 2**70}, "seed"),
     ("/v1/completions", {**COMPLETION, "min_tokens": 2**70}, "min_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 2**70}, "max_tokens"),
+    # lists every running copy searches at every step: bounded (100,000 stop strings slowed
+    # every other request's steps 20x)
+    ("/v1/completions", {**COMPLETION, "stop": [f"zq{i}" for i in range(65)]}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a" * 1025]}, "stop"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [7] * 1025}}, "stop_token_ids"),
+    ("/v1/responses", {**RESPONSE, "bad_words": [f"zq{i}" for i in range(65)]}, "bad_words"),
     # NaN and infinities, in typed and in free-form fields
     ("/v1/chat/completions", {**CHAT, "temperature": NAN}, "temperature"),
     ("/v1/chat/completions", {**CHAT, "top_p": INF}, "top_p"),
