@@ -27,6 +27,7 @@ MAX_STOP = 64
 MAX_STOP_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_BAD_WORDS = 64
+MAX_LOGIT_BIAS = 1024  # entries: each copy's biases are gathered on the host at every step
 
 
 WHITESPACE_PATTERN_REFUSED = (
@@ -369,6 +370,11 @@ class SamplingParams:
                     f"bad_words_token_ids must be non-empty token id sequences, got {seq!r}"[:200],
                     "bad_words",
                 )
+        if len(self.logit_bias or {}) > MAX_LOGIT_BIAS:
+            raise InvalidParamError(
+                f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens (to sample from a few, give allowed_token_ids)",
+                "logit_bias",
+            )
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 raise InvalidParamError(f"logit_bias keys must be token ids, got {token!r}", "logit_bias")

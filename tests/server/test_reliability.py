@@ -69,6 +69,7 @@ HOSTILE = [
     ("/v1/chat/completions", {**CHAT, "stop": ["a" * 1025]}, "stop"),
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [7] * 1025}}, "stop_token_ids"),
     ("/v1/responses", {**RESPONSE, "bad_words": [f"zq{i}" for i in range(65)]}, "bad_words"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {str(i): -100 for i in range(1025)}}, "logit_bias"),
     # NaN and infinities, in typed and in free-form fields
     ("/v1/chat/completions", {**CHAT, "temperature": NAN}, "temperature"),
     ("/v1/chat/completions", {**CHAT, "top_p": INF}, "top_p"),
