@@ -7,7 +7,7 @@ a chat completion does (`chat.prepare_chat`), and the output is given back as Re
 `reasoning` item (the `<think>` section), a `message` with `output_text`, and one
 `function_call` per tool call. Streams send the Responses events (`response.created`, the items'
 `added` / delta / `done` events, `response.completed`). Responses are kept in memory (the last
-`STORE_SIZE`, unless the request says `store: false`): `previous_response_id` continues one (its
+`STORE_SIZE` within `STORE_BYTES`, unless the request says `store: false`): `previous_response_id` continues one (its
 input and output items come before the new input), `GET` / `DELETE /v1/responses/{id}` read and
 drop one. A restart forgets them all.
 """
@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -131,26 +131,51 @@ def _content_of(content: Any, where: str) -> str | list[ContentPart]:
 
 
 STORE_SIZE = 1024  # responses kept for previous_response_id and GET
+# and within this many bytes of their text: an input item may hold a 30 MB image data URL
+STORE_BYTES = 256 << 20
 
 
 @dataclass
 class StoredResponse:
     items: list[dict[str, Any]]  # the conversation: every input item, then the output items
     body: dict[str, Any]
+    nbytes: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.nbytes = _text_bytes([self.items, self.body])
+
+
+def _text_bytes(value: Any) -> int:
+    """About what `value`'s strings take in memory (what a stored response's size is made of)."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+            total += 64 * len(v)
+        elif isinstance(v, list):
+            stack.extend(v)
+            total += 8 * len(v)
+    return total
 
 
 class ResponseStore:
-    """The last `size` responses, in memory (least recently stored or used dropped first). Used
-    from the server's event loop only."""
+    """The last `size` responses within `max_bytes`, in memory (least recently stored or used
+    dropped first; the newest is kept whatever its size). Used from the server's event loop only."""
 
-    def __init__(self, size: int = STORE_SIZE) -> None:
-        self.size = size
+    def __init__(self, size: int = STORE_SIZE, max_bytes: int = STORE_BYTES) -> None:
+        self.size, self.max_bytes = size, max_bytes
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._bytes = 0
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
+        self.delete(response_id)
         self._entries[response_id] = entry
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        self._bytes += entry.nbytes
+        while len(self._entries) > 1 and (len(self._entries) > self.size or self._bytes > self.max_bytes):
+            self._bytes -= self._entries.popitem(last=False)[1].nbytes
 
     def get(self, response_id: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
@@ -159,7 +184,10 @@ class ResponseStore:
         return entry
 
     def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+        return entry is not None
 
 
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -367,7 +395,8 @@ async def create_response(
         if previous is None:
             raise bad_request(
                 f"no response {req.previous_response_id!r} is stored (this server keeps the last "
-                f"{store.size} in memory, not those made with store false, nor any from before a restart)",
+                f"{store.size} within {store.max_bytes >> 20} MiB in memory, not those made with store "
+                "false, nor any from before a restart)",
                 "previous_response_id",
             )
         items = previous.items + items

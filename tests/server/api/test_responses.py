@@ -294,6 +294,30 @@ def test_the_store_keeps_the_last_responses() -> None:
     assert store.delete("a") and not store.delete("a")
 
 
+def test_the_store_keeps_its_responses_within_its_bytes() -> None:
+    """Large inputs (an image's data URL) push the oldest responses out, so that the store cannot
+    grow by tens of MB a request up to its 1,024 responses; the newest is kept whatever its size."""
+    from deltaserve.server.api.responses import ResponseStore, StoredResponse
+
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "x" * 4000}]}]
+    store = ResponseStore(size=100, max_bytes=10_000)
+    for name in ("a", "b", "c"):
+        store.put(name, StoredResponse(image, {"id": name}))
+    assert store.get("a") is None and store.get("b") is not None and store.get("c") is not None
+    store.put("huge", StoredResponse([{"role": "user", "content": "y" * 50_000}], {"id": "huge"}))
+    assert store.get("huge") is not None and store.get("b") is None and store.get("c") is None
+    assert store.delete("huge")
+    store.put("d", StoredResponse(image, {"id": "d"}))
+    store.put("e", StoredResponse(image, {"id": "e"}))
+    assert store.get("d") is not None and store.get("e") is not None  # what "huge" took is free again
+    # the server's own store: 1,024 responses of a 1 MB input each are not all kept
+    default = ResponseStore()
+    text = "z" * (1 << 20)
+    for i in range(1024):
+        default.put(str(i), StoredResponse([{"role": "user", "content": text}], {"id": str(i)}))
+    assert default.get("0") is None and default.get("1023") is not None
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
