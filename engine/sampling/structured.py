@@ -194,6 +194,41 @@ def _pointer(key: str) -> str:
     return str(key).replace("~", "~0").replace("/", "~1")
 
 
+# formats whose every value xgrammar writes has a character or more (pydantic's AnyUrl sets minLength 1)
+_NONEMPTY_FORMATS = frozenset("date time date-time duration email uuid ipv4 ipv6 hostname uri".split())
+
+
+def _lengths_implied(node: dict[str, Any]) -> bool:
+    """Whether every string the node's pattern (or format) admits already meets its minLength and
+    maxLength, which xgrammar reads beside them without enforcing: `^[A-Z]{3}$` with maxLength 3."""
+    low, high = node.get("minLength", 0), node.get("maxLength")
+    if not isinstance(low, int) or not (high is None or isinstance(high, int)):
+        return False
+    if "pattern" not in node:
+        return high is None and low <= 1 and node.get("format") in _NONEMPTY_FORMATS
+    width = _pattern_width(node["pattern"])
+    return width is not None and width[0] >= low and (high is None or width[1] <= high)
+
+
+def _pattern_width(pattern: Any) -> tuple[int, int] | None:
+    """The fewest and most characters a string matching `pattern` whole has; None when unbounded
+    or unreadable. (xgrammar holds a JSON string to its pattern whole, anchors or not.)"""
+    if not isinstance(pattern, str):
+        return None
+    import importlib
+    import sys
+
+    _parser = importlib.import_module("re._parser" if sys.version_info >= (3, 11) else "sre_parse")
+    body = pattern.removeprefix("^")
+    if body.endswith("$") and not body.endswith("\\$"):
+        body = body[:-1]
+    try:
+        low, high = _parser.parse(body).getwidth()
+    except (re.error, RecursionError, OverflowError):
+        return None
+    return None if high >= _parser.MAXREPEAT else (int(low), int(high))
+
+
 def _unenforced_here(node: dict[str, Any]) -> str | None:
     """The first thing in this one schema object (not its subschemas) that xgrammar ignores."""
     for key in _IGNORED:
@@ -216,7 +251,8 @@ def _unenforced_here(node: dict[str, Any]) -> str | None:
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         return "allOf of more than one schema is not supported"
     if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
-        return "minLength / maxLength beside pattern or format are not supported"
+        if not _lengths_implied(node):
+            return "minLength / maxLength beside pattern or format are not supported"
     patterns = [node.get("pattern")] + list(node.get("patternProperties") or {})
     if any(isinstance(p, str) and _lookahead(p) for p in patterns):
         return "a lookahead ((?= or (?!) in a pattern is not supported (the grammar would ignore it)"

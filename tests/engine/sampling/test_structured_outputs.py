@@ -586,3 +586,51 @@ def test_forced_xml_calls_hold_values_to_their_bounds_lengths_and_patterns():
     assert accepts(grammar, call())
     for bad in (dict(code="abcde"), dict(guests="7"), dict(guests="0"), dict(price="2.5"), dict(room="abc")):
         assert not accepts(grammar, call(**bad)), bad
+
+
+@pytest.mark.parametrize(
+    "string, served",
+    [
+        # pydantic's Field(pattern=..., max_length=...): the pattern already bounds the length
+        ({"pattern": "^[A-Z]{3}$", "maxLength": 3}, True),
+        ({"pattern": "^(ab|c){1,2}$", "minLength": 1, "maxLength": 4}, True),
+        # pydantic's AnyUrl: every URI has a character or more
+        ({"format": "uri", "minLength": 1}, True),
+        ({"pattern": "^[A-Z]{3}$", "maxLength": 2}, False),
+        ({"pattern": "^[A-Z]{3}$", "minLength": 4}, False),
+        ({"pattern": "^a+$", "maxLength": 2}, False),
+        ({"pattern": "[", "maxLength": 3}, False),
+        # pydantic's HttpUrl: a URI of any length, which xgrammar would not cut at 2,083
+        ({"format": "uri", "minLength": 1, "maxLength": 2083}, False),
+        ({"format": "uri-reference", "minLength": 1}, False),
+    ],
+)
+def test_lengths_beside_a_pattern_are_served_where_the_pattern_implies_them(string, served) -> None:
+    """xgrammar reads minLength / maxLength beside a pattern or format without enforcing them:
+    such a schema is refused unless every string the pattern (or format) admits meets them, as
+    pydantic's constrained strings and AnyUrl do; those were refused too."""
+    from deltaserve.engine.sampling.structured import unenforced
+
+    problem = unenforced({"type": "object", "properties": {"s": {"type": "string", **string}}})
+    assert (problem is None) == served, problem
+    if not served:
+        assert "minLength / maxLength" in problem and "#/properties/s" in problem
+
+
+def test_pydantic_constrained_strings_compile_and_hold(llm) -> None:
+    """A pydantic model's pattern-bounded string and AnyUrl field are served, and the string
+    holds to its pattern (the random model's URI runs to max_tokens, so it is checked apart)."""
+    import re
+
+    code = {"type": "string", "pattern": "^[A-Z]{3}$", "maxLength": 3, "title": "Code"}
+    site = {"type": "string", "format": "uri", "minLength": 1, "title": "Site"}
+    outs = []
+    for props in ({"code": code}, {"code": code, "site": site}):
+        schema = {"type": "object", "properties": props, "required": list(props)}
+        params = SamplingParams(
+            temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputs(json=schema)
+        )
+        outs.append(llm.generate(["JSON:"], params)[0].outputs[0])
+    assert outs[0].finish_reason == "stop", outs[0].text
+    assert re.fullmatch("[A-Z]{3}", json.loads(outs[0].text)["code"])
+    assert re.match(r'\{"code": "[A-Z]{3}", "site": "', outs[1].text), outs[1].text
