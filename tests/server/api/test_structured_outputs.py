@@ -76,21 +76,27 @@ NOTE = {
 }
 
 
+def pushed_reply(client, schema: dict[str, Any], token: int, name: str) -> Any:
+    """A greedy reply held to `schema`, every step pushed towards `token`: where the grammar lets
+    a token through that breaks JSON (a raw tab in a string), this is where it shows."""
+    return client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "JSON"}],
+        max_tokens=30,
+        temperature=0,
+        logit_bias={str(token): 100},
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}},
+    ).choices[0]
+
+
 def test_a_length_bounded_string_holds_no_raw_control_characters(client) -> None:
     """xgrammar lets a string with minLength / maxLength hold raw control characters, which JSON
     forbids: pushed towards a tab, the reply was `{"note": "()\\t\\t..."}` with a raw tab (finish
     reason stop, and json.loads failed), and a forced call's arguments so did not parse (its raw
     markup came back as content). Now the JSON parses and satisfies the schema."""
-    r = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=[{"role": "user", "content": "JSON"}],
-        max_tokens=30,
-        temperature=0,
-        logit_bias={str(TAB): 100},
-        response_format={"type": "json_schema", "json_schema": {"name": "note", "schema": NOTE}},
-    )
-    assert r.choices[0].finish_reason == "stop"
-    note = json.loads(r.choices[0].message.content)["note"]
+    reply = pushed_reply(client, NOTE, TAB, "note")
+    assert reply.finish_reason == "stop"
+    note = json.loads(reply.message.content)["note"]
     assert 2 <= len(note) <= 8 and all(ord(ch) >= 0x20 for ch in note)
     call = client.chat.completions.create(
         model=MODEL_NAME,
@@ -541,16 +547,9 @@ def test_a_pattern_beyond_ascii_holds_no_raw_control_characters(client) -> None:
         "required": ["word"],
         "additionalProperties": False,
     }
-    r = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=[{"role": "user", "content": "JSON"}],
-        max_tokens=30,
-        temperature=0,
-        logit_bias={str(TAB): 100},
-        response_format={"type": "json_schema", "json_schema": {"name": "word", "schema": schema}},
-    )
-    assert r.choices[0].finish_reason == "stop"
-    word = json.loads(r.choices[0].message.content)["word"]
+    reply = pushed_reply(client, schema, TAB, "word")
+    assert reply.finish_reason == "stop"
+    word = json.loads(reply.message.content)["word"]
     assert re.fullmatch("é.{1,3}", word) and all(ord(ch) >= 0x20 for ch in word), word
 
 
@@ -589,16 +588,9 @@ def test_an_ipv4_format_has_no_leading_zeros(client) -> None:
         "required": ["ip"],
         "additionalProperties": False,
     }
-    r = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=[{"role": "user", "content": "JSON"}],
-        max_tokens=30,
-        temperature=0,
-        logit_bias={str(ZERO): 100},
-        response_format={"type": "json_schema", "json_schema": {"name": "host", "schema": schema}},
-    )
-    assert r.choices[0].finish_reason == "stop"
-    ip = json.loads(r.choices[0].message.content)["ip"]
+    reply = pushed_reply(client, schema, ZERO, "host")
+    assert reply.finish_reason == "stop"
+    ip = json.loads(reply.message.content)["ip"]
     assert str(ipaddress.IPv4Address(ip)) == ip
 
 
