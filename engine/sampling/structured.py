@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from deltaserve.engine.requests.sampling_params import StructuredOutputs
+from deltaserve.engine.sized_lru import SizedLRU
 
 # compiled grammars kept for the requests that ask for them again, the least recently used dropped
 # past this many bytes: each distinct schema has its own (about half a MB with a 150k vocabulary)
@@ -50,8 +50,7 @@ class Grammars:
         )
         # no cache of xgrammar's own: `compiled` is the one, and bounded
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
-        self.compiled: OrderedDict[str, Any] = OrderedDict()  # least recently used first
-        self.compiled_bytes = 0
+        self.compiled: SizedLRU[str, Any] = SizedLRU(CACHE_BYTES)  # a running request's matcher keeps its own
         # grammars being compiled, by key: the engine compiles several at once (engine/core.py),
         # and the same one asked for again meanwhile waits for that compile instead of running another
         self.compiling: dict[str, Future[Any]] = {}
@@ -73,7 +72,6 @@ class Grammars:
         with self.lock:
             grammar = self.compiled.get(key)
             if grammar is not None:
-                self.compiled.move_to_end(key)
                 return grammar
             pending = self.compiling.get(key)
             ours = pending is None
@@ -89,11 +87,7 @@ class Grammars:
             pending.set_exception(exc)
             raise
         with self.lock:
-            self.compiled[key] = grammar
-            self.compiled_bytes += grammar.memory_size_bytes
-            while self.compiled_bytes > CACHE_BYTES and len(self.compiled) > 1:
-                _, old = self.compiled.popitem(last=False)  # a running request's matcher still holds it
-                self.compiled_bytes -= old.memory_size_bytes
+            self.compiled.put(key, grammar, grammar.memory_size_bytes)
             del self.compiling[key]
         pending.set_result(grammar)
         return grammar

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict
+
+from deltaserve.engine.sized_lru import SizedLRU
 
 from ..errors import APIError, bad_request, error_body, failure_of
 from ..protocol import (
@@ -167,27 +168,16 @@ class ResponseStore:
 
     def __init__(self, size: int = STORE_SIZE, max_bytes: int = STORE_BYTES) -> None:
         self.size, self.max_bytes = size, max_bytes
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._bytes = 0
+        self._entries: SizedLRU[str, StoredResponse] = SizedLRU(max_bytes, size)
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
-        self.delete(response_id)
-        self._entries[response_id] = entry
-        self._bytes += entry.nbytes
-        while len(self._entries) > 1 and (len(self._entries) > self.size or self._bytes > self.max_bytes):
-            self._bytes -= self._entries.popitem(last=False)[1].nbytes
+        self._entries.put(response_id, entry, entry.nbytes)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
+        return self._entries.get(response_id)
 
     def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self._bytes -= entry.nbytes
-        return entry is not None
+        return self._entries.pop(response_id) is not None
 
 
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:

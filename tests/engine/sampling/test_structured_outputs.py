@@ -445,7 +445,7 @@ def test_the_same_grammar_asked_for_meanwhile_is_compiled_once():
             assert got[0] is got[1] is got[2]
 
 
-def test_compiled_grammars_are_kept_within_a_memory_bound(monkeypatch):
+def test_compiled_grammars_are_kept_within_a_memory_bound():
     """Every distinct schema compiles to its own grammar (about half a MB with Qwen's vocabulary):
     they were all kept, twice (deltaserve's cache and xgrammar's), so a server that saw new schemas
     grew by about a MB a request without end. Now the least recently used go past CACHE_BYTES, and
@@ -466,7 +466,7 @@ def test_compiled_grammars_are_kept_within_a_memory_bound(monkeypatch):
         return StructuredOutputs(json={"type": "object", "properties": {f"field_{i}": {"type": "integer"}}})
 
     one = grammars.compile(schema(0)).memory_size_bytes
-    monkeypatch.setattr(structured, "CACHE_BYTES", 3 * one, raising=False)
+    grammars.compiled.max_bytes = 3 * one  # the cache of CACHE_BYTES, made small
     for i in range(1, 12):
         grammars.compile(schema(i))
         grammars.compile(schema(1))  # used again: kept
