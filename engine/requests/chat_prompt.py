@@ -66,12 +66,12 @@ def _tool_call_for_template(call: dict[str, Any], index: int) -> dict[str, Any]:
     # a string that is not JSON is passed through as it came
     call = dict(call)
     function = call.get("function")
-    arguments = function.get("arguments") if isinstance(function, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ChatTemplateError(
             f"tool_calls[{index}]: a tool call's function is an object with its name (a string)",
             f"tool_calls.{index}.function",
         )
+    arguments = function.get("arguments")
     if arguments is not None and not isinstance(arguments, (str, dict)):
         raise ChatTemplateError(
             f"tool_calls[{index}]: a tool call's arguments are a JSON string",

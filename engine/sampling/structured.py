@@ -15,8 +15,10 @@ does with a reasoning parser). Until that token the request's rows get no mask.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -188,6 +190,8 @@ def _pointer(key: str) -> str:
     return str(key).replace("~", "~0").replace("/", "~1")
 
 
+# Python's regex parser (sre_parse before 3.11): a pattern's fewest and most characters
+_RE_PARSER = importlib.import_module("re._parser" if sys.version_info >= (3, 11) else "sre_parse")
 # formats whose every value xgrammar writes has a character or more (pydantic's AnyUrl sets minLength 1)
 _NONEMPTY_FORMATS = frozenset("date time date-time duration email uuid ipv4 ipv6 hostname uri".split())
 
@@ -209,18 +213,14 @@ def _pattern_width(pattern: Any) -> tuple[int, int] | None:
     or unreadable. (xgrammar holds a JSON string to its pattern whole, anchors or not.)"""
     if not isinstance(pattern, str):
         return None
-    import importlib
-    import sys
-
-    _parser = importlib.import_module("re._parser" if sys.version_info >= (3, 11) else "sre_parse")
     body = pattern.removeprefix("^")
     if body.endswith("$") and not body.endswith("\\$"):
         body = body[:-1]
     try:
-        low, high = _parser.parse(body).getwidth()
+        low, high = _RE_PARSER.parse(body).getwidth()
     except (re.error, RecursionError, OverflowError):
         return None
-    return None if high >= _parser.MAXREPEAT else (int(low), int(high))
+    return None if high >= _RE_PARSER.MAXREPEAT else (int(low), int(high))
 
 
 def _unenforced_here(node: dict[str, Any]) -> str | None:
