@@ -23,6 +23,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from deltaserve.engine.requests.sampling_params import WHITESPACE_PATTERN_WHY
+
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
@@ -183,10 +185,7 @@ class SamplingRequest(RequestBody):
 
     # vLLM's older fields that would change the output, and that xgrammar cannot honour
     unsupported: ClassVar[dict[str, Unsupported]] = {
-        "guided_whitespace_pattern": unsupported_if_set(
-            "not supported: xgrammar writes JSON with fixed separators (`, ` and `: `), not whitespace "
-            "of a pattern; structured_outputs {'disable_any_whitespace': true} writes JSON with no whitespace"
-        ),
+        "guided_whitespace_pattern": unsupported_if_set(WHITESPACE_PATTERN_WHY),
         "guided_decoding_backend": _guided_decoding_backend,
         "structural_tag": unsupported_if_set("not supported: send response_format or structured_outputs"),
     }

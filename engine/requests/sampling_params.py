@@ -30,9 +30,10 @@ MAX_BAD_WORDS = 64
 MAX_LOGIT_BIAS = 1024  # entries: each copy's biases are gathered on the host at every step
 
 
-WHITESPACE_PATTERN_REFUSED = (
-    "whitespace_pattern is not supported: xgrammar writes JSON with fixed separators (`, ` and `: `), "
-    "not whitespace of a pattern; disable_any_whitespace true writes JSON with no whitespace"
+# why structured_outputs.whitespace_pattern (and vLLM's older guided_whitespace_pattern) is refused
+WHITESPACE_PATTERN_WHY = (
+    "not supported: xgrammar writes JSON with fixed separators (`, ` and `: `), not whitespace of a "
+    "pattern; structured_outputs {'disable_any_whitespace': true} writes JSON with no whitespace"
 )
 
 
@@ -97,7 +98,7 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         self._check_types()
         if self.whitespace_pattern:
-            raise _structured(WHITESPACE_PATTERN_REFUSED)
+            raise _structured(f"whitespace_pattern is {WHITESPACE_PATTERN_WHY}")
         given = [self.json is not None, self.json_object, self.tool_calls is not None]
         given += [self.regex is not None, self.choice is not None, self.grammar is not None]
         if sum(given) != 1:
