@@ -75,8 +75,7 @@ def _conv_prefill_kernel(
     pool,
     weight,
     bias,
-    cu_seqlens,
-    seq_idx,
+    seq_pos,
     slots,
     has_init,
     out,
@@ -97,36 +96,38 @@ def _conv_prefill_kernel(
     wait_inputs(PDL)
     i_t = tl.program_id(0)
     i_d = tl.program_id(1)
-    o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
-    m_t = o_t < T
     m_d = o_d < D
-    b_seq = tl.load(seq_idx + o_t, mask=m_t, other=0)
-    b_pos = o_t - tl.load(cu_seqlens + b_seq, mask=m_t, other=0).to(tl.int32)  # position in its sequence
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    # each token's position in its sequence, built once per forward (`token_index`)
+    b_pos = tl.load(seq_pos + T + o_t, mask=m_t, other=W - 1)
     # the tile's pointers once (T * D can pass 2**31): each tap is a scalar offset from them
     p_x = x + o_t.to(tl.int64)[:, None] * stride_xt + o_d[None, :]
-    # the history is read only in tiles where a sequence starts (its first W-1 outputs)
-    need_hist = tl.min(tl.where(m_t, b_pos, W - 1)) < W - 1
-    b_slot = tl.load(slots + b_seq, mask=m_t, other=0).to(tl.int64)
-    b_init = tl.load(has_init + b_seq, mask=m_t, other=0) != 0
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+    # tap j reads stream position pos + j: history column pos + j while that precedes the
+    # sequence's inputs, else input pos + j - (W-1). History terms come first in tap order,
+    # so each output sums its terms in tap order as one stream would.
+    if tl.min(b_pos) < W - 1:  # only tiles where a sequence starts read the history
+        b_seq = tl.load(seq_pos + o_t, mask=m_t, other=0)
+        b_slot = tl.load(slots + b_seq, mask=m_t, other=0).to(tl.int64)
+        b_init = tl.load(has_init + b_seq, mask=m_t, other=0) != 0
+        for j in tl.static_range(W - 1):
+            m_hist = m_t & (b_pos < W - 1 - j) & b_init
+            b_hist = tl.load(
+                pool + b_slot[:, None] * stride_ps + o_d[None, :] * stride_pd + (b_pos + j)[:, None],
+                mask=m_hist[:, None] & m_d[None, :],
+                other=0.0,
+            )
+            b_w = tl.load(weight + o_d * stride_wd + j, mask=m_d, other=0.0).to(tl.float32)
+            acc += b_hist.to(tl.float32) * b_w[None, :]
     for j in tl.static_range(W):
-        # tap j reads stream position pos + j, i.e. input pos + j - (W-1) of this sequence,
-        # or history column pos + j when that input would precede the sequence.
         back = W - 1 - j
-        # loaded without waiting for b_pos (two dependent loads away); a prior sequence's rows dropped after
+        # loaded without waiting for b_pos; a prior sequence's rows dropped after
         b_in = tl.load(p_x - back * stride_xt, mask=(m_t & (o_t >= back))[:, None] & m_d[None, :], other=0.0)
         b_in = tl.where((b_pos >= back)[:, None], b_in.to(tl.float32), 0.0)
-        if j < W - 1:
-            if need_hist:
-                m_hist = m_t & (b_pos < back) & b_init
-                b_in += tl.load(
-                    pool + b_slot[:, None] * stride_ps + o_d[None, :] * stride_pd + (b_pos + j)[:, None],
-                    mask=m_hist[:, None] & m_d[None, :],
-                    other=0.0,
-                ).to(tl.float32)
         b_w = tl.load(weight + o_d * stride_wd + j, mask=m_d, other=0.0).to(tl.float32)
         acc += b_in * b_w[None, :]
     if SILU:
@@ -223,17 +224,17 @@ def conv_decode_launch(
     )
 
 
-def sequence_index(
-    cu_seqlens: torch.Tensor, total: int, cache: PerForwardCache | None = None
-) -> torch.Tensor:
-    """The sequence of each of `total` tokens `[total]` int32, on the device (no host sync):
-    the first bound strictly above t. Built once per forward where the caller keeps a `cache`."""
+def token_index(cu_seqlens: torch.Tensor, total: int, cache: PerForwardCache | None = None) -> torch.Tensor:
+    """`[2, total]` int32 on the device (no host sync): each token's sequence (the first bound
+    strictly above it), then its position in that sequence. Built once per forward where the
+    caller keeps a `cache`."""
 
     def build() -> torch.Tensor:
         tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-        return torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True).to(torch.int32)
+        seq = torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True)
+        return torch.stack([seq, tokens - cu_seqlens[seq]]).to(torch.int32)
 
-    return per_input(cache, "sequence_index", cu_seqlens, total, build)
+    return per_input(cache, "token_index", cu_seqlens, total, build)
 
 
 def conv_prefill_launch(
@@ -258,14 +259,13 @@ def conv_prefill_launch(
     width = weight.shape[1]
     n = slots.shape[0]
     if total > 0:
-        seq_idx = sequence_index(cu_seqlens, total, cache)
+        seq_pos = token_index(cu_seqlens, total, cache)
         _conv_prefill_kernel[(triton.cdiv(total, block_t), triton.cdiv(dim, block_d))](
             x,
             conv_pool,
             weight,
             bias if bias is not None else weight,
-            cu_seqlens,
-            seq_idx,
+            seq_pos,
             slots,
             has_initial_state,
             out,
