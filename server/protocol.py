@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -70,6 +70,33 @@ def invalid_json_value(data: Any) -> tuple[str, str] | None:
     return None
 
 
+def _leaf_types(annotation: Any) -> set[Any]:
+    """The types a field's annotation is built from (`int | list[int] | None`: int, NoneType)."""
+    if get_origin(annotation) is Literal:
+        return {Literal}
+    args = get_args(annotation)
+    return set().union(*map(_leaf_types, args)) if args else {annotation}
+
+
+def _number_kind(annotation: Any) -> str | None:
+    """What a field of numbers that takes no bool holds ("integer" or "number"), else None."""
+    leaves = _leaf_types(annotation)
+    if leaves & {bool, Any} or not leaves & {int, float}:
+        return None
+    return "integer" if int in leaves else "number"
+
+
+def _holds_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, list):
+        kinds = set(map(type, value))  # token id lists: one pass in C
+        return bool in kinds or any(_holds_bool(v) for v in value if type(v) in (list, dict))
+    if isinstance(value, dict):
+        return any(_holds_bool(v) for v in value.values())
+    return False
+
+
 # (field value, whole body) -> why the value cannot be served, or None where it changes nothing
 Unsupported = Callable[[Any, dict[str, Any]], str | None]
 
@@ -84,6 +111,14 @@ class RequestBody(OpenAIModel):
     Fields in `unsupported` that would change the output are a 400 naming them, not ignored."""
 
     unsupported: ClassVar[dict[str, Unsupported]] = {}
+    # fields of numbers (max_tokens, n, seed, temperature, token ids ...) -> "integer" or "number"
+    _numbers: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        kinds = {name: _number_kind(f.annotation) for name, f in cls.model_fields.items()}
+        cls._numbers = {name: kind for name, kind in kinds.items() if kind is not None}
 
     @model_validator(mode="before")
     @classmethod
@@ -93,6 +128,14 @@ class RequestBody(OpenAIModel):
             path, reason = found
             raise PydanticCustomError("invalid_json_value", "{reason}", {"param": path, "reason": reason})
         if isinstance(data, dict):
+            for name, kind in cls._numbers.items():
+                # pydantic reads true as 1: max_tokens true would be one token, not a 400
+                if name in data and _holds_bool(data[name]):
+                    raise PydanticCustomError(
+                        "bool_not_number",
+                        "{reason}",
+                        {"param": name, "reason": f"Input should be a valid {kind}, not a boolean"},
+                    )
             for name, check in cls.unsupported.items():
                 why = check(data[name], data) if name in data else None
                 if why is not None:

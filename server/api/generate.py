@@ -206,8 +206,8 @@ class NativeGeneration:
             if read is not None:
                 ids = ctx.images.expand(ids, read, "image_data")
             start = start if want else -1
-            creq = _completion_request(sampling, top if want else None, start, body.priority)
             try:
+                creq = _completion_request(sampling, top if want else None, start, body.priority)
                 params = ctx.sampling_params(creq, len(ids))
             except APIError as exc:
                 raise exc.renamed(_NAMES) from exc

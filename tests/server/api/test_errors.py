@@ -453,3 +453,61 @@ def test_bad_response_format_is_400_and_admits_nothing(server, fmt: dict, needle
     assert needle in err["message"]
     ok = post(server, "/v1/chat/completions", json={**GOOD, "response_format": {"type": "text"}})
     assert ok.status_code == 200
+
+
+GENERATE = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+MESSAGE = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/chat/completions", {**GOOD, "max_tokens": True}, "max_tokens"),
+        ("/v1/chat/completions", {**GOOD, "max_completion_tokens": True}, "max_completion_tokens"),
+        ("/v1/chat/completions", {**GOOD, "n": True}, "n"),
+        ("/v1/chat/completions", {**GOOD, "seed": False}, "seed"),
+        ("/v1/chat/completions", {**GOOD, "logprobs": True, "top_logprobs": True}, "top_logprobs"),
+        ("/v1/chat/completions", {**GOOD, "temperature": True}, "temperature"),
+        ("/v1/chat/completions", {**GOOD, "stop_token_ids": [5, True]}, "stop_token_ids"),
+        ("/v1/chat/completions", {**GOOD, "logit_bias": {"5": True}}, "logit_bias"),
+        ("/v1/completions", {**COMPLETION, "logprobs": True}, "logprobs"),
+        ("/v1/completions", {**COMPLETION, "min_tokens": True}, "min_tokens"),
+        ("/v1/completions", {**COMPLETION, "prompt": [[1, True]]}, "prompt"),
+        ("/v1/responses", {**RESPONSE, "max_output_tokens": True}, "max_output_tokens"),
+        ("/v1/responses", {**RESPONSE, "top_k": True}, "top_k"),
+        ("/v1/messages", {**MESSAGE, "max_tokens": True}, "max_tokens"),
+        ("/v1/messages", {**MESSAGE, "top_k": True}, "top_k"),
+        ("/v1/messages", {**MESSAGE, "min_tokens": True}, "min_tokens"),  # the chat endpoint's extra field
+        (
+            "/generate",
+            {**GENERATE, "sampling_params": {"max_new_tokens": True}},
+            "sampling_params.max_new_tokens",
+        ),
+        ("/generate", {**GENERATE, "sampling_params": {"n": True}}, "n"),
+        ("/generate", {**GENERATE, "return_logprob": True, "top_logprobs_num": True}, "top_logprobs_num"),
+        ("/generate", {**GENERATE, "input_ids": [1, True], "text": None}, "input_ids"),
+    ],
+)
+def test_a_boolean_is_no_number(server, read_metrics, path: str, body: dict, param: str) -> None:
+    """JSON true is not 1 (pydantic would read it so): max_tokens true is a 400, not one token."""
+    before = read_metrics(server.url)["deltaserve_prompt_tokens_total"]
+    r = post(server, path, json=body)
+    assert r.status_code == 400, r.text
+    if path == "/v1/messages":  # Anthropic's shape, which names the field in its message alone
+        assert r.json()["type"] == "error"
+        message = r.json()["error"]["message"]
+    else:
+        message = assert_error(r, 400, param)["message"]
+    assert message.startswith(f"{param}: Input should be a valid") and "not a boolean" in message
+    assert read_metrics(server.url)["deltaserve_prompt_tokens_total"] == before  # nothing admitted
+
+
+def test_the_openai_client_gets_a_400_for_a_boolean_max_tokens(client) -> None:
+    with pytest.raises(openai.BadRequestError, match="max_tokens: Input should be a valid integer"):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=True
+        )
+    ok = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
+    assert ok.usage is not None and ok.usage.completion_tokens == 1
