@@ -105,6 +105,11 @@ def unsupported_if_set(why: str) -> Unsupported:
     return lambda value, _: None if value in (None, "", [], {}, False) else why
 
 
+def unsupported_unless_one(why: str) -> Unsupported:
+    """For `n` where the API answers one sample: 1 (or null) changes nothing, any other is refused."""
+    return lambda value, _: None if value is None or (not isinstance(value, bool) and value == 1) else why
+
+
 class RequestBody(OpenAIModel):
     """A request's top-level model. Its whole raw body is checked once, before any field, free-form
     ones (tools, metadata, response_format) included: what the reply echoes must encode too.

@@ -34,6 +34,7 @@ from ..protocol import (
     ToolDefinition,
     translating,
     unsupported_if_set,
+    unsupported_unless_one,
     validated,
 )
 from ..text.chat_output import ChatStreamState
@@ -57,6 +58,8 @@ class MessagesRequest(RequestBody):
     unsupported = {
         "mcp_servers": unsupported_if_set("not supported: this server calls no MCP servers"),
         "container": unsupported_if_set("not supported: this server runs no code containers"),
+        # the chat endpoint's n, which this API has no place for: one message is one sample
+        "n": unsupported_unless_one("not supported: a message is one sample (send one request a sample)"),
     }
     model: str | None = None
     max_tokens: int

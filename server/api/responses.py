@@ -37,6 +37,7 @@ from ..protocol import (
     SamplingRequest,
     translating,
     unsupported_if_set,
+    unsupported_unless_one,
     validated,
 )
 from ..text.chat_output import ChatStreamState, tool_call_id
@@ -75,6 +76,8 @@ class ResponsesRequest(RequestBody):
         "top_logprobs": unsupported_if_set("not supported here: chat completions give logprobs"),
         "include": _include,
         "prompt_logprobs": unsupported_if_set("not supported here: chat completions give them"),
+        # the chat endpoint's n, which this API has no place for: one response is one sample
+        "n": unsupported_unless_one("not supported: a response is one sample (send one request a sample)"),
     }
     model: str | None = None
     input: str | list[dict[str, Any]]

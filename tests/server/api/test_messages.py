@@ -211,3 +211,13 @@ def test_json_outputs_hold_the_reply_to_the_schema(claude) -> None:
     ):
         with pytest.raises(anthropic.BadRequestError):
             claude.messages.create(**kw, extra_body=extra)
+
+
+def test_n_other_than_one_is_refused_not_dropped(claude) -> None:
+    """The chat endpoint's n has no place in a message (one sample): refused, as the other fields
+    that would change the output are, rather than answering one sample of the n asked."""
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, extra_body={"n": 3})
+    assert refused.value.body["error"]["message"].startswith("n: not supported")
+    m = claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, extra_body={"n": 1})
+    assert m.usage.output_tokens == 2
