@@ -183,6 +183,10 @@ class NativeGeneration:
         count = len(batch)
         samplings = _per_prompt(body.sampling_params or {}, count, "sampling_params")
         rids = _per_prompt(body.rid, count, "rid") if body.rid is not None else [None] * count
+        named = [r for r in rids if r is not None]
+        if len(set(named)) < len(named):  # one name, two prompts: their replies and aborts would mix
+            twice = next(r for r in named if named.count(r) > 1)
+            raise bad_request(f"rid {twice!r} names more than one prompt; give each its own", "rid")
         wants = _per_prompt(body.return_logprob, count, "return_logprob")
         starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
         tops = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
@@ -205,6 +209,12 @@ class NativeGeneration:
             read = await ctx.images.read(urls, "image_data")
             if read is not None:
                 ids = ctx.images.expand(ids, read, "image_data")
+            if start < -1 or want and start >= len(ids):
+                raise bad_request(
+                    f"logprob_start_len must be -1 (none of the prompt) or a position in the prompt's "
+                    f"{len(ids)} tokens (0 to {len(ids) - 1}), got {start}",
+                    "logprob_start_len",
+                )
             start = start if want else -1
             try:
                 creq = _completion_request(sampling, top if want else None, start, body.priority)

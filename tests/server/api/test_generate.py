@@ -174,12 +174,31 @@ def test_a_stop_string_is_the_matched_reason(server) -> None:
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
         ({"text": "hi", "priority": 3}, "priority"),  # the server runs fcfs
         ({"text": "hi", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
+        # a prompt's logprobs from a position it does not have: SGLang refuses them too
+        ({"input_ids": [5, 9, 17], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len"),
+        ({"input_ids": [5, 9, 17], "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+        ({"input_ids": [[5, 9], [17]], "return_logprob": True, "logprob_start_len": 1}, "logprob_start_len"),
+        ({"input_ids": [5, 9, 17], "logprob_start_len": -7}, "logprob_start_len"),
+        # one rid for two prompts: their replies' ids and /abort_request could not tell them apart
+        ({"text": ["a", "b"], "rid": ["job", "job"]}, "rid"),
+        ({"text": ["a", "b"], "rid": "job"}, "rid"),
     ],
 )
-def test_refusals_are_400s_naming_the_field(server, body: dict, param: str) -> None:
+def test_refusals_are_400s_naming_the_field(server, read_metrics, body: dict, param: str) -> None:
+    before = read_metrics(server.url)["deltaserve_prompt_tokens_total"]
     r = generate(server, **body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert read_metrics(server.url)["deltaserve_prompt_tokens_total"] == before  # nothing admitted
+
+
+def test_a_prompts_last_position_and_distinct_rids_are_served(server) -> None:
+    r = generate(
+        server, input_ids=[5, 9, 17], sampling_params=GREEDY, return_logprob=True, logprob_start_len=2
+    ).json()
+    assert [row[1] for row in r["meta_info"]["input_token_logprobs"]] == [17]
+    batch = generate(server, text=["a", "b"], rid=["job-a", "job-b"], sampling_params=GREEDY).json()
+    assert [r["meta_info"]["id"] for r in batch] == ["job-a", "job-b"]
 
 
 def test_regex_constrains_the_text(server) -> None:
