@@ -10,9 +10,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args, get_origin
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -190,7 +191,7 @@ class StreamOptions(OpenAIModel):
 
 
 class FunctionDefinition(OpenAIModel):
-    name: str
+    name: str = Field(min_length=1)  # a call names its function: "" would name none
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
@@ -198,6 +199,24 @@ class FunctionDefinition(OpenAIModel):
 class ToolDefinition(OpenAIModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
+
+
+def _distinct_names(tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+    """Tools whose function names differ: a call names its function, and a forced call's grammar
+    and the reply's parser hold one definition a name."""
+    seen: set[str] = set()
+    for tool in tools or []:
+        if tool.function.name in seen:
+            raise PydanticCustomError(
+                "duplicate_tool_name",
+                "tool names must be unique; {name} names two",
+                {"name": repr(tool.function.name)},
+            )
+        seen.add(tool.function.name)
+    return tools
+
+
+Tools = Annotated[list[ToolDefinition] | None, AfterValidator(_distinct_names)]
 
 
 class ImageURL(OpenAIModel):
@@ -305,7 +324,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[ToolDefinition] | None = None
+    tools: Tools = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # with tool_choice "required": more than one call allowed
     chat_template_kwargs: dict[str, Any] | None = None
@@ -339,7 +358,7 @@ class TokenizeRequest(RequestBody):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
-    tools: list[ToolDefinition] | None = None  # rendered into the prompt as chat renders them
+    tools: Tools = None  # rendered into the prompt as chat renders them
 
 
 class DetokenizeRequest(RequestBody):

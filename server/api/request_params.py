@@ -301,8 +301,9 @@ def tool_choice_constraint(
         raise bad_request("tool_choice other than 'none' or 'auto' needs tools", "tool_choice")
     functions = {t.function.name: t.function.parameters for t in tools}
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
-        if tool_choice.get("type") != "function" or name is None:
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str) or not name:
             raise bad_request(
                 "a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice"
             )

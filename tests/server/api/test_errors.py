@@ -410,6 +410,12 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         ({"tool_choice": "required"}, "needs tools"),
         ({"tool_choice": "sometimes", "tools": [TOOL]}, "must be"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [TOOL]}, "not among"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": ""}}, "tools": [TOOL]},
+            "named tool_choice",
+        ),
+        ({"tool_choice": {"type": "function", "function": "f"}, "tools": [TOOL]}, "named tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": ["f"]}}, "tools": [TOOL]}, "named"),
     ],
 )
 def test_bad_tool_choice_is_400(server, extra: dict, needle: str) -> None:
@@ -513,3 +519,29 @@ def test_the_openai_client_gets_a_400_for_a_boolean_max_tokens(client) -> None:
         model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1
     )
     assert ok.usage is not None and ok.usage.completion_tokens == 1
+
+
+OTHER_F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/chat/completions", {**GOOD, "tools": [TOOL, OTHER_F]}, "tools"),
+        ("/v1/chat/completions", {**GOOD, "tools": [TOOL, OTHER_F], "tool_choice": "required"}, "tools"),
+        ("/tokenize", {"model": MODEL_NAME, "messages": GOOD["messages"], "tools": [TOOL, OTHER_F]}, "tools"),
+        ("/v1/responses", {**RESPONSE, "tools": [{"type": "function", "name": "f"}] * 2}, "tools"),
+        (
+            "/v1/chat/completions",
+            {**GOOD, "tools": [{"type": "function", "function": {"name": ""}}]},
+            "tools.0.function.name",
+        ),
+    ],
+)
+def test_tools_need_distinct_names(server, read_metrics, path: str, body: dict, param: str) -> None:
+    """Two tools of one name (the second's definition silently won the forced call's grammar) or
+    a tool with no name are a 400 naming tools, and nothing runs."""
+    before = read_metrics(server.url)["deltaserve_prompt_tokens_total"]
+    err = assert_error(post(server, path, json=body), 400, param)
+    assert "unique" in err["message"] or "at least 1 character" in err["message"]
+    assert read_metrics(server.url)["deltaserve_prompt_tokens_total"] == before

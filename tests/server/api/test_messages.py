@@ -221,3 +221,18 @@ def test_n_other_than_one_is_refused_not_dropped(claude) -> None:
     assert refused.value.body["error"]["message"].startswith("n: not supported")
     m = claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, extra_body={"n": 1})
     assert m.usage.output_tokens == 2
+
+
+def test_tools_need_distinct_non_empty_names(claude) -> None:
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    for tools, choice, needle in (
+        ([tool, {**tool, "description": "again"}], None, "unique"),
+        ([{**tool, "name": ""}], None, "at least 1 character"),
+        ([tool], {"type": "tool", "name": ""}, "named tool_choice"),
+    ):
+        kwargs = {"tool_choice": choice} if choice else {}
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, tools=tools, **kwargs)
+        assert needle in refused.value.body["error"]["message"]
+    m = claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, tools=[tool])
+    assert m.usage.output_tokens >= 1
