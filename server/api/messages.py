@@ -13,6 +13,8 @@ written: `thinking`, `text`, `tool_use`. Streams send Anthropic's events (`messa
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -182,13 +184,35 @@ def _check_tool_use(block: dict[str, Any], where: str) -> None:
         raise bad_request(f"{where}: a tool_use block's input is an object", "messages")
 
 
+# Anthropic's image media types, and how each one's file begins
+_MEDIA_TYPES: dict[str, Callable[[bytes], bool]] = {
+    "image/jpeg": lambda head: head.startswith(b"\xff\xd8\xff"),
+    "image/png": lambda head: head.startswith(b"\x89PNG\r\n\x1a\n"),
+    "image/gif": lambda head: head.startswith((b"GIF87a", b"GIF89a")),
+    "image/webp": lambda head: head[:4] == b"RIFF" and head[8:12] == b"WEBP",
+}
+
+
 def _image_url(block: dict[str, Any], where: str) -> str:
-    """An image block's source as a URL: base64 data as a data: URL, or the URL given."""
+    """An image block's source as a URL: base64 data (of one of Anthropic's media types, which
+    its bytes must be) as a data: URL, or the URL given."""
     source = block.get("source")
     if not isinstance(source, dict):
         raise bad_request(f"{where}: an image's source must be base64 data or a url", "messages")
     if source.get("type") == "base64" and isinstance(source.get("data"), str):
-        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+        media = source.get("media_type")
+        if media not in _MEDIA_TYPES:
+            raise bad_request(
+                f"{where}: an image's media_type must be one of {', '.join(_MEDIA_TYPES)}, got {media!r}",
+                "messages",
+            )
+        try:  # the file's first 12 bytes; data that is not base64 is refused where it is decoded
+            head = base64.b64decode(source["data"][:16], validate=True)
+        except binascii.Error:
+            head = None
+        if head is not None and not _MEDIA_TYPES[media](head):
+            raise bad_request(f"{where}: the image's data is not of its media_type {media}", "messages")
+        return f"data:{media};base64,{source['data']}"
     if source.get("type") == "url" and isinstance(source.get("url"), str):
         return str(source["url"])
     raise bad_request(f"{where}: an image's source must be base64 data or a url", "messages")

@@ -236,3 +236,37 @@ def test_tools_need_distinct_non_empty_names(claude) -> None:
         assert needle in refused.value.body["error"]["message"]
     m = claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, tools=[tool])
     assert m.usage.output_tokens >= 1
+
+
+PNG_HEAD = b"\x89PNG\r\n\x1a\n" + bytes(24)
+JPEG_HEAD = b"\xff\xd8\xff\xe0" + bytes(28)
+
+
+@pytest.mark.parametrize(
+    "media_type,data,needle",
+    [
+        ("image/bmp", PNG_HEAD, "media_type must be one of image/jpeg, image/png, image/gif, image/webp"),
+        (None, PNG_HEAD, "media_type must be one of"),
+        ("image/png", JPEG_HEAD, "the image's data is not of its media_type image/png"),
+        ("image/webp", b"RIFF\x00\x00\x00\x00WAVE" + bytes(20), "not of its media_type image/webp"),
+        # the declared type matches: refused only because this model reads no images
+        ("image/png", PNG_HEAD, "reads text only"),
+        ("image/jpeg", JPEG_HEAD, "reads text only"),
+    ],
+    ids=["bmp", "no-media-type", "jpeg-as-png", "wav-as-webp", "png", "jpeg"],
+)
+def test_an_image_blocks_media_type_is_checked(server, claude, media_type, data: bytes, needle: str) -> None:
+    import base64
+
+    source = {"type": "base64", "data": base64.b64encode(data).decode()}
+    if media_type is not None:
+        source["media_type"] = media_type
+    content = [{"type": "image", "source": source}, {"type": "text", "text": "what is it?"}]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(
+            f"{server.url}{path}",
+            json={"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": content}]},
+        )
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert needle in r.json()["error"]["message"]
+    assert claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES).usage.output_tokens == 2
