@@ -101,6 +101,7 @@ async def prepare_chat(
     if images is not None and req.truncate_prompt_tokens is not None:
         raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
     prompt, prompt_ids, tail = await ctx.off_loop(prepare)
+    ctx.images.check_placeholders(prompt_ids, len(images.grids) if images is not None else 0, "messages")
     if images is not None:
         prompt_ids = ctx.images.expand(prompt_ids, images)
     prompt_ids = truncate_prompt(req, prompt_ids, ctx.client.max_model_len)  # the text's end stays

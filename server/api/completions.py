@@ -50,6 +50,8 @@ def _prompts(
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "prompt")
         ids = list(item)  # type: ignore[arg-type]
         out.append((ctx.decode(ids) if echo and ctx.tokenizer is not None else "", ids))
+    for _, ids in out:  # this endpoint takes no images
+        ctx.images.check_placeholders(ids, 0, "prompt")
     return out
 
 

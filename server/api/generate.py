@@ -209,6 +209,8 @@ class NativeGeneration:
             read = await ctx.images.read(urls, "image_data")
             if read is not None:
                 ids = ctx.images.expand(ids, read, "image_data")
+            else:  # a placeholder goes with an image of image_data
+                ctx.images.check_placeholders(ids, 0, "text" if body.text is not None else "input_ids")
             if start < -1 or want and start >= len(ids):
                 raise bad_request(
                     f"logprob_start_len must be -1 (none of the prompt) or a position in the prompt's "

@@ -53,6 +53,21 @@ class ImageReader:
                 where,
             )
 
+    def check_placeholders(self, prompt_ids: list[int], images: int, where: str) -> None:
+        """A 400 when the prompt holds more of the image placeholder token than it has images (a
+        vision model's): a message's text or a prompt's ids that hold one would take an image's
+        place, or go to the model as a token it never read as text."""
+        if self.image_token_id is None:
+            return
+        found = prompt_ids.count(self.image_token_id)
+        if found > images:
+            raise bad_request(
+                f"the prompt holds {found} image placeholder token(s) (id {self.image_token_id}) for "
+                f"{images} image(s): a placeholder stands for an image sent beside the prompt (an "
+                "image part, /generate's image_data), and text or token ids may not hold one",
+                where,
+            )
+
     async def read(
         self, urls: list[str], where: str = "messages", named: str | None = None
     ) -> ImageInputs | None:

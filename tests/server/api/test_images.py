@@ -255,6 +255,45 @@ def test_responses_and_messages_read_images_as_chat_does(vision_server, vl) -> N
         )
 
 
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # the template's for one image; id 150 the pad
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"w1 {PLACEHOLDER} w2"}]}, "messages"),
+        # with an image, the text's placeholder would take the image's place, or be one too many
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": f"w1 {PLACEHOLDER}"},
+            {"type": "image_url", "image_url": {"url": data_url(png(2))}},
+        ]}]}, "messages"),
+        ("/v1/completions", {"prompt": f"w1 {PLACEHOLDER} w2"}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], [1, 152, 150, 153, 2]]}, "prompt"),
+        ("/v1/responses", {"input": f"w1 {PLACEHOLDER}", "max_output_tokens": 3}, "input"),
+        ("/v1/messages", {"messages": [{"role": "user", "content": f"w1 {PLACEHOLDER}"}]}, None),
+        ("/generate", {"input_ids": [1, 152, 150, 153, 2]}, "input_ids"),  # no image_data for it
+        ("/generate", {"text": f"w1 {PLACEHOLDER}"}, "text"),
+    ],
+)  # fmt: skip
+def test_an_image_placeholder_without_its_image_is_a_400(
+    vision_server, vl, read_metrics, path: str, body: dict, param: str | None
+) -> None:
+    """The image placeholder token in a prompt's text or ids, beyond the images sent: refused
+    (it went to the model as a token it never read, or took the place of an image)."""
+    import httpx
+
+    before = read_metrics(vision_server.url)["deltaserve_prompt_tokens_total"]
+    r = httpx.post(f"{vision_server.url}{path}", json={"model": "vl", "max_tokens": 3, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "image placeholder token" in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert read_metrics(vision_server.url)["deltaserve_prompt_tokens_total"] == before
+    ok = vl.chat.completions.create(model="vl", messages=conversation(data_url(png(2))), **GREEDY)
+    assert ok.choices[0].finish_reason == "length"
+
+
 def test_sglang_generate_reads_image_data(vision_server, vision_checkpoint) -> None:
     """SGLang's /generate with image_data (a data URL, or bare base64) and a prompt holding one
     placeholder an image: the offline engine's tokens, each image's tokens counted; a batch takes a
