@@ -62,6 +62,11 @@ class MessagesRequest(RequestBody):
         "container": unsupported_if_set("not supported: this server runs no code containers"),
         # the chat endpoint's n, which this API has no place for: one message is one sample
         "n": unsupported_unless_one("not supported: a message is one sample (send one request a sample)"),
+        # the chat endpoint's, which a message has no place for: chat completions give them
+        "logprobs": unsupported_if_set("not supported here: chat completions give logprobs"),
+        "top_logprobs": unsupported_if_set("not supported here: chat completions give logprobs"),
+        "prompt_logprobs": unsupported_if_set("not supported here: chat completions give them"),
+        "use_beam_search": unsupported_if_set("not supported here: chat completions search beams"),
     }
     model: str | None = None
     max_tokens: int

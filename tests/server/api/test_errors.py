@@ -208,6 +208,8 @@ RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
         ("/v1/responses", {**RESPONSE, "prompt": {"id": "pmpt_1"}}, "prompt"),
         ("/v1/responses", {**RESPONSE, "conversation": "conv_1"}, "conversation"),
         ("/v1/responses", {**RESPONSE, "n": 3}, "n"),  # one response is one sample
+        ("/v1/responses", {**RESPONSE, "logprobs": True}, "logprobs"),  # the chat endpoint's, no place here
+        ("/v1/responses", {**RESPONSE, "use_beam_search": True}, "use_beam_search"),
         # vLLM's sampling fields that are not implemented
         ("/v1/chat/completions", {**GOOD, "echo": True}, "echo"),
         # values that change nothing are served
@@ -219,7 +221,7 @@ RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
             None,
         ),
         ("/v1/responses", {**RESPONSE, "background": False}, None),
-        ("/v1/responses", {**RESPONSE, "n": 1}, None),
+        ("/v1/responses", {**RESPONSE, "n": 1, "logprobs": False, "use_beam_search": False}, None),
     ],
 )
 def test_fields_that_would_change_the_output_are_400_naming_them(

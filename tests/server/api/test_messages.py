@@ -270,3 +270,21 @@ def test_an_image_blocks_media_type_is_checked(server, claude, media_type, data:
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
         assert needle in r.json()["error"]["message"]
     assert claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES).usage.output_tokens == 2
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"logprobs": True},
+        {"logprobs": True, "top_logprobs": 2},
+        {"prompt_logprobs": 1},
+        {"use_beam_search": True},
+    ],
+)
+def test_chat_fields_a_message_has_no_place_for_are_refused(claude, extra: dict) -> None:
+    """The chat endpoint's logprobs and beam search would be computed and dropped: refused."""
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, extra_body=extra)
+    assert refused.value.body["error"]["message"].startswith(f"{next(iter(extra))}: not supported")
+    off = {k: False if v is True else None for k, v in extra.items()}
+    assert claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, extra_body=off)
