@@ -299,6 +299,19 @@ _FORMATS = frozenset(
 )
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _IPV4 = f"^{_OCTET}(\\.{_OCTET}){{3}}$"
+# xgrammar's date takes any day 01-31 of any month (2024-02-31, 2023-02-29): a date is written only
+# as a real one of the Gregorian calendar, its 29 February only in a leap year (a year divisible by
+# 4 and not by 100, or by 400), and date-time's date likewise (its time as xgrammar writes it)
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)"
+_DAY = (
+    "[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+    f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29"
+)
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_DATE = f"^({_DAY})$"
+_DATE_TIME = f"^({_DAY})T{_TIME}$"
+# formats xgrammar writes too loosely, written as the patterns above instead
+_FORMAT_PATTERNS = {"ipv4": _IPV4, "date": _DATE, "date-time": _DATE_TIME}
 
 # the characters xgrammar 0.2 lets a string with minLength / maxLength (or a key bounded by
 # propertyNames) hold, raw control characters among them, which JSON forbids (a tab must be "\t")
@@ -322,16 +335,18 @@ def json_grammar(xgr: Any, schema: str, compact: bool = False) -> Any:
 
 def _json_string_patterns(xgr: Any, schema: Any) -> bool:
     """Rewrite, in place, the patterns of `schema`'s strings and property names so that xgrammar
-    holds them to JSON's escapes, and its ipv4 formats as patterns; whether any changed. xgrammar matches a pattern that only
+    holds them to JSON's escapes, and its ipv4, date and date-time formats as patterns
+    (_FORMAT_PATTERNS); whether any changed. xgrammar matches a pattern that only
     printable ASCII spells with the characters a JSON string may hold raw (none of '"', '\\' or
     control characters), but matches any other by raw characters: `é.*` let a '"' end the string
     early, `a\\nb` wrote a raw newline (invalid JSON, finish 'stop'). Other characters are spelled
     as \\u escapes; a pattern that still needs raw ones is a ValueError."""
     changed = False
     for node, at in list(_subschemas(schema)):
-        if node.get("format") == "ipv4":  # as the pattern it is, leading zeros left out
+        written = _FORMAT_PATTERNS.get(str(node.get("format")))
+        if written is not None:  # as the pattern it is: no leading zeros, no 31 February
             del node["format"]
-            node["pattern"], changed = _IPV4, True
+            node["pattern"], changed = written, True
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             node["pattern"] = _held_pattern(xgr, pattern, f"{at}/pattern")

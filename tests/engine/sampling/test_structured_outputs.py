@@ -634,3 +634,41 @@ def test_pydantic_constrained_strings_compile_and_hold(llm) -> None:
     assert outs[0].finish_reason == "stop", outs[0].text
     assert re.fullmatch("[A-Z]{3}", json.loads(outs[0].text)["code"])
     assert re.match(r'\{"code": "[A-Z]{3}", "site": "', outs[1].text), outs[1].text
+
+
+REAL_DATES = ["2024-02-29", "2000-02-29", "2023-02-28", "2023-12-31", "2023-04-30", "0400-02-29"]
+IMPOSSIBLE_DATES = ["2024-02-31", "2023-02-29", "1900-02-29", "2100-02-29", "2023-04-31", "2023-13-01"]
+
+
+def test_a_date_format_admits_only_real_calendar_dates() -> None:
+    """xgrammar's `date` (and `date-time`'s date) took any day 01-31 of any month, so a reply could
+    finish 'stop' with 2024-02-31 or 2023-02-29, which no validator (nor Python's datetime) takes.
+    Now the month's length holds, and 29 February only in a leap year (2000 is one, 1900 is not)."""
+    import datetime
+
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import json_grammar
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "d": {"type": "string", "format": "date"},
+            "t": {"type": "string", "format": "date-time"},
+        },
+        "required": ["d", "t"],
+    }
+    grammar = json_grammar(xgr, json.dumps(schema))
+    for day in REAL_DATES:  # the lists agree with Python's calendar
+        assert datetime.date.fromisoformat(day).isoformat() == day
+    for day in IMPOSSIBLE_DATES:
+        with pytest.raises(ValueError):
+            datetime.date.fromisoformat(day)
+    for day in REAL_DATES + IMPOSSIBLE_DATES:
+        real = day in REAL_DATES
+        assert accepts(grammar, json.dumps({"d": day, "t": "2024-01-01T00:00:00Z"})) == real, day
+        assert accepts(grammar, json.dumps({"d": "2024-01-01", "t": f"{day}T23:59:60.25+05:30"})) == real, day
+    # date-time's time is as xgrammar writes it
+    assert not accepts(grammar, json.dumps({"d": "2024-01-01", "t": "2024-01-01T24:00:00Z"}))
+    assert not accepts(grammar, json.dumps({"d": "2024-01-01", "t": "2024-01-01"}))
