@@ -393,9 +393,9 @@ def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "js
     "json" (Qwen3): `<tool_call>`, a JSON object with the function's name and arguments that
     satisfy its parameters' schema, `</tool_call>`. "xml" (Qwen3.5): `<tool_call>`,
     `<function=NAME>`, one `<parameter=P>` block per parameter in the schema's order (the required
-    ones always), `</function>`, `</tool_call>`; a value is typed where the schema types it (enum,
-    integer or number within its bounds, boolean, or JSON for objects and arrays), a string is
-    held to its pattern or lengths (without `<`), and free text otherwise (with no `</` in it). Qwen's calls are separated by a newline. "kimi" (Kimi-Linear): one section, and
+    ones always), `</function>`, `</tool_call>`; a string's value is its text, held to its const, enum,
+    format, pattern or lengths (without `<`), any other (or untyped) value its JSON, held to the
+    schema, and a parameter with only annotations free text (with no `</` in it). Qwen's calls are separated by a newline. "kimi" (Kimi-Linear): one section, and
     in it per call `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>`, the
     arguments' JSON, `<|tool_call_end|>`."""
 
@@ -468,20 +468,71 @@ def _resolved(schema: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+# formats whose every string is the same text raw as inside JSON (no '"', '\\', control character or '<'):
+# an XML value is held to xgrammar's (or _FORMAT_PATTERNS') grammar of them; email and the JSON
+# pointers may need escapes there, so an XML value cannot hold to them
+_RAW_FORMATS = frozenset(
+    "date time date-time duration ipv4 ipv6 hostname uuid uri uri-reference uri-template".split()
+)
+_QUOTED_ROOT = re.compile(r'^root ::= \(\("\\"" (\w+) "\\""\)\)$', re.MULTILINE)
+
+
 def _xml_value(xgr: Any, schema: dict[str, Any]) -> Any:
+    """The grammar of a parameter's value as server/text/tool_calls.py reads it back: a string's
+    text raw, any other value (or one the schema does not type) as its JSON."""
     kind = schema.get("type")
-    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
-        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(v) for v in schema["enum"]))
-    if kind in ("integer", "number", "object", "array"):  # a number's text is its JSON: bounds held
-        return json_grammar(xgr, json.dumps(schema))
-    if kind == "boolean":
-        return xgr.Grammar.from_ebnf('root ::= "true" | "false"')
-    if kind == "string" and isinstance(schema.get("pattern"), str):
+    if kind == "string":
+        return _xml_string(xgr, schema)
+    if kind is None and any(k in schema for k in ("enum", "const")):  # values the parser reads back as such
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        return _alternatives(
+            xgr, [v if isinstance(v, str) and not _reads_as_json(v) else json.dumps(v) for v in values]
+        )
+    if kind is None and all(k in _ANNOTATIONS or k.startswith("x-") for k in schema):
+        # any value: the parser reads text that is not JSON as a string
+        return xgr.Grammar.from_ebnf(_FREE_TEXT)
+    # a number's, boolean's, object's or array's JSON, its bounds held; an untyped schema's or a
+    # list of types' (anyOf, "string" or "null", ...) JSON too, which the parser reads as JSON
+    return json_grammar(xgr, json.dumps(schema))
+
+
+def _xml_string(xgr: Any, schema: dict[str, Any]) -> Any:
+    """A string parameter's text (raw): its const, enum, format, pattern or lengths held."""
+    if "const" in schema or "enum" in schema:
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        return _alternatives(xgr, [v for v in values if isinstance(v, str)])
+    fmt = schema.get("format")
+    if fmt in _FORMATS:
+        if fmt not in _RAW_FORMATS:
+            raise ValueError(
+                f"format {fmt} is not supported in the XML tool-call form (its strings may need JSON escapes)"
+            )
+        # xgrammar's grammar of the JSON string, less its quotes
+        text = str(json_grammar(xgr, json.dumps({"type": "string", "format": fmt})))
+        inner = _QUOTED_ROOT.search(text)
+        if inner is None:
+            raise ValueError(f"format {fmt} is not supported in the XML tool-call form")
+        return xgr.Grammar.from_ebnf(_QUOTED_ROOT.sub(f"root ::= (({inner.group(1)}))", text))
+    if isinstance(schema.get("pattern"), str):
         return xgr.Grammar.from_regex(schema["pattern"])
-    if kind == "string" and ("minLength" in schema or "maxLength" in schema):
+    if "minLength" in schema or "maxLength" in schema:
         low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
         return xgr.Grammar.from_ebnf(f"root ::= [^<]{{{low},{'' if high is None else int(high)}}}")
     return xgr.Grammar.from_ebnf(_FREE_TEXT)
+
+
+def _alternatives(xgr: Any, texts: list[str]) -> Any:
+    if not texts:
+        raise ValueError("an enum or const with no value the parameter's type allows")
+    return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(t, ensure_ascii=False) for t in texts))
+
+
+def _reads_as_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _xml_call(xgr: Any, name: str, params: dict[str, Any]) -> Any:
@@ -489,7 +540,7 @@ def _xml_call(xgr: Any, name: str, params: dict[str, Any]) -> Any:
     required = set(params.get("required") or [])
     for key, schema in (params.get("properties") or {}).items():
         schema = _resolved(schema, params)
-        if schema.get("type") in ("object", "array"):  # compiled alone: its own refs need the definitions
+        if schema.get("type") != "string":  # compiled alone as JSON: its own refs need the definitions
             schema = {**schema, **_definitions(params)}
         block = xgr.Grammar.concat(
             _literal(xgr, f"<parameter={key}>\n"), _xml_value(xgr, schema), _literal(xgr, "\n</parameter>\n")

@@ -672,3 +672,91 @@ def test_a_date_format_admits_only_real_calendar_dates() -> None:
     # date-time's time is as xgrammar writes it
     assert not accepts(grammar, json.dumps({"d": "2024-01-01", "t": "2024-01-01T24:00:00Z"}))
     assert not accepts(grammar, json.dumps({"d": "2024-01-01", "t": "2024-01-01"}))
+
+
+PLAN = {
+    "name": "plan",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "day": {"type": "string", "format": "date"},
+            "id": {"type": "string", "format": "uuid"},
+            "mode": {"type": "string", "const": "fast"},
+            "code": {"enum": [1, "1", "a", None]},
+            "note": {"type": ["string", "null"]},
+            "size": {"anyOf": [{"type": "integer", "maximum": 9}, {"type": "string", "maxLength": 2}]},
+            "any": {"description": "anything at all"},
+        },
+        "required": ["day", "id", "mode", "code", "note", "size", "any"],
+    },
+}
+PLAN_VALUES = {
+    "day": "2024-02-29",
+    "id": "123e4567-e89b-12d3-a456-426614174000",
+    "mode": "fast",
+    "code": '"1"',
+    "note": "null",
+    "size": "3",
+    "any": "free words",
+}
+
+
+def test_forced_xml_calls_hold_formats_consts_and_untyped_values() -> None:
+    """Qwen3.5's XML form left a string's format and const, an enum of values other than strings,
+    a list of types and an untyped parameter's anyOf as free text, which the JSON form holds: a
+    forced call finished with `day` 2023-02-29 or `tomorrow`, `mode` anything, `size` 10. Now a
+    string's text holds to them, and a value the schema does not type as a string is its JSON,
+    which the tool-call parser reads back as the value the schema allows."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import tool_call_grammar
+    from deltaserve.server.text.tool_calls import extract_tool_calls
+
+    grammar = tool_call_grammar(xgr, [PLAN], "xml")
+
+    def call(**changed: str) -> str:
+        blocks = "".join(
+            f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in {**PLAN_VALUES, **changed}.items()
+        )
+        return f"<tool_call>\n<function=plan>\n{blocks}</function>\n</tool_call>"
+
+    assert accepts(grammar, call())
+    _, (parsed,) = extract_tool_calls(call(), {"plan": PLAN["parameters"]}, final=True)
+    assert json.loads(parsed.arguments) == {
+        **{k: PLAN_VALUES[k] for k in ("day", "id", "mode", "any")},
+        **{"code": "1", "note": None, "size": 3},
+    }
+    for good in (dict(code="1"), dict(code="a"), dict(code="null"), dict(note='"x"'), dict(size='"ab"')):
+        assert accepts(grammar, call(**good)), good
+    for bad in (
+        dict(day="2023-02-29"),
+        dict(day="tomorrow"),
+        dict(id="42"),
+        dict(mode="slow"),
+        dict(code="2"),
+        dict(code='"a"'),  # a string that is not JSON is written raw, as the parser reads it
+        dict(note="plain words"),  # would be read as a string only by luck: its JSON is written
+        dict(size="10"),
+        dict(size="abc"),
+    ):
+        assert not accepts(grammar, call(**bad)), bad
+
+
+def test_a_format_the_xml_form_cannot_hold_is_refused(llm) -> None:
+    """An email's (or JSON pointer's) string may need escapes that an XML value cannot spell, so
+    a forced XML call's `format: email` was left as free text; now it is refused (the server's
+    400), while the JSON form, which holds it, serves it."""
+    tool = {
+        "name": "mail",
+        "parameters": {"type": "object", "properties": {"to": {"type": "string", "format": "email"}}},
+    }
+    for form in ("xml", "json"):
+        spec = StructuredOutputs(tool_calls=[tool], tool_call_form=form)
+        params = SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=spec)
+        if form == "xml":
+            with pytest.raises(ValueError, match="format email is not supported in the XML tool-call form"):
+                llm.generate(["a"], params)
+        else:
+            llm.generate(["a"], params)
+    assert not llm.engine.has_unfinished_requests()
