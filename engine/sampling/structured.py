@@ -453,7 +453,7 @@ def _definitions(params: dict[str, Any]) -> dict[str, Any]:
     return {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
 
 
-def _resolved(schema: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+def resolved_ref(schema: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """A parameter's schema with a `$ref` into the parameters' definitions replaced by what it
     names (its sibling keywords kept), so that its type shows."""
     for _ in range(8):  # a ref to a ref, not forever
@@ -539,7 +539,7 @@ def _xml_call(xgr: Any, name: str, params: dict[str, Any]) -> Any:
     parts = [_literal(xgr, f"<tool_call>\n<function={name}>\n")]
     required = set(params.get("required") or [])
     for key, schema in (params.get("properties") or {}).items():
-        schema = _resolved(schema, params)
+        schema = resolved_ref(schema, params)
         if schema.get("type") != "string":  # compiled alone as JSON: its own refs need the definitions
             schema = {**schema, **_definitions(params)}
         block = xgr.Grammar.concat(

@@ -188,8 +188,12 @@ def _parse_xml(body: str, tools: dict[str, dict[str, Any]]) -> ParsedToolCall | 
     match = _FUNCTION.match(body)
     if match is None:
         return None
+    # structured.py imports torch: this parser is loaded without it until a call is parsed
+    from deltaserve.engine.sampling.structured import resolved_ref
+
     name = match.group(1).strip()
-    properties = (tools.get(name) or {}).get("properties") or {}
+    params = tools.get(name) or {}
+    properties = params.get("properties") or {}
     args: dict[str, Any] = {}
     for param in _PARAMETER.finditer(match.group(2)):
         key = param.group(1).strip()
@@ -197,7 +201,11 @@ def _parse_xml(body: str, tools: dict[str, dict[str, Any]]) -> ParsedToolCall | 
         # The template puts each value on its own line; those newlines are not part of it.
         value = value[1:] if value.startswith("\n") else value
         value = value[:-1] if value.endswith("\n") else value
-        args[key] = _typed(value, (properties.get(key) or {}).get("type"))
+        # a $ref's type is its definition's, as the forced call's grammar reads it
+        schema = properties.get(key)
+        args[key] = _typed(
+            value, resolved_ref(schema, params).get("type") if isinstance(schema, dict) else None
+        )
     return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
 
 

@@ -760,3 +760,38 @@ def test_a_format_the_xml_form_cannot_hold_is_refused(llm) -> None:
         else:
             llm.generate(["a"], params)
     assert not llm.engine.has_unfinished_requests()
+
+
+# pydantic's str Enum and constrained-string alias, both `$ref`s: strings whose text reads as JSON
+PICK = {
+    "name": "pick",
+    "parameters": {
+        "$defs": {
+            "Code": {"enum": ["1", "2"], "title": "Code", "type": "string"},
+            "Note": {"type": "string", "maxLength": 5},
+        },
+        "type": "object",
+        "properties": {"code": {"$ref": "#/$defs/Code"}, "note": {"$ref": "#/$defs/Note"}},
+        "required": ["code", "note"],
+    },
+}
+
+
+def test_a_forced_xml_calls_string_behind_a_ref_is_read_back_as_a_string() -> None:
+    """The XML grammar types a `$ref` parameter by its definition (a string's text raw), but the
+    tool-call parser read the `$ref` schema's own (absent) type and so parsed the text as JSON:
+    a forced call's `code` "1" and `note` "12" came back as the numbers 1 and 12, breaking the
+    schema. Now the parser follows the ref too, and they stay strings."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import tool_call_grammar
+    from deltaserve.server.text.tool_calls import extract_tool_calls
+
+    text = (
+        "<tool_call>\n<function=pick>\n<parameter=code>\n1\n</parameter>\n<parameter=note>\n12\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    assert accepts(tool_call_grammar(xgr, [PICK], "xml"), text)
+    _, (call,) = extract_tool_calls(text, {"pick": PICK["parameters"]}, final=True)
+    assert json.loads(call.arguments) == {"code": "1", "note": "12"}
