@@ -537,8 +537,12 @@ def _reads_as_json(text: str) -> bool:
 
 def _xml_call(xgr: Any, name: str, params: dict[str, Any]) -> Any:
     parts = [_literal(xgr, f"<tool_call>\n<function={name}>\n")]
-    required = set(params.get("required") or [])
-    for key, schema in (params.get("properties") or {}).items():
+    root = resolved_ref(params, params)  # pydantic's root model: a $ref into its own $defs
+    for key in ("anyOf", "oneOf", "allOf"):  # one list of parameter blocks cannot spell alternatives
+        if key in root:
+            raise ValueError(f"{key} at the parameters' root is not supported in the XML tool-call form")
+    required = set(root.get("required") or [])
+    for key, schema in (root.get("properties") or {}).items():
         schema = resolved_ref(schema, params)
         if schema.get("type") != "string":  # compiled alone as JSON: its own refs need the definitions
             schema = {**schema, **_definitions(params)}

@@ -193,7 +193,7 @@ def _parse_xml(body: str, tools: dict[str, dict[str, Any]]) -> ParsedToolCall | 
 
     name = match.group(1).strip()
     params = tools.get(name) or {}
-    properties = params.get("properties") or {}
+    properties = resolved_ref(params, params).get("properties") or {}  # a root model's, behind a $ref
     args: dict[str, Any] = {}
     for param in _PARAMETER.finditer(match.group(2)):
         key = param.group(1).strip()

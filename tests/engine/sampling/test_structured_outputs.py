@@ -795,3 +795,44 @@ def test_a_forced_xml_calls_string_behind_a_ref_is_read_back_as_a_string() -> No
     assert accepts(tool_call_grammar(xgr, [PICK], "xml"), text)
     _, (call,) = extract_tool_calls(text, {"pick": PICK["parameters"]}, final=True)
     assert json.loads(call.arguments) == {"code": "1", "note": "12"}
+
+
+# a root model as a $ref into the parameters' own $defs
+ROOTED = {
+    "name": "f",
+    "parameters": {
+        "$ref": "#/$defs/Args",
+        "$defs": {
+            "Args": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "s": {"type": "string"}},
+                "required": ["x", "s"],
+            }
+        },
+    },
+}
+
+
+def test_forced_xml_calls_follow_a_root_ref_and_refuse_root_alternatives() -> None:
+    """The XML form read `properties` and `required` off the parameters schema itself: behind a root
+    `$ref` it saw none, so the forced call had to be empty (its required `x` missing) and a call
+    with `x` was refused. A root `anyOf` let an empty call through, matching none of its branches.
+    Now the root ref is followed, and a root anyOf / oneOf / allOf is refused (the server's 400)."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import tool_call_grammar
+    from deltaserve.server.text.tool_calls import extract_tool_calls
+
+    grammar = tool_call_grammar(xgr, [ROOTED], "xml")
+    blocks = "<parameter=x>\n1\n</parameter>\n<parameter=s>\n12\n</parameter>\n"
+    call = f"<tool_call>\n<function=f>\n{blocks}</function>\n</tool_call>"
+    assert accepts(grammar, call)
+    assert not accepts(grammar, "<tool_call>\n<function=f>\n</function>\n</tool_call>")
+    # the parser follows the root ref as well: `s` is a string, whose text "12" stays one
+    _, (parsed,) = extract_tool_calls(call, {"f": ROOTED["parameters"]}, final=True)
+    assert json.loads(parsed.arguments) == {"x": 1, "s": "12"}
+    either = {"anyOf": [ROOTED["parameters"]["$defs"]["Args"], {"type": "object", "properties": {}}]}
+    with pytest.raises(ValueError, match="anyOf at the parameters' root is not supported in the XML"):
+        tool_call_grammar(xgr, [{"name": "f", "parameters": either}], "xml")
+    tool_call_grammar(xgr, [{"name": "f", "parameters": either}], "json")  # the JSON form holds it
