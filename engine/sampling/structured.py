@@ -448,8 +448,7 @@ _FREE_TEXT = 'root ::= ([^<] | "<" [^/])*'  # a parameter's text: anything but a
 
 
 def _definitions(params: dict[str, Any]) -> dict[str, Any]:
-    """A parameters schema's `$defs` / `definitions` (pydantic's, for enums and nested models),
-    for a piece of it compiled apart from its root, where its `#/$defs/...` refs must still land."""
+    """A parameters schema's `$defs` / `definitions` (pydantic's, for enums and nested models)."""
     return {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
 
 
@@ -535,6 +534,27 @@ def _reads_as_json(text: str) -> bool:
     return True
 
 
+_PARAMETERS = "deltaserve_parameters"  # where a value compiled alone finds the parameters schema
+_VALUES = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are no schemas
+
+
+def _rebased(node: Any) -> Any:
+    """A copy of `node` whose refs into the parameters (`#`, `#/$defs/...`) point at their copy
+    under `$defs/deltaserve_parameters`: a parameter's value is compiled as a schema of its own,
+    where `#` would be the value itself (a tree's `child: {"$ref": "#"}`)."""
+    if isinstance(node, list):
+        return [_rebased(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = f"#/$defs/{_PARAMETERS}{v[1:]}"
+        else:
+            out[k] = v if k in _VALUES else _rebased(v)
+    return out
+
+
 def _xml_call(xgr: Any, name: str, params: dict[str, Any]) -> Any:
     parts = [_literal(xgr, f"<tool_call>\n<function={name}>\n")]
     root = resolved_ref(params, params)  # pydantic's root model: a $ref into its own $defs
@@ -544,8 +564,9 @@ def _xml_call(xgr: Any, name: str, params: dict[str, Any]) -> Any:
     required = set(root.get("required") or [])
     for key, schema in (root.get("properties") or {}).items():
         schema = resolved_ref(schema, params)
-        if schema.get("type") != "string":  # compiled alone as JSON: its own refs need the definitions
-            schema = {**schema, **_definitions(params)}
+        if schema.get("type") != "string":  # compiled alone as JSON: its refs must land in the parameters
+            schema = _rebased(schema)
+            schema["$defs"] = {**(schema.get("$defs") or {}), _PARAMETERS: _rebased(params)}
         block = xgr.Grammar.concat(
             _literal(xgr, f"<parameter={key}>\n"), _xml_value(xgr, schema), _literal(xgr, "\n</parameter>\n")
         )

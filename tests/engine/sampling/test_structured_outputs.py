@@ -836,3 +836,27 @@ def test_forced_xml_calls_follow_a_root_ref_and_refuse_root_alternatives() -> No
     with pytest.raises(ValueError, match="anyOf at the parameters' root is not supported in the XML"):
         tool_call_grammar(xgr, [{"name": "f", "parameters": either}], "xml")
     tool_call_grammar(xgr, [{"name": "f", "parameters": either}], "json")  # the JSON form holds it
+
+
+def test_forced_xml_calls_resolve_root_refs_inside_a_value() -> None:
+    """A parameter's value in the XML form is compiled as a schema of its own, where a `$ref` to `#`
+    (the parameters: a tree's child, a list of subtrees) named the value itself: `kids` took lists
+    of lists (`[[]]`) and refused a list of subtrees, and `child` took any text (or, held as JSON,
+    was refused as a circular ref). Now the ref lands in the parameters, as in the JSON form."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import tool_call_grammar
+
+    params = {**TREE["parameters"]}
+    params["properties"] = {**params["properties"], "kids": {"type": "array", "items": {"$ref": "#"}}}
+    grammar = tool_call_grammar(xgr, [{"name": "tree", "parameters": params}], "xml")
+
+    def call(key: str, value: str) -> str:
+        blocks = f"<parameter=label>\na\n</parameter>\n<parameter={key}>\n{value}\n</parameter>\n"
+        return f"<tool_call>\n<function=tree>\n{blocks}</function>\n</tool_call>"
+
+    assert accepts(grammar, call("child", '{"label": "b", "child": {"label": "a"}}'))
+    assert accepts(grammar, call("kids", '[{"label": "b", "kids": [{"label": "a"}]}]'))
+    for key, bad in (("child", '{"label": "c"}'), ("child", "5"), ("kids", "[{}]"), ("kids", "[[]]")):
+        assert not accepts(grammar, call(key, bad)), bad
