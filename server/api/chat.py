@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from deltaserve.engine.requests.chat_prompt import tail_tokens
 
-from ..errors import bad_request, raise_if_failed
+from ..errors import APIError, bad_request, raise_if_failed
 from ..protocol import (
     AssistantMessage,
     ChatChoice,
@@ -21,6 +21,7 @@ from ..protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
+    ChatMessage,
     DeltaToolCall,
 )
 from ..text.chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
@@ -71,7 +72,7 @@ async def prepare_chat(
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     template = ctx.template_for(req.chat_template)
 
-    def prepare() -> tuple[str, list[int], int]:
+    def prepare() -> tuple[str, list[int], int, str]:
         text = render_chat(
             ctx.need_tokenizer(),
             req.messages,
@@ -93,14 +94,30 @@ async def prepare_chat(
                 template_kwargs=req.chat_template_kwargs,
             )
             tail = tail_tokens(ids, text, start, ctx.encode)
-        return text, ids, tail
+        return text, ids, tail, tool_instructions(text)
+
+    def tool_instructions(text: str) -> str:
+        """The template's tool instructions, which show its tool-call form: rendered with one empty
+        message, as a message quoting `<function=` in the prompt would show the other form."""
+        if tools is None or req.tool_choice in (None, "auto", "none"):
+            return text
+        try:
+            return render_chat(
+                ctx.need_tokenizer(),
+                [ChatMessage(role="user", content="")],
+                template=template,
+                tools=tools,
+                template_kwargs=req.chat_template_kwargs,
+            )
+        except APIError:  # a template that wants more than one message: the prompt itself
+            return text
 
     images = await ctx.images.read(
         image_urls(req.messages), named=images_at or first_image_part(req.messages)
     )
     if images is not None and req.truncate_prompt_tokens is not None:
         raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
-    prompt, prompt_ids, tail = await ctx.off_loop(prepare)
+    prompt, prompt_ids, tail, instructions = await ctx.off_loop(prepare)
     ctx.images.check_placeholders(prompt_ids, len(images.grids) if images is not None else 0, "messages")
     if images is not None:
         prompt_ids = ctx.images.expand(prompt_ids, images)
@@ -111,7 +128,7 @@ async def prepare_chat(
     forced = tool_choice_constraint(
         req.tool_choice,
         tools,
-        prompt,
+        instructions,
         ctx.tool_format is KIMI,
         req.parallel_tool_calls,
     )

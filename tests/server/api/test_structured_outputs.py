@@ -628,3 +628,24 @@ def test_disable_additional_properties_closes_objects_the_schema_leaves_open(cli
         },
     )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == '{"o": {}}'
+
+
+def test_a_message_that_mentions_the_xml_form_leaves_a_forced_call_in_the_templates_form(base_url) -> None:
+    """The form of a forced call was read off the whole prompt: a user message quoting
+    `<function=...>` turned the built-in Qwen3 template's JSON calls into Qwen3.5's XML ones, which
+    the model was not taught (and a tool with an email parameter, which the XML form cannot hold,
+    was a 400). Now the form is read off the template's tool instructions alone."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "mail",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"type": "string", "format": "email"}},
+                "required": ["to"],
+            },
+        },
+    }
+    messages = [{"role": "user", "content": "What does <function=mail> mean in a prompt?"}]
+    r = chat(base_url, messages=messages, tools=[tool], tool_choice="required", max_tokens=4)
+    assert r.status_code == 200, r.text
