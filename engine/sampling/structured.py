@@ -393,10 +393,11 @@ def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "js
     "json" (Qwen3): `<tool_call>`, a JSON object with the function's name and arguments that
     satisfy its parameters' schema, `</tool_call>`. "xml" (Qwen3.5): `<tool_call>`,
     `<function=NAME>`, one `<parameter=P>` block per parameter in the schema's order (the required
-    ones always), `</function>`, `</tool_call>`; a string's value is its text, held to its const, enum,
-    format, pattern or lengths (without `<`), any other (or untyped) value its JSON, held to the
-    schema, and a parameter with only annotations free text (with no `</` in it). Qwen's calls are separated by a newline. "kimi" (Kimi-Linear): one section, and
-    in it per call `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>`, the
+    ones always), `</function>`, `</tool_call>`; a string's value is its text, held to its const,
+    enum, format, pattern or lengths (without `<`), else free text (with no `</` or `<parameter=`
+    in it), any other (or untyped) value its JSON, held to the schema, and a parameter with only
+    annotations free text. Qwen's calls are separated by a newline. "kimi" (Kimi-Linear): one
+    section, and in it per call `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>`, the
     arguments' JSON, `<|tool_call_end|>`."""
 
     def one(index: int) -> Any:  # a call of any of the functions, the index-th of the turn
@@ -444,7 +445,19 @@ def _literal(xgr: Any, text: str) -> Any:
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 
-_FREE_TEXT = 'root ::= ([^<] | "<" [^/])*'  # a parameter's text: anything but a closing tag
+def _free_text() -> str:
+    """The grammar of a parameter's free text: anything with neither a closing tag (`</`) nor
+    `<parameter=`, where the tool-call parser would end the value (and start another parameter).
+    State `tN` has read `<` and the first N characters of `parameter=`."""
+    word = "parameter="
+    rules = ['root ::= "" | [^<] root | "<" t0', 't0 ::= "" | [^/p<] root | "<" t0 | "p" t1']
+    for i in range(1, len(word)):
+        ahead = f' | "{word[i]}" t{i + 1}' if i + 1 < len(word) else ""  # `<parameter=` has no way on
+        rules.append(f't{i} ::= "" | [^{word[i]}<] root | "<" t0{ahead}')
+    return "\n".join(rules)
+
+
+_FREE_TEXT = _free_text()
 
 
 def _definitions(params: dict[str, Any]) -> dict[str, Any]:

@@ -860,3 +860,31 @@ def test_forced_xml_calls_resolve_root_refs_inside_a_value() -> None:
     assert accepts(grammar, call("kids", '[{"label": "b", "kids": [{"label": "a"}]}]'))
     for key, bad in (("child", '{"label": "c"}'), ("child", "5"), ("kids", "[{}]"), ("kids", "[[]]")):
         assert not accepts(grammar, call(key, bad)), bad
+
+
+def test_a_forced_xml_calls_free_text_cannot_open_another_parameter() -> None:
+    """A string's free text in the XML form barred only a closing tag (`</`), so it could hold
+    `<parameter=...>`, where the tool-call parser ends the value and starts another parameter: the
+    call parsed with `note` cut short and a `zzz` argument the schema does not have. Now free text
+    holds no `<parameter=` (other tags, such as `<p>` or `<param`, are still free)."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import tool_call_grammar
+
+    params = {
+        "type": "object",
+        "properties": {"note": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["note", "n"],
+        "additionalProperties": False,
+    }
+    grammar = tool_call_grammar(xgr, [{"name": "f", "parameters": params}], "xml")
+
+    def call(note: str) -> str:
+        blocks = f"<parameter=note>\n{note}\n</parameter>\n<parameter=n>\n1\n</parameter>\n"
+        return f"<tool_call>\n<function=f>\n{blocks}</function>\n</tool_call>"
+
+    for fine in ("plain", "a <p> or <param> or <parameter> tag", "<", "x <<"):
+        assert accepts(grammar, call(fine)), fine
+    for bad in ("see <parameter=zzz>\n2", "<parameter=n>", "a <<parameter=n>"):
+        assert not accepts(grammar, call(bad)), bad
