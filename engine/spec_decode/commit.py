@@ -34,9 +34,10 @@ def finish_windows(
     """Append each window's accepted tokens, then commit the state after the last accepted
     position to the working slot and advance the request past it.
 
-    A request that stops inside its window (stop token, length) is released with its slot
-    and computed length as they were before the window: consistent, only a few tokens
-    short for the prefix cache."""
+    Each token is appended once the window position before it counts as computed, and a page
+    boundary among those positions hands its state to the prefix cache first, as plain decoding
+    does: a request that stops inside its window (stop token, length) is released with the
+    computed length and end snapshot that plain decoding would leave."""
     outputs: list[RequestOutput] = []
     commits = []
     counters = sink.counters
@@ -47,28 +48,20 @@ def finish_windows(
         counters["spec_draft_tokens_total"] += len(c.drafts)
         counters["spec_accepted_tokens_total"] += v.num_accepted
         counters["spec_windows_total"] += 1
-        for tok, lp in zip(v.tokens, v.logprobs):
+        old = req.num_computed_tokens
+        for i, (tok, lp) in enumerate(zip(v.tokens, v.logprobs)):
+            req.num_computed_tokens = old + i + 1  # window position i: its state is in the window
+            if req.num_computed_tokens % page_size == 0:
+                # before the token that may stop the request: release finds the state here
+                assert req.slot is not None
+                window.commit([req.slot], [row], [i])
+                prefix_cache.on_computed(req, prefill=False)
             sink.append(req, tok, lp, now)
             if req.finished:
                 break
         if not req.finished:
-            commits.append((req, row, v.num_accepted))
+            commits.append((req.slot or 0, row, v.num_accepted))
         sink.emit(outputs, req)
-    ps = page_size
-    for req, row, accepted in commits:
-        # A page boundary crossed inside the window: the prefix cache sees the (accepted)
-        # state there, as it would have in plain decoding.
-        old = req.num_computed_tokens
-        for pos in range(old - old % ps + ps, old + accepted + 1, ps):
-            assert req.slot is not None
-            window.commit([req.slot], [row], [pos - old - 1])
-            req.num_computed_tokens = pos
-            prefix_cache.on_computed(req, prefill=False)
-        req.num_computed_tokens = old
-    window.commit(
-        [r.slot or 0 for r, _, _ in commits], [row for _, row, _ in commits], [a for _, _, a in commits]
-    )
-    for req, _, accepted in commits:
-        req.num_computed_tokens += accepted + 1
-        prefix_cache.on_computed(req, prefill=False)
+    # the working slots take their last accepted states at once; no page boundary is left to see
+    window.commit([s for s, _, _ in commits], [row for _, row, _ in commits], [a for _, _, a in commits])
     return outputs

@@ -189,6 +189,45 @@ def test_cache_hit_on_a_boundary_crossed_inside_a_window(
     assert out.outputs[0].token_ids == cold
 
 
+@pytest.mark.parametrize(
+    "page, k, length, new, how",
+    [
+        (8, 3, 13, 4, "length"),  # stops on the page boundary, one draft short of the window's end
+        (8, 3, 13, 5, "stop"),  # stops at the window's end, a token past the boundary
+        (8, 4, 14, 4, "length"),  # stops a token past a boundary crossed mid-window
+        (8, 3, 5, 12, "stop"),  # the third window: earlier windows crossed a boundary too
+    ],
+)
+def test_stop_inside_a_window_caches_as_plain_decoding(model_path, page, k, length, new, how):
+    """A request that stops inside a verification window (max_tokens or a stop token) leaves the
+    prefix cache what plain decoding leaves: the next turn hits as many tokens, with the same
+    greedy tokens."""
+    first = prompts_of([length], seed=30 + length + new)[0]
+    ref = reference(model_path, [first], new)[0]
+    if how == "stop":
+        assert ref[-1] not in ref[:-1]
+        params = greedy(NEW, stop_token_ids=[ref[-1]])
+    else:
+        params = greedy(new)
+    second = first + ref + prompts_of([7], seed=31)[0]
+    cached, outs = [], []
+    for spec in (None, {**NGRAM, "num_speculative_tokens": k}):
+        llm = make_llm(model_path, spec, page_size=page)
+        if spec is not None:
+            llm.engine.spec.drafter = ForcedDrafter([first + ref, second + outs[0]], k)
+        assert run(llm, [first], params) == [ref]
+        if spec is not None:  # every token after the first came from a window, the last too
+            s, windows = llm.engine.stats(), -(-(new - 1) // (k + 1))
+            assert s["spec_windows_total"] == windows
+            assert s["spec_accepted_tokens_total"] >= new - 1 - windows
+        out = llm.generate([{"prompt_token_ids": second}], greedy(), use_tqdm=False)[0]
+        cached.append(out.num_cached_tokens)
+        outs.append(out.outputs[0].token_ids)
+    # the end state of the first request: its computed length's last page boundary
+    assert cached[1] == cached[0] == (length + new - 1) // page * page
+    assert outs[1] == outs[0]
+
+
 def test_ngram_on_self_repeating_batch(model_path, pools_held):
     """The 'done when' check: batched self-repeating prompts, greedy identical, drafts accepted."""
     prompts = prompts_of([4, 7, 11, 3], seed=3, repeat=6) + prompts_of([50], seed=4)
