@@ -5,7 +5,8 @@ prefills, then newly admitted requests, within `max_num_batched_tokens` tokens i
 rows and verification windows count; every decode row's token is set aside first, whatever its
 place in the running batch), no request's chunk longer than `chunked_prefill_size`: prefill
 chunks ride along with the decodes, as in vLLM and SARATHI, so that a step's time stays
-bounded. A request is admitted only when a state slot and the pages for its first chunk are
+bounded. A chunk is cut to whole pages (or `chunk_align`) where the budget left holds one, else
+it takes what is left. A request is admitted only when a state slot and the pages for its first chunk are
 free; otherwise it waits. A decode that finds no free page preempts the newest running request
 (its pages and slot are freed and it is recomputed later). Under priority scheduling
 (`scheduling_policy`) requests are admitted by priority and the lowest is preempted instead
@@ -265,12 +266,16 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int) -> int:
         pending = req.num_pending
         budget = min(budget, self.config.chunk_size)
+        page, align, start = self.config.page_size, self.config.chunk_align, req.num_computed_tokens
         if pending <= budget:
             chunk = pending
+        elif budget < page and budget < align:
+            chunk = budget  # legal: KV goes in at any page offset; only snapshots need page ends
         else:
             # what decodes left of a small budget still moves the prompt on, a page at a time
-            align = self.config.chunk_align
-            chunk = budget // align * align or budget // self.config.page_size * self.config.page_size
+            chunk = budget // align * align or budget // page * page
+            if start % page and align % page == 0:  # after a sub-page chunk: end on a page again
+                chunk = (start + chunk) // page * page - start
         stop = self.prefix_cache.prefill_stop(req)
         if stop is not None:
             chunk = min(chunk, stop - req.num_computed_tokens)

@@ -150,3 +150,32 @@ def test_a_budget_below_the_running_requests_caps_the_decode_batch(path) -> None
         path, max_num_batched_tokens=512, max_running_requests=64, enable_overlap_schedule=False
     )
     assert got == run(roomy, {0: prompts}, max_tokens)
+
+
+def test_a_budget_below_a_page_still_moves_a_prompt_on(path) -> None:
+    """Twenty decode rows leave 12 of a budget of 32 with pages of 16: a long prompt arriving
+    among them is prefilled 12 tokens a step instead of waiting for the decodes to end; once the
+    rows thin out its chunks end on pages again (where the prefix cache keeps states), and the
+    tokens are a roomy budget's."""
+    rng = random.Random(2)
+    arrivals = {0: {f"r{i}": [rng.randrange(160) for _ in range(3)] for i in range(20)}}
+    arrivals[3] = {"long": [rng.randrange(160) for _ in range(200)]}
+    max_tokens = {f"r{i}": 6 + i for i in range(20)} | {"long": 4}
+    cfg: dict[str, Any] = dict(max_running_requests=32, enable_overlap_schedule=False)
+    engine = make_engine(path, max_num_batched_tokens=32, **cfg)
+    chunks: list[tuple[int, int, int]] = []  # the long prompt's (decode rows, start, length)
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> SchedulerOutput | None:
+        plan = schedule()
+        for c in plan.chunks[plan.num_decodes :] if plan is not None else []:
+            if c.req.request_id == "long" and not c.sample:
+                chunks.append((plan.num_decodes, c.req.num_computed_tokens, c.num_tokens))
+        return plan
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    got = run(engine, arrivals, max_tokens)
+    assert chunks[0] == (20, 0, 12), chunks  # beside the twenty rows, at once
+    roomy = [s + n for rows, s, n in chunks if rows <= 32 - 16]  # the ends with a page of budget
+    assert roomy and all(end % 16 == 0 for end in roomy), chunks
+    assert got == run(make_engine(path, max_num_batched_tokens=512, **cfg), arrivals, max_tokens)
