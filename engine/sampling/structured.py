@@ -245,7 +245,7 @@ def _unenforced_here(node: dict[str, Any]) -> str | None:
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         return "allOf of more than one schema is not supported"
     if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
-        if not _lengths_implied(node):
+        if not _lengths_implied(node) and _bounded_uri(node) is None:
             return "minLength / maxLength beside pattern or format are not supported"
     patterns = [node.get("pattern")] + list(node.get("patternProperties") or {})
     if any(isinstance(p, str) and _lookahead(p) for p in patterns):
@@ -312,6 +312,33 @@ _DATE = f"^({_DAY})$"
 _DATE_TIME = f"^({_DAY})T{_TIME}$"
 # formats xgrammar writes too loosely, written as the patterns above instead
 _FORMAT_PATTERNS = {"ipv4": _IPV4, "date": _DATE, "date-time": _DATE_TIME}
+# a bounded URI: scheme (16 at most), "://", host (253), port (":" and 5), and the first character
+# of each of path, query and fragment; each of those three then holds 129 or more, as xgrammar
+# compiles a bounded repetition of up to 128 characters there in seconds
+_URI_FIXED = 16 + 3 + 253 + 6 + 3
+_URI_PART_MIN = 129
+_PCHAR = r"A-Za-z0-9._~!$&'()*+,;=:@\-"
+
+
+def _bounded_uri(node: dict[str, Any]) -> str | None:
+    """For format uri with a maxLength (pydantic's HttpUrl: 2083), which xgrammar's uri leaves
+    unbounded: a pattern of URIs of minLength to maxLength characters,
+    `scheme://host[:port][/path][?query][#fragment]` in RFC 3986's characters without percent
+    escapes; None for any other node, or bounds too narrow for one."""
+    low, high = node.get("minLength", 0), node.get("maxLength")
+    if node.get("format") != "uri" or "pattern" in node or type(high) is not int or type(low) is not int:
+        return None
+    rest = high - _URI_FIXED
+    host = max(1, low - 4)
+    if rest < 3 * _URI_PART_MIN or host > 253:
+        return None
+    fragment, query = max(_URI_PART_MIN, rest // 8), max(_URI_PART_MIN, rest // 4)
+    return (
+        f"^[a-zA-Z][a-zA-Z0-9+.\\-]{{0,15}}://[A-Za-z0-9.\\-]{{{host},253}}(:[0-9]{{1,5}})?"
+        f"(/[{_PCHAR}/]{{0,{rest - query - fragment}}})?(\\?[{_PCHAR}/?]{{0,{query}}})?"
+        f"(#[{_PCHAR}/?]{{0,{fragment}}})?$"
+    )
+
 
 # the characters xgrammar 0.2 lets a string with minLength / maxLength (or a key bounded by
 # propertyNames) hold, raw control characters among them, which JSON forbids (a tab must be "\t")
@@ -347,6 +374,13 @@ def _json_string_patterns(xgr: Any, schema: Any) -> bool:
         if written is not None:  # as the pattern it is: no leading zeros, no 31 February
             del node["format"]
             node["pattern"], changed = written, True
+        bounded = _bounded_uri(node)
+        if (
+            bounded is not None
+        ):  # its lengths in the pattern, which xgrammar holds (it reads them beside one only)
+            for key in ("format", "minLength", "maxLength"):
+                node.pop(key, None)
+            node["pattern"], changed = bounded, True
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             node["pattern"] = _held_pattern(xgr, pattern, f"{at}/pattern")
@@ -519,8 +553,9 @@ def _xml_string(xgr: Any, schema: dict[str, Any]) -> Any:
             raise ValueError(
                 f"format {fmt} is not supported in the XML tool-call form (its strings may need JSON escapes)"
             )
-        # xgrammar's grammar of the JSON string, less its quotes
-        text = str(json_grammar(xgr, json.dumps({"type": "string", "format": fmt})))
+        # xgrammar's grammar of the JSON string (a bounded uri's lengths held), less its quotes
+        lengths = {k: schema[k] for k in ("minLength", "maxLength") if k in schema}
+        text = str(json_grammar(xgr, json.dumps({"type": "string", "format": fmt, **lengths})))
         inner = _QUOTED_ROOT.search(text)
         if inner is None:
             raise ValueError(f"format {fmt} is not supported in the XML tool-call form")

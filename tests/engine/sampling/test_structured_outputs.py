@@ -600,8 +600,10 @@ def test_forced_xml_calls_hold_values_to_their_bounds_lengths_and_patterns():
         ({"pattern": "^[A-Z]{3}$", "minLength": 4}, False),
         ({"pattern": "^a+$", "maxLength": 2}, False),
         ({"pattern": "[", "maxLength": 3}, False),
-        # pydantic's HttpUrl: a URI of any length, which xgrammar would not cut at 2,083
-        ({"format": "uri", "minLength": 1, "maxLength": 2083}, False),
+        # pydantic's HttpUrl: written as a pattern of URIs up to 2,083 characters
+        ({"format": "uri", "minLength": 1, "maxLength": 2083}, True),
+        # too short for that pattern's parts: xgrammar's uri would not cut at 500
+        ({"format": "uri", "maxLength": 500}, False),
         ({"format": "uri-reference", "minLength": 1}, False),
     ],
 )
@@ -634,6 +636,35 @@ def test_pydantic_constrained_strings_compile_and_hold(llm) -> None:
     assert outs[0].finish_reason == "stop", outs[0].text
     assert re.fullmatch("[A-Z]{3}", json.loads(outs[0].text)["code"])
     assert re.match(r'\{"code": "[A-Z]{3}", "site": "', outs[1].text), outs[1].text
+
+
+def test_a_bounded_uri_holds_its_length_in_json_and_xml() -> None:
+    """pydantic's HttpUrl (format uri, maxLength 2,083) was a 400; xgrammar's uri reads no length.
+    It is written as a pattern of URIs that holds the bounds, in the JSON form and an XML call."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import json_grammar, tool_call_grammar
+
+    url = {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083}
+    grammar = json_grammar(xgr, json.dumps({"type": "object", "properties": {"u": url}, "required": ["u"]}))
+    fits = "https://example.com:8080/a/b-c_d?x=1&y=%s#top" % ("z" * 300)
+    assert accepts(grammar, json.dumps({"u": fits}))
+    assert accepts(grammar, json.dumps({"u": "ftp://h"}))
+    for bad in ("https://example.com/" + "p" * 2100, "not a url", "https://exa mple.com", 'http://a"b'):
+        assert not accepts(grammar, json.dumps({"u": bad})), bad[:40]
+    short = {"type": "string", "format": "uri", "minLength": 1, "maxLength": 700}
+    call = tool_call_grammar(
+        xgr, [{"name": "visit", "parameters": {"type": "object", "properties": {"u": short}}}], "xml"
+    )
+
+    def xml(value: str) -> str:
+        return (
+            f"<tool_call>\n<function=visit>\n<parameter=u>\n{value}\n</parameter>\n</function>\n</tool_call>"
+        )
+
+    assert accepts(call, xml("https://example.com/" + "p" * 100))
+    assert not accepts(call, xml("https://example.com/" + "p" * 700))
 
 
 REAL_DATES = ["2024-02-29", "2000-02-29", "2023-02-28", "2023-12-31", "2023-04-30", "0400-02-29"]
