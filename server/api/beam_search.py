@@ -1,16 +1,18 @@
 """vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions: the n best beams of each
 prompt (`engine/requests/beam_search.py`), each step's beams sent to the engine as one-token
-requests that ask for 2n log-probabilities, so that the prefix cache serves what the beams share."""
+requests that ask for 2n log-probabilities, so that the prefix cache serves what the beams share.
+A streamed search sends its beams as server-sent events once it ends: which beams win is known
+only then."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
@@ -21,8 +23,11 @@ from ..errors import bad_request
 from ..protocol import (
     AssistantMessage,
     ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatDelta,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -31,6 +36,7 @@ from ..protocol import (
 )
 from ..text.chat_output import ChatOutputParser
 from .context import ClientDisconnected, ServerContext
+from .generation import DONE
 from .request_params import client_name, named_id
 
 if TYPE_CHECKING:
@@ -45,8 +51,6 @@ _UNSCORED = (
 
 def beam_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> BeamSearchParams:
     """The request's search, or a 400 naming what a search cannot honour."""
-    if req.stream:
-        raise bad_request("use_beam_search answers once the search ends: send stream false", "stream")
     if (req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs) or getattr(
         req, "top_logprobs", None
     ) is not None:
@@ -217,6 +221,9 @@ async def beam_search_completion(
     response = CompletionResponse(
         id=f"cmpl-{name or uuid.uuid4().hex}", model=model, choices=choices, usage=_usage(ids, outs, cached)
     )
+    if req.stream:  # a chunk a beam, each whole and finished
+        chunks = [response.model_copy(update={"choices": [c], "usage": None}) for c in choices]
+        return _stream(req, chunks, response.model_copy(update={"choices": []}), {"prompt_logprobs"})
     payload = response.model_dump(mode="json")
     for choice in payload["choices"]:
         del choice["prompt_logprobs"]  # vLLM's field, for requests that ask for it
@@ -253,4 +260,36 @@ async def beam_search_chat(
         choices=choices,
         usage=_usage([prompt_ids], [out], cached),
     )
+    if req.stream:  # every beam's role, as a sampled stream opens, then each whole message and finish
+        shell = ChatCompletionChunk(id=response.id, created=response.created, model=model, choices=[])
+        opening = [
+            ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content="")) for c in choices
+        ]
+        chunks = [shell.model_copy(update={"choices": opening})]
+        for c in choices:
+            m = c.message
+            delta = ChatDelta(content=m.content, reasoning_content=m.reasoning_content, reasoning=m.reasoning)
+            done = ChatChunkChoice(index=c.index, delta=delta, finish_reason=c.finish_reason)
+            chunks.append(shell.model_copy(update={"choices": [done]}))
+        return _stream(req, chunks, shell.model_copy(update={"usage": response.usage}), set())
     return JSONResponse(response.model_dump(mode="json", exclude={"prompt_logprobs"}))
+
+
+def _stream(
+    req: CompletionRequest | ChatCompletionRequest, chunks: list[Any], usage: Any, choice_exclude: set[str]
+) -> StreamingResponse:
+    """`chunks` as server-sent events, then the usage chunk where the client asks for it, then
+    `[DONE]`, as a sampled request's stream ends."""
+    exclude: dict[str, Any] = {"usage": True}
+    if choice_exclude:
+        exclude["choices"] = {"__all__": choice_exclude}
+    events = [f"data: {chunk.model_dump_json(exclude=exclude)}\n\n" for chunk in chunks]
+    if req.stream_options and req.stream_options.include_usage:
+        events.append(f"data: {usage.model_dump_json()}\n\n")
+    events.append(DONE)
+
+    async def send() -> Any:
+        for event in events:
+            yield event
+
+    return StreamingResponse(send(), media_type="text/event-stream")

@@ -70,10 +70,40 @@ def test_chat_choices_are_the_offline_beams_of_the_rendered_prompt(client, built
     assert reply.usage.prompt_tokens == len(ids)
 
 
+def test_a_streamed_search_sends_the_beams_it_answers_unstreamed(client) -> None:
+    """stream true with use_beam_search was a 400; vLLM answers it. The beams come as events once
+    the search ends (which beams win is known only then): the same texts, finish reasons and usage
+    as the unstreamed reply, then [DONE], through the openai client's stream reader."""
+    ask = dict(model=MODEL_NAME, n=2, max_tokens=5, extra_body={"use_beam_search": True})
+    whole = client.completions.create(prompt=PROMPTS, **ask)
+    chunks = list(
+        client.completions.create(prompt=PROMPTS, stream=True, stream_options={"include_usage": True}, **ask)
+    )
+    assert [(c.choices[0].index, c.choices[0].text, c.choices[0].finish_reason) for c in chunks[:-1]] == [
+        (c.index, c.text, c.finish_reason) for c in whole.choices
+    ]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+    messages = [{"role": "user", "content": "Say something."}]
+    whole = client.chat.completions.create(messages=messages, **ask)
+    texts: dict[int, str] = {0: "", 1: ""}
+    finish: dict[int, str | None] = {}
+    roles = set()
+    for chunk in client.chat.completions.create(messages=messages, stream=True, **ask):
+        for c in chunk.choices:
+            roles |= {c.index} if c.delta.role == "assistant" else set()
+            texts[c.index] += (getattr(c.delta, "reasoning_content", None) or "") + (c.delta.content or "")
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+        assert chunk.usage is None
+    want = [(c.message.reasoning_content or "") + (c.message.content or "") for c in whole.choices]
+    assert roles == {0, 1} and [texts[0], texts[1]] == want and texts[0] != texts[1]
+    assert [finish[0], finish[1]] == [c.finish_reason for c in whole.choices]
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"stream": True}, "stream"),
         ({"n": 11}, "n"),
         ({"temperature": 0.8}, "temperature"),
         ({"logprobs": 2}, "logprobs"),
