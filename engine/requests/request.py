@@ -69,6 +69,9 @@ class Request:
     token_arrays: TokenArrays | None = field(default=None, repr=False)
     # structured outputs: the grammar's state (xgrammar GrammarMatcher), fed every new token
     matcher: Any = field(default=None, repr=False)
+    # allowed_token_ids as a [vocab] bool row, True outside them: built on the request's first
+    # sampled step and reused, since rebuilding a near-vocabulary list every step slows the batch
+    allowed_outside: torch.Tensor | None = field(default=None, repr=False)
     grammar_broken: bool = False  # a token the grammar refused (the request ends there)
     # a fault of this request alone (its logit processing raised): it finishes with "error"
     error: str | None = None

@@ -31,6 +31,16 @@ def _bad_word_ends(r: Request) -> list[int]:
     ]
 
 
+def _allowed_outside(r: Request, vocab: int, dev: torch.device) -> torch.Tensor:
+    """r's `allowed_outside` row (True where allowed_token_ids forbid), made on its first use."""
+    row = r.allowed_outside
+    if row is None or row.shape[0] != vocab or row.device != dev:
+        row = torch.ones(vocab, dtype=torch.bool, device=dev)
+        row[to_device(r.params.allowed_token_ids or [], torch.long, dev)] = False
+        r.allowed_outside = row
+    return row
+
+
 def _masks(r: Request) -> list[str]:
     """What forbids tokens at r's next position, as its client would name it."""
     p = r.params
@@ -224,15 +234,10 @@ class Sampler:
                 [(rows, torch.long), (ids, torch.long), (vals, torch.float32)], dev
             )
             logits.index_put_((rows_t, ids_t), vals_t.to(logits.dtype), accumulate=True)
-        allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(reqs) if r.params.allowed_token_ids]
+        allowed = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids]
         if allowed:
-            owners = [j for j, (_, kept) in enumerate(allowed) for _ in kept]
-            kept_ids = [t for _, kept in allowed for t in kept]
-            rows_a, owners_t, kept_t = to_device_packed(
-                [([i for i, _ in allowed], torch.long), (owners, torch.long), (kept_ids, torch.long)], dev
-            )
-            outside = torch.ones((len(allowed), logits.shape[-1]), dtype=torch.bool, device=dev)
-            outside[owners_t, kept_t] = False
+            outside = torch.stack([_allowed_outside(reqs[i], logits.shape[-1], dev) for i in allowed])
+            rows_a = to_device(allowed, torch.long, dev)
             logits[rows_a] = logits[rows_a].masked_fill(outside, float("-inf"))
         bad_ends = [
             (i, t) for i, r in enumerate(reqs) if r.params.bad_words_token_ids for t in _bad_word_ends(r)

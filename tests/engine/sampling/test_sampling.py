@@ -278,6 +278,40 @@ def test_allowed_token_ids_restrict_sampling_to_them(llm):
     assert out.token_ids == [42] * 6 and all(lp.logprob < -0.5 for lp in out.logprobs)
 
 
+def test_allowed_token_ids_go_to_the_device_once_per_request(monkeypatch):
+    """Each request's allowed_token_ids are sent to the device once, not every step (a
+    near-vocabulary list rebuilt each step slowed every request batched with it); the tokens
+    still come from the list, and a row without one samples freely."""
+    import deltaserve.engine.sampling.sampler as sampler_module
+
+    sent: list[int] = []
+    real_one, real_packed = sampler_module.to_device, sampler_module.to_device_packed
+
+    def one(values, dtype, device):
+        sent.append(len(values))
+        return real_one(values, dtype, device)
+
+    def packed(fields, device):
+        sent.extend(len(values) for values, _ in fields)
+        return real_packed(fields, device)
+
+    monkeypatch.setattr(sampler_module, "to_device", one)
+    monkeypatch.setattr(sampler_module, "to_device_packed", packed)
+    vocab, steps = 1000, 6
+    allowed = list(range(0, vocab, 2))
+    reqs = [make_request(SamplingParams(temperature=1.0, allowed_token_ids=allowed)) for _ in range(4)]
+    reqs.append(make_request(SamplingParams(temperature=1.0)))
+    sampler, noise = Sampler(torch.device("cpu"), 0, [0]), torch.Generator().manual_seed(0)
+    picked = []
+    for _ in range(steps):
+        logits = torch.randn(len(reqs), vocab, generator=noise)
+        picked.append(sampler.sample_tokens(logits, reqs).tolist())
+    assert {t for row in picked for t in row[:4]} <= set(allowed)
+    assert any(row[4] % 2 for row in picked)
+    # the four lists once, then a few row indices and parameters per step
+    assert sum(sent) <= 4 * len(allowed) + steps * 10 * len(reqs)
+
+
 def test_allowed_token_ids_are_checked(llm):
     for bad in ([], [-1], [1, "2"]):
         with pytest.raises(ValueError, match="allowed_token_ids"):
