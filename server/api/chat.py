@@ -82,6 +82,8 @@ async def prepare_chat(
             continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
         )
+        if req.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
+            ctx.refuse_overlong(text, "messages")
         ids = ctx.encode(text)
         tail = 0  # the prompt's last tokens that the next turn does not repeat
         if req.add_generation_prompt and not req.continue_final_message:

@@ -31,15 +31,22 @@ if TYPE_CHECKING:
 
 
 def _prompts(
-    ctx: ServerContext, prompt: str | list[str] | list[int] | list[list[int]], echo: bool
+    ctx: ServerContext,
+    prompt: str | list[str] | list[int] | list[list[int]],
+    echo: bool,
+    truncated: bool = False,
 ) -> list[tuple[str, list[int]]]:
-    """Every prompt as (text, token ids); token-id prompts are decoded only to be echoed."""
+    """Every prompt as (text, token ids); token-id prompts are decoded only to be echoed. Texts
+    too long for the context are refused untokenized, unless the request truncates them."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]  # type: ignore[list-item]
+    for item in prompt:  # all before any is tokenized
+        if isinstance(item, str) and not truncated:
+            ctx.refuse_overlong(item, "prompt")
     out = []
     for item in prompt:
         if isinstance(item, str):
@@ -101,7 +108,7 @@ class _Choice:
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
-    prompts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo)
+    prompts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo, req.truncate_prompt_tokens is not None)
     if req.use_beam_search:
         from .beam_search import beam_search_completion
 

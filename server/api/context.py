@@ -21,6 +21,7 @@ from ..edge import ARRIVED
 from ..engine_client import EngineClient, RequestGroup, ShuttingDownError
 from ..errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed, refused
 from ..metrics import Metrics
+from ..text.prompt_bound import chars_per_token
 from ..text.tool_calls import tool_call_format
 from .images import ImageReader
 from .logprobs import TokenText
@@ -88,6 +89,7 @@ class ServerContext:
         self.think_end_id: int | None = vocab.get("</think>") if self.parse_reasoning else None
         self.tool_format = tool_call_format(vocab)  # Qwen's <tool_call> or Kimi's markers
         self._prompt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-prompt")
+        self.chars_per_token = chars_per_token(self.tokenizer) if self.tokenizer is not None else None
         self.vocab_size = int(self.client.vocab_size or (len(self.tokenizer) if self.tokenizer else 0))
         self.images = ImageReader.from_model_info(self.client.model_info, self.image_limit)
 
@@ -130,6 +132,22 @@ class ServerContext:
         if self.tokenizer is None:
             raise bad_request("this server was started without a tokenizer; send token ids", "prompt")
         return self.tokenizer
+
+    def refuse_overlong(self, text: str, param: str) -> None:
+        """A 400 (context_length_exceeded) for a prompt with more characters than the context's
+        tokens can stand for, by its length alone: tokenizing megabytes would hold the one prompt
+        worker, which every other request's prompt waits for."""
+        bound = self.chars_per_token
+        limit = self.client.max_model_len
+        if bound is None or len(text) <= limit * bound.of(text):
+            return
+        raise bad_request(
+            f"this model's maximum context length is {limit} tokens, and a prompt of {len(text)} "
+            f"characters is longer than that (its tokens stand for at most {bound.of(text)} characters "
+            f"each); shorten the prompt",
+            param,
+            code="context_length_exceeded",
+        )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         tokenizer = self.need_tokenizer()

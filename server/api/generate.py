@@ -166,6 +166,8 @@ class NativeGeneration:
         batch: list[list[int]]
         if body.text is not None:
             texts = [body.text] if isinstance(body.text, str) else body.text
+            for t in texts:  # all before any is tokenized
+                ctx.refuse_overlong(t, "text")
             batch = [await ctx.off_loop(ctx.encode, t) for t in texts]
             self.single = isinstance(body.text, str)
         else:
