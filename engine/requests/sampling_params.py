@@ -28,6 +28,9 @@ MAX_STOP_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_BAD_WORDS = 64
 MAX_LOGIT_BIAS = 1024  # entries: each copy's biases are gathered on the host at every step
+# each scored position (every prompt position, with prompt logprobs) reports these ids' values,
+# built on the engine's thread: as many as its top logprobs, at most
+MAX_LOGPROB_TOKEN_IDS = MAX_LOGPROBS
 
 
 # why structured_outputs.whitespace_pattern (and vLLM's older guided_whitespace_pattern) is refused
@@ -348,6 +351,10 @@ class SamplingParams:
             raise InvalidParamError(f"stop_token_ids must be token ids, got {bad[0]!r}", "stop_token_ids")
         _in_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _in_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if len(self.logprob_token_ids or []) > MAX_LOGPROB_TOKEN_IDS:
+            raise InvalidParamError(
+                f"logprob_token_ids holds at most {MAX_LOGPROB_TOKEN_IDS} token ids", "logprob_token_ids"
+            )
         if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise InvalidParamError(
                 f"max_tokens must be at least 1 (0 only with prompt_logprobs), got {self.max_tokens}",

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from deltaserve.engine.requests.sampling_params import MAX_LOGPROB_TOKEN_IDS
+
 from ..errors import APIError, bad_request, failure_body, raise_if_failed
 from ..protocol import CompletionRequest, RequestBody, unsupported_if_set, validated
 from .context import ServerContext
@@ -198,6 +200,11 @@ class NativeGeneration:
             asked = [asked] * count  # type: ignore[list-item]
         asks = _per_prompt(asked, count, "token_ids_logprob") if asked is not None else [None] * count
         for ask in asks:
+            if len(ask or []) > MAX_LOGPROB_TOKEN_IDS:
+                raise bad_request(
+                    f"token_ids_logprob holds at most {MAX_LOGPROB_TOKEN_IDS} token ids a prompt",
+                    "token_ids_logprob",
+                )
             bad = [t for t in ask or [] if not 0 <= t < ctx.vocab_size]
             if bad:
                 raise bad_request(

@@ -87,3 +87,12 @@ def test_asked_ids_need_logprobs_and_the_vocabulary() -> None:
         SamplingParams(logprob_token_ids=[1])
     with pytest.raises(InvalidParamError, match="outside the vocabulary"):
         SamplingParams(logprobs=0, logprob_token_ids=[1, 500]).check_vocab(160)
+
+
+def test_asked_ids_are_as_many_as_top_logprobs_at_most() -> None:
+    """Every scored position (each prompt position, with prompt logprobs) reports the asked ids'
+    values, built on the engine's thread: a vocabulary's worth stalled every other request."""
+    SamplingParams(prompt_logprobs=0, logprob_token_ids=list(range(20)))
+    with pytest.raises(InvalidParamError, match="at most 20 token ids") as refused:
+        SamplingParams(prompt_logprobs=0, logprob_token_ids=list(range(21)))
+    assert refused.value.param == "logprob_token_ids"

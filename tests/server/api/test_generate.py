@@ -147,6 +147,13 @@ def test_token_ids_logprob_at_the_output_and_the_prompt(server, builtin_path) ->
     ]
     bad = generate(server, input_ids=prompt, sampling_params=GREEDY, token_ids_logprob=asked)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "token_ids_logprob"
+    # as many as the top logprobs at most: each asked id is reported at every prompt position
+    many = generate(
+        server, input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0,
+        token_ids_logprob=list(range(21)),
+    )  # fmt: skip
+    assert many.status_code == 400 and many.json()["error"]["param"] == "token_ids_logprob"
+    assert "at most 20" in many.json()["error"]["message"]
 
 
 def test_a_stop_string_is_the_matched_reason(server) -> None:
