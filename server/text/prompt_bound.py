@@ -34,10 +34,14 @@ def chars_per_token(tokenizer: Any) -> CharsPerToken | None:
     """The bound for a transformers fast tokenizer whose backend is byte-level BPE under at most
     a Unicode normalizer; None for any other (its prompts are tokenized to be measured)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or type(backend.model).__name__ != "BPE":
+    if backend is None or type(getattr(backend, "model", None)).__name__ != "BPE":
         return None
-    shrink = _normalizer_shrink(_state(backend.normalizer))
-    if shrink is None or not _keeps_every_byte(_state(backend.pre_tokenizer)):
+    try:
+        shrink = _normalizer_shrink(_state(backend.normalizer))
+        keeps = _keeps_every_byte(_state(backend.pre_tokenizer))
+    except (AttributeError, TypeError, ValueError):  # a backend that does not describe itself: no bound
+        return None
+    if shrink is None or not keeps:
         return None
     longest = max((len(entry) for entry in backend.get_vocab(with_added_tokens=True)), default=0)
     if longest < 1:
