@@ -36,17 +36,21 @@ def _prompts(
     echo: bool,
     truncated: bool = False,
 ) -> list[tuple[str, list[int]]]:
-    """Every prompt as (text, token ids); token-id prompts are decoded only to be echoed. Texts
-    too long for the context are refused untokenized, unless the request truncates them."""
+    """Every prompt as (text, token ids); token-id prompts are decoded only to be echoed. Prompts
+    too long for the context are refused untokenized and undecoded, unless the request truncates them."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]  # type: ignore[list-item]
-    for item in prompt:  # all before any is tokenized
-        if isinstance(item, str) and not truncated:
+    for item in prompt:  # all before any is tokenized, checked or decoded
+        if truncated:
+            break
+        if isinstance(item, str):
             ctx.refuse_overlong(item, "prompt")
+        else:
+            ctx.refuse_overlong_ids(item, "prompt")  # type: ignore[arg-type]
     out = []
     for item in prompt:
         if isinstance(item, str):

@@ -149,6 +149,18 @@ class ServerContext:
             code="context_length_exceeded",
         )
 
+    def refuse_overlong_ids(self, ids: Sequence[int], param: str) -> None:
+        """A 400 (context_length_exceeded) for a token-id prompt longer than the context, before
+        its ids are checked or decoded (for an echo), which would hold the prompt worker."""
+        limit = self.client.max_model_len
+        if len(ids) > limit:
+            raise bad_request(
+                f"this model's maximum context length is {limit} tokens, and the prompt has "
+                f"{len(ids)}; shorten the prompt",
+                param,
+                code="context_length_exceeded",
+            )
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         tokenizer = self.need_tokenizer()
         backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -178,6 +178,8 @@ class NativeGeneration:
             batch = [ids] if self.single else ids  # type: ignore[list-item,assignment]
         if not batch or any(not ids for ids in batch):
             raise bad_request("the prompt is empty", "text" if body.text is not None else "input_ids")
+        for ids in batch:  # before the vocabulary scan, on the event loop
+            ctx.refuse_overlong_ids(ids, "text" if body.text is not None else "input_ids")
         for ids in batch:
             bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
             if bad:

@@ -61,7 +61,7 @@ def test_tokenizers_that_may_drop_text_have_no_bound() -> None:
 @pytest.fixture
 def served(tokenizer, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list[int]]]:
     """The real app over a stand-in engine of a 256-token context, on a free port; with the lengths
-    of the texts the server tokenized."""
+    of the texts the server tokenized and of the token ids it decoded."""
     tokenized: list[int] = []
     encode = ServerContext.encode
 
@@ -69,7 +69,13 @@ def served(tokenizer, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, li
         tokenized.append(len(text))
         return encode(self, text, add_special_tokens)
 
+    def decoded(self: ServerContext, token_ids: list[int]) -> str:
+        tokenized.append(len(token_ids))  # an echoed token-id prompt's length, decoded
+        return decode(self, token_ids)
+
+    decode = ServerContext.decode
     monkeypatch.setattr(ServerContext, "encode", counted)
+    monkeypatch.setattr(ServerContext, "decode", decoded)
     engine = ScriptedEngine(tokenizer, QWEN3_OUTPUT)
     engine.max_model_len = MAX_MODEL_LEN
     app = build_app(EngineClient.in_thread(engine), model_names=["scripted"])
@@ -113,3 +119,21 @@ def test_an_overlong_prompt_is_refused_untokenized_while_a_stream_flows(served, 
     )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8
     assert max(tokenized) == len(long)
+
+
+def test_an_overlong_token_id_prompt_is_refused_undecoded(served) -> None:
+    """A token-id prompt longer than the context is refused before its ids are scanned or
+    decoded for an echo."""
+    url, decoded = served
+    ids = [100 + i % 1000 for i in range(MAX_MODEL_LEN + 1)]
+    bodies = {
+        "/v1/completions": ({"model": "scripted", "prompt": ids, "echo": True, "max_tokens": 1}, "prompt"),
+        "/generate": ({"input_ids": [[5, 6], ids]}, "input_ids"),
+    }
+    for path, (body, param) in bodies.items():
+        r = httpx.post(url + path, json=body, timeout=30)
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == param
+        assert f"{MAX_MODEL_LEN} tokens, and the prompt has {len(ids)}" in error["message"]
+    assert decoded == []
