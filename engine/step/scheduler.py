@@ -3,7 +3,8 @@
 Each step: running decodes first (one token each), then the next chunks of running
 prefills, then newly admitted requests, within `max_num_batched_tokens` tokens in all (decode
 rows and verification windows count; every decode row's token is set aside first, whatever its
-place in the running batch), no request's chunk longer than `chunked_prefill_size`: prefill
+place in the running batch), no request's chunk longer than `chunked_prefill_size` (and the chunks
+scoring prompt logprobs `PROMPT_LOGPROB_STEP_ROWS` tokens in all): prefill
 chunks ride along with the decodes, as in vLLM and SARATHI, so that a step's time stays
 bounded. A chunk is cut to whole pages (or `chunk_align`) where the budget left holds one, else
 it takes what is left. A request is admitted only when a state slot and the pages for its first chunk are
@@ -44,6 +45,10 @@ from deltaserve.engine.step.step_costs import ArrivalRate, MixedStepCost, worth_
 from deltaserve.engine.step.waiting_queue import WaitingQueue, priority_key
 
 ADAPTIVE_MAX_STEPS = 16  # the adaptive delay's cap in steps when max_prefill_delay_steps is 0
+# prompt positions one step scores for prompt logprobs, all requests together: each is a row of
+# logits over the vocabulary, log-softmaxed and compared, memory no start-up measure reserved
+# (8192 rows of a 152k vocabulary: about 10 GB), so one request's rows could fail everyone's step
+PROMPT_LOGPROB_STEP_ROWS = 1024
 
 
 @dataclass
@@ -161,7 +166,7 @@ class Scheduler:
                     decodes.append(ScheduledChunk(req, 1, True))
                     budget -= 1
                 continue
-            chunk = self._chunk(req, budget - rows)  # the later decode rows' tokens are kept
+            chunk = self._chunk(req, budget - rows, prefills)  # the later decode rows' tokens are kept
             if chunk <= 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
                 starved |= chunk > 0
                 continue
@@ -177,7 +182,7 @@ class Scheduler:
                 break
             req.slot = slot
             self.prefix_cache.attach(req)
-            chunk = self._chunk(req, budget)
+            chunk = self._chunk(req, budget, prefills)
             if chunk <= 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
                 self.prefix_cache.detach(req)
                 self.state_pool.free(slot)
@@ -263,9 +268,12 @@ class Scheduler:
             if i >= plan.num_decodes and not c.sample:  # part of the prompt is left: ready now
                 c.req.ready_step = self.num_steps
 
-    def _chunk(self, req: Request, budget: int) -> int:
+    def _chunk(self, req: Request, budget: int, prefills: list[ScheduledChunk]) -> int:
         pending = req.num_pending
         budget = min(budget, self.config.chunk_size)
+        if req.params.prompt_logprobs is not None:  # what the step's other scored chunks leave
+            scored = sum(c.num_tokens for c in prefills if c.req.params.prompt_logprobs is not None)
+            budget = min(budget, max(0, PROMPT_LOGPROB_STEP_ROWS - scored))
         page, align, start = self.config.page_size, self.config.chunk_align, req.num_computed_tokens
         if pending <= budget:
             chunk = pending

@@ -58,3 +58,50 @@ def test_max_tokens_zero_scores_the_prompt_only(make_checkpoint) -> None:
     assert all(lp is not None and lp.logprob <= 0 and lp.top == {} for lp in out.prompt_logprobs[1:])
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+@pytest.mark.slow
+def test_a_step_scores_a_bounded_number_of_prompt_positions(make_checkpoint, monkeypatch) -> None:
+    """Each scored prompt position is a vocabulary-wide row of logits: one step scores at most
+    PROMPT_LOGPROB_STEP_ROWS of them, over every request, and its other prompts' chunks are not
+    cut; the log-probabilities and tokens stay those of an unbounded run."""
+    import deltaserve.engine.engine as engine_module
+    import deltaserve.engine.step.scheduler as scheduler_module
+
+    path = make_checkpoint("qwen3_5")
+    prompts = [[(13 * i + 5 * j) % 150 + 1 for i in range(45)] for j in range(1, 4)]
+    scored = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)
+    plain = SamplingParams(temperature=0.0, max_tokens=3)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+
+    def run() -> tuple[list, list[int], list[int]]:
+        llm = LLM(model=path, dtype="float32", device="cpu", chunked_prefill_size=64, cache_type="naive")
+        rows: list[int] = []
+        steps: list[int] = []
+        record = engine_module.record_prompt_logprobs
+
+        def counted(plan, starts, logits):
+            rows.append(logits.shape[0])
+            steps.append(sum(c.num_tokens for c in plan.chunks))
+            return record(plan, starts, logits)
+
+        monkeypatch.setattr(engine_module, "record_prompt_logprobs", counted)
+        return llm.generate(batch, [scored, scored, plain]), rows, steps
+
+    free, free_rows, _ = run()
+    assert max(free_rows) > 16
+    monkeypatch.setattr(scheduler_module, "PROMPT_LOGPROB_STEP_ROWS", 16, raising=False)
+    bounded, rows, steps = run()
+    assert max(rows) <= 16 and max(steps) > 16  # the plain prompt's chunks ride along uncut
+    assert [o.outputs[0].token_ids for o in bounded] == [o.outputs[0].token_ids for o in free]
+    for got, want in zip(bounded[:2], free[:2]):
+        assert got.prompt_logprobs is not None and want.prompt_logprobs is not None
+        assert [lp.token_id for lp in got.prompt_logprobs[1:]] == [
+            lp.token_id for lp in want.prompt_logprobs[1:]
+        ]
+        torch.testing.assert_close(
+            torch.tensor([lp.logprob for lp in got.prompt_logprobs[1:]]),
+            torch.tensor([lp.logprob for lp in want.prompt_logprobs[1:]]),
+            atol=1e-4,
+            rtol=1e-4,
+        )
