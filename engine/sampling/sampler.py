@@ -41,6 +41,18 @@ def _allowed_outside(r: Request, vocab: int, dev: torch.device) -> torch.Tensor:
     return row
 
 
+def _bias_tensors(r: Request, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """r's `logit_bias_tensors` (token ids, biases) on `dev`, made on their first use."""
+    pair = r.logit_bias_tensors
+    if pair is None or pair[0].device != dev:
+        bias = r.params.logit_bias or {}
+        ids, vals = to_device_packed(
+            [(list(bias), torch.long), ([float(v) for v in bias.values()], torch.float32)], dev
+        )
+        pair = r.logit_bias_tensors = (ids, vals)
+    return pair
+
+
 def _masks(r: Request) -> list[str]:
     """What forbids tokens at r's next position, as its client would name it."""
     p = r.params
@@ -225,14 +237,15 @@ class Sampler:
         (Biases and allowed tokens need no host data of earlier steps, so unlike the others they
         do not keep a step from overlapping.)"""
         dev = logits.device
-        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+        biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
-            rows = [i for i, bias in biased for _ in bias]
-            ids = [t for _, bias in biased for t in bias]
-            vals = [float(v) for _, bias in biased for v in bias.values()]
-            rows_t, ids_t, vals_t = to_device_packed(
-                [(rows, torch.long), (ids, torch.long), (vals, torch.float32)], dev
-            )
+            pairs = [_bias_tensors(reqs[i], dev) for i in biased]
+            counts = [len(ids) for ids, _ in pairs]
+            owners, repeats = to_device_packed([(biased, torch.long), (counts, torch.long)], dev)
+            # output_size: no wait for the device to learn the length
+            rows_t = torch.repeat_interleave(owners, repeats, output_size=sum(counts))
+            ids_t = torch.cat([ids for ids, _ in pairs])
+            vals_t = torch.cat([vals for _, vals in pairs])
             logits.index_put_((rows_t, ids_t), vals_t.to(logits.dtype), accumulate=True)
         allowed = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids]
         if allowed:

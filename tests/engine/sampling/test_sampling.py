@@ -312,6 +312,35 @@ def test_allowed_token_ids_go_to_the_device_once_per_request(monkeypatch):
     assert sum(sent) <= 4 * len(allowed) + steps * 10 * len(reqs)
 
 
+def test_logit_bias_goes_to_the_device_once_per_request(monkeypatch):
+    """Each request's logit_bias is sent to the device once, not gathered from its dict every
+    step; the biases still apply, each to its own row, and a row without one is untouched."""
+    import deltaserve.engine.sampling.sampler as sampler_module
+
+    sent: list[int] = []
+    real_packed = sampler_module.to_device_packed
+
+    def packed(fields, device):
+        sent.extend(len(values) for values, _ in fields)
+        return real_packed(fields, device)
+
+    monkeypatch.setattr(sampler_module, "to_device_packed", packed)
+    vocab, steps, size = 1000, 5, 200
+    biases = [{t: float(j + 1) for t in range(j, vocab, vocab // size)} for j in range(3)]
+    reqs = [make_request(SamplingParams(logit_bias=b)) for b in biases] + [make_request(SamplingParams())]
+    sampler = Sampler(torch.device("cpu"), 0, [0])
+    for _ in range(steps):
+        logits = torch.zeros(len(reqs), vocab)
+        out = sampler.process(logits, reqs)
+        for row, bias in zip(out, biases):
+            want = torch.zeros(vocab)
+            want[list(bias)] = torch.tensor(list(bias.values()))
+            assert torch.equal(row, want)
+        assert torch.equal(out[3], torch.zeros(vocab))
+    # each dict's ids and values once, then the rows and their counts per step
+    assert sum(sent) <= 3 * 2 * size + steps * 2 * len(reqs)
+
+
 def test_allowed_token_ids_are_checked(llm):
     for bad in ([], [-1], [1, "2"]):
         with pytest.raises(ValueError, match="allowed_token_ids"):
