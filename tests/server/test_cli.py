@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -149,17 +150,46 @@ def test_console_script_and_version() -> None:
     assert out.returncode == 0 and deltaserve.__version__ in out.stdout
 
 
-def test_docs_list_every_flag_with_its_default() -> None:
-    text = DOCS.read_text()
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\|\s*`(--[a-z-]+)[^|]*\|.*$", text, re.M)}
+def docs_flag_rows() -> list[tuple[list[str], str, str]]:
+    """docs/cli.md's flag tables: each row's names (aliases too), its flag cell and its default cell."""
+    rows = []
+    for line in DOCS.read_text().splitlines():
+        if line.startswith("| `-"):
+            flag_cell, default_cell = (c.strip() for c in line.strip().strip("|").split("|")[:2])
+            rows.append((re.findall(r"`(--?[a-z][-a-z0-9]*)", flag_cell), flag_cell, default_cell))
+    return rows
+
+
+def test_docs_tables_match_the_parser_flag_for_flag() -> None:
+    """Every name serve takes is in docs/cli.md's tables, in its flag's row, and every documented
+    name is taken; choices and literal defaults read as the parser's."""
+    rows = docs_flag_rows()
+    documented = [name for names, _, _ in rows for name in names]
+    assert len(documented) == len(set(documented)), "a flag is documented twice"
+    actions = {name: a for a in serve_actions() for name in a.option_strings}
+    assert not set(documented) - set(actions), (
+        f"docs/cli.md documents flags serve does not take: {sorted(set(documented) - set(actions))}"
+    )
+    by_name = {name: row for row in rows for name in row[0]}
     for action in serve_actions():
         flag = action.option_strings[0]
-        assert flag in rows, f"{flag} is missing from docs/cli.md"
-        if action.const is True and action.default is False:  # a switch: documented as "off"
-            assert "| off |" in rows[flag], f"docs/cli.md does not say {flag} is off by default"
-        elif action.default is not None and flag != "--api-key":
-            assert str(action.default) in rows[flag], (
-                f"docs/cli.md does not give {flag}'s default {action.default}"
+        assert flag in by_name, f"{flag} is missing from docs/cli.md"
+        names, flag_cell, default = by_name[flag]
+        assert sorted(names) == sorted(action.option_strings), (
+            f"docs/cli.md's row of {flag} names {names}, serve takes {action.option_strings}"
+        )
+        if action.choices is not None:
+            shown = re.search(r"\{([^}]*)\}", flag_cell)
+            assert shown and shown.group(1).split(",") == [str(c) for c in action.choices], (
+                f"docs/cli.md shows {flag}'s choices as {flag_cell}, serve takes {list(action.choices)}"
+            )
+        if isinstance(action, argparse._StoreTrueAction):
+            assert default == "off", f"docs/cli.md does not say {flag} is off by default"
+        elif action.default == "":
+            assert default == "none", f"docs/cli.md gives {flag}'s empty default as {default}"
+        elif action.default is not None and action.const is None and flag != "--api-key":
+            assert default.startswith(f"`{action.default}`"), (
+                f"docs/cli.md gives {flag}'s default as {default}, serve's is {action.default}"
             )
 
 
