@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
-        help="weight and activation dtype; auto takes the checkpoint's (float32 on CPU)",
+        help="weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU, whatever the "
+        "checkpoint's own dtype",
     )
     model.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     model.add_argument(
@@ -274,13 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_at_least(1),
         default=None,
         help="tokens one step computes, decode rows and prefill chunks together; default 8192 on "
-        "CUDA, 512 on CPU",
+        "CUDA, 512 on CPU, or --chunked-prefill-size where that is larger",
     )
     engine.add_argument(
         "--chunked-prefill-size",
         type=_int_at_least(1),
         default=None,
-        help="largest prefill chunk of one request in one step; default: the step's budget",
+        help="largest prefill chunk of one request in one step, cut to --max-num-batched-tokens "
+        "where that is given and smaller; default: the step's budget",
     )
     engine.add_argument(
         "--max-prefill-delay-steps",
@@ -288,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="new prompts that arrive while the running requests only decode wait up to this many "
         "steps to be prefilled together (a decode-only step replays a CUDA graph, a step with a "
-        "prefill runs eagerly); 0: prefill at once",
+        "prefill runs eagerly); 0: prefill at once, or with the adaptive delay (on with CUDA) wait "
+        "up to 16 steps",
     )
     engine.add_argument(
         "--adaptive-prefill-delay",

@@ -193,6 +193,22 @@ def test_docs_tables_match_the_parser_flag_for_flag() -> None:
             )
 
 
+def test_help_and_docs_say_what_device_dependent_defaults_resolve_to() -> None:
+    """--dtype auto and an unset step budget resolve by device (the budget also by the chunk size)."""
+    from deltaserve.engine.config import EngineConfig
+
+    helps = {a.dest: a.help or "" for a in serve_actions()}
+    budget_default = next(d for names, _, d in docs_flag_rows() if "--max-num-batched-tokens" in names)
+    for device, name in (("cuda", "CUDA"), ("cpu", "CPU")):
+        config = EngineConfig(model="m", device=device)
+        assert f"{config.dtype} on {name}" in helps["dtype"]  # not the checkpoint's dtype
+        assert f"{config.max_num_batched_tokens} on {name}" in helps["max_num_batched_tokens"]
+        larger = EngineConfig(model="m", device=device, chunked_prefill_size=16384)
+        assert larger.max_num_batched_tokens == 16384
+    assert "--chunked-prefill-size where that is larger" in helps["max_num_batched_tokens"]
+    assert "`--chunked-prefill-size` where that is larger" in budget_default
+
+
 def test_overlap_schedule_follows_the_device_unless_a_flag_says() -> None:
     from deltaserve.engine.config import EngineConfig
 
