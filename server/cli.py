@@ -589,8 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_at_least(1),
         default=None,
         help="HTTP processes sharing the port (tokenizing, streaming, JSON), each talking to the one "
-        "engine process: more than one helps small models at hundreds of streams (default: 2 with a "
-        "CUDA device and at least 8 cores, else 1)",
+        "engine process: more than one helps small models at hundreds of streams (default: with a CUDA "
+        "device and at least 8 cores 2, or one per data-parallel engine where the cores allow; else 1)",
     )
     http.add_argument(
         "--stream-interval",

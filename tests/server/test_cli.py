@@ -209,6 +209,16 @@ def test_help_and_docs_say_what_device_dependent_defaults_resolve_to() -> None:
     assert "`--chunked-prefill-size` where that is larger" in budget_default
 
 
+def test_api_server_count_help_gives_each_default() -> None:
+    """--help names each case of the unset count: CUDA with 8 cores, data-parallel engines, else one."""
+    from deltaserve.server.api_servers import default_api_server_count
+
+    helps = {a.dest: a.help or "" for a in serve_actions()}
+    assert default_api_server_count("cuda", 8) == 2 and default_api_server_count("cuda", 7) == 1
+    assert default_api_server_count("cuda", 32, engines=4) == 4 and default_api_server_count("cpu", 64) == 1
+    assert "at least 8 cores 2, or one per data-parallel engine" in helps["api_server_count"]
+
+
 def test_overlap_schedule_follows_the_device_unless_a_flag_says() -> None:
     from deltaserve.engine.config import EngineConfig
 
