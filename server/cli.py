@@ -26,8 +26,10 @@ class _Parser(argparse.ArgumentParser):
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        # "(default: None)" says nothing; those flags explain their fallback in their help text.
-        return action.help if action.default is None else super()._get_help_string(action)
+        # "(default: None)", "(default: False)" of a switch and "(default: )" say nothing
+        if action.default is None or action.default is False or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _at_least(low: _Number, kind: Callable[[str], _Number]) -> Callable[[str], _Number]:

@@ -44,6 +44,8 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert out.strip().endswith("False")
+    for empty in ("(default: None)", "(default: False)", "(default: )"):  # off or unset: the text says
+        assert empty not in out
     for action in serve_actions():
         assert action.option_strings[0] in out
         assert action.help and len(action.help) > 10, action.option_strings
