@@ -379,15 +379,20 @@ def fp8_gemv_cuda(
     return out
 
 
-@functools.cache
-def decode_mode() -> str:
+def fp8_decode_mode() -> str:
     """`DELTASERVE_FP8_DECODE`: 2-16 rows, and one row of a weight too large for the GEMV, through
     the skinny GEMM (`skinny`) or the Triton GEMM with its split-sum kernel (`gemm`); the routed
     experts of up to `SKINNY_MOE_PAIRS` pairs through the skinny MoE, or of up to `GEMV_ASSIGNMENTS`
-    through the per-assignment GEMVs."""
+    through the per-assignment GEMVs. Read afresh: EngineConfig checks it at start-up."""
     from deltaserve.kernels.common.launch import env_mode
 
     return env_mode("DELTASERVE_FP8_DECODE", ("skinny", "gemm"), "skinny")
+
+
+@functools.cache
+def decode_mode() -> str:
+    """`fp8_decode_mode`, read once: the FP8 projections ask it every forward."""
+    return fp8_decode_mode()
 
 
 def fp8_linear_cuda(
