@@ -778,9 +778,9 @@ def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
         ("--speculative-eagle-topk", int, [1], "1 only (a chain of drafts, no tree)"),
         (
             "--speculative-num-draft-tokens",
-            _int_at_least(1),
+            _int_at_least(2),  # the last token and at least one draft
             None,
-            "with topk 1, --speculative-num-steps + 1",
+            "with topk 1, --speculative-num-steps + 1 (at least 2)",
         ),
     ):
         group.add_argument(flag, type=kind, choices=choices, default=None, help=f"SGLang's: {help}")

@@ -96,6 +96,7 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         ["--limit-mm-per-prompt", '{"image": {"width": 512}}'],  # vLLM's object form without its count
         ["--speculative-eagle-topk", "4", "--speculative-algorithm", "NEXTN"],  # tree drafts
         ["--speculative-num-steps", "2"],  # without its algorithm
+        ["--speculative-num-draft-tokens", "1", "--speculative-algorithm", "NEXTN"],  # no draft
     ],
 )
 def test_wrong_value_is_one_line_and_exit_2(args: list[str]) -> None:
