@@ -29,6 +29,7 @@ when it leaves.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +49,9 @@ from deltaserve.engine.cache.state_pool import StatePool
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.requests.request import Request
 from deltaserve.engine.requests.sampling_params import SamplingParams
+
+# writes the state after a request's computed tokens into the state pool slot it is given
+StateWrite = Callable[[int], None]
 
 
 class PrefixCache(ABC):
@@ -76,8 +80,10 @@ class PrefixCache(ABC):
         """A position that the next prefill chunk must not run past, if any."""
 
     @abstractmethod
-    def on_computed(self, req: Request, prefill: bool) -> None:
-        """`req.num_computed_tokens` just advanced past a forward pass."""
+    def on_computed(self, req: Request, prefill: bool, write: StateWrite | None = None) -> None:
+        """`req.num_computed_tokens` just advanced past a forward pass. A state kept here is
+        copied from the working slot, or written by `write(slot)` where the state at that
+        length is elsewhere (a verification window's accepted position)."""
 
     @abstractmethod
     def release(self, req: Request) -> None:
@@ -114,7 +120,7 @@ class NaivePrefixCache(PrefixCache):
     def prefill_stop(self, req: Request) -> int | None:
         return None
 
-    def on_computed(self, req: Request, prefill: bool) -> None:
+    def on_computed(self, req: Request, prefill: bool, write: StateWrite | None = None) -> None:
         return None
 
     def release(self, req: Request) -> None:
@@ -206,11 +212,13 @@ class RadixPrefixCache(PrefixCache):
         ahead = [p for p in stops if p > req.num_computed_tokens]
         return min(ahead, default=None)
 
-    def on_computed(self, req: Request, prefill: bool) -> None:
+    def on_computed(self, req: Request, prefill: bool, write: StateWrite | None = None) -> None:
         n, hold = req.num_computed_tokens, req.prefix
         if hold is None or n % self.page_size:
             return
         assert req.slot is not None
+        if write is None:
+            write = functools.partial(self.state_pool.copy_slot, req.slot)
         # While prefilling, the tokens are exactly the sequence being prefilled.
         kind = self.cache.prefill_snapshot(req.cache_key_ids, n, self._prompt_end(req)) if prefill else None
         if kind is not None:
@@ -219,7 +227,7 @@ class RadixPrefixCache(PrefixCache):
                 hold.rolling_slot = None
             slot = self.cache.alloc_snapshot(tentative=kind == "tentative")
             if slot is not None:
-                self.state_pool.copy_slot(req.slot, slot)
+                write(slot)
                 self._insert_prefix(req, n, slot, kind)
                 hold.rolling_pos = n
                 return
@@ -228,7 +236,7 @@ class RadixPrefixCache(PrefixCache):
             slot = self.cache.alloc_snapshot()
             if slot is None:  # every snapshot slot is held: no snapshot here
                 return
-        self.state_pool.copy_slot(req.slot, slot)
+        write(slot)
         hold.rolling_slot = slot
 
     def _prompt_end(self, req: Request) -> int:

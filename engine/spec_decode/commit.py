@@ -3,7 +3,7 @@ after its last accepted position committed to the request's working slot."""
 
 from __future__ import annotations
 
-from deltaserve.engine.cache.adapter import PrefixCache
+from deltaserve.engine.cache.adapter import PrefixCache, StateWrite
 from deltaserve.engine.requests.outputs import RequestOutput
 from deltaserve.engine.spec_decode.mtp import Computed
 from deltaserve.engine.spec_decode.rejection import Verdict
@@ -37,7 +37,8 @@ def finish_windows(
     Each token is appended once the window position before it counts as computed, and a page
     boundary among those positions hands its state to the prefix cache first, as plain decoding
     does: a request that stops inside its window (stop token, length) is released with the
-    computed length and end snapshot that plain decoding would leave."""
+    computed length and end snapshot that plain decoding would leave. A request that stops is
+    not committed: its slot is freed unread."""
     outputs: list[RequestOutput] = []
     commits = []
     counters = sink.counters
@@ -52,16 +53,19 @@ def finish_windows(
         for i, (tok, lp) in enumerate(zip(v.tokens, v.logprobs)):
             req.num_computed_tokens = old + i + 1  # window position i: its state is in the window
             if req.num_computed_tokens % page_size == 0:
-                # before the token that may stop the request: release finds the state here
-                assert req.slot is not None
-                window.commit([req.slot], [row], [i])
-                prefix_cache.on_computed(req, prefill=False)
+                # before the token that may stop the request; window to cache, not via the slot
+                prefix_cache.on_computed(req, prefill=False, write=_window_write(window, row, i))
             sink.append(req, tok, lp, now)
             if req.finished:
                 break
         if not req.finished:
             commits.append((req.slot or 0, row, v.num_accepted))
         sink.emit(outputs, req)
-    # the working slots take their last accepted states at once; no page boundary is left to see
+    # the working slots take their last accepted states at once: the one copy a window needs
     window.commit([s for s, _, _ in commits], [row for _, row, _ in commits], [a for _, _, a in commits])
     return outputs
+
+
+def _window_write(window: StateWindow, row: int, position: int) -> StateWrite:
+    """Writes the state after window `row`'s `position` into a slot (the prefix cache's)."""
+    return lambda slot: window.commit([slot], [row], [position])

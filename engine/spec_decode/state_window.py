@@ -5,7 +5,8 @@ Row i belongs to the i-th verifying request of the current step; position j hold
 after the window's token j. After sampling, `commit` copies each request's state at its last
 accepted position into its working slot, every layer's conv and recurrent state together;
 until then the slot still holds the state before the window, so a request that stops or is
-dropped mid-window leaves a consistent slot behind.
+dropped mid-window leaves a consistent slot behind. An accepted position on a page boundary is
+committed the same way straight into the prefix cache's snapshot slot.
 """
 
 from __future__ import annotations

@@ -228,6 +228,66 @@ def test_stop_inside_a_window_caches_as_plain_decoding(model_path, page, k, leng
     assert outs[1] == outs[0]
 
 
+def count_state_copies(llm: LLM) -> list[int]:
+    """A one-element counter of slot-sized state copies: slot to slot, and window position to slot."""
+    copies = [0]
+    pool, window = llm.engine.runner.state_pool, llm.engine.spec.window if llm.engine.spec else None
+    copy_slot = pool.copy_slot
+
+    def counted_copy(src: int, dst: int) -> None:
+        copies[0] += 1
+        copy_slot(src, dst)
+
+    pool.copy_slot = counted_copy  # type: ignore[method-assign]
+    if window is not None:
+        commit = window.commit
+
+        def counted_commit(slots: list[int], rows: list[int], positions: list[int]) -> None:
+            copies[0] += len(slots)
+            commit(slots, rows, positions)
+
+        window.commit = counted_commit  # type: ignore[method-assign]
+    return copies
+
+
+@pytest.mark.parametrize("cache_type", ["radix", "naive"])
+@pytest.mark.parametrize(
+    "page, k, right, length, new, ends_in_window",
+    [
+        (8, 3, 3, 4, 18, False),  # page boundaries (8, 16) at windows' last accepted positions
+        (8, 3, 2, 5, 17, False),  # 8 at a window's last accepted position, 16 in the middle of one
+        (8, 4, 4, 6, 17, False),  # 8 at a window's second position, 16 at a window's last
+        (8, 3, 0, 5, 7, False),  # every draft rejected: 8 at a one-position window
+        (8, 3, 3, 5, 13, True),  # max_tokens ends the third window, a token past 16 crossed mid-window
+    ],
+)
+def test_windows_copy_states_no_more_than_needed(
+    model_path, cache_type, page, k, right, length, new, ends_in_window
+):
+    """A window copies its last accepted state into the working slot once, if the request goes
+    on, and a page boundary inside it costs the one copy into the prefix cache's rolling
+    snapshot that plain decoding makes there, with the same tokens and the same next-turn hits."""
+    first = prompts_of([length], seed=40 + length + new)[0]
+    ref = reference(model_path, [first], new)[0]
+    second = first + ref + prompts_of([7], seed=41)[0]
+    results = []
+    for spec in (None, {**NGRAM, "num_speculative_tokens": k}):
+        llm = make_llm(model_path, spec, page_size=page, cache_type=cache_type)
+        copies = count_state_copies(llm)
+        if spec is not None:
+            llm.engine.spec.drafter = ForcedDrafter([first + ref], right)
+        assert run(llm, [first], greedy(new)) == [ref]
+        windows = llm.engine.stats()["spec_windows_total"] if spec is not None else 0
+        results.append((copies[0], windows))
+        out = llm.generate([{"prompt_token_ids": second}], greedy(), use_tqdm=False)[0]
+        results.append((out.num_cached_tokens, out.outputs[0].token_ids))
+    (plain_copies, _), plain_next, (spec_copies, windows), spec_next = results
+    assert windows == (new - 2) // (right + 1) + ends_in_window
+    # each window that the request outlives commits its last accepted state, and only that
+    assert spec_copies == plain_copies + windows - ends_in_window
+    assert spec_next == plain_next
+
+
 def test_ngram_on_self_repeating_batch(model_path, pools_held):
     """The 'done when' check: batched self-repeating prompts, greedy identical, drafts accepted."""
     prompts = prompts_of([4, 7, 11, 3], seed=3, repeat=6) + prompts_of([50], seed=4)
