@@ -4,9 +4,9 @@ Per linear layer and state (conv, recurrent): `[rows, k + 1, *shape]`, in the po
 Row i belongs to the i-th verifying request of the current step; position j holds the state
 after the window's token j. After sampling, `commit` copies each request's state at its last
 accepted position into its working slot, every layer's conv and recurrent state together;
-until then the slot still holds the state before the window, so a request that stops or is
-dropped mid-window leaves a consistent slot behind. An accepted position on a page boundary is
-committed the same way straight into the prefix cache's snapshot slot.
+until then the slot still holds the state before the window (a request that ends mid-window
+frees it unread). An accepted position on a page boundary is written the same way straight into
+the prefix cache's snapshot slot, so the states the cache keeps never pass through the slot.
 """
 
 from __future__ import annotations
