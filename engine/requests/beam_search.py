@@ -10,6 +10,7 @@ beams that end in a stop token. The score is the cumulative log-probability over
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -67,8 +68,12 @@ class BeamSearchOutput:
 
 
 def beam_score(beam: BeamSequence, stop_ids: frozenset[int], length_penalty: float) -> float:
+    """The beam's rank, higher first: in the order of its cumulative log-probability over
+    length ** length_penalty, taken in logs, where no penalty's power overflows or underflows a float."""
     length = len(beam.tokens) - (1 if beam.tokens[-1] in stop_ids else 0)
-    return beam.cum_logprob / length**length_penalty
+    if beam.cum_logprob >= 0.0:  # a certain beam scores 0 at every length: the best there is
+        return math.inf
+    return length_penalty * math.log(length) - math.log(-beam.cum_logprob)
 
 
 class BeamSearch:

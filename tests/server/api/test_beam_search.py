@@ -101,6 +101,23 @@ def test_a_streamed_search_sends_the_beams_it_answers_unstreamed(client) -> None
     assert [finish[0], finish[1]] == [c.finish_reason for c in whole.choices]
 
 
+@pytest.mark.parametrize("penalty", [1e30, -1e30])
+def test_a_penalty_past_a_floats_range_still_ranks_the_beams(client, builtin_path, penalty: float) -> None:
+    """length ** length_penalty past a float's range was a 500 (OverflowError, or a division by an
+    underflowed 0): the beams rank as the score orders them, longest first for a huge penalty."""
+    reply = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[0],
+        n=2,
+        max_tokens=4,
+        extra_body={"use_beam_search": True, "length_penalty": penalty},
+    )
+    params = BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=penalty)
+    (want,) = offline(builtin_path).beam_search([{"prompt": PROMPTS[0]}], params)
+    assert [c.text for c in reply.choices] == [b.text for b in want.sequences]
+    assert len(reply.choices) == 2
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
