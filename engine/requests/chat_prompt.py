@@ -72,7 +72,8 @@ def _tool_call_for_template(call: dict[str, Any], index: int) -> dict[str, Any]:
             f"tool_calls.{index}.function",
         )
     arguments = function.get("arguments")
-    if arguments is not None and not isinstance(arguments, (str, dict)):
+    # a missing one reached the template as an undefined, which its tojson cannot write
+    if "arguments" not in function or (arguments is not None and not isinstance(arguments, (str, dict))):
         raise ChatTemplateError(
             f"tool_calls[{index}]: a tool call's arguments are a JSON string",
             f"tool_calls.{index}.function.arguments",

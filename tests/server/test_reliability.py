@@ -472,6 +472,10 @@ BESIDE_STREAMS = [
     ("/v1/chat/completions",
      {**CHAT, "messages": [USER, _assistant_calls({"function": {"name": "f", "arguments": 5}}), USER]},
      "messages.1.tool_calls.0.function.arguments"),
+    # a call without its arguments: the template's tojson of an undefined, a 400 that named no field
+    ("/v1/chat/completions",
+     {**CHAT, "messages": [USER, _assistant_calls({"id": "c", "type": "function", "function": {"name": "f"}}), USER]},
+     "messages.1.tool_calls.0.function.arguments"),
     ("/tokenize", {"messages": [USER, _assistant_calls({"function": 5})]}, "messages.1.tool_calls.0.function"),
     # a text block or part whose text is not a string, a tool_use block or function_call item of
     # the wrong types: 400s, not a Python repr ("{'a': 1}", "None") in the prompt
