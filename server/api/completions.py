@@ -112,17 +112,20 @@ class _Choice:
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
-    prompts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo, req.truncate_prompt_tokens is not None)
+    prompts = []
+    truncating = req.truncate_prompt_tokens is not None
+    for text, whole in await ctx.off_loop(_prompts, ctx, req.prompt, req.echo, truncating):
+        ids = truncate_prompt(req, whole, ctx.client.max_model_len)
+        if len(ids) < len(whole) and req.echo:  # the echo is the prompt the model read
+            text = await ctx.off_loop(ctx.decode, ids) if ctx.tokenizer is not None else ""
+        prompts.append((text, ids))
     if req.use_beam_search:
         from .beam_search import beam_search_completion
 
         return await beam_search_completion(ctx, req, raw, model, prompts)
     generation = CompletionGeneration(ctx, req, model)
     bad_words = await ctx.bad_words_ids(req)
-    for j, (text, whole) in enumerate(prompts):
-        ids = truncate_prompt(req, whole, ctx.client.max_model_len)
-        if len(ids) < len(whole) and req.echo:  # the echo is the prompt the model read
-            text = await ctx.off_loop(ctx.decode, ids) if ctx.tokenizer is not None else ""
+    for j, (text, ids) in enumerate(prompts):
         params = ctx.sampling_params(req, len(ids), bad_words)
         if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt
             await ctx.compile_structured(params.structured_outputs, structured_field(req), raw)

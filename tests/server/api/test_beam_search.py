@@ -101,6 +101,26 @@ def test_a_streamed_search_sends_the_beams_it_answers_unstreamed(client) -> None
     assert [finish[0], finish[1]] == [c.finish_reason for c in whole.choices]
 
 
+def test_a_search_reads_the_prompt_truncate_prompt_tokens_leaves(client, builtin_path) -> None:
+    """truncate_prompt_tokens cuts a searched completion's prompt as a sampled one's (the search
+    read the whole prompt, and usage and echo said so)."""
+    prompt = list(range(1000, 1012))
+    reply = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        n=2,
+        max_tokens=4,
+        echo=True,
+        extra_body={"use_beam_search": True, "truncate_prompt_tokens": 5},
+    )
+    llm = offline(builtin_path)
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    (want,) = llm.beam_search([{"prompt_token_ids": prompt[-5:]}], params)
+    echoed = llm.tokenizer.decode(prompt[-5:])
+    assert [c.text for c in reply.choices] == [echoed + b.text for b in want.sequences]
+    assert reply.usage.prompt_tokens == 5
+
+
 @pytest.mark.parametrize("penalty", [1e30, -1e30])
 def test_a_penalty_past_a_floats_range_still_ranks_the_beams(client, builtin_path, penalty: float) -> None:
     """length ** length_penalty past a float's range was a 500 (OverflowError, or a division by an
