@@ -55,6 +55,8 @@ def beam_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int)
         req, "top_logprobs", None
     ) is not None:
         raise bad_request("logprobs is not supported with use_beam_search", "logprobs")
+    if req.prompt_logprobs is not None:  # the search's steps compute none to return
+        raise bad_request("prompt_logprobs is not supported with use_beam_search", "prompt_logprobs")
     for name in _UNSCORED:
         if getattr(req, name, None):
             raise bad_request(f"{name} is not supported with use_beam_search", name)

@@ -145,17 +145,24 @@ def test_a_penalty_past_a_floats_range_still_ranks_the_beams(client, builtin_pat
         ({"temperature": 0.8}, "temperature"),
         ({"logprobs": 2}, "logprobs"),
         ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        # were dropped (and with max_tokens 0, chat gave one empty choice for n 2)
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 0, "max_tokens": 0}, "prompt_logprobs"),
     ],
 )
 def test_what_beam_search_cannot_do_is_a_400(client, fields: dict, param: str) -> None:
+    fields = dict(fields)
+    extra = {"use_beam_search": True}
+    if "prompt_logprobs" in fields:  # vLLM's, which the openai client sends as an extra
+        extra["prompt_logprobs"] = fields.pop("prompt_logprobs")
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
     chat["logprobs"] = "logprobs" in fields
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(**chat, extra_body={"use_beam_search": True})
+        client.chat.completions.create(**chat, extra_body=extra)
     assert err.value.body["param"] == param
     body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 4, **fields}
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(**body, extra_body={"use_beam_search": True})
+        client.completions.create(**body, extra_body=extra)
     assert err.value.body["param"] == param
     ok = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
