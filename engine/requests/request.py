@@ -72,8 +72,8 @@ class Request:
     # allowed_token_ids as a [vocab] bool row, True outside them: built on the request's first
     # sampled step and reused, since rebuilding a near-vocabulary list every step slows the batch
     allowed_outside: torch.Tensor | None = field(default=None, repr=False)
-    # logit_bias as device tensors (token ids, biases), likewise built once: 128 choices of 1,024
-    # biases gathered from their dicts cost the host ~10 ms every step of the whole batch
+    # logit_bias as device tensors (token ids, biases), likewise built once: gathering large
+    # dicts every step slows the whole batch's host work
     logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     grammar_broken: bool = False  # a token the grammar refused (the request ends there)
     # a fault of this request alone (its logit processing raised): it finishes with "error"

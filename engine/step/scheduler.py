@@ -46,8 +46,8 @@ from deltaserve.engine.step.waiting_queue import WaitingQueue, priority_key
 
 ADAPTIVE_MAX_STEPS = 16  # the adaptive delay's cap in steps when max_prefill_delay_steps is 0
 # prompt positions one step scores for prompt logprobs, all requests together: each is a row of
-# logits over the vocabulary, log-softmaxed and compared, memory no start-up measure reserved
-# (8192 rows of a 152k vocabulary: about 10 GB), so one request's rows could fail everyone's step
+# logits over the vocabulary, memory no start-up measure reserved, so one request's rows could
+# otherwise fail everyone's step
 PROMPT_LOGPROB_STEP_ROWS = 1024
 
 
