@@ -101,13 +101,9 @@ def test_an_overlong_prompt_is_refused_untokenized_while_a_stream_flows(served, 
         ),
         "/generate": ({"text": ["Hi", long]}, "text"),
     }
-    for path, (body, param) in bodies.items():
-        r = httpx.post(url + path, json=body, timeout=30)
-        assert r.status_code == 400, (path, r.text)
-        error = r.json()["error"]
-        assert error["code"] == "context_length_exceeded" and error["param"] == param
-        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
-        assert "characters is longer than that" in error["message"]
+    for message in _refused_for_length(url, bodies):
+        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message
+        assert "characters is longer than that" in message
     assert all(n < len(long) for n in tokenized)  # none of them was tokenized
     text += "".join(c.choices[0].text for c in chunks)
     assert text == QWEN3_OUTPUT  # the stream beside them, whole
@@ -130,10 +126,18 @@ def test_an_overlong_token_id_prompt_is_refused_undecoded(served) -> None:
         "/v1/completions": ({"model": "scripted", "prompt": ids, "echo": True, "max_tokens": 1}, "prompt"),
         "/generate": ({"input_ids": [[5, 6], ids]}, "input_ids"),
     }
+    for message in _refused_for_length(url, bodies):
+        assert f"{MAX_MODEL_LEN} tokens, and the prompt has {len(ids)}" in message
+    assert decoded == []
+
+
+def _refused_for_length(url: str, bodies: dict[str, tuple[dict, str]]) -> list[str]:
+    """Each body POSTed to its path: a 400 context_length_exceeded naming its param; the messages."""
+    messages = []
     for path, (body, param) in bodies.items():
         r = httpx.post(url + path, json=body, timeout=30)
         assert r.status_code == 400, (path, r.text)
         error = r.json()["error"]
         assert error["code"] == "context_length_exceeded" and error["param"] == param
-        assert f"{MAX_MODEL_LEN} tokens, and the prompt has {len(ids)}" in error["message"]
-    assert decoded == []
+        messages.append(error["message"])
+    return messages
