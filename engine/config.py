@@ -155,6 +155,8 @@ class EngineConfig:
         self._check_parallel()
         from deltaserve.kernels.common.fast_launch import fast_launch_mode
         from deltaserve.kernels.common.launch import pdl_mode
+        from deltaserve.kernels.delta_rule.fla import fla_direct
+        from deltaserve.kernels.dispatch import reference_kernels_mode
         from deltaserve.kernels.fp8.cuda import fp8_decode_mode
         from deltaserve.kernels.linear import gemv_mode
         from deltaserve.kernels.mla import mla_prefill_mode
@@ -164,6 +166,8 @@ class EngineConfig:
         mla_prefill_mode()  # DELTASERVE_MLA_PREFILL
         fast_launch_mode()  # DELTASERVE_FAST_LAUNCH (Triton itself is imported where kernels run)
         fp8_decode_mode()  # DELTASERVE_FP8_DECODE: otherwise first read by an FP8 forward, mid-serving
+        fla_direct()  # DELTASERVE_FLA_DIRECT
+        reference_kernels_mode()  # DELTASERVE_REFERENCE_KERNELS
 
     def _check_parallel(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes

@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
+from deltaserve.kernels.common.launch import env_mode
 from deltaserve.kernels.common.per_forward import PerForwardCache, per_input
 
 
 def fla_direct() -> bool:
-    """`DELTASERVE_FLA_DIRECT` (default 1): call FLA's chunked forwards below their public entry."""
-    return os.environ.get("DELTASERVE_FLA_DIRECT", "1") != "0"
+    """`DELTASERVE_FLA_DIRECT` (default 1): call FLA's chunked forwards below their public entry.
+    Not 0 or 1 is an error (a typo fails at start-up, not as a silent default)."""
+    return env_mode("DELTASERVE_FLA_DIRECT", ("0", "1"), "1") == "1"
 
 
 def configure_fla() -> None:

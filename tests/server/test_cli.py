@@ -262,6 +262,8 @@ def test_enable_expert_parallel_reaches_the_engine_config(tmp_path: Path) -> Non
         ("DELTASERVE_MLA_PREFILL", "flash", ("sdpa", "reference", "")),
         ("DELTASERVE_FAST_LAUNCH", "yes", ("auto", "0", "1", "")),
         ("DELTASERVE_FP8_DECODE", "fast", ("skinny", "gemm", "")),
+        ("DELTASERVE_FLA_DIRECT", "off", ("0", "1", "")),
+        ("DELTASERVE_REFERENCE_KERNELS", "true", ("0", "1", "")),
     ],
 )
 def test_unknown_kernel_mode_is_a_start_up_error(monkeypatch, variable: str, typo: str, modes: tuple) -> None:
