@@ -4,6 +4,7 @@ endpoints and the offline `LLM.chat` render alike."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -109,6 +110,7 @@ def render_prompt(
             "close: set add_generation_prompt to false",
             "continue_final_message",
         )
+    _check_template_kwargs(tokenizer, template_kwargs or {})
     from jinja2 import TemplateError
 
     try:
@@ -125,6 +127,24 @@ def render_prompt(
         raise
     except (TemplateError, TypeError, ValueError, KeyError) as exc:
         raise ChatTemplateError(f"the chat template could not render these messages: {exc}") from exc
+
+
+# what transformers' renderer passes the template itself, beside apply_chat_template's own parameters
+_RENDERER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def _check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any]) -> None:
+    """A template kwarg that would override what the request's own fields set is a ChatTemplateError
+    naming it, rather than the renderer's "multiple values" TypeError."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters
+    own = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    for key in template_kwargs:
+        if key in own or key in _RENDERER_VARIABLES:
+            raise ChatTemplateError(
+                f"chat_template_kwargs may not set {key!r}: the server passes it to the template from "
+                "the request's own fields",
+                f"chat_template_kwargs.{key}",
+            )
 
 
 # what follows a chat's answer in its next request: the answer as an assistant message, then a user

@@ -8,6 +8,7 @@ import math
 import time
 
 import httpx
+import openai
 import pytest
 
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
@@ -362,6 +363,21 @@ def test_chat_template_kwargs_reach_the_template(server) -> None:
     assert off[: len(on)] == on and len(off) > len(on)  # Qwen3 appends an empty think block
     detok = httpx.post(f"{server.url}/detokenize", json={"tokens": off[len(on) :]}).json()["prompt"]
     assert "<think>" in detok and "</think>" in detok
+
+
+@pytest.mark.parametrize("key", ["messages", "tools", "add_generation_prompt", "tokenize", "chat_template"])
+def test_chat_template_kwargs_cannot_set_what_the_server_passes(client, server, key: str) -> None:
+    """A key the server passes the template itself (from the request's own fields) is a 400 naming
+    it, on chat and on /tokenize, not a renderer's "multiple values" TypeError."""
+    body = {"messages": MESSAGES, "chat_template_kwargs": {key: []}}
+    r = httpx.post(f"{server.url}/tokenize", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == f"chat_template_kwargs.{key}" and "multiple values" not in error["message"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(client, messages=MESSAGES, max_tokens=2, extra_body={"chat_template_kwargs": {key: []}})
+    assert exc.value.status_code == 400 and key in exc.value.message
+    assert chat(client, messages=MESSAGES, max_tokens=2).choices[0].finish_reason == "length"
 
 
 def test_continue_final_message_leaves_the_last_turn_open(client, server) -> None:
