@@ -202,7 +202,10 @@ def load_model(
         tcfg.tie_word_embeddings = config.tie_word_embeddings
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load format {load_format!r}; use 'auto' or 'dummy'")
-    logger.info("loading the weights of %s (%s) onto %s", path, arch, device)
+    if load_format == "dummy":  # nothing is read from the checkpoint but its config
+        logger.info("making random weights (--load-format dummy) for %s (%s) on %s", path, arch, device)
+    else:
+        logger.info("loading the weights of %s (%s) onto %s", path, arch, device)
     make = lambda: cls(tcfg, tp)  # noqa: E731
     model = build_and_load(
         path, make, dtype, device, load_format, seed, quantization, tp, tp.rank == 0, structure_device

@@ -272,11 +272,14 @@ def test_online_quantization_equals_offline(kind: str, make_checkpoint, tmp_path
     assert not all(torch.equal(a, b) for a, b in zip(online_lps, plain_lps))
 
 
-def test_dummy_fp8_weights(make_checkpoint, tmp_path: Path) -> None:
+def test_dummy_fp8_weights(make_checkpoint, tmp_path: Path, caplog) -> None:
     from deltaserve.models.checkpoints.loader import load_model
 
     fp8 = write_fp8(make_checkpoint("qwen3_next", **SHAPES), tmp_path / "fp8")
-    model = load_model(str(fp8), torch.float32, torch.device("cpu"), load_format="dummy").model
+    with caplog.at_level("INFO", logger="deltaserve"):
+        model = load_model(str(fp8), torch.float32, torch.device("cpu"), load_format="dummy").model
+    # the log says what happened: random weights, nothing read from the checkpoint's files
+    assert "random weights" in caplog.text and "loading the weights" not in caplog.text
     layer = model.model.layers[3]
     assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     assert layer.mlp.experts.down_proj.dtype == torch.float8_e4m3fn
