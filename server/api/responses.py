@@ -305,7 +305,8 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
 def _usage(prompt_tokens: int, output_tokens: int, cached: int, reasoning_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": min(cached, prompt_tokens)},
+        # cache_write_tokens: the SDK's type requires it; this server's prefix cache bills no writes
+        "input_tokens_details": {"cached_tokens": min(cached, prompt_tokens), "cache_write_tokens": 0},
         "output_tokens": output_tokens,
         # the reasoning text's tokens, counted again (a token that spans </think> is not split)
         "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output_tokens)},
@@ -475,8 +476,11 @@ class _Events(PartsWriter):
             )
         item = self.output[index]
         item["content"][0]["text"] += piece
-        delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        events.append(self.emit(delta, item_id=item["id"], output_index=index, content_index=0, delta=piece))
+        ref = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        if kind == "reasoning":
+            events.append(self.emit("response.reasoning_text.delta", **ref, delta=piece))
+        else:  # logprobs: the SDK's type requires the list; chat completions give them
+            events.append(self.emit("response.output_text.delta", **ref, delta=piece, logprobs=[]))
         return events
 
     def close(self, kind: str, status: str = "completed") -> list[str]:
@@ -485,10 +489,15 @@ class _Events(PartsWriter):
             return []
         item = self.output[index]
         part = item["content"][0]
-        done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
         item["status"] = status
+        ref = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        done = (
+            self.emit("response.reasoning_text.done", **ref, text=part["text"])
+            if kind == "reasoning"
+            else self.emit("response.output_text.done", **ref, text=part["text"], logprobs=[])
+        )
         return [
-            self.emit(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"]),
+            done,
             self.emit(
                 "response.content_part.done",
                 item_id=item["id"],

@@ -209,6 +209,23 @@ def test_stream_events_add_up_to_the_response(client) -> None:
     assert added < kinds.index("response.output_text.delta") < kinds.index("response.output_item.done")
 
 
+def test_responses_and_events_hold_every_field_the_sdks_types_require(client) -> None:
+    """The client builds its objects without validating them, so a field its types require that
+    the server left out reads as None: validated against those types, nothing is missing."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    kw = dict(model=MODEL_NAME, input="Count with me", max_output_tokens=4, temperature=0)
+    whole = client.responses.create(**kw)
+    Response.model_validate(whole.to_dict())
+    assert whole.usage.input_tokens_details.cache_write_tokens == 0
+    events = list(client.responses.create(**kw, stream=True))
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event.to_dict())
+    texts = [e for e in events if e.type in ("response.output_text.delta", "response.output_text.done")]
+    assert texts and all(e.logprobs == [] for e in texts)
+
+
 def test_stream_sends_each_steps_text_as_it_is_generated(client) -> None:
     """The first delta comes well before the response completes, and the deltas make the final text."""
     start = time.monotonic()
