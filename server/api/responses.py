@@ -222,8 +222,11 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
                 messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else json.dumps(output)
-            messages.append(ChatMessage(role="tool", tool_call_id=item.get("call_id"), content=text))
+            if isinstance(output, list):  # the tool's content parts, as a message's: not their JSON
+                content = _content_of(output, where)
+            else:
+                content = output if isinstance(output, str) else json.dumps(output)
+            messages.append(ChatMessage(role="tool", tool_call_id=item.get("call_id"), content=content))
         elif kind == "reasoning":
             continue  # earlier turns' reasoning: chat templates drop it from history too
         else:

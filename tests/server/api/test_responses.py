@@ -8,6 +8,7 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
@@ -126,6 +127,23 @@ def test_conversation_items_render_as_chat_messages(client) -> None:
     )
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.usage.output_tokens == chat.usage.completion_tokens
+
+
+def test_a_function_call_outputs_content_parts_are_its_text(client) -> None:
+    """A function_call_output whose output is a list of input_text parts (as the SDK's types allow)
+    gives the tool message their text, the prompt of the same output as a string."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+    ask = {"role": "user", "content": "Weather in Paris?"}
+
+    def prompt_tokens(output) -> int:
+        items = [ask, call, {"type": "function_call_output", "call_id": "call_1", "output": output}]
+        r = client.responses.create(model=MODEL_NAME, input=items, tools=[WEATHER], max_output_tokens=1)
+        return r.usage.input_tokens
+
+    parts = [{"type": "input_text", "text": "18 C, "}, {"type": "input_text", "text": "sunny"}]
+    assert prompt_tokens(parts) == prompt_tokens("18 C, sunny")
+    with pytest.raises(openai.BadRequestError, match="input_file"):
+        prompt_tokens([{"type": "input_file", "file_id": "file-1"}])
 
 
 def test_forced_function_call_and_json_output(client) -> None:
