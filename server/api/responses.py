@@ -1,6 +1,6 @@
 """POST /v1/responses: OpenAI's Responses API over the chat path.
 
-A request's `instructions` and `input` (a string, or messages, `function_call` and
+A request's `instructions` and `input` (a string, or messages, `reasoning`, `function_call` and
 `function_call_output` items) become chat messages; its function tools, `tool_choice` and
 `text.format` become the chat request's tools, tool choice and response format; then it runs as
 a chat completion does (`chat.prepare_chat`), and the output is given back as Responses items: a
@@ -191,10 +191,18 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return list(req.input)
 
 
+def _reasoning_of(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its reasoning_text parts, else its summary's."""
+    parts = item.get("content") or item.get("summary") or []
+    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
 def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[ChatMessage]:
     messages: list[ChatMessage] = []
     if instructions:
         messages.append(ChatMessage(role="system", content=instructions))
+    # a reasoning item's text, for the assistant turn it begins: the template shows it or drops it
+    thought: str | None = None
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -202,7 +210,10 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{where}.role must be user, system, developer or assistant", "input")
-            messages.append(ChatMessage(role=role, content=_content_of(item.get("content"), where)))
+            content = _content_of(item.get("content"), where)
+            reasoning = thought if role == "assistant" else None
+            messages.append(ChatMessage(role=role, content=content, reasoning_content=reasoning))
+            thought = None
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not all(
                 isinstance(item.get(k, ""), str) for k in ("call_id", "arguments")
@@ -216,10 +227,19 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
                 "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
             }
             last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant" and last.tool_calls is not None:
-                last.tool_calls.append(call)  # parallel calls of one turn
+            if (
+                thought is None
+                and last is not None
+                and last.role == "assistant"
+                and not isinstance(last.content, list)
+            ):
+                # the turn's text or parallel calls: one assistant turn, as the model wrote it
+                last.tool_calls = [*(last.tool_calls or []), call]
             else:
-                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+                messages.append(
+                    ChatMessage(role="assistant", content=None, tool_calls=[call], reasoning_content=thought)
+                )
+            thought = None
         elif kind == "function_call_output":
             output = item.get("output")
             if isinstance(output, list):  # the tool's content parts, as a message's: not their JSON
@@ -227,8 +247,11 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
             else:
                 content = output if isinstance(output, str) else json.dumps(output)
             messages.append(ChatMessage(role="tool", tool_call_id=item.get("call_id"), content=content))
+            thought = None
         elif kind == "reasoning":
-            continue  # earlier turns' reasoning: chat templates drop it from history too
+            text = _reasoning_of(item)
+            if text:  # an empty one (its text not kept) gives the turn no reasoning
+                thought = (thought or "") + text
         else:
             raise bad_request(f"{where}: input items of type {kind!r} are not supported", "input")
     if not messages:

@@ -146,6 +146,34 @@ def test_a_function_call_outputs_content_parts_are_its_text(client) -> None:
         prompt_tokens([{"type": "input_file", "file_id": "file-1"}])
 
 
+def test_a_turns_reasoning_and_text_stay_with_its_calls(client, base_url: str) -> None:
+    """An output's reasoning, message and function_call items sent back (as a tool loop sends
+    them) are the one assistant turn the model wrote, its reasoning the turn's reasoning_content,
+    which the chat template shows after the last user message: the chat request's prompt."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "I should look it up."}]}  # fmt: skip
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]}
+    answer = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    ask = {"role": "user", "content": "Weather in Paris?"}
+    tool_call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    turn = {"role": "assistant", "reasoning_content": "I should look it up.", "tool_calls": [tool_call]}
+    tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    for items, content in (([thought, call], None), ([thought, said, call], "Checking.")):
+        r = client.responses.create(
+            model=MODEL_NAME, input=[ask, *items, answer], tools=[WEATHER], max_output_tokens=1
+        )
+        messages = [
+            ask,
+            {**turn, "content": content},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+        tokens = httpx.post(
+            f"{base_url.removesuffix('/v1')}/tokenize", json={"messages": messages, "tools": tools}
+        ).json()
+        assert r.usage.input_tokens == tokens["count"], items
+
+
 def test_forced_function_call_and_json_output(client) -> None:
     r = client.responses.create(
         model=MODEL_NAME,
