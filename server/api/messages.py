@@ -103,7 +103,7 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _text(blocks: list[dict[str, Any]], where: str) -> str:
-    """The text of text blocks (a tool result's or the system prompt's)."""
+    """The text of text blocks (the system prompt's)."""
     texts = []
     for block in blocks:
         if block.get("type") != "text":
@@ -149,15 +149,8 @@ def to_messages(
                     )
                 )
             elif kind == "tool_result" and role == "user":
-                result = block.get("content")
-                text = (
-                    result
-                    if isinstance(result, str) or result is None
-                    else _text(_blocks(result, where), where)
-                )
-                out.append(
-                    ChatMessage(role="tool", tool_call_id=block.get("tool_use_id"), content=text or "")
-                )
+                result = _tool_result(block.get("content"), f"{where}.content[{j}]")
+                out.append(ChatMessage(role="tool", tool_call_id=block.get("tool_use_id"), content=result))
             elif kind == "tool_use" and role == "assistant":
                 _check_tool_use(block, f"{where}.content[{j}]")
                 arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
@@ -179,6 +172,29 @@ def to_messages(
     if not out:
         raise bad_request("messages is empty", "messages")
     return out
+
+
+def _tool_result(result: Any, where: str) -> str | list[ContentPart]:
+    """A tool_result's content as the tool message's: its text, or with images its text and
+    image parts in order, as the chat endpoint reads a tool message's parts."""
+    if result is None or isinstance(result, str):
+        return result or ""
+    parts: list[ContentPart] = []
+    for k, block in enumerate(_blocks(result, where)):
+        if block.get("type") == "image":
+            url = _image_url(block, f"{where}.content[{k}]")
+            parts.append(ContentPart(type="image_url", image_url=ImageURL(url=url)))
+        elif block.get("type") == "text":
+            parts.append(ContentPart(type="text", text=_block_text(block, where)))
+        else:
+            raise bad_request(
+                f"{where}: blocks of type {block.get('type')!r} are not supported in a tool_result "
+                "(text and images)",
+                "messages",
+            )
+    if any(p.type == "image_url" for p in parts):
+        return parts
+    return "".join(p.text or "" for p in parts)
 
 
 def _check_tool_use(block: dict[str, Any], where: str) -> None:

@@ -255,6 +255,40 @@ def test_responses_and_messages_read_images_as_chat_does(vision_server, vl) -> N
         )
 
 
+def test_a_tool_results_images_are_read_as_a_tool_messages(vision_server, vl) -> None:
+    """An Anthropic tool_result holding text and an image (as a tool that reads a screenshot gives
+    it) is the chat tool message with those parts: the same prompt and reply."""
+    import httpx
+
+    image = png(6)
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+    chat = vl.chat.completions.create(
+        model="vl",
+        messages=[
+            {"role": "user", "content": "w1"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": [
+                {"type": "text", "text": "w2"}, {"type": "image_url", "image_url": {"url": data_url(image)}},
+            ]},
+        ],
+        **GREEDY,
+    )  # fmt: skip
+    source = {"type": "base64", "media_type": "image/png", "data": data_url(image).split(",", 1)[1]}
+    body = {"model": "vl", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "messages": [
+        {"role": "user", "content": "w1"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "text", "text": "w2"}, {"type": "image", "source": source},
+        ]}]},
+    ]}  # fmt: skip
+    reply = httpx.post(f"{vision_server.url}/v1/messages", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    message = reply.json()
+    assert message["content"][0]["text"] == chat.choices[0].message.content
+    usage = message["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == chat.usage.prompt_tokens
+
+
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # the template's for one image; id 150 the pad
 
 
