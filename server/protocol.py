@@ -190,10 +190,26 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk too
 
 
+def not_an_object_schema(schema: dict[str, Any] | None) -> str | None:
+    """Why a function's parameters schema is refused: its arguments are a JSON object (the tool-call
+    forms write them so), so a schema of another type is an error, as OpenAI's and Anthropic's are."""
+    kind = (schema or {}).get("type", "object")
+    if kind != "object":
+        return f"a function's parameters are a JSON Schema of type 'object', got type {kind!r}"
+    return None
+
+
+def _object_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    why = not_an_object_schema(schema)
+    if why is not None:
+        raise PydanticCustomError("invalid_parameters", "{reason}", {"reason": why})
+    return schema
+
+
 class FunctionDefinition(OpenAIModel):
     name: str = Field(min_length=1)  # a call names its function: "" would name none
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Annotated[dict[str, Any] | None, AfterValidator(_object_schema)] = None
 
 
 class ToolDefinition(OpenAIModel):

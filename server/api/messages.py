@@ -34,6 +34,7 @@ from ..protocol import (
     RequestBody,
     SamplingRequest,
     ToolDefinition,
+    not_an_object_schema,
     translating,
     unsupported_if_set,
     unsupported_unless_one,
@@ -250,8 +251,16 @@ def _tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[ToolDefiniti
                     f"tools[{i}]: only client tools ({{'name', 'description', 'input_schema'}}) are supported",
                     "tools",
                 )
+            schema = tool.get("input_schema")
+            why = (
+                not_an_object_schema(schema)
+                if schema is None or isinstance(schema, dict)
+                else "not an object"
+            )
+            if why is not None:
+                raise bad_request(f"tools[{i}].input_schema: {why}", f"tools.{i}.input_schema")
             definition = FunctionDefinition(
-                name=tool["name"], description=tool.get("description"), parameters=tool.get("input_schema")
+                name=tool["name"], description=tool.get("description"), parameters=schema
             )
             tools.append(ToolDefinition(function=definition))
     choice: Any = None

@@ -529,6 +529,42 @@ OTHER_F = {"type": "function", "function": {"name": "f", "parameters": {"type": 
 @pytest.mark.parametrize(
     "path,body,param",
     [
+        (
+            "/v1/chat/completions",
+            {
+                **GOOD,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+            },
+            "tools.0.function.parameters",
+        ),
+        (
+            "/v1/responses",
+            {**RESPONSE, "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
+            "tools.0.function.parameters",
+        ),
+        (
+            "/v1/messages",
+            {**GOOD, "tools": [{"name": "f", "input_schema": {"type": "string"}}]},
+            "tools.0.input_schema",
+        ),
+    ],
+)
+def test_a_functions_parameters_are_an_object_schema(
+    server, read_metrics, path: str, body: dict, param: str
+) -> None:
+    """A function whose parameters schema is not of type object (its arguments are a JSON object in
+    every tool-call form) is a 400 naming it, as OpenAI's and Anthropic's are, and nothing runs."""
+    before = read_metrics(server.url)["deltaserve_prompt_tokens_total"]
+    r = post(server, path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "type 'object'" in err["message"] and err.get("param", param) == param, err
+    assert read_metrics(server.url)["deltaserve_prompt_tokens_total"] == before
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
         ("/v1/chat/completions", {**GOOD, "tools": [TOOL, OTHER_F]}, "tools"),
         ("/v1/chat/completions", {**GOOD, "tools": [TOOL, OTHER_F], "tool_choice": "required"}, "tools"),
         ("/tokenize", {"model": MODEL_NAME, "messages": GOOD["messages"], "tools": [TOOL, OTHER_F]}, "tools"),
