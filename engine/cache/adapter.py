@@ -208,7 +208,9 @@ class RadixPrefixCache(PrefixCache):
             return None
         # Stopping at the resend point costs a step (a short last chunk), not a token.
         resend = resend_point(req.num_tokens, self.page_size)
-        stops = (hold.branch_point, resend, self._prompt_end(req))
+        # where other conversations with this system prompt will branch: kept before they come
+        shared = (req.params.shared_prefix_len or 0) // self.page_size * self.page_size
+        stops = (hold.branch_point, resend, self._prompt_end(req), shared)
         ahead = [p for p in stops if p > req.num_computed_tokens]
         return min(ahead, default=None)
 

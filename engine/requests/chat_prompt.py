@@ -192,6 +192,41 @@ def tail_tokens(prompt_ids: list[int], prompt: str, start: int, encode: Any, sea
     return 0
 
 
+def shared_head(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str | None:
+    """The text that every conversation with `messages`' system (or developer) message and tools
+    begins with: those, then an empty user message, rendered without a generation prompt (the
+    tools' block, the system prompt, the user turn's header). None where that does not render."""
+    first = [m for m in messages[:1] if m.get("role") in ("system", "developer")]
+    try:
+        return render_prompt(
+            tokenizer,
+            [*first, {"role": "user", "content": ""}],
+            template=template,
+            tools=tools,
+            add_generation_prompt=False,
+            template_kwargs=template_kwargs,
+        )
+    except ChatTemplateError:
+        return None
+
+
+def common_length(a: list[int], b: list[int]) -> int:
+    """How many first tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _common_prefix(a: str, b: str) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:

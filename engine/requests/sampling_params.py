@@ -256,6 +256,10 @@ class SamplingParams:
     # again for the answer, such as Qwen3.5's `<think>\n`); the prefix cache keeps the prompt
     # end's state at the last page boundary within them. None: the whole prompt
     next_turn_len: int | None = None
+    # a chat prompt: how many of its first tokens other conversations with the same system prompt
+    # and tools send too (`chat_prompt.shared_head`); the prefix cache keeps the state at the last
+    # page boundary within them, where the next such conversation leaves this one. None: no guess
+    shared_prefix_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in _INTEGERS:  # before any comparison: 2.5 or True would pass it, "2" fail it oddly
@@ -423,6 +427,7 @@ _INTEGERS = (
     "prompt_logprobs",
     "priority",
     "next_turn_len",
+    "shared_prefix_len",
     "truncate_prompt_tokens",
 )
 

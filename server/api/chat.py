@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from deltaserve.engine.requests.chat_prompt import tail_tokens
+from deltaserve.engine.requests.chat_prompt import common_length, tail_tokens
 
 from ..errors import APIError, bad_request, raise_if_failed
 from ..protocol import (
@@ -25,7 +25,7 @@ from ..protocol import (
     DeltaToolCall,
 )
 from ..text.chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
-from ..text.chat_template import first_image_part, image_urls, next_turn_start, render_chat
+from ..text.chat_template import first_image_part, image_urls, next_turn_start, render_chat, shared_head
 from ..text.reasoning import prompt_opens_reasoning
 from ..text.tool_calls import KIMI
 from .context import ServerContext
@@ -72,7 +72,7 @@ async def prepare_chat(
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     template = ctx.template_for(req.chat_template)
 
-    def prepare() -> tuple[str, list[int], int, str]:
+    def prepare() -> tuple[str, list[int], int, int, str]:
         text = render_chat(
             ctx.need_tokenizer(),
             req.messages,
@@ -96,7 +96,17 @@ async def prepare_chat(
                 template_kwargs=req.chat_template_kwargs,
             )
             tail = tail_tokens(ids, text, start, ctx.encode)
-        return text, ids, tail, tool_instructions(text)
+        shared = 0  # the prompt's first tokens that other conversations send too
+        if not req.continue_final_message:
+            head = shared_head(
+                ctx.need_tokenizer(),
+                req.messages,
+                template=template,
+                tools=tools,
+                template_kwargs=req.chat_template_kwargs,
+            )
+            shared = common_length(ids, ctx.encode(head)) if head else 0
+        return text, ids, tail, shared, tool_instructions(text)
 
     def tool_instructions(text: str) -> str:
         """The template's tool instructions, which show its tool-call form: rendered with one empty
@@ -119,7 +129,7 @@ async def prepare_chat(
     )
     if images is not None and req.truncate_prompt_tokens is not None:
         raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
-    prompt, prompt_ids, tail, instructions = await ctx.off_loop(prepare)
+    prompt, prompt_ids, tail, shared, instructions = await ctx.off_loop(prepare)
     ctx.images.check_placeholders(prompt_ids, len(images.grids) if images is not None else 0, "messages")
     if images is not None:
         prompt_ids = ctx.images.expand(prompt_ids, images)
@@ -127,6 +137,9 @@ async def prepare_chat(
     params = ctx.sampling_params(req, len(prompt_ids), await ctx.bad_words_ids(req))
     if 0 < tail < len(prompt_ids):  # the prefix cache keeps the state the next turn starts from
         params = replace(params, next_turn_len=len(prompt_ids) - tail)
+    if 0 < shared < len(prompt_ids) and images is None and req.truncate_prompt_tokens is None:
+        # the cache keeps the state where the next conversation with this system prompt branches
+        params = replace(params, shared_prefix_len=shared)
     forced = tool_choice_constraint(
         req.tool_choice,
         tools,

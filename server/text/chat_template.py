@@ -13,6 +13,7 @@ from deltaserve.engine.requests.chat_prompt import (
     unrepeated_tail,
 )
 from deltaserve.engine.requests.chat_prompt import image_urls as chat_image_urls
+from deltaserve.engine.requests.chat_prompt import shared_head as chat_shared_head
 
 from ..errors import bad_request
 from ..protocol import ChatMessage, ToolDefinition
@@ -107,6 +108,25 @@ def next_turn_start(
         tokenizer,
         [message_to_dict(m, i) for i, m in enumerate(messages)],
         prompt,
+        template=template,
+        tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+        template_kwargs=template_kwargs,
+    )
+
+
+def shared_head(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    *,
+    template: str | None = None,
+    tools: list[ToolDefinition] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str | None:
+    """What every conversation with these messages' system prompt and tools begins with
+    (`chat_prompt.shared_head`)."""
+    return chat_shared_head(
+        tokenizer,
+        [message_to_dict(m, i) for i, m in enumerate(messages[:1])],
         template=template,
         tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
         template_kwargs=template_kwargs,

@@ -510,6 +510,37 @@ def test_next_turn_hits_when_the_generation_prompt_ends_past_a_page(client, serv
     assert second.usage.prompt_tokens_details.cached_tokens == kept // 16 * 16 > 0
 
 
+@pytest.mark.parametrize("shared", ["system", "tools"])
+def test_second_conversation_hits_the_shared_system_prompt(client, server, shared) -> None:
+    """Two users' first turns behind one system prompt (or one set of tools): the second user's
+    prompt starts from the state at the last page boundary of what the two prompts share. A
+    state exists only where a prefill chunk ended, and the first prompt's prefill ran past the
+    system prompt in one chunk: the second user recomputed it all, and only a third one hit it."""
+    import uuid
+
+    head = f"{uuid.uuid4().hex} Follow the house rules, all of them. " + "Rule: be brief. " * 40
+    if shared == "system":
+        first: list[dict] = [{"role": "system", "content": head}]
+        extra: dict = {}
+    else:
+        first = []
+        tool = {"name": "lookup", "description": head, "parameters": {"type": "object", "properties": {}}}
+        extra = {"tools": [{"type": "function", "function": tool}]}
+
+    def ask(question: str) -> tuple[list[int], int]:
+        messages = [*first, {"role": "user", "content": question}]
+        ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **extra}).json()["tokens"]
+        r = chat(client, messages=messages, max_tokens=2, temperature=0, **extra)
+        assert r.usage.prompt_tokens == len(ids)
+        return ids, r.usage.prompt_tokens_details.cached_tokens
+
+    a, cached_a = ask("Where is the station?")
+    b, cached_b = ask("How old is the moon?")
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert cached_a == 0 and common > 16
+    assert cached_b == common // 16 * 16
+
+
 def test_reset_prefix_cache_drops_what_no_request_holds(client, server) -> None:
     """vLLM's POST /reset_prefix_cache and SGLang's /flush_cache: the next identical request finds
     nothing cached, and gets the same greedy answer."""
