@@ -57,6 +57,9 @@ StateWrite = Callable[[int], None]
 class PrefixCache(ABC):
     """The scheduler's interface to a prefix cache (see the module docstring for the order)."""
 
+    # whether a prefill chunk's page-aligned end can serve a prompt admitted after it
+    reuses_prefixes = False
+
     def __init__(self, kv_pool: KVPool, state_pool: StatePool) -> None:
         self.kv_pool, self.state_pool = kv_pool, state_pool
 
@@ -149,6 +152,8 @@ class NaivePrefixCache(PrefixCache):
 
 
 class RadixPrefixCache(PrefixCache):
+    reuses_prefixes = True
+
     def __init__(
         self,
         kv_pool: KVPool,

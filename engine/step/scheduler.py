@@ -173,8 +173,12 @@ class Scheduler:
             budget -= chunk
             prefills.append(ScheduledChunk(req, chunk, chunk == req.num_pending))
         hold = hold_all or (not prefills and self._hold_prefills(len(decodes) + len(verifies), [], budget))
-        while not hold and self.waiting and budget > 0 and len(self.running) < self.config.num_running:
-            req = self.waiting.first()
+        followers: list[Request] = []  # waiting for a prefill of this step to keep their prefix
+        while not hold and budget > 0 and len(self.running) < self.config.num_running:
+            first = next((r for r in self.waiting if r not in followers), None)
+            if first is None:
+                break
+            req = first
             if req.num_placeholders:  # preempted with a token in flight: wait for its value
                 break
             slot = self.state_pool.alloc()
@@ -182,6 +186,12 @@ class Scheduler:
                 break
             req.slot = slot
             self.prefix_cache.attach(req)
+            if self._follows(req, prefills):
+                self.prefix_cache.detach(req)
+                self.state_pool.free(slot)
+                req.slot = None
+                followers.append(req)
+                continue
             chunk = self._chunk(req, budget, prefills)
             if chunk <= 0 or not self._ensure_pages(req, req.num_computed_tokens + chunk):
                 self.prefix_cache.detach(req)
@@ -189,7 +199,7 @@ class Scheduler:
                 req.slot = None
                 break
             self.prefix_cache.commit(req)
-            self.waiting.pop_first()
+            self.waiting.remove(req)
             if req.scheduled_time is None:  # its queue time ends (not again after a preemption)
                 req.scheduled_time = time.time()
             req.status = Status.RUNNING
@@ -211,6 +221,23 @@ class Scheduler:
         return SchedulerOutput(
             decodes + verifies + prefills, len(decodes), preempted, admitted, len(verifies)
         )
+
+    def _follows(self, req: Request, prefills: list[ScheduledChunk]) -> bool:
+        """Whether `req` (attached: its match computed) would start deeper a step later: a prompt
+        prefilled in this step shares its tokens up to this step's chunk end, a page boundary
+        past `req`'s match, where that prompt keeps its state. Prompts arriving together with
+        one prefix (a system prompt, a resent request) then compute it once, not once each."""
+        if not self.prefix_cache.reuses_prefixes:
+            return False
+        page, head = self.config.page_size, req.prompt_token_ids[: self.config.page_size]
+        for c in prefills:
+            end = c.req.num_computed_tokens + c.num_tokens
+            # the first page first: most prompts of a step share none, and their ids are long
+            if end % page or not req.num_computed_tokens < end < req.num_tokens:
+                continue
+            if c.req.prompt_token_ids[:page] == head and c.req.cache_key_ids[:end] == req.cache_key_ids[:end]:
+                return True
+        return False
 
     def _hold_prefills(self, decoding: int, chunks: list[Request], budget: int) -> bool:
         """Whether the waiting prompts, and `chunks` (running prompts' remaining chunks, with

@@ -39,9 +39,6 @@ class WaitingQueue:
     def first(self) -> Request:
         return self._queue[0]
 
-    def pop_first(self) -> Request:
-        return self._queue.pop(0)
-
     def remove(self, req: Request) -> None:
         self._queue.remove(req)
 

@@ -151,6 +151,24 @@ def test_prompt_that_is_a_prefix_of_a_cached_one(path):
     assert_idle_after_flush(llm.engine)
 
 
+def test_prompts_arriving_together_compute_their_shared_prefix_once(path):
+    """Prompts of one step behind one prefix (a resent prompt; a system prompt, which the server
+    names in `shared_prefix_len`): those behind the first wait a step for the state its chunk
+    keeps, and start there. Before, each computed the prefix beside the others while the step's
+    budget lasted (here all of them)."""
+    same = rand(150, 11)
+    head = rand(140, 12)
+    chats = [head + rand(10 + i, 20 + i) for i in range(3)]
+    behind_head = replace(GREEDY, shared_prefix_len=len(head))
+    want = tokens(run(make_llm(path, "naive", 512), [[same] * 3, chats]))
+    llm = make_llm(path, chunk=512)
+    outs = run(llm, [[same] * 3]) + run(llm, [chats], behind_head)
+    assert tokens(outs) == want
+    resend = (len(same) - 1) // PAGE * PAGE  # the deepest state a resend starts from
+    assert [o.num_cached_tokens for o in outs] == [0, resend, resend, 0] + [len(head) // PAGE * PAGE] * 2
+    assert_idle_after_flush(llm.engine)
+
+
 def test_small_pools_evict_and_still_match(path):
     """Three snapshot slots and room for about two requests' KV: snapshots and cached pages
     are evicted (and decodes preempted) all along, and outputs stay exact."""

@@ -112,14 +112,13 @@ def test_fcfs_refuses_a_priority_and_the_offline_api_takes_one_a_prompt(checkpoi
     assert engine.stats()["waiting"] == 0
     llm = LLM(checkpoint, dtype="float32", device="cpu", max_running_requests=1, scheduling_policy="priority")
     admitted = []
-    pop_first = llm.engine.scheduler.waiting.pop_first
+    remove = llm.engine.scheduler.waiting.remove
 
-    def recording():
-        req = pop_first()
+    def recording(req):
         admitted.append(req.prompt_token_ids)
-        return req
+        remove(req)
 
-    monkeypatch.setattr(llm.engine.scheduler.waiting, "pop_first", recording)
+    monkeypatch.setattr(llm.engine.scheduler.waiting, "remove", recording)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     ps = prompts(3)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False, priority=[3, 1, 2])
