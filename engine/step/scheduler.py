@@ -227,8 +227,8 @@ class Scheduler:
         prefilled in this step shares its tokens up to this step's chunk end, a page boundary
         past `req`'s match, where that prompt keeps its state. Prompts arriving together with
         one prefix (a system prompt, a resent request) then compute it once, not once each."""
-        if not self.prefix_cache.reuses_prefixes:
-            return False
+        if not self.prefix_cache.reuses_prefixes or req.params.prompt_logprobs is not None:
+            return False  # no cache, or a prompt it never serves (its logprobs need every token)
         page, head = self.config.page_size, req.prompt_token_ids[: self.config.page_size]
         for c in prefills:
             end = c.req.num_computed_tokens + c.num_tokens

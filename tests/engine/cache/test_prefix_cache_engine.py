@@ -169,6 +169,19 @@ def test_prompts_arriving_together_compute_their_shared_prefix_once(path):
     assert_idle_after_flush(llm.engine)
 
 
+def test_a_prompt_asking_for_its_logprobs_does_not_wait_for_a_shared_prefix(path):
+    """The cache never serves a prompt whose logprobs are asked for: it runs beside the first."""
+    prompt = rand(150, 13)
+    engine = make_llm(path, chunk=512).engine
+    engine.add_request("first", prompt, GREEDY)
+    engine.add_request("scored", prompt, replace(GREEDY, prompt_logprobs=0))
+    engine.step()
+    assert engine.stats()["running"] == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_idle_after_flush(engine)
+
+
 def test_small_pools_evict_and_still_match(path):
     """Three snapshot slots and room for about two requests' KV: snapshots and cached pages
     are evicted (and decodes preempted) all along, and outputs stay exact."""
