@@ -15,7 +15,14 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.errors import InvalidParamError
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from deltaserve.engine.requests.chat_prompt import image_urls, render_prompt, tail_tokens, unrepeated_tail
+from deltaserve.engine.requests.chat_prompt import (
+    common_length,
+    image_urls,
+    render_prompt,
+    shared_head,
+    tail_tokens,
+    unrepeated_tail,
+)
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults, load_sampling_defaults
 from deltaserve.engine.requests.outputs import (
     CompletionOutput,
@@ -398,7 +405,9 @@ class LLM:
         template_kwargs: dict[str, Any] | None,
     ) -> SamplingParams | Sequence[SamplingParams]:
         """Each prompt's params with `next_turn_len` where the next turn stops repeating it before
-        its end (`unrepeated_tail`: Qwen3.5's `<think>\n`); a text-only prompt's, as the server."""
+        its end (`unrepeated_tail`: Qwen3.5's `<think>\n`), and `shared_prefix_len` where other
+        conversations with its system prompt and tools leave it (`shared_head`); a text-only
+        prompt's, as the server."""
         params = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)
@@ -422,6 +431,16 @@ class LLM:
             tail = tail_tokens(ids, text, start, encode)
             if 0 < tail < len(ids):
                 params[i] = dataclasses.replace(params[i], next_turn_len=len(ids) - tail)
+            head = shared_head(
+                self.tokenizer,
+                list(conversation),
+                template=template,
+                tools=tools,
+                template_kwargs=template_kwargs,
+            )
+            shared = common_length(ids, encode(head)) if head else 0
+            if 0 < shared < len(ids):
+                params[i] = dataclasses.replace(params[i], shared_prefix_len=shared)
         return params
 
     def get_tokenizer(self) -> Any:

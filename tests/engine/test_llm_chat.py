@@ -99,6 +99,20 @@ def test_the_next_turn_starts_where_the_history_leaves_the_generation_prompt(llm
     assert second.num_cached_tokens == kept // page * page > 0
 
 
+def test_a_second_conversation_starts_after_the_shared_system_prompt(llm: LLM) -> None:
+    """The first conversation's prefill keeps the state at the last page boundary of what every
+    conversation with its system prompt begins with, as the server does: the second starts there."""
+    import uuid
+
+    system = {"role": "system", "content": f"{uuid.uuid4().hex} " + "Be brief and kind. " * 30}
+    a, b = (
+        llm.chat([system, {"role": "user", "content": q}], GREEDY, use_tqdm=False)[0] for q in ("Hi", "Why?")
+    )
+    common = next(i for i, (x, y) in enumerate(zip(a.prompt_token_ids, b.prompt_token_ids)) if x != y)
+    page = llm.engine.config.page_size
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == common // page * page > 0
+
+
 def test_vllms_chat_template_content_format(llm: LLM) -> None:
     """'auto' and 'string' (what these templates read) are taken; 'openai' is refused, naming why."""
     want = llm.chat(CHAT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
