@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | piecewise [CONFIG] | pinned [CONFIG] [C] | c1 [CONFIG] | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+# PART: 9b | 08b | chat-ab | piecewise [CONFIG] | pinned [CONFIG] [C] | c1 [CONFIG] | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
@@ -226,6 +226,13 @@ case "${1:-9b}" in
     BENCH=bench.serving.chat_sessions serve_bench chat-9b-radix . "${PYTHONPATH:-}" "--model configs/qwen3.5-9b $dummy" "${CHAT[@]}"
     BENCH=bench.serving.chat_sessions serve_bench chat-9b-naive . "${PYTHONPATH:-}" \
       "--model configs/qwen3.5-9b $dummy --cache-type naive" "${CHAT[@]}"
+    ;;
+  chat-ab)  # the chat sessions above against a radix server of REV (bash bench/ab.sh prepare REV; carry .base), then the tree's
+    CHAT=(--sessions 64 --concurrency 32 --turns 4 --system-words 1000 --user-words 100 --max-tokens 256)
+    base_tree
+    BENCH=bench.serving.chat_sessions serve_bench chat-9b-before /tmp/ab-cwd "/tmp/ab-base:${PYTHONPATH:-}" \
+      "--model configs/qwen3.5-9b $dummy" "${CHAT[@]}"
+    BENCH=bench.serving.chat_sessions serve_bench chat-9b-after . "${PYTHONPATH:-}" "--model configs/qwen3.5-9b $dummy" "${CHAT[@]}"
     ;;
   dp)  # two GPUs: --data-parallel-size 2 for 9B and 0.8B at C = 64, 256 (one GPU's rows: 9b, 08b)
     for model in qwen3.5-9b qwen3.5-0.8b; do
