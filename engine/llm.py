@@ -10,7 +10,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
+from deltaserve.engine.cache.adapter import (
+    scores_once,
+    scoring_params,
+    unscored,
+    warmup_params,
+    warmup_prompts,
+)
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.errors import InvalidParamError
@@ -182,14 +188,28 @@ class LLM:
                 logger.warning("%s", warning)
         return self._defaults.sampling_params()
 
-    def _warm_prefixes(self, prompts: list[list[int]]) -> None:
-        """Prompts sampled n > 1 times: prefill each once first (`warmup_prompts`)."""
+    def _warm_prefixes(
+        self,
+        prompts: list[list[int]],
+        scoring: Sequence[tuple[list[int], SamplingParams, ImageInputs | None]] = (),
+    ) -> list[list[Any] | None]:
+        """Prompts sampled n > 1 times: prefill each once first (`warmup_prompts`). `scoring`:
+        prompts whose copies share prompt logprobs (`scores_once`), each computed here once,
+        in its order, by a prefill that warms the cache as well."""
         config = self.engine.config
-        for ids in warmup_prompts(prompts, config.cache_type, config.page_size):
+        scored = {tuple(ids) for ids, _, _ in scoring}
+        for ids in warmup_prompts(
+            [p for p in prompts if tuple(p) not in scored], config.cache_type, config.page_size
+        ):
             self.engine.add_request(f"llm-warm-{self._next_id}", ids, warmup_params())
             self._next_id += 1
-        for _ in self._steps():
-            pass
+        scoring_ids = []
+        for ids, params, images in scoring:
+            scoring_ids.append(f"llm-warm-{self._next_id}")
+            self.engine.add_request(scoring_ids[-1], ids, scoring_params(params), images)
+            self._next_id += 1
+        final = {out.request_id: out for outputs in self._steps() for out in outputs if out.finished}
+        return [final[rid].prompt_logprobs for rid in scoring_ids]
 
     def _steps(self) -> Iterator[list[RequestOutput]]:
         """The engine's steps until no request is left. A step that raises leaves no request's
@@ -245,9 +265,22 @@ class LLM:
         ]
         for (ids, _, _), params in zip(encoded, params_list):  # before a warm-up prefill runs
             check_length(len(ids), params.max_tokens, self.engine.max_model_len)
-        self._warm_prefixes(
-            [ids for (ids, _, images), params in zip(encoded, params_list) if params.n > 1 and images is None]
+        shared = [scores_once(params, params.n) for params in params_list]
+        scores = iter(
+            self._warm_prefixes(
+                [
+                    ids
+                    for (ids, _, images), params in zip(encoded, params_list)
+                    if params.n > 1 and images is None
+                ],
+                [
+                    (ids, params, images)
+                    for (ids, _, images), params, s in zip(encoded, params_list, shared)
+                    if s
+                ],
+            )
         )
+        given: dict[str, list[Any] | None] = {}  # prompt logprobs of the prompts that share them
         groups: list[tuple[str, list[str], list[int], str | None]] = []
         added: list[str] = []
         try:
@@ -255,8 +288,10 @@ class LLM:
                 base = f"llm-{self._next_id}"
                 self._next_id += 1
                 subs = []
+                if shared[len(groups)]:
+                    given[base] = next(scores)
                 for i in range(params.n):
-                    sub = copy.deepcopy(params)
+                    sub = copy.deepcopy(unscored(params) if base in given else params)
                     sub.n = 1
                     sub.output_kind = "final_only"  # generate() returns finished outputs only
                     sub.seed = choice_seed(params.seed, i)
@@ -298,7 +333,7 @@ class LLM:
                     comp.cumulative_logprob = None
                 comps.append(comp)
                 cached = max(cached, out.num_cached_tokens)
-            prompt_logprobs = final[subs[0]].prompt_logprobs
+            prompt_logprobs = given[base] if base in given else final[subs[0]].prompt_logprobs
             if prompt_logprobs is not None:
                 prompt_logprobs = [
                     None if lp is None else PositionLogprobs(lp, decode) for lp in prompt_logprobs

@@ -80,6 +80,8 @@ class RequestGroup:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.unfinished = set(request_ids)
         self.failed = False
+        # prompt logprobs computed for members that dropped them (`share_scoring`), by request id
+        self.prompt_logprobs: dict[str, list[Any]] = {}
 
     def __aiter__(self) -> AsyncIterator[list[RequestOutput]]:
         return self
@@ -98,6 +100,12 @@ class RequestGroup:
             earlier = latest.get(item.request_id)
             latest[item.request_id] = item if earlier is None else earlier.merge(item)
         self.unfinished.difference_update(rid for rid, out in latest.items() if out.finished)
+        for rid, out in latest.items():
+            if out.prompt_logprobs is None and rid in self.prompt_logprobs:
+                # as the engine gives them: a delta stream once, in its first output
+                out.prompt_logprobs = (
+                    self.prompt_logprobs.pop(rid) if out.delta else self.prompt_logprobs[rid]
+                )
         return list(latest.values())
 
 

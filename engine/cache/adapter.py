@@ -29,6 +29,7 @@ when it leaves.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -346,6 +347,30 @@ def warmup_params() -> SamplingParams:
     return SamplingParams(
         temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only", internal=True
     )
+
+
+def scores_once(params: SamplingParams, copies: int) -> bool:
+    """Whether a prompt run `copies` > 1 times with these params has its prompt logprobs
+    computed once, by a scoring warm-up (`scoring_params`), and shared by the copies (which then
+    drop them, `unscored`): they depend on the prompt alone. Not with max_tokens 0, which is
+    valid only with prompt_logprobs."""
+    return copies > 1 and params.prompt_logprobs is not None and params.max_tokens != 0
+
+
+def scoring_params(params: SamplingParams) -> SamplingParams:
+    """The warm-up that computes a prompt's logprobs for its copies, as each would have."""
+    return dataclasses.replace(  # max_tokens 0: the prompt's forward pass only
+        warmup_params(),
+        max_tokens=0,
+        prompt_logprobs=params.prompt_logprobs,
+        logprob_token_ids=params.logprob_token_ids,
+    )
+
+
+def unscored(params: SamplingParams) -> SamplingParams:
+    """A copy whose prompt logprobs come from the scoring warm-up: free to hit the prefix cache."""
+    asked = params.logprob_token_ids if params.logprobs is not None else None  # reported nowhere else
+    return dataclasses.replace(params, prompt_logprobs=None, logprob_token_ids=asked)
 
 
 def prefill_cost(model_config: Any, layer_types: Sequence[str], num_params: int) -> HybridPrefillCost:

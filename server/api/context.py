@@ -55,6 +55,43 @@ def request_line(request_id: str, prompt_ids: list[int], params: SamplingParams,
     return f"request {request_id}: {len(prompt_ids)} prompt tokens {shown}{more}, params {changed}"
 
 
+def share_scoring(
+    requests: Sequence[EngineRequest],
+) -> tuple[list[EngineRequest], list[EngineRequest], dict[str, str]]:
+    """Requests that repeat a prompt with prompt_logprobs (a prompt's n > 1 choices): one
+    scoring warm-up a prompt computes them, and the copies drop them (`scores_once`), where each
+    computed them over the whole prompt, cache unused. Gives the copies, the warm-ups, and each
+    copy's warm-up id."""
+    from deltaserve.engine.cache.adapter import scores_once, scoring_params, unscored
+
+    alike: dict[tuple[Any, ...], list[int]] = {}
+    for i, (_, ids, params, *images) in enumerate(requests):
+        if params.prompt_logprobs is not None:
+            asked = tuple(params.logprob_token_ids or ())
+            key = (
+                tuple(ids),
+                params.prompt_logprobs,
+                asked,
+                params.max_tokens == 0,
+                id(images[0]) if images else None,
+            )
+            alike.setdefault(key, []).append(i)
+    copies: list[EngineRequest] = list(requests)
+    warm: list[EngineRequest] = []
+    scored_by: dict[str, str] = {}
+    for members in alike.values():
+        _, ids, params, *images = requests[members[0]]
+        if not scores_once(params, len(members)):
+            continue
+        warm_id = f"score-{uuid.uuid4().hex}"
+        warm.append((warm_id, ids, scoring_params(params), *images))  # type: ignore[arg-type]
+        for i in members:
+            rid, ids, params, *rest = requests[i]
+            copies[i] = (rid, ids, unscored(params), *rest)  # type: ignore[assignment]
+            scored_by[rid] = warm_id
+    return copies, warm, scored_by
+
+
 class ClientDisconnected(Exception):
     """The client hung up before its answer: the handler answers 499 (which no one reads)."""
 
@@ -252,23 +289,30 @@ class ServerContext:
         except ValueError as exc:
             raise refused(exc) from exc
 
-    async def warm_prefix(self, prompts: list[list[int]], n: int, request: Request) -> int | None:
-        """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`), and give the
-        engine that did (the copies' engine, with data parallelism). A client that hangs up
-        meanwhile gets ClientDisconnected, as from `collect`."""
+    async def warm_prefix(
+        self, prompts: list[list[int]], n: int, request: Request, scoring: Sequence[EngineRequest] = ()
+    ) -> tuple[int | None, dict[str, Any]]:
+        """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`), with the
+        `scoring` warm-ups (`share_scoring`) that compute prompt logprobs for copies. Gives the
+        engine that did (the copies' engine, with data parallelism) and each scoring warm-up's
+        prompt logprobs by its id. A client that hangs up meanwhile gets ClientDisconnected, as
+        from `collect`."""
         from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
 
         info = self.client.model_info
+        scored = {tuple(r[1]) for r in scoring}  # a scoring warm-up's prefill warms the cache itself
         warm = warmup_prompts(
-            prompts if n > 1 else [], str(info.get("cache_type")), int(info.get("page_size", 16))
+            [p for p in prompts if tuple(p) not in scored] if n > 1 else [],
+            str(info.get("cache_type")),
+            int(info.get("page_size", 16)),
         )
-        if warm:
-            group = await self.submit(
-                [(f"warm-{uuid.uuid4().hex}", p, warmup_params()) for p in warm], track=False
-            )
-            await self.collect(group, request)
-            return group.engine
-        return None
+        requests: list[EngineRequest] = [(f"warm-{uuid.uuid4().hex}", p, warmup_params()) for p in warm]
+        requests += scoring
+        if not requests:
+            return None, {}
+        group = await self.submit(requests, track=False)
+        final = await self.collect(group, request)
+        return group.engine, {r[0]: final[r[0]].prompt_logprobs for r in scoring}
 
     async def collect(self, group: RequestGroup, request: Request) -> dict[str, RequestOutput]:
         """Wait for a whole group; a client that hangs up meanwhile aborts it (ClientDisconnected)."""
@@ -309,11 +353,13 @@ class ServerContext:
     ) -> Response:
         """Prefill a prompt shared by n > 1 samples once, submit every request, then stream
         `events` of the group or `answer` with the final outputs; a client that hangs up gets 499."""
+        requests, scoring, scored_by = share_scoring(requests)
         try:
-            engine = await self.warm_prefix(prompts, n, raw)
+            engine, scores = await self.warm_prefix(prompts, n, raw, scoring)
         except ClientDisconnected:
             return Response(status_code=499)
         group = await self.submit(requests, engine=engine, raw=raw)
+        group.prompt_logprobs = {rid: scores[warm_id] for rid, warm_id in scored_by.items()}
         if stream:
             return StreamingResponse(self.guarded(group, events(group)), media_type="text/event-stream")
         try:

@@ -105,3 +105,45 @@ def test_a_step_scores_a_bounded_number_of_prompt_positions(make_checkpoint, mon
             atol=1e-4,
             rtol=1e-4,
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_type", ["radix", "naive"])
+def test_n_choices_compute_the_prompt_logprobs_once(make_checkpoint, monkeypatch, cache_type: str) -> None:
+    """A prompt's n choices share its prompt logprobs, computed once (each choice computed them
+    over the whole prompt): the same values as n=1's, and each choice's tokens and logprobs those
+    of its seed alone."""
+    import dataclasses
+
+    import deltaserve.engine.engine as engine_module
+
+    path = make_checkpoint("qwen3_5")
+    llm = LLM(model=path, dtype="float32", device="cpu", chunked_prefill_size=16, cache_type=cache_type)
+    prompt = [(13 * i + 5) % 150 + 1 for i in range(45)]
+    rows: list[int] = []
+    record = engine_module.record_prompt_logprobs
+
+    def counted(plan, starts, logits):
+        rows.append(logits.shape[0])
+        return record(plan, starts, logits)
+
+    monkeypatch.setattr(engine_module, "record_prompt_logprobs", counted)
+    params = SamplingParams(
+        n=4, seed=7, max_tokens=4, logprobs=1, prompt_logprobs=3, logprob_token_ids=[5, 9]
+    )
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
+    assert sum(rows) == len(prompt) - 1
+    singles = [
+        llm.generate([{"prompt_token_ids": prompt}], dataclasses.replace(params, n=1, seed=7 + i))[0]
+        for i in range(4)
+    ]
+
+    def fields(lps: list) -> list:
+        return [None if p is None else (p.token_id, p.logprob, p.top, p.rank, p.asked) for p in lps]
+
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+    assert fields(out.prompt_logprobs) == fields(singles[0].prompt_logprobs)
+    assert out.prompt_logprobs == singles[0].prompt_logprobs  # the decoded tokens' too
+    for choice, single in zip(out.outputs, singles):
+        assert choice.token_ids == single.outputs[0].token_ids
+        assert fields(choice.logprobs) == fields(single.outputs[0].logprobs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -98,3 +99,87 @@ def test_vllm_prompt_logprobs_field_on_completions_and_chat(server, offline) -> 
         server.url, "chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     )
     assert "prompt_logprobs" not in plain_chat.json()
+
+
+@pytest.fixture(scope="module")
+def in_process(builtin_path: str) -> Iterator[tuple[str, list[int]]]:
+    """The real app over the built-in model's engine in a thread of this process, on a free port;
+    with the prompt rows the engine scored (each a vocabulary-wide log-softmax)."""
+    import deltaserve.engine.engine as engine_module
+    from deltaserve import LLM
+    from deltaserve.server.app import build_app
+    from deltaserve.server.engine_client import EngineClient
+
+    from ..conftest import app_in_thread
+
+    rows: list[int] = []
+    record = engine_module.record_prompt_logprobs
+
+    def counted(plan, starts, logits):
+        rows.append(logits.shape[0])
+        return record(plan, starts, logits)
+
+    engine = LLM(model=builtin_path, dtype="float32", device="cpu").engine
+    app = build_app(EngineClient.in_thread(engine), model_names=[MODEL_NAME])
+    with pytest.MonkeyPatch.context() as patch, app_in_thread(app, join_s=10) as port:
+        patch.setattr(engine_module, "record_prompt_logprobs", counted)
+        yield f"http://127.0.0.1:{port}", rows
+
+
+LONG = PROMPT * 5  # past two pages: the choices may take it from the prefix cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_echo_the_prompt_logprobs_computed_once(in_process, stream: bool) -> None:
+    """echo + logprobs with n > 1: every choice echoes n=1's prompt logprobs, which the engine
+    computed once for the request (each choice computed them over the whole prompt)."""
+    url, rows = in_process
+    body = {"prompt": LONG, "max_tokens": 2, "echo": True, "logprobs": 2, "seed": 5, "stream": stream}
+
+    def echoed(n: int) -> list[dict]:
+        rows.clear()
+        if not stream:
+            r = post(url, "completions", {**body, "n": n})
+            assert r.status_code == 200, r.text
+            return [c["logprobs"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+        firsts: dict[int, dict] = {}
+        with httpx.stream("POST", f"{url}/v1/completions", json={"model": MODEL_NAME, **body, "n": n}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        firsts.setdefault(c["index"], c["logprobs"])
+        return [firsts[i] for i in range(n)]
+
+    (single,) = echoed(1)
+    assert sum(rows) == len(LONG) - 1
+    choices = echoed(3)
+    assert sum(rows) == len(LONG) - 1
+    for got in choices:
+        for name in ("tokens", "token_logprobs", "top_logprobs"):
+            assert got[name][: len(LONG)] == single[name][: len(LONG)]
+
+
+@pytest.mark.slow
+def test_n_choices_share_vllm_prompt_logprobs_computed_once(in_process) -> None:
+    url, rows = in_process
+    messages = [{"role": "user", "content": "Hi " * 40}]
+    for path, body in (
+        ("completions", {"prompt": LONG}),
+        ("chat/completions", {"messages": messages}),
+    ):
+        replies = []
+        for n in (1, 4):
+            rows.clear()
+            r = post(url, path, {**body, "n": n, "max_tokens": 2, "prompt_logprobs": 2, "logprobs": 1})
+            assert r.status_code == 200, r.text
+            assert sum(rows) == r.json()["usage"]["prompt_tokens"] - 1  # once, whatever n
+            replies.append(r.json())
+        # the choices started from the prompt that the scoring prefill cached
+        assert replies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        single, many = replies
+        if path == "completions":
+            want = single["choices"][0]["prompt_logprobs"]
+            assert [c["prompt_logprobs"] for c in many["choices"]] == [want] * 4
+        else:
+            assert many["prompt_logprobs"] == single["prompt_logprobs"]
