@@ -83,7 +83,7 @@ def share_scoring(
         _, ids, params, *images = requests[members[0]]
         if not scores_once(params, len(members)):
             continue
-        warm_id = f"score-{uuid.uuid4().hex}"
+        warm_id = f"{requests[members[0]][0]}-score"  # under the client's name: /abort_request ends it
         warm.append((warm_id, ids, scoring_params(params), *images))  # type: ignore[arg-type]
         for i in members:
             rid, ids, params, *rest = requests[i]

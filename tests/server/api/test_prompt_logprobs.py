@@ -102,9 +102,10 @@ def test_vllm_prompt_logprobs_field_on_completions_and_chat(server, offline) -> 
 
 
 @pytest.fixture(scope="module")
-def in_process(builtin_path: str) -> Iterator[tuple[str, list[int]]]:
+def in_process(builtin_path: str) -> Iterator[tuple[str, list[int], list[str]]]:
     """The real app over the built-in model's engine in a thread of this process, on a free port;
-    with the prompt rows the engine scored (each a vocabulary-wide log-softmax)."""
+    with the prompt rows the engine scored (each a vocabulary-wide log-softmax) and the ids of
+    the requests it was given."""
     import deltaserve.engine.engine as engine_module
     from deltaserve import LLM
     from deltaserve.server.app import build_app
@@ -113,6 +114,7 @@ def in_process(builtin_path: str) -> Iterator[tuple[str, list[int]]]:
     from ..conftest import app_in_thread
 
     rows: list[int] = []
+    added: list[str] = []  # the engine ids added, in order
     record = engine_module.record_prompt_logprobs
 
     def counted(plan, starts, logits):
@@ -120,10 +122,17 @@ def in_process(builtin_path: str) -> Iterator[tuple[str, list[int]]]:
         return record(plan, starts, logits)
 
     engine = LLM(model=builtin_path, dtype="float32", device="cpu").engine
+    add_request = engine.add_request
+
+    def recorded(request_id: str, *args, **kwargs):
+        added.append(request_id)
+        return add_request(request_id, *args, **kwargs)
+
+    engine.add_request = recorded
     app = build_app(EngineClient.in_thread(engine), model_names=[MODEL_NAME])
     with pytest.MonkeyPatch.context() as patch, app_in_thread(app, join_s=10) as port:
         patch.setattr(engine_module, "record_prompt_logprobs", counted)
-        yield f"http://127.0.0.1:{port}", rows
+        yield f"http://127.0.0.1:{port}", rows, added
 
 
 LONG = PROMPT * 5  # past two pages: the choices may take it from the prefix cache
@@ -134,7 +143,7 @@ LONG = PROMPT * 5  # past two pages: the choices may take it from the prefix cac
 def test_n_choices_echo_the_prompt_logprobs_computed_once(in_process, stream: bool) -> None:
     """echo + logprobs with n > 1: every choice echoes n=1's prompt logprobs, which the engine
     computed once for the request (each choice computed them over the whole prompt)."""
-    url, rows = in_process
+    url, rows, _ = in_process
     body = {"prompt": LONG, "max_tokens": 2, "echo": True, "logprobs": 2, "seed": 5, "stream": stream}
 
     def echoed(n: int) -> list[dict]:
@@ -162,7 +171,7 @@ def test_n_choices_echo_the_prompt_logprobs_computed_once(in_process, stream: bo
 
 @pytest.mark.slow
 def test_n_choices_share_vllm_prompt_logprobs_computed_once(in_process) -> None:
-    url, rows = in_process
+    url, rows, _ = in_process
     messages = [{"role": "user", "content": "Hi " * 40}]
     for path, body in (
         ("completions", {"prompt": LONG}),
@@ -183,3 +192,16 @@ def test_n_choices_share_vllm_prompt_logprobs_computed_once(in_process) -> None:
             assert [c["prompt_logprobs"] for c in many["choices"]] == [want] * 4
         else:
             assert many["prompt_logprobs"] == single["prompt_logprobs"]
+
+
+def test_the_shared_scoring_prefill_runs_under_the_clients_name(in_process) -> None:
+    """The prefill that computes n > 1 choices' prompt logprobs, before they run, is named after
+    the request as they are: /abort_request, by the client's name, ends it too."""
+    from deltaserve.server.api.request_params import rid_prefix
+
+    url, _, added = in_process
+    added.clear()
+    body = {"prompt": LONG, "n": 2, "max_tokens": 1, "prompt_logprobs": 1, "request_id": "mine"}
+    r = post(url, "completions", body)
+    assert r.status_code == 200, r.text
+    assert len(added) == 3 and all(rid.startswith(rid_prefix("mine")) for rid in added), added
