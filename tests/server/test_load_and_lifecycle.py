@@ -82,6 +82,47 @@ def test_stream_disconnect_frees_pages_and_slot(server, read_metrics, until_idle
     assert _aborts(read_metrics, server.url) == aborted_before + 1
 
 
+@pytest.mark.parametrize("path", ["completions", "chat"])
+def test_an_n_stream_disconnect_frees_every_choice(
+    server, base_url, read_metrics, until_idle, path: str
+) -> None:
+    """A stream of n choices, over a prompt their prefix warm-up prefilled, that the client leaves
+    early: every choice is aborted and its slot and pages freed."""
+    aborted_before = _aborts(read_metrics, server.url)
+    prompt = "Tell me a long story about the sea. " * 8  # past two pages: warmed once for the choices
+    with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60) as client:
+        if path == "chat":
+            stream = client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": prompt}],
+                n=4,
+                max_tokens=400,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        else:
+            stream = client.completions.create(
+                model=MODEL_NAME,
+                prompt=prompt,
+                n=4,
+                max_tokens=400,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        seen: set[int] = set()
+        for chunk in stream:
+            seen.update(c.index for c in chunk.choices)
+            if seen == {0, 1, 2, 3}:
+                break
+        busy = read_metrics(server.url)
+        assert busy["deltaserve_num_requests_running"] == 4
+        assert busy["deltaserve_state_slots_used"] >= 4 and busy["deltaserve_kv_pages_used"] >= 4
+        stream.close()
+    idle = until_idle(server.url)
+    assert idle["deltaserve_state_slots_used"] == 0 and idle["deltaserve_kv_pages_used"] == 0
+    assert _aborts(read_metrics, server.url) == aborted_before + 4
+
+
 def test_non_stream_disconnect_aborts(server, read_metrics, until_idle) -> None:
     aborted_before = _aborts(read_metrics, server.url)
     body = json.dumps({"model": MODEL_NAME, "prompt": "go", "n": 2, **LONG}).encode()
