@@ -290,10 +290,16 @@ class ServerContext:
             raise refused(exc) from exc
 
     async def warm_prefix(
-        self, prompts: list[list[int]], n: int, request: Request, scoring: Sequence[EngineRequest] = ()
+        self,
+        prompts: list[list[int]],
+        n: int,
+        request: Request,
+        scoring: Sequence[EngineRequest] = (),
+        images: dict[tuple[int, ...], Any] | None = None,
     ) -> tuple[int | None, dict[str, Any]]:
-        """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`), with the
-        `scoring` warm-ups (`share_scoring`) that compute prompt logprobs for copies. Gives the
+        """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`), with its
+        `images` (by prompt) where it has some, and the `scoring` warm-ups (`share_scoring`)
+        that compute prompt logprobs for copies. Gives the
         engine that did (the copies' engine, with data parallelism) and each scoring warm-up's
         prompt logprobs by its id. A client that hangs up meanwhile gets ClientDisconnected, as
         from `collect`."""
@@ -306,7 +312,15 @@ class ServerContext:
             str(info.get("cache_type")),
             int(info.get("page_size", 16)),
         )
-        requests: list[EngineRequest] = [(f"warm-{uuid.uuid4().hex}", p, warmup_params()) for p in warm]
+        # a warm-up without its prompt's images would cache a text the copies never match
+        imaged = {key[:-1]: (key[-1], inputs) for key, inputs in (images or {}).items()}
+        requests: list[EngineRequest] = []
+        for p in warm:
+            last, inputs = imaged.get(tuple(p), (None, None))
+            if inputs is None:
+                requests.append((f"warm-{uuid.uuid4().hex}", p, warmup_params()))
+            elif last != self.images.image_token_id:  # else the prompt less its last token splits an image
+                requests.append((f"warm-{uuid.uuid4().hex}", p, warmup_params(), inputs))
         requests += scoring
         if not requests:
             return None, {}
@@ -355,7 +369,8 @@ class ServerContext:
         `events` of the group or `answer` with the final outputs; a client that hangs up gets 499."""
         requests, scoring, scored_by = share_scoring(requests)
         try:
-            engine, scores = await self.warm_prefix(prompts, n, raw, scoring)
+            images = {tuple(ids): rest[0] for _, ids, _, *rest in requests if rest}
+            engine, scores = await self.warm_prefix(prompts, n, raw, scoring, images)
         except ClientDisconnected:
             return Response(status_code=499)
         group = await self.submit(requests, engine=engine, raw=raw)

@@ -171,6 +171,25 @@ def test_tokenize_counts_each_images_tokens(vision_server, vl) -> None:
     assert ids["count"] > bare["count"] + 2  # more than a placeholder an image
 
 
+def test_n_choices_of_an_image_prompt_share_its_warm_up(vision_server, vl, vision_checkpoint) -> None:
+    """A prompt with an image, two pages long, sampled n > 1 times: the prefill that warms it for
+    the choices reads its image, so the choices start from the cache (the warm-up read the prompt
+    as text, which no choice matched: each prefilled it whole); each reply is the offline one."""
+    image = png(33, (40, 32))
+    text = {"type": "text", "text": "w1 w2 w3 " * 8}
+    messages = [
+        {"role": "user", "content": [text, {"type": "image_url", "image_url": {"url": data_url(image)}}]}
+    ]
+    want, prompt_len = offline_reply(vision_checkpoint, messages, [image], 6)
+    assert prompt_len >= 32  # two pages: warmed before its choices run
+    reply = vl.chat.completions.create(model="vl", messages=messages, n=3, **GREEDY)
+    assert [c.message.content for c in reply.choices] == [want] * 3
+    assert reply.usage.prompt_tokens == prompt_len
+    assert (
+        reply.usage.prompt_tokens_details is not None and reply.usage.prompt_tokens_details.cached_tokens > 0
+    )
+
+
 def test_images_change_the_reply(vl) -> None:
     replies = {
         vl.chat.completions.create(model="vl", messages=conversation(data_url(solid_png(v))), **GREEDY)
