@@ -190,18 +190,25 @@ class LLM:
 
     def _warm_prefixes(
         self,
-        prompts: list[list[int]],
+        prompts: list[tuple[list[int], ImageInputs | None]],
         scoring: Sequence[tuple[list[int], SamplingParams, ImageInputs | None]] = (),
     ) -> list[list[Any] | None]:
-        """Prompts sampled n > 1 times: prefill each once first (`warmup_prompts`). `scoring`:
-        prompts whose copies share prompt logprobs (`scores_once`), each computed here once,
-        in its order, by a prefill that warms the cache as well."""
+        """Prompts sampled n > 1 times, with their images: prefill each once first
+        (`warmup_prompts`). `scoring`: prompts whose copies share prompt logprobs
+        (`scores_once`), each computed here once, in its order, by a prefill that warms the
+        cache as well."""
         config = self.engine.config
         scored = {tuple(ids) for ids, _, _ in scoring}
+        # a warm-up without its prompt's images would cache a text the copies never match
+        imaged = {tuple(ids[:-1]): (ids[-1], images) for ids, images in prompts if images is not None}
+        image_token = self.engine.admission.images.image_token_id
         for ids in warmup_prompts(
-            [p for p in prompts if tuple(p) not in scored], config.cache_type, config.page_size
+            [p for p, _ in prompts if tuple(p) not in scored], config.cache_type, config.page_size
         ):
-            self.engine.add_request(f"llm-warm-{self._next_id}", ids, warmup_params())
+            last, images = imaged.get(tuple(ids), (None, None))
+            if images is not None and last == image_token:  # the prompt less its last token splits an image
+                continue
+            self.engine.add_request(f"llm-warm-{self._next_id}", ids, warmup_params(), images)
             self._next_id += 1
         scoring_ids = []
         for ids, params, images in scoring:
@@ -268,11 +275,7 @@ class LLM:
         shared = [scores_once(params, params.n) for params in params_list]
         scores = iter(
             self._warm_prefixes(
-                [
-                    ids
-                    for (ids, _, images), params in zip(encoded, params_list)
-                    if params.n > 1 and images is None
-                ],
+                [(ids, images) for (ids, _, images), params in zip(encoded, params_list) if params.n > 1],
                 [
                     (ids, params, images)
                     for (ids, _, images), params, s in zip(encoded, params_list, shared)

@@ -149,6 +149,24 @@ def test_prefix_cache_tells_images_apart(checkpoint) -> None:
     assert again.num_cached_tokens > len(ids)  # past the image
 
 
+def test_n_choices_of_an_image_prompt_start_from_its_warm_up(checkpoint) -> None:
+    """A prompt with an image sampled n > 1 times is prefilled once first, its image read, so the
+    choices start from the cache past the image (the warm-up left images out: each choice
+    prefilled the whole prompt); each choice gives the tokens of the prompt alone."""
+    llm = LLM(checkpoint, dtype="float32", device="cpu", page_size=4)
+    ids = prompt(9, 1, 9, seed=5)
+    img = solid(100, (32, 32))
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": img}}, params)
+    assert out.num_cached_tokens > len(ids)  # past the image
+    want = hf_generate(checkpoint, ids, [img], NEW)
+    assert [c.token_ids for c in out.outputs] == [want] * 3
+    # an image last: the prompt less its last token would cut it, and is not warmed
+    last = prompt(9, 0, 0, seed=6) + [START, IMAGE]
+    (out,) = llm.generate({"prompt_token_ids": last, "multi_modal_data": {"image": img}}, params)
+    assert [c.token_ids for c in out.outputs] == [hf_generate(checkpoint, last, [img], NEW)] * 3
+
+
 def test_text_only_prompt_on_a_vision_checkpoint_matches_transformers(checkpoint, hf_reference) -> None:
     llm = LLM(checkpoint, dtype="float32", device="cpu")
     ids = prompt(20, 0, 0, seed=5)
