@@ -188,6 +188,16 @@ def test_n_choices_of_an_image_prompt_share_its_warm_up(vision_server, vl, visio
     assert (
         reply.usage.prompt_tokens_details is not None and reply.usage.prompt_tokens_details.cached_tokens > 0
     )
+    # an image last: the prompt less its last token would cut it, and is not warmed
+    import httpx
+
+    llm = offline(vision_checkpoint)
+    ids = llm.tokenizer.encode("w1 w2 w3 " * 12) + [llm.engine.admission.images.image_token_id]
+    sampling = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "n": 2}
+    body = {"input_ids": ids, "image_data": data_url(image), "sampling_params": sampling}
+    replies = httpx.post(f"{vision_server.url}/generate", json=body, timeout=60)
+    assert replies.status_code == 200, replies.text
+    assert len(replies.json()) == 2 and replies.json()[0]["text"] == replies.json()[1]["text"]
 
 
 def test_images_change_the_reply(vl) -> None:
