@@ -192,6 +192,25 @@ def test_n_choices_share_vllm_prompt_logprobs_computed_once(in_process) -> None:
             assert [c["prompt_logprobs"] for c in many["choices"]] == [want] * 4
         else:
             assert many["prompt_logprobs"] == single["prompt_logprobs"]
+    # SGLang's /generate: input_token_logprobs for each of its n samples
+    scored = []
+    for n in (1, 3):
+        rows.clear()
+        body = {
+            "input_ids": LONG,
+            "sampling_params": {"n": n, "max_new_tokens": 2},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+        }
+        r = httpx.post(f"{url}/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert sum(rows) == len(LONG) - 1
+        results = r.json() if n > 1 else [r.json()]
+        scored.append(
+            [(m["meta_info"]["input_token_logprobs"], m["meta_info"]["input_top_logprobs"]) for m in results]
+        )
+    assert scored[1] == scored[0] * 3
 
 
 def test_the_shared_scoring_prefill_runs_under_the_clients_name(in_process) -> None:
