@@ -364,6 +364,7 @@ def scoring_params(params: SamplingParams) -> SamplingParams:
         max_tokens=0,
         prompt_logprobs=params.prompt_logprobs,
         logprob_token_ids=params.logprob_token_ids,
+        priority=params.priority,  # the copies wait for it
     )
 
 

@@ -295,14 +295,13 @@ class ServerContext:
         n: int,
         request: Request,
         scoring: Sequence[EngineRequest] = (),
-        images: dict[tuple[int, ...], Any] | None = None,
+        copies: Sequence[EngineRequest] = (),
     ) -> tuple[int | None, dict[str, Any]]:
-        """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`), with its
-        `images` (by prompt) where it has some, and the `scoring` warm-ups (`share_scoring`)
-        that compute prompt logprobs for copies. Gives the
-        engine that did (the copies' engine, with data parallelism) and each scoring warm-up's
-        prompt logprobs by its id. A client that hangs up meanwhile gets ClientDisconnected, as
-        from `collect`."""
+        """Before n > 1 copies of each prompt: prefill each once (`warmup_prompts`), with the
+        images and priority of its `copies`, and the `scoring` warm-ups (`share_scoring`) that
+        compute prompt logprobs for copies. Gives the engine that did (the copies' engine, with
+        data parallelism) and each scoring warm-up's prompt logprobs by its id. A client that
+        hangs up meanwhile gets ClientDisconnected, as from `collect`."""
         from deltaserve.engine.cache.adapter import warmup_params, warmup_prompts
 
         info = self.client.model_info
@@ -313,14 +312,19 @@ class ServerContext:
             int(info.get("page_size", 16)),
         )
         # a warm-up without its prompt's images would cache a text the copies never match
-        imaged = {key[:-1]: (key[-1], inputs) for key, inputs in (images or {}).items()}
+        of = {
+            tuple(ids[:-1]): (ids[-1], params, rest[0] if rest else None) for _, ids, params, *rest in copies
+        }
         requests: list[EngineRequest] = []
         for p in warm:
-            last, inputs = imaged.get(tuple(p), (None, None))
+            last, params, inputs = of.get(tuple(p), (None, None, None))
+            warm_params = replace(
+                warmup_params(), priority=params.priority if params else 0
+            )  # the copies wait
             if inputs is None:
-                requests.append((f"warm-{uuid.uuid4().hex}", p, warmup_params()))
+                requests.append((f"warm-{uuid.uuid4().hex}", p, warm_params))
             elif last != self.images.image_token_id:  # else the prompt less its last token splits an image
-                requests.append((f"warm-{uuid.uuid4().hex}", p, warmup_params(), inputs))
+                requests.append((f"warm-{uuid.uuid4().hex}", p, warm_params, inputs))
         requests += scoring
         if not requests:
             return None, {}
@@ -369,8 +373,7 @@ class ServerContext:
         `events` of the group or `answer` with the final outputs; a client that hangs up gets 499."""
         requests, scoring, scored_by = share_scoring(requests)
         try:
-            images = {tuple(ids): rest[0] for _, ids, _, *rest in requests if rest}
-            engine, scores = await self.warm_prefix(prompts, n, raw, scoring, images)
+            engine, scores = await self.warm_prefix(prompts, n, raw, scoring, requests)
         except ClientDisconnected:
             return Response(status_code=499)
         group = await self.submit(requests, engine=engine, raw=raw)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -102,10 +103,10 @@ def test_vllm_prompt_logprobs_field_on_completions_and_chat(server, offline) -> 
 
 
 @pytest.fixture(scope="module")
-def in_process(builtin_path: str) -> Iterator[tuple[str, list[int], list[str]]]:
-    """The real app over the built-in model's engine in a thread of this process, on a free port;
-    with the prompt rows the engine scored (each a vocabulary-wide log-softmax) and the ids of
-    the requests it was given."""
+def in_process(builtin_path: str) -> Iterator[tuple[str, list[int], list[tuple[str, Any]]]]:
+    """The real app over the built-in model's engine (priority scheduling) in a thread of this
+    process, on a free port; with the prompt rows the engine scored (each a vocabulary-wide
+    log-softmax) and the ids and params of the requests it was given."""
     import deltaserve.engine.engine as engine_module
     from deltaserve import LLM
     from deltaserve.server.app import build_app
@@ -114,18 +115,19 @@ def in_process(builtin_path: str) -> Iterator[tuple[str, list[int], list[str]]]:
     from ..conftest import app_in_thread
 
     rows: list[int] = []
-    added: list[str] = []  # the engine ids added, in order
+    added: list[tuple[str, Any]] = []  # the engine ids added, in order, with their params
     record = engine_module.record_prompt_logprobs
 
     def counted(plan, starts, logits):
         rows.append(logits.shape[0])
         return record(plan, starts, logits)
 
-    engine = LLM(model=builtin_path, dtype="float32", device="cpu").engine
+    engine = LLM(model=builtin_path, dtype="float32", device="cpu", scheduling_policy="priority").engine
     add_request = engine.add_request
 
-    def recorded(request_id: str, *args, **kwargs):
-        added.append(request_id)
+    def recorded(request_id: str, prompt_ids: list[int], params: Any, *args, **kwargs):
+        added.append((request_id, params))
+        args = (prompt_ids, params, *args)
         return add_request(request_id, *args, **kwargs)
 
     engine.add_request = recorded
@@ -215,12 +217,31 @@ def test_n_choices_share_vllm_prompt_logprobs_computed_once(in_process) -> None:
 
 def test_the_shared_scoring_prefill_runs_under_the_clients_name(in_process) -> None:
     """The prefill that computes n > 1 choices' prompt logprobs, before they run, is named after
-    the request as they are: /abort_request, by the client's name, ends it too."""
+    the request as they are (/abort_request, by the client's name, ends it too), and runs at
+    their priority."""
     from deltaserve.server.api.request_params import rid_prefix
 
     url, _, added = in_process
     added.clear()
-    body = {"prompt": LONG, "n": 2, "max_tokens": 1, "prompt_logprobs": 1, "request_id": "mine"}
+    body = {
+        "prompt": LONG,
+        "n": 2,
+        "max_tokens": 1,
+        "prompt_logprobs": 1,
+        "request_id": "mine",
+        "priority": -3,
+    }
     r = post(url, "completions", body)
     assert r.status_code == 200, r.text
-    assert len(added) == 3 and all(rid.startswith(rid_prefix("mine")) for rid in added), added
+    assert len(added) == 3 and all(rid.startswith(rid_prefix("mine")) for rid, _ in added), added
+    assert [params.priority for _, params in added] == [-3] * 3  # as urgent as its choices
+
+
+def test_a_prefix_warm_up_runs_at_its_choices_priority(in_process) -> None:
+    """The prefill that warms a prompt for its n > 1 choices, which wait for it, runs at their
+    priority (it ran at 0, behind the requests that the choices' priority put after them)."""
+    url, _, added = in_process
+    added.clear()
+    r = post(url, "completions", {"prompt": LONG, "n": 2, "max_tokens": 1, "priority": -3})
+    assert r.status_code == 200, r.text
+    assert len(added) == 3 and [params.priority for _, params in added] == [-3] * 3
