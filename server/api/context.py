@@ -313,18 +313,19 @@ class ServerContext:
         )
         # a warm-up without its prompt's images would cache a text the copies never match
         of = {
-            tuple(ids[:-1]): (ids[-1], params, rest[0] if rest else None) for _, ids, params, *rest in copies
+            tuple(ids[:-1]): (rid, ids[-1], params, rest[0] if rest else None)
+            for rid, ids, params, *rest in copies
         }
         requests: list[EngineRequest] = []
         for p in warm:
-            last, params, inputs = of.get(tuple(p), (None, None, None))
-            warm_params = replace(
-                warmup_params(), priority=params.priority if params else 0
-            )  # the copies wait
+            rid, last, params, inputs = of.get(tuple(p), (uuid.uuid4().hex, None, None, None))
+            warm_id = f"{rid}-warm"  # under the client's name: /abort_request ends it
+            # at the copies' priority: they wait for it
+            warm_params = replace(warmup_params(), priority=params.priority if params else 0)
             if inputs is None:
-                requests.append((f"warm-{uuid.uuid4().hex}", p, warm_params))
+                requests.append((warm_id, p, warm_params))
             elif last != self.images.image_token_id:  # else the prompt less its last token splits an image
-                requests.append((f"warm-{uuid.uuid4().hex}", p, warm_params, inputs))
+                requests.append((warm_id, p, warm_params, inputs))
         requests += scoring
         if not requests:
             return None, {}

@@ -237,11 +237,16 @@ def test_the_shared_scoring_prefill_runs_under_the_clients_name(in_process) -> N
     assert [params.priority for _, params in added] == [-3] * 3  # as urgent as its choices
 
 
-def test_a_prefix_warm_up_runs_at_its_choices_priority(in_process) -> None:
+def test_a_prefix_warm_up_runs_at_its_choices_priority_and_name(in_process) -> None:
     """The prefill that warms a prompt for its n > 1 choices, which wait for it, runs at their
-    priority (it ran at 0, behind the requests that the choices' priority put after them)."""
+    priority (it ran at 0, behind the requests that the choices' priority put after them) and
+    under the client's name for the request (/abort_request ends it; it ran on, unnamed)."""
+    from deltaserve.server.api.request_params import rid_prefix
+
     url, _, added = in_process
     added.clear()
-    r = post(url, "completions", {"prompt": LONG, "n": 2, "max_tokens": 1, "priority": -3})
+    body = {"prompt": LONG, "n": 2, "max_tokens": 1, "priority": -3, "request_id": "urgent"}
+    r = post(url, "completions", body)
     assert r.status_code == 200, r.text
     assert len(added) == 3 and [params.priority for _, params in added] == [-3] * 3
+    assert all(rid.startswith(rid_prefix("urgent")) for rid, _ in added), added
