@@ -670,6 +670,16 @@ def _kv_cache_dtype(text: str) -> str:
     return text
 
 
+def _pipeline_parallel_size(text: str) -> int:
+    value = _int_at_least(1)(text)
+    if value != 1:
+        raise argparse.ArgumentTypeError(
+            "only 1: pipeline parallelism is not implemented (split the model over more ranks with "
+            "--tensor-parallel-size)"
+        )
+    return value
+
+
 # switches for what deltaserve always does: (flag, why they change nothing)
 _ALWAYS = (
     (
@@ -784,6 +794,21 @@ def _add_compatible_flags(group: argparse._ArgumentGroup) -> None:
         ),
     ):
         group.add_argument(flag, type=kind, choices=choices, default=None, help=f"SGLang's: {help}")
+    group.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        "--pp-size",
+        type=_pipeline_parallel_size,
+        default=1,
+        help="vLLM's and SGLang's: 1 only (the ranks split each layer, --tensor-parallel-size; "
+        "pipeline parallelism is not implemented)",
+    )
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp"],
+        default=None,
+        help="vLLM's: mp only, accepted, no effect: every rank is a process of its own",
+    )
     group.add_argument(
         "--kv-cache-dtype",
         type=_kv_cache_dtype,

@@ -97,6 +97,8 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         ["--speculative-eagle-topk", "4", "--speculative-algorithm", "NEXTN"],  # tree drafts
         ["--speculative-num-steps", "2"],  # without its algorithm
         ["--speculative-num-draft-tokens", "1", "--speculative-algorithm", "NEXTN"],  # no draft
+        ["--pipeline-parallel-size", "2"],  # pipeline parallelism is not implemented
+        ["--distributed-executor-backend", "ray"],
     ],
 )
 def test_wrong_value_is_one_line_and_exit_2(args: list[str]) -> None:
@@ -372,11 +374,12 @@ def test_flags_for_what_deltaserve_does_anyway_change_nothing() -> None:
         "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3", "--kv-cache-dtype", "auto",
         "--enable-metrics", "--disable-log-requests", "--language-model-only", "--mm-encoder-tp-mode", "data",
         "--limit-mm-per-prompt", '{"image": 0, "video": 0}', "-dp", "1",
+        "--pipeline-parallel-size", "1", "--distributed-executor-backend", "mp",
     ]  # fmt: skip
     parsed, plain = vars(parser.parse_args(["serve", *card])), vars(parser.parse_args(["serve"]))
     compat = {"trust_remote_code", "enable_chunked_prefill", "enable_auto_tool_choice", "tool_call_parser",
               "reasoning_parser", "enable_metrics", "disable_log_requests", "language_model_only",
-              "mm_encoder_tp_mode", "limit_mm_per_prompt"}  # fmt: skip
+              "mm_encoder_tp_mode", "limit_mm_per_prompt", "distributed_executor_backend"}  # fmt: skip
     assert {k: v for k, v in parsed.items() if k not in compat} == {
         k: v for k, v in plain.items() if k not in compat
     }
