@@ -68,6 +68,14 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
             out[name] = out.pop(vllm_name)
     if "enable_prefix_caching" in out:
         out.setdefault("cache_type", "radix" if out.pop("enable_prefix_caching") else "naive")
+    if out.pop("pipeline_parallel_size", 1) != 1:
+        raise ValueError(
+            "pipeline_parallel_size: only 1, pipeline parallelism is not implemented "
+            "(split the model over more ranks with tensor_parallel_size)"
+        )
+    backend = out.pop("distributed_executor_backend", "mp")
+    if backend not in ("mp", None):
+        raise ValueError(f"distributed_executor_backend {backend!r}: only 'mp' (a process per rank)")
     kv_cache_dtype = out.pop("kv_cache_dtype", "auto")
     if kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: only 'auto' (the model's dtype) is implemented")
@@ -81,8 +89,8 @@ class LLM:
         """`model`: a checkpoint folder or a Hugging Face repo id (fetched into the Hub's cache, at
         `revision` under `download_dir`, or found there offline); `kwargs`: `EngineConfig`'s fields,
         or vLLM's names for them (`gpu_memory_utilization`, `max_num_seqs`, `block_size`,
-        `enforce_eager`, `enable_prefix_caching`, `kv_cache_dtype`; `trust_remote_code` changes
-        nothing), and `generation_config` as vLLM's: where default sampling values come from."""
+        `enforce_eager`, `enable_prefix_caching`, `kv_cache_dtype`; `trust_remote_code`,
+        `pipeline_parallel_size=1` and `distributed_executor_backend="mp"` change nothing), and `generation_config` as vLLM's: where default sampling values come from."""
         from deltaserve.models.checkpoints.hub import resolve_checkpoint
 
         kwargs, self._generation_config = engine_kwargs(kwargs)

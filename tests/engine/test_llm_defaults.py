@@ -47,6 +47,8 @@ def test_vllms_keyword_arguments_set_their_engine_fields(make_checkpoint) -> Non
             "enable_prefix_caching": False,
             "trust_remote_code": True,
             "kv_cache_dtype": "auto",
+            "pipeline_parallel_size": 1,
+            "distributed_executor_backend": "mp",
             "generation_config": "vllm",
             "dtype": "float32",
         }
@@ -62,6 +64,10 @@ def test_vllms_keyword_arguments_set_their_engine_fields(make_checkpoint) -> Non
     assert source == "vllm"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         engine_kwargs({"kv_cache_dtype": "fp8"})
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        engine_kwargs({"pipeline_parallel_size": 2})
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        engine_kwargs({"distributed_executor_backend": "ray"})
     with pytest.raises(ValueError, match="not both"):
         engine_kwargs({"max_num_seqs": 8, "max_running_requests": 4})
     llm = LLM(
