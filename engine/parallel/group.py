@@ -90,6 +90,12 @@ def init_rank(
             wait_for_workers=False,
         )
     except Exception as exc:
+        if rank == 0:  # the store's host: binding fails at once, nothing was waited for
+            raise RuntimeError(
+                f"{where}: rank 0 could not listen on {addr}:{master_port} ({exc}); give a free "
+                "--master-port (another server's ranks may hold this one; one node picks a free one "
+                "when it is left out)"
+            ) from None
         raise RuntimeError(
             f"{where}: rank {rank} could not reach rank 0 in {limit:g} s ({exc}); {hint}"
         ) from None

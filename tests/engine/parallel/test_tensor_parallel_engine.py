@@ -373,6 +373,26 @@ def test_a_missing_rank_is_a_clear_error_not_a_hang(qwen):
     assert time.monotonic() - t0 < 30
 
 
+def test_a_master_port_in_use_says_so():
+    """Rank 0 cannot listen on a --master-port that another server's rendezvous holds: it failed at
+    once, but said that rank 0 "could not reach rank 0 in 300 s"."""
+    import socket
+
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.parallel.group import init_rank
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = EngineConfig(model="m", device="cpu", tensor_parallel_size=2, master_port=port)
+        with pytest.raises(RuntimeError) as caught:
+            init_rank(config, 0, port, torch.device("cpu"))
+    message = str(caught.value)
+    assert f"rank 0 could not listen on 127.0.0.1:{port}" in message and "--master-port" in message, message
+    assert "could not reach" not in message, message
+
+
 def test_a_node_that_cannot_reach_rank_0_says_so_in_one_line():
     """A headless node's rank with nothing listening at --master-addr:--master-port: one error
     line, without the C++ stack trace torch's store client logged before it raised, nor a Python
