@@ -1,5 +1,6 @@
 """`deltaserve serve --tensor-parallel-size 2` on CPU (gloo): answers through the openai client as
-TP = 1 does, stops with its workers (a process group's SIGTERM drains them first), spreads over two
+TP = 1 does (n, seeds, beams, logprobs, prompt logprobs, a JSON schema, stop strings, a prefix-cache
+hit, after a client hung up mid-stream), stops with its workers (a process group's SIGTERM drains them first), spreads over two
 loopback "nodes" (one headless, which stops its other ranks and exits 1 once one fails), is a dead engine (503, requests in flight failed) once a
 worker is killed (one on the other node too, while idle), and a SIGTERM or Ctrl-C while it loads stops every process it started."""
 
@@ -90,6 +91,65 @@ def test_tp2_server_answers_as_tp1_and_stops_with_its_workers(spawn_server, mode
     assert complete(server.url, model_name) == tp1_text
     assert server.stop() == 0
     assert not any(alive(p) for p in workers)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+# what rank 0 alone does on top of the ranks' forward: forked slots (n, beam), seeded sampling,
+# logprobs gathered over the vocabulary shards, prompt logprobs, grammars, stop strings
+FEATURES: list[dict[str, Any]] = [
+    {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "n": 3, "seed": 7},
+    {"prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, "logprobs": 3, "echo": True},
+    {"prompt": PROMPT, "max_tokens": 3, "temperature": 0.0, "extra_body": {"prompt_logprobs": 2}},
+    {"prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, "n": 2, "extra_body": {"use_beam_search": True}},
+    {"prompt": "give json", "max_tokens": 30, "temperature": 0.0, "extra_body": {"guided_json": SCHEMA}},
+    {"prompt": "Hello there", "max_tokens": 30, "temperature": 0.0, "stop": ["a", "e"]},
+    {"prompt": list(range(1000, 1100)), "max_tokens": 8, "temperature": 0.0},  # cached the second time
+    {"prompt": list(range(1000, 1100)), "max_tokens": 8, "temperature": 0.0},
+]
+
+
+def rounded(x: Any) -> Any:
+    """Log-probabilities to 3 places: the ranks' partial sums round apart in the last bits."""
+    if isinstance(x, float):
+        return round(x, 3)
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [rounded(v) for v in x]
+    return x
+
+
+def features(url: str, model: str) -> list[Any]:
+    import openai
+
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        replies = [client.completions.create(model=model, **body).model_dump() for body in FEATURES]
+    choices = [
+        [(c["text"], c["finish_reason"], c["logprobs"], c.get("prompt_logprobs")) for c in r["choices"]]
+        for r in replies
+    ]
+    return rounded([[c, r["usage"]] for c, r in zip(choices, replies)])
+
+
+def test_tp2_serves_rank_0s_features_as_tp1(spawn_server, server, model_name):
+    """n, seeds, beams, logprobs, prompt logprobs, a JSON schema, stop strings and a prefix-cache
+    hit give TP = 1's tokens and values; a client gone mid-stream frees its slot, and the next
+    request reads no state it left behind."""
+    tp2 = spawn_server(*TP2)
+    body = {
+        "model": model_name,
+        "prompt": "keep going",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{tp2.url}/v1/completions", json=body, timeout=120) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # then hang up
+    ours, theirs = features(tp2.url, model_name), features(server.url, model_name)
+    assert ours[-1][1]["prompt_tokens_details"]["cached_tokens"] > 0  # the hit
+    assert ours == theirs
+    metrics = httpx.get(f"{tp2.url}/metrics", timeout=10).text
+    assert f'deltaserve_state_slots_used{{model_name="{model_name}"}} 0' in metrics
 
 
 def test_tp2_beside_two_http_processes(spawn_server, model_name, tp1_text):
