@@ -39,9 +39,9 @@ if os.path.isfile(os.path.join(_ROOT, "pyproject.toml")) and not any(
 if TYPE_CHECKING:
     from deltaserve.engine.llm import LLM
     from deltaserve.engine.requests.beam_search import BeamSearchParams
-    from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -54,6 +54,10 @@ def __getattr__(name: str) -> Any:
         from deltaserve.engine.requests.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":  # vLLM's `from vllm.sampling_params import StructuredOutputsParams`
+        from deltaserve.engine.requests.sampling_params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name == "BeamSearchParams":  # vLLM's `from vllm.sampling_params import BeamSearchParams`
         from deltaserve.engine.requests.beam_search import BeamSearchParams
 

@@ -174,6 +174,10 @@ class StructuredOutputs:
         return compact + closed + ("json_object" if self.json_object else json.dumps(self.json))
 
 
+# vLLM's name for it (`from vllm.sampling_params import StructuredOutputsParams`)
+StructuredOutputsParams = StructuredOutputs
+
+
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
     """vLLM's bad words as token sequences: each word as tokenized alone, and after a space where
     that starts with another token but is as long (the same word inside a sentence)."""

@@ -136,6 +136,16 @@ def test_bad_schemas_are_refused(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_vllm_script_imports_structured_outputs_params_by_vllms_name(llm):
+    """vLLM's `SamplingParams(structured_outputs=StructuredOutputsParams(...))` runs as written,
+    with only the import's package changed."""
+    from deltaserve import StructuredOutputsParams
+
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    (out,) = llm.generate("Answer:", SamplingParams(max_tokens=8, seed=0, structured_outputs=spec))
+    assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
+
+
 def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(llm):
     """Once the JSON is complete the grammar allows only the stop token: the request ends there
     instead of repeating it until max_tokens."""
