@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -140,7 +141,7 @@ class LLM:
     def _prompt_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return [int(t) for t in prompt["prompt_token_ids"]], prompt.get("prompt")
+                return _token_ids(prompt["prompt_token_ids"]), prompt.get("prompt")
             if "prompt" not in prompt:
                 raise ValueError(
                     f"a prompt dict holds 'prompt' or 'prompt_token_ids', not only {sorted(prompt)}"
@@ -150,7 +151,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer: pass {'prompt_token_ids': [...]} instead")
             return list(self.tokenizer.encode(prompt)), prompt
-        return [int(t) for t in prompt], None
+        return _token_ids(prompt), None
 
     def _tokenized_bad_words(self, params: SamplingParams) -> SamplingParams:
         """vLLM's `bad_words` (text) as the token sequences the sampler bans (`bad_words_token_ids`)."""
@@ -530,6 +531,19 @@ class LLM:
         SGLang's Engine does): loaded in host memory, checked, then copied over the served ones;
         the prefix cache is dropped. ValueError, with nothing changed, for another model's."""
         self.engine.update_weights_from_disk(model_path, load_format, weight_version)
+
+
+def _token_ids(values: Iterable[Any]) -> list[int]:
+    """A prompt's token ids as ints; a float, string or bool is refused, not rounded or parsed."""
+    out = []
+    for value in values:
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            out.append(operator.index(value))  # ints, numpy's and 0-d integer tensors
+        except TypeError:
+            raise ValueError(f"prompt token ids must be integers, got {value!r}") from None
+    return out
 
 
 def _earliest(times: Iterable[float | None]) -> float | None:

@@ -223,3 +223,21 @@ def test_stop_strings_without_a_tokenizer_are_refused(checkpoint) -> None:
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 3
     with pytest.raises(ValueError, match="'prompt' or 'prompt_token_ids'"):  # a dict of neither
         llm.generate({"text": "hi"}, GOOD, use_tqdm=False)
+
+
+def test_prompt_token_ids_that_are_not_integers_are_refused(checkpoint) -> None:
+    """A float, a digit string or a bool among a prompt's token ids is refused, naming it, rather
+    than read as another token (1.7 as 1, "12" as 12, True as 1); numpy's integers are ids."""
+    import numpy as np
+
+    from deltaserve import LLM
+
+    llm = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=256)
+    for bad in (1.7, "12", True):
+        with pytest.raises(ValueError, match=f"token ids must be integers, got {bad!r}"):
+            llm.generate({"prompt_token_ids": [5, bad, 17]}, GOOD, use_tqdm=False)
+        with pytest.raises(ValueError, match="token ids must be integers"):
+            llm.generate([[5, 9], [5, bad]], GOOD, use_tqdm=False)
+    assert not llm.engine.requests
+    (out,) = llm.generate({"prompt_token_ids": np.array([5, 9, 17])}, GOOD, use_tqdm=False)
+    assert out.prompt_token_ids == [5, 9, 17] and len(out.outputs[0].token_ids) == GOOD.max_tokens
