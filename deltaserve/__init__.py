@@ -37,29 +37,41 @@ if os.path.isfile(os.path.join(_ROOT, "pyproject.toml")) and not any(
     sys.meta_path.insert(0, _ShadowedTopLevel())
 
 if TYPE_CHECKING:
-    from deltaserve.engine.llm import LLM
+    from deltaserve.engine.llm import LLM, TextPrompt, TokensPrompt
     from deltaserve.engine.requests.beam_search import BeamSearchParams
+    from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
     from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
+    "__version__",
+]
+
+# the module of each lazily imported name: vLLM's top-level names, and those vLLM scripts import
+# from vllm.sampling_params (StructuredOutputsParams, BeamSearchParams)
+_LAZY = {
+    "LLM": "deltaserve.engine.llm",
+    "TextPrompt": "deltaserve.engine.llm",
+    "TokensPrompt": "deltaserve.engine.llm",
+    "SamplingParams": "deltaserve.engine.requests.sampling_params",
+    "StructuredOutputsParams": "deltaserve.engine.requests.sampling_params",
+    "BeamSearchParams": "deltaserve.engine.requests.beam_search",
+    "RequestOutput": "deltaserve.engine.requests.outputs",
+    "CompletionOutput": "deltaserve.engine.requests.outputs",
+}
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that `import deltaserve` (and the CLI's --help) stays cheap.
-    if name == "LLM":
-        from deltaserve.engine.llm import LLM
+    if name not in _LAZY:
+        raise AttributeError(name)
+    import importlib
 
-        return LLM
-    if name == "SamplingParams":
-        from deltaserve.engine.requests.sampling_params import SamplingParams
-
-        return SamplingParams
-    if name == "StructuredOutputsParams":  # vLLM's `from vllm.sampling_params import StructuredOutputsParams`
-        from deltaserve.engine.requests.sampling_params import StructuredOutputsParams
-
-        return StructuredOutputsParams
-    if name == "BeamSearchParams":  # vLLM's `from vllm.sampling_params import BeamSearchParams`
-        from deltaserve.engine.requests.beam_search import BeamSearchParams
-
-        return BeamSearchParams
-    raise AttributeError(name)
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -9,7 +9,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from deltaserve.engine.cache.adapter import (
     scores_once,
@@ -44,7 +44,29 @@ from deltaserve.models.vision.processor import load_image
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict[str, Any]
+
+class _Text(TypedDict):
+    prompt: str
+
+
+class TextPrompt(_Text, total=False):
+    """vLLM's: a prompt's text (and its images, `{"image": [PIL images]}`)."""
+
+    multi_modal_data: dict[str, Any]
+
+
+class _Tokens(TypedDict):
+    prompt_token_ids: list[int]
+
+
+class TokensPrompt(_Tokens, total=False):
+    """vLLM's: a prompt's token ids (and its images); `prompt`, its text, is what outputs report."""
+
+    prompt: str
+    multi_modal_data: dict[str, Any]
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt | dict[str, Any]
 
 # vLLM's LLM keyword arguments under their EngineConfig names (the command line takes the same)
 _RENAMED = {
@@ -140,6 +162,7 @@ class LLM:
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
+            prompt = cast(dict[str, Any], prompt)  # a TextPrompt, a TokensPrompt or a plain dict
             if "prompt_token_ids" in prompt:
                 return _token_ids(prompt["prompt_token_ids"]), prompt.get("prompt")
             if "prompt" not in prompt:

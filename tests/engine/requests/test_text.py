@@ -251,3 +251,20 @@ def test_vllms_bad_words_and_prompt_truncation(llm):
     for k in (0, llm.engine.max_model_len + 1):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             llm.generate("one two", SamplingParams(truncate_prompt_tokens=k, **greedy))
+
+
+def test_vllms_prompt_and_output_types_import_from_deltaserve(llm):
+    """A vLLM script's `from vllm import TextPrompt, TokensPrompt, RequestOutput, CompletionOutput`
+    runs with deltaserve's package name: the prompts generate as their dicts do, and the outputs
+    are of the types imported."""
+    from deltaserve import CompletionOutput, RequestOutput, TextPrompt, TokensPrompt
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ids = llm.tokenizer.encode("Hello, my name is")
+    text, tokens = llm.generate(
+        [TextPrompt(prompt="Hello, my name is"), TokensPrompt(prompt_token_ids=ids)], greedy
+    )
+    assert isinstance(text, RequestOutput) and isinstance(text.outputs[0], CompletionOutput)
+    assert (text.prompt, tokens.prompt) == ("Hello, my name is", None)
+    assert text.prompt_token_ids == tokens.prompt_token_ids == ids
+    assert text.outputs[0].token_ids == tokens.outputs[0].token_ids
