@@ -40,13 +40,18 @@ if TYPE_CHECKING:
     from deltaserve.engine.llm import LLM, TextPrompt, TokensPrompt
     from deltaserve.engine.requests.beam_search import BeamSearchParams
     from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
-    from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputsParams
+    from deltaserve.engine.requests.sampling_params import (
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 __all__ = [
     "LLM",
     "BeamSearchParams",
     "CompletionOutput",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
     "TextPrompt",
@@ -55,13 +60,14 @@ __all__ = [
 ]
 
 # the module of each lazily imported name: vLLM's top-level names, and those vLLM scripts import
-# from vllm.sampling_params (StructuredOutputsParams, BeamSearchParams)
+# from vllm.sampling_params (StructuredOutputsParams, BeamSearchParams, RequestOutputKind)
 _LAZY = {
     "LLM": "deltaserve.engine.llm",
     "TextPrompt": "deltaserve.engine.llm",
     "TokensPrompt": "deltaserve.engine.llm",
     "SamplingParams": "deltaserve.engine.requests.sampling_params",
     "StructuredOutputsParams": "deltaserve.engine.requests.sampling_params",
+    "RequestOutputKind": "deltaserve.engine.requests.sampling_params",
     "BeamSearchParams": "deltaserve.engine.requests.beam_search",
     "RequestOutput": "deltaserve.engine.requests.outputs",
     "CompletionOutput": "deltaserve.engine.requests.outputs",

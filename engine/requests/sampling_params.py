@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Callable
@@ -172,6 +173,14 @@ class StructuredOutputs:
         compact = "compact:" if self.disable_any_whitespace else ""
         closed = "closed:" if self.disable_additional_properties else ""
         return compact + closed + ("json_object" if self.json_object else json.dumps(self.json))
+
+
+class RequestOutputKind(Enum):
+    """vLLM's names for `output_kind`'s values (`SamplingParams` reads a member as its name)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 # vLLM's name for it (`from vllm.sampling_params import StructuredOutputsParams`)
@@ -414,6 +423,10 @@ class SamplingParams:
                 raise InvalidParamError(
                     f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", name
                 )
+
+    def clone(self) -> SamplingParams:
+        """vLLM's: a deep copy, to change without changing this one."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:

@@ -70,3 +70,17 @@ def test_vllms_no_seed_and_output_kind_enum() -> None:
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
     assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind == "final_only"
     assert SamplingParams(output_kind=RequestOutputKind.DELTA).output_kind == "delta"
+
+
+def test_vllms_request_output_kind_and_clone_come_from_deltaserve() -> None:
+    """`RequestOutputKind` imports from deltaserve (a script need not install vLLM for it), and
+    `SamplingParams.clone()` gives a copy whose lists change without changing the original's."""
+    from deltaserve import RequestOutputKind
+
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, stop=["x"], logit_bias={5: 1.0})
+    assert params.output_kind == "final_only"
+    clone = params.clone()
+    assert clone == params and clone is not params
+    clone.stop.append("y")
+    clone.logit_bias[6] = 2.0  # type: ignore[index]
+    assert params.stop == ["x"] and params.logit_bias == {5: 1.0}
