@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from deltaserve.engine.requests.beam_search import BeamSearchParams
     from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
     from deltaserve.engine.requests.sampling_params import (
+        GuidedDecodingParams,
         RequestOutputKind,
         SamplingParams,
         StructuredOutputsParams,
@@ -50,6 +51,7 @@ __all__ = [
     "LLM",
     "BeamSearchParams",
     "CompletionOutput",
+    "GuidedDecodingParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
@@ -60,7 +62,8 @@ __all__ = [
 ]
 
 # the module of each lazily imported name: vLLM's top-level names, and those vLLM scripts import
-# from vllm.sampling_params (StructuredOutputsParams, BeamSearchParams, RequestOutputKind)
+# from vllm.sampling_params (StructuredOutputsParams, its older GuidedDecodingParams, BeamSearchParams,
+# RequestOutputKind)
 _LAZY = {
     "LLM": "deltaserve.engine.llm",
     "TextPrompt": "deltaserve.engine.llm",
@@ -68,6 +71,7 @@ _LAZY = {
     "SamplingParams": "deltaserve.engine.requests.sampling_params",
     "StructuredOutputsParams": "deltaserve.engine.requests.sampling_params",
     "RequestOutputKind": "deltaserve.engine.requests.sampling_params",
+    "GuidedDecodingParams": "deltaserve.engine.requests.sampling_params",
     "BeamSearchParams": "deltaserve.engine.requests.beam_search",
     "RequestOutput": "deltaserve.engine.requests.outputs",
     "CompletionOutput": "deltaserve.engine.requests.outputs",

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from deltaserve.engine.errors import InvalidParamError
 
@@ -183,8 +183,8 @@ class RequestOutputKind(Enum):
     FINAL_ONLY = 2
 
 
-# vLLM's name for it (`from vllm.sampling_params import StructuredOutputsParams`)
-StructuredOutputsParams = StructuredOutputs
+# vLLM's name for it (`from vllm.sampling_params import StructuredOutputsParams`), and its older one
+StructuredOutputsParams = GuidedDecodingParams = StructuredOutputs
 
 
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
@@ -273,6 +273,8 @@ class SamplingParams:
     # and tools send too (`chat_prompt.shared_head`); the prefix cache keeps the state at the last
     # page boundary within them, where the next such conversation leaves this one. None: no guess
     shared_prefix_len: int | None = None
+    # vLLM's older name for structured_outputs (before 0.11): read into it, then None
+    guided_decoding: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in _INTEGERS:  # before any comparison: 2.5 or True would pass it, "2" fail it oddly
@@ -284,6 +286,14 @@ class SamplingParams:
             self.seed = None
         if isinstance(self.output_kind, Enum):  # vLLM's RequestOutputKind.FINAL_ONLY and the like
             self.output_kind = self.output_kind.name.lower()
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise InvalidParamError(
+                    "give structured_outputs or guided_decoding (its older name), not both", "guided_decoding"
+                )
+            # a dict is read into the dataclass just below, as structured_outputs' own is
+            self.structured_outputs = cast(StructuredOutputs, self.guided_decoding)
+            self.guided_decoding = None
         if isinstance(self.structured_outputs, dict):  # vLLM's fields as a dict: the dataclass
             known = {f.name for f in fields(StructuredOutputs)}
             unknown = sorted(set(self.structured_outputs) - known)

@@ -146,6 +146,22 @@ def test_a_vllm_script_imports_structured_outputs_params_by_vllms_name(llm):
     assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
 
 
+def test_vllms_older_guided_decoding_is_structured_outputs(llm):
+    """vLLM before 0.11 named them `guided_decoding=GuidedDecodingParams(...)`: a script of then
+    runs as written (bar the import's package); given beside structured_outputs, it is refused."""
+    from deltaserve import GuidedDecodingParams
+
+    params = SamplingParams(max_tokens=8, seed=0, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    assert (
+        params.structured_outputs == StructuredOutputs(choice=["yes", "no"])
+        and params.guided_decoding is None
+    )
+    (out,) = llm.generate("Answer:", params)
+    assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="structured_outputs or guided_decoding"):
+        SamplingParams(structured_outputs={"regex": "a"}, guided_decoding={"regex": "b"})
+
+
 def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(llm):
     """Once the JSON is complete the grammar allows only the stop token: the request ends there
     instead of repeating it until max_tokens."""
