@@ -23,6 +23,7 @@ from deltaserve.engine.engine import Engine
 from deltaserve.engine.errors import InvalidParamError
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.chat_prompt import (
+    IMAGE_PARTS,
     common_length,
     image_urls,
     render_prompt,
@@ -436,6 +437,11 @@ class LLM:
                 "and 'string' for these models"
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if self.engine.image_processor is None and any(map(_has_images, conversations)):
+            # refused before rendering: a text template fails on image parts with its own error
+            raise InvalidParamError(
+                f"the prompt has images, but {self.engine.admission.images.refusal}", "messages"
+            )
         texts = [
             render_prompt(
                 self.tokenizer,
@@ -567,6 +573,16 @@ def _token_ids(values: Iterable[Any]) -> list[int]:
         except TypeError:
             raise ValueError(f"prompt token ids must be integers, got {value!r}") from None
     return out
+
+
+def _has_images(conversation: Any) -> bool:
+    """Whether a conversation's messages hold image parts (OpenAI's `image_url`, or `image`)."""
+    return any(
+        isinstance(part, dict) and part.get("type") in IMAGE_PARTS
+        for message in conversation
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
 
 
 def _earliest(times: Iterable[float | None]) -> float | None:

@@ -122,3 +122,15 @@ def test_vllms_chat_template_content_format(llm: LLM) -> None:
     with pytest.raises(ValueError, match="chat_template_content_format 'openai'"):
         llm.chat(CHAT, GREEDY, use_tqdm=False, chat_template_content_format="openai")
     assert llm.llm_engine is llm.engine  # vLLM's name for it
+
+
+def test_images_for_a_model_that_reads_text_only_are_refused_by_name(llm: LLM) -> None:
+    """An image part for a text-only model says that, as the server's chat endpoint does (it was
+    the text template's own failure on the part, "'list object' has no attribute ..."), and the
+    next chat runs."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    pictured = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
+    with pytest.raises(ValueError, match="the prompt has images, but the model .* reads text only"):
+        llm.chat([CHAT, pictured], GREEDY)
+    assert not llm.engine.requests
+    assert len(llm.chat(CHAT, GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
