@@ -75,8 +75,8 @@ class CompletionOutput:
         if self.num_tokens < 0:
             self.num_tokens = len(self.token_ids)
 
-    @property
     def finished(self) -> bool:
+        """vLLM's (a method there too, unlike RequestOutput.finished): whether it has ended."""
         return self.finish_reason is not None
 
 

@@ -233,7 +233,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         state = self.states.setdefault(out.request_id, ChatStreamState(self.parser))
         completion = out.outputs[0]
         cut = completion.finish_reason == "length"
-        reasoning, content, calls = state.feed(completion.text, completion.finished, cut)
+        reasoning, content, calls = state.feed(completion.text, completion.finished(), cut)
         new_logprobs = None
         if self.logprobs is not None and completion.logprobs:
             new_logprobs = chat_logprobs(completion.logprobs, self.logprobs, self.token_text)
@@ -243,7 +243,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             calls,
             new_logprobs,
             finish_reason(completion.finish_reason, state.calls_sent > 0),
-            completion.stop_reason if completion.finished else None,
+            completion.stop_reason if completion.finished() else None,
         )
 
     @staticmethod
@@ -322,7 +322,7 @@ async def parsed_steps(
             raise_if_failed(out)
             completion = out.outputs[0]
             cut = completion.finish_reason == "length"
-            yield (out, *state.feed_in_order(completion.text, completion.finished, cut))
+            yield (out, *state.feed_in_order(completion.text, completion.finished(), cut))
 
 
 class PartsWriter:

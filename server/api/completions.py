@@ -179,7 +179,7 @@ class CompletionGeneration(Generation[CompletionChoice]):
             text=delta,
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason if completion.finished else None,
+            stop_reason=completion.stop_reason if completion.finished() else None,
         )
 
     def chunk_json(self, chunk: BaseModel, exclude: dict[str, Any] | None = None) -> str:

@@ -268,3 +268,4 @@ def test_vllms_prompt_and_output_types_import_from_deltaserve(llm):
     assert (text.prompt, tokens.prompt) == ("Hello, my name is", None)
     assert text.prompt_token_ids == tokens.prompt_token_ids == ids
     assert text.outputs[0].token_ids == tokens.outputs[0].token_ids
+    assert text.finished and text.outputs[0].finished()  # vLLM's: an attribute, then a method
