@@ -55,6 +55,12 @@ class Engine:
         self.device = torch.device(config.device or "cpu")
         if config.tensor_parallel_size > 1:
             from deltaserve.engine.parallel.ranks import Ranks
+            from deltaserve.models.checkpoints.loader import check_tensor_parallel
+
+            # a size the model cannot be split by fails here, not once every rank is loading
+            check_tensor_parallel(
+                config.model, config.tensor_parallel_size, config.enable_expert_parallel, config.hf_overrides
+            )
 
             # the ranks (and the thread that watches them) hold this engine weakly, so that an
             # engine dropped without `shutdown` (`del llm`) is collected and its workers stopped

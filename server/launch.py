@@ -449,7 +449,22 @@ def _engine_config(args: argparse.Namespace) -> Any:
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     _check_gpus(config)
+    _check_tensor_parallel(config)
     return config
+
+
+def _check_tensor_parallel(config: Any) -> None:
+    """A tensor-parallel size the model's heads (experts, widths) do not divide by: one line now,
+    from its config.json, rather than the ranks' error once they have started and are loading."""
+    from deltaserve.models.checkpoints.loader import check_tensor_parallel
+
+    try:
+        check_tensor_parallel(
+            config.model, config.tensor_parallel_size, config.enable_expert_parallel, config.hf_overrides
+        )
+    except (ValueError, OSError) as exc:
+        print(f"deltaserve serve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _check_gpus(config: Any) -> None:

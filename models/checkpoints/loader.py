@@ -177,6 +177,30 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 p.normal_(0.0, 0.02, generator=gen)
 
 
+def _model_of(path: str, hf_overrides: dict[str, Any] | None) -> tuple[Any, str, Any, bool, Any]:
+    """(config, architecture, model class, nested, text config) of a checkpoint folder."""
+    config, arch = read_config(path, hf_overrides)
+    cls, nested = resolve(arch)
+    tcfg = text_config(config, nested)
+    if nested and getattr(config, "tie_word_embeddings", None) is not None:
+        tcfg.tie_word_embeddings = config.tie_word_embeddings
+    return config, arch, cls, nested, tcfg
+
+
+def check_tensor_parallel(
+    path: str, size: int, expert_parallel: bool = False, hf_overrides: dict[str, Any] | None = None
+) -> None:
+    """The ValueError a rank would raise building its shard of the checkpoint's model (heads,
+    experts or widths that do not divide by `size`), raised here from config.json alone: the
+    model is built on the meta device, so that the layers' own checks run before any rank starts."""
+    if size <= 1:
+        return
+    _, _, cls, _, tcfg = _model_of(path, hf_overrides)
+    # the checks depend on the size alone, so rank 0's shard stands for every rank's
+    with torch.device("meta"):
+        cls(tcfg, TensorParallel(0, size, None, expert_parallel=expert_parallel))
+
+
 def load_model(
     path: str,
     dtype: torch.dtype,
@@ -195,11 +219,7 @@ def load_model(
     vision tower is loaded too, on one device (tensor parallelism: rank 0's), unless `vision` is False.
     `structure_device`: the device whose layout the model takes (default `device`), for a copy
     staged in host memory for a model on another device."""
-    config, arch = read_config(path, hf_overrides)
-    cls, nested = resolve(arch)
-    tcfg = text_config(config, nested)
-    if nested and getattr(config, "tie_word_embeddings", None) is not None:
-        tcfg.tie_word_embeddings = config.tie_word_embeddings
+    config, arch, cls, nested, tcfg = _model_of(path, hf_overrides)
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load format {load_format!r}; use 'auto' or 'dummy'")
     if load_format == "dummy":  # nothing is read from the checkpoint but its config

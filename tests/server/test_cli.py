@@ -245,11 +245,11 @@ def test_overlap_schedule_follows_the_device_unless_a_flag_says() -> None:
     )
 
 
-def test_enable_expert_parallel_reaches_the_engine_config(tmp_path: Path) -> None:
+def test_enable_expert_parallel_reaches_the_engine_config(builtin_path: str) -> None:
     from deltaserve.server.launch import _engine_config
 
     parser = build_parser()
-    base = ["serve", "--model", str(tmp_path), "--device", "cpu", "-tp", "2"]
+    base = ["serve", "--model", builtin_path, "--device", "cpu", "-tp", "2"]
     assert _engine_config(parser.parse_args(base)).enable_expert_parallel is False
     assert (
         _engine_config(parser.parse_args([*base, "--enable-expert-parallel"])).enable_expert_parallel is True
@@ -544,6 +544,21 @@ def test_a_model_that_cannot_load_stops_start_up_with_its_error_last(builtin_pat
     last = result.stderr.strip().splitlines()[-1]
     assert "error" in last and "max_model_len 100000000" in last, result.stderr
     assert "leaked" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_tensor_parallel_size_the_heads_do_not_divide_stops_serve_before_any_rank(
+    builtin_path: str,
+) -> None:
+    """One line and exit 2 from config.json: no rank joins nor loads (it used to be exit 1 once
+    every rank had started, joined the process group and begun loading)."""
+    result = run_cli("serve", "--model", builtin_path, "--device", "cpu", "-tp", "3", "--port", "0")
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        "deltaserve serve: error: linear_num_key_heads (2) is not divisible by the tensor-parallel size 3"
+    )
+    for started in ("Traceback", "joined", "loading the weights", "rank"):
+        assert started not in result.stderr.replace(last, ""), result.stderr
 
 
 def test_an_engine_on_cpu_does_not_import_triton(builtin_path: str) -> None:

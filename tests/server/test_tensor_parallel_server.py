@@ -231,15 +231,18 @@ def test_an_idle_node_0_notices_a_remote_rank_die(spawn_server, model_cache, mod
         assert server.stop() == 0
 
 
-def test_a_headless_node_whose_rank_fails_stops_its_others_and_exits_1(model_cache, tmp_path):
+def test_a_headless_node_whose_rank_fails_stops_its_others_and_exits_1(
+    model_cache, make_checkpoint, tmp_path
+):
     """Node 1 of `--tensor-parallel-size 4 --nnodes 2` runs ranks 2 and 3; one dies while both wait
     for rank 0 to join (as one that fails to load would): the node stops the other at once and exits
     1, naming the rank. It used to wait for the other, here the whole --distributed-timeout."""
     port = str(free_port())  # nothing listens: node 0 never comes
+    model = make_checkpoint("qwen3_next", linear_num_key_heads=4)  # the built-in's 2 do not split 4 ways
     flags = ("--device", "cpu", "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1")
     log = open(tmp_path / "node1.log", "w")
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "deltaserve", "serve", *flags, "--master-port", port, "--headless"],
+        [sys.executable, "-m", "deltaserve", "serve", model, *flags, "--master-port", port, "--headless"],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "DELTASERVE_CACHE": model_cache},

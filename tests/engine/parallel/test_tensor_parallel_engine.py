@@ -487,6 +487,33 @@ def test_expert_parallel_at_one_rank_is_a_no_op(qwen_moe):
         assert run(llm, prompts) == tp1(qwen_moe, prompts)
 
 
+@pytest.mark.parametrize(
+    "sizes, tp, kw, says",
+    [
+        ({}, 3, {}, r"linear_num_key_heads \(2\) is not divisible by the tensor-parallel size 3"),
+        (
+            {"num_experts": 3},
+            2,
+            {"enable_expert_parallel": True},
+            r"routed experts \(3\).*expert-parallel size 2",
+        ),
+    ],
+)
+def test_a_size_the_model_cannot_be_split_by_is_refused_before_any_rank_starts(
+    make_checkpoint, monkeypatch, sizes: dict, tp: int, kw: dict, says: str
+) -> None:
+    """The ranks' own error, from config.json before any worker is spawned: it used to come once
+    every rank had joined the process group and begun loading."""
+    from deltaserve.engine.parallel import ranks
+
+    def started(*_args, **_kw):
+        raise AssertionError("a tensor-parallel rank was started")
+
+    monkeypatch.setattr(ranks, "Ranks", started)
+    with pytest.raises(ValueError, match=says):
+        make_llm(make_checkpoint("qwen3_next", **sizes), tp, **kw)
+
+
 def test_a_rank_that_cannot_load_logs_one_line(monkeypatch, caplog, tmp_path) -> None:
     """A worker rank whose shard fails to load says why in one line (rank 0 reports the model's
     error as its one-line start-up failure too); the traceback is for debug logs."""
