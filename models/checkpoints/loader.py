@@ -332,10 +332,23 @@ def build_and_load(
     return model.eval()
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "tiktoken.model",
+)
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether the folder holds any tokenizer file that `load_tokenizer` reads."""
+    return any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str) -> Any | None:
     """The checkpoint's tokenizer, or None when it ships no tokenizer files."""
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
-    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
+    if not has_tokenizer(path):
         return None
     from deltaserve.models.checkpoints.tiktoken_tokenizer import is_tiktoken_folder, load_tiktoken_tokenizer
 

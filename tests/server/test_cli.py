@@ -561,6 +561,17 @@ def test_a_tensor_parallel_size_the_heads_do_not_divide_stops_serve_before_any_r
         assert started not in result.stderr.replace(last, ""), result.stderr
 
 
+def test_a_tokenizer_folder_without_a_tokenizer_stops_serve_with_one_line(
+    builtin_path: str, tmp_path: Path
+) -> None:
+    """It used to start and serve without a tokenizer: every text prompt then failed."""
+    result = run_cli("serve", "--model", builtin_path, "--tokenizer", str(tmp_path), "--port", "0")
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"deltaserve serve: error: --tokenizer {str(tmp_path)!r} holds no tokenizer files")
+    assert "loading the weights" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_an_engine_on_cpu_does_not_import_triton(builtin_path: str) -> None:
     """Triton is for CUDA kernels: a CPU engine neither pays for its import nor prints its
     bindings' leak report at exit."""
