@@ -537,7 +537,9 @@ def test_second_conversation_hits_the_shared_system_prompt(client, server, share
     a, cached_a = ask("Where is the station?")
     b, cached_b = ask("How old is the moon?")
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-    assert cached_a == 0 and common > 16
+    # the first may hit what earlier requests on this server cached before the unique part (the
+    # template's tools preamble), not the shared head itself
+    assert cached_a < common // 16 * 16 and common > 16
     assert cached_b == common // 16 * 16
 
 
