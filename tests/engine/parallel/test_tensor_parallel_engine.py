@@ -554,8 +554,8 @@ def test_a_rank_that_cannot_load_logs_one_line(monkeypatch, caplog, tmp_path) ->
 RANK_0 = """
 import sys, time
 from deltaserve import LLM
-LLM(sys.argv[1], tensor_parallel_size=2, nnodes=2, master_port=int(sys.argv[2]), **eval(sys.argv[3]))
-print("ready", flush=True)
+llm = LLM(sys.argv[1], tensor_parallel_size=2, nnodes=2, master_port=int(sys.argv[2]), **eval(sys.argv[3]))
+print("ready", flush=True)  # held: an LLM dropped is collected and stops its ranks
 time.sleep(600)
 """
 # node 1's rank, as the launcher starts it, with a shorter liveness timeout
