@@ -24,10 +24,9 @@ from deltaserve.engine.errors import InvalidParamError
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.chat_prompt import (
     IMAGE_PARTS,
-    common_length,
     image_urls,
     render_prompt,
-    shared_head,
+    shared_head_tokens,
     tail_tokens,
     unrepeated_tail,
 )
@@ -482,7 +481,7 @@ class LLM:
     ) -> SamplingParams | Sequence[SamplingParams]:
         """Each prompt's params with `next_turn_len` where the next turn stops repeating it before
         its end (`unrepeated_tail`: Qwen3.5's `<think>\n`), and `shared_prefix_len` where other
-        conversations with its system prompt and tools leave it (`shared_head`); a text-only
+        conversations with its system prompt and tools leave it (`shared_head_tokens`); a text-only
         prompt's, as the server."""
         params = (
             [sampling_params] * len(prompts)
@@ -507,14 +506,10 @@ class LLM:
             tail = tail_tokens(ids, text, start, encode)
             if 0 < tail < len(ids):
                 params[i] = dataclasses.replace(params[i], next_turn_len=len(ids) - tail)
-            head = shared_head(
-                self.tokenizer,
-                list(conversation),
-                template=template,
-                tools=tools,
+            shared = shared_head_tokens(
+                self.tokenizer, list(conversation), ids, encode, template=template, tools=tools,
                 template_kwargs=template_kwargs,
-            )
-            shared = common_length(ids, encode(head)) if head else 0
+            )  # fmt: skip
             if 0 < shared < len(ids):
                 params[i] = dataclasses.replace(params[i], shared_prefix_len=shared)
         return params

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from typing import Any
 
 
@@ -192,20 +193,23 @@ def tail_tokens(prompt_ids: list[int], prompt: str, start: int, encode: Any, sea
     return 0
 
 
-def shared_head(
+def shared_head_tokens(
     tokenizer: Any,
     messages: list[dict[str, Any]],
+    prompt_ids: list[int],
+    encode: Callable[[str], list[int]],
     *,
     template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
-) -> str | None:
-    """The text that every conversation with `messages`' system (or developer) message and tools
-    begins with: those, then an empty user message, rendered without a generation prompt (the
-    tools' block, the system prompt, the user turn's header). None where that does not render."""
+) -> int:
+    """How many of `prompt_ids`' first tokens every conversation with `messages`' system (or
+    developer) message and tools begins with: those, then an empty user message, rendered without
+    a generation prompt (the tools' block, the system prompt, the user turn's header). 0 where that
+    does not render."""
     first = [m for m in messages[:1] if m.get("role") in ("system", "developer")]
     try:
-        return render_prompt(
+        head = render_prompt(
             tokenizer,
             [*first, {"role": "user", "content": ""}],
             template=template,
@@ -214,13 +218,9 @@ def shared_head(
             template_kwargs=template_kwargs,
         )
     except ChatTemplateError:
-        return None
-
-
-def common_length(a: list[int], b: list[int]) -> int:
-    """How many first tokens `a` and `b` share."""
+        return 0
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(prompt_ids, encode(head)):
         if x != y:
             break
         n += 1

@@ -270,7 +270,7 @@ class SamplingParams:
     # end's state at the last page boundary within them. None: the whole prompt
     next_turn_len: int | None = None
     # a chat prompt: how many of its first tokens other conversations with the same system prompt
-    # and tools send too (`chat_prompt.shared_head`); the prefix cache keeps the state at the last
+    # and tools send too (`chat_prompt.shared_head_tokens`); the prefix cache keeps the state at the last
     # page boundary within them, where the next such conversation leaves this one. None: no guess
     shared_prefix_len: int | None = None
     # vLLM's older name for structured_outputs (before 0.11): read into it, then None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from deltaserve.engine.requests.chat_prompt import common_length, tail_tokens
+from deltaserve.engine.requests.chat_prompt import tail_tokens
 
 from ..errors import APIError, bad_request, raise_if_failed
 from ..protocol import (
@@ -25,7 +25,13 @@ from ..protocol import (
     DeltaToolCall,
 )
 from ..text.chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
-from ..text.chat_template import first_image_part, image_urls, next_turn_start, render_chat, shared_head
+from ..text.chat_template import (
+    first_image_part,
+    image_urls,
+    next_turn_start,
+    render_chat,
+    shared_head_tokens,
+)
 from ..text.reasoning import prompt_opens_reasoning
 from ..text.tool_calls import KIMI
 from .context import ServerContext
@@ -98,14 +104,10 @@ async def prepare_chat(
             tail = tail_tokens(ids, text, start, ctx.encode)
         shared = 0  # the prompt's first tokens that other conversations send too
         if not req.continue_final_message:
-            head = shared_head(
-                ctx.need_tokenizer(),
-                req.messages,
-                template=template,
-                tools=tools,
+            shared = shared_head_tokens(
+                ctx.need_tokenizer(), req.messages, ids, ctx.encode, template=template, tools=tools,
                 template_kwargs=req.chat_template_kwargs,
-            )
-            shared = common_length(ids, ctx.encode(head)) if head else 0
+            )  # fmt: skip
         return text, ids, tail, shared, tool_instructions(text)
 
     def tool_instructions(text: str) -> str:

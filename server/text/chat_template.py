@@ -3,6 +3,7 @@ file), passing tools and `chat_template_kwargs` such as `enable_thinking` throug
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from deltaserve.engine.requests.chat_prompt import (
     unrepeated_tail,
 )
 from deltaserve.engine.requests.chat_prompt import image_urls as chat_image_urls
-from deltaserve.engine.requests.chat_prompt import shared_head as chat_shared_head
+from deltaserve.engine.requests.chat_prompt import shared_head_tokens as chat_shared_head_tokens
 
 from ..errors import bad_request
 from ..protocol import ChatMessage, ToolDefinition
@@ -114,19 +115,23 @@ def next_turn_start(
     )
 
 
-def shared_head(
+def shared_head_tokens(
     tokenizer: Any,
     messages: list[ChatMessage],
+    prompt_ids: list[int],
+    encode: Callable[[str], list[int]],
     *,
     template: str | None = None,
     tools: list[ToolDefinition] | None = None,
     template_kwargs: dict[str, Any] | None = None,
-) -> str | None:
-    """What every conversation with these messages' system prompt and tools begins with
-    (`chat_prompt.shared_head`)."""
-    return chat_shared_head(
+) -> int:
+    """How many of `prompt_ids`' first tokens every conversation with these messages' system prompt
+    and tools begins with (`chat_prompt.shared_head_tokens`)."""
+    return chat_shared_head_tokens(
         tokenizer,
         [message_to_dict(m, i) for i, m in enumerate(messages[:1])],
+        prompt_ids,
+        encode,
         template=template,
         tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
         template_kwargs=template_kwargs,
