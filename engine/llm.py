@@ -113,7 +113,8 @@ class LLM:
         `revision` under `download_dir`, or found there offline); `kwargs`: `EngineConfig`'s fields,
         or vLLM's names for them (`gpu_memory_utilization`, `max_num_seqs`, `block_size`,
         `enforce_eager`, `enable_prefix_caching`, `kv_cache_dtype`; `trust_remote_code`,
-        `pipeline_parallel_size=1` and `distributed_executor_backend="mp"` change nothing), and `generation_config` as vLLM's: where default sampling values come from."""
+        `pipeline_parallel_size=1` and `distributed_executor_backend="mp"` change nothing), and
+        `generation_config` as vLLM's: where default sampling values come from."""
         from deltaserve.models.checkpoints.hub import resolve_checkpoint
 
         kwargs, self._generation_config = engine_kwargs(kwargs)
