@@ -53,6 +53,10 @@ class Engine:
         self._on_worker_lost = on_worker_lost
         self.ranks: Ranks | None = None
         self.device = torch.device(config.device or "cpu")
+        from deltaserve.models.checkpoints.loader import check_model_len
+
+        # a context past the model's positions fails here, from config.json, not after the weights load
+        check_model_len(config.model, config.max_model_len, config.hf_overrides)
         if config.tensor_parallel_size > 1:
             from deltaserve.engine.parallel.ranks import Ranks
             from deltaserve.models.checkpoints.loader import check_tensor_parallel

@@ -460,19 +460,21 @@ def _engine_config(args: argparse.Namespace) -> Any:
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     _check_gpus(config)
-    _check_tensor_parallel(config)
+    _check_model_shape(config)
     return config
 
 
-def _check_tensor_parallel(config: Any) -> None:
-    """A tensor-parallel size the model's heads (experts, widths) do not divide by: one line now,
-    from its config.json, rather than the ranks' error once they have started and are loading."""
-    from deltaserve.models.checkpoints.loader import check_tensor_parallel
+def _check_model_shape(config: Any) -> None:
+    """A tensor-parallel size the model's heads (experts, widths) do not divide by, or a
+    --max-model-len past its positions: one line now, from its config.json, rather than the
+    engine's error once it has started and is loading."""
+    from deltaserve.models.checkpoints.loader import check_model_len, check_tensor_parallel
 
     try:
         check_tensor_parallel(
             config.model, config.tensor_parallel_size, config.enable_expert_parallel, config.hf_overrides
         )
+        check_model_len(config.model, config.max_model_len, config.hf_overrides)
     except (ValueError, OSError) as exc:
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.engine.config import EngineConfig
+from deltaserve.models.layers.attention import check_max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +50,7 @@ def plan_pools(
         # boundary (its end snapshot at finish); as many again hold the tree's snapshots.
         snapshots = 2 * slots if config.cache_type == "radix" else 0
     page = config.page_size
-    if config.max_model_len is not None and config.max_model_len > max_position_embeddings:
-        # as vLLM and SGLang refuse it, rather than serve a shorter context than asked for
-        raise ValueError(
-            f"max_model_len {config.max_model_len} is longer than the model's {max_position_embeddings} "
-            "positions (max_position_embeddings, or as far as its RoPE scaling reaches; --hf-overrides "
-            "can give it a YaRN rope_parameters)"
-        )
+    check_max_model_len(config.max_model_len, max_position_embeddings)
     want_len = config.max_model_len or max_position_embeddings
     spec = config.spec
     # the speculative window buffer: k + 1 states for each request verified in a step

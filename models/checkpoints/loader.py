@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
+from deltaserve.models.layers.attention import check_max_model_len, rope_max_positions
 from deltaserve.models.parallel import SINGLE, Narrow, TensorParallel
 from deltaserve.models.registry import resolve, text_config
 
@@ -199,6 +200,12 @@ def check_tensor_parallel(
     # the checks depend on the size alone, so rank 0's shard stands for every rank's
     with torch.device("meta"):
         cls(tcfg, TensorParallel(0, size, None, expert_parallel=expert_parallel))
+
+
+def check_model_len(path: str, max_model_len: int | None, hf_overrides: dict[str, Any] | None = None) -> None:
+    """`check_max_model_len` from config.json alone (with `hf_overrides`), before any weight loads."""
+    if max_model_len is not None:
+        check_max_model_len(max_model_len, rope_max_positions(_model_of(path, hf_overrides)[4]))
 
 
 def load_model(

@@ -80,6 +80,17 @@ def rope_max_positions(config: Any) -> int:
     return native
 
 
+def check_max_model_len(max_model_len: int | None, max_positions: int) -> None:
+    """A `max_model_len` past the model's positions (`rope_max_positions`) is a ValueError, as vLLM
+    and SGLang refuse it, rather than serve positions the attention layers' RoPE never saw."""
+    if max_model_len is not None and max_model_len > max_positions:
+        raise ValueError(
+            f"max_model_len {max_model_len} is longer than the model's {max_positions} positions "
+            "(max_position_embeddings, or as far as its RoPE scaling reaches; a YaRN rope_parameters "
+            "given by --hf-overrides, the LLM's hf_overrides, reaches further)"
+        )
+
+
 def _rope_scaling(config: Any) -> tuple[dict[str, Any], str]:
     """The config's RoPE parameters (either spelling) and their type ("default" when unnamed)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})

@@ -539,11 +539,23 @@ def test_a_server_on_a_unix_socket(spawn_server, tmp_path: Path) -> None:
 def test_a_model_that_cannot_load_stops_start_up_with_its_error_last(builtin_path: str) -> None:
     """The engine process's load failure is the last line; no warning of what the engine process
     left behind follows it (the server waits for that process to clean up)."""
-    result = run_cli("serve", "--model", builtin_path, "--port", "0", "--max-model-len", "100000000")
+    result = run_cli("serve", "--model", builtin_path, "--port", "0", "--pool-memory-gb", "0.00001")
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert "error" in last and "max_model_len 100000000" in last, result.stderr
+    assert "error" in last and "not enough memory for one request" in last, result.stderr
     assert "leaked" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_max_model_len_past_the_models_positions_stops_serve_before_it_loads(builtin_path: str) -> None:
+    """One line and exit 2 from config.json, as vLLM refuses it (it used to be exit 1 once the
+    weights had loaded)."""
+    result = run_cli("serve", "--model", builtin_path, "--port", "0", "--max-model-len", "100000")
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "deltaserve serve: error: max_model_len 100000 is longer than the model's 8192 positions"
+    ), result.stderr
+    assert "loading the weights" not in result.stderr and "Traceback" not in result.stderr
 
 
 def test_a_tensor_parallel_size_the_heads_do_not_divide_stops_serve_before_any_rank(

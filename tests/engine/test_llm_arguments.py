@@ -1,0 +1,40 @@
+"""What `LLM(...)` checks of its arguments before the model loads, and vLLM's names it takes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from deltaserve import LLM
+
+
+def config_only(checkpoint: str, folder: Path) -> str:
+    """The checkpoint's config.json alone: loading its weights would fail, so a check that passes
+    this far ran before any weight was read."""
+    folder.mkdir()
+    shutil.copy(Path(checkpoint) / "config.json", folder / "config.json")
+    return str(folder)
+
+
+def test_a_max_model_len_past_the_models_positions_is_refused_before_the_weights_load(
+    make_checkpoint, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM refuses it too; it used to be the same ValueError, but only once the weights had loaded."""
+    checkpoint = make_checkpoint("qwen3_next")
+    positions = json.loads((Path(checkpoint) / "config.json").read_text())["max_position_embeddings"]
+    bare = config_only(checkpoint, tmp_path / "bare")
+    with caplog.at_level(logging.INFO), pytest.raises(ValueError) as error:
+        LLM(bare, device="cpu", max_model_len=positions + 1)
+    assert str(error.value).startswith(
+        f"max_model_len {positions + 1} is longer than the model's {positions} positions"
+    )
+    assert "loading the weights" not in caplog.text
+    # a YaRN scaling given by hf_overrides reaches further: the check lets it through to the weights
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": positions}
+    with pytest.raises(Exception) as missing:
+        LLM(bare, device="cpu", max_model_len=2 * positions, hf_overrides={"rope_parameters": yarn})
+    assert str(missing.value).startswith("no .safetensors"), missing.value
