@@ -127,7 +127,11 @@ class LLM:
         dummy = kwargs.get("load_format") == "dummy"
         model = resolve_checkpoint(model, revision, download_dir, weights=not dummy)
         if kwargs.get("tokenizer") is not None:
-            kwargs["tokenizer"] = resolve_checkpoint(kwargs["tokenizer"], None, download_dir, weights=False)
+            from deltaserve.models.checkpoints.loader import require_tokenizer
+
+            given = kwargs["tokenizer"]
+            kwargs["tokenizer"] = resolve_checkpoint(given, None, download_dir, weights=False)
+            require_tokenizer(kwargs["tokenizer"], f"tokenizer {given!r}")
         self.engine = Engine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0

@@ -395,16 +395,13 @@ def _engine_config(args: argparse.Namespace) -> Any:
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
     if tokenizer is not None:
-        from deltaserve.models.checkpoints.loader import TOKENIZER_FILES, has_tokenizer
+        from deltaserve.models.checkpoints.loader import require_tokenizer
 
-        # asked for by name, it must be there: the engine would serve token-id prompts alone
-        if not has_tokenizer(tokenizer):
-            print(
-                f"deltaserve serve: error: --tokenizer {args.tokenizer!r} holds no tokenizer files "
-                f"({', '.join(TOKENIZER_FILES)})",
-                file=sys.stderr,
-            )
-            raise SystemExit(2)
+        try:
+            require_tokenizer(tokenizer, f"--tokenizer {args.tokenizer!r}")
+        except ValueError as exc:
+            print(f"deltaserve serve: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
     if model is None:
         from deltaserve.models.checkpoints.builtin import builtin_model_path
 

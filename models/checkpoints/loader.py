@@ -353,6 +353,13 @@ def has_tokenizer(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES)
 
 
+def require_tokenizer(path: str, named: str) -> None:
+    """A tokenizer asked for by name must be there (`named`: how the caller gave it): without one the
+    engine would serve token-id prompts alone."""
+    if not has_tokenizer(path):
+        raise ValueError(f"{named} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+
+
 def load_tokenizer(path: str) -> Any | None:
     """The checkpoint's tokenizer, or None when it ships no tokenizer files."""
     if not has_tokenizer(path):

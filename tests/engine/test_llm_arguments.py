@@ -38,3 +38,13 @@ def test_a_max_model_len_past_the_models_positions_is_refused_before_the_weights
     with pytest.raises(Exception) as missing:
         LLM(bare, device="cpu", max_model_len=2 * positions, hf_overrides={"rope_parameters": yarn})
     assert str(missing.value).startswith("no .safetensors"), missing.value
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_is_refused(make_checkpoint, tmp_path: Path) -> None:
+    """As `deltaserve serve --tokenizer` refuses it: the LLM used to load without a tokenizer, so
+    every text prompt and chat then failed."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError) as error:
+        LLM(config_only(make_checkpoint("qwen3_next"), tmp_path / "bare"), device="cpu", tokenizer=str(empty))
+    assert str(error.value).startswith(f"tokenizer {str(empty)!r} holds no tokenizer files (tokenizer.json")
