@@ -77,13 +77,51 @@ _RENAMED = {
 }
 # vLLM's that ask for what deltaserve always does: accepted, changing nothing
 _ALWAYS = ("trust_remote_code", "enable_chunked_prefill", "disable_log_stats")
+# vLLM's that tune machinery deltaserve does not have (none changes a result): accepted with a
+# warning, once a process, that they are ignored
+_IGNORED = {
+    "swap_space": "a preempted request is recomputed, never swapped to CPU memory",
+    "max_seq_len_to_capture": "CUDA graphs are captured by decode batch size (cuda_graph_max_bs)",
+    "disable_custom_all_reduce": "tensor-parallel reductions are torch.distributed's, no custom kernel",
+    "disable_async_output_proc": "there is no asynchronous output processor (see enable_overlap_schedule)",
+    "compilation_config": "the model runs deltaserve's own kernels, never torch.compile",
+}
+# vLLM's whose meaning deltaserve has for these values alone: (values taken, why others are refused)
+_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tokenizer_mode": (("auto", "hf"), "the checkpoint's tokenizer loads one way (transformers' fast one)"),
+    "cpu_offload_gb": ((0,), "offloading weights to CPU memory is not implemented"),
+    "task": (("auto", "generate"), "only text generation is implemented"),
+    "runner": (("auto", "generate"), "only text generation is implemented"),
+}
+# vLLM's dtype names beside EngineConfig's
+_DTYPES = {"half": "float16", "float": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_warned: set[str] = set()
+
+
+def _vllm_dtype(dtype: Any) -> Any:
+    """vLLM's dtype spellings ("half", "float", a torch.dtype) as EngineConfig's names."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
 
 
 def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """`LLM`'s keyword arguments as EngineConfig's fields, vLLM's names taken too; and its
     `generation_config` ("auto": the checkpoint's defaults, "vllm" or "none": OpenAI's, or a
-    folder holding a generation_config.json)."""
+    folder holding a generation_config.json). A TypeError names an argument neither takes."""
     out = {k: v for k, v in kwargs.items() if k not in _ALWAYS}
+    for name in _IGNORED.keys() & out.keys():
+        out.pop(name)
+        if name not in _warned:
+            _warned.add(name)
+            logger.warning("%s is ignored: %s", name, _IGNORED[name])
+    for name, (taken, why) in _ONLY.items():
+        if name in out and out.pop(name) not in taken:
+            raise ValueError(f"{name} {kwargs[name]!r}: only {' or '.join(map(repr, taken))}; {why}")
+    if "dtype" in out:
+        out["dtype"] = _vllm_dtype(out["dtype"])
     for vllm_name, name in _RENAMED.items():
         if vllm_name in out:
             if name in out:
@@ -102,7 +140,11 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
     kv_cache_dtype = out.pop("kv_cache_dtype", "auto")
     if kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: only 'auto' (the model's dtype) is implemented")
-    return out, str(out.pop("generation_config", "auto"))
+    source = str(out.pop("generation_config", "auto"))
+    unknown = sorted(out.keys() - {f.name for f in dataclasses.fields(EngineConfig)})
+    if unknown:
+        raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
+    return out, source
 
 
 class LLM:
@@ -113,8 +155,9 @@ class LLM:
         `revision` under `download_dir`, or found there offline); `kwargs`: `EngineConfig`'s fields,
         or vLLM's names for them (`gpu_memory_utilization`, `max_num_seqs`, `block_size`,
         `enforce_eager`, `enable_prefix_caching`, `kv_cache_dtype`; `trust_remote_code`,
-        `pipeline_parallel_size=1` and `distributed_executor_backend="mp"` change nothing), and
-        `generation_config` as vLLM's: where default sampling values come from."""
+        `pipeline_parallel_size=1` and `distributed_executor_backend="mp"` change nothing; the
+        others README lists), and `generation_config` as vLLM's: where default sampling values
+        come from."""
         from deltaserve.models.checkpoints.hub import resolve_checkpoint
 
         kwargs, self._generation_config = engine_kwargs(kwargs)

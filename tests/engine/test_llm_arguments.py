@@ -48,3 +48,32 @@ def test_a_tokenizer_folder_without_a_tokenizer_is_refused(make_checkpoint, tmp_
     with pytest.raises(ValueError) as error:
         LLM(config_only(make_checkpoint("qwen3_next"), tmp_path / "bare"), device="cpu", tokenizer=str(empty))
     assert str(error.value).startswith(f"tokenizer {str(empty)!r} holds no tokenizer files (tokenizer.json")
+
+
+def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
+    make_checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A vLLM script's LLM(..., swap_space=4, tokenizer_mode="auto", dtype="half") was a TypeError
+    (or a ValueError on "half"): machinery deltaserve lacks is ignored with one warning, a value
+    whose meaning it has is taken, one that would change the results is refused."""
+    import torch
+
+    from deltaserve.engine import llm as llm_module
+    from deltaserve.engine.llm import engine_kwargs
+
+    monkeypatch.setattr(llm_module, "_warned", set(), raising=False)  # warned once a process
+    vllm = {"swap_space": 4, "tokenizer_mode": "auto", "cpu_offload_gb": 0, "task": "generate"}
+    with caplog.at_level(logging.WARNING, logger="deltaserve.engine.llm"):
+        assert engine_kwargs({**vllm, "dtype": "half"}) == ({"dtype": "float16"}, "auto")
+        assert engine_kwargs({**vllm, "dtype": torch.bfloat16}) == ({"dtype": "bfloat16"}, "auto")
+    assert caplog.messages == [
+        "swap_space is ignored: a preempted request is recomputed, never swapped to CPU memory"
+    ]
+    for name, value in (("tokenizer_mode", "slow"), ("tokenizer_mode", "mistral"), ("cpu_offload_gb", 4)):
+        with pytest.raises(ValueError, match=f"^{name} {value!r}: only "):
+            engine_kwargs({name: value})
+    with pytest.raises(TypeError, match="^LLM\\(\\) got an unexpected keyword argument 'enable_lora'$"):
+        engine_kwargs({"swap_space": 4, "enable_lora": True})
+    llm = LLM(make_checkpoint("qwen3_next"), device="cpu", dtype=torch.float32, **vllm)
+    assert llm.engine.config.dtype == "float32"
+    assert llm.generate([[5, 9, 17]], llm_module.SamplingParams(max_tokens=2))[0].outputs[0].token_ids
