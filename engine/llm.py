@@ -122,6 +122,8 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
             raise ValueError(f"{name} {kwargs[name]!r}: only {' or '.join(map(repr, taken))}; {why}")
     if "dtype" in out:
         out["dtype"] = _vllm_dtype(out["dtype"])
+    if "seed" in out and out["seed"] is None:
+        out["seed"] = 0  # vLLM's engine takes no seed as 0 (its workers must draw alike)
     for vllm_name, name in _RENAMED.items():
         if vllm_name in out:
             if name in out:

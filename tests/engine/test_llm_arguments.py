@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve import LLM
+from deltaserve import LLM, SamplingParams
 
 
 def config_only(checkpoint: str, folder: Path) -> str:
@@ -76,4 +76,16 @@ def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
         engine_kwargs({"swap_space": 4, "enable_lora": True})
     llm = LLM(make_checkpoint("qwen3_next"), device="cpu", dtype=torch.float32, **vllm)
     assert llm.engine.config.dtype == "float32"
-    assert llm.generate([[5, 9, 17]], llm_module.SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    assert llm.generate([[5, 9, 17]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_seed_none_is_seed_0_as_in_vllm(make_checkpoint) -> None:
+    """LLM(..., seed=None) (vLLM's signature default) was a TypeError from torch.manual_seed while
+    the model was being built; vLLM's engine takes it as 0, and so does this one."""
+    checkpoint = make_checkpoint("qwen3_next")
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    drawn = [
+        LLM(checkpoint, device="cpu", dtype="float32", seed=seed).generate([[5, 9, 17]], params)[0]
+        for seed in (None, 0)
+    ]
+    assert drawn[0].outputs[0].token_ids == drawn[1].outputs[0].token_ids
