@@ -130,6 +130,19 @@ class EngineConfig:
             self.max_running_requests = 256 if on_cuda else 64
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be at least 1")
+        # the CLI's own bounds, for the LLM's arguments too
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(
+                f"max_model_len must be at least 2 (a one-token prompt and its first token), got {self.max_model_len}"
+            )
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(
+                f"mem_fraction_static must be a fraction in (0, 1], got {self.mem_fraction_static}"
+            )
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be at least 0, got {self.max_waiting_requests}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be at least 1, got {self.cuda_graph_max_bs}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192 if on_cuda else 512, self.chunked_prefill_size or 0)
         if self.chunked_prefill_size is None:

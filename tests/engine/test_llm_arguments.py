@@ -89,3 +89,23 @@ def test_seed_none_is_seed_0_as_in_vllm(make_checkpoint) -> None:
         for seed in (None, 0)
     ]
     assert drawn[0].outputs[0].token_ids == drawn[1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        ({"max_model_len": 1}, "max_model_len must be at least 2"),
+        ({"max_model_len": 0}, "max_model_len must be at least 2"),
+        ({"gpu_memory_utilization": 1.5}, "mem_fraction_static must be a fraction in (0, 1], got 1.5"),
+        ({"max_waiting_requests": -1}, "max_waiting_requests must be at least 0"),
+        ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs must be at least 1"),
+    ],
+)
+def test_values_the_cli_refuses_are_refused_offline_too(
+    make_checkpoint, tmp_path: Path, setting: dict, says: str
+) -> None:
+    """They used to be taken: max_model_len=1 built an engine that refused every prompt, 0 served
+    the model's full length, and the others reached the engine unchecked."""
+    with pytest.raises(ValueError) as error:
+        LLM(config_only(make_checkpoint("qwen3_next"), tmp_path / "bare"), device="cpu", **setting)
+    assert str(error.value).startswith(says)
