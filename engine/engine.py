@@ -53,10 +53,13 @@ class Engine:
         self._on_worker_lost = on_worker_lost
         self.ranks: Ranks | None = None
         self.device = torch.device(config.device or "cpu")
-        from deltaserve.models.checkpoints.loader import check_model_len
+        from deltaserve.models.checkpoints.loader import check_model_len, check_mtp
 
-        # a context past the model's positions fails here, from config.json, not after the weights load
+        # a context past the model's positions, or MTP without its weights, fails here, from the
+        # checkpoint's config and headers, not after the weights load
         check_model_len(config.model, config.max_model_len, config.hf_overrides)
+        if config.spec is not None and config.spec.method == "mtp":
+            check_mtp(config.model, config.load_format == "dummy", config.hf_overrides)
         if config.tensor_parallel_size > 1:
             from deltaserve.engine.parallel.ranks import Ranks
             from deltaserve.models.checkpoints.loader import check_tensor_parallel

@@ -202,6 +202,20 @@ def check_tensor_parallel(
         cls(tcfg, TensorParallel(0, size, None, expert_parallel=expert_parallel))
 
 
+def check_mtp(path: str, dummy: bool = False, hf_overrides: dict[str, Any] | None = None) -> None:
+    """What MTP speculation needs of the checkpoint, from config.json and the safetensors headers
+    alone: a model with an MTP head, one MTP layer, and its `mtp.*` weights unless they are random."""
+    from deltaserve.models.qwen3_next_mtp import PREFIXES, num_mtp_layers
+
+    _, arch, cls, _, tcfg = _model_of(path, hf_overrides)
+    if not cls.capabilities.mtp_head:
+        raise ValueError(f"MTP speculation needs a Qwen3-Next / Qwen3.5 checkpoint, not {arch}")
+    if num_mtp_layers(tcfg) != 1:
+        raise ValueError(f"only one MTP layer is supported, the config has {num_mtp_layers(tcfg)}")
+    if not dummy and not any(name.startswith(PREFIXES) for name, _, _ in _safetensors_headers(path)):
+        raise ValueError("the checkpoint has no mtp.* weights: MTP speculation needs them")
+
+
 def check_model_len(path: str, max_model_len: int | None, hf_overrides: dict[str, Any] | None = None) -> None:
     """`check_max_model_len` from config.json alone (with `hf_overrides`), before any weight loads."""
     if max_model_len is not None:

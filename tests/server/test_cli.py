@@ -573,6 +573,17 @@ def test_a_tensor_parallel_size_the_heads_do_not_divide_stops_serve_before_any_r
         assert started not in result.stderr.replace(last, ""), result.stderr
 
 
+def test_mtp_speculation_without_the_weights_stops_serve_before_it_loads(builtin_path: str) -> None:
+    """One line and exit 2 from the safetensors headers (it used to be exit 1 once the model's
+    weights had loaded and the MTP layer's were looked for)."""
+    mtp = '{"method": "mtp", "num_speculative_tokens": 1}'
+    result = run_cli("serve", "--model", builtin_path, "--speculative-config", mtp, "--port", "0")
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "deltaserve serve: error: the checkpoint has no mtp.* weights: MTP speculation needs them"
+    assert "loading the weights" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_a_tokenizer_folder_without_a_tokenizer_stops_serve_with_one_line(
     builtin_path: str, tmp_path: Path
 ) -> None:
