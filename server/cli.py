@@ -159,9 +159,29 @@ def _readable_file(text: str) -> str:
 
 
 def _chat_template(text: str) -> str:
-    """A template file, or the template itself on one line (vLLM takes either)."""
+    """A template file, or the template itself on one line (vLLM takes either), that parses as
+    Jinja: a syntax error would otherwise fail every chat request."""
     if not os.path.isfile(text) and "{{" not in text and "{%" not in text:
         raise argparse.ArgumentTypeError(f"no such file, nor a Jinja template: {text!r}")
+    import jinja2
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):  # transformers' {% generation %} ... {% endgeneration %}
+        tags = {"generation"}
+
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    try:
+        source = open(text, encoding="utf-8").read() if os.path.isfile(text) else text
+        # parsed only: filters and globals are the renderer's (transformers'), checked as it renders
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", GenerationTag]).parse(source)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc}") from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise argparse.ArgumentTypeError(f"not valid Jinja: {exc.message} (line {exc.lineno})") from None
     return text
 
 

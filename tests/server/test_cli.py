@@ -467,6 +467,23 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
     assert load_chat_template(None) is None
 
 
+def test_a_chat_template_that_is_not_valid_jinja_stops_serve_with_one_line(tmp_path: Path) -> None:
+    """It used to start, and every chat request was then a 400 naming the template's syntax error;
+    transformers' own tags ({% generation %}, {% break %}) and filters still pass."""
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    for given in (str(broken), "{% for m in messages %}{{ m.content }"):
+        result = run_cli("serve", "--chat-template", given, "--port", "0")
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "argument --chat-template: not valid Jinja: unexpected '}'" in lines[0]
+    fine = (
+        "{% for m in messages %}{% generation %}{{ m.content | tojson }}{% endgeneration %}"
+        "{% if loop.last %}{% break %}{% endif %}{% endfor %}"
+    )
+    assert build_parser().parse_args(["serve", "--chat-template", fine]).chat_template == fine
+
+
 @pytest.mark.slow
 def test_a_server_renders_with_a_template_given_inline(spawn_server) -> None:
     server = spawn_server(
