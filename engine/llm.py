@@ -129,8 +129,9 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
             if name in out:
                 raise ValueError(f"give {vllm_name} or {name}, not both")
             out[name] = out.pop(vllm_name)
-    if "enable_prefix_caching" in out:
-        out.setdefault("cache_type", "radix" if out.pop("enable_prefix_caching") else "naive")
+    caching = out.pop("enable_prefix_caching", None)
+    if caching is not None:  # vLLM's None: its default, on
+        out.setdefault("cache_type", "radix" if caching else "naive")
     if out.pop("pipeline_parallel_size", 1) != 1:
         raise ValueError(
             "pipeline_parallel_size: only 1, pipeline parallelism is not implemented "

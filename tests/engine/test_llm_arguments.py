@@ -72,6 +72,9 @@ def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
     for name, value in (("tokenizer_mode", "slow"), ("tokenizer_mode", "mistral"), ("cpu_offload_gb", 4)):
         with pytest.raises(ValueError, match=f"^{name} {value!r}: only "):
             engine_kwargs({name: value})
+    # vLLM's None is its default, the cache on: it used to turn the cache off
+    assert engine_kwargs({"enable_prefix_caching": None}) == ({}, "auto")
+    assert engine_kwargs({"enable_prefix_caching": False}) == ({"cache_type": "naive"}, "auto")
     with pytest.raises(TypeError, match="^LLM\\(\\) got an unexpected keyword argument 'enable_lora'$"):
         engine_kwargs({"swap_space": 4, "enable_lora": True})
     llm = LLM(make_checkpoint("qwen3_next"), device="cpu", dtype=torch.float32, **vllm)
