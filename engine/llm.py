@@ -125,6 +125,8 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
     if "seed" in out and out["seed"] is None:
         out["seed"] = 0  # vLLM's engine takes no seed as 0 (its workers must draw alike)
     for vllm_name, name in _RENAMED.items():
+        if vllm_name in out and out[vllm_name] is None:  # vLLM's None: its default, as ours
+            del out[vllm_name]
         if vllm_name in out:
             if name in out:
                 raise ValueError(f"give {vllm_name} or {name}, not both")

@@ -75,6 +75,11 @@ def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
     # vLLM's None is its default, the cache on: it used to turn the cache off
     assert engine_kwargs({"enable_prefix_caching": None}) == ({}, "auto")
     assert engine_kwargs({"enable_prefix_caching": False}) == ({"cache_type": "naive"}, "auto")
+    # as is None for vLLM's names of ours: block_size=None was a TypeError (None < 1)
+    assert engine_kwargs({"block_size": None, "gpu_memory_utilization": None, "max_num_seqs": None}) == (
+        {},
+        "auto",
+    )
     with pytest.raises(TypeError, match="^LLM\\(\\) got an unexpected keyword argument 'enable_lora'$"):
         engine_kwargs({"swap_space": 4, "enable_lora": True})
     llm = LLM(make_checkpoint("qwen3_next"), device="cpu", dtype=torch.float32, **vllm)
