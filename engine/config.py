@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from deltaserve.models.parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 
 
 @dataclass
@@ -107,6 +108,7 @@ class EngineConfig:
             self.enable_overlap_schedule = torch.device(self.device).type == "cuda"
         if self.dtype is None or self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.state_dtype not in DTYPES:

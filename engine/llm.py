@@ -93,18 +93,16 @@ _ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "task": (("auto", "generate"), "only text generation is implemented"),
     "runner": (("auto", "generate"), "only text generation is implemented"),
 }
-# vLLM's dtype names beside EngineConfig's
-_DTYPES = {"half": "float16", "float": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 _warned: set[str] = set()
 
 
 def _vllm_dtype(dtype: Any) -> Any:
-    """vLLM's dtype spellings ("half", "float", a torch.dtype) as EngineConfig's names."""
+    """A torch.dtype as EngineConfig's name (which takes vLLM's "half" and "float" itself)."""
     import torch
 
     if isinstance(dtype, torch.dtype):
         return str(dtype).removeprefix("torch.")
-    return _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    return dtype
 
 
 def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:

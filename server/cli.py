@@ -238,10 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
         default="auto",
         help="weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU, whatever the "
-        "checkpoint's own dtype",
+        "checkpoint's own dtype; half and float are vLLM's names for float16 and float32",
     )
     model.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     model.add_argument(

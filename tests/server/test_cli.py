@@ -256,6 +256,14 @@ def test_enable_expert_parallel_reaches_the_engine_config(builtin_path: str) -> 
     )
 
 
+@pytest.mark.parametrize("given,dtype", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")])
+def test_vllms_dtype_names_reach_the_engine_config(builtin_path: str, given: str, dtype: str) -> None:
+    from deltaserve.server.launch import _engine_config
+
+    args = build_parser().parse_args(["serve", "--model", builtin_path, "--device", "cpu", "--dtype", given])
+    assert _engine_config(args).dtype == dtype
+
+
 @pytest.mark.parametrize(
     "variable,typo,modes",
     [
