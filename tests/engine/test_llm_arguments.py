@@ -59,13 +59,15 @@ def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
     import torch
 
     from deltaserve.engine import llm as llm_module
+    from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.llm import engine_kwargs
 
     monkeypatch.setattr(llm_module, "_warned", set(), raising=False)  # warned once a process
     vllm = {"swap_space": 4, "tokenizer_mode": "auto", "cpu_offload_gb": 0, "task": "generate"}
     with caplog.at_level(logging.WARNING, logger="deltaserve.engine.llm"):
-        assert engine_kwargs({**vllm, "dtype": "half"}) == ({"dtype": "float16"}, "auto")
+        assert engine_kwargs({**vllm, "dtype": "half"}) == ({"dtype": "half"}, "auto")
         assert engine_kwargs({**vllm, "dtype": torch.bfloat16}) == ({"dtype": "bfloat16"}, "auto")
+    assert EngineConfig(model="m", device="cpu", dtype="half").dtype == "float16"  # vLLM's name
     assert caplog.messages == [
         "swap_space is ignored: a preempted request is recomputed, never swapped to CPU memory"
     ]
