@@ -113,6 +113,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.state_dtype not in DTYPES:
             raise ValueError(f"state_dtype must be one of {sorted(DTYPES)}, got {self.state_dtype!r}")
+        if self.load_format == "safetensors":  # vLLM's name for what auto loads
+            self.load_format = "auto"
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(
+                f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}"
+            )
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         if self.cache_type not in ("naive", "radix"):

@@ -246,9 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     model.add_argument(
         "--load-format",
-        choices=["auto", "dummy"],
+        choices=["auto", "safetensors", "dummy"],
         default="auto",
-        help="auto loads the safetensors weights; dummy uses random weights of the checkpoint's shapes",
+        help="auto (or safetensors, vLLM's name) loads the safetensors weights; dummy uses random "
+        "weights of the checkpoint's shapes",
     )
     model.add_argument(
         "--quantization",

@@ -119,3 +119,14 @@ def test_values_the_cli_refuses_are_refused_offline_too(
     with pytest.raises(ValueError) as error:
         LLM(config_only(make_checkpoint("qwen3_next"), tmp_path / "bare"), device="cpu", **setting)
     assert str(error.value).startswith(says)
+
+
+def test_load_format_takes_vllms_safetensors_and_refuses_what_it_cannot_load() -> None:
+    """load_format 'safetensors' (vLLM's name) loads as auto does; a format deltaserve has no loader
+    for ('pt', a typo) is a ValueError before anything loads, where it loaded the safetensors."""
+    from deltaserve.engine.config import EngineConfig
+
+    assert EngineConfig(model="m", device="cpu", load_format="safetensors").load_format == "auto"
+    for name in ("pt", "dumy"):
+        with pytest.raises(ValueError, match="load_format must be"):
+            EngineConfig(model="m", device="cpu", load_format=name)

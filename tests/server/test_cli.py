@@ -264,6 +264,13 @@ def test_vllms_dtype_names_reach_the_engine_config(builtin_path: str, given: str
     assert _engine_config(args).dtype == dtype
 
 
+def test_vllms_safetensors_load_format_loads_the_weights(builtin_path: str) -> None:
+    from deltaserve.server.launch import _engine_config
+
+    args = ["serve", "--model", builtin_path, "--device", "cpu", "--load-format", "safetensors"]
+    assert _engine_config(build_parser().parse_args(args)).load_format == "auto"
+
+
 @pytest.mark.parametrize(
     "variable,typo,modes",
     [
