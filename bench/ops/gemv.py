@@ -12,6 +12,9 @@ Decides the Triton GEMV rule of `kernels/linear/__init__.py` (docs/kernels.md).
 
 `--tiles BN:BK ...` also times the Triton GEMV with the given tiles (a sweep of its tiling).
 Run with `DELTASERVE_PDL=on` to time the kernels as the small decode graphs launch them.
+`--blas cublaslt` times torch's matmul with cuBLASLt preferred, `--blas tunable` with torch's
+TunableOp choosing among what it finds for each shape; `--cublas-only` leaves the Triton GEMV out
+(for row counts past its rule, prefill's included).
 """
 
 from __future__ import annotations
@@ -75,7 +78,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--tiles", nargs="*", default=[], help="BN:BK tiles to time the Triton GEMV with")
     ap.add_argument("--json")
+    ap.add_argument("--blas", choices=["default", "cublaslt", "tunable"], default="default")
+    ap.add_argument("--cublas-only", action="store_true")
     args = ap.parse_args()
+    if args.blas == "cublaslt":
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    elif args.blas == "tunable":  # each shape tuned at its first call, outside the graph's capture
+        torch.cuda.tunable.enable(True)
+        torch.cuda.tunable.tuning_enable(True)
     from deltaserve.kernels.linear import triton as triton_gemv
     from deltaserve.kernels.linear.triton import gemv
 
@@ -88,7 +98,7 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cublas = time_us(lambda w, x=x: F.linear(x, w), ws)
-            triton = time_us(lambda w, x=x: gemv(x, w), ws)
+            triton = float("nan") if args.cublas_only else time_us(lambda w, x=x: gemv(x, w), ws)
             gb = n * k * 2 / 1e9
             row = {
                 "n": n,
