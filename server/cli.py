@@ -390,9 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--cuda-graph-max-bs",
+        "--max-cudagraph-capture-size",
         type=_int_at_least(1),
         default=256,
-        help="largest decode batch run by CUDA-graph replay",
+        help="largest decode batch run by CUDA-graph replay (vLLM's --max-cudagraph-capture-size: "
+        "its graphs count tokens, one a request in a decode step)",
     )
     engine.add_argument(
         "--enable-piecewise-cuda-graph",
@@ -711,6 +713,8 @@ _ALWAYS = (
     ("--enable-auto-tool-choice", 'tool_choice "auto" is always served'),
     ("--enable-metrics", "/metrics is always served"),
     ("--disable-log-requests", "requests are not logged unless --enable-log-requests asks"),
+    ("--enable-prompt-tokens-details", "usage always carries prompt_tokens_details.cached_tokens"),
+    ("--enable-reasoning", "reasoning between <think> tags always goes to reasoning_content"),
 )
 
 

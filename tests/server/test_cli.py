@@ -372,6 +372,7 @@ def test_adaptive_prefill_delay_defaults_to_the_device_and_can_be_turned_off() -
         (["--dp-size", "2"], ["--data-parallel-size", "2"]),  # SGLang's
         (["-dp", "2"], ["--data-parallel-size", "2"]),  # vLLM's
         (["--mamba-ssm-cache-dtype", "auto"], ["--state-dtype", "float32"]),  # vLLM's
+        (["--max-cudagraph-capture-size", "64"], ["--cuda-graph-max-bs", "64"]),  # vLLM's
         # the last one wins
         (["--cache-type", "naive", "--enable-prefix-caching"], ["--cache-type", "radix"]),
     ],
@@ -390,11 +391,13 @@ def test_flags_for_what_deltaserve_does_anyway_change_nothing() -> None:
         "--enable-metrics", "--disable-log-requests", "--language-model-only", "--mm-encoder-tp-mode", "data",
         "--limit-mm-per-prompt", '{"image": 0, "video": 0}', "-dp", "1",
         "--pipeline-parallel-size", "1", "--distributed-executor-backend", "mp",
+        "--enable-prompt-tokens-details", "--enable-reasoning",
     ]  # fmt: skip
     parsed, plain = vars(parser.parse_args(["serve", *card])), vars(parser.parse_args(["serve"]))
     compat = {"trust_remote_code", "enable_chunked_prefill", "enable_auto_tool_choice", "tool_call_parser",
               "reasoning_parser", "enable_metrics", "disable_log_requests", "language_model_only",
-              "mm_encoder_tp_mode", "limit_mm_per_prompt", "distributed_executor_backend"}  # fmt: skip
+              "mm_encoder_tp_mode", "limit_mm_per_prompt", "distributed_executor_backend",
+              "enable_prompt_tokens_details", "enable_reasoning"}  # fmt: skip
     assert {k: v for k, v in parsed.items() if k not in compat} == {
         k: v for k, v in plain.items() if k not in compat
     }
