@@ -83,13 +83,19 @@ def build_app(
     max_log_len: int | None = None,
     image_limit: int | None = None,
     trust_request_chat_template: bool = False,
+    force_include_usage: bool = False,
+    request_id_headers: bool = False,
+    api_docs: bool = True,
 ) -> FastAPI:
     """The app for one engine client; the client's engine thread runs for the app's lifespan.
     `api_key` guards /v1, /generate, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413.
     `model_aliases` are accepted in requests like `model_names` but not listed by /v1/models.
     `shared_metrics`: one of several HTTP processes, whose /metrics adds up all of theirs.
     `cors`: which browser origins may call the API; None or no origins, no CORS headers.
-    `trust_request_chat_template`: a chat request's own `chat_template` is rendered, not a 400."""
+    `trust_request_chat_template`: a chat request's own `chat_template` is rendered, not a 400.
+    `force_include_usage`: every streamed chat or completion ends with its usage chunk.
+    `request_id_headers`: every response carries X-Request-Id, a fresh one where the request gave none.
+    `api_docs`: /docs, /redoc and /openapi.json are served."""
     metrics = engine_client.metrics or Metrics(model_names[0])
     engine_client.metrics = metrics
     ctx = ServerContext(
@@ -104,6 +110,7 @@ def build_app(
         max_log_len,
         image_limit,
         trust_request_chat_template,
+        force_include_usage,
     )
 
     @asynccontextmanager
@@ -119,10 +126,17 @@ def build_app(
                 shared_metrics.publish(metrics)  # the last requests count too
         await engine_client.shutdown()
 
-    app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
+    hidden: dict[str, Any] = {} if api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan, **hidden)
     app.state.ctx = ctx
     _install_error_handlers(app, metrics)
-    app.add_middleware(EdgeGuard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    app.add_middleware(
+        EdgeGuard,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        metrics=metrics,
+        request_id_headers=request_id_headers,
+    )
     if cors is not None and cors.origins:  # outside the guard: a preflight has no key; a 401 wants CORS too
         app.add_middleware(
             CORSMiddleware,

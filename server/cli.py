@@ -610,6 +610,23 @@ def build_parser() -> argparse.ArgumentParser:
         "with a 400: only for clients you trust",
     )
     http.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="no /docs, /redoc or /openapi.json (404), as vLLM's flag",
+    )
+    http.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="every response carries an X-Request-Id header: the request's own, else a fresh one "
+        "(vLLM's flag; a request's X-Request-Id is always echoed)",
+    )
+    http.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every streamed chat or completion ends with its usage chunk, as if stream_options "
+        "set include_usage (vLLM's flag)",
+    )
+    http.add_argument(
         "--api-server-count",
         type=_int_at_least(1),
         default=None,

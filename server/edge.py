@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 from fastapi import HTTPException
@@ -53,8 +54,16 @@ class EdgeGuard:
     for a body over `max_body_bytes`: by its Content-Length before anything is read, and for a
     chunked body as soon as the bytes received pass the limit."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        metrics: Metrics,
+        request_id_headers: bool = False,
+    ) -> None:
         self.app = app
+        self.request_id_headers = request_id_headers
         self.api_key = api_key.encode() if api_key is not None else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
@@ -87,12 +96,14 @@ class EdgeGuard:
             return message
 
         request_id = headers.get(b"x-request-id")
+        if request_id is None and self.request_id_headers:  # vLLM's --enable-request-id-headers: a fresh one
+            request_id = uuid.uuid4().hex.encode()
 
         async def send_started(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                if request_id is not None:  # echoed, as vLLM's --enable-request-id-headers does
+                if request_id is not None:  # echoed, as vLLM does
                     message = {
                         **message,
                         "headers": [*message.get("headers", []), (b"x-request-id", request_id)],

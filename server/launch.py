@@ -229,6 +229,9 @@ def http_server(
         max_log_len=getattr(args, "max_log_len", None),
         image_limit=(getattr(args, "limit_mm_per_prompt", None) or {}).get("image"),
         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        force_include_usage=getattr(args, "enable_force_include_usage", False),
+        request_id_headers=getattr(args, "enable_request_id_headers", False),
+        api_docs=not getattr(args, "disable_fastapi_docs", False),
     )
     server = DrainingServer(config, client, float(args.shutdown_timeout), peers, ignore_sigint)
     freeze_startup_heap("HTTP process")

@@ -172,6 +172,7 @@ async def prepare_chat(
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
+    ctx.force_usage(req)
     model = ctx.resolve_model(req.model)
     if req.use_beam_search:
         from .beam_search import beam_params, beam_search_chat

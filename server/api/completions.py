@@ -111,6 +111,7 @@ class _Choice:
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
+    ctx.force_usage(req)
     model = ctx.resolve_model(req.model)
     prompts = []
     truncating = req.truncate_prompt_tokens is not None

@@ -115,6 +115,7 @@ class ServerContext:
     max_log_len: int | None = None  # ... showing at most this many of the prompt's ids
     image_limit: int | None = None  # --limit-mm-per-prompt's "image"
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered
+    force_include_usage: bool = False  # every stream ends with its usage chunk (vLLM's flag)
 
     def __post_init__(self) -> None:
         self.tokenizer: Any = self.client.tokenizer
@@ -150,6 +151,15 @@ class ServerContext:
         return await asyncio.get_running_loop().run_in_executor(
             self._prompt_worker, functools.partial(fn, *args)
         )
+
+    def force_usage(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        """With --enable-force-include-usage, a streamed request ends with its usage chunk, as if
+        its stream_options set include_usage (vLLM's meaning)."""
+        if self.force_include_usage and req.stream:
+            from ..protocol import StreamOptions
+
+            given = req.stream_options or StreamOptions()
+            req.stream_options = given.model_copy(update={"include_usage": True})
 
     def resolve_model(self, name: str | None) -> str:
         """The name a reply reports: the request's own where it is one of the served names (as vLLM
