@@ -237,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer", type=_checkpoint, default=None, help="tokenizer folder or repo id, if not the model's"
     )
     model.add_argument(
+        "--tokenizer-revision",
+        default=None,
+        metavar="REV",
+        help="the branch, tag or commit of the tokenizer's repo id: --tokenizer's, else the model's "
+        "(its tokenizer files at REV, its weights at --revision); default: main (vLLM's flag)",
+    )
+    model.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
         default="auto",

@@ -384,7 +384,7 @@ def _served_names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def _engine_config(args: argparse.Namespace) -> Any:
-    from deltaserve.models.checkpoints.hub import CheckpointNotFound, resolve_checkpoint
+    from deltaserve.models.checkpoints.hub import CheckpointNotFound, is_repo_id, resolve_checkpoint
 
     model, tokenizer = args.model, args.tokenizer
     try:  # a repo id's files: from the Hub's cache, fetched first where they are not there
@@ -392,8 +392,11 @@ def _engine_config(args: argparse.Namespace) -> Any:
             model = resolve_checkpoint(
                 model, args.revision, args.download_dir, weights=args.load_format != "dummy"
             )
+        tokenizer_revision = getattr(args, "tokenizer_revision", None)
+        if tokenizer is None and tokenizer_revision is not None and is_repo_id(args.model or ""):
+            tokenizer = args.model  # vLLM's: the model repo's tokenizer files at that revision
         if tokenizer is not None:
-            tokenizer = resolve_checkpoint(tokenizer, None, args.download_dir, weights=False)
+            tokenizer = resolve_checkpoint(tokenizer, tokenizer_revision, args.download_dir, weights=False)
     except CheckpointNotFound as exc:
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -401,7 +404,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         from deltaserve.models.checkpoints.loader import require_tokenizer
 
         try:
-            require_tokenizer(tokenizer, f"--tokenizer {args.tokenizer!r}")
+            require_tokenizer(tokenizer, f"--tokenizer {args.tokenizer or args.model!r}")
         except ValueError as exc:
             print(f"deltaserve serve: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None

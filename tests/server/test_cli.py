@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -254,6 +255,37 @@ def test_enable_expert_parallel_reaches_the_engine_config(builtin_path: str) -> 
     assert (
         _engine_config(parser.parse_args([*base, "--enable-expert-parallel"])).enable_expert_parallel is True
     )
+
+
+def test_tokenizer_revision_picks_the_tokenizers_snapshot(
+    builtin_path: str, tmp_path: Path, monkeypatch
+) -> None:
+    """vLLM's --tokenizer-revision: --tokenizer's repo at that revision, or without --tokenizer the
+    model repo's tokenizer files at it (its weights staying at --revision)."""
+    import huggingface_hub.constants
+
+    from deltaserve.server.launch import _engine_config
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the cache only
+    cache = tmp_path / "hub"
+    for commit, ref in (("1" * 40, "main"), ("2" * 40, "v2")):  # the Hub cache's layout
+        shutil.copytree(builtin_path, cache / "models--acme--tiny" / "snapshots" / commit)
+        (cache / "models--acme--tiny" / "refs").mkdir(exist_ok=True)
+        (cache / "models--acme--tiny" / "refs" / ref).write_text(commit)
+    snapshot = str(cache / "models--acme--tiny" / "snapshots")
+    parser = build_parser()
+    base = ["serve", "--device", "cpu", "--download-dir", str(cache)]
+    given = parser.parse_args(
+        [*base, "--model", builtin_path, "--tokenizer", "acme/tiny", "--tokenizer-revision", "v2"]
+    )
+    assert _engine_config(given).tokenizer == f"{snapshot}/{'2' * 40}"
+    assert _engine_config(
+        parser.parse_args([*base, "--model", builtin_path, "--tokenizer", "acme/tiny"])
+    ).tokenizer == (f"{snapshot}/{'1' * 40}")
+    model_repo = _engine_config(
+        parser.parse_args([*base, "--model", "acme/tiny", "--tokenizer-revision", "v2"])
+    )
+    assert model_repo.model == f"{snapshot}/{'1' * 40}" and model_repo.tokenizer == f"{snapshot}/{'2' * 40}"
 
 
 @pytest.mark.parametrize("given,dtype", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")])
