@@ -22,6 +22,7 @@ class EngineConfig:
     model: str
     served_model_name: str | None = None
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False  # vLLM's: no tokenizer loaded, token-id prompts and outputs only
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     device: str | None = None  # None: cuda when available
     max_running_requests: int | None = None  # None: 256 on CUDA, 64 on CPU (clamped to what memory holds)

@@ -82,7 +82,7 @@ def build_model_parts(config: EngineConfig, device: torch.device, groups: RankGr
         config, device, groups.tp if groups is not None else (config.tensor_parallel or SINGLE)
     )
     vocab_size = int(loaded.config.vocab_size)
-    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
     eos_token_ids = eos_token_ids_of(config.model, loaded.config, tokenizer)
     runner = ModelRunner(config, loaded, device, groups)
     max_model_len = runner.sizes.max_model_len

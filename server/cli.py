@@ -237,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer", type=_checkpoint, default=None, help="tokenizer folder or repo id, if not the model's"
     )
     model.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer (vLLM's flag): prompts are token ids and outputs carry token ids "
+        "with empty text; chat, text prompts and stop strings are a 400",
+    )
+    model.add_argument(
         "--tokenizer-revision",
         default=None,
         metavar="REV",

@@ -204,7 +204,7 @@ def http_server(
             load = SharedLoad(load_path(handles[0].ipc_dir), shared.index, shared.count, len(handles))
     client = EngineClient(
         handles,
-        load_tokenizer(tokenizer),
+        None if getattr(args, "skip_tokenizer_init", False) else load_tokenizer(tokenizer),
         Metrics(names[0]),
         getattr(args, "load_balance_method", "cache_aware"),
         routes,
@@ -449,6 +449,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
             load_format=args.load_format,
             quantization=args.quantization,
             tokenizer=tokenizer,
+            skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
             speculative_config=args.speculative_config,
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=args.data_parallel_size,

@@ -1,6 +1,6 @@
-"""vLLM's HTTP flags that a `vllm serve` command line carries: --disable-fastapi-docs,
---enable-request-id-headers and --enable-force-include-usage, on a real server through the
-official openai client."""
+"""vLLM's flags that a `vllm serve` command line carries and that change what the server answers:
+--disable-fastapi-docs, --enable-request-id-headers, --enable-force-include-usage and
+--skip-tokenizer-init, on a real server through the official openai client."""
 
 from __future__ import annotations
 
@@ -82,3 +82,17 @@ def test_force_include_usage_ends_every_stream_with_usage(oai: openai.OpenAI) ->
         )
     )
     assert off[-1].usage is not None and off[-1].usage.total_tokens == off[-1].usage.prompt_tokens + 2
+
+
+def test_skip_tokenizer_init_serves_token_ids_alone(spawn_server) -> None:
+    server = spawn_server("--max-model-len", "256", "--skip-tokenizer-init")
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as oai:
+        out = oai.completions.create(
+            model=MODEL_NAME, prompt=[3, 17, 42, 5], max_tokens=3, extra_body={"ignore_eos": True}
+        )
+        assert out.choices[0].text == "" and out.usage is not None
+        assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 3
+        with pytest.raises(openai.BadRequestError, match="without a tokenizer"):
+            oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.BadRequestError, match="without a tokenizer"):
+            oai.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2)
