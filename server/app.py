@@ -86,6 +86,7 @@ def build_app(
     force_include_usage: bool = False,
     request_id_headers: bool = False,
     api_docs: bool = True,
+    chat_template_content_format: str = "auto",
 ) -> FastAPI:
     """The app for one engine client; the client's engine thread runs for the app's lifespan.
     `api_key` guards /v1, /generate, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413.
@@ -95,7 +96,8 @@ def build_app(
     `trust_request_chat_template`: a chat request's own `chat_template` is rendered, not a 400.
     `force_include_usage`: every streamed chat or completion ends with its usage chunk.
     `request_id_headers`: every response carries X-Request-Id, a fresh one where the request gave none.
-    `api_docs`: /docs, /redoc and /openapi.json are served."""
+    `api_docs`: /docs, /redoc and /openapi.json are served.
+    `chat_template_content_format`: how messages' content reaches the chat template (auto, string, openai)."""
     metrics = engine_client.metrics or Metrics(model_names[0])
     engine_client.metrics = metrics
     ctx = ServerContext(
@@ -111,6 +113,7 @@ def build_app(
         image_limit,
         trust_request_chat_template,
         force_include_usage,
+        chat_template_content_format,
     )
 
     @asynccontextmanager
@@ -348,6 +351,7 @@ def build_app(
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 template_kwargs=body.chat_template_kwargs,
+                content_format=ctx.content_format,
             )
             return ctx.encode(text)
 

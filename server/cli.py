@@ -617,6 +617,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Jinja chat template to use instead of the tokenizer's: a file, or the template itself",
     )
     http.add_argument(
+        "--chat-template-content-format",
+        choices=["auto", "string", "openai"],
+        default="auto",
+        help="how a message's content reaches the chat template (vLLM's flag): auto and string join its "
+        "text parts into a string (a message with images stays a list of parts), openai always a list "
+        "of parts ([{'type': 'text', 'text': ...}]), for templates that iterate content",
+    )
+    http.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="render a chat request's own chat_template (Jinja, sandboxed) instead of refusing it "

@@ -232,6 +232,7 @@ def http_server(
         force_include_usage=getattr(args, "enable_force_include_usage", False),
         request_id_headers=getattr(args, "enable_request_id_headers", False),
         api_docs=not getattr(args, "disable_fastapi_docs", False),
+        chat_template_content_format=getattr(args, "chat_template_content_format", "auto"),
     )
     server = DrainingServer(config, client, float(args.shutdown_timeout), peers, ignore_sigint)
     freeze_startup_heap("HTTP process")

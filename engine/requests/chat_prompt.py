@@ -19,6 +19,8 @@ class ChatTemplateError(ValueError):
 
 
 IMAGE_PARTS = ("image_url", "image")
+# vLLM's --chat-template-content-format: auto and string join text parts, openai keeps parts
+CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:
@@ -36,11 +38,16 @@ def _part_text(part: dict[str, Any]) -> str | None:
     return part.get("text") if part.get("type") == "text" else part.get("refusal")
 
 
-def template_message(message: dict[str, Any]) -> dict[str, Any]:
+def template_message(message: dict[str, Any], content_format: str = "auto") -> dict[str, Any]:
     """A message as chat templates read it: `developer` as `system`, text parts joined by newlines,
-    content never None (templates test it with `in`), tool calls' JSON arguments as mappings."""
+    content never None (templates test it with `in`), tool calls' JSON arguments as mappings.
+    `content_format` "openai": the content always as a list of parts, a string as one text part."""
     content = message.get("content")
-    if isinstance(content, list) and any(part.get("type") in IMAGE_PARTS for part in content):
+    if content_format == "openai" and not isinstance(content, list):
+        content = [] if content is None else [{"type": "text", "text": content}]
+    if isinstance(content, list) and (
+        content_format == "openai" or any(part.get("type") in IMAGE_PARTS for part in content)
+    ):
         # parts in order, as templates that write images read them (Qwen3.5's: {"type": "image"})
         content = [
             {"type": "image"}
@@ -53,7 +60,7 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
         content = "\n".join(t for t in texts if t is not None)
     out: dict[str, Any] = {
         "role": "system" if message["role"] == "developer" else message["role"],
-        "content": content or "",
+        "content": content if isinstance(content, list) else content or "",
     }
     for key in ("name", "tool_call_id", "reasoning_content"):
         if message.get(key) is not None:
@@ -99,6 +106,7 @@ def render_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> str:
     """The prompt text of `messages`. `continue_final_message`: the text ends with the last
     message's content, its turn left open (no end-of-turn marker), so the model goes on writing that
@@ -116,7 +124,7 @@ def render_prompt(
 
     try:
         return tokenizer.apply_chat_template(
-            [template_message(m) for m in messages],
+            [template_message(m, content_format) for m in messages],
             tools=tools or None,
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
@@ -161,6 +169,7 @@ def unrepeated_tail(
     template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> int:
     """Where in `prompt` (`messages` rendered with the generation prompt) the conversation's next
     request stops repeating it: the part of the generation prompt that the template does not
@@ -175,6 +184,7 @@ def unrepeated_tail(
             tools=tools,
             add_generation_prompt=False,
             template_kwargs=template_kwargs,
+            content_format=content_format,
         )
     except ChatTemplateError:
         return len(prompt)
@@ -202,6 +212,7 @@ def shared_head_tokens(
     template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> int:
     """How many of `prompt_ids`' first tokens every conversation with `messages`' system (or
     developer) message and tools begins with: those, then an empty user message, rendered without
@@ -216,6 +227,7 @@ def shared_head_tokens(
             tools=tools,
             add_generation_prompt=False,
             template_kwargs=template_kwargs,
+            content_format=content_format,
         )
     except ChatTemplateError:
         return 0

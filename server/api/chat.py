@@ -87,6 +87,7 @@ async def prepare_chat(
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
+            content_format=ctx.content_format,
         )
         if req.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
             ctx.refuse_overlong(text, "messages")
@@ -100,13 +101,14 @@ async def prepare_chat(
                 template=template,
                 tools=tools,
                 template_kwargs=req.chat_template_kwargs,
+                content_format=ctx.content_format,
             )
             tail = tail_tokens(ids, text, start, ctx.encode)
         shared = 0  # the prompt's first tokens that other conversations send too
         if not req.continue_final_message:
             shared = shared_head_tokens(
                 ctx.need_tokenizer(), req.messages, ids, ctx.encode, template=template, tools=tools,
-                template_kwargs=req.chat_template_kwargs,
+                template_kwargs=req.chat_template_kwargs, content_format=ctx.content_format,
             )  # fmt: skip
         return text, ids, tail, shared, tool_instructions(text)
 
@@ -122,6 +124,7 @@ async def prepare_chat(
                 template=template,
                 tools=tools,
                 template_kwargs=req.chat_template_kwargs,
+                content_format=ctx.content_format,
             )
         except APIError:  # a template that wants more than one message: the prompt itself
             return text

@@ -116,6 +116,7 @@ class ServerContext:
     image_limit: int | None = None  # --limit-mm-per-prompt's "image"
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered
     force_include_usage: bool = False  # every stream ends with its usage chunk (vLLM's flag)
+    content_format: str = "auto"  # openai: messages' content reaches the template as a list of parts
 
     def __post_init__(self) -> None:
         self.tokenizer: Any = self.client.tokenizer

@@ -32,7 +32,7 @@ def load_chat_template(source: str | None) -> str | None:
 READ_PARTS = ("text", "refusal", "image_url")
 
 
-def message_to_dict(message: ChatMessage, index: int = 0) -> dict[str, Any]:
+def message_to_dict(message: ChatMessage, index: int = 0, content_format: str = "auto") -> dict[str, Any]:
     """The message as its chat template reads it (`template_message`, an image part as the
     template's `{"type": "image"}`); a content part the server cannot read (audio, a file) is a
     400 naming it, not dropped."""
@@ -50,7 +50,7 @@ def message_to_dict(message: ChatMessage, index: int = 0) -> dict[str, Any]:
                     f"{where}.type",
                 )
     try:
-        return template_message(message.model_dump(exclude_none=True))
+        return template_message(message.model_dump(exclude_none=True), content_format)
     except ChatTemplateError as exc:  # a malformed part of this message: named where it is
         raise bad_request(f"messages[{index}].{exc}", f"messages.{index}.{exc.param}") from exc
 
@@ -78,18 +78,20 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> str:
     """The prompt text (`render_prompt`); what cannot render (no template, a role the template
     refuses) is a 400."""
     try:
         return render_prompt(
             tokenizer,
-            [message_to_dict(m, i) for i, m in enumerate(messages)],
+            [message_to_dict(m, i, content_format) for i, m in enumerate(messages)],
             template=template,
             tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             template_kwargs=template_kwargs,
+            content_format=content_format,
         )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), exc.param) from exc
@@ -103,15 +105,17 @@ def next_turn_start(
     template: str | None = None,
     tools: list[ToolDefinition] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> int:
     """Where the conversation's next request stops repeating `prompt` (`unrepeated_tail`)."""
     return unrepeated_tail(
         tokenizer,
-        [message_to_dict(m, i) for i, m in enumerate(messages)],
+        [message_to_dict(m, i, content_format) for i, m in enumerate(messages)],
         prompt,
         template=template,
         tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
         template_kwargs=template_kwargs,
+        content_format=content_format,
     )
 
 
@@ -124,15 +128,17 @@ def shared_head_tokens(
     template: str | None = None,
     tools: list[ToolDefinition] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> int:
     """How many of `prompt_ids`' first tokens every conversation with these messages' system prompt
     and tools begins with (`chat_prompt.shared_head_tokens`)."""
     return chat_shared_head_tokens(
         tokenizer,
-        [message_to_dict(m, i) for i, m in enumerate(messages[:1])],
+        [message_to_dict(m, i, content_format) for i, m in enumerate(messages[:1])],
         prompt_ids,
         encode,
         template=template,
         tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
         template_kwargs=template_kwargs,
+        content_format=content_format,
     )

@@ -1,6 +1,6 @@
 """vLLM's flags that a `vllm serve` command line carries and that change what the server answers:
---disable-fastapi-docs, --enable-request-id-headers, --enable-force-include-usage and
---skip-tokenizer-init, on a real server through the official openai client."""
+--disable-fastapi-docs, --enable-request-id-headers, --enable-force-include-usage,
+--chat-template-content-format and --skip-tokenizer-init, on a real server through the official openai client."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ import pytest
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
 pytestmark = pytest.mark.slow  # a server of its own
+# shows how each message's content reached it: a string as S(...), a list as its parts
+PARTS_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}:{% if m.content is string %}S({{ m.content }})"
+    "{% else %}{% for p in m.content %}[{{ p.type }}:{{ p.text }}]{% endfor %}{% endif %}|{% endfor %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +25,7 @@ def url(spawn_module_server) -> str:
     return spawn_module_server(
         "--max-model-len", "256",
         "--disable-fastapi-docs", "--enable-request-id-headers", "--enable-force-include-usage",
+        "--chat-template", PARTS_TEMPLATE, "--chat-template-content-format", "openai",
     ).url  # fmt: skip
 
 
@@ -96,3 +102,19 @@ def test_skip_tokenizer_init_serves_token_ids_alone(spawn_server) -> None:
             oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}])
         with pytest.raises(openai.BadRequestError, match="without a tokenizer"):
             oai.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2)
+
+
+def test_content_format_openai_gives_the_template_lists_of_parts(url: str, oai: openai.OpenAI) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+    ]
+    tokens = httpx.post(f"{url}/tokenize", json={"model": MODEL_NAME, "messages": messages}, timeout=30)
+    assert tokens.status_code == 200, tokens.text
+    ids = tokens.json()["tokens"]
+    text = httpx.post(f"{url}/detokenize", json={"model": MODEL_NAME, "tokens": ids}, timeout=30).json()[
+        "prompt"
+    ]
+    assert text == "system:[text:be brief]|user:[text:one][text:two]|"  # auto: S(be brief), S(one\ntwo)
+    out = oai.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert out.usage is not None and out.usage.prompt_tokens == len(ids)
