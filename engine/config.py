@@ -61,7 +61,8 @@ class EngineConfig:
     # a vision-language checkpoint served as text alone: its vision tower is not loaded
     language_model_only: bool = False
     mem_fraction_static: float = 0.85
-    pool_memory_gb: float | None = None  # CPU: KV and state pools' memory; None: a quarter of what is free
+    # KV and state pools' memory (on CUDA instead of mem_fraction_static); None: CPU a quarter of what is free
+    pool_memory_gb: float | None = None
     num_kv_pages: int | None = None  # overrides the memory-based sizing
     num_snapshot_slots: int | None = None  # radix: default two per running request
     disable_cuda_graph: bool = False

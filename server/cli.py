@@ -83,6 +83,10 @@ def _power_of_two(text: str) -> int:
     return value
 
 
+def _bytes_in_gib(text: str) -> float:
+    return _int_at_least(1)(text) / 2**30
+
+
 def _port(text: str) -> int:
     value = _int_at_least(0)(text)
     if value > 65535:
@@ -377,8 +381,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--pool-memory-gb",
         type=_positive_float,
         default=None,
-        help="CPU device: memory for KV pages and state slots in GiB; default a quarter of the "
-        "memory available at start-up (CUDA sizes its pools with --mem-fraction-static)",
+        help="memory for KV pages and state slots in GiB, on CUDA instead of what "
+        "--mem-fraction-static leaves; default: CPU a quarter of the memory available at start-up",
+    )
+    engine.add_argument(
+        "--kv-cache-memory-bytes",
+        dest="pool_memory_gb",
+        type=_bytes_in_gib,
+        default=None,  # --pool-memory-gb's default stands: the first flag of a dest sets it
+        metavar="BYTES",
+        help="vLLM's: --pool-memory-gb in bytes (its KV cache holds a hybrid model's states too)",
     )
     engine.add_argument(
         "--hf-overrides",

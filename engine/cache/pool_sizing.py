@@ -74,7 +74,8 @@ def plan_pools(
             held = (base - bytes_per_page) // max(per_slot_set, 1)  # with the padding page
             slots = min(slots, int(fit // (1 + per_request)), int(held))
             if slots < 1:
-                flag = "--mem-fraction-static" if device.type == "cuda" else "--pool-memory-gb"
+                cuda_fraction = device.type == "cuda" and config.pool_memory_gb is None
+                flag = "--mem-fraction-static" if cuda_fraction else "--pool-memory-gb"
                 raise ValueError(
                     f"not enough memory for one request: the pools have {_size(budget)}, a state slot "
                     f"takes {_size(bytes_per_slot)} and KV pages for {want_len} tokens {_size(one_request)}; "
@@ -113,14 +114,22 @@ def _size(num_bytes: float) -> str:
 
 
 def _pool_budget(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for the KV and state pools: on CUDA what the weights leave of the static fraction, on
-    CPU `pool_memory_gb` or a share of the memory available now."""
+    """Bytes for the KV and state pools: `pool_memory_gb` where given (vLLM's kv_cache_memory_bytes:
+    on CUDA it replaces the static fraction), else on CUDA what the weights leave of the static
+    fraction, on CPU a share of the memory available now."""
+    if config.pool_memory_gb is not None:
+        budget = int(config.pool_memory_gb * 2**30)
+        free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else budget
+        if budget > free:  # the pools would fail to allocate, or leave nothing for activations
+            raise ValueError(
+                f"the pools were given {_size(budget)} (--pool-memory-gb, --kv-cache-memory-bytes), "
+                f"more than the {_size(free)} the GPU has free after the weights"
+            )
+        return budget
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         total = torch.cuda.get_device_properties(device).total_memory
         return int(free - total * (1.0 - config.mem_fraction_static))
-    if config.pool_memory_gb is not None:
-        return int(config.pool_memory_gb * 2**30)
     # data-parallel replicas start together and see the same memory: each takes its part of the share
     share = _CPU_POOL_SHARE / config.data_parallel_size
     return max(_CPU_POOL_MIN, int(_available_bytes() * share))

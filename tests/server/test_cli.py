@@ -405,6 +405,7 @@ def test_adaptive_prefill_delay_defaults_to_the_device_and_can_be_turned_off() -
         (["-dp", "2"], ["--data-parallel-size", "2"]),  # vLLM's
         (["--mamba-ssm-cache-dtype", "auto"], ["--state-dtype", "float32"]),  # vLLM's
         (["--max-cudagraph-capture-size", "64"], ["--cuda-graph-max-bs", "64"]),  # vLLM's
+        (["--kv-cache-memory-bytes", str(3 * 2**29)], ["--pool-memory-gb", "1.5"]),  # vLLM's
         # the last one wins
         (["--cache-type", "naive", "--enable-prefix-caching"], ["--cache-type", "radix"]),
     ],

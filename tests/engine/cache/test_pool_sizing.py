@@ -89,3 +89,24 @@ def test_cpu_default_follows_available_memory(monkeypatch) -> None:
     cfg = config(max_running_requests=256)
     small = plan_pools(cfg, 64 * 1024, 20 * MIB, 4096, CPU)
     assert small.num_slots < 256 and math.isclose(cfg.max_running_requests, small.num_slots)
+
+
+def test_a_fixed_pool_size_replaces_the_fraction_on_cuda(monkeypatch) -> None:
+    """--pool-memory-gb (vLLM's --kv-cache-memory-bytes) sizes the pools on CUDA too, where the
+    static fraction sized them alone; more than the GPU has free is refused before allocating."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Gpu())
+    gpu = torch.device("cuda", 0)
+    kw = {"model": "unused", "device": "cuda", "max_model_len": 1024, "max_running_requests": 64}
+    fraction = plan_pools(EngineConfig(**kw), 64 * 1024, MIB, 4096, gpu)
+    assert fraction.num_slots == 64  # 28 GiB: 40 free less the 15% of 80 left out
+    cfg = EngineConfig(**kw, pool_memory_gb=100 / 1024)  # as on CPU: 16 requests' slots and pages
+    sizes = plan_pools(cfg, 64 * 1024, MIB, 4096, gpu)
+    assert sizes.num_slots == 16 and cfg.max_running_requests == 16
+    assert (1 + sizes.num_slots + sizes.num_snapshots) * MIB + sizes.num_pages * 64 * 1024 <= 100 * MIB
+    with pytest.raises(ValueError, match="more than the 40.0 GiB the GPU has free"):
+        plan_pools(EngineConfig(**kw, pool_memory_gb=48.0), 64 * 1024, MIB, 4096, gpu)
+
+
+class _Gpu:
+    total_memory = 80 * 2**30
