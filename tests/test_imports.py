@@ -106,6 +106,7 @@ def test_cycle_scan_finds_a_cycle_through_a_lazy_import(tmp_path):
     assert cycles(graph) == [["deltaserve.engine.a", "deltaserve.engine.b", "deltaserve.engine.c"]]
 
 
+@pytest.mark.slow
 def test_engine_has_no_import_cycles():
     mods = module_files()
     graph = {name: imports_of(name, path, mods) for name, path in mods.items()}
@@ -158,6 +159,7 @@ def test_layering_scan_finds_an_engine_import_under_type_checking(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_models_and_kernels_import_nothing_of_the_engine_or_server():
     mods = module_files()
     graph = {name: imports_of(name, path, mods) for name, path in mods.items()}

@@ -88,7 +88,7 @@ def test_piecewise_steps_with_fp8_weights(kind, make_checkpoint, pools_held):
     assert not pools_held(llm)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe", "kimi"])
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe", pytest.param("kimi", marks=pytest.mark.slow)])
 def test_the_recorder_stands_in_for_each_op_with_its_outputs_shape(
     kind, make_checkpoint, tmp_path_factory, kimi_builder, kimi_config
 ):
@@ -134,7 +134,7 @@ class FakeGraph:
         pass
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "kimi"])
+@pytest.mark.parametrize("kind", ["qwen3_next", pytest.param("kimi", marks=pytest.mark.slow)])
 def test_a_capture_cuts_the_forward_at_every_op_and_slices_only_its_activations(
     kind, make_checkpoint, tmp_path_factory, kimi_builder, kimi_config
 ):

@@ -30,7 +30,14 @@ def assert_idle(llm: LLM) -> None:
     assert (s["running"], s["waiting"], s["kv_pages_used"], s["state_slots_used"]) == (0, 0, 0, 0), s
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_5"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "qwen3_next",
+        *(pytest.param(k, marks=pytest.mark.slow) for k in ("qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl")),
+        "qwen3_5",
+    ],
+)
 def test_greedy_matches_transformers(kind, make_checkpoint, hf_reference):
     path = make_checkpoint(kind)
     prompts = random_prompts(160, LENGTHS, seed=hash(kind) % 1000)

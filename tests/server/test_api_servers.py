@@ -22,6 +22,9 @@ from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
 from .test_engine_process import FailingEngine, children_of, stream_events, wait_for
 
+# Servers of several HTTP processes, started per test
+pytestmark = pytest.mark.slow
+
 TWO = ("--api-server-count", "2", "--max-model-len", "512")
 
 
@@ -146,7 +149,6 @@ def test_every_http_process_checks_the_api_key(spawn_server) -> None:
     assert with_key.status_code == 200
 
 
-@pytest.mark.slow
 def test_killed_engine_fails_requests_and_health_in_every_process(spawn_server) -> None:
     server = spawn_server(*TWO)
     _, engine = pids_from_log(server)
@@ -173,7 +175,6 @@ def test_killed_engine_fails_requests_and_health_in_every_process(spawn_server) 
             assert http.get(f"{server.url}/health").status_code == 503
 
 
-@pytest.mark.slow
 def test_sigterm_drains_every_http_process(spawn_server) -> None:
     server = spawn_server(*TWO)
     pids, engine = pids_from_log(server)
@@ -367,7 +368,6 @@ def test_an_abort_through_one_process_ends_what_the_other_still_prepared() -> No
     assert running == {"job-2", "other-1"}
 
 
-@pytest.mark.slow
 def test_a_lost_http_process_stops_the_server_with_an_error(spawn_server) -> None:
     server = spawn_server(*TWO)
     (_, second), engine = pids_from_log(server)
@@ -391,7 +391,6 @@ def test_default_count_is_two_beside_a_cuda_engine_with_cores_for_them() -> None
     assert default_api_server_count("cpu", 64, engines=4) == 1
 
 
-@pytest.mark.slow
 def test_a_request_sent_after_abort_all_returns_is_not_aborted(spawn_server) -> None:
     """abort_all answers once the engine has applied it: a request sent after the answer, on
     another connection (often the other HTTP process's), runs to its end; it could be read first

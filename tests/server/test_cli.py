@@ -337,6 +337,7 @@ def test_unknown_gemv_mode_stops_serve_with_one_line() -> None:
     assert "Traceback" not in result.stderr and "DELTASERVE_GEMV" in lines[-1], result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, says",
     [
@@ -571,6 +572,7 @@ def test_model_cards_speculative_lines_give_the_mtp_drafter() -> None:
     )
 
 
+@pytest.mark.slow
 def test_requests_are_logged_only_when_asked(spawn_server, server) -> None:
     """--enable-log-requests: one line a request with its prompt's first ids (--max-log-len) and the
     parameters it sets; without the flag, no such line."""
@@ -586,6 +588,7 @@ def test_requests_are_logged_only_when_asked(spawn_server, server) -> None:
     assert not [line for line in server.log().splitlines() if "prompt tokens [" in line]
 
 
+@pytest.mark.slow
 def test_a_server_on_a_unix_socket(spawn_server, tmp_path: Path) -> None:
     """--uds: the API on a Unix socket (through the openai client), nothing on the TCP port, and
     the socket file gone once the server stops."""
@@ -604,6 +607,7 @@ def test_a_server_on_a_unix_socket(spawn_server, tmp_path: Path) -> None:
     assert server.stop() == 0 and not os.path.exists(path)
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_load_stops_start_up_with_its_error_last(builtin_path: str) -> None:
     """The engine process's load failure is the last line; no warning of what the engine process
     left behind follows it (the server waits for that process to clean up)."""
@@ -614,6 +618,7 @@ def test_a_model_that_cannot_load_stops_start_up_with_its_error_last(builtin_pat
     assert "leaked" not in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_max_model_len_past_the_models_positions_stops_serve_before_it_loads(builtin_path: str) -> None:
     """One line and exit 2 from config.json, as vLLM refuses it (it used to be exit 1 once the
     weights had loaded)."""
@@ -626,6 +631,7 @@ def test_a_max_model_len_past_the_models_positions_stops_serve_before_it_loads(b
     assert "loading the weights" not in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_size_the_heads_do_not_divide_stops_serve_before_any_rank(
     builtin_path: str,
 ) -> None:
@@ -641,6 +647,7 @@ def test_a_tensor_parallel_size_the_heads_do_not_divide_stops_serve_before_any_r
         assert started not in result.stderr.replace(last, ""), result.stderr
 
 
+@pytest.mark.slow
 def test_mtp_speculation_without_the_weights_stops_serve_before_it_loads(builtin_path: str) -> None:
     """One line and exit 2 from the safetensors headers (it used to be exit 1 once the model's
     weights had loaded and the MTP layer's were looked for)."""
@@ -652,6 +659,7 @@ def test_mtp_speculation_without_the_weights_stops_serve_before_it_loads(builtin
     assert "loading the weights" not in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_tokenizer_folder_without_a_tokenizer_stops_serve_with_one_line(
     builtin_path: str, tmp_path: Path
 ) -> None:
@@ -663,6 +671,7 @@ def test_a_tokenizer_folder_without_a_tokenizer_stops_serve_with_one_line(
     assert "loading the weights" not in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_an_engine_on_cpu_does_not_import_triton(builtin_path: str) -> None:
     """Triton is for CUDA kernels: a CPU engine neither pays for its import nor prints its
     bindings' leak report at exit."""

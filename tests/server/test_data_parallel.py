@@ -21,6 +21,9 @@ from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 from .test_api_servers import gone
 from .test_engine_process import children_of, stream_events, wait_for
 
+# Servers of several engine processes, started per test
+pytestmark = pytest.mark.slow
+
 DP = ("--data-parallel-size", "2", "--max-model-len", "512")
 
 
@@ -285,7 +288,6 @@ def test_a_batch_that_one_engine_refuses_is_refused_whole(spawn_server, until_id
     assert same.status_code == 200 and len(same.json()["choices"]) == 3
 
 
-@pytest.mark.slow
 def test_one_engines_death_fails_its_own_requests_and_health(spawn_server) -> None:
     server = spawn_server(*DP)
     pids = engine_pids(server)
@@ -307,7 +309,6 @@ def test_one_engines_death_fails_its_own_requests_and_health(spawn_server) -> No
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
 
 
-@pytest.mark.slow
 def test_replicas_of_two_tensor_parallel_ranks_each(spawn_server, server) -> None:
     """-dp 2 -tp 2 on CPU: two engines, each with its own worker rank and rendezvous (gloo)."""
     dp_tp = spawn_server(*DP, "--tensor-parallel-size", "2", "--device", "cpu")

@@ -21,6 +21,9 @@ from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
 from .conftest import app_in_thread
 
+# Engine processes started, and killed, per test
+pytestmark = pytest.mark.slow
+
 
 def children_of(pid: int) -> list[int]:
     kids: list[int] = []
@@ -85,7 +88,6 @@ def test_engine_runs_in_its_own_process(server) -> None:
     assert rss[pid] > 0
 
 
-@pytest.mark.slow
 def test_256_concurrent_streams_complete_and_health_stays_quick(server, until_idle) -> None:
     body = {
         "model": MODEL_NAME,
@@ -140,7 +142,6 @@ def test_256_concurrent_streams_complete_and_health_stays_quick(server, until_id
     until_idle(server.url)
 
 
-@pytest.mark.slow
 def test_killed_engine_fails_requests_in_flight_and_health(spawn_server) -> None:
     server = spawn_server("--max-model-len", "512")
     assert server.proc is not None
@@ -166,7 +167,6 @@ def test_killed_engine_fails_requests_in_flight_and_health(spawn_server) -> None
     assert httpx.get(f"{server.url}/metrics").status_code == 200
 
 
-@pytest.mark.slow
 def test_shutdown_deadline_ends_every_request_with_an_error_and_drains_with_503(spawn_server) -> None:
     server = spawn_server("--max-model-len", "2048", "--shutdown-timeout", "2")
     assert server.proc is not None
@@ -530,7 +530,6 @@ def test_budget_flags_reach_the_engine(flag: str) -> None:
     assert getattr(args, flag[2:].replace("-", "_")) == 2048
 
 
-@pytest.mark.slow
 def test_more_slots_than_fit_start_with_what_fits_and_say_so(spawn_server, read_metrics) -> None:
     server = spawn_server(
         "--max-model-len", "512", "--max-running-requests", "100000", "--pool-memory-gb", "0.05"
@@ -546,7 +545,6 @@ def test_more_slots_than_fit_start_with_what_fits_and_say_so(spawn_server, read_
     assert r.status_code == 200
 
 
-@pytest.mark.slow
 def test_engine_process_ends_when_the_server_is_killed(spawn_server) -> None:
     server = spawn_server("--max-model-len", "2048")
     assert server.proc is not None
@@ -574,7 +572,6 @@ def _ignore(fn, url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
         pass  # the server was killed under it
 
 
-@pytest.mark.slow
 def test_the_engine_logs_its_stats_while_it_works(spawn_server) -> None:
     logged = spawn_server("--max-model-len", "512", "--log-stats-interval", "0.3")
     quiet = spawn_server("--max-model-len", "512", "--log-stats-interval", "0.3", "--disable-log-stats")

@@ -20,6 +20,7 @@ from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 LONG = {"max_tokens": 400, "ignore_eos": True}
 
 
+@pytest.mark.slow
 def test_32_concurrent_streaming_clients(base_url, server, until_idle) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int, int]:
         stream = await client.chat.completions.create(

@@ -395,6 +395,7 @@ def sse_data(lines: list[str]) -> list[str]:
     return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_request_failed_by_the_engine_ends_alone(failing_url: str, path: str) -> None:
     body = {"model": "failing", "max_tokens": 20, "seed": 13}

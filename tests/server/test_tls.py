@@ -14,6 +14,9 @@ import pytest
 
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
+# Servers of its own, started over TLS
+pytestmark = pytest.mark.slow
+
 TLS = Path(__file__).parent / "tls"
 KEY = "sk-tls-test"
 

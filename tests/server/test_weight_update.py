@@ -18,6 +18,9 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 
+# Servers of its own, and a checkpoint written per update
+pytestmark = pytest.mark.slow
+
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0, "ignore_eos": True}
 LONG = 200  # tokens: a stream still running when the update and the next request arrive

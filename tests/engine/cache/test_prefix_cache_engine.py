@@ -13,6 +13,9 @@ from deltaserve.engine.cache.cache_policy import POLICIES
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.requests.outputs import RequestOutput
 
+# Many engine runs each held to a cache-less one (tests/engine/cache/test_radix_cache.py stays fast)
+pytestmark = pytest.mark.slow
+
 VOCAB = 160
 PAGE = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -201,7 +204,6 @@ def test_small_pools_evict_and_still_match(path):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.slow
 def test_every_policy_gives_the_same_outputs(path, policy):
     batches = shared_prefix(6)
     want = tokens(run(make_llm(path, "naive", 32), batches))

@@ -167,7 +167,10 @@ POOL_PAGES = 64
 
 
 @pytest.mark.parametrize("policy", ["marconi", "branch_lru", "every_chunk_lru"])
-@pytest.mark.parametrize("ps,seed", [(1, 0), (2, 1), (4, 2)])
+@pytest.mark.parametrize(
+    "ps,seed",
+    [pytest.param(1, 0, marks=pytest.mark.slow), (2, 1), pytest.param(4, 2, marks=pytest.mark.slow)],
+)
 def test_randomized_against_reference(policy: str, ps: int, seed: int) -> None:
     rng = random.Random(seed)
     cache = make_cache(policy, ps=ps, pages=POOL_PAGES + 1, snaps=8, max_tentative=2)

@@ -15,6 +15,9 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.engine.errors import EngineDeadError
 from deltaserve.models.layers.common import Experts
 
+# Tensor parallelism: ranks spawned as processes (tests/models/test_tensor_parallel.py stays fast)
+pytestmark = pytest.mark.slow
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
@@ -102,7 +105,6 @@ def qwen(make_checkpoint) -> str:
     return make_checkpoint("qwen3_5")
 
 
-@pytest.mark.slow
 def test_tp2_greedy_equals_tp1_and_transformers(qwen, hf_reference, pools_held):
     # mixed lengths, two prompts longer than a 32-token prefill chunk
     prompts = prompts_of([5, 40, 17, 100], seed=1)
@@ -118,7 +120,6 @@ def test_tp2_greedy_equals_tp1_and_transformers(qwen, hf_reference, pools_held):
         assert llm.engine.model_info["num_params"] == num_params
 
 
-@pytest.mark.slow
 def test_radix_hit_at_tp2_reads_the_cached_state_on_every_rank(qwen):
     shared = prompts_of([96], seed=2)[0]
     first, second = shared + [3, 4, 5], shared + [9, 8, 7, 6]
@@ -131,7 +132,6 @@ def test_radix_hit_at_tp2_reads_the_cached_state_on_every_rank(qwen):
         assert_ranks_agree(llm)
 
 
-@pytest.mark.slow
 def test_a_write_not_replayed_changes_what_rank_0_computes(qwen):
     """A writer that forgets to record: rank 0's snapshot copies kept from the workers leave rank
     1 computing a prefix-cache hit from another state, and the hit's first log-probability (which
@@ -161,7 +161,6 @@ def test_a_write_not_replayed_changes_what_rank_0_computes(qwen):
     assert abs(dropped - ref) > 2e-5
 
 
-@pytest.mark.slow
 def test_ngram_speculation_at_tp2(qwen):
     prompts = prompts_of([6, 9, 40], seed=4, repeat=3)  # repeats: the n-gram drafts get accepted
     ref = tp1(qwen, prompts, 20)
@@ -172,7 +171,6 @@ def test_ngram_speculation_at_tp2(qwen):
         assert_ranks_agree(llm)
 
 
-@pytest.mark.slow
 def test_overlap_scheduling_at_tp2(qwen):
     """Decode inputs filled from rank 0's sampled tokens on the device reach the workers."""
     shared = prompts_of([70], seed=5)[0]
@@ -185,7 +183,6 @@ def test_overlap_scheduling_at_tp2(qwen):
         assert_ranks_agree(llm)
 
 
-@pytest.mark.slow
 def test_kimi_linear_at_tp2(small_kimi_checkpoint):
     prompts = prompts_of([7, 50, 23], seed=7)
     ref = tp1(small_kimi_checkpoint, prompts)
@@ -202,7 +199,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
 def test_shutdown_ends_the_workers_and_a_lost_worker_kills_the_engine(qwen):
     llm = make_llm(qwen, 2)
     workers = llm.engine.ranks.workers
@@ -226,7 +222,6 @@ def test_shutdown_ends_the_workers_and_a_lost_worker_kills_the_engine(qwen):
         llm.shutdown()
 
 
-@pytest.mark.slow
 def test_heartbeats_change_nothing_and_a_rank_that_takes_none_is_a_dead_engine(qwen, monkeypatch):
     """An idle rank 0 sends its workers a no-op message every second (the server's loop calls
     `heartbeat`): between and after batches they leave the tokens and every rank's state as they
@@ -270,7 +265,6 @@ def test_heartbeats_change_nothing_and_a_rank_that_takes_none_is_a_dead_engine(q
         llm.shutdown()
 
 
-@pytest.mark.slow
 def test_an_llm_dropped_without_shutdown_ends_its_workers(qwen):
     """vLLM's `del llm; gc.collect()`: the workers stop and the process group goes, so that
     another tensor-parallel LLM starts in this process (the thread that watches the workers held
@@ -321,7 +315,6 @@ def image_prompts() -> list[dict]:
     ]
 
 
-@pytest.mark.slow
 def test_images_at_tp2_equal_tp1(vision_checkpoint, pools_held):
     """Rank 0's vision tower embeds the images and its embeddings reach every rank with the step:
     the tokens of TP = 1 (held to transformers' in tests/models/test_image_input.py), through
@@ -345,7 +338,6 @@ def test_images_at_tp2_equal_tp1(vision_checkpoint, pools_held):
         assert not pools_held(llm)
 
 
-@pytest.mark.slow
 def test_weights_update_on_every_rank(qwen, make_checkpoint):
     """update_weights_from_disk at TP = 2: every rank stages its slice, then all copy, giving TP =
     1's tokens for the new checkpoint; another model's checkpoint is refused on every rank alike."""
@@ -419,7 +411,6 @@ def test_a_node_that_cannot_reach_rank_0_says_so_in_one_line():
     assert "frame #" not in err and "Exception raised from" not in err and "Traceback" not in err, err
 
 
-@pytest.mark.slow
 def test_mtp_speculation_at_tp2(qwen, tmp_path, pools_held):
     """Each rank holds its shard of the MTP layer and replays rank 0's MTP forwards (the fill and
     the chained drafts, with their logits' all-gather): TP = 2 proposes TP = 1's drafts, the
@@ -458,7 +449,6 @@ def qwen_moe(make_checkpoint) -> str:
     return make_checkpoint("qwen3_5_moe")
 
 
-@pytest.mark.slow
 def test_expert_parallel_reaches_every_rank(qwen_moe, hf_reference):
     """LLM(enable_expert_parallel=True): rank 0 and its worker each hold 2 of the 4 experts whole
     (a worker holding width slices instead would sum other parts); greedy tokens equal TP=1's
@@ -569,7 +559,6 @@ NODE_KW = dict(
 )  # fmt: skip
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
 def test_a_worker_exits_in_one_line_once_rank_0_is_gone_or_silent(qwen, tmp_path, sig):
     """Node 1's rank outlives an idle rank 0 that sends it nothing for longer than the liveness
@@ -623,7 +612,6 @@ def test_a_worker_exits_in_one_line_once_rank_0_is_gone_or_silent(qwen, tmp_path
     assert "tensor-parallel rank 1 is exiting: " in line and why in line, line
 
 
-@pytest.mark.slow
 def test_a_worker_stopped_in_a_step_ends_the_engine(qwen, monkeypatch):
     """A worker that stops (SIGSTOP, as a frozen process or an unreachable node) while rank 0's
     step waits on it inside a collective: its counter on the rendezvous store stands still, so the

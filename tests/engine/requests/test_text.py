@@ -163,6 +163,7 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
             assert sent == c.text
 
 
+@pytest.mark.slow
 def test_a_stream_interval_sends_the_first_token_then_groups(tokenized_checkpoint, llm):
     """`stream_interval=3`: a delta request's first output carries its first token, each later
     one three tokens, the last what is left; joined they are the cumulative request's tokens and

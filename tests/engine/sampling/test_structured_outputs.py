@@ -66,6 +66,7 @@ def test_outputs_satisfy_the_schema(llm, temperature):
             json.loads(o.outputs[0].text)
 
 
+@pytest.mark.slow
 def test_json_object_output_is_a_json_object_or_cut_by_length(llm):
     params = SamplingParams(
         temperature=1.0, seed=5, max_tokens=48, structured_outputs=StructuredOutputs(json_object=True)
@@ -80,6 +81,7 @@ def test_json_object_output_is_a_json_object_or_cut_by_length(llm):
             assert c.finish_reason == "length" and len(c.token_ids) == 48
 
 
+@pytest.mark.slow
 def test_mixed_batch_leaves_unconstrained_requests_alone(llm):
     """A constrained request beside plain ones: theirs are the tokens they get alone."""
     plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -124,6 +126,7 @@ def test_overlap_and_speculative_engines(tokenized_checkpoint, pools_held, extra
     assert not pools_held(eng)
 
 
+@pytest.mark.slow
 def test_bad_schemas_are_refused(llm):
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputs()
@@ -425,6 +428,7 @@ def test_regex_choice_and_grammar(llm):
         StructuredOutputs(choice=["a", ""])
 
 
+@pytest.mark.slow
 def test_the_same_grammar_asked_for_meanwhile_is_compiled_once():
     """The engine compiles grammars on several threads: a grammar asked for again while it is
     being compiled waits for that compile (its grammar, or its error) instead of running another."""
@@ -471,6 +475,7 @@ def test_the_same_grammar_asked_for_meanwhile_is_compiled_once():
             assert got[0] is got[1] is got[2]
 
 
+@pytest.mark.slow
 def test_compiled_grammars_are_kept_within_a_memory_bound():
     """Every distinct schema compiles to its own grammar (about half a MB with Qwen's vocabulary):
     they were all kept, twice (deltaserve's cache and xgrammar's), so a server that saw new schemas

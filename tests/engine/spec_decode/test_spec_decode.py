@@ -141,6 +141,7 @@ def test_committed_state_equals_plain_decoding(model_path):
                 torch.testing.assert_close(state, plain[n][name], rtol=1e-5, atol=1e-5, msg=f"{name} at {n}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "page, k, right, at, window",
     [
@@ -189,6 +190,7 @@ def test_cache_hit_on_a_boundary_crossed_inside_a_window(
     assert out.outputs[0].token_ids == cold
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "page, k, length, new, how",
     [
@@ -250,6 +252,7 @@ def count_state_copies(llm: LLM) -> list[int]:
     return copies
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache_type", ["radix", "naive"])
 @pytest.mark.parametrize(
     "page, k, right, length, new, ends_in_window",
@@ -589,6 +592,7 @@ def test_masks_that_empty_a_drafts_row_fail_the_request(make_checkpoint):
     assert llm.engine.stats()["state_slots_used"] == 0
 
 
+@pytest.mark.slow
 def test_uniform_windows_for_verification_graphs(model_path, pools_held):
     """`cuda_graph`: every decoding request verifies exactly k drafts (padded where the n-gram
     lookup finds fewer or none), so that verification batches have one shape; greedy output is

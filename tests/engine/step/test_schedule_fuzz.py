@@ -21,6 +21,9 @@ from deltaserve.engine.engine import Engine
 from deltaserve.engine.requests.sampling_params import SamplingParams
 from deltaserve.engine.step.scheduler import SchedulerOutput
 
+# Random workloads, each request also run alone to compare
+pytestmark = pytest.mark.slow
+
 VOCAB = 160  # the tiny checkpoints' (tests/conftest.py)
 MAX_LEN = 256  # the fuzzed engine's context; its KV pool holds one such request, or a few pages more
 MAX_NEW = 40
@@ -314,7 +317,6 @@ def test_fuzzed_workload_under_pressure(qwen35, seed, features):
         assert stats["spec_accepted_tokens_total"] > stats["spec_draft_tokens_total"] / 3, stats
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi"])
 def test_fuzzed_workloads_every_architecture(kind, remembering_checkpoint):
     path = remembering_checkpoint(kind)

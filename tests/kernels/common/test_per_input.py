@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from deltaserve.kernels.common.per_forward import PerForwardCache, per_input
@@ -52,6 +53,7 @@ def test_caches_are_their_owners_own():
     assert fla_cu_seqlens(cu) is not fla_cu_seqlens(cu)
 
 
+@pytest.mark.slow
 def test_importing_the_kernels_leaves_the_environment_alone():
     env = {k: v for k, v in os.environ.items() if k != "FLA_DISABLE_BACKEND_DISPATCH"}
     code = (

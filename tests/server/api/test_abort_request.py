@@ -14,6 +14,9 @@ import pytest
 
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
+# Long generations held running until they are aborted
+pytestmark = pytest.mark.slow
+
 LONG = {"temperature": 0, "max_new_tokens": 480, "ignore_eos": True}
 
 
@@ -190,7 +193,6 @@ def test_responses_and_messages_named_by_x_request_id_are_aborted_by_it(server, 
     assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
 
 
-@pytest.mark.slow  # a few seconds of tokenization
 def test_a_request_named_while_its_prompt_waits_is_aborted_once_added(server, until_idle) -> None:
     """An /abort_request that names a request while its prompt waits to be tokenized (behind a long
     prompt in the one tokenizing worker) ends it once it reaches the engine, with finish reason

@@ -17,6 +17,9 @@ from deltaserve import LLM, BeamSearchParams
 
 from ..conftest import MAX_MODEL_LEN, MODEL_NAME
 
+# Servers of its own and offline beams to compare (the engine's beam tests stay fast)
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The capital of France is", "Once upon a time"]
 
 

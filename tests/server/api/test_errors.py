@@ -317,6 +317,7 @@ def test_model_folder_is_served_by_its_base_name_and_its_path(spawn_server, buil
         client.completions.create(model=f"{builtin_path}/elsewhere", prompt="hi", max_tokens=2)
 
 
+@pytest.mark.slow
 def test_bad_requests_do_not_disturb_a_running_one(server) -> None:
     body = {"model": MODEL_NAME, "prompt": "steady", "max_tokens": 120, "ignore_eos": True, "stream": True}
     done: dict[str, list[str]] = {}

@@ -120,6 +120,7 @@ def test_a_stream_carries_the_prompt_log_probabilities(server) -> None:
         assert got[1] == want[1] and got[0] == pytest.approx(want[0], abs=1e-4), key
 
 
+@pytest.mark.slow
 def test_token_ids_logprob_at_the_output_and_the_prompt(server, builtin_path) -> None:
     """SGLang's token_ids_logprob: each position's log-probabilities of the asked ids, in their
     order, as the offline engine computes them; the output's own token, asked, is its logprob."""

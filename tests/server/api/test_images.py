@@ -18,6 +18,9 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 
+# A vision server of its own and offline runs to compare (tests/models/test_image_input.py stays fast)
+pytestmark = pytest.mark.slow
+
 PIL = pytest.importorskip("PIL.Image")
 
 

@@ -46,6 +46,7 @@ def test_models_health_version(client, server) -> None:
     assert httpx.get(f"{server.url}/version").json()["version"] == deltaserve.__version__
 
 
+@pytest.mark.slow
 def test_head_is_answered_wherever_get_is(server) -> None:
     """Uptime checkers and some scrapers send HEAD: GET's status and headers, no body."""
     paths = ["/health", "/ping", "/version", "/metrics", "/get_model_info", "/get_weight_version"]
@@ -206,6 +207,7 @@ def test_a_stop_tokens_text_is_the_same_streamed_or_not(client, server, include)
         assert "structured_outputs" not in extra or whole.text.removesuffix("<|im_end|>") == "abc"
 
 
+@pytest.mark.slow
 def test_legacy_top_logprobs_hold_the_chosen_token(client) -> None:
     """OpenAI's legacy completions (and vLLM's) always give the chosen token's logprob among the
     top_logprobs: up to logprobs + 1 entries, streamed as not."""
@@ -402,6 +404,7 @@ def test_continue_final_message_leaves_the_last_turn_open(client, server) -> Non
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
 
 
+@pytest.mark.slow
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, server, max_model_len) -> None:
     def detok(ids: list[int]) -> str:
         return httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
@@ -557,6 +560,7 @@ def test_reset_prefix_cache_drops_what_no_request_holds(client, server) -> None:
         assert after.choices[0].message.content == first.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_prefill_counter_counts_what_the_cache_did_not_serve(client, server, read_metrics) -> None:
     import random
 
@@ -620,6 +624,7 @@ def test_metrics_exposition(client, server, read_metrics) -> None:
     assert read_metrics(server.url)["deltaserve_state_snapshots_used"] == 0
 
 
+@pytest.mark.slow
 def test_metrics_say_where_the_engine_loops_time_goes(client, server, read_metrics) -> None:
     # the wall clock spans both reads, so it holds the engine's time between its two snapshots
     # even when a response is slow to come back
@@ -641,6 +646,7 @@ def test_metrics_say_where_the_engine_loops_time_goes(client, server, read_metri
     assert after["deltaserve_engine_gpu_wait_seconds_total"] == 0  # CPU: no overlapped steps to wait for
 
 
+@pytest.mark.slow
 def test_non_streamed_request_times_its_first_token(client, server, read_metrics) -> None:
     """A non-streamed request gets one output from the engine, at its end; its time to first
     token still comes from when the first token was made, not from when the response was ready."""
@@ -805,6 +811,7 @@ def test_n_copies_find_their_prompt_cached(client, server, read_metrics) -> None
     assert chat(client, **greedy).choices[0].message.content in texts
 
 
+@pytest.mark.slow
 def test_structured_outputs_over_http(client) -> None:
     """response_format json_schema / json_object through the official client: the built-in
     model's random weights give noise unconstrained, and JSON that satisfies the schema here."""
@@ -1060,6 +1067,7 @@ VERDICT = {
 }
 
 
+@pytest.mark.slow
 def test_forced_call_with_a_response_format_answers_the_call(client) -> None:
     """openai-agents' `output_type` with `tool_choice="required"` sends both: the forced call's
     grammar governs this turn, the JSON format is for the text of a later turn."""
@@ -1081,6 +1089,7 @@ def test_forced_call_with_a_response_format_answers_the_call(client) -> None:
         assert call.function.name in ("get_weather", "get_time") and "ok" not in args
 
 
+@pytest.mark.slow
 def test_stream_interval_sends_the_first_token_then_groups(spawn_server, server) -> None:
     """--stream-interval 4: a stream's first chunk carries one token, later ones four (the last
     what is left), with every token's log-probability; the text is the unstreamed request's, and
@@ -1120,6 +1129,7 @@ def test_stream_interval_sends_the_first_token_then_groups(spawn_server, server)
     assert streamed == plain["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_priority_needs_the_priority_policy(client, spawn_server, server) -> None:
     """vLLM's `priority`: under the default fcfs policy anything but 0 is a 400 naming it; a server
     started with --scheduling-policy priority serves it, on chat, completions and responses."""

@@ -20,6 +20,9 @@ from deltaserve.server.text.prompt_bound import chars_per_token
 from ..conftest import app_in_thread
 from .test_scripted_outputs import QWEN3_OUTPUT, ScriptedEngine
 
+# Long prompts tokenized, and a stream held running, to time each refusal against
+pytestmark = pytest.mark.slow
+
 MAX_MODEL_LEN = 256
 
 

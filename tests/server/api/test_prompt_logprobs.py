@@ -13,6 +13,9 @@ import pytest
 
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
+# Prompt logprobs' scoring prefills, on the server (tests/engine/step/test_prompt_logprobs.py stays fast)
+pytestmark = pytest.mark.slow
+
 PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13]
 
 
@@ -140,7 +143,6 @@ def in_process(builtin_path: str) -> Iterator[tuple[str, list[int], list[tuple[s
 LONG = PROMPT * 5  # past two pages: the choices may take it from the prefix cache
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_choices_echo_the_prompt_logprobs_computed_once(in_process, stream: bool) -> None:
     """echo + logprobs with n > 1: every choice echoes n=1's prompt logprobs, which the engine
@@ -171,7 +173,6 @@ def test_n_choices_echo_the_prompt_logprobs_computed_once(in_process, stream: bo
             assert got[name][: len(LONG)] == single[name][: len(LONG)]
 
 
-@pytest.mark.slow
 def test_n_choices_share_vllm_prompt_logprobs_computed_once(in_process) -> None:
     url, rows, _ = in_process
     messages = [{"role": "user", "content": "Hi " * 40}]

@@ -174,6 +174,7 @@ def test_a_turns_reasoning_and_text_stay_with_its_calls(client, base_url: str) -
         assert r.usage.input_tokens == tokens["count"], items
 
 
+@pytest.mark.slow
 def test_forced_function_call_and_json_output(client) -> None:
     r = client.responses.create(
         model=MODEL_NAME,
@@ -208,6 +209,7 @@ def test_forced_function_call_and_json_output(client) -> None:
     assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool)
 
 
+@pytest.mark.slow
 def test_forced_function_call_with_a_text_format(client) -> None:
     """openai-agents' Responses model with `output_type` and `tool_choice="required"`: the forced call
     answers this turn; the JSON `text.format` is for a later turn's text."""
@@ -272,6 +274,7 @@ def test_responses_and_events_hold_every_field_the_sdks_types_require(client) ->
     assert texts and all(e.logprobs == [] for e in texts)
 
 
+@pytest.mark.slow
 def test_stream_sends_each_steps_text_as_it_is_generated(client) -> None:
     """The first delta comes well before the response completes, and the deltas make the final text."""
     start = time.monotonic()

@@ -21,6 +21,9 @@ from deltaserve.server.engine_client import EngineClient
 
 from ..conftest import app_in_thread
 
+# A server started in a thread per test (tests/server/api/test_parsers.py stays fast)
+pytestmark = pytest.mark.slow
+
 TOOLS = [
     {
         "type": "function",

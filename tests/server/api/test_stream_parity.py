@@ -16,6 +16,9 @@ import pytest
 
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
+# Every option of a table asked streamed and whole, on each API
+pytestmark = pytest.mark.slow
+
 PROMPT = "The weather today"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 TOOLS = [

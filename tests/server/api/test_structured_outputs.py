@@ -427,6 +427,7 @@ def _outside_strings(text: str) -> str:
     return "".join(out)
 
 
+@pytest.mark.slow
 def test_disable_any_whitespace_writes_json_without_whitespace(client) -> None:
     """vLLM's structured_outputs `disable_any_whitespace` was a 400 ('structured_outputs takes one
     of json, ...'). Now JSON is written with no whitespace between its tokens, for a schema, beside
