@@ -125,7 +125,7 @@ EMPTYING = {
 }
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("case", sorted(EMPTYING))
 def test_masks_that_forbid_every_token_fail_that_request_alone(

@@ -54,7 +54,11 @@ def prompts(lengths: list[int]) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "kind, scaling, partial",
-    [("qwen3_5", YARN, 1.0), ("qwen3_next", YARN, 0.5), ("qwen3_5", LINEAR, 0.5)],
+    [
+        ("qwen3_5", YARN, 1.0),
+        ("qwen3_next", YARN, 0.5),
+        pytest.param("qwen3_5", LINEAR, 0.5, marks=pytest.mark.slow),
+    ],
 )
 def test_scaled_rope_matches_transformers(
     tmp_path, hf_reference, kind: str, scaling: dict, partial: float

@@ -423,6 +423,7 @@ def test_request_failed_by_the_engine_ends_alone(failing_url: str, path: str) ->
         assert choice["finish_reason"] == "stop"
 
 
+@pytest.mark.slow
 def test_response_failed_by_the_engine_is_an_error_event(failing_url: str) -> None:
     body = {"model": "failing", "input": "hi", "seed": 13, "stream": True}
     with httpx.stream("POST", f"{failing_url}/v1/responses", json=body, timeout=30) as r:

@@ -202,6 +202,7 @@ def test_a_schema_the_grammar_cannot_hold_to_is_a_400(base_url, schema, named) -
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
+@pytest.mark.slow
 def test_schemas_as_pydantic_and_zod_write_them_are_served(base_url) -> None:
     """What the checks above leave alone: annotations beside a $ref or anyOf, a one-schema allOf,
     an enum with its type, multiples of an integer, a discriminated oneOf, a nullable type."""
