@@ -7,6 +7,7 @@ machine without CUDA `fla` is hidden from this process.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -15,9 +16,12 @@ import deltaserve  # noqa: F401  (first: its import keeps the checkout's folders
 
 if not torch.cuda.is_available():  # on a GPU machine FLA runs, for transformers and for us
     sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
+    # The tiny models gain nothing from a second intra-op thread, whose busy-waiting on a loaded
+    # machine (servers the tests start, other jobs) made the CPU runs two to three times slower.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 import json  # noqa: E402
-import os  # noqa: E402
 
 import pytest  # noqa: E402
 
