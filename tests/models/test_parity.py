@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -40,7 +42,9 @@ def assert_idle(llm: LLM) -> None:
 )
 def test_greedy_matches_transformers(kind, make_checkpoint, hf_reference):
     path = make_checkpoint(kind)
-    prompts = random_prompts(160, LENGTHS, seed=hash(kind) % 1000)
+    prompts = random_prompts(
+        160, LENGTHS, seed=zlib.crc32(kind.encode()) % 1000
+    )  # hash() of a str changes per process
     ours, llm = run_deltaserve(path, prompts, max_running_requests=8)
     assert ours == hf_reference(path, prompts, NEW_TOKENS)
     assert_idle(llm)

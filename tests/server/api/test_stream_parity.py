@@ -1,7 +1,7 @@
 """Streamed against unstreamed, on every endpoint (built-in model, greedy or seeded): a stream's
 pieces joined are the whole reply (text, reasoning, tool calls, logprobs, finish and stop reasons,
 usage) for a table of options, stop strings among them taken from a first answer's text (one
-across a token boundary, one a multi-byte character), on the default server and, slow, one with
+across a token boundary, one a multi-byte character), on the default server and one with
 --stream-interval 4."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["interval-1", pytest.param("interval-4", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["interval-1", "interval-4"])
 def url(request, spawn_module_server) -> str:
     if request.param == "interval-1":
         return request.getfixturevalue("server").url
