@@ -16,8 +16,7 @@ import deltaserve  # noqa: F401  (first: its import keeps the checkout's folders
 
 if not torch.cuda.is_available():  # on a GPU machine FLA runs, for transformers and for us
     sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
-    # The tiny models gain nothing from a second intra-op thread, whose busy-waiting on a loaded
-    # machine (servers the tests start, other jobs) made the CPU runs two to three times slower.
+    # the tiny models gain nothing from a second intra-op thread, which busy-waits on a loaded machine
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 
