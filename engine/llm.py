@@ -129,10 +129,15 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
             if name in out:
                 raise ValueError(f"give {vllm_name} or {name}, not both")
             out[name] = out.pop(vllm_name)
+    memory = out.pop("kv_cache_memory_bytes", None)
+    if memory is not None:  # vLLM's KV cache holds a hybrid model's states too, as these pools do
+        if "pool_memory_gb" in out:
+            raise ValueError("give kv_cache_memory_bytes or pool_memory_gb, not both")
+        out["pool_memory_gb"] = memory / 2**30
     caching = out.pop("enable_prefix_caching", None)
     if caching is not None:  # vLLM's None: its default, on
         out.setdefault("cache_type", "radix" if caching else "naive")
-    if out.pop("pipeline_parallel_size", 1) != 1:
+    if out.pop("pipeline_parallel_size", 1) not in (1, None):
         raise ValueError(
             "pipeline_parallel_size: only 1, pipeline parallelism is not implemented "
             "(split the model over more ranks with tensor_parallel_size)"
@@ -141,7 +146,7 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
     if backend not in ("mp", None):
         raise ValueError(f"distributed_executor_backend {backend!r}: only 'mp' (a process per rank)")
     kv_cache_dtype = out.pop("kv_cache_dtype", "auto")
-    if kv_cache_dtype != "auto":
+    if kv_cache_dtype not in ("auto", None):
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: only 'auto' (the model's dtype) is implemented")
     source = str(out.pop("generation_config", "auto"))
     unknown = sorted(out.keys() - {f.name for f in dataclasses.fields(EngineConfig)})
@@ -157,7 +162,7 @@ class LLM:
         """`model`: a checkpoint folder or a Hugging Face repo id (fetched into the Hub's cache, at
         `revision` under `download_dir`, or found there offline); `kwargs`: `EngineConfig`'s fields,
         or vLLM's names for them (`gpu_memory_utilization`, `max_num_seqs`, `block_size`,
-        `enforce_eager`, `enable_prefix_caching`, `kv_cache_dtype`; `trust_remote_code`,
+        `enforce_eager`, `enable_prefix_caching`, `kv_cache_dtype`, `kv_cache_memory_bytes`; `trust_remote_code`,
         `pipeline_parallel_size=1` and `distributed_executor_backend="mp"` change nothing; the
         others README lists), and `generation_config` as vLLM's: where default sampling values
         come from."""

@@ -130,3 +130,14 @@ def test_load_format_takes_vllms_safetensors_and_refuses_what_it_cannot_load() -
     for name in ("pt", "dumy"):
         with pytest.raises(ValueError, match="load_format must be"):
             EngineConfig(model="m", device="cpu", load_format=name)
+
+
+def test_kv_cache_memory_bytes_sizes_the_pools_and_vllms_none_defaults_are_taken() -> None:
+    """LLM(kv_cache_memory_bytes=N), vLLM's, is pool_memory_gb in bytes (it was a TypeError);
+    kv_cache_dtype=None and pipeline_parallel_size=None, vLLM's defaults, were a ValueError."""
+    from deltaserve.engine.llm import engine_kwargs
+
+    assert engine_kwargs({"kv_cache_memory_bytes": 3 * 2**29}) == ({"pool_memory_gb": 1.5}, "auto")
+    with pytest.raises(ValueError, match="not both"):
+        engine_kwargs({"kv_cache_memory_bytes": 2**30, "pool_memory_gb": 1.0})
+    assert engine_kwargs({"kv_cache_dtype": None, "pipeline_parallel_size": None}) == ({}, "auto")
