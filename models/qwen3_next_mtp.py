@@ -21,18 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltaserve.models.checkpoints.loader import MTP_PREFIXES as PREFIXES
+from deltaserve.models.checkpoints.loader import num_mtp_layers
 from deltaserve.models.checkpoints.weights import WeightLoader
 from deltaserve.models.forward import ForwardContext
 from deltaserve.models.layers.common import Linear, ZeroCenteredRMSNorm, collect_narrows
 from deltaserve.models.parallel import SINGLE, Narrow, ShardSpec, TensorParallel
 from deltaserve.models.qwen3_next import DecoderLayer
-
-PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.", "language_model.mtp.")
-
-
-def num_mtp_layers(config: Any) -> int:
-    n = getattr(config, "mtp_num_hidden_layers", None) or getattr(config, "num_nextn_predict_layers", None)
-    return int(n or 1)
 
 
 class MultiTokenPredictor(nn.Module):

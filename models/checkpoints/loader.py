@@ -202,17 +202,24 @@ def check_tensor_parallel(
         cls(tcfg, TensorParallel(0, size, None, expert_parallel=expert_parallel))
 
 
+# where Qwen3-Next / Qwen3.5 checkpoints keep the MTP layer's weights
+MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.", "language_model.mtp.")
+
+
+def num_mtp_layers(config: Any) -> int:
+    n = getattr(config, "mtp_num_hidden_layers", None) or getattr(config, "num_nextn_predict_layers", None)
+    return int(n or 1)
+
+
 def check_mtp(path: str, dummy: bool = False, hf_overrides: dict[str, Any] | None = None) -> None:
     """What MTP speculation needs of the checkpoint, from config.json and the safetensors headers
     alone: a model with an MTP head, one MTP layer, and its `mtp.*` weights unless they are random."""
-    from deltaserve.models.qwen3_next_mtp import PREFIXES, num_mtp_layers
-
     _, arch, cls, _, tcfg = _model_of(path, hf_overrides)
     if not cls.capabilities.mtp_head:
         raise ValueError(f"MTP speculation needs a Qwen3-Next / Qwen3.5 checkpoint, not {arch}")
     if num_mtp_layers(tcfg) != 1:
         raise ValueError(f"only one MTP layer is supported, the config has {num_mtp_layers(tcfg)}")
-    if not dummy and not any(name.startswith(PREFIXES) for name, _, _ in _safetensors_headers(path)):
+    if not dummy and not any(name.startswith(MTP_PREFIXES) for name, _, _ in _safetensors_headers(path)):
         raise ValueError("the checkpoint has no mtp.* weights: MTP speculation needs them")
 
 
