@@ -53,21 +53,13 @@ class Engine:
         self._on_worker_lost = on_worker_lost
         self.ranks: Ranks | None = None
         self.device = torch.device(config.device or "cpu")
-        from deltaserve.models.checkpoints.loader import check_model_len, check_mtp
+        from deltaserve.models.checkpoints.loader import check_checkpoint
 
-        # a context past the model's positions, or MTP without its weights, fails here, from the
-        # checkpoint's config and headers, not after the weights load
-        check_model_len(config.model, config.max_model_len, config.hf_overrides)
-        if config.spec is not None and config.spec.method == "mtp":
-            check_mtp(config.model, config.load_format == "dummy", config.hf_overrides)
+        # what the checkpoint cannot serve fails here, from its config and headers, not once the
+        # weights (and every tensor-parallel rank) are loading
+        check_checkpoint(config)
         if config.tensor_parallel_size > 1:
             from deltaserve.engine.parallel.ranks import Ranks
-            from deltaserve.models.checkpoints.loader import check_tensor_parallel
-
-            # a size the model cannot be split by fails here, not once every rank is loading
-            check_tensor_parallel(
-                config.model, config.tensor_parallel_size, config.enable_expert_parallel, config.hf_overrides
-            )
 
             # the ranks (and the thread that watches them) hold this engine weakly, so that an
             # engine dropped without `shutdown` (`del llm`) is collected and its workers stopped

@@ -473,15 +473,10 @@ def _check_model_shape(config: Any) -> None:
     """A tensor-parallel size the model's heads (experts, widths) do not divide by, a
     --max-model-len past its positions, or MTP speculation without its weights: one line now, from
     its config.json and safetensors headers, rather than the engine's error once it is loading."""
-    from deltaserve.models.checkpoints.loader import check_model_len, check_mtp, check_tensor_parallel
+    from deltaserve.models.checkpoints.loader import check_checkpoint
 
     try:
-        check_tensor_parallel(
-            config.model, config.tensor_parallel_size, config.enable_expert_parallel, config.hf_overrides
-        )
-        check_model_len(config.model, config.max_model_len, config.hf_overrides)
-        if config.spec is not None and config.spec.method == "mtp":
-            check_mtp(config.model, config.load_format == "dummy", config.hf_overrides)
+        check_checkpoint(config)
     except (ValueError, OSError) as exc:
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -229,6 +229,17 @@ def check_model_len(path: str, max_model_len: int | None, hf_overrides: dict[str
         check_max_model_len(max_model_len, rope_max_positions(_model_of(path, hf_overrides)[4]))
 
 
+def check_checkpoint(config: Any) -> None:
+    """What an engine's config (`EngineConfig`) asks of its checkpoint that config.json and the
+    safetensors headers answer before any weight loads: a tensor-parallel size its heads divide by,
+    a max_model_len within its positions, and MTP weights for MTP speculation (ValueError)."""
+    hf = config.hf_overrides
+    check_tensor_parallel(config.model, config.tensor_parallel_size, config.enable_expert_parallel, hf)
+    check_model_len(config.model, config.max_model_len, hf)
+    if config.spec is not None and config.spec.method == "mtp":
+        check_mtp(config.model, config.load_format == "dummy", hf)
+
+
 def load_model(
     path: str,
     dtype: torch.dtype,
