@@ -23,7 +23,7 @@ def config_only(checkpoint: str, folder: Path) -> str:
 def test_a_max_model_len_past_the_models_positions_is_refused_before_the_weights_load(
     make_checkpoint, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """vLLM refuses it too; it used to be the same ValueError, but only once the weights had loaded."""
+    """Refused as vLLM refuses it, from config.json before any weight loads."""
     checkpoint = make_checkpoint("qwen3_next")
     positions = json.loads((Path(checkpoint) / "config.json").read_text())["max_position_embeddings"]
     bare = config_only(checkpoint, tmp_path / "bare")
@@ -41,8 +41,8 @@ def test_a_max_model_len_past_the_models_positions_is_refused_before_the_weights
 
 
 def test_a_tokenizer_folder_without_a_tokenizer_is_refused(make_checkpoint, tmp_path: Path) -> None:
-    """As `deltaserve serve --tokenizer` refuses it: the LLM used to load without a tokenizer, so
-    every text prompt and chat then failed."""
+    """As `deltaserve serve --tokenizer` refuses it: without a tokenizer every text prompt and chat
+    would fail."""
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ValueError) as error:
@@ -53,9 +53,9 @@ def test_a_tokenizer_folder_without_a_tokenizer_is_refused(make_checkpoint, tmp_
 def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
     make_checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A vLLM script's LLM(..., swap_space=4, tokenizer_mode="auto", dtype="half") was a TypeError
-    (or a ValueError on "half"): machinery deltaserve lacks is ignored with one warning, a value
-    whose meaning it has is taken, one that would change the results is refused."""
+    """A vLLM script's LLM(..., swap_space=4, tokenizer_mode="auto", dtype="half") runs: machinery
+    deltaserve lacks is ignored with one warning, a value whose meaning it has is taken, one that
+    would change the results is refused."""
     import torch
 
     from deltaserve.engine import llm as llm_module
@@ -74,10 +74,10 @@ def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
     for name, value in (("tokenizer_mode", "slow"), ("tokenizer_mode", "mistral"), ("cpu_offload_gb", 4)):
         with pytest.raises(ValueError, match=f"^{name} {value!r}: only "):
             engine_kwargs({name: value})
-    # vLLM's None is its default, the cache on: it used to turn the cache off
+    # vLLM's None is its default, the cache on
     assert engine_kwargs({"enable_prefix_caching": None}) == ({}, "auto")
     assert engine_kwargs({"enable_prefix_caching": False}) == ({"cache_type": "naive"}, "auto")
-    # as is None for vLLM's names of ours: block_size=None was a TypeError (None < 1)
+    # as is None for vLLM's names of ours
     assert engine_kwargs({"block_size": None, "gpu_memory_utilization": None, "max_num_seqs": None}) == (
         {},
         "auto",
@@ -90,8 +90,7 @@ def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
 
 
 def test_seed_none_is_seed_0_as_in_vllm(make_checkpoint) -> None:
-    """LLM(..., seed=None) (vLLM's signature default) was a TypeError from torch.manual_seed while
-    the model was being built; vLLM's engine takes it as 0, and so does this one."""
+    """LLM(..., seed=None), vLLM's signature default, is seed 0, as vLLM's engine takes it."""
     checkpoint = make_checkpoint("qwen3_next")
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
     drawn = [
@@ -114,8 +113,8 @@ def test_seed_none_is_seed_0_as_in_vllm(make_checkpoint) -> None:
 def test_values_the_cli_refuses_are_refused_offline_too(
     make_checkpoint, tmp_path: Path, setting: dict, says: str
 ) -> None:
-    """They used to be taken: max_model_len=1 built an engine that refused every prompt, 0 served
-    the model's full length, and the others reached the engine unchecked."""
+    """The values the CLI's flags refuse are a ValueError before the model loads (max_model_len=1
+    would refuse every prompt, 0 would serve the model's full length)."""
     with pytest.raises(ValueError) as error:
         LLM(config_only(make_checkpoint("qwen3_next"), tmp_path / "bare"), device="cpu", **setting)
     assert str(error.value).startswith(says)
@@ -133,8 +132,8 @@ def test_load_format_takes_vllms_safetensors_and_refuses_what_it_cannot_load() -
 
 
 def test_kv_cache_memory_bytes_sizes_the_pools_and_vllms_none_defaults_are_taken() -> None:
-    """LLM(kv_cache_memory_bytes=N), vLLM's, is pool_memory_gb in bytes (it was a TypeError);
-    kv_cache_dtype=None and pipeline_parallel_size=None, vLLM's defaults, were a ValueError."""
+    """LLM(kv_cache_memory_bytes=N), vLLM's, is pool_memory_gb in bytes; kv_cache_dtype=None and
+    pipeline_parallel_size=None, vLLM's defaults, are ours."""
     from deltaserve.engine.llm import engine_kwargs
 
     assert engine_kwargs({"kv_cache_memory_bytes": 3 * 2**29}) == ({"pool_memory_gb": 1.5}, "auto")

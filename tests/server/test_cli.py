@@ -520,8 +520,8 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
 
 
 def test_a_chat_template_that_is_not_valid_jinja_stops_serve_with_one_line(tmp_path: Path) -> None:
-    """It used to start, and every chat request was then a 400 naming the template's syntax error;
-    transformers' own tags ({% generation %}, {% break %}) and filters still pass."""
+    """Refused at start-up, where every chat request would get a 400; transformers' own tags
+    ({% generation %}, {% break %}) and filters still pass."""
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
     for given in (str(broken), "{% for m in messages %}{{ m.content }"):
@@ -620,8 +620,7 @@ def test_a_model_that_cannot_load_stops_start_up_with_its_error_last(builtin_pat
 
 @pytest.mark.slow
 def test_a_max_model_len_past_the_models_positions_stops_serve_before_it_loads(builtin_path: str) -> None:
-    """One line and exit 2 from config.json, as vLLM refuses it (it used to be exit 1 once the
-    weights had loaded)."""
+    """One line and exit 2 from config.json, as vLLM refuses it, before the weights load."""
     result = run_cli("serve", "--model", builtin_path, "--port", "0", "--max-model-len", "100000")
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
@@ -635,8 +634,7 @@ def test_a_max_model_len_past_the_models_positions_stops_serve_before_it_loads(b
 def test_a_tensor_parallel_size_the_heads_do_not_divide_stops_serve_before_any_rank(
     builtin_path: str,
 ) -> None:
-    """One line and exit 2 from config.json: no rank joins nor loads (it used to be exit 1 once
-    every rank had started, joined the process group and begun loading)."""
+    """One line and exit 2 from config.json: no rank starts, joins nor loads."""
     result = run_cli("serve", "--model", builtin_path, "--device", "cpu", "-tp", "3", "--port", "0")
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
@@ -649,8 +647,7 @@ def test_a_tensor_parallel_size_the_heads_do_not_divide_stops_serve_before_any_r
 
 @pytest.mark.slow
 def test_mtp_speculation_without_the_weights_stops_serve_before_it_loads(builtin_path: str) -> None:
-    """One line and exit 2 from the safetensors headers (it used to be exit 1 once the model's
-    weights had loaded and the MTP layer's were looked for)."""
+    """One line and exit 2 from the safetensors headers, before the model's weights load."""
     mtp = '{"method": "mtp", "num_speculative_tokens": 1}'
     result = run_cli("serve", "--model", builtin_path, "--speculative-config", mtp, "--port", "0")
     assert result.returncode == 2, result.stderr
@@ -663,7 +660,7 @@ def test_mtp_speculation_without_the_weights_stops_serve_before_it_loads(builtin
 def test_a_tokenizer_folder_without_a_tokenizer_stops_serve_with_one_line(
     builtin_path: str, tmp_path: Path
 ) -> None:
-    """It used to start and serve without a tokenizer: every text prompt then failed."""
+    """Refused at start-up: without a tokenizer every text prompt would fail."""
     result = run_cli("serve", "--model", builtin_path, "--tokenizer", str(tmp_path), "--port", "0")
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]

@@ -492,8 +492,7 @@ def test_expert_parallel_at_one_rank_is_a_no_op(qwen_moe):
 def test_a_size_the_model_cannot_be_split_by_is_refused_before_any_rank_starts(
     make_checkpoint, monkeypatch, sizes: dict, tp: int, kw: dict, says: str
 ) -> None:
-    """The ranks' own error, from config.json before any worker is spawned: it used to come once
-    every rank had joined the process group and begun loading."""
+    """The ranks' own error, from config.json before any worker is spawned."""
     from deltaserve.engine.parallel import ranks
 
     def started(*_args, **_kw):

@@ -172,8 +172,7 @@ def test_mtp_under_kv_pressure_and_cache_hits(mtp_path, pools_held):
 
 
 def test_mtp_needs_the_weights(make_checkpoint, caplog):
-    """Refused from the safetensors headers before the model loads (it used to be once the model's
-    weights had loaded and the MTP layer's were looked for); random weights need none."""
+    """Refused from the safetensors headers before the model loads; random weights need none."""
     with caplog.at_level(logging.INFO), pytest.raises(ValueError, match="^the checkpoint has no mtp"):
         make_llm(make_checkpoint("qwen3_5"), MTP)
     assert "loading the weights" not in caplog.text
