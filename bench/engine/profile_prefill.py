@@ -6,6 +6,10 @@ once under Python's profiler (which Python functions the host's time goes to), a
 Python lines that called it).
 
     python -m bench.engine.profile_prefill --model configs/qwen3.5-0.8b --tokens 8192
+    python -m bench.engine.profile_prefill --model configs/kimi-linear-48b-a3b --requests 8  # 8 x 1,024
+
+`--requests N` splits the tokens over N prompts prefilled in the same step, as a server's step
+prefills its arrivals.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--rows", type=int, default=30, help="profiler table rows")
-    ap.add_argument("--max-running-requests", type=int, default=4)
+    ap.add_argument(
+        "--requests", type=int, default=1, help="prompts sharing the tokens, prefilled in one step"
+    )
+    ap.add_argument("--max-running-requests", type=int, default=None, help="default: --requests, at least 4")
     ap.add_argument("--trace", help="write a Chrome trace of the profiled prefill here")
     ap.add_argument(
         "--cprofile",
@@ -45,10 +52,13 @@ def main() -> None:
         help="also run one prefill under torch's sync debug mode and print where each host sync is called",
     )
     args = ap.parse_args()
+    if args.requests < 1 or args.tokens % args.requests:
+        ap.error("--requests must divide --tokens")
+    per_prompt = args.tokens // args.requests
     engine = dummy_engine(
         args.model,
-        max_running_requests=args.max_running_requests,
-        max_model_len=args.tokens + 16,
+        max_running_requests=args.max_running_requests or max(4, args.requests),
+        max_model_len=per_prompt + 16,
         chunked_prefill_size=args.tokens,
         enable_overlap_schedule=False,
     )
@@ -57,7 +67,9 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     def prefill(name: str) -> float:
-        engine.add_request(name, torch.randint(0, vocab, (args.tokens,), generator=gen).tolist(), params)
+        for i in range(args.requests):
+            prompt = torch.randint(0, vocab, (per_prompt,), generator=gen).tolist()
+            engine.add_request(f"{name}-{i}", prompt, params)
         torch.cuda.synchronize()
         t = time.perf_counter()
         while engine.has_unfinished_requests():
@@ -68,7 +80,8 @@ def main() -> None:
     for i in range(2):  # compile and autotune at this length
         prefill(f"warm{i}")
     times = [prefill(f"t{i}") for i in range(3)]
-    print(f"prefill of {args.tokens} tokens: {', '.join(f'{t:.1f}' for t in times)} ms")
+    shape = f"{args.requests} x {per_prompt}" if args.requests > 1 else f"{args.tokens}"
+    print(f"prefill of {shape} tokens: {', '.join(f'{t:.1f}' for t in times)} ms")
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     ) as prof:
