@@ -9,6 +9,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import NoReturn, TypeVar
 
 from deltaserve import __version__
@@ -83,8 +84,41 @@ def _power_of_two(text: str) -> int:
     return value
 
 
+# vLLM's suffixes: lowercase decimal (32k = 32,000), uppercase binary (32K = 32,768)
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _human_readable_int_at_least(low: int) -> Callable[[str], int]:
+    """An integer as vLLM's --max-model-len, --max-num-batched-tokens and --kv-cache-memory-bytes
+    take it: plain, or with a suffix k/m/g/t (powers of 1000, a fraction allowed: 25.6k = 25,600)
+    or K/M/G/T (powers of 1024, whole numbers only)."""
+    plain = _int_at_least(low)
+
+    def parse(text: str) -> int:
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip())
+        if match is None:
+            return plain(text)
+        number, suffix = match.groups()
+        if suffix in _BINARY_SUFFIXES:
+            if "." in number:
+                raise argparse.ArgumentTypeError(
+                    f"decimals are not allowed with binary suffixes like {suffix} (got {text!r}); "
+                    f"did you mean {number}{suffix.lower()}?"
+                )
+            value = int(number) * _BINARY_SUFFIXES[suffix]
+        else:
+            # exact, then cut to a whole number as vLLM does: in floats 1.001k would be 1000
+            value = int(Fraction(number) * _DECIMAL_SUFFIXES[suffix])
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value} ({text!r})")
+        return value
+
+    return parse
+
+
 def _bytes_in_gib(text: str) -> float:
-    return _int_at_least(1)(text) / 2**30
+    return _human_readable_int_at_least(1)(text) / 2**30
 
 
 def _port(text: str) -> int:
@@ -306,15 +340,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--max-model-len",
         "--context-length",
-        type=_int_at_least(2),
+        type=_human_readable_int_at_least(2),
         default=None,
-        help="longest prompt plus completion in tokens; default: the model's max_position_embeddings",
+        help="longest prompt plus completion in tokens, plain or as vLLM writes it (32k = 32,000, "
+        "32K = 32,768, 25.6k = 25,600); default: the model's max_position_embeddings",
     )
     engine.add_argument(
         "--max-num-batched-tokens",
-        type=_int_at_least(1),
+        type=_human_readable_int_at_least(1),
         default=None,
-        help="tokens one step computes, decode rows and prefill chunks together; default 8192 on "
+        help="tokens one step computes, decode rows and prefill chunks together (16k, 16K as "
+        "--max-model-len takes them); default 8192 on "
         "CUDA, 512 on CPU, or --chunked-prefill-size where that is larger",
     )
     engine.add_argument(
@@ -390,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_bytes_in_gib,
         default=None,  # --pool-memory-gb's default stands: the first flag of a dest sets it
         metavar="BYTES",
-        help="vLLM's: --pool-memory-gb in bytes (its KV cache holds a hybrid model's states too)",
+        help="vLLM's: --pool-memory-gb in bytes, plain or with a suffix (2G = 2 GiB, 2g = 2e9 bytes) "
+        "(its KV cache holds a hybrid model's states too)",
     )
     engine.add_argument(
         "--hf-overrides",

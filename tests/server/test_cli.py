@@ -65,6 +65,11 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         ["--max-model-len", "-5"],
         ["--max-model-len", "1"],  # a one-token prompt and its first token need two
         ["--chunked-prefill-size", "x"],
+        ["--max-model-len", "25.6K"],  # vLLM allows no fraction with a binary suffix
+        ["--max-model-len", "32kb"],
+        ["--max-model-len", "0.001k"],  # 1 token
+        ["--kv-cache-memory-bytes", "1.5G"],
+        ["--max-num-batched-tokens", "-1k"],
         ["--load-format", "pickle"],
         ["--log-level", "loud"],
         ["--model", "/no/such/model/dir"],
@@ -414,6 +419,35 @@ def test_adaptive_prefill_delay_defaults_to_the_device_and_can_be_turned_off() -
 def test_vllm_and_sglang_names_set_what_ours_set(theirs: list[str], ours: list[str]) -> None:
     parser = build_parser()
     assert vars(parser.parse_args(["serve", *theirs])) == vars(parser.parse_args(["serve", *ours]))
+
+
+@pytest.mark.parametrize(
+    "flag,text,dest,value",
+    [
+        ("--max-model-len", "32k", "max_model_len", 32_000),  # lowercase: powers of 1000
+        ("--max-model-len", "32K", "max_model_len", 32_768),  # uppercase: powers of 1024
+        ("--max-model-len", "25.6k", "max_model_len", 25_600),
+        ("--max-model-len", "1.001k", "max_model_len", 1_001),  # exact, where floats give 1000
+        ("--max-model-len", "1m", "max_model_len", 1_000_000),
+        ("--max-model-len", "1M", "max_model_len", 2**20),
+        ("--max-model-len", "4096", "max_model_len", 4096),
+        ("--context-length", "128K", "max_model_len", 2**17),  # SGLang's name of the same flag
+        ("--max-num-batched-tokens", "16k", "max_num_batched_tokens", 16_000),
+        ("--max-num-batched-tokens", "8K", "max_num_batched_tokens", 8192),
+        ("--kv-cache-memory-bytes", "2G", "pool_memory_gb", 2.0),
+        ("--kv-cache-memory-bytes", "512M", "pool_memory_gb", 0.5),
+        ("--kv-cache-memory-bytes", "2.147483648g", "pool_memory_gb", 2.0),
+    ],
+)
+def test_vllms_human_readable_integers(flag: str, text: str, dest: str, value: float) -> None:
+    """`vllm serve --max-model-len 32k` runs unchanged: the suffixes vLLM takes on these flags."""
+    assert getattr(build_parser().parse_args(["serve", flag, text]), dest) == value
+
+
+def test_a_binary_suffix_with_a_fraction_says_what_was_meant() -> None:
+    result = run_cli("serve", "--max-model-len", "25.6K")
+    assert "decimals are not allowed with binary suffixes like K" in result.stderr
+    assert "did you mean 25.6k?" in result.stderr
 
 
 def test_flags_for_what_deltaserve_does_anyway_change_nothing() -> None:
