@@ -157,16 +157,23 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
 
 class LLM:
     def __init__(
-        self, model: str, revision: str | None = None, download_dir: str | None = None, **kwargs: Any
+        self,
+        model: str,
+        revision: str | None = None,
+        download_dir: str | None = None,
+        tokenizer_revision: str | None = None,
+        **kwargs: Any,
     ) -> None:
         """`model`: a checkpoint folder or a Hugging Face repo id (fetched into the Hub's cache, at
-        `revision` under `download_dir`, or found there offline); `kwargs`: `EngineConfig`'s fields,
+        `revision` under `download_dir`, or found there offline); `tokenizer_revision`: as
+        `--tokenizer-revision`, the revision of `tokenizer`'s repo, or without `tokenizer` of the
+        model repo's tokenizer files; `kwargs`: `EngineConfig`'s fields,
         or vLLM's names for them (`gpu_memory_utilization`, `max_num_seqs`, `block_size`,
         `enforce_eager`, `enable_prefix_caching`, `kv_cache_dtype`, `kv_cache_memory_bytes`; `trust_remote_code`,
         `pipeline_parallel_size=1` and `distributed_executor_backend="mp"` change nothing; the
         others README lists), and `generation_config` as vLLM's: where default sampling values
         come from."""
-        from deltaserve.models.checkpoints.hub import resolve_checkpoint
+        from deltaserve.models.checkpoints.hub import is_repo_id, resolve_checkpoint
 
         kwargs, self._generation_config = engine_kwargs(kwargs)
 
@@ -176,12 +183,14 @@ class LLM:
                 "(deltaserve serve --data-parallel-size N), or run one LLM per GPU"
             )
         dummy = kwargs.get("load_format") == "dummy"
+        given = kwargs.get("tokenizer")
+        if given is None and tokenizer_revision is not None and is_repo_id(model):
+            given = model  # as --tokenizer-revision: the model repo's tokenizer files at that revision
         model = resolve_checkpoint(model, revision, download_dir, weights=not dummy)
-        if kwargs.get("tokenizer") is not None:
+        if given is not None:
             from deltaserve.models.checkpoints.loader import require_tokenizer
 
-            given = kwargs["tokenizer"]
-            kwargs["tokenizer"] = resolve_checkpoint(given, None, download_dir, weights=False)
+            kwargs["tokenizer"] = resolve_checkpoint(given, tokenizer_revision, download_dir, weights=False)
             require_tokenizer(kwargs["tokenizer"], f"tokenizer {given!r}")
         self.engine = Engine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer

@@ -50,6 +50,37 @@ def test_a_tokenizer_folder_without_a_tokenizer_is_refused(make_checkpoint, tmp_
     assert str(error.value).startswith(f"tokenizer {str(empty)!r} holds no tokenizer files (tokenizer.json")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def test_tokenizer_revision_picks_the_tokenizers_snapshot(
+    tokenized_checkpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's LLM(..., tokenizer_revision=...), as --tokenizer-revision: the revision of
+    `tokenizer`'s repo, or without `tokenizer` the model repo's tokenizer files at it (its weights
+    staying at `revision`). Here only the repo's v2 holds tokenizer files."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the cache only
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny"
+    for commit, ref in (("1" * 40, "main"), ("2" * 40, "v2")):  # the Hub cache's layout
+        shutil.copytree(tokenized_checkpoint, repo / "snapshots" / commit)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    for name in TOKENIZER_FILES:
+        (repo / "snapshots" / ("1" * 40) / name).unlink(missing_ok=True)
+    main, v2 = str(repo / "snapshots" / ("1" * 40)), str(repo / "snapshots" / ("2" * 40))
+    llm = LLM("acme/tiny", download_dir=str(cache), device="cpu", tokenizer_revision="v2")
+    assert (llm.engine.config.model, llm.engine.config.tokenizer) == (main, v2)
+    assert llm.generate("Hello", SamplingParams(max_tokens=1))[0].prompt_token_ids == [9707]
+    given = LLM(tokenized_checkpoint, download_dir=str(cache), device="cpu", tokenizer="acme/tiny",
+                tokenizer_revision="v2")  # fmt: skip
+    assert given.engine.config.tokenizer == v2
+    with pytest.raises(ValueError, match="holds no tokenizer files"):  # main's has none
+        LLM(tokenized_checkpoint, download_dir=str(cache), device="cpu", tokenizer="acme/tiny")
+
+
 def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
     make_checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
