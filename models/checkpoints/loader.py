@@ -36,12 +36,18 @@ class LoadedModel:
     image_token_id: int | None = None
 
 
-def read_config(path: str, overrides: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """(HF config object, architecture) of a checkpoint folder, with `overrides` (vLLM's
-    --hf-overrides) set on it."""
+def require_config(path: str) -> str:
+    """The checkpoint folder's config.json, or the FileNotFoundError that names both."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"no config.json in {path!r}: is it a Hugging Face checkpoint folder?")
+    return cfg_file
+
+
+def read_config(path: str, overrides: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """(HF config object, architecture) of a checkpoint folder, with `overrides` (vLLM's
+    --hf-overrides) set on it."""
+    cfg_file = require_config(path)
     with open(cfg_file) as f:
         raw = json.load(f)
     archs = raw.get("architectures") or []
@@ -232,7 +238,9 @@ def check_model_len(path: str, max_model_len: int | None, hf_overrides: dict[str
 def check_checkpoint(config: Any) -> None:
     """What an engine's config (`EngineConfig`) asks of its checkpoint that config.json and the
     safetensors headers answer before any weight loads: a tensor-parallel size its heads divide by,
-    a max_model_len within its positions, and MTP weights for MTP speculation (ValueError)."""
+    a max_model_len within its positions, and MTP weights for MTP speculation (ValueError); and
+    config.json itself (FileNotFoundError)."""
+    require_config(config.model)  # a folder without one fails here, not in the engine's load
     hf = config.hf_overrides
     check_tensor_parallel(config.model, config.tensor_parallel_size, config.enable_expert_parallel, hf)
     check_model_len(config.model, config.max_model_len, hf)

@@ -50,6 +50,17 @@ def test_a_tokenizer_folder_without_a_tokenizer_is_refused(make_checkpoint, tmp_
     assert str(error.value).startswith(f"tokenizer {str(empty)!r} holds no tokenizer files (tokenizer.json")
 
 
+def test_a_folder_without_config_json_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    """The error `deltaserve serve --model` gives, as a FileNotFoundError, before any rank starts."""
+    for tp in (1, 2):
+        with pytest.raises(FileNotFoundError) as error:
+            LLM(str(tmp_path), device="cpu", tensor_parallel_size=tp)
+        assert (
+            str(error.value)
+            == f"no config.json in {str(tmp_path)!r}: is it a Hugging Face checkpoint folder?"
+        )
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 
 

@@ -703,6 +703,22 @@ def test_a_tokenizer_folder_without_a_tokenizer_stops_serve_with_one_line(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("holding", [(), ("model.safetensors",)])
+def test_a_model_folder_without_config_json_stops_serve_before_the_engine_starts(
+    builtin_path: str, tmp_path: Path, holding: tuple[str, ...]
+) -> None:
+    """One line naming the folder and the file, exit 2 as the other start-up errors, where an engine
+    process started and failed to load it (exit 1)."""
+    for name in holding:
+        shutil.copy(Path(builtin_path) / name, tmp_path / name)
+    result = run_cli("serve", "--model", str(tmp_path), "--port", "0")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"deltaserve serve: error: no config.json in {str(tmp_path)!r}: is it a Hugging Face checkpoint folder?"
+    ]
+
+
+@pytest.mark.slow
 def test_an_engine_on_cpu_does_not_import_triton(builtin_path: str) -> None:
     """Triton is for CUDA kernels: a CPU engine neither pays for its import nor prints its
     bindings' leak report at exit."""
