@@ -190,7 +190,9 @@ class LLM:
         if given is not None:
             from deltaserve.models.checkpoints.loader import require_tokenizer
 
-            kwargs["tokenizer"] = resolve_checkpoint(given, tokenizer_revision, download_dir, weights=False)
+            kwargs["tokenizer"] = resolve_checkpoint(
+                given, tokenizer_revision, download_dir, tokenizer_only=True
+            )
             require_tokenizer(kwargs["tokenizer"], f"tokenizer {given!r}")
         self.engine = Engine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer

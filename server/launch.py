@@ -397,7 +397,9 @@ def _engine_config(args: argparse.Namespace) -> Any:
         if tokenizer is None and tokenizer_revision is not None and is_repo_id(args.model or ""):
             tokenizer = args.model  # vLLM's: the model repo's tokenizer files at that revision
         if tokenizer is not None:
-            tokenizer = resolve_checkpoint(tokenizer, tokenizer_revision, args.download_dir, weights=False)
+            tokenizer = resolve_checkpoint(
+                tokenizer, tokenizer_revision, args.download_dir, tokenizer_only=True
+            )
     except CheckpointNotFound as exc:
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -28,12 +28,17 @@ def is_repo_id(name: str) -> bool:
 
 
 def resolve_checkpoint(
-    name: str, revision: str | None = None, download_dir: str | None = None, weights: bool = True
+    name: str,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    weights: bool = True,
+    tokenizer_only: bool = False,
 ) -> str:
     """The folder of checkpoint `name`: the path itself if it exists, else the Hub cache's snapshot
     of repo `name` at `revision` (a branch, tag or commit; default main) under `download_dir` (default
     the Hub's cache, `HF_HOME`), fetched first unless it is there and current. `weights=False` fetches
-    all but the safetensors (random weights, `--load-format dummy`)."""
+    all but the safetensors (random weights, `--load-format dummy`). `tokenizer_only`: a tokenizer's
+    repo (`--tokenizer`), no weights fetched and no config.json asked for, as vLLM takes one."""
     if os.path.exists(name):
         return name
     if not is_repo_id(name):
@@ -41,7 +46,7 @@ def resolve_checkpoint(
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    patterns = _FILES + (_WEIGHTS if weights else [])
+    patterns = _FILES + (_WEIGHTS if weights and not tokenizer_only else [])
     logger.info(
         "fetching %s%s from the Hugging Face Hub (or its cache)", name, f"@{revision}" if revision else ""
     )
@@ -53,7 +58,7 @@ def resolve_checkpoint(
             f"{name!r} is no folder here, and the Hugging Face Hub cannot give it, nor its cache: "
             f"{why[-1] if why else exc}"
         ) from None
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    if not tokenizer_only and not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointNotFound(f"{name!r} at {path} has no config.json: is it a model repo?")
     logger.info("%s is at %s", name, path)
     return str(path)

@@ -92,6 +92,25 @@ def test_tokenizer_revision_picks_the_tokenizers_snapshot(
         LLM(tokenized_checkpoint, download_dir=str(cache), device="cpu", tokenizer="acme/tiny")
 
 
+def test_a_tokenizer_repo_without_config_json_loads(
+    tokenized_checkpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LLM(..., tokenizer="org/tokenizer") of a repo holding tokenizer files alone, as vLLM loads
+    one, where it raised "has no config.json: is it a model repo?"."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the cache only
+    repo, commit = tmp_path / "hub" / "models--acme--tok", "3" * 40
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenized_checkpoint) / name, repo / "snapshots" / commit / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    llm = LLM(tokenized_checkpoint, device="cpu", tokenizer="acme/tok", download_dir=str(tmp_path / "hub"))
+    assert llm.engine.config.tokenizer == str(repo / "snapshots" / commit)
+    assert llm.generate("Hello", SamplingParams(max_tokens=1))[0].prompt_token_ids == [9707]
+
+
 def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
     make_checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -293,6 +293,31 @@ def test_tokenizer_revision_picks_the_tokenizers_snapshot(
     assert model_repo.model == f"{snapshot}/{'1' * 40}" and model_repo.tokenizer == f"{snapshot}/{'2' * 40}"
 
 
+def test_a_tokenizer_without_config_json_is_taken_as_vllm_takes_it(
+    builtin_path: str, tmp_path: Path, monkeypatch
+) -> None:
+    """--tokenizer names a repo or folder of tokenizer files alone (tokenizer.json and
+    tokenizer_config.json, no config.json), as vLLM loads one, where a repo without config.json
+    stopped start-up ("is it a model repo?")."""
+    import huggingface_hub.constants
+
+    from deltaserve.server.launch import _engine_config
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the cache only
+    folder, commit = tmp_path / "tok", "3" * 40
+    snapshot = tmp_path / "hub" / "models--acme--tok" / "snapshots" / commit  # the Hub cache's layout
+    for where in (folder, snapshot):
+        where.mkdir(parents=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(builtin_path) / name, where / name)
+    (tmp_path / "hub" / "models--acme--tok" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tok" / "refs" / "main").write_text(commit)
+    base = ["serve", "--model", builtin_path, "--device", "cpu", "--download-dir", str(tmp_path / "hub")]
+    parser = build_parser()
+    assert _engine_config(parser.parse_args([*base, "--tokenizer", "acme/tok"])).tokenizer == str(snapshot)
+    assert _engine_config(parser.parse_args([*base, "--tokenizer", str(folder)])).tokenizer == str(folder)
+
+
 @pytest.mark.parametrize("given,dtype", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")])
 def test_vllms_dtype_names_reach_the_engine_config(builtin_path: str, given: str, dtype: str) -> None:
     from deltaserve.server.launch import _engine_config
