@@ -155,6 +155,20 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return out, source
 
 
+def _legacy_token_prompts(texts: Any, ids: Sequence[int] | Sequence[Sequence[int]]) -> list[PromptType]:
+    """Older vLLM's `generate(prompt_token_ids=...)` as TokensPrompts: a list of ints is one
+    prompt, a list of lists one a prompt; `texts` (a str or one a prompt) ride along as their text."""
+    if len(ids) == 0:
+        raise ValueError("prompt_token_ids is empty: give at least one prompt")
+    batch = list(ids) if hasattr(ids[0], "__len__") else [ids]  # lists, tuples or arrays of ids
+    if texts is None:
+        return [{"prompt_token_ids": list(cast(Sequence[int], p))} for p in batch]
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    if len(texts) != len(batch) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("with prompt_token_ids, prompts are their texts: one str a prompt, the same number")
+    return [{"prompt_token_ids": list(cast(Sequence[int], p)), "prompt": t} for p, t in zip(batch, texts)]
+
+
 class LLM:
     def __init__(
         self,
@@ -337,13 +351,21 @@ class LLM:
 
     def generate(
         self,
-        prompts: PromptType | Sequence[PromptType],
+        prompts: PromptType | Sequence[PromptType] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of the prompts; `n > 1` gives n completions per prompt.
-        `priority`: one a prompt, with `scheduling_policy="priority"` (lower values run first)."""
+        `priority`: one a prompt, with `scheduling_policy="priority"` (lower values run first).
+        `prompt_token_ids`: older vLLM's keyword, one prompt's ids or a list of them; with `prompts`
+        (one text a prompt) the ids run and the texts are what the outputs report."""
+        if prompt_token_ids is not None:
+            prompts = _legacy_token_prompts(prompts, prompt_token_ids)
+        elif prompts is None:
+            raise ValueError("give prompts (or prompt_token_ids)")
         batch: list[PromptType]
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)

@@ -111,6 +111,28 @@ def test_a_tokenizer_repo_without_config_json_loads(
     assert llm.generate("Hello", SamplingParams(max_tokens=1))[0].prompt_token_ids == [9707]
 
 
+def test_older_vllms_prompt_token_ids_keyword(tokenized_checkpoint: str) -> None:
+    """`llm.generate(prompt_token_ids=[[...], ...], sampling_params=...)`, older vLLM's form: the same
+    as TokensPrompts, where it was a TypeError; one prompt's ids alone are one prompt, and texts
+    given with them are what the outputs report."""
+    llm = LLM(tokenized_checkpoint, device="cpu", dtype="float32")
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    ids = [[9707, 11], [13048]]
+    want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": i} for i in ids], greedy)]
+    batch = llm.generate(prompt_token_ids=ids, sampling_params=greedy)
+    assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in batch] == list(zip(ids, want))
+    (one,) = llm.generate(prompt_token_ids=ids[1], sampling_params=greedy, use_tqdm=False)
+    assert (one.prompt_token_ids, one.outputs[0].token_ids) == (ids[1], want[1])
+    texts = llm.generate(["Hello,", "Hi"], greedy, prompt_token_ids=ids)
+    assert [(o.prompt, o.prompt_token_ids) for o in texts] == [("Hello,", ids[0]), ("Hi", ids[1])]
+    with pytest.raises(ValueError, match="the same number"):
+        llm.generate(["Hello,"], greedy, prompt_token_ids=ids)
+    with pytest.raises(ValueError, match="prompt_token_ids is empty"):
+        llm.generate(prompt_token_ids=[], sampling_params=greedy)
+    with pytest.raises(ValueError, match="give prompts"):
+        llm.generate(sampling_params=greedy)
+
+
 def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
     make_checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
