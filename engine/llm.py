@@ -169,6 +169,31 @@ def _legacy_token_prompts(texts: Any, ids: Sequence[int] | Sequence[Sequence[int
     return [{"prompt_token_ids": list(cast(Sequence[int], p)), "prompt": t} for p, t in zip(batch, texts)]
 
 
+def _no_adapter(lora_request: Any, prompt_adapter_request: Any = None) -> None:
+    """vLLM's `lora_request` (one, or one a prompt) and older `prompt_adapter_request`: None runs the
+    base model, as there; an adapter is refused by name rather than run without it."""
+    given = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
+    if any(r is not None for r in given):
+        raise ValueError("lora_request: LoRA adapters are not implemented; the model runs its own weights")
+    if prompt_adapter_request is not None:
+        raise ValueError("prompt_adapter_request: prompt adapters are not implemented")
+
+
+def _add_special_tokens(tokenization_kwargs: dict[str, Any] | None, default: bool) -> bool:
+    """vLLM's `tokenization_kwargs`, overrides for `tokenizer.encode`: `add_special_tokens` is taken;
+    another key is a ValueError naming it (a prompt's last k tokens: `truncate_prompt_tokens`)."""
+    kwargs = dict(tokenization_kwargs or {})
+    value = kwargs.pop("add_special_tokens", default)
+    if kwargs:
+        raise ValueError(
+            f"tokenization_kwargs {sorted(kwargs)}: only 'add_special_tokens' is taken "
+            "(to keep a prompt's last k tokens, SamplingParams(truncate_prompt_tokens=k))"
+        )
+    if not isinstance(value, bool):
+        raise ValueError(f"tokenization_kwargs['add_special_tokens'] must be a bool, got {value!r}")
+    return value
+
+
 class LLM:
     def __init__(
         self,
@@ -228,10 +253,12 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _encode(self, prompt: PromptType) -> tuple[list[int], str | None, ImageInputs | None]:
+    def _encode(
+        self, prompt: PromptType, add_special_tokens: bool = True
+    ) -> tuple[list[int], str | None, ImageInputs | None]:
         """The prompt's ids and text, and its images (vLLM's `multi_modal_data={"image": ...}`,
         PIL images) with their tokens expanded in the ids."""
-        ids, text = self._prompt_ids(prompt)
+        ids, text = self._prompt_ids(prompt, add_special_tokens)
         media = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not media:
             return ids, text, None
@@ -241,7 +268,9 @@ class LLM:
         inputs = self.engine.process_images(images)
         return self.engine.expand_image_tokens(ids, inputs), text, inputs
 
-    def _prompt_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
+    def _prompt_ids(
+        self, prompt: PromptType, add_special_tokens: bool = True
+    ) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
             prompt = cast(dict[str, Any], prompt)  # a TextPrompt, a TokensPrompt or a plain dict
             if "prompt_token_ids" in prompt:
@@ -250,11 +279,11 @@ class LLM:
                 raise ValueError(
                     f"a prompt dict holds 'prompt' or 'prompt_token_ids', not only {sorted(prompt)}"
                 )
-            return self._prompt_ids(prompt["prompt"])
+            return self._prompt_ids(prompt["prompt"], add_special_tokens)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer: pass {'prompt_token_ids': [...]} instead")
-            return list(self.tokenizer.encode(prompt)), prompt
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), prompt
         return _token_ids(prompt), None
 
     def _tokenized_bad_words(self, params: SamplingParams) -> SamplingParams:
@@ -353,15 +382,28 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         priority: Sequence[int] | None = None,
         *,
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        prompt_adapter_request: Any = None,
+        guided_options_request: Any = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of the prompts; `n > 1` gives n completions per prompt.
+        `use_tqdm`: a progress bar (from 16 requests), or vLLM's callable making one.
         `priority`: one a prompt, with `scheduling_policy="priority"` (lower values run first).
         `prompt_token_ids`: older vLLM's keyword, one prompt's ids or a list of them; with `prompts`
-        (one text a prompt) the ids run and the texts are what the outputs report."""
+        (one text a prompt) the ids run and the texts are what the outputs report.
+        vLLM's `lora_request`, `prompt_adapter_request` and `guided_options_request` are taken as
+        None; `tokenization_kwargs` as `{"add_special_tokens": bool}` for text prompts."""
+        _no_adapter(lora_request, prompt_adapter_request)
+        if guided_options_request is not None:
+            raise ValueError(
+                "guided_options_request: give SamplingParams(structured_outputs=StructuredOutputsParams(...))"
+            )
+        add_special_tokens = _add_special_tokens(tokenization_kwargs, True)
         if prompt_token_ids is not None:
             prompts = _legacy_token_prompts(prompts, prompt_token_ids)
         elif prompts is None:
@@ -388,7 +430,7 @@ class LLM:
             params_list = [dataclasses.replace(p, priority=v) for p, v in zip(params_list, priority)]
         params_list = [self._tokenized_bad_words(p) for p in params_list]
         encoded = [  # all validated before any is queued
-            self._truncated(self._encode(p), params.truncate_prompt_tokens)
+            self._truncated(self._encode(p, add_special_tokens), params.truncate_prompt_tokens)
             for p, params in zip(batch, params_list)
         ]
         for (ids, _, _), params in zip(encoded, params_list):  # before a warm-up prefill runs
@@ -431,7 +473,7 @@ class LLM:
             raise
         final: dict[str, RequestOutput] = {}
         finished_at: dict[str, float] = {}
-        bar = _progress(len(added)) if use_tqdm and len(added) >= 16 else None
+        bar = _progress(len(added), use_tqdm) if use_tqdm and len(added) >= 16 else None
         for outputs in self._steps():
             now = time.time()
             for out in outputs:
@@ -503,19 +545,31 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-        chat_template_content_format: str = "auto",
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of OpenAI-shaped message dicts) or several,
         rendered with the checkpoint's chat template (or `chat_template`), then `generate`d; the
         outputs' `prompt` is the rendered text. A ValueError for what the template cannot render.
         Each prompt tells the prefix cache what the conversation's next turn repeats of it, so
-        that the next turn starts from the state there (as the server's chat endpoint does)."""
+        that the next turn starts from the state there (as the server's chat endpoint does).
+        The arguments are vLLM's, in its order: `lora_request` None, `mm_processor_kwargs` None or
+        empty, `tokenization_kwargs` as `generate`'s (no special tokens added by default)."""
+        _no_adapter(lora_request)
+        if mm_processor_kwargs:
+            raise ValueError(
+                f"mm_processor_kwargs {sorted(mm_processor_kwargs)}: images are processed as the "
+                "checkpoint's preprocessor config says, with no overrides"
+            )
+        add_special_tokens = _add_special_tokens(tokenization_kwargs, False)
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer to render a chat with")
         if chat_template_content_format not in ("auto", "string"):
@@ -542,9 +596,12 @@ class LLM:
             )
             for conversation in conversations
         ]
-        # the template writes the special tokens itself: none are added again
+        # the template writes the special tokens itself: none are added again, unless asked for
         prompts: list[dict[str, Any]] = [
-            {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
+            {
+                "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=add_special_tokens),
+                "prompt": text,
+            }
             for text in texts
         ]
         for prompt, conversation in zip(prompts, conversations):
@@ -553,7 +610,7 @@ class LLM:
                 prompt["multi_modal_data"] = {"image": [load_image(url) for url in urls]}
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if add_generation_prompt and not continue_final_message:
+        if add_generation_prompt and not continue_final_message and not add_special_tokens:
             sampling_params = self._next_turn_hints(
                 prompts, conversations, sampling_params, chat_template, tools, chat_template_kwargs
             )
@@ -612,10 +669,19 @@ class LLM:
         self.engine.flush_cache()
         return True
 
-    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
         """vLLM's beam search (`engine/requests/beam_search.py`): a prompt's best `beam_width`
         beams, best first, each with its tokens, text, cumulative log-probability and the
-        candidates of every step."""
+        candidates of every step. vLLM's `lora_request` is taken as None; `use_tqdm` and
+        `concurrency_limit` (how many prompts vLLM searches at once) change no result."""
+        _no_adapter(lora_request)
         search = BeamSearch([self._prompt_ids(p)[0] for p in prompts], params, self.engine.eos_token_ids)
         # the engine counts the first step as it counts any prompt (its tokens, the cache's hits);
         # the later ones repeat the prompts with the beams' tokens, so they run uncounted
@@ -674,7 +740,10 @@ def _earliest(times: Iterable[float | None]) -> float | None:
     return min((t for t in times if t is not None), default=None)
 
 
-def _progress(total: int) -> Any:
+def _progress(total: int, make: bool | Callable[..., Any] = True) -> Any:
+    """A progress bar over `total` requests: tqdm's, or the one vLLM's callable `use_tqdm` makes."""
+    if callable(make):
+        return make(total=total, desc="generate", unit="req")
     from tqdm import tqdm
 
     return tqdm(total=total, desc="generate", unit="req")

@@ -133,6 +133,66 @@ def test_older_vllms_prompt_token_ids_keyword(tokenized_checkpoint: str) -> None
         llm.generate(sampling_params=greedy)
 
 
+def test_vllms_generate_and_chat_keywords_at_their_defaults_run(tokenized_checkpoint: str) -> None:
+    """A vLLM script's `generate(..., lora_request=None, tokenization_kwargs=None)` and
+    `chat(..., lora_request=None, mm_processor_kwargs=None)` run as without them, where they were a
+    TypeError; an adapter (which deltaserve cannot apply) is a ValueError naming it, an unknown
+    keyword still a TypeError."""
+    from deltaserve import BeamSearchParams
+
+    llm = LLM(tokenized_checkpoint, device="cpu", dtype="float32")
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(["Hello,", "Hi"], greedy, use_tqdm=False)]
+    for keywords in (
+        {"lora_request": None, "priority": None, "tokenization_kwargs": None},
+        {"lora_request": [None, None], "tokenization_kwargs": {}, "prompt_adapter_request": None},
+        {"guided_options_request": None, "tokenization_kwargs": {"add_special_tokens": True}},
+    ):
+        outs = llm.generate(["Hello,", "Hi"], sampling_params=greedy, use_tqdm=False, **keywords)
+        assert [o.outputs[0].token_ids for o in outs] == want, keywords
+    adapter = object()  # a LoRARequest
+    for keywords, says in (
+        ({"lora_request": adapter}, "lora_request: LoRA adapters are not implemented"),
+        ({"lora_request": [None, adapter]}, "lora_request: LoRA adapters are not implemented"),
+        ({"prompt_adapter_request": adapter}, "prompt_adapter_request: prompt adapters are not"),
+        ({"guided_options_request": adapter}, "guided_options_request: give SamplingParams"),
+        ({"tokenization_kwargs": {"truncation": True}}, "tokenization_kwargs \\['truncation'\\]: only"),
+    ):
+        with pytest.raises(ValueError, match=f"^{says}"):
+            llm.generate(["Hello,", "Hi"], greedy, use_tqdm=False, **keywords)
+    assert not llm.engine.requests
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lora_requests'"):
+        llm.generate(["Hello,"], greedy, lora_requests=None)
+    # vLLM's use_tqdm may be a callable making the bar
+    made: list[int] = []
+
+    def bar(total: int, **_: object) -> object:
+        made.append(total)
+        return type("Bar", (), {"update": lambda self, n: None, "close": lambda self: None})()
+
+    assert len(llm.generate(["Hi"] * 16, greedy, use_tqdm=bar)) == 16 and made == [16]
+
+    chat = [{"role": "user", "content": "Name a colour."}]
+    (plain,) = llm.chat(chat, greedy, use_tqdm=False)
+    # vLLM's positional order: messages, sampling_params, use_tqdm, lora_request
+    (same,) = llm.chat(chat, greedy, False, None, tokenization_kwargs=None, mm_processor_kwargs=None)
+    assert (same.prompt_token_ids, same.outputs[0].token_ids) == (
+        plain.prompt_token_ids,
+        plain.outputs[0].token_ids,
+    )
+    with pytest.raises(ValueError, match="^lora_request: LoRA adapters are not implemented"):
+        llm.chat(chat, greedy, lora_request=adapter)
+    with pytest.raises(ValueError, match="^mm_processor_kwargs \\['max_pixels'\\]"):
+        llm.chat(chat, greedy, mm_processor_kwargs={"max_pixels": 4})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lora'"):
+        llm.chat(chat, greedy, lora=None)
+    beams = BeamSearchParams(beam_width=2, max_tokens=2)
+    (searched,) = llm.beam_search([{"prompt_token_ids": [9707]}], beams, lora_request=None, use_tqdm=False)
+    assert len(searched.sequences) == 2
+    with pytest.raises(ValueError, match="^lora_request: LoRA adapters are not implemented"):
+        llm.beam_search([{"prompt_token_ids": [9707]}], beams, lora_request=adapter)
+
+
 def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
     make_checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
