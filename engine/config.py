@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +18,39 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
+# the fields set to whole numbers (None where the field allows it), and those set to real numbers
+INT_FIELDS = (
+    "max_running_requests",
+    "max_waiting_requests",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "chunked_prefill_size",
+    "max_prefill_delay_steps",
+    "page_size",
+    "seed",
+    "num_kv_pages",
+    "num_snapshot_slots",
+    "cuda_graph_max_bs",
+    "piecewise_cuda_graph_max_tokens",
+    "stream_interval",
+    "tensor_parallel_size",
+    "nnodes",
+    "node_rank",
+    "master_port",
+    "data_parallel_size",
+    "data_parallel_rank",
+)
+FLOAT_FIELDS = ("prefix_cache_alpha", "mem_fraction_static", "pool_memory_gb", "distributed_timeout_s")
+_OPTIONAL = {
+    "max_running_requests",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "chunked_prefill_size",
+    "num_kv_pages",
+    "num_snapshot_slots",
+    "master_port",
+    "pool_memory_gb",
+}
 
 
 @dataclass
@@ -104,6 +140,7 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_numbers()
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.enable_overlap_schedule is None:
@@ -191,6 +228,28 @@ class EngineConfig:
         fp8_decode_mode()  # DELTASERVE_FP8_DECODE: otherwise first read by an FP8 forward, mid-serving
         fla_direct()  # DELTASERVE_FLA_DIRECT
         reference_kernels_mode()  # DELTASERVE_REFERENCE_KERNELS
+
+    def _check_numbers(self) -> None:
+        """Integer fields hold ints (numpy's become Python's) and real ones finite numbers: a
+        string, a fraction or a bool is a ValueError naming the field, not a comparison's TypeError
+        later or a length of 2.5 accepted."""
+        for name in INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            try:
+                if isinstance(value, bool):  # True is 1 to Python, never a length or a count here
+                    raise TypeError
+                setattr(self, name, operator.index(value))
+            except TypeError:
+                raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            setattr(self, name, float(value))
 
     def _check_parallel(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes

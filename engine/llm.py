@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import numbers
 import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -131,6 +132,8 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
             out[name] = out.pop(vllm_name)
     memory = out.pop("kv_cache_memory_bytes", None)
     if memory is not None:  # vLLM's KV cache holds a hybrid model's states too, as these pools do
+        if isinstance(memory, bool) or not isinstance(memory, numbers.Integral):
+            raise ValueError(f"kv_cache_memory_bytes must be an integer, got {memory!r}")
         if "pool_memory_gb" in out:
             raise ValueError("give kv_cache_memory_bytes or pool_memory_gb, not both")
         out["pool_memory_gb"] = memory / 2**30

@@ -251,6 +251,16 @@ def test_seed_none_is_seed_0_as_in_vllm(make_checkpoint) -> None:
         ({"gpu_memory_utilization": 1.5}, "mem_fraction_static must be a fraction in (0, 1], got 1.5"),
         ({"max_waiting_requests": -1}, "max_waiting_requests must be at least 0"),
         ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs must be at least 1"),
+        # a wrong type is named, where "32k" was "'<' not supported between 'str' and 'int'"
+        # and 2.5 was taken as a length
+        ({"max_model_len": "32k"}, "max_model_len must be an integer, got '32k'"),
+        ({"max_model_len": 2.5}, "max_model_len must be an integer, got 2.5"),
+        ({"max_num_seqs": 8.0}, "max_running_requests must be an integer, got 8.0"),
+        ({"seed": True}, "seed must be an integer, got True"),
+        ({"tensor_parallel_size": "2"}, "tensor_parallel_size must be an integer, got '2'"),
+        ({"pool_memory_gb": "1"}, "pool_memory_gb must be a number, got '1'"),
+        ({"gpu_memory_utilization": float("nan")}, "mem_fraction_static must be a number, got nan"),
+        ({"kv_cache_memory_bytes": "2G"}, "kv_cache_memory_bytes must be an integer, got '2G'"),
     ],
 )
 def test_values_the_cli_refuses_are_refused_offline_too(
@@ -261,6 +271,23 @@ def test_values_the_cli_refuses_are_refused_offline_too(
     with pytest.raises(ValueError) as error:
         LLM(config_only(make_checkpoint("qwen3_next"), tmp_path / "bare"), device="cpu", **setting)
     assert str(error.value).startswith(says)
+
+
+def test_numpy_numbers_are_taken_as_pythons(make_checkpoint) -> None:
+    """Integer and real settings computed with numpy (np.int64, np.float32) run, stored as Python's."""
+    import numpy as np
+
+    llm = LLM(
+        make_checkpoint("qwen3_next"),
+        device="cpu",
+        max_model_len=np.int64(64),
+        max_num_seqs=np.int32(4),
+        pool_memory_gb=np.float32(0.25),
+    )
+    config = llm.engine.config
+    assert (config.max_model_len, config.max_running_requests, config.pool_memory_gb) == (64, 4, 0.25)
+    assert type(config.max_model_len) is int and type(config.pool_memory_gb) is float
+    assert llm.generate([[5, 9, 17]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
 def test_load_format_takes_vllms_safetensors_and_refuses_what_it_cannot_load() -> None:
