@@ -41,6 +41,7 @@ INT_FIELDS = (
     "data_parallel_rank",
 )
 FLOAT_FIELDS = ("prefix_cache_alpha", "mem_fraction_static", "pool_memory_gb", "distributed_timeout_s")
+AUTO_MAX_MODEL_LEN = -1  # vLLM's: the longest context the pools hold, up to the model's positions
 _OPTIONAL = {
     "max_running_requests",
     "max_model_len",
@@ -66,6 +67,7 @@ class EngineConfig:
     # "fcfs": requests are admitted in arrival order and memory pressure preempts the newest;
     # "priority": by their `priority` (lower first, then arrival) and it preempts the lowest (vLLM's)
     scheduling_policy: str = "fcfs"
+    # None: the model's positions; -1 (vLLM's auto): those, lowered to what the pools hold for one request
     max_model_len: int | None = None
     # a step's token budget (decode rows count too) and the largest prefill chunk of one request;
     # None: 8192 on CUDA, 512 on CPU, and the chunk as large as the budget
@@ -178,9 +180,10 @@ class EngineConfig:
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be at least 1")
         # the CLI's own bounds, for the LLM's arguments too
-        if self.max_model_len is not None and self.max_model_len < 2:
+        if self.max_model_len not in (None, AUTO_MAX_MODEL_LEN) and self.max_model_len < 2:
             raise ValueError(
-                f"max_model_len must be at least 2 (a one-token prompt and its first token), got {self.max_model_len}"
+                f"max_model_len must be at least 2 (a one-token prompt and its first token), or -1 for "
+                f"the longest the pools hold, got {self.max_model_len}"
             )
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(

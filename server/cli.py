@@ -117,6 +117,14 @@ def _human_readable_int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def _max_model_len(text: str) -> int:
+    """--max-model-len: vLLM's human-readable integer, or -1 / auto (any case) for the longest
+    context the pools hold, up to the model's positions."""
+    if text.strip().lower() in ("-1", "auto"):
+        return -1
+    return _human_readable_int_at_least(2)(text)
+
+
 def _bytes_in_gib(text: str) -> float:
     return _human_readable_int_at_least(1)(text) / 2**30
 
@@ -340,10 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--max-model-len",
         "--context-length",
-        type=_human_readable_int_at_least(2),
+        type=_max_model_len,
         default=None,
         help="longest prompt plus completion in tokens, plain or as vLLM writes it (32k = 32,000, "
-        "32K = 32,768, 25.6k = 25,600); default: the model's max_position_embeddings",
+        "32K = 32,768, 25.6k = 25,600), or -1 / auto: the model's positions, lowered to what the "
+        "pools hold for one request; default: the model's max_position_embeddings",
     )
     engine.add_argument(
         "--max-num-batched-tokens",

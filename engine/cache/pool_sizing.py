@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.config import AUTO_MAX_MODEL_LEN, EngineConfig
 from deltaserve.models.layers.attention import check_max_model_len
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,10 @@ def plan_pools(
         # boundary (its end snapshot at finish); as many again hold the tree's snapshots.
         snapshots = 2 * slots if config.cache_type == "radix" else 0
     page = config.page_size
-    check_max_model_len(config.max_model_len, max_position_embeddings)
-    want_len = config.max_model_len or max_position_embeddings
+    auto = config.max_model_len == AUTO_MAX_MODEL_LEN
+    given = None if auto else config.max_model_len
+    check_max_model_len(given, max_position_embeddings)
+    want_len = given or max_position_embeddings
     spec = config.spec
     # the speculative window buffer: k + 1 states for each request verified in a step
     window = config.spec_window_rows * (spec.num_speculative_tokens + 1) if spec else 0
@@ -59,8 +61,10 @@ def plan_pools(
         pages = config.num_kv_pages
     else:
         budget = _pool_budget(config, device)
-        one_request = (math.ceil(want_len / page) + 1) * max(bytes_per_page, 1)  # with the padding page
         base = budget - (1 + window) * bytes_per_slot  # less the padding slot and the window's
+        if auto:
+            want_len = _fitted_len(want_len, budget, base, bytes_per_page, bytes_per_slot, config, device)
+        one_request = (math.ceil(want_len / page) + 1) * max(bytes_per_page, 1)  # with the padding page
         fit = (base - one_request) // max(bytes_per_slot, 1)
         if slots + snapshots > fit:
             asked = (slots, snapshots)
@@ -102,7 +106,50 @@ def plan_pools(
     capacity = (pages - 1) * page
     if config.max_model_len is not None and config.max_model_len > capacity:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV capacity of {capacity} tokens")
+    if auto and config.num_kv_pages is not None:
+        _log_fitted(max_position_embeddings, min(want_len, capacity), (pages - 1) * bytes_per_page)
     return PoolSizes(pages, slots, snapshots, min(want_len, capacity))
+
+
+def _fitted_len(
+    longest: int,
+    budget: int,
+    base: int,
+    bytes_per_page: int,
+    bytes_per_slot: int,
+    config: EngineConfig,
+    device: torch.device,
+) -> int:
+    """vLLM's `--max-model-len auto`: `longest` (the model's positions) where the pools hold one
+    request of it, else the most whole pages of KV that one request holds beside its state slots
+    (`base`: the pools' `budget` less the padding and window slots; the padding page), logged
+    either way; a ValueError where not one page fits."""
+    per_request = 1 if config.cache_type == "radix" else 0  # its snapshot slot
+    kv_bytes = base - (1 + per_request) * bytes_per_slot - bytes_per_page  # less the padding page
+    pages = kv_bytes // bytes_per_page if bytes_per_page > 0 else math.ceil(longest / config.page_size)
+    fitted = min(longest, int(pages) * config.page_size)
+    if fitted < 2:
+        cuda_fraction = device.type == "cuda" and config.pool_memory_gb is None
+        flag = "--mem-fraction-static" if cuda_fraction else "--pool-memory-gb"
+        raise ValueError(
+            f"max_model_len auto: not enough memory for one request of one page: the pools have "
+            f"{_size(budget)}, a state slot takes {_size(bytes_per_slot)} and a page of "
+            f"{config.page_size} tokens {_size(bytes_per_page)}; free memory or raise {flag}"
+        )
+    _log_fitted(longest, fitted, kv_bytes)
+    return fitted
+
+
+def _log_fitted(longest: int, fitted: int, kv_bytes: int) -> None:
+    if fitted >= longest:
+        logger.info("max_model_len auto: the model's full context of %d tokens fits in the pools", longest)
+    else:
+        logger.info(
+            "max_model_len auto: lowered from %d to %d tokens to fit in the pools (%s for one request's KV pages)",
+            longest,
+            fitted,
+            _size(kv_bytes),
+        )
 
 
 def _size(num_bytes: float) -> str:

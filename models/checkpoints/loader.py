@@ -231,7 +231,7 @@ def check_mtp(path: str, dummy: bool = False, hf_overrides: dict[str, Any] | Non
 
 def check_model_len(path: str, max_model_len: int | None, hf_overrides: dict[str, Any] | None = None) -> None:
     """`check_max_model_len` from config.json alone (with `hf_overrides`), before any weight loads."""
-    if max_model_len is not None:
+    if max_model_len is not None and max_model_len != -1:  # -1: vLLM's auto, within the positions
         check_max_model_len(max_model_len, rope_max_positions(_model_of(path, hf_overrides)[4]))
 
 

@@ -290,6 +290,22 @@ def test_numpy_numbers_are_taken_as_pythons(make_checkpoint) -> None:
     assert llm.generate([[5, 9, 17]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
+def test_max_model_len_minus_one_is_vllms_auto(make_checkpoint, caplog: pytest.LogCaptureFixture) -> None:
+    """LLM(max_model_len=-1), as vLLM's LLM takes it: the model's 1,024 positions, lowered to the
+    whole pages one request holds where the pools are smaller (the model's length is then refused)."""
+    checkpoint = make_checkpoint("qwen3_next")
+    with pytest.raises(ValueError, match="not enough memory for one request"):
+        LLM(checkpoint, device="cpu", pool_memory_gb=0.0002)
+    with caplog.at_level(logging.INFO, logger="deltaserve.engine.cache.pool_sizing"):
+        llm = LLM(checkpoint, device="cpu", max_model_len=-1, pool_memory_gb=0.0002)
+    assert llm.engine.max_model_len == 752 and llm.engine.max_model_len % llm.engine.config.page_size == 0
+    assert "max_model_len auto: lowered from 1024 to 752 tokens" in caplog.text
+    assert llm.generate([[5] * 700], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="752"):
+        llm.generate([[5] * 752], SamplingParams(max_tokens=2))
+    assert LLM(checkpoint, device="cpu", max_model_len=-1, pool_memory_gb=0.01).engine.max_model_len == 1024
+
+
 def test_load_format_takes_vllms_safetensors_and_refuses_what_it_cannot_load() -> None:
     """load_format 'safetensors' (vLLM's name) loads as auto does; a format deltaserve has no loader
     for ('pt', a typo) is a ValueError before anything loads, where it loaded the safetensors."""

@@ -457,6 +457,10 @@ def test_vllm_and_sglang_names_set_what_ours_set(theirs: list[str], ours: list[s
         ("--max-model-len", "1M", "max_model_len", 2**20),
         ("--max-model-len", "4096", "max_model_len", 4096),
         ("--context-length", "128K", "max_model_len", 2**17),  # SGLang's name of the same flag
+        # vLLM's -1 and its alias auto (any case): the longest context the pools hold
+        ("--max-model-len", "-1", "max_model_len", -1),
+        ("--max-model-len", "auto", "max_model_len", -1),
+        ("--max-model-len", "AUTO", "max_model_len", -1),
         ("--max-num-batched-tokens", "16k", "max_num_batched_tokens", 16_000),
         ("--max-num-batched-tokens", "8K", "max_num_batched_tokens", 8192),
         ("--kv-cache-memory-bytes", "2G", "pool_memory_gb", 2.0),
@@ -675,6 +679,27 @@ def test_a_model_that_cannot_load_stops_start_up_with_its_error_last(builtin_pat
     last = result.stderr.strip().splitlines()[-1]
     assert "error" in last and "not enough memory for one request" in last, result.stderr
     assert "leaked" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_max_model_len_auto_serves_the_longest_context_the_pools_hold(spawn_server) -> None:
+    """`--max-model-len auto` (vLLM's, -1 too) with pools too small for one request of the model's
+    8,192 positions starts, lowered to the whole pages one request holds and logged, where the
+    model's length stopped start-up with "not enough memory for one request"; a prompt past it
+    gets vLLM's 400."""
+    import openai
+
+    server = spawn_server("--max-model-len", "auto", "--pool-memory-gb", "0.0002")
+    card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+    assert card["max_model_len"] == 624  # 39 pages of 16 tokens
+    assert "max_model_len auto: lowered from 8192 to 624 tokens to fit in the pools" in server.log()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    r = client.completions.create(
+        model=MODEL_NAME, prompt=[5] * 600, max_tokens=4, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError, match="624"):
+        client.completions.create(model=MODEL_NAME, prompt=[5] * 620, max_tokens=8)
 
 
 @pytest.mark.slow

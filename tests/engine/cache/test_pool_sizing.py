@@ -110,3 +110,36 @@ def test_a_fixed_pool_size_replaces_the_fraction_on_cuda(monkeypatch) -> None:
 
 class _Gpu:
     total_memory = 80 * 2**30
+
+
+def test_auto_max_model_len_lowers_it_to_what_one_request_holds(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's max_model_len -1 (`--max-model-len auto`): the model's positions where one request of
+    them fits, else the whole pages one request holds, logged, where the model's length (None) is
+    refused. 8 MiB less the padding slot, the request's state and snapshot slots (1 MiB each) and
+    the padding page leave 79 pages of 64 KiB: 1,264 tokens."""
+    cpu = dict(model="unused", device="cpu", max_running_requests=4)
+    sizes_of = dict(bytes_per_page=64 * 1024, bytes_per_slot=MIB, max_position_embeddings=4096, device=CPU)
+    with pytest.raises(ValueError, match="not enough memory for one request"):
+        plan_pools(EngineConfig(**cpu, pool_memory_gb=8 / 1024), **sizes_of)
+    cfg = EngineConfig(**cpu, pool_memory_gb=8 / 1024, max_model_len=-1)
+    with caplog.at_level("INFO", logger="deltaserve.engine.cache.pool_sizing"):
+        sizes = plan_pools(cfg, **sizes_of)
+    assert sizes.max_model_len == 1264 and sizes.num_slots == 1 and cfg.max_running_requests == 1
+    assert (sizes.num_pages - 1) * cfg.page_size >= 1264  # the request at full length
+    assert (1 + sizes.num_slots + sizes.num_snapshots) * MIB + sizes.num_pages * 64 * 1024 <= 8 * MIB
+    assert "max_model_len auto: lowered from 4096 to 1264 tokens to fit in the pools" in caplog.text
+    caplog.clear()
+    roomy = EngineConfig(**cpu, pool_memory_gb=1.0, max_model_len=-1)
+    with caplog.at_level("INFO", logger="deltaserve.engine.cache.pool_sizing"):
+        sizes = plan_pools(roomy, **sizes_of)
+    assert sizes.max_model_len == 4096 and sizes.num_slots == 4
+    assert "max_model_len auto: the model's full context of 4096 tokens fits in the pools" in caplog.text
+    # a fixed page count bounds it too
+    sizes = plan_pools(EngineConfig(**cpu, num_kv_pages=33, max_model_len=-1), **sizes_of)
+    assert sizes.max_model_len == 512
+    with pytest.raises(
+        ValueError, match="^max_model_len auto: not enough memory for one request of one page"
+    ):
+        plan_pools(EngineConfig(**cpu, pool_memory_gb=3 / 1024, max_model_len=-1), **sizes_of)
+    with pytest.raises(ValueError, match="max_model_len must be at least 2 .* or -1"):
+        EngineConfig(**cpu, max_model_len=-2)
