@@ -4,8 +4,6 @@ steps give (fp32, so that the two differ in nothing but replay)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,10 +20,10 @@ def test_piecewise_sizes_double_up_to_the_most_tokens() -> None:
     assert piecewise_sizes(16) == [16]
 
 
-def test_the_flags_reach_the_engine_config(tmp_path: Path) -> None:
+def test_the_flags_reach_the_engine_config(make_checkpoint) -> None:
     from deltaserve.server.launch import _engine_config
 
-    base = ["serve", "--model", str(tmp_path), "--device", "cpu"]
+    base = ["serve", "--model", make_checkpoint("qwen3_5"), "--device", "cpu"]
     parse = build_parser().parse_args
     assert _engine_config(parse(base)).piecewise_cuda_graph_max_tokens == 0  # off unless asked
     on = _engine_config(parse([*base, "--enable-piecewise-cuda-graph"]))
