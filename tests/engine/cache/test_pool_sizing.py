@@ -143,3 +143,35 @@ def test_auto_max_model_len_lowers_it_to_what_one_request_holds(caplog: pytest.L
         plan_pools(EngineConfig(**cpu, pool_memory_gb=3 / 1024, max_model_len=-1), **sizes_of)
     with pytest.raises(ValueError, match="max_model_len must be at least 2 .* or -1"):
         EngineConfig(**cpu, max_model_len=-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pools_sized_by_bytes_on_cuda() -> None:
+    """On a GPU `pool_memory_gb` (and vLLM's `kv_cache_memory_bytes`) sets what the pools take in
+    place of the memory fraction: 2 GiB and 8 GiB hold about four times as many requests apart;
+    more than the GPU has free is an error before the pools allocate; `max_model_len=-1` lowers
+    the model's 262k positions to what 1 GiB holds for one request."""
+    from deltaserve import LLM, SamplingParams
+
+    def pools(**kw: object) -> tuple[int, int, int | None]:
+        before = torch.cuda.memory_allocated()
+        llm = LLM("configs/qwen3.5-0.8b", load_format="dummy", enforce_eager=True, **kw)  # type: ignore[arg-type]
+        taken = torch.cuda.memory_allocated() - before
+        out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+        config = llm.engine.config
+        running, length = int(config.max_running_requests), config.max_model_len
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+        return taken, running, length
+
+    small, running_small, _ = pools(pool_memory_gb=2, max_model_len=8192)
+    large, running_large, _ = pools(kv_cache_memory_bytes=8 * 2**30, max_model_len=8192)
+    assert 5.5 * 2**30 < large - small < 6.5 * 2**30  # the pools' 6 GiB apart, the weights alike
+    assert 3 * running_small < running_large
+    with pytest.raises(ValueError, match="more than the .* the GPU has free"):
+        LLM("configs/qwen3.5-0.8b", load_format="dummy", enforce_eager=True, pool_memory_gb=100_000)
+    _, _, length = pools(pool_memory_gb=1, max_model_len=-1)
+    assert length is not None and 16 <= length < 262_144 and length % 16 == 0
