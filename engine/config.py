@@ -54,6 +54,19 @@ _OPTIONAL = {
 }
 
 
+class SettingError(ValueError):
+    """A setting's value refused; `setting` names the field, so that a caller who spelled it
+    otherwise (LLM's vLLM names) can name it as given."""
+
+    def __init__(self, setting: str, problem: str) -> None:
+        super().__init__(f"{setting} {problem}")
+        self.setting = setting
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type[SettingError], tuple[str, str]]:
+        return type(self), (self.setting, self.problem)
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -178,7 +191,7 @@ class EngineConfig:
         if self.max_running_requests is None:
             self.max_running_requests = 256 if on_cuda else 64
         if self.max_running_requests < 1:
-            raise ValueError("max_running_requests must be at least 1")
+            raise SettingError("max_running_requests", f"must be at least 1, got {self.max_running_requests}")
         # the CLI's own bounds, for the LLM's arguments too
         if self.max_model_len not in (None, AUTO_MAX_MODEL_LEN) and self.max_model_len < 2:
             raise ValueError(
@@ -186,8 +199,8 @@ class EngineConfig:
                 f"the longest the pools hold, got {self.max_model_len}"
             )
         if not 0 < self.mem_fraction_static <= 1:
-            raise ValueError(
-                f"mem_fraction_static must be a fraction in (0, 1], got {self.mem_fraction_static}"
+            raise SettingError(
+                "mem_fraction_static", f"must be a fraction in (0, 1], got {self.mem_fraction_static}"
             )
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be at least 0, got {self.max_waiting_requests}")
@@ -211,9 +224,9 @@ class EngineConfig:
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be at least 1")
         if self.pool_memory_gb is not None and self.pool_memory_gb <= 0:
-            raise ValueError("pool_memory_gb must be positive")
+            raise SettingError("pool_memory_gb", f"must be positive, got {self.pool_memory_gb}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+            raise SettingError("page_size", f"must be a power of two, got {self.page_size}")
         _ = self.spec  # validates speculative_config
         self._check_parallel()
         from deltaserve.kernels.common.fast_launch import fast_launch_mode
@@ -245,13 +258,13 @@ class EngineConfig:
                     raise TypeError
                 setattr(self, name, operator.index(value))
             except TypeError:
-                raise ValueError(f"{name} must be an integer, got {value!r}") from None
+                raise SettingError(name, f"must be an integer, got {value!r}") from None
         for name in FLOAT_FIELDS:
             value = getattr(self, name)
             if value is None and name in _OPTIONAL:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+                raise SettingError(name, f"must be a number, got {value!r}")
             setattr(self, name, float(value))
 
     def _check_parallel(self) -> None:

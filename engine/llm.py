@@ -19,7 +19,7 @@ from deltaserve.engine.cache.adapter import (
     warmup_params,
     warmup_prompts,
 )
-from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.config import EngineConfig, SettingError
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.errors import InvalidParamError
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
@@ -133,7 +133,9 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
     memory = out.pop("kv_cache_memory_bytes", None)
     if memory is not None:  # vLLM's KV cache holds a hybrid model's states too, as these pools do
         if isinstance(memory, bool) or not isinstance(memory, numbers.Integral):
-            raise ValueError(f"kv_cache_memory_bytes must be an integer, got {memory!r}")
+            raise SettingError("kv_cache_memory_bytes", f"must be an integer, got {memory!r}")
+        if memory <= 0:  # checked here: pool_memory_gb's own check would name it, in GiB
+            raise SettingError("kv_cache_memory_bytes", f"must be positive, got {memory}")
         if "pool_memory_gb" in out:
             raise ValueError("give kv_cache_memory_bytes or pool_memory_gb, not both")
         out["pool_memory_gb"] = memory / 2**30
@@ -156,6 +158,15 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
     if unknown:
         raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
     return out, source
+
+
+def _as_given(error: SettingError, kwargs: dict[str, Any]) -> SettingError:
+    """`error` naming its setting as `kwargs`, the caller's arguments, spelled it: vLLM's name
+    where that was given, else unchanged."""
+    for given, name in _RENAMED.items():
+        if name == error.setting and kwargs.get(given) is not None:
+            return SettingError(given, error.problem)
+    return error
 
 
 def _legacy_token_prompts(texts: Any, ids: Sequence[int] | Sequence[Sequence[int]]) -> list[PromptType]:
@@ -217,6 +228,7 @@ class LLM:
         come from."""
         from deltaserve.models.checkpoints.hub import is_repo_id, resolve_checkpoint
 
+        given_kwargs = kwargs
         kwargs, self._generation_config = engine_kwargs(kwargs)
 
         if kwargs.get("data_parallel_size", 1) != 1:
@@ -236,7 +248,11 @@ class LLM:
                 given, tokenizer_revision, download_dir, tokenizer_only=True
             )
             require_tokenizer(kwargs["tokenizer"], f"tokenizer {given!r}")
-        self.engine = Engine(EngineConfig(model=model, **kwargs))
+        try:
+            config = EngineConfig(model=model, **kwargs)
+        except SettingError as error:  # its message names our field, maybe not the name the user wrote
+            raise _as_given(error, given_kwargs) from None
+        self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
         self._defaults: SamplingDefaults | None = None  # generation_config.json, read once

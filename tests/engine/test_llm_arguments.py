@@ -248,26 +248,36 @@ def test_seed_none_is_seed_0_as_in_vllm(make_checkpoint) -> None:
     [
         ({"max_model_len": 1}, "max_model_len must be at least 2"),
         ({"max_model_len": 0}, "max_model_len must be at least 2"),
-        ({"gpu_memory_utilization": 1.5}, "mem_fraction_static must be a fraction in (0, 1], got 1.5"),
+        # vLLM's names are named as given, not as the EngineConfig field they set
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be a fraction in (0, 1], got 1.5"),
+        ({"mem_fraction_static": 1.5}, "mem_fraction_static must be a fraction in (0, 1], got 1.5"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be at least 1, got 0"),
+        ({"max_running_requests": 0}, "max_running_requests must be at least 1, got 0"),
+        ({"block_size": 12}, "block_size must be a power of two, got 12"),
+        ({"block_size": "16"}, "block_size must be an integer, got '16'"),
+        ({"page_size": 12}, "page_size must be a power of two, got 12"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be positive, got 0"),
+        ({"kv_cache_memory_bytes": -(2**30)}, f"kv_cache_memory_bytes must be positive, got {-(2**30)}"),
+        ({"pool_memory_gb": 0}, "pool_memory_gb must be positive, got 0.0"),
         ({"max_waiting_requests": -1}, "max_waiting_requests must be at least 0"),
         ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs must be at least 1"),
         # a wrong type is named, where "32k" was "'<' not supported between 'str' and 'int'"
         # and 2.5 was taken as a length
         ({"max_model_len": "32k"}, "max_model_len must be an integer, got '32k'"),
         ({"max_model_len": 2.5}, "max_model_len must be an integer, got 2.5"),
-        ({"max_num_seqs": 8.0}, "max_running_requests must be an integer, got 8.0"),
+        ({"max_num_seqs": 8.0}, "max_num_seqs must be an integer, got 8.0"),
         ({"seed": True}, "seed must be an integer, got True"),
         ({"tensor_parallel_size": "2"}, "tensor_parallel_size must be an integer, got '2'"),
         ({"pool_memory_gb": "1"}, "pool_memory_gb must be a number, got '1'"),
-        ({"gpu_memory_utilization": float("nan")}, "mem_fraction_static must be a number, got nan"),
+        ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization must be a number, got nan"),
         ({"kv_cache_memory_bytes": "2G"}, "kv_cache_memory_bytes must be an integer, got '2G'"),
     ],
 )
 def test_values_the_cli_refuses_are_refused_offline_too(
     make_checkpoint, tmp_path: Path, setting: dict, says: str
 ) -> None:
-    """The values the CLI's flags refuse are a ValueError before the model loads (max_model_len=1
-    would refuse every prompt, 0 would serve the model's full length)."""
+    """The values the CLI's flags refuse are a ValueError naming the argument as given, before the
+    model loads (max_model_len=1 would refuse every prompt, 0 would serve the model's full length)."""
     with pytest.raises(ValueError) as error:
         LLM(config_only(make_checkpoint("qwen3_next"), tmp_path / "bare"), device="cpu", **setting)
     assert str(error.value).startswith(says)
