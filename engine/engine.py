@@ -216,6 +216,15 @@ class Engine:
         instead of holding a thread)."""
         return self.admission.compile_structured(spec)
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Encode and decode with `tokenizer` from now on (vLLM's `LLM.set_tokenizer`): requests
+        admitted after this get their text, stop strings and structured outputs' vocabulary from
+        it; the stop token ids stay the checkpoint's."""
+        self.tokenizer = tokenizer
+        self._model_parts.tokenizer = tokenizer
+        self.admission.tokenizer = tokenizer
+        self.grammars.reset(tokenizer)
+
     def prepare_grammars(self) -> None:
         """Build structured outputs' view of the vocabulary now (xgrammar's TokenizerInfo, a
         pass over the whole vocabulary) instead of at the first JSON request, which would spend

@@ -679,9 +679,17 @@ class LLM:
                 params[i] = dataclasses.replace(params[i], shared_prefix_len=shared)
         return params
 
-    def get_tokenizer(self) -> Any:
-        """The checkpoint's tokenizer (None for a checkpoint without one)."""
+    def get_tokenizer(self, lora_request: Any = None) -> Any:
+        """The checkpoint's tokenizer (None for a checkpoint without one), or the one `set_tokenizer`
+        gave; vLLM's `lora_request` is taken as None (an adapter's tokenizer: ValueError)."""
+        _no_adapter(lora_request)
         return self.tokenizer
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """vLLM's: encode prompts, render chats and decode outputs with `tokenizer` (a transformers
+        tokenizer) from now on; the model's stop token ids stay the checkpoint's."""
+        self.engine.set_tokenizer(tokenizer)
+        self.tokenizer = tokenizer
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached KV page and state snapshot (vLLM's): later prompts are computed anew."""

@@ -42,6 +42,12 @@ class LazyGrammars:
         self.grammars: Any = None
         self._lock = threading.Lock()  # the server builds them in a thread while the engine steps
 
+    def reset(self, tokenizer: Any) -> None:
+        """Build from `tokenizer` at next use: the vocabulary tables and compiled grammars are its."""
+        with self._lock:
+            self.tokenizer = tokenizer
+            self.grammars = None
+
     def get(self) -> Any:
         with self._lock:
             if self.grammars is None:

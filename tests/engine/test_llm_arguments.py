@@ -193,6 +193,34 @@ def test_vllms_generate_and_chat_keywords_at_their_defaults_run(tokenized_checkp
         llm.beam_search([{"prompt_token_ids": [9707]}], beams, lora_request=adapter)
 
 
+def test_get_tokenizer_takes_vllms_lora_request_and_set_tokenizer_replaces_it(
+    tokenized_checkpoint: str, kimi_tokenizer_folder
+) -> None:
+    """Older vLLM's `llm.get_tokenizer(lora_request=None)` returns the tokenizer (it was a
+    TypeError), an adapter is a ValueError naming LoRA; `llm.set_tokenizer(tok)` (an
+    AttributeError) makes prompts, chats and outputs' text use `tok`."""
+    from deltaserve.models.checkpoints.loader import load_tokenizer
+
+    llm = LLM(tokenized_checkpoint, device="cpu", dtype="float32")
+    qwen = llm.get_tokenizer()
+    assert llm.get_tokenizer(None) is qwen and llm.get_tokenizer(lora_request=None) is qwen
+    with pytest.raises(ValueError, match="^lora_request: LoRA adapters are not implemented"):
+        llm.get_tokenizer(object())
+    toy = load_tokenizer(kimi_tokenizer_folder[0])
+    llm.set_tokenizer(toy)
+    assert llm.get_tokenizer() is toy
+    # tokens the toy vocabulary holds, so that its decode reads them
+    params = SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, allowed_token_ids=list(range(200))
+    )
+    (out,) = llm.generate(["The quick brown fox"], params, use_tqdm=False)
+    assert out.prompt_token_ids == toy.encode("The quick brown fox")
+    ids = list(out.outputs[0].token_ids)
+    assert out.outputs[0].text == toy.decode(ids) != qwen.decode(ids)
+    (chat,) = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False)
+    assert chat.prompt == "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|>"
+
+
 def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
     make_checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
