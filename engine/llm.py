@@ -706,22 +706,26 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (`engine/requests/beam_search.py`): a prompt's best `beam_width`
         beams, best first, each with its tokens, text, cumulative log-probability and the
-        candidates of every step. vLLM's `lora_request` is taken as None; `use_tqdm` and
-        `concurrency_limit` (how many prompts vLLM searches at once) change no result."""
+        candidates of every step. vLLM's `lora_request` is taken as None; `use_tqdm` changes
+        nothing; `concurrency_limit=N`, as vLLM's, searches the prompts N at a time (each N to
+        its end before the next: at most N x beam_width requests a step), finding the beams a
+        search of all at once finds."""
         _no_adapter(lora_request)
-        search = BeamSearch([self._prompt_ids(p)[0] for p in prompts], params, self.engine.eos_token_ids)
-        # the engine counts the first step as it counts any prompt (its tokens, the cache's hits);
-        # the later ones repeat the prompts with the beams' tokens, so they run uncounted
-        first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
-        later = dataclasses.replace(first, internal=True)
-        counted = 0  # tokens generated that the engine counted: the first step's
-        while not search.finished:
-            step = later if search.steps else first
-            outs = self.generate([{"prompt_token_ids": t} for t in search.expanding()], step, use_tqdm=False)
-            if step is first:
-                counted = sum(o.outputs[0].num_tokens for o in outs)
-            search.advance([o.outputs[0].logprobs[0].top for o in outs])  # type: ignore[index]
-        results = search.outputs()
+        prompt_ids = [self._prompt_ids(p)[0] for p in prompts]
+        if concurrency_limit is None:
+            limit = max(len(prompt_ids), 1)
+        elif isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, numbers.Integral):
+            raise ValueError(f"concurrency_limit must be an integer or None, got {concurrency_limit!r}")
+        elif concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be at least 1, got {concurrency_limit}")
+        else:
+            limit = int(concurrency_limit)
+        results: list[BeamSearchOutput] = []
+        counted = 0  # tokens generated that the engine counted: the first steps'
+        for start in range(0, len(prompt_ids), limit):
+            found, first_tokens = self._beam_search(prompt_ids[start : start + limit], params)
+            results += found
+            counted += first_tokens
         returned = sum(len(beam.output_ids) for out in results for beam in out.sequences)
         self.engine.count_generated(returned - counted)  # the search's tokens, as the server's /metrics
         for out in results:
@@ -729,6 +733,25 @@ class LLM:
                 ids = beam.text_ids(params.include_stop_str_in_output)
                 beam.text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
         return results
+
+    def _beam_search(
+        self, prompts: list[list[int]], params: BeamSearchParams
+    ) -> tuple[list[BeamSearchOutput], int]:
+        """`prompts`' searches run together to their end, and the tokens of their first step (the
+        only step the engine counts)."""
+        search = BeamSearch(prompts, params, self.engine.eos_token_ids)
+        # the engine counts the first step as it counts any prompt (its tokens, the cache's hits);
+        # the later ones repeat the prompts with the beams' tokens, so they run uncounted
+        first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
+        later = dataclasses.replace(first, internal=True)
+        counted = 0
+        while not search.finished:
+            step = later if search.steps else first
+            outs = self.generate([{"prompt_token_ids": t} for t in search.expanding()], step, use_tqdm=False)
+            if step is first:
+                counted = sum(o.outputs[0].num_tokens for o in outs)
+            search.advance([o.outputs[0].logprobs[0].top for o in outs])  # type: ignore[index]
+        return search.outputs(), counted
 
     def update_weights_from_disk(
         self, model_path: str, load_format: str = "auto", weight_version: str | None = None

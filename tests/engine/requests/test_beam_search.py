@@ -123,6 +123,42 @@ def test_width_one_is_greedy_decoding(path) -> None:
     assert [b.sequences[0].output_ids for b in beams] == [g.outputs[0].token_ids for g in greedy]
 
 
+def test_concurrency_limit_searches_that_many_prompts_at_once(path, monkeypatch) -> None:
+    """vLLM's concurrency_limit=N: the prompts are searched N at a time, each step's requests
+    the live beams of N prompts at most (they were every prompt's), and the beams are those of
+    the search of all at once, in the prompts' order."""
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([5, 9, 3, 12, 7], seed=5)]
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256)
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    whole = llm.beam_search(prompts, params)
+    steps: list[int] = []
+    generate = llm.generate
+
+    def counting(step_prompts: list, *args: object, **kwargs: object) -> list:
+        steps.append(len(step_prompts))  # one search step's requests
+        return generate(step_prompts, *args, **kwargs)
+
+    monkeypatch.setattr(llm, "generate", counting)
+    for limit in (1, 2, 5, 8):
+        steps.clear()
+        before = llm.engine.stats()["generation_tokens_total"]
+        limited = llm.beam_search(prompts, params, use_tqdm=True, concurrency_limit=limit)
+        returned = sum(len(b.output_ids) for o in limited for b in o.sequences)
+        assert llm.engine.stats()["generation_tokens_total"] - before == returned  # counted once
+        assert max(steps) <= min(limit, 5) * params.beam_width and steps[0] == min(limit, 5)
+        assert [[b.output_ids for b in o.sequences] for o in limited] == [
+            [b.output_ids for b in o.sequences] for o in whole
+        ], limit
+        for got, want in zip(limited, whole):
+            assert [b.cum_logprob for b in got.sequences] == pytest.approx(
+                [b.cum_logprob for b in want.sequences], abs=1e-5
+            )
+            assert [b.text for b in got.sequences] == [b.text for b in want.sequences]
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(ValueError, match="^concurrency_limit must be"):
+            llm.beam_search(prompts, params, concurrency_limit=bad)
+
+
 def test_bad_parameters_are_refused() -> None:
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=11, max_tokens=4)
