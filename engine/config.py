@@ -8,6 +8,7 @@ import operator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from deltaserve.engine.cache.cache_policy import POLICIES
@@ -41,6 +42,17 @@ INT_FIELDS = (
     "data_parallel_rank",
 )
 FLOAT_FIELDS = ("prefix_cache_alpha", "mem_fraction_static", "pool_memory_gb", "distributed_timeout_s")
+# the switches (None where the field allows it: its default, resolved by device)
+BOOL_FIELDS = (
+    "skip_tokenizer_init",
+    "adaptive_prefill_delay",
+    "hold_prefill_tails",
+    "language_model_only",
+    "disable_cuda_graph",
+    "enable_overlap_schedule",
+    "warmup",
+    "enable_expert_parallel",
+)
 AUTO_MAX_MODEL_LEN = -1  # vLLM's: the longest context the pools hold, up to the model's positions
 _OPTIONAL = {
     "max_running_requests",
@@ -51,6 +63,9 @@ _OPTIONAL = {
     "num_snapshot_slots",
     "master_port",
     "pool_memory_gb",
+    "adaptive_prefill_delay",
+    "enable_overlap_schedule",
+    "warmup",
 }
 
 
@@ -246,9 +261,9 @@ class EngineConfig:
         reference_kernels_mode()  # DELTASERVE_REFERENCE_KERNELS
 
     def _check_numbers(self) -> None:
-        """Integer fields hold ints (numpy's become Python's) and real ones finite numbers: a
-        string, a fraction or a bool is a ValueError naming the field, not a comparison's TypeError
-        later or a length of 2.5 accepted."""
+        """Integer fields hold ints (numpy's become Python's), real ones finite numbers and
+        switches bools: a string, a fraction or a bool is a ValueError naming the field, not a
+        comparison's TypeError later, a length of 2.5 or a switch set by "False" accepted."""
         for name in INT_FIELDS:
             value = getattr(self, name)
             if value is None and name in _OPTIONAL:
@@ -266,6 +281,14 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise SettingError(name, f"must be a number, got {value!r}")
             setattr(self, name, float(value))
+        for name in BOOL_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            # a string such as "False" is truthy: taken, it would turn the switch on
+            if not isinstance(value, (bool, np.bool_)):
+                raise SettingError(name, f"must be True or False, got {value!r}")
+            setattr(self, name, bool(value))
 
     def _check_parallel(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes

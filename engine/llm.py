@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypedDict, cast
 
+import numpy as np
+
 from deltaserve.engine.cache.adapter import (
     scores_once,
     scoring_params,
@@ -140,6 +142,8 @@ def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
             raise ValueError("give kv_cache_memory_bytes or pool_memory_gb, not both")
         out["pool_memory_gb"] = memory / 2**30
     caching = out.pop("enable_prefix_caching", None)
+    if caching is not None and not isinstance(caching, (bool, np.bool_)):  # "False" would be truthy
+        raise SettingError("enable_prefix_caching", f"must be True or False, got {caching!r}")
     if caching is not None:  # vLLM's None: its default, on
         out.setdefault("cache_type", "radix" if caching else "naive")
     if out.pop("pipeline_parallel_size", 1) not in (1, None):

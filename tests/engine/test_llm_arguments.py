@@ -287,6 +287,11 @@ def test_seed_none_is_seed_0_as_in_vllm(make_checkpoint) -> None:
         ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be positive, got 0"),
         ({"kv_cache_memory_bytes": -(2**30)}, f"kv_cache_memory_bytes must be positive, got {-(2**30)}"),
         ({"pool_memory_gb": 0}, "pool_memory_gb must be positive, got 0.0"),
+        # a switch given a string ("False" is truthy) turned it on
+        ({"enforce_eager": "False"}, "enforce_eager must be True or False, got 'False'"),
+        ({"disable_cuda_graph": "yes"}, "disable_cuda_graph must be True or False, got 'yes'"),
+        ({"enable_prefix_caching": "false"}, "enable_prefix_caching must be True or False, got 'false'"),
+        ({"enable_overlap_schedule": 0}, "enable_overlap_schedule must be True or False, got 0"),
         ({"max_waiting_requests": -1}, "max_waiting_requests must be at least 0"),
         ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs must be at least 1"),
         # a wrong type is named, where "32k" was "'<' not supported between 'str' and 'int'"
@@ -312,7 +317,8 @@ def test_values_the_cli_refuses_are_refused_offline_too(
 
 
 def test_numpy_numbers_are_taken_as_pythons(make_checkpoint) -> None:
-    """Integer and real settings computed with numpy (np.int64, np.float32) run, stored as Python's."""
+    """Integer, real and bool settings computed with numpy (np.int64, np.float32, np.bool_) run,
+    stored as Python's."""
     import numpy as np
 
     llm = LLM(
@@ -321,8 +327,10 @@ def test_numpy_numbers_are_taken_as_pythons(make_checkpoint) -> None:
         max_model_len=np.int64(64),
         max_num_seqs=np.int32(4),
         pool_memory_gb=np.float32(0.25),
+        enforce_eager=np.bool_(True),
     )
     config = llm.engine.config
+    assert config.disable_cuda_graph is True
     assert (config.max_model_len, config.max_running_requests, config.pool_memory_gb) == (64, 4, 0.25)
     assert type(config.max_model_len) is int and type(config.pool_memory_gb) is float
     assert llm.generate([[5, 9, 17]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
