@@ -229,13 +229,13 @@ def test_vllms_routine_keyword_arguments_run_and_unknown_ones_are_a_type_error(
     would change the results is refused."""
     import torch
 
-    from deltaserve.engine import llm as llm_module
+    from deltaserve.engine import llm_arguments
     from deltaserve.engine.config import EngineConfig
-    from deltaserve.engine.llm import engine_kwargs
+    from deltaserve.engine.llm_arguments import engine_kwargs
 
-    monkeypatch.setattr(llm_module, "_warned", set(), raising=False)  # warned once a process
+    monkeypatch.setattr(llm_arguments, "_warned", set(), raising=False)  # warned once a process
     vllm = {"swap_space": 4, "tokenizer_mode": "auto", "cpu_offload_gb": 0, "task": "generate"}
-    with caplog.at_level(logging.WARNING, logger="deltaserve.engine.llm"):
+    with caplog.at_level(logging.WARNING, logger="deltaserve.engine.llm_arguments"):
         assert engine_kwargs({**vllm, "dtype": "half"}) == ({"dtype": "half"}, "auto")
         assert engine_kwargs({**vllm, "dtype": torch.bfloat16}) == ({"dtype": "bfloat16"}, "auto")
     assert EngineConfig(model="m", device="cpu", dtype="half").dtype == "float16"  # vLLM's name
@@ -366,7 +366,7 @@ def test_load_format_takes_vllms_safetensors_and_refuses_what_it_cannot_load() -
 def test_kv_cache_memory_bytes_sizes_the_pools_and_vllms_none_defaults_are_taken() -> None:
     """LLM(kv_cache_memory_bytes=N), vLLM's, is pool_memory_gb in bytes; kv_cache_dtype=None and
     pipeline_parallel_size=None, vLLM's defaults, are ours."""
-    from deltaserve.engine.llm import engine_kwargs
+    from deltaserve.engine.llm_arguments import engine_kwargs
 
     assert engine_kwargs({"kv_cache_memory_bytes": 3 * 2**29}) == ({"pool_memory_gb": 1.5}, "auto")
     with pytest.raises(ValueError, match="not both"):

@@ -36,7 +36,7 @@ def test_generate_without_params_takes_the_generation_config(make_checkpoint, tm
 def test_vllms_keyword_arguments_set_their_engine_fields(make_checkpoint) -> None:
     """A vLLM script's LLM(...) runs: vLLM's names for the engine's settings are taken, the ones
     that ask for what deltaserve always does change nothing, and an fp8 KV cache is refused."""
-    from deltaserve.engine.llm import engine_kwargs
+    from deltaserve.engine.llm_arguments import engine_kwargs
 
     kwargs, source = engine_kwargs(
         {
