@@ -87,6 +87,10 @@ def _number_kind(annotation: Any) -> str | None:
     return "integer" if int in leaves else "number"
 
 
+def _takes_null(annotation: Any) -> bool:
+    return annotation is Any or type(None) in _leaf_types(annotation)
+
+
 def _holds_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return True
@@ -119,12 +123,15 @@ class RequestBody(OpenAIModel):
     unsupported: ClassVar[dict[str, Unsupported]] = {}
     # fields of numbers (max_tokens, n, seed, temperature, token ids ...) -> "integer" or "number"
     _numbers: ClassVar[dict[str, str]] = {}
+    # fields whose type has no null (n, stream, logprobs, echo ...): a null is the field left unset
+    _not_null: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
         kinds = {name: _number_kind(f.annotation) for name, f in cls.model_fields.items()}
         cls._numbers = {name: kind for name, kind in kinds.items() if kind is not None}
+        cls._not_null = frozenset(n for n, f in cls.model_fields.items() if not _takes_null(f.annotation))
 
     @model_validator(mode="before")
     @classmethod
@@ -134,6 +141,10 @@ class RequestBody(OpenAIModel):
             path, reason = found
             raise PydanticCustomError("invalid_json_value", "{reason}", {"param": path, "reason": reason})
         if isinstance(data, dict):
+            # OpenAI's schema makes n, stream, logprobs ... nullable, and clients that write every
+            # field send them so (vLLM takes them): null is the default, not a 400
+            if any(data[name] is None for name in cls._not_null.intersection(data)):
+                data = {k: v for k, v in data.items() if v is not None or k not in cls._not_null}
             for name, kind in cls._numbers.items():
                 # pydantic reads true as 1: max_tokens true would be one token, not a 400
                 if name in data and _holds_bool(data[name]):
@@ -188,6 +199,12 @@ def random_id(prefix: str) -> str:
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk too
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_unset(cls, data: Any) -> Any:
+        # OpenAI's and vLLM's schemas take null here, as the field left unset
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 def not_an_object_schema(schema: dict[str, Any] | None) -> str | None:
