@@ -279,15 +279,39 @@ def _guided_decoding_backend(value: Any, _: dict[str, Any]) -> str | None:
     return f"{value!r} is not supported: this server decodes structured outputs with xgrammar alone"
 
 
+def _thinking_token_budget(value: Any, _: dict[str, Any]) -> str | None:
+    if value is None or (not isinstance(value, bool) and value == -1):  # vLLM's -1: unlimited
+        return None
+    return (
+        "not supported: this server does not end a model's reasoning at a budget (max_tokens bounds it all)"
+    )
+
+
 class SamplingRequest(RequestBody):
     """Fields shared by chat and completions; their values are checked by the engine's
     `SamplingParams` (`request_params.py` translates them and names the field in a 400)."""
 
-    # vLLM's older fields that would change the output, and that xgrammar cannot honour
+    # vLLM's fields that would change the output and are not implemented (or, for the older
+    # guided ones, that xgrammar cannot honour)
     unsupported: ClassVar[dict[str, Unsupported]] = {
         "guided_whitespace_pattern": unsupported_if_set(WHITESPACE_PATTERN_WHY),
         "guided_decoding_backend": _guided_decoding_backend,
         "structural_tag": unsupported_if_set("not supported: send response_format or structured_outputs"),
+        "thinking_token_budget": _thinking_token_budget,
+        "repetition_detection": unsupported_if_set(
+            "not supported: this server does not end repetitive output"
+        ),
+        "watermarking": unsupported_if_set("not supported: this server does not watermark its output"),
+        "logits_processors": unsupported_if_set(
+            "not supported: this server runs no custom logits processors"
+        ),
+        "logprob_token_ids": unsupported_if_set(
+            "not supported on this endpoint: /generate's token_ids_logprob gives chosen ids' logprobs"
+        ),
+        "mm_processor_kwargs": unsupported_if_set(
+            "not supported: images are read at the processor's settings"
+        ),
+        "media_io_kwargs": unsupported_if_set("not supported: images are read at the server's settings"),
     }
 
     model: str | None = None
@@ -352,6 +376,7 @@ class ChatCompletionRequest(SamplingRequest):
         "web_search_options": unsupported_if_set("not supported: this server does not search the web"),
         "functions": unsupported_if_set("not supported (legacy function calling): send tools"),
         "function_call": unsupported_if_set("not supported (legacy function calling): send tool_choice"),
+        "best_of": _best_of,  # vLLM's older chat requests took it as completions do
     }
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -373,6 +398,7 @@ class CompletionRequest(SamplingRequest):
         **SamplingRequest.unsupported,
         "suffix": unsupported_if_set("not supported: this server does not fill in the middle"),
         "best_of": _best_of,
+        "prompt_embeds": unsupported_if_set("not supported: send the prompt as text or token ids"),
     }
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for the legacy completions endpoint

@@ -51,3 +51,53 @@ def test_nulls_in_nullable_openai_fields_are_their_defaults(client, model_name) 
     # a null where a value is required is still a 400 naming the field
     err = refusal(lambda: client.chat.completions.create(model=model_name, messages=None, max_tokens=3))
     assert err["param"] == "messages"
+
+
+@pytest.mark.parametrize(
+    "endpoint,extra",
+    [
+        ("chat", {"thinking_token_budget": 8}),
+        ("completions", {"thinking_token_budget": 0}),
+        ("chat", {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}}),
+        ("chat", {"watermarking": True}),
+        ("completions", {"logits_processors": ["my_module.MyProcessor"]}),
+        ("chat", {"logprob_token_ids": [1, 2], "logprobs": True}),
+        ("chat", {"mm_processor_kwargs": {"max_pixels": 1024}}),
+        ("chat", {"media_io_kwargs": {"image": {"mode": "L"}}}),
+        ("chat", {"best_of": 3}),
+        ("completions", {"prompt_embeds": "AAAA"}),
+    ],
+)
+def test_vllm_fields_that_would_change_the_output_are_400_naming_them(
+    client, model_name, endpoint: str, extra: dict
+) -> None:
+    (field,) = [k for k in extra if k != "logprobs"]
+    if endpoint == "chat":
+        err = refusal(
+            lambda: client.chat.completions.create(
+                model=model_name, messages=MESSAGES, max_tokens=3, extra_body=extra
+            )
+        )
+    else:
+        err = refusal(
+            lambda: client.completions.create(model=model_name, prompt="hi", max_tokens=3, extra_body=extra)
+        )
+    assert err["param"] == field and err["message"].startswith(f"{field}: not supported"), err
+
+
+def test_values_of_those_fields_that_change_nothing_are_served(client, model_name) -> None:
+    chat = client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=3,
+        n=2,
+        extra_body={
+            "thinking_token_budget": -1,  # vLLM's: unlimited
+            "repetition_detection": None,
+            "watermarking": False,
+            "logits_processors": [],
+            "mm_processor_kwargs": {},
+            "best_of": 2,
+        },
+    )
+    assert len(chat.choices) == 2
