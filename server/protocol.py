@@ -320,6 +320,8 @@ class SamplingRequest(RequestBody):
     prompt_logprobs: int | None = None
     # vLLM's: keep the prompt's last this many tokens (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: "left" (the default) drops the prompt's start, keeping its last tokens; "right" its end
+    truncation_side: Literal["left", "right"] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

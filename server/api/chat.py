@@ -138,7 +138,7 @@ async def prepare_chat(
     ctx.images.check_placeholders(prompt_ids, len(images.grids) if images is not None else 0, "messages")
     if images is not None:
         prompt_ids = ctx.images.expand(prompt_ids, images)
-    prompt_ids = truncate_prompt(req, prompt_ids, ctx.client.max_model_len)  # the text's end stays
+    prompt_ids = truncate_prompt(req, prompt_ids, ctx.client.max_model_len)
     params = ctx.sampling_params(req, len(prompt_ids), await ctx.bad_words_ids(req))
     if 0 < tail < len(prompt_ids):  # the prefix cache keeps the state the next turn starts from
         params = replace(params, next_turn_len=len(prompt_ids) - tail)

@@ -112,8 +112,8 @@ def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) ->
 
 
 def truncate_prompt(req: SamplingRequest, ids: list[int], max_model_len: int) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the context's length);
-    a 400 for other values and for k past the context."""
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the context's length), or
+    its first k with `truncation_side` "right"; a 400 for other values and for k past the context."""
     k = req.truncate_prompt_tokens
     if k is None:
         return ids
@@ -129,7 +129,9 @@ def truncate_prompt(req: SamplingRequest, ids: list[int], max_model_len: int) ->
             f"truncate_prompt_tokens ({k}) exceeds this model's maximum context length ({max_model_len})",
             "truncate_prompt_tokens",
         )
-    return ids[-k:] if len(ids) > k else ids
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if req.truncation_side == "right" else ids[-k:]
 
 
 def _room(

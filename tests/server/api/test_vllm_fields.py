@@ -3,6 +3,7 @@ what vLLM's does, and one it cannot honour is a 400 naming it rather than ignore
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -101,3 +102,24 @@ def test_values_of_those_fields_that_change_nothing_are_served(client, model_nam
         },
     )
     assert len(chat.choices) == 2
+
+
+@pytest.mark.parametrize("side,kept", [(None, [400, 500]), ("left", [400, 500]), ("right", [100, 200])])
+def test_truncation_side_picks_the_end_of_the_prompt_kept(
+    client, server, model_name, side: str | None, kept: list[int]
+) -> None:
+    r = client.completions.create(
+        model=model_name,
+        prompt=[100, 200, 300, 400, 500],
+        max_tokens=1,
+        echo=True,
+        extra_body={"truncate_prompt_tokens": 2, "truncation_side": side},
+    )
+    expected = httpx.post(f"{server.url}/detokenize", json={"tokens": kept}, timeout=30).json()["prompt"]
+    assert r.usage.prompt_tokens == 2 and r.choices[0].text.startswith(expected)
+    err = refusal(
+        lambda: client.completions.create(
+            model=model_name, prompt="hi", max_tokens=1, extra_body={"truncation_side": "middle"}
+        )
+    )
+    assert err["param"] == "truncation_side"
