@@ -343,6 +343,7 @@ class SamplingRequest(RequestBody):
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the reply
     bad_words: list[str] | None = None  # vLLM's: words never generated
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema
     # vLLM's constrained decoding: {"json" | "json_object" | "regex" | "choice" | "grammar": ...},
@@ -466,6 +467,21 @@ class Usage(OpenAIModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class WithTokenIds(OpenAIModel):
+    """A reply part with vLLM's token id fields, which it leaves out where they are null (the
+    request did not ask for them, or a stream's later chunks), as other servers' replies lack them."""
+
+    _token_id_fields: ClassVar[tuple[str, ...]] = ("token_ids", "prompt_token_ids")
+
+    @model_serializer(mode="wrap")
+    def _without_null_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in self._token_id_fields:
+            if name in data and data[name] is None:
+                del data[name]
+        return data
+
+
 class ToolCallFunction(OpenAIModel):
     name: str | None = None
     arguments: str | None = None
@@ -503,12 +519,13 @@ class AssistantMessage(OpenAIModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatChoice(OpenAIModel):
+class ChatChoice(WithTokenIds):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class PromptLogprob(OpenAIModel):
@@ -519,7 +536,7 @@ class PromptLogprob(OpenAIModel):
     decoded_token: str
 
 
-class ChatCompletionResponse(OpenAIModel):
+class ChatCompletionResponse(WithTokenIds):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -527,6 +544,7 @@ class ChatCompletionResponse(OpenAIModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatDelta(OpenAIModel):
@@ -543,21 +561,23 @@ class ChatDelta(OpenAIModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(OpenAIModel):
+class ChatChunkChoice(WithTokenIds):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the tokens this chunk adds
 
 
-class ChatCompletionChunk(OpenAIModel):
+class ChatCompletionChunk(WithTokenIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: in the first chunk
 
 
 class CompletionLogprobs(OpenAIModel):
@@ -567,13 +587,16 @@ class CompletionLogprobs(OpenAIModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(OpenAIModel):
+class CompletionChoice(WithTokenIds):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked
+    # vLLM's, with return_token_ids: the prompt's (a stream's first chunk) and the generated tokens
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIModel):

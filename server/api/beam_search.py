@@ -55,6 +55,8 @@ def beam_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int)
         req, "top_logprobs", None
     ) is not None:
         raise bad_request("logprobs is not supported with use_beam_search", "logprobs")
+    if req.return_token_ids:  # a beam's choice is built from its text
+        raise bad_request("return_token_ids is not supported with use_beam_search", "return_token_ids")
     if req.prompt_logprobs is not None:  # the search's steps compute none to return
         raise bad_request("prompt_logprobs is not supported with use_beam_search", "prompt_logprobs")
     for name in _UNSCORED:

@@ -215,20 +215,38 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             for i in self.index.values()
         ]
 
+    def opening_fields(self) -> dict[str, Any]:
+        return {"prompt_token_ids": self.prompts[0]} if self.req.return_token_ids else {}
+
     def delta_event(self, out: RequestOutput) -> str | None:
         parts = self._delta_parts(out)
         reasoning, content, calls, new_logprobs, reason, _ = parts
         index = self.index[out.request_id]
         if content and reasoning is None and not calls and new_logprobs is None and reason is None:
-            if not self.usage_in_every_chunk:  # content alone: the common token
+            if (
+                not self.usage_in_every_chunk and not self.req.return_token_ids
+            ):  # content alone: the common token
                 return self.text_event(
                     index, content, lambda text: ChatChunkChoice(index=index, delta=ChatDelta(content=text))
                 )
-        choice = self._choice(index, *parts)
+        choice = self._with_token_ids(self._choice(index, *parts), index, out)
         return None if choice is None else self.event([choice])
 
     def delta_choice(self, out: RequestOutput) -> ChatChunkChoice | None:
-        return self._choice(self.index[out.request_id], *self._delta_parts(out))
+        index = self.index[out.request_id]
+        return self._with_token_ids(self._choice(index, *self._delta_parts(out)), index, out)
+
+    def _with_token_ids(
+        self, choice: ChatChunkChoice | None, index: int, out: RequestOutput
+    ) -> ChatChunkChoice | None:
+        """vLLM's return_token_ids: the chunk carries the tokens it adds, those whose text the
+        parser holds back (a tool call's or reasoning's markers) too."""
+        ids = out.outputs[0].token_ids
+        if not self.req.return_token_ids or not ids:
+            return choice
+        choice = choice or ChatChunkChoice(index=index, delta=ChatDelta())
+        choice.token_ids = list(ids)
+        return choice
 
     def _delta_parts(
         self, out: RequestOutput
@@ -294,6 +312,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             logprobs=logprobs,
             finish_reason=reason,
             stop_reason=completion.stop_reason,
+            token_ids=list(completion.token_ids) if self.req.return_token_ids else None,
         )
 
     def response_json(self, choices: list[Any], final: dict[str, RequestOutput]) -> dict[str, Any]:
@@ -309,6 +328,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             choices=choices,
             usage=self.usage(list(final.values())),
             prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=self.prompts[0] if self.req.return_token_ids else None,
         )
         payload = response.model_dump(mode="json")
         if payload["prompt_logprobs"] is None:  # vLLM's field, there only when asked for

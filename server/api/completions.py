@@ -154,6 +154,7 @@ class CompletionGeneration(Generation[CompletionChoice]):
             and self.choices[self.index[rid]].logprobs is None
             and completion.finish_reason is None
             and not self.usage_in_every_chunk
+            and not self.req.return_token_ids
         )
         if not plain:
             return super().delta_event(out)
@@ -173,7 +174,10 @@ class CompletionGeneration(Generation[CompletionChoice]):
         delta = choice.text(completion) if first else completion.text
         offsets = self.offsets.setdefault(rid, TextOffsets())
         logprobs = choice.logprobs_of(out, echo_prompt=choice.echo and first, offsets=offsets)
-        if not (delta or completion.finish_reason or (logprobs and logprobs.tokens)):
+        ids = (
+            self.req.return_token_ids
+        )  # vLLM's: the prompt's in a choice's first chunk, then each chunk's new
+        if not (delta or completion.finish_reason or (logprobs and logprobs.tokens) or (ids and first)):
             return None
         return CompletionChoice(
             index=self.index[rid],
@@ -181,6 +185,8 @@ class CompletionGeneration(Generation[CompletionChoice]):
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason if completion.finished() else None,
+            prompt_token_ids=choice.prompt_ids if ids and first else None,
+            token_ids=list(completion.token_ids) if ids else None,
         )
 
     def chunk_json(self, chunk: BaseModel, exclude: dict[str, Any] | None = None) -> str:
@@ -201,6 +207,8 @@ class CompletionGeneration(Generation[CompletionChoice]):
             finish_reason=out.outputs[0].finish_reason,
             stop_reason=out.outputs[0].stop_reason,
             prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=choice.prompt_ids if self.req.return_token_ids else None,
+            token_ids=list(out.outputs[0].token_ids) if self.req.return_token_ids else None,
         )
 
     def response_json(self, choices: list[Any], final: dict[str, RequestOutput]) -> dict[str, Any]:

@@ -125,19 +125,25 @@ class Generation(ABC, Generic[ChunkChoice]):
         self.requests = [(prefix + r[0], *r[1:]) for r in self.requests]  # type: ignore[misc]
         self.index = {prefix + rid: i for rid, i in self.index.items()}
 
-    def event(self, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
-        """A chunk as a server-sent event, with the usage so far where the client asked for it."""
+    def event(self, choices: list[ChunkChoice], usage: Usage | None = None, **fields: Any) -> str:
+        """A chunk as a server-sent event, with the usage so far where the client asked for it;
+        `fields`: the chunk's other fields."""
         if usage is None and self.usage_in_every_chunk:
             usage = self.usage(list(self.latest.values()))
         chunk = self.chunk_type(
-            id=self.response_id, created=self.created, model=self.model, choices=choices, usage=usage
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            **fields,
         )
         return f"data: {self.chunk_json(chunk)}\n\n"
 
     async def _events(self, group: RequestGroup) -> AsyncIterator[str]:
         opening = self.opening_choices()
         if opening:
-            yield self.event(opening)
+            yield self.event(opening, **self.opening_fields())
         try:
             async for outputs in group:
                 for out in outputs:
@@ -175,6 +181,10 @@ class Generation(ABC, Generic[ChunkChoice]):
     def opening_choices(self) -> list[ChunkChoice]:
         """The choices of the stream's first chunk, before any output (none by default)."""
         return []
+
+    def opening_fields(self) -> dict[str, Any]:
+        """The first chunk's fields beside its choices (none by default)."""
+        return {}
 
     @abstractmethod
     def delta_choice(self, out: RequestOutput) -> ChunkChoice | None:

@@ -78,6 +78,7 @@ class ResponsesRequest(RequestBody):
         "use_beam_search": unsupported_if_set("not supported here: chat completions search beams"),
         "include": _include,
         "prompt_logprobs": unsupported_if_set("not supported here: chat completions give them"),
+        "return_token_ids": unsupported_if_set("not supported here: chat completions return them"),
         # the chat endpoint's n, which this API has no place for: one response is one sample
         "n": unsupported_unless_one("not supported: a response is one sample (send one request a sample)"),
     }

@@ -123,3 +123,51 @@ def test_truncation_side_picks_the_end_of_the_prompt_kept(
         )
     )
     assert err["param"] == "truncation_side"
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_tokens(client, server, model_name) -> None:
+    asked = {"return_token_ids": True}
+    chat = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=4, temperature=0, extra_body=asked
+    )
+    prompt = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()["tokens"]
+    assert chat.model_extra["prompt_token_ids"] == prompt
+    ids = chat.choices[0].model_extra["token_ids"]
+    assert len(ids) == chat.usage.completion_tokens == 4
+    stream = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=4, temperature=0, stream=True, extra_body=asked
+    )
+    chunks = list(stream)
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+    assert [
+        t for c in chunks for choice in c.choices for t in choice.model_extra.get("token_ids") or []
+    ] == ids
+
+    text_prompt = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello there"}, timeout=30).json()
+    text = client.completions.create(
+        model=model_name, prompt="hello there", max_tokens=3, n=2, extra_body=asked
+    )
+    for choice in text.choices:
+        assert choice.model_extra["prompt_token_ids"] == text_prompt["tokens"]
+        ids = choice.model_extra["token_ids"]
+        assert len(ids) == 3
+        decoded = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+        assert decoded == choice.text
+    streamed = list(
+        client.completions.create(
+            model=model_name, prompt="hello there", max_tokens=3, stream=True, extra_body=asked
+        )
+    )
+    assert streamed[0].choices[0].model_extra["prompt_token_ids"] == text_prompt["tokens"]
+    assert sum(len(c.choices[0].model_extra["token_ids"]) for c in streamed if c.choices) == 3
+
+    # not asked: neither field, as before
+    plain = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2)
+    assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra
+    err = refusal(
+        lambda: client.completions.create(
+            model=model_name, prompt="hi", max_tokens=2, extra_body={**asked, "use_beam_search": True}
+        )
+    )
+    assert err["param"] == "return_token_ids"
