@@ -404,7 +404,7 @@ class CompletionRequest(SamplingRequest):
         "prompt_embeds": unsupported_if_set("not supported: send the prompt as text or token ids"),
     }
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for the legacy completions endpoint
+    max_tokens: int = 16  # OpenAI's default for the legacy completions endpoint, a null's too (as vLLM's)
     logprobs: int | None = None
     echo: bool = False
     use_beam_search: bool = False  # vLLM's: the n best beams (server/api/beam_search.py)

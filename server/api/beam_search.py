@@ -204,7 +204,7 @@ def _usage(prompts: list[list[int]], outs: list[BeamSearchOutput], cached: int) 
 async def beam_search_completion(
     ctx: ServerContext, req: CompletionRequest, raw: Request, model: str, prompts: list[tuple[str, list[int]]]
 ) -> Response:
-    params = beam_params(req, 16 if req.max_tokens is None else req.max_tokens)
+    params = beam_params(req, req.max_tokens)
     ids = [p for _, p in prompts]
     name = client_name(raw, req)
     try:

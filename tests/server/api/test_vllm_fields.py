@@ -171,3 +171,10 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_tokens(client, serv
         )
     )
     assert err["param"] == "return_token_ids"
+
+
+def test_a_null_max_tokens_on_completions_is_openais_default_16(client, model_name) -> None:
+    r = client.completions.create(
+        model=model_name, prompt="hi", extra_body={"max_tokens": None, "ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 16
