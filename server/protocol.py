@@ -394,6 +394,18 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the last message
     use_beam_search: bool = False  # vLLM's: the n best beams (server/api/beam_search.py)
     length_penalty: float = 1.0  # vLLM's: beams score their log-probability over length ** this
+    # OpenAI's, as vLLM reads it: passed to the template, whose thinking "none" turns off
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    @model_validator(mode="after")
+    def _effort_to_template(self) -> ChatCompletionRequest:
+        if self.reasoning_effort is not None:  # the request's own chat_template_kwargs win
+            self.chat_template_kwargs = {
+                "reasoning_effort": self.reasoning_effort,
+                "enable_thinking": self.reasoning_effort != "none",
+                **(self.chat_template_kwargs or {}),
+            }
+        return self
 
 
 class CompletionRequest(SamplingRequest):

@@ -178,3 +178,24 @@ def test_a_null_max_tokens_on_completions_is_openais_default_16(client, model_na
         model=model_name, prompt="hi", extra_body={"max_tokens": None, "ignore_eos": True}
     )
     assert r.usage.completion_tokens == 16
+
+
+def test_reasoning_effort_none_turns_the_templates_thinking_off(client, model_name) -> None:
+    def prompt_tokens(**extra: object) -> int:
+        r = client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=1, extra_body=extra
+        )
+        return r.usage.prompt_tokens
+
+    thinking, not_thinking = prompt_tokens(), prompt_tokens(chat_template_kwargs={"enable_thinking": False})
+    assert thinking != not_thinking  # Qwen3's template closes an empty <think> block when off
+    assert prompt_tokens(reasoning_effort="none") == not_thinking
+    assert prompt_tokens(reasoning_effort="low") == thinking
+    # the request's own template switch wins, as in vLLM
+    assert prompt_tokens(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == thinking
+    err = refusal(
+        lambda: client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=1, extra_body={"reasoning_effort": "extreme"}
+        )
+    )
+    assert err["param"] == "reasoning_effort"
