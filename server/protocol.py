@@ -396,6 +396,7 @@ class ChatCompletionRequest(SamplingRequest):
     length_penalty: float = 1.0  # vLLM's: beams score their log-probability over length ** this
     # OpenAI's, as vLLM reads it: passed to the template, whose thinking "none" turns off
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
 
     @model_validator(mode="after")
     def _effort_to_template(self) -> ChatCompletionRequest:

@@ -252,10 +252,11 @@ async def beam_search_chat(
     choices = []
     for i, beam in enumerate(out.sequences):
         parsed = parser.parse(beam_text(ctx, beam, params, req.skip_special_tokens), final=True)
+        reasoning = (parsed.reasoning or None) if req.include_reasoning else None
         message = AssistantMessage(
             content=parsed.content if parsed.content or not parsed.reasoning else None,
-            reasoning_content=parsed.reasoning or None,
-            reasoning=parsed.reasoning or None,
+            reasoning_content=reasoning,
+            reasoning=reasoning,
         )
         choices.append(ChatChoice(index=i, message=message, finish_reason=beam.finish_reason))
     response = ChatCompletionResponse(

@@ -258,6 +258,8 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         completion = out.outputs[0]
         cut = completion.finish_reason == "length"
         reasoning, content, calls = state.feed(completion.text, completion.finished(), cut)
+        if not self.req.include_reasoning:
+            reasoning = None
         new_logprobs = None
         if self.logprobs is not None and completion.logprobs:
             new_logprobs = chat_logprobs(completion.logprobs, self.logprobs, self.token_text)
@@ -296,11 +298,9 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         content: str | None = parsed.content
         if not content and (calls or parsed.reasoning):
             content = None
+        reasoning = (parsed.reasoning or None) if self.req.include_reasoning else None
         message = AssistantMessage(
-            content=content,
-            reasoning_content=parsed.reasoning or None,
-            reasoning=parsed.reasoning or None,
-            tool_calls=calls,
+            content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls
         )
         logprobs = None
         if self.logprobs is not None:

@@ -558,3 +558,14 @@ def test_parallel_tool_calls_false_keeps_the_first_call(serve_script) -> None:
     _, content, streamed, finishes = collect_stream(client, tools=TOOLS, parallel_tool_calls=False)
     assert content == "" and finishes == ["tool_calls"]
     assert [json.loads(c["arguments"]) for c in streamed] == calls[:1]
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(serve_script) -> None:
+    """vLLM's include_reasoning: false gives the answer alone, whole and streamed."""
+    client = serve_script("<think>\nA private thought.\n</think>\n\nThe answer.")
+    shown = ask(client).choices[0].message
+    assert "private thought" in shown.reasoning_content and shown.content == "The answer."
+    hidden = ask(client, extra_body={"include_reasoning": False}).choices[0].message
+    assert hidden.content == "The answer." and getattr(hidden, "reasoning_content", None) is None
+    reasoning, content, _, finishes = collect_stream(client, extra_body={"include_reasoning": False})
+    assert reasoning == "" and content == "The answer." and finishes == ["stop"]
