@@ -373,7 +373,6 @@ def _best_of(value: Any, data: dict[str, Any]) -> str | None:
 class ChatCompletionRequest(SamplingRequest):
     unsupported = {
         **SamplingRequest.unsupported,
-        "echo": unsupported_if_set("not supported on chat: the reply holds the new message only"),
         "audio": unsupported_if_set("not supported: this server writes text only"),
         "modalities": _modalities,
         "web_search_options": unsupported_if_set("not supported: this server does not search the web"),
@@ -397,6 +396,19 @@ class ChatCompletionRequest(SamplingRequest):
     # OpenAI's, as vLLM reads it: passed to the template, whose thinking "none" turns off
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
+    echo: bool = (
+        False  # vLLM's: the reply's content starts with the last message's, if its role is the reply's
+    )
+
+    def echoed(self) -> str:
+        """vLLM's `echo`: the last message's text where its role is the reply's (the assistant's
+        with a generation prompt, else the last message's own), which the reply's content starts with."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        if isinstance(last.content, list):  # text parts, joined as the template reads them
+            return "\n".join(p.text for p in last.content if p.type == "text" and p.text is not None)
+        return last.content or ""
 
     @model_validator(mode="after")
     def _effort_to_template(self) -> ChatCompletionRequest:

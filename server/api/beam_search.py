@@ -253,8 +253,9 @@ async def beam_search_chat(
     for i, beam in enumerate(out.sequences):
         parsed = parser.parse(beam_text(ctx, beam, params, req.skip_special_tokens), final=True)
         reasoning = (parsed.reasoning or None) if req.include_reasoning else None
+        content = parsed.content if parsed.content or not parsed.reasoning else None
         message = AssistantMessage(
-            content=parsed.content if parsed.content or not parsed.reasoning else None,
+            content=req.echoed() + (content or "") if req.echoed() else content,
             reasoning_content=reasoning,
             reasoning=reasoning,
         )

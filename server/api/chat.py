@@ -210,8 +210,9 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         self.states: dict[str, ChatStreamState] = {}
 
     def opening_choices(self) -> list[ChatChunkChoice]:
+        echoed = self.req.echoed()
         return [
-            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=echoed))
             for i in self.index.values()
         ]
 
@@ -299,6 +300,9 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         if not content and (calls or parsed.reasoning):
             content = None
         reasoning = (parsed.reasoning or None) if self.req.include_reasoning else None
+        echoed = self.req.echoed()
+        if echoed:
+            content = echoed + (content or "")
         message = AssistantMessage(
             content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls
         )

@@ -210,8 +210,6 @@ RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
         ("/v1/responses", {**RESPONSE, "n": 3}, "n"),  # one response is one sample
         ("/v1/responses", {**RESPONSE, "logprobs": True}, "logprobs"),  # the chat endpoint's, no place here
         ("/v1/responses", {**RESPONSE, "use_beam_search": True}, "use_beam_search"),
-        # vLLM's sampling fields that are not implemented
-        ("/v1/chat/completions", {**GOOD, "echo": True}, "echo"),
         # values that change nothing are served
         ("/v1/completions", {**COMPLETION, "suffix": None, "best_of": 1}, None),
         ("/v1/completions", {**COMPLETION, "echo": True, "use_beam_search": False}, None),

@@ -199,3 +199,27 @@ def test_reasoning_effort_none_turns_the_templates_thinking_off(client, model_na
         )
     )
     assert err["param"] == "reasoning_effort"
+
+
+def test_chat_echo_starts_the_reply_with_the_continued_message(client, model_name) -> None:
+    started = [*MESSAGES, {"role": "assistant", "content": "Once upon a time"}]
+    opts = {"add_generation_prompt": False, "continue_final_message": True}
+
+    def reply(messages: list, stream: bool = False, **extra: object) -> str:
+        r = client.chat.completions.create(
+            model=model_name,
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            stream=stream,
+            extra_body=extra,
+        )
+        if stream:
+            return "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+        return r.choices[0].message.content or ""
+
+    continued = reply(started, **opts)
+    assert reply(started, echo=True, **opts) == "Once upon a time" + continued
+    assert reply(started, stream=True, echo=True, **opts) == "Once upon a time" + continued
+    # a reply to the user's message: nothing of another role's is echoed, as in vLLM
+    assert reply(MESSAGES, echo=True) == reply(MESSAGES)
