@@ -396,9 +396,9 @@ class ChatCompletionRequest(SamplingRequest):
     # OpenAI's, as vLLM reads it: passed to the template, whose thinking "none" turns off
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
-    echo: bool = (
-        False  # vLLM's: the reply's content starts with the last message's, if its role is the reply's
-    )
+    # vLLM's: the reply's content starts with the last message's, where its role is the reply's
+    echo: bool = False
+    return_prompt_text: bool = False  # vLLM's: the rendered prompt's text in the reply
 
     def echoed(self) -> str:
         """vLLM's `echo`: the last message's text where its role is the reply's (the assistant's
@@ -493,10 +493,10 @@ class Usage(OpenAIModel):
 
 
 class WithTokenIds(OpenAIModel):
-    """A reply part with vLLM's token id fields, which it leaves out where they are null (the
-    request did not ask for them, or a stream's later chunks), as other servers' replies lack them."""
+    """A reply part with vLLM's token id (and prompt text) fields, which it leaves out where they are
+    null (the request did not ask for them, or a stream's later chunks), as other servers' replies lack them."""
 
-    _token_id_fields: ClassVar[tuple[str, ...]] = ("token_ids", "prompt_token_ids")
+    _token_id_fields: ClassVar[tuple[str, ...]] = ("token_ids", "prompt_token_ids", "prompt_text")
 
     @model_serializer(mode="wrap")
     def _without_null_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -570,6 +570,7 @@ class ChatCompletionResponse(WithTokenIds):
     usage: Usage
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked
     prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
+    prompt_text: str | None = None  # vLLM's, with return_prompt_text: the rendered prompt
 
 
 class ChatDelta(OpenAIModel):
@@ -603,6 +604,7 @@ class ChatCompletionChunk(WithTokenIds):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: in the first chunk
+    prompt_text: str | None = None  # vLLM's, with return_prompt_text: in the first chunk
 
 
 class CompletionLogprobs(OpenAIModel):

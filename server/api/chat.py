@@ -60,6 +60,7 @@ class PreparedChat:
     params: SamplingParams
     parser: ChatOutputParser
     images: ImageInputs | None = None  # the prompt's, their tokens expanded in prompt_ids
+    prompt: str = ""  # the rendered prompt's text (vLLM's return_prompt_text)
 
     def request(self, request_id: str) -> EngineRequest:
         """The engine request of one choice."""
@@ -171,7 +172,7 @@ async def prepare_chat(
         tool_format=ctx.tool_format,
         max_calls=None if req.parallel_tool_calls else 1,
     )
-    return PreparedChat(prompt_ids, params, parser, images)
+    return PreparedChat(prompt_ids, params, parser, images, prompt)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -207,6 +208,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         self.req: ChatCompletionRequest = req
         self.parser = prepared.parser
         self.logprobs = prepared.params.logprobs
+        self.prompt_text = prepared.prompt if req.return_prompt_text else None
         self.states: dict[str, ChatStreamState] = {}
 
     def opening_choices(self) -> list[ChatChunkChoice]:
@@ -217,7 +219,10 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         ]
 
     def opening_fields(self) -> dict[str, Any]:
-        return {"prompt_token_ids": self.prompts[0]} if self.req.return_token_ids else {}
+        fields: dict[str, Any] = {"prompt_text": self.prompt_text}
+        if self.req.return_token_ids:
+            fields["prompt_token_ids"] = self.prompts[0]
+        return fields
 
     def delta_event(self, out: RequestOutput) -> str | None:
         parts = self._delta_parts(out)
@@ -333,6 +338,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             usage=self.usage(list(final.values())),
             prompt_logprobs=prompt_logprobs,
             prompt_token_ids=self.prompts[0] if self.req.return_token_ids else None,
+            prompt_text=self.prompt_text,
         )
         payload = response.model_dump(mode="json")
         if payload["prompt_logprobs"] is None:  # vLLM's field, there only when asked for

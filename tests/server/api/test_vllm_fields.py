@@ -223,3 +223,20 @@ def test_chat_echo_starts_the_reply_with_the_continued_message(client, model_nam
     assert reply(started, stream=True, echo=True, **opts) == "Once upon a time" + continued
     # a reply to the user's message: nothing of another role's is echoed, as in vLLM
     assert reply(MESSAGES, echo=True) == reply(MESSAGES)
+
+
+def test_return_prompt_text_gives_the_rendered_prompt(client, server, model_name) -> None:
+    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()["tokens"]
+    rendered = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
+    asked = {"return_prompt_text": True}
+    r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2, extra_body=asked)
+    assert r.model_extra["prompt_text"] == rendered and "hello there" in rendered
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=2, stream=True, extra_body=asked
+        )
+    )
+    assert chunks[0].model_extra["prompt_text"] == rendered
+    assert all("prompt_text" not in c.model_extra for c in chunks[1:])
+    plain = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2)
+    assert "prompt_text" not in plain.model_extra
