@@ -399,6 +399,7 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's: the reply's content starts with the last message's, where its role is the reply's
     echo: bool = False
     return_prompt_text: bool = False  # vLLM's: the rendered prompt's text in the reply
+    documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that render retrieved documents
 
     def echoed(self) -> str:
         """vLLM's `echo`: the last message's text where its role is the reply's (the assistant's

@@ -107,10 +107,12 @@ def render_prompt(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     content_format: str = "auto",
+    documents: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text of `messages`. `continue_final_message`: the text ends with the last
     message's content, its turn left open (no end-of-turn marker), so the model goes on writing that
-    message (vLLM's field). A ChatTemplateError for what cannot render."""
+    message (vLLM's field); `documents`: for templates that render retrieved documents (vLLM's
+    field; others ignore them). A ChatTemplateError for what cannot render."""
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("this model has no chat template; give one (--chat-template)")
     if continue_final_message and add_generation_prompt:
@@ -126,6 +128,7 @@ def render_prompt(
         return tokenizer.apply_chat_template(
             [template_message(m, content_format) for m in messages],
             tools=tools or None,
+            documents=documents or None,
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

@@ -89,6 +89,7 @@ async def prepare_chat(
             continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
             content_format=ctx.content_format,
+            documents=req.documents,
         )
         if req.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
             ctx.refuse_overlong(text, "messages")

@@ -79,6 +79,7 @@ def render_chat(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     content_format: str = "auto",
+    documents: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text (`render_prompt`); what cannot render (no template, a role the template
     refuses) is a 400."""
@@ -92,6 +93,7 @@ def render_chat(
             continue_final_message=continue_final_message,
             template_kwargs=template_kwargs,
             content_format=content_format,
+            documents=documents,
         )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), exc.param) from exc

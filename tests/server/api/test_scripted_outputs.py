@@ -569,3 +569,19 @@ def test_include_reasoning_false_leaves_the_reasoning_out(serve_script) -> None:
     assert hidden.content == "The answer." and getattr(hidden, "reasoning_content", None) is None
     reasoning, content, _, finishes = collect_stream(client, extra_body={"include_reasoning": False})
     assert reasoning == "" and content == "The answer." and finishes == ["stop"]
+
+
+def test_documents_reach_a_template_that_renders_them(serve_script) -> None:
+    """vLLM's documents: passed to the chat template (RAG templates render them), as vLLM does."""
+    template = (
+        "{% for d in documents or [] %}<doc>{{ d.title }}: {{ d.text }}</doc>\n{% endfor %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    client = serve_script("An answer.", chat_template=template)
+    docs = [{"title": "Paris", "text": "Sunny all week."}]
+    r = ask(client, extra_body={"documents": docs, "return_prompt_text": True})
+    assert r.model_extra["prompt_text"].startswith("<doc>Paris: Sunny all week.</doc>\n<|im_start|>user")
+    assert r.choices[0].message.content == "An answer."
+    plain = ask(client, extra_body={"return_prompt_text": True})
+    assert plain.model_extra["prompt_text"].startswith("<|im_start|>user")
