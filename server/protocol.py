@@ -401,6 +401,10 @@ class ChatCompletionRequest(SamplingRequest):
     return_prompt_text: bool = False  # vLLM's: the rendered prompt's text in the reply
     documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that render retrieved documents
 
+    def reply_role(self) -> str:
+        """vLLM's: the reply is the assistant's after a generation prompt, else the last message's role."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
     def echoed(self) -> str:
         """vLLM's `echo`: the last message's text where its role is the reply's (the assistant's
         with a generation prompt, else the last message's own), which the reply's content starts with."""
@@ -538,7 +542,7 @@ class ChatLogprobs(OpenAIModel):
 
 
 class AssistantMessage(OpenAIModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # the last message's without a generation prompt, as in vLLM
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None

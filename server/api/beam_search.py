@@ -255,6 +255,7 @@ async def beam_search_chat(
         reasoning = (parsed.reasoning or None) if req.include_reasoning else None
         content = parsed.content if parsed.content or not parsed.reasoning else None
         message = AssistantMessage(
+            role=req.reply_role(),
             content=req.echoed() + (content or "") if req.echoed() else content,
             reasoning_content=reasoning,
             reasoning=reasoning,
@@ -269,7 +270,7 @@ async def beam_search_chat(
     if req.stream:  # every beam's role, as a sampled stream opens, then each whole message and finish
         shell = ChatCompletionChunk(id=response.id, created=response.created, model=model, choices=[])
         opening = [
-            ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content="")) for c in choices
+            ChatChunkChoice(index=c.index, delta=ChatDelta(role=c.message.role, content="")) for c in choices
         ]
         chunks = [shell.model_copy(update={"choices": opening})]
         for c in choices:

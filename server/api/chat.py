@@ -215,7 +215,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
     def opening_choices(self) -> list[ChatChunkChoice]:
         echoed = self.req.echoed()
         return [
-            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=echoed))
+            ChatChunkChoice(index=i, delta=ChatDelta(role=self.req.reply_role(), content=echoed))
             for i in self.index.values()
         ]
 
@@ -310,7 +310,11 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         if echoed:
             content = echoed + (content or "")
         message = AssistantMessage(
-            content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls
+            role=self.req.reply_role(),
+            content=content,
+            reasoning_content=reasoning,
+            reasoning=reasoning,
+            tool_calls=calls,
         )
         logprobs = None
         if self.logprobs is not None:

@@ -240,3 +240,24 @@ def test_return_prompt_text_gives_the_rendered_prompt(client, server, model_name
     assert all("prompt_text" not in c.model_extra for c in chunks[1:])
     plain = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2)
     assert "prompt_text" not in plain.model_extra
+
+
+def test_chat_reply_without_a_generation_prompt_takes_the_last_messages_role(client, model_name) -> None:
+    # vLLM's get_chat_request_role: the last message's role where no generation prompt opens a turn
+    def role(stream: bool, **extra: object) -> str | None:
+        r = client.chat.completions.create(
+            model=model_name,
+            messages=MESSAGES,
+            max_tokens=2,
+            temperature=0,
+            stream=stream,
+            extra_body={"add_generation_prompt": False, **extra},
+        )
+        if stream:
+            return next(c for c in r if c.choices).choices[0].delta.role
+        return r.choices[0].message.role
+
+    assert role(False) == role(True) == "user"
+    assert role(False, use_beam_search=True, n=2) == role(True, use_beam_search=True, n=2) == "user"
+    r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2)
+    assert r.choices[0].message.role == "assistant"
