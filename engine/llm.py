@@ -578,13 +578,13 @@ class LLM:
         prompts: Sequence[PromptType],
         params: BeamSearchParams,
         lora_request: Any = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (`engine/requests/beam_search.py`): a prompt's best `beam_width`
         beams, best first, each with its tokens, text, cumulative log-probability and the
-        candidates of every step. vLLM's `lora_request` is taken as None; `use_tqdm` changes
-        nothing; `concurrency_limit=N`, as vLLM's, searches the prompts N at a time (each N to
+        candidates of every step. vLLM's `lora_request` is taken as None; `use_tqdm` draws a bar
+        over the token steps (off, with a warning, where `concurrency_limit` is given, as vLLM's); `concurrency_limit=N`, as vLLM's, searches the prompts N at a time (each N to
         its end before the next: at most N x beam_width requests a step), finding the beams a
         search of all at once finds."""
         no_adapter(lora_request)
@@ -597,10 +597,13 @@ class LLM:
             raise ValueError(f"concurrency_limit must be at least 1, got {concurrency_limit}")
         else:
             limit = int(concurrency_limit)
+        if use_tqdm and concurrency_limit is not None:
+            logger.warning("beam_search draws no progress bar with concurrency_limit, as vLLM's")
+            use_tqdm = False
         results: list[BeamSearchOutput] = []
         counted = 0  # tokens generated that the engine counted: the first steps'
         for start in range(0, len(prompt_ids), limit):
-            found, first_tokens = self._beam_search(prompt_ids[start : start + limit], params)
+            found, first_tokens = self._beam_search(prompt_ids[start : start + limit], params, use_tqdm)
             results += found
             counted += first_tokens
         returned = sum(len(beam.output_ids) for out in results for beam in out.sequences)
@@ -612,22 +615,32 @@ class LLM:
         return results
 
     def _beam_search(
-        self, prompts: list[list[int]], params: BeamSearchParams
+        self, prompts: list[list[int]], params: BeamSearchParams, use_tqdm: bool | Callable[..., Any] = False
     ) -> tuple[list[BeamSearchOutput], int]:
         """`prompts`' searches run together to their end, and the tokens of their first step (the
-        only step the engine counts)."""
+        only step the engine counts); `use_tqdm` draws a bar over the steps, up to max_tokens."""
         search = BeamSearch(prompts, params, self.engine.eos_token_ids)
         # the engine counts the first step as it counts any prompt (its tokens, the cache's hits);
         # the later ones repeat the prompts with the beams' tokens, so they run uncounted
         first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
         later = dataclasses.replace(first, internal=True)
         counted = 0
-        while not search.finished:
-            step = later if search.steps else first
-            outs = self.generate([{"prompt_token_ids": t} for t in search.expanding()], step, use_tqdm=False)
-            if step is first:
-                counted = sum(o.outputs[0].num_tokens for o in outs)
-            search.advance([o.outputs[0].logprobs[0].top for o in outs])  # type: ignore[index]
+        # max_tokens is the bound, as vLLM's bar: a search whose beams all end early stops short of it
+        bar = _progress(params.max_tokens, use_tqdm, "Beam search", "token") if use_tqdm else None
+        try:
+            while not search.finished:
+                step = later if search.steps else first
+                outs = self.generate(
+                    [{"prompt_token_ids": t} for t in search.expanding()], step, use_tqdm=False
+                )
+                if step is first:
+                    counted = sum(o.outputs[0].num_tokens for o in outs)
+                search.advance([o.outputs[0].logprobs[0].top for o in outs])  # type: ignore[index]
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return search.outputs(), counted
 
     def update_weights_from_disk(
@@ -667,10 +680,12 @@ def _earliest(times: Iterable[float | None]) -> float | None:
     return min((t for t in times if t is not None), default=None)
 
 
-def _progress(total: int, make: bool | Callable[..., Any] = True) -> Any:
-    """A progress bar over `total` requests: tqdm's, or the one vLLM's callable `use_tqdm` makes."""
+def _progress(
+    total: int, make: bool | Callable[..., Any] = True, desc: str = "generate", unit: str = "req"
+) -> Any:
+    """A progress bar over `total` units: tqdm's, or the one vLLM's callable `use_tqdm` makes."""
     if callable(make):
-        return make(total=total, desc="generate", unit="req")
+        return make(total=total, desc=desc, unit=unit)
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generate", unit="req")
+    return tqdm(total=total, desc=desc, unit=unit)

@@ -159,6 +159,29 @@ def test_concurrency_limit_searches_that_many_prompts_at_once(path, monkeypatch)
             llm.beam_search(prompts, params, concurrency_limit=bad)
 
 
+def test_use_tqdm_draws_a_bar_over_the_token_steps(path, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's use_tqdm: a bar over the steps, bounded by max_tokens; none with use_tqdm False,
+    and none, with a warning, where concurrency_limit is given."""
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256)
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 3]}]
+    made: list[dict] = []
+    steps: list[int] = []
+
+    def bar(**kwargs: object) -> object:
+        made.append(kwargs)
+        return type("Bar", (), {"update": lambda self, n: steps.append(n), "close": lambda self: None})()
+
+    llm.beam_search(prompts, params, use_tqdm=bar)
+    assert [m["total"] for m in made] == [3] and steps == [1, 1, 1]
+    made.clear()
+    llm.beam_search(prompts, params, use_tqdm=False)
+    assert made == []
+    with caplog.at_level("WARNING"):
+        llm.beam_search(prompts, params, use_tqdm=bar, concurrency_limit=1)
+    assert made == [] and "concurrency_limit" in caplog.text
+
+
 def test_bad_parameters_are_refused() -> None:
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=11, max_tokens=4)
