@@ -78,12 +78,10 @@ def plan_pools(
             held = (base - bytes_per_page) // max(per_slot_set, 1)  # with the padding page
             slots = min(slots, int(fit // (1 + per_request)), int(held))
             if slots < 1:
-                cuda_fraction = device.type == "cuda" and config.pool_memory_gb is None
-                flag = "--mem-fraction-static" if cuda_fraction else "--pool-memory-gb"
                 raise ValueError(
                     f"not enough memory for one request: the pools have {_size(budget)}, a state slot "
                     f"takes {_size(bytes_per_slot)} and KV pages for {want_len} tokens {_size(one_request)}; "
-                    f"free memory, lower --max-model-len or raise {flag}"
+                    f"free memory, lower --max-model-len (LLM: max_model_len) or raise {_budget_flag(config, device)}"
                 )
             kv = max(one_request, slots * kv_each + bytes_per_page)
             left = base - kv - (1 + per_request) * slots * bytes_per_slot
@@ -129,15 +127,20 @@ def _fitted_len(
     pages = kv_bytes // bytes_per_page if bytes_per_page > 0 else math.ceil(longest / config.page_size)
     fitted = min(longest, int(pages) * config.page_size)
     if fitted < 2:
-        cuda_fraction = device.type == "cuda" and config.pool_memory_gb is None
-        flag = "--mem-fraction-static" if cuda_fraction else "--pool-memory-gb"
         raise ValueError(
             f"max_model_len auto: not enough memory for one request of one page: the pools have "
             f"{_size(budget)}, a state slot takes {_size(bytes_per_slot)} and a page of "
-            f"{config.page_size} tokens {_size(bytes_per_page)}; free memory or raise {flag}"
+            f"{config.page_size} tokens {_size(bytes_per_page)}; free memory or raise {_budget_flag(config, device)}"
         )
     _log_fitted(longest, fitted, kv_bytes)
     return fitted
+
+
+def _budget_flag(config: EngineConfig, device: torch.device) -> str:
+    """The setting that sizes the pools, as the CLI and the offline LLM name it (either raised this)."""
+    if device.type == "cuda" and config.pool_memory_gb is None:
+        return "--mem-fraction-static (LLM: gpu_memory_utilization)"
+    return "--pool-memory-gb (LLM: pool_memory_gb or kv_cache_memory_bytes)"
 
 
 def _log_fitted(longest: int, fitted: int, kv_bytes: int) -> None:
@@ -169,7 +172,8 @@ def _pool_budget(config: EngineConfig, device: torch.device) -> int:
         free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else budget
         if budget > free:  # the pools would fail to allocate, or leave nothing for activations
             raise ValueError(
-                f"the pools were given {_size(budget)} (--pool-memory-gb, --kv-cache-memory-bytes), "
+                f"the pools were given {_size(budget)} (--pool-memory-gb, --kv-cache-memory-bytes; "
+                f"LLM: pool_memory_gb, kv_cache_memory_bytes), "
                 f"more than the {_size(free)} the GPU has free after the weights"
             )
         return budget

@@ -352,6 +352,18 @@ def test_max_model_len_minus_one_is_vllms_auto(make_checkpoint, caplog: pytest.L
     assert LLM(checkpoint, device="cpu", max_model_len=-1, pool_memory_gb=0.01).engine.max_model_len == 1024
 
 
+def test_pools_too_small_name_the_offline_llms_arguments_too(make_checkpoint) -> None:
+    """The sizing errors name the LLM's arguments beside the CLI's flags: an offline caller has no
+    --pool-memory-gb to raise."""
+    checkpoint = make_checkpoint("qwen3_next")
+    with pytest.raises(ValueError, match="not enough memory for one request") as refused:
+        LLM(checkpoint, device="cpu", pool_memory_gb=0.0002)
+    assert "LLM: max_model_len" in str(refused.value) and "LLM: pool_memory_gb" in str(refused.value)
+    with pytest.raises(ValueError, match="^max_model_len auto: not enough memory") as auto:
+        LLM(checkpoint, device="cpu", max_model_len=-1, kv_cache_memory_bytes=1024)
+    assert "kv_cache_memory_bytes" in str(auto.value)
+
+
 def test_load_format_takes_vllms_safetensors_and_refuses_what_it_cannot_load() -> None:
     """load_format 'safetensors' (vLLM's name) loads as auto does; a format deltaserve has no loader
     for ('pt', a typo) is a ValueError before anything loads, where it loaded the safetensors."""
