@@ -52,9 +52,11 @@ class _Text(TypedDict):
 
 
 class TextPrompt(_Text, total=False):
-    """vLLM's: a prompt's text (and its images, `{"image": [PIL images]}`)."""
+    """vLLM's: a prompt's text (and its images, `{"image": [PIL images]}`); `cache_salt`: its
+    prefix-cache hits come only from prompts with the same salt (`SamplingParams.cache_salt`)."""
 
     multi_modal_data: dict[str, Any]
+    cache_salt: str
 
 
 class _Tokens(TypedDict):
@@ -66,6 +68,7 @@ class TokensPrompt(_Tokens, total=False):
 
     prompt: str
     multi_modal_data: dict[str, Any]
+    cache_salt: str  # as TextPrompt's
 
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt | dict[str, Any]
@@ -228,26 +231,29 @@ class LLM:
 
     def _warm_prefixes(
         self,
-        prompts: list[tuple[list[int], ImageInputs | None]],
+        prompts: list[tuple[list[int], ImageInputs | None, str | None]],
         scoring: Sequence[tuple[list[int], SamplingParams, ImageInputs | None]] = (),
     ) -> list[list[Any] | None]:
-        """Prompts sampled n > 1 times, with their images: prefill each once first
-        (`warmup_prompts`). `scoring`: prompts whose copies share prompt logprobs
+        """Prompts sampled n > 1 times, with their images and cache salts: prefill each once
+        first (`warmup_prompts`). `scoring`: prompts whose copies share prompt logprobs
         (`scores_once`), each computed here once, in its order, by a prefill that warms the
         cache as well."""
         config = self.engine.config
-        scored = {tuple(ids) for ids, _, _ in scoring}
+        scored = {(tuple(ids), params.cache_salt) for ids, params, _ in scoring}
         # a warm-up without its prompt's images would cache a text the copies never match
-        imaged = {tuple(ids[:-1]): (ids[-1], images) for ids, images in prompts if images is not None}
+        imaged = {tuple(ids[:-1]): (ids[-1], images) for ids, images, _ in prompts if images is not None}
         image_token = self.engine.admission.images.image_token_id
-        for ids in warmup_prompts(
-            [p for p, _ in prompts if tuple(p) not in scored], config.cache_type, config.page_size
-        ):
-            last, images = imaged.get(tuple(ids), (None, None))
-            if images is not None and last == image_token:  # the prompt less its last token splits an image
-                continue
-            self.engine.add_request(f"llm-warm-{self._next_id}", ids, warmup_params(), images)
-            self._next_id += 1
+        for salt in dict.fromkeys(s for _, _, s in prompts):  # each salt's copies hit only its own
+            mine = [p for p, _, s in prompts if s == salt and (tuple(p), salt) not in scored]
+            for ids in warmup_prompts(mine, config.cache_type, config.page_size):
+                last, images = imaged.get(tuple(ids), (None, None))
+                if (
+                    images is not None and last == image_token
+                ):  # the prompt less its last token splits an image
+                    continue
+                params = dataclasses.replace(warmup_params(), cache_salt=salt)
+                self.engine.add_request(f"llm-warm-{self._next_id}", ids, params, images)
+                self._next_id += 1
         scoring_ids = []
         for ids, params, images in scoring:
             scoring_ids.append(f"llm-warm-{self._next_id}")
@@ -325,6 +331,12 @@ class LLM:
                 raise ValueError("give one priority per prompt")
             params_list = [dataclasses.replace(p, priority=v) for p, v in zip(params_list, priority)]
         params_list = [self._tokenized_bad_words(p) for p in params_list]
+        params_list = [  # vLLM's prompt dicts carry it, its SamplingParams do not
+            dataclasses.replace(params, cache_salt=p["cache_salt"])
+            if isinstance(p, dict) and p.get("cache_salt") is not None
+            else params
+            for p, params in zip(batch, params_list)
+        ]
         encoded = [  # all validated before any is queued
             self._truncated(self._encode(p, add_special_tokens), params.truncate_prompt_tokens)
             for p, params in zip(batch, params_list)
@@ -334,7 +346,11 @@ class LLM:
         shared = [scores_once(params, params.n) for params in params_list]
         scores = iter(
             self._warm_prefixes(
-                [(ids, images) for (ids, _, images), params in zip(encoded, params_list) if params.n > 1],
+                [
+                    (ids, images, params.cache_salt)
+                    for (ids, _, images), params in zip(encoded, params_list)
+                    if params.n > 1
+                ],
                 [
                     (ids, params, images)
                     for (ids, _, images), params, s in zip(encoded, params_list, shared)

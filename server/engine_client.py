@@ -476,13 +476,13 @@ class EngineClient:
         router's pick for each prompt, its copies (n samples, sharing its token list) beside it."""
         placed: dict[str, int] = {}
         chosen: dict[int, int] = {}
-        for request_id, prompt, *_ in requests:
+        for request_id, prompt, params, *_ in requests:
             if engine is not None or len(self.handles) == 1:
                 e = engine or 0
             else:
                 key = id(prompt)
                 if key not in chosen:
-                    chosen[key] = self.router.pick([prompt])
+                    chosen[key] = self.router.pick([prompt], params.cache_salt)
                 e = chosen[key]
             placed[request_id] = e
             self.router.count(e, 1)

@@ -14,6 +14,7 @@ spreads the whole server's load.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -25,12 +26,17 @@ SLACK = 4  # a prefix's engine may hold this many more requests than the least b
 SLACK_SHARE = 0.5  # ... or this share more, whichever is larger
 
 
-def prefix_keys(prompt: Sequence[int], stride: int = STRIDE, fine: int = FINE_TOKENS) -> list[int]:
+def prefix_keys(
+    prompt: Sequence[int], stride: int = STRIDE, fine: int = FINE_TOKENS, salt: str | None = None
+) -> list[int]:
     """The hashes of `prompt`'s first stride, 2 x stride, ... tokens up to `fine` tokens, then of
     every 16 strides further, shortest first; each chains the one before, so that the whole list
-    costs one pass over the prompt (a long context's list stays short)."""
+    costs one pass over the prompt (a long context's list stays short). A request's `cache_salt`
+    starts the chain: its prefixes route apart from the same tokens' unsalted or otherwise salted."""
     keys: list[int] = []
-    key, start = 0, 0
+    # a digest, not hash(): string hashes differ between the HTTP processes sharing the table
+    key = 0 if salt is None else int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "big")
+    start = 0
     while True:
         end = start + (stride if start < fine else 16 * stride)
         if end > len(prompt):
@@ -163,14 +169,18 @@ class EngineRouter:
         else:
             self.load[engine] += delta
 
-    def pick(self, prompts: Sequence[Sequence[int]]) -> int:
+    def pick(self, prompts: Sequence[Sequence[int]], salt: str | None = None) -> int:
         """The engine for requests that go together (an HTTP request's n choices, all or none), by
-        the first prompt; its prefixes are remembered for that engine."""
+        the first prompt and the requests' `cache_salt`; its prefixes are remembered for that engine."""
         if len(self.load) == 1:
             return 0
         if self.method == "round_robin":
             return next(self._turn)
-        keys = prefix_keys(prompts[0], self.stride) if prompts and self.method == "cache_aware" else []
+        keys = (
+            prefix_keys(prompts[0], self.stride, salt=salt)
+            if prompts and self.method == "cache_aware"
+            else []
+        )
         load = self.shared_load.totals() if self.shared_load is not None else self.load
         least = min(load)
         bound = max(least + SLACK, least * (1 + SLACK_SHARE))

@@ -335,6 +335,8 @@ class SamplingRequest(RequestBody):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values run first
+    # vLLM's: prefix-cache hits only from requests with the same salt; an empty one is a 400, as there
+    cache_salt: str | None = Field(default=None, min_length=1)
     request_id: str | None = None  # vLLM's: the reply's id after its prefix (an X-Request-Id header wins)
     rid: str | None = None  # SGLang's name for it
     min_tokens: int = 0

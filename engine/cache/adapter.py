@@ -365,6 +365,7 @@ def scoring_params(params: SamplingParams) -> SamplingParams:
         prompt_logprobs=params.prompt_logprobs,
         logprob_token_ids=params.logprob_token_ids,
         priority=params.priority,  # the copies wait for it
+        cache_salt=params.cache_salt,  # the copies hit it
     )
 
 

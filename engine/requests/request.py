@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,10 +90,12 @@ class Request:
 
     @property
     def cache_key_ids(self) -> list[int]:
-        """The prefix cache's key: the tokens, with each image's tokens named by the image."""
-        if self.images is None:
-            return self.all_token_ids
-        return self.images.cache_ids + self.output_token_ids
+        """The prefix cache's key: the tokens, with each image's tokens named by the image, and
+        the first one folded with the request's `cache_salt`."""
+        ids = self.all_token_ids if self.images is None else self.images.cache_ids + self.output_token_ids
+        if self.params.cache_salt is not None and ids:
+            ids[0] = salted_id(self.params.cache_salt, ids[0])
+        return ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without building the whole list (a decode step needs one)."""
@@ -120,6 +124,17 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+@functools.lru_cache(maxsize=1024)
+def _salt_digest(salt: str) -> int:
+    return int.from_bytes(hashlib.sha256(salt.encode()).digest()[:16], "big")
+
+
+def salted_id(salt: str, first: int) -> int:
+    """A first key id that no token, no image id (`digest_ids`) and no other salt shares: only
+    sequences with the same salt meet in the radix tree, since every path starts with its first page."""
+    return -(1 << 48) - ((_salt_digest(salt) << 64) | (first & ((1 << 64) - 1)))
 
 
 @dataclass(eq=False)

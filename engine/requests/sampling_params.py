@@ -273,6 +273,9 @@ class SamplingParams:
     # and tools send too (`chat_prompt.shared_head_tokens`); the prefix cache keeps the state at the last
     # page boundary within them, where the next such conversation leaves this one. None: no guess
     shared_prefix_len: int | None = None
+    # vLLM's: the prefix cache serves this request only from entries cached by requests with the
+    # same salt (None: the unsalted ones), so that tenants cannot time each other's prompts
+    cache_salt: str | None = None
     # vLLM's older name for structured_outputs (before 0.11): read into it, then None
     guided_decoding: StructuredOutputs | dict[str, Any] | None = None
 
@@ -282,6 +285,8 @@ class SamplingParams:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 hint = _BOOL_HINTS.get(name, "") if isinstance(value, bool) else ""
                 raise InvalidParamError(f"{name} must be an integer, got {value!r}{hint}", name)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidParamError("cache_salt must be a non-empty string if provided", "cache_salt")
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         if isinstance(self.output_kind, Enum):  # vLLM's RequestOutputKind.FINAL_ONLY and the like

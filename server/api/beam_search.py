@@ -84,6 +84,7 @@ async def search(
     prompts: list[list[int]],
     params: BeamSearchParams,
     name: str | None = None,
+    salt: str | None = None,
 ) -> tuple[list[BeamSearchOutput], int]:
     """Every prompt's best beams, and the prompt tokens the prefix cache served (the first step's:
     the prompts themselves); ClientDisconnected when the client hangs up between steps. `name`:
@@ -108,7 +109,12 @@ async def search(
     # the cache's hits); the later ones repeat them with the beams' tokens and are left out of
     # the counters, which count the search once (`_count_search`)
     first_step = SamplingParams(
-        temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False
+        temperature=0.0,
+        max_tokens=1,
+        logprobs=2 * params.beam_width,
+        ignore_eos=True,
+        detokenize=False,
+        cache_salt=salt,  # the request's steps hit only its salt's prefixes
     )
     later_steps = replace(first_step, internal=True)
     base = named_id(name, f"beam-{uuid.uuid4().hex}")
@@ -208,7 +214,7 @@ async def beam_search_completion(
     ids = [p for _, p in prompts]
     name = client_name(raw, req)
     try:
-        outs, cached = await search(ctx, raw, ids, params, name)
+        outs, cached = await search(ctx, raw, ids, params, name, req.cache_salt)
     except ClientDisconnected:
         return Response(status_code=499)
     choices: list[CompletionChoice] = []
@@ -246,7 +252,7 @@ async def beam_search_chat(
     """The chat's best beams as choices, each read for reasoning as a sampled reply is."""
     name = client_name(raw, req)
     try:
-        (out,), cached = await search(ctx, raw, [prompt_ids], params, name)
+        (out,), cached = await search(ctx, raw, [prompt_ids], params, name, req.cache_salt)
     except ClientDisconnected:
         return Response(status_code=499)
     choices = []

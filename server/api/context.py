@@ -332,7 +332,11 @@ class ServerContext:
             rid, last, params, inputs = of.get(tuple(p), (uuid.uuid4().hex, None, None, None))
             warm_id = f"{rid}-warm"  # under the client's name: /abort_request ends it
             # at the copies' priority: they wait for it
-            warm_params = replace(warmup_params(), priority=params.priority if params else 0)
+            warm_params = replace(
+                warmup_params(),
+                priority=params.priority if params else 0,
+                cache_salt=params.cache_salt if params else None,  # cached where the copies look
+            )
             if inputs is None:
                 requests.append((warm_id, p, warm_params))
             elif last != self.images.image_token_id:  # else the prompt less its last token splits an image

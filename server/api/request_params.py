@@ -86,6 +86,7 @@ def build_sampling_params(
             output_kind="delta" if req.stream else "final_only",
             structured_outputs=_structured_outputs(req),
             priority=req.priority,
+            cache_salt=req.cache_salt,
         )
         if vocab_size:
             params.check_vocab(vocab_size)

@@ -30,6 +30,21 @@ def test_prefix_keys_are_chained_per_stride() -> None:
     assert prefix_keys(long[: 8192 + 2047]) == keys[:129]
 
 
+def test_a_salted_prompt_routes_by_its_own_salts_prefixes() -> None:
+    """vLLM's cache_salt: an engine's cache serves a salted prompt only what the same salt cached,
+    so the router follows the salt's history, not the same tokens' unsalted one."""
+    a = prompt(0, 200)
+    assert prefix_keys(a, 64, salt="x") != prefix_keys(a, 64) != prefix_keys(a, 64, salt="y")
+    assert prefix_keys(a, 64, salt="x") == prefix_keys(a, 64, salt="x")  # a digest: the same in every process
+    router = EngineRouter(2)
+    assert router.pick([a]) == 0
+    router.load[0] += 1
+    assert router.pick([a], salt="x") == 1  # the least busy: engine 0 holds only the unsalted prefix
+    router.load[1] += 2
+    assert router.pick([a + prompt(1, 64)], salt="x") == 1  # where its salt's history went
+    assert router.pick([a + prompt(2, 64)]) == 0
+
+
 def test_unrelated_prompts_go_to_the_least_busy_engine_in_turn() -> None:
     router = EngineRouter(3)
     picks = [router.pick([prompt(i, 100)]) for i in range(6)]

@@ -359,3 +359,46 @@ def test_a_chunk_larger_than_the_step_budget_is_cut_to_it(path, budget, chunk, p
     assert llm.engine.config.chunk_size == budget
     assert tokens(run(llm, [prompts])) == want
     assert_idle_after_flush(llm.engine)
+
+
+def test_cache_salt_hits_only_its_own_salts_prefixes(path):
+    """vLLM's `cache_salt` (a prompt dict's key): a prompt hits only what prompts with the same
+    salt cached, an unsalted one only unsalted entries; the outputs are the naive run's."""
+    a = repeating(200, 22)
+    salts = ["x", "y", "x", None, None, "y"]
+    want = tokens(run(make_llm(path, "naive", 512), [[a]] * len(salts), LONGER))
+    llm = make_llm(path, chunk=512)
+    outs = []
+    for salt in salts:
+        prompt = {"prompt_token_ids": a} if salt is None else {"prompt_token_ids": a, "cache_salt": salt}
+        outs += llm.generate([prompt], LONGER, use_tqdm=False)
+    assert tokens(outs) == want
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 192, 0, 192, 192]
+    assert_idle_after_flush(llm.engine)
+
+
+def test_prompts_of_other_salts_do_not_wait_for_a_shared_prefix(path):
+    """The same prompt arriving together under two salts: each computes its own, side by side
+    (a prompt waits a step only for a prefix it may hit)."""
+    prompt = rand(150, 14)
+    engine = make_llm(path, chunk=512).engine
+    engine.add_request("first", prompt, GREEDY)
+    engine.add_request("salted", prompt, replace(GREEDY, cache_salt="x"))
+    engine.step()
+    assert engine.stats()["running"] == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_idle_after_flush(engine)
+
+
+def test_the_warm_up_of_n_salted_copies_is_salted_too(path):
+    """n > 1 prefills the prompt once first, under its salt: the copies hit it, an unsalted
+    prompt does not."""
+    a = rand(150, 15)
+    llm = make_llm(path, chunk=512)
+    (salted,) = llm.generate(
+        [{"prompt_token_ids": a, "cache_salt": "x"}], replace(GREEDY, n=2), use_tqdm=False
+    )
+    (plain,) = llm.generate([{"prompt_token_ids": a}], GREEDY, use_tqdm=False)
+    assert (salted.num_cached_tokens, plain.num_cached_tokens) == (144, 0)
+    assert_idle_after_flush(llm.engine)

@@ -84,3 +84,11 @@ def test_vllms_request_output_kind_and_clone_come_from_deltaserve() -> None:
     clone.stop.append("y")
     clone.logit_bias[6] = 2.0  # type: ignore[index]
     assert params.stop == ["x"] and params.logit_bias == {5: 1.0}
+
+
+@pytest.mark.parametrize("salt", ["", 5])
+def test_cache_salt_is_a_non_empty_string(salt) -> None:
+    """vLLM's rule for cache_salt (its server's 400): an empty salt would silently mean none."""
+    with pytest.raises(InvalidParamError, match="cache_salt must be a non-empty string") as info:
+        SamplingParams(cache_salt=salt)
+    assert info.value.param == "cache_salt"
