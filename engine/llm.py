@@ -600,11 +600,13 @@ class LLM:
         """vLLM's beam search (`engine/requests/beam_search.py`): a prompt's best `beam_width`
         beams, best first, each with its tokens, text, cumulative log-probability and the
         candidates of every step. vLLM's `lora_request` is taken as None; `use_tqdm` draws a bar
-        over the token steps (off, with a warning, where `concurrency_limit` is given, as vLLM's); `concurrency_limit=N`, as vLLM's, searches the prompts N at a time (each N to
-        its end before the next: at most N x beam_width requests a step), finding the beams a
-        search of all at once finds."""
+        over the token steps (off, with a warning, where `concurrency_limit` is given, as vLLM's);
+        `concurrency_limit=N`, as vLLM's, searches the prompts N at a time (each N to its end
+        before the next: at most N x beam_width requests a step), finding the beams a search of
+        all at once finds. A prompt dict's `cache_salt` holds for every step of its search."""
         no_adapter(lora_request)
         prompt_ids = [self._prompt_ids(p)[0] for p in prompts]
+        salts = [cast(dict[str, Any], p).get("cache_salt") if isinstance(p, dict) else None for p in prompts]
         if concurrency_limit is None:
             limit = max(len(prompt_ids), 1)
         elif isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, numbers.Integral):
@@ -619,7 +621,9 @@ class LLM:
         results: list[BeamSearchOutput] = []
         counted = 0  # tokens generated that the engine counted: the first steps'
         for start in range(0, len(prompt_ids), limit):
-            found, first_tokens = self._beam_search(prompt_ids[start : start + limit], params, use_tqdm)
+            found, first_tokens = self._beam_search(
+                prompt_ids[start : start + limit], params, salts[start : start + limit], use_tqdm
+            )
             results += found
             counted += first_tokens
         returned = sum(len(beam.output_ids) for out in results for beam in out.sequences)
@@ -631,10 +635,15 @@ class LLM:
         return results
 
     def _beam_search(
-        self, prompts: list[list[int]], params: BeamSearchParams, use_tqdm: bool | Callable[..., Any] = False
+        self,
+        prompts: list[list[int]],
+        params: BeamSearchParams,
+        salts: list[str | None],
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> tuple[list[BeamSearchOutput], int]:
-        """`prompts`' searches run together to their end, and the tokens of their first step (the
-        only step the engine counts); `use_tqdm` draws a bar over the steps, up to max_tokens."""
+        """`prompts`' searches run together to their end, each under its `cache_salt`, and the
+        tokens of their first step (the only step the engine counts); `use_tqdm` draws a bar over
+        the steps, up to max_tokens."""
         search = BeamSearch(prompts, params, self.engine.eos_token_ids)
         # the engine counts the first step as it counts any prompt (its tokens, the cache's hits);
         # the later ones repeat the prompts with the beams' tokens, so they run uncounted
@@ -646,9 +655,14 @@ class LLM:
         try:
             while not search.finished:
                 step = later if search.steps else first
-                outs = self.generate(
-                    [{"prompt_token_ids": t} for t in search.expanding()], step, use_tqdm=False
-                )
+                beam_salts = [
+                    salt for salt, beams in zip(salts, search.live) for _ in beams
+                ]  # as expanding()
+                batch: list[PromptType] = [
+                    {"prompt_token_ids": t} if salt is None else {"prompt_token_ids": t, "cache_salt": salt}
+                    for t, salt in zip(search.expanding(), beam_salts)
+                ]
+                outs = self.generate(batch, step, use_tqdm=False)
                 if step is first:
                     counted = sum(o.outputs[0].num_tokens for o in outs)
                 search.advance([o.outputs[0].logprobs[0].top for o in outs])  # type: ignore[index]

@@ -209,3 +209,22 @@ def test_a_search_counts_once_in_the_engine_stats(path) -> None:
     assert grew("prompt_tokens_total") == grew("prefill_tokens_total") == 3 + 5
     assert grew("prefix_cache_query_tokens") == 3 + 5 and grew("cached_tokens_total") == 0
     assert grew("generation_tokens_total") == sum(len(b.output_ids) for o in outs for b in o.sequences) == 16
+
+
+def test_a_prompts_cache_salt_holds_for_its_search(path) -> None:
+    """vLLM's prompt dict `cache_salt`: every step of that prompt's search caches under it, so a
+    resend of the prompt hits under the salt and not without it; the other prompt's is unsalted."""
+    salted, plain = prompts_of([40, 40], seed=5)
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256)
+    llm.beam_search(
+        [{"prompt_token_ids": salted, "cache_salt": "x"}, {"prompt_token_ids": plain}],
+        BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True),
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    prompts = [
+        {"prompt_token_ids": salted},
+        {"prompt_token_ids": salted, "cache_salt": "x"},
+        {"prompt_token_ids": plain},
+    ]
+    cached = [llm.generate([p], greedy, use_tqdm=False)[0].num_cached_tokens for p in prompts]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0
