@@ -127,15 +127,14 @@ class Request:
 
 
 @functools.lru_cache(maxsize=1024)
-def salt_digest(salt: str) -> int:
-    """A `cache_salt` as a 128-bit int, the same in every process (unlike `hash()` of a str)."""
+def _salt_digest(salt: str) -> int:
     return int.from_bytes(hashlib.sha256(salt.encode()).digest()[:16], "big")
 
 
 def salted_id(salt: str, first: int) -> int:
     """A first key id that no token, no image id (`digest_ids`) and no other salt shares: only
     sequences with the same salt meet in the radix tree, since every path starts with its first page."""
-    return -(1 << 48) - ((salt_digest(salt) << 64) | (first & ((1 << 64) - 1)))
+    return -(1 << 48) - ((_salt_digest(salt) << 64) | (first & ((1 << 64) - 1)))
 
 
 @dataclass(eq=False)
