@@ -9,7 +9,11 @@ Python lines that called it).
     python -m bench.engine.profile_prefill --model configs/kimi-linear-48b-a3b --requests 8  # 8 x 1,024
 
 `--requests N` splits the tokens over N prompts prefilled in the same step, as a server's step
-prefills its arrivals.
+prefills its arrivals. `--decode-rows D` first starts D requests of `--decode-prompt-len` tokens
+that keep decoding, so that each profiled step is a server's mixed step: the arrivals' prefill
+beside D decode rows.
+
+    python -m bench.engine.profile_prefill --model configs/kimi-linear-48b-a3b --requests 8 --decode-rows 200
 """
 
 from __future__ import annotations
@@ -37,7 +41,14 @@ def main() -> None:
     ap.add_argument(
         "--requests", type=int, default=1, help="prompts sharing the tokens, prefilled in one step"
     )
-    ap.add_argument("--max-running-requests", type=int, default=None, help="default: --requests, at least 4")
+    ap.add_argument("--decode-rows", type=int, default=0, help="requests decoding beside the prefill")
+    ap.add_argument("--decode-prompt-len", type=int, default=1024)
+    ap.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=None,
+        help="default: --requests + --decode-rows, at least 4",
+    )
     ap.add_argument("--trace", help="write a Chrome trace of the profiled prefill here")
     ap.add_argument(
         "--cprofile",
@@ -55,11 +66,13 @@ def main() -> None:
     if args.requests < 1 or args.tokens % args.requests:
         ap.error("--requests must divide --tokens")
     per_prompt = args.tokens // args.requests
+    decode_steps = 64 if args.decode_rows else 0  # enough for warm-up and every profiled step
     engine = dummy_engine(
         args.model,
-        max_running_requests=args.max_running_requests or max(4, args.requests),
-        max_model_len=per_prompt + 16,
-        chunked_prefill_size=args.tokens,
+        max_running_requests=args.max_running_requests or max(4, args.requests + args.decode_rows),
+        max_model_len=max(per_prompt, args.decode_prompt_len) + decode_steps + 16,
+        max_num_batched_tokens=max(args.tokens + args.decode_rows, args.decode_prompt_len),
+        chunked_prefill_size=max(args.tokens, args.decode_prompt_len),
         enable_overlap_schedule=False,
     )
     vocab = engine.model_config.vocab_size
@@ -67,21 +80,32 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     def prefill(name: str) -> float:
-        for i in range(args.requests):
+        names = {f"{name}-{i}" for i in range(args.requests)}
+        for rid in names:
             prompt = torch.randint(0, vocab, (per_prompt,), generator=gen).tolist()
-            engine.add_request(f"{name}-{i}", prompt, params)
+            engine.add_request(rid, prompt, params)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
+        while names:  # the decoders, if any, keep running after
+            names -= {out.request_id for out in engine.step() if out.finished}
         torch.cuda.synchronize()
         return 1e3 * (time.perf_counter() - t)
+
+    decoding = SamplingParams(temperature=0.0, max_tokens=decode_steps, ignore_eos=True)
+    for i in range(args.decode_rows):
+        prompt = torch.randint(0, vocab, (args.decode_prompt_len,), generator=gen).tolist()
+        engine.add_request(f"decoder-{i}", prompt, decoding)
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running
+    ):
+        engine.step()
 
     for i in range(2):  # compile and autotune at this length
         prefill(f"warm{i}")
     times = [prefill(f"t{i}") for i in range(3)]
     shape = f"{args.requests} x {per_prompt}" if args.requests > 1 else f"{args.tokens}"
-    print(f"prefill of {shape} tokens: {', '.join(f'{t:.1f}' for t in times)} ms")
+    beside = f" beside {args.decode_rows} decode rows" if args.decode_rows else ""
+    print(f"prefill of {shape} tokens{beside}: {', '.join(f'{t:.1f}' for t in times)} ms")
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     ) as prof:
