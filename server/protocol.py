@@ -305,9 +305,6 @@ class SamplingRequest(RequestBody):
         "logits_processors": unsupported_if_set(
             "not supported: this server runs no custom logits processors"
         ),
-        "logprob_token_ids": unsupported_if_set(
-            "not supported on this endpoint: /generate's token_ids_logprob gives chosen ids' logprobs"
-        ),
         "mm_processor_kwargs": unsupported_if_set(
             "not supported: images are read at the processor's settings"
         ),
@@ -344,6 +341,8 @@ class SamplingRequest(RequestBody):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    # vLLM's: at each generated position, these ids' logprobs (with the chosen one's) as its top ones
+    logprob_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the reply
     bad_words: list[str] | None = None  # vLLM's: words never generated

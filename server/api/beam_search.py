@@ -51,6 +51,8 @@ _UNSCORED = (
 
 def beam_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> BeamSearchParams:
     """The request's search, or a 400 naming what a search cannot honour."""
+    if req.logprob_token_ids is not None:  # vLLM's 400 too: a search's steps score no chosen ids
+        raise bad_request("logprob_token_ids is not supported with use_beam_search", "logprob_token_ids")
     if (req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs) or getattr(
         req, "top_logprobs", None
     ) is not None:

@@ -209,6 +209,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         self.req: ChatCompletionRequest = req
         self.parser = prepared.parser
         self.logprobs = prepared.params.logprobs
+        self.asked = bool(req.logprob_token_ids)  # its top logprobs are the asked ids'
         self.prompt_text = prepared.prompt if req.return_prompt_text else None
         self.states: dict[str, ChatStreamState] = {}
 
@@ -269,7 +270,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             reasoning = None
         new_logprobs = None
         if self.logprobs is not None and completion.logprobs:
-            new_logprobs = chat_logprobs(completion.logprobs, self.logprobs, self.token_text)
+            new_logprobs = chat_logprobs(completion.logprobs, self.logprobs, self.token_text, self.asked)
         return (
             reasoning,
             content,
@@ -318,7 +319,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         )
         logprobs = None
         if self.logprobs is not None:
-            logprobs = chat_logprobs(completion.logprobs or [], self.logprobs, self.token_text)
+            logprobs = chat_logprobs(completion.logprobs or [], self.logprobs, self.token_text, self.asked)
         reason = finish_reason(completion.finish_reason, bool(calls))
         return ChatChoice(
             index=index,

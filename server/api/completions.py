@@ -79,9 +79,15 @@ class _Choice:
     """One choice's text and logprobs, echo included, from the engine's output."""
 
     def __init__(
-        self, prompt: tuple[str, list[int]], echo: bool, logprobs: int | None, token_text: TokenText
+        self,
+        prompt: tuple[str, list[int]],
+        echo: bool,
+        logprobs: int | None,
+        token_text: TokenText,
+        asked: bool = False,
     ) -> None:
         self.echo, self.logprobs = echo, logprobs
+        self.asked = asked  # logprob_token_ids: its generated tokens' top logprobs are the asked ids'
         self.prompt_text, self.prompt_ids = prompt
         self.token_text = token_text
 
@@ -102,7 +108,9 @@ class _Choice:
             echoed = prompt_completion_logprobs(
                 self.prompt_ids, self.token_text, out.prompt_logprobs, self.logprobs, offsets
             )
-        generated = completion_logprobs(completion.logprobs or [], self.logprobs, self.token_text, offsets)
+        generated = completion_logprobs(
+            completion.logprobs or [], self.logprobs, self.token_text, offsets, self.asked
+        )
         if echoed is None:
             return generated
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -131,7 +139,11 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt
             await ctx.compile_structured(params.structured_outputs, structured_field(req), raw)
         generation.add(f"{generation.request_id}-{j}", ids, params)
-        generation.choices += [_Choice((text, ids), req.echo, params.logprobs, generation.token_text)] * req.n
+        # the request's count (the echoed prompt's top ones): logprob_token_ids zeroes params'
+        choice = _Choice(
+            (text, ids), req.echo, req.logprobs, generation.token_text, bool(req.logprob_token_ids)
+        )
+        generation.choices += [choice] * req.n
     return await generation.respond(raw, req.stream)
 
 

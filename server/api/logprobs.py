@@ -85,20 +85,30 @@ def _top(lp: Logprob, k: int) -> list[tuple[int, float]]:
     return sorted(lp.top.items(), key=lambda kv: -kv[1])[:k]
 
 
-def _legacy_top(lp: Logprob, top_k: int, token_text: TokenText) -> dict[str, float]:
+def _asked(lp: Logprob) -> list[tuple[int, float]]:
+    """vLLM's top logprobs under `logprob_token_ids`: the chosen token, then each asked id once."""
+    return [(lp.token_id, lp.logprob)] + [(t, v) for t, v in lp.asked.items() if t != lp.token_id]
+
+
+def _legacy_top(lp: Logprob, top_k: int, token_text: TokenText, asked: bool = False) -> dict[str, float]:
     """A legacy completion's `top_logprobs` entry: the top `top_k` and the chosen token, which
-    OpenAI's and vLLM's always add (up to `top_k + 1` entries)."""
-    top = {token_text(t)[0]: v for t, v in _top(lp, top_k)}
+    OpenAI's and vLLM's always add (up to `top_k + 1` entries); with `asked`, the chosen token
+    and the `logprob_token_ids`' ones."""
+    top = {token_text(t)[0]: v for t, v in (_asked(lp) if asked else _top(lp, top_k))}
     top.setdefault(token_text(lp.token_id)[0], lp.logprob)
     return top
 
 
-def chat_logprobs(logprobs: list[Logprob], top_k: int, token_text: TokenText) -> ChatLogprobs:
+def chat_logprobs(
+    logprobs: list[Logprob], top_k: int, token_text: TokenText, asked: bool = False
+) -> ChatLogprobs:
+    """Chat's `content[]`; each token's `top_logprobs` are its top `top_k`, or with `asked` (the
+    request's `logprob_token_ids`) the chosen token and the asked ones, as vLLM's are."""
     content = []
     for lp in logprobs:
         text, raw = token_text(lp.token_id)
         tops = []
-        for token_id, value in _top(lp, top_k):
+        for token_id, value in _asked(lp) if asked else _top(lp, top_k):
             t_text, t_raw = token_text(token_id)
             tops.append(TopLogprob(token=t_text, logprob=value, bytes=t_raw))
         content.append(TokenLogprob(token=text, logprob=lp.logprob, bytes=raw, top_logprobs=tops))
@@ -123,15 +133,16 @@ class TextOffsets:
 
 
 def completion_logprobs(
-    logprobs: list[Logprob], top_k: int, token_text: TokenText, offsets: TextOffsets
+    logprobs: list[Logprob], top_k: int, token_text: TokenText, offsets: TextOffsets, asked: bool = False
 ) -> CompletionLogprobs:
-    """Generated tokens' logprobs; `offsets` is the choice's, past any text before them."""
+    """Generated tokens' logprobs; `offsets` is the choice's, past any text before them; `asked`:
+    the request's `logprob_token_ids` stand in for the top ones."""
     out = CompletionLogprobs()
     for lp in logprobs:
         text, raw = token_text(lp.token_id)
         out.tokens.append(text)
         out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append(_legacy_top(lp, top_k, token_text))
+        out.top_logprobs.append(_legacy_top(lp, top_k, token_text, asked))
         out.text_offset.append(offsets.take(raw))
     return out
 

@@ -50,9 +50,12 @@ def build_sampling_params(
     if prompt_logprobs is not None and req.stream:  # a stream's chunks have no place for them (vLLM's 400)
         raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
     echo = isinstance(req, CompletionRequest) and req.echo
+    _check_asked(req, logprobs, echo and max_tokens == 0)
     # the echoed prompt's log-probabilities (a negative count is left for the check to refuse)
     if echo and (logprobs is not None or max_tokens == 0) and (prompt_logprobs or 0) >= 0:
         prompt_logprobs = max(prompt_logprobs or 0, logprobs or 0)
+    if req.logprob_token_ids:  # vLLM's: the asked ids stand in for the top ones at generated tokens
+        logprobs = 0
     if defaults is None:
         from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 
@@ -78,6 +81,7 @@ def build_sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logprob_token_ids=req.logprob_token_ids,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=_logit_bias(req.logit_bias),
@@ -98,6 +102,28 @@ def build_sampling_params(
     except InvalidParamError as exc:
         raise refused(exc).renamed(names) from exc
     return params
+
+
+def _check_asked(
+    req: ChatCompletionRequest | CompletionRequest, logprobs: int | None, no_output: bool
+) -> None:
+    """vLLM's 400s for `logprob_token_ids`: empty, without logprobs (where they are reported), or
+    with an echo that generates nothing."""
+    asked = req.logprob_token_ids
+    if asked is None:
+        return
+    if not asked:
+        raise bad_request("logprob_token_ids must not be an empty list", "logprob_token_ids")
+    if no_output:
+        raise bad_request(
+            "logprob_token_ids is not supported with echo and max_tokens 0: no tokens are generated",
+            "logprob_token_ids",
+        )
+    if logprobs is None:
+        needs = "true" if isinstance(req, ChatCompletionRequest) else "set"
+        raise bad_request(
+            f"logprob_token_ids needs logprobs {needs}: they are reported there", "logprob_token_ids"
+        )
 
 
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:

@@ -62,7 +62,6 @@ def test_nulls_in_nullable_openai_fields_are_their_defaults(client, model_name) 
         ("chat", {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}}),
         ("chat", {"watermarking": True}),
         ("completions", {"logits_processors": ["my_module.MyProcessor"]}),
-        ("chat", {"logprob_token_ids": [1, 2], "logprobs": True}),
         ("chat", {"mm_processor_kwargs": {"max_pixels": 1024}}),
         ("chat", {"media_io_kwargs": {"image": {"mode": "L"}}}),
         ("chat", {"best_of": 3}),
