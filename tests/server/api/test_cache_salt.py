@@ -84,3 +84,24 @@ def test_a_beam_search_caches_under_its_salt(client) -> None:
         r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, extra_body=extra)
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
     assert cached[:2] == [0, 0] and cached[2] > 0
+
+
+def test_anthropic_messages_hit_only_prefixes_of_their_own_salt(server) -> None:
+    """vLLM's /v1/messages takes cache_salt too (as its chat endpoint's field)."""
+    import anthropic
+
+    text = _messages()[0]["content"]
+    cached = []
+    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60) as claude:
+        for salt in ("tenant-a", None, "tenant-a"):
+            extra = {"cache_salt": salt} if salt is not None else {}
+            m = claude.messages.create(
+                model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": text}], extra_body=extra
+            )
+            cached.append(m.usage.cache_read_input_tokens)
+        with pytest.raises(anthropic.BadRequestError):
+            claude.messages.create(
+                model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": text}],
+                extra_body={"cache_salt": ""},
+            )  # fmt: skip
+    assert cached[:2] == [0, 0] and cached[2] > 0
