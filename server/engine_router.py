@@ -14,10 +14,11 @@ spreads the whole server's load.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Sequence
 from typing import Any, Literal
+
+from deltaserve.engine.requests.cache_salt import salt_digest
 
 STRIDE = 64  # tokens between the prefixes recorded: a multiple of every page size in use
 FINE_TOKENS = 8192  # past this many tokens, a prefix every 16 strides
@@ -34,8 +35,8 @@ def prefix_keys(
     costs one pass over the prompt (a long context's list stays short). A request's `cache_salt`
     starts the chain: its prefixes route apart from the same tokens' unsalted or otherwise salted."""
     keys: list[int] = []
-    # a digest, not hash(): string hashes differ between the HTTP processes sharing the table
-    key = 0 if salt is None else int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "big")
+    # the digest alike in the HTTP processes sharing the table; 64 bits, as the keys always had
+    key = 0 if salt is None else salt_digest(salt, 64)
     start = 0
     while True:
         end = start + (stride if start < fine else 16 * stride)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import enum
-import functools
-import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +11,7 @@ import numpy as np
 import torch
 
 from deltaserve.engine.cache.radix_node import CacheHold
+from deltaserve.engine.requests.cache_salt import salt_digest
 from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.requests.outputs import Logprob
 from deltaserve.engine.requests.sampling_params import SamplingParams
@@ -126,15 +125,10 @@ class Request:
         return self.status is Status.FINISHED
 
 
-@functools.lru_cache(maxsize=1024)
-def _salt_digest(salt: str) -> int:
-    return int.from_bytes(hashlib.sha256(salt.encode()).digest()[:16], "big")
-
-
 def salted_id(salt: str, first: int) -> int:
     """A first key id that no token, no image id (`digest_ids`) and no other salt shares: only
     sequences with the same salt meet in the radix tree, since every path starts with its first page."""
-    return -(1 << 48) - ((_salt_digest(salt) << 64) | (first & ((1 << 64) - 1)))
+    return -(1 << 48) - ((salt_digest(salt) << 64) | (first & ((1 << 64) - 1)))
 
 
 @dataclass(eq=False)

@@ -3,11 +3,16 @@ add up, and what each replica's engine config holds."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.parallel.group import rank_device
+from deltaserve.engine.requests.cache_salt import salt_digest
+from deltaserve.engine.requests.request import salted_id
 from deltaserve.server.engine_client import merge_stats
 from deltaserve.server.engine_router import EngineRouter, SharedLoad, SharedRoutes, prefix_keys
 
@@ -43,6 +48,17 @@ def test_a_salted_prompt_routes_by_its_own_salts_prefixes() -> None:
     router.load[1] += 2
     assert router.pick([a + prompt(1, 64)], salt="x") == 1  # where its salt's history went
     assert router.pick([a + prompt(2, 64)]) == 0
+
+
+def test_one_salt_digest_keys_the_radix_tree_and_the_router_which_stays_torch_free() -> None:
+    """The radix tree's salted first id and the router's salted prefix hashes start from one digest
+    (its first 64 bits for the router, as before); the router's HTTP processes load no torch."""
+    code = "import sys\nimport deltaserve.server.engine_router\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+    digest, a = salt_digest("tenant-a"), prompt(0, 64)
+    assert prefix_keys(a, 64, salt="tenant-a") == [hash((digest >> 64, tuple(a)))]
+    assert salted_id("tenant-a", 5) == -(1 << 48) - ((digest << 64) | 5)
 
 
 def test_unrelated_prompts_go_to_the_least_busy_engine_in_turn() -> None:
