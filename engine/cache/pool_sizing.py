@@ -103,7 +103,16 @@ def plan_pools(
     pages = max(int(pages), 2)
     capacity = (pages - 1) * page
     if config.max_model_len is not None and config.max_model_len > capacity:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV capacity of {capacity} tokens")
+        needed = math.ceil(config.max_model_len / page) + 1  # with the padding page
+        if config.num_kv_pages is not None:
+            more = f"raise num_kv_pages to at least {needed} (or leave it unset: memory sizes the pools)"
+        else:
+            more = f"raise {_budget_flag(config, device)}"
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the KV capacity of {capacity} tokens "
+            f"({pages} pages of {page}, one of them padding); lower --max-model-len (LLM: max_model_len) "
+            f"or {more}"
+        )
     if auto and config.num_kv_pages is not None:
         _log_fitted(max_position_embeddings, min(want_len, capacity), (pages - 1) * bytes_per_page)
     return PoolSizes(pages, slots, snapshots, min(want_len, capacity))

@@ -62,6 +62,28 @@ def test_naive_cache_needs_no_snapshot_slots() -> None:
     assert sizes.num_snapshots == 0 and sizes.num_slots == 7
 
 
+def test_a_fixed_page_count_short_of_max_model_len_names_the_settings_that_fix_it() -> None:
+    # 10 pages of 16 tokens, one of them padding: 144 tokens, where 1,024 need 65 pages
+    with pytest.raises(ValueError, match="exceeds the KV capacity of 144 tokens") as refused:
+        plan_pools(
+            config(num_kv_pages=10),
+            bytes_per_page=4096,
+            bytes_per_slot=MIB,
+            max_position_embeddings=4096,
+            device=CPU,
+        )
+    assert "lower --max-model-len (LLM: max_model_len)" in str(refused.value)
+    assert "raise num_kv_pages to at least 65" in str(refused.value)
+    sizes = plan_pools(
+        config(num_kv_pages=65),
+        bytes_per_page=4096,
+        bytes_per_slot=MIB,
+        max_position_embeddings=4096,
+        device=CPU,
+    )
+    assert sizes.max_model_len == 1024
+
+
 def test_refused_only_when_not_one_request_fits() -> None:
     cfg = config(max_running_requests=4, pool_memory_gb=3 / 1024)
     with pytest.raises(ValueError, match="not enough memory for one request") as refused:
