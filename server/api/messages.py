@@ -66,6 +66,7 @@ class MessagesRequest(RequestBody):
         # the chat endpoint's, which a message has no place for: chat completions give them
         "logprobs": unsupported_if_set("not supported here: chat completions give logprobs"),
         "top_logprobs": unsupported_if_set("not supported here: chat completions give logprobs"),
+        "logprob_token_ids": unsupported_if_set("not supported here: chat completions give logprobs"),
         "prompt_logprobs": unsupported_if_set("not supported here: chat completions give them"),
         "return_token_ids": unsupported_if_set("not supported here: chat completions return them"),
         "use_beam_search": unsupported_if_set("not supported here: chat completions search beams"),

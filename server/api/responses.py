@@ -74,6 +74,7 @@ class ResponsesRequest(RequestBody):
         "conversation": unsupported_if_set("not supported: continue with previous_response_id"),
         "prompt": unsupported_if_set("not supported: this server stores no prompt templates"),
         "top_logprobs": unsupported_if_set("not supported here: chat completions give logprobs"),
+        "logprob_token_ids": unsupported_if_set("not supported here: chat completions give logprobs"),
         "logprobs": unsupported_if_set("not supported here: chat completions give logprobs"),
         "use_beam_search": unsupported_if_set("not supported here: chat completions search beams"),
         "include": _include,

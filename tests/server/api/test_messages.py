@@ -278,6 +278,7 @@ def test_an_image_blocks_media_type_is_checked(server, claude, media_type, data:
         {"logprobs": True},
         {"logprobs": True, "top_logprobs": 2},
         {"prompt_logprobs": 1},
+        {"logprob_token_ids": [1, 2]},
         {"use_beam_search": True},
     ],
 )

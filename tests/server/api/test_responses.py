@@ -401,6 +401,7 @@ def test_the_store_keeps_its_responses_within_its_bytes() -> None:
         ({"input": "hi", "reasoning": {"effort": "bogus"}}, "reasoning.effort"),
         # fields that would change the output and are not implemented here: refused, not ignored
         ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
+        ({"input": "hi", "logprob_token_ids": [1, 2]}, "logprob_token_ids"),
         ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
     ],
 )
