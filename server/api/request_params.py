@@ -364,7 +364,7 @@ _TOKEN_KEY = re.compile(r"-?(0|[1-9][0-9]*)")
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias, token ids as JSON object keys, as token ids (their range is checked
-    with the other values)."""
+    with the other values); a bias beyond [-100, 100] is clamped to it, as vLLM's server does."""
     if not bias:
         return None
     out: dict[int, float] = {}
@@ -376,7 +376,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
             token = int(key)  # a ValueError past Python's 4,300 digits too
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-        out[token] = float(value)
+        out[token] = min(100.0, max(-100.0, float(value)))  # the body's NaN and infinities are 400s already
     return out
 
 

@@ -672,6 +672,19 @@ def test_logit_bias_over_http(client, server) -> None:
     assert r.usage.completion_tokens == 4 and set(ids) == {token}
 
 
+def test_logit_bias_beyond_100_is_clamped_as_vllm_does(client, server) -> None:
+    """A bias past [-100, 100] acts as -100 or +100 (vLLM's server clamps it), not a 400."""
+    token = httpx.post(f"{server.url}/tokenize", json={"prompt": " hello"}).json()["tokens"][0]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    forced = chat(client, max_tokens=4, temperature=1.0, logit_bias={str(token): 250}, extra_body=extra)
+    assert forced.choices[0].token_ids == [token] * 4
+    first = chat(client, max_tokens=4, temperature=0, extra_body=extra).choices[0].token_ids[0]
+    banned = chat(client, max_tokens=4, temperature=0, logit_bias={str(first): -1e6}, extra_body=extra)
+    at_edge = chat(client, max_tokens=4, temperature=0, logit_bias={str(first): -100}, extra_body=extra)
+    assert first not in banned.choices[0].token_ids
+    assert banned.choices[0].token_ids == at_edge.choices[0].token_ids
+
+
 def test_allowed_token_ids_over_http(client, server) -> None:
     """vLLM's allowed_token_ids: sampled tokens come from the set alone, and greedy ones are those a
     +100 bias on the set gives; an id outside the vocabulary is a 400 naming the field."""
