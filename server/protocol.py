@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -357,6 +358,12 @@ class SamplingRequest(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _empty_options_unset(cls, value: Any) -> Any:
+        # vLLM tests the object's truthiness: {} on an unstreamed request is served, not a 400
+        return None if value == {} else value
 
 
 def _modalities(value: Any, _: dict[str, Any]) -> str | None:

@@ -672,6 +672,19 @@ def test_logit_bias_over_http(client, server) -> None:
     assert r.usage.completion_tokens == 4 and set(ids) == {token}
 
 
+def test_empty_stream_options_on_an_unstreamed_request_is_served_as_in_vllm(client) -> None:
+    """vLLM refuses stream_options without stream only where the object holds something."""
+    r = chat(client, max_tokens=2, stream_options={}, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+    done = client.completions.create(
+        model=MODEL_NAME, prompt="hi", max_tokens=2, stream=False, stream_options={}
+    )
+    assert done.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, max_tokens=2, stream_options={"include_usage": False})
+    assert refused.value.body["param"] == "stream_options"
+
+
 def test_logit_bias_beyond_100_is_clamped_as_vllm_does(client, server) -> None:
     """A bias past [-100, 100] acts as -100 or +100 (vLLM's server clamps it), not a 400."""
     token = httpx.post(f"{server.url}/tokenize", json={"prompt": " hello"}).json()["tokens"][0]
