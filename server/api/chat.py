@@ -208,8 +208,11 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         super().__init__(ctx, model, req)
         self.req: ChatCompletionRequest = req
         self.parser = prepared.parser
-        self.logprobs = prepared.params.logprobs
+        # vLLM's: with the reasoning hidden, no logprobs or token ids (they would spell it out)
+        hidden = not req.include_reasoning and ctx.parse_reasoning
+        self.logprobs = None if hidden else prepared.params.logprobs
         self.asked = bool(req.logprob_token_ids)  # its top logprobs are the asked ids'
+        self.token_ids = req.return_token_ids and not hidden
         self.prompt_text = prepared.prompt if req.return_prompt_text else None
         self.states: dict[str, ChatStreamState] = {}
 
@@ -231,9 +234,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         reasoning, content, calls, new_logprobs, reason, _ = parts
         index = self.index[out.request_id]
         if content and reasoning is None and not calls and new_logprobs is None and reason is None:
-            if (
-                not self.usage_in_every_chunk and not self.req.return_token_ids
-            ):  # content alone: the common token
+            if not self.usage_in_every_chunk and not self.token_ids:  # content alone: the common token
                 return self.text_event(
                     index, content, lambda text: ChatChunkChoice(index=index, delta=ChatDelta(content=text))
                 )
@@ -250,7 +251,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         """vLLM's return_token_ids: the chunk carries the tokens it adds, those whose text the
         parser holds back (a tool call's or reasoning's markers) too."""
         ids = out.outputs[0].token_ids
-        if not self.req.return_token_ids or not ids:
+        if not self.token_ids or not ids:
             return choice
         choice = choice or ChatChunkChoice(index=index, delta=ChatDelta())
         choice.token_ids = list(ids)
@@ -327,7 +328,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             logprobs=logprobs,
             finish_reason=reason,
             stop_reason=completion.stop_reason,
-            token_ids=list(completion.token_ids) if self.req.return_token_ids else None,
+            token_ids=list(completion.token_ids) if self.token_ids else None,
         )
 
     def response_json(self, choices: list[Any], final: dict[str, RequestOutput]) -> dict[str, Any]:

@@ -224,6 +224,29 @@ def test_chat_echo_starts_the_reply_with_the_continued_message(client, model_nam
     assert reply(MESSAGES, echo=True) == reply(MESSAGES)
 
 
+def test_include_reasoning_false_leaves_out_logprobs_and_token_ids_as_vllm_does(client, model_name) -> None:
+    """vLLM hides every token's logprobs and ids with the reasoning (they would spell it out),
+    whole and streamed; the prompt's ids and the text stay."""
+    asked = {"logprobs": True, "top_logprobs": 2, "max_tokens": 6, "temperature": 0}
+    extra = {"return_token_ids": True, "ignore_eos": True}
+
+    def ask(stream: bool = False, **more: object):
+        return client.chat.completions.create(
+            model=model_name, messages=MESSAGES, stream=stream, extra_body={**extra, **more}, **asked
+        )
+
+    shown = ask().choices[0]
+    assert len(shown.token_ids) == 6 and len(shown.logprobs.content) == 6
+    whole = ask(include_reasoning=False)
+    assert whole.choices[0].logprobs is None and whole.choices[0].model_extra.get("token_ids") is None
+    assert whole.model_extra["prompt_token_ids"] and whole.usage.completion_tokens == 6
+    chunks = [c for c in ask(stream=True, include_reasoning=False, stream_options={"include_usage": True})]
+    assert chunks[0].model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+    choices = [ch for c in chunks for ch in c.choices]
+    assert choices and all(ch.logprobs is None and ch.model_extra.get("token_ids") is None for ch in choices)
+    assert chunks[-1].usage.completion_tokens == 6
+
+
 def test_return_prompt_text_gives_the_rendered_prompt(client, server, model_name) -> None:
     tokens = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()["tokens"]
     rendered = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
