@@ -213,6 +213,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         self.logprobs = None if hidden else prepared.params.logprobs
         self.asked = bool(req.logprob_token_ids)  # its top logprobs are the asked ids'
         self.token_ids = req.return_token_ids and not hidden
+        self.prompt_logprobs = prepared.params.prompt_logprobs  # a chat echo's too, as vLLM's
         self.prompt_text = prepared.prompt if req.return_prompt_text else None
         self.states: dict[str, ChatStreamState] = {}
 
@@ -333,11 +334,9 @@ class ChatGeneration(Generation[ChatChunkChoice]):
 
     def response_json(self, choices: list[Any], final: dict[str, RequestOutput]) -> dict[str, Any]:
         prompt_logprobs = None
-        if (
-            self.req.prompt_logprobs is not None
-        ):  # vLLM's: the rendered prompt's tokens, scored in its prefill
+        if self.prompt_logprobs is not None:  # vLLM's: the rendered prompt's tokens, scored in its prefill
             first = final[next(iter(self.index))].prompt_logprobs
-            prompt_logprobs = vllm_prompt_logprobs(first, self.req.prompt_logprobs, self.token_text)
+            prompt_logprobs = vllm_prompt_logprobs(first, self.prompt_logprobs, self.token_text)
         response = ChatCompletionResponse(
             id=self.response_id,
             model=self.model,

@@ -49,6 +49,10 @@ def build_sampling_params(
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is not None and req.stream:  # a stream's chunks have no place for them (vLLM's 400)
         raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    if isinstance(req, ChatCompletionRequest) and req.echo and not req.stream and prompt_logprobs is None:
+        # vLLM's: a chat echo scores the prompt at top_logprobs (0 unless sent); max_tokens 0 stays a 400
+        if max_tokens != 0:
+            prompt_logprobs = req.top_logprobs if "top_logprobs" in req.model_fields_set else 0
     echo = isinstance(req, CompletionRequest) and req.echo
     _check_asked(req, logprobs, echo and max_tokens == 0)
     # the echoed prompt's log-probabilities (a negative count is left for the check to refuse)

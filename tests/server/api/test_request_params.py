@@ -57,6 +57,7 @@ def refusal(req: ChatCompletionRequest | CompletionRequest) -> APIError:
         (chat(stream_options={"include_usage": True}), "stream_options", "stream"),
         (completion(stream=False, stream_options={"include_usage": False}), "stream_options", "stream"),
         (chat(max_tokens=0), "max_tokens", "0"),
+        (chat(max_tokens=0, echo=True), "max_tokens", "0"),  # a chat echo's scoring allows no 0
         (chat(max_completion_tokens=-2), "max_completion_tokens", "-2"),
         (completion(max_tokens=4, min_tokens=9), "min_tokens", "9"),
         (chat(structured_outputs={"choice": []}), "structured_outputs", "choice"),

@@ -224,6 +224,29 @@ def test_chat_echo_starts_the_reply_with_the_continued_message(client, model_nam
     assert reply(MESSAGES, echo=True) == reply(MESSAGES)
 
 
+def test_chat_echo_scores_the_prompt_as_vllm_does(client, model_name) -> None:
+    """vLLM's chat echo: the reply carries prompt_logprobs, the rendered prompt's tokens scored with
+    top_logprobs candidates each (0 without logprobs); an explicit prompt_logprobs wins."""
+
+    def ask(**extra: object):
+        return client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=2, temperature=0, **extra
+        )
+
+    plain = ask(extra_body={"echo": True})
+    scored = plain.model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == plain.usage.prompt_tokens
+    assert all(len(entry) == 1 for entry in scored[1:])  # the prompt's own token alone
+    top = ask(logprobs=True, top_logprobs=3, extra_body={"echo": True}).model_extra["prompt_logprobs"]
+    assert len(top) == len(scored) and all(2 <= len(entry) <= 4 for entry in top[1:])
+    assert all(sum(e["rank"] <= 3 for e in entry.values()) == 3 for entry in top[1:])
+    wins = ask(extra_body={"echo": True, "prompt_logprobs": 1}).model_extra["prompt_logprobs"]
+    assert all(1 <= len(entry) <= 2 for entry in wins[1:])
+    assert "prompt_logprobs" not in ask().model_extra  # no echo, not asked: OpenAI's shape
+    streamed = ask(stream=True, extra_body={"echo": True})  # nowhere to put them in a stream, as in vLLM
+    assert all("prompt_logprobs" not in chunk.model_extra for chunk in streamed)
+
+
 def test_include_reasoning_false_leaves_out_logprobs_and_token_ids_as_vllm_does(client, model_name) -> None:
     """vLLM hides every token's logprobs and ids with the reasoning (they would spell it out),
     whole and streamed; the prompt's ids and the text stay."""
