@@ -29,9 +29,11 @@ MAX_STOP_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_BAD_WORDS = 64
 MAX_LOGIT_BIAS = 1024  # entries: each copy's biases are gathered on the host at every step
-# each scored position (every prompt position, with prompt logprobs) reports these ids' values,
-# built on the engine's thread: as many as its top logprobs, at most
-MAX_LOGPROB_TOKEN_IDS = MAX_LOGPROBS
+# vLLM's bound on logprob_token_ids: a generated token's values are one gather of its logits row
+MAX_LOGPROB_TOKEN_IDS = 128
+# with prompt logprobs every prompt position reports the ids' values, built on the engine's
+# thread: as many as its top logprobs, at most
+MAX_PROMPT_LOGPROB_TOKEN_IDS = MAX_LOGPROBS
 
 
 # why structured_outputs.whitespace_pattern (and vLLM's older guided_whitespace_pattern) is refused
@@ -386,6 +388,15 @@ class SamplingParams:
         if len(self.logprob_token_ids or []) > MAX_LOGPROB_TOKEN_IDS:
             raise InvalidParamError(
                 f"logprob_token_ids holds at most {MAX_LOGPROB_TOKEN_IDS} token ids", "logprob_token_ids"
+            )
+        if (
+            self.prompt_logprobs is not None
+            and len(self.logprob_token_ids or []) > MAX_PROMPT_LOGPROB_TOKEN_IDS
+        ):
+            raise InvalidParamError(
+                f"logprob_token_ids holds at most {MAX_PROMPT_LOGPROB_TOKEN_IDS} token ids with prompt_logprobs "
+                "(each prompt position reports them)",
+                "logprob_token_ids",
             )
         if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise InvalidParamError(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from deltaserve.engine.requests.sampling_params import MAX_LOGPROB_TOKEN_IDS
+from deltaserve.engine.requests.sampling_params import MAX_LOGPROB_TOKEN_IDS, MAX_PROMPT_LOGPROB_TOKEN_IDS
 
 from ..errors import APIError, bad_request, failure_body, raise_if_failed
 from ..protocol import CompletionRequest, RequestBody, unsupported_if_set, validated
@@ -201,10 +201,13 @@ class NativeGeneration:
         if asked and isinstance(asked[0], int):
             asked = [asked] * count  # type: ignore[list-item]
         asks = _per_prompt(asked, count, "token_ids_logprob") if asked is not None else [None] * count
-        for ask in asks:
-            if len(ask or []) > MAX_LOGPROB_TOKEN_IDS:
+        for ask, want, start in zip(asks, wants, starts):
+            # each scored prompt position reports them too: fewer where the prompt is scored
+            most = MAX_PROMPT_LOGPROB_TOKEN_IDS if want and start >= 0 else MAX_LOGPROB_TOKEN_IDS
+            if len(ask or []) > most:
                 raise bad_request(
-                    f"token_ids_logprob holds at most {MAX_LOGPROB_TOKEN_IDS} token ids a prompt",
+                    f"token_ids_logprob holds at most {most} token ids a prompt"
+                    + (" whose prompt is scored (logprob_start_len)" if most < MAX_LOGPROB_TOKEN_IDS else ""),
                     "token_ids_logprob",
                 )
             bad = [t for t in ask or [] if not 0 <= t < ctx.vocab_size]

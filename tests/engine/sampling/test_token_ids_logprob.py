@@ -96,3 +96,11 @@ def test_asked_ids_are_as_many_as_top_logprobs_at_most() -> None:
     with pytest.raises(InvalidParamError, match="at most 20 token ids") as refused:
         SamplingParams(prompt_logprobs=0, logprob_token_ids=list(range(21)))
     assert refused.value.param == "logprob_token_ids"
+
+
+def test_generated_tokens_take_vllms_128_asked_ids() -> None:
+    """vLLM's bound where only generated tokens report them (one logits row a step)."""
+    SamplingParams(logprobs=0, logprob_token_ids=list(range(128)))
+    with pytest.raises(InvalidParamError, match="at most 128 token ids") as refused:
+        SamplingParams(logprobs=0, logprob_token_ids=list(range(129)))
+    assert refused.value.param == "logprob_token_ids"

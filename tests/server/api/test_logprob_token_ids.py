@@ -106,7 +106,7 @@ def test_completion_top_logprobs_are_the_asked_ids_the_echo_keeps_its_own(client
         ("chat", {"logprob_token_ids": [], "logprobs": True}, "empty"),
         ("chat", {"logprob_token_ids": [1], "logprobs": True, "use_beam_search": True, "n": 2}, "beam"),
         ("chat", {"logprob_token_ids": [10**7], "logprobs": True}, "vocabulary"),
-        ("chat", {"logprob_token_ids": list(range(21)), "logprobs": True}, "at most 20"),
+        ("chat", {"logprob_token_ids": list(range(129)), "logprobs": True}, "at most 128"),
         ("completions", {"logprob_token_ids": [1, 2]}, "needs logprobs set"),
         ("completions", {"logprob_token_ids": [1], "logprobs": 1, "echo": True, "max_tokens": 0}, "echo"),
     ],
@@ -123,3 +123,14 @@ def test_logprob_token_ids_it_cannot_honour_are_400_naming_it(
             client.completions.create(model=model_name, prompt="hi", extra_body={"max_tokens": 3, **extra})
     err = info.value.response.json()["error"]
     assert err["param"] == "logprob_token_ids" and words in err["message"], err
+
+
+def test_logprob_token_ids_take_vllms_128_ids(client, model_name) -> None:
+    """vLLM's limit: each generated token's top logprobs hold the chosen token and all 128 asked."""
+    asked = list(range(128))
+    reply = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=2, logprobs=True,
+        extra_body={"logprob_token_ids": asked, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    for entry in reply.choices[0].logprobs.content:
+        assert {_id(t.token) for t in entry.top_logprobs} == {*asked, _id(entry.token)}
