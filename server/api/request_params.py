@@ -47,6 +47,8 @@ def build_sampling_params(
     if req.stream_options is not None and not req.stream:  # OpenAI's and vLLM's 400
         raise bad_request("stream_options are only for a streamed request (stream true)", "stream_options")
     prompt_logprobs = req.prompt_logprobs
+    if req.stream and prompt_logprobs == 0:  # vLLM's: accepted; no chunk reports them, so none are computed
+        prompt_logprobs = None
     if prompt_logprobs is not None and req.stream:  # a stream's chunks have no place for them (vLLM's 400)
         raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
     if isinstance(req, ChatCompletionRequest) and req.echo and not req.stream and prompt_logprobs is None:

@@ -52,7 +52,7 @@ def refusal(req: ChatCompletionRequest | CompletionRequest) -> APIError:
         (completion(logprobs=21), "logprobs", "21"),
         (chat(logprobs=True, top_logprobs=21), "top_logprobs", "21"),
         (chat(prompt_logprobs=-1), "prompt_logprobs", "-1"),
-        (chat(prompt_logprobs=0, stream=True), "prompt_logprobs", "stream"),
+        (chat(prompt_logprobs=1, stream=True), "prompt_logprobs", "stream"),
         (completion(prompt_logprobs=2, stream=True), "prompt_logprobs", "stream"),
         (chat(stream_options={"include_usage": True}), "stream_options", "stream"),
         (completion(stream=False, stream_options={"include_usage": False}), "stream_options", "stream"),

@@ -247,6 +247,22 @@ def test_chat_echo_scores_the_prompt_as_vllm_does(client, model_name) -> None:
     assert all("prompt_logprobs" not in chunk.model_extra for chunk in streamed)
 
 
+def test_prompt_logprobs_0_is_streamed_as_vllm_accepts_it(client, model_name) -> None:
+    """vLLM refuses prompt_logprobs on a stream only above 0 (or -1): 0 streams the same text as
+    without it, and no chunk carries them."""
+    chat = {"model": model_name, "messages": MESSAGES, "max_tokens": 4, "temperature": 0, "stream": True}
+    plain = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat))
+    zero = list(client.chat.completions.create(**chat, extra_body={"prompt_logprobs": 0}))
+    assert "".join(c.choices[0].delta.content or "" for c in zero if c.choices) == plain
+    assert all("prompt_logprobs" not in c.model_extra for c in zero)
+    body = {"model": model_name, "prompt": "hello", "max_tokens": 4, "temperature": 0, "stream": True}
+    plain = "".join(c.choices[0].text for c in client.completions.create(**body))
+    zero = list(client.completions.create(**body, extra_body={"prompt_logprobs": 0}))
+    assert "".join(c.choices[0].text for c in zero) == plain
+    err = refusal(lambda: client.completions.create(**body, extra_body={"prompt_logprobs": 1}))
+    assert err["param"] == "prompt_logprobs" and "stream" in err["message"]
+
+
 def test_include_reasoning_false_leaves_out_logprobs_and_token_ids_as_vllm_does(client, model_name) -> None:
     """vLLM hides every token's logprobs and ids with the reasoning (they would spell it out),
     whole and streamed; the prompt's ids and the text stay."""
