@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -12,10 +13,14 @@ from typing import Any, cast
 
 from deltaserve.engine.errors import InvalidParamError
 
+logger = logging.getLogger(__name__)
+
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # OpenAI's bounds, held here so that the HTTP API and the offline API refuse the same values
 MAX_N = 128
 MAX_TEMPERATURE = 2.0
+# vLLM's floor: a positive temperature below it is raised to it (dividing by less risks inf and NaN)
+MIN_TEMPERATURE = 0.01
 MAX_LOGPROBS = 20
 
 
@@ -324,6 +329,14 @@ class SamplingParams:
             raise InvalidParamError(f"top_k must be -1 (off) or positive, got {self.top_k}", "top_k")
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
+        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is below %s, which may give inf or NaN: raised to %s, as vLLM does",
+                self.temperature,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
+            )
+            self.temperature = MIN_TEMPERATURE
         self.validate()
 
     def validate(self) -> None:

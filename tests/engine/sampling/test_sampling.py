@@ -157,6 +157,18 @@ def test_temperature_sharpens():
     assert math.isclose(cold[0], 0.36 / 0.52, abs_tol=0.03)
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 0.005])
+def test_a_temperature_below_vllms_floor_samples_at_it(temperature, caplog):
+    """vLLM raises a positive temperature below 0.01 to 0.01 (with a warning): a 0.01 logit gap
+    is then e to 1, not greedy (1e-6 was) nor e to 2 (0.005 was)."""
+    gap = math.exp(-0.01)
+    with caplog.at_level("WARNING"):
+        freq = sample_many([1 / (1 + gap), gap / (1 + gap)], temperature=temperature)
+    assert math.isclose(freq[0], 1 / (1 + math.exp(-1)), abs_tol=0.03)
+    assert SamplingParams(temperature=temperature).temperature == 0.01
+    assert "raised to 0.01" in caplog.text
+
+
 def test_min_tokens_bans_eos_until_reached():
     sampler = Sampler(torch.device("cpu"), 0, eos_token_ids=[3])
     logits = torch.tensor([[0.0, 1.0, 0.0, 9.0]])

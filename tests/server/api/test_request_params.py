@@ -107,6 +107,9 @@ def test_the_edges_of_each_range_are_served() -> None:
     # vLLM's server clamps a bias to [-100, 100] rather than refusing it (the offline API refuses it)
     biased = build_sampling_params(chat(logit_bias={"7": 250.0, "8": -1e9}), prompt_len=4, max_model_len=1000)
     assert biased.logit_bias == {7: 100.0, 8: -100.0}
+    # vLLM's floor: a positive temperature below 0.01 samples at 0.01, on the server as offline
+    cold = build_sampling_params(completion(temperature=0.001), prompt_len=4, max_model_len=1000)
+    assert cold.temperature == 0.01 and not cold.greedy
     echo = build_sampling_params(completion(echo=True, max_tokens=0), prompt_len=4, max_model_len=1000)
     assert echo.max_tokens == 0 and echo.prompt_logprobs == 0
 
