@@ -237,8 +237,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # token id -> added to its logit before sampling (OpenAI's logit_bias, within [-100, 100]:
-    # -100 bans a token, +100 all but forces it); logprobs stay those of the unbiased logits
+    # token id -> added to its logit before sampling (OpenAI's logit_bias: -100 bans a token, +100
+    # all but forces it; the server clamps to [-100, 100], this takes any number, as vLLM's offline
+    # API does); logprobs stay those of the unbiased logits
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these token ids may be sampled (the others' logits -inf); logprobs as above
     allowed_token_ids: list[int] | None = None
@@ -442,9 +443,10 @@ class SamplingParams:
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 raise InvalidParamError(f"logit_bias keys must be token ids, got {token!r}", "logit_bias")
-            if not -100.0 <= bias <= 100.0:  # NaN fails this too
+            # vLLM's offline API adds any value as given (its server clamps to [-100, 100], as ours does)
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
                 raise InvalidParamError(
-                    f"logit_bias values must be in [-100, 100], got {bias} for token {token}", "logit_bias"
+                    f"logit_bias values must be numbers, got {bias!r} for token {token}", "logit_bias"
                 )
 
     def check_vocab(self, vocab_size: int) -> None:

@@ -41,14 +41,17 @@ def _allowed_outside(r: Request, vocab: int, dev: torch.device) -> torch.Tensor:
     return row
 
 
+_MAX_BIAS = 1e30
+
+
 def _bias_tensors(r: Request, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """r's `logit_bias_tensors` (token ids, biases) on `dev`, made on their first use."""
     pair = r.logit_bias_tensors
     if pair is None or pair[0].device != dev:
         bias = r.params.logit_bias or {}
-        ids, vals = to_device_packed(
-            [(list(bias), torch.long), ([float(v) for v in bias.values()], torch.float32)], dev
-        )
+        # past 1e30 fp32 logits keep nothing of the model's, and a temperature's division would overflow
+        values = [min(_MAX_BIAS, max(-_MAX_BIAS, float(v))) for v in bias.values()]
+        ids, vals = to_device_packed([(list(bias), torch.long), (values, torch.float32)], dev)
         pair = r.logit_bias_tensors = (ids, vals)
     return pair
 

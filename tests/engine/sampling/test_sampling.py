@@ -385,9 +385,27 @@ def test_bad_words_are_never_generated(llm):
 
 
 def test_logit_bias_is_checked():
-    for bad in ({-1: 1.0}, {5: 101.0}, {5: -100.5}):
+    for bad in ({-1: 1.0}, {5: float("nan")}, {5: "1"}):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+def test_offline_logit_bias_past_100_is_added_as_given(llm):
+    """vLLM's offline SamplingParams takes any bias (only its server clamps to [-100, 100]): +150
+    beats +100 whichever token the model prefers, and a huge or infinite one forces or bans."""
+    p = dict(temperature=0.0, max_tokens=3, ignore_eos=True)
+    tied = tokens(llm.generate(PROMPTS[:1], SamplingParams(logit_bias={42: 100.0, 43: 100.0}, **p)))[0][0]
+    other = 85 - tied  # 43 where the model's own logits pick 42, and the other way round
+    biased = SamplingParams(logit_bias={tied: 100.0, other: 150.0}, **p)
+    assert biased.logit_bias == {tied: 100.0, other: 150.0}
+    assert tokens(llm.generate(PROMPTS[:1], biased)) == [[other] * 3]
+    free = tokens(llm.generate(PROMPTS[:1], SamplingParams(**p)))[0][0]
+    for bias in (-1e9, float("-inf")):
+        steered = tokens(llm.generate(PROMPTS[:1], SamplingParams(logit_bias={free: bias}, **p)))
+        assert free not in steered[0]
+    for bias in (1e38, float("inf")):  # sampled at vLLM's lowest temperature, no NaN
+        hot = SamplingParams(temperature=0.01, seed=1, max_tokens=3, ignore_eos=True, logit_bias={7: bias})
+        assert tokens(llm.generate(PROMPTS, hot)) == [[7] * 3] * 2
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(llm):

@@ -86,7 +86,7 @@ def test_a_bad_value_is_a_400_naming_the_field_as_sent(req: Any, param: str, val
         ("seed", 2**63),
         ("stop", [""]),
         ("logprobs", 21),
-        ("logit_bias", {7: 101.0}),
+        ("logit_bias", {7: float("nan")}),
         ("max_tokens", 0),
     ],
 )
@@ -104,7 +104,7 @@ def test_the_edges_of_each_range_are_served() -> None:
         vocab_size=VOCAB,
     )
     assert (params.n, params.temperature, params.top_k, params.logprobs) == (128, 2.0, 0, 20)
-    # vLLM's server clamps a bias to [-100, 100] rather than refusing it (the offline API refuses it)
+    # vLLM's server clamps a bias to [-100, 100] rather than refusing it (the offline API adds it as given)
     biased = build_sampling_params(chat(logit_bias={"7": 250.0, "8": -1e9}), prompt_len=4, max_model_len=1000)
     assert biased.logit_bias == {7: 100.0, 8: -100.0}
     # vLLM's floor: a positive temperature below 0.01 samples at 0.01, on the server as offline
