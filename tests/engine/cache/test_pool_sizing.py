@@ -182,8 +182,7 @@ def test_pools_sized_by_bytes_on_cuda() -> None:
         taken = torch.cuda.memory_allocated() - before
         out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
-        config = llm.engine.config
-        running, length = int(config.max_running_requests), config.max_model_len
+        running, length = int(llm.engine.config.max_running_requests), llm.engine.max_model_len
         llm.shutdown()
         del llm
         torch.cuda.empty_cache()
