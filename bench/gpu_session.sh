@@ -29,6 +29,7 @@
 #   bash bench/gpu_session.sh norm-ab # the whole-row RMSNorm: its tests; 80B / 9B FP8 and 9B bf16 decode against REV
 #   bash bench/gpu_session.sh align-ab # the grouping's warps on 80B's experts, 80B FP8 decode at the fastest; 9B 8k prefill against REV
 #   bash bench/gpu_session.sh align-4 # the grouping in 4 warps: its test, 35B's experts, 80B FP8 decode at 8 and 4 warps
+#   bash bench/gpu_session.sh moe-gemm # DELTASERVE_MOE_GEMM: tests, one layer, prefill and a mixed step, triton against auto
 #   bash bench/gpu_session.sh features # GPU tests of features built on CPU: images, YaRN, weights updated in place (two GPUs: images and MTP at TP = 2, data parallelism); 80B FP8 decode
 #   bash bench/gpu_session.sh budget  # two 8k prompts in one 16k step against two 8k steps (80B FP8, 35B FP8, 9B)
 #   bash bench/gpu_session.sh qwen    # Qwen3.5-0.8B / 9B decode + prefill with transformers
@@ -61,6 +62,21 @@ case "${1:-all}" in
     run 560 kda-tests python3 -m pytest -q -rA -m gpu tests/kernels/test_kda_cuda.py &
     run 560 kernel-tests python3 -m pytest -q -rA -m gpu tests/kernels --ignore=tests/kernels/test_kda_cuda.py &
     wait
+    ;;
+  moe-gemm)  # DELTASERVE_MOE_GEMM: its tests; one layer of each MoE model; 8 x 1,024 prefill and a Kimi-Linear mixed step, triton against auto
+    run 120 moe-tests python3 -m pytest -q -rA -p no:cacheprovider tests/kernels/moe/test_moe_cuda.py
+    run 90 moe-layer python3 -m bench.ops.moe_grouped_mm
+    kimi=bench/configs/kimi-linear-48b-a3b-12l moe35=bench/configs/qwen3.5-35b-a3b-20l
+    if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
+      kimi=configs/kimi-linear-48b-a3b moe35=configs/qwen3.5-35b-a3b  # the whole models fit an H200
+    fi
+    run 150 prefill-kimi python3 -m bench.engine.moe_gemm_ab --model $kimi
+    run 150 prefill-35b python3 -m bench.engine.moe_gemm_ab --model $moe35
+    for mode in triton auto; do
+      DELTASERVE_MOE_GEMM=$mode run 110 "mixed-kimi-$mode" python3 -m bench.engine.profile_prefill --model $kimi \
+        --requests 8 --decode-rows 200 --rows 25
+    done
+    grep -h "^prefill of\|GPU busy\| prefill, ms" "$out"/prefill-*.log "$out"/mixed-kimi-*.log
     ;;
   features)  # the GPU tests of what CPU sessions built (each skips what the machine lacks: two GPUs), then 80B FP8 decode
     run 330 feature-tests python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/models/test_image_input.py \

@@ -5,7 +5,7 @@
 #
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
-# PART: 9b | 08b | chat-ab | piecewise [CONFIG] | pinned [CONFIG] [C] | c1 [CONFIG] | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
+# PART: 9b | 08b | chat-ab | piecewise [CONFIG] | pinned [CONFIG] [C] | c1 [CONFIG] | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | moe-gemm-ab [CONFIG] [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
 #   | timeline [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
@@ -363,6 +363,12 @@ case "${1:-9b}" in
     base_tree
     serve_bench 80b-fp8-before /tmp/ab-cwd "/tmp/ab-base:${PYTHONPATH:-}" \
       "--model configs/qwen3-next-80b-a3b-fp8 $dummy" "${FP8_80B[@]}"
+    ;;
+  moe-gemm-ab)  # moe-gemm-ab [CONFIG] [C,...]: a server with DELTASERVE_MOE_GEMM=triton, then one with auto (default C = 256)
+    for mode in triton auto; do
+      DELTASERVE_MOE_GEMM=$mode serve_bench "moe-$mode" . "${PYTHONPATH:-}" "--model ${2:-configs/qwen3.5-35b-a3b} $dummy" \
+        "${WORKLOAD[@]}" --concurrency "${3:-256}" --warmup 64
+    done
     ;;
   kimi)  # kimi [C,...]: Kimi-Linear-48B-A3B (default C = 1,64,256; one level a call fits a call's limit)
     serve_bench kimi-new . "${PYTHONPATH:-}" "--model configs/kimi-linear-48b-a3b $dummy" \

@@ -251,10 +251,12 @@ class EngineConfig:
         from deltaserve.kernels.fp8.cuda import fp8_decode_mode
         from deltaserve.kernels.linear import gemv_mode
         from deltaserve.kernels.mla import mla_prefill_mode
+        from deltaserve.kernels.moe.cuda import moe_gemm_mode
 
         gemv_mode()  # DELTASERVE_GEMV: a typo fails at start-up, not as a silent default
         pdl_mode()  # DELTASERVE_PDL, likewise
         mla_prefill_mode()  # DELTASERVE_MLA_PREFILL
+        moe_gemm_mode()  # DELTASERVE_MOE_GEMM
         fast_launch_mode()  # DELTASERVE_FAST_LAUNCH (Triton itself is imported where kernels run)
         fp8_decode_mode()  # DELTASERVE_FP8_DECODE: otherwise first read by an FP8 forward, mid-serving
         fla_direct()  # DELTASERVE_FLA_DIRECT

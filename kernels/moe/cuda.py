@@ -1,11 +1,20 @@
 """Fused MoE on CUDA: assignments grouped by expert (`moe/align.py`), then two grouped GEMMs;
-for a few tokens, one GEMV per assignment instead (`moe/triton_gemv.py`)."""
+for a few tokens, one GEMV per assignment instead (`moe/triton_gemv.py`); for prefill's many
+bf16 assignments, torch's grouped GEMM (`torch._grouped_mm`, CUTLASS) between a gather and a
+weighted sum of our own."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from deltaserve.kernels.common.launch import env_mode
+
 GEMV_ASSIGNMENTS = 128  # up to this many (token, expert) pairs the experts' rows are streamed per pair
+# from this many pairs (about 6k tokens) bf16 experts gain from torch's grouped GEMM (bench/ops/moe_grouped_mm.py)
+GROUPED_MM_ASSIGNMENTS = 49152
+MOE_GEMM_MODES = ("auto", "triton")
 _GEMV_ACC = 4096  # fp32 products a program keeps, BN x S x 128: more spill at sm_90's 255 registers
 
 
@@ -65,6 +74,8 @@ def fused_moe_cuda(
     n = t * top_k
     if n <= GEMV_ASSIGNMENTS:
         return moe_gemv_cuda(x, gate_up, down, topk_ids, topk_weights)
+    if tiles is None and n >= GROUPED_MM_ASSIGNMENTS and grouped_mm_applies(x, gate_up, down):
+        return moe_grouped_mm(x, gate_up, down, topk_ids, topk_weights)
     block_m, block_n, block_k, warps, stages, *rest = tiles or grouped_tiles(n, x.element_size())
     swap = bool(rest and rest[0])
     x = x.contiguous()
@@ -154,3 +165,63 @@ def moe_gemv_cuda(
         SCALE_ROWS=scale_rows, HAS_SCALE=fp8, BN=bn, S=s, BLOCK=128, num_warps=4, **pdl,
     )  # fmt: skip
     return topk_sum_cuda(out, top_k)
+
+
+def moe_gemm_mode() -> str:
+    """`DELTASERVE_MOE_GEMM`: `auto` (torch's grouped GEMM for prefill's bf16 experts) or `triton`."""
+    return env_mode("DELTASERVE_MOE_GEMM", MOE_GEMM_MODES, "auto")
+
+
+@functools.cache
+def _grouped_mm_device(device: torch.device) -> bool:
+    # torch's grouped GEMM runs on Hopper and later
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def grouped_mm_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """bf16 experts whose widths CUTLASS takes (multiples of 8), stored row-major per expert."""
+    return (
+        moe_gemm_mode() == "auto"
+        and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16
+        and gate_up.is_contiguous()
+        and down.is_contiguous()
+        and all(d % 8 == 0 for d in (*gate_up.shape[1:], down.shape[1]))
+        and _grouped_mm_device(x.device)
+    )
+
+
+def moe_grouped_mm(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """`fused_moe_cuda` through `torch._grouped_mm`: the assignments sorted by expert (other ranks'
+    last, past every group), their tokens' rows gathered, gate/up, SwiGLU, down, then each token's
+    rows weighted and summed in k order in fp32 (`_topk_gather_sum_kernel`). No host sync."""
+    import triton
+
+    from deltaserve.kernels.moe.triton import _topk_gather_sum_kernel
+    from deltaserve.kernels.norm import silu_and_mul
+
+    t, h = x.shape
+    e = gate_up.shape[0]
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    held = (flat >= 0) & (flat < e)
+    keys, order = torch.sort(torch.where(held, flat, e), stable=True)
+    ends = torch.searchsorted(keys, torch.arange(e, device=x.device, dtype=keys.dtype), right=True)
+    ends = ends.to(torch.int32)
+    rows = torch.empty_like(order)  # each assignment's row in expert order
+    rows[order] = torch.arange(order.numel(), device=x.device)
+    xs = x.index_select(0, order // top_k)
+    inter = silu_and_mul(torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends))
+    y = torch._grouped_mm(inter, down.transpose(1, 2), offs=ends)
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    block = min(1024, triton.next_power_of_2(h))
+    _topk_gather_sum_kernel[(t, triton.cdiv(h, block))](
+        y, rows, flat, weights, out, h, e, y.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4
+    )
+    return out

@@ -223,4 +223,26 @@ def _topk_sum_kernel(parts, out, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PD
     tl.store(out + t * H + offs, acc.to(out.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _topk_gather_sum_kernel(
+    y, rows, ids, weights, out, H, E, stride_y, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Token t's output: over its TOP_K assignments in order, the routing weight times the
+    assignment's row of `y` (`rows`: where each assignment's row is), summed in fp32; an
+    assignment to an expert outside [0, E) (another rank's) adds nothing."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        a = t * TOP_K + k
+        e = tl.load(ids + a)
+        held = (e >= 0) & (e < E)
+        row = tl.load(rows + a).to(tl.int64)
+        w = tl.load(weights + a).to(tl.float32)
+        part = tl.load(y + row * stride_y + offs, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.where(held, w * part, 0.0)  # a row past every group holds what was there: never added
+    tl.store(out + t * H + offs, acc.to(out.dtype.element_ty), mask=ok)
+
+
 fast_launch_module(__name__)  # Triton's per-call Python work once per kind of call (fast_launch.py)

@@ -117,3 +117,56 @@ def test_fused_moe_with_masked_ids_replays_in_a_cuda_graph():
         graph.replay()
         ref = moe_ref(x.float(), w1.float(), w2.float(), ids, wts.float())
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _needs_grouped_mm() -> None:
+    from deltaserve.kernels.moe.cuda import _grouped_mm_device
+
+    if not _grouped_mm_device(torch.device("cuda")):
+        pytest.skip("torch's grouped GEMM needs a Hopper GPU or later")
+
+
+@pytest.mark.parametrize("t,e,k", [(300, 64, 8), (2048, 16, 8), (6144, 16, 8), (97, 8, 2)])
+def test_grouped_mm_path_matches_reference_and_triton(t, e, k):
+    """Prefill's bf16 experts through torch's grouped GEMM: held to the reference as the Triton
+    GEMMs are, and close to them; `fused_moe_cuda` takes it from GROUPED_MM_ASSIGNMENTS pairs."""
+    _needs_grouped_mm()
+    from deltaserve.kernels.moe import cuda
+
+    x, w1, w2, ids, wts = inputs(t, e, k, 128, 96, torch.bfloat16, seed=t)
+    ref = moe_ref(x.float(), w1.float(), w2.float(), ids, wts.float())
+    grouped = cuda.moe_grouped_mm(x, w1, w2, ids, wts)
+    triton_path = cuda.fused_moe_cuda(x, w1, w2, ids, wts, cuda.grouped_tiles(t * k, 2))
+    torch.testing.assert_close(grouped.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(grouped.float(), triton_path.float(), atol=2e-2, rtol=2e-2)
+    took = cuda.fused_moe_cuda(x, w1, w2, ids, wts)
+    assert torch.equal(took, grouped) == (t * k >= cuda.GROUPED_MM_ASSIGNMENTS)
+
+
+def test_grouped_mm_path_skips_masked_ids_and_replays_in_a_graph():
+    """Other ranks' assignments (-1 or E) add nothing, as in the Triton GEMMs; the path holds no
+    host sync, so a graph captures it and replays new routes."""
+    _needs_grouped_mm()
+    from deltaserve.kernels.moe.cuda import moe_grouped_mm
+
+    e = 16
+    x, w1, w2, ids, wts = inputs(512, e, 4, 128, 96, torch.bfloat16)
+    skipped = _skip_some(ids, e, 5)
+    keep = (skipped >= 0) & (skipped < e)
+    out = moe_grouped_mm(x, w1, w2, skipped, wts)
+    torch.testing.assert_close(out, moe_grouped_mm(x, w1, w2, ids, wts * keep), rtol=0, atol=0)
+    ref = moe_ref(x.float(), w1.float(), w2.float(), skipped, wts.float())
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    nothing = moe_grouped_mm(x, w1, w2, torch.full_like(ids, -1), wts)
+    assert torch.equal(nothing, torch.zeros_like(nothing))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_grouped_mm(x, w1, w2, ids, wts)
+    for seed in (1, 2):
+        x2, _, _, ids2, wts2 = inputs(512, e, 4, 128, 96, torch.bfloat16, seed=seed)
+        x.copy_(x2)
+        ids.copy_(_skip_some(ids2, e, seed))
+        wts.copy_(wts2)
+        graph.replay()
+        ref = moe_ref(x.float(), w1.float(), w2.float(), ids, wts.float())
+        torch.testing.assert_close(captured.float(), ref, atol=2e-2, rtol=2e-2)
