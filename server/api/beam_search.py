@@ -250,8 +250,10 @@ async def beam_search_chat(
     prompt_ids: list[int],
     parser: ChatOutputParser,
     params: BeamSearchParams,
+    prompt_text: str | None = None,
 ) -> Response:
-    """The chat's best beams as choices, each read for reasoning as a sampled reply is."""
+    """The chat's best beams as choices, each read for reasoning as a sampled reply is;
+    `prompt_text`: the rendered prompt, where return_prompt_text asks for it."""
     name = client_name(raw, req)
     try:
         (out,), cached = await search(ctx, raw, [prompt_ids], params, name, req.cache_salt)
@@ -274,13 +276,14 @@ async def beam_search_chat(
         model=model,
         choices=choices,
         usage=_usage([prompt_ids], [out], cached),
+        prompt_text=prompt_text,
     )
     if req.stream:  # every beam's role, as a sampled stream opens, then each whole message and finish
         shell = ChatCompletionChunk(id=response.id, created=response.created, model=model, choices=[])
         opening = [
             ChatChunkChoice(index=c.index, delta=ChatDelta(role=c.message.role, content="")) for c in choices
         ]
-        chunks = [shell.model_copy(update={"choices": opening})]
+        chunks = [shell.model_copy(update={"choices": opening, "prompt_text": prompt_text})]
         for c in choices:
             m = c.message
             delta = ChatDelta(content=m.content, reasoning_content=m.reasoning_content, reasoning=m.reasoning)

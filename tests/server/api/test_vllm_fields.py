@@ -301,6 +301,18 @@ def test_return_prompt_text_gives_the_rendered_prompt(client, server, model_name
     assert all("prompt_text" not in c.model_extra for c in chunks[1:])
     plain = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2)
     assert "prompt_text" not in plain.model_extra
+    beams = {**asked, "use_beam_search": True}  # a beam search's reply carries it too
+    r = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=2, n=2, extra_body=beams
+    )
+    assert r.model_extra["prompt_text"] == rendered
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=2, n=2, stream=True, extra_body=beams
+        )
+    )
+    assert chunks[0].model_extra["prompt_text"] == rendered
+    assert all("prompt_text" not in c.model_extra for c in chunks[1:])
 
 
 def test_chat_reply_without_a_generation_prompt_takes_the_last_messages_role(client, model_name) -> None:
