@@ -87,6 +87,7 @@ async def search(
     params: BeamSearchParams,
     name: str | None = None,
     salt: str | None = None,
+    priority: int = 0,
 ) -> tuple[list[BeamSearchOutput], int]:
     """Every prompt's best beams, and the prompt tokens the prefix cache served (the first step's:
     the prompts themselves); ClientDisconnected when the client hangs up between steps. `name`:
@@ -117,6 +118,7 @@ async def search(
         ignore_eos=True,
         detokenize=False,
         cache_salt=salt,  # the request's steps hit only its salt's prefixes
+        priority=priority,  # every step at the request's (a 400 under fcfs where not 0, as sampled)
     )
     later_steps = replace(first_step, internal=True)
     base = named_id(name, f"beam-{uuid.uuid4().hex}")
@@ -216,7 +218,7 @@ async def beam_search_completion(
     ids = [p for _, p in prompts]
     name = client_name(raw, req)
     try:
-        outs, cached = await search(ctx, raw, ids, params, name, req.cache_salt)
+        outs, cached = await search(ctx, raw, ids, params, name, req.cache_salt, req.priority)
     except ClientDisconnected:
         return Response(status_code=499)
     choices: list[CompletionChoice] = []
@@ -256,7 +258,7 @@ async def beam_search_chat(
     `prompt_text`: the rendered prompt, where return_prompt_text asks for it."""
     name = client_name(raw, req)
     try:
-        (out,), cached = await search(ctx, raw, [prompt_ids], params, name, req.cache_salt)
+        (out,), cached = await search(ctx, raw, [prompt_ids], params, name, req.cache_salt, req.priority)
     except ClientDisconnected:
         return Response(status_code=499)
     choices = []

@@ -151,13 +151,16 @@ def test_a_penalty_past_a_floats_range_still_ranks_the_beams(client, builtin_pat
         # were dropped (and with max_tokens 0, chat gave one empty choice for n 2)
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"prompt_logprobs": 0, "max_tokens": 0}, "prompt_logprobs"),
+        # was searched at priority 0 where a sampled request is refused (this server runs fcfs)
+        ({"priority": 5}, "priority"),
     ],
 )
 def test_what_beam_search_cannot_do_is_a_400(client, fields: dict, param: str) -> None:
     fields = dict(fields)
     extra = {"use_beam_search": True}
-    if "prompt_logprobs" in fields:  # vLLM's, which the openai client sends as an extra
-        extra["prompt_logprobs"] = fields.pop("prompt_logprobs")
+    for name in ("prompt_logprobs", "priority"):  # vLLM's, which the openai client sends as extras
+        if name in fields:
+            extra[name] = fields.pop(name)
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
     chat["logprobs"] = "logprobs" in fields
     with pytest.raises(openai.BadRequestError) as err:
