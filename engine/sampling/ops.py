@@ -27,6 +27,12 @@ def ranking_width(reqs: list[Request], vocab: int, min_rows: int = TOPK_MIN_ROWS
     return vocab
 
 
+def seeded(reqs: list[Request], width: int) -> bool:
+    """Whether a ranked batch (`width` > 0) races by token id (`pick_tokens`' `by_token`): it
+    holds a seeded row, whose draw must not depend on how its batch-mates rank it."""
+    return width > 0 and any(r.generator is not None for r in reqs)
+
+
 def param_rows(reqs: list[Request], vocab: int) -> list[list[float]]:
     """The sampling parameters as five per-row lists: temperature (1 for greedy rows), min_p,
     top_p, top_k (the vocabulary where unset) and greedy (1 or 0)."""
@@ -88,12 +94,18 @@ def pick_tokens(
     greedy: torch.Tensor,
     noise: torch.Tensor,
     width: int,
+    by_token: bool = False,
 ) -> torch.Tensor:
     """Each row's token: the argmax where `greedy`, else a draw from `filtered_probs` by the
     exponential race (argmax of p / E with E ~ Exp(1) samples from p; `noise` holds the E,
-    `[n, width or vocab]`). No host syncs: CUDA graphs capture this."""
+    `[n, width or vocab]` by column). With `by_token` (a batch with seeded rows) `noise` is
+    `[n, vocab]` by token id, so that a ranked batch races each token against the value it has
+    unranked: a seeded row draws the same token whatever its batch-mates' top-k or top-p.
+    No host syncs: CUDA graphs capture this."""
     greedy_tokens = logits.argmax(dim=-1)
     probs, order = filtered_probs(logits / temp.unsqueeze(1), min_p, top_p, top_k, width)
+    if by_token and order is not None:
+        noise = noise.gather(1, order)
     picked = (probs / noise).argmax(dim=-1, keepdim=True)
     sampled = (order.gather(1, picked) if order is not None else picked).squeeze(1)
     return torch.where(greedy, greedy_tokens, sampled)

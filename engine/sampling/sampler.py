@@ -9,7 +9,7 @@ import torch
 from deltaserve.engine.requests.outputs import Logprob
 from deltaserve.engine.requests.request import Request
 from deltaserve.engine.runner.h2d import to_device, to_device_packed
-from deltaserve.engine.sampling.ops import filtered_probs, param_rows, pick_tokens, ranking_width
+from deltaserve.engine.sampling.ops import filtered_probs, param_rows, pick_tokens, ranking_width, seeded
 from deltaserve.engine.sampling.penalties import apply_penalties_batch
 from deltaserve.engine.sampling.sampler_graphs import Capture, SamplerGraphs
 
@@ -286,10 +286,12 @@ class Sampler:
         vocab = logits.shape[-1]
         temp, min_p, top_p, top_k, greedy = self._param_tensors(reqs, vocab, logits.device)
         width = ranking_width(reqs, vocab)
-        noise = torch.empty((len(reqs), width or vocab), dtype=torch.float32, device=logits.device)
+        by_token = seeded(reqs, width)
+        columns = vocab if by_token else width or vocab
+        noise = torch.empty((len(reqs), columns), dtype=torch.float32, device=logits.device)
         self.fill_noise(noise, reqs, vocab)
         keep_min_p = min_p if any(r.params.min_p > 0 for r in reqs) else None
-        return pick_tokens(logits, temp, keep_min_p, top_p, top_k, greedy.bool(), noise, width)
+        return pick_tokens(logits, temp, keep_min_p, top_p, top_k, greedy.bool(), noise, width, by_token)
 
     @staticmethod
     def _param_tensors(reqs: list[Request], vocab: int, device: torch.device) -> list[torch.Tensor]:
@@ -308,9 +310,9 @@ class Sampler:
 
     def fill_noise(self, noise: torch.Tensor, reqs: list[Request], vocab: int) -> None:
         """Exp(1) noise for the exponential race `[n, width]`: from the engine's generator, and
-        for seeded rows from their own, drawn over the whole vocabulary whatever the width (its
-        first `width` values used), so that a seeded request's draws do not depend on the path
-        its batch takes."""
+        for seeded rows from their own, drawn over the whole vocabulary whatever the width, so
+        that a seeded request's generator advances alike on every path (a batch with one races
+        by token id, `seeded`)."""
         noise.exponential_(generator=self.generator)
         for i, r in enumerate(reqs):
             if r.generator is None:

@@ -10,8 +10,9 @@ processing it needs (biases, penalties, min_tokens bans and grammar masks run ea
 static logits, in place), one copy of the parameters, the noise and a replay.
 
 The ranking width is part of the graph: none (no row sets top-k or top-p), the best
-`bucket` tokens (every row's top-k at most `bucket`, one of TOPK_BUCKETS) or a full sort.
-Graphs are captured lazily, on a batch's first use of its (size, width); the capture waits
+`bucket` tokens (every row's top-k at most `bucket`, one of TOPK_BUCKETS) or a full sort;
+and so is whether a ranked batch holds a seeded row, whose noise is then read by token id.
+Graphs are captured lazily, on a batch's first use of its key; the capture waits
 for the device once.
 """
 
@@ -28,7 +29,7 @@ import torch
 from deltaserve.engine.requests.request import Request
 from deltaserve.engine.runner.cuda_graphs import capture, graph_batch_sizes
 from deltaserve.engine.runner.h2d import copy_to_device
-from deltaserve.engine.sampling.ops import TOPK_LIMIT, param_rows, pick_tokens, ranking_width
+from deltaserve.engine.sampling.ops import TOPK_LIMIT, param_rows, pick_tokens, ranking_width, seeded
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class SamplerGraphs:
             self._pad = np.array([1.0, 0.0, 1.0, vocab, 0.0], dtype=np.float32)
             self.params = torch.tensor(np.repeat(self._pad[None], top, 0), device=dev)
         self.pool = torch.cuda.graph_pool_handle() if capture is None and dev.type == "cuda" else None
-        self.graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[Callable[[], None], torch.Tensor]] = {}
         self.replays = 0
         self.failed = False
 
@@ -109,26 +110,31 @@ class SamplerGraphs:
         rows[:n] = np.array(param_rows(reqs, self.vocab), dtype=np.float32).T
         rows[n:] = self._pad
         copy_to_device(self.params[:bs], rows)
-        self.fill_noise(self.noise[:n, : width or self.vocab], reqs, self.vocab)
-        key = (bs, width)
+        by_token = seeded(reqs, width)
+        key = (bs, width, by_token)
         if key not in self.graphs:
             try:
-                self.graphs[key] = self.capture(self._body(bs, width), self.pool)
+                self.graphs[key] = self.capture(self._body(bs, width, by_token), self.pool)
             except Exception as e:  # an op that cannot be captured
                 logger.warning("sampler graph capture failed (%s); sampling eagerly", e)
                 self.failed = True
                 return None
             logger.info("captured a sampler graph for %d rows, ranking width %d", bs, width)
+        # drawn once the graph exists: after a failed capture the eager sampler draws seeded rows' noise
+        self.fill_noise(self.noise[:n, : self._columns(width, by_token)], reqs, self.vocab)
         replay, out = self.graphs[key]
         replay()
         self.replays += 1
         return out[:n]
 
-    def _body(self, bs: int, width: int) -> Callable[[], torch.Tensor]:
-        logits, noise = self.logits[:bs], self.noise[:bs, : width or self.vocab]
+    def _columns(self, width: int, by_token: bool) -> int:
+        return self.vocab if by_token else width or self.vocab
+
+    def _body(self, bs: int, width: int, by_token: bool) -> Callable[[], torch.Tensor]:
+        logits, noise = self.logits[:bs], self.noise[:bs, : self._columns(width, by_token)]
         temp, min_p, top_p, top_k, greedy = self.params[:bs].unbind(1)
 
         def body() -> torch.Tensor:
-            return pick_tokens(logits, temp, min_p, top_p, top_k.long(), greedy > 0, noise, width)
+            return pick_tokens(logits, temp, min_p, top_p, top_k.long(), greedy > 0, noise, width, by_token)
 
         return body

@@ -107,12 +107,39 @@ def test_widths_and_padded_sizes():
     assert graphs.width([request(SamplingParams(top_p=0.5), [], sampler)]) == 5000
     assert graphs.width([request(SamplingParams(top_k=5000), [], sampler)]) == 5000
     assert graphs.width([request(SamplingParams(min_p=0.2), [], sampler)]) == 0
-    assert list(graphs.graphs) == [(4, TOPK_BUCKETS[0])]  # 3 rows replay the 4-row graph
+    assert list(graphs.graphs) == [(4, TOPK_BUCKETS[0], False)]  # 3 rows replay the 4-row graph
     # more rows than the largest graph, or another vocabulary: sampled eagerly
     many = [request(SamplingParams(seed=1), [], sampler) for _ in range(9)]
     assert sampler.sample_tokens(torch.randn(9, 5000), many).shape == (9,)
     assert sampler.sample_tokens(torch.randn(2, 100), many[:2]).shape == (2,)
     assert graphs.replays == 1
+
+
+MATES = {
+    "alone": [],
+    "top_p": [dict(top_p=0.5)],  # the batch sorts the whole vocabulary
+    "top_k": [dict(top_k=5)] * 4,  # every row of four with a small top-k: the k best ranked
+    "large_k": [dict(top_k=2000), dict(temperature=0.0)],
+}
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("own", [dict(), dict(top_k=50)], ids=["plain", "own_top_k"])
+def test_seeded_row_draws_alike_whatever_its_batch_ranks(graphs, own):
+    """A seeded row draws the same tokens alone and beside rows whose top-k or top-p make the
+    batch rank its tokens: its noise is raced by token id, not by rank."""
+    vocab, steps = 3000, 12
+    gen = torch.Generator().manual_seed(1)
+    logits = [torch.randn(4 + 1, vocab, generator=gen) * 3 for _ in range(steps)]
+    drawn = {}
+    for name, mates in MATES.items():
+        capture = StandIn() if graphs else None
+        sampler = Sampler(torch.device("cpu"), 0, [], graph_max_bs=8 if graphs else 0, capture=capture)
+        params = [SamplingParams(temperature=1.0, seed=5, **own)] + [SamplingParams(**m) for m in mates]
+        reqs = [request(p, [], sampler) for p in params]
+        drawn[name] = [int(sampler.sample_tokens(step[: len(reqs)], reqs)[0]) for step in logits]
+    assert len(set(drawn["alone"])) > steps // 2  # it really sampled
+    assert all(d == drawn["alone"] for d in drawn.values()), drawn
 
 
 def test_failed_capture_falls_back_to_eager():

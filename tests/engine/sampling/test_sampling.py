@@ -51,6 +51,12 @@ def test_seeded_request_is_independent_of_its_batch(llm):
         PROMPTS[:1] + PROMPTS[1:] * 3, [p] + [SamplingParams(temperature=1.0, max_tokens=5)] * 3
     )
     assert tokens(crowd[:1]) == alone
+    # batch-mates whose top-p or top-k make the batch rank its tokens
+    ranked = llm.generate(
+        PROMPTS[:1] + PROMPTS[1:] * 2,
+        [p, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5), SamplingParams(top_k=20, max_tokens=5)],
+    )
+    assert tokens(ranked[:1]) == alone
 
 
 def test_top_k_one_equals_greedy(llm):
