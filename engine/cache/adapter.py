@@ -363,7 +363,7 @@ def scoring_params(params: SamplingParams) -> SamplingParams:
         warmup_params(),
         max_tokens=0,
         prompt_logprobs=params.prompt_logprobs,
-        logprob_token_ids=params.logprob_token_ids,
+        prompt_logprob_token_ids=params.prompt_logprob_token_ids,
         priority=params.priority,  # the copies wait for it
         cache_salt=params.cache_salt,  # the copies hit it
     )
@@ -371,8 +371,7 @@ def scoring_params(params: SamplingParams) -> SamplingParams:
 
 def unscored(params: SamplingParams) -> SamplingParams:
     """A copy whose prompt logprobs come from the scoring warm-up: free to hit the prefix cache."""
-    asked = params.logprob_token_ids if params.logprobs is not None else None  # reported nowhere else
-    return dataclasses.replace(params, prompt_logprobs=None, logprob_token_ids=asked)
+    return dataclasses.replace(params, prompt_logprobs=None, prompt_logprob_token_ids=None)
 
 
 def prefill_cost(model_config: Any, layer_types: Sequence[str], num_params: int) -> HybridPrefillCost:

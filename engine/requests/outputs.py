@@ -16,7 +16,8 @@ class Logprob:
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
     rank: int | None = None  # the token's among the whole vocabulary, 1 the likeliest
-    asked: dict[int, float] = field(default_factory=dict)  # SamplingParams.logprob_token_ids'
+    # logprob_token_ids' values (prompt_logprob_token_ids' at a prompt position)
+    asked: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -32,8 +33,8 @@ class TokenLogprob:
 class PositionLogprobs(dict[int, TokenLogprob], Logprob):
     """One position's log-probabilities as vLLM's offline outputs hold them (`LLM.generate`'s
     `logprobs` and `prompt_logprobs`): token id -> TokenLogprob, the chosen token first, then the
-    top ones best first, then `logprob_token_ids`' ones. It is the engine's Logprob too: its
-    fields (token_id, logprob, top, rank, asked) read as before."""
+    top ones best first, then the asked ids' (`logprob_token_ids`, `prompt_logprob_token_ids`).
+    It is the engine's Logprob too: its fields (token_id, logprob, top, rank, asked) read as before."""
 
     def __init__(self, lp: Logprob, decode: Callable[[int], str] | None = None) -> None:
         dict.__init__(self)

@@ -36,8 +36,8 @@ MAX_BAD_WORDS = 64
 MAX_LOGIT_BIAS = 1024  # entries: each copy's biases are gathered on the host at every step
 # vLLM's bound on logprob_token_ids: a generated token's values are one gather of its logits row
 MAX_LOGPROB_TOKEN_IDS = 128
-# with prompt logprobs every prompt position reports the ids' values, built on the engine's
-# thread: as many as its top logprobs, at most
+# vLLM's bound on prompt_logprob_token_ids (its max_logprobs): every prompt position reports the
+# ids' values, built on the engine's thread
 MAX_PROMPT_LOGPROB_TOKEN_IDS = MAX_LOGPROBS
 
 
@@ -258,10 +258,12 @@ class SamplingParams:
     # False: outputs carry token ids and no text, the caller decodes them (the server does, in
     # its HTTP process, for streams without stop strings: the engine's step then skips it)
     detokenize: bool = True
-    # SGLang's token_ids_logprob: these tokens' log-probabilities at every position scored
-    # (`Logprob.asked`), beside the chosen token's and the top ones; needs logprobs (or
-    # prompt_logprobs, for the prompt's positions)
+    # vLLM's: these tokens' log-probabilities at each generated token (`Logprob.asked`), beside
+    # the chosen token's and the top ones; without logprobs, logprobs is 0 (as vLLM reports them)
     logprob_token_ids: list[int] | None = None
+    # vLLM's: these tokens' log-probabilities at each prompt position (`Logprob.asked` of
+    # prompt_logprobs, which it needs); at most MAX_PROMPT_LOGPROB_TOKEN_IDS, no duplicates
+    prompt_logprob_token_ids: list[int] | None = None
     # vLLM's bad words, as text: LLM.generate tokenizes them into bad_words_token_ids
     # (`bad_words_token_ids` below; the server does the same with a request's `bad_words`)
     bad_words: list[str] | None = None
@@ -321,10 +323,12 @@ class SamplingParams:
             self.bad_words = [self.bad_words]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.logprob_token_ids is not None and self.logprobs is None and self.prompt_logprobs is None:
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            self.logprobs = 0  # vLLM's: the asked ids are reported at generated tokens without logprobs
+        if self.prompt_logprob_token_ids is not None and self.prompt_logprobs is None:
             raise InvalidParamError(
-                "logprob_token_ids needs logprobs or prompt_logprobs: they are where they are reported",
-                "logprob_token_ids",
+                "prompt_logprob_token_ids needs prompt_logprobs: they are where they are reported",
+                "prompt_logprob_token_ids",
             )
         if self.top_k is not None and self.top_k < -1:
             raise InvalidParamError(f"top_k must be -1 (off) or positive, got {self.top_k}", "top_k")
@@ -403,14 +407,18 @@ class SamplingParams:
             raise InvalidParamError(
                 f"logprob_token_ids holds at most {MAX_LOGPROB_TOKEN_IDS} token ids", "logprob_token_ids"
             )
-        if (
-            self.prompt_logprobs is not None
-            and len(self.logprob_token_ids or []) > MAX_PROMPT_LOGPROB_TOKEN_IDS
-        ):
+        prompt_ids = self.prompt_logprob_token_ids
+        if prompt_ids is not None and not prompt_ids:
+            raise InvalidParamError("prompt_logprob_token_ids must not be empty", "prompt_logprob_token_ids")
+        if len(prompt_ids or []) > MAX_PROMPT_LOGPROB_TOKEN_IDS:
             raise InvalidParamError(
-                f"logprob_token_ids holds at most {MAX_PROMPT_LOGPROB_TOKEN_IDS} token ids with prompt_logprobs "
+                f"prompt_logprob_token_ids holds at most {MAX_PROMPT_LOGPROB_TOKEN_IDS} token ids "
                 "(each prompt position reports them)",
-                "logprob_token_ids",
+                "prompt_logprob_token_ids",
+            )
+        if len(set(prompt_ids or [])) != len(prompt_ids or []):
+            raise InvalidParamError(
+                "prompt_logprob_token_ids must not contain duplicates", "prompt_logprob_token_ids"
             )
         if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise InvalidParamError(
@@ -458,6 +466,7 @@ class SamplingParams:
             ("allowed_token_ids", self.allowed_token_ids or []),
             ("bad_words_token_ids", [t for seq in self.bad_words_token_ids or [] for t in seq]),
             ("logprob_token_ids", self.logprob_token_ids or []),
+            ("prompt_logprob_token_ids", self.prompt_logprob_token_ids or []),
         ):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:

@@ -37,7 +37,7 @@ def record_prompt_logprobs(plan: SchedulerOutput, starts: list[int], logits: tor
         ranks = ((block > picked).sum(dim=1) + 1).tolist()
         chosen = picked.view(-1).tolist()
         tops = torch.topk(block, k) if k > 0 else None
-        ids = req.params.logprob_token_ids or []
+        ids = req.params.prompt_logprob_token_ids or []
         asked = block[:, ids].tolist() if ids else [[]] * n
         for j in range(max(0, known), n):
             top = dict(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else {}

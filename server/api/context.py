@@ -67,7 +67,7 @@ def share_scoring(
     alike: dict[tuple[Any, ...], list[int]] = {}
     for i, (_, ids, params, *images) in enumerate(requests):
         if params.prompt_logprobs is not None:
-            asked = tuple(params.logprob_token_ids or ())
+            asked = tuple(params.prompt_logprob_token_ids or ())
             key = (
                 tuple(ids),
                 params.prompt_logprobs,

@@ -242,7 +242,11 @@ class NativeGeneration:
             if ask:
                 if not want:
                     raise bad_request("token_ids_logprob needs return_logprob", "token_ids_logprob")
-                params = dataclasses.replace(params, logprob_token_ids=list(ask))
+                # SGLang's: the ids at the scored prompt positions and at the output's alike
+                scored = list(dict.fromkeys(ask)) if params.prompt_logprobs is not None else None
+                params = dataclasses.replace(
+                    params, logprob_token_ids=list(ask), prompt_logprob_token_ids=scored
+                )
             prompt = _Prompt(rid or uuid.uuid4().hex, ids, params, bool(want), start)
             if params.structured_outputs is not None:
                 await ctx.compile_structured(params.structured_outputs, "sampling_params", raw)
@@ -335,7 +339,7 @@ class NativeGeneration:
                     meta["input_top_logprobs"] = [
                         None if lp is None else self._top(lp.top, with_text) for lp in rows
                     ]
-                if prompt.params.logprob_token_ids:
+                if prompt.params.prompt_logprob_token_ids:
                     meta["input_token_ids_logprobs"] = [
                         None if lp is None else self._asked(lp.asked, with_text) for lp in rows
                     ]

@@ -129,7 +129,13 @@ def test_n_choices_compute_the_prompt_logprobs_once(make_checkpoint, monkeypatch
 
     monkeypatch.setattr(engine_module, "record_prompt_logprobs", counted)
     params = SamplingParams(
-        n=4, seed=7, max_tokens=4, logprobs=1, prompt_logprobs=3, logprob_token_ids=[5, 9]
+        n=4,
+        seed=7,
+        max_tokens=4,
+        logprobs=1,
+        prompt_logprobs=3,
+        logprob_token_ids=[5, 9],
+        prompt_logprob_token_ids=[5, 9],
     )
     (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
     assert sum(rows) == len(prompt) - 1
@@ -142,6 +148,7 @@ def test_n_choices_compute_the_prompt_logprobs_once(make_checkpoint, monkeypatch
         return [None if p is None else (p.token_id, p.logprob, p.top, p.rank, p.asked) for p in lps]
 
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+    assert all(list(p.asked) == [5, 9] for p in out.prompt_logprobs[1:])  # the warm-up scored them
     assert fields(out.prompt_logprobs) == fields(singles[0].prompt_logprobs)
     assert out.prompt_logprobs == singles[0].prompt_logprobs  # the decoded tokens' too
     for choice, single in zip(out.outputs, singles):

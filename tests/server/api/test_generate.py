@@ -134,7 +134,13 @@ def test_token_ids_logprob_at_the_output_and_the_prompt(server, builtin_path) ->
     meta = r["meta_info"]
     llm = LLM(builtin_path, device="cpu", max_model_len=512)
     params = SamplingParams(
-        temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0, logprob_token_ids=asked
+        temperature=0.0,
+        max_tokens=8,
+        ignore_eos=True,
+        logprobs=0,
+        prompt_logprobs=0,
+        logprob_token_ids=asked,
+        prompt_logprob_token_ids=asked,
     )
     want = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     got = meta["output_token_ids_logprobs"]

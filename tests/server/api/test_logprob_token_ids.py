@@ -134,3 +134,30 @@ def test_logprob_token_ids_take_vllms_128_ids(client, model_name) -> None:
     )  # fmt: skip
     for entry in reply.choices[0].logprobs.content:
         assert {_id(t.token) for t in entry.top_logprobs} == {*asked, _id(entry.token)}
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_prompt_logprobs_leave_the_128_ids_to_the_generated_tokens(client, model_name, endpoint: str) -> None:
+    """vLLM's: the asked ids are the generated tokens' alone, so prompt_logprobs do not bound them
+    (it was a 400 past 20 ids: each prompt position computed them, and no reply showed them)."""
+    asked = list(range(128))
+    extra = {"logprob_token_ids": asked, "prompt_logprobs": 1, "return_tokens_as_token_ids": True}
+    if endpoint == "chat":
+        reply = client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=2, logprobs=True, extra_body=extra
+        )
+        tops = [
+            ({_id(t.token) for t in e.top_logprobs}, _id(e.token)) for e in reply.choices[0].logprobs.content
+        ]
+        scored = reply.model_extra["prompt_logprobs"]
+    else:
+        choice = client.completions.create(
+            model=model_name, prompt=[5, 9, 17, 3], max_tokens=2, logprobs=1, extra_body=extra
+        ).choices[0]
+        tops = [
+            ({_id(t) for t in top}, _id(tok))
+            for tok, top in zip(choice.logprobs.tokens, choice.logprobs.top_logprobs)
+        ]
+        scored = choice.model_extra["prompt_logprobs"]
+    assert len(tops) == 2 and all(ids == {*asked, chosen} for ids, chosen in tops)
+    assert scored[0] is None and all(1 <= len(entry) <= 2 for entry in scored[1:])  # its own and its top 1
