@@ -35,7 +35,7 @@ def prefix_keys(
     costs one pass over the prompt (a long context's list stays short). A request's `cache_salt`
     starts the chain: its prefixes route apart from the same tokens' unsalted or otherwise salted."""
     keys: list[int] = []
-    # the digest alike in the HTTP processes sharing the table; 64 bits, as the keys always had
+    # the digest alike in the HTTP processes sharing the table, cut to the keys' 64 bits
     key = 0 if salt is None else salt_digest(salt, 64)
     start = 0
     while True:

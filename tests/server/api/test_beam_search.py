@@ -151,7 +151,7 @@ def test_a_penalty_past_a_floats_range_still_ranks_the_beams(client, builtin_pat
         # were dropped (and with max_tokens 0, chat gave one empty choice for n 2)
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"prompt_logprobs": 0, "max_tokens": 0}, "prompt_logprobs"),
-        # was searched at priority 0 where a sampled request is refused (this server runs fcfs)
+        # refused as for a sampled request: this server runs fcfs
         ({"priority": 5}, "priority"),
     ],
 )

@@ -86,7 +86,7 @@ def test_completion_top_logprobs_are_the_asked_ids_the_echo_keeps_its_own(client
     lp = client.completions.create(**body).choices[0].logprobs
     want = _asked_values(server, prompt, 3)
     assert lp.top_logprobs[0] is None  # the prompt's first token: nothing before it
-    for top in lp.top_logprobs[1:4]:  # the echoed prompt's: its top 2 and its own token, as before
+    for top in lp.top_logprobs[1:4]:  # the echoed prompt's: its top 2 and its own token
         assert 2 <= len(top) <= 3
     for token, top, values in zip(lp.tokens[4:], lp.top_logprobs[4:], want, strict=True):
         assert [_id(t) for t in top] == _expected_ids(_id(token))
