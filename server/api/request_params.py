@@ -179,13 +179,14 @@ def _room(
     if prompt_len < 1:
         raise bad_request("the prompt is empty", prompt_name)
     room = max_model_len - prompt_len
-    if room < 1 or (max_tokens is not None and max_tokens > room):
-        requested = prompt_len + (max_tokens or 1)
+    # max_tokens 0 (prompt logprobs only) generates nothing: the prompt may fill the context
+    completion = 1 if max_tokens is None else max_tokens
+    if completion > room:
         raise bad_request(
-            f"this model's maximum context length is {max_model_len} tokens, but {requested} tokens were "
-            f"requested ({prompt_len} in the prompt, {max_tokens or 1} for the completion); "
+            f"this model's maximum context length is {max_model_len} tokens, but {prompt_len + completion} "
+            f"tokens were requested ({prompt_len} in the prompt, {completion} for the completion); "
             f"shorten the prompt or lower {max_name}",
-            max_name if room >= 1 else prompt_name,
+            max_name if room >= min(completion, 1) else prompt_name,
             code="context_length_exceeded",
         )
     return room

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
@@ -251,3 +252,26 @@ def test_a_prefix_warm_up_runs_at_its_choices_priority_and_name(in_process) -> N
     assert r.status_code == 200, r.text
     assert len(added) == 3 and [params.priority for _, params in added] == [-3] * 3
     assert all(rid.startswith(rid_prefix("urgent")) for rid, _ in added), added
+
+
+def test_prompt_only_request_may_fill_the_context(server, client, max_model_len: int, until_idle) -> None:
+    """max_tokens 0 generates nothing: a prompt of exactly --max-model-len tokens is scored, not refused."""
+    prompt = [PROMPT[i % len(PROMPT)] for i in range(max_model_len)]
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=0, extra_body={"prompt_logprobs": 1}
+    )
+    choice = out.choices[0]
+    scored = choice.model_extra["prompt_logprobs"]
+    assert choice.text == "" and choice.finish_reason == "length"
+    assert len(scored) == max_model_len and scored[0] is None and all(scored[1:])
+    assert out.usage.prompt_tokens == max_model_len and out.usage.completion_tokens == 0
+    # one token more, or a token to generate, is still the context's 400
+    for extra, max_tokens in ((1, 0), (0, 1)):
+        with pytest.raises(openai.BadRequestError, match="context length"):
+            client.completions.create(
+                model=MODEL_NAME,
+                prompt=prompt + PROMPT[:extra],
+                max_tokens=max_tokens,
+                extra_body={"prompt_logprobs": 1},
+            )
+    assert until_idle(server.url)["deltaserve_kv_pages_used"] == 0
