@@ -60,6 +60,10 @@ def build_sampling_params(
     # the echoed prompt's log-probabilities (a negative count is left for the check to refuse)
     if echo and (logprobs is not None or max_tokens == 0) and (prompt_logprobs or 0) >= 0:
         prompt_logprobs = max(prompt_logprobs or 0, logprobs or 0)
+    if max_tokens == 0 and prompt_logprobs is None and (req.stream or req.use_beam_search):
+        # the engine's "0 only with prompt_logprobs" would be untrue here: neither reports them
+        why = "use_beam_search reports no" if req.use_beam_search else "a stream reports no"
+        raise bad_request(f"{max_name} must be at least 1: {why} prompt_logprobs, got 0", max_name)
     if req.logprob_token_ids:  # vLLM's: the asked ids stand in for the top ones at generated tokens
         logprobs = 0
     if defaults is None:

@@ -114,6 +114,27 @@ def test_the_edges_of_each_range_are_served() -> None:
     assert echo.max_tokens == 0 and echo.prompt_logprobs == 0
 
 
+@pytest.mark.parametrize(
+    "req,name,why",
+    [
+        (completion(stream=True, max_tokens=0, prompt_logprobs=0), "max_tokens", "a stream reports no"),
+        (chat(stream=True, max_completion_tokens=0, prompt_logprobs=0), "max_completion_tokens", "a stream"),
+        (chat(use_beam_search=True, n=2, temperature=0, max_tokens=0), "max_tokens", "use_beam_search"),
+    ],
+)
+def test_max_tokens_zero_where_no_prompt_logprobs_are_reported_says_so(req: Any, name: str, why: str) -> None:
+    """A stream's prompt_logprobs 0 is dropped, and beam search takes none: "0 only with
+    prompt_logprobs" would tell the client to send what it sent, or what is refused."""
+    error = refusal(req)
+    assert error.param == name and why in error.message and "0 only with" not in error.message
+    assert error.message.startswith(f"{name} must be at least 1")
+    # a streamed echo scores its prompt: max_tokens 0 is served there
+    echo = build_sampling_params(
+        completion(stream=True, echo=True, max_tokens=0), prompt_len=4, max_model_len=9
+    )
+    assert echo.max_tokens == 0 and echo.prompt_logprobs == 0
+
+
 def test_an_invalid_param_error_keeps_its_field_across_processes() -> None:
     back = pickle.loads(pickle.dumps(InvalidParamError("top_k must be ...", "top_k")))
     assert type(back) is InvalidParamError and back.param == "top_k" and str(back) == "top_k must be ..."
