@@ -135,7 +135,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     generation = CompletionGeneration(ctx, req, model)
     bad_words = await ctx.bad_words_ids(req)
     for j, (text, ids) in enumerate(prompts):
-        params = ctx.sampling_params(req, len(ids), bad_words)
+        # one request's values: the log warns of a low temperature once, not once a prompt
+        params = ctx.sampling_params(req, len(ids), bad_words, warn=j == 0)
         if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt
             await ctx.compile_structured(params.structured_outputs, structured_field(req), raw)
         generation.add(f"{generation.request_id}-{j}", ids, params)

@@ -227,16 +227,18 @@ class ServerContext:
         req: ChatCompletionRequest | CompletionRequest,
         prompt_len: int,
         bad_words: list[list[int]] | None = None,
+        warn: bool = True,
     ) -> SamplingParams:
         """The request's engine parameters under this server's context length, generation defaults
         and vocabulary (`request_params.build_sampling_params`: 400s for bad values); `bad_words`
-        as `bad_words_ids` tokenized them."""
+        as `bad_words_ids` tokenized them; `warn` as `build_sampling_params`'."""
         params = build_sampling_params(
             req,
             prompt_len=prompt_len,
             max_model_len=self.client.max_model_len,
             defaults=self.sampling_defaults,
             vocab_size=self.vocab_size,
+            warn=warn,
         )
         return replace(params, bad_words_token_ids=bad_words) if bad_words else params
 

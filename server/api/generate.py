@@ -215,6 +215,7 @@ class NativeGeneration:
                 raise bad_request(
                     f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "token_ids_logprob"
                 )
+        used: list[dict[str, Any]] = []  # the sampling_params built so far
         for ids, sampling, rid, want, start, top, urls, ask in zip(
             batch, samplings, rids, wants, starts, tops, images, asks
         ):
@@ -234,7 +235,9 @@ class NativeGeneration:
             start = start if want else -1
             try:
                 creq = _completion_request(sampling, top if want else None, start, body.priority)
-                params = ctx.sampling_params(creq, len(ids))
+                # a batch's shared sampling_params: the log warns of a low temperature once
+                params = ctx.sampling_params(creq, len(ids), warn=all(sampling is not s for s in used))
+                used.append(sampling)
             except APIError as exc:
                 raise exc.renamed(_NAMES) from exc
             if body.stream:  # each event is the whole result so far, the prompt's logprobs too

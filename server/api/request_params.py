@@ -26,13 +26,16 @@ def build_sampling_params(
     max_model_len: int,
     defaults: SamplingDefaults | None = None,
     vocab_size: int = 0,
+    warn: bool = True,
 ) -> SamplingParams:
     """The engine's parameters for one request: the request's values, else `defaults` (the
     checkpoint's generation_config.json, `--generation-config`), else OpenAI's. `SamplingParams`
     checks the values; its refusal is a 400 naming the field as this request spells it. Token ids
-    (stop_token_ids, logit_bias keys) must lie in [0, vocab_size) when it is known (not 0)."""
+    (stop_token_ids, logit_bias keys) must lie in [0, vocab_size) when it is known (not 0).
+    `warn` False: a temperature below the floor is raised without the log's warning (a batch's
+    later prompts, which the first one's warning covers)."""
     from deltaserve.engine.errors import InvalidParamError
-    from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.engine.requests.sampling_params import MIN_TEMPERATURE, SamplingParams
 
     if isinstance(req, ChatCompletionRequest):
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -71,10 +74,13 @@ def build_sampling_params(
 
         defaults = SamplingDefaults()
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    temperature = defaults.temperature if req.temperature is None else req.temperature
+    if not warn and 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE  # as SamplingParams raises it, quietly
     try:
         params = SamplingParams(
             n=req.n,  # the server fans out n itself, see `fan_out`
-            temperature=defaults.temperature if req.temperature is None else req.temperature,
+            temperature=temperature,
             top_p=defaults.top_p if req.top_p is None else req.top_p,
             top_k=defaults.top_k if req.top_k is None else req.top_k,
             min_p=defaults.min_p if req.min_p is None else req.min_p,

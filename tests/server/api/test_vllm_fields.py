@@ -334,3 +334,21 @@ def test_chat_reply_without_a_generation_prompt_takes_the_last_messages_role(cli
     assert role(False, use_beam_search=True, n=2) == role(True, use_beam_search=True, n=2) == "user"
     r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2)
     assert r.choices[0].message.role == "assistant"
+
+
+def test_a_low_temperature_is_warned_of_once_a_request(server, client, model_name) -> None:
+    """A temperature below 0.01 is raised with one warning in the log a request, however many
+    prompts it holds (completions' batch, /generate's shared sampling_params)."""
+    warning = "is below 0.01, which may give inf or NaN: raised to 0.01"
+    before = server.log().count(warning)
+    out = client.completions.create(
+        model=model_name, prompt=["Hi", "Yo", "So"], max_tokens=1, temperature=0.005
+    )
+    assert len(out.choices) == 3
+    r = httpx.post(
+        f"{server.url}/generate",
+        json={"text": ["Hi", "Yo"], "sampling_params": {"max_new_tokens": 1, "temperature": 0.005}},
+        timeout=60,
+    )
+    assert r.status_code == 200 and len(r.json()) == 2
+    assert server.log().count(warning) - before == 2, server.log()[-2000:]
