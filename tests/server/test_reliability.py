@@ -514,7 +514,7 @@ BESIDE_STREAMS = [
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "logprob_token_ids": ["a"]}, "logprob_token_ids.0"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "logprob_token_ids": [1], "use_beam_search": True, "n": 2},
      "logprob_token_ids"),
-    ("/v1/chat/completions", {**CHAT, "echo": True, "logprobs": True, "logprob_token_ids": list(range(21))},
+    ("/v1/completions", {**COMPLETION, "echo": True, "max_tokens": 0, "logprobs": 1, "logprob_token_ids": [1]},
      "logprob_token_ids"),
     ("/v1/chat/completions", {**CHAT, "cache_salt": "", "stream": True, "n": 2}, "cache_salt"),
     ("/v1/completions", {**COMPLETION, "cache_salt": 5, "use_beam_search": True, "n": 2}, "cache_salt"),
