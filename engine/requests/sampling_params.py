@@ -21,6 +21,13 @@ MAX_N = 128
 MAX_TEMPERATURE = 2.0
 # vLLM's floor: a positive temperature below it is raised to it (dividing by less risks inf and NaN)
 MIN_TEMPERATURE = 0.01
+
+
+def floored(temperature: float) -> float:
+    """`temperature` raised to MIN_TEMPERATURE where it is positive and below it."""
+    return MIN_TEMPERATURE if 0 < temperature < MIN_TEMPERATURE else temperature
+
+
 MAX_LOGPROBS = 20
 
 
@@ -334,14 +341,14 @@ class SamplingParams:
             raise InvalidParamError(f"top_k must be -1 (off) or positive, got {self.top_k}", "top_k")
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
-        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < MIN_TEMPERATURE:
+        if isinstance(self.temperature, (int, float)) and floored(self.temperature) != self.temperature:
             logger.warning(
                 "temperature %s is below %s, which may give inf or NaN: raised to %s, as vLLM does",
                 self.temperature,
                 MIN_TEMPERATURE,
                 MIN_TEMPERATURE,
             )
-            self.temperature = MIN_TEMPERATURE
+            self.temperature = floored(self.temperature)
         self.validate()
 
     def validate(self) -> None:

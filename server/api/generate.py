@@ -215,7 +215,7 @@ class NativeGeneration:
                 raise bad_request(
                     f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "token_ids_logprob"
                 )
-        used: list[dict[str, Any]] = []  # the sampling_params built so far
+        built: set[int] = set()  # the sampling_params objects built so far (one may serve the batch)
         for ids, sampling, rid, want, start, top, urls, ask in zip(
             batch, samplings, rids, wants, starts, tops, images, asks
         ):
@@ -236,8 +236,8 @@ class NativeGeneration:
             try:
                 creq = _completion_request(sampling, top if want else None, start, body.priority)
                 # a batch's shared sampling_params: the log warns of a low temperature once
-                params = ctx.sampling_params(creq, len(ids), warn=all(sampling is not s for s in used))
-                used.append(sampling)
+                params = ctx.sampling_params(creq, len(ids), warn=id(sampling) not in built)
+                built.add(id(sampling))
             except APIError as exc:
                 raise exc.renamed(_NAMES) from exc
             if body.stream:  # each event is the whole result so far, the prompt's logprobs too

@@ -35,7 +35,7 @@ def build_sampling_params(
     `warn` False: a temperature below the floor is raised without the log's warning (a batch's
     later prompts, which the first one's warning covers)."""
     from deltaserve.engine.errors import InvalidParamError
-    from deltaserve.engine.requests.sampling_params import MIN_TEMPERATURE, SamplingParams
+    from deltaserve.engine.requests.sampling_params import SamplingParams, floored
 
     if isinstance(req, ChatCompletionRequest):
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -75,8 +75,8 @@ def build_sampling_params(
         defaults = SamplingDefaults()
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     temperature = defaults.temperature if req.temperature is None else req.temperature
-    if not warn and 0 < temperature < MIN_TEMPERATURE:
-        temperature = MIN_TEMPERATURE  # as SamplingParams raises it, quietly
+    if not warn:
+        temperature = floored(temperature)  # as SamplingParams raises it, quietly
     try:
         params = SamplingParams(
             n=req.n,  # the server fans out n itself, see `fan_out`
