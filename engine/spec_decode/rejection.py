@@ -13,6 +13,10 @@ view of the request with those tokens appended.
   draws from the residual norm(max(0, p - q)), which is p with d removed and renormalised:
   P(d) = p(d) and P(x != d) = (1 - p(d)) * p(x) / (1 - p(d)) = p(x), the target's law.
   After n acceptances the bonus token is drawn from p_n.
+- seeded sampling: row j draws its token as plain decoding draws it (the request's own
+  generator, one exponential race a token), and d_{j+1} is accepted while it is that token,
+  which it is with probability p_j(d_{j+1}): the same law and acceptance, and the tokens of the
+  request without speculation, whatever its drafts (and so whatever runs beside it).
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ def verify_windows(
                 n += 1
             tokens = d[:n] + [targets[lo + n]]
         else:
-            tokens = _rejection_sample(sampler, logits[lo : starts[i + 1]], views[lo : starts[i + 1]], d)
+            draw = _seeded_draws if req.generator is not None else _rejection_sample
+            tokens = draw(sampler, logits[lo : starts[i + 1]], views[lo : starts[i + 1]], d)
             n = len(tokens) - 1
         rows_used = list(range(lo, lo + n + 1))
         emptied = next((views[j] for j in rows_used if views[j].error is not None), None)
@@ -93,3 +98,16 @@ def _rejection_sample(
         row = row.clone()
         row[drafts[n]] = 0.0
     return drafts[:n] + [int(torch.multinomial(row, 1, generator=gen))]
+
+
+def _seeded_draws(
+    sampler: Sampler, logits: torch.Tensor, views: list[Request], drafts: list[int]
+) -> list[int]:
+    """Each position's token as plain decoding samples it, drawn one position at a time so that
+    the request's generator advances by one draw a token emitted, as without speculation."""
+    tokens: list[int] = []
+    for j, view in enumerate(views):
+        tokens.append(int(sampler.sample_tokens(logits[j : j + 1], [view])[0]))
+        if j == len(drafts) or tokens[-1] != drafts[j]:
+            break
+    return tokens

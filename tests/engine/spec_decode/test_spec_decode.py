@@ -508,6 +508,35 @@ def test_logprobs_and_penalties_through_windows(make_checkpoint):
             assert x.top.keys() == y.top.keys()
 
 
+def test_seeded_sampling_draws_plain_decodings_tokens(make_checkpoint):
+    """A seeded request samples the tokens it samples without speculation, whatever its drafts:
+    right ones are accepted, a wrong one gives plain decoding's token, and a prompt's last token
+    run as a window (the 33-token prompt's, past its 32-token chunk) draws its first token."""
+    path = make_checkpoint("qwen3_5")
+    prompts = prompts_of([7, 33, 9], seed=15, repeat=1) + prompts_of([6], seed=16, repeat=5)
+    params = [
+        SamplingParams(temperature=0.9, seed=3, max_tokens=NEW, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0.8, seed=4, top_k=40, max_tokens=NEW, ignore_eos=True),
+        SamplingParams(
+            temperature=0.7, seed=5, top_p=0.9, presence_penalty=0.5, max_tokens=NEW, ignore_eos=True
+        ),
+        SamplingParams(temperature=1.0, seed=6, min_p=0.01, max_tokens=NEW, ignore_eos=True),
+    ]
+    given = [{"prompt_token_ids": p} for p in prompts]
+    plain = make_llm(path).generate(given, params, use_tqdm=False)
+    llm = make_llm(path, NGRAM)
+    seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, plain)]
+    llm.engine.spec.drafter = ForcedDrafter(seqs, right=2)
+    outs = llm.generate(given, params, use_tqdm=False)
+    for a, b in zip(outs, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.num_accepted_tokens > 0
+    la, lb = outs[0].outputs[0].logprobs, plain[0].outputs[0].logprobs
+    assert la is not None and lb is not None
+    assert [x.token_id for x in la] == [x.token_id for x in lb]
+    assert all(abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(la, lb))
+
+
 class DraftsOutside(ForcedDrafter):
     """Proposes the true continuation for `right` tokens, then a token outside `allowed`."""
 
