@@ -193,10 +193,16 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return list(req.input)
 
 
-def _reasoning_of(item: dict[str, Any]) -> str:
+def _reasoning_of(item: dict[str, Any], where: str) -> str:
     """A reasoning item's text: its reasoning_text parts, else its summary's."""
     parts = item.get("content") or item.get("summary") or []
-    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+    if not isinstance(parts, list) or not all(
+        isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
+    ):
+        raise bad_request(
+            f"{where}: a reasoning item's content and summary are lists of parts with text", "input"
+        )
+    return "".join(p["text"] for p in parts)
 
 
 def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[ChatMessage]:
@@ -251,7 +257,7 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
             messages.append(ChatMessage(role="tool", tool_call_id=item.get("call_id"), content=content))
             thought = None
         elif kind == "reasoning":
-            text = _reasoning_of(item)
+            text = _reasoning_of(item, where)
             if text:  # an empty one (its text not kept) gives the turn no reasoning
                 thought = (thought or "") + text
         else:

@@ -398,6 +398,17 @@ def test_the_store_keeps_its_responses_within_its_bytes() -> None:
         ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}, None),
         ({"input": "hi", "tools": [{"type": "function", "name": "f", "description": 5}]}, None),
         ({"input": [{"type": "function_call_output", "call_id": 5, "output": "x"}]}, None),
+        # a reasoning item whose summary or content is not a list of text parts
+        ({"input": [{"type": "reasoning", "summary": 5}, {"role": "user", "content": "hi"}]}, "input"),
+        (
+            {
+                "input": [
+                    {"type": "reasoning", "summary": [], "content": [{"text": 5}]},
+                    {"role": "user", "content": "hi"},
+                ]
+            },
+            "input",
+        ),
         ({"input": "hi", "reasoning": {"effort": "bogus"}}, "reasoning.effort"),
         # fields that would change the output and are not implemented here: refused, not ignored
         ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
