@@ -187,7 +187,8 @@ class NativeGeneration:
                     f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "input_ids"
                 )
         count = len(batch)
-        samplings = _per_prompt(body.sampling_params or {}, count, "sampling_params")
+        given = {} if body.sampling_params is None else body.sampling_params  # [] is no entry, not {}
+        samplings = _per_prompt(given, count, "sampling_params")
         rids = _per_prompt(body.rid, count, "rid") if body.rid is not None else [None] * count
         named = [r for r in rids if r is not None]
         if len(set(named)) < len(named):  # one name, two prompts: their replies and aborts would mix

@@ -186,6 +186,7 @@ def test_a_stop_string_is_the_matched_reason(server) -> None:
         ({"text": "hi", "image_data": "cat.png"}, "image_data"),
         ({"input_ids": [10**9]}, "input_ids"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+        ({"text": ["a"], "sampling_params": []}, "sampling_params"),  # no entry, not the defaults
         ({"text": "hi", "priority": 3}, "priority"),  # the server runs fcfs
         ({"text": "hi", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
         # a prompt's logprobs from a position it does not have: SGLang refuses them too
