@@ -269,9 +269,15 @@ def _tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[ToolDefiniti
     parallel = True
     if req.tool_choice is not None:
         kind = req.tool_choice.get("type")
-        parallel = not req.tool_choice.get("disable_parallel_tool_use", False)
+        single = req.tool_choice.get("disable_parallel_tool_use", False)
+        if not isinstance(single, bool):
+            raise bad_request("tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice")
+        parallel = not single
         if kind == "tool":
-            choice = {"type": "function", "function": {"name": req.tool_choice.get("name")}}
+            name = req.tool_choice.get("name")
+            if not isinstance(name, str) or not name:
+                raise bad_request("a named tool_choice is {'type': 'tool', 'name': ...}", "tool_choice")
+            choice = {"type": "function", "function": {"name": name}}
         elif kind in ("auto", "any", "none"):
             choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
         else:

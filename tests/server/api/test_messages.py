@@ -228,7 +228,10 @@ def test_tools_need_distinct_non_empty_names(claude) -> None:
     for tools, choice, needle in (
         ([tool, {**tool, "description": "again"}], None, "unique"),
         ([{**tool, "name": ""}], None, "at least 1 character"),
-        ([tool], {"type": "tool", "name": ""}, "named tool_choice"),
+        # Anthropic's shape named back, not the chat endpoint's it is translated into
+        ([tool], {"type": "tool", "name": ""}, "named tool_choice is {'type': 'tool', 'name': ...}"),
+        ([tool], {"type": "tool"}, "named tool_choice is {'type': 'tool', 'name': ...}"),
+        ([tool], {"type": "auto", "disable_parallel_tool_use": "no"}, "disable_parallel_tool_use"),
     ):
         kwargs = {"tool_choice": choice} if choice else {}
         with pytest.raises(anthropic.BadRequestError) as refused:
