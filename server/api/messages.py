@@ -225,7 +225,7 @@ def _image_url(block: dict[str, Any], where: str) -> str:
         raise bad_request(f"{where}: an image's source must be base64 data or a url", "messages")
     if source.get("type") == "base64" and isinstance(source.get("data"), str):
         media = source.get("media_type")
-        if media not in _MEDIA_TYPES:
+        if not isinstance(media, str) or media not in _MEDIA_TYPES:
             raise bad_request(
                 f"{where}: an image's media_type must be one of {', '.join(_MEDIA_TYPES)}, got {media!r}",
                 "messages",

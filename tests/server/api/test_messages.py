@@ -104,6 +104,10 @@ def test_a_tool_result_turn_renders_as_the_chat_tool_message(server, claude) -> 
     assert m.usage.output_tokens == 4
 
 
+# an image whose media_type is not a string: a list is no key of the media types' table
+IMAGE_OF_LIST_MEDIA = {"type": "base64", "media_type": ["image/png"], "data": "iVBORw0KGgo="}
+
+
 def test_errors_are_anthropic_shaped(server, claude) -> None:
     with pytest.raises(anthropic.BadRequestError) as refused:
         claude.messages.create(model=MODEL_NAME, max_tokens=-1, messages=MESSAGES)
@@ -135,6 +139,7 @@ def test_errors_are_anthropic_shaped(server, claude) -> None:
                 *MESSAGES,
             ]
         },
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": IMAGE_OF_LIST_MEDIA}]}]},
     ):
         for path in ("/v1/messages", "/v1/messages/count_tokens"):
             r = httpx.post(f"{server.url}{path}", json={"model": MODEL_NAME, "max_tokens": 2, **body})
