@@ -93,6 +93,11 @@ def _tool_call_for_template(call: dict[str, Any], index: int) -> dict[str, Any]:
             function["arguments"] = json.loads(arguments)
         except json.JSONDecodeError:
             pass
+        except RecursionError:  # valid JSON that no template's filters could walk either
+            raise ChatTemplateError(
+                f"tool_calls[{index}]: a tool call's arguments nest too deep to read",
+                f"tool_calls.{index}.function.arguments",
+            ) from None
     call["function"] = function
     return call
 

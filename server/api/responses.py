@@ -434,6 +434,8 @@ async def create_response(
         prepared = await prepare_chat(ctx, to_chat_request(req, items), images_at="input", raw=raw)
     except APIError as exc:  # name the field as this API calls it
         exc.renamed(_PARAMS)
+        if exc.param is not None and exc.param.startswith("messages."):  # a chat turn is no item's index
+            exc.param = "input"
         raise
     shell = _Shell(req, model)
     engine_id = named_id(raw.headers.get("x-request-id"), shell.id)  # this API has no name field

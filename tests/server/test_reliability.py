@@ -456,6 +456,9 @@ MESSAGE = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "
 USER = {"role": "user", "content": "hi"}
 
 
+DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON, deeper than Python's recursion limit
+
+
 def _assistant_calls(*calls: object) -> dict:
     return {"role": "assistant", "content": None, "tool_calls": list(calls)}
 
@@ -479,6 +482,14 @@ BESIDE_STREAMS = [
      {**CHAT, "messages": [USER, _assistant_calls({"id": "c", "type": "function", "function": {"name": "f"}}), USER]},
      "messages.1.tool_calls.0.function.arguments"),
     ("/tokenize", {"messages": [USER, _assistant_calls({"function": 5})]}, "messages.1.tool_calls.0.function"),
+    # arguments (a JSON string, so past the body's nesting bound) nested deeper than a parser recurses
+    ("/v1/chat/completions",
+     {**CHAT, "messages": [USER, _assistant_calls({"function": {"name": "f", "arguments": DEEP}}), USER]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ("/tokenize", {"messages": [USER, _assistant_calls({"function": {"name": "f", "arguments": DEEP}})]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ("/v1/responses", {**RESPONSE, "input": [
+        USER, {"type": "function_call", "call_id": "c", "name": "f", "arguments": DEEP}]}, "input"),
     # a text block or part whose text is not a string, a tool_use block or function_call item of
     # the wrong types: 400s, not a Python repr ("{'a': 1}", "None") in the prompt
     ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]},
