@@ -175,7 +175,7 @@ def parse_tool_call_body(body: str, tools: dict[str, dict[str, Any]]) -> ParsedT
         return _parse_xml(body, tools)
     try:
         obj = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # nested past the recursion limit: unreadable too
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -221,7 +221,7 @@ def _typed(value: str, schema_type: Any) -> Any:
         if schema_type == "boolean":
             return {"true": True, "false": False}[value.strip().lower()]
         return json.loads(value)
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, RecursionError):
         return value
 
 
@@ -238,7 +238,7 @@ def parse_kimi_call_body(body: str, tools: dict[str, dict[str, Any]]) -> ParsedT
         name = stem
     try:
         obj = json.loads(args)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     if not name or not isinstance(obj, dict):
         return None

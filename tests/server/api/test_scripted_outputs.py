@@ -267,6 +267,20 @@ def test_without_tools_the_call_text_stays_content(serve_script) -> None:
     assert content == r.choices[0].message.content and calls == []
 
 
+def test_a_call_nested_deeper_than_a_parser_recurses_stays_content(serve_script) -> None:
+    """A generated call whose JSON nests past Python's recursion limit is no call the server can
+    read: its text stays content, as an unparsable call's does (vLLM's parsers too), not a 500."""
+    deep = "[" * 1500 + "]" * 1500
+    client = serve_script(
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": {deep}}}}}\n</tool_call>'
+    )
+    r = ask(client, tools=TOOLS, max_tokens=3000)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert deep in r.choices[0].message.content
+    _, content, calls, finishes = collect_stream(client, tools=TOOLS, max_tokens=3000)
+    assert content == r.choices[0].message.content and calls == [] and finishes == ["stop"]
+
+
 def test_tool_choice_none_turns_parsing_off(serve_script) -> None:
     client = serve_script(QWEN3_OUTPUT)
     r = ask(client, tools=TOOLS, tool_choice="none")
