@@ -142,7 +142,8 @@ def render_prompt(
         )
     except ChatTemplateError:
         raise
-    except (TemplateError, TypeError, ValueError, KeyError) as exc:
+    # RecursionError: objects nested deeper than the renderer's recursion goes (vLLM's 400 too)
+    except (TemplateError, TypeError, ValueError, KeyError, RecursionError) as exc:
         raise ChatTemplateError(f"the chat template could not render these messages: {exc}") from exc
 
 

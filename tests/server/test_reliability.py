@@ -457,6 +457,9 @@ USER = {"role": "user", "content": "hi"}
 
 
 DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON, deeper than Python's recursion limit
+NESTED: dict = {}
+for _ in range(600):
+    NESTED = {"a": NESTED}
 
 
 def _assistant_calls(*calls: object) -> dict:
@@ -490,6 +493,10 @@ BESIDE_STREAMS = [
      "messages.1.tool_calls.0.function.arguments"),
     ("/v1/responses", {**RESPONSE, "input": [
         USER, {"type": "function_call", "call_id": "c", "name": "f", "arguments": DEEP}]}, "input"),
+    # objects the body parser takes but the template's renderer recurses past Python's limit on
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": NESTED}}, "messages"),
+    ("/tokenize", {"messages": [USER, _assistant_calls({"function": {"name": "f", "arguments": NESTED}})]},
+     "messages"),
     # a text block or part whose text is not a string, a tool_use block or function_call item of
     # the wrong types: 400s, not a Python repr ("{'a': 1}", "None") in the prompt
     ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]},
