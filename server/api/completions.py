@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from ..errors import bad_request
 from ..protocol import (
@@ -14,9 +15,11 @@ from ..protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
 )
 from .context import ServerContext
 from .generation import Generation
+from .json_body import Encoded, EncodedResponse, encode, encoded_list
 from .logprobs import (
     TextOffsets,
     TokenText,
@@ -27,7 +30,10 @@ from .logprobs import (
 from .request_params import structured_field, truncate_prompt
 
 if TYPE_CHECKING:
-    from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
+    from deltaserve.engine.requests.outputs import CompletionOutput, Logprob, RequestOutput
+
+# vLLM's prompt_logprobs field, dumped as a choice dumps it
+_PROMPT_LOGPROBS = TypeAdapter(list[dict[str, PromptLogprob] | None] | None)
 
 
 def _prompts(
@@ -159,6 +165,8 @@ class CompletionGeneration(Generation[CompletionChoice]):
         self.req: CompletionRequest = req
         self.choices: list[_Choice] = []  # by choice index
         self.offsets: dict[str, TextOffsets] = {}  # each stream's logprobs' text offsets so far
+        # the encoded prompt_logprobs of each scored prompt, by its rows' id (n choices share them)
+        self._prompt_logprobs: dict[int, tuple[list[Logprob | None], Encoded]] = {}
 
     def delta_event(self, out: RequestOutput) -> str | None:
         rid, completion = out.request_id, out.outputs[0]
@@ -206,12 +214,44 @@ class CompletionGeneration(Generation[CompletionChoice]):
         # stream chunks never carry vLLM's prompt_logprobs (the whole response does, when asked)
         return super().chunk_json(chunk, {"choices": {"__all__": {"prompt_logprobs"}}, **(exclude or {})})
 
-    def final_choice(self, index: int, out: RequestOutput) -> CompletionChoice:
+    async def response(self, final: dict[str, RequestOutput]) -> Response:
+        """The whole response, encoded choice by choice with the event loop serving other requests
+        between them; each prompt's `prompt_logprobs` are built and encoded once for its choices."""
+        choices = []
+        for rid, index in self.index.items():
+            choices.append(encode(self.final_choice_json(index, final[rid])))
+            await asyncio.sleep(0)
+        payload = self.response_json([], final)
+        payload["choices"] = encoded_list(choices)
+        return EncodedResponse(encode(payload))
+
+    def final_choice_json(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        """Choice `index` as JSON, its `prompt_logprobs` (when asked) spliced in encoded."""
+        payload = self.final_choice(index, out).model_dump(mode="json")
         prompt_logprobs = None
         if self.req.prompt_logprobs is not None:
-            prompt_logprobs = vllm_prompt_logprobs(
-                out.prompt_logprobs, self.req.prompt_logprobs, self.token_text
-            )
+            prompt_logprobs = self.prompt_logprobs_json(out.prompt_logprobs)
+        if prompt_logprobs is None:
+            del payload["prompt_logprobs"]
+        else:
+            payload["prompt_logprobs"] = prompt_logprobs
+        return payload
+
+    def prompt_logprobs_json(self, scored: list[Logprob | None] | None) -> Encoded | None:
+        """vLLM's `prompt_logprobs` of the scored prompt, encoded once however many choices share it."""
+        if scored is None:
+            return None
+        hit = self._prompt_logprobs.get(id(scored))
+        if hit is None:
+            rows = vllm_prompt_logprobs(scored, self.req.prompt_logprobs or 0, self.token_text)
+            encoded = encode(_PROMPT_LOGPROBS.dump_python(rows, mode="json"))
+            # the rows are kept with it, so that their id names no other rows meanwhile
+            hit = self._prompt_logprobs[id(scored)] = (scored, encoded)
+        return hit[1]
+
+    def final_choice(self, index: int, out: RequestOutput) -> CompletionChoice:
+        """Choice `index` of the whole response, without vLLM's `prompt_logprobs`
+        (`final_choice_json` splices them in)."""
         choice = self.choices[index]
         return CompletionChoice(
             index=index,
@@ -219,7 +259,6 @@ class CompletionGeneration(Generation[CompletionChoice]):
             logprobs=choice.logprobs_of(out, echo_prompt=self.req.echo),
             finish_reason=out.outputs[0].finish_reason,
             stop_reason=out.outputs[0].stop_reason,
-            prompt_logprobs=prompt_logprobs,
             prompt_token_ids=choice.prompt_ids if self.req.return_token_ids else None,
             token_ids=list(out.outputs[0].token_ids) if self.req.return_token_ids else None,
         )

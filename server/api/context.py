@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -383,7 +383,7 @@ class ServerContext:
         raw: Request,
         stream: bool,
         events: Callable[[RequestGroup], AsyncIterator[str]],
-        answer: Callable[[dict[str, RequestOutput]], Response],
+        answer: Callable[[dict[str, RequestOutput]], Awaitable[Response]],
         prompts: list[list[int]],
         n: int,
     ) -> Response:
@@ -402,7 +402,7 @@ class ServerContext:
             final = await self.collect(group, raw)
         except ClientDisconnected:
             return Response(status_code=499)
-        return answer(final)
+        return await answer(final)
 
     async def guarded(self, group: RequestGroup, events: AsyncIterator[str]) -> AsyncIterator[str]:
         """Stream events; however the stream ends (done, client gone, server draining), free the group."""

@@ -269,7 +269,7 @@ class NativeGeneration:
             self.requests, raw, self.body.stream, self._events, self._answer, prompts, n
         )
 
-    def _answer(self, final: dict[str, RequestOutput]) -> Response:
+    async def _answer(self, final: dict[str, RequestOutput]) -> Response:
         results = []
         for rid in self.order:
             out = final[rid]

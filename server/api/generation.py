@@ -198,7 +198,7 @@ class Generation(ABC, Generic[ChunkChoice]):
             exclude["usage"] = True
         return chunk.model_dump_json(exclude=exclude or None)
 
-    def response(self, final: dict[str, RequestOutput]) -> Response:
+    async def response(self, final: dict[str, RequestOutput]) -> Response:
         """The whole response from every engine request's final output."""
         choices = [self.final_choice(i, final[rid]) for rid, i in self.index.items()]
         return JSONResponse(self.response_json(choices, final))

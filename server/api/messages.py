@@ -507,7 +507,7 @@ async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request)
     )
 
 
-def _answer(final: Any, prepared: PreparedChat, message_id: str, model: str) -> Response:
+async def _answer(final: Any, prepared: PreparedChat, message_id: str, model: str) -> Response:
     completion = final.outputs[0]
     blocks = _Blocks()
     blocks.feed(

@@ -217,6 +217,57 @@ def test_n_choices_share_vllm_prompt_logprobs_computed_once(in_process) -> None:
     assert scored[1] == scored[0] * 3
 
 
+def one_shot(reply: Any) -> bytes:
+    """A reply encoded in one go, as FastAPI's JSONResponse encodes a dict."""
+    return json.dumps(reply, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def test_n_choices_reply_builds_each_prompts_logprobs_once(in_process, monkeypatch) -> None:
+    """n > 1 with prompt_logprobs, echo and logprobs, two prompts, through the openai client: each
+    prompt's vLLM prompt_logprobs are built once however many choices carry them (they were built
+    for every choice), every choice carries n=1's, its echo agrees with them, and the body is
+    the whole reply encoded in one go."""
+    import deltaserve.server.api.completions as completions
+
+    url, _, _ = in_process
+    built: list[int] = []
+    build = completions.vllm_prompt_logprobs
+    monkeypatch.setattr(completions, "vllm_prompt_logprobs", lambda *a: built.append(1) or build(*a))
+    prompts = [LONG, PROMPT]
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        raw = client.completions.with_raw_response.create(
+            model=MODEL_NAME,
+            prompt=prompts,
+            n=4,
+            max_tokens=2,
+            echo=True,
+            logprobs=2,
+            seed=5,
+            extra_body={"prompt_logprobs": 2},
+        )
+        assert len(built) == len(prompts)
+        body = raw.http_response.content
+        assert body == one_shot(json.loads(body))
+        assert raw.headers["content-length"] == str(len(body))
+        choices = sorted(raw.parse().choices, key=lambda c: c.index)
+        assert len(choices) == 8
+        for j, prompt in enumerate(prompts):
+            single = client.completions.create(
+                model=MODEL_NAME, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 2}
+            )
+            alone = single.choices[0].model_extra["prompt_logprobs"]
+            want = choices[4 * j].model_extra["prompt_logprobs"]
+            assert len(want) == len(prompt) and want[0] is None
+            # the same scores as the prompt alone (a batch of two may round a near tie's rank apart)
+            for i in range(1, len(prompt)):
+                token = str(prompt[i])
+                assert math.isclose(want[i][token]["logprob"], alone[i][token]["logprob"], rel_tol=1e-5)
+            for choice in choices[4 * j : 4 * j + 4]:
+                assert choice.model_extra["prompt_logprobs"] == want
+                echoed = choice.logprobs.token_logprobs[1 : len(prompt)]
+                assert echoed == [want[i][str(prompt[i])]["logprob"] for i in range(1, len(prompt))]
+
+
 def test_the_shared_scoring_prefill_runs_under_the_clients_name(in_process) -> None:
     """The prefill that computes n > 1 choices' prompt logprobs, before they run, is named after
     the request as they are (/abort_request, by the client's name, ends it too), and runs at
