@@ -13,13 +13,14 @@ sends the same objects, text and token ids so far, as server-sent events ending 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from deltaserve.engine.requests.sampling_params import MAX_LOGPROB_TOKEN_IDS, MAX_PROMPT_LOGPROB_TOKEN_IDS
 
@@ -27,6 +28,7 @@ from ..errors import APIError, bad_request, failure_body, raise_if_failed
 from ..protocol import CompletionRequest, RequestBody, unsupported_if_set, validated
 from .context import ServerContext
 from .generation import DONE, sse
+from .json_body import Encoded, EncodedResponse, encode, encoded_list
 from .request_params import fan_out, rid_prefix
 
 if TYPE_CHECKING:
@@ -149,6 +151,8 @@ class _Prompt:
     def __init__(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool, start: int) -> None:
         self.rid, self.ids, self.params = rid, ids, params
         self.logprobs, self.start = logprobs, start
+        # its input_* logprob fields, encoded, by (the scored rows' id, strict)
+        self.input_logprobs: dict[tuple[int, bool], tuple[Any, dict[str, Encoded]]] = {}
 
 
 class NativeGeneration:
@@ -270,12 +274,14 @@ class NativeGeneration:
         )
 
     async def _answer(self, final: dict[str, RequestOutput]) -> Response:
+        """The reply, result by result with the event loop serving other requests between them."""
         results = []
         for rid in self.order:
             out = final[rid]
             c = out.outputs[0]
-            results.append(self._result(out, c.text, c.token_ids, c.logprobs, out.prompt_logprobs))
-        return JSONResponse(results[0] if self.single else results)
+            results.append(encode(self._result(out, c.text, c.token_ids, c.logprobs, out.prompt_logprobs)))
+            await asyncio.sleep(0)
+        return EncodedResponse(results[0] if self.single else encoded_list(results))
 
     async def _events(self, group: Any) -> Any:
         texts = dict.fromkeys(self.order, "")
@@ -292,7 +298,9 @@ class NativeGeneration:
                     lps[rid] += c.logprobs or []
                     if out.prompt_logprobs is not None:
                         prompt_lps[rid] = out.prompt_logprobs
-                    event = self._result(out, texts[rid], ids[rid], lps[rid], prompt_lps.get(rid))
+                    event = self._result(
+                        out, texts[rid], ids[rid], lps[rid], prompt_lps.get(rid), strict=False
+                    )
                     if not self.single:
                         event["index"] = self.index[rid]
                     yield sse(event)
@@ -307,7 +315,10 @@ class NativeGeneration:
         token_ids: list[int],
         logprobs: list[Logprob] | None,
         prompt_logprobs: list[Logprob | None] | None,
+        strict: bool = True,
     ) -> dict[str, Any]:
+        """One sample's result; `strict`: its prompt's logprobs encoded as a reply's (else as an
+        event's), once for every sample and event of the prompt."""
         prompt = self.owner[out.request_id]
         c = out.outputs[0]
         meta: dict[str, Any] = {
@@ -333,21 +344,37 @@ class NativeGeneration:
                     self._asked(lp.asked, with_text) for lp in logprobs or []
                 ]
             if prompt.start >= 0:
-                rows = list(prompt_logprobs or [])[prompt.start :]
-                tokens = prompt.ids[prompt.start :]
-                meta["input_token_logprobs"] = [
-                    self._entry(None if lp is None else lp.logprob, t, with_text)
-                    for lp, t in zip(rows, tokens)
-                ]
-                if prompt.params.logprobs:
-                    meta["input_top_logprobs"] = [
-                        None if lp is None else self._top(lp.top, with_text) for lp in rows
-                    ]
-                if prompt.params.prompt_logprob_token_ids:
-                    meta["input_token_ids_logprobs"] = [
-                        None if lp is None else self._asked(lp.asked, with_text) for lp in rows
-                    ]
+                meta.update(self._input_logprobs(prompt, prompt_logprobs, strict))
         return {"text": text, "output_ids": list(token_ids), "meta_info": meta}
+
+    def _input_logprobs(
+        self, prompt: _Prompt, scored: list[Logprob | None] | None, strict: bool
+    ) -> dict[str, Encoded]:
+        """The prompt's input_* logprob fields from `logprob_start_len` on, encoded once for all
+        the samples (and events) that share its scored rows."""
+        key = (id(scored), strict)
+        hit = prompt.input_logprobs.get(key)
+        if hit is not None:
+            return hit[1]
+        with_text = self.body.return_text_in_logprobs
+        rows = list(scored or [])[prompt.start :]
+        tokens = prompt.ids[prompt.start :]
+        fields: dict[str, Any] = {
+            "input_token_logprobs": [
+                self._entry(None if lp is None else lp.logprob, t, with_text) for lp, t in zip(rows, tokens)
+            ]
+        }
+        if prompt.params.logprobs:
+            fields["input_top_logprobs"] = [
+                None if lp is None else self._top(lp.top, with_text) for lp in rows
+            ]
+        if prompt.params.prompt_logprob_token_ids:
+            fields["input_token_ids_logprobs"] = [
+                None if lp is None else self._asked(lp.asked, with_text) for lp in rows
+            ]
+        encoded = {name: encode(value, strict) for name, value in fields.items()}
+        prompt.input_logprobs[key] = (scored, encoded)  # the rows kept: their id stays theirs
+        return encoded
 
     def _entry(self, logprob: float | None, token_id: int, with_text: bool) -> list[Any]:
         return [logprob, token_id, self.ctx.token_text(token_id)[0] if with_text else None]

@@ -9,7 +9,6 @@ closing `[DONE]`), a client that hangs up (499) and usage. Its subclasses in `ch
 
 from __future__ import annotations
 
-import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +23,7 @@ from ..engine_client import RequestGroup
 from ..errors import failure_body, raise_if_failed
 from ..protocol import PromptTokensDetails, SamplingRequest, Usage, random_id
 from .context import ServerContext
+from .json_body import encode
 from .logprobs import TokenText, token_text_for
 from .request_params import client_name, fan_out, rid_prefix
 
@@ -42,7 +42,8 @@ ChunkChoice = TypeVar("ChunkChoice")
 
 
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """`payload` as a server-sent event, any `Encoded` part in it spliced in."""
+    return f"data: {encode(payload, strict=False).data.decode()}\n\n"
 
 
 def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> Usage:

@@ -268,6 +268,39 @@ def test_n_choices_reply_builds_each_prompts_logprobs_once(in_process, monkeypat
                 assert echoed == [want[i][str(prompt[i])]["logprob"] for i in range(1, len(prompt))]
 
 
+def test_generate_n_samples_build_the_prompts_logprobs_once(in_process, monkeypatch) -> None:
+    """/generate with n > 1 and logprob_start_len: the prompt's input_top_logprobs are built once
+    for its samples (they were built for each), each sample carries n=1's, and the body is the
+    whole reply encoded in one go."""
+    from deltaserve.server.api.generate import NativeGeneration
+
+    url, _, _ = in_process
+    tops: list[int] = []
+    top = NativeGeneration._top
+    monkeypatch.setattr(NativeGeneration, "_top", lambda self, *a: tops.append(1) or top(self, *a))
+    body: dict[str, Any] = {
+        "input_ids": LONG,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+    }
+    replies = []
+    for n in (1, 3):
+        tops.clear()
+        r = httpx.post(
+            f"{url}/generate", json={**body, "sampling_params": {"n": n, "max_new_tokens": 2}}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        assert r.content == one_shot(r.json())
+        # the prompt's scored rows (all but the first) once, then each sample's two tokens
+        assert len(tops) == len(LONG) - 1 + 2 * n
+        replies.append(r.json() if n > 1 else [r.json()])
+    fields = ("input_token_logprobs", "input_top_logprobs")
+    (want,) = [[m["meta_info"][f] for f in fields] for m in replies[0]]
+    assert [[m["meta_info"][f] for f in fields] for m in replies[1]] == [want] * 3
+
+
 def test_the_shared_scoring_prefill_runs_under_the_clients_name(in_process) -> None:
     """The prefill that computes n > 1 choices' prompt logprobs, before they run, is named after
     the request as they are (/abort_request, by the client's name, ends it too), and runs at
