@@ -290,7 +290,9 @@ class NativeGeneration:
         prompt_lps: dict[str, Any] = {}
         try:
             async for outputs in group:
-                for out in outputs:
+                for i, out in enumerate(outputs):
+                    if i:  # one step's outputs of many samples: other requests are served between them
+                        await asyncio.sleep(0)
                     raise_if_failed(out)
                     rid, c = out.request_id, out.outputs[0]
                     texts[rid] += c.text

@@ -9,6 +9,7 @@ closing `[DONE]`), a client that hangs up (499) and usage. Its subclasses in `ch
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
@@ -147,7 +148,9 @@ class Generation(ABC, Generic[ChunkChoice]):
             yield self.event(opening, **self.opening_fields())
         try:
             async for outputs in group:
-                for out in outputs:
+                for i, out in enumerate(outputs):
+                    if i:  # one step's outputs of many choices: other requests are served between them
+                        await asyncio.sleep(0)
                     raise_if_failed(out)  # failed in the engine: the stream ends with an error event
                     self.latest[out.request_id] = out
                     # the engine sends deltas: what this step (or the steps merged into it) added
