@@ -1,11 +1,12 @@
-"""How long one heavy unstreamed response freezes a concurrent greedy stream.
+"""How long one heavy response (unstreamed, or streamed) freezes a concurrent greedy stream.
 
     python -m bench.serving.heavy_response [--kind completions|echo|generate] [--n 128]
 
 Starts a real server with the built-in model, keeps greedy streamed completions running from a
 thread, and sends one heavy request beside them: `/v1/completions` with `n` choices and
 `prompt_logprobs=20` on a prompt of `--prompt-len` random token ids (`echo`: with `echo` and
-`logprobs=20` too), or `/generate` with `n` and `logprob_start_len=0`. Reports the heavy
+`logprobs=20` too), or `/generate` with `n` and `logprob_start_len=0`; `--stream` streams it
+(completions then without `prompt_logprobs`, which streams refuse). Reports the heavy
 request's time and body size, and the stream's usual (median) and longest gap between chunks
 while the heavy request was in flight. Runs on any machine; the figures belong to its CPU.
 """
@@ -89,6 +90,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=500)
     ap.add_argument("--port", type=int, default=18731)
+    ap.add_argument("--stream", action="store_true", help="stream the heavy request (its events read whole)")
     args = ap.parse_args()
 
     url = f"http://127.0.0.1:{args.port}"
@@ -112,6 +114,9 @@ def main() -> None:
         time.sleep(3)  # the stream settles into its pace
         prompt = [random.Random(0).randrange(1000, 20000) for _ in range(args.prompt_len)]
         path, body = _heavy_request(args.kind, args.n, prompt, model)
+        if args.stream:  # a completions stream has no place for prompt_logprobs (a 400)
+            body["stream"] = True
+            body.pop("prompt_logprobs", None)
         start = time.monotonic()
         resp = httpx.post(f"{url}{path}", json=body, timeout=600)
         end = time.monotonic()
@@ -124,6 +129,7 @@ def main() -> None:
             json.dumps(
                 {
                     "kind": args.kind,
+                    "stream": args.stream,
                     "n": args.n,
                     "heavy_s": round(end - start, 2),
                     "body_mb": round(len(resp.content) / 1e6, 1),
