@@ -16,8 +16,7 @@ free; otherwise it waits. A decode that finds no free page preempts the newest r
 While the running requests only decode, a step runs by CUDA-graph replay; one with a prefill
 chunk runs eagerly, which costs the host far more. So new prompts that arrive one by one
 under load may wait up to `max_prefill_delay_steps` steps to be prefilled together, unless
-those there is room for already fill the step's budget (behind full slots a queue counts from
-the step a place opened, so that places freed one by one are also filled together); with `adaptive_prefill_delay`, also only while one more
+they already fill the step's budget; with `adaptive_prefill_delay`, also only while one more
 step's wait costs less than it is expected to save, as measured (`step_costs.py`), and with
 `hold_prefill_tails` running prompts' remaining chunks wait with them.
 
@@ -33,7 +32,6 @@ chunk ends where the prompt leaves the cache's tree, so that a snapshot can be s
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,11 +108,6 @@ class Scheduler:
         self.num_steps = 0
         self.step_cost = MixedStepCost()  # fed by the engine: the adaptive prefill delay's cost model
         self.arrivals = ArrivalRate()
-        self.full_step = 0  # the last step in which prompts waited with no room to admit any
-
-    def room(self) -> int:
-        """How many waiting requests could be admitted now: free running places and state slots."""
-        return min(self.config.num_running - len(self.running), self.state_pool.num_free)
 
     def add(self, req: Request) -> None:
         req.arrival_step = self.num_steps
@@ -136,8 +129,6 @@ class Scheduler:
         # with hold_prefill_tails, running prompts' chunks may wait with the arrivals
         tails = self.config.hold_prefill_tails and self.config.adaptive_prefill_delay
         rows, unfinished = self._prefill_work()  # rows: decode rows not yet scheduled
-        if self.waiting and self.room() <= 0:
-            self.full_step = self.num_steps
         hold_all = bool(tails) and self._hold_prefills(rows, unfinished, budget)
         for req in list(self.running):
             if req.status is not Status.RUNNING:
@@ -252,23 +243,19 @@ class Scheduler:
         """Whether the waiting prompts, and `chunks` (running prompts' remaining chunks, with
         `hold_prefill_tails`), sit out this step to be prefilled with later arrivals: only beside
         `decoding` decodes, for at most `max_prefill_delay_steps` steps (with the adaptive delay,
-        16 if 0), while those there is room for leave part of the budget unused, and, with the
-        adaptive delay, while holding them one more step is worth it (`step_costs.worth_holding`).
-        An arrival waits from its arrival or, queued behind full slots, from the step a place
-        opened; a running prompt's chunk from the end of its last one."""
+        16 if 0), while they leave part of the budget unused, and, with the adaptive delay, while
+        holding them one more step is worth it (`step_costs.worth_holding`). An arrival waits from
+        its arrival, a running prompt's chunk from the end of its last one."""
         adaptive = self.config.adaptive_prefill_delay
         delay = self.config.max_prefill_delay_steps or (ADAPTIVE_MAX_STEPS if adaptive else 0)
         first = self.waiting.first() if self.waiting else None
         if not delay or not decoding or (first is None and not chunks):
             return False
-        # a prompt queued behind full slots waits from the step its place opened, not its arrival
-        waited = [max(first.arrival_step, self.full_step)] if first else []
-        oldest_step = min([r.ready_step for r in chunks] + waited)
+        oldest_step = min([r.ready_step for r in chunks] + ([first.arrival_step] if first else []))
         if self.num_steps - oldest_step >= delay:
             return False
         pending, held = sum(r.num_pending for r in chunks), len(chunks)
-        # only the prompts there is room for now can fill this step, however long the queue
-        for req in itertools.islice(self.waiting, max(self.room(), 0)):
+        for req in self.waiting:
             if pending >= budget:
                 break
             pending += req.num_pending

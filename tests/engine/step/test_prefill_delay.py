@@ -21,15 +21,13 @@ from deltaserve.engine.step.step_costs import (
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def make_engine(
-    path: str, delay: int, adaptive: bool = False, tails: bool = False, running: int = 4
-) -> Engine:
+def make_engine(path: str, delay: int, adaptive: bool = False, tails: bool = False) -> Engine:
     cfg = EngineConfig(
         model=path,
         dtype="float32",
         device="cpu",
         max_num_batched_tokens=64,
-        max_running_requests=running,
+        max_running_requests=4,
         max_model_len=256,
         max_prefill_delay_steps=delay,
         adaptive_prefill_delay=adaptive,
@@ -81,38 +79,6 @@ def test_arrivals_beside_decodes_are_prefilled_together(path: str) -> None:
     for rid, prompt in (("b", range(30, 40)), ("c", range(50, 60)), ("d", range(60, 124))):
         reference.add_request(rid, list(prompt), GREEDY)
     assert finish(reference) == {rid: held[rid] for rid in ("b", "c", "d")}
-
-
-def test_a_queue_behind_full_slots_fills_freed_places_together(path: str) -> None:
-    """A backlog longer than the step's budget, queued because every place is taken, is still
-    held while the one place freed leaves the budget unused, counted from when it opened; so
-    places freed one by one are not each filled by a prefill step of its own."""
-    engine = make_engine(path, delay=3, running=2)
-    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    engine.add_request(
-        "a", list(range(1, 21)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    )
-    engine.add_request("b", list(range(21, 41)), long)
-    queued = {f"q{i}": list(range(50 + 20 * i, 70 + 20 * i)) for i in range(5)}  # 100 tokens
-    for rid, prompt in queued.items():
-        engine.add_request(rid, prompt, GREEDY)
-    done: dict[str, list[int]] = {}
-    while "a" not in done:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    assert waiting(engine) == 5  # every place was taken since the queue arrived
-    engine.step()
-    engine.step()
-    assert waiting(engine) == 5  # the freed place waits for company, 3 steps from its opening
-    engine.step()
-    assert waiting(engine) == 4
-    done.update(finish(engine))
-
-    reference = make_engine(path, delay=0)
-    for rid, prompt in queued.items():
-        reference.add_request(rid, prompt, GREEDY)
-    assert finish(reference) == {rid: done[rid] for rid in queued}
 
 
 def test_no_delay_without_decodes(path: str) -> None:
