@@ -152,12 +152,12 @@ case "${1:-9b}" in
   before)  # before [CONFIG] [CONCURRENCY]: REV's server (default 9B at 64,256); BEFORE_PATH: its site-packages
     base_tree
     cfg=${2:-qwen3.5-9b}
-    serve_bench "$cfg-before${TAG:-}" /tmp/ab-cwd "/tmp/ab-base:${BEFORE_PATH:-${PYTHONPATH:-}}" \
+    serve_bench "${cfg##*/}-before${TAG:-}" /tmp/ab-cwd "/tmp/ab-base:${BEFORE_PATH:-${PYTHONPATH:-}}" \
       "--model configs/$cfg $dummy ${SERVER_ARGS:-}" "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64 ${BENCH_ARGS:-}
     ;;
   after)  # after [CONFIG] [CONCURRENCY]: the tree's server, as `before` runs REV's
     cfg=${2:-qwen3.5-9b}
-    serve_bench "$cfg-after${TAG:-}" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy ${SERVER_ARGS:-}" \
+    serve_bench "${cfg##*/}-after${TAG:-}" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy ${SERVER_ARGS:-}" \
       "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64 ${BENCH_ARGS:-}
     ;;
   profile)  # profile [CONFIG]: py-spy at C = 64 and 256
