@@ -160,17 +160,20 @@ case "${1:-9b}" in
     serve_bench "${cfg##*/}-after${TAG:-}" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy ${SERVER_ARGS:-}" \
       "${WORKLOAD[@]}" --concurrency "${3:-64,256}" --warmup 64 ${BENCH_ARGS:-}
     ;;
-  profile)  # profile [CONFIG]: py-spy at C = 64 and 256
+  profile)  # profile [CONFIG]: py-spy at C = 64 and 256 ($SERVER_ARGS: more server flags)
     if ! command -v py-spy > /dev/null; then  # pip --target skips bin/ on a machine that has /tmp/site already
       python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/py_spy*.whl
       export PATH=/tmp/spy/bin:$PATH
     fi
     cfg=${2:-qwen3.5-9b}
-    (exec python3 -m deltaserve serve --port $port --model "configs/$cfg" $dummy) > "$out/runs/profile-$cfg.server.log" 2>&1 &
+    name=${cfg##*/}
+    # shellcheck disable=SC2086
+    (exec python3 -m deltaserve serve --port $port --model "configs/$cfg" $dummy ${SERVER_ARGS:-}) \
+      > "$out/runs/profile-$name.server.log" 2>&1 &
     pid=$!
     until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
-    profile_load "$cfg-c64-prof" 6 "${WORKLOAD[@]}" --concurrency 64 --num-prompts 256
-    profile_load "$cfg-c256-prof" 8 "${WORKLOAD[@]}" --concurrency 256 --num-prompts 768
+    profile_load "$name-c64-prof" 6 "${WORKLOAD[@]}" --concurrency 64 --num-prompts 256
+    profile_load "$name-c256-prof" 8 "${WORKLOAD[@]}" --concurrency 256 --num-prompts 768
     kill -TERM $pid
     wait $pid
     ;;
