@@ -310,17 +310,20 @@ case "${1:-9b}" in
     python3 -m bench.pyspy_summary "$out/runs/c1.engine.spy.txt" --within EngineCore.run --rows 30 | tee -a "$log"
     ;;
   timeline)  # timeline [CONFIG] [C,...]: the engine's steps (bench/serving/step_timeline.py), server against offline, per C
+    # ($SERVER_ARGS: more server flags; $OFFLINE_ARGS: the offline engine's JSON, to match them)
     cfg=${2:-qwen3.5-0.8b}
     c=${3:-256}
-    serve_bench "$cfg-timeline" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy --log-level debug ${SERVER_ARGS:-}" \
+    name=${cfg##*/}
+    dummy_json='{"load_format": "dummy"}'
+    serve_bench "$name-timeline" . "${PYTHONPATH:-}" "--model configs/$cfg $dummy --log-level debug ${SERVER_ARGS:-}" \
       "${WORKLOAD[@]}" --concurrency "$c" --warmup 64
-    python3 -m bench.serving.serve --offline-only --offline-model "configs/$cfg" --offline-args '{"load_format": "dummy"}' \
-      "${WORKLOAD[@]}" --concurrency "$c" --warmup 64 --log-level debug > "$out/runs/$cfg-timeline-offline.log" 2>&1
-    grep "^offline" "$out/runs/$cfg-timeline-offline.log" | tee -a "$log"
+    python3 -m bench.serving.serve --offline-only --offline-model "configs/$cfg" --offline-args "${OFFLINE_ARGS:-$dummy_json}" \
+      "${WORKLOAD[@]}" --concurrency "$c" --warmup 64 --log-level debug > "$out/runs/$name-timeline-offline.log" 2>&1
+    grep "^offline" "$out/runs/$name-timeline-offline.log" | tee -a "$log"
     IFS=, read -ra cs <<< "$c"
     for k in "${!cs[@]}"; do  # one table per run
       echo "c=${cs[$k]}:" | tee -a "$log"
-      python3 -m bench.serving.step_timeline "$out/runs/$cfg-timeline.server.log" "$out/runs/$cfg-timeline-offline.log" \
+      python3 -m bench.serving.step_timeline "$out/runs/$name-timeline.server.log" "$out/runs/$name-timeline-offline.log" \
         --between 'GET /metrics|^offline c=' --run $((k + 1)) | tee -a "$log"
     done
     ;;
