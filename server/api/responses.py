@@ -6,7 +6,8 @@ A request's `instructions` and `input` (a string, or messages, `reasoning`, `fun
 a chat completion does (`chat.prepare_chat`), and the output is given back as Responses items: a
 `reasoning` item (the `<think>` section), a `message` with `output_text`, and one
 `function_call` per tool call. Streams send the Responses events (`response.created`, the items'
-`added` / delta / `done` events, `response.completed`). Responses are kept in memory (the last
+`added` / delta / `done` events, `response.completed`, or `response.incomplete` for a reply that
+max_output_tokens cut or the server aborted: status `incomplete` or `cancelled`). Responses are kept in memory (the last
 `STORE_SIZE` within `STORE_BYTES`, unless the request says `store: false`): `previous_response_id` continues one (its
 input and output items come before the new input), `GET` / `DELETE /v1/responses/{id}` read and
 drop one. A restart forgets them all.
@@ -336,6 +337,16 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
     return validated(ChatCompletionRequest, fields)
 
 
+def _status(finish_reason: str | None) -> str:
+    """The response's status: cut by max_output_tokens, ended by the server (an abort), or done."""
+    return {"length": "incomplete", "abort": "cancelled"}.get(finish_reason or "", "completed")
+
+
+# a stream's last event by status: OpenAI's stream has no event of its own for a cancelled response
+_DONE_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
+                "cancelled": "response.incomplete"}  # fmt: skip
+
+
 def _usage(prompt_tokens: int, output_tokens: int, cached: int, reasoning_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
@@ -458,8 +469,8 @@ async def create_response(
     items_of = _Events()
     cut = completion.finish_reason == "length"
     items_of.feed(*ChatStreamState(prepared.parser).feed_in_order(completion.text, True, cut))
-    items_of.finish(cut)
-    status = "incomplete" if cut else "completed"
+    status = _status(completion.finish_reason)
+    items_of.finish(status)
     thought = items_of.reasoning_text()
     reasoning_tokens = len(ctx.encode(thought)) if thought else 0
     usage = _usage(len(prepared.prompt_ids), completion.num_tokens, final.num_cached_tokens, reasoning_tokens)
@@ -544,10 +555,11 @@ class _Events(PartsWriter):
             self.emit("response.output_item.done", output_index=index, item=item),
         ]
 
-    def finish(self, cut: bool) -> list[str]:
-        """Close the open items, "incomplete" where max_output_tokens `cut` them (as OpenAI marks
-        the item it stopped); a reply of no text and no call gets an empty message."""
-        status = "incomplete" if cut else "completed"
+    def finish(self, response_status: str) -> list[str]:
+        """Close the open items, "incomplete" unless the response completed (cut by
+        max_output_tokens or aborted: as OpenAI marks the item it stopped); a reply of no text and
+        no call gets an empty message."""
+        status = "completed" if response_status == "completed" else "incomplete"
         events = self.close("reasoning", status) + self.close("message", status)
         if not any(item["type"] in ("message", "function_call") for item in self.output):
             events += self.text("message", "") + self.close("message", status)
@@ -598,15 +610,14 @@ async def _stream(
         return
     assert events.last is not None
     completion = events.last.outputs[0]
-    for e in events.finish(completion.finish_reason == "length"):
+    status = _status(completion.finish_reason)
+    for e in events.finish(status):
         yield e
-    status = "incomplete" if completion.finish_reason == "length" else "completed"
     thought = events.reasoning_text()
     reasoning_tokens = len(ctx.encode(thought)) if thought else 0
     usage = _usage(
         len(prepared.prompt_ids), completion.num_tokens, events.last.num_cached_tokens, reasoning_tokens
     )
-    done = "response.incomplete" if status == "incomplete" else "response.completed"
     body = shell.body(status, events.output, usage)
     keep(body)
-    yield events.emit(done, response=body)
+    yield events.emit(_DONE_EVENTS[status], response=body)

@@ -1,16 +1,20 @@
 """SGLang's POST /abort_request on a real server (built-in model): a /generate request ended by its
 `rid`, beside one whose rid it starts, and every request with `abort_all`; each ends with finish
-reason "abort" and what it had generated, frees its slot, and the server serves on."""
+reason "abort" (a response cancelled) and what it had generated, frees its slot, and the server
+serves on."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
@@ -159,6 +163,77 @@ def test_a_beam_search_is_aborted_by_its_name(server, until_idle) -> None:
     assert [c["finish_reason"] for c in reply["body"]["choices"]] == ["abort", "abort"]
     assert reply["body"]["usage"]["completion_tokens"] < 2 * 400
     assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
+
+
+def abort_named_while_they_run(
+    url: str, sends: dict[str, Callable[[threading.Event | None], Any]], streamed: set[str]
+) -> dict[str, Any]:
+    """Run each of `sends` (named by its key, its X-Request-Id) in a thread, abort each by its name
+    once the `streamed` ones write (each sets the event it is given; the others get None), and
+    return their results."""
+    results: dict[str, Any] = {}
+    started = {name: threading.Event() for name in streamed}
+
+    def run(name: str) -> None:
+        results[name] = sends[name](started.get(name))
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in sends]
+    for t in threads:
+        t.start()
+    assert all(event.wait(60) for event in started.values())  # the streams run, and so the others
+    for name in sends:
+        assert httpx.post(f"{url}/abort_request", json={"rid": name}).status_code == 200
+    for t in threads:
+        t.join(120)
+    assert set(results) == set(sends)
+    return results
+
+
+def test_a_response_aborted_while_it_runs_is_cancelled(server, client, until_idle) -> None:
+    """The Responses API has no name field; its X-Request-Id header names the request for
+    /abort_request, as on chat. An aborted response says so, streamed or not, as OpenAI's SDK reads
+    it: `status` `cancelled`, the item it cut `incomplete`, and a stream's last event
+    `response.incomplete`, not `response.completed`."""
+
+    def respond(name: str, stream: bool) -> Callable[[threading.Event | None], Any]:
+        kw: dict[str, Any] = dict(
+            model=MODEL_NAME,
+            input="hi",
+            max_output_tokens=480,
+            temperature=0,
+            extra_headers={"X-Request-Id": name},
+            extra_body={"ignore_eos": True},
+        )
+
+        def send(started: threading.Event | None) -> Any:
+            if started is None:
+                return client.responses.create(**kw)
+            events = []
+            for event in client.responses.create(**kw, stream=True):
+                events.append(event)
+                if event.type.endswith(".delta"):  # the engine writes it
+                    started.set()
+            return events
+
+        return send
+
+    sends = {"resp-whole": respond("resp-whole", False), "resp-stream": respond("resp-stream", True)}
+    results = abort_named_while_they_run(server.url, sends, {"resp-stream"})
+    whole = results["resp-whole"]
+    assert whole.status == "cancelled" and whole.incomplete_details is None
+    assert 0 < whole.usage.output_tokens < 480
+    assert whole.output[-1].status == "incomplete"  # the item being written when it was aborted
+    assert client.responses.retrieve(whole.id).status == "cancelled"  # stored as it ended
+    events = results["resp-stream"]
+    for event in events:  # every event, the last one's cancelled response too, is OpenAI's shape
+        TypeAdapter(ResponseStreamEvent).validate_python(event.to_dict())
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.incomplete" and "response.completed" not in kinds
+    last = events[-1].response
+    assert last.status == "cancelled" and 0 < last.usage.output_tokens < 480
+    assert last.output[-1].status == "incomplete"
+    assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
+    assert until_idle(server.url)["deltaserve_kv_pages_used"] == 0
 
 
 def test_responses_and_messages_named_by_x_request_id_are_aborted_by_it(server, until_idle) -> None:
