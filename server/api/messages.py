@@ -449,7 +449,11 @@ def _event(kind: str, **fields: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _stop(reason: str | None, stop_reason: Any, blocks: list[dict[str, Any]]) -> tuple[str, str | None]:
+def _stop(
+    reason: str | None, stop_reason: Any, blocks: list[dict[str, Any]]
+) -> tuple[str | None, str | None]:
+    if reason == "abort":  # ended by the server: no stop reason of Anthropic's says so (vLLM's null)
+        return None, None
     if reason == "length":  # cut, calls or not: as chat's finish reason length (a later call was dropped)
         return "max_tokens", None
     if any(b["type"] == "tool_use" for b in blocks):

@@ -1,7 +1,7 @@
 """SGLang's POST /abort_request on a real server (built-in model): a /generate request ended by its
 `rid`, beside one whose rid it starts, and every request with `abort_all`; each ends with finish
-reason "abort" (a response cancelled) and what it had generated, frees its slot, and the server
-serves on."""
+reason "abort" (a response cancelled, a message with no stop reason) and what it had generated,
+frees its slot, and the server serves on."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 from openai.types.responses import ResponseStreamEvent
@@ -236,36 +237,45 @@ def test_a_response_aborted_while_it_runs_is_cancelled(server, client, until_idl
     assert until_idle(server.url)["deltaserve_kv_pages_used"] == 0
 
 
-def test_responses_and_messages_named_by_x_request_id_are_aborted_by_it(server, until_idle) -> None:
-    """The Responses and Messages APIs have no name field; their X-Request-Id header names the
-    request for /abort_request, as on chat."""
-    results: dict[str, Any] = {}
-    bodies = {
-        "/v1/responses": {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 480},
-        "/v1/messages": {
-            "model": MODEL_NAME,
-            "max_tokens": 480,
-            "messages": [{"role": "user", "content": "hi"}],
-        },
-    }
+def test_a_message_aborted_while_it_runs_has_no_stop_reason(server, until_idle) -> None:
+    """The Messages API has no name field either: X-Request-Id names it. An aborted message's
+    stop_reason is null (as vLLM's), streamed or not, as Anthropic's SDK reads it: not `end_turn`,
+    which would pass the cut reply off as the whole one."""
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
 
-    def send(path: str) -> None:
-        headers = {"X-Request-Id": f"named{path.replace('/', '-')}"}
-        body = {**bodies[path], "ignore_eos": True}
-        results[path] = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=120).json()
+    def message(name: str) -> Callable[[threading.Event | None], Any]:
+        kw: dict[str, Any] = dict(
+            model=MODEL_NAME,
+            max_tokens=480,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-Request-Id": name},
+            extra_body={"ignore_eos": True, "temperature": 0},  # newer SDKs no longer send temperature
+        )
 
-    threads = [threading.Thread(target=send, args=(path,)) for path in bodies]
-    for t in threads:
-        t.start()
-    threading.Event().wait(1.0)  # both run
-    for path in bodies:
-        rid = f"named{path.replace('/', '-')}"
-        assert httpx.post(f"{server.url}/abort_request", json={"rid": rid}).status_code == 200
-    for t in threads:
-        t.join(120)
-    assert results["/v1/responses"]["usage"]["output_tokens"] < 480
-    assert results["/v1/messages"]["usage"]["output_tokens"] < 480
+        def send(started: threading.Event | None) -> Any:
+            if started is None:
+                return claude.messages.create(**kw)
+            ends = []  # the stream's message_delta stop reasons
+            with claude.messages.stream(**kw) as events:
+                for event in events:
+                    if event.type == "content_block_delta":  # the engine writes it
+                        started.set()
+                    if event.type == "message_delta":
+                        ends.append(event.delta.stop_reason)
+                return events.get_final_message(), ends
+
+        return send
+
+    sends = {"msg-whole": message("msg-whole"), "msg-stream": message("msg-stream")}
+    with claude:
+        results = abort_named_while_they_run(server.url, sends, {"msg-stream"})
+    streamed, ends = results["msg-stream"]
+    assert ends == [None]  # one message_delta, its stop_reason null
+    for reply in (results["msg-whole"], streamed):
+        assert reply.stop_reason is None and reply.stop_sequence is None, reply.id
+        assert 0 < reply.usage.output_tokens < 480
     assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
+    assert until_idle(server.url)["deltaserve_kv_pages_used"] == 0
 
 
 def test_a_request_named_while_its_prompt_waits_is_aborted_once_added(server, until_idle) -> None:
