@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -59,6 +59,13 @@ def _include(value: Any, _: dict[str, Any]) -> str | None:
 
 # reasoning.effort's values (OpenAI's); "none" turns the chat template's thinking off, as in vLLM
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")  # OpenAI's; echoed, no summary is written
+# OpenAI's includable outputs; none but the refused logprobs is one this server writes
+Includable = Literal[
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs",
+]  # fmt: skip
 # the chat request's sampling fields a Responses request may add beside OpenAI's (stop, penalties,
 # logit_bias, ignore_eos, structured_outputs, ...), as vLLM's Responses API takes them, and those
 # it refuses (guided_whitespace_pattern, ...): refused here too, not dropped
@@ -101,10 +108,12 @@ class ResponsesRequest(RequestBody):
     stream: bool = False
     previous_response_id: str | None = None
     store: bool = True  # kept for previous_response_id and GET (OpenAI's default)
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None  # OpenAI's: string values
     user: str | None = None
     reasoning: dict[str, Any] | None = None  # effort "none": the template's thinking off
-    truncation: str | None = None  # echoed; input over the context is a 400 either way
+    # echoed; an input over the context is a 400 either way
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[Includable] | None = None
 
 
 def _item_id(prefix: str) -> str:
@@ -317,6 +326,12 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
                 "reasoning.effort",
             )
         template_kwargs = {"enable_thinking": effort != "none", **(template_kwargs or {})}
+    summary = (req.reasoning or {}).get("summary")
+    if summary is not None and summary not in REASONING_SUMMARIES:
+        raise bad_request(
+            f"reasoning.summary must be one of {', '.join(REASONING_SUMMARIES)}, got {summary!r}",
+            "reasoning.summary",
+        )
     fields = {k: v for k, v in (req.model_extra or {}).items() if k in _EXTRA}
     fields.update(
         model=req.model,

@@ -427,6 +427,44 @@ def test_bad_requests_are_400s(base_url: str, body: dict, param: str | None) -> 
         assert param in err["message"] and "json_schema':" not in err["message"]  # the Responses shape
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"truncation": "x"}, "truncation"),
+        ({"include": ["nonsense"]}, "include.0"),
+        ({"include": "reasoning.encrypted_content"}, "include"),
+        ({"reasoning": {"summary": "x"}}, "reasoning.summary"),
+        ({"metadata": {"k": 1}}, "metadata.k"),
+    ],
+)
+def test_a_typed_field_of_another_type_or_value_is_400_naming_it(
+    base_url: str, body: dict, param: str
+) -> None:
+    """Values OpenAI's and vLLM's schemas refuse are refused here too, not echoed or ignored."""
+    r = httpx.post(f"{base_url}/responses", json={"input": "hi", "max_output_tokens": 2, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert set(r.json()) == {"error"}
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and param in err["message"], err
+
+
+def test_the_allowed_values_of_those_fields_are_served_and_echoed(base_url: str) -> None:
+    body = {
+        "input": "hi",
+        "max_output_tokens": 2,
+        "truncation": "auto",
+        "include": ["reasoning.encrypted_content", "web_search_call.action.sources"],
+        "reasoning": {"summary": "concise"},
+        "metadata": {"k": "v"},
+    }
+    r = httpx.post(f"{base_url}/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["truncation"] == "auto" and out["reasoning"]["summary"] == "concise"
+    assert out["metadata"] == {"k": "v"}
+
+
 def test_a_function_tool_without_a_name_is_400_saying_so(base_url: str) -> None:
     body = {
         "model": MODEL_NAME,
