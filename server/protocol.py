@@ -340,6 +340,8 @@ class SamplingRequest(RequestBody):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's; the detokenizer joins special tokens as the tokenizer's decode does, either way
+    spaces_between_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     # vLLM's: at each generated position, these ids' logprobs (with the chosen one's) as its top ones
@@ -407,7 +409,10 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's: the reply's content starts with the last message's, where its role is the reply's
     echo: bool = False
     return_prompt_text: bool = False  # vLLM's: the rendered prompt's text in the reply
-    documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that render retrieved documents
+    # vLLM's: for templates that render retrieved documents ({"title": ..., "text": ...})
+    documents: list[dict[str, str]] | None = None
+    # vLLM's: the tokenizer's special tokens (a BOS) added to the rendered prompt, beside the template's
+    add_special_tokens: bool = False
 
     def reply_role(self) -> str:
         """vLLM's: the reply is the assistant's after a generation prompt, else the last message's role."""
@@ -447,6 +452,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     use_beam_search: bool = False  # vLLM's: the n best beams (server/api/beam_search.py)
     length_penalty: float = 1.0
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) added to a text prompt
 
 
 class TokenizeRequest(RequestBody):

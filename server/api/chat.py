@@ -93,7 +93,7 @@ async def prepare_chat(
         )
         if req.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
             ctx.refuse_overlong(text, "messages")
-        ids = ctx.encode(text)
+        ids = ctx.encode(text, add_special_tokens=req.add_special_tokens)
         tail = 0  # the prompt's last tokens that the next turn does not repeat
         if req.add_generation_prompt and not req.continue_final_message:
             start = next_turn_start(

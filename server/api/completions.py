@@ -41,6 +41,7 @@ def _prompts(
     prompt: str | list[str] | list[int] | list[list[int]],
     echo: bool,
     truncated: bool = False,
+    add_special_tokens: bool = True,
 ) -> list[tuple[str, list[int]]]:
     """Every prompt as (text, token ids); token-id prompts are decoded only to be echoed. Prompts
     too long for the context are refused untokenized and undecoded, unless the request truncates them."""
@@ -60,7 +61,7 @@ def _prompts(
     out = []
     for item in prompt:
         if isinstance(item, str):
-            out.append((item, ctx.encode(item)))
+            out.append((item, ctx.encode(item, add_special_tokens=add_special_tokens)))
             continue
         bad = [t for t in item if not 0 <= t < ctx.vocab_size]  # type: ignore[union-attr]
         if bad:
@@ -129,7 +130,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     model = ctx.resolve_model(req.model)
     prompts = []
     truncating = req.truncate_prompt_tokens is not None
-    for text, whole in await ctx.off_loop(_prompts, ctx, req.prompt, req.echo, truncating):
+    texts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo, truncating, req.add_special_tokens)
+    for text, whole in texts:
         ids = truncate_prompt(req, whole, ctx.client.max_model_len)
         if len(ids) < len(whole) and req.echo:  # the echo is the prompt the model read
             text = await ctx.off_loop(ctx.decode, ids) if ctx.tokenizer is not None else ""

@@ -103,6 +103,49 @@ def test_values_of_those_fields_that_change_nothing_are_served(client, model_nam
     assert len(chat.choices) == 2
 
 
+@pytest.mark.parametrize(
+    "endpoint,extra,param",
+    [
+        ("chat/completions", {"add_special_tokens": "x"}, "add_special_tokens"),
+        ("completions", {"add_special_tokens": "x"}, "add_special_tokens"),
+        ("chat/completions", {"documents": [{"title": "t", "text": 5}]}, "documents.0.text"),
+        ("chat/completions", {"documents": ["a document"]}, "documents.0"),
+        ("chat/completions", {"spaces_between_special_tokens": "x"}, "spaces_between_special_tokens"),
+        ("completions", {"spaces_between_special_tokens": 2}, "spaces_between_special_tokens"),
+    ],
+)
+def test_vllm_fields_of_another_type_are_400_naming_them(
+    base_url: str, model_name: str, endpoint: str, extra: dict, param: str
+) -> None:
+    """vLLM's typed fields refuse these values (pydantic); here too, rather than ignoring them."""
+    prompt = {"messages": MESSAGES} if endpoint.startswith("chat") else {"prompt": "hi"}
+    body = {"model": model_name, **prompt, "max_tokens": 2, **extra}
+    r = httpx.post(f"{base_url}/{endpoint}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert set(r.json()) == {"error"}
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and param in err["message"], err
+
+
+def test_good_values_of_those_fields_are_served(base_url: str, model_name: str) -> None:
+    def prompt_tokens(endpoint: str, body: dict) -> int:
+        r = httpx.post(
+            f"{base_url}/{endpoint}", json={"model": model_name, "max_tokens": 2, **body}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    chat = {"messages": MESSAGES, "documents": [{"title": "t", "text": "x"}]}
+    # Qwen's tokenizer adds no special tokens to a text: the same prompt either way
+    assert prompt_tokens("chat/completions", {**chat, "add_special_tokens": True}) == prompt_tokens(
+        "chat/completions", {**chat, "spaces_between_special_tokens": False}
+    )
+    assert prompt_tokens("completions", {"prompt": "hi", "add_special_tokens": False}) == prompt_tokens(
+        "completions", {"prompt": "hi"}
+    )
+
+
 @pytest.mark.parametrize("side,kept", [(None, [400, 500]), ("left", [400, 500]), ("right", [100, 200])])
 def test_truncation_side_picks_the_end_of_the_prompt_kept(
     client, server, model_name, side: str | None, kept: list[int]
