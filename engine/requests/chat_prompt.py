@@ -74,6 +74,16 @@ def _tool_call_for_template(call: dict[str, Any], index: int) -> dict[str, Any]:
     # OpenAI sends arguments as a JSON string; Qwen3.5's template iterates them as a mapping, and
     # a string that is not JSON is passed through as it came
     call = dict(call)
+    # OpenAI's and vLLM's schema: a string id (a tool message answers it) and type "function"
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise ChatTemplateError(
+            f"tool_calls[{index}]: a tool call's id is a string", f"tool_calls.{index}.id"
+        )
+    if call.get("type") not in (None, "function"):
+        raise ChatTemplateError(
+            f"tool_calls[{index}]: a tool call's type is 'function', got {call['type']!r}",
+            f"tool_calls.{index}.type",
+        )
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ChatTemplateError(
