@@ -152,6 +152,12 @@ def to_messages(
                     )
                 )
             elif kind == "tool_result" and role == "user":
+                if not isinstance(
+                    block.get("is_error", False), (bool, type(None))
+                ):  # Anthropic's and vLLM's type
+                    raise bad_request(
+                        f"{where}.content[{j}]: a tool_result's is_error is a boolean", "messages"
+                    )
                 result = _tool_result(block.get("content"), f"{where}.content[{j}]")
                 out.append(ChatMessage(role="tool", tool_call_id=block.get("tool_use_id"), content=result))
             elif kind == "tool_use" and role == "assistant":

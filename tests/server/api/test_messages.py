@@ -104,6 +104,26 @@ def test_a_tool_result_turn_renders_as_the_chat_tool_message(server, claude) -> 
     assert m.usage.output_tokens == 4
 
 
+def test_a_tool_results_is_error_that_is_not_a_boolean_is_a_400_naming_it(server) -> None:
+    """Anthropic's and vLLM's schemas make is_error a boolean; "x" is refused, not ignored."""
+
+    def turns(result: dict) -> list[dict]:
+        call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+        done = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "no such city", **result}
+        return [*MESSAGES, {"role": "assistant", "content": [call]}, {"role": "user", "content": [done]}]
+
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body = {"model": MODEL_NAME, "max_tokens": 2}
+        r = httpx.post(f"{server.url}{path}", json={**body, "messages": turns({"is_error": "x"})}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert "is_error" in r.json()["error"]["message"] and "messages[2]" in r.json()["error"]["message"]
+        for good in ({"is_error": True}, {"is_error": None}, {}):
+            r = httpx.post(f"{server.url}{path}", json={**body, "messages": turns(good)}, timeout=60)
+            assert r.status_code == 200, r.text
+
+
 # an image whose media_type is not a string: a list is no key of the media types' table
 IMAGE_OF_LIST_MEDIA = {"type": "base64", "media_type": ["image/png"], "data": "iVBORw0KGgo="}
 
