@@ -326,12 +326,13 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
                 "reasoning.effort",
             )
         template_kwargs = {"enable_thinking": effort != "none", **(template_kwargs or {})}
-    summary = (req.reasoning or {}).get("summary")
-    if summary is not None and summary not in REASONING_SUMMARIES:
-        raise bad_request(
-            f"reasoning.summary must be one of {', '.join(REASONING_SUMMARIES)}, got {summary!r}",
-            "reasoning.summary",
-        )
+    for key in ("summary", "generate_summary"):  # generate_summary: OpenAI's older name for summary
+        summary = (req.reasoning or {}).get(key)
+        if summary is not None and summary not in REASONING_SUMMARIES:
+            raise bad_request(
+                f"reasoning.{key} must be one of {', '.join(REASONING_SUMMARIES)}, got {summary!r}",
+                f"reasoning.{key}",
+            )
     fields = {k: v for k, v in (req.model_extra or {}).items() if k in _EXTRA}
     fields.update(
         model=req.model,

@@ -434,6 +434,7 @@ def test_bad_requests_are_400s(base_url: str, body: dict, param: str | None) -> 
         ({"include": ["nonsense"]}, "include.0"),
         ({"include": "reasoning.encrypted_content"}, "include"),
         ({"reasoning": {"summary": "x"}}, "reasoning.summary"),
+        ({"reasoning": {"generate_summary": 1}}, "reasoning.generate_summary"),
         ({"metadata": {"k": 1}}, "metadata.k"),
     ],
 )
