@@ -256,12 +256,28 @@ def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
                     "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
                     "response_format",
                 )
+            _check_schema_spec(spec)
             return StructuredOutputs(json=spec["schema"])
     except ValueError as exc:
         raise bad_request(str(exc), "response_format") from exc
     raise bad_request(
         f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format"
     )
+
+
+def _check_schema_spec(spec: dict[str, Any]) -> None:
+    """A json_schema's name and description strings and strict a boolean, as OpenAI's and vLLM's
+    schemas take them (each may be left out)."""
+    for key, kind, what in (
+        ("name", str, "a string"),
+        ("description", str, "a string"),
+        ("strict", bool, "a boolean"),
+    ):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise bad_request(
+                f"response_format json_schema's {key} is {what}, got {type(spec[key]).__name__}",
+                "response_format",
+            )
 
 
 FORCED_CALLS = 4  # tool_choice "required": at most this many calls in one reply

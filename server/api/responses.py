@@ -313,7 +313,7 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
                     "text.format json_schema needs {'type': 'json_schema', 'name': ..., 'schema': {...}}",
                     "text.format",
                 )
-            spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+            spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
             response_format = {"type": "json_schema", "json_schema": spec}
         else:
             response_format = fmt

@@ -89,6 +89,38 @@ def pushed_reply(client, schema: dict[str, Any], token: int, name: str) -> Any:
     ).choices[0]
 
 
+@pytest.mark.parametrize(
+    "spec, key",
+    [
+        ({"name": "s", "strict": "x"}, "strict"),
+        ({"name": 5}, "name"),
+        ({"name": "s", "description": ["d"]}, "description"),
+    ],
+)
+def test_a_json_schemas_name_description_or_strict_of_another_type_is_a_400(base_url, spec, key) -> None:
+    """OpenAI's and vLLM's schemas take a string name and description and a boolean strict; another
+    value is refused, not ignored, on chat and (as text.format) on the Responses API."""
+    schema = {"type": "object"}
+    r = chat(base_url, response_format={"type": "json_schema", "json_schema": {**spec, "schema": schema}})
+    responses = httpx.post(
+        f"{base_url}/responses",
+        json={
+            "input": "JSON",
+            "max_output_tokens": 8,
+            "text": {"format": {"type": "json_schema", **spec, "schema": schema}},
+        },
+        timeout=60,
+    )
+    for reply, param in ((r, "response_format"), (responses, "text.format")):
+        assert reply.status_code == 400, reply.text
+        assert set(reply.json()) == {"error"}
+        err = reply.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+        assert err["param"] == param and key in err["message"] and param in err["message"], err
+    good = {"name": "s", "description": "d", "strict": True, "schema": schema}
+    assert chat(base_url, response_format={"type": "json_schema", "json_schema": good}).status_code == 200
+
+
 def test_a_length_bounded_string_holds_no_raw_control_characters(client) -> None:
     """xgrammar lets a string with minLength / maxLength hold raw control characters, which JSON
     forbids: pushed towards a tab, the reply was `{"note": "()\\t\\t..."}` with a raw tab (finish
