@@ -436,6 +436,7 @@ def test_bad_requests_are_400s(base_url: str, body: dict, param: str | None) -> 
         ({"reasoning": {"summary": "x"}}, "reasoning.summary"),
         ({"reasoning": {"generate_summary": 1}}, "reasoning.generate_summary"),
         ({"metadata": {"k": 1}}, "metadata.k"),
+        ({"tools": [{"type": "function", "name": "f", "strict": "x"}]}, "tools"),
     ],
 )
 def test_a_typed_field_of_another_type_or_value_is_400_naming_it(
@@ -458,6 +459,7 @@ def test_the_allowed_values_of_those_fields_are_served_and_echoed(base_url: str)
         "include": ["reasoning.encrypted_content", "web_search_call.action.sources"],
         "reasoning": {"summary": "concise"},
         "metadata": {"k": "v"},
+        "tools": [{"type": "function", "name": "f", "strict": True}],
     }
     r = httpx.post(f"{base_url}/responses", json=body, timeout=60)
     assert r.status_code == 200, r.text
