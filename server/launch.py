@@ -83,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Interrupted(Exception):
+class _Interrupted(BaseException):  # as KeyboardInterrupt: start-up code's `except Exception` lets it through
     def __init__(self, sig: int) -> None:
         super().__init__(sig)
         self.sig = sig

@@ -317,3 +317,30 @@ def test_a_kernel_capped_accept_queue_is_warned_about(tmp_path, caplog) -> None:
     with caplog.at_level("WARNING", logger="deltaserve"):
         _warn_if_accept_queue_capped(2048, str(path))
     assert caplog.text == ""
+
+
+def test_a_signal_while_the_tokenizer_loads_stops_start_up(builtin_path, monkeypatch) -> None:
+    """SIGTERM while the HTTP side loads its tokenizer (seconds after the engine is up) stops
+    start-up, as it does while the engine loads: the fallback that catches a tokenizer's load
+    errors did not swallow it, and the server went on to serve, deaf to that signal."""
+    import transformers
+
+    from deltaserve.models.checkpoints.loader import load_tokenizer
+    from deltaserve.server.launch import _Interrupted, _Starting
+
+    def signalled_while_loading(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs in here, as it would in the load's own code
+        raise AssertionError("the signal was not handled")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", signalled_while_loading)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    starting = _Starting()
+    try:
+        assert signal.getsignal(signal.SIGTERM) == starting._handle  # else the signal would end pytest
+        with pytest.raises(_Interrupted):
+            load_tokenizer(builtin_path)
+    finally:
+        starting.done()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
