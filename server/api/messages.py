@@ -152,9 +152,8 @@ def to_messages(
                     )
                 )
             elif kind == "tool_result" and role == "user":
-                if not isinstance(
-                    block.get("is_error", False), (bool, type(None))
-                ):  # Anthropic's and vLLM's type
+                is_error = block.get("is_error")
+                if is_error is not None and not isinstance(is_error, bool):  # Anthropic's and vLLM's type
                     raise bad_request(
                         f"{where}.content[{j}]: a tool_result's is_error is a boolean", "messages"
                     )

@@ -291,7 +291,8 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
                 )
             if not isinstance(t.get("name"), str) or not t["name"]:
                 raise bad_request(f"tools[{i}]: a function tool needs a name", "tools")
-            if not isinstance(t.get("strict", False), (bool, type(None))):  # OpenAI's and vLLM's type; echoed
+            strict = t.get("strict")  # echoed; OpenAI's and vLLM's type
+            if strict is not None and not isinstance(strict, bool):
                 raise bad_request(f"tools[{i}]: a function tool's strict is a boolean", "tools")
             function = {
                 "name": t["name"],
