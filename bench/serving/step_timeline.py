@@ -6,8 +6,8 @@ server's `--log-level debug`, or `bench.serving.serve --offline-only --log-level
 Each line gives a step's decode rows, verification rows, prefill chunks and tokens, and the time
 since the step before; that time is charged to the step before (the one it ran), so a row reads:
 how many steps, how many of them carried prefill chunks, and the mean wall time of a decode-only
-step and of a step with prefill. `--between REGEX` keeps the steps after the first line that
-matches and before the last (bench.serving.serve scrapes the server's /metrics just before and after each
+step and of a step with prefill, and the latter's median, p90 and slowest. `--between REGEX` keeps
+the steps after the first line that matches and before the last (bench.serving.serve scrapes the server's /metrics just before and after each
 run, and prints "offline c=N" before and after its offline run); `--run K` keeps the K-th run's.
 Where the server gives less than the offline engine on the same requests, this says whether it
 ran more steps, other steps, or the same steps slower.
@@ -16,6 +16,7 @@ ran more steps, other steps, or the same steps slower.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -69,6 +70,12 @@ class Timeline:
         def mean(values: list[float]) -> float:
             return sum(values) / len(values) if values else 0.0
 
+        def quantile(values: list[float], q: float) -> float:  # nearest rank: one of the steps' own times
+            ordered = sorted(values)
+            return ordered[max(0, math.ceil(len(ordered) * q) - 1)] if ordered else 0.0
+
+        mixed_ms = [s.ms or 0.0 for s in mixed]
+
         return {
             "steps": len(timed),
             "with_prefill": len(mixed),
@@ -76,7 +83,10 @@ class Timeline:
             "decode_rows": sum(s.decodes for s in timed),
             "prefill_tokens": sum(s.prefill_tokens for s in timed),
             "decode_ms": mean([s.ms or 0.0 for s in decode]),
-            "mixed_ms": mean([s.ms or 0.0 for s in mixed]),
+            "mixed_ms": mean(mixed_ms),
+            "mixed_p50_ms": quantile(mixed_ms, 0.5),
+            "mixed_p90_ms": quantile(mixed_ms, 0.9),
+            "mixed_max_ms": max(mixed_ms, default=0.0),
             "decodes_per_step": mean([float(s.decodes) for s in timed]),
             "prefill_tokens_per_mixed_step": mean([float(s.prefill_tokens) for s in mixed]),
         }
@@ -90,6 +100,9 @@ COLUMNS = (
     ("prefill_tokens", "prefill tokens", 0),
     ("decode_ms", "decode-only ms", 2),
     ("mixed_ms", "with-prefill ms", 2),
+    ("mixed_p50_ms", "p50", 1),
+    ("mixed_p90_ms", "p90", 1),
+    ("mixed_max_ms", "max", 1),
     ("decodes_per_step", "rows/step", 1),
     ("prefill_tokens_per_mixed_step", "prefill tok/mixed step", 0),
 )

@@ -49,3 +49,15 @@ x INFO uvicorn.access: 127.0.0.1 - "GET /metrics HTTP/1.1" 200
     # three steps between the second run's marks, the first two timed (6 ms each)
     assert s["steps"] == 2 and s["decode_rows"] == 8 and s["decode_ms"] == 6.0
     assert Timeline.parse(lines, between="GET /metrics", run=3).summary()["steps"] == 0
+
+
+def test_steps_with_prefill_give_their_median_p90_and_slowest() -> None:
+    times = [90.0, 100.0, 80.0, 360.0, 95.0]
+    lines = [
+        f"step: 4 decodes, 0 verifications, 1 prefill chunks of 8192 tokens; {'-' if i == 0 else f'{times[i - 1]:.2f} ms'} since the last"
+        for i in range(len(times) + 1)
+    ]
+    s = Timeline.parse(lines).summary()
+    assert s["with_prefill"] == 5
+    assert (s["mixed_p50_ms"], s["mixed_p90_ms"], s["mixed_max_ms"]) == (95.0, 360.0, 360.0)
+    assert Timeline.parse(lines[:1]).summary()["mixed_max_ms"] == 0.0
