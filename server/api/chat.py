@@ -24,7 +24,7 @@ from ..protocol import (
     ChatMessage,
     DeltaToolCall,
 )
-from ..text.chat_output import ChatOutputParser, ChatStreamState, to_openai_tool_calls
+from ..text.chat_output import ChatOutputParser, ChatStreamState, ended_early, to_openai_tool_calls
 from ..text.chat_template import (
     first_image_part,
     image_urls,
@@ -269,7 +269,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         """What `out` adds: reasoning, content, tool calls, logprobs, the finish and stop reasons."""
         state = self.states.setdefault(out.request_id, ChatStreamState(self.parser))
         completion = out.outputs[0]
-        cut = completion.finish_reason == "length"
+        cut = ended_early(completion.finish_reason)
         reasoning, content, calls = state.feed(completion.text, completion.finished(), cut)
         if not self.req.include_reasoning:
             reasoning = None
@@ -306,7 +306,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
 
     def final_choice(self, index: int, out: RequestOutput) -> ChatChoice:
         completion = out.outputs[0]
-        parsed = self.parser.parse(completion.text, final=True, cut=completion.finish_reason == "length")
+        parsed = self.parser.parse(completion.text, final=True, cut=ended_early(completion.finish_reason))
         calls = to_openai_tool_calls(parsed.tool_calls) or None
         content: str | None = parsed.content
         if not content and (calls or parsed.reasoning):
@@ -366,7 +366,7 @@ async def parsed_steps(
         for out in outputs:
             raise_if_failed(out)
             completion = out.outputs[0]
-            cut = completion.finish_reason == "length"
+            cut = ended_early(completion.finish_reason)
             yield (out, *state.feed_in_order(completion.text, completion.finished(), cut))
 
 

@@ -40,7 +40,7 @@ from ..protocol import (
     unsupported_unless_one,
     validated,
 )
-from ..text.chat_output import ChatStreamState
+from ..text.chat_output import ChatStreamState, ended_early
 from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ServerContext
@@ -521,7 +521,7 @@ async def _answer(final: Any, prepared: PreparedChat, message_id: str, model: st
     blocks = _Blocks()
     blocks.feed(
         *ChatStreamState(prepared.parser).feed_in_order(
-            completion.text, True, completion.finish_reason == "length"
+            completion.text, True, ended_early(completion.finish_reason)
         )
     )
     blocks.finish()

@@ -41,7 +41,7 @@ from ..protocol import (
     unsupported_unless_one,
     validated,
 )
-from ..text.chat_output import ChatStreamState, tool_call_id
+from ..text.chat_output import ChatStreamState, ended_early, tool_call_id
 from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ClientDisconnected, ServerContext
@@ -486,7 +486,7 @@ async def create_response(
     completion = final.outputs[0]
     # the items as a stream of the whole text builds them: in the order they were written
     items_of = _Events()
-    cut = completion.finish_reason == "length"
+    cut = ended_early(completion.finish_reason)
     items_of.feed(*ChatStreamState(prepared.parser).feed_in_order(completion.text, True, cut))
     status = _status(completion.finish_reason)
     items_of.finish(status)

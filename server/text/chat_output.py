@@ -31,7 +31,7 @@ class ChatOutputParser:
     max_calls: int | None = None
 
     def parse(self, text: str, final: bool, cut: bool = False) -> ParsedChat:
-        """`cut`: the output ended at the length limit (an unfinished call at its end is dropped)."""
+        """`cut`: the output ended early (`ended_early`): an unfinished call at its end is dropped."""
         reasoning, content = (
             split_reasoning(text, self.starts_in_reasoning, final) if self.parse_reasoning else (None, text)
         )
@@ -40,6 +40,12 @@ class ChatOutputParser:
             content, calls = extract_tool_calls(content, self.tools, final, self.tool_format, cut)
             calls = calls[: self.max_calls]
         return ParsedChat(reasoning, content, calls)
+
+
+def ended_early(finish_reason: str | None) -> bool:
+    """Whether an output stopped before the model ended it: at the length limit, or aborted. A call
+    it was writing then is half of one, neither content nor a call to make."""
+    return finish_reason in ("length", "abort")
 
 
 def tool_call_id() -> str:
@@ -77,7 +83,7 @@ class ChatStreamState:
         self, piece: str, final: bool, cut: bool = False
     ) -> tuple[str | None, list[str | DeltaToolCall]]:
         """As `feed`: the reasoning, then the content (non-empty pieces) and the calls in the order
-        they were written. `cut`: the output ended at the length limit."""
+        they were written. `cut`: the output ended early (`ended_early`)."""
         reasoning, content = self.reasoning.feed(piece, final)
         if self.tools is None:
             return reasoning or None, [content] if content else []

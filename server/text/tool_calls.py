@@ -8,7 +8,7 @@ Kimi's form (`KIMI`) wraps calls in a section, `<|tool_calls_section_begin|>`, t
 As in reasoning.py, parsing a growing text with `final=False` holds back every unfinished call, so
 content and the list of calls only ever grow; `ToolCallStream` gives the same result for a text fed
 in pieces, reading each piece once (each call's body is parsed once, when its end tag arrives).
-An output cut off by the length limit (`cut`) ends with no markup: an unfinished call, or start
+An output cut off by the length limit or an abort (`cut`) ends with no markup: an unfinished call, or start
 tag, at its end is dropped, being neither content nor a whole call.
 """
 
