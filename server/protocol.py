@@ -208,9 +208,12 @@ class StreamOptions(OpenAIModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-def not_an_object_schema(schema: dict[str, Any] | None) -> str | None:
+def not_an_object_schema(schema: Any) -> str | None:
     """Why a function's parameters schema is refused: its arguments are a JSON object (the tool-call
-    forms write them so), so a schema of another type is an error, as OpenAI's and Anthropic's are."""
+    forms write them so), so a schema of another type is an error, as OpenAI's and Anthropic's are
+    (and a schema that is no JSON object at all)."""
+    if schema is not None and not isinstance(schema, dict):
+        return "not an object"
     kind = (schema or {}).get("type", "object")
     if kind != "object":
         return f"a function's parameters are a JSON Schema of type 'object', got type {kind!r}"

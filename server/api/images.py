@@ -43,9 +43,8 @@ class ImageReader:
     def check(self, count: int, where: str) -> None:
         """A 400 when the prompt carries images this server cannot read, or more than its limit."""
         if count and self.processor is None:
-            raise bad_request(
-                f"{where}: content part type 'image_url' is not supported: {self.refusal}", where
-            )
+            # no part type named: the Messages and Responses APIs call their image parts otherwise
+            raise bad_request(f"{where}: images are not supported: {self.refusal}", where)
         if self.limit is not None and count > self.limit:
             raise bad_request(
                 f"the prompt has {count} images; this server takes at most {self.limit} a prompt "

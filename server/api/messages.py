@@ -157,14 +157,23 @@ def to_messages(
                     raise bad_request(
                         f"{where}.content[{j}]: a tool_result's is_error is a boolean", "messages"
                     )
+                call_id = block.get("tool_use_id")
+                if call_id is not None and not isinstance(call_id, str):  # Anthropic's type
+                    raise bad_request(
+                        f"{where}.content[{j}]: a tool_result's tool_use_id is a string", "messages"
+                    )
                 result = _tool_result(block.get("content"), f"{where}.content[{j}]")
-                out.append(ChatMessage(role="tool", tool_call_id=block.get("tool_use_id"), content=result))
+                out.append(ChatMessage(role="tool", tool_call_id=call_id, content=result))
             elif kind == "tool_use" and role == "assistant":
                 _check_tool_use(block, f"{where}.content[{j}]")
                 arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
                 call = {"name": block.get("name"), "arguments": arguments}
                 calls.append({"id": block.get("id") or _tool_use_id(), "type": "function", "function": call})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                if block.get("thinking") is not None and not isinstance(block["thinking"], str):
+                    raise bad_request(
+                        f"{where}.content[{j}]: a thinking block's thinking is a string", "messages"
+                    )
                 thought = block.get("thinking") or thought
             else:
                 raise bad_request(
@@ -259,13 +268,11 @@ def _tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[ToolDefiniti
                     "tools",
                 )
             schema = tool.get("input_schema")
-            why = (
-                not_an_object_schema(schema)
-                if schema is None or isinstance(schema, dict)
-                else "not an object"
-            )
+            why = not_an_object_schema(schema)
             if why is not None:
                 raise bad_request(f"tools[{i}].input_schema: {why}", f"tools.{i}.input_schema")
+            if tool.get("description") is not None and not isinstance(tool["description"], str):
+                raise bad_request(f"tools[{i}].description is a string", f"tools.{i}.description")
             definition = FunctionDefinition(
                 name=tool["name"], description=tool.get("description"), parameters=schema
             )

@@ -36,6 +36,7 @@ from ..protocol import (
     ImageURL,
     RequestBody,
     SamplingRequest,
+    not_an_object_schema,
     translating,
     unsupported_if_set,
     unsupported_unless_one,
@@ -264,6 +265,8 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
                 content = _content_of(output, where)
             else:
                 content = output if isinstance(output, str) else json.dumps(output)
+            if not isinstance(item.get("call_id", ""), str):
+                raise bad_request(f"{where}: a function_call_output item's call_id is a string", "input")
             messages.append(ChatMessage(role="tool", tool_call_id=item.get("call_id"), content=content))
             thought = None
         elif kind == "reasoning":
@@ -294,6 +297,13 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
             strict = t.get("strict")  # echoed; OpenAI's and vLLM's type
             if strict is not None and not isinstance(strict, bool):
                 raise bad_request(f"tools[{i}]: a function tool's strict is a boolean", "tools")
+            # checked here, where the tool's fields have this API's names, not the chat function's
+            if t.get("description") is not None and not isinstance(t["description"], str):
+                raise bad_request(f"tools[{i}].description is a string", f"tools.{i}.description")
+            schema = t.get("parameters")
+            why = not_an_object_schema(schema)
+            if why is not None:
+                raise bad_request(f"tools[{i}].parameters: {why}", f"tools.{i}.parameters")
             function = {
                 "name": t["name"],
                 "description": t.get("description"),

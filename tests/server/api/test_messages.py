@@ -4,6 +4,7 @@ sequences, a tool_result turn, Anthropic-shaped errors and the key sent as x-api
 
 from __future__ import annotations
 
+import base64
 import json
 
 import anthropic
@@ -122,6 +123,28 @@ def test_a_tool_results_is_error_that_is_not_a_boolean_is_a_400_naming_it(server
         for good in ({"is_error": True}, {"is_error": None}, {}):
             r = httpx.post(f"{server.url}{path}", json={**body, "messages": turns(good)}, timeout=60)
             assert r.status_code == 200, r.text
+
+
+def test_a_refusal_names_the_field_as_this_api_spells_it(server) -> None:
+    """Blocks and tools become the chat endpoint's messages and functions: a 400 names the field
+    the client sent (a tool_result's tool_use_id, a thinking block's thinking, a tool's
+    description, an image block), not the chat's it became."""
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(24)).decode()
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
+    for body, named, chat_name in (
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 5, "content": "x"}]}]},
+         "messages[0].content[0]: a tool_result's tool_use_id", "tool_call_id"),
+        ({"messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": ["a"]}]}, *MESSAGES]},
+         "messages[0].content[0]: a thinking block's thinking", "reasoning_content"),
+        ({"messages": MESSAGES, "tools": [{"name": "f", "description": 5, "input_schema": {"type": "object"}}]},
+         "tools[0].description", "function"),
+        ({"messages": [{"role": "user", "content": [image]}]}, "reads text only", "image_url"),
+    ):  # fmt: skip
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = httpx.post(f"{server.url}{path}", json={"model": MODEL_NAME, "max_tokens": 2, **body})
+            assert r.status_code == 400, r.text
+            message = r.json()["error"]["message"]
+            assert named in message and chat_name not in message, (path, message)
 
 
 # an image whose media_type is not a string: a list is no key of the media types' table
@@ -284,8 +307,6 @@ JPEG_HEAD = b"\xff\xd8\xff\xe0" + bytes(28)
     ids=["bmp", "no-media-type", "jpeg-as-png", "wav-as-webp", "png", "jpeg"],
 )
 def test_an_image_blocks_media_type_is_checked(server, claude, media_type, data: bytes, needle: str) -> None:
-    import base64
-
     source = {"type": "base64", "data": base64.b64encode(data).decode()}
     if media_type is not None:
         source["media_type"] = media_type

@@ -468,6 +468,38 @@ def test_the_allowed_values_of_those_fields_are_served_and_echoed(base_url: str)
     assert out["metadata"] == {"k": "v"}
 
 
+PNG_DATA_URL = "data:image/png;base64,iVBORw0KGgoAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "named"),
+    [
+        ({"tools": [{"type": "function", "name": "f", "description": 5}]}, "tools.0.description",
+         "tools[0].description"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools.0.parameters",
+         "tools[0].parameters"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools.0.parameters",
+         "tools[0].parameters"),
+        ({"input": [{"type": "function_call_output", "call_id": 5, "output": "x"}]}, "input",
+         "input[0]: a function_call_output item's call_id"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": PNG_DATA_URL}]}]}, "input",
+         "reads text only"),
+    ],
+)  # fmt: skip
+def test_a_refusal_names_the_field_as_this_api_spells_it(
+    base_url: str, body: dict, param: str, named: str
+) -> None:
+    """Tools and items become the chat endpoint's functions and messages: a 400 names the field the
+    client sent (a tool's description, an item's call_id, an input_image), not the chat's it
+    became (function.description, tool_call_id, an image_url part)."""
+    r = httpx.post(f"{base_url}/responses", json={"input": "hi", "max_output_tokens": 2, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and named in err["message"], err
+    for chat_name in (".function.", "tool_call_id", "part type 'image_url'"):
+        assert chat_name not in err["message"] and chat_name not in err["param"], err
+
+
 def test_a_function_tool_without_a_name_is_400_saying_so(base_url: str) -> None:
     body = {
         "model": MODEL_NAME,
