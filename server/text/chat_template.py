@@ -50,9 +50,18 @@ def message_to_dict(message: ChatMessage, index: int = 0, content_format: str = 
                     f"{where}.type",
                 )
     try:
-        return template_message(message.model_dump(exclude_none=True), content_format)
+        rendered = template_message(message.model_dump(exclude_none=True), content_format)
     except ChatTemplateError as exc:  # a malformed part of this message: named where it is
         raise bad_request(f"messages[{index}].{exc}", f"messages.{index}.{exc.param}") from exc
+    for j, call in enumerate(message.tool_calls or []):
+        # OpenAI's and vLLM's request schemas require both (the offline LLM.chat does not)
+        for key in ("id", "type"):
+            if call.get(key) is None:
+                raise bad_request(
+                    f"messages[{index}].tool_calls[{j}]: a tool call needs its {key}",
+                    f"messages.{index}.tool_calls.{j}.{key}",
+                )
+    return rendered
 
 
 def image_urls(messages: list[ChatMessage]) -> list[str]:
