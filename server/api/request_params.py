@@ -267,7 +267,9 @@ def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
 
 def _check_schema_spec(spec: dict[str, Any]) -> None:
     """A json_schema's name and description strings and strict a boolean, as OpenAI's and vLLM's
-    schemas take them (each may be left out)."""
+    schemas take them (the name required, the others may be left out)."""
+    if spec.get("name") is None:
+        raise bad_request("response_format json_schema needs its name (a string)", "response_format")
     for key, kind, what in (
         ("name", str, "a string"),
         ("description", str, "a string"),

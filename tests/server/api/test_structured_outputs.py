@@ -95,11 +95,13 @@ def pushed_reply(client, schema: dict[str, Any], token: int, name: str) -> Any:
         ({"name": "s", "strict": "x"}, "strict"),
         ({"name": 5}, "name"),
         ({"name": "s", "description": ["d"]}, "description"),
+        ({}, "name"),
     ],
 )
-def test_a_json_schemas_name_description_or_strict_of_another_type_is_a_400(base_url, spec, key) -> None:
-    """OpenAI's and vLLM's schemas take a string name and description and a boolean strict; another
-    value is refused, not ignored, on chat and (as text.format) on the Responses API."""
+def test_a_json_schema_without_a_name_or_with_a_field_of_another_type_is_a_400(base_url, spec, key) -> None:
+    """OpenAI's and vLLM's schemas require a string name and take a string description and a
+    boolean strict; another value, or no name, is refused, not ignored, on chat and (as
+    text.format) on the Responses API."""
     schema = {"type": "object"}
     r = chat(base_url, response_format={"type": "json_schema", "json_schema": {**spec, "schema": schema}})
     responses = httpx.post(
