@@ -228,10 +228,11 @@ class ServerContext:
         prompt_len: int,
         bad_words: list[list[int]] | None = None,
         warn: bool = True,
+        greedy_copies: bool = False,
     ) -> SamplingParams:
         """The request's engine parameters under this server's context length, generation defaults
         and vocabulary (`request_params.build_sampling_params`: 400s for bad values); `bad_words`
-        as `bad_words_ids` tokenized them; `warn` as `build_sampling_params`'."""
+        as `bad_words_ids` tokenized them; `warn` and `greedy_copies` as `build_sampling_params`'."""
         params = build_sampling_params(
             req,
             prompt_len=prompt_len,
@@ -239,6 +240,7 @@ class ServerContext:
             defaults=self.sampling_defaults,
             vocab_size=self.vocab_size,
             warn=warn,
+            greedy_copies=greedy_copies,
         )
         return replace(params, bad_words_token_ids=bad_words) if bad_words else params
 

@@ -241,7 +241,10 @@ class NativeGeneration:
             try:
                 creq = _completion_request(sampling, top if want else None, start, body.priority)
                 # a batch's shared sampling_params: the log warns of a low temperature once
-                params = ctx.sampling_params(creq, len(ids), warn=id(sampling) not in built)
+                # SGLang reads temperature 0 as top_k 1 and serves n copies of it
+                params = ctx.sampling_params(
+                    creq, len(ids), warn=id(sampling) not in built, greedy_copies=True
+                )
                 built.add(id(sampling))
             except APIError as exc:
                 raise exc.renamed(_NAMES) from exc

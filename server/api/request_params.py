@@ -27,13 +27,15 @@ def build_sampling_params(
     defaults: SamplingDefaults | None = None,
     vocab_size: int = 0,
     warn: bool = True,
+    greedy_copies: bool = False,
 ) -> SamplingParams:
     """The engine's parameters for one request: the request's values, else `defaults` (the
     checkpoint's generation_config.json, `--generation-config`), else OpenAI's. `SamplingParams`
     checks the values; its refusal is a 400 naming the field as this request spells it. Token ids
     (stop_token_ids, logit_bias keys) must lie in [0, vocab_size) when it is known (not 0).
     `warn` False: a temperature below the floor is raised without the log's warning (a batch's
-    later prompts, which the first one's warning covers)."""
+    later prompts, which the first one's warning covers). `greedy_copies`: n > 1 at temperature 0
+    is served (SGLang's /generate), not the 400 of vLLM's OpenAI endpoints."""
     from deltaserve.engine.errors import InvalidParamError
     from deltaserve.engine.requests.sampling_params import SamplingParams, floored
 
@@ -117,6 +119,9 @@ def build_sampling_params(
             )
     except InvalidParamError as exc:
         raise refused(exc).renamed(names) from exc
+    if params.n > 1 and params.temperature == 0 and not (req.use_beam_search or greedy_copies):
+        # vLLM's 400: greedy samples are n copies of one reply (a positive temperature is floored above 0)
+        raise bad_request(f"n must be 1 when using greedy sampling (temperature 0), got {params.n}", "n")
     return params
 
 

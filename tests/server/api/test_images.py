@@ -185,7 +185,9 @@ def test_n_choices_of_an_image_prompt_share_its_warm_up(vision_server, vl, visio
     ]
     want, prompt_len = offline_reply(vision_checkpoint, messages, [image], 6)
     assert prompt_len >= 32  # two pages: warmed before its choices run
-    reply = vl.chat.completions.create(model="vl", messages=messages, n=3, **GREEDY)
+    # greedy choices: top_k 1 at a positive temperature (n > 1 at temperature 0 is a 400, as in vLLM)
+    choices = {**GREEDY, "temperature": 1.0, "extra_body": {"ignore_eos": True, "top_k": 1}}
+    reply = vl.chat.completions.create(model="vl", messages=messages, n=3, **choices)
     assert [c.message.content for c in reply.choices] == [want] * 3
     assert reply.usage.prompt_tokens == prompt_len
     assert (

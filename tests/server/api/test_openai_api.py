@@ -128,6 +128,26 @@ def test_n_choices(client) -> None:
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
+def test_n_above_one_with_greedy_sampling_is_a_400(client, server) -> None:
+    """vLLM refuses n > 1 at temperature 0 (its samples would be n copies of one reply), on chat
+    and completions alike; n 1 greedy and n > 1 sampled are served, and so is SGLang's /generate,
+    which reads temperature 0 as top_k 1 and gives the copies."""
+    for create, ask in (
+        (client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}]}),
+        (client.completions.create, {"prompt": "hi"}),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            create(model=MODEL_NAME, n=2, temperature=0, max_tokens=2, **ask)
+        assert refused.value.body["param"] == "n" and "greedy" in refused.value.body["message"]
+        assert len(create(model=MODEL_NAME, n=1, temperature=0, max_tokens=2, **ask).choices) == 1
+        assert len(create(model=MODEL_NAME, n=2, temperature=0.5, max_tokens=2, **ask).choices) == 2
+    sampling = {"n": 2, "temperature": 0, "max_new_tokens": 2}
+    copies = httpx.post(
+        f"{server.url}/generate", json={"text": "hi", "sampling_params": sampling}, timeout=60
+    )
+    assert copies.status_code == 200 and len({c["text"] for c in copies.json()}) == 1
+
+
 def test_n_choices_streamed(client) -> None:
     chunks = list(chat(client, n=3, max_tokens=5, stream=True, extra_body={"ignore_eos": True}))
     texts: dict[int, str] = {}
@@ -290,8 +310,8 @@ def test_completions_batch_prompts_token_ids_echo_logprobs(client, server) -> No
         prompt=["alpha beta", "gamma"],
         n=2,
         max_tokens=3,
-        temperature=0,
-        extra_body={"ignore_eos": True},
+        temperature=1.0,
+        extra_body={"ignore_eos": True, "top_k": 1},  # greedy choices (n > 1 at temperature 0 is a 400)
     )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.choices[0].text == r.choices[1].text  # greedy copies of one prompt
@@ -866,7 +886,8 @@ def test_n_copies_find_their_prompt_cached(client, server, read_metrics) -> None
     messages = [{"role": "user", "content": f"{uuid.uuid4().hex} tell me about hybrid models. " * 12}]
     greedy = dict(messages=messages, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     before = read_metrics(server.url)
-    r = chat(client, n=3, **greedy)
+    # greedy copies: top_k 1 at a positive temperature (n > 1 at temperature 0 is a 400)
+    r = chat(client, n=3, **{**greedy, "temperature": 1.0, "extra_body": {"ignore_eos": True, "top_k": 1}})
     after = read_metrics(server.url)
     prompt = r.usage.prompt_tokens
     assert r.usage.prompt_tokens_details.cached_tokens >= prompt - 16 > 0

@@ -159,7 +159,10 @@ def test_completions(url, oai, include: bool) -> None:
             url, oai, **greedy, stop=stop, logprobs=1, extra_body={"include_stop_str_in_output": include}
         )
     compare_completions(url, oai, **greedy, extra_body={"min_tokens": 12, "skip_special_tokens": include})
-    compare_completions(url, oai, **greedy, echo=True, logprobs=2, n=2)
+    # greedy choices: top_k 1 at a positive temperature (n > 1 at temperature 0 is a 400, as in vLLM)
+    compare_completions(
+        url, oai, **{**greedy, "temperature": 1}, echo=True, logprobs=2, n=2, extra_body={"top_k": 1}
+    )
     compare_completions(
         url, oai, prompt=[PROMPT, "Hi"], max_tokens=6, temperature=1, seed=5, n=2, best_of=2, logprobs=0,
         stream_options={"include_usage": True, "continuous_usage_stats": include},
@@ -172,7 +175,9 @@ def test_chat(url, oai) -> None:
     for stop in ([span], [wide]):
         for include in (False, True):
             compare_chat(url, oai, **greedy, stop=stop, extra_body={"include_stop_str_in_output": include})
-    compare_chat(url, oai, **greedy, logprobs=True, top_logprobs=2, n=2)
+    compare_chat(
+        url, oai, **{**greedy, "temperature": 1}, logprobs=True, top_logprobs=2, n=2, extra_body={"top_k": 1}
+    )
     # reasoning and tool-call markup, written by seeded sampling over a few tokens; the second
     # conversation leaves <think> open, so that the output starts inside reasoning
     ids = httpx.post(
