@@ -97,6 +97,8 @@ class _Choice:
         self.asked = asked  # logprob_token_ids: its generated tokens' top logprobs are the asked ids'
         self.prompt_text, self.prompt_ids = prompt
         self.token_text = token_text
+        # the echoed prompt's logprobs and the offsets past them, for the scored rows they came from
+        self._echo: tuple[list[Logprob | None] | None, CompletionLogprobs, TextOffsets] | None = None
 
     def text(self, completion: CompletionOutput) -> str:
         return (self.prompt_text if self.echo else "") + completion.text
@@ -110,11 +112,7 @@ class _Choice:
             return None
         completion = out.outputs[0]
         offsets = offsets if offsets is not None else TextOffsets()
-        echoed = None
-        if echo_prompt:
-            echoed = prompt_completion_logprobs(
-                self.prompt_ids, self.token_text, out.prompt_logprobs, self.logprobs, offsets
-            )
+        echoed = self._echoed(out.prompt_logprobs, self.logprobs, offsets) if echo_prompt else None
         generated = completion_logprobs(
             completion.logprobs or [], self.logprobs, self.token_text, offsets, self.asked
         )
@@ -123,6 +121,25 @@ class _Choice:
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(echoed, name).extend(getattr(generated, name))
         return echoed
+
+    def _echoed(
+        self, scored: list[Logprob | None] | None, top_k: int, offsets: TextOffsets
+    ) -> CompletionLogprobs:
+        """The echoed prompt's logprobs, `offsets` (at the text's start) then past them: built once
+        for the prompt's n choices, which echo the same rows (this object is theirs), and copied."""
+        if self._echo is None or self._echo[0] is not scored:
+            built = prompt_completion_logprobs(self.prompt_ids, self.token_text, scored, top_k, offsets)
+            self._echo = (scored, built, TextOffsets())
+            self._echo[2].restore(offsets)
+        else:
+            offsets.restore(self._echo[2])
+        built = self._echo[1]
+        return CompletionLogprobs(
+            tokens=list(built.tokens),
+            token_logprobs=list(built.token_logprobs),
+            top_logprobs=list(built.top_logprobs),
+            text_offset=list(built.text_offset),
+        )
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:

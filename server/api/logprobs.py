@@ -131,6 +131,11 @@ class TextOffsets:
         self.length += len(self._decoder.decode(bytes(raw)))
         return start
 
+    def restore(self, saved: TextOffsets) -> None:
+        """Go on from where `saved` stands: its length, and the part of a character it holds."""
+        self.length = saved.length
+        self._decoder.setstate(saved._decoder.getstate())
+
 
 def completion_logprobs(
     logprobs: list[Logprob], top_k: int, token_text: TokenText, offsets: TextOffsets, asked: bool = False

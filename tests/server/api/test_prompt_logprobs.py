@@ -174,6 +174,58 @@ def test_n_choices_echo_the_prompt_logprobs_computed_once(in_process, stream: bo
             assert got[name][: len(LONG)] == single[name][: len(LONG)]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_echo_each_prompts_logprobs_built_once(in_process, monkeypatch, stream: bool) -> None:
+    """echo + logprobs with n > 1 over two prompts: each prompt's echoed logprobs are built once
+    for its choices (they were built again for every choice), and every choice still starts with
+    its prompt's text and the echo that prompt alone gets, its generated tokens' offsets after it."""
+    import deltaserve.server.api.completions as completions
+
+    url, _, _ = in_process
+    built: list[int] = []
+    build = completions.prompt_completion_logprobs
+    monkeypatch.setattr(completions, "prompt_completion_logprobs", lambda *a: built.append(1) or build(*a))
+    prompts = [LONG, PROMPT]
+    body = {"max_tokens": 3, "echo": True, "logprobs": 2, "seed": 5, "ignore_eos": True, "stream": stream}
+
+    def reply(prompt: str | list[str], n: int) -> list[dict]:
+        if not stream:
+            r = post(url, "completions", {**body, "prompt": prompt, "n": n})
+            assert r.status_code == 200, r.text
+            return sorted(r.json()["choices"], key=lambda c: c["index"])
+        whole: dict[int, dict] = {}
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={"model": MODEL_NAME, **body, "prompt": prompt, "n": n}
+        ) as r:
+            for line in r.iter_lines():
+                for c in json.loads(line[6:])["choices"] if line.startswith("data: {") else []:
+                    got = whole.setdefault(c["index"], {"text": "", "logprobs": {}})
+                    got["text"] += c["text"]
+                    for name, values in (c["logprobs"] or {}).items():
+                        got["logprobs"].setdefault(name, []).extend(values)
+        return [whole[i] for i in sorted(whole)]
+
+    choices = reply(prompts, 3)
+    assert len(built) == len(prompts) and len(choices) == 6
+    for j, prompt in enumerate(prompts):
+        (alone,) = reply(prompt, 1)
+        echo = len(prompt)  # PROMPT and LONG are token ids
+        echoed_text = "".join(alone["logprobs"]["tokens"][:echo])
+        group = choices[3 * j : 3 * j + 3]
+        for choice in group:
+            lp = choice["logprobs"]
+            assert choice["text"].startswith(echoed_text) and alone["text"].startswith(echoed_text)
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                assert lp[name][:echo] == group[0]["logprobs"][name][:echo], name
+            for name in ("tokens", "text_offset"):
+                assert lp[name][:echo] == alone["logprobs"][name][:echo], name
+            # the same scores as the prompt alone, up to a batch's rounding
+            assert lp["token_logprobs"][1:echo] == pytest.approx(
+                alone["logprobs"]["token_logprobs"][1:echo], abs=1e-4
+            )
+            assert "".join(lp["tokens"]) == choice["text"] and lp["text_offset"] == sorted(lp["text_offset"])
+
+
 def test_n_choices_share_vllm_prompt_logprobs_computed_once(in_process) -> None:
     url, rows, _ = in_process
     messages = [{"role": "user", "content": "Hi " * 40}]
