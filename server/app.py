@@ -214,6 +214,7 @@ def build_app(
 
     @app.get("/health")
     @app.get("/ping")  # SageMaker's name for it, which vLLM serves too
+    @app.post("/ping")  # vLLM's /ping answers POST too, and clients written for it may send one
     async def health() -> Response:
         healthy, why = engine_client.health()
         if healthy:

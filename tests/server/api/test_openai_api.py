@@ -41,6 +41,7 @@ def test_models_health_version(client, server) -> None:
     assert missing.value.body["code"] == "model_not_found"
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/ping").json() == {"status": "ok"}  # SageMaker's, vLLM's too
+    assert httpx.post(f"{server.url}/ping").json() == {"status": "ok"}  # vLLM's /ping takes POST too
     import deltaserve
 
     assert httpx.get(f"{server.url}/version").json()["version"] == deltaserve.__version__
