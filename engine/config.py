@@ -203,6 +203,13 @@ class EngineConfig:
             self.warmup = on_cuda
         if self.adaptive_prefill_delay is None:
             self.adaptive_prefill_delay = on_cuda
+        if self.hold_prefill_tails and not self.adaptive_prefill_delay:
+            # the tails wait under the adaptive delay's rule: without it the flag would do nothing
+            raise ValueError(
+                "hold_prefill_tails (--hold-prefill-tails) holds tails under the adaptive prefill delay, "
+                "which is off here: give --adaptive-prefill-delay too (LLM: adaptive_prefill_delay=True; "
+                "it is on by default only on CUDA)"
+            )
         if self.max_running_requests is None:
             self.max_running_requests = 256 if on_cuda else 64
         if self.max_running_requests < 1:

@@ -389,9 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--hold-prefill-tails",
         action="store_true",
-        help="with the adaptive prefill delay, running prompts' remaining chunks (the short tail the "
-        "prefix cache leaves after a prompt's last full page) wait with the arrivals too; "
-        "experimental: measured on a GPU without a clear gain",
+        help="with the adaptive prefill delay (which it needs: without it, a start-up error), running "
+        "prompts' remaining chunks (the short tail the prefix cache leaves after a prompt's last full "
+        "page) wait with the arrivals too; experimental: measured on a GPU without a clear gain",
     )
     engine.add_argument(
         "--page-size",

@@ -741,6 +741,22 @@ def test_mtp_speculation_without_the_weights_stops_serve_before_it_loads(builtin
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("adaptive", [(), ("--no-adaptive-prefill-delay",)])
+def test_hold_prefill_tails_without_the_adaptive_delay_stops_serve(
+    builtin_path: str, adaptive: tuple[str, ...]
+) -> None:
+    """The tails wait under the adaptive delay's rule; without it (CPU's default, or turned off) the
+    flag would be taken and do nothing, so start-up refuses it with one line, before the weights load."""
+    args = ("--model", builtin_path, "--device", "cpu", "--hold-prefill-tails", *adaptive, "--port", "0")
+    result = run_cli("serve", *args)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("deltaserve serve: error: hold_prefill_tails"), result.stderr
+    assert "--adaptive-prefill-delay" in last, result.stderr
+    assert "loading the weights" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
 def test_a_tokenizer_folder_without_a_tokenizer_stops_serve_with_one_line(
     builtin_path: str, tmp_path: Path
 ) -> None:
