@@ -338,7 +338,10 @@ def build_app(
 
         def encode() -> bytes:  # the reply too is made off the loop: a long prompt's ids are megabytes
             ids = ids_of() if images is None else ctx.images.expand(ids_of(), images)
-            tail = json.dumps({"count": len(ids), "max_model_len": engine_client.max_model_len})
+            counts: dict[str, Any] = {"count": len(ids), "max_model_len": engine_client.max_model_len}
+            if body.return_token_strs:  # vLLM's: each id's piece, as the tokenizer spells it
+                counts["token_strs"] = ctx.need_tokenizer().convert_ids_to_tokens(ids)
+            tail = json.dumps(counts)
             return f'{{"tokens":[{_join_ids(ids)}],{tail[1:]}'.encode()
 
         def ids_of() -> list[int]:

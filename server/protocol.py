@@ -468,6 +468,7 @@ class TokenizeRequest(RequestBody):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
     tools: Tools = None  # rendered into the prompt as chat renders them
+    return_token_strs: bool = False  # vLLM's: the reply adds each id's token string
 
 
 class DetokenizeRequest(RequestBody):

@@ -377,6 +377,16 @@ def test_tokenize_detokenize_roundtrip(server, max_model_len) -> None:
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == text
 
 
+def test_tokenize_returns_token_strings_where_asked(server) -> None:
+    """vLLM's return_token_strs: each id's piece as the tokenizer spells it (byte-level BPE marks a
+    leading space with G-dot), for a prompt and for rendered messages; without it, no such field."""
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["token_strs"] == ["Hello", "\u0120world"] and r["count"] == len(r["tokens"]) == 2
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, "return_token_strs": True}).json()
+    assert len(chat["token_strs"]) == chat["count"] and chat["token_strs"][0] == "<|im_start|>"
+    assert "token_strs" not in httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+
+
 def test_chat_template_kwargs_reach_the_template(server) -> None:
     on = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()["tokens"]
     off = httpx.post(
