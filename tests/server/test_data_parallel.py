@@ -212,7 +212,7 @@ def test_streams_taken_by_different_http_processes_spread_over_the_engines(dp_se
 
 def test_a_batch_of_prompts_spreads_over_the_engines(dp_server, server) -> None:
     prompts = [f"batch prompt {i}" for i in range(8)]
-    body = {"model": MODEL_NAME, "prompt": prompts, "max_tokens": 6, "n": 2, "temperature": 0}
+    body = {"model": MODEL_NAME, "prompt": prompts, "max_tokens": 6, "n": 2, "temperature": 1, "top_k": 1}
     before = per_engine(dp_server.url, "prompt_tokens_total")
 
     def texts(url: str) -> list[str]:
