@@ -346,7 +346,8 @@ def build_app(
 
         def ids_of() -> list[int]:
             if body.messages is None:
-                return ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+                special = body.add_special_tokens is not False
+                return ctx.encode(body.prompt or "", add_special_tokens=special)
             text = render_chat(
                 ctx.need_tokenizer(),
                 body.messages,
@@ -357,7 +358,7 @@ def build_app(
                 template_kwargs=body.chat_template_kwargs,
                 content_format=ctx.content_format,
             )
-            return ctx.encode(text)
+            return ctx.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
         return Response(await ctx.off_loop(encode), media_type="application/json")
 

@@ -395,3 +395,32 @@ def test_a_low_temperature_is_warned_of_once_a_request(server, client, model_nam
     )
     assert r.status_code == 200 and len(r.json()) == 2
     assert server.log().count(warning) - before == 2, server.log()[-2000:]
+
+
+def test_tokenize_adds_the_tokenizers_bos_to_messages_only_when_asked(
+    spawn_server, builtin_path: str, tmp_path
+) -> None:
+    """vLLM's /tokenize: a text prompt gets the tokenizer's special tokens unless told not to, and a
+    chat's rendered prompt gets them only with add_special_tokens true (the template writes its own)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(builtin_path)
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    tok.save_pretrained(tmp_path)
+    server = spawn_server("--max-model-len", "256", "--tokenizer", str(tmp_path))
+
+    def tokens(body: dict) -> list[int]:
+        r = httpx.post(f"{server.url}/tokenize", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    assert tokens({"prompt": "hello there"})[0] == bos
+    assert tokens({"prompt": "hello there", "add_special_tokens": False})[0] != bos
+    plain = tokens({"messages": MESSAGES})
+    assert plain[0] != bos
+    assert tokens({"messages": MESSAGES, "add_special_tokens": False}) == plain
+    assert tokens({"messages": MESSAGES, "add_special_tokens": True}) == [bos, *plain]
