@@ -601,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     http.add_argument(
         "--max-request-body-mb",
-        type=float,
+        type=_positive_float,
         default=32.0,
         help="largest request body in MiB; a larger one gets HTTP 413 before it is read",
     )

@@ -105,6 +105,8 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         ["--speculative-num-draft-tokens", "1", "--speculative-algorithm", "NEXTN"],  # no draft
         ["--pipeline-parallel-size", "2"],  # pipeline parallelism is not implemented
         ["--distributed-executor-backend", "ray"],
+        ["--max-request-body-mb", "0"],  # every body would be a 413
+        ["--max-request-body-mb", "-1"],
     ],
 )
 def test_wrong_value_is_one_line_and_exit_2(args: list[str]) -> None:
