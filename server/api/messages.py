@@ -267,6 +267,8 @@ def _tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[ToolDefiniti
                     f"tools[{i}]: only client tools ({{'name', 'description', 'input_schema'}}) are supported",
                     "tools",
                 )
+            if not tool["name"]:
+                raise bad_request(f"tools[{i}].name must have at least 1 character", f"tools.{i}.name")
             schema = tool.get("input_schema")
             why = not_an_object_schema(schema)
             if why is not None:

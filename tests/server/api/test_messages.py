@@ -138,6 +138,9 @@ def test_a_refusal_names_the_field_as_this_api_spells_it(server) -> None:
          "messages[0].content[0]: a thinking block's thinking", "reasoning_content"),
         ({"messages": MESSAGES, "tools": [{"name": "f", "description": 5, "input_schema": {"type": "object"}}]},
          "tools[0].description", "function"),
+        ({"messages": MESSAGES, "tools": [{"name": "f", "input_schema": {"type": "object"}},
+                                          {"name": "", "input_schema": {"type": "object"}}]},
+         "tools[1].name", "function"),
         ({"messages": [{"role": "user", "content": [image]}]}, "reads text only", "image_url"),
     ):  # fmt: skip
         for path in ("/v1/messages", "/v1/messages/count_tokens"):
