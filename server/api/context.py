@@ -39,6 +39,12 @@ T = TypeVar("T")
 logger = logging.getLogger("deltaserve.requests")
 
 
+# what the server sets for its own ends, never a request: the log shows what the request asked for
+_SERVER_SET = frozenset(
+    {"output_kind", "detokenize", "internal", "next_turn_len", "shared_prefix_len", "bad_words_token_ids"}
+)
+
+
 def request_line(request_id: str, prompt_ids: list[int], params: SamplingParams, max_ids: int | None) -> str:
     """One request as --enable-log-requests logs it: its prompt's ids (the first `max_ids`) and the
     parameters it sets beside their defaults."""
@@ -50,7 +56,7 @@ def request_line(request_id: str, prompt_ids: list[int], params: SamplingParams,
     changed = {
         f.name: getattr(params, f.name)
         for f in fields(params)
-        if getattr(params, f.name) != getattr(default, f.name) and f.name != "bad_words_token_ids"
+        if getattr(params, f.name) != getattr(default, f.name) and f.name not in _SERVER_SET
     }
     return f"request {request_id}: {len(prompt_ids)} prompt tokens {shown}{more}, params {changed}"
 

@@ -640,7 +640,11 @@ def test_model_cards_speculative_lines_give_the_mtp_drafter() -> None:
 @pytest.mark.slow
 def test_requests_are_logged_only_when_asked(spawn_server, server) -> None:
     """--enable-log-requests: one line a request with its prompt's first ids (--max-log-len) and the
-    parameters it sets; without the flag, no such line."""
+    parameters it sets, none the server sets for itself; without the flag, no such line."""
+    import ast
+
+    import openai
+
     logged = spawn_server("--max-model-len", "256", "--enable-log-requests", "--max-log-len", "3")
     body = {"model": MODEL_NAME, "prompt": [5, 9, 17, 3, 88], "max_tokens": 3, "temperature": 0}
     for target in (logged, server):
@@ -648,8 +652,21 @@ def test_requests_are_logged_only_when_asked(spawn_server, server) -> None:
     time.sleep(0.5)
     lines = [line for line in logged.log().splitlines() if "prompt tokens" in line]
     assert len(lines) == 1, lines
-    assert "5 prompt tokens [5, 9, 17] ... (2 more)" in lines[0] and "'max_tokens': 3" in lines[0]
-    assert "'temperature': 0.0" in lines[0]
+    assert "5 prompt tokens [5, 9, 17] ... (2 more)" in lines[0]
+    assert ast.literal_eval(lines[0].split(", params ", 1)[1]) == {"max_tokens": 3, "temperature": 0.0}
+    with openai.OpenAI(base_url=f"{logged.url}/v1", api_key="x", max_retries=0) as client:
+        chat = [{"role": "user", "content": "hi"}]
+        for stream in (False, True):
+            reply = client.chat.completions.create(
+                model=MODEL_NAME, messages=chat, max_tokens=2, temperature=0, stream=stream
+            )
+            if stream:
+                list(reply)
+    time.sleep(0.5)
+    lines = [line for line in logged.log().splitlines() if "prompt tokens" in line]
+    assert len(lines) == 3, lines
+    for line in lines[1:]:  # a chat's prompt-cache hints and a stream's output form are the server's
+        assert ast.literal_eval(line.split(", params ", 1)[1]) == {"max_tokens": 2, "temperature": 0.0}, line
     assert not [line for line in server.log().splitlines() if "prompt tokens [" in line]
 
 
