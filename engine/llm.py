@@ -598,8 +598,8 @@ class LLM:
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (`engine/requests/beam_search.py`): a prompt's best `beam_width`
-        beams, best first, each with its tokens, text, cumulative log-probability and the
-        candidates of every step. vLLM's `lora_request` is taken as None; `use_tqdm` draws a bar
+        beams, best first, each with its tokens, text (vLLM's: the prompt and output decoded
+        together), cumulative log-probability and the candidates of every step. vLLM's `lora_request` is taken as None; `use_tqdm` draws a bar
         over the token steps (off, with a warning, where `concurrency_limit` is given, as vLLM's);
         `concurrency_limit=N`, as vLLM's, searches the prompts N at a time (each N to its end
         before the next: at most N x beam_width requests a step), finding the beams a search of
@@ -629,9 +629,8 @@ class LLM:
         returned = sum(len(beam.output_ids) for out in results for beam in out.sequences)
         self.engine.count_generated(returned - counted)  # the search's tokens, as the server's /metrics
         for out in results:
-            for beam in out.sequences:
-                ids = beam.text_ids(params.include_stop_str_in_output)
-                beam.text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+            for beam in out.sequences:  # vLLM's: the prompt and every token, as the tokenizer decodes them
+                beam.text = self.tokenizer.decode(beam.tokens) if self.tokenizer else ""
         return results
 
     def _beam_search(

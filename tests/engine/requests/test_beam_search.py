@@ -228,3 +228,23 @@ def test_a_prompts_cache_salt_holds_for_its_search(path) -> None:
     ]
     cached = [llm.generate([p], greedy, use_tqdm=False)[0].num_cached_tokens for p in prompts]
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0
+
+
+def test_a_beams_text_is_its_prompt_and_tokens_decoded_as_vllms(tokenized_checkpoint, monkeypatch) -> None:
+    """vLLM's LLM.beam_search sets each beam's text to its whole token list decoded: the prompt's
+    text, then the output's, a stop token that ended it included."""
+    llm = LLM(tokenized_checkpoint, dtype="float32", device="cpu", max_model_len=256)
+    prompt = "The capital of France is"
+    first = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False
+    )
+    stop = first[0].outputs[0].token_ids[1]  # the greedy beam's second token ends it
+    monkeypatch.setattr(llm.engine, "eos_token_ids", [stop, *llm.engine.eos_token_ids])
+    (out,) = llm.beam_search([{"prompt": prompt}], BeamSearchParams(beam_width=2, max_tokens=4))
+    ended = [b for b in out.sequences if b.finish_reason == "stop"]
+    assert ended and all(b.output_ids[-1] == stop for b in ended)
+    tok = llm.get_tokenizer()
+    for beam in out.sequences:
+        assert beam.text.startswith(prompt)
+        assert beam.text == tok.decode(beam.tokens)
+    assert all(b.text.endswith(tok.decode([stop])) for b in ended)

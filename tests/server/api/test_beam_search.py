@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from deltaserve import LLM, BeamSearchParams
+from deltaserve.engine.requests.beam_search import BeamSequence
 
 from ..conftest import MAX_MODEL_LEN, MODEL_NAME
 
@@ -28,6 +29,12 @@ def offline(path: str) -> LLM:
     return LLM(path, device="cpu", max_model_len=MAX_MODEL_LEN)
 
 
+def output_text(llm: LLM, beam: BeamSequence) -> str:
+    """A choice's text: the beam's output without the stop token that ended it (the offline
+    beam's `text` is vLLM's, the prompt's and every token's)."""
+    return llm.tokenizer.decode(beam.text_ids(include_stop=False), skip_special_tokens=True)
+
+
 def test_choices_are_the_offline_beams(client, builtin_path) -> None:
     reply = client.completions.create(
         model=MODEL_NAME,
@@ -37,9 +44,10 @@ def test_choices_are_the_offline_beams(client, builtin_path) -> None:
         extra_body={"use_beam_search": True, "length_penalty": 0.5},
     )
     params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5)
-    want = offline(builtin_path).beam_search([{"prompt": p} for p in PROMPTS], params)
+    llm = offline(builtin_path)
+    want = llm.beam_search([{"prompt": p} for p in PROMPTS], params)
     beams = [b for out in want for b in out.sequences]
-    assert [c.text for c in reply.choices] == [b.text for b in beams]
+    assert [c.text for c in reply.choices] == [output_text(llm, b) for b in beams]
     assert [c.index for c in reply.choices] == list(range(6))
     assert [c.finish_reason for c in reply.choices] == [b.finish_reason for b in beams]
     assert reply.usage.completion_tokens == sum(len(b.output_ids) for b in beams)
@@ -69,7 +77,7 @@ def test_chat_choices_are_the_offline_beams_of_the_rendered_prompt(client, built
     ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
     (want,) = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=2, max_tokens=6))
     got = [(c.message.reasoning_content or "") + (c.message.content or "") for c in reply.choices]
-    assert got == [b.text.replace("<think>", "").replace("</think>", "") for b in want.sequences]
+    assert got == [output_text(llm, b).replace("<think>", "").replace("</think>", "") for b in want.sequences]
     assert reply.usage.prompt_tokens == len(ids)
 
 
@@ -120,7 +128,7 @@ def test_a_search_reads_the_prompt_truncate_prompt_tokens_leaves(client, builtin
     params = BeamSearchParams(beam_width=2, max_tokens=4)
     (want,) = llm.beam_search([{"prompt_token_ids": prompt[-5:]}], params)
     echoed = llm.tokenizer.decode(prompt[-5:])
-    assert [c.text for c in reply.choices] == [echoed + b.text for b in want.sequences]
+    assert [c.text for c in reply.choices] == [echoed + output_text(llm, b) for b in want.sequences]
     assert reply.usage.prompt_tokens == 5
 
 
@@ -136,8 +144,9 @@ def test_a_penalty_past_a_floats_range_still_ranks_the_beams(client, builtin_pat
         extra_body={"use_beam_search": True, "length_penalty": penalty},
     )
     params = BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=penalty)
-    (want,) = offline(builtin_path).beam_search([{"prompt": PROMPTS[0]}], params)
-    assert [c.text for c in reply.choices] == [b.text for b in want.sequences]
+    llm = offline(builtin_path)
+    (want,) = llm.beam_search([{"prompt": PROMPTS[0]}], params)
+    assert [c.text for c in reply.choices] == [output_text(llm, b) for b in want.sequences]
     assert len(reply.choices) == 2
 
 
