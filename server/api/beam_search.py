@@ -21,8 +21,6 @@ from deltaserve.engine.requests.sampling_params import SamplingParams
 from ..edge import ARRIVED
 from ..errors import bad_request
 from ..protocol import (
-    AssistantMessage,
-    ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -31,10 +29,10 @@ from ..protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeltaToolCall,
     PromptTokensDetails,
     Usage,
 )
-from ..text.chat_output import ChatOutputParser
 from .context import ClientDisconnected, ServerContext
 from .generation import DONE
 from .request_params import client_name, named_id
@@ -42,10 +40,12 @@ from .request_params import client_name, named_id
 if TYPE_CHECKING:
     from deltaserve.engine.requests.beam_search import BeamSequence
 
+    from .chat import PreparedChat
+
 # what changes which tokens a sampler may pick, or asks for what a search does not give
 _UNSCORED = (
     "stop", "stop_token_ids", "bad_words", "logit_bias", "allowed_token_ids", "min_tokens", "response_format",
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 )  # fmt: skip
 
 
@@ -249,30 +249,28 @@ async def beam_search_chat(
     req: ChatCompletionRequest,
     raw: Request,
     model: str,
-    prompt_ids: list[int],
-    parser: ChatOutputParser,
+    prepared: PreparedChat,
     params: BeamSearchParams,
-    prompt_text: str | None = None,
 ) -> Response:
-    """The chat's best beams as choices, each read for reasoning as a sampled reply is;
-    `prompt_text`: the rendered prompt, where return_prompt_text asks for it."""
+    """The chat's best beams as choices, each read for reasoning and tool calls as a sampled
+    reply is (`ChatGeneration.final_choice`)."""
+    from .chat import ChatGeneration
+
     name = client_name(raw, req)
+    prompt_ids = prepared.prompt_ids
     try:
         (out,), cached = await search(ctx, raw, [prompt_ids], params, name, req.cache_salt, req.priority)
     except ClientDisconnected:
         return Response(status_code=499)
+    reply = ChatGeneration(ctx, req, model, prepared)
     choices = []
     for i, beam in enumerate(out.sequences):
-        parsed = parser.parse(beam_text(ctx, beam, params, req.skip_special_tokens), final=True)
-        reasoning = (parsed.reasoning or None) if req.include_reasoning else None
-        content = parsed.content if parsed.content or not parsed.reasoning else None
-        message = AssistantMessage(
-            role=req.reply_role(),
-            content=req.echoed() + (content or "") if req.echoed() else content,
-            reasoning_content=reasoning,
-            reasoning=reasoning,
+        text = beam_text(ctx, beam, params, req.skip_special_tokens)
+        output = RequestOutput(
+            name or "", prompt_ids, [CompletionOutput(0, beam.output_ids, text, beam.finish_reason)], True
         )
-        choices.append(ChatChoice(index=i, message=message, finish_reason=beam.finish_reason))
+        choices.append(reply.final_choice(i, output))
+    prompt_text = prepared.prompt if req.return_prompt_text else None
     response = ChatCompletionResponse(
         id=f"chatcmpl-{name or uuid.uuid4().hex}",
         model=model,
@@ -288,7 +286,13 @@ async def beam_search_chat(
         chunks = [shell.model_copy(update={"choices": opening, "prompt_text": prompt_text})]
         for c in choices:
             m = c.message
-            delta = ChatDelta(content=m.content, reasoning_content=m.reasoning_content, reasoning=m.reasoning)
+            calls = [DeltaToolCall(index=k, **call.model_dump()) for k, call in enumerate(m.tool_calls or [])]
+            delta = ChatDelta(
+                content=m.content,
+                reasoning_content=m.reasoning_content,
+                reasoning=m.reasoning,
+                tool_calls=calls or None,
+            )
             done = ChatChunkChoice(index=c.index, delta=delta, finish_reason=c.finish_reason)
             chunks.append(shell.model_copy(update={"choices": [done]}))
         return _stream(req, chunks, shell.model_copy(update={"usage": response.usage}), set())

@@ -188,10 +188,11 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             raise bad_request("use_beam_search does not take images", "messages")
         assert prepared.params.max_tokens is not None
         params.max_tokens = prepared.params.max_tokens  # the context's room, as chat computes it
-        prompt_text = prepared.prompt if req.return_prompt_text else None
-        return await beam_search_chat(
-            ctx, req, raw, model, prepared.prompt_ids, prepared.parser, params, prompt_text
-        )
+        if prepared.params.structured_outputs is not None:  # a forced call's grammar, which no beam follows
+            raise bad_request(
+                "a tool_choice that forces a call is not supported with use_beam_search", "tool_choice"
+            )
+        return await beam_search_chat(ctx, req, raw, model, prepared, params)
     prepared = await prepare_chat(ctx, req, raw=raw)
     generation = ChatGeneration(ctx, req, model, prepared)
     generation.add(generation.request_id, prepared.prompt_ids, prepared.params, prepared.images)

@@ -599,3 +599,52 @@ def test_documents_reach_a_template_that_renders_them(serve_script) -> None:
     assert r.choices[0].message.content == "An answer."
     plain = ask(client, extra_body={"return_prompt_text": True})
     assert plain.model_extra["prompt_text"].startswith("<|im_start|>user")
+
+
+class BeamScriptedEngine(ScriptedEngine):
+    """Answers a beam search's one-token steps: the script's next token the likeliest after the
+    script's longest start that the prompt ends with, then the end-of-turn token."""
+
+    def step(self) -> list[RequestOutput]:
+        from deltaserve.engine.requests.outputs import Logprob
+
+        outputs = []
+        for request_id, (prompt, params, _) in list(self.requests.items()):
+            done = next(
+                k for k in range(len(self.script), -1, -1) if k == 0 or prompt[-k:] == self.script[:k]
+            )
+            token = self.script[done] if done < len(self.script) else self.eos_token_ids[0]
+            top = {token: -0.01, **{other: -9.0 - other for other in range(1, 2 * params.n + 4)}}
+            top = dict(list(top.items())[: params.logprobs or 1])
+            logprobs = [Logprob(token, top[token], top)]
+            completion = CompletionOutput(0, [token], "", "length", logprobs=logprobs)
+            outputs.append(RequestOutput(request_id, prompt, [completion], True))
+            del self.requests[request_id]
+        return outputs
+
+
+def test_beam_search_chat_reads_tool_calls_as_a_sampled_reply_does(tokenizer) -> None:
+    """vLLM's chat beam search runs its beams through the chat's tool parser: a call a beam writes
+    is a tool_calls entry (whole and streamed), and a call max_tokens cuts off is no content."""
+    script = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    app = build_app(EngineClient.in_thread(BeamScriptedEngine(tokenizer, script)), model_names=["scripted"])
+    with app_in_thread(app, join_s=10) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        beam = {"use_beam_search": True}
+        r = ask(client, tools=TOOLS, n=2, max_tokens=60, extra_body=beam)
+        best = r.choices[0]
+        assert best.finish_reason == "tool_calls" and best.message.content == "Let me look."
+        (call,) = best.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+            "city": "Paris"
+        }
+        _, content, calls, finishes = collect_stream(client, tools=TOOLS, max_tokens=60, extra_body=beam)
+        assert content == "Let me look." and finishes == ["tool_calls"]
+        assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris"}]
+        cut = len(tokenizer.encode('Let me look.<tool_call>\n{"name": "get', add_special_tokens=False))
+        r = ask(client, tools=TOOLS, max_tokens=cut, extra_body=beam)
+        assert r.choices[0].finish_reason == "length" and r.choices[0].message.content == "Let me look."
+        assert not r.choices[0].message.tool_calls
+        with pytest.raises(openai.BadRequestError) as forced:  # its grammar is for sampled replies
+            ask(client, tools=TOOLS, tool_choice="required", extra_body=beam)
+        assert forced.value.body["param"] == "tool_choice"
