@@ -126,10 +126,10 @@ class Scheduler:
         preempted: list[Request] = []
         admitted: list[Request] = []
         starved = False  # a running prefill found no pages for its chunk
-        # with hold_prefill_tails, running prompts' chunks may wait with the arrivals
-        tails = self.config.hold_prefill_tails and self.config.adaptive_prefill_delay
+        # with hold_prefill_tails (which EngineConfig allows only with the adaptive delay), running
+        # prompts' chunks may wait with the arrivals
         rows, unfinished = self._prefill_work()  # rows: decode rows not yet scheduled
-        hold_all = bool(tails) and self._hold_prefills(rows, unfinished, budget)
+        hold_all = self.config.hold_prefill_tails and self._hold_prefills(rows, unfinished, budget)
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
