@@ -320,6 +320,20 @@ def run_interpreted():
     return interpreted
 
 
+@pytest.fixture(scope="session")
+def triton_keys():
+    """`tests/triton_keys.py`: the Triton variants that launches ask for, counted on CPU."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "triton_keys", os.path.join(os.path.dirname(__file__), "triton_keys.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def read_config(path: str) -> dict:
     with open(os.path.join(path, "config.json")) as f:
         return json.load(f)

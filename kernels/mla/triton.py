@@ -17,7 +17,9 @@ from deltaserve.kernels.common.fast_launch import fast_launch_module
 from deltaserve.kernels.common.pdl import wait_inputs
 
 
-@triton.jit
+# SPLITS and the page table's width follow each step's rows and longest context: unspecialized,
+# one compiled kernel serves them all (the table's row is read a page index at a time)
+@triton.jit(do_not_specialize=["SPLITS", "stride_pt"])
 def _mla_decode_kernel(
     q,  # [N, H, L + R] fp32, absorbed
     cache,  # [P, PAGE, L + R]
@@ -35,7 +37,7 @@ def _mla_decode_kernel(
     stride_on,
     stride_oh,
     stride_os,
-    SPLITS: tl.constexpr,
+    SPLITS,
     L: tl.constexpr,
     R: tl.constexpr,
     PAGE: tl.constexpr,
