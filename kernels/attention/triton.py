@@ -67,7 +67,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])  # the table is as wide as the step's longest context
 def _paged_decode_kernel(
     q,
     k_cache,
@@ -207,7 +207,7 @@ def _paged_decode_reduce_kernel(
         tl.store(p_o, res.to(out.dtype.element_ty), mask=m_d)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])  # the table is as wide as the step's longest context
 def _paged_prefill_kernel(
     q,
     k_cache,

@@ -69,7 +69,7 @@ def _conv_decode_kernel(
     tl.store(p_row + o_h[None, :], b_new.to(pool.dtype.element_ty), mask=m_d[:, None] & m_h[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the step's prefill tokens: one compile for every count
 def _conv_prefill_kernel(
     x,
     pool,

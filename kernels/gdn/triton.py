@@ -175,7 +175,7 @@ def gdn_decode_launch(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the step's prefill tokens: one compile for every count
 def _qk_norm_v_kernel(
     q,
     k,

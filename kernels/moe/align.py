@@ -68,14 +68,15 @@ def _experts_of(ids, c, N, E, CHUNK: tl.constexpr):
     return offs, tl.where(live, tl.where((v < 0) | (v >= E), E, v), E + 1), live
 
 
-@triton.jit
+# N and C follow the step's tokens and bound masks only: one compile for every step size
+@triton.jit(do_not_specialize=["N"])
 def _chunk_count_kernel(ids, counts, N, E, EB: tl.constexpr, CHUNK: tl.constexpr):
     c = tl.program_id(0)
     _, v, _ = _experts_of(ids, c, N, E, CHUNK)
     tl.store(counts + c * EB + tl.arange(0, EB), tl.histogram(v, EB))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])
 def _chunk_prefix_kernel(counts, totals, C, EB: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr):
     """Each expert's count in the chunks before each chunk (in place of the chunk's own), and its total."""
     oe = tl.program_id(0) * COLS + tl.arange(0, COLS)
@@ -89,7 +90,7 @@ def _chunk_prefix_kernel(counts, totals, C, EB: tl.constexpr, COLS: tl.constexpr
     tl.store(totals + oe, carry)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _groups_kernel(totals, starts, rows, block_expert, N, E, R, BLOCK_M: tl.constexpr, EB: tl.constexpr):
     """Expert e's group: where it starts (after the padded groups before it), its padding rows and
     its blocks; the last group's program also empties the buffers' tail."""
@@ -114,7 +115,7 @@ def _groups_kernel(totals, starts, rows, block_expert, N, E, R, BLOCK_M: tl.cons
             tl.store(block_expert + j0 + ob, tl.zeros([1024], tl.int32) + E + 1, mask=j0 + ob < R // BLOCK_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _place_kernel(ids, counts, starts, rows, N, E, EB: tl.constexpr, CHUNK: tl.constexpr):
     """Chunk c's assignments at their group's start, after the group's rows from earlier chunks
     and those before them in this chunk: the assignment order within each group."""
@@ -126,7 +127,7 @@ def _place_kernel(ids, counts, starts, rows, N, E, EB: tl.constexpr, CHUNK: tl.c
     tl.store(rows + pos, offs.to(tl.int32), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _align_one_kernel(
     ids, shift, marks, rows, block_expert, N, E, R,
     BLOCK_M: tl.constexpr, EB: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr,
@@ -186,9 +187,10 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     device = flat.device
     rows = torch.empty(total, dtype=torch.int32, device=device)
     block_expert = torch.empty(total // block_m, dtype=torch.int32, device=device)
-    bb = triton.next_power_of_2(total // block_m)
+    nb = max(triton.next_power_of_2(n), 16)
+    # block lanes for nb assignments, not n: a compiled kernel per sort width, not per (width, n)
+    bb = triton.next_power_of_2(max_rows(nb, num_experts, block_m) // block_m)
     if n <= ONE_PROGRAM_ASSIGNMENTS and max(eb, bb) <= ONE_PROGRAM_BINS:
-        nb = max(triton.next_power_of_2(n), 16)
         shift = torch.empty(eb, dtype=torch.int32, device=device)
         marks = torch.empty(bb, dtype=torch.int32, device=device)
         _align_one_kernel[(1,)](

@@ -74,7 +74,7 @@ def _down_swapped(
     tl.store(dst, (acc * rw[None, :]).to(out.dtype.element_ty), mask=valid[None, :] & n_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assign"])  # compared with row ids only: no gain, a compile per step size
 def _moe_gate_up_kernel(
     x,  # [T, H]
     w,  # [E, 2I, H]
@@ -143,7 +143,7 @@ def _moe_gate_up_kernel(
     tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assign"])  # compared with row ids only: no gain, a compile per step size
 def _moe_down_kernel(
     inter,  # [num_assign, I]
     w,  # [E, H, I]

@@ -202,7 +202,7 @@ def add_rms_norm_launch(
     return y, s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # the step's (token, head) rows: one compile for every count
 def _gated_rms_norm_kernel(
     x,
     z,

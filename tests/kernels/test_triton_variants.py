@@ -68,3 +68,84 @@ def check_mla_decode(device: str) -> int:
 @pytest.mark.slow
 def test_mla_decode_interpreted(run_interpreted) -> None:
     assert int(run_interpreted(__file__, "t.check_mla_decode('cpu')")) == 3
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(*shape, device=M, dtype=dtype)
+
+
+def count(triton_keys, calls) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    with triton_keys.recorded_launches() as launches:
+        for call in calls:
+            call()
+    return {k: len(v) for k, v in triton_keys.variants(launches).items()}
+
+
+def moe(t: int) -> None:
+    """Kimi-Linear's experts with the shared one fused (257, top 8 + 1), as a step of t tokens."""
+    from deltaserve.kernels.moe.cuda import fused_moe_cuda
+
+    ids = torch.empty(t, 9, device=M, dtype=torch.long)
+    fused_moe_cuda(
+        meta(t, 2304), meta(257, 2048, 2304), meta(257, 2304, 1024), ids, torch.empty(t, 9, device=M)
+    )
+
+
+def test_moe_compiles_once_per_tile_choice(triton_keys) -> None:
+    """Steps of 15 to 227 tokens (136 to 2043 assignments) take one set of GEMM tiles; the
+    alignment takes one program, its sort as wide as the assignments' next power of two (256 up
+    to 28 tokens, 512 up to 56, 1024 up to 113), then four launches. Within each of those, every
+    count of tokens, a multiple of 16 or not, runs the same compiled kernels."""
+    for tokens in (range(15, 29), range(29, 57), range(57, 114), range(114, 228)):
+        variants = count(triton_keys, [lambda t=t: moe(t) for t in tokens])
+        assert variants and all(n == 1 for n in variants.values()), (tokens, variants)
+
+
+def test_prefill_token_counts_compile_once(triton_keys) -> None:
+    """The conv, the q/k normalisation before FLA, the gated norm at one tiling (tensor parallel:
+    4 heads a rank) and paged attention's prefill (its page table as wide as the longest context)
+    run one compiled kernel whatever a step's count of prefill tokens and pages."""
+    from deltaserve.kernels.attention.cuda import paged_prefill_launch
+    from deltaserve.kernels.conv.triton import conv_prefill_launch
+    from deltaserve.kernels.gdn.triton import qk_norm_v_launch
+    from deltaserve.kernels.norm.triton import gated_rms_norm_launch
+
+    dim, width = 3 * 4096, 4
+    one = torch.zeros(1, device=M, dtype=torch.int32)
+
+    def conv(p: int) -> None:
+        x = meta(p + 3, dim)[3:]  # after three decode rows
+        conv_prefill_launch(
+            x,
+            meta(64, dim, width - 1),
+            meta(dim, width),
+            None,
+            meta(2, dtype=torch.int32),
+            one,
+            one,
+            meta(p, dim),
+            True,
+        )
+
+    def qk_norm(p: int) -> None:
+        q, k, v = (part.view(p, 32, 128) for part in meta(p, dim).split(4096, dim=-1))
+        qk_norm_v_launch(q, k, v)
+
+    def gated_norm(t: int) -> None:
+        gated_rms_norm_launch(meta(t, 4, 128), meta(t, 4, 128), meta(128), 1e-6, rows=1)
+
+    def attention(pages: int) -> None:
+        q = meta(40, 16, 256)
+        cu = meta(2, dtype=torch.int32)
+        table = torch.zeros(1, pages, device=M, dtype=torch.int32)
+        paged_prefill_launch(q, meta(512, 16, 2, 256), meta(512, 16, 2, 256), table, cu, one, 0.06, q, 40)
+
+    sizes = [1, 2, 3, 15, 16, 17, 32, 77, 1000, 1024, 4097]
+    calls = [lambda p=p, f=f: f(p) for p in sizes for f in (conv, qk_norm, gated_norm, attention)]
+    assert count(triton_keys, calls) == {
+        "_conv_prefill_kernel": 1,
+        "_conv_final_state_kernel": 1,
+        "_qk_norm_v_kernel": 1,
+        "_gated_rms_norm_kernel": 1,
+        "_paged_prefill_kernel": 1,
+    }
