@@ -10,6 +10,7 @@ accepted tokens are committed after it (`spec_decode/commit.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -33,12 +34,23 @@ from deltaserve.engine.step.overlap import Overlap, can_overlap
 from deltaserve.engine.step.prompt_logprobs import record_prompt_logprobs
 from deltaserve.engine.step.scheduler import SchedulerOutput
 from deltaserve.engine.step.step_batch import build_step_batch
+from deltaserve.kernels.dispatch import use_fast_path
 from deltaserve.models.vision.positions import ImageInputs, expand_image_tokens
 
 if TYPE_CHECKING:
     from deltaserve.engine.parallel.ranks import Ranks
 
 logger = logging.getLogger(__name__)
+
+
+def warm_up_step_tokens(step_tokens: int) -> list[int]:
+    """The sizes of the warm-up's prefill steps: each power of two up to the step budget, and the
+    budget. Our kernels compile a variant per class of step sizes, a class bounded by powers of two
+    of the tokens or of the MoE assignments (k a token: tile and sort widths, the MoE paths'
+    limits) or by the budget, so that each class holds one of these
+    (tests/kernels/test_triton_variants.py)."""
+    sizes = [1 << j for j in range(step_tokens.bit_length())]
+    return sizes if sizes[-1] == step_tokens else [*sizes, step_tokens]
 
 
 class Engine:
@@ -126,8 +138,8 @@ class Engine:
         if config.warmup:
             self._warm_up()
 
-    def _new_loop_parts(self) -> None:
-        loop = build_loop_parts(self.config, self._model_parts, self.requests)
+    def _new_loop_parts(self, config: EngineConfig | None = None) -> None:
+        loop = build_loop_parts(config or self.config, self._model_parts, self.requests)
         self.prefix_cache = loop.prefix_cache
         self.spec = loop.spec
         self.scheduler = loop.scheduler
@@ -142,8 +154,9 @@ class Engine:
     def _warm_up(self) -> None:
         """Run a few prompts of mixed lengths through mixed steps once before serving: the first
         prefill of each shape compiles and autotunes its Triton / FLA kernels (seconds), which
-        would otherwise stall every stream of the first requests. Then the engine is as new: an
-        empty prefix cache with fresh statistics, counters at zero, pools idle."""
+        would otherwise stall every stream of the first requests. Where the fast kernels run, a
+        prefill step of each size of `warm_up_step_tokens` follows. Then the engine is as new:
+        an empty prefix cache with fresh statistics, counters at zero, pools idle."""
         t0 = time.perf_counter()
         longest = max(1, min(self.config.chunk_size, self.max_model_len - 4, 1000))
         lengths = sorted({longest, min(77, longest), min(16, longest)}, reverse=True)
@@ -156,8 +169,32 @@ class Engine:
         while self.has_unfinished_requests():
             self.step()
         self.prefix_cache.flush()
+        sizes: list[int] = []
+        if use_fast_path(torch.empty(0, device=self.device)):  # the CPU's references compile nothing
+            sizes = self._warm_up_step_sizes(warm_up_step_tokens(self.config.step_tokens))
         self._new_loop_parts()
-        logger.info("warmed up the prefill kernels in %.1f s", time.perf_counter() - t0)
+        then = f", then prefill steps of {', '.join(map(str, sizes))} tokens" if sizes else ""
+        logger.info("warmed up the kernels in %.1f s (mixed steps%s)", time.perf_counter() - t0, then)
+
+    def _warm_up_step_sizes(self, sizes: list[int]) -> list[int]:
+        """A prefill step of each of `sizes` tokens: prompts of a chunk at most, one sampled token
+        each, without a prefix cache (the radix cache ends a prompt's chunk short of its end). A
+        size that would take more prompts than run at once is left out; returns those that ran."""
+        self._new_loop_parts(dataclasses.replace(self.config, cache_type="naive"))
+        longest = min(self.config.chunk_size, self.max_model_len - 1)
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
+        ran = []
+        for size in sizes:
+            lengths = [min(longest, size - start) for start in range(0, size, longest)]
+            if len(lengths) > self.config.num_running:
+                continue
+            for k, n in enumerate(lengths):
+                ids = [(7 * j + k) % self.vocab_size for j in range(n)]
+                self.add_request(f"deltaserve-warmup-{size}-{k}", ids, params)
+            while self.has_unfinished_requests():
+                self.step()
+            ran.append(size)
+        return ran
 
     # -- requests ---------------------------------------------------------------------
 

@@ -58,3 +58,33 @@ def test_warmed_engine_is_as_new(make_checkpoint, cache_type: str) -> None:
 def test_warmup_follows_the_device() -> None:
     cfg = EngineConfig(model="unused", device="cpu")
     assert cfg.warmup is False
+
+
+@pytest.mark.slow
+def test_where_kernels_compile_the_warm_up_runs_a_prefill_step_of_each_size(
+    make_checkpoint, monkeypatch
+) -> None:
+    """On CUDA (here: told the fast kernels run) the mixed steps are followed by one prefill step
+    of each power of two of tokens, as far as prompts of a chunk (32) on the running requests (4)
+    reach: 256 tokens would take 8. The radix cache, which ends a prompt's chunk early, sits them
+    out, and the engine is as new after them."""
+    from deltaserve.engine import engine as engine_module
+
+    path = make_checkpoint("qwen3_next")
+    warm, cold = make(path, False, "radix"), make(path, False, "radix")
+    monkeypatch.setattr(engine_module, "use_fast_path", lambda t: True)
+    tokens: list[int] = []
+    forward = warm.runner.forward
+
+    def counted(batch):  # type: ignore[no-untyped-def]
+        tokens.append(batch.input_ids.shape[0])
+        return forward(batch)
+
+    monkeypatch.setattr(warm.runner, "forward", counted)
+    warm._warm_up()
+    assert tokens[-8:] == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert warm.stats() == cold.stats()
+    assert warm.runner.kv_pool.num_used == 0 and warm.runner.state_pool.num_snapshots_used == 0
+    assert warm.config.cache_type == "radix" and type(warm.prefix_cache) is type(cold.prefix_cache)
+    prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
+    assert greedy(warm, prompts) == greedy(cold, prompts)

@@ -1,6 +1,7 @@
 """How many Triton variants our launchers ask for as a step's sizes change: each new one is a
 compile (a second or so) inside the step that first meets it. Counted on CPU from the launches'
-specialization keys (`tests/triton_keys.py`, the `triton_keys` fixture) at Kimi-Linear's sizes, on `meta` tensors."""
+specialization keys (`tests/triton_keys.py`, the `triton_keys` fixture) at Kimi-Linear's sizes,
+on `meta` tensors."""
 
 from __future__ import annotations
 
@@ -149,3 +150,46 @@ def test_prefill_token_counts_compile_once(triton_keys) -> None:
         "_gated_rms_norm_kernel": 1,
         "_paged_prefill_kernel": 1,
     }
+
+
+def step_kernels(t: int) -> None:
+    """What depends on a step's t tokens alone in a Kimi-Linear layer: the norms, the KDA gate,
+    the router and the experts (the shared one fused up to 512 tokens, as on CUDA)."""
+    from deltaserve.kernels.moe.cuda import fused_moe_cuda
+    from deltaserve.kernels.norm.triton import add_rms_norm_launch, gated_rms_norm_launch, kda_gate_launch
+    from deltaserve.kernels.router.triton import topk_route_launch
+
+    add_rms_norm_launch(meta(t, 2304), meta(t, 2304), meta(2304), 1e-5, False)
+    gated_rms_norm_launch(meta(t, 32, 128), meta(t, 32, 128), meta(128), 1e-5, "sigmoid")
+    kda_gate_launch(meta(t, 4096), meta(4096), meta(32), 128)
+    shared = t <= 512
+    logits = meta(t, 256, dtype=torch.float32)
+    topk_route_launch(
+        logits, meta(256, dtype=torch.float32), 8, True, 2.446, True, 2 * shared, torch.bfloat16
+    )
+    k = 8 + shared
+    ids = torch.empty(t, k, device=M, dtype=torch.long)
+    fused_moe_cuda(
+        meta(t, 2304), meta(257, 2048, 2304), meta(257, 2304, 1024), ids, torch.empty(t, k, device=M)
+    )
+
+
+@pytest.mark.slow
+def test_the_warm_up_step_sizes_meet_every_variant_of_a_step(triton_keys, monkeypatch) -> None:
+    """Each variant that Kimi-Linear's steps of 1 to 8192 tokens ask for, one a class of sizes
+    (powers of two of the tokens or of the assignments, 9 or 8 a token; the MoE's paths), is
+    met by a step of the engine's warm-up (`warm_up_step_tokens`), none first while serving."""
+    from deltaserve.engine.engine import warm_up_step_tokens
+    from deltaserve.kernels.moe import cuda
+
+    monkeypatch.setattr(cuda, "_grouped_mm_device", lambda device: True)  # Hopper's grouped GEMM
+
+    def keys(sizes) -> set:  # type: ignore[no-untyped-def]
+        with triton_keys.recorded_launches() as launches:
+            for t in sizes:
+                step_kernels(t)
+        return set(launches)
+
+    serving = keys(range(1, 8193))
+    warmed = keys(warm_up_step_tokens(8192))
+    assert len(serving) > 20 and serving - warmed == set()
