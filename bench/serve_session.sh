@@ -6,7 +6,7 @@
 # On the GPU machine, from the repository root, after the wheels and `pip install -e .`:
 #   bash bench/serve_session.sh PART
 # PART: 9b | 08b | chat-ab | piecewise [CONFIG] | pinned [CONFIG] [C] | c1 [CONFIG] | 08b-outputs | dp | dp-chat | interval | moe [C] | 80b-fp8 | 80b-fp8-budget | budget [CONFIG] | 80b-fp8-offline | 80b-fp8-before | profile-80b-fp8 | ttft [CONFIG] | kimi [C] | moe-gemm-ab [CONFIG] [C] | chat | streams | delay [STEPS] | profile [CONFIG] | spread [CONFIG]
-#   | timeline [CONFIG] [C]
+#   | timeline [CONFIG] [C] | cold-ab [CONFIG] [C]
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
 #     each after 64 concurrent warm-up requests: a fresh server's first mixed steps compile kernels,
@@ -84,6 +84,7 @@ serve_bench() {  # serve_bench NAME CWD PYTHONPATH "SERVER ARGS" BENCH ARGS... (
     fi
     sleep 1
   done
+  touch "$out/runs/$name.up"  # what Triton compiles after this, it compiles while serving (cold-ab)
   echo "$name: up in $((SECONDS - t0)) s; before: $(listen_drops) $(cpu_throttle)" | tee -a "$log"
   local clients=()
   if [ -n "${PIN:-}" ]; then
@@ -308,6 +309,27 @@ case "${1:-9b}" in
     grep -E "out tok/s|^ *c=1 " "$out/runs/c1.log" | tee -a "$log"
     echo "server: $(decode_ms "$out/runs/c1.server.log")" | tee -a "$log"
     python3 -m bench.pyspy_summary "$out/runs/c1.engine.spy.txt" --within EngineCore.run --rows 30 | tee -a "$log"
+    ;;
+  cold-ab)  # cold-ab [CONFIG] [C]: REV's server then the tree's, each from an empty Triton cache, with the steps
+    # slower than 300 ms and the kernels Triton compiled after start-up (bash bench/ab.sh prepare REV; carry .base)
+    base_tree
+    cfg=${2:-../bench/configs/kimi-linear-48b-a3b-12l}
+    cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+    for side in before after; do
+      rm -rf "$cache"
+      name="${cfg##*/}-cold-$side"
+      if [ $side = before ]; then cwd=/tmp/ab-cwd pypath="/tmp/ab-base:${PYTHONPATH:-}"; else cwd=. pypath="${PYTHONPATH:-}"; fi
+      serve_bench "$name" "$cwd" "$pypath" "--model configs/$cfg $dummy --log-level debug ${SERVER_ARGS:-}" \
+        "${WORKLOAD[@]}" --concurrency "${3:-256}" --warmup 64
+      python3 -m bench.serving.step_timeline "$out/runs/$name.server.log" --between 'GET /metrics' | tee -a "$log"
+      echo "$name: steps over 300 ms while serving: $(sed -n '/GET \/metrics/,$p' "$out/runs/$name.server.log" \
+        | grep -oE '[0-9.]+ ms since the last' | awk '$1 > 300 { printf "%s ", $1 }')" | tee -a "$log"
+      echo "$name: compiled after start-up: $(find "$cache" -newer "$out/runs/$name.up" -name '*.json' ! -name '__grp__*' \
+        -printf '%f ' 2> /dev/null)" | tee -a "$log"
+      # each one's signature: which arguments Triton specialized (tt.divisibility) tells what made it new
+      find "$cache" -newer "$out/runs/$name.up" -name '*.ttir' -exec grep -m1 -H 'tt.func' {} \; \
+        > "$out/runs/$name.compiled.txt" 2> /dev/null
+    done
     ;;
   timeline)  # timeline [CONFIG] [C,...]: the engine's steps (bench/serving/step_timeline.py), server against offline, per C
     # ($SERVER_ARGS: more server flags; $OFFLINE_ARGS: the offline engine's JSON, to match them)
