@@ -385,6 +385,7 @@ class PartsWriter:
         async for out, reasoning, ordered in parsed_steps(group, parser):
             opening = self.opening(out) if self.last is None else []
             self.last = out
+            self.step(out)
             for event in opening + self.feed(reasoning, ordered):
                 yield event
 
@@ -392,6 +393,9 @@ class PartsWriter:
         """The events before the reply's first parts, once `first` (the request's first output,
         None where it failed) is read: none unless the API's writer sends some."""
         return []
+
+    def step(self, out: RequestOutput) -> None:
+        """Read a step's output before its parts are fed: nothing unless the API's writer needs it."""
 
     def feed(self, reasoning: str | None, ordered: list[str | DeltaToolCall]) -> list[str]:
         events = self.text(self.reasoning_kind, reasoning) if reasoning else []

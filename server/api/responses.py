@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -46,22 +46,21 @@ from ..text.chat_output import ChatStreamState, ended_early, tool_call_id
 from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ClientDisconnected, ServerContext
+from .logprobs import chat_logprobs, token_text_for
 from .request_params import named_id
+
+if TYPE_CHECKING:
+    from deltaserve.engine.requests.outputs import Logprob, RequestOutput
 
 # chat fields named otherwise here, for error messages that name the field the client sent
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
 
-def _include(value: Any, _: dict[str, Any]) -> str | None:
-    if isinstance(value, list) and "message.output_text.logprobs" in value:
-        return "message.output_text.logprobs is not supported here: chat completions give logprobs"
-    return None
-
-
 # reasoning.effort's values (OpenAI's); "none" turns the chat template's thinking off, as in vLLM
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 REASONING_SUMMARIES = ("auto", "concise", "detailed")  # OpenAI's; echoed, no summary is written
-# OpenAI's includable outputs; none but the refused logprobs is one this server writes
+# OpenAI's includable outputs; of these this server writes message.output_text.logprobs alone
+LOGPROBS = "message.output_text.logprobs"
 Includable = Literal[
     "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
     "message.input_image.image_url", "computer_call_output.output.image_url",
@@ -82,11 +81,9 @@ class ResponsesRequest(RequestBody):
         "background": unsupported_if_set("not supported: responses are answered in the request"),
         "conversation": unsupported_if_set("not supported: continue with previous_response_id"),
         "prompt": unsupported_if_set("not supported: this server stores no prompt templates"),
-        "top_logprobs": unsupported_if_set("not supported here: chat completions give logprobs"),
         "logprob_token_ids": unsupported_if_set("not supported here: chat completions give logprobs"),
-        "logprobs": unsupported_if_set("not supported here: chat completions give logprobs"),
+        "logprobs": unsupported_if_set(f"not supported here: include {LOGPROBS!r} asks for them"),
         "use_beam_search": unsupported_if_set("not supported here: chat completions search beams"),
-        "include": _include,
         "prompt_logprobs": unsupported_if_set("not supported here: chat completions give them"),
         "return_token_ids": unsupported_if_set("not supported here: chat completions return them"),
         # the chat endpoint's n, which this API has no place for: one response is one sample
@@ -115,6 +112,8 @@ class ResponsesRequest(RequestBody):
     # echoed; an input over the context is a 400 either way
     truncation: Literal["auto", "disabled"] | None = None
     include: list[Includable] | None = None
+    # with include's message.output_text.logprobs: each token's this many alternatives, as vLLM's
+    top_logprobs: int | None = None
 
 
 def _item_id(prefix: str) -> str:
@@ -363,6 +362,8 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
         stream=req.stream,  # a stream's engine outputs are each step's delta
         priority=req.priority,
     )
+    if LOGPROBS in (req.include or []):  # vLLM's: top_logprobs without it asks for nothing
+        fields.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     return validated(ChatCompletionRequest, fields)
 
 
@@ -470,8 +471,9 @@ async def create_response(
                 "previous_response_id",
             )
         items = previous.items + items
+    chat = to_chat_request(req, items)
     try:
-        prepared = await prepare_chat(ctx, to_chat_request(req, items), images_at="input", raw=raw)
+        prepared = await prepare_chat(ctx, chat, images_at="input", raw=raw)
     except APIError as exc:  # name the field as this API calls it
         exc.renamed(_PARAMS)
         if exc.param is not None and exc.param.startswith("messages."):  # a chat turn is no item's index
@@ -485,9 +487,12 @@ async def create_response(
         if req.store:
             store.put(shell.id, StoredResponse(items + body["output"], body))
 
+    logprobs = _logprob_entries(ctx, chat) if chat.logprobs else None
     if req.stream:
+        events = _Events(logprobs)
         return StreamingResponse(
-            ctx.guarded(group, _stream(ctx, group, prepared, shell, keep)), media_type="text/event-stream"
+            ctx.guarded(group, _stream(ctx, group, prepared, shell, keep, events)),
+            media_type="text/event-stream",
         )
     try:
         final = (await ctx.collect(group, raw))[engine_id]
@@ -495,7 +500,8 @@ async def create_response(
         return Response(status_code=499)
     completion = final.outputs[0]
     # the items as a stream of the whole text builds them: in the order they were written
-    items_of = _Events()
+    items_of = _Events(logprobs)
+    items_of.take(completion.logprobs)
     cut = ended_early(completion.finish_reason)
     items_of.feed(*ChatStreamState(prepared.parser).feed_in_order(completion.text, True, cut))
     status = _status(completion.finish_reason)
@@ -508,6 +514,20 @@ async def create_response(
     return JSONResponse(body)
 
 
+def _logprob_entries(
+    ctx: ServerContext, chat: ChatCompletionRequest
+) -> Callable[[list[Logprob]], list[dict[str, Any]]]:
+    """Tokens' output_text logprobs entries (include's message.output_text.logprobs): chat's
+    `content[]` entries, the shape of OpenAI's and vLLM's."""
+    token_text = token_text_for(chat, ctx.token_text)
+
+    def entries(logprobs: list[Logprob]) -> list[dict[str, Any]]:
+        content = chat_logprobs(logprobs, chat.top_logprobs or 0, token_text).content or []
+        return [entry.model_dump() for entry in content]
+
+    return entries
+
+
 def _event(kind: str, seq: int, **fields: Any) -> str:
     payload = {"type": kind, "sequence_number": seq, **fields}
     return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
@@ -518,10 +538,27 @@ class _Events(PartsWriter):
 
     reasoning_kind, content_kind = "reasoning", "message"
 
-    def __init__(self) -> None:
+    def __init__(self, logprobs: Callable[[list[Logprob]], list[dict[str, Any]]] | None = None) -> None:
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, int] = {}  # "reasoning" / "message" -> its item's index, while open
+        self.logprobs = logprobs  # a token's output_text logprobs entry, where include asks for them
+        self.pending: list[dict[str, Any]] = []  # tokens' entries no text delta has carried yet
+
+    def step(self, out: RequestOutput) -> None:
+        self.take(out.outputs[0].logprobs)
+
+    def take(self, logprobs: list[Logprob] | None) -> None:
+        if self.logprobs is not None and logprobs:
+            self.pending += self.logprobs(logprobs)
+
+    def carry(self, part: dict[str, Any]) -> list[dict[str, Any]]:
+        """The pending entries, now part of the output_text `part` (every token's, reasoning's and
+        markup's too, as vLLM's output_text holds them)."""
+        carried, self.pending = self.pending, []
+        if "logprobs" in part:
+            part["logprobs"] += carried
+        return carried
 
     def emit(self, kind: str, **fields: Any) -> str:
         event = _event(kind, self.seq, **fields)
@@ -537,6 +574,8 @@ class _Events(PartsWriter):
                 item = _reasoning_item(_item_id("rs"), "", "in_progress")
             else:
                 item = _message_item(_item_id("msg"), "", "in_progress")
+                if self.logprobs is not None:
+                    item["content"][0]["logprobs"] = []
             self.output.append(item)
             index = self.open[kind] = len(self.output) - 1
             events.append(self.emit("response.output_item.added", output_index=index, item=_empty(item)))
@@ -555,8 +594,9 @@ class _Events(PartsWriter):
         ref = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if kind == "reasoning":
             events.append(self.emit("response.reasoning_text.delta", **ref, delta=piece))
-        else:  # logprobs: the SDK's type requires the list; chat completions give them
-            events.append(self.emit("response.output_text.delta", **ref, delta=piece, logprobs=[]))
+        else:  # logprobs: the SDK's type requires the list, empty unless include asks for them
+            logprobs = self.carry(item["content"][0])
+            events.append(self.emit("response.output_text.delta", **ref, delta=piece, logprobs=logprobs))
         return events
 
     def close(self, kind: str, status: str = "completed") -> list[str]:
@@ -570,7 +610,9 @@ class _Events(PartsWriter):
         done = (
             self.emit("response.reasoning_text.done", **ref, text=part["text"])
             if kind == "reasoning"
-            else self.emit("response.output_text.done", **ref, text=part["text"], logprobs=[])
+            else self.emit(
+                "response.output_text.done", **ref, text=part["text"], logprobs=part.get("logprobs", [])
+            )
         )
         return [
             done,
@@ -589,6 +631,9 @@ class _Events(PartsWriter):
         max_output_tokens or aborted: as OpenAI marks the item it stopped); a reply of no text and
         no call gets an empty message."""
         status = "completed" if response_status == "completed" else "incomplete"
+        messages = [item for item in self.output if item["type"] == "message"]
+        if messages:  # tokens after the last text (an end token, a call's markup) join the last message
+            self.carry(messages[-1]["content"][0])
         events = self.close("reasoning", status) + self.close("message", status)
         if not any(item["type"] in ("message", "function_call") for item in self.output):
             events += self.text("message", "") + self.close("message", status)
@@ -626,8 +671,8 @@ async def _stream(
     prepared: PreparedChat,
     shell: _Shell,
     keep: Callable[[dict[str, Any]], None],
+    events: _Events,
 ) -> AsyncIterator[str]:
-    events = _Events()
     yield events.emit("response.created", response=shell.body("in_progress", [], None))
     yield events.emit("response.in_progress", response=shell.body("in_progress", [], None))
     try:  # an output that failed in the engine ends the stream with an error event

@@ -274,6 +274,44 @@ def test_responses_and_events_hold_every_field_the_sdks_types_require(client) ->
     assert texts and all(e.logprobs == [] for e in texts)
 
 
+def test_include_output_text_logprobs_gives_the_chat_endpoints_logprobs(client) -> None:
+    """include's message.output_text.logprobs with top_logprobs: each token's logprob and top
+    alternatives in output_text.logprobs, as the chat endpoint gives them (vLLM's Responses API
+    does), streamed in the text deltas; top_logprobs alone asks for nothing, as in vLLM."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    kw = dict(model=MODEL_NAME, input="Count with me", max_output_tokens=6, temperature=0)
+    asked = dict(kw, top_logprobs=2, include=["message.output_text.logprobs"])
+    whole = client.responses.create(**asked)
+    Response.model_validate(whole.to_dict())
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Count with me"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    expected = [t.to_dict() for t in chat.choices[0].logprobs.content]
+    (message,) = [item for item in whole.output if item.type == "message"]
+    got = [t.to_dict() for t in message.content[0].logprobs]
+    assert got == expected and all(len(t["top_logprobs"]) == 2 for t in got)
+    events = list(client.responses.create(**asked, stream=True))
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event.to_dict())
+    final = events[-1].response
+    (streamed,) = [item for item in final.output if item.type == "message"]
+    assert [t.to_dict() for t in streamed.content[0].logprobs] == expected
+    deltas = [t.to_dict() for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert deltas == [t.to_dict() for t in done.logprobs] == expected
+    plain = client.responses.create(**kw, top_logprobs=2)
+    assert all(
+        part.logprobs is None for item in plain.output if item.type == "message" for part in item.content
+    )
+
+
 @pytest.mark.slow
 def test_stream_sends_each_steps_text_as_it_is_generated(client) -> None:
     """The first delta comes well before the response completes, and the deltas make the final text."""
@@ -411,9 +449,8 @@ def test_the_store_keeps_its_responses_within_its_bytes() -> None:
         ),
         ({"input": "hi", "reasoning": {"effort": "bogus"}}, "reasoning.effort"),
         # fields that would change the output and are not implemented here: refused, not ignored
-        ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
         ({"input": "hi", "logprob_token_ids": [1, 2]}, "logprob_token_ids"),
-        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_bad_requests_are_400s(base_url: str, body: dict, param: str | None) -> None:
