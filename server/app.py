@@ -174,12 +174,31 @@ def build_app(
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(ctx, body, request, stored)
 
-    @v1.get("/responses/{response_id}")
-    async def get_response(response_id: str) -> Response:
+    def stored_body(response_id: str) -> dict[str, Any]:
         entry = stored.get(response_id)
         if entry is None:
             raise APIError(404, f"no response {response_id!r} is stored", "response_id", "not_found")
-        return JSONResponse(entry.body)
+        return entry.body
+
+    @v1.get("/responses/{response_id}")
+    async def get_response(response_id: str, stream: bool = False) -> Response:
+        body = stored_body(response_id)
+        if stream:  # vLLM's replays a background response's events; none runs in the background here
+            raise bad_request(
+                "stream is for background responses' events, which this server does not run: "
+                "retrieve the response without stream",
+                "stream",
+            )
+        return JSONResponse(body)
+
+    @v1.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        stored_body(response_id)  # a response is stored once answered: vLLM's 400 for such
+        raise bad_request(
+            "Cannot cancel a synchronous response: it was answered in its request "
+            "(this server runs no background responses)",
+            "response_id",
+        )
 
     @v1.delete("/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:

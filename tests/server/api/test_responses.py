@@ -386,6 +386,22 @@ def test_previous_response_continues_the_conversation(client, base_url: str) -> 
     assert kept.output_text == streamed[-1].response.output_text
 
 
+def test_cancel_and_streamed_retrieve_of_a_stored_response_are_400s(client) -> None:
+    """Every response here is answered in its request: the SDK's cancel is vLLM's 400 for a
+    synchronous response (404 for one not stored), and retrieve(stream=True), which replays a
+    background response's events, is a 400, not a JSON body the client reads as no events."""
+    r = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as cancel:
+        client.responses.cancel(r.id)
+    assert cancel.value.body["param"] == "response_id" and "synchronous" in cancel.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_missing")
+    with pytest.raises(openai.BadRequestError) as replay:
+        list(client.responses.retrieve(r.id, stream=True))
+    assert replay.value.body["param"] == "stream"
+    assert client.responses.retrieve(r.id).id == r.id
+
+
 def test_the_store_keeps_the_last_responses() -> None:
     from deltaserve.server.api.responses import ResponseStore, StoredResponse
 
