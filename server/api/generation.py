@@ -13,7 +13,7 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -39,7 +39,12 @@ DONE = "data: [DONE]\n\n"
 _PLACEHOLDER = "\x00deltaserve-text\x00"  # no text the detokenizer makes holds a NUL pair around this
 _PLACEHOLDER_JSON = to_json(_PLACEHOLDER).decode()
 
-ChunkChoice = TypeVar("ChunkChoice")
+
+class _Indexed(Protocol):
+    index: int
+
+
+ChunkChoice = TypeVar("ChunkChoice", bound=_Indexed)
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -109,6 +114,13 @@ class Generation(ABC, Generic[ChunkChoice]):
     def usage(self, outputs: list[RequestOutput]) -> Usage:
         return usage_of(self.prompt_tokens, outputs)
 
+    def choices_usage(self, indices: list[int]) -> Usage:
+        """vLLM's continuous usage: a chunk's own choices' prompt and tokens so far, not the
+        whole request's (a chunk holds one choice, bar chat's opening roles)."""
+        prompts = {i // self.n for i in indices}
+        outputs = [out for i in indices if (out := self.latest.get(self.requests[i][0])) is not None]
+        return usage_of(sum(len(self.prompts[p]) for p in prompts), outputs)
+
     async def respond(self, raw: Request, stream: bool) -> Response:
         """Submit every request, then stream the chunks or answer with the whole response. A
         client that names the request (vLLM's X-Request-Id header, or the body's request_id) gets
@@ -131,7 +143,7 @@ class Generation(ABC, Generic[ChunkChoice]):
         """A chunk as a server-sent event, with the usage so far where the client asked for it;
         `fields`: the chunk's other fields."""
         if usage is None and self.usage_in_every_chunk:
-            usage = self.usage(list(self.latest.values()))
+            usage = self.choices_usage([c.index for c in choices])
         chunk = self.chunk_type(
             id=self.response_id,
             created=self.created,

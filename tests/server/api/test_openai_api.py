@@ -863,7 +863,9 @@ def test_return_tokens_as_token_ids(client, server) -> None:
 
 
 def test_continuous_usage_stats(client) -> None:
-    """vLLM's stream option: every chunk carries the usage so far, growing to the final one."""
+    """vLLM's stream option: every chunk carries the usage so far of its own choice (vLLM's
+    previous_num_tokens[i], not the request's), growing to that choice's tokens; the last chunk
+    the whole request's."""
     options = {"include_usage": True, "continuous_usage_stats": True}
     extra = {"ignore_eos": True}
     chat_chunks = list(chat(client, max_tokens=6, n=2, stream=True, stream_options=options, extra_body=extra))
@@ -877,11 +879,16 @@ def test_continuous_usage_stats(client) -> None:
             extra_body=extra,
         )
     )
-    for chunks in (chat_chunks, text_chunks):
-        counts = [c.usage.completion_tokens for c in chunks]
+    for chunks, n in ((chat_chunks, 2), (text_chunks, 1)):
         assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0 for c in chunks)
-        assert counts == sorted(counts) and counts[-1] == 6 * (2 if chunks is chat_chunks else 1)
-        assert chunks[-1].choices == [] and any(0 < n < counts[-1] for n in counts)
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6 * n
+        per_choice: dict[int, list[int]] = {}
+        for chunk in chunks[:-1]:
+            for choice in chunk.choices:
+                per_choice.setdefault(choice.index, []).append(chunk.usage.completion_tokens)
+        assert sorted(per_choice) == list(range(n))
+        for counts in per_choice.values():
+            assert counts == sorted(counts) and counts[-1] == 6 and any(0 < k < 6 for k in counts)
     # without include_usage, no usage at all (vLLM's rule)
     alone = {"continuous_usage_stats": True}
     quiet = list(chat(client, max_tokens=4, stream=True, stream_options=alone, extra_body=extra))

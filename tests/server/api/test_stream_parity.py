@@ -107,9 +107,17 @@ def compare_completions(url: str, oai: openai.OpenAI, **kw: Any) -> None:
     if all(c.logprobs for c in whole.choices):  # usage counts the tokens (an echo's prompt once a prompt)
         echoed = whole.usage.prompt_tokens * kw.get("n", 1) if kw.get("echo") else 0
         assert sum(len(c.logprobs.tokens) for c in whole.choices) - echoed == whole.usage.completion_tokens
-    if options.get("continuous_usage_stats"):  # the usage so far in every chunk, growing to the whole
-        used = [ch.usage.completion_tokens for ch in chunks]
-        assert used == sorted(used) and used[-1] == whole.usage.completion_tokens
+    if options.get("continuous_usage_stats"):  # vLLM's: each chunk's usage is its own choice's so far
+        so_far: dict[int, int] = {}
+        prompts: dict[int, int] = {}  # each prompt's tokens, as its choices' chunks count them
+        for chunk in chunks[:-1]:
+            (c,) = chunk.choices
+            so_far[c.index] = so_far.get(c.index, 0) + len(c.logprobs.tokens)
+            assert chunk.usage.completion_tokens == so_far[c.index]
+            prompts.setdefault(c.index // kw.get("n", 1), chunk.usage.prompt_tokens)
+            assert chunk.usage.prompt_tokens == prompts[c.index // kw.get("n", 1)]
+        assert so_far == {c.index: len(c.logprobs.tokens) for c in whole.choices}
+        assert sum(prompts.values()) == whole.usage.prompt_tokens
 
 
 def compare_chat(url: str, oai: openai.OpenAI, **kw: Any) -> None:
