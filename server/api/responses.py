@@ -423,6 +423,7 @@ class _Shell:
             "tool_choice": req.tool_choice or "auto",
             "tools": req.tools or [],
             "top_p": req.top_p,
+            "top_logprobs": req.top_logprobs,
             "truncation": req.truncation or "disabled",
             "usage": usage,
             "user": req.user,

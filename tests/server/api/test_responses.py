@@ -297,6 +297,7 @@ def test_include_output_text_logprobs_gives_the_chat_endpoints_logprobs(client) 
     (message,) = [item for item in whole.output if item.type == "message"]
     got = [t.to_dict() for t in message.content[0].logprobs]
     assert got == expected and all(len(t["top_logprobs"]) == 2 for t in got)
+    assert whole.top_logprobs == 2  # echoed, as OpenAI's and vLLM's responses do
     events = list(client.responses.create(**asked, stream=True))
     for event in events:
         TypeAdapter(ResponseStreamEvent).validate_python(event.to_dict())
