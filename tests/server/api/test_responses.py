@@ -307,6 +307,19 @@ def test_include_output_text_logprobs_gives_the_chat_endpoints_logprobs(client) 
     deltas = [t.to_dict() for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
     (done,) = [e for e in events if e.type == "response.output_text.done"]
     assert deltas == [t.to_dict() for t in done.logprobs] == expected
+    # a reply that ends on its end token: that token has no text, and the last message holds it too
+    chosen = dict(asked, extra_body={"structured_outputs": {"choice": ["ab"]}})
+    ended = client.responses.create(**chosen)
+    tokens = [t.token for t in ended.output[-1].content[0].logprobs]
+    assert (
+        ended.status == "completed"
+        and "".join(tokens[:-1]) == "ab"
+        and len(tokens) == ended.usage.output_tokens
+    )
+    final = list(client.responses.create(**chosen, stream=True))[-1].response
+    assert [t.to_dict() for t in final.output[-1].content[0].logprobs] == [
+        t.to_dict() for t in ended.output[-1].content[0].logprobs
+    ]
     plain = client.responses.create(**kw, top_logprobs=2)
     assert all(
         part.logprobs is None for item in plain.output if item.type == "message" for part in item.content
