@@ -362,6 +362,8 @@ class SamplingRequest(RequestBody):
     guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's: a stream's chunks after the first carry this many tokens (the server's --stream-interval at least)
+    stream_interval: int | None = None
     user: str | None = None
 
     @field_validator("stream_options", mode="before")

@@ -295,6 +295,9 @@ class SamplingParams:
     cache_salt: str | None = None
     # vLLM's older name for structured_outputs (before 0.11): read into it, then None
     guided_decoding: StructuredOutputs | dict[str, Any] | None = None
+    # vLLM's: a delta request's later outputs carry at least this many tokens each (its first and
+    # last go at once); the engine's own stream_interval is the floor. None: the engine's
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         for name in _INTEGERS:  # before any comparison: 2.5 or True would pass it, "2" fail it oddly
@@ -408,6 +411,10 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise InvalidParamError(f"stop_token_ids must be token ids, got {bad[0]!r}", "stop_token_ids")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise InvalidParamError(
+                f"stream_interval must be at least 1, got {self.stream_interval}", "stream_interval"
+            )
         _in_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _in_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if len(self.logprob_token_ids or []) > MAX_LOGPROB_TOKEN_IDS:
@@ -503,6 +510,7 @@ _INTEGERS = (
     "next_turn_len",
     "shared_prefix_len",
     "truncate_prompt_tokens",
+    "stream_interval",
 )
 
 

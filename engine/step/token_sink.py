@@ -136,7 +136,8 @@ class TokenSink:
     def _due(self, req: Request) -> bool:
         sent = req.num_sent_tokens
         new = len(req.output_token_ids) - sent
-        return new > 0 and (sent == 0 or new >= self.stream_interval)
+        interval = max(self.stream_interval, req.params.stream_interval or 1)
+        return new > 0 and (sent == 0 or new >= interval)
 
 
 def build_output(req: Request) -> RequestOutput:

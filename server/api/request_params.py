@@ -109,6 +109,7 @@ def build_sampling_params(
             structured_outputs=_structured_outputs(req),
             priority=req.priority,
             cache_salt=req.cache_salt,
+            stream_interval=req.stream_interval,
         )
         if vocab_size:
             params.check_vocab(vocab_size)

@@ -1214,6 +1214,12 @@ def test_stream_interval_sends_the_first_token_then_groups(spawn_server, server)
     chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
     sizes = [len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"] and c["logprobs"]["tokens"]]
     assert sizes == [1, 4, 4, 2]
+    # a request's own stream_interval (vLLM's) below the server's is raised to it
+    smaller = {**body, "logprobs": 0, "stream": True, "stream_interval": 2}
+    with httpx.stream("POST", f"{grouped.url}/v1/completions", json=smaller, timeout=60) as r:
+        lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    raised = [json.loads(e)["choices"][0]["logprobs"]["tokens"] for e in lines[:-1]]
+    assert [len(t) for t in raised if t] == [1, 4, 4, 2]
     assert "".join(c["text"] for c in chunks) == whole["choices"][0]["text"]
     tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
     assert tokens == whole["choices"][0]["logprobs"]["tokens"]

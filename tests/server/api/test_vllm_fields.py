@@ -3,6 +3,8 @@ what vLLM's does, and one it cannot honour is a 400 naming it rather than ignore
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -424,3 +426,19 @@ def test_tokenize_adds_the_tokenizers_bos_to_messages_only_when_asked(
     assert plain[0] != bos
     assert tokens({"messages": MESSAGES, "add_special_tokens": False}) == plain
     assert tokens({"messages": MESSAGES, "add_special_tokens": True}) == [bos, *plain]
+
+
+def test_stream_interval_groups_a_streams_tokens(server, model_name) -> None:
+    """vLLM's per-request stream_interval: the first chunk carries one token, later ones that many
+    (the last what is left), the text unchanged; below 1 it is a 400 naming it."""
+    body = {"model": model_name, "prompt": [5, 9, 17], "max_tokens": 11, "temperature": 0, "ignore_eos": True}
+    url = f"{server.url}/v1/completions"
+    whole = httpx.post(url, json={**body, "logprobs": 0}, timeout=60).json()["choices"][0]
+    grouped = {**body, "logprobs": 0, "stream": True, "stream_interval": 4}
+    with httpx.stream("POST", url, json=grouped, timeout=60) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert [len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"]["tokens"]] == [1, 4, 4, 2]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    bad = httpx.post(url, json={**grouped, "stream_interval": 0}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_interval"
