@@ -1,7 +1,7 @@
 """The HTTP process's side of the engine: a started engine core (engine/core.py) and the async
 client that talks to it.
 
-The engine runs in its own process (`EngineHandle.spawn`), so the event loop and the step loop
+The engine runs in its own process (`EngineHandle.start`), so the event loop and the step loop
 never share a GIL; tests may run the same loop in a thread over any object with the Engine's
 interface (`EngineHandle.in_thread`). Either way the client speaks to it over pyzmq: adds and
 calls await the reply that comes back with the next step's message, aborts are fire and forget,
@@ -125,28 +125,13 @@ class EngineHandle:
     _ctx: Any = field(default=None, repr=False)
 
     @classmethod
-    def spawn(
-        cls,
-        config: Any,
-        log_level: str = "info",
-        timeout: float | None = None,
-        stats_interval_s: float = 0.0,
-        api_servers: int = 1,
-    ) -> EngineHandle:
-        """Start the engine process for `config` and wait until its model is loaded. A failed load
-        raises RuntimeError with the engine's own message. `stats_interval_s`: the engine's
-        periodic stats line (engine/stats_log.py); 0: none. `api_servers`: HTTP processes it
-        serves, this one first; the others `attach` to it."""
-        handle = cls.start(config, log_level, stats_interval_s, api_servers)
-        handle.await_ready(timeout)
-        return handle
-
-    @classmethod
     def start(
         cls, config: Any, log_level: str = "info", stats_interval_s: float = 0.0, api_servers: int = 1
     ) -> EngineHandle:
-        """`spawn` without the wait: the process is started and loads its model meanwhile
-        (data-parallel replicas load together); `await_ready` then waits for it."""
+        """Start the engine process for `config`; it loads its model meanwhile (data-parallel
+        replicas load together), and `await_ready` waits for it. `stats_interval_s`: the engine's
+        periodic stats line (engine/stats_log.py); 0: none. `api_servers`: HTTP processes it
+        serves, this one first; the others `attach` to it."""
         import multiprocessing
 
         from deltaserve.engine.core import serve_engine
@@ -168,7 +153,7 @@ class EngineHandle:
 
     @classmethod
     def attach(cls, ipc_dir: str, index: int, info: dict[str, Any], engine_pid: int) -> EngineHandle:
-        """HTTP process `index` (of `spawn`'s `api_servers`) joins the engine that process 0 started."""
+        """HTTP process `index` (of `start`'s `api_servers`) joins the engine that process 0 started."""
         handle = cls._bind(ipc_dir, index)
         handle.info = info
         handle.engine_pid = engine_pid
