@@ -353,14 +353,15 @@ class EngineClient:
         """Calls sent to the engines and not yet answered."""
         return len(self._calls)
 
-    def fail_all(self, exc: BaseException, engine: int | None = None) -> None:
-        """Every group still open (with `engine`: that engine's) gets `exc`; its reader's cleanup
-        aborts what is left. So does every call still unanswered (a request's grammar compiling)."""
-        for future, on in self._calls.values():
-            if not future.done() and engine in (None, on):
+    def fail_all(self, exc: BaseException) -> None:
+        """Every group still open gets `exc`; its reader's cleanup aborts what is left. So does
+        every call still unanswered (a request's grammar compiling)."""
+        for future, _ in self._calls.values():
+            if not future.done():
                 future.set_exception(exc)
-        ids = [rid for rid in self._groups if engine is None or self._engine_of.get(rid) == engine]
-        for group in {id(g): g for rid in ids if (g := self._groups.get(rid)) is not None}.values():
+        ids = list(self._groups)
+        # a group may hold several ids (n > 1)
+        for group in {id(g): g for g in self._groups.values()}.values():
             group.queue.put_nowait(exc)
         self._abort_ids(ids)
         self._forget(ids)
