@@ -287,7 +287,6 @@ class Fp8Linear(nn.Module):
         self.weight_scale_inv: torch.Tensor | None = None
         self.dense_weight: torch.Tensor | None = None
         self.scale_rows = BLOCK
-        self.fp8_rows = 0
         self.dense_only = False  # dequantize FP8 rows at load (a consumer reads `.weight` itself)
         self.dummy_dense_rows = 0  # `--load-format dummy`: unquantized trailing rows
         self.input_split = SINGLE  # the ranks its input columns are split over (row-parallel)
@@ -318,7 +317,6 @@ class Fp8Linear(nn.Module):
             self.weight = nn.Parameter(dense.clone(), requires_grad=False)
             return
         scale, self.scale_rows = _compact(scales[:n])
-        self.fp8_rows = n
         self.weight = nn.Parameter(q[:n].contiguous(), requires_grad=False)
         self.weight_scale_inv = scale
         self.dense_weight = dense[n:].clone() if n < self.out_features else None
