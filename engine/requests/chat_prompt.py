@@ -19,8 +19,6 @@ class ChatTemplateError(ValueError):
 
 
 IMAGE_PARTS = ("image_url", "image")
-# vLLM's --chat-template-content-format: auto and string join text parts, openai keeps parts
-CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:
