@@ -223,7 +223,7 @@ def bench_paged_prefill(
     seq = torch.tensor([total], device=DEV, dtype=torch.int32)
     pairs = q_len * prefix + q_len * (q_len + 1) / 2  # (query, visible key) pairs
     flops = 4 * hq * dim * pairs
-    default = prefill_tiles(q.dtype, dim)
+    default = prefill_tiles(q.dtype)
     tiles_list = [default]
     if sweep:
         tiles_list += [

@@ -109,7 +109,7 @@ def paged_decode_launch(
         )
 
 
-def prefill_tiles(dtype: torch.dtype, dim: int) -> tuple[int, int, int, int]:
+def prefill_tiles(dtype: torch.dtype) -> tuple[int, int, int, int]:
     """`(BM, BN, num_warps, num_stages)` of the prefill kernel.
 
     bf16 / fp16: the fastest of a sweep at head dim 256 (`bench.ops.kernels --only paged_prefill
@@ -138,7 +138,7 @@ def paged_prefill_launch(
     n = seq_lens.shape[0]
     hq, dim = q.shape[1], q.shape[2]
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    block_m, block_n, num_warps, num_stages = tiles or prefill_tiles(q.dtype, dim)
+    block_m, block_n, num_warps, num_stages = tiles or prefill_tiles(q.dtype)
     grid = (triton.cdiv(max_seqlen_q, block_m), n, hq)
     _paged_prefill_kernel[grid](
         q,
