@@ -82,7 +82,7 @@ class Grammars:
         if not ours:
             return pending.result() if wait else pending  # its grammar, or its ValueError
         try:
-            grammar = self._compile(spec, key)
+            grammar = self._compile(spec)
         except BaseException as exc:  # the ones waiting for it get the same
             with self.lock:
                 del self.compiling[key]
@@ -94,7 +94,7 @@ class Grammars:
         pending.set_result(grammar)
         return grammar
 
-    def _compile(self, spec: StructuredOutputs, key: str) -> Any:
+    def _compile(self, spec: StructuredOutputs) -> Any:
         """`spec`'s grammar compiled now, or a ValueError saying why it cannot be."""
         schemas = [f.get("parameters") for f in spec.tool_calls or []] if spec.json is None else [spec.json]
         for schema in schemas:
