@@ -52,7 +52,6 @@ def is_moe_layer(config: Any, layer_id: int) -> bool:
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, layer_type: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.layer_type = layer_type
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.linear_attn: GatedDeltaNet | None = None
