@@ -431,19 +431,20 @@ class _Shell:
         }
 
 
-def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+# reasoning and message items open empty, for their text to stream in
+def _reasoning_item(item_id: str) -> dict[str, Any]:
     return {
         "type": "reasoning",
         "id": item_id,
         "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}],
-        "status": status,
+        "content": [{"type": "reasoning_text", "text": ""}],
+        "status": "in_progress",
     }
 
 
-def _message_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
-    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+def _message_item(item_id: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": "", "annotations": []}
+    return {"type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": [part]}
 
 
 def _call_item(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
@@ -572,9 +573,9 @@ class _Events(PartsWriter):
         index = self.open.get(kind)
         if index is None:
             if kind == "reasoning":
-                item = _reasoning_item(_item_id("rs"), "", "in_progress")
+                item = _reasoning_item(_item_id("rs"))
             else:
-                item = _message_item(_item_id("msg"), "", "in_progress")
+                item = _message_item(_item_id("msg"))
                 if self.logprobs is not None:
                     item["content"][0]["logprobs"] = []
             self.output.append(item)
