@@ -138,7 +138,7 @@ def _start_http(
             handles,
             sampling_defaults,
             tokenizer,
-            shared=_shared_metrics(handles[0], 0, count),
+            shared=_shared_metrics(handles[0], count),
             peers=others,
         )
         starting.install()  # over the handlers http_server set, until the server runs
@@ -286,12 +286,12 @@ def _check_tls(args: argparse.Namespace) -> None:
         raise SystemExit(1) from None
 
 
-def _shared_metrics(handle: Any, index: int, count: int) -> Any:
+def _shared_metrics(handle: Any, count: int) -> Any:
     if count == 1:
         return None
     from .metrics import SharedMetrics
 
-    return SharedMetrics(handle.ipc_dir, index, count)
+    return SharedMetrics(handle.ipc_dir, 0, count)
 
 
 _KEEP_ALIVE_S = 60  # idle keep-alive connections: longer than clients' pools keep them
