@@ -310,9 +310,9 @@ class EngineClient:
         return self.handles[0]
 
     @classmethod
-    def in_thread(cls, engine: Any, metrics: Metrics | None = None) -> EngineClient:
+    def in_thread(cls, engine: Any) -> EngineClient:
         """A client over a loop in a thread of this process, driving `engine` (tests)."""
-        return cls(EngineHandle.in_thread(engine), getattr(engine, "tokenizer", None), metrics)
+        return cls(EngineHandle.in_thread(engine), getattr(engine, "tokenizer", None))
 
     # ------------------------------------------------------------------------------- lifecycle
 
