@@ -360,11 +360,8 @@ class EngineClient:
             if not future.done():
                 future.set_exception(exc)
         ids = list(self._groups)
-        # a group may hold several ids (n > 1)
-        for group in {id(g): g for g in self._groups.values()}.values():
-            group.queue.put_nowait(exc)
         self._abort_ids(ids)
-        self._forget(ids)
+        self._fail(ids, exc)
 
     async def shutdown(self) -> None:
         """Fail whatever still runs and stop the engines."""
@@ -671,8 +668,12 @@ class EngineClient:
         for future, on in self._calls.values():
             if not future.done() and on == engine:
                 future.set_exception(error)
+        self._fail(ids, error)
+
+    def _fail(self, ids: list[str], exc: BaseException) -> None:
+        """The groups of `ids` (a group of n > 1 holds several) get `exc`; the ids are forgotten."""
         for group in {id(g): g for rid in ids if (g := self._groups.get(rid)) is not None}.values():
-            group.queue.put_nowait(error)
+            group.queue.put_nowait(exc)
         self._forget(ids)
 
     def _resolve(self, call_id: int, error: tuple[str, str, str | None] | None, value: Any) -> None:
@@ -703,11 +704,7 @@ class EngineClient:
         self.faults += 1
         self.fault = message
         logger.error("engine step failed (%s); %d requests aborted", message, len(request_ids))
-        error = EngineFaultError("the engine failed while running this request")
-        groups = {id(g): g for rid in request_ids if (g := self._groups.get(rid)) is not None}
-        for group in groups.values():
-            group.queue.put_nowait(error)
-        self._forget(request_ids)
+        self._fail(request_ids, EngineFaultError("the engine failed while running this request"))
 
 
 # Of the engines' stats, these are each engine's own estimates: averaged, not added up.
