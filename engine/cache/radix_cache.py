@@ -250,7 +250,6 @@ class RadixCache:
                 if length in tentative and target.num_children < 2:
                     target.tentative = True
                     self._tentative_nodes.add(target)
-                    self.stats.tentative_admitted += 1
             else:
                 self.state_pool.free_snapshot(slot)
                 if target.tentative and length not in tentative:

@@ -109,7 +109,6 @@ class CacheStats:
     kv_pages_evicted: int = 0
     snapshots_admitted: int = 0
     snapshots_evicted: int = 0
-    tentative_admitted: int = 0  # counted in snapshots_admitted too
     tentative_hit_tokens: int = 0  # hit_tokens served by a tentative snapshot
 
     @property
