@@ -23,19 +23,16 @@ def fp8_linear(
     weight: torch.Tensor,
     scale: torch.Tensor,
     scale_rows: int,
-    out: torch.Tensor | None = None,
     dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`out`: `[..., N]`, unit last stride (a slice of a wider output), written in place. `dense`:
-    unquantized weight rows `[ND, K]`, whose products with x follow the FP8 ones (`[..., N + ND]`)."""
+    """`dense`: unquantized weight rows `[ND, K]`, whose products with x follow the FP8 ones
+    (`[..., N + ND]`)."""
     if use_fast_path(x):
         from deltaserve.kernels.fp8.cuda import fp8_linear_cuda
 
-        return fp8_linear_cuda(x, weight, scale, scale_rows, out, dense)
+        return fp8_linear_cuda(x, weight, scale, scale_rows, dense=dense)
     y = fp8_linear_ref(x, weight, scale, scale_rows)
-    if dense is not None:
-        y = torch.cat([y, F.linear(x, dense)], dim=-1)
-    return y if out is None else out.copy_(y)
+    return y if dense is None else torch.cat([y, F.linear(x, dense)], dim=-1)
 
 
 def fp8_moe(
