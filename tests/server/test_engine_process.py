@@ -306,10 +306,10 @@ def test_requests_for_a_grammar_being_compiled_wait_without_holding_the_compile_
     release = threading.Event()
     compile_now = structured.Grammars._compile
 
-    def held(self: Any, spec: Any, key: str) -> Any:
+    def held(self: Any, spec: Any) -> Any:
         if spec.regex == "[a-z]+":  # the slow grammar: compiled once it is released
             release.wait(30)
-        return compile_now(self, spec, key)
+        return compile_now(self, spec)
 
     monkeypatch.setattr(structured.Grammars, "_compile", held)
     engine = Engine(EngineConfig(model=tokenized_checkpoint, dtype="float32", device="cpu"))
