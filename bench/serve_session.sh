@@ -311,11 +311,12 @@ case "${1:-9b}" in
     python3 -m bench.pyspy_summary "$out/runs/c1.engine.spy.txt" --within EngineCore.run --rows 30 | tee -a "$log"
     ;;
   cold-ab)  # cold-ab [CONFIG] [C]: REV's server then the tree's, each from an empty Triton cache, with the steps
-    # slower than 300 ms and the kernels Triton compiled after start-up (bash bench/ab.sh prepare REV; carry .base)
+    # slower than 300 ms and the kernels Triton compiled after start-up (bash bench/ab.sh prepare REV; carry .base);
+    # $SIDES: "before" or "after" alone, for two calls on one warm machine when both exceed a call's limit
     base_tree
     cfg=${2:-../bench/configs/kimi-linear-48b-a3b-12l}
     cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-    for side in before after; do
+    for side in ${SIDES:-before after}; do
       rm -rf "$cache"
       name="${cfg##*/}-cold-$side"
       if [ $side = before ]; then cwd=/tmp/ab-cwd pypath="/tmp/ab-base:${PYTHONPATH:-}"; else cwd=. pypath="${PYTHONPATH:-}"; fi
