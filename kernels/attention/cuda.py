@@ -16,6 +16,9 @@ _MAX_SPLITS = 64
 # One 64-token tile per split at least: a larger minimum leaves a small batch with few KV heads
 # too few programs to fill the GPU (docs/kernels.md, "Paged attention decode").
 _MIN_TOKENS_PER_SPLIT = 64
+# Splits the merge reads a tile, a loop over tiles taking any count: one [16, head dim] fp32 tile
+# holds fewer registers than one as wide as the count (at most 64), which is masked at run time
+_REDUCE_TILE = 16
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -54,8 +57,8 @@ def paged_decode_launch(
     if num_splits > 1:
         part_o = torch.empty(n, hq, num_splits, dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n, hq, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused
+    else:  # unused; fp32 as with splits, so that both run one compiled kernel
+        part_o = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(n, hkv, num_splits)](
         q,
         k_cache,
@@ -78,6 +81,7 @@ def paged_decode_launch(
         out.stride(0),
         out.stride(1),
         scale * 1.4426950408889634,
+        num_splits,
         HQ=hq,
         GROUP=group,
         BG=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
@@ -85,7 +89,6 @@ def paged_decode_launch(
         BD=triton.next_power_of_2(dim),
         PAGE=page_size,
         BN=block_n,
-        SPLITS=num_splits,
         PREC=_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -99,11 +102,11 @@ def paged_decode_launch(
             part_lse,
             out.stride(0),
             out.stride(1),
+            num_splits,
             HQ=hq,
             D=dim,
             BD=triton.next_power_of_2(dim),
-            SPLITS=num_splits,
-            BS=triton.next_power_of_2(num_splits),
+            BS=_REDUCE_TILE,
             num_warps=4,
             **pdl_args(cu_seqlens_q.device),
         )

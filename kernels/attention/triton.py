@@ -67,7 +67,9 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["stride_pt"])  # the table is as wide as the step's longest context
+# SPLITS and the page table's width follow each step's rows and longest context: unspecialized,
+# one compiled kernel per key tile serves them all
+@triton.jit(do_not_specialize=["stride_pt", "SPLITS"])
 def _paged_decode_kernel(
     q,
     k_cache,
@@ -90,6 +92,7 @@ def _paged_decode_kernel(
     stride_ot,
     stride_oh,
     scale_log2,
+    SPLITS,
     HQ: tl.constexpr,
     GROUP: tl.constexpr,
     BG: tl.constexpr,
@@ -97,7 +100,6 @@ def _paged_decode_kernel(
     BD: tl.constexpr,
     PAGE: tl.constexpr,
     BN: tl.constexpr,
-    SPLITS: tl.constexpr,
     PREC: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -169,7 +171,7 @@ def _paged_decode_kernel(
             tl.store(part_lse + base, lse, mask=m_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def _paged_decode_reduce_kernel(
     cu_seqlens_q,
     out,
@@ -177,32 +179,42 @@ def _paged_decode_reduce_kernel(
     part_lse,
     stride_ot,
     stride_oh,
+    SPLITS,
     HQ: tl.constexpr,
     D: tl.constexpr,
     BD: tl.constexpr,
-    SPLITS: tl.constexpr,
     BS: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """One program per (request, query head): the SPLITS partial results weighed by their
+    log-sum-exp, BS splits a tile, so that the count is a run-time value."""
     wait_inputs(PDL)
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     q_lo = tl.load(cu_seqlens_q + i_n)
     if tl.load(cu_seqlens_q + i_n + 1) > q_lo:
-        o_s = tl.arange(0, BS)
-        m_s = o_s < SPLITS
         o_d = tl.arange(0, BD)
         m_d = o_d < D
         base = (i_n * HQ + i_h) * SPLITS
-        lse = tl.load(part_lse + base + o_s, mask=m_s, other=float("-inf"))
-        m = tl.max(lse, 0)
+        m = float("-inf")
+        for s in range(0, SPLITS, BS):
+            o_s = s + tl.arange(0, BS)
+            lse = tl.load(part_lse + base + o_s, mask=o_s < SPLITS, other=float("-inf"))
+            m = tl.maximum(m, tl.max(lse, 0))
         m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)
-        b_o = tl.load(
-            part_o + (base + o_s)[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0
-        )
-        denom = tl.sum(w, 0)
-        res = tl.sum(w[:, None] * b_o, 0) / tl.where(denom > 0, denom, 1.0)
+        acc = tl.zeros([BD], dtype=tl.float32)
+        w_sum = tl.zeros([BS], dtype=tl.float32)
+        for s in range(0, SPLITS, BS):
+            o_s = s + tl.arange(0, BS)
+            m_s = o_s < SPLITS
+            w = tl.exp2(tl.load(part_lse + base + o_s, mask=m_s, other=float("-inf")) - m)
+            b_o = tl.load(
+                part_o + (base + o_s)[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0
+            )
+            acc += tl.sum(w[:, None] * b_o, 0)
+            w_sum += w
+        denom = tl.sum(w_sum, 0)
+        res = acc / tl.where(denom > 0, denom, 1.0)
         p_o = out + q_lo.to(tl.int64) * stride_ot + i_h * stride_oh + o_d
         tl.store(p_o, res.to(out.dtype.element_ty), mask=m_d)
 

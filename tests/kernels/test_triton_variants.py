@@ -71,6 +71,72 @@ def test_mla_decode_interpreted(run_interpreted) -> None:
     assert int(run_interpreted(__file__, "t.check_mla_decode('cpu')")) == 3
 
 
+# Qwen3.5-35B-A3B's full-attention layers (Qwen3-Next-80B-A3B's are the same)
+Q_HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
+
+
+def paged_decode(n: int, max_positions: int) -> None:
+    from deltaserve.kernels.attention.cuda import paged_attention_cuda
+
+    pages = -(-max_positions // PAGE)
+    paged_attention_cuda(
+        torch.empty(n, Q_HEADS, HEAD_DIM, device=M, dtype=torch.bfloat16),
+        torch.empty(4096, PAGE, KV_HEADS, HEAD_DIM, device=M, dtype=torch.bfloat16),
+        torch.empty(4096, PAGE, KV_HEADS, HEAD_DIM, device=M, dtype=torch.bfloat16),
+        torch.zeros(n, pages, device=M, dtype=torch.int32),
+        torch.arange(n + 1, device=M, dtype=torch.int32),
+        torch.zeros(n, device=M, dtype=torch.int32),
+        HEAD_DIM**-0.5,
+        1,
+    )
+
+
+def test_paged_decode_compiles_once_per_tile_for_every_batch_and_context(triton_keys) -> None:
+    """An eager decode step's rows (1 to 256 of them, up to 32k positions) split their positions
+    1 to 64 ways (`attention.cuda.decode_splits`): the split kernel and the merge of the splits
+    take the count at run time, so they compile once each, the split kernel once per key tile
+    (64 positions when its grid is about one wave, else 32)."""
+    with triton_keys.recorded_launches() as launches:
+        for n in (1, 2, 3, 5, 7, 9, 16, 33, 45, 67, 200, 256):
+            for positions in (16, 300, 1024, 1300, 2049, 8192, 32768):
+                paged_decode(n, positions)
+    variants = triton_keys.variants(launches)
+    assert len(variants["_paged_decode_kernel"]) == 2
+    assert len(variants["_paged_decode_reduce_kernel"]) == 1
+
+
+def check_paged_decode(device: str) -> int:
+    """The split kernel and the merge against the torch reference with one split, four, 19 and
+    45 (not powers of two, two and three merge tiles), over rows short enough to leave splits
+    empty; returns the number of cases checked."""
+    from deltaserve.kernels.attention.cuda import paged_decode_launch
+    from deltaserve.kernels.attention.reference import paged_attention_ref
+
+    g = torch.Generator(device=device).manual_seed(0)
+    hq, hkv, dim, page = 4, 2, 32, 4
+    cases = 0
+    for lens, splits in (([1, 9, 70], 1), ([300, 1, 65, 17], 4), ([1200, 3, 130], 19), ([1500, 700, 2], 45)):
+        n = len(lens)
+        max_pages = max(lens) // page + 1
+        pool = n * max_pages + 1
+        k_cache, v_cache = torch.randn(2, pool, page, hkv, dim, device=device, generator=g)
+        table = (torch.randperm(pool - 1, device=device, generator=g)[: n * max_pages] + 1).view(n, -1).int()
+        q = torch.randn(n, hq, dim, device=device, generator=g)
+        cu = torch.arange(n + 1, dtype=torch.int32, device=device)
+        seq = torch.tensor(lens, dtype=torch.int32, device=device)
+        out = torch.full_like(q, float("nan"))
+        paged_decode_launch(q, k_cache, v_cache, table, cu, seq, dim**-0.5, out, splits, 16)
+        ref = paged_attention_ref(q, k_cache, v_cache, table, cu, seq, dim**-0.5)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        cases += 1
+    return cases
+
+
+@pytest.mark.slow
+def test_paged_decode_interpreted(run_interpreted) -> None:
+    assert int(run_interpreted(__file__, "t.check_paged_decode('cpu')")) == 4
+
+
 def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(*shape, device=M, dtype=dtype)
 
