@@ -33,7 +33,13 @@ from .api.messages import (
     create_message,
 )
 from .api.request_params import rid_prefix
-from .api.responses import ResponsesRequest, ResponseStore, create_response
+from .api.responses import (
+    ResponsesRequest,
+    ResponseStore,
+    StoredResponse,
+    create_response,
+    list_input_items,
+)
 from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient, ShuttingDownError
 from .errors import APIError, anthropic_path, bad_request, error_body, refused, validation_message
@@ -174,15 +180,15 @@ def build_app(
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(ctx, body, request, stored)
 
-    def stored_body(response_id: str) -> dict[str, Any]:
+    def stored_entry(response_id: str) -> StoredResponse:
         entry = stored.get(response_id)
         if entry is None:
             raise APIError(404, f"no response {response_id!r} is stored", "response_id", "not_found")
-        return entry.body
+        return entry
 
     @v1.get("/responses/{response_id}")
     async def get_response(response_id: str, stream: bool = False) -> Response:
-        body = stored_body(response_id)
+        body = stored_entry(response_id).body
         if stream:  # vLLM's replays a background response's events; none runs in the background here
             raise bad_request(
                 "stream is for background responses' events, which this server does not run: "
@@ -191,9 +197,18 @@ def build_app(
             )
         return JSONResponse(body)
 
+    @v1.get("/responses/{response_id}/input_items")  # client.responses.input_items.list
+    async def response_input_items(
+        response_id: str, request: Request, after: str | None = None, limit: int = 20, order: str = "desc"
+    ) -> Response:
+        entry = stored_entry(response_id)
+        # the SDK sends a list as include[]=...
+        include = request.query_params.getlist("include[]") + request.query_params.getlist("include")
+        return JSONResponse(list_input_items(entry, after, limit, order, include))
+
     @v1.post("/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:
-        stored_body(response_id)  # a response is stored once answered: vLLM's 400 for such
+        stored_entry(response_id)  # a response is stored once answered: vLLM's 400 for such
         raise bad_request(
             "Cannot cancel a synchronous response: it was answered in its request "
             "(this server runs no background responses)",

@@ -10,7 +10,7 @@ a chat completion does (`chat.prepare_chat`), and the output is given back as Re
 max_output_tokens cut or the server aborted: status `incomplete` or `cancelled`). Responses are kept in memory (the last
 `STORE_SIZE` within `STORE_BYTES`, unless the request says `store: false`): `previous_response_id` continues one (its
 input and output items come before the new input), `GET` / `DELETE /v1/responses/{id}` read and
-drop one. A restart forgets them all.
+drop one, and `GET /v1/responses/{id}/input_items` lists the items it was made from. A restart forgets them all.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -197,10 +197,65 @@ class ResponseStore:
         return self._entries.pop(response_id) is not None
 
 
+# an input item's id, where the client gave none, by its type (OpenAI's prefixes)
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items, each with an id (for GET .../input_items and its `after`)."""
     if isinstance(req.input, str):
-        return [{"type": "message", "role": "user", "content": req.input}]
-    return list(req.input)
+        given: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": req.input}]
+    else:
+        given = list(req.input)
+    return [
+        item
+        if isinstance(item.get("id"), str) and item["id"]
+        else {**item, "id": _item_id(_ID_PREFIXES.get(item.get("type", "message"), "item"))}
+        for item in given
+    ]
+
+
+def _as_listed(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as OpenAI lists it: a message's string content as one text part."""
+    if item.get("type", "message") != "message":
+        return item
+    content = item.get("content")
+    if isinstance(content, str):
+        if item.get("role") == "assistant":
+            content = [{"type": "output_text", "text": content, "annotations": []}]
+        else:
+            content = [{"type": "input_text", "text": content}]
+    return {"type": "message", "status": "completed", **item, "content": content}
+
+
+def list_input_items(
+    entry: StoredResponse, after: str | None, limit: int, order: str, include: list[str]
+) -> dict[str, Any]:
+    """GET /v1/responses/{id}/input_items: OpenAI's page of the items the response was made from
+    (earlier turns' input and output too), `order` "desc" (newest first) or "asc"."""
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit must be between 1 and 100, got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", "order")
+    unknown = [value for value in include if value not in get_args(Includable)]
+    if unknown:
+        raise bad_request(f"include: {unknown[0]!r} is not one of {list(get_args(Includable))}", "include")
+    items = entry.items[: len(entry.items) - len(entry.body["output"])]
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise bad_request(f"after: no input item {after!r} in this response", "after")
+        items = items[ids.index(after) + 1 :]
+    page = [_as_listed(item) for item in items[:limit]]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
 
 
 def _reasoning_of(item: dict[str, Any], where: str) -> str:

@@ -416,6 +416,52 @@ def test_cancel_and_streamed_retrieve_of_a_stored_response_are_400s(client) -> N
     assert client.responses.retrieve(r.id).id == r.id
 
 
+def test_input_items_lists_the_items_a_stored_response_was_made_from(client, base_url: str) -> None:
+    """`client.responses.input_items.list(id)`: OpenAI's list of the items used to generate a
+    stored response (earlier turns' input and output too), each with an id, newest first unless
+    `order=asc`, `limit` a page with `has_more`, `after` the next; 404 for one not stored."""
+    first = client.responses.create(model=MODEL_NAME, input="Name a color.", max_output_tokens=4)
+    second = client.responses.create(
+        model=MODEL_NAME,
+        previous_response_id=first.id,
+        input=[
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": [{"type": "input_text", "text": "And another?"}]},
+        ],
+        max_output_tokens=4,
+    )
+    asc = client.responses.input_items.list(second.id, order="asc")
+    assert asc.object == "list" and asc.has_more is False
+    items = asc.data
+    assert len(items) == 1 + len(first.output) + 2
+    assert [i.id for i in items[1 : 1 + len(first.output)]] == [i.id for i in first.output]
+    question, noted, another = items[0], items[-2], items[-1]
+    assert question.type == "message" and question.role == "user"
+    assert question.content[0].type == "input_text" and question.content[0].text == "Name a color."
+    assert noted.role == "assistant" and noted.content[0].type == "output_text"
+    assert noted.content[0].text == "Noted." and another.content[0].text == "And another?"
+    ids = [i.id for i in items]
+    assert all(ids) and len(set(ids)) == len(ids)
+    assert (asc.first_id, asc.last_id) == (ids[0], ids[-1])
+    # the ids are kept: a second read lists the same ones, newest first by default
+    assert [i.id for i in client.responses.input_items.list(second.id).data] == ids[::-1]
+    page = client.responses.input_items.list(second.id, limit=2)
+    assert [i.id for i in page.data] == ids[::-1][:2] and page.has_more is True
+    assert [i.id for i in client.responses.input_items.list(second.id, limit=1)] == ids[::-1]  # every page
+    after = client.responses.input_items.list(second.id, order="asc", after=ids[1])
+    assert [i.id for i in after.data] == ids[2:]
+    assert [i.id for i in client.responses.input_items.list(first.id).data] == [ids[0]]
+    kept = client.responses.input_items.list(first.id, include=["message.input_image.image_url"])
+    assert [i.id for i in kept.data] == [ids[0]]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
+    for query in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_missing"}):
+        r = httpx.get(f"{base_url}/responses/{second.id}/input_items", params=query, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(query)), r.text
+    r = httpx.get(f"{base_url}/responses/{second.id}/input_items", params={"include[]": "x"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include", r.text
+
+
 def test_the_store_keeps_the_last_responses() -> None:
     from deltaserve.server.api.responses import ResponseStore, StoredResponse
 
