@@ -294,6 +294,8 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
                 raise bad_request(
                     f"{where}: a function_call item's name, call_id and arguments are strings", "input"
                 )
+            if not item["name"]:  # OpenAI's 400 too: a call to no function
+                raise bad_request(f"{where}.name: a function_call item's name is empty", "input")
             call = {
                 "id": item.get("call_id") or tool_call_id(),
                 "type": "function",

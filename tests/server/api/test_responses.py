@@ -597,6 +597,10 @@ PNG_DATA_URL = "data:image/png;base64,iVBORw0KGgoAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA
          "input[0]: a function_call_output item's call_id"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": PNG_DATA_URL}]}]}, "input",
          "reads text only"),
+        # OpenAI's 400 for an empty name ("Expected a string with minimum length 1"), not a call to no function
+        ({"input": [{"type": "function_call", "call_id": "c1", "name": "", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "x"}]}, "input",
+         "input[0].name: a function_call item's name is empty"),
     ],
 )  # fmt: skip
 def test_a_refusal_names_the_field_as_this_api_spells_it(
