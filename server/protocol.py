@@ -277,6 +277,15 @@ class ChatMessage(OpenAIModel):
     reasoning_content: str | None = None
 
 
+_SALT_FORBIDDEN = frozenset("@/\\\x00")  # vLLM's validate_cache_salt refuses these
+
+
+def _cache_salt(salt: str | None) -> str | None:
+    if salt is not None and _SALT_FORBIDDEN.intersection(salt):
+        raise PydanticCustomError("invalid_cache_salt", "must not contain '@', '/', '\\' or NUL, as in vLLM")
+    return salt
+
+
 def _guided_decoding_backend(value: Any, _: dict[str, Any]) -> str | None:
     if value in (None, "", "auto", "xgrammar"):
         return None
@@ -336,8 +345,8 @@ class SamplingRequest(RequestBody):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values run first
-    # vLLM's: prefix-cache hits only from requests with the same salt; an empty one is a 400, as there
-    cache_salt: str | None = Field(default=None, min_length=1)
+    # vLLM's: prefix-cache hits only from requests with the same salt; vLLM's 400s for one it refuses
+    cache_salt: Annotated[str | None, Field(min_length=1, max_length=128), AfterValidator(_cache_salt)] = None
     request_id: str | None = None  # vLLM's: the reply's id after its prefix (an X-Request-Id header wins)
     rid: str | None = None  # SGLang's name for it
     min_tokens: int = 0

@@ -57,13 +57,26 @@ def test_the_warm_up_of_n_salted_copies_is_salted_too(client) -> None:
     assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
-@pytest.mark.parametrize("salt", ["", 5])
-def test_an_empty_or_non_string_salt_is_a_400(client, salt) -> None:
+# vLLM's validate_cache_salt: a non-empty string of at most 128 characters, without '@', '/', '\\' or NUL
+@pytest.mark.parametrize("salt", ["", 5, "s" * 129, "a@b", "a/b", "a\\b", "a\x00b"])
+def test_a_salt_vllm_refuses_is_a_400(client, salt) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(
             model=MODEL_NAME, messages=_messages(), max_tokens=1, extra_body={"cache_salt": salt}
         )
     assert bad.value.body["param"] == "cache_salt"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(
+            model=MODEL_NAME, input="hi", max_output_tokens=1, extra_body={"cache_salt": salt}
+        )
+    assert bad.value.body["param"] == "cache_salt"
+
+
+def test_a_salt_of_128_characters_is_served(client) -> None:
+    r = client.completions.create(
+        model=MODEL_NAME, prompt="hi", max_tokens=1, extra_body={"cache_salt": "s" * 127 + "é"}
+    )
+    assert r.usage.completion_tokens == 1
 
 
 def test_responses_hit_only_prefixes_of_their_own_salt(client) -> None:
