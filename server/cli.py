@@ -129,6 +129,14 @@ def _bytes_in_gib(text: str) -> float:
     return _human_readable_int_at_least(1)(text) / 2**30
 
 
+def _body_mib(text: str) -> float:
+    """--max-request-body-mb: MiB that come to at least one byte (the limit is a whole number of bytes)."""
+    value = _positive_float(text)
+    if int(value * 2**20) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte ({1 / 2**20:.3g} MiB), got {value}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _int_at_least(0)(text)
     if value > 65535:
@@ -601,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     http.add_argument(
         "--max-request-body-mb",
-        type=_positive_float,
+        type=_body_mib,
         default=32.0,
         help="largest request body in MiB; a larger one gets HTTP 413 before it is read",
     )

@@ -107,6 +107,7 @@ def test_help_explains_every_flag_without_importing_torch() -> None:
         ["--distributed-executor-backend", "ray"],
         ["--max-request-body-mb", "0"],  # every body would be a 413
         ["--max-request-body-mb", "-1"],
+        ["--max-request-body-mb", "1e-9"],  # rounds to a limit of 0 bytes
     ],
 )
 def test_wrong_value_is_one_line_and_exit_2(args: list[str]) -> None:
