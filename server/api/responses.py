@@ -56,8 +56,9 @@ if TYPE_CHECKING:
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
 
-# reasoning.effort's values (OpenAI's); "none" turns the chat template's thinking off, as in vLLM
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# reasoning.effort's values (the SDK's, and chat's reasoning_effort's); "none" turns the chat
+# template's thinking off, as in vLLM
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 REASONING_SUMMARIES = ("auto", "concise", "detailed")  # OpenAI's; echoed, no summary is written
 # OpenAI's includable outputs; of these this server writes message.output_text.logprobs alone
 LOGPROBS = "message.output_text.logprobs"

@@ -79,6 +79,15 @@ def test_the_chat_endpoints_sampling_fields_and_reasoning_effort_apply(client) -
     assert off.reasoning.effort == "none"
 
 
+def test_reasoning_effort_max_is_served_as_on_the_chat_endpoint(client) -> None:
+    """The SDK's ReasoningEffort holds "max", which chat's reasoning_effort takes (as vLLM's): the
+    Responses API takes it too, thinking on, as any effort but "none"."""
+    kw = dict(model=MODEL_NAME, input="Hi", max_output_tokens=1)
+    high = client.responses.create(**kw, reasoning={"effort": "high"})
+    top = client.responses.create(**kw, reasoning={"effort": "max"})
+    assert top.reasoning.effort == "max" and top.usage.input_tokens == high.usage.input_tokens
+
+
 def test_chat_template_kwargs_reach_the_template(client) -> None:
     """vLLM's extension: `chat_template_kwargs` as in chat (Qwen3's template closes the think
     section when thinking is off, so the prompt grows)."""
