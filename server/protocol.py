@@ -267,6 +267,19 @@ class ContentPart(OpenAIModel):
     refusal: str | None = None  # a "refusal" part of an earlier assistant turn
     image_url: ImageURL | None = None  # an "image_url" part: a data: or http(s): URL
 
+    @model_validator(mode="before")
+    @classmethod
+    def _responses_parts(cls, data: Any) -> Any:
+        # vLLM's chat reads the Responses API's parts too: input_text / output_text as text, an
+        # input_image by its URL string
+        if not isinstance(data, dict):
+            return data
+        if data.get("type") in ("input_text", "output_text"):
+            return {**data, "type": "text"}
+        if data.get("type") == "input_image" and isinstance(data.get("image_url"), str):
+            return {**data, "type": "image_url", "image_url": {"url": data["image_url"]}}
+        return data
+
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]

@@ -180,6 +180,38 @@ def test_text_and_refusal_parts_reach_the_prompt(server) -> None:
         assert piece in text, text
 
 
+def test_the_responses_apis_parts_are_read_as_vllms_chat_reads_them(server) -> None:
+    """vLLM's chat takes `input_text` / `output_text` parts as text parts and an `input_image` (its
+    `image_url` a URL string) as an image part: the same prompt here, not a 400."""
+    responses_style = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Tell me a secret."}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "No.", "annotations": []}]},
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Fine."}, {"type": "text", "text": "A joke."}],
+        },
+    ]
+    chat_style = [
+        {**m, "content": [{"type": "text", "text": p["text"]} for p in m["content"]]} for m in responses_style
+    ]
+    tokens = [
+        post(server, "/tokenize", json={"messages": m}).json().get("tokens")
+        for m in (responses_style, chat_style)
+    ]
+    assert tokens[0] is not None and tokens[0] == tokens[1]
+    assert post(server, "/v1/chat/completions", json={**GOOD, "messages": responses_style}).status_code == 200
+    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    content = [{"type": "input_text", "text": "What is in this?"}, image]
+    err = assert_error(
+        post(
+            server, "/v1/chat/completions", json={**GOOD, "messages": [{"role": "user", "content": content}]}
+        ),
+        400,
+        "messages.0.content.1.type",
+    )
+    assert "images are not" in err["message"]  # this model's refusal of any image, as of an image_url part
+
+
 def test_unknown_fields_are_ignored(server) -> None:
     r = post(server, "/v1/chat/completions", json={**GOOD, "frobnicate": True, "metadata": {"a": 1}})
     assert r.status_code == 200
