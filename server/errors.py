@@ -128,7 +128,10 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     # a value one of a union's forms fails is named by the form it went furthest into (a list of
     # content parts, not "should be a string"), without pydantic's tags for the forms
     first = max(errors, key=lambda e: len([p for p in e.get("loc", ()) if not _union_tag(p)]))
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_tag(p)]
+    where = list(first.get("loc", ()))
+    if where[:1] in (["query"], ["path"]):  # a URL's parameter, named as sent: `limit`, not `query.limit`
+        where = where[1:]
+    loc = [str(p) for p in where if p != "body" and not _union_tag(p)]
     # a check of the whole body (protocol.RequestBody) names the field in its context
     param = ".".join(loc) or (first.get("ctx") or {}).get("param") or None
     message = first.get("msg", "invalid value")

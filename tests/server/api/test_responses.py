@@ -464,7 +464,7 @@ def test_input_items_lists_the_items_a_stored_response_was_made_from(client, bas
     assert [i.id for i in kept.data] == [ids[0]]
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_missing")
-    for query in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_missing"}):
+    for query in ({"limit": 0}, {"limit": 101}, {"limit": "x"}, {"order": "up"}, {"after": "msg_missing"}):
         r = httpx.get(f"{base_url}/responses/{second.id}/input_items", params=query, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(query)), r.text
     r = httpx.get(f"{base_url}/responses/{second.id}/input_items", params={"include[]": "x"}, timeout=30)
