@@ -486,7 +486,9 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return reply(request, exc.status_code, str(exc.detail), None, None)
+        response = reply(request, exc.status_code, str(exc.detail), None, None)
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     app.add_middleware(_InternalErrors, reply=reply)
 

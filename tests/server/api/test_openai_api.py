@@ -62,6 +62,14 @@ def test_head_is_answered_wherever_get_is(server) -> None:
     assert httpx.head(f"{server.url}/generate").status_code == 405  # a POST route: as GET is refused
 
 
+def test_a_method_a_route_does_not_take_is_405_naming_those_it_does(server) -> None:
+    """HTTP's 405 says which methods the path takes (`Allow`), as FastAPI's own reply does."""
+    r = httpx.get(f"{server.url}/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["message"] == "Method Not Allowed"  # still OpenAI's error body
+    assert "GET" in httpx.put(f"{server.url}/v1/models").headers["allow"]
+
+
 def test_chat_shape_and_usage(client, server) -> None:
     tokens = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()
     r = chat(client, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
