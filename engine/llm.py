@@ -26,6 +26,7 @@ from deltaserve.engine.llm_arguments import as_given, engine_kwargs, no_adapter,
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.chat_prompt import (
     IMAGE_PARTS,
+    content_parts,
     image_urls,
     render_prompt,
     shared_head_tokens,
@@ -699,8 +700,7 @@ def _has_images(conversation: Any) -> bool:
     return any(
         isinstance(part, dict) and part.get("type") in IMAGE_PARTS
         for message in conversation
-        if isinstance(message.get("content"), list)
-        for part in message["content"]
+        for part in content_parts(message)
     )
 
 

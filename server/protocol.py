@@ -25,6 +25,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from deltaserve.engine.requests.chat_prompt import read_part
 from deltaserve.engine.requests.sampling_params import WHITESPACE_PATTERN_WHY
 
 
@@ -270,15 +271,8 @@ class ContentPart(OpenAIModel):
     @model_validator(mode="before")
     @classmethod
     def _responses_parts(cls, data: Any) -> Any:
-        # vLLM's chat reads the Responses API's parts too: input_text / output_text as text, an
-        # input_image by its URL string
-        if not isinstance(data, dict):
-            return data
-        if data.get("type") in ("input_text", "output_text"):
-            return {**data, "type": "text"}
-        if data.get("type") == "input_image" and isinstance(data.get("image_url"), str):
-            return {**data, "type": "image_url", "image_url": {"url": data["image_url"]}}
-        return data
+        # the Responses API's parts, read as the offline LLM.chat reads them (one parser)
+        return read_part(data)
 
 
 class ChatMessage(OpenAIModel):

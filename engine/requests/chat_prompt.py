@@ -21,13 +21,31 @@ class ChatTemplateError(ValueError):
 IMAGE_PARTS = ("image_url", "image")
 
 
+def read_part(part: Any) -> Any:
+    """A content part as chat reads it. As vLLM's chat (served and offline), the Responses API's
+    `input_text` / `output_text` parts are text parts and an `input_image` whose `image_url` is a
+    URL string is an `image_url` part; any other part is returned as it came."""
+    if not isinstance(part, dict):
+        return part
+    if part.get("type") in ("input_text", "output_text"):
+        return {**part, "type": "text"}
+    if part.get("type") == "input_image" and isinstance(part.get("image_url"), str):
+        return {**part, "type": "image_url", "image_url": {"url": part["image_url"]}}
+    return part
+
+
+def content_parts(message: dict[str, Any]) -> list[Any]:
+    """A message's content parts as chat reads them (`read_part`); none for string content."""
+    content = message.get("content")
+    return [read_part(part) for part in content] if isinstance(content, list) else []
+
+
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:
     """The URLs of OpenAI-shaped messages' `image_url` parts, in order."""
     return [
         part["image_url"]["url"]
         for m in messages
-        if isinstance(m.get("content"), list)
-        for part in m["content"]
+        for part in content_parts(m)
         if part.get("type") == "image_url" and part.get("image_url")  # one without: refused as it renders
     ]
 
@@ -41,6 +59,8 @@ def template_message(message: dict[str, Any], content_format: str = "auto") -> d
     content never None (templates test it with `in`), tool calls' JSON arguments as mappings.
     `content_format` "openai": the content always as a list of parts, a string as one text part."""
     content = message.get("content")
+    if isinstance(content, list):
+        content = content_parts(message)
     if content_format == "openai" and not isinstance(content, list):
         content = [] if content is None else [{"type": "text", "text": content}]
     if isinstance(content, list) and (

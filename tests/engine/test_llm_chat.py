@@ -134,3 +134,28 @@ def test_images_for_a_model_that_reads_text_only_are_refused_by_name(llm: LLM) -
         llm.chat([CHAT, pictured], GREEDY)
     assert not llm.engine.requests
     assert len(llm.chat(CHAT, GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_the_responses_apis_parts_are_read_as_the_servers_chat_reads_them(llm: LLM) -> None:
+    """vLLM's chat (offline as served) takes `input_text` / `output_text` parts as text parts and an
+    `input_image` (its `image_url` a URL string) as an image part: the same prompt, and the same
+    refusal of an image by a text-only model, as the chat parts give."""
+    responses_style = [
+        {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Name"}, {"type": "text", "text": "a colour."}],
+        },
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Red.", "annotations": []}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Another."}]},
+    ]
+    chat_style = [
+        {**m, "content": [{"type": "text", "text": p["text"]} for p in m["content"]]} for m in responses_style
+    ]
+    mine, want = (llm.chat(c, GREEDY, use_tqdm=False)[0] for c in (responses_style, chat_style))
+    assert "Red." in want.prompt and "Another." in want.prompt
+    assert mine.prompt == want.prompt and mine.prompt_token_ids == want.prompt_token_ids
+    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    pictured = [{"role": "user", "content": [{"type": "input_text", "text": "What is it?"}, image]}]
+    with pytest.raises(ValueError, match="the prompt has images, but the model .* reads text only"):
+        llm.chat(pictured, GREEDY)
