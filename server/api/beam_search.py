@@ -278,12 +278,12 @@ async def beam_search_chat(
         usage=_usage([prompt_ids], [out], cached),
         prompt_text=prompt_text,
     )
-    if req.stream:  # every beam's role, as a sampled stream opens, then each whole message and finish
+    if req.stream:  # each beam's role, a chunk each as a sampled stream opens, then each whole message
         shell = ChatCompletionChunk(id=response.id, created=response.created, model=model, choices=[])
         opening = [
             ChatChunkChoice(index=c.index, delta=ChatDelta(role=c.message.role, content="")) for c in choices
         ]
-        chunks = [shell.model_copy(update={"choices": opening, "prompt_text": prompt_text})]
+        chunks = [shell.model_copy(update={"choices": [o], "prompt_text": prompt_text}) for o in opening]
         for c in choices:
             m = c.message
             calls = [DeltaToolCall(index=k, **call.model_dump()) for k, call in enumerate(m.tool_calls or [])]

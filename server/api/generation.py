@@ -116,7 +116,7 @@ class Generation(ABC, Generic[ChunkChoice]):
 
     def choices_usage(self, indices: list[int]) -> Usage:
         """vLLM's continuous usage: a chunk's own choices' prompt and tokens so far, not the
-        whole request's (a chunk holds one choice, bar chat's opening roles)."""
+        whole request's (a chunk holds one choice)."""
         prompts = {i // self.n for i in indices}
         outputs = [out for i in indices if (out := self.latest.get(self.requests[i][0])) is not None]
         return usage_of(sum(len(self.prompts[p]) for p in prompts), outputs)
@@ -155,9 +155,8 @@ class Generation(ABC, Generic[ChunkChoice]):
         return f"data: {self.chunk_json(chunk)}\n\n"
 
     async def _events(self, group: RequestGroup) -> AsyncIterator[str]:
-        opening = self.opening_choices()
-        if opening:
-            yield self.event(opening, **self.opening_fields())
+        for choice in self.opening_choices():  # a chunk each, as vLLM's stream opens
+            yield self.event([choice], **self.opening_fields())
         try:
             async for outputs in group:
                 for i, out in enumerate(outputs):
@@ -195,11 +194,11 @@ class Generation(ABC, Generic[ChunkChoice]):
         return template[0] + to_json(text).decode() + template[1]
 
     def opening_choices(self) -> list[ChunkChoice]:
-        """The choices of the stream's first chunk, before any output (none by default)."""
+        """The choices that open the stream, a chunk each, before any output (none by default)."""
         return []
 
     def opening_fields(self) -> dict[str, Any]:
-        """The first chunk's fields beside its choices (none by default)."""
+        """Each opening chunk's fields beside its choice (none by default)."""
         return {}
 
     @abstractmethod

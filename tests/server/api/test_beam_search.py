@@ -102,6 +102,7 @@ def test_a_streamed_search_sends_the_beams_it_answers_unstreamed(client) -> None
     finish: dict[int, str | None] = {}
     roles = set()
     for chunk in client.chat.completions.create(messages=messages, stream=True, **ask):
+        assert len(chunk.choices) == 1  # each beam's role in a chunk of its own, as a sampled stream's
         for c in chunk.choices:
             roles |= {c.index} if c.delta.role == "assistant" else set()
             texts[c.index] += (getattr(c.delta, "reasoning_content", None) or "") + (c.delta.content or "")

@@ -137,6 +137,25 @@ def test_n_choices(client) -> None:
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
+def test_a_streamed_choice_opens_with_its_own_role_chunk(client) -> None:
+    """vLLM's chat stream opens with a chunk for each choice, in order, carrying its role, empty
+    content, the prompt's token ids where asked and its own usage (prompt, 0 generated); no chunk
+    holds two choices."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    ask = {"n": 3, "max_tokens": 4, "temperature": 1.0, "seed": 7, "stream": True, "stream_options": options}
+    chunks = list(chat(client, **ask, extra_body={"return_token_ids": True}))
+    opening = chunks[:3]
+    assert [[(c.index, c.delta.role, c.delta.content) for c in ch.choices] for ch in opening] == [
+        [(i, "assistant", "")] for i in range(3)
+    ]
+    whole = chat(client, max_tokens=1)
+    for chunk in opening:
+        assert chunk.prompt_token_ids and len(chunk.prompt_token_ids) == whole.usage.prompt_tokens
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (whole.usage.prompt_tokens, 0)
+    assert all(len(ch.choices) == 1 for ch in chunks[:-1]) and chunks[-1].choices == []
+    assert all(c.delta.role is None for ch in chunks[3:] for c in ch.choices)
+
+
 def test_n_above_one_with_greedy_sampling_is_a_400(client, server) -> None:
     """vLLM refuses n > 1 at temperature 0 (its samples would be n copies of one reply), on chat
     and completions alike; n 1 greedy and n > 1 sampled are served, and so is SGLang's /generate,
