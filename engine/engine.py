@@ -53,6 +53,20 @@ def warm_up_step_tokens(step_tokens: int) -> list[int]:
     return sizes if sizes[-1] == step_tokens else [*sizes, step_tokens]
 
 
+# paged decode's split count stops growing at this context (64 splits of 64 positions)
+WARM_UP_DECODE_CONTEXT = 4096
+
+
+def warm_up_decode_rows(num_running: int) -> list[int]:
+    """The row counts of the warm-up's eager decode steps: each up to 16, then each power of two,
+    and `num_running`. Decode kernels pick their tiles by the rows and the longest context (GDN
+    decode's value tile, paged decode's key tile): steps of these rows beside a context of
+    `WARM_UP_DECODE_CONTEXT` meet each variant that steps of 1 to `num_running` rows ask for
+    (tests/kernels/test_triton_variants.py)."""
+    rows = {n for n in range(1, 17)} | {1 << j for j in range(num_running.bit_length())} | {num_running}
+    return sorted(n for n in rows if n <= num_running)
+
+
 class Engine:
     """With `tensor_parallel_size` > 1 this process is rank 0: it starts this node's other ranks
     (`engine/parallel/ranks.py`), drives them through its ModelRunner, and is dead (`dead_reason`,
@@ -170,11 +184,54 @@ class Engine:
             self.step()
         self.prefix_cache.flush()
         sizes: list[int] = []
+        rows: list[int] = []
         if use_fast_path(torch.empty(0, device=self.device)):  # the CPU's references compile nothing
+            if self.runner.graph_runner is None:  # decode graphs compiled theirs at capture
+                rows = warm_up_decode_rows(self.config.num_running)
+                self._warm_up_decode_rows(rows)
             sizes = self._warm_up_step_sizes(warm_up_step_tokens(self.config.step_tokens))
         self._new_loop_parts()
-        then = f", then prefill steps of {', '.join(map(str, sizes))} tokens" if sizes else ""
+        then = f", eager decode steps of {', '.join(map(str, rows))} rows" if rows else ""
+        then += f", then prefill steps of {', '.join(map(str, sizes))} tokens" if sizes else ""
         logger.info("warmed up the kernels in %.1f s (mixed steps%s)", time.perf_counter() - t0, then)
+
+    def _warm_up_decode_rows(self, rows: list[int]) -> None:
+        """A decode step of each of `rows` requests: requests join (without a prefix cache or a
+        prefill delay) until that many decode, the first one's prompt `WARM_UP_DECODE_CONTEXT`
+        tokens (half the model's length at most) and the others' 8; all are aborted at the end."""
+        config = dataclasses.replace(
+            self.config,
+            cache_type="naive",
+            max_prefill_delay_steps=0,
+            adaptive_prefill_delay=False,
+            hold_prefill_tails=False,
+        )
+        self._new_loop_parts(config)
+        longest = max(1, min(WARM_UP_DECODE_CONTEXT, self.max_model_len // 2))
+        added = 0
+        for n in rows:
+            while len(self.requests) < n:
+                length = longest if added == 0 else min(8, longest)
+                ids = [(7 * j + added) % self.vocab_size for j in range(length)]
+                params = SamplingParams(
+                    temperature=0.0,
+                    max_tokens=self.max_model_len - length,
+                    ignore_eos=True,
+                    output_kind="final_only",
+                )
+                self.add_request(f"deltaserve-warmup-decode-{added}", ids, params)
+                added += 1
+            live = list(self.requests.values())
+            while self.has_unfinished_requests() and any(
+                r.num_computed_tokens < len(r.prompt_token_ids) for r in live
+            ):
+                self.step()
+            self.step()  # all of them decode
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        while self.has_unfinished_requests():
+            self.step()
+        self._finished_outputs.clear()
 
     def _warm_up_step_sizes(self, sizes: list[int]) -> list[int]:
         """A prefill step of each of `sizes` tokens: prompts of a chunk at most, one sampled token

@@ -88,3 +88,35 @@ def test_where_kernels_compile_the_warm_up_runs_a_prefill_step_of_each_size(
     assert warm.config.cache_type == "radix" and type(warm.prefix_cache) is type(cold.prefix_cache)
     prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
     assert greedy(warm, prompts) == greedy(cold, prompts)
+
+
+@pytest.mark.slow
+def test_eager_decode_warm_up_runs_a_decode_step_of_each_row_count(make_checkpoint, monkeypatch) -> None:
+    """Where decode steps run eagerly (no CUDA graphs) and kernels compile, the warm-up runs a
+    decode step of 1, 2, 3 and 4 rows (the running requests), one of them `min(4096, half the
+    model's length)` tokens into its context, before the prefill steps; the engine is as new
+    after them."""
+    from deltaserve.engine import engine as engine_module
+
+    path = make_checkpoint("qwen3_next")
+    warm, cold = make(path, False, "radix"), make(path, False, "radix")
+    assert warm.runner.graph_runner is None
+    monkeypatch.setattr(engine_module, "use_fast_path", lambda t: True)
+    decodes: list[tuple[int, int]] = []  # (rows, longest context) of each decode-only step
+    forward = warm.runner.forward
+
+    def counted(batch):  # type: ignore[no-untyped-def]
+        if batch.num_decodes == batch.num_requests:
+            decodes.append((batch.num_decodes, int(batch.seq_lens.max())))
+        return forward(batch)
+
+    monkeypatch.setattr(warm.runner, "forward", counted)
+    warm._warm_up()
+    full = [(n, context) for n, context in decodes if context > 128]
+    assert sorted({n for n, _ in full}) == [1, 2, 3, 4]
+    assert warm.stats() == cold.stats()
+    assert warm.runner.kv_pool.num_used == 0 and warm.runner.state_pool.num_snapshots_used == 0
+    assert not warm.requests and not warm._finished_outputs
+    assert warm.config.cache_type == "radix" and type(warm.prefix_cache) is type(cold.prefix_cache)
+    prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
+    assert greedy(warm, prompts) == greedy(cold, prompts)

@@ -259,3 +259,54 @@ def test_the_warm_up_step_sizes_meet_every_variant_of_a_step(triton_keys, monkey
     serving = keys(range(1, 8193))
     warmed = keys(warm_up_step_tokens(8192))
     assert len(serving) > 20 and serving - warmed == set()
+
+
+def decode_step(n: int, context: int, tp: int) -> None:
+    """What a decode step of n rows, the longest `context` positions, launches per layer that
+    could pick its variant by them: Qwen3.5-35B-A3B's GDN decode and full attention, a rank's
+    heads of `tp`, and Kimi-Linear's MLA decode (its KDA decode, FLA's, takes the rows at run
+    time)."""
+    from deltaserve.kernels.attention.cuda import paged_attention_cuda
+    from deltaserve.kernels.gdn.cuda import gdn_decode_cuda
+
+    hk, hv, dim = 16 // tp, 32 // tp, 128
+    slots = torch.zeros(n, device=M, dtype=torch.int32)
+    gates = (meta(hv, dtype=torch.float32), meta(hv, dtype=torch.float32))
+    pool = meta(512, hv, dim, dim, dtype=torch.float32)
+    gdn_decode_cuda(
+        meta(n, hk, dim), meta(n, hk, dim), meta(n, hv, dim), meta(n, hv), meta(n, hv), pool, slots, gates
+    )
+    mla_decode(n, context)
+    paged_attention_cuda(
+        meta(n, Q_HEADS // tp, HEAD_DIM),
+        meta(4096, PAGE, KV_HEADS // tp, HEAD_DIM),
+        meta(4096, PAGE, KV_HEADS // tp, HEAD_DIM),
+        torch.zeros(n, -(-context // PAGE), device=M, dtype=torch.int32),
+        torch.arange(n + 1, device=M, dtype=torch.int32),
+        torch.zeros(n, device=M, dtype=torch.int32),
+        HEAD_DIM**-0.5,
+        1,
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("running", [256, 6, 12, 100])
+def test_the_warm_up_decode_steps_meet_every_variant_of_a_decode_step(triton_keys, tp, running) -> None:
+    """Eager decode steps of 1 to `running` rows beside contexts up to 32k ask for GDN decode's
+    narrow and wide value tiles and paged decode's 64- and 32-key tiles; the warm-up's decode
+    steps (`warm_up_decode_rows`, the longest row `WARM_UP_DECODE_CONTEXT` long) meet each."""
+    from deltaserve.engine.engine import WARM_UP_DECODE_CONTEXT, warm_up_decode_rows
+
+    def keys(steps) -> set:  # type: ignore[no-untyped-def]
+        with triton_keys.recorded_launches() as launches:
+            for n, context in steps:
+                decode_step(n, context, tp)
+        return set(launches)
+
+    serving = keys((n, c) for n in range(1, running + 1) for c in (16, 300, 2049, 4096, 32768))
+    warmed = keys((n, WARM_UP_DECODE_CONTEXT) for n in warm_up_decode_rows(running))
+    assert serving - warmed == set()
+    variants = triton_keys.variants(list(serving))
+    wide_from = {1: 9, 2: 17}[tp]  # rows from which GDN decode's tiles give each SM 4 programs
+    assert len(variants["_gdn_decode_kernel"]) == (2 if running >= wide_from else 1)
+    assert len(variants["_paged_decode_kernel"]) == 2
