@@ -327,6 +327,10 @@ class LLM:
         )
         if len(params_list) != len(batch):
             raise ValueError("give one SamplingParams, or one per prompt")
+        for params in params_list:
+            if params.n > 1 and params.temperature == 0:
+                # vLLM's: greedy choices are copies of one reply (the server's 400 says the same)
+                raise ValueError(f"n must be 1 when using greedy sampling (temperature 0), got {params.n}")
         if priority is not None:
             if len(priority) != len(batch):
                 raise ValueError("give one priority per prompt")

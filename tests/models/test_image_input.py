@@ -156,7 +156,7 @@ def test_n_choices_of_an_image_prompt_start_from_its_warm_up(checkpoint) -> None
     llm = LLM(checkpoint, dtype="float32", device="cpu", page_size=4)
     ids = prompt(9, 1, 9, seed=5)
     img = solid(100, (32, 32))
-    params = SamplingParams(n=3, temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    params = SamplingParams(n=3, top_k=1, max_tokens=NEW, ignore_eos=True)  # n greedy choices
     (out,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": img}}, params)
     assert out.num_cached_tokens > len(ids)  # past the image
     want = hf_generate(checkpoint, ids, [img], NEW)

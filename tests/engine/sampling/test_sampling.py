@@ -426,11 +426,28 @@ def test_n_copies_start_from_the_cached_prompt(llm, length, cached):
     (the whole pages before the prompt's last token) and gives what one request gives."""
     prompt = {"prompt_token_ids": [(7 * i + length) % 150 + 1 for i in range(length)]}  # not seen before
     greedy = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
-    out = llm.generate(prompt, SamplingParams(n=3, **greedy))[0]
+    out = llm.generate(prompt, SamplingParams(n=3, **{**greedy, "temperature": 1.0, "top_k": 1}))[0]
     assert out.num_cached_tokens == cached
     assert len({tuple(c.token_ids) for c in out.outputs}) == 1
     one = llm.generate({"prompt_token_ids": prompt["prompt_token_ids"]}, SamplingParams(**greedy))[0]
     assert one.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_n_above_one_at_temperature_zero_is_refused_offline_as_in_vllm(llm):
+    """vLLM's `ValueError("n must be 1 when using greedy sampling ...")`, from `generate` here: the
+    params themselves stay valid (SGLang's `/generate` serves such copies on purpose). A batch
+    with one such prompt queues none of them; top_k=1 at a positive temperature is vLLM's way to
+    n identical choices."""
+    greedy = dict(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling.*got 2"):
+        llm.generate(PROMPTS, SamplingParams(n=2, **greedy))
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling"):
+        llm.generate(PROMPTS, [SamplingParams(**greedy), SamplingParams(n=3, **greedy)])
+    assert not llm.engine.has_unfinished_requests()
+    (out,) = llm.generate(PROMPTS[:1], SamplingParams(n=2, top_k=1, max_tokens=3, ignore_eos=True))
+    assert [c.token_ids for c in out.outputs] == tokens(
+        llm.generate(PROMPTS[:1], SamplingParams(**greedy))
+    ) * 2
 
 
 def test_batched_penalties_equal_the_row_by_row_ones():
