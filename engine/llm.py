@@ -26,6 +26,7 @@ from deltaserve.engine.llm_arguments import as_given, engine_kwargs, no_adapter,
 from deltaserve.engine.requests.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from deltaserve.engine.requests.chat_prompt import (
     IMAGE_PARTS,
+    check_parts,
     content_parts,
     image_urls,
     render_prompt,
@@ -496,6 +497,9 @@ class LLM:
                 "and 'string' for these models"
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        for conversation in conversations:
+            for index, message in enumerate(cast(list[dict[str, Any]], conversation)):
+                check_parts(message, index)  # audio or a file: refused by name, as the server's chat does
         if self.engine.image_processor is None and any(map(_has_images, conversations)):
             # refused before rendering: a text template fails on image parts with its own error
             raise InvalidParamError(

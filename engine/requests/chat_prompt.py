@@ -40,6 +40,30 @@ def content_parts(message: dict[str, Any]) -> list[Any]:
     return [read_part(part) for part in content] if isinstance(content, list) else []
 
 
+# the content parts chat reads (after `read_part`); audio, a file or any other is refused, not dropped
+READ_PARTS = ("text", "refusal", "image_url")
+
+
+def check_parts(message: dict[str, Any], index: int) -> None:
+    """A ChatTemplateError naming the first content part of `message` (messages[`index`]) that chat
+    cannot read: one of another type (audio, a file, an `input_image` with only a `file_id`), a
+    text part without its text, an image_url part without its image_url. The server's chat and
+    the offline `LLM.chat` refuse alike."""
+    for j, part in enumerate(content_parts(message)):
+        where, at = f"messages[{index}].content[{j}]", f"messages.{index}.content.{j}"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and part.get("text") is None:
+            raise ChatTemplateError(f"{where}: a text part needs its text", f"{at}.text")
+        if kind not in READ_PARTS or (kind == "image_url" and part.get("image_url") is None):
+            if kind == "image_url":
+                why = "an image_url part needs its image_url"
+            elif kind == "input_image":
+                why = "give its image_url (file_id is not supported)"
+            else:
+                why = "not supported"
+            raise ChatTemplateError(f"{where}: content parts of type {kind!r}: {why}", f"{at}.type")
+
+
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:
     """The URLs of OpenAI-shaped messages' `image_url` parts, in order."""
     return [

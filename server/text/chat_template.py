@@ -9,6 +9,7 @@ from typing import Any
 
 from deltaserve.engine.requests.chat_prompt import (
     ChatTemplateError,
+    check_parts,
     render_prompt,
     template_message,
     unrepeated_tail,
@@ -28,29 +29,17 @@ def load_chat_template(source: str | None) -> str | None:
     return Path(source).read_text(encoding="utf-8") if Path(source).is_file() else source
 
 
-# the content parts the server reads; audio or a file is refused, not dropped
-READ_PARTS = ("text", "refusal", "image_url")
-
-
 def message_to_dict(message: ChatMessage, index: int = 0, content_format: str = "auto") -> dict[str, Any]:
     """The message as its chat template reads it (`template_message`, an image part as the
     template's `{"type": "image"}`); a content part the server cannot read (audio, a file) is a
-    400 naming it, not dropped."""
-    if isinstance(message.content, list):
-        for j, part in enumerate(message.content):
-            where = f"messages.{index}.content.{j}"
-            if part.type == "text" and part.text is None:
-                raise bad_request(
-                    f"messages[{index}].content[{j}]: a text part needs its text", f"{where}.text"
-                )
-            if part.type not in READ_PARTS or (part.type == "image_url" and part.image_url is None):
-                why = "an image_url part needs its image_url" if part.type == "image_url" else "not supported"
-                raise bad_request(
-                    f"messages[{index}].content[{j}]: content parts of type {part.type!r}: {why}",
-                    f"{where}.type",
-                )
+    400 naming it, not dropped (`check_parts`, as the offline LLM.chat refuses it)."""
+    message_dict = message.model_dump(exclude_none=True)
     try:
-        rendered = template_message(message.model_dump(exclude_none=True), content_format)
+        check_parts(message_dict, index)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    try:
+        rendered = template_message(message_dict, content_format)
     except ChatTemplateError as exc:  # a malformed part of this message: named where it is
         raise bad_request(f"messages[{index}].{exc}", f"messages.{index}.{exc.param}") from exc
     for j, call in enumerate(message.tool_calls or []):

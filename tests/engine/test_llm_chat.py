@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from deltaserve import LLM, SamplingParams
@@ -134,6 +136,29 @@ def test_images_for_a_model_that_reads_text_only_are_refused_by_name(llm: LLM) -
         llm.chat([CHAT, pictured], GREEDY)
     assert not llm.engine.requests
     assert len(llm.chat(CHAT, GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize(
+    "part,needle",
+    [
+        (
+            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+            "'input_audio': not supported",
+        ),
+        ({"type": "file", "file": {"file_id": "file-1"}}, "'file': not supported"),
+        ({"type": "input_image", "file_id": "file-1"}, "'input_image': give its image_url"),
+        ({"type": "text"}, "a text part needs its text"),
+    ],
+)
+def test_content_parts_chat_cannot_read_are_refused_not_dropped(llm: LLM, part: dict, needle: str) -> None:
+    """Audio, a file, an image given by file id or a text part without its text is a ValueError
+    naming the part, as the server's 400 does (they were left out of the prompt, answering another
+    question); nothing is queued."""
+    content = [{"type": "text", "text": "What is in this?"}, part]
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+    with pytest.raises(ValueError, match=rf"messages\[1\]\.content\[1\]: .*{re.escape(needle)}"):
+        llm.chat([CHAT, conversation], GREEDY)
+    assert not llm.engine.requests
 
 
 def test_the_responses_apis_parts_are_read_as_the_servers_chat_reads_them(llm: LLM) -> None:
