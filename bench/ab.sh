@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Before and after in one run: the same benchmark from an earlier commit and from the working
-# tree, back to back on the same GPU (the rule for performance changes: docs/performance.md).
+# tree, back to back on the same GPU (the rule for performance changes: docs/performance.md, "Running
+# the benchmarks").
 #
 # Here, before the device call (the export lands in .base/, which git ignores; carry it):
 #   bash bench/ab.sh prepare REV

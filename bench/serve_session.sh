@@ -10,7 +10,8 @@
 #   | before / after [CONFIG] [C]: REV's server (`bash bench/ab.sh prepare REV` here; carry .base), the tree's
 #     ($SERVER_ARGS: more server flags; $BENCH_ARGS: more bench.serving.serve flags; $TAG: a suffix to the run's name),
 #     each after 64 concurrent warm-up requests: a fresh server's first mixed steps compile kernels,
-#     which confounded the first such pair in docs/performance.md
+#     which confounded the first such pair
+#     (docs/history/performance-2026-12.md, "The HTTP process's cost per token")
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out/runs"
@@ -19,7 +20,8 @@ log="$out/serve.log"
 port=8000
 WORKLOAD=(--input-len 1024 --output-len 256 --health-probe --client-processes 4)
 # issue 24's row, after one wave of warm-up requests: a fresh machine's first waves of 8k prefills
-# compile kernels, which slowed the first server of a pair (docs/performance.md)
+# compile kernels, which slowed the first server of a pair
+# (docs/history/performance-2026-12.md, "Decode batches of 17-32")
 FP8_80B=(--input-len 8192 --output-len 1024 --health-probe --concurrency 32 --num-prompts 64 --warmup 32)
 
 base_tree() {  # REV's package in /tmp/ab-base and its configs in /tmp/ab-cwd (bash bench/ab.sh prepare REV here)

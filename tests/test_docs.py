@@ -57,3 +57,31 @@ def test_markdown_links_resolve() -> None:
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def _headings(path: pathlib.Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return [re.sub(r"[`*]", "", h).strip() for h in re.findall(r"^#{1,6} (.*)$", text, flags=re.M)]
+
+
+def test_code_cites_measurements_by_a_section_that_exists() -> None:
+    """A comment's citation of a docs page by section (`docs/<page>.md, "<section>"`) names the start of
+    one of its headings, and one of the performance pages in parentheses names its section:
+    performance.md keeps current results only and moves the rest to history/, so a bare citation
+    of it, or of a section since moved, leads the reader nowhere."""
+    cite = re.compile(r'docs/([\w/.-]+\.md)(?:, "([^"]+)"|\))')
+    bad = []
+    for path in sorted([*ROOT.rglob("*.py"), *ROOT.rglob("*.sh")]):
+        if any(part.startswith(".") or part.endswith("venv") for part in path.relative_to(ROOT).parts):
+            continue
+        for page, section in cite.findall(path.read_text(errors="replace")):
+            where = f"{path.relative_to(ROOT)}: docs/{page}"
+            if not section:
+                if "performance" in page:
+                    bad.append(f"{where} (cited without its section)")
+                continue
+            section = re.sub(r"\s*\n\s*#?\s*", " ", section)  # a citation wrapped over comment lines
+            target = ROOT / "docs" / page
+            if not target.exists() or not any(h.startswith(section) for h in _headings(target)):
+                bad.append(f'{where}, "{section}" (no such heading)')
+    assert not bad, "\n".join(bad)

@@ -10,7 +10,7 @@ from deltaserve.engine.requests.request import Request
 
 # Batches of at least TOPK_MIN_ROWS rows that all set a top-k of at most TOPK_LIMIT rank only
 # their k best tokens: over a large vocabulary `torch.topk` is cheaper than a full sort from a
-# few rows on, but not for a single row (docs/performance.md, "Sampling").
+# few rows on, but not for a single row (docs/history/performance-2026-12.md, "The sampler alone").
 TOPK_LIMIT = 1024
 TOPK_MIN_ROWS = 4
 

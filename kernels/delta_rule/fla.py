@@ -51,8 +51,9 @@ def fla_cu_seqlens(cu_seqlens: torch.Tensor, cache: PerForwardCache | None = Non
 def fla_internal(module: str, name: str) -> Callable[..., Any] | None:
     """FLA's chunked forward `module.name`, below its public entry point (no autograd Function,
     argument guards or backend dispatch, whose host time per layer bounds a small model's
-    prefill, docs/performance.md). None with DELTASERVE_FLA_DIRECT=0, or where FLA's internals
-    differ from 0.6's (no such function, or one without `chunk_indices`): the public call then."""
+    prefill, docs/performance.md, "Environment switches"). None with DELTASERVE_FLA_DIRECT=0, or
+    where FLA's internals differ from 0.6's (no such function, or one without `chunk_indices`): the
+    public call then."""
     if not fla_direct():
         return None
     try:

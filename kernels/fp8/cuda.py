@@ -11,7 +11,8 @@ import torch
 from deltaserve.kernels.fp8.blocks import BLOCK, FP8_DTYPE, num_blocks
 
 # One row through the GEMV only for small weights (under 4,096 rows and 8M elements); past them, or
-# past one row, the GEMM with its K split is faster on the H200 (bench/ops/fp8_gemv.py, docs/performance.md)
+# past one row, the GEMM with its K split is faster on the H200 (bench/ops/fp8_gemv.py; the timings:
+# docs/history/performance-2026-12.md, "How FP8 decode runs")
 GEMV_MAX_N = 4096
 GEMV_MAX_NUMEL = 2048 * 4096
 
@@ -35,7 +36,8 @@ ACT_QUANT_ROWS = 32  # tokens per program of the activation quantization
 
 SKINNY_MMA_ROWS = 64  # the most rows one skinny launch takes: the narrow side of its MMA
 # decode batches of up to this many rows take the skinny GEMM, larger ones cuBLAS, which past it wins
-# on wide weights while the skinny GEMM's lead on narrow ones shrinks (docs/performance.md)
+# on wide weights while the skinny GEMM's lead on narrow ones shrinks (the timings:
+# docs/history/performance-2026-12.md, "How FP8 decode runs")
 SKINNY_MAX_ROWS = 32
 
 # Up to this many rows (decode's, where the skinny GEMM and MoE quantize their input in a launch of
@@ -106,7 +108,8 @@ def act_quant_cuda(
 
 
 # cuBLAS's block-scaled FP8 GEMM (1 x 128 activation scales, 128 x 128 or 1 x 128 weight scales)
-# from this many rows on; below them the Triton GEMM (bench/ops/fp8_gemm.py, docs/performance.md)
+# from this many rows on; below them the Triton GEMM (bench/ops/fp8_gemm.py; the timings:
+# docs/history/performance-2026-12.md, "How FP8 decode runs")
 CUBLAS_MIN_ROWS = 17
 
 
@@ -434,7 +437,8 @@ def moe_tiles(assignments: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STEP_K, warps, stages, swap) of the grouped GEMMs (the down GEMM takes its
     BLOCK_M and swap), with a K step of a whole scale block: for decode's batches 16-row tiles, swapped
     (the weight's rows on wgmma's 64-row side, the few tokens on its narrow one; unswapped, 16 rows
-    take `mma.sync`); for prefill 64-row ones (bench/ops/fp8_gemm.py --moe, docs/performance.md)."""
+    take `mma.sync`); for prefill 64-row ones (bench/ops/fp8_gemm.py --moe; the timings:
+    docs/history/performance-2026-12.md, "How FP8 decode runs")."""
     if assignments <= 2048:
         return 16, 64, 128, 4, 4, 1
     return 64, 64, 128, 4, 4, 0

@@ -72,7 +72,7 @@ def _fla_public(q, k, v, g, beta, init, cu):  # type: ignore[no-untyped-def]
 def _fla_forward() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """FLA's chunked GDN forward called below its public entry point: no autograd Function, no
     backend dispatch, no argument guards (the public call's host time per layer bounds a small
-    model's prefill, docs/performance.md), with FLA's chunk indices built
+    model's prefill, docs/performance.md, "Environment switches"), with FLA's chunk indices built
     once per forward (cached by `cu_seqlens` identity, as FLA does). None with
     DELTASERVE_FLA_DIRECT=0, or an FLA whose internals differ from 0.6's (the public call then)."""
     fwd = fla_internal("fla.ops.gated_delta_rule.chunk", "chunk_gated_delta_rule_fwd")

@@ -20,7 +20,8 @@ _GEMV_ACC = 4096  # fp32 products a program keeps, BN x S x 128: more spill at s
 
 def grouped_tiles(assignments: int, element_size: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the grouped GEMMs: 16-row tiles for decode's
-    batches, 64-row ones for prefill (bench/ops/fp8_gemm.py --moe --bf16, docs/performance.md); fp32's
+    batches, 64-row ones for prefill (bench/ops/fp8_gemm.py --moe --bf16; the timings:
+    docs/history/performance-2026-12.md, "FP8 checkpoints, change by change"); fp32's
     twice as wide values in smaller tiles, within the shared memory."""
     if element_size > 2:
         return (16, 64, 64, 4, 3) if assignments <= 512 else (64, 64, 64, 8, 3)

@@ -85,7 +85,7 @@ def test_verification_graphs_follow_plain_decoding_at_real_head_sizes(
 ):
     """Verification graphs (and the same uniform windows run eagerly) against plain decoding by
     decode graphs, on the 0.8B's head sizes (the H200 benchmark at these sizes accepted almost
-    no drafts with verification graphs while the tiny shapes pass; docs/performance.md): the two agree, and agree with plain decoding up
+    no drafts with verification graphs while the tiny shapes pass; docs/performance.md, "Speculative decoding"): the two agree, and agree with plain decoding up
     to near-ties."""
     path = real_heads_checkpoint
     ps = prompts(3)

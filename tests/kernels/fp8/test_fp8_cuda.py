@@ -188,7 +188,8 @@ def test_fp8_moe_matches_reference(t, e, h, inter, top_k, scale_rows, dtype):
     # bf16: the kernels quantize the bf16-rounded intermediate, the reference its fp32 value, and a
     # bf16 rounding moves about one e4m3 code in 32 by a step (6%); Hopper's wgmma (the skinny MoE,
     # the grouped GEMMs' 64-row and swapped tiles) keeps fewer bits in its FP8 sums than fp32, which
-    # moves codes the same way in fp32; unswapped 16-row tiles' mma.sync sums in fp32 (docs/performance.md)
+    # moves codes the same way in fp32; unswapped 16-row tiles' mma.sync sums in fp32
+    # (docs/history/performance-2026-12.md, "How FP8 decode runs", its accuracy)
     tiles = moe_tiles(t * top_k)
     wgmma = t * top_k <= SKINNY_MOE_PAIRS or tiles[0] >= 64 or bool(tiles[5])
     exact = 4e-2 if dtype == torch.bfloat16 or wgmma else 1e-4
