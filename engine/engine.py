@@ -187,18 +187,19 @@ class Engine:
         rows: list[int] = []
         if use_fast_path(torch.empty(0, device=self.device)):  # the CPU's references compile nothing
             if self.runner.graph_runner is None:  # decode graphs compiled theirs at capture
-                rows = warm_up_decode_rows(self.config.num_running)
-                self._warm_up_decode_rows(rows)
+                rows = self._warm_up_decode_rows(warm_up_decode_rows(self.config.num_running))
             sizes = self._warm_up_step_sizes(warm_up_step_tokens(self.config.step_tokens))
         self._new_loop_parts()
         then = f", eager decode steps of {', '.join(map(str, rows))} rows" if rows else ""
         then += f", then prefill steps of {', '.join(map(str, sizes))} tokens" if sizes else ""
         logger.info("warmed up the kernels in %.1f s (mixed steps%s)", time.perf_counter() - t0, then)
 
-    def _warm_up_decode_rows(self, rows: list[int]) -> None:
+    def _warm_up_decode_rows(self, rows: list[int]) -> list[int]:
         """A decode step of each of `rows` requests: requests join (without a prefix cache or a
         prefill delay) until that many decode, the first one's prompt `WARM_UP_DECODE_CONTEXT`
-        tokens (half the model's length at most) and the others' 8; all are aborted at the end."""
+        tokens (half the model's length at most) and the others' 8; all are aborted at the end.
+        Where the pools take no more requests at once, the larger counts are left out; returns
+        those that ran."""
         config = dataclasses.replace(
             self.config,
             cache_type="naive",
@@ -209,6 +210,7 @@ class Engine:
         self._new_loop_parts(config)
         longest = max(1, min(WARM_UP_DECODE_CONTEXT, self.max_model_len // 2))
         added = 0
+        ran: list[int] = []
         for n in rows:
             while len(self.requests) < n:
                 length = longest if added == 0 else min(8, longest)
@@ -222,16 +224,23 @@ class Engine:
                 self.add_request(f"deltaserve-warmup-decode-{added}", ids, params)
                 added += 1
             live = list(self.requests.values())
-            while self.has_unfinished_requests() and any(
-                r.num_computed_tokens < len(r.prompt_token_ids) for r in live
-            ):
+            # the prompts' chunks, and a few steps more: a request the pools cannot admit would wait
+            # for another to finish, thousands of tokens later
+            steps = -(-(longest + 8 * n) // self.config.chunk_size) + 4
+            for _ in range(steps):
+                if not any(r.num_computed_tokens < len(r.prompt_token_ids) for r in live):
+                    break
                 self.step()
+            else:
+                break
             self.step()  # all of them decode
+            ran.append(n)
         for request_id in list(self.requests):
             self.abort_request(request_id)
         while self.has_unfinished_requests():
             self.step()
         self._finished_outputs.clear()
+        return ran
 
     def _warm_up_step_sizes(self, sizes: list[int]) -> list[int]:
         """A prefill step of each of `sizes` tokens: prompts of a chunk at most, one sampled token

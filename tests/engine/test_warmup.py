@@ -120,3 +120,31 @@ def test_eager_decode_warm_up_runs_a_decode_step_of_each_row_count(make_checkpoi
     assert warm.config.cache_type == "radix" and type(warm.prefix_cache) is type(cold.prefix_cache)
     prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
     assert greedy(warm, prompts) == greedy(cold, prompts)
+
+
+@pytest.mark.slow
+def test_eager_decode_warm_up_leaves_out_what_the_pools_cannot_hold(make_checkpoint, monkeypatch) -> None:
+    """KV pages for the long request (64 tokens) and a few more of 8 tokens, not for 8 requests:
+    the warm-up leaves the larger counts out (it did not wait for a request to end, 64 tokens
+    later) and the engine is as new."""
+    from deltaserve.engine import engine as engine_module
+
+    path = make_checkpoint("qwen3_next")
+    config = EngineConfig(
+        model=path,
+        dtype="float32",
+        device="cpu",
+        chunked_prefill_size=32,
+        max_running_requests=8,
+        max_model_len=128,
+        page_size=4,
+        num_kv_pages=33,
+        warmup=False,
+    )
+    warm = Engine(config)
+    monkeypatch.setattr(engine_module, "use_fast_path", lambda t: True)
+    rows = list(range(1, 9))
+    ran = warm._warm_up_decode_rows(rows)
+    assert ran == rows[: len(ran)] and 1 < len(ran) < len(rows), ran
+    assert not warm.requests and not warm.has_unfinished_requests()
+    assert warm.runner.kv_pool.num_used == 0
