@@ -47,8 +47,10 @@ if TYPE_CHECKING:
     from ..engine_client import EngineRequest
 
 
-def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
-    return "tool_calls" if has_tool_calls and reason == "stop" else reason
+def finish_reason(reason: str | None, has_tool_calls: bool, named: bool = False) -> str | None:
+    """`named`: tool_choice named the function, whose forced call ends with "stop" (OpenAI's and
+    vLLM's); calls the model chose or "required" forced end with "tool_calls"."""
+    return "tool_calls" if has_tool_calls and reason == "stop" and not named else reason
 
 
 @dataclass
@@ -219,6 +221,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         self.token_ids = req.return_token_ids and not hidden
         self.prompt_logprobs = prepared.params.prompt_logprobs  # a chat echo's too, as vLLM's
         self.prompt_text = prepared.prompt if req.return_prompt_text else None
+        self.named_tool = isinstance(req.tool_choice, dict)
         self.states: dict[str, ChatStreamState] = {}
 
     def opening_choices(self) -> list[ChatChunkChoice]:
@@ -282,7 +285,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
             content,
             calls,
             new_logprobs,
-            finish_reason(completion.finish_reason, state.calls_sent > 0),
+            finish_reason(completion.finish_reason, state.calls_sent > 0, self.named_tool),
             completion.stop_reason if completion.finished() else None,
         )
 
@@ -326,7 +329,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         logprobs = None
         if self.logprobs is not None:
             logprobs = chat_logprobs(completion.logprobs or [], self.logprobs, self.token_text, self.asked)
-        reason = finish_reason(completion.finish_reason, bool(calls))
+        reason = finish_reason(completion.finish_reason, bool(calls), self.named_tool)
         return ChatChoice(
             index=index,
             message=message,

@@ -1148,7 +1148,7 @@ def test_tool_choice_forces_a_call(client) -> None:
         model=MODEL_NAME, messages=messages, tools=TOOLS, tool_choice=named, max_tokens=60, n=2, seed=4
     )
     for choice in r.choices:
-        assert choice.finish_reason == "tool_calls"
+        assert choice.finish_reason == "stop"  # a named function's, as OpenAI's and vLLM's
         (call,) = choice.message.tool_calls
         args = json.loads(call.function.arguments)
         assert call.function.name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in "CF"

@@ -172,6 +172,23 @@ def test_qwen3_json_tool_call_over_http(serve_script) -> None:
     assert finishes == ["tool_calls"]
 
 
+@pytest.mark.parametrize(
+    ("tool_choice", "finish"),
+    [("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}}, "stop")],
+)
+def test_a_forced_calls_finish_reason_is_openais(serve_script, tool_choice, finish: str) -> None:
+    """OpenAI's and vLLM's finish reason for a forced call: "tool_calls" under "required", "stop"
+    under a named function (it was "tool_calls" for both), whole and streamed."""
+    client = serve_script(
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
+    choice = ask(client, tools=TOOLS, tool_choice=tool_choice).choices[0]
+    assert choice.finish_reason == finish
+    assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [{"city": "Paris"}]
+    _, _, calls, finishes = collect_stream(client, tools=TOOLS, tool_choice=tool_choice)
+    assert finishes == [finish] and [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris"}]
+
+
 def test_qwen35_xml_tool_call_after_prompt_opened_think(serve_script, tmp_path: Path) -> None:
     # A Qwen3.5-style template: its generation prompt opens <think>, so the output starts in reasoning.
     template = (
