@@ -121,9 +121,10 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _content_of(content: Any, where: str) -> str | list[ContentPart]:
+def _content_of(content: Any, where: str, assistant: bool = False) -> str | list[ContentPart]:
     """A message's content: a string, or text parts joined, or, with images among them, the parts
-    in order (an `input_image`'s `image_url`, a data: or http(s): URL)."""
+    in order (an `input_image`'s `image_url`, a data: or http(s): URL). An `assistant` turn's
+    `refusal` parts (an earlier response's output) are its text, as chat reads them."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -133,12 +134,13 @@ def _content_of(content: Any, where: str) -> str | list[ContentPart]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "input_image" and isinstance(part.get("image_url"), str):
             parts.append(ContentPart(type="image_url", image_url=ImageURL(url=part["image_url"])))
-        elif kind in ("input_text", "output_text", "text"):
-            if not isinstance(part.get("text"), str):  # not a number's or an object's repr in the prompt
+        elif kind in ("input_text", "output_text", "text") or (kind == "refusal" and assistant):
+            key = "refusal" if kind == "refusal" else "text"
+            if not isinstance(part.get(key), str):  # not a number's or an object's repr in the prompt
                 raise bad_request(
-                    f"{where}: a content part of type {kind!r} needs its text (a string)", "input"
+                    f"{where}: a content part of type {kind!r} needs its {key} (a string)", "input"
                 )
-            parts.append(ContentPart(type="text", text=part["text"]))
+            parts.append(ContentPart(type="text", text=part[key]))
         else:
             why = (
                 "give its image_url (file_id is not supported)" if kind == "input_image" else "not supported"
@@ -284,7 +286,7 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{where}.role must be user, system, developer or assistant", "input")
-            content = _content_of(item.get("content"), where)
+            content = _content_of(item.get("content"), where, assistant=role == "assistant")
             reasoning = thought if role == "assistant" else None
             messages.append(ChatMessage(role=role, content=content, reasoning_content=reasoning))
             thought = None

@@ -155,6 +155,27 @@ def test_a_function_call_outputs_content_parts_are_its_text(client) -> None:
         prompt_tokens([{"type": "input_file", "file_id": "file-1"}])
 
 
+def test_an_assistant_turns_refusal_part_is_its_text(client) -> None:
+    """An earlier response's output message may hold a `refusal` part (the SDK's
+    ResponseOutputRefusal); sent back as input it is the turn's text, as chat reads a refusal
+    part, where it was a 400. A user's refusal part stays a 400."""
+
+    def prompt_tokens(part: dict) -> int:
+        items = [
+            {"role": "user", "content": "Tell me a secret."},
+            {"type": "message", "role": "assistant", "content": [part]},
+            {"role": "user", "content": "Why not?"},
+        ]
+        return client.responses.create(model=MODEL_NAME, input=items, max_output_tokens=1).usage.input_tokens
+
+    words = "I can't share that."
+    as_text = prompt_tokens({"type": "output_text", "text": words, "annotations": []})
+    assert prompt_tokens({"type": "refusal", "refusal": words}) == as_text
+    user_refusal = [{"role": "user", "content": [{"type": "refusal", "refusal": words}]}]
+    with pytest.raises(openai.BadRequestError, match="refusal"):
+        client.responses.create(model=MODEL_NAME, input=user_refusal, max_output_tokens=1)
+
+
 def test_a_turns_reasoning_and_text_stay_with_its_calls(client, base_url: str) -> None:
     """An output's reasoning, message and function_call items sent back (as a tool loop sends
     them) are the one assistant turn the model wrote, its reasoning the turn's reasoning_content,
@@ -516,6 +537,7 @@ def test_the_store_keeps_its_responses_within_its_bytes() -> None:
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "v"}}}, "text.format"),
         ({"input": [{"type": "computer_call"}]}, "input"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),  # vLLM resolves none either
         ({"input": []}, "input"),
         # a field of the wrong type inside a tool or an item: a 400, not an internal error
         ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}, None),
