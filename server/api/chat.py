@@ -224,18 +224,24 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         self.named_tool = isinstance(req.tool_choice, dict)
         self.states: dict[str, ChatStreamState] = {}
 
-    def opening_choices(self) -> list[ChatChunkChoice]:
-        echoed = self.req.echoed()
-        return [
-            ChatChunkChoice(index=i, delta=ChatDelta(role=self.req.reply_role(), content=echoed))
-            for i in self.index.values()
-        ]
-
-    def opening_fields(self) -> dict[str, Any]:
+    def opening_events(self) -> list[str]:
+        """As vLLM's stream opens: a chunk for each choice with its role (and the prompt's ids or
+        text where asked), then, with `echo`, a chunk for each choice with the echoed text."""
         fields: dict[str, Any] = {"prompt_text": self.prompt_text}
         if self.req.return_token_ids:
             fields["prompt_token_ids"] = self.prompts[0]
-        return fields
+        role = self.req.reply_role()
+        events = [
+            self.event([ChatChunkChoice(index=i, delta=ChatDelta(role=role, content=""))], **fields)
+            for i in self.index.values()
+        ]
+        echoed = self.req.echoed()
+        if echoed:
+            events += [
+                self.event([ChatChunkChoice(index=i, delta=ChatDelta(content=echoed))])
+                for i in self.index.values()
+            ]
+        return events
 
     def delta_event(self, out: RequestOutput) -> str | None:
         parts = self._delta_parts(out)

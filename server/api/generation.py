@@ -155,8 +155,8 @@ class Generation(ABC, Generic[ChunkChoice]):
         return f"data: {self.chunk_json(chunk)}\n\n"
 
     async def _events(self, group: RequestGroup) -> AsyncIterator[str]:
-        for choice in self.opening_choices():  # a chunk each, as vLLM's stream opens
-            yield self.event([choice], **self.opening_fields())
+        for opening in self.opening_events():
+            yield opening
         try:
             async for outputs in group:
                 for i, out in enumerate(outputs):
@@ -193,13 +193,9 @@ class Generation(ABC, Generic[ChunkChoice]):
             template = self._templates[index] = (head, tail)
         return template[0] + to_json(text).decode() + template[1]
 
-    def opening_choices(self) -> list[ChunkChoice]:
-        """The choices that open the stream, a chunk each, before any output (none by default)."""
+    def opening_events(self) -> list[str]:
+        """The events that open the stream, before any output (none by default)."""
         return []
-
-    def opening_fields(self) -> dict[str, Any]:
-        """Each opening chunk's fields beside its choice (none by default)."""
-        return {}
 
     @abstractmethod
     def delta_choice(self, out: RequestOutput) -> ChunkChoice | None:

@@ -267,6 +267,23 @@ def test_chat_echo_starts_the_reply_with_the_continued_message(client, model_nam
     assert reply(started, stream=True, echo=True, **opts) == "Once upon a time" + continued
     # a reply to the user's message: nothing of another role's is echoed, as in vLLM
     assert reply(MESSAGES, echo=True) == reply(MESSAGES)
+    # vLLM's stream opens with each choice's role chunk (empty content), then each one's echo chunk
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=started,
+        max_tokens=2,
+        n=2,
+        seed=1,
+        stream=True,
+        extra_body={"echo": True, **opts},
+    )
+    opening = [(c.choices[0].index, c.choices[0].delta.role, c.choices[0].delta.content) for c in stream][:4]
+    assert opening == [
+        (0, "assistant", ""),
+        (1, "assistant", ""),
+        (0, None, started[-1]["content"]),
+        (1, None, started[-1]["content"]),
+    ]
 
 
 def test_chat_echo_scores_the_prompt_as_vllm_does(client, model_name) -> None:
