@@ -42,7 +42,7 @@ def build_sampling_params(
     if isinstance(req, ChatCompletionRequest):
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:  # vLLM's: 0 asks for nothing, so it is taken
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         names = {"logprobs": "top_logprobs", "max_tokens": max_name}

@@ -51,6 +51,7 @@ def refusal(req: ChatCompletionRequest | CompletionRequest) -> APIError:
         (chat(logit_bias={str(VOCAB + 5): 1.0}), "logit_bias", str(VOCAB + 5)),
         (completion(logprobs=21), "logprobs", "21"),
         (chat(logprobs=True, top_logprobs=21), "top_logprobs", "21"),
+        (chat(top_logprobs=1), "top_logprobs", "logprobs"),  # alternatives of no logprobs
         (chat(prompt_logprobs=-1), "prompt_logprobs", "-1"),
         (chat(prompt_logprobs=1, stream=True), "prompt_logprobs", "stream"),
         (completion(prompt_logprobs=2, stream=True), "prompt_logprobs", "stream"),
@@ -112,6 +113,12 @@ def test_the_edges_of_each_range_are_served() -> None:
     assert cold.temperature == 0.01 and not cold.greedy
     echo = build_sampling_params(completion(echo=True, max_tokens=0), prompt_len=4, max_model_len=1000)
     assert echo.max_tokens == 0 and echo.prompt_logprobs == 0
+    # vLLM's: top_logprobs 0 asks for nothing, so it needs no logprobs (a client that sends its default)
+    for logprobs in (None, False):
+        quiet = build_sampling_params(
+            chat(logprobs=logprobs, top_logprobs=0), prompt_len=4, max_model_len=1000
+        )
+        assert quiet.logprobs is None
 
 
 @pytest.mark.parametrize(
