@@ -149,8 +149,10 @@ async def prepare_chat(
     if 0 < shared < len(prompt_ids) and images is None and req.truncate_prompt_tokens is None:
         # the cache keeps the state where the next conversation with this system prompt branches
         params = replace(params, shared_prefix_len=shared)
+    # vLLM's and OpenAI's: "required" of an empty tools list asks for no call (no tools: a 400)
+    empty = req.tool_choice == "required" and req.tools == []
     forced = tool_choice_constraint(
-        req.tool_choice,
+        "none" if empty else req.tool_choice,
         tools,
         instructions,
         ctx.tool_format is KIMI,

@@ -304,6 +304,16 @@ def test_tool_choice_none_turns_parsing_off(serve_script) -> None:
     assert r.choices[0].finish_reason == "stop" and "<tool_call>" in r.choices[0].message.content
 
 
+def test_required_of_an_empty_tools_list_asks_for_no_call(serve_script) -> None:
+    """vLLM's and OpenAI's: tool_choice "required" with `tools: []` is served as "none" (it was a
+    400); with no tools field at all it stays a 400."""
+    client = serve_script("Plain words.")
+    choice = ask(client, tools=[], tool_choice="required").choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content == "Plain words."
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        ask(client, tool_choice="required")
+
+
 def test_length_cut_inside_reasoning(serve_script) -> None:
     client = serve_script(QWEN3_OUTPUT)
     r = client.chat.completions.create(
