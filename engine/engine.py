@@ -57,12 +57,17 @@ def warm_up_step_tokens(step_tokens: int) -> list[int]:
 WARM_UP_DECODE_CONTEXT = 4096
 
 
-def warm_up_decode_rows(num_running: int) -> list[int]:
-    """The row counts of the warm-up's eager decode steps: each up to 16, then each power of two,
+def warm_up_decode_rows(num_running: int, eager: bool = True) -> list[int]:
+    """The row counts of the warm-up's decode steps. Eager: each up to 16, then each power of two,
     and `num_running`. Decode kernels pick their tiles by the rows and the longest context (GDN
     decode's value tile, paged decode's key tile): steps of these rows beside a context of
-    `WARM_UP_DECODE_CONTEXT` meet each variant that steps of 1 to `num_running` rows ask for
-    (tests/kernels/test_triton_variants.py)."""
+    `WARM_UP_DECODE_CONTEXT` meet each variant that steps of 1 to `num_running` rows ask for.
+    With decode graphs (speculative decoding), where decode rows run eagerly only beside prompts
+    and verification windows: 1 and `num_running`, the prompts joining beside one decode row and
+    the windows beside `num_running` - 1, GDN decode's narrow and wide tiles (it picks by the rows
+    alone; tests/kernels/test_triton_variants.py)."""
+    if not eager:
+        return sorted({1, num_running})
     rows = {n for n in range(1, 17)} | {1 << j for j in range(num_running.bit_length())} | {num_running}
     return sorted(n for n in rows if n <= num_running)
 
@@ -185,21 +190,32 @@ class Engine:
         self.prefix_cache.flush()
         sizes: list[int] = []
         rows: list[int] = []
+        widths: list[int] = []
         if use_fast_path(torch.empty(0, device=self.device)):  # the CPU's references compile nothing
-            if self.runner.graph_runner is None:  # decode graphs compiled theirs at capture
-                rows = self._warm_up_decode_rows(warm_up_decode_rows(self.config.num_running))
+            spec, eager = self.config.spec, self.runner.graph_runner is None
+            # decode graphs compiled theirs at capture, but beside windows decode rows run eagerly
+            if eager or spec is not None:
+                rows, widths = self._warm_up_decode_rows(
+                    warm_up_decode_rows(self.config.num_running, eager),
+                    spec.num_speculative_tokens if spec is not None else 0,
+                )
             sizes = self._warm_up_step_sizes(warm_up_step_tokens(self.config.step_tokens))
         self._new_loop_parts()
-        then = f", eager decode steps of {', '.join(map(str, rows))} rows" if rows else ""
+        then = f", decode steps of {', '.join(map(str, rows))} rows" if rows else ""
+        then += f", verification windows of {', '.join(map(str, widths))} tokens" if widths else ""
         then += f", then prefill steps of {', '.join(map(str, sizes))} tokens" if sizes else ""
         logger.info("warmed up the kernels in %.1f s (mixed steps%s)", time.perf_counter() - t0, then)
 
-    def _warm_up_decode_rows(self, rows: list[int]) -> list[int]:
-        """A decode step of each of `rows` requests: requests join (without a prefix cache or a
-        prefill delay) until that many decode, the first one's prompt `WARM_UP_DECODE_CONTEXT`
-        tokens (half the model's length at most) and the others' 8; all are aborted at the end.
-        Where the pools take no more requests at once, the larger counts are left out; returns
-        those that ran."""
+    def _warm_up_decode_rows(self, rows: list[int], k: int = 0) -> tuple[list[int], list[int]]:
+        """A decode step of each of `rows` requests: requests join (without a prefix cache, a
+        prefill delay or drafts) until that many decode, the first one's prompt
+        `WARM_UP_DECODE_CONTEXT` tokens (half the model's length at most) and the others' 8. With
+        `k` drafts, after the last count's decode step, the first request verifies a window of each
+        width, 2 to k + 1 tokens, beside the others' decode rows: the window kernels compile a
+        variant per width (the step's widest), which serving meets near a request's end, where
+        fewer drafts fit, or as a drafter's proposals fall out. All are aborted at the end. Where
+        the pools take no more requests at once, the larger counts are left out; returns the
+        counts and the widths that ran."""
         config = dataclasses.replace(
             self.config,
             cache_type="naive",
@@ -208,6 +224,7 @@ class Engine:
             hold_prefill_tails=False,
         )
         self._new_loop_parts(config)
+        self.scheduler.propose = None
         longest = max(1, min(WARM_UP_DECODE_CONTEXT, self.max_model_len // 2))
         added = 0
         ran: list[int] = []
@@ -235,12 +252,25 @@ class Engine:
                 break
             self.step()  # all of them decode
             ran.append(n)
+        widths: list[int] = []
+        first, spec = self.requests.get("deltaserve-warmup-decode-0"), self.spec
+        for n in range(1, k + 1):
+            if first is None or first.finished or spec is None:
+                break
+            # any token is a valid draft: verification accepts it only where the model agrees
+            self.scheduler.propose = lambda r, n=n: (
+                [r.all_token_ids[-1]] * min(n, spec.room(r)) if r is first else []
+            )
+            drafted = first.num_draft_tokens
+            self.step()
+            if first.num_draft_tokens > drafted:  # fewer where the pages or the step's budget ran out
+                widths.append(first.num_draft_tokens - drafted + 1)
         for request_id in list(self.requests):
             self.abort_request(request_id)
         while self.has_unfinished_requests():
             self.step()
         self._finished_outputs.clear()
-        return ran
+        return ran, widths
 
     def _warm_up_step_sizes(self, sizes: list[int]) -> list[int]:
         """A prefill step of each of `sizes` tokens: prompts of a chunk at most, one sampled token

@@ -144,7 +144,80 @@ def test_eager_decode_warm_up_leaves_out_what_the_pools_cannot_hold(make_checkpo
     warm = Engine(config)
     monkeypatch.setattr(engine_module, "use_fast_path", lambda t: True)
     rows = list(range(1, 9))
-    ran = warm._warm_up_decode_rows(rows)
-    assert ran == rows[: len(ran)] and 1 < len(ran) < len(rows), ran
+    ran, widths = warm._warm_up_decode_rows(rows)
+    assert ran == rows[: len(ran)] and 1 < len(ran) < len(rows) and widths == [], ran
     assert not warm.requests and not warm.has_unfinished_requests()
     assert warm.runner.kv_pool.num_used == 0
+
+
+class NoGraphs:
+    """Decode graphs captured, as the engine sees it (`graph_runner` is set); none replays here."""
+
+    def can_run(self, batch) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def can_run_verify(self, batch) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, graphs", [("ngram", False), ("ngram", True), ("mtp", False)])
+def test_speculative_warm_up_runs_decode_rows_and_a_window_of_each_width(
+    make_checkpoint, tmp_path, monkeypatch, method, graphs
+) -> None:
+    """With speculative decoding (k = 3) the warm-up's decode steps stay decode steps of 1 to 4
+    rows, whatever the drafter proposes (MTP drafts for every request; n-gram as outputs repeat),
+    or of 1 and 4 where decode graphs were captured, the requests joining beside one decode row;
+    then the first request verifies a window of 2, 3 and 4 tokens beside the other three's decode
+    rows. The engine is as new after them and speculates as one that never warmed up."""
+    from deltaserve.engine import engine as engine_module
+    from tests.engine.spec_decode.test_spec_mtp import with_mtp
+
+    path = make_checkpoint("qwen3_next")
+    if method == "mtp":
+        path = with_mtp(path, str(tmp_path / "mtp"))
+
+    def make_spec() -> Engine:
+        return Engine(
+            EngineConfig(
+                model=path,
+                dtype="float32",
+                device="cpu",
+                chunked_prefill_size=32,
+                max_running_requests=4,
+                max_model_len=256,
+                warmup=False,
+                speculative_config={"method": method, "num_speculative_tokens": 3},
+            )
+        )
+
+    warm, cold = make_spec(), make_spec()
+    if graphs:
+        monkeypatch.setattr(warm.runner, "graph_runner", NoGraphs())
+    monkeypatch.setattr(engine_module, "use_fast_path", lambda t: True)
+    steps: list[tuple[int, tuple[int, ...], int]] = []  # (decode rows, windows, prompts) beside the long one
+    forward = warm.runner.forward
+
+    def counted(batch):  # type: ignore[no-untyped-def]
+        if int(batch.seq_lens.max()) > 128:
+            rest = batch.num_requests - batch.num_decodes - len(batch.verify_lens)
+            steps.append((batch.num_decodes, tuple(batch.verify_lens), rest))
+        return forward(batch)
+
+    monkeypatch.setattr(warm.runner, "forward", counted)
+    warm._warm_up()
+    decodes = sorted({d for d, windows, rest in steps if not windows and not rest})
+    assert decodes == ([1, 4] if graphs else [1, 2, 3, 4]), steps
+    assert [(d, windows) for d, windows, _ in steps if windows] == [(3, (2,)), (3, (3,)), (3, (4,))], steps
+    assert not graphs or (1, (), 3) in steps  # one decode row runs eagerly beside the prompts that join it
+    assert warm.stats() == cold.stats()
+    assert warm.runner.kv_pool.num_used == 0 and warm.runner.state_pool.num_snapshots_used == 0
+    assert not warm.requests and not warm._finished_outputs
+    assert warm.scheduler.propose is not None and warm.config.cache_type == cold.config.cache_type
+    prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
+    monkeypatch.setattr(warm.runner, "graph_runner", None)
+    assert greedy(warm, prompts) == greedy(cold, prompts)
+    times = ("step_seconds_total", "gpu_wait_seconds_total")
+    assert {k: v for k, v in warm.stats().items() if k not in times} == {
+        k: v for k, v in cold.stats().items() if k not in times
+    }

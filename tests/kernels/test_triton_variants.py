@@ -310,3 +310,98 @@ def test_the_warm_up_decode_steps_meet_every_variant_of_a_decode_step(triton_key
     wide_from = {1: 9, 2: 17}[tp]  # rows from which GDN decode's tiles give each SM 4 programs
     assert len(variants["_gdn_decode_kernel"]) == (2 if running >= wide_from else 1)
     assert len(variants["_paged_decode_kernel"]) == 2
+
+
+def verify_step(decodes: int, windows: int, width: int, tp: int) -> None:
+    """What a step of `decodes` decode rows, then `windows` verification windows (the widest
+    `width` tokens) or prompts, launches per layer that could pick its variant by them: Qwen3.5-
+    35B-A3B's GDN layer (the decode rows; the windows' gates, conv and delta rule over the
+    projection's rows after the decodes) and full attention (queries of several tokens: the
+    prefill kernel), a rank's heads of `tp`, and Kimi-Linear's conv and KDA windows."""
+    from deltaserve.kernels.attention.cuda import paged_attention_cuda
+    from deltaserve.kernels.gdn.cuda import gdn_decode_cuda
+    from deltaserve.kernels.norm.triton import gdn_gates_launch
+    from deltaserve.kernels.window.cuda import conv_window_cuda, delta_window_cuda
+
+    n, t = decodes + windows, decodes + windows * width
+    rows = slice(decodes, t)  # the windows' tokens
+    slots = torch.zeros(windows, device=M, dtype=torch.int32)
+    pad = torch.arange(windows * width, device=M)
+    hk, hv, dim = 16 // tp, 32 // tp, 128
+    conv_dim = (2 * hk + hv) * dim
+    proj = meta(t, conv_dim + hv * dim + 2 * hv)  # in_proj's rows: the conv's input, z, b, a
+    b, a = proj[:, -2 * hv : -hv], proj[:, -hv:]
+    conv_pool, conv_window = meta(512, conv_dim, 3), meta(32, 4, conv_dim, 3)
+    conv_window_cuda(
+        proj[rows, :conv_dim], conv_pool, meta(conv_dim, 4), None, slots, pad, width, conv_window
+    )
+    q, k, v = (x.view(t, -1, dim) for x in meta(t, conv_dim).split([hk * dim, hk * dim, hv * dim], dim=-1))
+    pool = meta(512, hv, dim, dim, dtype=torch.float32)
+    if decodes:
+        gates = (meta(hv, dtype=torch.float32), meta(hv, dtype=torch.float32))
+        decode_slots = torch.zeros(decodes, device=M, dtype=torch.int32)
+        gdn_decode_cuda(
+            q[:decodes], k[:decodes], v[:decodes], a[:decodes], b[:decodes], pool, decode_slots, gates
+        )
+    g, beta = gdn_gates_launch(a[rows], b[rows], meta(hv, dtype=torch.float32), meta(hv, dtype=torch.float32))
+    window = meta(32, 4, hv, dim, dim, dtype=torch.float32)
+    delta_window_cuda(q[rows], k[rows], v[rows], g, beta, pool, slots, pad, width, window, False)
+    paged_attention_cuda(
+        meta(t, Q_HEADS // tp, HEAD_DIM),
+        meta(4096, PAGE, KV_HEADS // tp, HEAD_DIM),
+        meta(4096, PAGE, KV_HEADS // tp, HEAD_DIM),
+        torch.zeros(n, 256, device=M, dtype=torch.int32),
+        torch.zeros(n + 1, device=M, dtype=torch.int32),
+        torch.zeros(n, device=M, dtype=torch.int32),
+        HEAD_DIM**-0.5,
+        width,
+    )
+    kh, kdim = 32 // tp, 3 * 32 // tp * dim  # Kimi-Linear: KDA heads of 128, q / k / v convolved
+    kimi_conv, kimi_window = meta(512, kdim, 3), meta(32, 4, kdim, 3)
+    conv_window_cuda(meta(t, kdim)[rows], kimi_conv, meta(kdim, 4), None, slots, pad, width, kimi_window)
+    kq, kk, kv = (x.view(t, kh, dim)[rows] for x in meta(t, kdim).split(kh * dim, dim=-1))
+    kda_pool, kda_window = (
+        meta(512, kh, dim, dim, dtype=torch.float32),
+        meta(32, 4, kh, dim, dim, dtype=torch.float32),
+    )
+    gate = meta(t - decodes, kh, dim, dtype=torch.float32)
+    delta_window_cuda(kq, kk, kv, gate, meta(t - decodes, kh), kda_pool, slots, pad, width, kda_window, True)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("running, k", [(256, 3), (12, 2), (6, 4)])
+def test_the_warm_up_meets_every_variant_of_a_verification_step(triton_keys, tp, running, k) -> None:
+    """Speculative decoding: steps of 0 to `running` - 1 decode rows (eager, whether or not decode
+    graphs were captured) beside 1 to `max_batch` verification windows, the widest 2 to k + 1
+    tokens, ask for a conv and a delta-rule (GDN, KDA) window kernel per width and GDN decode's
+    tiles; the warm-up meets each: windows of every width beside the last row count's other
+    decode rows, and decode rows in its eager decode steps (`warm_up_decode_rows`) or, with
+    graphs, beside the prompts that join one decoding request."""
+    from deltaserve.engine.engine import WARM_UP_DECODE_CONTEXT, warm_up_decode_rows
+
+    def keys(calls) -> set:  # type: ignore[no-untyped-def]
+        with triton_keys.recorded_launches() as launches:
+            for call in calls:
+                call()
+        return set(launches)
+
+    widths = range(2, k + 2)
+    verify = min(32, running)  # max_batch's default
+    serving = keys(
+        lambda d=d, w=w, width=width: verify_step(d, w, width, tp)
+        for d in range(running)
+        for w in {1, 2, verify}
+        if d + w <= running
+        for width in widths
+    )
+    variants = triton_keys.variants(list(serving))
+    assert len(variants["_conv_window_kernel"]) == k and len(variants["_delta_window_kernel"]) == 2 * k
+    for eager in (True, False):
+        rows = warm_up_decode_rows(running, eager)
+        beside = rows[-1] - 1  # the last count's other requests decode beside the window
+        windows = [lambda width=width, d=beside: verify_step(d, 1, width, tp) for width in widths]
+        if eager:
+            decodes = [lambda n=n: decode_step(n, WARM_UP_DECODE_CONTEXT, tp) for n in rows]
+        else:  # one decode row beside the prompts that join it
+            decodes = [lambda: verify_step(1, 0, 2, tp)]
+        assert serving - keys(windows + decodes) == set(), eager
