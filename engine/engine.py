@@ -62,12 +62,13 @@ def warm_up_decode_rows(num_running: int, eager: bool = True) -> list[int]:
     and `num_running`. Decode kernels pick their tiles by the rows and the longest context (GDN
     decode's value tile, paged decode's key tile): steps of these rows beside a context of
     `WARM_UP_DECODE_CONTEXT` meet each variant that steps of 1 to `num_running` rows ask for.
-    With decode graphs (speculative decoding), where decode rows run eagerly only beside prompts
-    and verification windows: 1 and `num_running`, the prompts joining beside one decode row and
-    the windows beside `num_running` - 1, GDN decode's narrow and wide tiles (it picks by the rows
-    alone; tests/kernels/test_triton_variants.py)."""
+    With decode graphs, where decode rows run eagerly only beside prompts and verification
+    windows (the graphs' own kernels compiled at capture, with PDL up to 32 tokens, which eager
+    steps do not use): 1, `num_running` - 1 and `num_running`, the prompts joining beside one
+    decode row and beside `num_running` - 1 (as the windows, which follow the last count), GDN
+    decode's narrow and wide tiles (it picks by the rows alone; tests/kernels/test_triton_variants.py)."""
     if not eager:
-        return sorted({1, num_running})
+        return sorted({1, max(1, num_running - 1), num_running})
     rows = {n for n in range(1, 17)} | {1 << j for j in range(num_running.bit_length())} | {num_running}
     return sorted(n for n in rows if n <= num_running)
 
@@ -193,12 +194,10 @@ class Engine:
         widths: list[int] = []
         if use_fast_path(torch.empty(0, device=self.device)):  # the CPU's references compile nothing
             spec, eager = self.config.spec, self.runner.graph_runner is None
-            # decode graphs compiled theirs at capture, but beside windows decode rows run eagerly
-            if eager or spec is not None:
-                rows, widths = self._warm_up_decode_rows(
-                    warm_up_decode_rows(self.config.num_running, eager),
-                    spec.num_speculative_tokens if spec is not None else 0,
-                )
+            rows, widths = self._warm_up_decode_rows(
+                warm_up_decode_rows(self.config.num_running, eager),
+                spec.num_speculative_tokens if spec is not None else 0,
+            )
             sizes = self._warm_up_step_sizes(warm_up_step_tokens(self.config.step_tokens))
         self._new_loop_parts()
         then = f", decode steps of {', '.join(map(str, rows))} rows" if rows else ""

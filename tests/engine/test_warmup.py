@@ -167,9 +167,9 @@ def test_speculative_warm_up_runs_decode_rows_and_a_window_of_each_width(
 ) -> None:
     """With speculative decoding (k = 3) the warm-up's decode steps stay decode steps of 1 to 4
     rows, whatever the drafter proposes (MTP drafts for every request; n-gram as outputs repeat),
-    or of 1 and 4 where decode graphs were captured, the requests joining beside one decode row;
-    then the first request verifies a window of 2, 3 and 4 tokens beside the other three's decode
-    rows. The engine is as new after them and speculates as one that never warmed up."""
+    or of 1, 3 and 4 where decode graphs were captured; then the first request verifies a window
+    of 2, 3 and 4 tokens beside the other three's decode rows. The engine is as new after them
+    and speculates as one that never warmed up."""
     from deltaserve.engine import engine as engine_module
     from tests.engine.spec_decode.test_spec_mtp import with_mtp
 
@@ -207,9 +207,8 @@ def test_speculative_warm_up_runs_decode_rows_and_a_window_of_each_width(
     monkeypatch.setattr(warm.runner, "forward", counted)
     warm._warm_up()
     decodes = sorted({d for d, windows, rest in steps if not windows and not rest})
-    assert decodes == ([1, 4] if graphs else [1, 2, 3, 4]), steps
+    assert decodes == ([1, 3, 4] if graphs else [1, 2, 3, 4]), steps
     assert [(d, windows) for d, windows, _ in steps if windows] == [(3, (2,)), (3, (3,)), (3, (4,))], steps
-    assert not graphs or (1, (), 3) in steps  # one decode row runs eagerly beside the prompts that join it
     assert warm.stats() == cold.stats()
     assert warm.runner.kv_pool.num_used == 0 and warm.runner.state_pool.num_snapshots_used == 0
     assert not warm.requests and not warm._finished_outputs
@@ -221,3 +220,35 @@ def test_speculative_warm_up_runs_decode_rows_and_a_window_of_each_width(
     assert {k: v for k, v in warm.stats().items() if k not in times} == {
         k: v for k, v in cold.stats().items() if k not in times
     }
+
+
+@pytest.mark.slow
+def test_with_decode_graphs_the_warm_up_runs_prompts_beside_decode_rows(make_checkpoint, monkeypatch) -> None:
+    """Where decode graphs were captured (here a stub that replays nothing) the warm-up's decode
+    steps are of 1, 3 and 4 rows: prompts join beside one decode row and beside three, the eager
+    decode rows of a step with prompts at both ends of the running batch; the engine is as new
+    after them."""
+    from deltaserve.engine import engine as engine_module
+
+    path = make_checkpoint("qwen3_next")
+    warm, cold = make(path, False, "radix"), make(path, False, "radix")
+    monkeypatch.setattr(warm.runner, "graph_runner", NoGraphs())
+    monkeypatch.setattr(engine_module, "use_fast_path", lambda t: True)
+    steps: list[tuple[int, int]] = []  # (decode rows, prompts) of steps beside the long request
+    forward = warm.runner.forward
+
+    def counted(batch):  # type: ignore[no-untyped-def]
+        if int(batch.seq_lens.max()) > 128:
+            steps.append((batch.num_decodes, batch.num_requests - batch.num_decodes))
+        return forward(batch)
+
+    monkeypatch.setattr(warm.runner, "forward", counted)
+    warm._warm_up()
+    assert sorted({d for d, prompts in steps if not prompts}) == [1, 3, 4], steps
+    assert (1, 2) in steps and (3, 1) in steps, steps
+    assert warm.stats() == cold.stats()
+    assert warm.runner.kv_pool.num_used == 0 and warm.runner.state_pool.num_snapshots_used == 0
+    assert not warm.requests and not warm._finished_outputs
+    monkeypatch.setattr(warm.runner, "graph_runner", None)
+    prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
+    assert greedy(warm, prompts) == greedy(cold, prompts)

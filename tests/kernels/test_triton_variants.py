@@ -376,7 +376,7 @@ def test_the_warm_up_meets_every_variant_of_a_verification_step(triton_keys, tp,
     tokens, ask for a conv and a delta-rule (GDN, KDA) window kernel per width and GDN decode's
     tiles; the warm-up meets each: windows of every width beside the last row count's other
     decode rows, and decode rows in its eager decode steps (`warm_up_decode_rows`) or, with
-    graphs, beside the prompts that join one decoding request."""
+    graphs, beside the prompts that join its decode steps' requests."""
     from deltaserve.engine.engine import WARM_UP_DECODE_CONTEXT, warm_up_decode_rows
 
     def keys(calls) -> set:  # type: ignore[no-untyped-def]
@@ -402,6 +402,31 @@ def test_the_warm_up_meets_every_variant_of_a_verification_step(triton_keys, tp,
         windows = [lambda width=width, d=beside: verify_step(d, 1, width, tp) for width in widths]
         if eager:
             decodes = [lambda n=n: decode_step(n, WARM_UP_DECODE_CONTEXT, tp) for n in rows]
-        else:  # one decode row beside the prompts that join it
-            decodes = [lambda: verify_step(1, 0, 2, tp)]
+        else:  # decode rows beside the prompts that join them
+            decodes = [lambda d=d: verify_step(d, 0, 2, tp) for d in rows[:-1]]
         assert serving - keys(windows + decodes) == set(), eager
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("running", [256, 32, 12, 6])
+def test_with_decode_graphs_the_warm_up_meets_every_variant_of_decode_rows_beside_prompts(
+    triton_keys, tp, running
+) -> None:
+    """Where decode graphs were captured, decode steps replay them (their kernels compiled at
+    capture, with PDL up to 32 tokens, which eager steps do not use, so none is counted here), but
+    a step with prompts runs its 1 to `running` - 1 decode rows eagerly: GDN decode's narrow tile,
+    and its wide one from about four programs an SM. The warm-up's decode steps
+    (`warm_up_decode_rows(running, eager=False)`) have prompts join beside one decode row and
+    beside `running` - 1, which meet both."""
+    from deltaserve.engine.engine import warm_up_decode_rows
+
+    def keys(decodes) -> set:  # type: ignore[no-untyped-def]
+        with triton_keys.recorded_launches() as launches:
+            for d in decodes:
+                verify_step(d, 0, 2, tp)  # no windows: d decode rows beside a prompt
+        return set(launches)
+
+    serving = keys(range(1, running))
+    assert serving - keys(warm_up_decode_rows(running, eager=False)[:-1]) == set()
+    wide_from = {1: 9, 2: 17}[tp]
+    assert len(triton_keys.variants(list(serving))["_gdn_decode_kernel"]) == (2 if running > wide_from else 1)
