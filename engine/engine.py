@@ -174,8 +174,10 @@ class Engine:
     def _warm_up(self) -> None:
         """Run a few prompts of mixed lengths through mixed steps once before serving: the first
         prefill of each shape compiles and autotunes its Triton / FLA kernels (seconds), which
-        would otherwise stall every stream of the first requests. Where the fast kernels run, a
-        prefill step of each size of `warm_up_step_tokens` follows. Then the engine is as new:
+        would otherwise stall every stream of the first requests. Where the fast kernels run,
+        decode steps of `warm_up_decode_rows` (with speculative decoding, then a verification
+        window of each width) and a prefill step of each size of `warm_up_step_tokens` follow.
+        Then the engine is as new:
         an empty prefix cache with fresh statistics, counters at zero, pools idle."""
         t0 = time.perf_counter()
         longest = max(1, min(self.config.chunk_size, self.max_model_len - 4, 1000))
