@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,8 @@ class ChatTemplateError(ValueError):
         super().__init__(message)
         self.param = param
 
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 IMAGE_PARTS = ("image_url", "image")
 
@@ -141,17 +144,32 @@ def _tool_call_for_template(call: dict[str, Any], index: int) -> dict[str, Any]:
         )
     function = dict(function)
     if isinstance(arguments, str):
-        try:
-            function["arguments"] = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
-        except RecursionError:  # valid JSON that no template's filters could walk either
-            raise ChatTemplateError(
-                f"tool_calls[{index}]: a tool call's arguments nest too deep to read",
-                f"tool_calls.{index}.function.arguments",
-            ) from None
+        function["arguments"] = _decoded_arguments(arguments, index)
     call["function"] = function
     return call
+
+
+def _decoded_arguments(arguments: str, index: int) -> Any:
+    """A call's JSON arguments as the template reads them (text that is not JSON as it came); a
+    ChatTemplateError for JSON that no prompt can hold."""
+    why = None
+    try:
+        decoded = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    except RecursionError:  # valid JSON that no template's filters could walk either
+        why = "nest too deep to read"
+    except ValueError:  # an integer longer than Python's int() reads (4300 digits)
+        why = "hold an integer too long to read"
+    else:
+        # a str holds a surrogate code point only where the JSON had an unpaired \uD800-\uDFFF escape
+        if _LONE_SURROGATE.search(json.dumps(decoded, ensure_ascii=False)):
+            why = "hold a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not Unicode"
+    if why is None:
+        return decoded
+    raise ChatTemplateError(
+        f"tool_calls[{index}]: a tool call's arguments {why}", f"tool_calls.{index}.function.arguments"
+    )
 
 
 def render_prompt(

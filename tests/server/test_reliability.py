@@ -40,6 +40,12 @@ def error_of(status: int, body: bytes) -> dict:
     return err
 
 
+def called(arguments: str) -> dict:
+    """An assistant turn that called f with these arguments."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"role": "assistant", "tool_calls": [call]}
+
+
 HOSTILE = [
     # token ids the sampler would index with
     ("/v1/completions", {**COMPLETION, "min_tokens": 1, "stop_token_ids": [999999999]}, "stop_token_ids"),
@@ -101,6 +107,28 @@ HOSTILE = [
     ("/v1/responses", {**RESPONSE, "instructions": "\udbff"}, "instructions"),
     ("/tokenize", {"prompt": "a\ud800b"}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    # an earlier call's arguments (a JSON string, so past the body's checks) that Python's json
+    # reads but no prompt holds: a lone surrogate escape, an integer past int()'s 4300 digits
+    *(
+        (
+            path,
+            {**body, "messages": [{"role": "user", "content": "hi"}, called(args)]},
+            "messages.1.tool_calls.0.function.arguments",
+        )
+        for path, body in (("/v1/chat/completions", CHAT), ("/tokenize", {}))
+        for args in ('{"a": "\\ud800"}', '{"a": 1' + "0" * 5000 + "}")
+    ),
+    (
+        "/v1/responses",
+        {
+            **RESPONSE,
+            "input": [
+                {"role": "user", "content": "hi"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"a": "\\udfff"}'},
+            ],
+        },
+        "input",
+    ),
 ]
 
 
