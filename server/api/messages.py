@@ -34,6 +34,7 @@ from ..protocol import (
     RequestBody,
     SamplingRequest,
     ToolDefinition,
+    invalid_json_value,
     not_an_object_schema,
     translating,
     unsupported_if_set,
@@ -427,9 +428,10 @@ class _Blocks(PartsWriter):
         events = self.close()
         try:
             value = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             value = None
-        if not isinstance(value, dict):  # Anthropic's inputs are objects, streamed as JSON
+        # Anthropic's inputs are objects, streamed as JSON, that the reply can carry (no NaN)
+        if not isinstance(value, dict) or invalid_json_value(value) is not None:
             value, arguments = {}, "{}"
         tool_id = call_id if is_model_call_id(call_id) else _tool_use_id()
         block = {"type": "tool_use", "id": tool_id, "name": name, "input": value}

@@ -25,6 +25,7 @@ from .reasoning import partial_tag_len
 TOOL_START = "<tool_call>"
 TOOL_END = "</tool_call>"
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 
@@ -86,7 +87,7 @@ def extract_tool_calls(
         body_end = len(text) if end < 0 else end
         if end < 0 and not release:
             break  # an unfinished call: hold it back
-        call = fmt.parse(text[start + len(open_tag) : body_end], tools)
+        call = _parsed(fmt, text[start + len(open_tag) : body_end], tools)
         raw = text[start : body_end + (0 if end < 0 else len(close_tag))]
         if call is not None:
             calls.append(call)
@@ -148,7 +149,7 @@ class ToolCallStream:
                 break  # an unfinished call: hold it back
             body_end = len(buf) if end < 0 else end
             raw_end = len(buf) if end < 0 else end + len(close_tag)
-            call = fmt.parse(buf[len(open_tag) : body_end], self.tools)
+            call = _parsed(fmt, buf[len(open_tag) : body_end], self.tools)
             if call is not None:
                 out.append(call)
             else:
@@ -169,13 +170,23 @@ class ToolCallStream:
         return shown
 
 
+def _parsed(fmt: ToolCallFormat, body: str, tools: dict[str, dict[str, Any]]) -> ParsedToolCall | None:
+    """`fmt.parse` of a call's body, None also where its name or arguments hold a lone surrogate
+    (JSON's unpaired \\uD800-\\uDFFF escape, which json decodes): no reply can carry one."""
+    call = fmt.parse(body, tools)
+    if call is None or _LONE_SURROGATE.search(call.name + call.arguments) is None:
+        return call
+    return None
+
+
 def parse_tool_call_body(body: str, tools: dict[str, dict[str, Any]]) -> ParsedToolCall | None:
     body = body.strip()
     if body.startswith("<function="):
         return _parse_xml(body, tools)
     try:
         obj = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):  # nested past the recursion limit: unreadable too
+    # nested past the recursion limit, or an integer past int()'s 4300 digits: unreadable too
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -238,7 +249,7 @@ def parse_kimi_call_body(body: str, tools: dict[str, dict[str, Any]]) -> ParsedT
         name = stem
     try:
         obj = json.loads(args)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         return None
     if not name or not isinstance(obj, dict):
         return None

@@ -673,3 +673,87 @@ def test_messages_refused_before_the_body_get_anthropics_error_shape(server, key
         assert status == 401 and anthropic_error_of(status, body)["type"] == "authentication_error"
     status, body, _ = raw_request(server.port, post_head("/v1/responses", 10**9), b"{")
     assert error_of(status, body)["code"] == "request_too_large"
+
+
+FUNCTION = {"name": "f", "parameters": {"type": "object"}}
+# calls the model writes (forced here by a one-choice grammar) that Python's json reads but no reply
+# can carry: an unpaired surrogate escape, in the arguments or the name
+UNCARRIED_CALLS = [
+    '<tool_call>\n{"name": "f", "arguments": {"a": "\\ud800"}}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": "\\udc00"}\n</tool_call>',
+    '<tool_call>\n{"name": "\\udbff", "arguments": {}}\n</tool_call>',
+]
+
+
+def _forced(path: str, output: str, stream: bool) -> dict:
+    common = {"model": MODEL_NAME, "stream": stream, "guided_choice": [output]}
+    if path == "/v1/chat/completions":
+        return {
+            **common,
+            "messages": [USER],
+            "max_tokens": 300,
+            "tools": [{"type": "function", "function": FUNCTION}],
+        }
+    if path == "/v1/responses":
+        return {
+            **common,
+            "input": "hi",
+            "max_output_tokens": 300,
+            "tools": [{"type": "function", **FUNCTION}],
+        }
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    return {**common, "messages": [USER], "max_tokens": 300, "tools": [tool]}
+
+
+def _reply_text(path: str, reply: dict) -> str:
+    """An unstreamed reply's text, asserting it holds nothing but text."""
+    if path == "/v1/chat/completions":
+        (choice,) = reply["choices"]
+        assert choice["message"]["tool_calls"] is None, reply
+        return choice["message"]["content"]
+    if path == "/v1/responses":
+        (item,) = reply["output"]
+        assert item["type"] == "message", reply
+        return "".join(part["text"] for part in item["content"])
+    assert [block["type"] for block in reply["content"]] == ["text"], reply
+    return reply["content"][0]["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_a_call_no_reply_can_carry_stays_content(server, until_idle, path: str, stream: bool) -> None:
+    """A call whose JSON decodes to a lone surrogate is not read as a call: its text is the reply's
+    content, where it was a 500 (or a stream cut off, or ended by an error)."""
+
+    async def streamed(body: dict) -> str:
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await _stream_text(http, server.url, path, body)
+
+    for output in UNCARRIED_CALLS:
+        body = _forced(path, output, stream)
+        if stream:
+            text = asyncio.run(streamed(body))
+        else:
+            r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+            assert r.status_code == 200, (output, r.text[:500])
+            text = _reply_text(path, r.json())
+        assert text == output.strip(), (output, text)
+    assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_messages_call_whose_arguments_no_reply_can_carry_has_empty_input(server, stream: bool) -> None:
+    """Anthropic's tool_use input is an object the reply encodes: arguments with NaN or a number past
+    a float's range (json reads 1e400 as infinity) give an empty input, as arguments that are no
+    object do, where the reply was a 500."""
+    for args in ('{"a": NaN}', '{"a": -1e400}', '"{\\"a\\": Infinity}"'):
+        output = f'<tool_call>\n{{"name": "f", "arguments": {args}}}\n</tool_call>'
+        r = httpx.post(f"{server.url}/v1/messages", json=_forced("/v1/messages", output, stream), timeout=60)
+        assert r.status_code == 200, (args, r.text[:500])
+        if stream:
+            events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+            starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+            deltas = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"]
+            assert [b["type"] for b in starts] == ["tool_use"] and "".join(deltas) in ("", "{}"), events
+        else:
+            assert [(b["type"], b["input"]) for b in r.json()["content"]] == [("tool_use", {})], r.text

@@ -138,6 +138,22 @@ def test_malformed_call_stays_content() -> None:
     assert calls == [] and content == text
 
 
+@pytest.mark.parametrize("fmt", [QWEN, KIMI])
+def test_a_call_with_an_integer_past_ints_digits_stays_content(fmt) -> None:
+    """JSON that Python's json refuses with a ValueError of its own (an integer of more than 4300
+    digits), not a JSONDecodeError: unreadable as a call, where it raised."""
+    args = '{"days": 1' + "0" * 5000 + "}"
+    body = (
+        f'{{"name": "get_weather", "arguments": {args}}}'
+        if fmt is QWEN
+        else f"functions.get_weather:0<|tool_call_argument_begin|>{args}"
+    )
+    text = f"{fmt.start}{body}{fmt.end}"
+    content, calls = extract_tool_calls(text, WEATHER_TOOLS, final=True, fmt=fmt)
+    assert calls == [] and content == text
+    assert stream(ChatOutputParser(tools=WEATHER_TOOLS, tool_format=fmt), text, cuts=[len(text)])[2] == []
+
+
 @pytest.mark.parametrize(
     "text,starts_inside",
     [(QWEN3_TOOL, False), (QWEN35_TOOL, True), (QWEN3_TWO_TOOLS, False)],
