@@ -272,9 +272,12 @@ class NativeGeneration:
     async def respond(self, raw: Request) -> Response:
         n = max(p.params.n for p in self.owner.values())
         prompts = [p.ids for p in {id(p): p for p in self.owner.values()}.values()]
-        return await self.ctx.run(
-            self.requests, raw, self.body.stream, self._events, self._answer, prompts, n
-        )
+        try:
+            return await self.ctx.run(
+                self.requests, raw, self.body.stream, self._events, self._answer, prompts, n
+            )
+        except APIError as exc:  # a batch too large to admit names the prompts by their field here
+            raise exc.renamed({"prompt": "text" if self.body.text is not None else "input_ids"}) from exc
 
     async def _answer(self, final: dict[str, RequestOutput]) -> Response:
         """The reply, result by result with the event loop serving other requests between them."""

@@ -129,6 +129,9 @@ HOSTILE = [
         },
         "input",
     ),
+    # a batch of more prompts than the server holds at once names the field that holds them
+    ("/generate", {"text": ["hi"] * 2000, "sampling_params": {"max_new_tokens": 1}}, "text"),
+    ("/generate", {"input_ids": [[1]] * 2000, "sampling_params": {"max_new_tokens": 1}}, "input_ids"),
 ]
 
 
