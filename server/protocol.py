@@ -5,7 +5,6 @@ models carry exactly OpenAI's field names."""
 from __future__ import annotations
 
 import math
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from deltaserve.engine.requests.chat_prompt import read_part
+from deltaserve.engine.requests.chat_prompt import SURROGATE, read_part
 from deltaserve.engine.requests.sampling_params import WHITESPACE_PATTERN_WHY
 
 
@@ -33,15 +32,13 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
-# a str from JSON holds a surrogate code point only where the text had an unpaired \uD800-\uDFFF
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _PLAIN = {int, bool, type(None)}
 _LONE_SURROGATE = "holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not Unicode"
 
 
 def _scalar_problem(value: Any) -> str | None:
     if isinstance(value, str):
-        return _LONE_SURROGATE if not value.isascii() and _SURROGATE.search(value) else None
+        return _LONE_SURROGATE if not value.isascii() and SURROGATE.search(value) else None
     if isinstance(value, float) and not math.isfinite(value):
         return f"{value} is not a finite number"
     return None

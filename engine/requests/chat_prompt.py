@@ -19,7 +19,8 @@ class ChatTemplateError(ValueError):
         self.param = param
 
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# a str holds one only where its JSON had an unpaired \uD800-\uDFFF escape: not Unicode, no reply can carry it
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 IMAGE_PARTS = ("image_url", "image")
 
@@ -162,8 +163,7 @@ def _decoded_arguments(arguments: str, index: int) -> Any:
     except ValueError:  # an integer longer than Python's int() reads (4300 digits)
         why = "hold an integer too long to read"
     else:
-        # a str holds a surrogate code point only where the JSON had an unpaired \uD800-\uDFFF escape
-        if _LONE_SURROGATE.search(json.dumps(decoded, ensure_ascii=False)):
+        if SURROGATE.search(json.dumps(decoded, ensure_ascii=False)):
             why = "hold a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not Unicode"
     if why is None:
         return decoded

@@ -20,12 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from deltaserve.engine.requests.chat_prompt import SURROGATE
+
 from .reasoning import partial_tag_len
 
 TOOL_START = "<tool_call>"
 TOOL_END = "</tool_call>"
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 
@@ -174,7 +175,7 @@ def _parsed(fmt: ToolCallFormat, body: str, tools: dict[str, dict[str, Any]]) ->
     """`fmt.parse` of a call's body, None also where its name or arguments hold a lone surrogate
     (JSON's unpaired \\uD800-\\uDFFF escape, which json decodes): no reply can carry one."""
     call = fmt.parse(body, tools)
-    if call is None or _LONE_SURROGATE.search(call.name + call.arguments) is None:
+    if call is None or SURROGATE.search(call.name + call.arguments) is None:
         return call
     return None
 
