@@ -57,20 +57,33 @@ def warm_up_step_tokens(step_tokens: int) -> list[int]:
 WARM_UP_DECODE_CONTEXT = 4096
 
 
-def warm_up_decode_rows(num_running: int, eager: bool = True) -> list[int]:
-    """The row counts of the warm-up's decode steps. Eager: each up to 16, then each power of two,
-    and `num_running`. Decode kernels pick their tiles by the rows and the longest context (GDN
+def warm_up_decode_rows(num_running: int, captured: int = 0) -> list[int]:
+    """The row counts of the warm-up's decode steps beside a long context, `captured` the largest
+    decode graph's rows (0: none). Eager: each up to 16, then each power of two, and
+    `num_running`. Decode kernels pick their tiles by the rows and the longest context (GDN
     decode's value tile, paged decode's key tile): steps of these rows beside a context of
     `WARM_UP_DECODE_CONTEXT` meet each variant that steps of 1 to `num_running` rows ask for.
-    With decode graphs, where decode rows run eagerly only beside prompts and verification
-    windows (the graphs' own kernels compiled at capture, with PDL up to 32 tokens, which eager
-    steps do not use): 1, `num_running` - 1 and `num_running`, the prompts joining beside one
-    decode row and beside `num_running` - 1 (as the windows, which follow the last count), GDN
-    decode's narrow and wide tiles (it picks by the rows alone; tests/kernels/test_triton_variants.py)."""
-    if not eager:
-        return sorted({1, max(1, num_running - 1), num_running})
+    With decode graphs, where decode rows run eagerly beside prompts and verification windows,
+    and in steps of more rows than `captured` (the graphs' own kernels compiled at capture, with
+    PDL up to 32 tokens, which eager steps do not use): 1, `num_running` - 1 and `num_running`,
+    the prompts joining beside one decode row and beside `num_running` - 1 (as the windows, which
+    follow the last count), GDN decode's narrow and wide tiles (it picks by the rows alone), and
+    `captured` + 1, the fewest rows a step past the graphs runs, where paged decode splits a long
+    context most (its merge; tests/kernels/test_triton_variants.py)."""
+    if captured:
+        past = {captured + 1} if captured < num_running else set()
+        return sorted({1, max(1, num_running - 1), num_running} | past)
     rows = {n for n in range(1, 17)} | {1 << j for j in range(num_running.bit_length())} | {num_running}
     return sorted(n for n in rows if n <= num_running)
+
+
+def warm_up_short_decode_rows(num_running: int, captured: int) -> list[int]:
+    """The row counts of the warm-up's decode steps of short contexts only (prompts of 8 tokens),
+    after those of `warm_up_decode_rows`: with decode graphs of up to `captured` rows, a step of
+    `captured` + 1. Beside a long context paged decode splits each row's positions until its grid
+    fills the SMs twice over (its 32-key tile, and the merge); at short contexts a row is one
+    split, and a grid of at most two programs an SM takes its 64-key tile."""
+    return [captured + 1] if 0 < captured < num_running else []
 
 
 class Engine:
@@ -193,24 +206,32 @@ class Engine:
         self.prefix_cache.flush()
         sizes: list[int] = []
         rows: list[int] = []
+        short: list[int] = []
         widths: list[int] = []
         if use_fast_path(torch.empty(0, device=self.device)):  # the CPU's references compile nothing
-            spec, eager = self.config.spec, self.runner.graph_runner is None
+            spec, graphs = self.config.spec, self.runner.graph_runner
+            captured = graphs.sizes[-1] if graphs is not None else 0
             rows, widths = self._warm_up_decode_rows(
-                warm_up_decode_rows(self.config.num_running, eager),
+                warm_up_decode_rows(self.config.num_running, captured),
                 spec.num_speculative_tokens if spec is not None else 0,
+            )
+            short, _ = self._warm_up_decode_rows(
+                warm_up_short_decode_rows(self.config.num_running, captured), 0, 8
             )
             sizes = self._warm_up_step_sizes(warm_up_step_tokens(self.config.step_tokens))
         self._new_loop_parts()
         then = f", decode steps of {', '.join(map(str, rows))} rows" if rows else ""
+        then += f", of {', '.join(map(str, short))} rows of short contexts" if short else ""
         then += f", verification windows of {', '.join(map(str, widths))} tokens" if widths else ""
         then += f", then prefill steps of {', '.join(map(str, sizes))} tokens" if sizes else ""
         logger.info("warmed up the kernels in %.1f s (mixed steps%s)", time.perf_counter() - t0, then)
 
-    def _warm_up_decode_rows(self, rows: list[int], k: int = 0) -> tuple[list[int], list[int]]:
+    def _warm_up_decode_rows(
+        self, rows: list[int], k: int = 0, context: int = WARM_UP_DECODE_CONTEXT
+    ) -> tuple[list[int], list[int]]:
         """A decode step of each of `rows` requests: requests join (without a prefix cache, a
-        prefill delay or drafts) until that many decode, the first one's prompt
-        `WARM_UP_DECODE_CONTEXT` tokens (half the model's length at most) and the others' 8. With
+        prefill delay or drafts) until that many decode, the first one's prompt `context` tokens
+        (half the model's length at most) and the others' 8 (fewer where `context` is). With
         `k` drafts, after the last count's decode step, the first request verifies a window of each
         width, 2 to k + 1 tokens, beside the others' decode rows: the window kernels compile a
         variant per width (the step's widest), which serving meets near a request's end, where
@@ -226,7 +247,7 @@ class Engine:
         )
         self._new_loop_parts(config)
         self.scheduler.propose = None
-        longest = max(1, min(WARM_UP_DECODE_CONTEXT, self.max_model_len // 2))
+        longest = max(1, min(context, self.max_model_len // 2))
         added = 0
         ran: list[int] = []
         for n in rows:

@@ -153,6 +153,8 @@ def test_eager_decode_warm_up_leaves_out_what_the_pools_cannot_hold(make_checkpo
 class NoGraphs:
     """Decode graphs captured, as the engine sees it (`graph_runner` is set); none replays here."""
 
+    sizes = [4]  # the rows of each graph: here every count of running requests
+
     def can_run(self, batch) -> bool:  # type: ignore[no-untyped-def]
         return False
 
@@ -246,6 +248,44 @@ def test_with_decode_graphs_the_warm_up_runs_prompts_beside_decode_rows(make_che
     warm._warm_up()
     assert sorted({d for d, prompts in steps if not prompts}) == [1, 3, 4], steps
     assert (1, 2) in steps and (3, 1) in steps, steps
+    assert warm.stats() == cold.stats()
+    assert warm.runner.kv_pool.num_used == 0 and warm.runner.state_pool.num_snapshots_used == 0
+    assert not warm.requests and not warm._finished_outputs
+    monkeypatch.setattr(warm.runner, "graph_runner", None)
+    prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
+    assert greedy(warm, prompts) == greedy(cold, prompts)
+
+
+class OneRowGraphs(NoGraphs):
+    sizes = [1]  # --cuda-graph-max-bs 1: steps of more decode rows run eagerly
+
+
+@pytest.mark.slow
+def test_with_decode_graphs_below_the_running_requests_the_warm_up_runs_decode_steps_past_them(
+    make_checkpoint, monkeypatch
+) -> None:
+    """Decode graphs of one row below 4 running requests: past them the warm-up runs decode steps
+    of 2 (the fewest rows that run eagerly), 3 and 4 rows beside its long request, then one of 2
+    rows whose contexts are all short (8-token prompts), for paged decode's tiles at both; the
+    engine is as new after them."""
+    from deltaserve.engine import engine as engine_module
+
+    path = make_checkpoint("qwen3_next")
+    warm, cold = make(path, False, "radix"), make(path, False, "radix")
+    monkeypatch.setattr(warm.runner, "graph_runner", OneRowGraphs())
+    monkeypatch.setattr(engine_module, "use_fast_path", lambda t: True)
+    decodes: list[tuple[int, int]] = []  # (rows, longest context) of each decode-only step
+    forward = warm.runner.forward
+
+    def counted(batch):  # type: ignore[no-untyped-def]
+        if batch.num_decodes == batch.num_requests:
+            decodes.append((batch.num_decodes, int(batch.seq_lens.max())))
+        return forward(batch)
+
+    monkeypatch.setattr(warm.runner, "forward", counted)
+    warm._warm_up()
+    assert sorted({n for n, context in decodes if context > 128}) == [1, 2, 3, 4], decodes
+    assert [n for n, context in decodes if context <= 9] == [2], decodes
     assert warm.stats() == cold.stats()
     assert warm.runner.kv_pool.num_used == 0 and warm.runner.state_pool.num_snapshots_used == 0
     assert not warm.requests and not warm._finished_outputs

@@ -261,11 +261,11 @@ def test_the_warm_up_step_sizes_meet_every_variant_of_a_step(triton_keys, monkey
     assert len(serving) > 20 and serving - warmed == set()
 
 
-def decode_step(n: int, context: int, tp: int) -> None:
+def decode_step(n: int, context: int, tp: int, kv_heads: int = KV_HEADS) -> None:
     """What a decode step of n rows, the longest `context` positions, launches per layer that
-    could pick its variant by them: Qwen3.5-35B-A3B's GDN decode and full attention, a rank's
-    heads of `tp`, and Kimi-Linear's MLA decode (its KDA decode, FLA's, takes the rows at run
-    time)."""
+    could pick its variant by them: Qwen3.5-35B-A3B's GDN decode and full attention (Qwen3.5-9B's
+    with 4 `kv_heads`), a rank's heads of `tp`, and Kimi-Linear's MLA decode (its KDA decode,
+    FLA's, takes the rows at run time)."""
     from deltaserve.kernels.attention.cuda import paged_attention_cuda
     from deltaserve.kernels.gdn.cuda import gdn_decode_cuda
 
@@ -279,8 +279,8 @@ def decode_step(n: int, context: int, tp: int) -> None:
     mla_decode(n, context)
     paged_attention_cuda(
         meta(n, Q_HEADS // tp, HEAD_DIM),
-        meta(4096, PAGE, KV_HEADS // tp, HEAD_DIM),
-        meta(4096, PAGE, KV_HEADS // tp, HEAD_DIM),
+        meta(4096, PAGE, kv_heads // tp, HEAD_DIM),
+        meta(4096, PAGE, kv_heads // tp, HEAD_DIM),
         torch.zeros(n, -(-context // PAGE), device=M, dtype=torch.int32),
         torch.arange(n + 1, device=M, dtype=torch.int32),
         torch.zeros(n, device=M, dtype=torch.int32),
@@ -396,8 +396,9 @@ def test_the_warm_up_meets_every_variant_of_a_verification_step(triton_keys, tp,
     )
     variants = triton_keys.variants(list(serving))
     assert len(variants["_conv_window_kernel"]) == k and len(variants["_delta_window_kernel"]) == 2 * k
-    for eager in (True, False):
-        rows = warm_up_decode_rows(running, eager)
+    for captured in (0, running):  # eager, and decode graphs of every row count
+        eager = not captured
+        rows = warm_up_decode_rows(running, captured)
         beside = rows[-1] - 1  # the last count's other requests decode beside the window
         windows = [lambda width=width, d=beside: verify_step(d, 1, width, tp) for width in widths]
         if eager:
@@ -416,7 +417,7 @@ def test_with_decode_graphs_the_warm_up_meets_every_variant_of_decode_rows_besid
     capture, with PDL up to 32 tokens, which eager steps do not use, so none is counted here), but
     a step with prompts runs its 1 to `running` - 1 decode rows eagerly: GDN decode's narrow tile,
     and its wide one from about four programs an SM. The warm-up's decode steps
-    (`warm_up_decode_rows(running, eager=False)`) have prompts join beside one decode row and
+    (`warm_up_decode_rows(running, captured=running)`) have prompts join beside one decode row and
     beside `running` - 1, which meet both."""
     from deltaserve.engine.engine import warm_up_decode_rows
 
@@ -427,6 +428,54 @@ def test_with_decode_graphs_the_warm_up_meets_every_variant_of_decode_rows_besid
         return set(launches)
 
     serving = keys(range(1, running))
-    assert serving - keys(warm_up_decode_rows(running, eager=False)[:-1]) == set()
+    assert serving - keys(warm_up_decode_rows(running, captured=running)[:-1]) == set()
     wide_from = {1: 9, 2: 17}[tp]
     assert len(triton_keys.variants(list(serving))["_gdn_decode_kernel"]) == (2 if running > wide_from else 1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kv_heads", [2, 4])
+@pytest.mark.parametrize("running, captured", [(256, 8), (256, 32), (256, 64), (48, 16), (100, 64)])
+def test_with_decode_graphs_the_warm_up_meets_every_variant_of_decode_steps_past_them(
+    triton_keys, tp, kv_heads, running, captured
+) -> None:
+    """With `--cuda-graph-max-bs` below `--max-running-requests`, decode steps of `captured` + 1
+    to `running` rows run eagerly, beside contexts short and long: paged decode's 64-key tile
+    (short contexts, while the grid is at most two programs an SM), its 32-key tile and its merge
+    (long ones), GDN decode's tiles, MLA decode. The warm-up's decode steps past the graphs,
+    beside its long request (`warm_up_decode_rows`) and of short contexts only
+    (`warm_up_short_decode_rows`, 8 tokens of prompt), and the decode rows beside its prompts
+    (all but the last count) meet each."""
+    from deltaserve.engine.engine import (
+        WARM_UP_DECODE_CONTEXT,
+        warm_up_decode_rows,
+        warm_up_short_decode_rows,
+    )
+
+    def keys(calls) -> set:  # type: ignore[no-untyped-def]
+        with triton_keys.recorded_launches() as launches:
+            for call in calls:
+                call()
+        return set(launches)
+
+    def step(n: int, context: int):  # type: ignore[no-untyped-def]
+        return lambda: decode_step(n, context, tp, kv_heads)
+
+    contexts = (9, 300, 2049, 4096, 32768)
+    serving = keys(step(n, c) for n in range(captured + 1, running + 1) for c in contexts)
+    rows = warm_up_decode_rows(running, captured)
+    warmed = keys(
+        [step(n, WARM_UP_DECODE_CONTEXT) for n in rows if n > captured]
+        + [step(n, 9) for n in warm_up_short_decode_rows(running, captured)]
+        + [lambda d=d: verify_step(d, 0, 2, tp) for d in rows[:-1]]
+    )
+    assert serving - warmed == set()
+    tiles = {
+        p[2]
+        for launch in serving
+        if launch.kernel == "_paged_decode_kernel"
+        for p in launch.key
+        if p[0] == "BN"
+    }
+    few = (captured + 1) * kv_heads // tp <= 2 * 132  # a row one split: at most two programs an SM
+    assert tiles == ({"64", "32"} if few else {"32"})
