@@ -261,6 +261,37 @@ def test_the_warm_up_step_sizes_meet_every_variant_of_a_step(triton_keys, monkey
     assert len(serving) > 20 and serving - warmed == set()
 
 
+@pytest.mark.slow
+def test_with_piecewise_graphs_the_warm_up_meets_every_variant_of_a_step_past_them(
+    triton_keys, monkeypatch
+) -> None:
+    """Piecewise graphs (`--enable-piecewise-cuda-graph`) compile Kimi-Linear's step kernels at
+    each of `piecewise_sizes` tokens at capture, without PDL as eager steps launch; a step of more
+    tokens than the largest runs eagerly. The captures and the warm-up's prefill steps of more
+    tokens (`warm_up_step_tokens`) meet every variant that steps of the largest + 1 to the step
+    budget ask for, where the captures alone do not."""
+    from deltaserve.engine.engine import warm_up_step_tokens
+    from deltaserve.engine.runner.piecewise_graphs import piecewise_sizes
+    from deltaserve.kernels.moe import cuda
+
+    monkeypatch.setattr(cuda, "_grouped_mm_device", lambda device: True)
+    per_size: dict[int, set] = {}
+
+    def keys(sizes) -> set:  # type: ignore[no-untyped-def]
+        for t in set(sizes) - per_size.keys():
+            with triton_keys.recorded_launches() as launches:
+                step_kernels(t)
+            per_size[t] = set(launches)
+        return set().union(*(per_size[t] for t in sizes))
+
+    for budget, largest in ((8192, 16), (8192, 100), (8192, 1000), (6000, 300), (2048, 512)):
+        captured = piecewise_sizes(largest)
+        serving = keys(range(largest + 1, budget + 1))
+        eager = [t for t in warm_up_step_tokens(budget) if t > largest]
+        assert serving - keys(captured) != set(), largest
+        assert serving - keys(captured + eager) == set(), largest
+
+
 def decode_step(n: int, context: int, tp: int, kv_heads: int = KV_HEADS) -> None:
     """What a decode step of n rows, the longest `context` positions, launches per layer that
     could pick its variant by them: Qwen3.5-35B-A3B's GDN decode and full attention (Qwen3.5-9B's
