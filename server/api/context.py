@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 logger = logging.getLogger("deltaserve.requests")
 
+# requests whose prompts are rendered and tokenized at once: a long prompt holds one worker, not all
+PROMPT_WORKERS = 16
+
 
 # what the server sets for its own ends, never a request: the log shows what the request asked for
 _SERVER_SET = frozenset(
@@ -133,7 +136,7 @@ class ServerContext:
         # where a prompt opens <think>, structured outputs start after the model's </think>
         self.think_end_id: int | None = vocab.get("</think>") if self.parse_reasoning else None
         self.tool_format = tool_call_format(vocab)  # Qwen's <tool_call> or Kimi's markers
-        self._prompt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-prompt")
+        self._prompt_workers = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="deltaserve-prompt")
         self.chars_per_token = chars_per_token(self.tokenizer) if self.tokenizer is not None else None
         self.vocab_size = int(self.client.vocab_size or (len(self.tokenizer) if self.tokenizer else 0))
         self.images = ImageReader.from_model_info(self.client.model_info, self.image_limit)
@@ -154,9 +157,11 @@ class ServerContext:
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run template rendering and tokenization beside the event loop, so a long prompt does not
-        stall the streams of others. One worker: tokenizers are not made for concurrent callers."""
+        stall the streams of others, in one of several workers, so that it holds up no other
+        request's prompt: `encode`'s Rust tokenizer lets go of the GIL while it works, and its
+        concurrent callers only read it."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._prompt_worker, functools.partial(fn, *args)
+            self._prompt_workers, functools.partial(fn, *args)
         )
 
     def force_usage(self, req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -189,8 +194,8 @@ class ServerContext:
 
     def refuse_overlong(self, text: str, param: str) -> None:
         """A 400 (context_length_exceeded) for a prompt with more characters than the context's
-        tokens can stand for, by its length alone: tokenizing megabytes would hold the one prompt
-        worker, which every other request's prompt waits for."""
+        tokens can stand for, by its length alone: tokenizing megabytes would hold a prompt worker
+        for seconds, and the engine would refuse the prompt anyway."""
         bound = self.chars_per_token
         limit = self.client.max_model_len
         if bound is None or len(text) <= limit * bound.of(text):
@@ -205,7 +210,7 @@ class ServerContext:
 
     def refuse_overlong_ids(self, ids: Sequence[int], param: str) -> None:
         """A 400 (context_length_exceeded) for a token-id prompt longer than the context, before
-        its ids are checked or decoded (for an echo), which would hold the prompt worker."""
+        its ids are checked or decoded (for an echo), which would hold a prompt worker."""
         limit = self.client.max_model_len
         if len(ids) > limit:
             raise bad_request(
@@ -251,7 +256,7 @@ class ServerContext:
         return replace(params, bad_words_token_ids=bad_words) if bad_words else params
 
     async def bad_words_ids(self, req: ChatCompletionRequest | CompletionRequest) -> list[list[int]] | None:
-        """The request's `bad_words` as token sequences, tokenized in the prompt worker."""
+        """The request's `bad_words` as token sequences, tokenized in a prompt worker."""
         if req.bad_words and self.tokenizer is None:
             raise bad_request(
                 "bad_words need a tokenizer, which this server was started without", "bad_words"

@@ -10,6 +10,7 @@ import http.client
 import json
 import random
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -166,6 +167,45 @@ def test_hostile_input_is_4xx_and_keeps_the_connection(connection, path: str, bo
 def test_huge_numbers_that_mean_no_limit_are_served(server) -> None:
     r = httpx.post(f"{server.url}/v1/completions", json={**COMPLETION, "top_k": 2**70}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+HUGE_TEXT = "hello world " * 400_000  # 4.8 MB: seconds of tokenizing on a CPU
+HUGE_PROMPTS = [
+    ("/v1/completions", {**COMPLETION, "prompt": HUGE_TEXT, "truncate_prompt_tokens": 8}),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": HUGE_TEXT}], "truncate_prompt_tokens": 8}),
+    ("/tokenize", {"prompt": HUGE_TEXT}),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path,body", HUGE_PROMPTS, ids=[p for p, _ in HUGE_PROMPTS])
+def test_a_huge_prompt_holds_up_no_other_requests_prompt(server, path: str, body: dict) -> None:
+    """A prompt of megabytes, which truncate_prompt_tokens (or /tokenize) lets past the length
+    check, is tokenized for seconds; small requests sent one after another meanwhile are each
+    answered in a small part of that time, not after it."""
+    done = threading.Event()
+    big: dict[str, float] = {}
+
+    def send_big() -> None:
+        start = time.monotonic()
+        try:
+            big["status"] = httpx.post(f"{server.url}{path}", json=body, timeout=300).status_code
+        finally:
+            big["took"] = time.monotonic() - start
+            done.set()
+
+    thread = threading.Thread(target=send_big)
+    thread.start()
+    small: list[float] = []
+    with httpx.Client(timeout=300) as http:
+        while not done.is_set():
+            start = time.monotonic()
+            r = http.post(f"{server.url}/v1/chat/completions", json=CHAT)
+            small.append(time.monotonic() - start)
+            assert r.status_code == 200, r.text
+    thread.join()
+    assert big["status"] == 200
+    assert len(small) >= 4 and max(small) < big["took"] / 4, (big, small)
 
 
 def raw_request(port: int, head: str, data: bytes, wait: float = 10.0) -> tuple[int, bytes, float]:
