@@ -142,6 +142,8 @@ class StructuredOutputs:
                 raise _structured(f"the JSON schema is not valid JSON ({e})") from None
             except RecursionError:  # nested past what the parser follows
                 raise _too_deep_error() from None
+            except ValueError:  # an integer past int()'s digits, whose error names a Python setting
+                raise _structured("the JSON schema holds an integer of more than 4,300 digits") from None
         if any(v is not None and _too_deep(v) for v in (self.json, self.tool_calls)):
             raise _too_deep_error()
         if self.json is not None and not isinstance(self.json, dict):

@@ -496,6 +496,37 @@ def test_bad_response_format_is_400_and_admits_nothing(server, fmt: dict, needle
     assert ok.status_code == 200
 
 
+LONG_INT_SCHEMA = '{"type": "integer", "maximum": 1' + "0" * 5000 + "}"  # past int()'s 4,300 digits
+
+
+@pytest.mark.parametrize(
+    "path,extra,param",
+    [
+        ("/v1/chat/completions", {"guided_json": LONG_INT_SCHEMA}, "guided_json"),
+        ("/v1/completions", {"structured_outputs": {"json": LONG_INT_SCHEMA}}, "structured_outputs"),
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": LONG_INT_SCHEMA},
+                }
+            },
+            "response_format",
+        ),
+        ("/generate", {"sampling_params": {"json_schema": LONG_INT_SCHEMA}}, "sampling_params"),
+    ],
+)
+def test_a_schema_text_with_an_integer_too_long_to_read_is_a_400_in_our_words(
+    server, path: str, extra: dict, param: str
+) -> None:
+    """Python's own words for it ("use sys.set_int_max_str_digits()") are no advice to a client."""
+    base = {"text": "hi"} if path == "/generate" else GOOD if "chat" in path else COMPLETION
+    err = assert_error(post(server, path, json={**base, **extra}), 400, param)
+    assert "JSON schema holds an integer of more than 4,300 digits" in err["message"], err
+    assert "sys." not in err["message"]
+
+
 GENERATE = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
 MESSAGE = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 
