@@ -16,6 +16,7 @@ drop one, and `GET /v1/responses/{id}/input_items` lists the items it was made f
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -273,14 +274,63 @@ def _reasoning_of(item: dict[str, Any], where: str) -> str:
     return "".join(p["text"] for p in parts)
 
 
-def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[ChatMessage]:
+@dataclass
+class Origins:
+    """The conversation item each chat message came from (None: the instructions), and each of
+    its tool calls, by (message, call): for errors that name the item, not the chat turn."""
+
+    first: int = 0  # the request's input[0] among the items (earlier ones: previous_response_id's)
+    messages: list[int | None] = field(default_factory=list)
+    calls: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def where(self, item: int) -> str:
+        if item < self.first:  # checked when it was stored: no request's error should come here
+            return f"the previous response's item {item}"
+        return f"input[{item - self.first}]"
+
+
+# a chat tool call's fields as a function_call item names them
+_CALL_FIELDS = {"function.arguments": "arguments", "function.name": "name", "id": "call_id"}
+
+
+def name_input_item(exc: APIError, origins: Origins) -> None:
+    """A chat turn's error (`messages[M]...`, or `messages[M].tool_calls[J]`, param
+    `messages.M.tool_calls.J.function.arguments`) as the input item it came from (`input[K]`,
+    `input[K].arguments`), in the message; `param` is `input`, as for the items' own errors."""
+    found = re.fullmatch(r"messages\.(\d+)(?:\.tool_calls\.(\d+))?(?:\.(.+))?", exc.param or "")
+    if found is None:
+        if exc.param is not None and exc.param.startswith("messages."):  # a chat turn is no item's index
+            exc.param = "input"
+        return
+    turn, call, rest = int(found[1]), found[2], found[3] or ""
+    if call is None:
+        chat_where = f"messages[{turn}]"
+        item = origins.messages[turn] if turn < len(origins.messages) else None
+        ours = "instructions" if item is None else origins.where(item)
+    else:
+        chat_where = f"messages[{turn}].tool_calls[{call}]"
+        item = origins.calls.get((turn, int(call)))
+        field_name = _CALL_FIELDS.get(rest)
+        ours = "input" if item is None else origins.where(item) + (f".{field_name}" if field_name else "")
+    exc.message = exc.message.replace(chat_where, ours, 1)
+    exc.args = (exc.message,)
+    exc.param = "instructions" if ours == "instructions" else "input"
+
+
+def to_messages(
+    instructions: str | None, items: list[dict[str, Any]], origins: Origins | None = None
+) -> list[ChatMessage]:
+    """The conversation's chat messages; `origins` (its `first` set) is filled with where each
+    came from."""
+    origins = origins if origins is not None else Origins()
     messages: list[ChatMessage] = []
     if instructions:
         messages.append(ChatMessage(role="system", content=instructions))
+        origins.messages.append(None)
     # a reasoning item's text, for the assistant turn it begins: the template shows it or drops it
     thought: str | None = None
     for i, item in enumerate(items):
-        where = f"input[{i}]"
+        where = origins.where(i)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -289,6 +339,7 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
             content = _content_of(item.get("content"), where, assistant=role == "assistant")
             reasoning = thought if role == "assistant" else None
             messages.append(ChatMessage(role=role, content=content, reasoning_content=reasoning))
+            origins.messages.append(i)
             thought = None
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not all(
@@ -317,6 +368,8 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
                 messages.append(
                     ChatMessage(role="assistant", content=None, tool_calls=[call], reasoning_content=thought)
                 )
+                origins.messages.append(i)
+            origins.calls[(len(messages) - 1, len(messages[-1].tool_calls or []) - 1)] = i
             thought = None
         elif kind == "function_call_output":
             output = item.get("output")
@@ -327,6 +380,7 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
             if not isinstance(item.get("call_id", ""), str):
                 raise bad_request(f"{where}: a function_call_output item's call_id is a string", "input")
             messages.append(ChatMessage(role="tool", tool_call_id=item.get("call_id"), content=content))
+            origins.messages.append(i)
             thought = None
         elif kind == "reasoning":
             text = _reasoning_of(item, where)
@@ -340,8 +394,11 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[C
 
 
 @translating()
-def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat request of a response whose conversation is `items` (earlier turns included)."""
+def to_chat_request(
+    req: ResponsesRequest, items: list[dict[str, Any]], origins: Origins | None = None
+) -> ChatCompletionRequest:
+    """The chat request of a response whose conversation is `items` (earlier turns included);
+    `origins` as `to_messages` fills it."""
     tools = None
     if req.tools:
         tools = []
@@ -408,7 +465,7 @@ def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatC
     fields = {k: v for k, v in (req.model_extra or {}).items() if k in _EXTRA}
     fields.update(
         model=req.model,
-        messages=to_messages(req.instructions, items),
+        messages=to_messages(req.instructions, items, origins),
         max_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -523,6 +580,7 @@ async def create_response(
 ) -> Response:
     model = ctx.resolve_model(req.model)
     items = input_items(req)
+    origins = Origins()
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)
         if previous is None:
@@ -533,13 +591,13 @@ async def create_response(
                 "previous_response_id",
             )
         items = previous.items + items
-    chat = to_chat_request(req, items)
+        origins.first = len(previous.items)
+    chat = to_chat_request(req, items, origins)
     try:
         prepared = await prepare_chat(ctx, chat, images_at="input", raw=raw)
     except APIError as exc:  # name the field as this API calls it
         exc.renamed(_PARAMS)
-        if exc.param is not None and exc.param.startswith("messages."):  # a chat turn is no item's index
-            exc.param = "input"
+        name_input_item(exc, origins)
         raise
     shell = _Shell(req, model)
     engine_id = named_id(raw.headers.get("x-request-id"), shell.id)  # this API has no name field

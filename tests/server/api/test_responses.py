@@ -612,6 +612,32 @@ def test_the_allowed_values_of_those_fields_are_served_and_echoed(base_url: str)
     assert out["metadata"] == {"k": "v"}
 
 
+def _call(arguments: str) -> dict:
+    return {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments}
+
+
+THOUGHT = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Hm."}]}
+
+
+@pytest.mark.parametrize(
+    ("item", "named"),
+    [
+        ({**_call("{}"), "name": ""}, "input[0].name: a function_call item's name is empty"),
+        (_call("[" * 100_000 + "]" * 100_000), "input[0].arguments: a tool call's arguments nest too deep"),
+    ],
+)
+def test_a_refused_item_after_a_previous_response_is_named_by_its_index_in_input(
+    client, base_url: str, item: dict, named: str
+) -> None:
+    """The previous response's items come first in the conversation, not in this request's input."""
+    first = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2)
+    body = {"model": MODEL_NAME, "previous_response_id": first.id, "input": [item], "max_output_tokens": 2}
+    r = httpx.post(f"{base_url}/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and named in err["message"], err
+
+
 PNG_DATA_URL = "data:image/png;base64,iVBORw0KGgoAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 
 
@@ -632,6 +658,12 @@ PNG_DATA_URL = "data:image/png;base64,iVBORw0KGgoAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA
         ({"input": [{"type": "function_call", "call_id": "c1", "name": "", "arguments": "{}"},
                     {"type": "function_call_output", "call_id": "c1", "output": "x"}]}, "input",
          "input[0].name: a function_call item's name is empty"),
+        # arguments the chat path refuses: named as the item, though its calls merged into one chat turn
+        ({"input": [{"role": "user", "content": "hi"}, _call('{"a": "\\udfff"}')]}, "input",
+         "input[1].arguments: a tool call's arguments hold a lone surrogate"),
+        ({"instructions": "Be brief.", "input": [{"role": "user", "content": "hi"}, THOUGHT, _call("{}"),
+                                                 _call('{"a": 1' + "0" * 5000 + "}")]}, "input",
+         "input[3].arguments: a tool call's arguments hold an integer too long to read"),
     ],
 )  # fmt: skip
 def test_a_refusal_names_the_field_as_this_api_spells_it(
@@ -644,7 +676,7 @@ def test_a_refusal_names_the_field_as_this_api_spells_it(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and named in err["message"], err
-    for chat_name in (".function.", "tool_call_id", "part type 'image_url'"):
+    for chat_name in (".function.", "tool_call_id", "part type 'image_url'", "messages[", "tool_calls["):
         assert chat_name not in err["message"] and chat_name not in err["param"], err
 
 
