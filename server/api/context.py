@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +42,22 @@ logger = logging.getLogger("deltaserve.requests")
 
 # requests whose prompts are rendered and tokenized at once: a long prompt holds one worker, not all
 PROMPT_WORKERS = 16
+# a text this long takes the tokenizer many times its own memory (each token's string and offsets)
+LONG_TEXT_CHARS = 1 << 20
+_long_text = threading.Lock()
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    """The text's token ids; texts of LONG_TEXT_CHARS or more one at a time, whichever prompt
+    worker encodes them, so that many at once do not hold many times the memory."""
+    with _long_text if len(text) >= LONG_TEXT_CHARS else contextlib.nullcontext():
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # the same ids; transformers' wrapper would build several more
+            # million-element lists with the GIL held, stalling every stream of the event loop.
+            # encode_batch, not encode: only the batch call lets go of the GIL while it works
+            (encoding,) = backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(encoding.ids)
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 # what the server sets for its own ends, never a request: the log shows what the request asked for
@@ -221,14 +239,7 @@ class ServerContext:
             )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        tokenizer = self.need_tokenizer()
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:  # the same ids; transformers' wrapper would build several more
-            # million-element lists with the GIL held, stalling every stream of the event loop.
-            # encode_batch, not encode: only the batch call lets go of the GIL while it works
-            (encoding,) = backend.encode_batch([text], add_special_tokens=add_special_tokens)
-            return list(encoding.ids)
-        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return encode_text(self.need_tokenizer(), text, add_special_tokens)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.need_tokenizer().decode(token_ids, skip_special_tokens=False)

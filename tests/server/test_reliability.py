@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -167,6 +168,38 @@ def test_hostile_input_is_4xx_and_keeps_the_connection(connection, path: str, bo
 def test_huge_numbers_that_mean_no_limit_are_served(server) -> None:
     r = httpx.post(f"{server.url}/v1/completions", json={**COMPLETION, "top_k": 2**70}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_long_texts_are_encoded_one_at_a_time_and_short_ones_beside_them() -> None:
+    """Each long text takes the tokenizer many times its memory: the prompt workers encode one at a
+    time, and short texts beside it."""
+    from deltaserve.server.api.context import LONG_TEXT_CHARS, encode_text
+
+    class Backend:
+        def __init__(self) -> None:
+            self.running = self.most = 0
+            self.lock = threading.Lock()
+
+        def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[SimpleNamespace]:
+            with self.lock:
+                self.running += 1
+                self.most = max(self.most, self.running)
+            time.sleep(0.2)
+            with self.lock:
+                self.running -= 1
+            return [SimpleNamespace(ids=[len(texts[0])])]
+
+    def most_at_once(chars: int) -> int:
+        tokenizer = SimpleNamespace(backend_tokenizer=Backend())
+        threads = [threading.Thread(target=encode_text, args=(tokenizer, "a" * chars)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return tokenizer.backend_tokenizer.most
+
+    assert most_at_once(LONG_TEXT_CHARS) == 1
+    assert most_at_once(LONG_TEXT_CHARS - 1) == 3
 
 
 HUGE_TEXT = "hello world " * 400_000  # 4.8 MB: seconds of tokenizing on a CPU
