@@ -341,3 +341,36 @@ def test_chat_fields_a_message_has_no_place_for_are_refused(claude, extra: dict)
     assert refused.value.body["error"]["message"].startswith(f"{next(iter(extra))}: not supported")
     off = {k: False if v is True else None for k, v in extra.items()}
     assert claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, extra_body=off)
+
+
+def test_a_tool_use_block_needs_a_name_and_an_input_of_bounded_depth(server) -> None:
+    """Anthropic's tool_use name has at least 1 character (the Responses API's function_call
+    refuses an empty one too); an input nested past what the template's renderer follows is a 400
+    naming the block, not Python's "maximum recursion depth exceeded"."""
+    deep: dict = {}
+    node = deep
+    for _ in range(600):
+        node["a"] = {}
+        node = node["a"]
+
+    def turns(use: dict) -> list[dict]:
+        call = {"type": "tool_use", "id": "toolu_1", **use}
+        done = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}
+        return [*MESSAGES, {"role": "assistant", "content": [call]}, {"role": "user", "content": [done]}]
+
+    for use, needle in (
+        ({"name": "", "input": {}}, "messages[1].content[0].name: a tool_use block's name is empty"),
+        ({"name": "f", "input": deep}, "messages[1].content[0].input: a tool_use block's input nests"),
+    ):
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            body = {"model": MODEL_NAME, "max_tokens": 2, "messages": turns(use)}
+            r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+            assert r.status_code == 400, r.text
+            message = r.json()["error"]["message"]
+            assert needle in message and "recursion" not in message, message
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 2,
+        "messages": turns({"name": "f", "input": {"a": {"b": [1]}}}),
+    }
+    assert httpx.post(f"{server.url}/v1/messages", json=body, timeout=60).status_code == 200
