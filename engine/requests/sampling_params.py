@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any, cast
 
 from deltaserve.engine.errors import InvalidParamError
+from deltaserve.engine.requests.chat_prompt import SURROGATE
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,11 @@ class StructuredOutputs:
                 raise _structured("the JSON schema holds an integer of more than 4,300 digits") from None
         if any(v is not None and _too_deep(v) for v in (self.json, self.tool_calls)):
             raise _too_deep_error()
+        # schema text's \uD800-\uDFFF escapes: the body's own check saw only their backslashes
+        if self.json is not None and SURROGATE.search(json.dumps(self.json, ensure_ascii=False)):
+            raise _structured(
+                "the JSON schema holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not Unicode"
+            )
         if self.json is not None and not isinstance(self.json, dict):
             raise _structured("a JSON schema must be an object")
         if self.after_token is not None and self.after_token < 0:

@@ -527,6 +527,37 @@ def test_a_schema_text_with_an_integer_too_long_to_read_is_a_400_in_our_words(
     assert "sys." not in err["message"]
 
 
+SURROGATE_SCHEMA = '{"type": "string", "enum": ["\\ud800"]}'  # the escape as text: no surrogate in the body
+
+
+@pytest.mark.parametrize(
+    "path,extra,param",
+    [
+        ("/v1/chat/completions", {"guided_json": SURROGATE_SCHEMA}, "guided_json"),
+        ("/v1/completions", {"structured_outputs": {"json": SURROGATE_SCHEMA}}, "structured_outputs"),
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SURROGATE_SCHEMA},
+                }
+            },
+            "response_format",
+        ),
+        ("/generate", {"sampling_params": {"json_schema": SURROGATE_SCHEMA}}, "sampling_params"),
+    ],
+)
+def test_a_schema_text_with_a_lone_surrogate_is_a_400_in_our_words(
+    server, path: str, extra: dict, param: str
+) -> None:
+    """The text's \\ud800 escape reached xgrammar, whose internal parse error was the message."""
+    base = {"text": "hi"} if path == "/generate" else GOOD if "chat" in path else COMPLETION
+    err = assert_error(post(server, path, json={**base, **extra}), 400, param)
+    assert "JSON schema holds a lone surrogate" in err["message"], err
+    assert "Check failed" not in err["message"]
+
+
 GENERATE = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
 MESSAGE = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 
