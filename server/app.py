@@ -486,11 +486,22 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = reply(request, exc.status_code, str(exc.detail), None, None)
+        detail = _unreadable_body(exc.__cause__) or str(exc.detail)
+        response = reply(request, exc.status_code, detail, None, None)
         response.headers.update(exc.headers or {})  # a 405's Allow
         return response
 
     app.add_middleware(_InternalErrors, reply=reply)
+
+
+def _unreadable_body(cause: BaseException | None) -> str | None:
+    """What is wrong with a JSON body the parser could not read (FastAPI says only "There was an
+    error parsing the body"), or None for another failure."""
+    if type(cause) is ValueError:  # int()'s limit: its own words name a Python setting
+        return "request body holds an integer of more than 4,300 digits, which this server does not read"
+    if isinstance(cause, RecursionError):
+        return "request body nests objects and arrays deeper than this server's JSON parser follows"
+    return None
 
 
 class _HeadAsGet:

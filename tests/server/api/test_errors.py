@@ -43,6 +43,27 @@ def test_malformed_json_is_400(server) -> None:
 
 
 @pytest.mark.parametrize(
+    "tail,needle",
+    [
+        (b', "seed": 1' + b"0" * 5000 + b"}", "request body holds an integer of more than 4,300 digits"),
+        (b', "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "request body nests objects and arrays deeper"),
+    ],
+    ids=["long-integer", "deep-nesting"],
+)
+def test_valid_json_the_parser_cannot_read_is_a_400_saying_why(server, tail: bytes, needle: str) -> None:
+    """FastAPI's own reply was "There was an error parsing the body", which says nothing of what."""
+    body = json.dumps({**GOOD, "max_tokens": 1}).encode()[:-1] + tail
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        r = post(server, path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert needle in error["message"] and "error parsing" not in error["message"], error
+    assert_error(
+        post(server, "/v1/chat/completions", content=body, headers={"content-type": "application/json"}), 400
+    )
+
+
+@pytest.mark.parametrize(
     "body,param",
     [
         ({"model": MODEL_NAME}, "messages"),  # required field missing
