@@ -373,10 +373,16 @@ def to_messages(
             thought = None
         elif kind == "function_call_output":
             output = item.get("output")
-            if isinstance(output, list):  # the tool's content parts, as a message's: not their JSON
+            if isinstance(output, list):  # the tool's content parts, as a message's
                 content = _content_of(output, where)
-            else:
-                content = output if isinstance(output, str) else json.dumps(output)
+            elif isinstance(output, str):
+                content = output
+            else:  # OpenAI's and vLLM's 400 too: not a number's or an object's JSON in the prompt
+                raise bad_request(
+                    f"{where}.output: a function_call_output item's output is a string or a list of "
+                    "content parts",
+                    "input",
+                )
             if not isinstance(item.get("call_id", ""), str):
                 raise bad_request(f"{where}: a function_call_output item's call_id is a string", "input")
             messages.append(ChatMessage(role="tool", tool_call_id=item.get("call_id"), content=content))

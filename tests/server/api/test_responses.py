@@ -652,6 +652,13 @@ PNG_DATA_URL = "data:image/png;base64,iVBORw0KGgoAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA
          "tools[0].parameters"),
         ({"input": [{"type": "function_call_output", "call_id": 5, "output": "x"}]}, "input",
          "input[0]: a function_call_output item's call_id"),
+        # OpenAI's and vLLM's schemas: output is a string or content parts, not any JSON value
+        ({"input": [{"type": "function_call_output", "call_id": "c1", "output": 5}]}, "input",
+         "input[0].output: a function_call_output item's output is a string or a list of content parts"),
+        ({"input": [{"type": "function_call_output", "call_id": "c1", "output": {"temp": 18}}]}, "input",
+         "input[0].output: a function_call_output item's output is a string or a list of content parts"),
+        ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input",
+         "input[0].output: a function_call_output item's output is a string or a list of content parts"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": PNG_DATA_URL}]}]}, "input",
          "reads text only"),
         # OpenAI's 400 for an empty name ("Expected a string with minimum length 1"), not a call to no function
