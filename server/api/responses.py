@@ -123,7 +123,7 @@ def _item_id(prefix: str) -> str:
 
 
 def _content_of(content: Any, where: str, assistant: bool = False) -> str | list[ContentPart]:
-    """A message's content: a string, or text parts joined, or, with images among them, the parts
+    """A message's content: a string, or text parts joined by newlines, or, with images among them, the parts
     in order (an `input_image`'s `image_url`, a data: or http(s): URL). An `assistant` turn's
     `refusal` parts (an earlier response's output) are its text, as chat reads them."""
     if content is None or isinstance(content, str):
@@ -149,7 +149,7 @@ def _content_of(content: Any, where: str, assistant: bool = False) -> str | list
             raise bad_request(f"{where}: content parts of type {kind!r}: {why}", "input")
     if any(p.type == "image_url" for p in parts):
         return parts
-    return "".join(p.text or "" for p in parts)
+    return "\n".join(p.text or "" for p in parts)  # as chat joins a message's text parts (vLLM's too)
 
 
 STORE_SIZE = 1024  # responses kept for previous_response_id and GET

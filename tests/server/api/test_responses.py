@@ -140,7 +140,8 @@ def test_conversation_items_render_as_chat_messages(client) -> None:
 
 def test_a_function_call_outputs_content_parts_are_its_text(client) -> None:
     """A function_call_output whose output is a list of input_text parts (as the SDK's types allow)
-    gives the tool message their text, the prompt of the same output as a string."""
+    gives the tool message their text joined by newlines (as chat and vLLM join parts), the prompt
+    of the same output as that string."""
     call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
     ask = {"role": "user", "content": "Weather in Paris?"}
 
@@ -150,9 +151,29 @@ def test_a_function_call_outputs_content_parts_are_its_text(client) -> None:
         return r.usage.input_tokens
 
     parts = [{"type": "input_text", "text": "18 C, "}, {"type": "input_text", "text": "sunny"}]
-    assert prompt_tokens(parts) == prompt_tokens("18 C, sunny")
+    assert prompt_tokens(parts) == prompt_tokens("18 C, \nsunny") != prompt_tokens("18 C, sunny")
     with pytest.raises(openai.BadRequestError, match="input_file"):
         prompt_tokens([{"type": "input_file", "file_id": "file-1"}])
+
+
+def test_a_messages_text_parts_join_as_chat_joins_them(client) -> None:
+    """An input message's text parts are joined by newlines, as the chat endpoint (and vLLM, whose
+    Responses API hands the parts to its chat parser) joins a message's parts: the same prompt as
+    the chat request with the same parts, where they were joined with nothing."""
+    parts = [{"type": "input_text", "text": "Name three"}, {"type": "input_text", "text": "colours."}]
+    chat_parts = [{"type": "text", "text": p["text"]} for p in parts]
+    for role in ("user", "system", "assistant"):
+        turns = [{"role": role, "content": parts}, {"role": "user", "content": "Go on."}]
+        r = client.responses.create(model=MODEL_NAME, input=turns, max_output_tokens=1)
+        chat = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": role, "content": chat_parts}, {"role": "user", "content": "Go on."}],
+            max_tokens=1,
+        )
+        assert r.usage.input_tokens == chat.usage.prompt_tokens, role
+        joined = [{"role": role, "content": "Name threecolours."}, {"role": "user", "content": "Go on."}]
+        glued = client.chat.completions.create(model=MODEL_NAME, messages=joined, max_tokens=1)
+        assert glued.usage.prompt_tokens != chat.usage.prompt_tokens  # the test tells the two apart
 
 
 def test_an_assistant_turns_refusal_part_is_its_text(client) -> None:
