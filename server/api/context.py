@@ -279,9 +279,10 @@ class ServerContext:
     async def compile_structured(
         self, spec: StructuredOutputs, param: str, raw: Request | None = None
     ) -> None:
-        """Compile a request's grammar in the prompt worker, before it is submitted: a new JSON
-        schema can take xgrammar a while, which the engine's thread would otherwise spend while
-        every stream waits. A bad schema is a 400 here, naming `param`, the field it came from.
+        """Have the engine compile a request's grammar into its cache before the request is
+        submitted, on a worker thread beside its step loop: a new JSON schema can take xgrammar a
+        while, which the step loop would otherwise spend admitting it while every stream waits. A
+        bad schema is a 400 here, naming `param`, the field it came from.
         `raw`: the HTTP request it is for; a client that hangs up meanwhile gets ClientDisconnected
         at once (the engine compiles on, for the next request that asks the same grammar)."""
         compiling = asyncio.ensure_future(self.client.call("compile_structured", spec))
