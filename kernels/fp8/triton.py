@@ -40,7 +40,9 @@ def _e4m3_codes(v, AXIS: tl.constexpr):
     return tl.clamp(v / tl.expand_dims(scale, AXIS), -448.0, 448.0), scale
 
 
-@triton.jit
+# T and T_OUT (the step's tokens) bound row masks; stride_sg (the padded tokens where the scales are
+# group-major) offsets a store of one scale a thread, no vector to lose: one compile for every count
+@triton.jit(do_not_specialize=["T", "T_OUT", "stride_sg"])
 def _act_quant_kernel(
     x,
     q,
@@ -91,7 +93,8 @@ def _fake_quant(v, AXIS: tl.constexpr):
     return codes.to(tl.float8e4nv).to(tl.float32) * tl.expand_dims(scale, AXIS)
 
 
-@triton.jit
+# M (the step's rows) bounds row masks and offsets split parts by whole rows: one compile for every count
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     a,  # [M, K] e4m3
     a_s,  # [M, ceil(K/128)] fp32
@@ -201,7 +204,8 @@ def _skinny_dense_tile(
     return acc, N + rows, n_ok
 
 
-@triton.jit
+# M (the step's rows) bounds row masks and offsets split parts by whole rows: one compile for every count
+@triton.jit(do_not_specialize=["M"])
 def _fp8_skinny_kernel(
     x,  # [M, K] e4m3, per token and 128 channels
     x_s,  # [M, ceil(K/128)] fp32
@@ -279,7 +283,8 @@ def _fp8_skinny_kernel(
             tl.atomic_xchg(counters + pid_n, 0)
 
 
-@triton.jit
+# NUM_ASSIGN only offsets split parts, by whole assignments (2 * INTER): one compile for every count
+@triton.jit(do_not_specialize=["NUM_ASSIGN"])
 def _fp8_moe_skinny_gate_up_kernel(
     x,  # [T, H] e4m3, per token and 128 channels
     x_s,  # [T, ceil(H/128)] fp32

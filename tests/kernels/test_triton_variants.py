@@ -5,6 +5,9 @@ on `meta` tensors."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -510,3 +513,171 @@ def test_with_decode_graphs_the_warm_up_meets_every_variant_of_decode_steps_past
     }
     few = (captured + 1) * kv_heads // tp <= 2 * 132  # a row one split: at most two programs an SM
     assert tiles == ({"64", "32"} if few else {"32"})
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_weight(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight `[..., n, k]` and its 128 x 128 block scales."""
+    *e, n, k = shape
+    return meta(*shape, dtype=FP8), meta(*e, -(-n // 128), -(-k // 128), dtype=torch.float32)
+
+
+@pytest.fixture
+def cuda_ops(monkeypatch):  # type: ignore[no-untyped-def]
+    """The ops' CUDA paths on `meta` tensors: their dispatch says fast, cuBLAS's block-scaled GEMM
+    returns its output unwritten, Hopper's grouped GEMM is there and no quantized rows are kept."""
+    from deltaserve.kernels import fp8, linear, moe, norm, router
+    from deltaserve.kernels.fp8 import cuda as fp8_cuda
+    from deltaserve.kernels.moe import cuda as moe_cuda
+
+    for module in (fp8, linear, moe, norm, router):
+        monkeypatch.setattr(module, "use_fast_path", lambda t: True)
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, out=None):  # type: ignore[no-untyped-def]
+        return torch.empty(a.shape[0], b.shape[1], device=M, dtype=out_dtype) if out is None else out
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(moe_cuda, "_grouped_mm_device", lambda device: True)
+    monkeypatch.setattr(fp8_cuda, "_kept", None)
+
+
+def test_fp8_step_rows_compile_once_per_tile(triton_keys, cuda_ops) -> None:
+    """The FP8 path's kernels at Qwen3-Next-80B's sizes: within each class of rows that takes one
+    tiling (the activation quantization's rows a program, a power of two up to 32; the skinny GEMM's
+    16 or 32 rows; cuBLAS's rows, their scales group-major; the Triton GEMM's 32-row tiles; the
+    skinny MoE's K split), every count of rows, 1, a multiple of 16 or neither, runs the same
+    compiled kernels."""
+    from deltaserve.kernels.fp8.cuda import fp8_gemm_cuda, fp8_moe_skinny_cuda, fp8_skinny_cuda
+
+    def skinny(m: int) -> None:  # GDN's in_proj: q, k, v, z in FP8, b and a unquantized
+        fp8_skinny_cuda(meta(m, 2048), *fp8_weight(12288, 2048), 128, dense=meta(64, 2048))
+
+    def cublas(m: int) -> None:
+        fp8_gemm_cuda(meta(m, 2048), *fp8_weight(12288, 2048), 128)
+
+    def triton_gemm(m: int) -> None:  # where cuBLAS does not fit, or `DELTASERVE_FP8_DECODE=gemm`
+        fp8_gemm_cuda(meta(m, 2048), *fp8_weight(12288, 2048), 128, cublas=False)
+
+    def skinny_moe(t: int) -> None:  # 512 experts and the shared one, top 10 + 1
+        ids = torch.empty(t, 11, device=M, dtype=torch.long)
+        experts = (*fp8_weight(513, 1024, 2048), *fp8_weight(513, 2048, 512))
+        fp8_moe_skinny_cuda(meta(t, 2048), *experts, 128, ids, torch.empty(t, 11, device=M))
+
+    classes = [(skinny, r) for r in (range(1, 2), range(2, 3), range(3, 5), range(5, 9), range(9, 17))]
+    classes += [(skinny, range(17, 33)), (cublas, range(33, 300, 7)), (cublas, range(300, 9000, 997))]
+    classes += [(triton_gemm, range(17, 33)), (skinny_moe, range(9, 17))]
+    for f, rows in classes:
+        variants = count(triton_keys, [lambda m=m, f=f: f(m) for m in rows])
+        assert variants and all(n == 1 for n in variants.values()), (f.__name__, rows, variants)
+
+
+def qwen_config(name: str) -> dict:
+    """A config of configs/, its text model's fields at the top."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "configs", name, "config.json")) as f:
+        c = json.load(f)
+    return {**c, **c.get("text_config", {})}
+
+
+def qwen_step_kernels(t: int, c: dict) -> None:
+    """What depends on a step's t tokens alone in a Qwen3-Next / Qwen3.5 GDN layer and attention
+    layer, each with its norms and MLP, as the model runs them on CUDA (FP8: every projection but
+    the router's, the decode rows' quantization done by the op before; the shared expert fused up to
+    512 tokens). The conv, the q/k norm before FLA and paged attention are counted above."""
+    from deltaserve.kernels.fp8 import fp8_linear, fp8_moe
+    from deltaserve.kernels.linear import linear, silu_mul_linear
+    from deltaserve.kernels.moe import fused_moe
+    from deltaserve.kernels.norm import (
+        add_rms_norm,
+        gated_rms_norm,
+        gdn_gates,
+        rms_norm_rope,
+        sigmoid_gate,
+        silu_and_mul,
+    )
+    from deltaserve.kernels.router import softmax_topk
+
+    fp8, h = "quantization_config" in c, c["hidden_size"]
+
+    def proj(x: torch.Tensor, n: int, dense: int = 0) -> torch.Tensor:
+        if not fp8:
+            return linear(x, meta(n + dense, x.shape[1]))
+        return fp8_linear(
+            x, *fp8_weight(n, x.shape[1]), 128, dense=meta(dense, x.shape[1]) if dense else None
+        )
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return add_rms_norm(x, x, meta(h), 1e-6, True, fp8)[0]
+
+    def dense_mlp(x: torch.Tensor, inter: int) -> torch.Tensor:
+        gate_up = proj(x, 2 * inter)
+        if fp8:
+            return proj(silu_and_mul(gate_up, True), h)
+        return silu_mul_linear(gate_up, meta(h, inter))
+
+    def mlp(x: torch.Tensor) -> None:
+        x = norm(x)
+        e, inter = c.get("num_experts"), c.get("moe_intermediate_size")
+        if not e:
+            dense_mlp(x, c["intermediate_size"])
+            return
+        fused = t <= 512
+        logits = linear(x, meta(-(-(e + 1) // 16) * 16, h))[:, : e + 1]  # the shared expert's gate last
+        ids, weights = softmax_topk(logits if fused else logits[:, :e], c["num_experts_per_tok"], True, fused)
+        experts = (e + fused, 2 * inter, h), (e + fused, h, inter)
+        if fp8:
+            fp8_moe(x, *fp8_weight(*experts[0]), *fp8_weight(*experts[1]), 128, ids, weights)
+        else:
+            fused_moe(x, meta(*experts[0]), meta(*experts[1]), ids, weights)
+        if not fused:
+            dense_mlp(x, c["shared_expert_intermediate_size"])
+
+    x = meta(t, h)
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    key, value = hk * c["linear_key_head_dim"], hv * c["linear_value_head_dim"]
+    p = proj(norm(x), 2 * key + 2 * value, dense=2 * hv)  # q, k, v, z in FP8; b, a unquantized
+    gdn_gates(p[:, -hv:], p[:, -2 * hv : -hv], meta(hv), meta(hv))
+    z = p[:, 2 * key + value : 2 * key + 2 * value].view(t, hv, -1)
+    o = gated_rms_norm(meta(t, hv, value // hv), z, meta(value // hv), 1e-6, "silu", fp8)
+    mlp(proj(o.view(t, value), h))
+
+    heads, kv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    qkv = proj(norm(x), 2 * heads * d + 2 * kv * d)
+    q, gate = qkv[:, : 2 * heads * d].view(t, heads, 2 * d).chunk(2, dim=-1)
+    inv_freq = meta(d // 8, dtype=torch.float32)  # a quarter of each head rotated, as all of them do
+    positions = torch.empty(t, device=M, dtype=torch.long)
+    rms_norm_rope(q, meta(d), 1e-6, positions, inv_freq)
+    rms_norm_rope(
+        qkv[:, 2 * heads * d : (2 * heads + kv) * d].view(t, kv, d), meta(d), 1e-6, positions, inv_freq
+    )
+    o = sigmoid_gate(meta(t, heads, d), gate, fp8)
+    mlp(proj(o.view(t, heads * d), h))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", ["qwen3-next-80b-a3b-fp8", "qwen3.5-9b-fp8", "qwen3.5-35b-a3b", "qwen3.5-9b"]
+)
+def test_the_warm_up_step_sizes_meet_every_variant_of_a_qwen_step(triton_keys, cuda_ops, name) -> None:
+    """As for Kimi-Linear: each variant that the model's steps of 1 to 8192 tokens ask for is met by
+    a step of the warm-up (`warm_up_step_tokens`), but one of the FP8 MoE's: its grouped path starts
+    past the skinny MoE's 192 assignments, and the one-program alignment's sort width class there
+    (193-256 assignments, 18-23 tokens at top 10 + 1) holds no power of two of tokens."""
+    from deltaserve.engine.engine import warm_up_step_tokens
+
+    c = qwen_config(name)
+
+    def keys(sizes) -> set:  # type: ignore[no-untyped-def]
+        with triton_keys.recorded_launches() as launches:
+            for t in sizes:
+                qwen_step_kernels(t, c)
+        return set(launches)
+
+    serving = keys(range(1, 8193))
+    warmed = keys(warm_up_step_tokens(8192))
+    missed = {
+        (launch.kernel, dict((p[0], p[-1]) for p in launch.key).get("NB")) for launch in serving - warmed
+    }
+    unmet = {("_align_one_kernel", "256")} if "quantization_config" in c and c.get("num_experts") else set()
+    assert len(serving) > 10 and missed == unmet
