@@ -489,7 +489,10 @@ def fp8_moe_cuda(
     swap = bool(rest and rest[0])
     pdl = pdl_args(x.device)
     x = x.contiguous()
-    rows, block_expert = align_cuda(topk_ids, e, block_m)
+    # the sort class just past the skinny MoE's pairs (193-256) holds no power of two of tokens at top
+    # 9 or 11, the warm-up's step sizes: those assignments take the next class's lanes
+    lanes = 2 * triton.next_power_of_2(SKINNY_MOE_PAIRS) if decode_mode() == "skinny" else 16
+    rows, block_expert = align_cuda(topk_ids, e, block_m, lanes)
     xq, xs = act_quant_cuda(x)
     inter = torch.empty(n, inter_size, dtype=x.dtype, device=x.device)
     grid1 = (block_expert.numel(), triton.cdiv(inter_size, block_n))

@@ -175,10 +175,13 @@ ONE_PROGRAM_BINS = 1024  # experts (+ 2) and blocks that one program's lanes hol
 ONE_PROGRAM_WARPS = 4  # the fastest of 1-16 at 24-64 tokens of 80B's experts (`bench/ops/moe_align.py`)
 
 
-def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_cuda(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, min_lanes: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_ref`'s rows and block experts from four launches: each chunk's count of each expert,
     their prefix over chunks, each group's start, padding and blocks, then each chunk's rows. Up to
-    `ONE_PROGRAM_ASSIGNMENTS`, from one launch of one program (`_align_one_kernel`)."""
+    `ONE_PROGRAM_ASSIGNMENTS`, from one launch of one program (`_align_one_kernel`), whose sort is
+    as wide as the assignments' next power of two and `min_lanes` (a power of two) at least."""
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     total = max_rows(n, num_experts, block_m)
@@ -187,7 +190,7 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     device = flat.device
     rows = torch.empty(total, dtype=torch.int32, device=device)
     block_expert = torch.empty(total // block_m, dtype=torch.int32, device=device)
-    nb = max(triton.next_power_of_2(n), 16)
+    nb = max(triton.next_power_of_2(n), min_lanes, 16)
     # block lanes for nb assignments, not n: a compiled kernel per sort width, not per (width, n)
     bb = triton.next_power_of_2(max_rows(nb, num_experts, block_m) // block_m)
     if n <= ONE_PROGRAM_ASSIGNMENTS and max(eb, bb) <= ONE_PROGRAM_BINS:

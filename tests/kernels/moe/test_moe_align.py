@@ -21,6 +21,8 @@ CASES = [  # tokens, top k, experts, BLOCK_M
     (32, 11, 512, 16),  # 80B-A3B's decode at batch 32 (top 10 and the shared expert): one program
     (93, 11, 64, 16),  # one program at its limit of assignments, groups of several blocks
 ]
+# with a wider sort than the assignments': 80B-A3B's first grouped FP8 step past the skinny MoE
+WIDE_CASES = [(20, 11, 513, 16, 512), (3, 2, 8, 16, 64)]
 
 
 def check_align(device: str) -> int:
@@ -28,14 +30,14 @@ def check_align(device: str) -> int:
     the number of cases checked."""
     g = torch.Generator(device=device).manual_seed(0)
     cases = 0
-    for t, k, e, bm in CASES:
+    for t, k, e, bm, lanes in [(*case, 16) for case in CASES] + WIDE_CASES:
         for skip in (False, True):
             ids = torch.randint(0, e, (t, k), generator=g, device=device)
             if skip:
                 ids[::3, 0] = -1
                 ids[1::4, -1] = e
             for dtype in (torch.int64, torch.int32):
-                rows, blocks = align_cuda(ids.to(dtype), e, bm)
+                rows, blocks = align_cuda(ids.to(dtype), e, bm, lanes)
                 want_rows, want_blocks = align_ref(ids.to(dtype), e, bm)
                 assert rows.shape == (max_rows(t * k, e, bm),)
                 assert torch.equal(rows, want_rows), (t, k, e, bm, skip, dtype)
@@ -58,9 +60,9 @@ def test_align_ref_groups_rows_by_expert():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_align_on_cuda():
-    assert check_align("cuda") == 4 * len(CASES)
+    assert check_align("cuda") == 4 * (len(CASES) + len(WIDE_CASES))
 
 
 @pytest.mark.slow
 def test_align_interpreted(run_interpreted):
-    assert int(run_interpreted(__file__, "t.check_align('cpu')")) == 4 * len(CASES)
+    assert int(run_interpreted(__file__, "t.check_align('cpu')")) == 4 * (len(CASES) + len(WIDE_CASES))
