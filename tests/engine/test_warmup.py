@@ -90,6 +90,21 @@ def test_where_kernels_compile_the_warm_up_runs_a_prefill_step_of_each_size(
     assert greedy(warm, prompts) == greedy(cold, prompts)
 
 
+def warm_up_decode_steps(engine: Engine, monkeypatch) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
+    """Runs the engine's warm-up; (rows, longest context) of each of its decode-only steps."""
+    decodes: list[tuple[int, int]] = []
+    forward = engine.runner.forward
+
+    def counted(batch):  # type: ignore[no-untyped-def]
+        if batch.num_decodes == batch.num_requests:
+            decodes.append((batch.num_decodes, int(batch.seq_lens.max())))
+        return forward(batch)
+
+    monkeypatch.setattr(engine.runner, "forward", counted)
+    engine._warm_up()
+    return decodes
+
+
 @pytest.mark.slow
 def test_eager_decode_warm_up_runs_a_decode_step_of_each_row_count(make_checkpoint, monkeypatch) -> None:
     """Where decode steps run eagerly (no CUDA graphs) and kernels compile, the warm-up runs a
@@ -102,16 +117,7 @@ def test_eager_decode_warm_up_runs_a_decode_step_of_each_row_count(make_checkpoi
     warm, cold = make(path, False, "radix"), make(path, False, "radix")
     assert warm.runner.graph_runner is None
     monkeypatch.setattr(engine_module, "use_fast_path", lambda t: True)
-    decodes: list[tuple[int, int]] = []  # (rows, longest context) of each decode-only step
-    forward = warm.runner.forward
-
-    def counted(batch):  # type: ignore[no-untyped-def]
-        if batch.num_decodes == batch.num_requests:
-            decodes.append((batch.num_decodes, int(batch.seq_lens.max())))
-        return forward(batch)
-
-    monkeypatch.setattr(warm.runner, "forward", counted)
-    warm._warm_up()
+    decodes = warm_up_decode_steps(warm, monkeypatch)
     full = [(n, context) for n, context in decodes if context > 128]
     assert sorted({n for n, _ in full}) == [1, 2, 3, 4]
     assert warm.stats() == cold.stats()
@@ -274,16 +280,7 @@ def test_with_decode_graphs_below_the_running_requests_the_warm_up_runs_decode_s
     warm, cold = make(path, False, "radix"), make(path, False, "radix")
     monkeypatch.setattr(warm.runner, "graph_runner", OneRowGraphs())
     monkeypatch.setattr(engine_module, "use_fast_path", lambda t: True)
-    decodes: list[tuple[int, int]] = []  # (rows, longest context) of each decode-only step
-    forward = warm.runner.forward
-
-    def counted(batch):  # type: ignore[no-untyped-def]
-        if batch.num_decodes == batch.num_requests:
-            decodes.append((batch.num_decodes, int(batch.seq_lens.max())))
-        return forward(batch)
-
-    monkeypatch.setattr(warm.runner, "forward", counted)
-    warm._warm_up()
+    decodes = warm_up_decode_steps(warm, monkeypatch)
     assert sorted({n for n, context in decodes if context > 128}) == [1, 2, 3, 4], decodes
     assert [n for n, context in decodes if context <= 9] == [2], decodes
     assert warm.stats() == cold.stats()

@@ -517,27 +517,21 @@ def test_bad_response_format_is_400_and_admits_nothing(server, fmt: dict, needle
     assert ok.status_code == 200
 
 
+def schema_fields(schema: str) -> list[tuple[str, dict, str]]:
+    """(path, body fields, the error's param) for each field a JSON schema can come in as text."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    return [
+        ("/v1/chat/completions", {"guided_json": schema}, "guided_json"),
+        ("/v1/completions", {"structured_outputs": {"json": schema}}, "structured_outputs"),
+        ("/v1/chat/completions", {"response_format": response_format}, "response_format"),
+        ("/generate", {"sampling_params": {"json_schema": schema}}, "sampling_params"),
+    ]
+
+
 LONG_INT_SCHEMA = '{"type": "integer", "maximum": 1' + "0" * 5000 + "}"  # past int()'s 4,300 digits
 
 
-@pytest.mark.parametrize(
-    "path,extra,param",
-    [
-        ("/v1/chat/completions", {"guided_json": LONG_INT_SCHEMA}, "guided_json"),
-        ("/v1/completions", {"structured_outputs": {"json": LONG_INT_SCHEMA}}, "structured_outputs"),
-        (
-            "/v1/chat/completions",
-            {
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": LONG_INT_SCHEMA},
-                }
-            },
-            "response_format",
-        ),
-        ("/generate", {"sampling_params": {"json_schema": LONG_INT_SCHEMA}}, "sampling_params"),
-    ],
-)
+@pytest.mark.parametrize("path,extra,param", schema_fields(LONG_INT_SCHEMA))
 def test_a_schema_text_with_an_integer_too_long_to_read_is_a_400_in_our_words(
     server, path: str, extra: dict, param: str
 ) -> None:
@@ -551,24 +545,7 @@ def test_a_schema_text_with_an_integer_too_long_to_read_is_a_400_in_our_words(
 SURROGATE_SCHEMA = '{"type": "string", "enum": ["\\ud800"]}'  # the escape as text: no surrogate in the body
 
 
-@pytest.mark.parametrize(
-    "path,extra,param",
-    [
-        ("/v1/chat/completions", {"guided_json": SURROGATE_SCHEMA}, "guided_json"),
-        ("/v1/completions", {"structured_outputs": {"json": SURROGATE_SCHEMA}}, "structured_outputs"),
-        (
-            "/v1/chat/completions",
-            {
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": SURROGATE_SCHEMA},
-                }
-            },
-            "response_format",
-        ),
-        ("/generate", {"sampling_params": {"json_schema": SURROGATE_SCHEMA}}, "sampling_params"),
-    ],
-)
+@pytest.mark.parametrize("path,extra,param", schema_fields(SURROGATE_SCHEMA))
 def test_a_schema_text_with_a_lone_surrogate_is_a_400_in_our_words(
     server, path: str, extra: dict, param: str
 ) -> None:
