@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from deltaserve.engine.config import EngineConfig
@@ -9,7 +11,7 @@ from deltaserve.engine.engine import Engine
 from deltaserve.engine.requests.sampling_params import SamplingParams
 
 
-def make(path: str, warmup: bool, cache_type: str) -> Engine:
+def make(path: str, warmup: bool, cache_type: str = "radix", **config: Any) -> Engine:
     return Engine(
         EngineConfig(
             model=path,
@@ -20,6 +22,7 @@ def make(path: str, warmup: bool, cache_type: str) -> Engine:
             max_model_len=256,
             cache_type=cache_type,
             warmup=warmup,
+            **config,
         )
     )
 
@@ -185,21 +188,8 @@ def test_speculative_warm_up_runs_decode_rows_and_a_window_of_each_width(
     if method == "mtp":
         path = with_mtp(path, str(tmp_path / "mtp"))
 
-    def make_spec() -> Engine:
-        return Engine(
-            EngineConfig(
-                model=path,
-                dtype="float32",
-                device="cpu",
-                chunked_prefill_size=32,
-                max_running_requests=4,
-                max_model_len=256,
-                warmup=False,
-                speculative_config={"method": method, "num_speculative_tokens": 3},
-            )
-        )
-
-    warm, cold = make_spec(), make_spec()
+    spec = {"method": method, "num_speculative_tokens": 3}
+    warm, cold = make(path, False, speculative_config=spec), make(path, False, speculative_config=spec)
     if graphs:
         monkeypatch.setattr(warm.runner, "graph_runner", NoGraphs())
     monkeypatch.setattr(engine_module, "use_fast_path", lambda t: True)
