@@ -159,6 +159,17 @@ def test_eager_decode_warm_up_leaves_out_what_the_pools_cannot_hold(make_checkpo
     assert warm.runner.kv_pool.num_used == 0
 
 
+def assert_as_new(warm: Engine, cold: Engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The warmed engine's statistics, pools and requests are a cold one's, and (without the stub
+    graphs) it generates what the cold one does."""
+    assert warm.stats() == cold.stats()
+    assert warm.runner.kv_pool.num_used == 0 and warm.runner.state_pool.num_snapshots_used == 0
+    assert not warm.requests and not warm._finished_outputs
+    monkeypatch.setattr(warm.runner, "graph_runner", None)
+    prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
+    assert greedy(warm, prompts) == greedy(cold, prompts)
+
+
 class NoGraphs:
     """Decode graphs captured, as the engine sees it (`graph_runner` is set); none replays here."""
 
@@ -244,12 +255,7 @@ def test_with_decode_graphs_the_warm_up_runs_prompts_beside_decode_rows(make_che
     warm._warm_up()
     assert sorted({d for d, prompts in steps if not prompts}) == [1, 3, 4], steps
     assert (1, 2) in steps and (3, 1) in steps, steps
-    assert warm.stats() == cold.stats()
-    assert warm.runner.kv_pool.num_used == 0 and warm.runner.state_pool.num_snapshots_used == 0
-    assert not warm.requests and not warm._finished_outputs
-    monkeypatch.setattr(warm.runner, "graph_runner", None)
-    prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
-    assert greedy(warm, prompts) == greedy(cold, prompts)
+    assert_as_new(warm, cold, monkeypatch)
 
 
 class OneRowGraphs(NoGraphs):
@@ -273,9 +279,4 @@ def test_with_decode_graphs_below_the_running_requests_the_warm_up_runs_decode_s
     decodes = warm_up_decode_steps(warm, monkeypatch)
     assert sorted({n for n, context in decodes if context > 128}) == [1, 2, 3, 4], decodes
     assert [n for n, context in decodes if context <= 9] == [2], decodes
-    assert warm.stats() == cold.stats()
-    assert warm.runner.kv_pool.num_used == 0 and warm.runner.state_pool.num_snapshots_used == 0
-    assert not warm.requests and not warm._finished_outputs
-    monkeypatch.setattr(warm.runner, "graph_runner", None)
-    prompts = [[(5 * i + j) % 150 + 1 for j in range(n)] for i, n in enumerate((40, 7, 70))]
-    assert greedy(warm, prompts) == greedy(cold, prompts)
+    assert_as_new(warm, cold, monkeypatch)
