@@ -214,10 +214,14 @@ class CompletionGeneration(Generation[CompletionChoice]):
         delta = choice.text(completion) if first else completion.text
         offsets = self.offsets.setdefault(rid, TextOffsets())
         logprobs = choice.logprobs_of(out, echo_prompt=choice.echo and first, offsets=offsets)
-        ids = (
-            self.req.return_token_ids
-        )  # vLLM's: the prompt's in a choice's first chunk, then each chunk's new
-        if not (delta or completion.finish_reason or (logprobs and logprobs.tokens) or (ids and first)):
+        # vLLM's: the prompt's in a choice's first chunk, then each chunk's new, held-back text's too
+        ids = self.req.return_token_ids
+        if not (
+            delta
+            or completion.finish_reason
+            or (logprobs and logprobs.tokens)
+            or (ids and (first or completion.token_ids))
+        ):
             return None
         return CompletionChoice(
             index=self.index[rid],

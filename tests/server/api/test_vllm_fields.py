@@ -190,7 +190,7 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_tokens(client, serv
 
     text_prompt = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello there"}, timeout=30).json()
     text = client.completions.create(
-        model=model_name, prompt="hello there", max_tokens=3, n=2, extra_body=asked
+        model=model_name, prompt="hello there", max_tokens=3, n=2, extra_body={**asked, "ignore_eos": True}
     )
     for choice in text.choices:
         assert choice.model_extra["prompt_token_ids"] == text_prompt["tokens"]
@@ -200,7 +200,11 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_tokens(client, serv
         assert decoded == choice.text
     streamed = list(
         client.completions.create(
-            model=model_name, prompt="hello there", max_tokens=3, stream=True, extra_body=asked
+            model=model_name,
+            prompt="hello there",
+            max_tokens=3,
+            stream=True,
+            extra_body={**asked, "ignore_eos": True},
         )
     )
     assert streamed[0].choices[0].model_extra["prompt_token_ids"] == text_prompt["tokens"]
@@ -215,6 +219,31 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_tokens(client, serv
         )
     )
     assert err["param"] == "return_token_ids"
+
+
+def test_streamed_token_ids_include_those_whose_text_a_stop_string_holds_back(
+    client, server, model_name
+) -> None:
+    greedy = {"return_token_ids": True, "ignore_eos": True}
+    whole = client.completions.create(
+        model=model_name, prompt="hello there", max_tokens=3, temperature=0, extra_body=greedy
+    )
+    ids = whole.choices[0].model_extra["token_ids"]
+    two = httpx.post(f"{server.url}/detokenize", json={"tokens": ids[:2]}, timeout=30).json()["prompt"]
+    assert two
+    # after the second token the text so far could begin the stop string, so it is held back
+    streamed = client.completions.create(
+        model=model_name,
+        prompt="hello there",
+        max_tokens=3,
+        temperature=0,
+        stop=[two + "\u2603 never"],
+        stream=True,
+        extra_body=greedy,
+    )
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert [t for c in chunks for t in c.model_extra.get("token_ids") or []] == ids
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
 
 
 def test_a_null_max_tokens_on_completions_is_openais_default_16(client, model_name) -> None:
