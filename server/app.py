@@ -23,7 +23,7 @@ from deltaserve.engine.requests.generation_defaults import SamplingDefaults
 
 from .api.chat import create_chat_completion
 from .api.completions import create_completion
-from .api.context import ClientDisconnected, ServerContext
+from .api.context import ClientDisconnected, ServerContext, text_chars
 from .api.generate import GenerateRequest, create_generation
 from .api.messages import (
     CountTokensRequest,
@@ -394,7 +394,8 @@ def build_app(
             )
             return ctx.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
-        return Response(await ctx.off_loop(encode), media_type="application/json")
+        chars = text_chars(body.prompt if body.messages is None else body.messages)
+        return Response(await ctx.off_loop(encode, chars=chars), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:

@@ -34,7 +34,7 @@ from ..text.chat_template import (
 )
 from ..text.reasoning import prompt_opens_reasoning
 from ..text.tool_calls import KIMI
-from .context import ServerContext
+from .context import ServerContext, text_chars
 from .generation import Generation
 from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .request_params import structured_field, tool_choice_constraint, truncate_prompt
@@ -138,7 +138,9 @@ async def prepare_chat(
     )
     if images is not None and req.truncate_prompt_tokens is not None:
         raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
-    prompt, prompt_ids, tail, shared, instructions = await ctx.off_loop(prepare)
+    prompt, prompt_ids, tail, shared, instructions = await ctx.off_loop(
+        prepare, chars=text_chars(req.messages)
+    )
     ctx.images.check_placeholders(prompt_ids, len(images.grids) if images is not None else 0, "messages")
     if images is not None:
         prompt_ids = ctx.images.expand(prompt_ids, images)

@@ -17,7 +17,7 @@ from ..protocol import (
     CompletionResponse,
     PromptLogprob,
 )
-from .context import ServerContext
+from .context import ServerContext, text_chars
 from .generation import Generation
 from .json_body import Encoded, EncodedResponse, encode, encoded_list
 from .logprobs import (
@@ -147,7 +147,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     model = ctx.resolve_model(req.model)
     prompts = []
     truncating = req.truncate_prompt_tokens is not None
-    texts = await ctx.off_loop(_prompts, ctx, req.prompt, req.echo, truncating, req.add_special_tokens)
+    texts = await ctx.off_loop(
+        _prompts, ctx, req.prompt, req.echo, truncating, req.add_special_tokens, chars=text_chars(req.prompt)
+    )
     for text, whole in texts:
         ids = truncate_prompt(req, whole, ctx.client.max_model_len)
         if len(ids) < len(whole) and req.echo:  # the echo is the prompt the model read

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
 from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults
@@ -45,6 +46,23 @@ PROMPT_WORKERS = 16
 # a text this long takes the tokenizer many times its own memory (each token's string and offsets)
 LONG_TEXT_CHARS = 1 << 20
 _long_text = threading.Lock()
+
+
+def text_chars(value: Any) -> int:
+    """The characters of the strings in a request's prompt or messages, at any depth (a model's
+    fields, lists, dicts), to send a long one to the long-text worker before it takes a worker."""
+    total, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, BaseModel):
+            pending.extend(item.__dict__.values())
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return total
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -155,6 +173,8 @@ class ServerContext:
         self.think_end_id: int | None = vocab.get("</think>") if self.parse_reasoning else None
         self.tool_format = tool_call_format(vocab)  # Qwen's <tool_call> or Kimi's markers
         self._prompt_workers = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="deltaserve-prompt")
+        # long texts wait for one another here, not in prompt workers that short prompts need
+        self._long_text_worker = ThreadPoolExecutor(1, thread_name_prefix="deltaserve-long-prompt")
         self.chars_per_token = chars_per_token(self.tokenizer) if self.tokenizer is not None else None
         self.vocab_size = int(self.client.vocab_size or (len(self.tokenizer) if self.tokenizer else 0))
         self.images = ImageReader.from_model_info(self.client.model_info, self.image_limit)
@@ -173,13 +193,15 @@ class ServerContext:
             )
         return requested
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+    async def off_loop(self, fn: Callable[..., T], *args: Any, chars: int = 0) -> T:
         """Run template rendering and tokenization beside the event loop, so a long prompt does not
         stall the streams of others, in one of several workers, so that it holds up no other
         request's prompt: `encode`'s Rust tokenizer lets go of the GIL while it works, and its
-        concurrent callers only read it."""
+        concurrent callers only read it. Work on `chars` of LONG_TEXT_CHARS or more runs in the one
+        long-text worker, as `encode_text` takes such texts one at a time anyway."""
+        long = chars >= LONG_TEXT_CHARS
         return await asyncio.get_running_loop().run_in_executor(
-            self._prompt_workers, functools.partial(fn, *args)
+            self._long_text_worker if long else self._prompt_workers, functools.partial(fn, *args)
         )
 
     def force_usage(self, req: ChatCompletionRequest | CompletionRequest) -> None:

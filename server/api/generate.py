@@ -174,7 +174,7 @@ class NativeGeneration:
             texts = [body.text] if isinstance(body.text, str) else body.text
             for t in texts:  # all before any is tokenized
                 ctx.refuse_overlong(t, "text")
-            batch = [await ctx.off_loop(ctx.encode, t) for t in texts]
+            batch = [await ctx.off_loop(ctx.encode, t, chars=len(t)) for t in texts]
             self.single = isinstance(body.text, str)
         else:
             ids = body.input_ids or []

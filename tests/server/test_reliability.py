@@ -241,6 +241,53 @@ def test_a_huge_prompt_holds_up_no_other_requests_prompt(server, path: str, body
     assert len(small) >= 4 and max(small) < big["took"] / 4, (big, small)
 
 
+def test_a_requests_text_is_counted_in_every_message_part_and_prompt() -> None:
+    from deltaserve.server.api.context import text_chars
+    from deltaserve.server.protocol import ChatMessage
+
+    messages = [
+        ChatMessage(role="system", content="abc"),
+        ChatMessage(
+            role="user", content=[{"type": "text", "text": "de"}, {"type": "text", "text": "f" * 10}]
+        ),
+    ]
+    assert text_chars(messages) == len("system") + 3 + len("user") + 2 + 10 + 2 * len("text")
+    assert text_chars(["ab", "cde"]) == 5 and text_chars([[1, 2]]) == 0
+
+
+@pytest.mark.slow
+def test_more_long_prompts_than_prompt_workers_hold_up_no_short_prompt(server) -> None:
+    """Long texts are tokenized one at a time: more of them at once than there are prompt workers
+    wait for one another without taking the workers that short prompts need."""
+    from deltaserve.server.api.context import LONG_TEXT_CHARS, PROMPT_WORKERS
+
+    text = "hello world " * (LONG_TEXT_CHARS // 12 + 1)
+    long_done: list[float] = []
+
+    def send_long() -> None:
+        r = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, timeout=600)
+        assert r.status_code == 200, r.text[:500]
+        long_done.append(time.monotonic())
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=send_long) for _ in range(PROMPT_WORKERS + 8)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # every long prompt has arrived and waits for the tokenizer
+    small: list[float] = []
+    with httpx.Client(timeout=600) as http:
+        for _ in range(3):
+            sent = time.monotonic()
+            r = http.post(f"{server.url}/tokenize", json={"prompt": "hi"})
+            small.append(time.monotonic() - sent)
+            assert r.status_code == 200, r.text
+    for t in threads:
+        t.join()
+    took = max(long_done) - start
+    assert len(long_done) == len(threads)
+    assert max(small) < took / 8, (took, small)
+
+
 def raw_request(port: int, head: str, data: bytes, wait: float = 10.0) -> tuple[int, bytes, float]:
     """Send a request's head and the first bytes of its body, and read the answer (status, body,
     seconds until it came) without sending the rest."""
