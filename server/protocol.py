@@ -229,6 +229,8 @@ class FunctionDefinition(OpenAIModel):
     name: str = Field(min_length=1)  # a call names its function: "" would name none
     description: str | None = None
     parameters: Annotated[dict[str, Any] | None, AfterValidator(_object_schema)] = None
+    # OpenAI's: the call's arguments follow `parameters` exactly, under tool_choice "auto" too
+    strict: bool | None = None
 
 
 class ToolDefinition(OpenAIModel):

@@ -95,6 +95,9 @@ class StructuredOutputs:
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_form: str = "json"
     max_tool_calls: int = 1  # with tool_calls: up to this many calls, back to back (at least one)
+    # with tool_calls (tool_choice auto with strict tools): free text, and the calls the model opens
+    # in it held to the form (one with max_tool_calls 1, else Qwen's any number, Kimi's up to it)
+    optional_tool_calls: bool = False
     regex: str | None = None  # the output matches this regular expression (whole)
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # the output is a sentence of this EBNF grammar (xgrammar's dialect)
@@ -166,6 +169,7 @@ class StructuredOutputs:
                 raise _structured(f"{name} needs a non-empty string")
         for name in (
             "json_object",
+            "optional_tool_calls",
             "disable_any_whitespace",
             "disable_fallback",
             "disable_additional_properties",
@@ -185,7 +189,10 @@ class StructuredOutputs:
     def key(self) -> str:
         """The grammar's cache key (the schema's text: its key order is the output's)."""
         if self.tool_calls is not None:
-            return f"tool_calls:{self.tool_call_form}:{self.max_tool_calls}:" + json.dumps(self.tool_calls)
+            optional = "optional:" if self.optional_tool_calls else ""
+            return f"tool_calls:{optional}{self.tool_call_form}:{self.max_tool_calls}:" + json.dumps(
+                self.tool_calls
+            )
         if self.regex is not None:
             return "regex:" + self.regex
         if self.choice is not None:

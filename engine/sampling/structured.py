@@ -20,7 +20,7 @@ import json
 import re
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -106,7 +106,13 @@ class Grammars:
         try:
             if spec.tool_calls is not None:
                 grammar = self.compiler.compile_grammar(
-                    tool_call_grammar(self.xgr, spec.tool_calls, spec.tool_call_form, spec.max_tool_calls)
+                    tool_call_grammar(
+                        self.xgr,
+                        spec.tool_calls,
+                        spec.tool_call_form,
+                        spec.max_tool_calls,
+                        spec.optional_tool_calls,
+                    )
                 )
             elif spec.regex is not None:
                 grammar = self.compiler.compile_regex(spec.regex)
@@ -422,7 +428,9 @@ def _held_pattern(xgr: Any, pattern: str, at: str) -> str:
     return spelled
 
 
-def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "json", most: int = 1) -> Any:
+def tool_call_grammar(
+    xgr: Any, functions: list[dict[str, Any]], form: str = "json", most: int = 1, optional: bool = False
+) -> Any:
     """One call, or up to `most` calls back to back, of `functions` in the model's tool-call form.
     "json" (Qwen3): `<tool_call>`, a JSON object with the function's name and arguments that
     satisfy its parameters' schema, `</tool_call>`. "xml" (Qwen3.5): `<tool_call>`,
@@ -432,7 +440,9 @@ def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "js
     in it), any other (or untyped) value its JSON, held to the schema, and a parameter with only
     annotations free text. Qwen's calls are separated by a newline. "kimi" (Kimi-Linear): one
     section, and in it per call `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>`, the
-    arguments' JSON, `<|tool_call_end|>`."""
+    arguments' JSON, `<|tool_call_end|>`.
+    `optional` (tool_choice auto): free text, in which each `<tool_call>` the model opens (Kimi: its
+    section) holds calls as above; one call with `most` 1, else any number (Kimi: up to `most`)."""
 
     def one(index: int) -> Any:  # a call of any of the functions, the index-th of the turn
         calls = []
@@ -455,23 +465,48 @@ def tool_call_grammar(xgr: Any, functions: list[dict[str, Any]], form: str = "js
                 name = json.dumps(f["name"], ensure_ascii=False)
                 calls.append(
                     xgr.Grammar.concat(
-                        _literal(xgr, f'<tool_call>\n{{"name": {name}, "arguments": '),
+                        _literal(xgr, f'\n{{"name": {name}, "arguments": '),
                         json_grammar(xgr, json.dumps(params)),
-                        _literal(xgr, "}\n</tool_call>"),
+                        _literal(xgr, "}\n"),
                     )
                 )
         return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
 
-    # call 0, then optionally (separator, call 1, then optionally (...)), up to `most` calls
-    sep = "" if form == "kimi" else "\n"
+    opener, closer = _CALL_MARKERS[form]
+    if optional:
+        from xgrammar import structural_tag as st
+
+        # what a call holds between the markers; the model's text around the calls is free
+        inside = one(0) if form != "kimi" else _calls(xgr, one, "", most)
+        tag = st.TagFormat(begin=opener, content=st.GrammarFormat(grammar=str(inside)), end=closer)
+        calls = st.TriggeredTagsFormat(
+            triggers=[opener], tags=[tag], stop_after_first=form == "kimi" or most == 1
+        )
+        return xgr.Grammar.from_structural_tag(st.StructuralTag(format=calls))
+    if form == "kimi":
+        return xgr.Grammar.concat(_literal(xgr, opener), _calls(xgr, one, "", most), _literal(xgr, closer))
+    return _calls(
+        xgr,
+        lambda index: xgr.Grammar.concat(_literal(xgr, opener), one(index), _literal(xgr, closer)),
+        "\n",
+        most,
+    )
+
+
+# each form's markers around one call (Qwen's) or around the turn's calls (Kimi's section)
+_CALL_MARKERS = {
+    "json": ("<tool_call>", "</tool_call>"),
+    "xml": ("<tool_call>", "</tool_call>"),
+    "kimi": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+}
+
+
+def _calls(xgr: Any, one: Callable[[int], Any], sep: str, most: int) -> Any:
+    """Call 0, then optionally (`sep`, call 1, then optionally (...)), up to `most` calls."""
     turn = one(most - 1)
     for index in reversed(range(most - 1)):
         more = xgr.Grammar.concat(_literal(xgr, sep), turn) if sep else turn
         turn = xgr.Grammar.concat(one(index), xgr.Grammar.union(_literal(xgr, ""), more))
-    if form == "kimi":
-        return xgr.Grammar.concat(
-            _literal(xgr, "<|tool_calls_section_begin|>"), turn, _literal(xgr, "<|tool_calls_section_end|>")
-        )
     return turn
 
 
@@ -604,7 +639,7 @@ def _rebased(node: Any) -> Any:
 
 
 def _xml_call(xgr: Any, name: str, params: dict[str, Any]) -> Any:
-    parts = [_literal(xgr, f"<tool_call>\n<function={name}>\n")]
+    parts = [_literal(xgr, f"\n<function={name}>\n")]
     root = resolved_ref(params, params)  # pydantic's root model: a $ref into its own $defs
     for key in ("anyOf", "oneOf", "allOf"):  # one list of parameter blocks cannot spell alternatives
         if key in root:
@@ -620,7 +655,7 @@ def _xml_call(xgr: Any, name: str, params: dict[str, Any]) -> Any:
         )
         # an optional parameter: the block or nothing
         parts.append(block if key in required else xgr.Grammar.union(block, _literal(xgr, "")))
-    parts.append(_literal(xgr, "</function>\n</tool_call>"))
+    parts.append(_literal(xgr, "</function>\n"))
     return xgr.Grammar.concat(*parts)
 
 

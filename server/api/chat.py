@@ -119,7 +119,8 @@ async def prepare_chat(
     def tool_instructions(text: str) -> str:
         """The template's tool instructions, which show its tool-call form: rendered with one empty
         message, as a message quoting `<function=` in the prompt would show the other form."""
-        if tools is None or req.tool_choice in (None, "auto", "none"):
+        free = req.tool_choice in (None, "auto", "none") and not any(t.function.strict for t in tools or [])
+        if tools is None or free:
             return text
         try:
             return render_chat(
@@ -160,7 +161,9 @@ async def prepare_chat(
         ctx.tool_format is KIMI,
         req.parallel_tool_calls,
     )
-    if forced is not None:  # the reply is tool calls, under a grammar: any response_format is for later turns
+    # the reply is tool calls, under a grammar: any response_format is for later turns; under "auto"
+    # the strict tools' grammar holds only where no response_format holds the text
+    if forced is not None and not (forced.optional_tool_calls and params.structured_outputs is not None):
         params = replace(params, structured_outputs=forced)
     thinking = ctx.parse_reasoning and prompt_opens_reasoning(prompt)
     if thinking and params.structured_outputs is not None:

@@ -300,8 +300,11 @@ def _tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[ToolDefiniti
                 raise bad_request(f"tools[{i}].input_schema: {why}", f"tools.{i}.input_schema")
             if tool.get("description") is not None and not isinstance(tool["description"], str):
                 raise bad_request(f"tools[{i}].description is a string", f"tools.{i}.description")
+            strict = tool.get("strict")  # Anthropic's strict tool use: the input follows its schema
+            if strict is not None and not isinstance(strict, bool):
+                raise bad_request(f"tools[{i}].strict is a boolean", f"tools.{i}.strict")
             definition = FunctionDefinition(
-                name=tool["name"], description=tool.get("description"), parameters=schema
+                name=tool["name"], description=tool.get("description"), parameters=schema, strict=strict
             )
             tools.append(ToolDefinition(function=definition))
     choice: Any = None

@@ -3,6 +3,7 @@ this module translates fields and names them in the 400s as the request spells t
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Callable
 from dataclasses import replace
@@ -288,6 +289,7 @@ def _check_schema_spec(spec: dict[str, Any]) -> None:
             )
 
 
+_HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None
 FORCED_CALLS = 4  # tool_choice "required": at most this many calls in one reply
 
 _VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -351,8 +353,9 @@ def tool_choice_constraint(
     parallel: bool = True,
 ) -> StructuredOutputs | None:
     """`tool_choice` "required" (one call of any tool) or a named function (one call of it) as a
-    grammar over the template's tool-call form (Qwen3's JSON body or Qwen3.5's XML body); None
-    for "auto", "none" or no choice.
+    grammar over the template's tool-call form (Qwen3's JSON body or Qwen3.5's XML body); "auto"
+    (or no choice) with a `strict` tool as free text whose calls are held to the form and the
+    strict tools' schemas (OpenAI's strict, vLLM's too); None for "none", or "auto" without.
     `prompt` is the rendered chat prompt, whose tool instructions show the template's form; the
     grammar replaces a response_format's, which holds for the text of later turns; `kimi`: the
     tokenizer has Kimi's tool-call markers (its form, whatever the prompt shows). "required" with
@@ -360,16 +363,25 @@ def tool_choice_constraint(
     allows a list; a named function is called once."""
     from deltaserve.engine.requests.sampling_params import StructuredOutputs
 
-    if tool_choice in (None, "auto", "none"):
+    # the template's tool instructions show its form: Qwen3.5's XML body, or Qwen3's JSON body
+    form = (
+        "kimi" if kimi else "xml" if "<function=" in prompt else "json" if "<tool_call>" in prompt else None
+    )
+    optional = tool_choice in (None, "auto")
+    strict = any(t.function.strict for t in tools or [])
+    # "auto" decodes freely where nothing is strict, or without xgrammar (`.[structured]`) to hold it
+    if tool_choice == "none" or (optional and (form is None or not strict or not _HAS_XGRAMMAR)):
         return None
-    if isinstance(tool_choice, str) and tool_choice != "required":
+    if isinstance(tool_choice, str) and tool_choice not in ("auto", "required"):
         raise bad_request(
             f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}",
             "tool_choice",
         )
     if not tools:
         raise bad_request("tool_choice other than 'none' or 'auto' needs tools", "tool_choice")
-    functions = {t.function.name: t.function.parameters for t in tools}
+    functions = {
+        t.function.name: _held(t.function, form) if optional else t.function.parameters for t in tools
+    }
     if isinstance(tool_choice, dict):
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
@@ -380,10 +392,6 @@ def tool_choice_constraint(
         if name not in functions:
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         functions = {name: functions[name]}
-    # the template's tool instructions show its form: Qwen3.5's XML body, or Qwen3's JSON body
-    form = (
-        "kimi" if kimi else "xml" if "<function=" in prompt else "json" if "<tool_call>" in prompt else None
-    )
     if form is None:
         raise bad_request(
             "tool_choice 'required' or a named function needs a chat template with Qwen's <tool_call> "
@@ -394,10 +402,23 @@ def tool_choice_constraint(
         return StructuredOutputs(
             tool_calls=[{"name": n, "parameters": p} for n, p in functions.items()],
             tool_call_form=form,
-            max_tool_calls=FORCED_CALLS if tool_choice == "required" and parallel else 1,
+            max_tool_calls=FORCED_CALLS if not isinstance(tool_choice, dict) and parallel else 1,
+            optional_tool_calls=optional,
         )
     except ValueError as exc:
         raise bad_request(str(exc), "tool_choice") from exc
+
+
+def _held(function: Any, form: str | None) -> dict[str, Any] | None:
+    """The schema a call's arguments are held to under tool_choice "auto": a strict function's
+    parameters; any object for the others (in the XML form, their parameters' names, in their
+    order, each free text)."""
+    if function.strict:
+        return function.parameters
+    if form != "xml":
+        return {"type": "object"}
+    names = (function.parameters or {}).get("properties") or {}
+    return {"type": "object", "properties": {name: {"title": name} for name in names}}
 
 
 _TOKEN_KEY = re.compile(r"-?(0|[1-9][0-9]*)")

@@ -430,6 +430,7 @@ def to_chat_request(
                 "name": t["name"],
                 "description": t.get("description"),
                 "parameters": t.get("parameters"),
+                "strict": strict,
             }
             tools.append({"type": "function", "function": function})
     choice: str | dict[str, Any] | None = req.tool_choice

@@ -21,6 +21,14 @@ from ..errors import bad_request
 from ..protocol import ChatMessage, ToolDefinition
 
 
+def template_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
+    """The tools as the template reads them: without `strict`, which is the server's to enforce,
+    so that a strict tool's prompt is the same as a plain one's."""
+    if not tools:
+        return None
+    return [t.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for t in tools]
+
+
 def load_chat_template(source: str | None) -> str | None:
     """`--chat-template`: a file's template, or the template given itself; None keeps the
     tokenizer's own."""
@@ -86,7 +94,7 @@ def render_chat(
             tokenizer,
             [message_to_dict(m, i, content_format) for i, m in enumerate(messages)],
             template=template,
-            tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+            tools=template_tools(tools),
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             template_kwargs=template_kwargs,
@@ -113,7 +121,7 @@ def next_turn_start(
         [message_to_dict(m, i, content_format) for i, m in enumerate(messages)],
         prompt,
         template=template,
-        tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+        tools=template_tools(tools),
         template_kwargs=template_kwargs,
         content_format=content_format,
     )
@@ -138,7 +146,7 @@ def shared_head_tokens(
         prompt_ids,
         encode,
         template=template,
-        tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+        tools=template_tools(tools),
         template_kwargs=template_kwargs,
         content_format=content_format,
     )

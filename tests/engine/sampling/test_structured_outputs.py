@@ -950,3 +950,63 @@ def test_a_forced_xml_calls_free_text_cannot_open_another_parameter() -> None:
         assert accepts(grammar, call(fine)), fine
     for bad in ("see <parameter=zzz>\n2", "<parameter=n>", "a <<parameter=n>"):
         assert not accepts(grammar, call(bad)), bad
+
+
+@pytest.mark.parametrize("form", ["json", "xml", "kimi"])
+def test_auto_calls_are_held_where_the_model_opens_them_and_the_text_stays_free(form) -> None:
+    """tool_choice "auto" with strict tools: text alone, or text and then calls whose arguments
+    satisfy their schemas; one call with max_tool_calls 1, else several."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import tool_call_grammar
+
+    call = {
+        "json": '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "P", "unit": "{u}"}}}}\n</tool_call>',
+        "xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nP\n</parameter>\n<parameter=unit>\n{u}\n</parameter>\n</function>\n</tool_call>",
+        "kimi": '<|tool_call_begin|>functions.get_weather:{i}<|tool_call_argument_begin|>{{"city": "P", "unit": "{u}"}}<|tool_call_end|>',
+    }[form]
+    section = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>") if form == "kimi" else ("", "")
+
+    def reply(*units: str) -> str:
+        calls = [call.format(u=u, i=i) for i, u in enumerate(units)]
+        return "Let me look. " + section[0] + ("" if form == "kimi" else "\n").join(calls) + section[1]
+
+    one = tool_call_grammar(xgr, [WEATHER, TIME], form, 1, optional=True)
+    assert accepts(one, "It is sunny, no call needed: a < b.")
+    assert accepts(one, reply("C"))
+    assert not accepts(one, reply("K"))  # not among the enum's values
+    assert not accepts(one, reply("C", "F"))
+    several = tool_call_grammar(xgr, [WEATHER, TIME], form, 4, optional=True)
+    assert accepts(several, reply("C", "F")) and not accepts(several, reply("C", "K"))
+
+
+@pytest.mark.parametrize("form", ["json", "xml"])
+def test_auto_calls_of_tools_that_are_not_strict_take_any_arguments(form, monkeypatch) -> None:
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deltaserve.engine.sampling.structured import tool_call_grammar
+    from deltaserve.server.api.request_params import tool_choice_constraint
+    from deltaserve.server.protocol import ToolDefinition
+
+    tools = [
+        ToolDefinition.model_validate({"function": {**WEATHER, "strict": True}}),
+        ToolDefinition.model_validate({"function": {**TIME}}),
+    ]
+    prompt = "Call as <function=NAME>" if form == "xml" else "Call as <tool_call>"
+    spec = tool_choice_constraint("auto", tools, prompt)
+    assert spec is not None and spec.optional_tool_calls and spec.tool_call_form == form
+    grammar = tool_call_grammar(xgr, spec.tool_calls, form, spec.max_tool_calls, optional=True)
+    loose = {
+        "json": '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Mars", "extra": 1}}\n</tool_call>',
+        "xml": "<tool_call>\n<function=get_time>\n<parameter=zone>\nMars\n</parameter>\n</function>\n</tool_call>",
+    }[form]
+    assert accepts(grammar, loose)
+    assert not accepts(grammar, loose.replace("get_time", "get_weather"))  # the strict one is held
+    # no strict tool, or a template without Qwen's form: no grammar, as before
+    assert tool_choice_constraint("auto", tools[1:], prompt) is None
+    assert tool_choice_constraint(None, tools, "no form here") is None
+    # without xgrammar a strict tool cannot be held, and "auto" stays free rather than a 400
+    monkeypatch.setattr("deltaserve.server.api.request_params._HAS_XGRAMMAR", False)
+    assert tool_choice_constraint("auto", tools, prompt) is None

@@ -1189,6 +1189,80 @@ def test_tool_choice_forces_a_call(client) -> None:
     assert not free.choices[0].message.tool_calls
 
 
+@pytest.mark.slow
+def test_auto_tool_choice_holds_a_strict_tools_arguments_to_its_schema(client, server) -> None:
+    """OpenAI's `strict`: under tool_choice "auto" the model may answer in text, and a call it opens
+    (pushed here by a bias on `<tool_call>`) has arguments that satisfy the strict tool's schema.
+    Chat and the Responses API alike."""
+    (opener,) = httpx.post(f"{server.url}/tokenize", json={"prompt": "<tool_call>"}, timeout=30).json()[
+        "tokens"
+    ]
+    tools = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    weather = tools[0]["function"]
+
+    def prompt(tools: list) -> list[int]:
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+        return httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["tokens"]
+
+    assert prompt(tools) == prompt(TOOLS)  # strict is the server's to hold, not the template's to show
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    names = set()
+    for seed in range(6):
+        r = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            tools=tools,
+            parallel_tool_calls=False,
+            max_tokens=120,
+            seed=seed,
+            logit_bias={str(opener): 100},
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert isinstance(args, dict)
+        names.add(call.function.name)
+        if call.function.name == "get_weather":
+            assert set(args) == {"city", "unit"} and args["unit"] in ("C", "F") and len(args["city"]) <= 10
+        else:
+            assert args in ({"zone": "UTC"}, {"zone": "CET"})
+    assert "get_weather" in names
+    # without the bias the model answers in text, which the grammar leaves alone
+    free = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=tools, max_tokens=20, seed=4
+    )
+    assert free.choices[0].message.content and not free.choices[0].message.tool_calls
+    response = client.responses.create(
+        model=MODEL_NAME,
+        input="Weather in Paris?",
+        tools=[
+            {"type": "function", "name": "get_weather", "parameters": weather["parameters"], "strict": True}
+        ],
+        parallel_tool_calls=False,
+        max_output_tokens=120,
+        extra_body={"seed": 1, "logit_bias": {str(opener): 100}},
+    )
+    (item,) = [i for i in response.output if i.type == "function_call"]
+    args = json.loads(item.arguments)
+    assert item.name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in ("C", "F")
+    anthropic_tool = {"name": "get_weather", "input_schema": weather["parameters"], "strict": True}
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 120,
+        "messages": messages,
+        "tools": [anthropic_tool],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+        "seed": 1,
+        "logit_bias": {str(opener): 100},
+    }
+    r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+    (block,) = [b for b in r.json()["content"] if b["type"] == "tool_use"]
+    assert set(block["input"]) == {"city", "unit"} and block["input"]["unit"] in ("C", "F")
+    r = httpx.post(f"{server.url}/v1/messages", json={**body, "tools": [{**anthropic_tool, "strict": "yes"}]})
+    assert r.status_code == 400 and "tools[0].strict" in r.json()["error"]["message"]
+
+
 VERDICT = {
     "type": "json_schema",
     "json_schema": {
