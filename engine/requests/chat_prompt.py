@@ -24,6 +24,22 @@ SURROGATE = re.compile("[\ud800-\udfff]")
 
 IMAGE_PARTS = ("image_url", "image")
 
+# how deeply a tool call's arguments may nest: the chat template's renderer recurses on each level
+MAX_ARGUMENTS_DEPTH = 128
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether `value`'s dicts and lists nest deeper than `limit` levels (walked without
+    recursion, as a deep one would overflow it)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
+
 
 def read_part(part: Any) -> Any:
     """A content part as chat reads it. As vLLM's chat (served and offline), the Responses API's
@@ -146,30 +162,38 @@ def _tool_call_for_template(call: dict[str, Any], index: int) -> dict[str, Any]:
     function = dict(function)
     if isinstance(arguments, str):
         function["arguments"] = _decoded_arguments(arguments, index)
+    elif nests_deeper(arguments, MAX_ARGUMENTS_DEPTH):  # arguments given as an object
+        raise _arguments_error(index, _TOO_DEEP)
     call["function"] = function
     return call
+
+
+_TOO_DEEP = f"nest objects and arrays deeper than {MAX_ARGUMENTS_DEPTH} levels"
+
+
+def _arguments_error(index: int, why: str) -> ChatTemplateError:
+    return ChatTemplateError(
+        f"tool_calls[{index}]: a tool call's arguments {why}", f"tool_calls.{index}.function.arguments"
+    )
 
 
 def _decoded_arguments(arguments: str, index: int) -> Any:
     """A call's JSON arguments as the template reads them (text that is not JSON as it came); a
     ChatTemplateError for JSON that no prompt can hold."""
-    why = None
     try:
         decoded = json.loads(arguments)
     except json.JSONDecodeError:
         return arguments
-    except RecursionError:  # valid JSON that no template's filters could walk either
-        why = "nest too deep to read"
+    except RecursionError:  # deeper than Python's json follows: deeper than MAX_ARGUMENTS_DEPTH too
+        raise _arguments_error(index, _TOO_DEEP) from None
     except ValueError:  # an integer longer than Python's int() reads (4300 digits)
-        why = "hold an integer too long to read"
-    else:
-        if SURROGATE.search(json.dumps(decoded, ensure_ascii=False)):
-            why = "hold a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not Unicode"
-    if why is None:
-        return decoded
-    raise ChatTemplateError(
-        f"tool_calls[{index}]: a tool call's arguments {why}", f"tool_calls.{index}.function.arguments"
-    )
+        raise _arguments_error(index, "hold an integer too long to read") from None
+    if nests_deeper(decoded, MAX_ARGUMENTS_DEPTH):
+        raise _arguments_error(index, _TOO_DEEP)
+    if SURROGATE.search(json.dumps(decoded, ensure_ascii=False)):
+        why = "hold a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not Unicode"
+        raise _arguments_error(index, why)
+    return decoded
 
 
 def render_prompt(

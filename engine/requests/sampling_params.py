@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Any, cast
 
 from deltaserve.engine.errors import InvalidParamError
-from deltaserve.engine.requests.chat_prompt import SURROGATE
+from deltaserve.engine.requests.chat_prompt import SURROGATE, nests_deeper
 
 logger = logging.getLogger(__name__)
 
@@ -62,19 +62,6 @@ def _structured(message: str) -> InvalidParamError:
 
 def _too_deep_error() -> InvalidParamError:
     return _structured(f"the JSON schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels")
-
-
-def _too_deep(value: Any) -> bool:
-    """Whether `value`'s dicts and lists nest deeper than MAX_SCHEMA_DEPTH (walked without
-    recursion, as a deep one would overflow it)."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, (dict, list)):
-            if depth > MAX_SCHEMA_DEPTH:
-                return True
-            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
-    return False
 
 
 @dataclass
@@ -148,7 +135,7 @@ class StructuredOutputs:
                 raise _too_deep_error() from None
             except ValueError:  # an integer past int()'s digits, whose error names a Python setting
                 raise _structured("the JSON schema holds an integer of more than 4,300 digits") from None
-        if any(v is not None and _too_deep(v) for v in (self.json, self.tool_calls)):
+        if any(v is not None and nests_deeper(v, MAX_SCHEMA_DEPTH) for v in (self.json, self.tool_calls)):
             raise _too_deep_error()
         # schema text's \uD800-\uDFFF escapes: the body's own check saw only their backslashes
         if self.json is not None and SURROGATE.search(json.dumps(self.json, ensure_ascii=False)):

@@ -24,6 +24,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict
 
+from deltaserve.engine.requests.chat_prompt import MAX_ARGUMENTS_DEPTH, nests_deeper
+
 from ..errors import APIError, bad_request, failure_of
 from ..protocol import (
     ChatCompletionRequest,
@@ -215,36 +217,21 @@ def _tool_result(result: Any, where: str) -> str | list[ContentPart]:
     return "".join(p.text or "" for p in parts)
 
 
-# how deeply a tool_use block's input may nest: the chat template's renderer recurses on each level
-MAX_INPUT_DEPTH = 128
-
-
 def _check_tool_use(block: dict[str, Any], where: str) -> None:
     """A tool_use block as Anthropic's API takes it: a non-empty string name, a string id, an
-    object input (nested no deeper than MAX_INPUT_DEPTH)."""
+    object input (nested no deeper than a chat tool call's arguments may be)."""
     if not isinstance(block.get("name"), str) or not isinstance(block.get("id", ""), str):
         raise bad_request(f"{where}: a tool_use block's name and id are strings", "messages")
     if not block["name"]:  # Anthropic's 400 too (its name has at least 1 character)
         raise bad_request(f"{where}.name: a tool_use block's name is empty", "messages")
     if not isinstance(block.get("input", {}), dict):
         raise bad_request(f"{where}: a tool_use block's input is an object", "messages")
-    if _depth(block.get("input")) > MAX_INPUT_DEPTH:
+    if nests_deeper(block.get("input"), MAX_ARGUMENTS_DEPTH):
         raise bad_request(
             f"{where}.input: a tool_use block's input nests objects and arrays deeper than "
-            f"{MAX_INPUT_DEPTH} levels",
+            f"{MAX_ARGUMENTS_DEPTH} levels",
             "messages",
         )
-
-
-def _depth(value: Any) -> int:
-    """How deeply `value`'s objects and arrays nest (walked without recursion)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, (dict, list)):
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
-    return deepest
 
 
 # Anthropic's image media types, and how each one's file begins

@@ -647,7 +647,8 @@ BESIDE_STREAMS = [
     # objects the body parser takes but the template's renderer recurses past Python's limit on
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": NESTED}}, "messages"),
     ("/tokenize", {"messages": [USER, _assistant_calls(
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": NESTED}})]}, "messages"),
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": NESTED}})]},
+     "messages.1.tool_calls.0.function.arguments"),
     # a text block or part whose text is not a string, a tool_use block or function_call item of
     # the wrong types: 400s, not a Python repr ("{'a': 1}", "None") in the prompt
     ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]},

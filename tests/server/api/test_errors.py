@@ -671,3 +671,42 @@ def test_tools_need_distinct_names(server, read_metrics, path: str, body: dict, 
     err = assert_error(post(server, path, json=body), 400, param)
     assert "unique" in err["message"] or "at least 1 character" in err["message"]
     assert read_metrics(server.url)["deltaserve_prompt_tokens_total"] == before
+
+
+def _nested(levels: int) -> dict:
+    value: dict = {}
+    for _ in range(levels - 1):
+        value = {"a": value}
+    return value
+
+
+def test_tool_call_arguments_nested_past_the_renderer_are_a_400_naming_them(server, client) -> None:
+    """An earlier turn's call whose arguments (a JSON string or an object) nest deeper than 128
+    levels is a 400 naming the arguments, on chat, /tokenize and the Responses API alike, not
+    Python's "maximum recursion depth exceeded" naming only `messages`; 128 levels render."""
+    deep = "nest objects and arrays deeper than 128 levels"
+
+    def turns(arguments: object) -> list[dict]:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "x"},
+        ]
+
+    for arguments in (json.dumps(_nested(600)), _nested(600), json.dumps(_nested(129))):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL_NAME, messages=turns(arguments), max_tokens=1)
+        err = refused.value.body
+        assert err["param"] == "messages.1.tool_calls.0.function.arguments", err
+        assert f"messages[1].tool_calls[0]: a tool call's arguments {deep}" in err["message"], err
+        assert "recursion" not in err["message"], err
+        r = post(server, "/tokenize", json={"model": MODEL_NAME, "messages": turns(arguments)})
+        assert deep in assert_error(r, 400, "messages.1.tool_calls.0.function.arguments")["message"]
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": json.dumps(_nested(600))}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL_NAME, input=[{"role": "user", "content": "hi"}, call])
+    assert f"input[1].arguments: a tool call's arguments {deep}" in refused.value.body["message"]
+    for arguments in (json.dumps(_nested(128)), _nested(128)):
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=turns(arguments), max_tokens=1)
+        assert reply.usage is not None and reply.usage.completion_tokens == 1

@@ -644,7 +644,10 @@ THOUGHT = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Hm
     ("item", "named"),
     [
         ({**_call("{}"), "name": ""}, "input[0].name: a function_call item's name is empty"),
-        (_call("[" * 100_000 + "]" * 100_000), "input[0].arguments: a tool call's arguments nest too deep"),
+        (
+            _call("[" * 100_000 + "]" * 100_000),
+            "input[0].arguments: a tool call's arguments nest objects and arrays deeper than 128 levels",
+        ),
     ],
 )
 def test_a_refused_item_after_a_previous_response_is_named_by_its_index_in_input(
