@@ -185,7 +185,7 @@ def to_messages(
         if len(parts) > len(texts):  # images among the text: the parts as they came
             out.append(ChatMessage(role=role, content=parts))
         elif texts or calls or thought is not None or role == "user" and not out:
-            content = "".join(texts) if texts or role == "user" else None
+            content = "\n".join(texts) if texts or role == "user" else None  # as vLLM joins them
             out.append(
                 ChatMessage(role=role, content=content, tool_calls=calls or None, reasoning_content=thought)
             )
@@ -214,7 +214,7 @@ def _tool_result(result: Any, where: str) -> str | list[ContentPart]:
             )
     if any(p.type == "image_url" for p in parts):
         return parts
-    return "".join(p.text or "" for p in parts)
+    return "\n".join(p.text or "" for p in parts)  # as vLLM joins a tool_result's texts
 
 
 def _check_tool_use(block: dict[str, Any], where: str) -> None:

@@ -105,6 +105,32 @@ def test_a_tool_result_turn_renders_as_the_chat_tool_message(server, claude) -> 
     assert m.usage.output_tokens == 4
 
 
+def test_several_text_blocks_are_joined_by_newlines(server, claude) -> None:
+    """A message's text blocks and a tool_result's are on lines of their own, as vLLM's Anthropic
+    endpoint joins them (and chat its text parts), where they ran together: the prompt counts as
+    the chat request's whose texts hold the newlines, and not as one whose texts run on."""
+    blocks = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colours."}]
+    turns = [
+        {"role": "user", "content": blocks},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": blocks}]},
+    ]
+    counted = claude.messages.count_tokens(model=MODEL_NAME, messages=turns).input_tokens
+
+    def chat_count(user: str, tool: str) -> int:
+        call = {"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        chat_turns = [
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": tool},
+        ]
+        return httpx.post(f"{server.url}/tokenize", json={"messages": chat_turns}).json()["count"]
+
+    lines, run_on = "Name three\ncolours.", "Name threecolours."
+    assert counted == chat_count(lines, lines)
+    assert counted != chat_count(run_on, lines) and counted != chat_count(lines, run_on)
+
+
 def test_a_tool_results_is_error_that_is_not_a_boolean_is_a_400_naming_it(server) -> None:
     """Anthropic's and vLLM's schemas make is_error a boolean; "x" is refused, not ignored."""
 
