@@ -271,7 +271,7 @@ def _reasoning_of(item: dict[str, Any], where: str) -> str:
         raise bad_request(
             f"{where}: a reasoning item's content and summary are lists of parts with text", "input"
         )
-    return "".join(p["text"] for p in parts)
+    return "\n".join(p["text"] for p in parts)  # as vLLM joins a reasoning item's parts
 
 
 @dataclass

@@ -225,6 +225,44 @@ def test_a_turns_reasoning_and_text_stay_with_its_calls(client, base_url: str) -
         assert r.usage.input_tokens == tokens["count"], items
 
 
+def test_a_reasoning_items_parts_are_joined_by_newlines(client, base_url: str) -> None:
+    """A reasoning item's several summary or reasoning_text parts are the turn's reasoning on lines
+    of their own, as vLLM joins them, where they ran together: the prompt counts as the chat
+    request's whose reasoning_content holds the newline, and not as one whose parts run on."""
+    ask = {"role": "user", "content": "Weather in Paris?"}
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+    answer = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+
+    def chat_count(reasoning: str) -> int:
+        tool_call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"},
+        }
+        messages = [
+            ask,
+            {"role": "assistant", "content": None, "reasoning_content": reasoning, "tool_calls": [tool_call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+        body = {"messages": messages, "tools": tools}
+        return httpx.post(f"{base_url.removesuffix('/v1')}/tokenize", json=body).json()["count"]
+
+    texts = ["I should look", "it up."]
+    for thought in (
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": t} for t in texts]},
+        {
+            "type": "reasoning",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": t} for t in texts],
+        },
+    ):
+        r = client.responses.create(
+            model=MODEL_NAME, input=[ask, thought, call, answer], tools=[WEATHER], max_output_tokens=1
+        )
+        assert r.usage.input_tokens == chat_count("\n".join(texts)) != chat_count("".join(texts)), thought
+
+
 @pytest.mark.slow
 def test_forced_function_call_and_json_output(client) -> None:
     r = client.responses.create(
