@@ -181,6 +181,7 @@ async def prepare_chat(
         tools={t.function.name: t.function.parameters or {} for t in tools} if tools else None,
         tool_format=ctx.tool_format,
         max_calls=None if req.parallel_tool_calls else 1,
+        forced=forced is not None,
     )
     return PreparedChat(prompt_ids, params, parser, images, prompt)
 

@@ -29,6 +29,7 @@ class ChatOutputParser:
     tool_format: ToolCallFormat | None = None  # the model family's call markup (Qwen's by default)
     # parallel_tool_calls false: the reply's first call only, the later ones dropped (vLLM's filter)
     max_calls: int | None = None
+    forced: bool = False  # tool_choice forced the calls (named a function, or "required")
 
     def parse(self, text: str, final: bool, cut: bool = False) -> ParsedChat:
         """`cut`: the output ended early (`ended_early`): an unfinished call at its end is dropped."""
@@ -37,7 +38,9 @@ class ChatOutputParser:
         )
         calls: list[ParsedToolCall] = []
         if self.tools is not None:
-            content, calls = extract_tool_calls(content, self.tools, final, self.tool_format, cut)
+            content, calls = extract_tool_calls(
+                content, self.tools, final, self.tool_format, cut, self.forced
+            )
             calls = calls[: self.max_calls]
         return ParsedChat(reasoning, content, calls)
 
@@ -68,7 +71,11 @@ class ChatStreamState:
 
     def __init__(self, parser: ChatOutputParser) -> None:
         self.reasoning = ReasoningStream(parser.starts_in_reasoning, parser.parse_reasoning)
-        self.tools = ToolCallStream(parser.tools, parser.tool_format) if parser.tools is not None else None
+        self.tools = (
+            ToolCallStream(parser.tools, parser.tool_format, parser.forced)
+            if parser.tools is not None
+            else None
+        )
         self.max_calls = parser.max_calls
         self.calls_sent = 0
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from deltaserve.engine.requests.chat_prompt import SURROGATE
@@ -67,9 +67,11 @@ def extract_tool_calls(
     final: bool,
     fmt: ToolCallFormat | None = None,
     cut: bool = False,
+    forced: bool = False,
 ) -> tuple[str, list[ParsedToolCall]]:
     """Return (content outside the calls, calls). `tools` maps function name to its JSON schema,
-    used to give XML parameter values their declared types. `fmt`: Qwen's form by default."""
+    used to give XML parameter values their declared types. `fmt`: Qwen's form by default.
+    `forced`: tool_choice forced the calls (`_parsed`)."""
     fmt = fmt or QWEN
     release = final and not cut  # what is held back is shown at the end, unless cut off
     text, _ = fmt.without_markers(text, release)
@@ -88,7 +90,7 @@ def extract_tool_calls(
         body_end = len(text) if end < 0 else end
         if end < 0 and not release:
             break  # an unfinished call: hold it back
-        call = _parsed(fmt, text[start + len(open_tag) : body_end], tools)
+        call = _parsed(fmt, text[start + len(open_tag) : body_end], tools, forced)
         raw = text[start : body_end + (0 if end < 0 else len(close_tag))]
         if call is not None:
             calls.append(call)
@@ -105,9 +107,12 @@ class ToolCallStream:
     """`extract_tool_calls` over a content text fed in pieces: `feed` returns the content that a
     piece adds and the calls it completes."""
 
-    def __init__(self, tools: dict[str, dict[str, Any]], fmt: ToolCallFormat | None = None) -> None:
+    def __init__(
+        self, tools: dict[str, dict[str, Any]], fmt: ToolCallFormat | None = None, forced: bool = False
+    ) -> None:
         self.tools = tools
         self.fmt = fmt or QWEN
+        self.forced = forced
         self.held = ""  # a partial section marker (Kimi), read with the next piece
         self.buf = ""  # unread text: a partial <tool_call>, or an unfinished call from its tag on
         self.in_call = False
@@ -150,7 +155,7 @@ class ToolCallStream:
                 break  # an unfinished call: hold it back
             body_end = len(buf) if end < 0 else end
             raw_end = len(buf) if end < 0 else end + len(close_tag)
-            call = _parsed(fmt, buf[len(open_tag) : body_end], self.tools)
+            call = _parsed(fmt, buf[len(open_tag) : body_end], self.tools, self.forced)
             if call is not None:
                 out.append(call)
             else:
@@ -171,12 +176,18 @@ class ToolCallStream:
         return shown
 
 
-def _parsed(fmt: ToolCallFormat, body: str, tools: dict[str, dict[str, Any]]) -> ParsedToolCall | None:
+def _parsed(
+    fmt: ToolCallFormat, body: str, tools: dict[str, dict[str, Any]], forced: bool = False
+) -> ParsedToolCall | None:
     """`fmt.parse` of a call's body, None also where its name or arguments hold a lone surrogate
-    (JSON's unpaired \\uD800-\\uDFFF escape, which json decodes): no reply can carry one."""
+    (JSON's unpaired \\uD800-\\uDFFF escape, which json decodes): no reply can carry one. A
+    `forced` call (tool_choice named a function or "required") stays a call, as vLLM's named one
+    does (its text passed on as written): its arguments write each lone surrogate as a JSON escape."""
     call = fmt.parse(body, tools)
     if call is None or SURROGATE.search(call.name + call.arguments) is None:
         return call
+    if forced and SURROGATE.search(call.name) is None:
+        return replace(call, arguments=SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", call.arguments))
     return None
 
 

@@ -189,6 +189,33 @@ def test_a_forced_calls_finish_reason_is_openais(serve_script, tool_choice, fini
     assert finishes == [finish] and [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris"}]
 
 
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_forced_call_whose_arguments_hold_a_lone_surrogate_stays_a_call(serve_script, tool_choice) -> None:
+    """A call that tool_choice forces is a call even where its JSON decodes to a lone surrogate
+    (vLLM passes a named call's text on as written; under "auto" it stays content): its arguments
+    keep the escape the model wrote, whole and streamed, and the Responses API's item too; the
+    Messages API's tool_use input, which its reply cannot carry, is {} (as for NaN)."""
+    script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud800"}}\n</tool_call>'
+    client = serve_script(script)
+    message = ask(client, tools=TOOLS, tool_choice=tool_choice).choices[0].message
+    assert not message.content and [c.function.name for c in message.tool_calls] == ["get_weather"]
+    assert [c.function.arguments for c in message.tool_calls] == ['{"city": "\\ud800"}']
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "\ud800"}
+    _, content, calls, _ = collect_stream(client, tools=TOOLS, tool_choice=tool_choice)
+    assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "\\ud800"}')
+    ]
+    flat = {"type": "function", "name": "get_weather"} if isinstance(tool_choice, dict) else tool_choice
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    r = client.responses.create(model="scripted", input="?", tools=tools, tool_choice=flat)
+    assert [(i.type, i.arguments) for i in r.output] == [("function_call", '{"city": "\\ud800"}')]
+    choice = {"type": "tool", "name": "get_weather"} if isinstance(tool_choice, dict) else {"type": "any"}
+    m = claude_for(client).messages.create(**WEATHER_ASK, max_tokens=500, tool_choice=choice)
+    assert [(b.type, b.input) for b in m.content] == [("tool_use", {})]
+
+
 def test_qwen35_xml_tool_call_after_prompt_opened_think(serve_script, tmp_path: Path) -> None:
     # A Qwen3.5-style template: its generation prompt opens <think>, so the output starts in reasoning.
     template = (
