@@ -163,7 +163,8 @@ async def prepare_chat(
     )
     # the reply is tool calls, under a grammar: any response_format is for later turns; under "auto"
     # the strict tools' grammar holds only where no response_format holds the text
-    if forced is not None and not (forced.optional_tool_calls and params.structured_outputs is not None):
+    held = forced is not None and not (forced.optional_tool_calls and params.structured_outputs is not None)
+    if held:
         params = replace(params, structured_outputs=forced)
     thinking = ctx.parse_reasoning and prompt_opens_reasoning(prompt)
     if thinking and params.structured_outputs is not None:
@@ -173,7 +174,7 @@ async def prepare_chat(
         )
     if params.structured_outputs is not None:
         await ctx.compile_structured(
-            params.structured_outputs, "tools" if forced else structured_field(req), raw
+            params.structured_outputs, "tools" if held else structured_field(req), raw
         )
     parser = ChatOutputParser(
         starts_in_reasoning=thinking,
@@ -181,7 +182,7 @@ async def prepare_chat(
         tools={t.function.name: t.function.parameters or {} for t in tools} if tools else None,
         tool_format=ctx.tool_format,
         max_calls=None if req.parallel_tool_calls else 1,
-        forced=forced is not None,
+        forced=held,  # a grammar writes the calls
     )
     return PreparedChat(prompt_ids, params, parser, images, prompt)
 

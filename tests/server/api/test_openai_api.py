@@ -1228,6 +1228,16 @@ def test_auto_tool_choice_holds_a_strict_tools_arguments_to_its_schema(client, s
         else:
             assert args in ({"zone": "UTC"}, {"zone": "CET"})
     assert "get_weather" in names
+    # a response_format holds the text instead, and its refusal names it, not the tools
+    unenforced = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}},
+    }
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, tools=tools, max_tokens=5, response_format=unenforced
+        )
+    assert info.value.body["param"] == "response_format"
     # without the bias the model answers in text, which the grammar leaves alone
     free = client.chat.completions.create(
         model=MODEL_NAME, messages=messages, tools=tools, max_tokens=20, seed=4
