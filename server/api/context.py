@@ -50,12 +50,13 @@ _long_text = threading.Lock()
 
 def text_chars(value: Any) -> int:
     """The characters of the strings in a request's prompt or messages, at any depth (a model's
-    fields, lists, dicts), to send a long one to the long-text worker before it takes a worker."""
+    fields, lists, dicts), to send a long one to the long-text worker before it takes a worker; an
+    image's data URL is not tokenized, and counts nothing."""
     total, pending = 0, [value]
     while pending:
         item = pending.pop()
         if isinstance(item, str):
-            total += len(item)
+            total += 0 if item.startswith("data:") else len(item)
         elif isinstance(item, BaseModel):
             pending.extend(item.__dict__.values())
         elif isinstance(item, dict):

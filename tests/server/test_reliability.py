@@ -253,6 +253,8 @@ def test_a_requests_text_is_counted_in_every_message_part_and_prompt() -> None:
     ]
     assert text_chars(messages) == len("system") + 3 + len("user") + 2 + 10 + 2 * len("text")
     assert text_chars(["ab", "cde"]) == 5 and text_chars([[1, 2]]) == 0
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 1000}}
+    assert text_chars([ChatMessage(role="user", content=[image])]) < 100
 
 
 @pytest.mark.slow
