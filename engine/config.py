@@ -251,6 +251,7 @@ class EngineConfig:
             raise SettingError("page_size", f"must be a power of two, got {self.page_size}")
         _ = self.spec  # validates speculative_config
         self._check_parallel()
+        from deltaserve.engine.requests.sampling_params import grammar_timeout_s
         from deltaserve.kernels.common.fast_launch import fast_launch_mode
         from deltaserve.kernels.common.launch import pdl_mode
         from deltaserve.kernels.delta_rule.fla import fla_direct
@@ -268,6 +269,7 @@ class EngineConfig:
         fp8_decode_mode()  # DELTASERVE_FP8_DECODE: otherwise first read by an FP8 forward, mid-serving
         fla_direct()  # DELTASERVE_FLA_DIRECT
         reference_kernels_mode()  # DELTASERVE_REFERENCE_KERNELS
+        grammar_timeout_s()  # DELTASERVE_GRAMMAR_TIMEOUT
 
     def _check_numbers(self) -> None:
         """Integer fields hold ints (numpy's become Python's), real ones finite numbers and

@@ -49,6 +49,7 @@ from typing import Any
 from deltaserve.engine.errors import EngineDeadError, UpdateBusyError, error_reply
 from deltaserve.engine.gc_heap import freeze_startup_heap
 from deltaserve.engine.requests.outputs import pack_outputs, packed_head
+from deltaserve.engine.requests.sampling_params import grammar_timeout_s
 from deltaserve.engine.stats_log import StatsLog
 
 logger = logging.getLogger("deltaserve.engine")
@@ -353,7 +354,7 @@ class EngineCore:
                 self._release_held()
             elif name in _OFF_LOOP:
                 self._off_loop_pending += 1
-                self._worker.submit(self._call_off_loop, client, call_id, name, args)
+                self._worker.submit(self._call_off_loop, client, call_id, name, args, time.monotonic())
             else:
                 self._replies[client].append((call_id, *self._call(name, args)))
         return True
@@ -430,7 +431,14 @@ class EngineCore:
                 logger.exception("engine call %s failed", name)
             return reply, None
 
-    def _call_off_loop(self, client: int, call_id: int, name: str, args: tuple[Any, ...]) -> None:
+    def _call_off_loop(
+        self, client: int, call_id: int, name: str, args: tuple[Any, ...], queued: float
+    ) -> None:
+        timeout = grammar_timeout_s()
+        if time.monotonic() - queued > timeout:  # its caller gave up: no worker is spent on it
+            late = ValueError(f"structured outputs: the grammar waited over {timeout:g} s to compile")
+            self._done_off_loop.put((client, call_id, error_reply(late), None))
+            return
         error, value = self._call(name, args)
         if isinstance(value, Future):  # the same work under way for another call: answered with it,
             # without holding this worker meanwhile (callers retrying a slow grammar held them all)

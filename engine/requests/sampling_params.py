@@ -6,6 +6,7 @@ import copy
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -35,6 +36,21 @@ MAX_LOGPROBS = 20
 # how deeply a JSON schema's objects and arrays may nest: a deeper one could not be pickled to the
 # engine process (Python's recursion limit), and xgrammar's compile time grows with the cube of it
 MAX_SCHEMA_DEPTH = 128
+
+
+def grammar_timeout_s() -> float:
+    """How long a request waits for its grammar to compile (`DELTASERVE_GRAMMAR_TIMEOUT`, SGLang's
+    SGLANG_GRAMMAR_TIMEOUT): xgrammar cannot stop a compile, and some schemas take it minutes."""
+    value = os.environ.get("DELTASERVE_GRAMMAR_TIMEOUT", "") or "300"
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"DELTASERVE_GRAMMAR_TIMEOUT must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
 # every running copy of a request searches each of these at every step: bounded, so that one
 # request cannot slow every other request's steps
 MAX_STOP = 64

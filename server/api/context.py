@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from deltaserve.engine.errors import EngineDeadError, EngineFaultError, QueueFullError
 from deltaserve.engine.requests.generation_defaults import SamplingDefaults
+from deltaserve.engine.requests.sampling_params import grammar_timeout_s
 
 from ..edge import ARRIVED
 from ..engine_client import EngineClient, RequestGroup, ShuttingDownError
@@ -307,15 +308,25 @@ class ServerContext:
         while, which the step loop would otherwise spend admitting it while every stream waits. A
         bad schema is a 400 here, naming `param`, the field it came from.
         `raw`: the HTTP request it is for; a client that hangs up meanwhile gets ClientDisconnected
-        at once (the engine compiles on, for the next request that asks the same grammar)."""
+        at once (the engine compiles on, for the next request that asks the same grammar). A
+        grammar not compiled within `grammar_timeout_s()` is a 400 (SGLang's timeout)."""
+        timeout = grammar_timeout_s()
         compiling = asyncio.ensure_future(self.client.call("compile_structured", spec))
         watcher = asyncio.ensure_future(hung_up(raw)) if raw is not None else None
         try:
             await asyncio.wait(
-                [t for t in (compiling, watcher) if t is not None], return_when=asyncio.FIRST_COMPLETED
+                [t for t in (compiling, watcher) if t is not None],
+                timeout=timeout,
+                return_when=asyncio.FIRST_COMPLETED,
             )
             if not compiling.done():
-                raise ClientDisconnected
+                if watcher is not None and watcher.done():
+                    raise ClientDisconnected
+                raise bad_request(
+                    f"structured outputs: the grammar did not compile within {timeout:g} s",
+                    param,
+                    code="grammar_timeout",
+                )
             await compiling  # its error, if it failed
         except ValueError as exc:
             raise bad_request(str(exc), getattr(exc, "param", None) or param) from exc

@@ -346,6 +346,8 @@ def test_vllms_safetensors_load_format_loads_the_weights(builtin_path: str) -> N
         ("DELTASERVE_FP8_DECODE", "fast", ("skinny", "gemm", "")),
         ("DELTASERVE_FLA_DIRECT", "off", ("0", "1", "")),
         ("DELTASERVE_REFERENCE_KERNELS", "true", ("0", "1", "")),
+        ("DELTASERVE_GRAMMAR_TIMEOUT", "0", ("0.5", "300", "")),
+        ("DELTASERVE_GRAMMAR_TIMEOUT", "5m", ("1e3",)),
     ],
 )
 def test_unknown_kernel_mode_is_a_start_up_error(monkeypatch, variable: str, typo: str, modes: tuple) -> None:

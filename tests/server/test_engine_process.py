@@ -490,6 +490,55 @@ def test_a_client_that_hangs_up_while_its_grammar_compiles_is_let_go(path: str, 
             engine.release.set()
 
 
+def test_a_grammar_not_compiled_in_time_is_a_400_and_is_not_compiled_once_its_caller_left(
+    monkeypatch,
+) -> None:
+    """A request whose grammar is not compiled within the grammar timeout is a 400 coded
+    grammar_timeout (SGLang's timeout), and a grammar whose caller gave up while it waited for a
+    compile worker is never compiled. (A request waited as long as its compile took, minutes for
+    an object of a thousand optional properties, and the grammars queued behind such compiles
+    each took a worker in turn, long after their clients had gone.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from deltaserve.engine.core import OFF_LOOP_WORKERS
+    from deltaserve.server.app import build_app
+    from deltaserve.server.engine_client import EngineClient
+
+    monkeypatch.setenv("DELTASERVE_GRAMMAR_TIMEOUT", "1")
+    engine = SlowGrammarEngine()
+    app = build_app(EngineClient.in_thread(engine), model_names=["failing"])
+    with app_in_thread(app) as port:
+        try:
+            url = f"http://127.0.0.1:{port}/v1"
+            with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=20) as api:
+
+                def ask(regex: str) -> openai.BadRequestError:
+                    with pytest.raises(openai.BadRequestError) as refused:
+                        api.completions.create(
+                            model="failing",
+                            prompt=[1, 2, 3],
+                            max_tokens=5,
+                            extra_body={"structured_outputs": {"regex": regex}},
+                        )
+                    return refused.value
+
+                started = time.monotonic()
+                with ThreadPoolExecutor(OFF_LOOP_WORKERS) as pool:  # every compile worker held
+                    errors = list(pool.map(ask, ["slow"] * OFF_LOOP_WORKERS))
+                errors.append(ask("[0-9]+"))  # queued behind them
+                assert time.monotonic() - started < 10
+            for err in errors:
+                assert err.code == "grammar_timeout" and err.param == "structured_outputs", err
+            engine.release.set()
+            wait_for(lambda: len(engine.compiled) >= OFF_LOOP_WORKERS, timeout=10)
+            time.sleep(0.5)  # the workers free, the queued grammar taken up
+            assert engine.compiled == ["slow"] * OFF_LOOP_WORKERS
+        finally:
+            engine.release.set()
+
+
 class TwoPlacesEngine(FailingEngine):
     """Holds two requests at once, one running and one waiting (what the HTTP process reads)."""
 
