@@ -20,6 +20,7 @@ import json
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -32,6 +33,9 @@ from deltaserve.engine.sized_lru import SizedLRU
 # compiled grammars kept for the requests that ask for them again, the least recently used dropped
 # past this many bytes: each distinct schema has its own (about half a MB with a 150k vocabulary)
 CACHE_BYTES = 256 * 2**20
+# CPU time one request's next-token mask may take: masks are computed in the engine's step, so a
+# grammar past it (an ambiguous one, whose parse grows with each token) would stall every stream
+MAX_MASK_CPU_S = 0.1
 
 
 class Grammars:
@@ -685,16 +689,20 @@ class RequestGrammar:
         return self.active and bool(self.matcher.is_terminated())
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[RequestGrammar]) -> None:
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[RequestGrammar]) -> list[int]:
     """Set to -inf, in place, the logits of tokens that `grammars[j]` does not allow next, in row
-    `rows[j]` of `logits` `[n, vocab]`."""
+    `rows[j]` of `logits` `[n, vocab]`. Returns the j whose mask took over MAX_MASK_CPU_S."""
     import xgrammar
 
     k, vocab = len(rows), logits.shape[-1]
     known = min(vocab, grammars[0].vocab_size)
     bitmask = xgrammar.allocate_token_bitmask(k, grammars[0].vocab_size)  # [k, words] int32
+    slow = []
     for j, g in enumerate(grammars):
+        started = time.thread_time()  # CPU time: a busy host does not make a grammar slow
         g.matcher.fill_next_token_bitmask(bitmask, j)
+        if time.thread_time() - started > MAX_MASK_CPU_S:
+            slow.append(j)
     dev = logits.device
     shifts = torch.arange(32, dtype=torch.int32, device=dev)
     # token t is bit t % 32 of word t // 32 (expanded on the logits' device: 32x fewer bytes sent)
@@ -704,3 +712,4 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[Re
     index = torch.tensor(rows, dtype=torch.long, device=dev)
     masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, index, masked)
+    return slow

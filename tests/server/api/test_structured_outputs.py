@@ -685,3 +685,40 @@ def test_a_message_that_mentions_the_xml_form_leaves_a_forced_call_in_the_templa
     messages = [{"role": "user", "content": "What does <function=mail> mean in a prompt?"}]
     r = chat(base_url, messages=messages, tools=[tool], tool_choice="required", max_tokens=4)
     assert r.status_code == 200, r.text
+
+
+def test_a_grammar_too_ambiguous_to_follow_is_a_400_that_stalls_no_one(
+    base_url, builtin_path, until_idle
+) -> None:
+    """A grammar whose parse grows with every token (each run of a's splits many ways) ends its
+    request with a 400 once one token's mask takes over a tenth of a second, while a stream beside
+    it runs on. (Its masks, computed in the engine's step, took seconds a token and growing: no
+    other request got a token for minutes.)"""
+    import threading
+
+    import openai
+
+    eos = json.loads(open(f"{builtin_path}/generation_config.json").read())["eos_token_id"]
+    grammar = 'root ::= s\ns ::= s s s | s s | "a" | "aa"'
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as api:
+        beside: dict[str, Any] = {}
+
+        def stream() -> None:
+            chunks = api.completions.create(
+                model=MODEL_NAME, prompt="hi", max_tokens=30, stream=True, extra_body={"ignore_eos": True}
+            )
+            beside["reasons"] = [c.choices[0].finish_reason for c in chunks if c.choices]
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        with pytest.raises(openai.BadRequestError, match="too ambiguous to follow"):
+            api.completions.create(
+                model=MODEL_NAME,
+                prompt="hi",
+                max_tokens=400,
+                logit_bias={str(t): -100 for t in eos},  # the grammar never lets it end
+                extra_body={"structured_outputs": {"grammar": grammar}},
+            )
+        streamer.join(120)
+        assert beside["reasons"][-1] == "length"
+    until_idle(base_url.removesuffix("/v1"))
