@@ -216,13 +216,11 @@ class CompletionGeneration(Generation[CompletionChoice]):
         delta = choice.text(completion) if first else completion.text
         offsets = self.offsets.setdefault(rid, TextOffsets())
         logprobs = choice.logprobs_of(out, echo_prompt=choice.echo and first, offsets=offsets)
-        # vLLM's: the prompt's in a choice's first chunk, then each chunk's new, held-back text's too
-        ids = self.req.return_token_ids
+        ids = self.req.return_token_ids  # vLLM's: the prompt's in a choice's first chunk
+        # vLLM's: a chunk whose text is held back still goes out to carry its tokens' ids or their count
+        counted = bool(completion.token_ids) and (ids or self.usage_in_every_chunk)
         if not (
-            delta
-            or completion.finish_reason
-            or (logprobs and logprobs.tokens)
-            or (ids and (first or completion.token_ids))
+            delta or completion.finish_reason or (logprobs and logprobs.tokens) or (ids and first) or counted
         ):
             return None
         return CompletionChoice(

@@ -922,6 +922,29 @@ def test_continuous_usage_stats(client) -> None:
     assert quiet and all(c.usage is None for c in quiet)
 
 
+def test_continuous_usage_counts_the_tokens_whose_text_a_stop_string_holds_back(client, server) -> None:
+    """vLLM's completions stream sends a chunk for each step's tokens, their text held back or not:
+    with continuous usage stats, the chunk of a token whose text may begin a stop string still
+    carries the count that token adds."""
+    greedy = {"model": MODEL_NAME, "prompt": "hello there", "max_tokens": 3, "temperature": 0}
+    whole = client.completions.create(**greedy, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = whole.choices[0].model_extra["token_ids"]
+    two = httpx.post(f"{server.url}/detokenize", json={"tokens": ids[:2]}, timeout=30).json()["prompt"]
+    assert two
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.completions.create(
+            **greedy,
+            stop=[two + "\u2603 never"],  # the first two tokens' text could begin it: held back
+            stream=True,
+            stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert [c.usage.completion_tokens for c in chunks if c.choices] == [1, 2, 3]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+
+
 def test_n_copies_find_their_prompt_cached(client, server, read_metrics) -> None:
     """n > 1: the prompt is prefilled once before the copies run, so every copy starts from the
     cache (all but the last partial page) and answers as a single request does; the warm-up is
