@@ -180,7 +180,9 @@ def test_what_beam_search_cannot_do_is_a_400(client, fields: dict, param: str) -
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(**body, extra_body=extra)
     assert err.value.body["param"] == param
-    ok = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=2)
+    ok = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=2, extra_body={"ignore_eos": True}
+    )
     assert ok.choices[0].finish_reason == "length"
 
 

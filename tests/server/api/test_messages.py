@@ -296,7 +296,9 @@ def test_n_other_than_one_is_refused_not_dropped(claude) -> None:
     with pytest.raises(anthropic.BadRequestError) as refused:
         claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, extra_body={"n": 3})
     assert refused.value.body["error"]["message"].startswith("n: not supported")
-    m = claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, extra_body={"n": 1})
+    m = claude.messages.create(
+        model=MODEL_NAME, max_tokens=2, messages=MESSAGES, extra_body={"n": 1, "ignore_eos": True}
+    )
     assert m.usage.output_tokens == 2
 
 
@@ -347,7 +349,8 @@ def test_an_image_blocks_media_type_is_checked(server, claude, media_type, data:
         )
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
         assert needle in r.json()["error"]["message"]
-    assert claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES).usage.output_tokens == 2
+    served = claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES, extra_body=GREEDY)
+    assert served.usage.output_tokens == 2
 
 
 @pytest.mark.parametrize(

@@ -341,7 +341,9 @@ def test_generate_n_samples_build_the_prompts_logprobs_once(in_process, monkeypa
     for n in (1, 3):
         tops.clear()
         r = httpx.post(
-            f"{url}/generate", json={**body, "sampling_params": {"n": n, "max_new_tokens": 2}}, timeout=60
+            f"{url}/generate",
+            json={**body, "sampling_params": {"n": n, "max_new_tokens": 2, "ignore_eos": True}},
+            timeout=60,
         )
         assert r.status_code == 200, r.text
         assert r.content == one_shot(r.json())
