@@ -561,9 +561,15 @@ class EngineClient:
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = (future, engine)
+        sending = asyncio.ensure_future(self._send((command[0], call_id, *command[2:]), engine))
         try:
-            await self._send((command[0], call_id, *command[2:]), engine)
+            # a send to an engine that died waits for a reader that never comes: its failed reply ends it
+            await asyncio.wait({sending, future}, return_when=asyncio.FIRST_COMPLETED)
+            if not sending.done():
+                await future  # failed: the engine is gone
+            sending.result()
         except BaseException:
+            sending.cancel()
             self._calls.pop(call_id, None)
             raise
         return call_id

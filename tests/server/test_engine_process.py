@@ -167,6 +167,38 @@ def test_killed_engine_fails_requests_in_flight_and_health(spawn_server) -> None
     assert httpx.get(f"{server.url}/metrics").status_code == 200
 
 
+def test_a_request_sent_to_an_engine_that_just_died_fails_instead_of_hanging() -> None:
+    """A request added after the engine died but before the client noticed (it polls the engine
+    every 0.2 s) is sent to a socket no engine reads any more, a send that waits for ever: it
+    fails with the engine's death, as the requests in flight do, instead of holding its client."""
+    import zmq
+    import zmq.asyncio
+
+    from deltaserve.engine.errors import EngineDeadError
+    from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.server.engine_client import EngineClient
+
+    client = EngineClient.in_thread(FailingEngine())
+
+    async def run() -> None:
+        await client.start()
+        live = client._pushes[0]
+        nobody = zmq.asyncio.Context.instance().socket(zmq.PUSH)  # the dead engine's end: no reader
+        nobody.bind(f"ipc://{client.handle.ipc_dir}/nobody")
+        client._pushes[0] = nobody
+        try:
+            asyncio.get_running_loop().call_later(0.3, client._on_dead, "the engine process exited (code -9)")
+            adding = client.add([("late", [1, 2, 3], SamplingParams(max_tokens=2))])
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(adding, 10)
+        finally:
+            client._pushes[0] = live
+            nobody.close(linger=0)
+            await client.shutdown()
+
+    asyncio.run(run())
+
+
 def test_shutdown_deadline_ends_every_request_with_an_error_and_drains_with_503(spawn_server) -> None:
     server = spawn_server("--max-model-len", "2048", "--shutdown-timeout", "2")
     assert server.proc is not None
