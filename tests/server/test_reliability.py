@@ -325,7 +325,7 @@ def post_head(path: str, length: int, key: str | None = None) -> str:
 
 def test_oversized_body_is_413_before_it_is_read(server) -> None:
     status, body, elapsed = raw_request(server.port, post_head("/v1/chat/completions", 10**9), b'{"model": ')
-    assert status == 413 and elapsed < 2.0
+    assert status == 413 and elapsed < 5.0  # read, the body would hold it until the 10 s wait ends
     assert error_of(status, body)["code"] == "request_too_large"
 
 
@@ -359,7 +359,7 @@ def keyed(spawn_module_server):
 def test_api_key_is_checked_before_the_body(keyed) -> None:
     for path in ("/v1/chat/completions", "/tokenize"):
         status, body, elapsed = raw_request(keyed.port, post_head(path, 10_000_000), b'{"model": ')
-        assert status == 401 and elapsed < 2.0
+        assert status == 401 and elapsed < 5.0
         assert error_of(status, body)["code"] == "invalid_api_key"
         # the key first, the size after
         status, _, _ = raw_request(keyed.port, post_head(path, 10**9, key="wrong"), b"{")
