@@ -29,7 +29,7 @@ class ChatOutputParser:
     tool_format: ToolCallFormat | None = None  # the model family's call markup (Qwen's by default)
     # parallel_tool_calls false: the reply's first call only, the later ones dropped (vLLM's filter)
     max_calls: int | None = None
-    forced: bool = False  # tool_choice forced the calls (named a function, or "required")
+    forced: bool = False  # a grammar wrote the calls (tool_choice forced them, or strict tools under auto)
 
     def parse(self, text: str, final: bool, cut: bool = False) -> ParsedChat:
         """`cut`: the output ended early (`ended_early`): an unfinished call at its end is dropped."""

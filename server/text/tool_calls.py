@@ -71,7 +71,7 @@ def extract_tool_calls(
 ) -> tuple[str, list[ParsedToolCall]]:
     """Return (content outside the calls, calls). `tools` maps function name to its JSON schema,
     used to give XML parameter values their declared types. `fmt`: Qwen's form by default.
-    `forced`: tool_choice forced the calls (`_parsed`)."""
+    `forced`: a grammar wrote the calls (`_parsed`)."""
     fmt = fmt or QWEN
     release = final and not cut  # what is held back is shown at the end, unless cut off
     text, _ = fmt.without_markers(text, release)
@@ -181,8 +181,9 @@ def _parsed(
 ) -> ParsedToolCall | None:
     """`fmt.parse` of a call's body, None also where its name or arguments hold a lone surrogate
     (JSON's unpaired \\uD800-\\uDFFF escape, which json decodes): no reply can carry one. A
-    `forced` call (tool_choice named a function or "required") stays a call, as vLLM's named one
-    does (its text passed on as written): its arguments write each lone surrogate as a JSON escape."""
+    `forced` call (one a grammar wrote: tool_choice named a function or "required", or a strict tool
+    under "auto") stays a call, as vLLM's named one does (its text passed on as written): its
+    arguments write each lone surrogate as a JSON escape."""
     call = fmt.parse(body, tools)
     if call is None or SURROGATE.search(call.name + call.arguments) is None:
         return call
