@@ -81,7 +81,7 @@ case "${1:-all}" in
   features)  # the GPU tests of what CPU sessions built (each skips what the machine lacks: two GPUs), then 80B FP8 decode
     run 330 feature-tests python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/models/test_image_input.py \
       tests/models/test_rope_scaling.py tests/engine/test_weight_update.py tests/engine/parallel/test_tensor_parallel_gpu.py \
-      tests/server/test_data_parallel_gpu.py
+      tests/server/processes/test_data_parallel_gpu.py
     run 240 decode-80b-fp8 python3 -m bench.engine.decode --model configs/qwen3-next-80b-a3b-fp8 --batch-sizes 1 32 \
       --prompt-len 1024 --new-tokens 128 --prefill-len 0
     ;;

@@ -16,7 +16,7 @@ import pytest
 from deltaserve import LLM, BeamSearchParams
 from deltaserve.engine.requests.beam_search import BeamSequence
 
-from ..conftest import MAX_MODEL_LEN, MODEL_NAME
+from ...conftest import MAX_MODEL_LEN, MODEL_NAME
 
 # Servers of its own and offline beams to compare (the engine's beam tests stay fast)
 pytestmark = pytest.mark.slow

@@ -19,9 +19,9 @@ from deltaserve.engine.requests.sampling_params import SamplingParams
 from deltaserve.server.app import build_app
 from deltaserve.server.engine_client import EngineClient
 
-from ..conftest import app_in_thread
+from ...conftest import app_in_thread
 
-# A server started in a thread per test (tests/server/api/test_parsers.py stays fast)
+# A server started in a thread per test (tests/server/api/outputs/test_parsers.py stays fast)
 pytestmark = pytest.mark.slow
 
 TOOLS = [

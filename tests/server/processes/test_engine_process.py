@@ -19,7 +19,7 @@ import pytest
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
-from .conftest import app_in_thread
+from ..conftest import app_in_thread
 
 # Engine processes started, and killed, per test
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.server.app import build_app
 from deltaserve.server.engine_client import EngineClient
 
-from ..conftest import app_in_thread
+from ...conftest import app_in_thread
 from .test_scripted_outputs import TOOLS, ScriptedEngine
 
 # A server started in a thread per test

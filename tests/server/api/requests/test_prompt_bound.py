@@ -17,8 +17,8 @@ from deltaserve.server.app import build_app
 from deltaserve.server.engine_client import EngineClient
 from deltaserve.server.text.prompt_bound import chars_per_token
 
-from ..conftest import app_in_thread
-from .test_scripted_outputs import QWEN3_OUTPUT, ScriptedEngine
+from ...conftest import app_in_thread
+from ..outputs.test_scripted_outputs import QWEN3_OUTPUT, ScriptedEngine
 
 # Long prompts tokenized, and a stream held running, to time each refusal against
 pytestmark = pytest.mark.slow
