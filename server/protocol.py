@@ -559,8 +559,20 @@ class ToolCall(OpenAIModel):
     function: ToolCallFunction
 
 
-class DeltaToolCall(ToolCall):
+class DeltaToolCall(OpenAIModel):
+    """A call's part of a stream chunk: the first carries its id, type and name, the next ones
+    fragments of its arguments; a field without news is left out, as OpenAI's stream does."""
+
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallFunction
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields = {k: v for k, v in handler(self).items() if v is not None}
+        fields["function"] = {k: v for k, v in fields["function"].items() if v is not None}
+        return fields
 
 
 class TopLogprob(OpenAIModel):

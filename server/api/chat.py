@@ -24,7 +24,7 @@ from ..protocol import (
     ChatMessage,
     DeltaToolCall,
 )
-from ..text.chat_output import ChatOutputParser, ChatStreamState, ended_early, to_openai_tool_calls
+from ..text.chat_output import CallEnd, ChatOutputParser, ChatStreamState, ended_early, to_openai_tool_calls
 from ..text.chat_template import (
     first_image_part,
     image_urls,
@@ -182,7 +182,6 @@ async def prepare_chat(
         tools={t.function.name: t.function.parameters or {} for t in tools} if tools else None,
         tool_format=ctx.tool_format,
         max_calls=None if req.parallel_tool_calls else 1,
-        forced=held,  # a grammar writes the calls
     )
     return PreparedChat(prompt_ids, params, parser, images, prompt)
 
@@ -376,7 +375,7 @@ class ChatGeneration(Generation[ChatChunkChoice]):
 
 async def parsed_steps(
     group: Any, parser: ChatOutputParser
-) -> AsyncIterator[tuple[RequestOutput, str | None, list[str | DeltaToolCall]]]:
+) -> AsyncIterator[tuple[RequestOutput, str | None, list[str | DeltaToolCall | CallEnd]]]:
     """A one-choice chat request's step outputs, each with what it adds as `ChatStreamState` reads
     it (the reasoning, then content and calls in the order written); an output that failed in the
     engine raises (`raise_if_failed`). Shared by the Responses and Messages streams."""
@@ -392,7 +391,8 @@ async def parsed_steps(
 class PartsWriter:
     """A reply written from a chat stream's parsed parts (the Responses and Messages APIs' event
     builders): `feed` sends a step's reasoning, then its content and calls in written order, to
-    `text` (with the API's name for each kind of text) and `call`."""
+    `text` (with the API's name for each kind of text), `call` (a call's name, once known),
+    `arguments` (a fragment of the open call's) and `call_end` (the model ended the call)."""
 
     reasoning_kind: str  # the API's name for reasoning text
     content_kind: str  # ... and for the answer's text
@@ -415,18 +415,29 @@ class PartsWriter:
     def step(self, out: RequestOutput) -> None:
         """Read a step's output before its parts are fed: nothing unless the API's writer needs it."""
 
-    def feed(self, reasoning: str | None, ordered: list[str | DeltaToolCall]) -> list[str]:
+    def feed(self, reasoning: str | None, ordered: list[str | DeltaToolCall | CallEnd]) -> list[str]:
         events = self.text(self.reasoning_kind, reasoning) if reasoning else []
         for part in ordered:
             if isinstance(part, str):
                 events += self.text(self.content_kind, part)
+            elif isinstance(part, CallEnd):
+                events += self.call_end()
             else:
-                events += self.call(part.function.name or "", part.function.arguments or "{}", part.id)
+                if part.function.name is not None:
+                    events += self.call(part.function.name, part.id)
+                if part.function.arguments:
+                    events += self.arguments(part.function.arguments)
         return events
 
     def text(self, kind: str, piece: str) -> list[str]:
         raise NotImplementedError
 
-    def call(self, name: str, arguments: str, call_id: str | None = None) -> list[str]:
-        """`call_id`: the call's id in the chat reply (the model's own where it writes one)."""
+    def call(self, name: str, call_id: str | None = None) -> list[str]:
+        """A call begins. `call_id`: its id in the chat reply (the model's own where it writes one)."""
+        raise NotImplementedError
+
+    def arguments(self, piece: str) -> list[str]:
+        raise NotImplementedError
+
+    def call_end(self) -> list[str]:
         raise NotImplementedError

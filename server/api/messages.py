@@ -43,8 +43,8 @@ from ..protocol import (
     unsupported_unless_one,
     validated,
 )
+from ..text.call_readers import is_model_call_id
 from ..text.chat_output import ChatStreamState, ended_early
-from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ServerContext
 from .request_params import named_id
@@ -408,6 +408,7 @@ class _Blocks(PartsWriter):
         # a stream's message_start message, given the prompt tokens the prefix cache served: sent
         # at the first output, which carries that count (Anthropic's usage counts them there)
         self.message, self.started = message, False
+        self.pending: tuple[str, str, str | None] | None = None  # the call being written: name, arguments, id
 
     def opening(self, first: RequestOutput | None) -> list[str]:
         if self.message is None or self.started:
@@ -438,7 +439,22 @@ class _Blocks(PartsWriter):
         events.append(_event("content_block_delta", index=len(self.blocks) - 1, delta=delta))
         return events
 
-    def call(self, name: str, arguments: str, call_id: str | None = None) -> list[str]:
+    def call(self, name: str, call_id: str | None = None) -> list[str]:
+        self.pending = (name, "", call_id)
+        return []
+
+    def arguments(self, piece: str) -> list[str]:
+        if self.pending is not None:
+            name, arguments, call_id = self.pending
+            self.pending = (name, arguments + piece, call_id)
+        return []
+
+    def call_end(self) -> list[str]:
+        """The call, whole: its input must be a JSON object (known only once whole), so its block is
+        sent at its end; a call cut off is no tool_use."""
+        if self.pending is None:
+            return []
+        (name, arguments, call_id), self.pending = self.pending, None
         events = self.close()
         try:
             value = json.loads(arguments)

@@ -43,8 +43,8 @@ from ..protocol import (
     unsupported_unless_one,
     validated,
 )
+from ..text.call_readers import is_model_call_id
 from ..text.chat_output import ChatStreamState, ended_early, tool_call_id
-from ..text.tool_calls import is_model_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ClientDisconnected, ServerContext
 from .logprobs import chat_logprobs, token_text_for
@@ -668,7 +668,7 @@ class _Events(PartsWriter):
     def __init__(self, logprobs: Callable[[list[Logprob]], list[dict[str, Any]]] | None = None) -> None:
         self.seq = 0
         self.output: list[dict[str, Any]] = []
-        self.open: dict[str, int] = {}  # "reasoning" / "message" -> its item's index, while open
+        self.open: dict[str, int] = {}  # "reasoning" / "message" / "call" -> its item's index, while open
         self.logprobs = logprobs  # a token's output_text logprobs entry, where include asks for them
         self.pending: list[dict[str, Any]] = []  # tokens' entries no text delta has carried yet
 
@@ -694,7 +694,7 @@ class _Events(PartsWriter):
 
     def text(self, kind: str, piece: str) -> list[str]:
         """A piece of reasoning or message text: opens its item (closing the other) and sends a delta."""
-        events = self.close("message" if kind == "reasoning" else "reasoning")
+        events = self.close("message" if kind == "reasoning" else "reasoning") + self.close("call")
         index = self.open.get(kind)
         if index is None:
             if kind == "reasoning":
@@ -731,8 +731,14 @@ class _Events(PartsWriter):
         if index is None:
             return []
         item = self.output[index]
-        part = item["content"][0]
         item["status"] = status
+        if kind == "call":
+            ref = {"item_id": item["id"], "output_index": index}
+            return [
+                self.emit("response.function_call_arguments.done", **ref, arguments=item["arguments"]),
+                self.emit("response.output_item.done", output_index=index, item=item),
+            ]
+        part = item["content"][0]
         ref = {"item_id": item["id"], "output_index": index, "content_index": 0}
         done = (
             self.emit("response.reasoning_text.done", **ref, text=part["text"])
@@ -761,7 +767,7 @@ class _Events(PartsWriter):
         messages = [item for item in self.output if item["type"] == "message"]
         if messages:  # tokens after the last text (an end token, a call's markup) join the last message
             self.carry(messages[-1]["content"][0])
-        events = self.close("reasoning", status) + self.close("message", status)
+        events = self.close("reasoning", status) + self.close("message", status) + self.close("call", status)
         if not any(item["type"] in ("message", "function_call") for item in self.output):
             events += self.text("message", "") + self.close("message", status)
         return events
@@ -769,22 +775,26 @@ class _Events(PartsWriter):
     def reasoning_text(self) -> str:
         return "".join(i["content"][0]["text"] for i in self.output if i["type"] == "reasoning")
 
-    def call(self, name: str, arguments: str, call_id: str | None = None) -> list[str]:
-        events = self.close("reasoning") + self.close("message")
-        item = _call_item(name, arguments, call_id if is_model_call_id(call_id) else None)
+    def call(self, name: str, call_id: str | None = None) -> list[str]:
+        events = self.close("reasoning") + self.close("message") + self.close("call")
+        item = _call_item(name, "", call_id if is_model_call_id(call_id) else None)
+        item["status"] = "in_progress"
         self.output.append(item)
-        index = len(self.output) - 1
-        ref = {"item_id": item["id"], "output_index": index}
-        return events + [
+        index = self.open["call"] = len(self.output) - 1
+        return events + [self.emit("response.output_item.added", output_index=index, item=dict(item))]
+
+    def arguments(self, piece: str) -> list[str]:
+        index = self.open["call"]
+        item = self.output[index]
+        item["arguments"] += piece
+        return [
             self.emit(
-                "response.output_item.added",
-                output_index=index,
-                item={**item, "arguments": "", "status": "in_progress"},
-            ),
-            self.emit("response.function_call_arguments.delta", **ref, delta=arguments),
-            self.emit("response.function_call_arguments.done", **ref, arguments=arguments),
-            self.emit("response.output_item.done", output_index=index, item=item),
+                "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=piece
+            )
         ]
+
+    def call_end(self) -> list[str]:
+        return self.close("call")
 
 
 def _empty(item: dict[str, Any]) -> dict[str, Any]:

@@ -1,12 +1,13 @@
-"""A reply aborted (/abort_request) while the model writes a tool call: the half-written call is no
-call, in chat completions, the Responses API and the Messages API, streamed or not, as a call
-that max_tokens cuts off is none. The tiny model cannot write calls: a stand-in engine writes a
-fixed Qwen3.5-style output, then waits with the request running until it is aborted."""
+"""A reply aborted (/abort_request) while the model writes a tool call, as a call that max_tokens
+cuts off: in chat completions and the Responses API, streamed or not, the half-written call whose
+name is out (a stream has sent it, and its arguments so far) is a call with the arguments written;
+in the Messages API, whose tool_use input is a whole JSON object, it is none. The tiny model cannot
+write calls: a stand-in engine writes a fixed Qwen3.5-style output, then waits with the request
+running until it is aborted."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,6 +33,7 @@ WHOLE_CALL = (
 )
 # the XML body parses as a call without its closing tags: only the end tells a half call from a whole one
 HALF_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+HALF_ARGUMENTS = '{"city": "Par'  # the half call's arguments, as written before the abort
 
 
 class StallingEngine(ScriptedEngine):
@@ -102,7 +104,7 @@ def aborted(url: str, engine: StallingEngine, name: str, send: Callable[[], Any]
     return result["value"]
 
 
-def test_chat_aborted_mid_call_gives_no_call(stalling) -> None:
+def test_chat_aborted_mid_call_gives_the_call_so_far(stalling) -> None:
     url, engine = stalling(BEFORE + WHOLE_CALL + "\n" + HALF_CALL)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     kw: dict[str, Any] = dict(
@@ -119,17 +121,21 @@ def test_chat_aborted_mid_call_gives_no_call(stalling) -> None:
 
     choice = aborted(url, engine, "chat-whole", whole).choices[0]
     assert choice.finish_reason == "abort" and choice.message.content == BEFORE
-    # the whole call the reply holds stays; the half one after it is neither a call nor content
-    assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [{"city": "Paris"}]
+    # the whole call the reply holds stays; the half one after it is a call cut off, not content
+    want = [("get_weather", '{"city": "Paris"}'), ("get_weather", HALF_ARGUMENTS)]
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == want
     chunks = aborted(url, engine, "chat-stream", streamed)
-    calls = [c for chunk in chunks for ch in chunk.choices for c in ch.delta.tool_calls or []]
-    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}]
+    calls: dict[int, tuple[str, str]] = {}
+    for c in (c for chunk in chunks for ch in chunk.choices for c in ch.delta.tool_calls or []):
+        name, arguments = calls.get(c.index, ("", ""))
+        calls[c.index] = (name + (c.function.name or ""), arguments + (c.function.arguments or ""))
+    assert [calls[i] for i in sorted(calls)] == want
     content = "".join(ch.delta.content or "" for chunk in chunks for ch in chunk.choices)
     assert content == BEFORE
     assert [ch.finish_reason for chunk in chunks for ch in chunk.choices if ch.finish_reason] == ["abort"]
 
 
-def test_responses_aborted_mid_call_give_no_call_item(stalling) -> None:
+def test_responses_aborted_mid_call_give_an_incomplete_call_item(stalling) -> None:
     url, engine = stalling(BEFORE + HALF_CALL)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     tools = [{"type": "function", **TOOLS[0]["function"]}]
@@ -143,13 +149,20 @@ def test_responses_aborted_mid_call_give_no_call_item(stalling) -> None:
 
     response = aborted(url, engine, "resp-whole", whole)
     assert response.status == "cancelled"
-    assert [(i.type, i.status) for i in response.output] == [("message", "incomplete")]
-    assert response.output_text == BEFORE
+    # the message ended where the call began; the call stopped where the abort cut it
+    assert [(i.type, i.status) for i in response.output] == [
+        ("message", "completed"),
+        ("function_call", "incomplete"),
+    ]
+    assert response.output_text == BEFORE and response.output[1].arguments == HALF_ARGUMENTS
     events = aborted(url, engine, "resp-stream", streamed)
-    assert not [e for e in events if "function_call" in e.type]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == HALF_ARGUMENTS
     final = events[-1].response
-    assert final.status == "cancelled" and [i.type for i in final.output] == ["message"]
-    assert final.output_text == BEFORE
+    assert final.status == "cancelled" and [(i.type, i.status) for i in final.output] == [
+        (i.type, i.status) for i in response.output
+    ]
+    assert final.output_text == BEFORE and final.output[1].arguments == HALF_ARGUMENTS
 
 
 def test_messages_aborted_mid_call_give_no_tool_use(stalling) -> None:

@@ -194,7 +194,7 @@ def test_a_forced_calls_finish_reason_is_openais(serve_script, tool_choice, fini
 )
 def test_a_forced_call_whose_arguments_hold_a_lone_surrogate_stays_a_call(serve_script, tool_choice) -> None:
     """A call that tool_choice forces is a call even where its JSON decodes to a lone surrogate
-    (vLLM passes a named call's text on as written; under "auto" it stays content): its arguments
+    (vLLM passes a named call's text on as written; under "auto" too, its name sent): its arguments
     keep the escape the model wrote, whole and streamed, and the Responses API's item too; the
     Messages API's tool_use input, which its reply cannot carry, is {} (as for NaN)."""
     script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud800"}}\n</tool_call>'
@@ -237,6 +237,49 @@ def test_qwen35_xml_tool_call_after_prompt_opened_think(serve_script, tmp_path: 
     assert finishes == ["tool_calls"]
 
 
+@pytest.mark.parametrize("form", ["xml", "json"])
+def test_the_openai_clients_stream_helper_gets_the_arguments_in_fragments(serve_script, form: str) -> None:
+    """The official client's chat stream helper, over a reply of two calls: each call's arguments
+    arrive in many `tool_calls.function.arguments.delta` events, before the call's end, that add up
+    to the whole reply's arguments (a value with markup-like text, quotes, newlines and unicode);
+    the ids stay, the finish reason is tool_calls."""
+    city = 'New "York" <b>\n</para é 😀'
+    if form == "xml":
+        call = f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n</function>\n</tool_call>"
+    else:
+        call = (
+            f"<tool_call>\n{json.dumps({'name': 'get_weather', 'arguments': {'city': city}})}\n</tool_call>"
+        )
+    client = serve_script("Checking.\n" + call + "\n" + call)
+    whole = ask(client, tools=TOOLS).choices[0]
+    assert [json.loads(c.function.arguments) for c in whole.message.tool_calls] == [{"city": city}] * 2
+    kw = dict(model="scripted", messages=[{"role": "user", "content": "?"}], tools=TOOLS, max_tokens=500)
+    with client.chat.completions.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    deltas = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert [e.arguments for e in done] == [c.function.arguments for c in whole.message.tool_calls]
+    for index in (0, 1):
+        pieces = [e.arguments_delta for e in deltas if e.index == index]
+        assert len(pieces) > 5 and "".join(pieces) == done[index].arguments
+        assert {e.name for e in deltas if e.index == index} == {"get_weather"}
+    # the first call's fragments come before the second call begins
+    first_of_second = next(i for i, e in enumerate(events) if getattr(e, "index", None) == 1)
+    assert max(i for i, e in enumerate(events) if e in deltas and e.index == 0) < first_of_second
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    assert [c.function.arguments for c in choice.message.tool_calls] == [e.arguments for e in done]
+    ids = [c.id for c in choice.message.tool_calls]
+    assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
+    # every chunk of a call after its first carries its index and arguments only, as OpenAI's do
+    raw = [
+        c for e in events if e.type == "chunk" for ch in e.chunk.choices for c in ch.delta.tool_calls or []
+    ]
+    assert [c.id for c in raw if c.function.name] == ids
+    assert all(c.id is None and c.type is None for c in raw if not c.function.name)
+
+
 def test_responses_api_gives_reasoning_and_call_items(serve_script) -> None:
     """/v1/responses over the same scripted Qwen3.5 output: a reasoning item, then a function_call
     item with typed arguments; streamed, the events build the same items."""
@@ -263,6 +306,9 @@ def test_responses_api_gives_reasoning_and_call_items(serve_script) -> None:
     assert reasoning == r.output[0].content[0].text
     (args,) = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
     assert json.loads(args) == {"city": "Paris", "days": 2}
+    # the arguments stream in fragments as they are written
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 2 and "".join(pieces) == args == call.arguments
     final = events[-1]
     assert final.type == "response.completed"
     assert [item.type for item in final.response.output] == ["reasoning", "function_call"]
@@ -311,18 +357,23 @@ def test_without_tools_the_call_text_stays_content(serve_script) -> None:
     assert content == r.choices[0].message.content and calls == []
 
 
-def test_a_call_nested_deeper_than_a_parser_recurses_stays_content(serve_script) -> None:
-    """A generated call whose JSON nests past Python's recursion limit is no call the server can
-    read: its text stays content, as an unparsable call's does (vLLM's parsers too), not a 500."""
+def test_a_call_nested_deeper_than_a_parser_recurses_stops_there(serve_script) -> None:
+    """A generated call whose JSON nests past what a parser recurses (and the next turn's template
+    takes: MAX_ARGUMENTS_DEPTH) is a call, its name sent before its arguments are read, whose
+    arguments stop at that depth, whole and streamed alike; not a 500."""
+    from deltaserve.engine.requests.chat_prompt import MAX_ARGUMENTS_DEPTH
+
     deep = "[" * 1500 + "]" * 1500
     client = serve_script(
         f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": {deep}}}}}\n</tool_call>'
     )
     r = ask(client, tools=TOOLS, max_tokens=3000)
-    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
-    assert deep in r.choices[0].message.content
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    assert call.function.arguments == '{"city": ' + "[" * (MAX_ARGUMENTS_DEPTH - 1)
     _, content, calls, finishes = collect_stream(client, tools=TOOLS, max_tokens=3000)
-    assert content == r.choices[0].message.content and calls == [] and finishes == ["stop"]
+    assert content == "" and finishes == ["tool_calls"]
+    assert [c["arguments"] for c in calls] == [call.function.arguments]
 
 
 def test_tool_choice_none_turns_parsing_off(serve_script) -> None:

@@ -141,8 +141,14 @@ def compare_chat(url: str, oai: openai.OpenAI, **kw: Any) -> None:
         assert "".join(c.delta.content or "" for c in mine) == (message.content or "")
         reasoning = "".join(getattr(c.delta, "reasoning_content", None) or "" for c in mine)
         assert reasoning == (getattr(message, "reasoning_content", None) or "")
-        calls = [(t.function.name, t.function.arguments) for c in mine for t in c.delta.tool_calls or []]
-        assert calls == [(t.function.name, t.function.arguments) for t in message.tool_calls or []]
+        calls: dict[int, list[str]] = {}  # a call's first delta has its name, the next its arguments
+        for t in (t for c in mine for t in c.delta.tool_calls or []):
+            assert (t.index in calls) == (t.function.name is None) == (t.id is None)
+            call = calls.setdefault(t.index, [t.function.name or "", ""])
+            call[1] += t.function.arguments or ""
+        assert [tuple(calls[i]) for i in sorted(calls)] == [
+            (t.function.name, t.function.arguments) for t in message.tool_calls or []
+        ]
         assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
         assert [c.stop_reason for c in mine if c.finish_reason] == [choice.stop_reason]
         if choice.logprobs is not None:
