@@ -116,7 +116,7 @@ def in_process(builtin_path: str) -> Iterator[tuple[str, list[int], list[tuple[s
     from deltaserve.server.app import build_app
     from deltaserve.server.engine_client import EngineClient
 
-    from ..conftest import app_in_thread
+    from ...conftest import app_in_thread
 
     rows: list[int] = []
     added: list[tuple[str, Any]] = []  # the engine ids added, in order, with their params
