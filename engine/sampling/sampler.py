@@ -288,8 +288,17 @@ class Sampler:
 
     def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         logits = self.process(logits, reqs)
-        if all(r.params.greedy for r in reqs):
-            return logits.argmax(dim=-1)
+        drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if len(drawn) == len(reqs):
+            return self._draw(logits, reqs)
+        tokens = logits.argmax(dim=-1)
+        if drawn:  # noise and ranking for the rows that draw only: a row of noise costs a vocabulary
+            rows = to_device(drawn, torch.long, logits.device)
+            tokens[rows] = self._draw(logits[rows], [reqs[i] for i in drawn])
+        return tokens
+
+    def _draw(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Each row's token by the exponential race over its filtered distribution (`pick_tokens`)."""
         vocab = logits.shape[-1]
         temp, min_p, top_p, top_k, greedy = self._param_tensors(reqs, vocab, logits.device)
         width = ranking_width(reqs, vocab)

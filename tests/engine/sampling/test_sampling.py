@@ -252,6 +252,32 @@ def test_each_path_gives_the_written_out_distribution(rows, monkeypatch):
     assert ranked == ([max(ks)] if uses_topk else [])
 
 
+def test_greedy_rows_beside_a_sampled_one_draw_no_noise(monkeypatch):
+    """Greedy rows take their argmax and the sampled rows alone draw noise: a row of noise costs a
+    vocabulary, which a large greedy batch would otherwise add to every step of the streams beside it.
+    The sampled row, seeded, draws what it draws alone."""
+    vocab = 3000
+    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
+
+    def sample(rows: torch.Tensor, greedy: int, at: int) -> tuple[list[int], list[int]]:
+        sampler = Sampler(torch.device("cpu"), 0, [])
+        drawn: list[int] = []
+        real = sampler.fill_noise
+        monkeypatch.setattr(sampler, "fill_noise", lambda n, r, v: drawn.append(n.shape[0]) or real(n, r, v))
+        reqs = [make_request(SamplingParams(temperature=0.0)) for _ in range(greedy)]
+        reqs.insert(at, make_request(params))
+        reqs[at].generator = sampler.new_generator(params.seed)
+        return sampler.sample_tokens(rows, reqs).tolist(), drawn
+
+    tokens, drawn = sample(logits, 8, 4)
+    assert drawn == [1]  # one row of noise, not nine
+    greedy = logits.argmax(dim=-1).tolist()
+    assert tokens[:4] + tokens[5:] == greedy[:4] + greedy[5:]
+    alone, _ = sample(logits[4:5], 0, 0)
+    assert tokens[4] == alone[0]
+
+
 def test_logit_bias_forces_and_bans_tokens(llm):
     forced = llm.generate(
         PROMPTS,
