@@ -241,6 +241,55 @@ def test_a_huge_prompt_holds_up_no_other_requests_prompt(server, path: str, body
     assert len(small) >= 4 and max(small) < big["took"] / 4, (big, small)
 
 
+@pytest.mark.slow
+def test_a_batch_of_a_thousand_prompts_leaves_a_running_stream_its_steps(server, until_idle) -> None:
+    """A /generate batch of 1,000 one-token prompts sent beside a sampled stream: the stream goes on
+    getting tokens while the batch runs (one a step, the batch taking a running place each beside
+    it), its longest wait a small part of the batch's time, and each of the batch's answers is its
+    prompt's greedy tokens alone."""
+    firsts = list(range(100, 20000, 1999))
+    sampling = {"max_new_tokens": 2, "temperature": 0}
+    url = f"{server.url}/generate"
+    alone = {
+        t: httpx.post(url, json={"input_ids": [t], "sampling_params": sampling}, timeout=60).json()[
+            "output_ids"
+        ]
+        for t in firsts
+    }
+    started, batch_done = threading.Event(), threading.Event()
+    events: list[float] = []
+
+    def stream() -> None:
+        body = {**COMPLETION, "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue  # the blank line after each event, and [DONE]
+                events.append(time.monotonic())
+                if len(events) >= 5:
+                    started.set()
+                if batch_done.is_set():
+                    break  # leaving aborts it
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(60)
+    prompts = [[firsts[i % len(firsts)]] for i in range(1000)]
+    start = time.monotonic()
+    try:
+        r = httpx.post(url, json={"input_ids": prompts, "sampling_params": sampling}, timeout=600)
+    finally:
+        took = time.monotonic() - start
+        batch_done.set()
+        thread.join(60)
+    assert r.status_code == 200, r.text[:500]
+    assert [a["output_ids"] for a in r.json()] == [alone[p[0]] for p in prompts]
+    during = [b - a for a, b in zip(events, events[1:]) if b > start and a < start + took]
+    # at most max_running_requests (64 on CPU) of the batch run at once: 1,000 take 16 steps or more
+    assert len(during) >= 10 and max(during) < took / 4, (took, sorted(during)[-5:])
+    until_idle(server.url)
+
+
 def test_a_requests_text_is_counted_in_every_message_part_and_prompt() -> None:
     from deltaserve.server.api.context import text_chars
     from deltaserve.server.protocol import ChatMessage
