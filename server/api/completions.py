@@ -162,6 +162,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     generation = CompletionGeneration(ctx, req, model)
     bad_words = await ctx.bad_words_ids(req)
     for j, (text, ids) in enumerate(prompts):
+        await asyncio.sleep(0)  # a batch's prompts one by one, other requests served between them
         # one request's values: the log warns of a low temperature once, not once a prompt
         params = ctx.sampling_params(req, len(ids), bad_words, warn=j == 0)
         if j == 0 and params.structured_outputs is not None:  # one grammar for every prompt

@@ -226,6 +226,7 @@ class NativeGeneration:
         ):
             if not isinstance(sampling, dict):
                 raise bad_request("sampling_params must be an object, or a list of them", "sampling_params")
+            await asyncio.sleep(0)  # a batch's prompts one by one, other requests served between them
             read = await ctx.images.read(urls, "image_data")
             if read is not None:
                 ids = ctx.images.expand(ids, read, "image_data")
