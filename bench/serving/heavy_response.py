@@ -1,12 +1,13 @@
 """How long one heavy response (unstreamed, or streamed) freezes a concurrent greedy stream.
 
-    python -m bench.serving.heavy_response [--kind completions|echo|generate] [--n 128]
+    python -m bench.serving.heavy_response [--kind completions|echo|generate|batch] [--n 128]
 
 Starts a real server with the built-in model, keeps greedy streamed completions running from a
 thread, and sends one heavy request beside them: `/v1/completions` with `n` choices and
 `prompt_logprobs=20` on a prompt of `--prompt-len` random token ids (`echo`: with `echo` and
-`logprobs=20` too), or `/generate` with `n` and `logprob_start_len=0`; `--stream` streams it
-(completions then without `prompt_logprobs`, which streams refuse). Reports the heavy
+`logprobs=20` too), or `/generate` with `n` and `logprob_start_len=0`, or (`batch`) `/generate`
+with `n` greedy one-token prompts of one new token each; `--stream` streams it (completions then
+without `prompt_logprobs`, which streams refuse), and `--stream-temperature` samples the streams. Reports the heavy
 request's time and body size, and the stream's usual (median) and longest gap between chunks
 while the heavy request was in flight. Runs on any machine; the figures belong to its CPU.
 """
@@ -28,6 +29,11 @@ import httpx
 
 
 def _heavy_request(kind: str, n: int, prompt: list[int], model: str) -> tuple[str, dict[str, object]]:
+    if kind == "batch":
+        return "/generate", {
+            "input_ids": [[t] for t in (prompt * n)[:n]],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        }
     if kind == "generate":
         return "/generate", {
             "input_ids": prompt,
@@ -50,11 +56,13 @@ def _heavy_request(kind: str, n: int, prompt: list[int], model: str) -> tuple[st
 
 
 class _Streamer(threading.Thread):
-    """Greedy streamed completions, one after another, each chunk's arrival time kept."""
+    """Streamed completions (greedy unless given a temperature), one after another, each chunk's
+    arrival time kept."""
 
-    def __init__(self, url: str, model: str) -> None:
+    def __init__(self, url: str, model: str, temperature: float = 0.0) -> None:
         super().__init__(daemon=True)
         self.url, self.model, self.stop = url, model, threading.Event()
+        self.temperature = temperature
         self.arrivals: list[list[float]] = []
 
     def run(self) -> None:
@@ -62,7 +70,7 @@ class _Streamer(threading.Thread):
             "model": self.model,
             "prompt": "Once upon a time",
             "max_tokens": 200,
-            "temperature": 0,
+            "temperature": self.temperature,
             "stream": True,
         }
         body["ignore_eos"] = True
@@ -86,11 +94,14 @@ class _Streamer(threading.Thread):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kind", choices=["completions", "echo", "generate"], default="completions")
+    ap.add_argument("--kind", choices=["completions", "echo", "generate", "batch"], default="completions")
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=500)
     ap.add_argument("--port", type=int, default=18731)
     ap.add_argument("--stream", action="store_true", help="stream the heavy request (its events read whole)")
+    ap.add_argument(
+        "--stream-temperature", type=float, default=0.0, help="the concurrent streams' temperature"
+    )
     args = ap.parse_args()
 
     url = f"http://127.0.0.1:{args.port}"
@@ -109,7 +120,7 @@ def main() -> None:
                 raise SystemExit(f"server did not come up; its log: {log.name}")
             time.sleep(0.5)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        streamer = _Streamer(url, model)
+        streamer = _Streamer(url, model, args.stream_temperature)
         streamer.start()
         time.sleep(3)  # the stream settles into its pace
         prompt = [random.Random(0).randrange(1000, 20000) for _ in range(args.prompt_len)]
@@ -129,6 +140,7 @@ def main() -> None:
             json.dumps(
                 {
                     "kind": args.kind,
+                    "stream_temperature": args.stream_temperature,
                     "stream": args.stream,
                     "n": args.n,
                     "heavy_s": round(end - start, 2),
