@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -205,6 +206,40 @@ def test_docs_tables_match_the_parser_flag_for_flag() -> None:
             assert default.startswith(f"`{action.default}`"), (
                 f"docs/cli.md gives {flag}'s default as {default}, serve's is {action.default}"
             )
+
+
+def docs_serve_commands() -> list[tuple[str, list[str]]]:
+    """Each `deltaserve serve ...` command in README.md and docs/*.md code (fenced blocks and inline
+    spans), continuation lines joined and comments dropped, with the page it is on and its words."""
+    root = DOCS.parents[1]
+    commands = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = page.read_text().replace("\\\n", " ")
+        for code in re.findall(r"```.*?```|`[^`\n]+`", text, flags=re.S):
+            for match in re.finditer(r"deltaserve\s+serve\b([^\n#`]*)", code):
+                commands.append((f"{page.name}: {match.group(0).strip()}", shlex.split(match.group(1))))
+    return commands
+
+
+def test_docs_commands_use_flags_serve_takes() -> None:
+    """A command a reader copies from the docs names only flags serve takes, with values among their
+    choices (the tables are checked above; the examples are not in them)."""
+    actions = {name: a for a in serve_actions() for name in a.option_strings}
+    commands = docs_serve_commands()
+    assert len(commands) > 10  # the extraction still finds the examples
+    for where, words in commands:
+        for i, word in enumerate(words):
+            if not word.startswith("-") or re.fullmatch(r"-\d+", word):
+                continue
+            flag, _, inline = word.partition("=")
+            assert flag in actions, f"{where}: serve takes no {flag}"
+            action = actions[flag]
+            if action.choices is not None:
+                value = inline or words[i + 1]
+                typed = action.type(value) if callable(action.type) else value
+                assert typed in action.choices, (
+                    f"{where}: {flag} {value} is not one of {list(action.choices)}"
+                )
 
 
 def test_help_and_docs_say_what_device_dependent_defaults_resolve_to() -> None:
