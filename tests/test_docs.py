@@ -1,4 +1,5 @@
-"""docs/architecture.md, which says it maps every module, names every module of the packages it maps."""
+"""The docs name what the code has: docs/architecture.md every module of the packages it maps,
+docs/cli.md every environment variable; their links and citations resolve."""
 
 from __future__ import annotations
 
@@ -85,3 +86,19 @@ def test_code_cites_measurements_by_a_section_that_exists() -> None:
             if not target.exists() or not any(h.startswith(section) for h in _headings(target)):
                 bad.append(f'{where}, "{section}" (no such heading)')
     assert not bad, "\n".join(bad)
+
+
+def test_cli_lists_every_environment_variable_the_code_reads() -> None:
+    """docs/cli.md's table of environment variables has a row for each DELTASERVE_ variable the
+    packages name, and no row for one they do not."""
+    read = {
+        name
+        for top in ("deltaserve", "server", "engine", "models", "kernels")
+        for path in (ROOT / top).rglob("*.py")
+        for name in re.findall(r"\bDELTASERVE_[A-Z0-9_]+\b", path.read_text())
+    }
+    table = set(re.findall(r"^\| `(DELTASERVE_[A-Z0-9_]+)`", (ROOT / "docs" / "cli.md").read_text(), re.M))
+    assert len(table) >= 10
+    assert read == table, (
+        f"read, not listed: {sorted(read - table)}; listed, not read: {sorted(table - read)}"
+    )
