@@ -121,3 +121,44 @@ def test_each_finished_request_is_timed_by_phase_and_counted_by_tokens(
     assert gained("vllm:request_decode_time_seconds_sum") <= inference
     assert gained("deltaserve_request_prompt_tokens_sum") == sum(len(p) for p in prompts)
     assert after["vllm:num_preemptions_total"] == after["deltaserve_num_preemptions_total"] == 0
+
+
+def metric_families(names: set[str]) -> set[str]:
+    """Served series names as the docs name them: a histogram by its name, not its `_bucket`, `_sum`, `_count`."""
+    histograms = {n.removesuffix("_bucket") for n in names if n.endswith("_bucket")}
+    return {n for n in names if re.sub(r"_(bucket|sum|count)$", "", n) not in histograms} | histograms
+
+
+def metrics_table() -> tuple[str, list[tuple[str, list[str]]]]:
+    """docs/api.md's Metrics section and its table's rows: each row's first name and its `/ _suffix`
+    shorthands (`deltaserve_kv_pages_used` / `_total`)."""
+    section = (DASHBOARD.parent / "api.md").read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("| `deltaserve_"):
+            names = re.findall(r"`([a-z0-9_:]+)", line.split("|")[1])
+            rows.append((names[0], [n for n in names[1:] if n.startswith("_")]))
+    return section, rows
+
+
+def completions(first: str, short: str) -> set[str]:
+    """What a shorthand may complete to: the row's first name up to one of its underscores, then it."""
+    return {first[:i] + short for i, c in enumerate(first) if c == "_"}
+
+
+def test_docs_name_every_metric_served_and_serve_every_one_they_list(client, server) -> None:
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": -1}, timeout=10)
+    assert bad.status_code == 400  # errors are counted by status from the first one on
+    served = metric_families(served_names(server.url))
+    section, rows = metrics_table()
+    assert len(rows) >= 20
+    spelled = {n for first, shorts in rows for s in shorts for n in completions(first, s)}
+    undocumented = {m for m in served if m not in section and m not in spelled}
+    assert not undocumented, f"/metrics serves metrics docs/api.md does not name: {sorted(undocumented)}"
+    for first, shorts in rows:
+        assert first in served, f"docs/api.md lists {first}, which /metrics does not serve"
+        for short in shorts:
+            assert completions(first, short) & served, f"docs/api.md lists {first} / {short}, not served"
