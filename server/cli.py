@@ -595,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     http = serve.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    http.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    http.add_argument("--port", type=_port, default=8000, help="port to listen on (0: a free one, logged)")
     http.add_argument(
         "--uds",
         default=None,

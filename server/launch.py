@@ -29,6 +29,8 @@ def serve(args: argparse.Namespace) -> int:
     config = _uvicorn_config(args)
     _check_tls(args)  # as a taken port below: a bad key fails now, not after minutes of loading
     sock = _bind(config)
+    if not args.uds:
+        args.port = sock.getsockname()[1]  # --port 0: the one the system picked, in the log line below
     _raise_open_files_limit()
     _warn_if_accept_queue_capped(config.backlog)
     engine_config = _engine_config(args)

@@ -26,6 +26,10 @@ from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 MAX_MODEL_LEN = 512
 
 
+# launch.py's line once the engine is loaded, naming the port the server bound
+_SERVING = re.compile(r"serving .* on https?://[^\s]+:([1-9]\d*)")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -38,9 +42,11 @@ def app_in_thread(app: Any, join_s: float = 20) -> Iterator[int]:
     of this process: yields the port once it serves, stops it after."""
     import uvicorn
 
-    port = free_port()
+    sock = socket.socket()  # bound here, on a port the system picks, and held until the server serves on it
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
@@ -58,7 +64,7 @@ class ServerProcess:
 
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    port: int = field(default_factory=free_port)
+    port: int = 0  # the server picks it (--port 0) and logs it; `start` reads it from there
     new_session: bool = False  # a process group of its own, which a test may signal as a whole
     proc: subprocess.Popen[str] | None = None
     log_path: Path | None = None
@@ -70,7 +76,9 @@ class ServerProcess:
         return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self, log_dir: Path, timeout: float = 180.0) -> ServerProcess:
-        self.log_path = log_dir / f"server-{self.port}.log"
+        self.log_path = log_dir / "server.log"
+        if self.uds:  # no TCP port is bound: one the server is told of, for a test to find nothing on
+            self.port = free_port()
         cmd = [sys.executable, "-m", "deltaserve", "serve", "--port", str(self.port), *self.args]
         env = {**os.environ, **self.env}
         self.proc = subprocess.Popen(
@@ -85,6 +93,12 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            if not self.port:
+                found = _SERVING.search(self.log())
+                if found is None:
+                    time.sleep(0.2)
+                    continue
+                self.port = int(found.group(1))
             try:
                 transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
                 with httpx.Client(transport=transport, verify=self.tls or True, timeout=1.0) as http:

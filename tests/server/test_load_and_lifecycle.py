@@ -140,6 +140,14 @@ def test_non_stream_disconnect_aborts(server, read_metrics, until_idle) -> None:
     assert _aborts(read_metrics, server.url) == aborted_before + 2
 
 
+def test_port_0_serves_on_a_free_port_that_the_log_names(server) -> None:
+    """--port 0 (how the tests start every server): the system picks the port when the server binds
+    it, so no other process can take it first, and the 'serving ... on' line names that port, not 0."""
+    assert server.proc is not None and server.proc.args[4:6] == ["--port", "0"]
+    assert server.port != 0 and f"on http://127.0.0.1:{server.port} " in server.log()
+    assert httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=10).status_code == 200
+
+
 def test_curl(server) -> None:
     body = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     out = subprocess.run(

@@ -443,14 +443,14 @@ def test_a_request_whose_grammar_outlasts_the_server_or_engine_is_a_503(end: str
     engine = SlowGrammarEngine()
     client = EngineClient.in_thread(engine)
     app = build_app(client, model_names=["failing"])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    sock = socket.socket()  # held from here until the server serves on it: no other process takes the port
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1
     )
     server = DrainingServer(config, client, drain_s=0.5)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_for(lambda: server.started)
     out: dict[str, Any] = {}

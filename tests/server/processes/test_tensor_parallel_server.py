@@ -317,7 +317,7 @@ def test_a_signal_while_loading_stops_every_rank(model_cache, tmp_path, sig):
     (SIGINT), or the server died and left both loading, orphaned (SIGTERM)."""
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "deltaserve", "serve", "--port", str(free_port()), *TP2],
+        [sys.executable, "-m", "deltaserve", "serve", "--port", "0", *TP2],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "DELTASERVE_CACHE": model_cache},
