@@ -7,8 +7,11 @@ machine without CUDA `fla` is hidden from this process.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -55,6 +58,25 @@ QWEN35_08B_HEADS = dict(
 )
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32)
+
+
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A loopback port the system picks, held until the block ends, for one that a process must be
+    told before it listens (a --master-port): bound without listening, with SO_REUSEADDR, it keeps
+    other processes' binds and connects off the port while a server that sets SO_REUSEADDR too
+    (ours, torch's TCP store) can still listen on it."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def master_port() -> Iterator[int]:
+    """A `reserved_port` for the test's whole run."""
+    with reserved_port() as port:
+        yield port
 
 
 def _build(kind: str, path: str, seed: int = 0, shard: bool = False, **overrides) -> str:

@@ -37,12 +37,6 @@ class RankGroups:
         return self.tp.rank == 0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
     """A rank's device: on CUDA the GPU of its place on its node, counted from the cuda:N given
     (a data-parallel replica's first GPU; cuda:0 when none is)."""
@@ -52,39 +46,27 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank % config.ranks_per_node)
 
 
-def init_rank(
-    config: EngineConfig,
-    rank: int,
-    master_port: int,
-    device: torch.device,
-    check_workers: Callable[[], str | None] | None = None,
-) -> RankGroups:
-    """Join the rendezvous as `rank` and build the two groups. A rank missing after
-    `distributed_timeout_s` is an error that says who waited for whom; rank 0 also stops waiting
-    as soon as `check_workers` names a local worker that exited."""
+_HINT = "start every node with the same --master-addr, --master-port, --nnodes and --tensor-parallel-size"
+
+
+def open_store(config: EngineConfig, rank: int, master_port: int) -> Any:
+    """The rendezvous's TCP store: rank 0 hosts it at master_addr:master_port (port 0: one the
+    system picks, `store.port`, bound before any worker is told it), the others connect to it."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is already initialised in this process: one tensor-parallel engine "
-            "per process (shut the other down first)"
-        )
-    world = config.tensor_parallel_size
-    addr = config.master_addr
-    limit = config.distributed_timeout_s
+    addr, limit = config.master_addr, config.distributed_timeout_s
     where = f"tensor-parallel rendezvous at {addr}:{master_port}"
-    hint = "start every node with the same --master-addr, --master-port, --nnodes and --tensor-parallel-size"
     if rank != 0:
         # torch's client logs a C++ stack trace before it raises when nothing listens there: wait
         # here until rank 0's store does, and say so in one line if it never does
         why = _unreachable(addr, master_port, time.monotonic() + limit)
         if why is not None:
-            raise RuntimeError(f"{where}: rank {rank} could not reach rank 0 in {limit:g} s ({why}); {hint}")
+            raise RuntimeError(f"{where}: rank {rank} could not reach rank 0 in {limit:g} s ({why}); {_HINT}")
     try:
-        store = dist.TCPStore(
+        return dist.TCPStore(
             addr,
             master_port,
-            world,
+            config.tensor_parallel_size,
             rank == 0,
             timeout=datetime.timedelta(seconds=limit),
             wait_for_workers=False,
@@ -97,8 +79,33 @@ def init_rank(
                 "when it is left out)"
             ) from None
         raise RuntimeError(
-            f"{where}: rank {rank} could not reach rank 0 in {limit:g} s ({exc}); {hint}"
+            f"{where}: rank {rank} could not reach rank 0 in {limit:g} s ({exc}); {_HINT}"
         ) from None
+
+
+def init_rank(
+    config: EngineConfig,
+    rank: int,
+    master_port: int,
+    device: torch.device,
+    check_workers: Callable[[], str | None] | None = None,
+    store: Any = None,
+) -> RankGroups:
+    """Join the rendezvous as `rank` (through `store` when rank 0 opened it already) and build the
+    two groups. A rank missing after `distributed_timeout_s` is an error that says who waited for
+    whom; rank 0 also stops waiting as soon as `check_workers` names a local worker that exited."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialised in this process: one tensor-parallel engine "
+            "per process (shut the other down first)"
+        )
+    world = config.tensor_parallel_size
+    limit = config.distributed_timeout_s
+    where = f"tensor-parallel rendezvous at {config.master_addr}:{master_port}"
+    if store is None:
+        store = open_store(config, rank, master_port)
     if rank == 0:
         keys = [f"deltaserve/joined/{r}" for r in range(1, world)]
         deadline = time.monotonic() + limit
@@ -110,7 +117,7 @@ def init_rank(
                 joined = sum(store.check([k]) for k in keys)
                 raise RuntimeError(
                     f"{where} timed out after {limit:g} s: {joined} of the other {world - 1} ranks "
-                    f"joined; {hint}"
+                    f"joined; {_HINT}"
                 )
             time.sleep(0.05)
     else:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import EngineDeadError
-from deltaserve.engine.parallel.group import RankGroups, destroy, free_port, init_rank, rank_device
+from deltaserve.engine.parallel.group import RankGroups, destroy, init_rank, open_store, rank_device
 from deltaserve.engine.parallel.launcher import WorkerProcesses
 from deltaserve.engine.parallel.liveness import WorkersWatch
 from deltaserve.engine.parallel.step_sync import STOP, StepChannel
@@ -22,7 +22,9 @@ class Ranks:
             raise ValueError("the engine is rank 0, on node 0: other nodes run headless workers")
         self.device = rank_device(config, 0)
         self._on_lost = on_lost
-        port = config.master_port or free_port()
+        # listening before the workers start: no other process can take the port in between
+        store = open_store(config, 0, config.master_port or 0)
+        port = store.port
         self._store_at = (config.master_addr, port)
         self._world = config.tensor_parallel_size
         self._liveness: WorkersWatch | None = None
@@ -31,7 +33,7 @@ class Ranks:
         self.groups: RankGroups | None = None
         try:
             self.groups = init_rank(
-                config, 0, port, self.device, self.workers.exited if self.workers is not None else None
+                config, 0, port, self.device, self.workers.exited if self.workers is not None else None, store
             )
         except BaseException:
             self.stop(None, graceful=False)

@@ -356,12 +356,10 @@ def test_weights_update_on_every_rank(qwen, make_checkpoint):
         assert_ranks_agree(llm)
 
 
-def test_a_missing_rank_is_a_clear_error_not_a_hang(qwen):
-    from deltaserve.engine.parallel.group import free_port
-
+def test_a_missing_rank_is_a_clear_error_not_a_hang(qwen, master_port):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="rendezvous .* timed out after 2 s: 0 of the other 1 ranks"):
-        make_llm(qwen, 2, nnodes=2, master_port=free_port(), distributed_timeout_s=2)
+        make_llm(qwen, 2, nnodes=2, master_port=master_port, distributed_timeout_s=2)
     assert time.monotonic() - t0 < 30
 
 
@@ -385,7 +383,37 @@ def test_a_master_port_in_use_says_so():
     assert "could not reach" not in message, message
 
 
-def test_a_node_that_cannot_reach_rank_0_says_so_in_one_line():
+def test_rank_0_listens_on_its_port_before_its_workers_are_told_it(monkeypatch):
+    """Without --master-port, rank 0 lets the system pick its store's port while binding it, then
+    starts its workers with that port: it picked a free port, released it and bound it again after
+    starting them, and any process could take the port in between."""
+    import socket
+
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.parallel import ranks
+
+    told: dict[str, object] = {}
+
+    class Workers:  # stands in for the worker processes: says whether the port it is given listens
+        def __init__(self, config, local, port) -> None:
+            told["port"] = port
+            with socket.socket() as probe:
+                told["listening"] = probe.connect_ex(("127.0.0.1", port)) == 0
+
+        def exited(self, wait_s: float = 0.0) -> str:
+            return "tensor-parallel rank 1 exited with code 1"
+
+        def stop(self, timeout: float) -> None:
+            pass
+
+    monkeypatch.setattr(ranks, "WorkerProcesses", Workers)
+    config = EngineConfig(model="m", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 1 before joining"):
+        ranks.Ranks(config, lambda why: None)
+    assert told["port"] != 0 and told["listening"] is True, told
+
+
+def test_a_node_that_cannot_reach_rank_0_says_so_in_one_line(master_port):
     """A headless node's rank with nothing listening at --master-addr:--master-port: one error
     line, without the C++ stack trace torch's store client logged before it raised, nor a Python
     traceback."""
@@ -395,10 +423,9 @@ def test_a_node_that_cannot_reach_rank_0_says_so_in_one_line():
     import sys
 
     from deltaserve.engine.config import EngineConfig
-    from deltaserve.engine.parallel.group import free_port
     from deltaserve.engine.parallel.worker import WorkerArgs
 
-    port = free_port()
+    port = master_port  # held unlistened to: nothing answers there
     config = EngineConfig(
         model="m", device="cpu", tensor_parallel_size=2, nnodes=2, master_port=port, distributed_timeout_s=1
     )
@@ -559,7 +586,7 @@ NODE_KW = dict(
 
 
 @pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
-def test_a_worker_exits_in_one_line_once_rank_0_is_gone_or_silent(qwen, tmp_path, sig):
+def test_a_worker_exits_in_one_line_once_rank_0_is_gone_or_silent(qwen, tmp_path, sig, master_port):
     """Node 1's rank outlives an idle rank 0 that sends it nothing for longer than the liveness
     timeout (rank 0's store answers it), and exits with one error line once rank 0 is killed (its
     connection closes) or stopped, as a hung rank 0 or a node 0 that vanished is (its store stops
@@ -571,10 +598,9 @@ def test_a_worker_exits_in_one_line_once_rank_0_is_gone_or_silent(qwen, tmp_path
     import sys
 
     from deltaserve.engine.config import EngineConfig
-    from deltaserve.engine.parallel.group import free_port
     from deltaserve.engine.parallel.worker import WorkerArgs
 
-    timeout, port = 3.0, free_port()
+    timeout, port = 3.0, master_port
     rank0 = subprocess.Popen(
         [sys.executable, "-c", RANK_0, qwen, str(port), repr(NODE_KW)],
         stdout=subprocess.PIPE,

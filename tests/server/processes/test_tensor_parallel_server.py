@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,12 +25,6 @@ pytestmark = pytest.mark.slow
 
 PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5]
 TP2 = ("--device", "cpu", "--max-model-len", "512", "--tensor-parallel-size", "2")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:
@@ -184,9 +177,10 @@ def test_a_group_sigterm_drains_the_tp2_server(spawn_server, model_name):
 
 
 @contextlib.contextmanager
-def node_1(model_cache: str, tmp_path: Path) -> Iterator[tuple[tuple[str, ...], subprocess.Popen]]:
-    """Node 1 of two loopback nodes (rank 1, headless): yields node 0's flags and its process."""
-    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
+def node_1(model_cache: str, tmp_path: Path, port: int) -> Iterator[tuple[tuple[str, ...], subprocess.Popen]]:
+    """Node 1 of two loopback nodes (rank 1, headless), meeting node 0 at `port` (a reserved one):
+    yields node 0's flags and its process."""
+    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
     log = open(tmp_path / "node1.log", "w")
     node1 = subprocess.Popen(
         [sys.executable, "-m", "deltaserve", "serve", *TP2, *nodes, "--node-rank", "1", "--headless"],
@@ -202,8 +196,10 @@ def node_1(model_cache: str, tmp_path: Path) -> Iterator[tuple[tuple[str, ...], 
             node1.wait()
 
 
-def test_two_loopback_nodes_serve_through_node_0(spawn_server, model_cache, model_name, tp1_text, tmp_path):
-    with node_1(model_cache, tmp_path) as (nodes, node1):
+def test_two_loopback_nodes_serve_through_node_0(
+    spawn_server, model_cache, model_name, tp1_text, tmp_path, master_port
+):
+    with node_1(model_cache, tmp_path, master_port) as (nodes, node1):
         server = spawn_server(*TP2, *nodes, "--node-rank", "0")
         assert server.proc is not None
         assert worker_pids(server.proc.pid) == []  # node 0 holds rank 0 only
@@ -212,10 +208,12 @@ def test_two_loopback_nodes_serve_through_node_0(spawn_server, model_cache, mode
         assert node1.wait(60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
 
 
-def test_an_idle_node_0_notices_a_remote_rank_die(spawn_server, model_cache, model_name, tmp_path):
+def test_an_idle_node_0_notices_a_remote_rank_die(
+    spawn_server, model_cache, model_name, tmp_path, master_port
+):
     """No thread on node 0 watches node 1's rank: the heartbeat that idle rank 0 sends every second
     finds it gone. /health stayed 200 until the next request failed."""
-    with node_1(model_cache, tmp_path) as (nodes, node1):
+    with node_1(model_cache, tmp_path, master_port) as (nodes, node1):
         server = spawn_server(*TP2, *nodes, "--node-rank", "0")
         assert server.proc is not None
         (worker,) = worker_pids(node1.pid)
@@ -232,12 +230,12 @@ def test_an_idle_node_0_notices_a_remote_rank_die(spawn_server, model_cache, mod
 
 
 def test_a_headless_node_whose_rank_fails_stops_its_others_and_exits_1(
-    model_cache, make_checkpoint, tmp_path
+    model_cache, make_checkpoint, tmp_path, master_port
 ):
     """Node 1 of `--tensor-parallel-size 4 --nnodes 2` runs ranks 2 and 3; one dies while both wait
     for rank 0 to join (as one that fails to load would): the node stops the other at once and exits
     1, naming the rank. It used to wait for the other, here the whole --distributed-timeout."""
-    port = str(free_port())  # nothing listens: node 0 never comes
+    port = str(master_port)  # held unlistened to: node 0 never comes
     model = make_checkpoint("qwen3_next", linear_num_key_heads=4)  # the built-in's 2 do not split 4 ways
     flags = ("--device", "cpu", "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1")
     log = open(tmp_path / "node1.log", "w")
