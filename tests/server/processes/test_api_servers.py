@@ -91,9 +91,9 @@ def test_two_http_processes_serve_one_engine_and_count_together(spawn_server) ->
         if log.count("uvicorn.access: 127.0.0.1") and log.count("uvicorn.access[1]: 127.0.0.1"):
             break
         assert bursts < 10, f"one process took every connection: {log[-3000:]}"
-    time.sleep(1.5)  # each process publishes its counts every second
-    for _ in range(6):  # whichever process answers the scrape, the totals are the server's
-        assert finished(server.url, "length") == 48 * bursts
+    # whichever process answers a scrape, the totals are the server's, once each process has
+    # published its counts (every second) since the streams ended
+    wait_for(lambda: all(finished(server.url, "length") == 48 * bursts for _ in range(6)))
 
 
 def test_a_disconnect_in_either_process_frees_its_request(spawn_server) -> None:
@@ -119,8 +119,8 @@ def test_a_disconnect_in_either_process_frees_its_request(spawn_server) -> None:
             break
         assert bursts < 10, f"one process took every connection: {log[-3000:]}"
     wait_for(lambda: counter(server.url, "deltaserve_num_requests_running") == 0, timeout=30)
-    time.sleep(1.5)
-    assert finished(server.url, "abort") == 12 * bursts
+    # each process's counts, published every second: the same total from either process then
+    wait_for(lambda: all(finished(server.url, "abort") == 12 * bursts for _ in range(6)))
 
 
 def test_every_http_process_checks_the_api_key(spawn_server) -> None:
@@ -357,7 +357,9 @@ def test_an_abort_through_one_process_ends_what_the_other_still_prepared() -> No
         await a.add([("job-1", [1], params)], arrived=arrived)
         await a.add([("job-2", [1], params)], arrived=time.monotonic())  # sent after the abort
         await a.add([("other-1", [1], params)], arrived=arrived)  # not named by it
-        await asyncio.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while set(engine.requests) != {"job-2", "other-1"} and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # until the adds and the abort reached the engine
         return set(engine.requests)
 
     try:

@@ -19,7 +19,7 @@ import pytest
 from deltaserve.engine.requests.outputs import CompletionOutput, RequestOutput
 from deltaserve.models.checkpoints.builtin import BUILTIN_NAME as MODEL_NAME
 
-from ..conftest import app_in_thread
+from ..conftest import app_in_thread, metrics_of
 
 # Engine processes started, and killed, per test
 pytestmark = pytest.mark.slow
@@ -73,8 +73,7 @@ def two_running(
     ]
     for t in threads:
         t.start()
-    wait_for(lambda: server.log().count("POST /v1/completions") >= 1)
-    time.sleep(0.5)
+    wait_for(lambda: metrics_of(server.url)["deltaserve_num_requests_running"] >= 2)
     return threads, streamed, whole
 
 
@@ -205,7 +204,7 @@ def test_shutdown_deadline_ends_every_request_with_an_error_and_drains_with_503(
     long = {"model": MODEL_NAME, "prompt": "never ends", "max_tokens": 2000, "ignore_eos": True}
     threads, streamed, whole = two_running(server, long)
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_for(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 503)  # the signal taken
     # draining: new requests are answered, with 503 and Retry-After, not refused
     refused = httpx.post(f"{server.url}/v1/completions", json={**long, "max_tokens": 2}, timeout=10)
     assert refused.status_code == 503 and refused.headers.get("retry-after")
@@ -286,10 +285,12 @@ class SlowGrammarEngine(FailingEngine):
     def __init__(self) -> None:
         super().__init__()
         self.release = threading.Event()
+        self.compiling = threading.Event()  # a "slow" compile has begun
         self.compiled: list[str] = []
 
     def compile_structured(self, spec: Any) -> None:
         if spec.regex == "slow":
+            self.compiling.set()
             self.release.wait(30)
         self.compiled.append(spec.regex)
 
@@ -467,7 +468,7 @@ def test_a_request_whose_grammar_outlasts_the_server_or_engine_is_a_503(end: str
     poster = threading.Thread(target=post)
     poster.start()
     try:
-        time.sleep(0.5)  # its grammar compiling
+        assert engine.compiling.wait(30)  # its grammar compiling
         if end == "drain":
             server.handle_exit(signal.SIGTERM, None)
         else:
@@ -666,7 +667,11 @@ def test_the_engine_logs_its_stats_while_it_works(spawn_server) -> None:
     body = {"model": MODEL_NAME, "prompt": "stats " * 40, "max_tokens": 96, "ignore_eos": True}
     for server in (logged, quiet):
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
-    time.sleep(1.0)  # past the interval after the request: the idle line
+
+    def idle_logged() -> bool:  # an interval after the request
+        return any("generation 0.0 tok/s, running 0, waiting 0" in line for line in logged.log().splitlines())
+
+    wait_for(idle_logged)
     lines = [line for line in logged.log().splitlines() if "deltaserve.engine:" in line and "tok/s" in line]
     working = [line for line in lines if "generation 0.0 tok/s" not in line]
     assert working and "running 1" in working[0] and "KV pages" in working[0]

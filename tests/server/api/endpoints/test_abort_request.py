@@ -65,7 +65,15 @@ def test_a_rid_ends_that_request_and_no_other(server, until_idle) -> None:
     assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
 
 
-def test_abort_all_ends_every_request_and_the_server_serves_on(server, until_idle) -> None:
+def until_metric(url: str, read_metrics: Callable[[str], dict[str, float]], name: str, least: float) -> None:
+    """Wait until the server's metric `name` is at least `least` (what was sent has reached the engine)."""
+    deadline = time.monotonic() + 60
+    while read_metrics(url)[name] < least:
+        assert time.monotonic() < deadline, f"{name} stayed under {least}"
+        time.sleep(0.05)
+
+
+def test_abort_all_ends_every_request_and_the_server_serves_on(server, until_idle, read_metrics) -> None:
     threads, outs = running(server.url, [{"input_ids": [7, 8], "sampling_params": LONG}])
     completion: dict[str, Any] = {}
 
@@ -75,8 +83,7 @@ def test_abort_all_ends_every_request_and_the_server_serves_on(server, until_idl
 
     other = threading.Thread(target=complete)
     other.start()
-    until = threading.Event()
-    until.wait(0.5)  # the completion runs too
+    until_metric(server.url, read_metrics, "deltaserve_num_requests_running", 2)  # the completion runs too
     assert httpx.post(f"{server.url}/abort_request", json={"abort_all": True}).status_code == 200
     for t in [*threads, other]:
         t.join(120)
@@ -143,7 +150,7 @@ def test_an_openai_request_named_by_the_client_is_aborted_by_that_name(server, u
     assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
 
 
-def test_a_beam_search_is_aborted_by_its_name(server, until_idle) -> None:
+def test_a_beam_search_is_aborted_by_its_name(server, until_idle, read_metrics) -> None:
     """A beam search named by the client: its steps run under that name, so /abort_request ends
     it; the reply (not a 500) holds the beams as they were, finish reason "abort"."""
     reply: dict[str, Any] = {}
@@ -154,9 +161,11 @@ def test_a_beam_search_is_aborted_by_its_name(server, until_idle) -> None:
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
         reply.update(status=r.status_code, body=r.json())
 
+    prompted = read_metrics(server.url)["deltaserve_prompt_tokens_total"]
     thread = threading.Thread(target=search)
     thread.start()
-    threading.Event().wait(1.0)  # some steps run
+    # its first step is in (it counts the prompt's tokens): it has arrived, so the abort ends it
+    until_metric(server.url, read_metrics, "deltaserve_prompt_tokens_total", prompted + 1)
     assert httpx.post(f"{server.url}/abort_request", json={"rid": "beams-1"}).status_code == 200
     thread.join(120)
     assert reply["status"] == 200, reply
