@@ -24,8 +24,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from deltaserve.engine.requests.chat_prompt import SURROGATE, read_part
-from deltaserve.engine.requests.sampling_params import WHITESPACE_PATTERN_WHY
+from deltaserve.engine.requests.chat_prompt import SURROGATE, nests_deeper, read_part
+from deltaserve.engine.requests.sampling_params import MAX_SCHEMA_DEPTH, WHITESPACE_PATTERN_WHY
 
 
 class OpenAIModel(BaseModel):
@@ -215,6 +215,9 @@ def not_an_object_schema(schema: Any) -> str | None:
     kind = (schema or {}).get("type", "object")
     if kind != "object":
         return f"a function's parameters are a JSON Schema of type 'object', got type {kind!r}"
+    # the chat template's renderer recurses on each level: a deeper one is its recursion error
+    if nests_deeper(schema, MAX_SCHEMA_DEPTH):
+        return f"the schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels"
     return None
 
 
@@ -254,6 +257,18 @@ def _distinct_names(tools: list[ToolDefinition] | None) -> list[ToolDefinition] 
 
 
 Tools = Annotated[list[ToolDefinition] | None, AfterValidator(_distinct_names)]
+
+
+def _renderable_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    # the template's renderer recurses on each level of what it is passed, as on a tool's schema
+    if nests_deeper(kwargs, MAX_SCHEMA_DEPTH):
+        raise PydanticCustomError(
+            "too_deep", "nests objects and arrays deeper than {limit} levels", {"limit": MAX_SCHEMA_DEPTH}
+        )
+    return kwargs
+
+
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_renderable_kwargs)]
 
 
 class ImageURL(OpenAIModel):
@@ -417,7 +432,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: Tools = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # with tool_choice "required": more than one call allowed
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     chat_template: str | None = None  # only with --trust-request-chat-template, as vLLM's
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the last message
@@ -483,7 +498,7 @@ class TokenizeRequest(RequestBody):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     chat_template: str | None = None  # only with --trust-request-chat-template
     tools: Tools = None  # rendered into the prompt as chat renders them
     return_token_strs: bool = False  # vLLM's: the reply adds each id's token string

@@ -37,6 +37,7 @@ from ..protocol import (
     ImageURL,
     RequestBody,
     SamplingRequest,
+    TemplateKwargs,
     not_an_object_schema,
     translating,
     unsupported_if_set,
@@ -100,7 +101,7 @@ class ResponsesRequest(RequestBody):
     top_k: int | None = None  # beyond OpenAI's fields, as vLLM accepts them
     seed: int | None = None
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values run first
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    chat_template_kwargs: TemplateKwargs = None  # e.g. {"enable_thinking": false}
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True

@@ -698,7 +698,7 @@ BESIDE_STREAMS = [
     ("/v1/responses", {**RESPONSE, "input": [
         USER, {"type": "function_call", "call_id": "c", "name": "f", "arguments": DEEP}]}, "input"),
     # objects the body parser takes but the template's renderer recurses past Python's limit on
-    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": NESTED}}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": NESTED}}, "chat_template_kwargs"),
     ("/tokenize", {"messages": [USER, _assistant_calls(
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": NESTED}})]},
      "messages.1.tool_calls.0.function.arguments"),

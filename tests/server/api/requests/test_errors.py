@@ -710,3 +710,49 @@ def test_tool_call_arguments_nested_past_the_renderer_are_a_400_naming_them(serv
     for arguments in (json.dumps(_nested(128)), _nested(128)):
         reply = client.chat.completions.create(model=MODEL_NAME, messages=turns(arguments), max_tokens=1)
         assert reply.usage is not None and reply.usage.completion_tokens == 1
+
+
+def test_tool_schemas_and_template_kwargs_nested_past_the_renderer_are_a_400_naming_them(
+    server, client, read_metrics
+) -> None:
+    """A non-strict tool's parameters, or chat_template_kwargs, nested deeper than 128 levels are a
+    400 naming the field on chat, /tokenize, the Responses and Messages APIs, not Python's "maximum
+    recursion depth exceeded" naming messages; 128 levels render."""
+    deep = "nests objects and arrays deeper than 128 levels"
+    before = read_metrics(server.url)["deltaserve_prompt_tokens_total"]
+    for levels in (129, 600):
+        schema = {"type": "object", "properties": _nested(levels - 1)}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        kwargs = {"x": _nested(levels - 1)}
+        for field, value, param in (
+            ("tools", tools, "tools.0.function.parameters"),
+            ("chat_template_kwargs", kwargs, "chat_template_kwargs"),
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(
+                    model=MODEL_NAME, messages=GOOD["messages"], max_tokens=1, extra_body={field: value}
+                )
+            err = refused.value.body
+            assert err["param"] == param and deep in err["message"] and "recursion" not in err["message"], err
+            r = post(
+                server, "/tokenize", json={"model": MODEL_NAME, "messages": GOOD["messages"], field: value}
+            )
+            assert deep in assert_error(r, 400, param)["message"]
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(
+                model=MODEL_NAME, input="hi", tools=[{"type": "function", "name": "f", "parameters": schema}]
+            )
+        assert refused.value.body["param"] == "tools.0.parameters" and deep in refused.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=MODEL_NAME, input="hi", extra_body={"chat_template_kwargs": kwargs})
+        assert refused.value.body["param"] == "chat_template_kwargs" and deep in refused.value.body["message"]
+        anthropic_tool = {"name": "f", "input_schema": schema}
+        r = post(server, "/v1/messages", json={**GOOD, "tools": [anthropic_tool]})
+        assert r.status_code == 400 and "tools[0].input_schema" in r.json()["error"]["message"], r.text
+        assert deep in r.json()["error"]["message"]
+    assert read_metrics(server.url)["deltaserve_prompt_tokens_total"] == before
+    schema = {"type": "object", "properties": _nested(127)}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    for field, value in (("tools", tools), ("chat_template_kwargs", {"x": _nested(127)})):
+        r = post(server, "/tokenize", json={"model": MODEL_NAME, "messages": GOOD["messages"], field: value})
+        assert r.status_code == 200, r.text
