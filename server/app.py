@@ -42,7 +42,7 @@ from .api.responses import (
 )
 from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient, ShuttingDownError
-from .errors import APIError, anthropic_path, bad_request, error_body, refused, validation_message
+from .errors import APIError, anthropic_path, bad_request, error_body, quoted, refused, validation_message
 from .metrics import Metrics, SharedMetrics
 from .protocol import (
     AbortRequest,
@@ -183,7 +183,7 @@ def build_app(
     def stored_entry(response_id: str) -> StoredResponse:
         entry = stored.get(response_id)
         if entry is None:
-            raise APIError(404, f"no response {response_id!r} is stored", "response_id", "not_found")
+            raise APIError(404, f"no response {quoted(response_id)} is stored", "response_id", "not_found")
         return entry
 
     @v1.get("/responses/{response_id}")
@@ -218,7 +218,7 @@ def build_app(
     @v1.delete("/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
         if not stored.delete(response_id):
-            raise APIError(404, f"no response {response_id!r} is stored", "response_id", "not_found")
+            raise APIError(404, f"no response {quoted(response_id)} is stored", "response_id", "not_found")
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def served_info() -> dict[str, Any]:
@@ -241,7 +241,7 @@ def build_app(
     @v1.get("/models/{model_id:path}")  # a repo id's name has a slash in it
     async def model(model_id: str) -> ModelCard:
         if model_id not in model_names and model_id not in (model_aliases or []):
-            raise APIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+            raise APIError(404, f"the model {quoted(model_id)} does not exist", "model", "model_not_found")
         return card(model_id, await served_info())
 
     app.include_router(v1)

@@ -96,6 +96,17 @@ def anthropic_path(path: str) -> bool:
     return path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens"))
 
 
+SHOWN_CHARS = 100  # of a request's name or id that an error quotes
+
+
+def quoted(text: str) -> str:
+    """`text` quoted as an error message names it, cut to its first `SHOWN_CHARS` characters: a
+    megabyte of a model name is no megabyte of error."""
+    if len(text) <= SHOWN_CHARS:
+        return repr(text)
+    return f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 

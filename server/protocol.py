@@ -509,13 +509,17 @@ class DetokenizeRequest(RequestBody):
     tokens: list[int]
 
 
+# a weight version is a label that /get_model_info and /get_weight_version report back
+WeightVersion = Annotated[str, Field(max_length=256)]
+
+
 class UpdateWeightsFromDiskRequest(RequestBody):
     """SGLang's /update_weights_from_disk body."""
 
     model_path: str
     load_format: Literal["auto", "dummy"] | None = None
     flush_cache: bool = True  # the cache always goes: the old weights computed it
-    weight_version: str | None = None  # the new weights' label (/get_model_info, /get_weight_version)
+    weight_version: WeightVersion | None = None  # the new weights' label (/get_weight_version)
     # end the running requests (finish reason "abort") instead of waiting for them to finish
     abort_all_requests: bool = False
 
@@ -523,7 +527,7 @@ class UpdateWeightsFromDiskRequest(RequestBody):
 class UpdateWeightVersionRequest(RequestBody):
     """SGLang's /update_weight_version body: a new label for the weights served."""
 
-    new_version: str
+    new_version: WeightVersion
     abort_all_requests: bool = False
 
 

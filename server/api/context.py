@@ -23,7 +23,7 @@ from deltaserve.engine.requests.sampling_params import grammar_timeout_s
 
 from ..edge import ARRIVED
 from ..engine_client import EngineClient, RequestGroup, ShuttingDownError
-from ..errors import APIError, RequestFailedError, bad_request, failure_of, raise_if_failed, refused
+from ..errors import APIError, RequestFailedError, bad_request, failure_of, quoted, raise_if_failed, refused
 from ..metrics import Metrics
 from ..text.prompt_bound import chars_per_token
 from ..text.tool_calls import tool_call_format
@@ -224,7 +224,7 @@ class ServerContext:
             return self.model_names[0]
         raise APIError(
             404,
-            f"the model '{name}' does not exist; this server serves {', '.join(self.model_names)}",
+            f"the model {quoted(name)} does not exist; this server serves {', '.join(self.model_names)}",
             "model",
             "model_not_found",
         )

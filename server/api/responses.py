@@ -29,7 +29,7 @@ from pydantic import ConfigDict
 
 from deltaserve.engine.sized_lru import SizedLRU
 
-from ..errors import APIError, bad_request, error_body, failure_of
+from ..errors import APIError, bad_request, error_body, failure_of, quoted
 from ..protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -593,7 +593,7 @@ async def create_response(
         previous = store.get(req.previous_response_id)
         if previous is None:
             raise bad_request(
-                f"no response {req.previous_response_id!r} is stored (this server keeps the last "
+                f"no response {quoted(req.previous_response_id)} is stored (this server keeps the last "
                 f"{store.size} within {store.max_bytes >> 20} MiB in memory, not those made with store "
                 "false, nor any from before a restart)",
                 "previous_response_id",

@@ -756,3 +756,40 @@ def test_tool_schemas_and_template_kwargs_nested_past_the_renderer_are_a_400_nam
     for field, value in (("tools", tools), ("chat_template_kwargs", {"x": _nested(127)})):
         r = post(server, "/tokenize", json={"model": MODEL_NAME, "messages": GOOD["messages"], field: value})
         assert r.status_code == 200, r.text
+
+
+def test_an_unknown_models_or_responses_id_is_quoted_cut_short(server, client) -> None:
+    """A 404 for an unknown model or stored response quotes the id's first 100 characters and its
+    length, not the whole id: a megabyte of model name was a megabyte of error."""
+    long_id = "m" * 1_000_000
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model=long_id, messages=GOOD["messages"], max_tokens=1)
+    message = missing.value.body["message"]
+    assert f"'{'m' * 100}'... (1000000 characters)" in message and len(message) < 400, message[:400]
+    r = post(server, "/v1/completions", json={"model": long_id, "prompt": "hi", "max_tokens": 1})
+    assert len(assert_error(r, 404, "model")["message"]) < 400
+    r = httpx.get(f"{server.url}/v1/models/{'m' * 5000}", timeout=60)
+    assert "(5000 characters)" in assert_error(r, 404, "model")["message"] and len(r.content) < 600
+    r = httpx.get(f"{server.url}/v1/responses/resp_{'x' * 5000}", timeout=60)
+    assert "(5005 characters)" in assert_error(r, 404, "response_id")["message"] and len(r.content) < 600
+    r = post(server, "/v1/responses", json={**RESPONSE, "previous_response_id": "resp_" + "x" * 1_000_000})
+    assert "(1000005 characters)" in assert_error(r, 400, "previous_response_id")["message"]
+    assert len(r.content) < 800
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="no-such-model", messages=GOOD["messages"], max_tokens=1)
+    assert "'no-such-model' does not exist" in missing.value.body["message"]
+
+
+def test_a_weight_version_label_is_at_most_256_characters(server) -> None:
+    """/update_weight_version's label (and /update_weights_from_disk's) is a 400 naming it past
+    256 characters, and the label served stays; one of 256 is taken and reported back."""
+    start = httpx.get(f"{server.url}/get_weight_version").json()["weight_version"]
+    assert_error(post(server, "/update_weight_version", json={"new_version": "v" * 257}), 400, "new_version")
+    body = {"model_path": "/nonexistent", "weight_version": "v" * 1_000_000}
+    assert_error(post(server, "/update_weights_from_disk", json=body), 400, "weight_version")
+    assert httpx.get(f"{server.url}/get_weight_version").json()["weight_version"] == start
+    try:
+        assert post(server, "/update_weight_version", json={"new_version": "v" * 256}).status_code == 200
+        assert httpx.get(f"{server.url}/get_weight_version").json()["weight_version"] == "v" * 256
+    finally:
+        assert post(server, "/update_weight_version", json={"new_version": start}).status_code == 200
