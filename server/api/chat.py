@@ -271,12 +271,15 @@ class ChatGeneration(Generation[ChatChunkChoice]):
         self, choice: ChatChunkChoice | None, index: int, out: RequestOutput
     ) -> ChatChunkChoice | None:
         """vLLM's return_token_ids: the chunk carries the tokens it adds, those whose text the
-        parser holds back (a tool call's or reasoning's markers) too."""
+        parser holds back (a tool call's or reasoning's markers) too. With continuous usage stats a
+        step whose text is held back (by the parser, a stop string or a split character) still
+        sends its chunk, an empty delta, so that the usage its tokens add is counted as they come."""
         ids = out.outputs[0].token_ids
-        if not self.token_ids or not ids:
+        if not ids or not (self.token_ids or self.usage_in_every_chunk):
             return choice
         choice = choice or ChatChunkChoice(index=index, delta=ChatDelta())
-        choice.token_ids = list(ids)
+        if self.token_ids:
+            choice.token_ids = list(ids)
         return choice
 
     def _delta_parts(

@@ -946,6 +946,40 @@ def test_continuous_usage_counts_the_tokens_whose_text_a_stop_string_holds_back(
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
 
 
+def test_chat_continuous_usage_counts_the_tokens_whose_text_is_held_back(client, server) -> None:
+    """As the completions stream (and vLLM's chat stream without a parser): a chat step whose text a
+    stop string holds back still sends its chunk, an empty delta, with the usage its token adds, so
+    that each chunk's count grows by its step's tokens and the last is the final usage's."""
+    greedy = {"max_tokens": 3, "temperature": 0}
+    whole = chat(client, **greedy, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = whole.choices[0].model_extra["token_ids"]
+    two = httpx.post(f"{server.url}/detokenize", json={"tokens": ids[:2]}, timeout=30).json()["prompt"]
+    assert two
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        chat(
+            client,
+            **greedy,
+            stop=[two + "\u2603 never"],  # the first two tokens' text could begin it: held back
+            stream=True,
+            stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert [c.usage.completion_tokens for c in chunks if c.choices] == [0, 1, 2, 3]  # the role's chunk first
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[1].content is None and deltas[1].model_dump(exclude_none=True) == {}  # an empty delta
+    assert "".join(d.content or "" for d in deltas) == whole.choices[0].message.content
+    # a forced call's markup and arguments, which the tool-call parser holds back, count as they come too
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    forced = list(
+        chat(client, max_tokens=4, tools=[tool], tool_choice="required", stream=True, stream_options=options)
+    )
+    assert [c.usage.completion_tokens for c in forced if c.choices] == [0, 1, 2, 3, 4]
+    assert forced[-1].usage.completion_tokens == 4
+
+
 def test_n_copies_find_their_prompt_cached(client, server, read_metrics) -> None:
     """n > 1: the prompt is prefilled once before the copies run, so every copy starts from the
     cache (all but the last partial page) and answers as a single request does; the warm-up is
