@@ -741,6 +741,10 @@ class _Events(PartsWriter):
             ]
         part = item["content"][0]
         ref = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        events: list[str] = []
+        # tokens of no text since the last delta (a call's markup, an end token): a delta of no text carries them
+        if kind == "message" and self.pending:
+            events.append(self.emit("response.output_text.delta", **ref, delta="", logprobs=self.carry(part)))
         done = (
             self.emit("response.reasoning_text.done", **ref, text=part["text"])
             if kind == "reasoning"
@@ -748,7 +752,7 @@ class _Events(PartsWriter):
                 "response.output_text.done", **ref, text=part["text"], logprobs=part.get("logprobs", [])
             )
         )
-        return [
+        return events + [
             done,
             self.emit(
                 "response.content_part.done",
@@ -765,10 +769,10 @@ class _Events(PartsWriter):
         max_output_tokens or aborted: as OpenAI marks the item it stopped); a reply of no text and
         no call gets an empty message."""
         status = "completed" if response_status == "completed" else "incomplete"
-        messages = [item for item in self.output if item["type"] == "message"]
-        if messages:  # tokens after the last text (an end token, a call's markup) join the last message
-            self.carry(messages[-1]["content"][0])
         events = self.close("reasoning", status) + self.close("message", status) + self.close("call", status)
+        messages = [item for item in self.output if item["type"] == "message"]
+        if messages:  # tokens after a call that closed the last message join it too (its events have passed)
+            self.carry(messages[-1]["content"][0])
         if not any(item["type"] in ("message", "function_call") for item in self.output):
             events += self.text("message", "") + self.close("message", status)
         return events

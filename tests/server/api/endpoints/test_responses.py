@@ -405,10 +405,22 @@ def test_include_output_text_logprobs_gives_the_chat_endpoints_logprobs(client) 
         and "".join(tokens[:-1]) == "ab"
         and len(tokens) == ended.usage.output_tokens
     )
-    final = list(client.responses.create(**chosen, stream=True))[-1].response
+    events = list(client.responses.create(**chosen, stream=True))
+    final = events[-1].response
     assert [t.to_dict() for t in final.output[-1].content[0].logprobs] == [
         t.to_dict() for t in ended.output[-1].content[0].logprobs
     ]
+    # the end token, of no text, comes in a delta too (one of no text, before the done event), as
+    # every other token's logprob does: the deltas' logprobs make up the done event's
+    texts = [e for e in events if e.type in ("response.output_text.delta", "response.output_text.done")]
+    assert [e.type for e in texts[-2:]] == ["response.output_text.delta", "response.output_text.done"]
+    assert texts[-2].delta == "" and [t.token for t in texts[-2].logprobs] == tokens[-1:]
+    deltas = [t.to_dict() for e in texts[:-1] for t in e.logprobs]
+    assert (
+        deltas
+        == [t.to_dict() for t in texts[-1].logprobs]
+        == [t.to_dict() for t in final.output[-1].content[0].logprobs]
+    )
     plain = client.responses.create(**kw, top_logprobs=2)
     assert all(
         part.logprobs is None for item in plain.output if item.type == "message" for part in item.content
