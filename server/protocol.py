@@ -195,6 +195,10 @@ def random_id(prefix: str) -> str:
 # ----------------------------------------------------------------------------------------- requests
 
 
+MAX_NAME_CHARS = 256  # of a client's name for its request: every chunk of its stream repeats it in its id
+ClientName = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk too
@@ -368,8 +372,10 @@ class SamplingRequest(RequestBody):
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values run first
     # vLLM's: prefix-cache hits only from requests with the same salt; vLLM's 400s for one it refuses
     cache_salt: Annotated[str | None, Field(min_length=1, max_length=128), AfterValidator(_cache_salt)] = None
-    request_id: str | None = None  # vLLM's: the reply's id after its prefix (an X-Request-Id header wins)
-    rid: str | None = None  # SGLang's name for it
+    request_id: ClientName | None = (
+        None  # vLLM's: the reply's id after its prefix (an X-Request-Id header wins)
+    )
+    rid: ClientName | None = None  # SGLang's name for it
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

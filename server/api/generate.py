@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from deltaserve.engine.requests.sampling_params import MAX_LOGPROB_TOKEN_IDS, MAX_PROMPT_LOGPROB_TOKEN_IDS
 
 from ..errors import APIError, bad_request, failure_body, raise_if_failed
-from ..protocol import CompletionRequest, RequestBody, unsupported_if_set, validated
+from ..protocol import ClientName, CompletionRequest, RequestBody, unsupported_if_set, validated
 from .context import ServerContext
 from .generation import DONE, sse
 from .json_body import Encoded, EncodedResponse, encode, encoded_list
@@ -72,7 +72,7 @@ class GenerateRequest(RequestBody):
     # the prompt holds one placeholder an image, as the chat template writes them
     image_data: str | list[str | list[str] | None] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
+    rid: ClientName | list[ClientName] | None = None
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0

@@ -47,7 +47,7 @@ from ..text.call_readers import is_model_call_id
 from ..text.chat_output import ChatStreamState, ended_early
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ServerContext
-from .request_params import named_id
+from .request_params import header_name, named_id
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput
@@ -545,7 +545,7 @@ async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request)
     except APIError as exc:  # name the field as this API calls it
         raise exc.renamed(_PARAMS) from exc
     message_id = f"msg_{uuid.uuid4().hex}"
-    engine_id = named_id(raw.headers.get("x-request-id"), message_id)  # this API has no name field
+    engine_id = named_id(header_name(raw), message_id)  # this API has no name field
     return await ctx.run(
         [prepared.request(engine_id)],
         raw,

@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import bad_request, refused
-from ..protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from ..protocol import MAX_NAME_CHARS, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.generation_defaults import SamplingDefaults
@@ -445,7 +445,17 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 def client_name(raw: Any, req: SamplingRequest) -> str | None:
     """The name a client gave its request: vLLM's X-Request-Id header (which wins) or body
     `request_id`, or SGLang's `rid`."""
-    return raw.headers.get("x-request-id") or req.request_id or req.rid
+    return header_name(raw) or req.request_id or req.rid
+
+
+def header_name(raw: Any) -> str | None:
+    """vLLM's X-Request-Id header, a request's name; a 400 past `MAX_NAME_CHARS`, as in the body."""
+    header = raw.headers.get("x-request-id")
+    if header is not None and len(header) > MAX_NAME_CHARS:
+        raise bad_request(
+            f"the X-Request-Id header has more than {MAX_NAME_CHARS} characters ({len(header)})"
+        )
+    return header
 
 
 def named_id(name: str | None, request_id: str) -> str:

@@ -49,7 +49,7 @@ from ..text.chat_output import ChatStreamState, ended_early, tool_call_id
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ClientDisconnected, ServerContext
 from .logprobs import chat_logprobs, token_text_for
-from .request_params import named_id
+from .request_params import header_name, named_id
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import Logprob, RequestOutput
@@ -608,7 +608,7 @@ async def create_response(
         name_input_item(exc, origins)
         raise
     shell = _Shell(req, model)
-    engine_id = named_id(raw.headers.get("x-request-id"), shell.id)  # this API has no name field
+    engine_id = named_id(header_name(raw), shell.id)  # this API has no name field
     group = await ctx.submit([prepared.request(engine_id)], raw=raw)
 
     def keep(body: dict[str, Any]) -> None:

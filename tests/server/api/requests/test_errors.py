@@ -793,3 +793,35 @@ def test_a_weight_version_label_is_at_most_256_characters(server) -> None:
         assert httpx.get(f"{server.url}/get_weight_version").json()["weight_version"] == "v" * 256
     finally:
         assert post(server, "/update_weight_version", json={"new_version": start}).status_code == 200
+
+
+def test_a_clients_name_for_its_request_is_at_most_256_characters(server, client) -> None:
+    """vLLM's request_id, SGLang's rid and the X-Request-Id header name a request, and every chunk
+    of its stream repeats the name in its id: one past 256 characters is a 400 naming it (a
+    megabyte of request_id made each streamed token a megabyte), on every endpoint that takes one."""
+    long, most = "r" * 257, "r" * 256
+    chat = {**GOOD, "max_tokens": 1}
+    for field in ("request_id", "rid"):
+        assert_error(post(server, "/v1/chat/completions", json={**chat, field: long}), 400, field)
+        body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1, field: long}
+        assert_error(post(server, "/v1/completions", json=body), 400, field)
+    for rid in (long, [long]):
+        body = {
+            "text": ["hi"] if isinstance(rid, list) else "hi",
+            "rid": rid,
+            "sampling_params": {"max_new_tokens": 1},
+        }
+        r = post(server, "/generate", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("rid"), r.text
+    header = {"X-Request-Id": long}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/responses", RESPONSE)):
+        err = assert_error(post(server, path, json=body, headers=header), 400)
+        assert "X-Request-Id" in err["message"] and "256" in err["message"], err
+    r = post(server, "/v1/messages", json={**GOOD, "max_tokens": 1}, headers=header)
+    assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"], r.text
+    named = client.chat.completions.create(
+        model=MODEL_NAME, messages=GOOD["messages"], max_tokens=1, extra_body={"request_id": most}
+    )
+    assert named.id == f"chatcmpl-{most}"
+    r = post(server, "/v1/chat/completions", json=chat, headers={"X-Request-Id": most})
+    assert r.status_code == 200 and r.json()["id"] == f"chatcmpl-{most}", r.text
