@@ -24,7 +24,7 @@ from fastapi.responses import Response
 
 from deltaserve.engine.requests.sampling_params import MAX_LOGPROB_TOKEN_IDS, MAX_PROMPT_LOGPROB_TOKEN_IDS
 
-from ..errors import APIError, bad_request, failure_body, raise_if_failed
+from ..errors import APIError, bad_request, failure_body, quoted, raise_if_failed
 from ..protocol import ClientName, CompletionRequest, RequestBody, unsupported_if_set, validated
 from .context import ServerContext
 from .generation import DONE, sse
@@ -197,7 +197,7 @@ class NativeGeneration:
         named = [r for r in rids if r is not None]
         if len(set(named)) < len(named):  # one name, two prompts: their replies and aborts would mix
             twice = next(r for r in named if named.count(r) > 1)
-            raise bad_request(f"rid {twice!r} names more than one prompt; give each its own", "rid")
+            raise bad_request(f"rid {quoted(twice)} names more than one prompt; give each its own", "rid")
         wants = _per_prompt(body.return_logprob, count, "return_logprob")
         starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
         tops = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..errors import bad_request, refused
+from ..errors import bad_request, quoted, refused
 from ..protocol import MAX_NAME_CHARS, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 if TYPE_CHECKING:
@@ -390,7 +390,9 @@ def tool_choice_constraint(
                 "a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice"
             )
         if name not in functions:
-            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+            raise bad_request(
+                f"tool_choice names {quoted(name)}, which is not among the tools", "tool_choice"
+            )
         functions = {name: functions[name]}
     if form is None:
         raise bad_request(
@@ -437,7 +439,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
                 raise ValueError(key)
             token = int(key)  # a ValueError past Python's 4,300 digits too
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            raise bad_request(f"logit_bias keys must be token ids, got {quoted(key)}", "logit_bias") from None
         out[token] = min(100.0, max(-100.0, float(value)))  # the body's NaN and infinities are 400s already
     return out
 

@@ -241,17 +241,19 @@ def list_input_items(
     if not 1 <= limit <= 100:
         raise bad_request(f"limit must be between 1 and 100, got {limit}", "limit")
     if order not in ("asc", "desc"):
-        raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", "order")
+        raise bad_request(f"order must be 'asc' or 'desc', got {quoted(order)}", "order")
     unknown = [value for value in include if value not in get_args(Includable)]
     if unknown:
-        raise bad_request(f"include: {unknown[0]!r} is not one of {list(get_args(Includable))}", "include")
+        raise bad_request(
+            f"include: {quoted(unknown[0])} is not one of {list(get_args(Includable))}", "include"
+        )
     items = entry.items[: len(entry.items) - len(entry.body["output"])]
     if order == "desc":
         items = items[::-1]
     if after is not None:
         ids = [item.get("id") for item in items]
         if after not in ids:
-            raise bad_request(f"after: no input item {after!r} in this response", "after")
+            raise bad_request(f"after: no input item {quoted(after)} in this response", "after")
         items = items[ids.index(after) + 1 :]
     page = [_as_listed(item) for item in items[:limit]]
     return {

@@ -825,3 +825,25 @@ def test_a_clients_name_for_its_request_is_at_most_256_characters(server, client
     assert named.id == f"chatcmpl-{most}"
     r = post(server, "/v1/chat/completions", json=chat, headers={"X-Request-Id": most})
     assert r.status_code == 200 and r.json()["id"] == f"chatcmpl-{most}", r.text
+
+
+def test_a_long_name_an_error_quotes_is_cut_short(server) -> None:
+    """An unknown tool_choice name, logit_bias key, or input_items query value is quoted by its
+    first 100 characters and its length, as an unknown model is, not echoed whole."""
+    long = "z" * 1_000_000
+    cut = f"'{'z' * 100}'... (1000000 characters)"
+    choice = {"type": "function", "function": {"name": long}}
+    for body, param in (
+        ({**GOOD, "tools": [TOOL], "tool_choice": choice}, "tool_choice"),
+        ({**GOOD, "logit_bias": {long: 1}}, "logit_bias"),
+    ):
+        r = post(server, "/v1/chat/completions", json=body)
+        assert cut in assert_error(r, 400, param)["message"] and len(r.content) < 600, r.text[:600]
+    stored = post(server, "/v1/responses", json=RESPONSE).json()["id"]
+    for query, param in (("after", "after"), ("order", "order"), ("include", "include")):
+        r = httpx.get(
+            f"{server.url}/v1/responses/{stored}/input_items", params={query: "z" * 5000}, timeout=60
+        )
+        assert "(5000 characters)" in assert_error(r, 400, param)["message"] and len(r.content) < 600, r.text[
+            :600
+        ]
