@@ -855,10 +855,12 @@ def test_messages_refused_before_the_body_get_anthropics_error_shape(server, key
 FUNCTION = {"name": "f", "parameters": {"type": "object"}}
 # calls the model writes (forced here by a one-choice grammar) that Python's json reads but no reply
 # can carry: an unpaired surrogate escape, in the arguments or the name
-UNCARRIED_CALLS = [
-    '<tool_call>\n{"name": "f", "arguments": {"a": "\\ud800"}}\n</tool_call>',
-    '<tool_call>\n{"name": "f", "arguments": "\\udc00"}\n</tool_call>',
-    '<tool_call>\n{"name": "\\udbff", "arguments": {}}\n</tool_call>',
+UNCARRIED_CALLS = ['<tool_call>\n{"name": "\\udbff", "arguments": {}}\n</tool_call>']
+# a call whose arguments decode to a lone surrogate, and the arguments the reply writes for them:
+# the surrogate as its JSON escape (a string's text is the arguments, as a model's encoded object)
+ESCAPED_ARGUMENTS = [
+    ('<tool_call>\n{"name": "f", "arguments": {"a": "\\ud800"}}\n</tool_call>', '{"a": "\\ud800"}'),
+    ('<tool_call>\n{"name": "f", "arguments": "\\udc00"}\n</tool_call>', "\\udc00"),
 ]
 
 
@@ -899,7 +901,7 @@ def _reply_text(path: str, reply: dict) -> str:
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
 def test_a_call_no_reply_can_carry_stays_content(server, until_idle, path: str, stream: bool) -> None:
-    """A call whose JSON decodes to a lone surrogate is not read as a call: its text is the reply's
+    """A call whose name decodes to a lone surrogate is not read as a call: its text is the reply's
     content, where it was a 500 (or a stream cut off, or ended by an error)."""
 
     async def streamed(body: dict) -> str:
@@ -915,6 +917,75 @@ def test_a_call_no_reply_can_carry_stays_content(server, until_idle, path: str, 
             assert r.status_code == 200, (output, r.text[:500])
             text = _reply_text(path, r.json())
         assert text == output.strip(), (output, text)
+    assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
+
+
+async def _stream_calls(http: httpx.AsyncClient, url: str, path: str, body: dict) -> list[tuple[str, str]]:
+    """A chat or Responses stream's calls, (name, arguments joined from their fragments)."""
+    calls: list[list[str]] = []
+    async with http.stream("POST", f"{url}{path}", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if path == "/v1/chat/completions":
+                for c in event["choices"]:
+                    for call in c["delta"].get("tool_calls") or []:
+                        if call["index"] == len(calls):
+                            calls.append([call["function"]["name"], ""])
+                        calls[call["index"]][1] += call["function"].get("arguments") or ""
+            elif event["type"] == "response.output_item.added" and event["item"]["type"] == "function_call":
+                calls.append([event["item"]["name"], ""])
+            elif event["type"] == "response.function_call_arguments.delta":
+                calls[-1][1] += event["delta"]
+    return [(name, arguments) for name, arguments in calls]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_a_call_whose_arguments_no_reply_can_carry_writes_them_escaped(
+    server, until_idle, path: str, stream: bool
+) -> None:
+    """Arguments that decode to a lone surrogate, which no reply can carry, keep the call: its
+    arguments write the surrogate as its JSON escape (a stream has sent the name before them); a
+    Messages tool_use, whose input is an object the reply carries, has an empty input."""
+    for output, arguments in ESCAPED_ARGUMENTS:
+        body = _forced(path, output, stream)
+        if path == "/v1/messages":
+            r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+            assert r.status_code == 200, (output, r.text[:500])
+            if stream:
+                events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+                starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+                deltas = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"]
+                assert [(b["type"], b["name"]) for b in starts] == [("tool_use", "f")], events
+                assert "".join(deltas) in ("", "{}"), events
+            else:
+                blocks = [(b["type"], b["name"], b["input"]) for b in r.json()["content"]]
+                assert blocks == [("tool_use", "f", {})], r.text
+            continue
+        if stream:
+
+            async def streamed(body: dict = body) -> list[tuple[str, str]]:
+                async with httpx.AsyncClient(timeout=60) as http:
+                    return await _stream_calls(http, server.url, path, body)
+
+            calls = asyncio.run(streamed())
+        else:
+            r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+            assert r.status_code == 200, (output, r.text[:500])
+            reply = r.json()
+            if path == "/v1/chat/completions":
+                (choice,) = reply["choices"]
+                assert choice["finish_reason"] == "tool_calls", reply
+                calls = [
+                    (c["function"]["name"], c["function"]["arguments"])
+                    for c in choice["message"]["tool_calls"]
+                ]
+            else:
+                calls = [(i["name"], i["arguments"]) for i in reply["output"] if i["type"] == "function_call"]
+        assert calls == [("f", arguments)], (output, calls)
     assert until_idle(server.url)["deltaserve_state_slots_used"] == 0
 
 
