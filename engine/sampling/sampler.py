@@ -274,15 +274,11 @@ class Sampler:
                     logits[i, to_device(banned, torch.long, dev)] = float("-inf")
         constrained = [i for i, r in enumerate(reqs) if r.matcher is not None and r.matcher.active]
         if constrained:  # last: what the grammar forbids stays forbidden
-            from deltaserve.engine.sampling.structured import MAX_MASK_CPU_S, apply_grammar_masks
+            from deltaserve.engine.sampling.structured import apply_grammar_masks, slow_mask_error
 
             for j in apply_grammar_masks(logits, constrained, [reqs[i].matcher for i in constrained]):
                 r = reqs[constrained[j]]
-                r.error = (
-                    f"the grammar took over {MAX_MASK_CPU_S:g} s to find the tokens it allows at output "
-                    f"token {len(r.output_token_ids) + 1}: too ambiguous to follow without stalling "
-                    "every other request"
-                )
+                r.error = slow_mask_error(len(r.output_token_ids) + 1)
                 r.bad_input = True
         return logits
 

@@ -38,6 +38,14 @@ CACHE_BYTES = 256 * 2**20
 MAX_MASK_CPU_S = 0.1
 
 
+def slow_mask_error(position: int) -> str:
+    """The error of a request whose mask for output token `position` took over MAX_MASK_CPU_S."""
+    return (
+        f"the grammar took over {MAX_MASK_CPU_S:g} s to find the tokens it allows at output token "
+        f"{position}: too ambiguous to follow without stalling every other request"
+    )
+
+
 class Grammars:
     """Grammars compiled for one tokenizer, and matchers for requests."""
 
