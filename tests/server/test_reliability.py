@@ -12,7 +12,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
 
 import httpx
@@ -766,26 +766,30 @@ BESIDE_STREAMS = [
 JSON = {"content-type": "application/json"}
 
 
-async def _stream_text(http: httpx.AsyncClient, url: str, path: str, body: dict) -> str:
-    """A good stream's text, joined from its events (how many steps an event carries may vary)."""
-    pieces: list[str] = []
+async def _stream_events(http: httpx.AsyncClient, url: str, path: str, body: dict) -> AsyncIterator[dict]:
+    """A good stream's events, its data lines decoded."""
     async with http.stream("POST", f"{url}{path}", json=body) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            if path == "/generate":
-                pieces = [event["text"]]  # each event has the text so far
-            elif path == "/v1/chat/completions":
-                pieces += [
-                    (c["delta"].get("reasoning_content") or "") + (c["delta"].get("content") or "")
-                    for c in event["choices"]
-                ]
-            elif path == "/v1/messages" and event["type"] == "content_block_delta":
-                pieces.append(event["delta"].get("text") or event["delta"].get("thinking") or "")
-            elif path == "/v1/responses" and event["type"].endswith("text.delta"):
-                pieces.append(event["delta"])
+            if line.startswith("data:") and line != "data: [DONE]":
+                yield json.loads(line[5:])
+
+
+async def _stream_text(http: httpx.AsyncClient, url: str, path: str, body: dict) -> str:
+    """A good stream's text, joined from its events (how many steps an event carries may vary)."""
+    pieces: list[str] = []
+    async for event in _stream_events(http, url, path, body):
+        if path == "/generate":
+            pieces = [event["text"]]  # each event has the text so far
+        elif path == "/v1/chat/completions":
+            pieces += [
+                (c["delta"].get("reasoning_content") or "") + (c["delta"].get("content") or "")
+                for c in event["choices"]
+            ]
+        elif path == "/v1/messages" and event["type"] == "content_block_delta":
+            pieces.append(event["delta"].get("text") or event["delta"].get("thinking") or "")
+        elif path == "/v1/responses" and event["type"].endswith("text.delta"):
+            pieces.append(event["delta"])
     return "".join(pieces)
 
 
@@ -923,22 +927,17 @@ def test_a_call_no_reply_can_carry_stays_content(server, until_idle, path: str, 
 async def _stream_calls(http: httpx.AsyncClient, url: str, path: str, body: dict) -> list[tuple[str, str]]:
     """A chat or Responses stream's calls, (name, arguments joined from their fragments)."""
     calls: list[list[str]] = []
-    async with http.stream("POST", f"{url}{path}", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            if path == "/v1/chat/completions":
-                for c in event["choices"]:
-                    for call in c["delta"].get("tool_calls") or []:
-                        if call["index"] == len(calls):
-                            calls.append([call["function"]["name"], ""])
-                        calls[call["index"]][1] += call["function"].get("arguments") or ""
-            elif event["type"] == "response.output_item.added" and event["item"]["type"] == "function_call":
-                calls.append([event["item"]["name"], ""])
-            elif event["type"] == "response.function_call_arguments.delta":
-                calls[-1][1] += event["delta"]
+    async for event in _stream_events(http, url, path, body):
+        if path == "/v1/chat/completions":
+            for c in event["choices"]:
+                for call in c["delta"].get("tool_calls") or []:
+                    if call["index"] == len(calls):
+                        calls.append([call["function"]["name"], ""])
+                    calls[call["index"]][1] += call["function"].get("arguments") or ""
+        elif event["type"] == "response.output_item.added" and event["item"]["type"] == "function_call":
+            calls.append([event["item"]["name"], ""])
+        elif event["type"] == "response.function_call_arguments.delta":
+            calls[-1][1] += event["delta"]
     return [(name, arguments) for name, arguments in calls]
 
 
