@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict
+from pydantic_core import from_json
 
 from deltaserve.engine.requests.chat_prompt import MAX_ARGUMENTS_DEPTH, nests_deeper
 
@@ -43,7 +44,7 @@ from ..protocol import (
     unsupported_unless_one,
     validated,
 )
-from ..text.call_readers import is_model_call_id
+from ..text.call_readers import ObjectPrefix, is_model_call_id
 from ..text.chat_output import ChatStreamState, ended_early
 from .chat import PartsWriter, PreparedChat, prepare_chat
 from .context import ServerContext
@@ -398,17 +399,23 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
 
 
 class _Blocks(PartsWriter):
-    """The reply's content blocks as its text is read, and the stream events that build them."""
+    """The reply's content blocks as its text is read, and the stream events that build them. A
+    tool_use block opens once the call's name is written and its input streams as the model writes
+    it, as far as it stays the start of a JSON object; a stream cannot take back what it sent, so
+    a call the reply ends inside (max_tokens, an abort) keeps its block, its input what was sent as
+    Anthropic's SDK reads it, in the whole reply too."""
 
     reasoning_kind, content_kind = "thinking", "text"
 
     def __init__(self, message: Callable[[int], dict[str, Any]] | None = None) -> None:
         self.blocks: list[dict[str, Any]] = []
-        self.open: str | None = None  # the kind of the last block while text may still join it
+        self.open: str | None = None  # the kind of the last block while it may still grow
         # a stream's message_start message, given the prompt tokens the prefix cache served: sent
         # at the first output, which carries that count (Anthropic's usage counts them there)
         self.message, self.started = message, False
-        self.pending: tuple[str, str, str | None] | None = None  # the call being written: name, arguments, id
+        self.written: list[str] = []  # the open call's arguments as the model wrote them
+        self.input: ObjectPrefix | None = None  # ... as its input streams them, until the call ends
+        self.sent: list[str] = []  # the open call's input as sent
 
     def opening(self, first: RequestOutput | None) -> list[str]:
         if self.message is None or self.started:
@@ -425,11 +432,7 @@ class _Blocks(PartsWriter):
                 if kind == "thinking"
                 else {"type": "text", "text": ""}
             )
-            self.blocks.append(block)
-            self.open = kind
-            events.append(
-                _event("content_block_start", index=len(self.blocks) - 1, content_block=dict(block))
-            )
+            events += self._start(kind, block)
         self.blocks[-1][kind] += piece
         delta = (
             {"type": "thinking_delta", "thinking": piece}
@@ -439,48 +442,56 @@ class _Blocks(PartsWriter):
         events.append(_event("content_block_delta", index=len(self.blocks) - 1, delta=delta))
         return events
 
+    def _start(self, kind: str, block: dict[str, Any]) -> list[str]:
+        self.blocks.append(block)
+        self.open = kind
+        return [_event("content_block_start", index=len(self.blocks) - 1, content_block=dict(block))]
+
     def call(self, name: str, call_id: str | None = None) -> list[str]:
-        self.pending = (name, "", call_id)
-        return []
+        events = self.close()
+        tool_id = call_id if is_model_call_id(call_id) else _tool_use_id()
+        self.written, self.input, self.sent = [], ObjectPrefix(), []
+        return events + self._start(
+            "tool_use", {"type": "tool_use", "id": tool_id, "name": name, "input": {}}
+        )
 
     def arguments(self, piece: str) -> list[str]:
-        if self.pending is not None:
-            name, arguments, call_id = self.pending
-            self.pending = (name, arguments + piece, call_id)
-        return []
+        if self.input is None:
+            return []
+        self.written.append(piece)
+        self.input.feed(piece)
+        return self._input_delta(self.input.take())
+
+    def _input_delta(self, partial: str) -> list[str]:
+        if not partial:
+            return []
+        self.sent.append(partial)
+        delta = {"type": "input_json_delta", "partial_json": partial}
+        return [_event("content_block_delta", index=len(self.blocks) - 1, delta=delta)]
 
     def call_end(self) -> list[str]:
-        """The call, whole: its input must be a JSON object (known only once whole), so its block is
-        sent at its end; a call cut off is no tool_use."""
-        if self.pending is None:
+        """The call's input, whole: an object the reply can carry (no NaN), else {}, which a stream
+        that sent none of it sends; one that sent the start of an object that broke off keeps it."""
+        if self.input is None:
             return []
-        (name, arguments, call_id), self.pending = self.pending, None
-        events = self.close()
+        self.input = None
         try:
-            value = json.loads(arguments)
+            value = json.loads("".join(self.written))
         except (ValueError, RecursionError):
             value = None
-        # Anthropic's inputs are objects, streamed as JSON, that the reply can carry (no NaN)
         if not isinstance(value, dict) or invalid_json_value(value) is not None:
-            value, arguments = {}, "{}"
-        tool_id = call_id if is_model_call_id(call_id) else _tool_use_id()
-        block = {"type": "tool_use", "id": tool_id, "name": name, "input": value}
-        self.blocks.append(block)
-        index = len(self.blocks) - 1
-        return events + [
-            _event("content_block_start", index=index, content_block={**block, "input": {}}),
-            _event(
-                "content_block_delta",
-                index=index,
-                delta={"type": "input_json_delta", "partial_json": arguments},
-            ),
-            _event("content_block_stop", index=index),
-        ]
+            value = {}
+        self.blocks[-1]["input"] = value
+        return ([] if self.sent else self._input_delta("{}")) + self.close()
 
     def close(self) -> list[str]:
         if self.open is None:
             return []
         self.open = None
+        if self.input is not None:  # a call the reply ended inside: its input as the SDK reads what was sent
+            self.input = None
+            sent = "".join(self.sent)
+            self.blocks[-1]["input"] = from_json(sent, allow_partial=True) if sent else {}
         return [_event("content_block_stop", index=len(self.blocks) - 1)]
 
     def finish(self) -> list[str]:

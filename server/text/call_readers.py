@@ -14,6 +14,7 @@ call, whose arguments stop where the model's writing stops making sense.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -215,6 +216,50 @@ class JsonValue:
     def _char(self, c: str) -> None:
         plain = self.in_string == "raw" or (c >= " " and c not in '"\\')
         self.out.append(c if plain else json.dumps(c)[1:-1])
+
+
+class ObjectPrefix(JsonValue):
+    """A call's arguments read from their fragments, passed on (`take`) only as far as they stay the
+    start of a JSON object that a reply can carry and a partial JSON parser reads (Anthropic's SDK
+    parses each streamed prefix): another value at the top, a lone surrogate, NaN, an infinity or a
+    number json cannot read, or text after the object, ends it there (`failed`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: int | None = None  # where the output stops, once a lone surrogate ended it
+
+    def feed(self, text: str, i: int = 0) -> int:
+        i = super().feed(text, i)
+        if self.done and text[i:].strip(_WS):
+            self.failed = True
+        return i
+
+    def take(self) -> str:
+        if self.kept is not None:
+            del self.out[self.kept :]
+            self.kept = 0
+        return super().take()
+
+    def _token(self, c: str) -> None:
+        if not self.stack and c != "{":
+            self.failed = True
+            return
+        super()._token(c)
+
+    def _end_word(self) -> None:
+        try:  # as json.loads reads the whole (which stops at 4300 digits)
+            value = json.loads(self.word)
+        except (ValueError, RecursionError):
+            value = math.nan
+        if isinstance(value, float) and not math.isfinite(value):
+            self.failed = True
+            return
+        super()._end_word()
+
+    def _lone(self, unit: int) -> None:
+        self.failed = True
+        if self.kept is None:  # what the same character adds after it is dropped too
+            self.kept = len(self.out)
 
 
 class CallReader:

@@ -1,7 +1,8 @@
 """A reply aborted (/abort_request) while the model writes a tool call, as a call that max_tokens
 cuts off: in chat completions and the Responses API, streamed or not, the half-written call whose
 name is out (a stream has sent it, and its arguments so far) is a call with the arguments written;
-in the Messages API, whose tool_use input is a whole JSON object, it is none. The tiny model cannot
+in the Messages API it is a tool_use block, its input what the stream sent of it as Anthropic's SDK
+reads it (a string written in part is left out). The tiny model cannot
 write calls: a stand-in engine writes a fixed Qwen3.5-style output, then waits with the request
 running until it is aborted."""
 
@@ -165,7 +166,7 @@ def test_responses_aborted_mid_call_give_an_incomplete_call_item(stalling) -> No
     assert final.output_text == BEFORE and final.output[1].arguments == HALF_ARGUMENTS
 
 
-def test_messages_aborted_mid_call_give_no_tool_use(stalling) -> None:
+def test_messages_aborted_mid_call_give_the_tool_use_sent(stalling) -> None:
     url, engine = stalling(BEFORE + HALF_CALL)
     claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
     kw: dict[str, Any] = dict(
@@ -180,9 +181,14 @@ def test_messages_aborted_mid_call_give_no_tool_use(stalling) -> None:
 
     def streamed() -> Any:
         with claude.messages.stream(**kw, extra_headers={"X-Request-Id": "msg-stream"}) as stream:
-            return stream.get_final_message()
+            sent = "".join(e.partial_json for e in stream if e.type == "input_json")
+            return stream.get_final_message(), sent
 
-    for name, send in (("msg-whole", whole), ("msg-stream", streamed)):
-        message = aborted(url, engine, name, send)
-        assert message.stop_reason is None, name
-        assert [(b.type, getattr(b, "text", None)) for b in message.content] == [("text", BEFORE)], name
+    final, sent = aborted(url, engine, "msg-stream", streamed)
+    assert sent == HALF_ARGUMENTS
+    for message in (final, aborted(url, engine, "msg-whole", whole)):
+        assert message.stop_reason is None
+        blocks = [
+            (b.type, getattr(b, "text", None) or b.name, getattr(b, "input", None)) for b in message.content
+        ]
+        assert blocks == [("text", BEFORE, None), ("tool_use", "get_weather", {})]
