@@ -658,6 +658,19 @@ def _logprob_entries(
     return entries
 
 
+def _event_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """output_text logprobs entries as the text events' type has them: an output_text part's
+    entries hold each token's bytes, the delta and done events' do not (nor do vLLM's)."""
+    return [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]],
+        }
+        for e in entries
+    ]
+
+
 def _event(kind: str, seq: int, **fields: Any) -> str:
     payload = {"type": kind, "sequence_number": seq, **fields}
     return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
@@ -684,11 +697,11 @@ class _Events(PartsWriter):
 
     def carry(self, part: dict[str, Any]) -> list[dict[str, Any]]:
         """The pending entries, now part of the output_text `part` (every token's, reasoning's and
-        markup's too, as vLLM's output_text holds them)."""
+        markup's too, as vLLM's output_text holds them), as a text event's logprobs."""
         carried, self.pending = self.pending, []
         if "logprobs" in part:
             part["logprobs"] += carried
-        return carried
+        return _event_logprobs(carried)
 
     def emit(self, kind: str, **fields: Any) -> str:
         event = _event(kind, self.seq, **fields)
@@ -751,7 +764,10 @@ class _Events(PartsWriter):
             self.emit("response.reasoning_text.done", **ref, text=part["text"])
             if kind == "reasoning"
             else self.emit(
-                "response.output_text.done", **ref, text=part["text"], logprobs=part.get("logprobs", [])
+                "response.output_text.done",
+                **ref,
+                text=part["text"],
+                logprobs=_event_logprobs(part.get("logprobs", [])),
             )
         )
         return events + [
