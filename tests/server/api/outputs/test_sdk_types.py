@@ -71,6 +71,10 @@ ALLOWED_NULLS: dict[tuple[Any, bool, tuple[str, ...]], tuple[Any, str]] = {
     },
 }
 
+# Anthropic error types its docs list (HTTP errors) that the SDK's ErrorObject union lacks: a body of
+# one is read as invalid_request_error's shape, which its docs give "other 4XX status codes"
+ANTHROPIC_ERROR_TYPES = {"request_too_large": "Anthropic's 413 type, which its docs' HTTP errors list"}
+
 _ADAPTERS: dict[Any, TypeAdapter[Any]] = {}
 
 
@@ -167,7 +171,10 @@ def thinking_server(spawn_module_server, builtin_path: str, tmp_path_factory: py
     assert template != config["chat_template"]
     path = tmp_path_factory.mktemp("template") / "thinking.jinja"
     path.write_text(template)
-    return spawn_module_server("--max-model-len", "512", "--chat-template", str(path))
+    # bodies over 16 KiB are a 413, whose shape the errors' test reads
+    return spawn_module_server(
+        "--max-model-len", "512", "--chat-template", str(path), "--max-request-body-mb", str(16 / 1024)
+    )
 
 
 class Matrix:
@@ -184,14 +191,30 @@ class Matrix:
         try:
             if method == "get":
                 return 200, client.get(path, cast_to=str)
+            if method == "delete":
+                return 200, client.delete(path, cast_to=str)
             return 200, client.post(path, body=body, cast_to=str)
         except (openai.APIStatusError, anthropic.APIStatusError) as error:
             return error.status_code, error.response.text
 
+    def _in_band_error(self, where: str, error: bool, fails: bool) -> None:
+        """A stream's error event: where the request is to fail there, the one it was to send."""
+        if not fails:
+            self.problems.append(f"{where}: an error event in a stream that was not to fail")
+        elif error:
+            self.problems.append(f"{where}: a second error event")
+
     def openai(
-        self, path: str, body: dict[str, Any] | None, whole: Any, event: Any = None, method: str = "post"
+        self,
+        path: str,
+        body: dict[str, Any] | None,
+        whole: Any,
+        event: Any = None,
+        method: str = "post",
+        fails: bool = False,
     ) -> list[dict[str, Any]]:
-        """One OpenAI-API request; its body, or its stream's events, checked. Returns the objects."""
+        """One OpenAI-API request; its body, or its stream's events, checked (`fails`: the stream
+        ends in an error event). Returns the objects."""
         where = f"{method.upper()} {path} {json.dumps(body)[:160]}"
         status, text = self._send(self.oai, method, path, body)
         if status >= 400:
@@ -201,27 +224,37 @@ class Matrix:
             obj = json.loads(text)
             self.problems += mismatches(whole, obj, where)
             return [obj]
-        objs = []
-        events = sse_events(text)
+        objs: list[dict[str, Any]] = []
+        events, error = sse_events(text), False
         if event is ResponseStreamEvent:
             for name, data in events:
                 obj = json.loads(data)
                 if name != obj.get("type"):
                     self.problems.append(f"{where}: event {name!r} sends type {obj.get('type')!r}")
+                if name == "error":  # ResponseErrorEvent, in the union
+                    self._in_band_error(where, error, fails)
+                    error = True
                 self.problems += mismatches(event, obj, f"{where} {name}", streamed=True)
                 objs.append(obj)
-            return objs
-        if events[-1] != (None, "[DONE]"):
-            self.problems.append(f"{where}: the stream ends on {events[-1]!r}, not data: [DONE]")
-        for name, data in events[:-1]:
-            if name is not None:
-                self.problems.append(f"{where}: an event line {name!r} OpenAI's chunks do not have")
-            obj = json.loads(data)
-            self.problems += mismatches(event, obj, f"{where} chunk", streamed=True)
-            objs.append(obj)
+        else:
+            if events[-1] != (None, "[DONE]"):
+                self.problems.append(f"{where}: the stream ends on {events[-1]!r}, not data: [DONE]")
+            for name, data in events[:-1]:
+                if name is not None:
+                    self.problems.append(f"{where}: an event line {name!r} OpenAI's chunks do not have")
+                obj = json.loads(data)
+                if list(obj) == ["error"]:  # vLLM's in-band error, which the SDK's stream raises
+                    self._in_band_error(where, error, fails)
+                    error = True
+                    self.problems += mismatches(ErrorObject, obj["error"], f"{where} error")
+                else:
+                    self.problems += mismatches(event, obj, f"{where} chunk", streamed=True)
+                objs.append(obj)
+        if fails and not error:
+            self.problems.append(f"{where}: no error event in a stream that was to fail")
         return objs
 
-    def messages(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+    def messages(self, body: dict[str, Any], fails: bool = False) -> list[dict[str, Any]]:
         where = f"POST /v1/messages {json.dumps(body)[:160]}"
         status, text = self._send(self.claude, "post", "/v1/messages", body)
         if status >= 400:
@@ -231,15 +264,22 @@ class Matrix:
             obj = json.loads(text)
             self.problems += mismatches(Message, obj, where)
             return [obj]
-        objs = []
+        objs, error = [], False
         for name, data in sse_events(text):
             obj = json.loads(data)
             if name != obj.get("type"):
                 self.problems.append(f"{where}: event {name!r} sends type {obj.get('type')!r}")
             if name == "ping":  # Anthropic's keep-alive event, which its SDK's stream skips
                 continue
-            self.problems += mismatches(RawMessageStreamEvent, obj, f"{where} {name}", streamed=True)
+            if name == "error":  # Anthropic's in-band error: an error body, which the SDK's stream raises
+                self._in_band_error(where, error, fails)
+                error = True
+                self.problems += mismatches(ErrorResponse, obj, f"{where} error")
+            else:
+                self.problems += mismatches(RawMessageStreamEvent, obj, f"{where} {name}", streamed=True)
             objs.append(obj)
+        if fails and not error:
+            self.problems.append(f"{where}: no error event in a stream that was to fail")
         return objs
 
     def error(self, method: str, path: str, body: Any, status: int) -> None:
@@ -257,6 +297,8 @@ class Matrix:
             return
         obj = json.loads(text)
         if anthropic_api:
+            if isinstance(obj.get("error"), dict) and obj["error"].get("type") in ANTHROPIC_ERROR_TYPES:
+                obj = {**obj, "error": {**obj["error"], "type": "invalid_request_error"}}
             self.problems += mismatches(ErrorResponse, obj, where)
         elif list(obj) != ["error"]:
             self.problems.append(f"{where}: error body keys {list(obj)}, not ['error']")
@@ -486,8 +528,29 @@ def test_models_and_errors_fit_the_sdks_types(matrix: Matrix, thinking_server) -
         ("post", "/v1/messages", {**chat, "model": "nope"}, 404),
         ("post", "/v1/messages", {**chat, "stream": True, "thinking": {"type": "x"}}, 400),
         ("post", "/v1/messages/count_tokens", {"model": MODEL_NAME}, 400),
+        ("post", "/v1/chat/completions", {**chat, "user": "u" * 20000}, 413),
+        ("post", "/v1/messages", {**chat, "system": "s" * 20000}, 413),
     ):  # fmt: skip
         matrix.error(method, path, body, status)
+    # a stream the engine fails once it has begun: its error comes in-band, in the API's shape
+    hello = httpx.post(
+        f"{thinking_server.url}/tokenize", json={"prompt": "hello", "add_special_tokens": False}
+    )
+    empty = {"allowed_token_ids": hello.json()["tokens"][:1], "bad_words": ["hello"], "stream": True}
+    matrix.openai("/chat/completions", {**chat, **empty}, ChatCompletion, ChatCompletionChunk, fails=True)
+    matrix.openai(
+        "/completions", {"model": MODEL_NAME, "prompt": "Hi", **empty}, Completion, Completion, fails=True
+    )
+    matrix.openai(
+        "/responses", {"model": MODEL_NAME, "input": "Hi", **empty}, Response, ResponseStreamEvent, fails=True
+    )
+    matrix.messages({**chat, **empty}, fails=True)
+    stored = matrix.openai(
+        "/responses", {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 2}, Response
+    )
+    status, text = matrix._send(matrix.oai, "delete", f"/responses/{stored[0]['id']}", None)
+    deleted = {"id": stored[0]["id"], "object": "response.deleted", "deleted": True}  # OpenAI's; no SDK type
+    assert (status, json.loads(text)) == (200, deleted)
     for path in ("/v1/chat/completions", "/v1/messages"):  # a body no SDK would send: not JSON
         reply = httpx.post(
             f"{thinking_server.url}{path}", content=b"{no", headers={"content-type": "application/json"}
