@@ -148,6 +148,8 @@ def sse_events(text: str) -> list[tuple[str | None, str]]:
     return events
 
 
+KEY = "sdk-types-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 THINKING_TEMPLATE_TAIL = (  # Qwen3.5's generation prompt: thinking open unless enable_thinking is false
     "{%- if enable_thinking is defined and enable_thinking is false %}\n"
     "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
@@ -171,19 +173,21 @@ def thinking_server(spawn_module_server, builtin_path: str, tmp_path_factory: py
     assert template != config["chat_template"]
     path = tmp_path_factory.mktemp("template") / "thinking.jinja"
     path.write_text(template)
-    # bodies over 16 KiB are a 413, whose shape the errors' test reads
+    # a key, and bodies over 16 KiB a 413: the errors' test reads the 401's and 413's shapes
     return spawn_module_server(
-        "--max-model-len", "512", "--chat-template", str(path), "--max-request-body-mb", str(16 / 1024)
-    )
+        "--max-model-len", "512", "--chat-template", str(path), "--max-request-body-mb", str(16 / 1024),
+        "--api-key", KEY,
+    )  # fmt: skip
 
 
 class Matrix:
     """Sends requests through the official clients, reads their raw replies and collects every
     mismatch, and what the replies held (so the matrix is seen to reach reasoning, calls, ...)."""
 
-    def __init__(self, url: str) -> None:
-        self.oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
-        self.claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=60)
+    def __init__(self, url: str, key: str = "") -> None:
+        key = key or KEY
+        self.oai = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+        self.claude = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
         self.problems: list[str] = []
         self.seen: set[str] = set()
 
@@ -319,7 +323,9 @@ def closes_reasoning(thinking_server) -> dict[str, Any]:
     """Sampling fields under which the random model soon writes </think>, so a reply holds both
     reasoning and an answer (or a call)."""
     tokens = httpx.post(
-        f"{thinking_server.url}/tokenize", json={"prompt": "</think>", "add_special_tokens": False}
+        f"{thinking_server.url}/tokenize",
+        json={"prompt": "</think>", "add_special_tokens": False},
+        headers=AUTH,
     ).json()["tokens"]
     assert len(tokens) == 1
     return {"logit_bias": {str(tokens[0]): 9}, "temperature": 1.0, "seed": 1}
@@ -534,7 +540,7 @@ def test_models_and_errors_fit_the_sdks_types(matrix: Matrix, thinking_server) -
         matrix.error(method, path, body, status)
     # a stream the engine fails once it has begun: its error comes in-band, in the API's shape
     hello = httpx.post(
-        f"{thinking_server.url}/tokenize", json={"prompt": "hello", "add_special_tokens": False}
+        f"{thinking_server.url}/tokenize", json={"prompt": "hello", "add_special_tokens": False}, headers=AUTH
     )
     empty = {"allowed_token_ids": hello.json()["tokens"][:1], "bad_words": ["hello"], "stream": True}
     matrix.openai("/chat/completions", {**chat, **empty}, ChatCompletion, ChatCompletionChunk, fails=True)
@@ -553,7 +559,12 @@ def test_models_and_errors_fit_the_sdks_types(matrix: Matrix, thinking_server) -
     assert (status, json.loads(text)) == (200, deleted)
     for path in ("/v1/chat/completions", "/v1/messages"):  # a body no SDK would send: not JSON
         reply = httpx.post(
-            f"{thinking_server.url}{path}", content=b"{no", headers={"content-type": "application/json"}
+            f"{thinking_server.url}{path}",
+            content=b"{no",
+            headers={"content-type": "application/json", **AUTH},
         )
         matrix.check_error(path, reply.status_code, reply.text, 400, path == "/v1/messages")
-    assert not matrix.problems, "\n".join(matrix.problems)
+    stranger = Matrix(thinking_server.url, key="not-the-key")
+    stranger.error("post", "/v1/chat/completions", chat, 401)
+    stranger.error("post", "/v1/messages", chat, 401)
+    assert not matrix.problems + stranger.problems, "\n".join(matrix.problems + stranger.problems)
