@@ -407,12 +407,11 @@ def test_chat_completions_and_chunks_fit_the_sdks_types(matrix: Matrix, closes_r
             body = {**chat, **NO_THINKING, **usage, **fields, "stream": stream}
             objs = matrix.openai("/chat/completions", body, ChatCompletion, ChatCompletionChunk)
             parts = [c.get("message") or c.get("delta") or {} for c in _each(objs, lambda o: o["choices"])]
-            calls, thought = (
-                any(p.get("tool_calls") for p in parts),
-                any(p.get("reasoning_content") for p in parts),
-            )
-            matrix.seen |= {f"{w} stream={stream}" for w, got in (("calls", calls), ("reasoning", thought), ("reasoning then calls", calls and thought)) if got}  # fmt: skip
-    _no_problems_and_reached(matrix, {"calls", "reasoning", "reasoning then calls"})
+            calls = any(p.get("tool_calls") for p in parts)
+            thought = any(p.get("reasoning_content") for p in parts)
+            reached = {"calls": calls, "reasoning": thought, "reasoning and calls": calls and thought}
+            matrix.seen |= {f"{what} stream={stream}" for what, got in reached.items() if got}
+    _no_problems_and_reached(matrix, {"calls", "reasoning", "reasoning and calls"})
 
 
 @pytest.mark.slow
@@ -438,6 +437,7 @@ def test_completions_and_their_chunks_fit_the_sdks_types(matrix: Matrix) -> None
 def test_responses_and_their_events_fit_the_sdks_types(matrix: Matrix, closes_reasoning) -> None:
     response = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 12}
     off = {"reasoning": {"effort": "none"}}
+    called: tuple[str, dict[str, Any]] | None = None  # a stored response's id and its call
     for stream in (False, True):
         for fields in (
             off,
@@ -456,24 +456,26 @@ def test_responses_and_their_events_fit_the_sdks_types(matrix: Matrix, closes_re
             final = objs[-1].get("response", objs[-1]) if objs else {}
             matrix.seen |= {f"{item['type']} stream={stream}" for item in final.get("output", [])}
             calls = [item for item in final.get("output", []) if item["type"] == "function_call"]
-            if calls and not stream:  # the tool loop's next turn: the call's output, then a follow-on
-                items = [*HI, calls[0], {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "sunny"}]  # fmt: skip
-                for s in (False, True):
-                    body = {**response, **off, "input": items, "tools": [RESPONSES_TOOL], "tool_choice": "none", "stream": s}  # fmt: skip
-                    matrix.openai("/responses", body, Response, ResponseStreamEvent)
-                    body = {
-                        **response,
-                        **off,
-                        "input": "More",
-                        "previous_response_id": final["id"],
-                        "stream": s,
-                    }
-                    matrix.openai("/responses", body, Response, ResponseStreamEvent)
-                matrix.openai(f"/responses/{final['id']}", None, Response, method="get")
-                matrix.openai(f"/responses/{final['id']}/input_items?order=asc", None, ResponseItemList, method="get")  # fmt: skip
-                matrix.seen.add("a stored call's turn stream=False")
-    matrix.seen.add("a stored call's turn stream=True")  # the loop above sends both
-    _no_problems_and_reached(matrix, {"message", "reasoning", "function_call", "a stored call's turn"})
+            if calls and not stream:
+                called = (final["id"], calls[0])
+    # the tool loop's next turns: the call's output, then one that follows the stored response on
+    assert called is not None, "no unstreamed response called the tool"
+    stored, call = called
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    for stream in (False, True):
+        body = {
+            **response,
+            **off,
+            "input": [*HI, call, output],
+            "tools": [RESPONSES_TOOL],
+            "tool_choice": "none",
+        }
+        matrix.openai("/responses", {**body, "stream": stream}, Response, ResponseStreamEvent)
+        body = {**response, **off, "input": "More", "previous_response_id": stored}
+        matrix.openai("/responses", {**body, "stream": stream}, Response, ResponseStreamEvent)
+    matrix.openai(f"/responses/{stored}", None, Response, method="get")
+    matrix.openai(f"/responses/{stored}/input_items?order=asc", None, ResponseItemList, method="get")
+    _no_problems_and_reached(matrix, {"message", "reasoning", "function_call"})
 
 
 @pytest.mark.slow
