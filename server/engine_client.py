@@ -657,8 +657,9 @@ class EngineClient:
         handle = self.handles[engine]
         while handle.alive():
             await asyncio.sleep(0.2)
-        code = handle.process.exitcode if handle.process is not None else None
-        self._on_dead(f"{self._name(engine)} process exited (code {code})", engine)
+        # an attached handle's engine is process 0's child: its exit code is not this process's to read
+        code = f" (code {handle.process.exitcode})" if handle.process is not None else ""
+        self._on_dead(f"{self._name(engine)} process exited{code}", engine)
 
     def _on_dead(self, reason: str, engine: int = 0) -> None:
         """An engine is gone (it said why first, or its process exited): fail what it held. New

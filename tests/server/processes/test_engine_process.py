@@ -198,6 +198,35 @@ def test_a_request_sent_to_an_engine_that_just_died_fails_instead_of_hanging() -
     asyncio.run(run())
 
 
+def test_an_engine_watched_by_its_pid_dies_without_an_unknown_exit_code_in_its_reason() -> None:
+    """An HTTP process other than 0 watches the engine by its pid (another process's child, whose
+    exit code it cannot read): /health's reason and its requests' errors say the engine exited,
+    without the "code None" of a code it never had."""
+    import subprocess
+    import sys
+
+    from deltaserve.server.engine_client import EngineClient
+
+    client = EngineClient.in_thread(FailingEngine())
+    handle = client.handle
+    thread = handle.thread
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+
+    async def run() -> tuple[bool, str]:
+        await client.start()
+        handle.thread, handle.engine_pid = None, exited.pid  # as `EngineHandle.attach` leaves it
+        try:
+            while client.dead is None:
+                await asyncio.sleep(0.05)
+            return client.health()
+        finally:
+            handle.thread, handle.engine_pid = thread, None
+            await client.shutdown()
+
+    assert asyncio.run(asyncio.wait_for(run(), 30)) == (False, "the engine process exited")
+
+
 def test_shutdown_deadline_ends_every_request_with_an_error_and_drains_with_503(spawn_server) -> None:
     server = spawn_server("--max-model-len", "2048", "--shutdown-timeout", "2")
     assert server.proc is not None
