@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from .api.request_params import rid_prefix
 from .api.responses import (
     ResponsesRequest,
     ResponseStore,
+    SharedResponseStore,
     StoredResponse,
     create_response,
     list_input_items,
@@ -174,7 +176,12 @@ def build_app(
     async def messages_count_tokens(body: CountTokensRequest) -> Response:
         return await count_tokens(ctx, body)
 
-    stored = ResponseStore()
+    # several HTTP processes: a response stored through one is found through any
+    stored = (
+        SharedResponseStore(os.path.join(shared_metrics.folder, "responses"))
+        if shared_metrics is not None
+        else ResponseStore()
+    )
 
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:

@@ -15,7 +15,10 @@ drop one, and `GET /v1/responses/{id}/input_items` lists the items it was made f
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import pickle
 import re
 import time
 import uuid
@@ -200,6 +203,75 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         return self._entries.pop(response_id) is not None
+
+
+class SharedResponseStore(ResponseStore):
+    """As ResponseStore, for several HTTP processes: each response a file in a folder they share
+    (the kernel hands a client's next connection to any of them), the least recently stored or
+    used files dropped first, by their count and size. Used from each server's event loop only."""
+
+    def __init__(self, folder: str, size: int = STORE_SIZE, max_bytes: int = STORE_BYTES) -> None:
+        super().__init__(size, max_bytes)
+        self.folder = folder
+        os.makedirs(folder, exist_ok=True)
+
+    def _path(self, response_id: str) -> str:
+        # a digest, not the id: a GET's id comes from the URL and must not name another file
+        return os.path.join(self.folder, hashlib.sha256(response_id.encode()).hexdigest() + ".pkl")
+
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        path = self._path(response_id)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)  # another process reads the whole entry or none
+        self._used(path)
+        self._evict(keep=path)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        path = self._path(response_id)
+        try:
+            with open(path, "rb") as f:
+                entry: StoredResponse = pickle.load(f)
+            self._used(path)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return None
+        return entry
+
+    @staticmethod
+    def _used(path: str) -> None:
+        # to the nanosecond: a file system's own stamps tie files written within a clock tick
+        now = time.time_ns()
+        os.utime(path, ns=(now, now))
+
+    def delete(self, response_id: str) -> bool:
+        try:
+            os.remove(self._path(response_id))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _evict(self, keep: str) -> None:
+        files = []
+        with os.scandir(self.folder) as entries:
+            for e in entries:
+                if e.name.endswith(".pkl") and e.path != keep:
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:  # another process dropped it meanwhile
+                        continue
+                    files.append((st.st_mtime_ns, st.st_size, e.path))
+        files.sort()
+        count = len(files) + 1
+        total = sum(size for _, size, _ in files) + os.path.getsize(keep)
+        for _, size, path in files:
+            if count <= self.size and total <= self.max_bytes:
+                break
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            count, total = count - 1, total - size
 
 
 # an input item's id, where the client gave none, by its type (OpenAI's prefixes)

@@ -420,3 +420,36 @@ def test_a_request_sent_after_abort_all_returns_is_not_aborted(spawn_server) -> 
         return endings
 
     assert asyncio.run(trials()) == ["length"] * 30
+
+
+def test_a_stored_response_is_found_through_every_http_process(spawn_server) -> None:
+    """A response stored through one HTTP process is retrieved, listed, continued and deleted
+    through either: a client's next connection may go to the other one."""
+    server = spawn_server(*TWO)
+
+    def fresh(method: str, path: str, **kwargs: Any) -> httpx.Response:
+        with httpx.Client(timeout=60, headers={"Connection": "close"}) as http:
+            return http.request(method, f"{server.url}{path}", **kwargs)
+
+    def takers(path: str) -> set[str]:  # the HTTP processes that answered ("uvicorn.access[1]:" the second)
+        return {line.split()[3] for line in server.log().splitlines() if path in line}
+
+    made = fresh(
+        "POST", "/v1/responses", json={"model": MODEL_NAME, "input": "remember me", "max_output_tokens": 16}
+    )
+    assert made.status_code == 200, made.text
+    rid = made.json()["id"]
+    # which process accepts a connection is the kernel's choice: calls go on until both have answered
+    for _ in range(40):
+        got = fresh("GET", f"/v1/responses/{rid}")
+        assert got.status_code == 200 and got.json()["id"] == rid, got.text
+        items = fresh("GET", f"/v1/responses/{rid}/input_items")
+        assert items.status_code == 200 and items.json()["data"], items.text
+        follow = {"model": MODEL_NAME, "input": "and?", "previous_response_id": rid, "max_output_tokens": 16}
+        assert fresh("POST", "/v1/responses", json=follow).status_code == 200
+        if len(takers(f"GET /v1/responses/{rid} ")) == 2 and len(takers("POST /v1/responses ")) == 2:
+            break
+    assert len(takers(f"GET /v1/responses/{rid} ")) == 2, takers(f"GET /v1/responses/{rid} ")
+    assert fresh("DELETE", f"/v1/responses/{rid}").status_code == 200
+    for _ in range(6):  # gone for both
+        assert fresh("GET", f"/v1/responses/{rid}").status_code == 404

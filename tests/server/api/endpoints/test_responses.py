@@ -569,10 +569,20 @@ def test_input_items_lists_the_items_a_stored_response_was_made_from(client, bas
     assert r.status_code == 400 and r.json()["error"]["param"] == "include", r.text
 
 
-def test_the_store_keeps_the_last_responses() -> None:
-    from deltaserve.server.api.responses import ResponseStore, StoredResponse
+@pytest.fixture(params=["memory", "shared"])
+def make_store(request, tmp_path):
+    """A store of one HTTP process (in memory), or of several (files in a folder they share)."""
+    from deltaserve.server.api.responses import ResponseStore, SharedResponseStore
 
-    store = ResponseStore(size=2)
+    if request.param == "memory":
+        return ResponseStore
+    return lambda **kw: SharedResponseStore(str(tmp_path / "responses"), **kw)
+
+
+def test_the_store_keeps_the_last_responses(make_store) -> None:
+    from deltaserve.server.api.responses import StoredResponse
+
+    store = make_store(size=2)
     for name in ("a", "b"):
         store.put(name, StoredResponse([], {"id": name}))
     assert store.get("a") is not None  # used: now the most recent
@@ -581,13 +591,13 @@ def test_the_store_keeps_the_last_responses() -> None:
     assert store.delete("a") and not store.delete("a")
 
 
-def test_the_store_keeps_its_responses_within_its_bytes() -> None:
+def test_the_store_keeps_its_responses_within_its_bytes(make_store) -> None:
     """Large inputs (an image's data URL) push the oldest responses out, so that the store cannot
     grow by tens of MB a request up to its 1,024 responses; the newest is kept whatever its size."""
     from deltaserve.server.api.responses import ResponseStore, StoredResponse
 
     image = [{"role": "user", "content": [{"type": "input_image", "image_url": "x" * 4000}]}]
-    store = ResponseStore(size=100, max_bytes=10_000)
+    store = make_store(size=100, max_bytes=10_000)
     for name in ("a", "b", "c"):
         store.put(name, StoredResponse(image, {"id": name}))
     assert store.get("a") is None and store.get("b") is not None and store.get("c") is not None
@@ -603,6 +613,22 @@ def test_the_store_keeps_its_responses_within_its_bytes() -> None:
     for i in range(1024):
         default.put(str(i), StoredResponse([{"role": "user", "content": text}], {"id": str(i)}))
     assert default.get("0") is None and default.get("1023") is not None
+
+
+def test_several_processes_share_their_stored_responses(tmp_path) -> None:
+    """Two stores over one folder (two HTTP processes) see each other's responses and deletes; an
+    id from a URL names no file outside the folder."""
+    from deltaserve.server.api.responses import SharedResponseStore, StoredResponse
+
+    folder = tmp_path / "responses"
+    first, second = SharedResponseStore(str(folder)), SharedResponseStore(str(folder))
+    first.put("resp_1", StoredResponse([{"role": "user", "content": "hi"}], {"id": "resp_1"}))
+    got = second.get("resp_1")
+    assert got is not None and got.body == {"id": "resp_1"} and got.items[0]["content"] == "hi"
+    assert second.delete("resp_1") and first.get("resp_1") is None and not first.delete("resp_1")
+    (tmp_path / "secret").write_bytes(b"not a response")
+    assert first.get("../secret") is None and not first.delete("../secret")
+    assert (tmp_path / "secret").exists()
 
 
 @pytest.mark.parametrize(
