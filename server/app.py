@@ -99,7 +99,8 @@ def build_app(
     """The app for one engine client; the client's engine thread runs for the app's lifespan.
     `api_key` guards /v1, /generate, /tokenize and /detokenize; bodies over `max_body_bytes` are a 413.
     `model_aliases` are accepted in requests like `model_names` but not listed by /v1/models.
-    `shared_metrics`: one of several HTTP processes, whose /metrics adds up all of theirs.
+    `shared_metrics`: one of several HTTP processes, whose /metrics adds up all of theirs and whose
+    stored responses (the Responses API's) live in files of the folder they share.
     `cors`: which browser origins may call the API; None or no origins, no CORS headers.
     `trust_request_chat_template`: a chat request's own `chat_template` is rendered, not a 400.
     `force_include_usage`: every streamed chat or completion ends with its usage chunk.

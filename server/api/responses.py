@@ -8,7 +8,8 @@ a chat completion does (`chat.prepare_chat`), and the output is given back as Re
 `function_call` per tool call. Streams send the Responses events (`response.created`, the items'
 `added` / delta / `done` events, `response.completed`, or `response.incomplete` for a reply that
 max_output_tokens cut or the server aborted: status `incomplete` or `cancelled`). Responses are kept in memory (the last
-`STORE_SIZE` within `STORE_BYTES`, unless the request says `store: false`): `previous_response_id` continues one (its
+`STORE_SIZE` within `STORE_BYTES`, unless the request says `store: false`; with several HTTP
+processes, in files of a folder they share: `SharedResponseStore`): `previous_response_id` continues one (its
 input and output items come before the new input), `GET` / `DELETE /v1/responses/{id}` read and
 drop one, and `GET /v1/responses/{id}/input_items` lists the items it was made from. A restart forgets them all.
 """
