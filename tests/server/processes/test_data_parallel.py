@@ -210,6 +210,147 @@ def test_streams_taken_by_different_http_processes_spread_over_the_engines(dp_se
     assert apart, "every round's two streams met the same HTTP process"
 
 
+def test_mixed_traffic_through_both_http_processes_keeps_tokens_and_frees_everything(
+    dp_server, server, until_idle
+) -> None:
+    """Greedy requests of every API, streamed or not, beside disconnects, aborts by name, bad
+    requests, cache resets, relabels and polled /health and /metrics, each on a connection of its
+    own: every greedy request gives the tokens it gives alone on one engine, nothing is a 5xx or
+    hangs, /health stays 200, and afterwards both engines hold nothing."""
+    url = dp_server.url
+    texts = [f"mixed {i}: " + "the sea and the sky " * (i % 5) for i in range(12)]
+    greedy = [
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": texts[i], "max_tokens": 8, "temperature": 0})
+        for i in range(4)
+    ] + [
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": texts[4:7], "max_tokens": 6, "temperature": 0}),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": texts[7], "max_tokens": 6, "n": 2, "seed": 5}),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": texts[8]}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": True,
+                "stop": ["sea"],
+            },
+        ),
+        ("/generate", {"text": texts[9], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}),
+        (
+            "/v1/messages",
+            {
+                "model": MODEL_NAME,
+                "max_tokens": 8,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": texts[10]}],
+            },
+        ),
+        (
+            "/v1/responses",
+            {"model": MODEL_NAME, "input": texts[11], "max_output_tokens": 16, "temperature": 0},
+        ),
+    ]
+
+    def answer(path: str, reply: dict[str, Any]) -> Any:
+        """What greedy decoding decides: each choice's text (tokens, on /generate) and why it ended."""
+        if path == "/generate":
+            return reply["output_ids"], reply["meta_info"]["finish_reason"]["type"]
+        if path == "/v1/messages":
+            return reply["content"], reply["stop_reason"]
+        if path == "/v1/responses":
+            return reply["output"][-1]["content"], reply["status"]
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        return [(c.get("text") or c["message"]["content"], c["finish_reason"]) for c in choices]
+
+    statuses: list[tuple[str, int]] = []
+    health: list[int] = []
+
+    async def run() -> list[Any]:
+        done = asyncio.Event()
+
+        async def fresh(method: str, path: str, **kwargs: Any) -> httpx.Response:
+            async with httpx.AsyncClient(timeout=120, headers={"Connection": "close"}) as http:
+                r = await http.request(method, f"{url}{path}", **kwargs)
+                statuses.append((path, r.status_code))
+                return r
+
+        async def poll() -> None:
+            while not done.is_set():
+                health.append((await fresh("GET", "/health")).status_code)
+                await fresh("GET", "/metrics")
+                await asyncio.sleep(0.05)
+
+        async def good(path: str, body: dict[str, Any]) -> Any:
+            r = await fresh("POST", path, json=body)
+            assert r.status_code == 200, r.text
+            return answer(path, r.json())
+
+        async def leave_early(i: int) -> None:
+            body = {
+                "model": MODEL_NAME,
+                "prompt": [f"away {i}", f"gone {i}"],
+                "max_tokens": 300,
+                "stream": True,
+            }
+            async with httpx.AsyncClient(timeout=120) as http:
+                async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            return
+
+        async def aborted(i: int) -> None:
+            body = {"text": f"named {i}", "rid": f"mixed-{i}", "sampling_params": {"max_new_tokens": 300}}
+            call = asyncio.create_task(fresh("POST", "/generate", json=body))
+            await asyncio.sleep(0.2)
+            await fresh("POST", "/abort_request", json={"rid": f"mixed-{i}"})
+            assert (await call).status_code == 200
+
+        async def bad() -> None:
+            for path, body in [
+                ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "temperature": 9}),
+                ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}),
+                ("/generate", {"text": "x", "sampling_params": {"no_such_field": 1}}),
+            ]:
+                r = await fresh("POST", path, json=body)
+                assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+        async def admin() -> None:
+            for path, body in [
+                ("/reset_prefix_cache", None),
+                ("/update_weight_version", {"new_version": "mixed"}),
+            ]:
+                assert (await fresh("POST", path, json=body)).status_code == 200
+
+        poller = asyncio.create_task(poll())
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(
+                    *(good(path, body) for path, body in greedy),
+                    *(leave_early(i) for i in range(3)),
+                    *(aborted(i) for i in range(2)),
+                    bad(),
+                    admin(),
+                ),
+                120,
+            )
+        finally:
+            done.set()
+            await poller
+        return results[: len(greedy)]
+
+    got = asyncio.run(run())
+    for (path, body), mixed in zip(greedy, got):
+        alone = httpx.post(f"{server.url}{path}", json=body, timeout=120)  # a server of one engine, idle
+        assert mixed == answer(path, alone.json()), (path, body)
+    assert not [s for s in statuses if s[1] >= 500], statuses
+    assert health and set(health) == {200}, health
+    metrics = until_idle(url)
+    assert metrics["deltaserve_num_requests_running"] == metrics["deltaserve_num_requests_waiting"] == 0
+    for name in ("num_requests_running", "num_requests_waiting", "kv_pages_used", "state_slots_used"):
+        assert per_engine(url, name) == [0, 0], name
+
+
 def test_a_batch_of_prompts_spreads_over_the_engines(dp_server, server) -> None:
     prompts = [f"batch prompt {i}" for i in range(8)]
     body = {"model": MODEL_NAME, "prompt": prompts, "max_tokens": 6, "n": 2, "temperature": 1, "top_k": 1}
