@@ -217,18 +217,21 @@ def test_sigterm_drains_running_requests_and_exits_0(spawn_server, group: bool) 
     it: the engine process is among the group's, and must not die before the drain ends."""
     server = spawn_server("--max-model-len", "512", "--shutdown-timeout", "60", new_session=group)
     results: dict[str, object] = {}
+    streaming = threading.Event()  # its first token has come: the engine is running it
 
     def stream() -> None:
         body = {"model": MODEL_NAME, "prompt": "drain", "max_tokens": 150, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
-            results["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+            events: list[str] = []
+            results["events"] = events
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    streaming.set()
 
     reader = threading.Thread(target=stream)
     reader.start()
-    deadline = time.monotonic() + 30
-    while not server.log().count("POST /v1/completions") and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.3)  # the request is streaming now
+    assert streaming.wait(60), f"no token streamed:\n{server.log()[-3000:]}"
     assert server.proc is not None
     if group:
         os.killpg(server.proc.pid, signal.SIGTERM)
