@@ -160,8 +160,7 @@ def test_killed_engine_fails_requests_and_health_in_every_process(spawn_server) 
     ]
     for t in threads:
         t.start()
-    wait_for(lambda: server.log().count("POST /v1/completions") >= 8)
-    time.sleep(0.5)
+    wait_for(lambda: all(out.get("events") for out in outs))  # every one streaming, in both processes
     t0 = time.monotonic()
     os.kill(engine, signal.SIGKILL)
     for t in threads:

@@ -43,9 +43,14 @@ def engine_pid(server_pid: int) -> int:
 
 
 def stream_events(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
+    """The stream's data lines into `out["events"]` as they come (a test waits for the first)."""
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
         out["status"] = r.status_code
-        out["events"] = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+        events: list[str] = []
+        out["events"] = events
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
 
 
 def wait_for(predicate, timeout: float = 30.0) -> None:
@@ -338,7 +343,7 @@ def test_a_slow_grammar_does_not_hold_up_the_other_requests_grammars() -> None:
         await client.start()
         try:
             slow = asyncio.create_task(client.call("compile_structured", StructuredOutputs(regex="slow")))
-            await asyncio.sleep(0.2)
+            assert await asyncio.to_thread(engine.compiling.wait, 10)
             await asyncio.wait_for(client.call("compile_structured", StructuredOutputs(regex="[0-9]+")), 10)
             assert engine.compiled == ["[0-9]+"] and not slow.done()
             engine.release.set()
@@ -375,6 +380,17 @@ def test_requests_for_a_grammar_being_compiled_wait_without_holding_the_compile_
 
     monkeypatch.setattr(structured.Grammars, "_compile", held)
     engine = Engine(EngineConfig(model=tokenized_checkpoint, dtype="float32", device="cpu"))
+    taken: list[Any] = []
+    workers_taken = threading.Event()  # as many of them as there are compile workers began
+    compile_structured = engine.compile_structured
+
+    def counted(spec: Any) -> Any:
+        taken.append(spec)
+        if len(taken) >= OFF_LOOP_WORKERS:
+            workers_taken.set()
+        return compile_structured(spec)
+
+    monkeypatch.setattr(engine, "compile_structured", counted)
     client = EngineClient.in_thread(engine)
 
     async def run() -> None:
@@ -384,7 +400,7 @@ def test_requests_for_a_grammar_being_compiled_wait_without_holding_the_compile_
                 asyncio.create_task(client.call("compile_structured", StructuredOutputs(regex="[a-z]+")))
                 for _ in range(OFF_LOOP_WORKERS + 2)
             ]
-            await asyncio.sleep(0.5)
+            assert await asyncio.to_thread(workers_taken.wait, 30)
             await asyncio.wait_for(client.call("compile_structured", StructuredOutputs(regex="[0-9]+")), 10)
             assert not any(task.done() for task in asked)
             release.set()
@@ -551,7 +567,7 @@ def test_a_client_that_hangs_up_while_its_grammar_compiles_is_let_go(path: str, 
             assert engine.compiled == []  # ... while the compile goes on
             engine.release.set()
             wait_for(lambda: engine.compiled == ["slow"], timeout=10)
-            time.sleep(0.3)
+            time.sleep(0.3)  # nothing to wait for: a request that reached the engine would show by now
             assert engine.steps == 0 and not engine.requests  # the request never reached the engine
         finally:
             engine.release.set()
@@ -599,10 +615,10 @@ def test_a_grammar_not_compiled_in_time_is_a_400_and_is_not_compiled_once_its_ca
             for err in errors:
                 assert err.code == "grammar_timeout" and err.param == "structured_outputs", err
             # the queued grammar past the timeout too: it reached the engine after its wait began
-            time.sleep(1)
+            time.sleep(1)  # a duration, not an event: the grammar timeout passes for the queued one
             engine.release.set()
             wait_for(lambda: len(engine.compiled) >= OFF_LOOP_WORKERS, timeout=10)
-            time.sleep(0.5)  # the workers free, the queued grammar taken up
+            time.sleep(0.5)  # nothing to wait for: the queued grammar, if compiled, would show by now
             assert engine.compiled == ["slow"] * OFF_LOOP_WORKERS
         finally:
             engine.release.set()
@@ -671,8 +687,7 @@ def test_engine_process_ends_when_the_server_is_killed(spawn_server) -> None:
     body = {"model": MODEL_NAME, "prompt": "orphan", "max_tokens": 2000, "ignore_eos": True}
     reader = threading.Thread(target=lambda: _ignore(stream_events, server.url, body, streamed), daemon=True)
     reader.start()
-    wait_for(lambda: server.log().count("POST /v1/completions") >= 1)
-    time.sleep(0.5)
+    wait_for(lambda: bool(streamed.get("events")))  # its first token came: the engine is at work
     server.proc.kill()  # no drain, no stop message: the engine must notice on its own
     server.proc.wait(10)
 

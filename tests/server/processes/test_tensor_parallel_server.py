@@ -270,6 +270,7 @@ def test_a_killed_worker_is_a_dead_engine(spawn_server, model_name):
         p for p in descendants(server.proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
     ]
     streamed: dict[str, Any] = {}
+    streaming = threading.Event()  # its first token came: both ranks are stepping it
     body = {
         "model": model_name,
         "prompt": "keep going",
@@ -280,15 +281,16 @@ def test_a_killed_worker_is_a_dead_engine(spawn_server, model_name):
 
     def stream() -> None:
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
-            streamed["events"] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            events: list[str] = []
+            streamed["events"] = events
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    streaming.set()
 
     thread = threading.Thread(target=stream)
     thread.start()
-    deadline = time.monotonic() + 30
-    while server.log().count("POST /v1/completions") < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(0.5)
+    assert streaming.wait(60), server.log()[-3000:]
     t0 = time.monotonic()
     os.kill(worker, signal.SIGKILL)
     thread.join(30)
