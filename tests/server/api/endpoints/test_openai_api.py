@@ -735,7 +735,7 @@ def test_metrics_say_where_the_engine_loops_time_goes(client, server, read_metri
     t0 = time.monotonic()
     before = read_metrics(server.url)
     chat(client, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
-    time.sleep(0.5)  # nothing to do meanwhile
+    time.sleep(0.5)  # a duration, not an event: the idle time the engine must count
     after = read_metrics(server.url)
     wall = time.monotonic() - t0
 
