@@ -684,11 +684,20 @@ def test_requests_are_logged_only_when_asked(spawn_server, server) -> None:
     import openai
 
     logged = spawn_server("--max-model-len", "256", "--enable-log-requests", "--max-log-len", "3")
+
+    def request_lines(count: int) -> list[str]:
+        """The log's request lines, once there are `count` of them (or the deadline passed)."""
+        deadline = time.monotonic() + 30
+        while True:
+            lines = [line for line in logged.log().splitlines() if "prompt tokens" in line]
+            if len(lines) >= count or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.05)
+
     body = {"model": MODEL_NAME, "prompt": [5, 9, 17, 3, 88], "max_tokens": 3, "temperature": 0}
     for target in (logged, server):
         assert httpx.post(f"{target.url}/v1/completions", json=body, timeout=60).status_code == 200
-    time.sleep(0.5)
-    lines = [line for line in logged.log().splitlines() if "prompt tokens" in line]
+    lines = request_lines(1)
     assert len(lines) == 1, lines
     assert "5 prompt tokens [5, 9, 17] ... (2 more)" in lines[0]
     assert ast.literal_eval(lines[0].split(", params ", 1)[1]) == {"max_tokens": 3, "temperature": 0.0}
@@ -700,8 +709,7 @@ def test_requests_are_logged_only_when_asked(spawn_server, server) -> None:
             )
             if stream:
                 list(reply)
-    time.sleep(0.5)
-    lines = [line for line in logged.log().splitlines() if "prompt tokens" in line]
+    lines = request_lines(3)
     assert len(lines) == 3, lines
     for line in lines[1:]:  # a chat's prompt-cache hints and a stream's output form are the server's
         assert ast.literal_eval(line.split(", params ", 1)[1]) == {"max_tokens": 2, "temperature": 0.0}, line
