@@ -4,6 +4,7 @@ built-in tiny model, and small helpers to read them (metrics, raw HTTP)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -203,6 +204,36 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
+def post_after_continue(
+    port: int, path: str, body: dict[str, Any], headers: dict[str, str], sent: threading.Event
+) -> tuple[int, Any]:
+    """POST `body` with `Expect: 100-continue`: the server's 100 Continue says its handler has begun
+    (the request has arrived); `sent` is set once the whole body is sent after it. Gives the
+    status and the JSON reply."""
+    payload = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection(("127.0.0.1", port), timeout=600) as sock:
+        sock.sendall(
+            (
+                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\nExpect: 100-continue\r\nConnection: close\r\n{head}\r\n"
+            ).encode()
+        )
+        interim = b""
+        while not interim.endswith(b"\r\n\r\n"):
+            chunk = sock.recv(1)
+            assert chunk, "the server hung up before its 100 Continue"
+            interim += chunk
+        assert interim.startswith(b"HTTP/1.1 100 "), interim
+        sock.sendall(payload)
+        sent.set()
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    status_line, _, rest = reply.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
 # Test modules cannot import this conftest (importlib import mode), so helpers travel as fixtures.
 
 
@@ -224,6 +255,11 @@ def read_metrics():
 @pytest.fixture(scope="session")
 def until_idle():
     return wait_idle
+
+
+@pytest.fixture(scope="session")
+def post_with_continue():
+    return post_after_continue
 
 
 class Spawner:

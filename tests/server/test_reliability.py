@@ -307,7 +307,7 @@ def test_a_requests_text_is_counted_in_every_message_part_and_prompt() -> None:
 
 
 @pytest.mark.slow
-def test_more_long_prompts_than_prompt_workers_hold_up_no_short_prompt(server) -> None:
+def test_more_long_prompts_than_prompt_workers_hold_up_no_short_prompt(server, post_with_continue) -> None:
     """Long texts are tokenized one at a time: more of them at once than there are prompt workers
     wait for one another without taking the workers that short prompts need."""
     from deltaserve.server.api.context import LONG_TEXT_CHARS, PROMPT_WORKERS
@@ -315,16 +315,18 @@ def test_more_long_prompts_than_prompt_workers_hold_up_no_short_prompt(server) -
     text = "hello world " * (LONG_TEXT_CHARS // 12 + 1)
     long_done: list[float] = []
 
-    def send_long() -> None:
-        r = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, timeout=600)
-        assert r.status_code == 200, r.text[:500]
+    def send_long(sent: threading.Event) -> None:
+        status, reply = post_with_continue(server.port, "/tokenize", {"prompt": text}, {}, sent)
+        assert status == 200, str(reply)[:500]
         long_done.append(time.monotonic())
 
     start = time.monotonic()
-    threads = [threading.Thread(target=send_long) for _ in range(PROMPT_WORKERS + 8)]
+    sent = [threading.Event() for _ in range(PROMPT_WORKERS + 8)]
+    threads = [threading.Thread(target=send_long, args=(s,)) for s in sent]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # every long prompt has arrived and waits for the tokenizer
+    for s in sent:  # every long prompt has arrived, its whole text sent
+        assert s.wait(60)
     small: list[float] = []
     with httpx.Client(timeout=600) as http:
         for _ in range(3):

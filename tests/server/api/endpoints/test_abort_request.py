@@ -6,7 +6,6 @@ frees its slot, and the server serves on."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -288,44 +287,16 @@ def test_a_message_aborted_while_it_runs_has_no_stop_reason(server, until_idle) 
     assert until_idle(server.url)["deltaserve_kv_pages_used"] == 0
 
 
-def post_once_read(
-    port: int, path: str, body: dict[str, Any], headers: dict[str, str], read: threading.Event
-) -> tuple[int, Any]:
-    """POST `body` with `Expect: 100-continue`: the server's 100 Continue says its handler has begun
-    (the request has arrived), and `read` is set once the whole body is sent after it. Gives the
-    status and the JSON reply."""
-    payload = json.dumps(body).encode()
-    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    with socket.create_connection(("127.0.0.1", port), timeout=300) as sock:
-        sock.sendall(
-            (
-                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(payload)}\r\nExpect: 100-continue\r\nConnection: close\r\n{head}\r\n"
-            ).encode()
-        )
-        interim = b""
-        while not interim.endswith(b"\r\n\r\n"):
-            chunk = sock.recv(1)
-            assert chunk, "the server hung up before its 100 Continue"
-            interim += chunk
-        assert interim.startswith(b"HTTP/1.1 100 "), interim
-        sock.sendall(payload)
-        read.set()
-        reply = b""
-        while chunk := sock.recv(65536):
-            reply += chunk
-    status_line, _, rest = reply.partition(b"\r\n")
-    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
-
-
-def test_a_request_named_while_its_prompt_waits_is_aborted_once_added(server, until_idle) -> None:
+def test_a_request_named_while_its_prompt_waits_is_aborted_once_added(
+    server, until_idle, post_with_continue
+) -> None:
     """An /abort_request that names a request while its prompt waits to be tokenized (behind a long
     prompt in the one long-text worker) ends it once it reaches the engine, with finish reason
     "abort", as a running request would end: it does not run to its length."""
     replies: dict[str, Any] = {}
 
     def complete(name: str, body: dict[str, Any], headers: dict[str, str], read: threading.Event) -> None:
-        status, reply = post_once_read(
+        status, reply = post_with_continue(
             server.port, "/v1/completions", {"model": MODEL_NAME, **body}, headers, read
         )
         replies[name] = (time.monotonic(), status, reply)
