@@ -149,10 +149,12 @@ def test_connections_opened_before_the_run_serve_its_first_requests() -> None:
         await conns.open(3, url)
         assert len(accepted) == 3 and paths == ["/health"] * 3
 
+        together = asyncio.Barrier(3)
+
         async def request() -> None:
             async with conns.client() as client:
                 assert (await client.get(f"{url}/v1/completions")).status_code == 200
-                await asyncio.sleep(0.01)  # the three in flight together
+                await asyncio.wait_for(together.wait(), 10)  # the three hold their clients at once
 
         await asyncio.gather(request(), request(), request())
         assert len(accepted) == 3 and len(conns.opened) == 3  # reused, none opened
