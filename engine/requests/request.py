@@ -15,6 +15,7 @@ from deltaserve.engine.requests.cache_salt import salt_digest
 from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.requests.outputs import Logprob
 from deltaserve.engine.requests.sampling_params import SamplingParams
+from deltaserve.engine.sampling.thinking_budget import ThinkingBudget
 from deltaserve.models.vision.positions import ImagePrompt
 
 
@@ -70,6 +71,8 @@ class Request:
     token_arrays: TokenArrays | None = field(default=None, repr=False)
     # structured outputs: the grammar's state (xgrammar GrammarMatcher), fed every new token
     matcher: Any = field(default=None, repr=False)
+    # thinking_token_budget: the reasoning's state (`ThinkingBudget`), fed every new token; None without one
+    thinking: ThinkingBudget | None = field(default=None, repr=False)
     # allowed_token_ids as a [vocab] bool row, True outside them: built on the request's first
     # sampled step and reused, since rebuilding a near-vocabulary list every step slows the batch
     allowed_outside: torch.Tensor | None = field(default=None, repr=False)

@@ -316,6 +316,9 @@ class SamplingParams:
     # vLLM's: a delta request's later outputs carry at least this many tokens each (its first and
     # last go at once); the engine's own stream_interval is the floor. None: the engine's
     stream_interval: int | None = None
+    # vLLM's: at most this many tokens inside the output's reasoning (`<think>` ... `</think>`),
+    # then `</think>` is forced and the model answers; -1 or None: unlimited, 0: no reasoning
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         for name in _INTEGERS:  # before any comparison: 2.5 or True would pass it, "2" fail it oddly
@@ -429,6 +432,12 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise InvalidParamError(f"stop_token_ids must be token ids, got {bad[0]!r}", "stop_token_ids")
+        budget = self.thinking_token_budget
+        if budget is not None and budget < -1:
+            raise InvalidParamError(
+                f"thinking_token_budget must be -1 (unlimited) or at least 0, got {budget}",
+                "thinking_token_budget",
+            )
         if self.stream_interval is not None and self.stream_interval < 1:
             raise InvalidParamError(
                 f"stream_interval must be at least 1, got {self.stream_interval}", "stream_interval"
@@ -529,6 +538,7 @@ _INTEGERS = (
     "shared_prefix_len",
     "truncate_prompt_tokens",
     "stream_interval",
+    "thinking_token_budget",
 )
 
 

@@ -65,18 +65,21 @@ def _masks(r: Request) -> list[str]:
         "bad_words",
         f"min_tokens ({p.min_tokens}, which holds off stop tokens)",
         "a structured output's grammar",
+        f"thinking_token_budget ({p.thinking_token_budget}, spent: the reasoning's end is forced)",
     ]
     return [name for name, on in zip(names, flags) if on]
 
 
-def _mask_flags(r: Request) -> tuple[bool, bool, bool, bool]:
-    """Which of allowed_token_ids, bad words, min_tokens' ban and a grammar mask r's next token."""
+def _mask_flags(r: Request) -> tuple[bool, bool, bool, bool, bool]:
+    """Which of allowed_token_ids, bad words, min_tokens' ban, a grammar and a spent reasoning
+    budget mask r's next token."""
     p = r.params
     return (
         p.allowed_token_ids is not None,
         bool(p.bad_words_token_ids),
         len(r.output_token_ids) < p.min_tokens and bool(p.stop_token_ids or not p.ignore_eos),
         r.matcher is not None and r.matcher.active,
+        r.thinking is not None and r.thinking.forcing,
     )
 
 
@@ -167,8 +170,14 @@ class Sampler:
 
     def needs_processing(self, r: Request) -> bool:
         """Whether the request's logits need processing that reads its tokens so far (so its
-        step cannot overlap the previous one): penalties, min_tokens, bad words, a grammar."""
-        return self._penalised(r) or bool(r.params.bad_words_token_ids) or r.matcher is not None
+        step cannot overlap the previous one): penalties, min_tokens, bad words, a grammar, a
+        reasoning budget until the reasoning ends."""
+        return (
+            self._penalised(r)
+            or bool(r.params.bad_words_token_ids)
+            or r.matcher is not None
+            or (r.thinking is not None and not r.thinking.done)
+        )
 
     @staticmethod
     def _restricted(r: Request) -> bool:
@@ -236,7 +245,8 @@ class Sampler:
                 out[i].copy_(logits[i])
 
     def _process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Logit biases, allowed tokens, penalties, min_tokens bans and grammar masks, in place.
+        """Logit biases, allowed tokens, penalties, min_tokens bans, grammar masks and a spent
+        reasoning budget's forced end, in place.
         (Biases and allowed tokens need no host data of earlier steps, so unlike the others they
         do not keep a step from overlapping.)"""
         dev = logits.device
@@ -280,6 +290,16 @@ class Sampler:
                 r = reqs[constrained[j]]
                 r.error = slow_mask_error(len(r.output_token_ids) + 1)
                 r.bad_input = True
+        forced = [
+            (i, r.thinking.end) for i, r in enumerate(reqs) if r.thinking is not None and r.thinking.forcing
+        ]
+        if forced:  # the end keeps its value after the masks above: one that forbids it empties the row
+            rows_f, ids_f = to_device_packed(
+                [([i for i, _ in forced], torch.long), ([t for _, t in forced], torch.long)], dev
+            )
+            kept = logits[rows_f, ids_f]
+            logits[rows_f] = float("-inf")
+            logits[rows_f, ids_f] = kept
         return logits
 
     def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

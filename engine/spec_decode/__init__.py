@@ -57,8 +57,9 @@ class SpecDecoder:
         return max(0, min(self.k, room))
 
     def propose(self, req: Request) -> list[int]:
-        if req.matcher is not None:  # structured outputs: the grammar's mask needs each token
-            return []  # before the next, which a verification window does not give it
+        if req.matcher is not None or (req.thinking is not None and not req.thinking.done):
+            # structured outputs and a reasoning budget: the mask needs each token before the
+            return []  # next, which a verification window does not give it
         k = self.room(req)
         if self.mtp is not None:
             drafts = self.mtp.take(req)

@@ -15,6 +15,11 @@ from deltaserve.engine.requests.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.requests.request import Request
 from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputs
 from deltaserve.engine.sampling.sampler import Sampler
+from deltaserve.engine.sampling.thinking_budget import (
+    ThinkingBudget,
+    prompt_opens_reasoning,
+    reasoning_token_ids,
+)
 from deltaserve.models.vision.positions import ImageInputs, ImagePrompt, image_prompt
 
 
@@ -84,6 +89,8 @@ class Admission:
         self.tokenizer = tokenizer
         self.sampler = sampler
         self.grammars = grammars
+        self._reasoning: tuple[int, int] | None = None
+        self._reasoning_ids_of: Any = None  # the tokenizer `_reasoning` was read from
 
     def build(
         self,
@@ -130,6 +137,7 @@ class Admission:
         matcher = None
         if params.structured_outputs is not None:  # compiled here: a bad schema is the caller's 400
             matcher = self.grammars.get().matcher(params.structured_outputs)
+        thinking = self._thinking_budget(prompt_token_ids, params.thinking_token_budget)
         return Request(
             images=image_prompt,
             request_id=request_id,
@@ -145,7 +153,28 @@ class Admission:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             matcher=matcher,
+            thinking=thinking,
         )
+
+    def _thinking_budget(self, prompt: list[int], budget: int | None) -> ThinkingBudget | None:
+        """The request's reasoning budget state; None without a budget (-1 or None: unlimited)."""
+        if budget is None or budget == -1:
+            return None
+        ids = self._reasoning_ids()
+        if ids is None:
+            raise InvalidParamError(
+                "thinking_token_budget needs a model whose tokenizer has <think> and </think>, and this one's does not",
+                "thinking_token_budget",
+            )
+        start, end = ids
+        return ThinkingBudget(budget, start, end, prompt_opens_reasoning(prompt, start, end))
+
+    def _reasoning_ids(self) -> tuple[int, int] | None:
+        # looked up once per tokenizer: its vocabulary is a large dict to build
+        if self._reasoning_ids_of is not self.tokenizer:
+            self._reasoning = reasoning_token_ids(self.tokenizer)
+            self._reasoning_ids_of = self.tokenizer
+        return self._reasoning
 
     def _image_prompt(self, prompt: list[int], images: ImageInputs) -> ImagePrompt:
         if self.images.refusal is not None:

@@ -69,6 +69,8 @@ class TokenSink:
             req.first_token_time = now
         req.output_token_ids.append(tok)
         self.counters["generation_tokens_total"] += not req.params.internal
+        if req.thinking is not None:
+            req.thinking.accept(tok)
         if req.matcher is not None and not req.matcher.accept(tok):
             req.matcher = None  # cannot happen under the mask; never feed a broken state again
             req.grammar_broken = True

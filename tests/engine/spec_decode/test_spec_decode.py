@@ -382,6 +382,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     class View:
         generator = None
         matcher = None
+        thinking = None
         error = None
         output_token_ids: list[int] = []
         all_token_ids: list[int] = []
