@@ -121,6 +121,36 @@ def test_a_mask_that_forbids_the_end_fails_the_request_naming_both(llm):
     assert len(c.token_ids) == 1
 
 
+def test_a_grammar_after_the_reasoning_starts_at_the_forced_end(llm):
+    """A grammar that waits for `</think>` (as the server sets it where the prompt opens
+    reasoning): the random model never closes its reasoning itself, so without a budget there is
+    no JSON; with one the answer after the forced end is the grammar's JSON, and the request ends
+    when it is complete."""
+    import json
+
+    pytest.importorskip("xgrammar")
+    from deltaserve.engine.requests.sampling_params import StructuredOutputs
+
+    _, end = think_ids(llm)
+    prompt = opened_prompt(llm)
+    spec = StructuredOutputs(
+        json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+        after_token=end,
+    )
+    for budget, closes in ((None, False), (4, True)):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=40, structured_outputs=spec, thinking_token_budget=budget
+        )
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        ids = list(out.outputs[0].token_ids)
+        assert (end in ids) == closes
+        if closes:
+            assert ids.index(end) == budget
+            answer = llm.get_tokenizer().decode(ids[budget + 1 :], skip_special_tokens=True)
+            assert isinstance(json.loads(answer)["ok"], bool)
+            assert out.outputs[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("value", [-2, 2.5, True, "3"])
 def test_bad_values_are_refused_naming_the_field(value):
     with pytest.raises(InvalidParamError) as caught:
