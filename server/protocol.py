@@ -317,14 +317,6 @@ def _guided_decoding_backend(value: Any, _: dict[str, Any]) -> str | None:
     return f"{value!r} is not supported: this server decodes structured outputs with xgrammar alone"
 
 
-def _thinking_token_budget(value: Any, _: dict[str, Any]) -> str | None:
-    if value is None or (not isinstance(value, bool) and value == -1):  # vLLM's -1: unlimited
-        return None
-    return (
-        "not supported: this server does not end a model's reasoning at a budget (max_tokens bounds it all)"
-    )
-
-
 class SamplingRequest(RequestBody):
     """Fields shared by chat and completions; their values are checked by the engine's
     `SamplingParams` (`request_params.py` translates them and names the field in a 400)."""
@@ -335,7 +327,6 @@ class SamplingRequest(RequestBody):
         "guided_whitespace_pattern": unsupported_if_set(WHITESPACE_PATTERN_WHY),
         "guided_decoding_backend": _guided_decoding_backend,
         "structural_tag": unsupported_if_set("not supported: send response_format or structured_outputs"),
-        "thinking_token_budget": _thinking_token_budget,
         "repetition_detection": unsupported_if_set(
             "not supported: this server does not end repetitive output"
         ),
@@ -400,6 +391,8 @@ class SamplingRequest(RequestBody):
     stream_options: StreamOptions | None = None
     # vLLM's: a stream's chunks after the first carry this many tokens (the server's --stream-interval at least)
     stream_interval: int | None = None
+    # vLLM's: at most this many tokens of reasoning, then </think> is forced (-1: unlimited)
+    thinking_token_budget: int | None = None
     user: str | None = None
 
     @field_validator("stream_options", mode="before")

@@ -64,6 +64,10 @@ def beam_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int)
     for name in _UNSCORED:
         if getattr(req, name, None):
             raise bad_request(f"{name} is not supported with use_beam_search", name)
+    if req.thinking_token_budget not in (None, -1):  # a forced token no beam's score would hold
+        raise bad_request(
+            "thinking_token_budget is not supported with use_beam_search", "thinking_token_budget"
+        )
     try:
         return BeamSearchParams(
             beam_width=req.n,

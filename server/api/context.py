@@ -288,6 +288,11 @@ class ServerContext:
             warn=warn,
             greedy_copies=greedy_copies,
         )
+        if params.thinking_token_budget not in (None, -1) and self.think_end_id is None:
+            raise bad_request(
+                "thinking_token_budget needs a model whose tokenizer has <think> and </think>, and this one's does not",
+                "thinking_token_budget",
+            )
         return replace(params, bad_words_token_ids=bad_words) if bad_words else params
 
     async def bad_words_ids(self, req: ChatCompletionRequest | CompletionRequest) -> list[list[int]] | None:

@@ -43,6 +43,7 @@ _RENAMED = {
     "min_new_tokens": "min_tokens",
     "sampling_seed": "seed",
     "no_stop_trim": "include_stop_str_in_output",
+    "thinking_budget": "thinking_token_budget",  # the name of SGLang's thinking-budget change
 }
 _SAME = {
     "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",

@@ -315,6 +315,10 @@ def _tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[ToolDefiniti
     return tools, choice, parallel
 
 
+# Anthropic's least thinking.budget_tokens
+MIN_BUDGET_TOKENS = 1024
+
+
 def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
     """`thinking` as the chat template's switch (Qwen's enable_thinking); None: the template's default."""
     if thinking is None:
@@ -373,8 +377,40 @@ def _chat_fields(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     )
 
 
-def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
+def _budget_tokens(req: MessagesRequest) -> int | None:
+    """`thinking.budget_tokens` of enabled thinking, held to Anthropic's range: at least 1024 and
+    below max_tokens. None where thinking is not enabled or sets no budget."""
+    thinking = req.thinking or {}
+    budget = thinking.get("budget_tokens")
+    if thinking.get("type") != "enabled" or budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise bad_request(
+            "thinking.enabled.budget_tokens: Input should be a valid integer", "thinking.budget_tokens"
+        )
+    if budget < MIN_BUDGET_TOKENS:
+        raise bad_request(
+            f"thinking.enabled.budget_tokens: Input should be greater than or equal to {MIN_BUDGET_TOKENS}",
+            "thinking.budget_tokens",
+        )
+    if budget >= req.max_tokens:
+        raise bad_request(
+            "`max_tokens` must be greater than `thinking.budget_tokens`", "thinking.budget_tokens"
+        )
+    return budget
+
+
+def to_chat_request(req: MessagesRequest, reasoning: bool = True) -> ChatCompletionRequest:
+    """The chat request /v1/messages runs as; `reasoning`: the model's tokenizer has `<think>`, so
+    that enabled thinking's `budget_tokens` bounds the reasoning (elsewhere it has nothing to bound)."""
     fields = {k: v for k, v in (req.model_extra or {}).items() if k in _EXTRA}
+    budget = _budget_tokens(req)
+    if budget is not None and fields.get("thinking_token_budget") is not None:
+        raise bad_request(
+            "give one of thinking.budget_tokens and thinking_token_budget", "thinking.budget_tokens"
+        )
+    if budget is not None and reasoning:
+        fields["thinking_token_budget"] = budget
     fields.update(
         _chat_fields(req),
         max_tokens=req.max_tokens,
@@ -552,7 +588,8 @@ def _message(
 async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
     try:
-        prepared = await prepare_chat(ctx, to_chat_request(req), images_at="messages", raw=raw)
+        chat = to_chat_request(req, reasoning=ctx.think_end_id is not None)
+        prepared = await prepare_chat(ctx, chat, images_at="messages", raw=raw)
     except APIError as exc:  # name the field as this API calls it
         raise exc.renamed(_PARAMS) from exc
     message_id = f"msg_{uuid.uuid4().hex}"

@@ -111,6 +111,7 @@ def build_sampling_params(
             priority=req.priority,
             cache_salt=req.cache_salt,
             stream_interval=req.stream_interval,
+            thinking_token_budget=req.thinking_token_budget,
         )
         if vocab_size:
             params.check_vocab(vocab_size)

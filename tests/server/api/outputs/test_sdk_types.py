@@ -482,7 +482,8 @@ def test_responses_and_their_events_fit_the_sdks_types(matrix: Matrix, closes_re
 def test_messages_and_their_events_fit_the_sdks_types(matrix: Matrix, closes_reasoning) -> None:
     message = {"model": MODEL_NAME, "messages": HI, "max_tokens": 10}
     off = {"thinking": {"type": "disabled"}}
-    on = {"thinking": {"type": "enabled", "budget_tokens": 1024}, **closes_reasoning}
+    # adaptive: enabled thinking's budget_tokens must be at least 1024 and below max_tokens
+    on = {"thinking": {"type": "adaptive"}, **closes_reasoning}
     turn = [
         *HI,
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "x"}, {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "P", "unit": "C"}}]},

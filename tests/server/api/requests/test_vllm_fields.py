@@ -59,8 +59,6 @@ def test_nulls_in_nullable_openai_fields_are_their_defaults(client, model_name) 
 @pytest.mark.parametrize(
     "endpoint,extra",
     [
-        ("chat", {"thinking_token_budget": 8}),
-        ("completions", {"thinking_token_budget": 0}),
         ("chat", {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}}),
         ("chat", {"watermarking": True}),
         ("completions", {"logits_processors": ["my_module.MyProcessor"]}),
