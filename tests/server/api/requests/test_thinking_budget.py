@@ -174,3 +174,15 @@ def test_messages_budget_tokens_out_of_anthropics_range_is_their_400(
     body = refused.value.response.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert says in body["error"]["message"], body
+
+
+def test_messages_budget_tokens_beside_thinking_token_budget_is_a_400(claude) -> None:
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=2000,
+            messages=MESSAGES,
+            thinking={"type": "enabled", "budget_tokens": 1024},
+            extra_body={"thinking_token_budget": 5},
+        )
+    assert "give one of" in refused.value.response.json()["error"]["message"]
