@@ -414,8 +414,17 @@ class EngineCore:
         return dict(getattr(self.engine, "model_info", {}))
 
     def stats(self) -> dict[str, Any]:
-        """The engine's stats, and the loop's idle time beside its step time."""
-        return {**self.engine.stats(), "idle_seconds_total": self._idle_s}
+        """The engine's stats, and the loop's idle time beside its step time; requests a weight
+        update holds count as waiting (they are not in the engine's queue yet)."""
+        stats = {**self.engine.stats(), "idle_seconds_total": self._idle_s}
+        held = self._num_held()
+        if held:
+            stats["waiting"] = stats.get("waiting", 0) + held
+        return stats
+
+    def _num_held(self) -> int:
+        """Requests held for a weight update, less those an abort_where already ended."""
+        return sum(1 for _, held in self._held for r in held[2] if r[0] not in self._abort_when_added)
 
     def _call(self, name: str, args: tuple[Any, ...]) -> tuple[tuple[str, str, str | None] | None, Any]:
         # stats and model_info are the core's own; the other calls are the engine's

@@ -46,7 +46,12 @@ _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 # Engine stats rendered as (metric name, type, help); absent keys are skipped.
 _STATS = (
     ("running", "num_requests_running", "gauge", "Requests in the running batch."),
-    ("waiting", "num_requests_waiting", "gauge", "Requests waiting for admission."),
+    (
+        "waiting",
+        "num_requests_waiting",
+        "gauge",
+        "Requests waiting for admission, those a weight update holds too.",
+    ),
     ("kv_pages_used", "kv_pages_used", "gauge", "KV-cache pages in use."),
     ("kv_pages_total", "kv_pages_total", "gauge", "KV-cache pages in the pool."),
     ("state_slots_used", "state_slots_used", "gauge", "Recurrent-state slots in use."),

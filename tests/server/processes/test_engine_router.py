@@ -296,3 +296,60 @@ def test_replicas_serve_new_weights_together_or_not_at_all(refusals) -> None:
     asyncio.run(run())
     # one replica's refusal: neither serves the new weights (the other staged them, then dropped them)
     assert [r.served for r in replicas] == [refusals[1] is None] * 2
+
+
+class Busy(Replica):
+    """A stand-in engine with a request of its own running until `running` is cleared: a weight
+    update waits for it, holding what comes meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.running, self.added = True, []
+
+    def has_unfinished_requests(self) -> bool:
+        return self.running
+
+    def add_request(self, request_id: str, *_: object) -> None:
+        self.added.append(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {"running": int(self.running), "waiting": 0}
+
+
+def test_requests_held_by_an_update_count_as_waiting_until_let_in() -> None:
+    """The engine's stats (what /metrics shows) count the requests an update holds as waiting;
+    one that /abort_request named stops counting, and once the update lets them in none does."""
+    import asyncio
+
+    from deltaserve import SamplingParams
+    from deltaserve.server.engine_client import EngineClient, EngineHandle
+
+    engine = Busy()
+    client = EngineClient(EngineHandle.in_thread(engine))
+    params = SamplingParams(max_tokens=1)
+
+    async def run() -> None:
+        await client.start()
+        try:
+            update = asyncio.ensure_future(client.update_weights("x", "auto", None))
+            while not client.num_calls:  # its stage_weights is sent: the adds after it are held
+                await asyncio.sleep(0)
+            adds = [
+                asyncio.ensure_future(client.add([(rid, [1, 2], params)])) for rid in ("keep-1", "gone-1")
+            ]
+            stats = await client.stats()
+            assert (stats["running"], stats["waiting"]) == (1, 2) and engine.added == []
+            await client.abort_where("gone-")
+            assert (await client.stats())["waiting"] == 1
+            engine.running = False
+            await update
+            await asyncio.gather(*adds)
+            assert engine.added == ["keep-1", "gone-1"] and engine.served is True
+            assert (await client.stats())["waiting"] == 0
+        finally:
+            await client.shutdown()
+
+    asyncio.run(run())
