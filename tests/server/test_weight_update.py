@@ -1,7 +1,8 @@
 """POST /update_weights_from_disk (SGLang's) on a real server over the built-in model: the reply
 after it is the offline engine's with the new checkpoint; a stream running when it arrives ends
 with the old weights' tokens, and a request sent meanwhile waits and gets the new ones; a
-checkpoint of another model or none is a 400 that leaves the server serving the same weights."""
+checkpoint of another model or none is a 400 that leaves the server serving the same weights.
+A request held by an update counts as waiting in /metrics until the update lets it in."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -17,6 +19,8 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
+
+from .conftest import metrics_of, wait_idle
 
 # Servers of its own, and a checkpoint written per update
 pytestmark = pytest.mark.slow
@@ -74,6 +78,36 @@ def update(url: str, path: str) -> httpx.Response:
     return httpx.post(f"{url}/update_weights_from_disk", json={"model_path": path}, timeout=300)
 
 
+def waiting(url: str) -> tuple[float, float]:
+    """(requests waiting by both gauges' count, generation tokens so far) from /metrics."""
+    m = metrics_of(url)
+    assert m["vllm:num_requests_waiting"] == m["deltaserve_num_requests_waiting"], m
+    return m["vllm:num_requests_waiting"], m["vllm:generation_tokens_total"]
+
+
+def send_until_held(url: str, send: Callable[[], None], timeout: float = 60.0) -> threading.Thread:
+    """Run `send` (one request) in a thread while a running stream holds an update back; return the
+    thread once /metrics has counted its request waiting through an engine step (the stream's
+    tokens grew meanwhile): held by the update, not just queued for the next step. A request that
+    reached the engine before the update runs beside the stream instead, ends, and is sent again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        thread = threading.Thread(target=send)
+        thread.start()
+        since: float | None = None  # the generation tokens when it was first seen waiting
+        while thread.is_alive():
+            assert time.monotonic() < deadline, "no request was counted waiting while the update held it"
+            count, tokens = waiting(url)
+            if count != 1:
+                since = None
+            elif since is None:
+                since = tokens
+            elif tokens > since:
+                return thread
+            time.sleep(0.02)  # the poll's interval, not a wait for the update
+        thread.join()
+
+
 def test_an_update_waits_for_the_running_and_serves_the_new_weights(server, checkpoints) -> None:
     first, second = checkpoints
     old_long, new_short = offline_text(first, LONG), offline_text(second, 8)
@@ -90,9 +124,7 @@ def test_an_update_waits_for_the_running_and_serves_the_new_weights(server, chec
         chunks = [next(line for line in lines if line.startswith("data: "))]  # it is running
         updater = threading.Thread(target=lambda: results.update(update=update(server.url, second)))
         updater.start()
-        time.sleep(0.2)  # the update reaches the engine and holds what comes next
-        waiter = threading.Thread(target=send_meanwhile)
-        waiter.start()
+        waiter = send_until_held(server.url, send_meanwhile)
         chunks += [line for line in lines if line.startswith("data: ")]
         done = time.monotonic()
     updater.join(300)
@@ -108,6 +140,31 @@ def test_an_update_waits_for_the_running_and_serves_the_new_weights(server, chec
     update(server.url, first)
     assert complete(server.url, 8) == offline_text(first, 8)
     assert httpx.get(f"{server.url}/get_model_info").json()["model_path"] == first
+
+
+def test_a_request_held_by_an_update_counts_as_waiting_until_it_runs(server, checkpoints) -> None:
+    """While an update waits for a running stream, a request sent meanwhile is held: /metrics
+    (vLLM's and deltaserve's gauges) counts it waiting, and once the update lets it in it runs on
+    the new weights and nothing waits any more."""
+    first, second = checkpoints
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": LONG, "stream": True, **GREEDY}
+    results: dict[str, Any] = {}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # it is running
+        updater = threading.Thread(target=lambda: results.update(update=update(server.url, second)))
+        updater.start()
+        waiter = send_until_held(server.url, lambda: results.update(held=complete(server.url, 8)))
+        for _ in lines:
+            pass
+    updater.join(300)
+    waiter.join(300)
+    assert results["update"].status_code == 200
+    assert results["held"] == offline_text(second, 8)
+    after = wait_idle(server.url)
+    assert after["vllm:num_requests_waiting"] == after["deltaserve_num_requests_waiting"] == 0
+    assert after["vllm:num_requests_running"] == 0
+    update(server.url, first)
 
 
 def test_the_model_card_names_the_checkpoint_served(server, checkpoints) -> None:
@@ -226,7 +283,8 @@ def test_a_request_held_by_an_update_is_aborted_by_its_name(server, checkpoints)
     results: dict[str, Any] = {}
 
     def held() -> None:
-        payload = {"model": "m", "prompt": PROMPT, "max_tokens": 200, "request_id": "held-1", **GREEDY}
+        # fewer tokens than the stream's: one sent again (send_until_held) ends while the stream runs
+        payload = {"model": "m", "prompt": PROMPT, "max_tokens": 50, "request_id": "held-1", **GREEDY}
         results["held"] = httpx.post(f"{server.url}/v1/completions", json=payload, timeout=300).json()
 
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
@@ -234,18 +292,16 @@ def test_a_request_held_by_an_update_is_aborted_by_its_name(server, checkpoints)
         next(line for line in lines if line.startswith("data: "))  # it is running
         updater = threading.Thread(target=lambda: results.update(update=update(server.url, first)))
         updater.start()
-        time.sleep(0.2)  # the update reaches the engine and holds what comes next
-        waiter = threading.Thread(target=held)
-        waiter.start()
-        time.sleep(0.3)
+        waiter = send_until_held(server.url, held)
         assert httpx.post(f"{server.url}/abort_request", json={"rid": "held-1"}).status_code == 200
+        assert waiting(server.url)[0] == 0  # aborted: no longer waiting, though still held for its end
         for _ in lines:
             pass
     updater.join(300)
     waiter.join(300)
     assert results["update"].status_code == 200
     choice = results["held"]["choices"][0]
-    assert choice["finish_reason"] == "abort" and results["held"]["usage"]["completion_tokens"] < 200
+    assert choice["finish_reason"] == "abort" and results["held"]["usage"]["completion_tokens"] < 50
 
 
 def test_concurrent_updates_leave_the_label_path_and_weights_of_one(server, checkpoints) -> None:
