@@ -10,6 +10,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -44,7 +45,7 @@ from .api.responses import (
 )
 from .edge import MAX_BODY_BYTES, EdgeGuard
 from .engine_client import EngineClient, ShuttingDownError
-from .errors import APIError, anthropic_path, bad_request, error_body, quoted, refused, validation_message
+from .errors import APIError, anthropic_request, bad_request, error_body, quoted, refused, validation_message
 from .metrics import Metrics, SharedMetrics
 from .protocol import (
     AbortRequest,
@@ -241,16 +242,23 @@ def build_app(
         root = str(info.get("model", model_names[0]))
         return ModelCard(id=name, root=root, max_model_len=engine_client.max_model_len)
 
-    @v1.get("/models")
-    async def models() -> ModelList:
+    @v1.get("/models", response_model=ModelList)
+    async def models(request: Request) -> Any:
         info = await served_info()
-        return ModelList(data=[card(name, info) for name in model_names])
+        cards = [card(name, info) for name in model_names]
+        if "anthropic-version" in request.headers:  # Anthropic's SDKs: its list, one page of them all
+            data = [anthropic_model(c) for c in cards]
+            return JSONResponse(
+                {"data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]}
+            )
+        return ModelList(data=cards)
 
-    @v1.get("/models/{model_id:path}")  # a repo id's name has a slash in it
-    async def model(model_id: str) -> ModelCard:
+    @v1.get("/models/{model_id:path}", response_model=ModelCard)  # a repo id's name has a slash in it
+    async def model(model_id: str, request: Request) -> Any:
         if model_id not in model_names and model_id not in (model_aliases or []):
             raise APIError(404, f"the model {quoted(model_id)} does not exist", "model", "model_not_found")
-        return card(model_id, await served_info())
+        found = card(model_id, await served_info())
+        return JSONResponse(anthropic_model(found)) if "anthropic-version" in request.headers else found
 
     app.include_router(v1)
 
@@ -447,6 +455,19 @@ async def _one_token_from(ctx: ServerContext, request: Request, engine: int, eng
     return None
 
 
+def anthropic_model(card: ModelCard) -> dict[str, Any]:
+    """A model card as Anthropic's Models API gives it (`client.models.list()` / `retrieve()`)."""
+    created = datetime.fromtimestamp(card.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "type": "model",
+        "id": card.id,
+        "display_name": card.id,
+        "created_at": created,
+        "lifecycle": "active",
+        "max_input_tokens": card.max_model_len,  # the context; max_tokens is what a prompt leaves of it
+    }
+
+
 def _join_ids(ids: list[int], piece: int = 1 << 15) -> str:
     """Token ids as JSON list items, written a piece at a time: one C call over a million ids would
     hold the GIL, and so stall the event loop's streams, for a tenth of a second."""
@@ -461,7 +482,7 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         headers = {"Retry-After": "1"} if status == 503 else None  # full or draining: try again soon
         body = (
             anthropic_error_body(status, message)
-            if anthropic_path(request.url.path)
+            if anthropic_request(request.url.path, "anthropic-version" in request.headers)
             else error_body(status, message, param, code)
         )
         return JSONResponse(body, status_code=status, headers=headers)

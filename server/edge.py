@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import HTTPException
 
-from .errors import anthropic_path, error_body
+from .errors import anthropic_request, error_body
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -76,12 +76,12 @@ class EdgeGuard:
         headers = dict(scope["headers"])  # lower-case names (ASGI)
         if self.api_key is not None and _keyed_scope(scope) and not self._authorized(headers):
             message = "missing or invalid API key; send 'Authorization: Bearer <key>'"
-            await self._refuse(send, 401, message, "invalid_api_key", scope["path"])
+            await self._refuse(send, 401, message, "invalid_api_key", scope["path"], headers)
             return
         limit = self.max_body_bytes
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > limit:
-            await self._refuse(send, 413, too_large(limit), "request_too_large", scope["path"])
+            await self._refuse(send, 413, too_large(limit), "request_too_large", scope["path"], headers)
             return
         received = 0
         started = False
@@ -98,16 +98,21 @@ class EdgeGuard:
         request_id = headers.get(b"x-request-id")
         if request_id is None and self.request_id_headers:  # vLLM's --enable-request-id-headers: a fresh one
             request_id = uuid.uuid4().hex.encode()
+        # Anthropic's SDKs read a response's id from request-id (`_request_id`, an error's request_id)
+        anthropic = anthropic_request(scope["path"], b"anthropic-version" in headers)
+        anthropic_id = anthropic_request_id() if anthropic else None
 
         async def send_started(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                if request_id is not None:  # echoed, as vLLM does
-                    message = {
-                        **message,
-                        "headers": [*message.get("headers", []), (b"x-request-id", request_id)],
-                    }
+                added = (
+                    [(b"x-request-id", request_id)] if request_id is not None else []
+                )  # echoed, as vLLM does
+                if anthropic_id is not None:
+                    added.append((b"request-id", anthropic_id))
+                if added:
+                    message = {**message, "headers": [*message.get("headers", []), *added]}
             await send(message)
 
         try:
@@ -115,7 +120,7 @@ class EdgeGuard:
         except BodyTooLarge:
             if started:
                 raise
-            await self._refuse(send, 413, too_large(limit), "request_too_large", scope["path"])
+            await self._refuse(send, 413, too_large(limit), "request_too_large", scope["path"], headers)
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         assert self.api_key is not None
@@ -125,23 +130,31 @@ class EdgeGuard:
         # Anthropic's SDKs send the key as x-api-key
         return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
 
-    async def _refuse(self, send: Send, status: int, message: str, code: str, path: str) -> None:
+    async def _refuse(
+        self, send: Send, status: int, message: str, code: str, path: str, headers: dict[bytes, bytes]
+    ) -> None:
         from .api.messages import anthropic_error_body
 
         self.metrics.request_error(status)
+        anthropic = anthropic_request(path, b"anthropic-version" in headers)
         shaped = (
-            anthropic_error_body(status, message)
-            if anthropic_path(path)
-            else error_body(status, message, None, code)
+            anthropic_error_body(status, message) if anthropic else error_body(status, message, None, code)
         )
         body = json.dumps(shaped).encode()
-        headers = [
+        response_headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
         ]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
+        if anthropic:
+            response_headers.append((b"request-id", anthropic_request_id()))
+        await send({"type": "http.response.start", "status": status, "headers": response_headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def anthropic_request_id() -> bytes:
+    """A fresh request-id header value, in Anthropic's form."""
+    return f"req_{uuid.uuid4().hex}".encode()
 
 
 def _keyed(path: str) -> bool:

@@ -91,9 +91,19 @@ def raise_if_failed(out: RequestOutput) -> None:
 
 
 def anthropic_path(path: str) -> bool:
-    """A route of Anthropic's Messages API, whose SDKs read Anthropic's error shape (every other
-    route's clients read OpenAI's)."""
-    return path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens"))
+    """A route of Anthropic's Messages API, whose SDKs read Anthropic's error shape and request-id
+    header (every other route's clients read OpenAI's); an unknown one under it (batches) too."""
+    path = path.rstrip("/")
+    return path.endswith("/v1/messages") or "/v1/messages/" in path
+
+
+def anthropic_request(path: str, anthropic_version: bool) -> bool:
+    """A request that Anthropic's shapes answer: a Messages API route's, or one of Anthropic's SDKs
+    (which send an anthropic-version header) listing models, a route both APIs share."""
+    path = path.rstrip("/")
+    return (
+        anthropic_path(path) or anthropic_version and (path.endswith("/v1/models") or "/v1/models/" in path)
+    )
 
 
 SHOWN_CHARS = 100  # of a request's name or id that an error quotes

@@ -403,3 +403,46 @@ def test_a_tool_use_block_needs_a_name_and_an_input_of_bounded_depth(server) -> 
         "messages": turns({"name": "f", "input": {"a": {"b": [1]}}}),
     }
     assert httpx.post(f"{server.url}/v1/messages", json=body, timeout=60).status_code == 200
+
+
+def test_anthropics_sdk_lists_the_models_in_its_shape(server, claude) -> None:
+    """`client.models.list()` / `retrieve()` (which send anthropic-version) get Anthropic's model
+    objects in one page that says it is the last; OpenAI's clients keep OpenAI's list."""
+    page = claude.models.list()
+    assert [m.id for m in page] == [MODEL_NAME]  # the SDK pages on unless has_more is false
+    assert page.has_more is False and page.first_id == page.last_id == MODEL_NAME
+    info = page.data[0]
+    assert info.type == "model" and info.display_name == MODEL_NAME and info.lifecycle == "active"
+    assert info.created_at.tzinfo is not None  # an RFC 3339 time, which the SDK reads as a datetime
+    openai_list = httpx.get(f"{server.url}/v1/models").json()
+    assert (
+        list(openai_list) == ["object", "data"]
+        and info.max_input_tokens == openai_list["data"][0]["max_model_len"]
+    )
+    assert claude.models.retrieve(MODEL_NAME).display_name == MODEL_NAME
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude.models.retrieve("no-such-model")
+    assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"
+
+
+def test_every_reply_carries_a_request_id(server, claude) -> None:
+    """Anthropic's SDKs read a response's id from its request-id header (a message's `_request_id`,
+    an error's `request_id`), streamed or not, refused or not."""
+    ids = [claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES)._request_id]
+    with claude.messages.stream(model=MODEL_NAME, max_tokens=2, messages=MESSAGES) as stream:
+        ids.append(stream.response.headers.get("request-id"))
+    ids.append(
+        claude.messages.with_raw_response.count_tokens(model=MODEL_NAME, messages=MESSAGES).headers.get(
+            "request-id"
+        )
+    )
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model=MODEL_NAME, max_tokens=-1, messages=MESSAGES)
+    ids.append(refused.value.request_id)
+    # a route of Anthropic's this server lacks: its 404 in Anthropic's shape, with an id too
+    batches = httpx.post(f"{server.url}/v1/messages/batches", json={"requests": []})
+    assert batches.status_code == 404 and batches.json()["type"] == "error"
+    ids.append(batches.headers.get("request-id"))
+    assert all(i and i.startswith("req_") for i in ids) and len(set(ids)) == len(ids), ids
+    chat_reply = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1})
+    assert chat_reply.status_code == 200 and "request-id" not in chat_reply.headers  # OpenAI's clients: none
