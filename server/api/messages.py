@@ -283,6 +283,8 @@ def _tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[ToolDefiniti
             if not tool["name"]:
                 raise bad_request(f"tools[{i}].name must have at least 1 character", f"tools.{i}.name")
             schema = tool.get("input_schema")
+            if schema is None:  # Anthropic's 400 too: a client tool's input is what its schema says
+                raise bad_request(f"tools[{i}].input_schema: Field required", f"tools.{i}.input_schema")
             why = not_an_object_schema(schema)
             if why is not None:
                 raise bad_request(f"tools[{i}].input_schema: {why}", f"tools.{i}.input_schema")

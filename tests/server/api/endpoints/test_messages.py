@@ -302,11 +302,12 @@ def test_n_other_than_one_is_refused_not_dropped(claude) -> None:
     assert m.usage.output_tokens == 2
 
 
-def test_tools_need_distinct_non_empty_names(claude) -> None:
+def test_tools_need_distinct_non_empty_names_and_a_schema(claude) -> None:
     tool = {"name": "f", "input_schema": {"type": "object"}}
     for tools, choice, needle in (
         ([tool, {**tool, "description": "again"}], None, "unique"),
         ([{**tool, "name": ""}], None, "at least 1 character"),
+        ([{"name": "f", "description": "no schema"}], None, "tools[0].input_schema: Field required"),
         # Anthropic's shape named back, not the chat endpoint's it is translated into
         ([tool], {"type": "tool", "name": ""}, "named tool_choice is {'type': 'tool', 'name': ...}"),
         ([tool], {"type": "tool"}, "named tool_choice is {'type': 'tool', 'name': ...}"),
