@@ -82,17 +82,7 @@ async def prepare_chat(
     template = ctx.template_for(req.chat_template)
 
     def prepare() -> tuple[str, list[int], int, int, str]:
-        text = render_chat(
-            ctx.need_tokenizer(),
-            req.messages,
-            template=template,
-            tools=tools,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            template_kwargs=req.chat_template_kwargs,
-            content_format=ctx.content_format,
-            documents=req.documents,
-        )
+        text = _render(ctx, req, template, tools)
         if req.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
             ctx.refuse_overlong(text, "messages")
         ids = ctx.encode(text, add_special_tokens=req.add_special_tokens)
@@ -184,6 +174,44 @@ async def prepare_chat(
         max_calls=None if req.parallel_tool_calls else 1,
     )
     return PreparedChat(prompt_ids, params, parser, images, prompt)
+
+
+def _render(ctx: ServerContext, req: ChatCompletionRequest, template: str | None, tools: Any) -> str:
+    return render_chat(
+        ctx.need_tokenizer(),
+        req.messages,
+        template=template,
+        tools=tools,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        template_kwargs=req.chat_template_kwargs,
+        content_format=ctx.content_format,
+        documents=req.documents,
+    )
+
+
+async def count_chat_prompt(
+    ctx: ServerContext, req: ChatCompletionRequest, images_at: str | None = None
+) -> int:
+    """The prompt's tokens as prepare_chat gives them to the engine, however many: a count tells
+    whether a prompt fits the context, so one that does not is counted, not refused (no sampling
+    parameters, no grammar; a bad tool_choice is still a 400)."""
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    template = ctx.template_for(req.chat_template)
+    images = await ctx.images.read(
+        image_urls(req.messages), named=images_at or first_image_part(req.messages)
+    )
+
+    def count() -> tuple[str, list[int]]:
+        text = _render(ctx, req, template, tools)
+        return text, ctx.encode(text, add_special_tokens=req.add_special_tokens)
+
+    prompt, prompt_ids = await ctx.off_loop(count, chars=text_chars(req.messages))
+    ctx.images.check_placeholders(prompt_ids, len(images.grids) if images is not None else 0, "messages")
+    if images is not None:
+        prompt_ids = ctx.images.expand(prompt_ids, images)
+    tool_choice_constraint(req.tool_choice, tools, prompt, ctx.tool_format is KIMI, req.parallel_tool_calls)
+    return len(prompt_ids)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:

@@ -46,7 +46,7 @@ from ..protocol import (
 )
 from ..text.call_readers import ObjectPrefix, is_model_call_id
 from ..text.chat_output import ChatStreamState, ended_early
-from .chat import PartsWriter, PreparedChat, prepare_chat
+from .chat import PartsWriter, PreparedChat, count_chat_prompt, prepare_chat
 from .context import ServerContext
 from .request_params import header_name, named_id
 
@@ -645,8 +645,8 @@ async def _stream(group: Any, prepared: PreparedChat, message_id: str, model: st
 
 
 async def count_tokens(ctx: ServerContext, req: CountTokensRequest) -> Response:
-    """The rendered prompt's tokens, as /v1/messages would send them to the engine."""
+    """The rendered prompt's tokens, as /v1/messages would send them to the engine; a prompt longer
+    than the context is counted too, as Anthropic's count tells a client whether it must shorten one."""
     ctx.resolve_model(req.model)
     chat = validated(ChatCompletionRequest, {**_chat_fields(req), "max_tokens": 1})
-    prepared = await prepare_chat(ctx, chat, images_at="messages")
-    return JSONResponse({"input_tokens": len(prepared.prompt_ids)})
+    return JSONResponse({"input_tokens": await count_chat_prompt(ctx, chat, images_at="messages")})

@@ -447,3 +447,21 @@ def test_every_reply_carries_a_request_id(server, claude) -> None:
     assert all(i and i.startswith("req_") for i in ids) and len(set(ids)) == len(ids), ids
     chat_reply = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1})
     assert chat_reply.status_code == 200 and "request-id" not in chat_reply.headers  # OpenAI's clients: none
+
+
+def test_count_tokens_counts_a_prompt_longer_than_the_context(server, claude) -> None:
+    """Anthropic's count tells a client whether its prompt fits (so that it can shorten one that
+    does not): a prompt past the context is counted; only the message itself is refused."""
+    long = [{"role": "user", "content": "word " * 2000}]
+    counted = claude.messages.count_tokens(model=MODEL_NAME, messages=long)
+    tokenized = httpx.post(
+        f"{server.url}/tokenize", json={"messages": long, "add_generation_prompt": True}, timeout=60
+    ).json()
+    assert counted.input_tokens == tokenized["count"] > tokenized["max_model_len"]
+    with pytest.raises(anthropic.BadRequestError, match="maximum context length"):
+        claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=long)
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    with pytest.raises(anthropic.BadRequestError, match="not among the tools"):  # still checked
+        claude.messages.count_tokens(
+            model=MODEL_NAME, messages=MESSAGES, tools=[tool], tool_choice={"type": "tool", "name": "g"}
+        )
