@@ -76,6 +76,10 @@ class EdgeGuard:
         headers = dict(scope["headers"])  # lower-case names (ASGI)
         if self.api_key is not None and _keyed_scope(scope) and not self._authorized(headers):
             message = "missing or invalid API key; send 'Authorization: Bearer <key>'"
+            if anthropic_request(scope["path"], b"anthropic-version" in headers):  # its SDKs' header for it
+                message = (
+                    "missing or invalid API key; send 'x-api-key: <key>' (or 'Authorization: Bearer <key>')"
+                )
             await self._refuse(send, 401, message, "invalid_api_key", scope["path"], headers)
             return
         limit = self.max_body_bytes

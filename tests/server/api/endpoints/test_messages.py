@@ -224,10 +224,11 @@ def test_errors_are_anthropic_shaped(server, claude) -> None:
 @pytest.mark.slow
 def test_the_key_may_come_as_x_api_key(spawn_server) -> None:
     keyed = spawn_server("--max-model-len", "256", "--api-key", "sk-claude")
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as refused:
         anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL_NAME, max_tokens=2, messages=MESSAGES
         )
+    assert "x-api-key" in refused.value.body["error"]["message"]  # the header its clients set the key in
     good = anthropic.Anthropic(base_url=keyed.url, api_key="sk-claude", max_retries=0)
     assert good.messages.create(model=MODEL_NAME, max_tokens=2, messages=MESSAGES).usage.output_tokens >= 1
 
