@@ -41,7 +41,7 @@ from .request_params import structured_field, tool_choice_constraint, truncate_p
 
 if TYPE_CHECKING:
     from deltaserve.engine.requests.outputs import RequestOutput
-    from deltaserve.engine.requests.sampling_params import SamplingParams
+    from deltaserve.engine.requests.sampling_params import SamplingParams, StructuredOutputs
     from deltaserve.models.vision.positions import ImageInputs
 
     from ..engine_client import EngineRequest
@@ -71,23 +71,35 @@ class PreparedChat:
         return (request_id, self.prompt_ids, self.params, self.images)
 
 
-async def prepare_chat(
-    ctx: ServerContext, req: ChatCompletionRequest, images_at: str | None = None, raw: Request | None = None
-) -> PreparedChat:
-    """Render and tokenize the prompt, and build what the engine and the parser need (400s for bad
-    fields). Shared by chat completions, the Responses API and Anthropic's Messages API, whose
-    bodies name their images elsewhere (`images_at`, a refusal's `param`). `raw`: the HTTP request,
-    whose client's hanging up ends a wait for its grammar (ClientDisconnected)."""
+@dataclass
+class _Prompt:
+    """A chat request's prompt as the engine takes it, and what its rendering showed."""
+
+    text: str
+    ids: list[int]  # the images' tokens expanded
+    images: ImageInputs | None
+    tools: list[Any] | None  # those the template saw (none under tool_choice "none")
+    forced: StructuredOutputs | None  # tool_choice's grammar
+    tail: int = 0  # the prompt's last tokens that the next turn does not repeat
+    shared: int = 0  # the prompt's first tokens that other conversations send too
+
+
+async def _chat_prompt(
+    ctx: ServerContext, req: ChatCompletionRequest, images_at: str | None, serve: bool
+) -> _Prompt:
+    """Render, tokenize and check the prompt (400s for a bad tool_choice or image). `serve`: it is
+    to run, so an overlong text is refused before it is tokenized and the prefix cache's marks
+    (tail, shared) are found; a count (count_tokens) needs neither."""
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     template = ctx.template_for(req.chat_template)
 
     def prepare() -> tuple[str, list[int], int, int, str]:
         text = _render(ctx, req, template, tools)
-        if req.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
+        if serve and req.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
             ctx.refuse_overlong(text, "messages")
         ids = ctx.encode(text, add_special_tokens=req.add_special_tokens)
-        tail = 0  # the prompt's last tokens that the next turn does not repeat
-        if req.add_generation_prompt and not req.continue_final_message:
+        tail = shared = 0
+        if serve and req.add_generation_prompt and not req.continue_final_message:
             start = next_turn_start(
                 ctx.need_tokenizer(),
                 req.messages,
@@ -98,8 +110,7 @@ async def prepare_chat(
                 content_format=ctx.content_format,
             )
             tail = tail_tokens(ids, text, start, ctx.encode)
-        shared = 0  # the prompt's first tokens that other conversations send too
-        if not req.continue_final_message:
+        if serve and not req.continue_final_message:
             shared = shared_head_tokens(
                 ctx.need_tokenizer(), req.messages, ids, ctx.encode, template=template, tools=tools,
                 template_kwargs=req.chat_template_kwargs, content_format=ctx.content_format,
@@ -129,19 +140,10 @@ async def prepare_chat(
     )
     if images is not None and req.truncate_prompt_tokens is not None:
         raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
-    prompt, prompt_ids, tail, shared, instructions = await ctx.off_loop(
-        prepare, chars=text_chars(req.messages)
-    )
-    ctx.images.check_placeholders(prompt_ids, len(images.grids) if images is not None else 0, "messages")
+    text, ids, tail, shared, instructions = await ctx.off_loop(prepare, chars=text_chars(req.messages))
+    ctx.images.check_placeholders(ids, len(images.grids) if images is not None else 0, "messages")
     if images is not None:
-        prompt_ids = ctx.images.expand(prompt_ids, images)
-    prompt_ids = truncate_prompt(req, prompt_ids, ctx.client.max_model_len)
-    params = ctx.sampling_params(req, len(prompt_ids), await ctx.bad_words_ids(req))
-    if 0 < tail < len(prompt_ids):  # the prefix cache keeps the state the next turn starts from
-        params = replace(params, next_turn_len=len(prompt_ids) - tail)
-    if 0 < shared < len(prompt_ids) and images is None and req.truncate_prompt_tokens is None:
-        # the cache keeps the state where the next conversation with this system prompt branches
-        params = replace(params, shared_prefix_len=shared)
+        ids = ctx.images.expand(ids, images)
     # vLLM's and OpenAI's: "required" of an empty tools list asks for no call (no tools: a 400)
     empty = req.tool_choice == "required" and req.tools == []
     forced = tool_choice_constraint(
@@ -151,6 +153,25 @@ async def prepare_chat(
         ctx.tool_format is KIMI,
         req.parallel_tool_calls,
     )
+    return _Prompt(text, ids, images, tools, forced, tail, shared)
+
+
+async def prepare_chat(
+    ctx: ServerContext, req: ChatCompletionRequest, images_at: str | None = None, raw: Request | None = None
+) -> PreparedChat:
+    """Render and tokenize the prompt, and build what the engine and the parser need (400s for bad
+    fields). Shared by chat completions, the Responses API and Anthropic's Messages API, whose
+    bodies name their images elsewhere (`images_at`, a refusal's `param`). `raw`: the HTTP request,
+    whose client's hanging up ends a wait for its grammar (ClientDisconnected)."""
+    p = await _chat_prompt(ctx, req, images_at, serve=True)
+    prompt, images, tools, forced = p.text, p.images, p.tools, p.forced
+    prompt_ids = truncate_prompt(req, p.ids, ctx.client.max_model_len)
+    params = ctx.sampling_params(req, len(prompt_ids), await ctx.bad_words_ids(req))
+    if 0 < p.tail < len(prompt_ids):  # the prefix cache keeps the state the next turn starts from
+        params = replace(params, next_turn_len=len(prompt_ids) - p.tail)
+    if 0 < p.shared < len(prompt_ids) and images is None and req.truncate_prompt_tokens is None:
+        # the cache keeps the state where the next conversation with this system prompt branches
+        params = replace(params, shared_prefix_len=p.shared)
     # the reply is tool calls, under a grammar: any response_format is for later turns; under "auto"
     # the strict tools' grammar holds only where no response_format holds the text
     held = forced is not None and not (forced.optional_tool_calls and params.structured_outputs is not None)
@@ -196,22 +217,7 @@ async def count_chat_prompt(
     """The prompt's tokens as prepare_chat gives them to the engine, however many: a count tells
     whether a prompt fits the context, so one that does not is counted, not refused (no sampling
     parameters, no grammar; a bad tool_choice is still a 400)."""
-    tools = req.tools if req.tools and req.tool_choice != "none" else None
-    template = ctx.template_for(req.chat_template)
-    images = await ctx.images.read(
-        image_urls(req.messages), named=images_at or first_image_part(req.messages)
-    )
-
-    def count() -> tuple[str, list[int]]:
-        text = _render(ctx, req, template, tools)
-        return text, ctx.encode(text, add_special_tokens=req.add_special_tokens)
-
-    prompt, prompt_ids = await ctx.off_loop(count, chars=text_chars(req.messages))
-    ctx.images.check_placeholders(prompt_ids, len(images.grids) if images is not None else 0, "messages")
-    if images is not None:
-        prompt_ids = ctx.images.expand(prompt_ids, images)
-    tool_choice_constraint(req.tool_choice, tools, prompt, ctx.tool_format is KIMI, req.parallel_tool_calls)
-    return len(prompt_ids)
+    return len((await _chat_prompt(ctx, req, images_at, serve=False)).ids)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
